@@ -1,0 +1,15 @@
+"""tokenfab: an LLM inference and serving engine (paged KV cache, continuous batching, MLA + MoE models)."""
+from tokenfab.outputs import CompletionOutput, RequestOutput
+from tokenfab.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # lazy: importing tokenfab must not pull torch for the CLI's --help
+    if name == "LLM":
+        from tokenfab.entrypoints.llm import LLM
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

@@ -1,0 +1,340 @@
+"""Strict parsing of a Hugging Face checkpoint's ``config.json`` into one normalized :class:`ModelConfig`.
+
+Both config dialects found in real checkpoints read to the same values:
+
+* transformers 4.x style: ``rope_scaling`` with ``type`` or ``rope_type`` and ``rope_theta`` at top level (the
+  published DeepSeek-V3 and Kimi-K2 ``config.json`` files);
+* transformers 5.x style: ``rope_parameters`` (holding ``rope_theta``) and ``rope_interleave``.
+
+Anything we cannot run exactly is refused with :class:`ConfigError`, which names the field and what is supported.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+# model_type values accepted for each family (kimi_k2 is a DeepSeek-V3 architecture with its own model_type).
+_MODEL_TYPES = {
+    "deepseek_v3": {"deepseek_v3", "kimi_k2"},
+    "llama": {"llama"},
+    "qwen3": {"qwen3"},
+    "qwen3_moe": {"qwen3_moe"},
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
+class ConfigError(ValueError):
+    """A checkpoint config we refuse: the message names the field, the value found and what is supported."""
+
+
+@dataclass
+class RopeConfig:
+    """Rotary position embedding parameters, normalized from either config dialect.
+
+    ``dim`` is the number of rotated dimensions per head (for MLA: ``qk_rope_head_dim``).
+    ``interleave``: DeepSeek-V3's layout, in which rotary pairs are adjacent (x0, x1), (x2, x3) ...; HF's
+    ``apply_rotary_pos_emb_interleave`` rotates those pairs and writes the result de-interleaved.
+    """
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    dim: int = 0
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    interleave: bool = False
+
+
+@dataclass
+class ModelConfig:
+    """Everything the engine needs to know about a model, with defaults resolved.
+
+    Sizes are counts (heads, experts) or element counts (dimensions); ``max_position_embeddings`` is in tokens.
+    """
+
+    architecture: str
+    family: str  # "deepseek_v3" | "llama" | "qwen3" | "qwen3_moe"
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    rope: RopeConfig
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    # MoE (0 experts means dense)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    scoring_func: str = "softmax"
+    moe_layers: list[int] = field(default_factory=list)
+    # MLA (DeepSeek-V3 / Kimi-K2)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    num_nextn_predict_layers: int = 0
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.family == "deepseek_v3"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def kv_cache_entry_dims(self) -> tuple[int, int]:
+        """Per-token, per-layer cache row: (number of cached vectors, width of each).
+
+        MLA caches one vector of ``kv_lora_rank + qk_rope_head_dim`` (the compressed latent plus the rope key);
+        multi-head attention caches K and V for every KV head: ``2 * num_key_value_heads`` vectors of ``head_dim``.
+        """
+        if self.is_mla:
+            return 1, self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.num_key_value_heads, self.head_dim
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: int) -> int:
+        """KV cache bytes for one token over all layers, e.g. MLA: (kv_lora_rank + qk_rope_head_dim) x layers x bytes."""
+        n, w = self.kv_cache_entry_dims()
+        return n * w * self.num_hidden_layers * dtype_bytes
+
+    def softmax_scale(self) -> float:
+        """Attention softmax scale.
+
+        MHA: head_dim^-0.5. MLA: qk_head_dim^-0.5, times mscale^2 with YaRN, where
+        mscale = 0.1 * mscale_all_dim * ln(factor) + 1 (DeepSeek-V3 modeling, ``yarn_get_mscale``; transformers'
+        ``yarn_apply_mscale`` applies it only when mscale_all_dim is set and non-zero).
+        """
+        if not self.is_mla:
+            return self.head_dim ** -0.5
+        scale = self.qk_head_dim ** -0.5
+        r = self.rope
+        if r.rope_type != "default" and r.mscale_all_dim:
+            m = yarn_get_mscale(r.factor, r.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN magnitude scale 0.1 * mscale * ln(scale) + 1 (1.0 when scale <= 1). Source: YaRN paper, DeepSeek-V3."""
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _req(cfg: dict, key: str, ctx: str):
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"config.json: required field '{key}' is missing ({ctx}). Add it to config.json.")
+    return cfg[key]
+
+
+def _parse_rope(cfg: dict, dim: int, family: str) -> RopeConfig:
+    """Read rope settings from ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta`` (4.x)."""
+    params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    merged: dict[str, Any] = {}
+    if isinstance(scaling, dict):
+        merged.update(scaling)
+    if isinstance(params, dict):
+        if any(isinstance(v, dict) for v in params.values()):
+            raise ConfigError("config.json: per-layer-type 'rope_parameters' are not supported "
+                              "(supported: one rope_parameters dict for all layers).")
+        merged.update(params)
+    theta = merged.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        theta = 10000.0
+    rtype = merged.get("rope_type", merged.get("type", "default")) or "default"
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"config.json: rope type '{rtype}' (rope_scaling.type / rope_parameters.rope_type) is not "
+                          f"supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}.")
+    rope = RopeConfig(rope_type=rtype, theta=float(theta), dim=dim)
+    if rtype != "default":
+        if merged.get("factor") is None:
+            raise ConfigError(f"config.json: rope type '{rtype}' needs 'factor' in rope_scaling/rope_parameters.")
+        rope.factor = float(merged["factor"])
+    if rtype in ("yarn", "llama3"):
+        omax = merged.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        if omax is None:
+            omax = cfg.get("max_position_embeddings")
+        if omax is None:
+            raise ConfigError("config.json: rope 'original_max_position_embeddings' is missing for "
+                              f"rope type '{rtype}'.")
+        rope.original_max_position_embeddings = int(omax)
+    if rtype == "yarn":
+        rope.beta_fast = float(merged.get("beta_fast") or 32)
+        rope.beta_slow = float(merged.get("beta_slow") or 1)
+        rope.mscale = merged.get("mscale")
+        rope.mscale_all_dim = merged.get("mscale_all_dim")
+        rope.attention_factor = merged.get("attention_factor")
+        rope.truncate = bool(merged.get("truncate", True))
+    if rtype == "llama3":
+        for k in ("low_freq_factor", "high_freq_factor"):
+            if merged.get(k) is None:
+                raise ConfigError(f"config.json: rope type 'llama3' needs '{k}'.")
+        rope.low_freq_factor = float(merged["low_freq_factor"])
+        rope.high_freq_factor = float(merged["high_freq_factor"])
+    if family == "deepseek_v3":
+        # transformers 5 writes rope_interleave; 4.x DeepSeek/Kimi checkpoints always use the interleaved layout.
+        rope.interleave = bool(cfg.get("rope_interleave", True))
+    return rope
+
+
+def _eos_ids(cfg: dict, gen_cfg: dict | None) -> list[int]:
+    ids: list[int] = []
+    for src in (gen_cfg or {}, cfg):
+        v = src.get("eos_token_id")
+        if v is None:
+            continue
+        for x in v if isinstance(v, list) else [v]:
+            if int(x) not in ids:
+                ids.append(int(x))
+    return ids
+
+
+def parse_config(cfg: dict, gen_cfg: dict | None = None) -> ModelConfig:
+    """Turn a config.json dict into a :class:`ModelConfig`.
+
+    Raises:
+        ConfigError: unknown architecture / model_type, unsupported rope type or activation, a missing field.
+    """
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        got = archs[0] if archs else "(none)"
+        raise ConfigError(f"config.json: architecture '{got}' (field 'architectures') is not supported; supported: "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+    family = SUPPORTED_ARCHITECTURES[arch]
+    model_type = cfg.get("model_type", family)
+    if model_type not in _MODEL_TYPES[family]:
+        raise ConfigError(f"config.json: model_type '{model_type}' does not match architecture {arch}; "
+                          f"expected one of {sorted(_MODEL_TYPES[family])}.")
+    act = cfg.get("hidden_act", "silu")
+    if act not in SUPPORTED_ACTIVATIONS:
+        raise ConfigError(f"config.json: activation '{act}' (field 'hidden_act') is not supported; supported: "
+                          f"{', '.join(SUPPORTED_ACTIVATIONS)}.")
+    if cfg.get("use_sliding_window"):
+        raise ConfigError("config.json: 'use_sliding_window': true is not supported (set it to false).")
+    ctx = f"architecture {arch}"
+    hidden = int(_req(cfg, "hidden_size", ctx))
+    heads = int(_req(cfg, "num_attention_heads", ctx))
+    layers = int(_req(cfg, "num_hidden_layers", ctx))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    if family == "deepseek_v3":
+        head_dim = int(_req(cfg, "qk_nope_head_dim", ctx)) + int(_req(cfg, "qk_rope_head_dim", ctx))
+    else:
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+    mc = ModelConfig(
+        architecture=arch, family=family, model_type=model_type,
+        vocab_size=int(_req(cfg, "vocab_size", ctx)), hidden_size=hidden,
+        intermediate_size=int(_req(cfg, "intermediate_size", ctx)), num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), hidden_act=act,
+        max_position_embeddings=int(_req(cfg, "max_position_embeddings", ctx)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)), mlp_bias=bool(cfg.get("mlp_bias", False)),
+        rope=RopeConfig(), eos_token_ids=_eos_ids(cfg, gen_cfg), bos_token_id=cfg.get("bos_token_id"), raw=cfg,
+    )
+    if family != "deepseek_v3" and heads % kv_heads:
+        raise ConfigError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                          f"{kv_heads}.")
+    if family == "deepseek_v3":
+        mc.q_lora_rank = cfg.get("q_lora_rank")
+        mc.kv_lora_rank = int(_req(cfg, "kv_lora_rank", ctx))
+        mc.qk_nope_head_dim = int(cfg["qk_nope_head_dim"])
+        mc.qk_rope_head_dim = int(cfg["qk_rope_head_dim"])
+        mc.v_head_dim = int(_req(cfg, "v_head_dim", ctx))
+        mc.num_experts = int(cfg.get("n_routed_experts") or 0)
+        mc.num_nextn_predict_layers = int(cfg.get("num_nextn_predict_layers") or 0)
+        if mc.num_experts:
+            mc.num_experts_per_tok = int(_req(cfg, "num_experts_per_tok", ctx))
+            mc.moe_intermediate_size = int(_req(cfg, "moe_intermediate_size", ctx))
+            mc.n_shared_experts = int(cfg.get("n_shared_experts") or 0)
+            mc.routed_scaling_factor = float(cfg.get("routed_scaling_factor", 1.0))
+            mc.n_group = int(cfg.get("n_group") or 1)
+            mc.topk_group = int(cfg.get("topk_group") or 1)
+            mc.norm_topk_prob = bool(cfg.get("norm_topk_prob", True))
+            scoring = cfg.get("scoring_func", "sigmoid")
+            if scoring != "sigmoid":
+                raise ConfigError(f"config.json: scoring_func '{scoring}' is not supported for DeepSeek-V3 "
+                                  "(supported: sigmoid).")
+            topk_method = cfg.get("topk_method", "noaux_tc")
+            if topk_method != "noaux_tc":
+                raise ConfigError(f"config.json: topk_method '{topk_method}' is not supported (supported: noaux_tc).")
+            mc.scoring_func = "sigmoid"
+            if mc.num_experts % mc.n_group:
+                raise ConfigError(f"config.json: n_routed_experts {mc.num_experts} is not a multiple of n_group "
+                                  f"{mc.n_group}.")
+            k_dense = int(cfg.get("first_k_dense_replace") or 0)
+            freq = int(cfg.get("moe_layer_freq") or 1)
+            mc.moe_layers = [i for i in range(layers) if i >= k_dense and i % freq == 0]
+        rope_dim = mc.qk_rope_head_dim
+    elif family == "qwen3_moe":
+        mc.num_experts = int(_req(cfg, "num_experts", ctx))
+        mc.num_experts_per_tok = int(_req(cfg, "num_experts_per_tok", ctx))
+        mc.moe_intermediate_size = int(_req(cfg, "moe_intermediate_size", ctx))
+        mc.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        only = set(cfg.get("mlp_only_layers") or [])
+        mc.moe_layers = [i for i in range(layers) if i not in only and mc.num_experts > 0 and (i + 1) % step == 0]
+        rope_dim = head_dim
+    else:
+        rope_dim = int(head_dim * float(cfg.get("partial_rotary_factor", 1.0)))
+    mc.rope = _parse_rope(cfg, rope_dim, family)
+    return mc
+
+
+def load_config(model_dir: str) -> ModelConfig:
+    """Read ``config.json`` (and ``generation_config.json`` when present) from a checkpoint folder.
+
+    Raises:
+        FileNotFoundError: the folder or its config.json does not exist.
+        ConfigError: see :func:`parse_config`.
+    """
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no config.json in '{model_dir}': pass a Hugging Face checkpoint folder.")
+    with open(path) as f:
+        cfg = json.load(f)
+    gen = None
+    gpath = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(gpath):
+        with open(gpath) as f:
+            gen = json.load(f)
+    return parse_config(cfg, gen)

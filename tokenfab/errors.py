@@ -1,0 +1,24 @@
+"""Error types users see. Each message names the field or input at fault and how to fix it."""
+from __future__ import annotations
+
+from tokenfab.config import ConfigError
+
+
+class WeightLoadError(ValueError):
+    """Missing, unexpected or mis-shaped weights in a checkpoint; the message lists them."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt (plus the tokens it may generate) does not fit in max_model_len."""
+
+
+class UnsupportedError(ValueError):
+    """A feature or combination tokenfab does not run (the message says what is supported)."""
+
+
+USER_ERRORS = (ConfigError, WeightLoadError, PromptTooLongError, UnsupportedError, FileNotFoundError)
+
+
+def is_user_error(e: BaseException) -> bool:
+    """True when ``e`` is an input problem to report as one line (no stack trace)."""
+    return isinstance(e, USER_ERRORS) or getattr(e, "user_error", False)

@@ -1,0 +1,58 @@
+"""Results returned to users, in vLLM's public shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# One position's logprobs: {token_id: logprob} holding the chosen token and the top-k alternatives.
+Logprobs = dict[int, float]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence.
+
+    ``token_ids``: generated token ids; ``logprobs``: one dict per generated token (None unless asked for);
+    ``finish_reason``: "stop" (EOS, stop string or stop token), "length" (max_tokens or max_model_len), "abort",
+    or None while running.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[Logprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps in seconds (time.monotonic) of one request's life, for TTFT / TPOT / E2E latency."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step (or at the end of ``LLM.generate``).
+
+    ``prompt_logprobs`` has one entry per prompt position: None for position 0 (nothing predicts it), then a
+    {token_id: logprob} dict holding the actual prompt token and the top alternatives.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[Logprobs | None] | None = None
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    extra: dict = field(default_factory=dict)
