@@ -306,7 +306,10 @@ def parse_config(cfg: dict, gen_cfg: dict | None = None) -> ModelConfig:
             mc.moe_layers = [i for i in range(layers) if i >= k_dense and i % freq == 0]
         rope_dim = mc.qk_rope_head_dim
     elif family == "qwen3_moe":
-        mc.num_experts = int(_req(cfg, "num_experts", ctx))
+        mc.num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+        if not mc.num_experts:
+            raise ConfigError("config.json: required field 'num_experts' (or 'num_local_experts') is missing "
+                              f"({ctx}). Add it to config.json.")
         mc.num_experts_per_tok = int(_req(cfg, "num_experts_per_tok", ctx))
         mc.moe_intermediate_size = int(_req(cfg, "moe_intermediate_size", ctx))
         mc.norm_topk_prob = bool(cfg.get("norm_topk_prob", False))

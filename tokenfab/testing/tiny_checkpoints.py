@@ -1,0 +1,94 @@
+"""Write tiny random checkpoints in real Hugging Face format (config classes, save_pretrained, safetensors).
+
+Used by the tests, the benchmarks and the embedded default model. Weights are random but seeded; the routing
+bias ``e_score_correction_bias`` is made non-zero so that biased expert choice is exercised.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from tokenfab.testing.tokenizer_builder import build_tokenizer
+
+FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
+
+
+def tiny_config_kwargs(family: str, vocab_size: int = 512, **overrides: Any) -> dict:
+    """Default tiny sizes for ``family`` (kwargs for the transformers config class), updated by ``overrides``."""
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+                  initializer_range=0.08)
+    if family == "llama":
+        kw = dict(common, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif family == "qwen3":
+        kw = dict(common, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif family == "qwen3_moe":
+        kw = dict(common, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    elif family == "deepseek_v3":
+        kw = dict(common, num_key_value_heads=4, max_position_embeddings=2560, moe_intermediate_size=32, n_routed_experts=8,
+                  n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
+                  routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48,
+                  qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, rope_interleave=True,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 1.0,
+                                   "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
+                                   "original_max_position_embeddings": 64})
+    else:
+        raise ValueError(f"unknown family '{family}'; known: {FAMILIES}")
+    kw.update(overrides)
+    return kw
+
+
+def make_hf_config(family: str, **kwargs: Any):
+    """The transformers config object for ``family``."""
+    from transformers import DeepseekV3Config, LlamaConfig, Qwen3Config, Qwen3MoeConfig
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig,
+           "deepseek_v3": DeepseekV3Config}[family]
+    return cls(**kwargs)
+
+
+def make_tiny_checkpoint(out_dir: str, family: str, *, seed: int = 0, vocab_size: int = 512,
+                         max_shard_size: str | None = None, dtype: str = "float32",
+                         tokenizer_dir: str | None = None, **overrides: Any) -> str:
+    """Create (or reuse, if ``out_dir/config.json`` exists) a random checkpoint of ``family`` in ``out_dir``.
+
+    Args:
+        max_shard_size: e.g. "200KB" to force a sharded save with model.safetensors.index.json.
+        dtype: "float32" or "bfloat16" for the saved weights.
+        tokenizer_dir: copy this tokenizer instead of training one (speeds up test fixtures).
+        overrides: config kwargs (see :func:`tiny_config_kwargs`).
+
+    Returns:
+        ``out_dir``.
+    """
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if os.path.isfile(os.path.join(out_dir, "config.json")):
+        return out_dir
+    kw = tiny_config_kwargs(family, vocab_size=vocab_size, **overrides)
+    cfg = make_hf_config(family, **kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape) * 0.05)
+        # Norm weights at exactly 1 hide mix-ups between norms: perturb them.
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape) * 0.1)
+    model = model.to(getattr(torch, dtype))
+    os.makedirs(out_dir, exist_ok=True)
+    save_kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **save_kw)
+    if tokenizer_dir:
+        for f in os.listdir(tokenizer_dir):
+            shutil.copy(os.path.join(tokenizer_dir, f), out_dir)
+    else:
+        build_tokenizer(out_dir, vocab_size=vocab_size)
+    return out_dir
