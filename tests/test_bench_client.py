@@ -1,0 +1,271 @@
+"""End-to-end `tokenfab bench serve` against a fake OpenAI-compatible streaming server on 127.0.0.1.
+
+The fake server (FastAPI + uvicorn, written here) streams one SSE chunk per token with known delays
+(TTFT_DELAY before the first, ITL_DELAY between the others), then a usage chunk and ``[DONE]``. Without
+``ignore_eos`` it stops early at EOS_AFTER tokens, so the tests can see that ``--ignore-eos`` reaches the server.
+"""
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from tokenfab.bench import BenchError
+from tokenfab.bench.datasets import sample_random_requests
+from tokenfab.bench.serve import make_args, run_bench_serve
+
+TTFT_DELAY = 0.06   # s before the first token
+ITL_DELAY = 0.02    # s between tokens
+EOS_AFTER = 3       # tokens generated when ignore_eos is not set
+
+
+def _make_app(received: list):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+    async def _stream(request: Request, chat: bool):
+        body = await request.json()
+        received.append({"path": request.url.path, "body": body, "headers": dict(request.headers)})
+        if request.headers.get("x-fail") == "1":
+            return JSONResponse({"error": {"message": "forced failure"}}, status_code=500)
+        max_tokens = int(body.get("max_tokens") or 16)
+        n = max_tokens if body.get("ignore_eos") else min(EOS_AFTER, max_tokens)
+
+        async def gen():
+            if chat:  # real servers open with a role-only chunk (no text): must not count as the first token
+                yield "data: " + json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant"}}]}) + "\n\n"
+            await asyncio.sleep(TTFT_DELAY)
+            for i in range(n):
+                if i:
+                    await asyncio.sleep(ITL_DELAY)
+                text = f" t{i}"
+                choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+                yield "data: " + json.dumps({"choices": [choice]}) + "\n\n"
+            yield ": keep-alive comment\n\n"
+            yield "data: " + json.dumps({"choices": [], "usage": {"completion_tokens": n}}) + "\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _stream(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await _stream(request, chat=True)
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fake_server():
+    import uvicorn
+
+    received: list = []
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(_make_app(received), log_level="warning", lifespan="off"))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    deadline = time.time() + 10
+    while not server.started and time.time() < deadline:
+        time.sleep(0.01)
+    assert server.started, "fake server did not start"
+    yield {"url": f"http://127.0.0.1:{port}", "received": received}
+    server.should_exit = True
+    th.join(timeout=5)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from tokenfab.testing.tokenizer_builder import build_tokenizer
+
+    return build_tokenizer(str(tmp_path_factory.mktemp("tok")), vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+
+
+def test_random_dataset_retokenizes_to_requested_length(tokenizer):
+    reqs = sample_random_requests(tokenizer, 12, input_len=64, output_len=10, prefix_len=8, seed=3)
+    assert len(reqs) == 12
+    for r in reqs:
+        n = len(tokenizer.encode(r.prompt, add_special_tokens=False))
+        assert n == r.prompt_len
+        assert abs(n - (64 + 8)) <= 2
+        assert r.expected_output_len == 10
+    # Bodies start at offset + index (vLLM's formula); with a 512-token vocabulary two may coincide, rarely more.
+    assert len({r.prompt for r in reqs}) >= 9
+    # All prompts share the prefix text (first few characters at least).
+    assert len({r.prompt[:4] for r in reqs}) == 1
+    # Same seed, same prompts.
+    again = sample_random_requests(tokenizer, 12, input_len=64, output_len=10, prefix_len=8, seed=3)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]
+    # range ratio: lengths inside [floor(L(1-r)), ceil(L(1+r))]
+    ranged = sample_random_requests(tokenizer, 20, input_len=40, output_len=20, range_ratio=0.5, seed=1)
+    assert all(18 <= r.prompt_len <= 62 for r in ranged)
+    assert all(10 <= r.expected_output_len <= 30 for r in ranged)
+    assert len({r.expected_output_len for r in ranged}) > 1
+    with pytest.raises(BenchError, match="--random-range-ratio"):
+        sample_random_requests(tokenizer, 2, range_ratio=1.0)
+
+
+def test_bench_serve_completions(fake_server, tokenizer_dir, tokenizer, tmp_path, capsys):
+    n_prompts, out_len, in_len = 6, 8, 32
+    start = len(fake_server["received"])
+    args = make_args(
+        base_url=fake_server["url"], model="fake-model", tokenizer=tokenizer_dir, num_prompts=n_prompts,
+        random_input_len=in_len, random_output_len=out_len, max_concurrency=2, ignore_eos=True,
+        save_result=True, result_dir=str(tmp_path), result_filename="out.json", disable_tqdm=True,
+        percentile_metrics="ttft,tpot,itl,e2el", metric_percentiles="50,99", num_devices=2,
+        header=[["X-Bench=yes"]], command_line="tokenfab bench serve (test)",
+    )
+    result = run_bench_serve(args)
+    out = capsys.readouterr().out
+
+    # The request bodies the server saw.
+    got = fake_server["received"][start:]
+    assert len(got) == n_prompts
+    for g in got:
+        b = g["body"]
+        assert g["path"] == "/v1/completions"
+        assert b["stream"] is True and b["stream_options"] == {"include_usage": True}
+        assert b["ignore_eos"] is True and b["max_tokens"] == out_len and b["temperature"] == 0.0
+        assert b["model"] == "fake-model" and isinstance(b["prompt"], str)
+        assert g["headers"].get("x-bench") == "yes"
+
+    saved = json.load(open(tmp_path / "out.json"))
+    for key in ("date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness",
+                "max_concurrency", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
+                "request_throughput", "output_throughput", "total_token_throughput", "input_lens", "output_lens",
+                "ttfts", "itls", "generated_texts", "errors",
+                "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "p50_ttft_ms",
+                "mean_tpot_ms", "median_tpot_ms", "std_tpot_ms", "p99_tpot_ms",
+                "mean_itl_ms", "median_itl_ms", "std_itl_ms", "p99_itl_ms",
+                "mean_e2el_ms", "median_e2el_ms", "std_e2el_ms", "p99_e2el_ms",
+                "num_devices", "output_throughput_per_device", "total_token_throughput_per_device",
+                "steady_state_window", "command", "tokenfab_version"):
+        assert key in saved, key
+    assert saved["request_rate"] == "inf" and saved["max_concurrency"] == 2 and saved["backend"] == "openai"
+    assert saved["command"] == "tokenfab bench serve (test)"
+    assert saved["completed"] == n_prompts and saved["failed"] == 0
+    assert saved["errors"] == [""] * n_prompts
+    # ignore-eos: every request generated exactly the requested length.
+    assert saved["output_lens"] == [out_len] * n_prompts
+    assert saved["total_output_tokens"] == n_prompts * out_len
+    assert all(len(t.split()) == out_len for t in saved["generated_texts"])
+    # Input lengths are the dataset's token counts (the fake server reports no prompt_tokens).
+    assert all(abs(n - in_len) <= 2 for n in saved["input_lens"])
+    assert saved["total_input_tokens"] == sum(saved["input_lens"])
+    # Timing follows the fake delays (loose bounds: shared CPUs).
+    assert TTFT_DELAY * 1000 * 0.8 <= saved["median_ttft_ms"] <= TTFT_DELAY * 1000 + 250
+    assert ITL_DELAY * 1000 * 0.8 <= saved["median_itl_ms"] <= ITL_DELAY * 1000 + 60
+    assert all(len(itl) == out_len - 1 for itl in saved["itls"])
+    assert saved["median_tpot_ms"] == pytest.approx(saved["mean_itl_ms"], rel=0.3)
+    # Concurrency 2: 3 waves of ~(0.06 + 7 * 0.02) s each.
+    assert saved["max_concurrent_requests"] == 2
+    assert saved["duration"] >= 3 * (TTFT_DELAY + (out_len - 1) * ITL_DELAY) * 0.9
+    assert saved["output_throughput"] == pytest.approx(n_prompts * out_len / saved["duration"])
+    assert saved["output_throughput_per_device"] == pytest.approx(saved["output_throughput"] / 2)
+    win = saved["steady_state_window"]
+    assert win is not None and 0 <= win["start"] < win["end"] <= saved["duration"]
+    # In the steady window 2 streams each emit a token every ~ITL_DELAY s at most.
+    assert 0 < saved["steady_output_throughput"] <= 2 / ITL_DELAY * 1.2
+    assert saved["steady_total_token_throughput"] >= saved["steady_output_throughput"]
+    assert result["completed"] == n_prompts
+
+    # The printed block.
+    assert "============ Serving Benchmark Result ============" in out
+    assert "---------------Time to First Token----------------" in out
+    for line in ("Successful requests:", "Maximum request concurrency:", "Benchmark duration (s):",
+                 "Total input tokens:", "Total generated tokens:", "Request throughput (req/s):",
+                 "Output token throughput (tok/s):", "Total Token throughput (tok/s):", "Mean TTFT (ms):",
+                 "Median TPOT (ms):", "P99 ITL (ms):", "P50 E2EL (ms):", "Output tok/s per device:"):
+        assert line in out, line
+    assert out.rstrip().endswith("=" * 50) or ("=" * 50) in out
+
+
+def test_bench_serve_chat_without_ignore_eos(fake_server, tokenizer_dir):
+    start = len(fake_server["received"])
+    args = make_args(base_url=fake_server["url"], backend="openai-chat", tokenizer=tokenizer_dir, num_prompts=2,
+                     random_input_len=16, random_output_len=6, disable_tqdm=True, request_rate=50.0)
+    result = run_bench_serve(args)  # --model omitted: taken from /v1/models
+    assert result["model_id"] == "fake-model"
+    got = fake_server["received"][start:]
+    assert [g["path"] for g in got] == ["/v1/chat/completions"] * 2
+    assert got[0]["body"]["messages"][0]["role"] == "user" and "ignore_eos" not in got[0]["body"]
+    assert result["output_lens"] == [EOS_AFTER, EOS_AFTER]  # stopped at "EOS"
+    # The role-only opening chunk does not count: TTFT still reflects the fake prefill delay.
+    assert min(result["ttfts"]) >= TTFT_DELAY * 0.8
+    assert result["request_rate"] == 50.0
+
+
+def test_failed_requests_are_counted_not_raised(fake_server, tokenizer_dir):
+    args = make_args(base_url=fake_server["url"], model="fake-model", tokenizer=tokenizer_dir, num_prompts=3,
+                     random_input_len=16, random_output_len=4, disable_tqdm=True, header=[["X-Fail=1"]])
+    result = run_bench_serve(args)
+    assert result["completed"] == 0 and result["failed"] == 3
+    assert all(e.startswith("HTTP 500") and "forced failure" in e for e in result["errors"])
+    assert result["mean_ttft_ms"] == 0.0
+
+
+def test_clear_errors(tokenizer_dir, tmp_path):
+    with socket.socket() as s:  # a port with nothing listening
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    with pytest.raises(BenchError, match=r"--base-url / --host / --port"):
+        run_bench_serve(make_args(port=dead, model="m", tokenizer=tokenizer_dir, disable_tqdm=True))
+    with pytest.raises(BenchError, match="--dataset-name"):
+        run_bench_serve(make_args(dataset_name="sharegpt", model="m", tokenizer=tokenizer_dir))
+    with pytest.raises(BenchError, match="--percentile-metrics"):
+        run_bench_serve(make_args(percentile_metrics="ttft,foo", model="m"))
+    with pytest.raises(BenchError, match="--header"):
+        run_bench_serve(make_args(header=[["no-separator"]], model="m"))
+
+
+def test_cli_unknown_dataset_is_one_line(capsys):
+    from tokenfab.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", "--dataset-name", "nope"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--dataset-name" in err and "Traceback" not in err
+
+
+def test_cli_bad_tokenizer_is_one_line(fake_server, tmp_path, capsys):
+    from tokenfab.cli import main
+
+    rc = main(["bench", "serve", "--base-url", fake_server["url"], "--model", "fake-model",
+               "--tokenizer", str(tmp_path / "missing"), "--disable-tqdm"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tokenizer" in err[0]
+
+
+def test_arrival_offsets():
+    from tokenfab.bench.serve import arrival_offsets
+
+    assert arrival_offsets(4, float("inf")) == [0.0] * 4
+    t = arrival_offsets(100, 20.0, burstiness=1.0, seed=0)  # Poisson, rescaled so the last send is at 100/20 s
+    assert t[-1] == pytest.approx(5.0) and all(b >= a for a, b in zip(t, t[1:]))
+    assert arrival_offsets(100, 20.0, seed=0) == t          # seeded
+    assert arrival_offsets(3, 2.0, burstiness=float("inf")) == pytest.approx([0.5, 1.0, 1.5])  # constant gaps
