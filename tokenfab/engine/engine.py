@@ -1,0 +1,249 @@
+"""LLMEngine: the step loop. ``step()`` = scheduler.schedule() -> model_runner.execute() -> sampler ->
+output processing (append tokens, stop checks, detokenize) -> RequestOutputs for the requests that progressed."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenfab.engine.block_manager import BlockManager
+from tokenfab.engine.detokenizer import IncrementalDetokenizer
+from tokenfab.engine.engine_config import EngineConfig
+from tokenfab.engine.model_loader import LoadedModel, load_model
+from tokenfab.engine.model_runner import ModelRunner, StepOutput
+from tokenfab.engine.sampler import Sampler
+from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
+from tokenfab.engine.sequence import Sequence
+from tokenfab.errors import PromptTooLongError
+from tokenfab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenfab.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenfab")
+
+
+@dataclass
+class Request:
+    """A user request: one prompt, ``params.n`` sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    Build with :meth:`from_config`. Thread-unsafe: one thread calls ``add_request`` / ``step`` / ``abort_request``
+    (the server wraps it in a single engine thread).
+    """
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        self.config = config
+        self.model_config = loaded.model_config
+        self.tokenizer = loaded.tokenizer
+        self.device, self.dtype = loaded.device, loaded.dtype
+        self.max_model_len = config.max_model_len
+        bs = config.block_size
+        self.block_manager = BlockManager(config.num_kv_blocks, bs, config.max_num_seqs, config.max_model_len)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.runner = ModelRunner(loaded.model, self.block_manager, config.max_num_seqs, config.max_model_len,
+                                  self.device, self.dtype, Sampler(self.generator))
+        self.eos_token_ids = list(self.model_config.eos_token_ids)
+        if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids = [self.tokenizer.eos_token_id]
+        self.runner.eos_ids = self.eos_token_ids
+        self.requests: dict[str, Request] = {}
+        self._next_seq_id = 0
+        self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0}
+        self.skipped_weights = loaded.skipped_weights
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, progress: bool = True) -> "LLMEngine":
+        """Load the model and size the KV pool as ``config`` says (see EngineConfig)."""
+        loaded = load_model(config, progress=progress)
+        config.finalize(loaded.model_config, loaded.dtype)
+        return cls(config, loaded)
+
+    # ---- requests --------------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                    params: SamplingParams, arrival_time: float | None = None) -> None:
+        """Queue a request. Tokenizes ``prompt`` when ``prompt_token_ids`` is None.
+
+        Raises:
+            PromptTooLongError: the prompt has more than max_model_len tokens, or more than the whole KV pool holds.
+            ValueError: empty prompt, duplicate request id, or token ids outside the vocabulary.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request id '{request_id}' is already in use.")
+        if prompt_token_ids is None:
+            if prompt is None or self.tokenizer is None:
+                raise ValueError("a request needs a prompt string (with a tokenizer) or prompt_token_ids.")
+            prompt_token_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = [int(t) for t in prompt_token_ids]
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token.")
+        V = self.model_config.vocab_size
+        if min(ids) < 0 or max(ids) >= V:
+            raise ValueError(f"prompt token ids must be in [0, {V}) (vocab_size); got {min(ids)}..{max(ids)}.")
+        if len(ids) > self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens, more than max_model_len "
+                                     f"({self.max_model_len}); shorten it or raise max_model_len.")
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seqs, detoks = [], []
+        for i in range(params.n):
+            seqs.append(Sequence(self._next_seq_id, request_id, i, ids, params, now))
+            self._next_seq_id += 1
+            detoks.append(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop))
+        req = Request(request_id, prompt, ids, params, seqs, detoks, RequestMetrics(arrival_time=now))
+        self.requests[request_id] = req
+        for s in seqs:
+            self.scheduler.add(s)
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now and free its KV blocks (unknown or finished ids are ignored)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for s in req.seqs:
+            if not s.is_finished:
+                self.scheduler.finish(s, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_stats(self) -> dict:
+        """Gauges and counters: running / waiting sequences, KV usage 0..1, preemptions, token totals."""
+        return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "kv_cache_usage": self.block_manager.usage(), "num_preemptions": self.scheduler.num_preemptions,
+                **self.stats}
+
+    # ---- the step --------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling + forward + sampling step; returns outputs of requests that gained a token or
+        finished."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.waiting and not self.scheduler.running:  # cannot happen with a valid pool size
+                raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
+            return []
+        now = time.monotonic()
+        for s in batch.admitted:
+            if s.first_scheduled_time is None:
+                s.first_scheduled_time = now
+        self.runner.admit(batch.admitted)
+        out = self.runner.execute(batch)
+        return self._process(batch, out)
+
+    def _process(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:
+        seqs = batch.seqs
+        for s, n in zip(seqs, batch.num_new.tolist()):
+            s.num_computed_tokens += n
+        if out.prompt_logprobs is not None:
+            self._store_prompt_logprobs(seqs, out)
+        touched: dict[str, Request] = {}
+        so = out.sampler_output
+        if so is not None:
+            now = time.monotonic()
+            toks = so.token_ids.numpy()
+            idx = out.sampled_index
+            self.runner.write_tokens(batch.rows[idx], batch.num_computed[idx] + batch.num_new[idx], toks)
+            tok_list = toks.tolist()
+            lps = so.logprobs.tolist() if so.logprobs is not None else None
+            top_ids = so.top_ids.tolist() if so.top_ids is not None else None
+            top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
+            for j, i in enumerate(idx.tolist()):
+                seq = seqs[i]
+                if seq.is_finished:  # aborted while running
+                    continue
+                tok = tok_list[j]
+                seq.token_ids.append(tok)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                self.stats["generation_tokens_total"] += 1
+                if seq.num_output_tokens == 1:
+                    self.stats["prompt_tokens_total"] += seq.num_prompt_tokens
+                if seq.params.logprobs is not None:
+                    d = {tok: lps[j]}
+                    if top_ids is not None:
+                        k = seq.params.logprobs
+                        d.update(zip(top_ids[j][:k], top_lps[j][:k]))
+                    seq.output_logprobs.append(d)
+                    seq.cumulative_logprob += lps[j]
+                req = self.requests.get(seq.request_id)
+                if req is None:
+                    continue
+                self._check_stop(req, seq, tok)
+                touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._make_output(req))
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+                self.stats["requests_finished_total"] += 1
+        return outputs
+
+    def _store_prompt_logprobs(self, seqs: list[Sequence], out: StepOutput) -> None:
+        p = out.prompt_logprobs
+        seq_i, lp, tgt = p.seq_index.tolist(), p.logprob.tolist(), p.token_ids.tolist()
+        ti = p.top_ids.tolist() if p.top_ids is not None else None
+        tv = p.top_logprobs.tolist() if p.top_logprobs is not None else None
+        for j, i in enumerate(seq_i):
+            seq = seqs[i]
+            d = {tgt[j]: lp[j]}
+            if ti is not None and seq.params.prompt_logprobs:
+                k = seq.params.prompt_logprobs
+                d.update(zip(ti[j][:k], tv[j][:k]))
+            seq.prompt_logprobs.append(d)
+
+    def _check_stop(self, req: Request, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        detok = req.detoks[seq.index]
+        _, stop_str = detok.update(seq.output_token_ids)
+        reason = stop_reason = None
+        if seq.num_output_tokens >= p.min_tokens:
+            if stop_str is not None:
+                reason, stop_reason = "stop", stop_str
+            elif not p.ignore_eos and tok in self.eos_token_ids:
+                reason = "stop"
+            elif tok in p.stop_token_ids:
+                reason, stop_reason = "stop", tok
+        if reason is None:
+            if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+                reason = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                reason = "length"
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for s, d in zip(req.seqs, req.detoks):
+            outs.append(CompletionOutput(
+                index=s.index, text=d.text, token_ids=s.output_token_ids,
+                logprobs=s.output_logprobs if s.params.logprobs is not None else None,
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
+        m = req.metrics
+        firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
+        m.first_token_time = min(firsts) if firsts else None
+        sched = [s.first_scheduled_time for s in req.seqs if s.first_scheduled_time is not None]
+        m.first_scheduled_time = min(sched) if sched else None
+        m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
+        if req.finished:
+            m.finished_time = time.monotonic()
+        s0 = req.seqs[0]
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
+                             outputs=outs, finished=req.finished, prompt_logprobs=s0.prompt_logprobs,
+                             metrics=m)

@@ -1,0 +1,64 @@
+"""Build a model for a checkpoint folder and load its weights: config -> model class -> safetensors -> device."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tokenfab.config import ModelConfig, load_config
+from tokenfab.loader.safetensors_loader import iterate_weights
+from tokenfab.models.registry import get_model_class
+
+logger = logging.getLogger("tokenfab")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    model_config: ModelConfig
+    tokenizer: object | None
+    device: torch.device
+    dtype: torch.dtype
+    skipped_weights: list[str]
+
+
+def load_tokenizer(path: str):
+    """transformers AutoTokenizer from a local folder, or None when the folder has no tokenizer files."""
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(config, progress: bool = True) -> LoadedModel:
+    """Parse config.json, build the model in the engine dtype and fill it from the checkpoint.
+
+    Raises:
+        FileNotFoundError / ConfigError / WeightLoadError: see tokenfab.config and models.base.
+    """
+    from tokenfab.engine.engine_config import resolve_device, resolve_dtype
+
+    if not os.path.isdir(config.model):
+        raise FileNotFoundError(f"model folder '{config.model}' does not exist (pass a Hugging Face checkpoint "
+                                "folder with config.json and *.safetensors).")
+    mc = load_config(config.model)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    max_len = config.max_model_len or mc.max_position_embeddings
+    cls = get_model_class(mc)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
+    finally:
+        torch.set_default_dtype(prev)
+    skipped = model.load_weights(iterate_weights(config.model, progress=progress))
+    if skipped:
+        logger.info("skipped %d checkpoint tensors not used by tokenfab yet (e.g. MTP layers): %s%s",
+                    len(skipped), ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
+    model.to(device).eval()
+    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    return LoadedModel(model, mc, tokenizer, device, dtype, skipped)

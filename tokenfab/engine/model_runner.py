@@ -1,0 +1,164 @@
+"""Turns a ScheduledBatch into tensors, runs the model, and returns logits-derived results.
+
+Batch tensors are built with vectorized numpy from persistent per-row arrays (token ids by row, block tables by
+row in the block manager): for T tokens of B sequences,
+
+    req_idx   = repeat(arange(B), num_new)                         # which sequence each token belongs to
+    positions = num_computed[req_idx] + arange(T) - starts[req_idx]
+    input_ids = token_ids[rows[req_idx], positions]
+    slot      = block_tables[rows[req_idx], positions // bs] * bs + positions % bs
+
+No Python loop runs over sequences or tokens here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenfab.engine.block_manager import BlockManager
+from tokenfab.engine.sampler import Sampler, SamplerOutput
+from tokenfab.engine.scheduler import ScheduledBatch
+from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
+
+
+@dataclass
+class PromptLogprobs:
+    """Prompt logprobs computed this step, flat over (sequence, position) pairs.
+
+    ``seq_index`` [P] index into batch.seqs; ``position`` [P] prompt position p whose token is predicted
+    (the logits came from position p - 1); ``logprob`` [P]; ``top_ids`` / ``top_logprobs`` [P, K] or None.
+    """
+
+    seq_index: np.ndarray
+    position: np.ndarray
+    token_ids: np.ndarray
+    logprob: np.ndarray
+    top_ids: np.ndarray | None
+    top_logprobs: np.ndarray | None
+
+
+@dataclass
+class StepOutput:
+    """``sampled_index``: indices into batch.seqs of the sequences that got a new token (in the order of
+    ``sampler_output`` rows)."""
+
+    sampled_index: np.ndarray
+    sampler_output: SamplerOutput | None
+    prompt_logprobs: PromptLogprobs | None
+
+
+class ModelRunner:
+    """Owns the model, the KV pool tensors and the persistent token array.
+
+    Args:
+        model: a tokenfab CausalLM with weights loaded.
+        block_manager: gives block size, pool size and the block-table array.
+        max_num_seqs, max_model_len: sizes of the persistent arrays (rows, tokens).
+        device, dtype: where/what the KV pool is.
+        sampler: the batched sampler.
+    """
+
+    def __init__(self, model, block_manager: BlockManager, max_num_seqs: int, max_model_len: int,
+                 device: torch.device, dtype: torch.dtype, sampler: Sampler):
+        self.model = model
+        self.bm = block_manager
+        self.block_size = block_manager.block_size
+        self.device = device
+        self.kv_caches = model.make_kv_cache(block_manager.num_blocks, self.block_size, dtype, device)
+        self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
+        self.sampler = sampler
+        self.eos_ids: list[int] = []
+
+    def write_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
+        """Record tokens (e.g. just sampled) at [row, position] of the persistent token array."""
+        self.token_ids[rows, positions] = tokens
+
+    def admit(self, seqs) -> None:
+        """Copy the full token lists of newly admitted sequences into their rows."""
+        for s in seqs:
+            self.token_ids[s.row, : s.num_tokens] = s.token_ids
+
+    def _group(self, rows_bt: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
+               T: int) -> AttentionGroup:
+        q_len = int(num_new.max())
+        ar = np.arange(q_len)
+        valid = ar[None, :] < num_new[:, None]
+        token_index = np.where(valid, starts[:, None] + ar[None, :], T)
+        query_pos = np.where(valid, num_computed[:, None] + ar[None, :], -1)
+        ctx = num_computed + num_new
+        nblk = int((ctx.max() + self.block_size - 1) // self.block_size)
+        dev = self.device
+        return AttentionGroup(
+            token_index=torch.from_numpy(token_index).to(dev), query_pos=torch.from_numpy(query_pos).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(rows_bt[:, :nblk])).to(dev),
+            context_lens=torch.from_numpy(ctx).to(dev), q_len=q_len, max_context=nblk * self.block_size)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one forward pass for ``batch`` and sample where sequences reached their last known token."""
+        seqs, B, d = batch.seqs, len(batch), batch.num_decodes
+        num_new, num_computed, rows = batch.num_new, batch.num_computed, batch.rows
+        T = int(num_new.sum())
+        cu = np.cumsum(num_new)
+        starts = cu - num_new
+        req_idx = np.repeat(np.arange(B), num_new)
+        positions = num_computed[req_idx] + np.arange(T) - starts[req_idx]
+        input_ids = self.token_ids[rows[req_idx], positions]
+        bt = self.bm.block_tables[rows]
+        bs = self.block_size
+        slots = bt[req_idx, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(self.device),
+            decode=self._group(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
+            prefill=self._group(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None,
+            num_tokens=T, block_size=bs)
+        pos_t = torch.from_numpy(positions).to(self.device)
+        hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
+
+        seq_lens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=B)
+        sampled_index = np.nonzero(num_computed + num_new == seq_lens)[0]
+        sample_tok = cu[sampled_index] - 1
+        plp_tok = np.zeros(0, dtype=np.int64)
+        wants = np.fromiter((s.wants_prompt_logprobs for s in seqs), dtype=bool, count=B)
+        if wants.any():
+            n_prompt = np.fromiter((s.num_prompt_tokens for s in seqs), dtype=np.int64, count=B)
+            done = np.fromiter((len(s.prompt_logprobs) - 1 if s.prompt_logprobs is not None else 0 for s in seqs),
+                               dtype=np.int64, count=B)
+            mask = wants[req_idx] & (positions < n_prompt[req_idx] - 1) & (positions >= done[req_idx])
+            plp_tok = np.nonzero(mask)[0]
+        logit_idx = np.concatenate([sample_tok, plp_tok])
+        if len(logit_idx) == 0:
+            return StepOutput(sampled_index, None, None)
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logit_idx).to(self.device)]).cpu()
+        s_logits, p_logits = logits[: len(sample_tok)], logits[len(sample_tok):]
+
+        sampler_out = None
+        if len(sampled_index):
+            sample_seqs = [seqs[i] for i in sampled_index]
+            self._mask_min_tokens(s_logits, sample_seqs)
+            sampler_out = self.sampler(s_logits, sample_seqs)
+        plp = None
+        if len(plp_tok):
+            seq_i = req_idx[plp_tok]
+            pred_pos = positions[plp_tok] + 1
+            targets = self.token_ids[rows[seq_i], pred_pos]
+            logp = torch.log_softmax(p_logits, dim=-1)
+            lp = logp.gather(1, torch.from_numpy(targets).unsqueeze(1)).squeeze(1)
+            k = max(seqs[i].params.prompt_logprobs for i in np.unique(seq_i))
+            top_v = top_i = None
+            if k > 0:
+                tv, ti = logp.topk(k, dim=-1)
+                top_v, top_i = tv.numpy(), ti.numpy()
+            plp = PromptLogprobs(seq_i, pred_pos, targets, lp.numpy(), top_i, top_v)
+        return StepOutput(sampled_index, sampler_out, plp)
+
+    def _mask_min_tokens(self, logits: torch.Tensor, seqs) -> None:
+        """Forbid EOS and stop tokens for sequences that have not reached ``min_tokens`` (vLLM semantics)."""
+        for i, s in enumerate(seqs):  # only rows with min_tokens set do work
+            p = s.params
+            if p.min_tokens and s.num_output_tokens < p.min_tokens:
+                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
+                if ids:
+                    logits[i, ids] = float("-inf")

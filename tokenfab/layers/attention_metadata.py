@@ -1,0 +1,56 @@
+"""Per-step attention metadata: how the flat token batch maps onto sequences and the paged KV pool.
+
+A step's tokens are flattened into one batch of T tokens: decode tokens first (one per sequence), then the prefill
+chunks. The model runner builds this once per step with vectorized numpy; every attention layer reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences attended together, queries padded to ``q_len``.
+
+    Attributes:
+        token_index: [B, q_len] int64 index into the flat batch (T) of each query, or T (a padding row) when the
+            sequence has fewer than q_len new tokens.
+        query_pos: [B, q_len] int64 absolute position of each query; -1 for padding.
+        block_tables: [B, max_blocks] int64 KV-pool block ids of each sequence (0-padded).
+        context_lens: [B] int64 tokens in the cache after this step's writes.
+        q_len: padded query length (1 for the decode group).
+        max_context: tokens to gather per sequence (max_blocks * block_size), >= max(context_lens).
+    """
+
+    token_index: torch.Tensor
+    query_pos: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    q_len: int
+    max_context: int
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.block_tables.shape[0])
+
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention layers need for one step.
+
+    Attributes:
+        slot_mapping: [T] int64 flat KV-pool slot (block_id * block_size + offset) where each token's K/V is written.
+        decode: group of sequences with exactly one new token (q_len 1), or None.
+        prefill: group of sequences with a prefill chunk (q_len = longest chunk), or None.
+        num_tokens: T.
+        block_size: tokens per KV block.
+    """
+
+    slot_mapping: torch.Tensor
+    decode: AttentionGroup | None
+    prefill: AttentionGroup | None
+    num_tokens: int
+    block_size: int

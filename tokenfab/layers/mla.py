@@ -1,0 +1,93 @@
+"""Multi-head Latent Attention (DeepSeek-V2/V3, Kimi-K2) over a paged latent cache.
+
+The cache stores, per token and layer, only the normalized compressed latent c_kv (kv_lora_rank) and the rotated
+shared rope key (qk_rope_head_dim): one row of kv_lora_rank + qk_rope_head_dim values.
+
+* Decode (one query per sequence) runs in absorbed form: the key up-projection W_UK is folded into the query
+  (q_lat = q_nope W_UK) and the value up-projection W_UV applied after attention, so attention reads the latent
+  cache directly (DeepSeek-V2 paper, arXiv:2405.04434, section 2.1.3).
+* Prefill runs in expanded form: the context latents go through kv_b_proj to per-head keys and values.
+
+Reference: transformers ``DeepseekV3Attention`` (q_lora_rank may be null -> plain q_proj; q_a_layernorm and
+kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenfab.config import ModelConfig
+from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
+from tokenfab.layers.linear import Linear
+from tokenfab.layers.norm import RMSNorm
+from tokenfab.layers.paged_attention import causal_mask, gather_cache, run_groups, write_cache
+from tokenfab.layers.rotary import RotaryEmbedding
+
+
+class MLAttention(nn.Module):
+    """MLA layer. Input x [T, hidden] -> [T, hidden]; cache [num_blocks, block_size, kv_lora_rank + rope_dim]."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, head_range: tuple[int, int] | None = None):
+        super().__init__()
+        self.h0, self.h1 = head_range or (0, cfg.num_attention_heads)
+        H = self.h1 - self.h0
+        self.num_heads = H
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora = cfg.kv_lora_rank
+        self.qk_dim = self.nope + self.rope_dim
+        self.q_lora_rank = cfg.q_lora_rank
+        bias = cfg.attention_bias
+        if self.q_lora_rank is None:
+            self.q_proj = Linear(cfg.hidden_size, H * self.qk_dim)
+        else:
+            self.q_a_proj = Linear(cfg.hidden_size, self.q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6)
+            self.q_b_proj = Linear(self.q_lora_rank, H * self.qk_dim)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.kv_lora + self.rope_dim, bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, eps=1e-6)
+        self.kv_b_proj = Linear(self.kv_lora, H * (self.nope + self.v_dim))
+        self.o_proj = Linear(H * self.v_dim, cfg.hidden_size, bias)
+        self.rotary = rotary
+        self.scale = cfg.softmax_scale()
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, C] and W_UV^T [H, C, v] as views of kv_b_proj.weight [H*(nope+v), C]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
+        return w[:, : self.nope, :], w[:, self.nope:, :].transpose(1, 2)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, self.num_heads, self.qk_dim)
+        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_rope, k_rope = self.rotary(positions, q_rope, k_rope.unsqueeze(1))
+        write_cache(cache, meta.slot_mapping, torch.cat([c_kv, k_rope.squeeze(1)], dim=-1))
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        w_uk, w_uv_t = self._absorbed_weights()
+
+        def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:
+            ctx = gather_cache(cache, group).to(qg.dtype)  # [B, L, C + R]
+            mask = causal_mask(group)
+            if group.q_len == 1:  # absorbed decode over the latent cache
+                q_nope_g, q_rope_g = qg.split([self.nope, self.rope_dim], dim=-1)
+                q_lat = torch.cat([torch.matmul(q_nope_g, w_uk), q_rope_g], dim=-1)  # [B, H, 1, C + R]
+                kv = ctx.unsqueeze(1)  # one shared latent "head"
+                o_lat = F.scaled_dot_product_attention(q_lat, kv, kv[..., : self.kv_lora], attn_mask=mask,
+                                                       scale=self.scale, enable_gqa=True)  # [B, H, 1, C]
+                return torch.matmul(o_lat, w_uv_t)  # [B, H, 1, v]
+            B, L = ctx.shape[0], ctx.shape[1]
+            kv = self.kv_b_proj(ctx[..., : self.kv_lora]).view(B, L, self.num_heads, self.nope + self.v_dim)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            k_r = ctx[..., self.kv_lora:].unsqueeze(2).expand(B, L, self.num_heads, self.rope_dim)
+            k = torch.cat([k_nope, k_r], dim=-1).transpose(1, 2)
+            return F.scaled_dot_product_attention(qg, k, v.transpose(1, 2), attn_mask=mask, scale=self.scale)
+
+        out = run_groups(meta, q, self.v_dim, attend)
+        return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))

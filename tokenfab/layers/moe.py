@@ -1,0 +1,104 @@
+"""Mixture-of-Experts: routers (DeepSeek-V3 sigmoid group-limited top-k, Qwen3-MoE softmax top-k) and the
+routed experts run grouped by expert.
+
+Routing formulas follow transformers' ``DeepseekV3TopkRouter`` and ``Qwen3MoeTopKRouter``.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenfab.layers.activation import silu_and_mul
+
+
+class SigmoidGroupRouter(nn.Module):
+    """DeepSeek-V3 / Kimi-K2 router (noaux_tc).
+
+    scores = sigmoid(x W^T) in float32; choice scores = scores + e_score_correction_bias (used only to choose);
+    groups scored by the sum of their top-2 choice scores, the best ``topk_group`` of ``n_group`` groups kept (others
+    masked with -inf), top-k experts chosen; weights are the *unbiased* scores of the chosen experts, renormalized
+    when ``norm_topk_prob`` (+1e-20), times ``routed_scaling_factor``. The weight and bias stay float32.
+    """
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, n_group: int, topk_group: int,
+                 norm_topk_prob: bool, routed_scaling_factor: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                    requires_grad=False)
+        self.num_experts, self.top_k = num_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob, self.scaling = norm_topk_prob, routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        scores = torch.nn.functional.linear(x.float(), self.weight).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            T = x.shape[0]
+            grouped = choice.view(T, self.n_group, -1)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+            group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, -1)
+        ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        w = scores.gather(1, ids)
+        if self.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * self.scaling, ids
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Qwen3-MoE router: softmax over experts (float32), top-k, optional renormalization; weights cast back to
+    the activation dtype as transformers does."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
+        logits = torch.nn.functional.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        w, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            w = w / w.sum(-1, keepdim=True)
+        return w.to(logits.dtype), ids
+
+
+class RoutedExperts(nn.Module):
+    """E routed SiLU-GLU experts with stacked weights: w13 [E, 2I, hidden] ([gate | up]) and w2 [E, hidden, I].
+
+    Tokens are grouped by expert (one argsort) and each active expert runs once over all its tokens; results are
+    weighted and summed back with index_add. ``expert_range`` [start, end) lets a rank own a subset (expert
+    parallel): tokens routed elsewhere contribute zero here and are summed by the all-reduce.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_range: tuple[int, int] | None = None):
+        super().__init__()
+        self.start, self.end = expert_range or (0, num_experts)
+        n = self.end - self.start
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum_k weights * expert_ids(x)."""
+        T, k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // k  # token index of each sorted (token, slot) pair
+        w_sorted = weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        begin = sum(counts[: self.start])
+        for e in range(self.start, self.end):
+            n = counts[e]
+            if n == 0:
+                continue
+            idx = token_of[begin:begin + n]
+            h = silu_and_mul(x[idx] @ self.w13[e - self.start].t()) @ self.w2[e - self.start].t()
+            out.index_add_(0, idx, (h * w_sorted[begin:begin + n, None]).to(out.dtype))
+            begin += n
+        return out

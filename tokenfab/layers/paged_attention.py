@@ -1,0 +1,82 @@
+"""Attention over a paged KV pool, batched: one SDPA call per group (decode group, prefill group) per layer.
+
+The cache of a layer is a tensor [num_blocks, block_size, ...]. New K/V rows are scattered to their slots
+(``slot_mapping``); each group then gathers its sequences' blocks through their block tables into a padded
+[B, max_blocks * block_size, ...] view and runs scaled-dot-product attention with a causal key mask.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
+
+
+def write_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+    """Scatter ``rows`` [T, ...] into ``cache`` [num_blocks, block_size, ...] at flat slots ``slot_mapping`` [T]."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, rows.to(cache.dtype))
+
+
+def gather_cache(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """The group's context from ``cache``: [B, max_blocks * block_size, ...] (block-table order = token order)."""
+    g = cache[group.block_tables]  # [B, max_blocks, block_size, ...]
+    return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
+
+
+def run_groups(meta: AttentionMetadata, q: torch.Tensor, out_dim: int,
+               attend: Callable[[AttentionGroup, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Run ``attend(group, q_group)`` for the decode and prefill groups and scatter results to the flat batch.
+
+    Args:
+        q: [T, H, Dq] queries of the flat batch.
+        out_dim: width Dv of the attention output per head.
+        attend: maps (group, q_group [B, H, q_len, Dq]) to an output [B, H, q_len, Dv].
+
+    Returns:
+        [T, H, Dv] attention outputs in flat-batch order.
+    """
+    T, H = q.shape[0], q.shape[1]
+    out = q.new_empty(T + 1, H, out_dim)  # row T collects padding writes
+    q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])], 0)
+    for group in (meta.decode, meta.prefill):
+        if group is None:
+            continue
+        B, Q = group.token_index.shape
+        qg = q_pad[group.token_index].transpose(1, 2)  # [B, H, Q, Dq]
+        og = attend(group, qg)  # [B, H, Q, Dv]
+        out[group.token_index.reshape(-1)] = og.transpose(1, 2).reshape(B * Q, H, out_dim)
+    return out[:T]
+
+
+def causal_mask(group: AttentionGroup) -> torch.Tensor:
+    """[B, 1, q_len, L] bool mask; padded queries see key 0 only (their output is discarded), never NaN."""
+    keys = torch.arange(group.max_context, device=group.query_pos.device)
+    qpos = group.query_pos.clamp(min=0)
+    return (keys.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
+
+
+def paged_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Multi-head / grouped-query attention with a paged cache.
+
+    Args:
+        q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens (k already rotated).
+        k_cache, v_cache: [num_blocks, block_size, Hkv, D].
+        scale: softmax scale (head_dim^-0.5).
+
+    Returns:
+        [T, H, D] in q's dtype.
+    """
+    write_cache(k_cache, meta.slot_mapping, k)
+    write_cache(v_cache, meta.slot_mapping, v)
+    gqa = q.shape[1] != k.shape[1]
+
+    def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:
+        kg = gather_cache(k_cache, group).transpose(1, 2)  # [B, Hkv, L, D]
+        vg = gather_cache(v_cache, group).transpose(1, 2)
+        return F.scaled_dot_product_attention(qg, kg.to(qg.dtype), vg.to(qg.dtype), attn_mask=causal_mask(group),
+                                              scale=scale, enable_gqa=gqa)
+
+    return run_groups(meta, q, v.shape[-1], attend)

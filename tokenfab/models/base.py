@@ -1,0 +1,145 @@
+"""What every causal LM in tokenfab shares: embedding, decoder stack, final norm, lm_head, weight loading.
+
+Module and parameter names mirror the Hugging Face checkpoints (``model.layers.{i}.self_attn.q_proj.weight``...),
+so most weights load by name. Routed experts are stacked per layer (``mlp.experts.w13`` / ``mlp.experts.w2``) and
+filled from the per-expert checkpoint names (``mlp.experts.{e}.{gate,up,down}_proj.weight``) or from transformers
+5's fused ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tokenfab.config import ModelConfig
+from tokenfab.errors import WeightLoadError
+from tokenfab.layers.attention_metadata import AttentionMetadata
+from tokenfab.layers.moe import RoutedExperts
+from tokenfab.layers.norm import RMSNorm
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class CausalLM(nn.Module):
+    """Base class. Subclasses build ``self.model.layers`` (decoder layers with ``forward(positions, x, cache,
+    meta)``) and implement :meth:`make_kv_cache`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.embed_tokens.weight.requires_grad_(False)
+        self.model.layers = nn.ModuleList()
+        self.model.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] int64 -> final hidden states [T, hidden] (after the last norm)."""
+        h = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches):
+            h = layer(positions, h, cache, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()
+
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:
+        """Allocate the paged KV pool, one entry per layer."""
+        raise NotImplementedError
+
+    # ---- loading -------------------------------------------------------------------------------------------
+    def is_skipped_weight(self, name: str) -> bool:
+        """Checkpoint tensors we deliberately do not load (e.g. MTP layers); see subclasses."""
+        return name.endswith("rotary_emb.inv_freq")
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Copy checkpoint tensors into parameters by name.
+
+        Returns the names skipped on purpose. Raises WeightLoadError listing missing weights, unexpected weights
+        and shape mismatches.
+        """
+        params = dict(self.named_parameters())
+        expert_mods = {n: m for n, m in self.named_modules() if isinstance(m, RoutedExperts)}
+        loaded: set[str] = set()
+        expert_loaded: dict[str, set] = {n: set() for n in expert_mods}
+        unexpected, skipped, bad_shape = [], [], []
+        for name, t in weights:
+            if self.is_skipped_weight(name):
+                skipped.append(name)
+                continue
+            m = _EXPERT.match(name)
+            if m and m.group(1) in expert_mods:
+                mod, e, proj = expert_mods[m.group(1)], int(m.group(2)), m.group(3)
+                if mod.start <= e < mod.end:
+                    I = mod.intermediate
+                    dst = {"gate_proj": mod.w13[e - mod.start, :I], "up_proj": mod.w13[e - mod.start, I:],
+                           "down_proj": mod.w2[e - mod.start]}[proj]
+                    if dst.shape != t.shape:
+                        bad_shape.append(f"{name}: checkpoint {tuple(t.shape)} vs model {tuple(dst.shape)}")
+                        continue
+                    dst.copy_(t)
+                expert_loaded[m.group(1)].add((e, proj))
+                continue
+            m = _FUSED_EXPERT.match(name)
+            if m and m.group(1) in expert_mods:
+                mod = expert_mods[m.group(1)]
+                dst = mod.w13 if m.group(2) == "gate_up_proj" else mod.w2
+                src = t[mod.start:mod.end]
+                if dst.shape != src.shape:
+                    bad_shape.append(f"{name}: checkpoint {tuple(src.shape)} vs model {tuple(dst.shape)}")
+                    continue
+                dst.copy_(src)
+                projs = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
+                expert_loaded[m.group(1)].update((e, p) for e in range(mod.num_experts) for p in projs)
+                continue
+            p = params.get(name)
+            if p is None:
+                unexpected.append(name)
+                continue
+            if p.shape != t.shape:
+                bad_shape.append(f"{name}: checkpoint {tuple(t.shape)} vs model {tuple(p.shape)}")
+                continue
+            p.copy_(t)
+            loaded.add(name)
+        if self.cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            loaded.add("lm_head.weight")
+        missing = [n for n in params if n not in loaded and not any(n.startswith(e + ".") for e in expert_mods)]
+        for prefix, mod in expert_mods.items():
+            need = {(e, p) for e in range(mod.num_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+            missing += [f"{prefix}.{e}.{p}.weight" for e, p in sorted(need - expert_loaded[prefix])]
+        problems = []
+        if missing:
+            problems.append(f"missing weights ({len(missing)}): {', '.join(missing[:20])}"
+                            + (" ..." if len(missing) > 20 else ""))
+        if unexpected:
+            problems.append(f"unexpected weights ({len(unexpected)}): {', '.join(unexpected[:20])}"
+                            + (" ..." if len(unexpected) > 20 else ""))
+        if bad_shape:
+            problems.append("shape mismatches: " + "; ".join(bad_shape[:10]))
+        if problems:
+            raise WeightLoadError("checkpoint does not match the model: " + " | ".join(problems))
+        self.post_load()
+        return skipped
+
+    def post_load(self) -> None:
+        """Hook run once all weights are in (fusions, derived tensors)."""
+        for m in self.modules():
+            if hasattr(m, "fuse") and callable(m.fuse):
+                m.fuse()
+
+
+def layer_index(name: str) -> int | None:
+    """Decoder layer index named in a checkpoint key, or None."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None

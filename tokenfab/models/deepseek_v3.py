@@ -1,0 +1,56 @@
+"""DeepSeek-V3 / Kimi-K2 (``DeepseekV3ForCausalLM``): MLA attention, sigmoid group-limited MoE with shared
+experts, dense first ``first_k_dense_replace`` layers, YaRN RoPE.
+
+Reference: transformers ``modeling_deepseek_v3.py``. MTP layers (``model.layers.{num_hidden_layers + i}``) are
+not loaded yet; the loader reports them as skipped.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenfab.layers.mla import MLAttention
+from tokenfab.layers.mlp import GatedMLP
+from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
+from tokenfab.layers.rotary import RotaryEmbedding
+from tokenfab.models.base import CausalLM, layer_index
+from tokenfab.models.llama import DecoderLayer
+
+
+class DeepseekV3MoE(nn.Module):
+    """Routed experts (sigmoid group-limited top-k) plus shared experts; x [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate = SigmoidGroupRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group,
+                                       cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, ids = self.gate(x)
+        out = self.experts(x, w, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    def __init__(self, cfg, max_positions: int):
+        super().__init__(cfg)
+        self.rotary = RotaryEmbedding(cfg.rope, max_positions, cfg.max_position_embeddings)
+        for i in range(cfg.num_hidden_layers):
+            mlp = DeepseekV3MoE(cfg) if i in cfg.moe_layers else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+            self.model.layers.append(DecoderLayer(cfg, MLAttention(cfg, self.rotary), mlp))
+
+    def is_skipped_weight(self, name: str) -> bool:
+        idx = layer_index(name)
+        if idx is not None and idx >= self.cfg.num_hidden_layers:  # MTP (num_nextn_predict_layers)
+            return True
+        return super().is_skipped_weight(name)
+
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:
+        width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
+        return [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device)
+                for _ in range(self.cfg.num_hidden_layers)]

@@ -1,0 +1,95 @@
+"""Llama (``LlamaForCausalLM``): GQA attention with RoPE, SiLU-GLU MLP, pre-norm residual blocks.
+
+Reference: transformers ``modeling_llama.py``. Qwen3 and Qwen3-MoE reuse these blocks (see qwen3.py,
+qwen3_moe.py).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenfab.config import ModelConfig
+from tokenfab.layers.attention_metadata import AttentionMetadata
+from tokenfab.layers.linear import Linear
+from tokenfab.layers.mlp import GatedMLP
+from tokenfab.layers.norm import RMSNorm
+from tokenfab.layers.paged_attention import paged_mha
+from tokenfab.layers.rotary import RotaryEmbedding
+from tokenfab.models.base import CausalLM
+
+
+class LlamaAttention(nn.Module):
+    """q/k/v projections, optional per-head q/k RMSNorm (Qwen3), RoPE, paged attention, o_proj.
+
+    x [T, hidden] -> [T, hidden]; cache is (k_cache, v_cache), each [num_blocks, block_size, Hkv, head_dim].
+    """
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool = False):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        b = cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, b)
+        self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, b)
+        self.v_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, b)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, b)
+        self.qk_norm = qk_norm
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.rot_dim = cfg.rope.dim
+        self.scale = cfg.softmax_scale()
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rot_dim == self.head_dim:
+            q, k = self.rotary(positions, q, k)
+        else:  # partial rotary: rotate the first rot_dim dims
+            qr, kr = self.rotary(positions, q[..., : self.rot_dim], k[..., : self.rot_dim])
+            q = torch.cat([qr, q[..., self.rot_dim:]], -1)
+            k = torch.cat([kr, k[..., self.rot_dim:]], -1)
+        o = paged_mha(q, k, v, cache[0], cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). ``mlp`` maps [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(CausalLM):
+    """Llama. Subclasses override :meth:`make_attention` / :meth:`make_mlp`."""
+
+    qk_norm = False
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__(cfg)
+        self.rotary = RotaryEmbedding(cfg.rope, max_positions, cfg.max_position_embeddings)
+        for i in range(cfg.num_hidden_layers):
+            self.model.layers.append(DecoderLayer(cfg, self.make_attention(i), self.make_mlp(i)))
+
+    def make_attention(self, layer_idx: int) -> nn.Module:
+        return LlamaAttention(self.cfg, self.rotary, qk_norm=self.qk_norm)
+
+    def make_mlp(self, layer_idx: int) -> nn.Module:
+        return GatedMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.mlp_bias)
+
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:
+        shape = (num_blocks, block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(self.cfg.num_hidden_layers)]
