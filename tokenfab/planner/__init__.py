@@ -1,0 +1,23 @@
+"""Memory planning: weights per rank, KV bytes per token, the largest KV pool that fits (``tokenfab plan``)."""
+from tokenfab.planner.memory_planner import (
+    MemoryPlan,
+    PlanError,
+    RankPlan,
+    WeightEstimate,
+    checkpoint_tensors,
+    estimate_weight_bytes,
+    kv_bytes_per_token_per_rank,
+    kv_dtype_bytes,
+    kv_pool_tokens,
+    min_devices_that_fit,
+    parse_count,
+    parse_reserve,
+    parse_size,
+    plan_memory,
+    read_safetensors_header,
+    render_plan,
+)
+
+__all__ = ["MemoryPlan", "RankPlan", "WeightEstimate", "PlanError", "estimate_weight_bytes", "kv_pool_tokens",
+           "kv_bytes_per_token_per_rank", "kv_dtype_bytes", "min_devices_that_fit", "plan_memory", "render_plan",
+           "parse_size", "parse_count", "parse_reserve", "read_safetensors_header", "checkpoint_tensors"]

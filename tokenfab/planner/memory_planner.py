@@ -1,0 +1,582 @@
+"""Device memory planner: weights per rank under the :class:`~tokenfab.parallel.ShardPlan`, KV bytes per token,
+the activation reserve, and the largest KV pool (in tokens) that fits.
+
+Per rank ``r`` on a device of ``M`` bytes with reserve ``R``::
+
+    free_for_kv[r]   = M - R - weight_bytes[r]                      (bytes)
+    max_kv_tokens    = min over ranks of floor(free_for_kv[r] / kv_bytes_per_token[r])
+    kv_bytes_per_token[r] = (kv_lora_rank + qk_rope_head_dim) x layers x kv_dtype_bytes        (MLA)
+                          = 2 x kv_heads_on_rank x head_dim x layers x kv_dtype_bytes          (MHA / GQA)
+
+Every rank holds the same tokens (tensor-parallel attention), so the pool is the minimum over ranks. MLA's latent
+is not split by heads: every rank holds the full latent for every token, so adding devices does not shrink the
+per-rank KV of MLA models (data-parallel attention is not modelled). A request of ``T`` tokens fits when the weights
+fit and ``max_kv_tokens >= T``.
+
+Weight bytes come from the checkpoint's safetensors headers when present (real dtypes: FP8 block-scaled,
+INT4 pack-quantized, ... — only the 8-byte length and the JSON header of each file are read) or else from the
+config with a stated weight format (see :func:`tokenfab.parallel.shard_plan.model_tensors`).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenfab.config import ModelConfig, parse_config
+from tokenfab.parallel.shard_plan import (
+    TENSOR_CLASSES,
+    ShardPlan,
+    TensorRecord,
+    WeightInventory,
+    model_tensors,
+)
+
+
+class PlanError(ValueError):
+    """Bad planner input (a size, a flag, a model path); the message names the flag or field."""
+
+    user_error = True
+
+
+# ----------------------------------------------------------------------------------------------------- parsing
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([kmgtp]?)(i?)(b?)\s*$", re.IGNORECASE)
+_POW = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+
+
+def parse_size(text: str | int, flag: str = "size") -> int:
+    """Bytes from a size string: ``288GiB`` (2^30), ``141GB`` / ``80G`` (10^9), ``512MiB``, ``1.5TB``, ``1024``.
+
+    Binary units need the ``i`` (KiB, MiB, GiB, TiB); K/M/G/T alone or with ``B`` are decimal.
+
+    Raises:
+        PlanError: the text is not a size; the message names ``flag``.
+    """
+    if isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise PlanError(f"{flag}: cannot read '{text}' as a size; use e.g. 288GiB, 141GB or 80G "
+                        "(GB/G = 10^9 bytes, GiB = 2^30 bytes)")
+    num, unit, binary, _ = m.groups()
+    base = 1024 if binary else 1000
+    if binary and not unit:
+        raise PlanError(f"{flag}: cannot read '{text}' as a size; use e.g. 288GiB, 141GB or 80G")
+    return int(float(num) * base ** _POW[unit.lower()])
+
+
+def parse_count(text: str | int | None, flag: str) -> int | None:
+    """Token count from ``131072``, ``128K`` (10^3), ``1M`` (10^6), ``128Ki`` (2^10), ``1Mi`` (2^20).
+
+    Raises:
+        PlanError: not a count; the message names ``flag``.
+    """
+    if text is None or isinstance(text, int):
+        return text
+    m = re.match(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([kmg]?)(i?)\s*$", str(text), re.IGNORECASE)
+    if not m or (m.group(3) and not m.group(2)):
+        raise PlanError(f"{flag}: cannot read '{text}' as a token count; use e.g. 131072, 128K, 1M or 1Mi")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** _POW[m.group(2).lower()])
+
+
+def parse_reserve(text: str | int | float, device_memory_bytes: int, flag: str = "--activation-reserve") -> int:
+    """Reserve bytes from ``10%`` (of device memory) or a size such as ``8GiB``.
+
+    Raises:
+        PlanError: not a percentage in [0, 100) nor a size; the message names ``flag``.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        return int(text)
+    s = str(text).strip()
+    if s.endswith("%"):
+        try:
+            pct = float(s[:-1])
+        except ValueError:
+            raise PlanError(f"{flag}: cannot read '{text}' as a percentage; use e.g. 10% or 8GiB") from None
+        if not 0 <= pct < 100:
+            raise PlanError(f"{flag}: {text} is outside [0%, 100%)")
+        return int(device_memory_bytes * pct / 100)
+    return parse_size(s, flag)
+
+
+KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def kv_dtype_bytes(kv_cache_dtype: str, model_config: ModelConfig | None = None) -> int:
+    """Bytes per cached element: ``auto`` follows the config's ``torch_dtype`` / ``dtype`` (bfloat16 when absent or
+    not a float dtype), else bfloat16/float16 = 2, float32 = 4, fp8 = 1.
+
+    Raises:
+        PlanError: an unknown dtype, naming ``--kv-cache-dtype``.
+    """
+    if kv_cache_dtype == "auto":
+        raw = (model_config.raw if model_config else {}) or {}
+        d = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+        return KV_DTYPE_BYTES.get(str(d), 2) if str(d) in ("bfloat16", "float16", "float32") else 2
+    if kv_cache_dtype not in KV_DTYPE_BYTES:
+        raise PlanError(f"--kv-cache-dtype: '{kv_cache_dtype}' is not supported; supported: auto, "
+                        f"{', '.join(KV_DTYPE_BYTES)}")
+    return KV_DTYPE_BYTES[kv_cache_dtype]
+
+
+# ----------------------------------------------------------------------------------------- model and weights
+def resolve_model(model: str | dict | ModelConfig) -> tuple[ModelConfig, str | None]:
+    """(ModelConfig, checkpoint folder or None) from a folder, a ``config.json`` path, a dict or a ModelConfig.
+
+    Raises:
+        FileNotFoundError: the path does not exist or holds no config.json.
+        ConfigError: the config is refused (see :func:`tokenfab.config.parse_config`).
+    """
+    if isinstance(model, ModelConfig):
+        return model, None
+    if isinstance(model, dict):
+        return parse_config(model), None
+    path = os.fspath(model)
+    if os.path.isdir(path):
+        cfg_path, folder = os.path.join(path, "config.json"), path
+    else:
+        cfg_path, folder = path, os.path.dirname(path) or "."
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"no config.json at '{path}': pass a checkpoint folder or a config.json file")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    gen = None
+    gpath = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(gpath):
+        with open(gpath) as f:
+            gen = json.load(f)
+    return parse_config(cfg, gen), folder
+
+
+def read_safetensors_header(path: str) -> dict[str, dict]:
+    """The JSON header of one ``.safetensors`` file (tensor name -> {dtype, shape, data_offsets}).
+
+    Reads only the 8-byte little-endian header length and the header itself, never tensor data.
+
+    Raises:
+        PlanError: the file is not a safetensors file.
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise PlanError(f"'{path}' is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", head)
+        size = os.fstat(f.fileno()).st_size
+        if n > size - 8 or n > 512 * 1024 * 1024:
+            raise PlanError(f"'{path}' is not a safetensors file (header length {n} for a {size}-byte file)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise PlanError(f"'{path}': safetensors header is not valid JSON ({e})") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def checkpoint_tensors(model_dir: str) -> list[TensorRecord] | None:
+    """Tensor records from a checkpoint's safetensors headers (``model.safetensors.index.json`` + its shards, or
+    every ``*.safetensors`` in the folder); None when the folder holds no safetensors. Byte counts are the exact
+    ``data_offsets`` spans, so any dtype (F8_E4M3, I32 packed INT4, F8_E8M0 ...) is counted as stored.
+
+    Raises:
+        FileNotFoundError: the index names a shard that is missing.
+    """
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(x for x in os.listdir(model_dir) if x.endswith(".safetensors"))
+    if not files:
+        return None
+    recs = []
+    for fn in files:
+        path = os.path.join(model_dir, fn)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"'{index}' names shard '{fn}', which is missing from '{model_dir}'")
+        for name, info in read_safetensors_header(path).items():
+            s, e = info["data_offsets"]
+            recs.append(TensorRecord(name, tuple(int(x) for x in info["shape"]), int(e) - int(s), 1,
+                                     str(info["dtype"])))
+    return recs
+
+
+def auto_weight_format(model_config: ModelConfig) -> str:
+    """Weight format implied by config.json alone: ``quantization_config`` fp8 -> ``fp8``; compressed-tensors with
+    4-bit weights -> ``int4``; else the config's ``dtype`` / ``torch_dtype`` (bfloat16 when absent)."""
+    raw = model_config.raw or {}
+    qc = raw.get("quantization_config") or {}
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "fp8":
+        return "fp8"
+    if method == "compressed-tensors":
+        groups = (qc.get("config_groups") or {}).values()
+        if any(int(((g or {}).get("weights") or {}).get("num_bits") or 0) == 4 for g in groups):
+            return "int4"
+    d = str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16")
+    return d if d in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
+@dataclass
+class WeightEstimate:
+    """Weight bytes of a model under a shard plan.
+
+    ``per_rank[r]`` maps tensor class -> bytes on rank r (replicated classes counted on every rank);
+    ``total_bytes`` is one copy of every loaded tensor; ``skipped_bytes`` are tensors not loaded (MTP layers);
+    ``num_params`` the logical parameter count from the config (MTP excluded).
+    """
+
+    source: str              # "safetensors" or "config"
+    weight_format: str       # e.g. "fp8" or "safetensors: F8_E4M3 98.9%, BF16 0.9%, F32 0.2%"
+    world_size: int
+    per_rank: list[dict[str, int]]
+    total_bytes: int
+    replicated_bytes: int
+    skipped_bytes: int
+    num_params: int
+    inventory: WeightInventory = field(repr=False)
+
+    def rank_bytes(self, rank: int, exclude: tuple[str, ...] = ()) -> int:
+        """Total bytes on ``rank``, without the classes in ``exclude`` (e.g. ``("experts",)`` when offloaded)."""
+        return sum(v for k, v in self.per_rank[rank].items() if k not in exclude)
+
+
+def estimate_weight_bytes(model_dir_or_config: str | dict | ModelConfig, world_size: int,
+                          weight_dtype: str | int = "auto") -> WeightEstimate:
+    """Per-rank weight bytes for ``world_size`` ranks.
+
+    ``weight_dtype="auto"`` reads the safetensors headers when the folder has them (real dtypes and bytes), else
+    uses :func:`auto_weight_format`. Any other value (``bfloat16``, ``float16``, ``float32``, ``fp8``, ``int4`` or
+    bytes per parameter) computes the bytes from the config in that format.
+
+    Raises:
+        PlanError / ConfigError / FileNotFoundError: bad inputs, named.
+    """
+    mc, folder = resolve_model(model_dir_or_config)
+    recs = None
+    if weight_dtype == "auto" and folder is not None:
+        recs = checkpoint_tensors(folder)
+    if recs is not None:
+        by_dtype: dict[str, int] = {}
+        for r in recs:
+            by_dtype[r.dtype] = by_dtype.get(r.dtype, 0) + r.nbytes
+        tot = sum(by_dtype.values()) or 1
+        fmt = "safetensors: " + ", ".join(f"{k} {100 * v / tot:.1f}%"
+                                          for k, v in sorted(by_dtype.items(), key=lambda kv: -kv[1]))
+        source = "safetensors"
+    else:
+        fmt = auto_weight_format(mc) if weight_dtype == "auto" else weight_dtype
+        if isinstance(fmt, str) and fmt not in ("bfloat16", "float16", "float32", "fp8", "int4"):
+            raise PlanError(f"--weight-dtype: '{fmt}' is not supported; supported: auto, bfloat16, float16, "
+                            "float32, fp8, int4")
+        recs = model_tensors(mc, fmt)
+        fmt = f"{fmt} bytes/param" if isinstance(fmt, int) else str(fmt)
+        source = "config"
+    try:
+        inv = WeightInventory(recs, mc)
+        plan = ShardPlan.for_model(mc, world_size)
+        per_rank = inv.per_rank(plan)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+    from tokenfab.parallel.shard_plan import count_parameters
+    return WeightEstimate(source, fmt, world_size, per_rank, inv.total_bytes, inv.replicated_bytes(),
+                          inv.skipped_bytes, count_parameters(mc), inv)
+
+
+# ------------------------------------------------------------------------------------------------------ KV
+def kv_bytes_per_token_per_rank(model_config: ModelConfig, plan: ShardPlan, kv_dtype_bytes: int) -> list[int]:
+    """KV cache bytes per token on each rank (all layers).
+
+    MLA: (kv_lora_rank + qk_rope_head_dim) x layers x bytes on every rank that has heads (the latent is not split
+    by heads; ranks beyond the number of heads hold none).
+    MHA/GQA: 2 x kv_heads_on_rank x head_dim x layers x bytes (0 on ranks without heads).
+    """
+    mc = model_config
+    if mc.is_mla:
+        return [mc.kv_cache_bytes_per_token(kv_dtype_bytes) if plan.num_heads(r) else 0
+                for r in range(plan.world_size)]
+    return [2 * plan.num_kv_heads(r) * mc.head_dim * mc.num_hidden_layers * kv_dtype_bytes
+            for r in range(plan.world_size)]
+
+
+def kv_pool_tokens(model_config: ModelConfig, world_size: int, device_memory_bytes: int,
+                   weight_bytes_per_rank: int | list[int], kv_dtype_bytes: int, reserve_bytes: int,
+                   block_size: int = 1) -> int:
+    """Largest KV pool (tokens, a multiple of ``block_size``) every rank can hold.
+
+    tokens = min over ranks r of floor((device_memory_bytes - reserve_bytes - weight_bytes[r]) / kv_bytes_per_token[r]),
+    rounded down to ``block_size``; 0 when the weights and reserve alone do not fit. ``weight_bytes_per_rank`` is
+    one int (the same on every rank, e.g. the engine's measured max) or a list indexed by rank.
+    """
+    plan = ShardPlan.for_model(model_config, world_size)
+    kv = kv_bytes_per_token_per_rank(model_config, plan, kv_dtype_bytes)
+    ws = weight_bytes_per_rank if isinstance(weight_bytes_per_rank, list) else [weight_bytes_per_rank] * world_size
+    best = None
+    for r in range(world_size):
+        free = device_memory_bytes - reserve_bytes - ws[r]
+        if free < 0:
+            return 0
+        if kv[r] == 0:
+            continue
+        t = free // kv[r]
+        best = t if best is None else min(best, t)
+    if best is None:
+        return 0
+    return best // block_size * block_size
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+@dataclass
+class RankPlan:
+    """One rank's memory budget (bytes) and ranges."""
+
+    rank: int
+    ranges: dict
+    weight_bytes: int            # bytes of weights on the device (offloaded experts excluded)
+    weight_bytes_by_class: dict
+    offloaded_bytes: int         # routed-expert bytes moved to host memory (0 without --offload-experts)
+    kv_bytes_per_token: int
+    reserve_bytes: int
+    free_bytes_for_kv: int       # device memory - reserve - weight bytes (negative: weights do not fit)
+    max_kv_tokens: int | None    # None: this rank holds no KV (no heads)
+
+
+@dataclass
+class MemoryPlan:
+    """Result of :func:`plan_memory`; ``to_dict()`` is the ``--json`` output."""
+
+    model: dict
+    devices: int
+    device_memory_bytes: int
+    reserve_bytes: int
+    kv_cache_dtype: str
+    kv_dtype_bytes: int
+    weights: WeightEstimate
+    offload_experts: bool
+    ranks: list[RankPlan]
+    max_kv_tokens: int
+    weights_fit: bool
+    requested_tokens: int | None
+    max_model_len: int | None
+    kv_tokens: int | None
+    fits: bool
+    min_devices: int | None
+    suggestions: list[str]
+    assumptions: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (all sizes in bytes, pools in tokens)."""
+        w = self.weights
+        return {
+            "model": self.model, "devices": self.devices, "device_memory_bytes": self.device_memory_bytes,
+            "reserve_bytes": self.reserve_bytes, "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_dtype_bytes": self.kv_dtype_bytes, "offload_experts": self.offload_experts,
+            "weights": {"source": w.source, "format": w.weight_format, "total_bytes": w.total_bytes,
+                        "replicated_bytes_per_copy": w.replicated_bytes, "skipped_bytes": w.skipped_bytes,
+                        "num_params": w.num_params},
+            "ranks": [{"rank": r.rank, **{k: list(v) for k, v in r.ranges.items()},
+                       "weight_bytes": r.weight_bytes, "weight_bytes_by_class": r.weight_bytes_by_class,
+                       "offloaded_bytes": r.offloaded_bytes, "kv_bytes_per_token": r.kv_bytes_per_token,
+                       "reserve_bytes": r.reserve_bytes, "free_bytes_for_kv": r.free_bytes_for_kv,
+                       "max_kv_tokens": r.max_kv_tokens} for r in self.ranks],
+            "max_kv_tokens": self.max_kv_tokens, "weights_fit": self.weights_fit,
+            "max_model_len": self.max_model_len, "kv_tokens": self.kv_tokens,
+            "requested_tokens": self.requested_tokens, "fits": self.fits, "min_devices": self.min_devices,
+            "suggestions": self.suggestions, "assumptions": self.assumptions,
+        }
+
+
+def _evaluate(mc: ModelConfig, inv: WeightInventory, n: int, mem: int, reserve: int, kv_b: int,
+              offload: bool) -> tuple[ShardPlan, list[dict], list[int], int, bool]:
+    """(plan, per-rank class bytes, per-rank kv bytes/token, pool tokens, weights fit) for ``n`` devices."""
+    plan = ShardPlan.for_model(mc, n)
+    per = inv.per_rank(plan)
+    kv = kv_bytes_per_token_per_rank(mc, plan, kv_b)
+    excl = ("experts",) if offload else ()
+    ws = [sum(v for k, v in d.items() if k not in excl) for d in per]
+    weights_fit = all(mem - reserve - w >= 0 for w in ws)
+    pool = kv_pool_tokens(mc, n, mem, ws, kv_b, reserve) if weights_fit else 0
+    return plan, per, kv, pool, weights_fit
+
+
+def _fits(pool: int, weights_fit: bool, requested: int | None) -> bool:
+    return weights_fit and pool >= max(requested or 1, 1)
+
+
+def min_devices_that_fit(mc: ModelConfig, inv: WeightInventory, mem: int, reserve: int, kv_b: int,
+                         requested: int | None, offload: bool = False, max_devices: int = 4096) -> int | None:
+    """Fewest devices of ``mem`` bytes on which the weights fit and the pool holds ``requested`` tokens.
+
+    Starts at the lower bound ceil(sharded bytes / (mem - reserve - replicated bytes)) and walks up one device at a
+    time (in steps of n/64 above 256 devices, so the answer is approximate there); None when nothing up to
+    ``max_devices`` fits (e.g. MLA's per-rank KV alone exceeds a device).
+    """
+    rep = inv.replicated_bytes()
+    budget = mem - reserve - rep
+    if budget <= 0:
+        return None
+    sharded = inv.total_bytes - rep - (sum(inv.expert_bytes) if offload else 0)
+    n = max(1, math.ceil(sharded / budget))
+    while n <= max_devices:
+        _, _, _, pool, wf = _evaluate(mc, inv, n, mem, reserve, kv_b, offload)
+        if _fits(pool, wf, requested):
+            return n
+        n += 1 if n < 256 else max(1, n // 64)
+    return None
+
+
+def _gb(x: int | float) -> str:
+    return f"{x / 2**30:,.1f} GiB"
+
+
+def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_bytes: int, *,
+                max_model_len: int | None = None, kv_tokens: int | None = None, kv_cache_dtype: str = "auto",
+                weight_dtype: str | int = "auto", activation_reserve: str | int = "10%",
+                offload_experts: bool = False) -> MemoryPlan:
+    """Plan memory for ``model`` on ``devices`` devices of ``device_memory_bytes`` each.
+
+    Requested tokens T = max(max_model_len, kv_tokens) (either may be None). Fits when every rank holds its
+    weights + reserve and the pool >= T (>= 1 token when nothing is requested). When it does not fit the suggestions
+    name the fewest devices that fit, whether offloading routed experts to host memory fits (and the bytes it
+    moves per rank), whether an fp8 KV cache fits, and the largest pool that fits now.
+
+    Raises:
+        PlanError: ``devices < 1`` or bad sizes (named by flag).
+    """
+    if devices < 1:
+        raise PlanError(f"--devices: must be >= 1, got {devices}")
+    if device_memory_bytes <= 0:
+        raise PlanError(f"--device-memory: must be > 0, got {device_memory_bytes}")
+    mc, _ = resolve_model(model)
+    reserve = parse_reserve(activation_reserve, device_memory_bytes)
+    kv_b = kv_dtype_bytes(kv_cache_dtype, mc)
+    est = estimate_weight_bytes(model if not isinstance(model, dict) else mc, devices, weight_dtype)
+    inv = est.inventory
+    mem = device_memory_bytes
+    requested = None if max_model_len is None and kv_tokens is None else max(max_model_len or 0, kv_tokens or 0)
+    plan, per, kv, pool, weights_fit = _evaluate(mc, inv, devices, mem, reserve, kv_b, offload_experts)
+    ranks = []
+    for r in range(devices):
+        off = per[r]["experts"] if offload_experts else 0
+        w = sum(per[r].values()) - off
+        free = mem - reserve - w
+        ranks.append(RankPlan(r, {k: v for k, v in plan.describe()[r].items() if k != "rank"}, w, per[r], off,
+                              kv[r], reserve, free, (max(free, 0) // kv[r]) if kv[r] else None))
+    fits = _fits(pool, weights_fit, requested)
+    min_dev = min_devices_that_fit(mc, inv, mem, reserve, kv_b, requested, offload_experts)
+    need = requested or 1
+    sugg: list[str] = []
+    if not fits:
+        if min_dev is not None:
+            sugg.append(f"use {min_dev} devices of {_mem_label(mem)} (fewest that fit {need:,} KV tokens)")
+        else:
+            sugg.append(f"no device count up to 4096 of {_mem_label(mem)} fits {need:,} KV tokens "
+                        f"({'per-rank MLA latent KV does not shrink with more devices' if mc.is_mla else ''})"
+                        .replace(" ()", ""))
+        if not offload_experts and mc.is_moe:
+            _, per_o, _, pool_o, wf_o = _evaluate(mc, inv, devices, mem, reserve, kv_b, True)
+            moved = max(d["experts"] for d in per_o)
+            total_moved = sum(d["experts"] for d in per_o)
+            verdict = "fits" if _fits(pool_o, wf_o, requested) else "still does not fit"
+            sugg.append(f"--offload-experts on {devices} devices {verdict} (pool {pool_o:,} tokens): moves up to "
+                        f"{_gb(moved)} of routed experts per rank to host memory ({_gb(total_moved)} in all)")
+        if kv_b > 1:
+            _, _, _, pool_f, wf_f = _evaluate(mc, inv, devices, mem, reserve, 1, offload_experts)
+            if _fits(pool_f, wf_f, requested):
+                sugg.append(f"--kv-cache-dtype fp8 fits on {devices} devices (pool {pool_f:,} tokens)")
+        if weights_fit and pool > 0:
+            sugg.append(f"the largest KV pool that fits on {devices} devices is {pool:,} tokens")
+        elif not weights_fit:
+            worst = max(rp.weight_bytes for rp in ranks)
+            sugg.append(f"weights alone need {_gb(worst)} + reserve {_gb(reserve)} per rank, over {_gb(mem)}")
+    assumptions = [
+        f"tensor parallel = expert parallel = {devices}; uneven splits (larger ranges first)",
+        "routed experts whole per rank; heads, intermediate, shared-expert intermediate and vocab split",
+        "norms, router" + (", MLA q_a_proj / kv_a_proj_with_mqa" if mc.is_mla else "") + " replicated on every rank",
+    ]
+    if not mc.is_mla and mc.num_key_value_heads % devices and devices < mc.num_key_value_heads:
+        assumptions.append("query heads stay with their KV head: KV heads split unevenly, so ranks with more KV "
+                           "heads bound the pool")
+    elif not mc.is_mla and devices > mc.num_key_value_heads:
+        assumptions.append("more ranks than KV heads: each KV head replicated on the ranks sharing its group")
+    if mc.is_mla:
+        assumptions.append("MLA latent KV (kv_lora_rank + qk_rope_head_dim) held in full on every rank "
+                           "(tensor-parallel attention, no data-parallel attention)")
+    if offload_experts:
+        host = max(rp.offloaded_bytes for rp in ranks)
+        assumptions.append(f"--offload-experts: up to {_gb(host)} of routed experts per rank in host memory "
+                           f"({_gb(sum(rp.offloaded_bytes for rp in ranks))} in all; host memory is not checked)")
+    if est.skipped_bytes:
+        assumptions.append(f"{_gb(est.skipped_bytes)} of MTP-layer weights not loaded")
+    model_info = {"architecture": mc.architecture, "model_type": mc.model_type,
+                  "num_hidden_layers": mc.num_hidden_layers, "num_attention_heads": mc.num_attention_heads,
+                  "num_key_value_heads": mc.num_key_value_heads, "num_experts": mc.num_experts,
+                  "vocab_size": mc.vocab_size, "max_position_embeddings": mc.max_position_embeddings}
+    return MemoryPlan(model_info, devices, mem, reserve, kv_cache_dtype, kv_b, est, offload_experts, ranks, pool,
+                      weights_fit, requested, max_model_len, kv_tokens, fits, min_dev, sugg, assumptions)
+
+
+def _fmt_range(r) -> str:
+    s, e = r
+    return f"{s}:{e}" if e > s else "-"
+
+
+def _mem_label(x: int) -> str:
+    return f"{x / 1e9:,.1f} GB = {x / 2**30:,.1f} GiB"
+
+
+def render_plan(mp: MemoryPlan, console=None) -> None:
+    """Print ``mp`` as a rich table (ranges are [start:end) half-open; sizes in GiB = 2^30 bytes) plus a verdict
+    and suggestions."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=140)
+    w = mp.weights
+    m = mp.model
+    title = (f"{m['model_type']} ({m['architecture']}) on {mp.devices} x {_mem_label(mp.device_memory_bytes)}\n"
+             f"weights {w.weight_format} (from {w.source}); KV cache {mp.kv_cache_dtype} ({mp.kv_dtype_bytes} B)")
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    mla = m["architecture"] == "DeepseekV3ForCausalLM"
+    cols = ["rank", "heads", "kv heads", "experts", "vocab", "weights GiB"]
+    if mp.offload_experts:
+        cols.append("offloaded GiB")
+    cols += ["KV B/token", "reserve GiB", "free GiB", "max KV tokens"]
+    for col in cols:
+        t.add_column(col, justify="right")
+    for r in mp.ranks:
+        row = [str(r.rank), _fmt_range(r.ranges["heads"]), "latent" if mla else _fmt_range(r.ranges["kv_heads"]),
+               _fmt_range(r.ranges["experts"]), _fmt_range(r.ranges["vocab"]), f"{r.weight_bytes / 2**30:,.1f}"]
+        if mp.offload_experts:
+            row.append(f"{r.offloaded_bytes / 2**30:,.1f}")
+        row += [f"{r.kv_bytes_per_token:,}", f"{r.reserve_bytes / 2**30:,.1f}",
+                f"{r.free_bytes_for_kv / 2**30:,.1f}", "-" if r.max_kv_tokens is None else f"{r.max_kv_tokens:,}"]
+        t.add_row(*row)
+    console.print(t)
+    console.print(f"weights: {w.num_params:,} params; {w.total_bytes:,} bytes for one copy, plus "
+                  f"{w.replicated_bytes:,} bytes replicated on each further rank")
+    console.print(f"KV pool: {mp.max_kv_tokens:,} tokens (the same tokens on every rank; min over ranks)")
+    if mp.requested_tokens is not None:
+        what = []
+        if mp.max_model_len is not None:
+            what.append(f"--max-model-len {mp.max_model_len:,}")
+        if mp.kv_tokens is not None:
+            what.append(f"--kv-tokens {mp.kv_tokens:,}")
+        verdict = "[bold green]FITS[/bold green]" if mp.fits else "[bold red]DOES NOT FIT[/bold red]"
+        console.print(f"requested {' and '.join(what)}: {verdict}")
+    elif not mp.fits:
+        console.print("[bold red]DOES NOT FIT[/bold red]: the weights and reserve exceed device memory")
+    if mp.min_devices is not None:
+        console.print(f"fewest devices of this size that fit: {mp.min_devices}")
+    for s in mp.suggestions:
+        console.print(f"  - {s}")
+    for a in mp.assumptions:
+        console.print(f"[dim]assumes: {a}[/dim]")
