@@ -137,8 +137,7 @@ class ModelRunner:
         sampler_out = None
         if len(sampled_index):
             sample_seqs = [seqs[i] for i in sampled_index]
-            self._mask_min_tokens(s_logits, sample_seqs)
-            sampler_out = self.sampler(s_logits, sample_seqs)
+            sampler_out = self.sampler(self._mask_min_tokens(s_logits, sample_seqs), sample_seqs, raw_logits=s_logits)
         plp = None
         if len(plp_tok):
             seq_i = req_idx[plp_tok]
@@ -154,11 +153,16 @@ class ModelRunner:
             plp = PromptLogprobs(seq_i, pred_pos, targets, lp.numpy(), top_i, top_v)
         return StepOutput(sampled_index, sampler_out, plp)
 
-    def _mask_min_tokens(self, logits: torch.Tensor, seqs) -> None:
-        """Forbid EOS and stop tokens for sequences that have not reached ``min_tokens`` (vLLM semantics)."""
-        for i, s in enumerate(seqs):  # only rows with min_tokens set do work
-            p = s.params
-            if p.min_tokens and s.num_output_tokens < p.min_tokens:
-                ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
-                if ids:
-                    logits[i, ids] = float("-inf")
+    def _mask_min_tokens(self, logits: torch.Tensor, seqs) -> torch.Tensor:
+        """Logits with EOS and stop tokens forbidden for sequences below ``min_tokens`` (vLLM semantics); the
+        input is returned untouched (a masked copy is made only when some row needs it)."""
+        rows = [i for i, s in enumerate(seqs) if s.params.min_tokens and s.num_output_tokens < s.params.min_tokens]
+        if not rows:
+            return logits
+        masked = logits.clone()
+        for i in rows:
+            p = seqs[i].params
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else self.eos_ids)
+            if ids:
+                masked[i, ids] = float("-inf")
+        return masked

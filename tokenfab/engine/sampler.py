@@ -51,8 +51,10 @@ class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """logits [N, V] float32 for sequences ``seqs`` (len N) -> SamplerOutput."""
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], raw_logits: torch.Tensor | None = None
+                 ) -> SamplerOutput:
+        """logits [N, V] float32 for sequences ``seqs`` (len N) -> SamplerOutput. ``raw_logits`` (default: logits)
+        are the model's logits before constraints such as min_tokens; returned logprobs come from them."""
         N, V = logits.shape
         params = [s.params for s in seqs]
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
@@ -76,7 +78,7 @@ class Sampler:
         want = [p.logprobs for p in params if p.logprobs is not None]
         if not want:
             return SamplerOutput(token_ids, None, None, None)
-        logp = torch.log_softmax(logits, dim=-1)
+        logp = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
         chosen = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         k = max(want)
         if k > 0:

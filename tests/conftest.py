@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny random checkpoints in real HF format, written once per test session, and the transformers
+reference built the way DESIGN.md prescribes (eager attention, eager experts, explicit dtype)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    from tokenfab.testing.tokenizer_builder import build_tokenizer
+    return build_tokenizer(str(tmp_path_factory.mktemp("tok")), vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer_dir):
+    """Factory: tiny_model(family, **config_overrides) -> checkpoint folder (cached per distinct arguments)."""
+    from tokenfab.testing.tiny_checkpoints import make_tiny_checkpoint
+    root = tmp_path_factory.mktemp("ckpt")
+
+    def make(family: str, max_shard_size: str | None = None, **overrides) -> str:
+        key = hashlib.sha1(json.dumps([family, max_shard_size, overrides], sort_keys=True).encode()).hexdigest()[:12]
+        return make_tiny_checkpoint(str(root / f"{family}-{key}"), family, vocab_size=512,
+                                    tokenizer_dir=tokenizer_dir, max_shard_size=max_shard_size, **overrides)
+
+    return make
+
+
+def load_reference(path: str, dtype=torch.float32):
+    """transformers' model on the same files: eager attention and experts, explicit dtype (DESIGN.md)."""
+    from transformers import AutoModelForCausalLM
+    kw = dict(dtype=dtype, attn_implementation="eager")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", **kw)
+    except (TypeError, ValueError):
+        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    return model.eval()
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy continuation of ``n`` tokens (EOS ignored) from transformers' generate, prompt alone."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def reference_logprobs(model, tokens: list[int]) -> torch.Tensor:
+    """log_softmax of the reference logits [len(tokens), vocab] float32 for one sequence."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)

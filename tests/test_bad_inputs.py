@@ -1,0 +1,76 @@
+"""Bad input fails with a clear error naming the problem: unknown architecture, missing weight, too-long prompt."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from tokenfab import LLM, SamplingParams
+from tokenfab.cli import main
+from tokenfab.config import ConfigError
+from tokenfab.errors import PromptTooLongError, WeightLoadError
+
+
+def copy_ckpt(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_unknown_architecture(tiny_model, tmp_path, capsys):
+    path = copy_ckpt(tiny_model("llama"), tmp_path / "m")
+    cfg = json.load(open(os.path.join(path, "config.json")))
+    cfg["architectures"] = ["MambaForCausalLM"]
+    json.dump(cfg, open(os.path.join(path, "config.json"), "w"))
+    with pytest.raises(ConfigError, match="MambaForCausalLM.*architectures.*LlamaForCausalLM"):
+        LLM(path, progress=False)
+    rc = main(["generate", path, "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "MambaForCausalLM" in err and "Traceback" not in err
+
+
+def test_missing_and_unexpected_weight(tiny_model, tmp_path):
+    path = copy_ckpt(tiny_model("deepseek_v3"), tmp_path / "m")
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    sd.pop("model.layers.1.mlp.experts.3.up_proj.weight")
+    sd["model.layers.0.self_attn.bogus.weight"] = sd["model.norm.weight"].clone()
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError) as e:
+        LLM(path, progress=False)
+    msg = str(e.value)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in msg and "missing" in msg
+    assert "model.layers.0.self_attn.bogus.weight" in msg and "unexpected" in msg
+
+
+def test_mtp_layer_weights_are_skipped_and_reported(tiny_model, tmp_path):
+    path = copy_ckpt(tiny_model("deepseek_v3"), tmp_path / "m")
+    f = os.path.join(path, "model.safetensors")
+    sd = load_file(f)
+    sd["model.layers.2.eh_proj.weight"] = sd["model.norm.weight"].clone()  # num_hidden_layers = 2 -> MTP layer
+    save_file(sd, f, metadata={"format": "pt"})
+    llm = LLM(path, progress=False, dtype="float32", max_model_len=64)
+    assert llm.llm_engine.skipped_weights == ["model.layers.2.eh_proj.weight"]
+
+
+def test_prompt_longer_than_max_model_len(tiny_model):
+    llm = LLM(tiny_model("llama"), dtype="float32", max_model_len=32, progress=False)
+    with pytest.raises(PromptTooLongError, match="33 tokens.*max_model_len \\(32\\)"):
+        llm.generate([{"prompt_token_ids": [5] * 33}], SamplingParams(max_tokens=2))
+    assert not llm.llm_engine.has_unfinished_requests()
+    out = llm.generate([{"prompt_token_ids": [5] * 10}], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_bad_sampling_params_and_pool():
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+
+
+def test_pool_too_small_for_max_model_len(tiny_model):
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM(tiny_model("llama"), dtype="float32", max_model_len=128, num_kv_blocks=4, block_size=16, progress=False)

@@ -1,0 +1,132 @@
+"""Sampling: seeded reproducibility independent of batch mates, the empirical distribution against
+softmax(logits / T) from the reference, top-k / top-p support, stop strings, stop tokens, EOS, max_tokens."""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from conftest import load_reference
+from tokenfab import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model("llama"), dtype="float32", max_model_len=128, max_num_seqs=256, progress=False)
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model):
+    return load_reference(tiny_model("llama"))
+
+
+PROMPT = [7, 81, 19, 300, 42, 5, 77]
+
+
+def test_seed_reproducible_whatever_the_batch(llm):
+    sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([{"prompt_token_ids": PROMPT}], sp)[0].outputs[0].token_ids
+    rng = random.Random(0)
+    mates = [{"prompt_token_ids": [rng.randrange(5, 500) for _ in range(rng.randrange(3, 40))]} for _ in range(6)]
+    other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)  # unseeded mates
+    batch = llm.generate(mates[:3] + [{"prompt_token_ids": PROMPT}] + mates[3:], [other] * 3 + [sp] + [other] * 3)
+    assert batch[3].outputs[0].token_ids == alone
+    different = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=1.0, seed=99, max_tokens=16,
+                                                                            ignore_eos=True))
+    assert different[0].outputs[0].token_ids != alone
+
+
+def _first_token_counts(llm, params: SamplingParams, total: int) -> torch.Tensor:
+    counts = torch.zeros(512)
+    n_req = 8
+    for r in range(n_req):
+        sp = SamplingParams(n=total // n_req, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                            max_tokens=1, ignore_eos=True, seed=1000 + 100_000 * r)
+        out = llm.generate([{"prompt_token_ids": PROMPT}], sp)[0]
+        for c in out.outputs:
+            counts[c.token_ids[0]] += 1
+    return counts
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor, bins: int = 12) -> float:
+    """Pearson chi-square over the ``bins`` most likely tokens plus one bin for all others."""
+    n = counts.sum()
+    top = probs.argsort(descending=True)[:bins]
+    obs = torch.cat([counts[top], (n - counts[top].sum()).view(1)])
+    exp = torch.cat([probs[top], (1 - probs[top].sum()).view(1)]) * n
+    return float(((obs - exp) ** 2 / exp).sum())
+
+
+def test_sampled_distribution_matches_softmax(llm, ref):
+    """4,000 first-token samples at T = 0.8 against softmax(logits / 0.8) of the reference: Pearson chi-square
+    with 12 degrees of freedom must stay below 32.9 (p = 0.001). The same samples scored against T = 1.0 must fail
+    the test, so it can tell temperatures apart."""
+    with torch.no_grad():
+        logits = ref(torch.tensor([PROMPT])).logits[0, -1].float()
+    counts = _first_token_counts(llm, SamplingParams(temperature=0.8), 4000)
+    stat = _chi_square(counts, torch.softmax(logits / 0.8, -1))
+    wrong = _chi_square(counts, torch.softmax(logits / 1.0, -1))
+    print(f"\nchi2 at T=0.8: {stat:.1f} (right), {wrong:.1f} (T=1.0, wrong)")
+    assert stat < 32.9
+    assert wrong > 32.9
+
+
+def test_top_k_top_p_restrict_support(llm, ref):
+    with torch.no_grad():
+        logits = ref(torch.tensor([PROMPT])).logits[0, -1].float()
+    order = logits.argsort(descending=True)
+    counts = _first_token_counts(llm, SamplingParams(temperature=1.0, top_k=3), 800)
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(order[:3].tolist())
+    probs = torch.softmax(logits[order[:3]], -1)
+    obs = counts[order[:3]] / counts.sum()
+    assert torch.allclose(obs, probs, atol=4 * math.sqrt(0.25 / 800))
+    p_sorted = torch.softmax(logits, -1)[order]
+    k_nucleus = int((p_sorted.cumsum(0) < 0.5).sum()) + 1  # smallest prefix with mass >= 0.5
+    counts = _first_token_counts(llm, SamplingParams(temperature=1.0, top_p=0.5), 400)
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(order[:k_nucleus].tolist())
+
+
+def test_stop_string_eos_stop_token_and_max_tokens(llm):
+    base = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=24,
+                                                                      ignore_eos=True))[0].outputs[0]
+    assert len(base.token_ids) == 24 and base.finish_reason == "length"
+    text = base.text
+    assert len(text) > 8
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    cut = text.find(stop)
+    o = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                                   stop=[stop]))[0].outputs[0]
+    assert o.finish_reason == "stop" and o.stop_reason == stop and o.text == text[:cut]
+    third = base.token_ids[2]
+    o = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                                   stop_token_ids=[third]))[0].outputs[0]
+    first = base.token_ids.index(third)
+    assert o.token_ids == base.token_ids[: first + 1] and o.finish_reason == "stop" and o.stop_reason == third
+    eng = llm.llm_engine
+    saved = eng.eos_token_ids
+    eng.eos_token_ids = [third]
+    try:
+        o = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
+        assert o.token_ids == base.token_ids[: first + 1] and o.finish_reason == "stop"
+        o = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=24,
+                                                                       ignore_eos=True))[0].outputs[0]
+        assert o.token_ids == base.token_ids
+    finally:
+        eng.eos_token_ids = saved
+
+
+def test_logprobs_top_k_and_max_model_len(llm, ref):
+    o = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                                   logprobs=5))[0].outputs[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(ref(torch.tensor([PROMPT])).logits[0, -1].float(), -1)
+    top = lp.topk(5)
+    d = o.logprobs[0]
+    assert set(d) == set(top.indices.tolist())  # greedy token is the top-1, so 5 entries
+    for t, v in zip(top.indices.tolist(), top.values.tolist()):
+        assert abs(d[t] - v) < 1e-4
+    long_prompt = [5] * 120
+    o = llm.generate([{"prompt_token_ids": long_prompt}], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert len(o.outputs[0].token_ids) == 128 - 120 and o.outputs[0].finish_reason == "length"

@@ -1,0 +1,58 @@
+"""``tokenfab generate [MODEL] --prompt TEXT``: offline generation from a checkpoint folder."""
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text offline from a checkpoint folder",
+                       description="Generate text with the offline engine. Without MODEL, the embedded default "
+                                   "model is written on first use and used.")
+    p.add_argument("model", nargs="?", default=None, help="Hugging Face checkpoint folder (default: embedded model)")
+    p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import time
+
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.default_model import describe, ensure_default_model
+
+    model = args.model
+    if model is None:
+        print(f"[tokenfab] no model given: using {describe()}")
+        model = ensure_default_model()
+    prompts = args.prompt or ["The access code for room 4417 is"]
+    llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+              tensor_parallel_size=args.tensor_parallel_size)
+    if args.chat:
+        tok = llm.get_tokenizer()
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("--chat: this model's tokenizer has no chat template; drop --chat.")
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in prompts]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n_out = 0
+    for o in outs:
+        c = o.outputs[0]
+        n_out += len(c.token_ids)
+        print(f"--- prompt ({len(o.prompt_token_ids)} tokens): {o.prompt!r}")
+        print(f"--- output ({len(c.token_ids)} tokens, finish_reason={c.finish_reason}): {c.text!r}")
+    print(f"[tokenfab] {n_out} tokens in {dt:.2f} s ({n_out / dt:.1f} tok/s, dtype {llm.llm_engine.dtype})")
+    return 0
