@@ -51,10 +51,47 @@ def run_groups(meta: AttentionMetadata, q: torch.Tensor, out_dim: int,
 
 
 def causal_mask(group: AttentionGroup) -> torch.Tensor:
-    """[B, 1, q_len, L] bool mask; padded queries see key 0 only (their output is discarded), never NaN."""
-    keys = torch.arange(group.max_context, device=group.query_pos.device)
-    qpos = group.query_pos.clamp(min=0)
-    return (keys.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
+    """[B, 1, q_len, L] bool mask, key j visible to a query at position p when j <= p. Padded queries see key 0
+    only (their output is discarded), never an all-masked row. Built once per step and cached on the group."""
+    m = getattr(group, "_bool_mask", None)
+    if m is None:
+        keys = torch.arange(group.max_context, device=group.query_pos.device)
+        qpos = group.query_pos.clamp(min=0)
+        m = (keys.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
+        group._bool_mask = m
+    return m
+
+
+def additive_mask(group: AttentionGroup, dtype: torch.dtype) -> torch.Tensor:
+    """The causal mask as 0 / -inf in ``dtype`` [B, 1, q_len, L] (SDPA's fast CPU kernel wants a float mask)."""
+    cache = group.__dict__.setdefault("_float_masks", {})
+    if dtype not in cache:
+        cache[dtype] = torch.zeros(causal_mask(group).shape, dtype=dtype,
+                                   device=group.query_pos.device).masked_fill_(~causal_mask(group), float("-inf"))
+    return cache[dtype]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup, scale: float) -> torch.Tensor:
+    """Causal attention of a group, choosing the kernel by shape (measured on CPU, benchmarks/NOTES.md).
+
+    Args:
+        q: [B, H, Q, D]; k: [B, Hk, L, D]; v: [B, Hk, L, Dv] with H a multiple of Hk (grouped-query / MLA latent).
+    Returns:
+        [B, H, Q, Dv] in q's dtype.
+
+    Decode (Q = 1) and Dv != D use explicit grouped matmuls with a float32 softmax (SDPA's CPU math fallback is
+    150x slower for MLA's single latent head); prefill with Dv == D uses SDPA with an additive mask.
+    """
+    B, H, Q, D = q.shape
+    Hk, Dv = k.shape[1], v.shape[-1]
+    if Q > 1 and Dv == D:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(group, q.dtype), scale=scale,
+                                              enable_gqa=H != Hk)
+    G = H // Hk
+    s = torch.matmul(q.reshape(B, Hk, G * Q, D), k.transpose(-1, -2)).float().mul_(scale)  # [B, Hk, G*Q, L]
+    s = s.view(B, Hk, G, Q, -1).masked_fill_(~causal_mask(group).unsqueeze(1), float("-inf"))
+    p = s.softmax(dim=-1).to(v.dtype).view(B, Hk, G * Q, -1)
+    return torch.matmul(p, v).view(B, H, Q, Dv)
 
 
 def paged_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -71,12 +108,10 @@ def paged_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     """
     write_cache(k_cache, meta.slot_mapping, k)
     write_cache(v_cache, meta.slot_mapping, v)
-    gqa = q.shape[1] != k.shape[1]
 
     def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:
-        kg = gather_cache(k_cache, group).transpose(1, 2)  # [B, Hkv, L, D]
-        vg = gather_cache(v_cache, group).transpose(1, 2)
-        return F.scaled_dot_product_attention(qg, kg.to(qg.dtype), vg.to(qg.dtype), attn_mask=causal_mask(group),
-                                              scale=scale, enable_gqa=gqa)
+        kg = gather_cache(k_cache, group).transpose(1, 2).to(qg.dtype)  # [B, Hkv, L, D]
+        vg = gather_cache(v_cache, group).transpose(1, 2).to(qg.dtype)
+        return attention(qg, kg, vg, group, scale)
 
     return run_groups(meta, q, v.shape[-1], attend)
