@@ -14,14 +14,13 @@ kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.config import ModelConfig
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
-from tokenfab.layers.paged_attention import causal_mask, gather_cache, run_groups, write_cache
+from tokenfab.layers.paged_attention import attention, gather_cache, run_groups, write_cache
 from tokenfab.layers.rotary import RotaryEmbedding
 
 
@@ -73,21 +72,19 @@ class MLAttention(nn.Module):
         w_uk, w_uv_t = self._absorbed_weights()
 
         def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:
-            ctx = gather_cache(cache, group).to(qg.dtype)  # [B, L, C + R]
-            mask = causal_mask(group)
+            ctx = gather_cache(cache, group).to(qg.dtype).unsqueeze(1)  # [B, 1, L, C + R]: one latent "head"
             if group.q_len == 1:  # absorbed decode over the latent cache
                 q_nope_g, q_rope_g = qg.split([self.nope, self.rope_dim], dim=-1)
                 q_lat = torch.cat([torch.matmul(q_nope_g, w_uk), q_rope_g], dim=-1)  # [B, H, 1, C + R]
-                kv = ctx.unsqueeze(1)  # one shared latent "head"
-                o_lat = F.scaled_dot_product_attention(q_lat, kv, kv[..., : self.kv_lora], attn_mask=mask,
-                                                       scale=self.scale, enable_gqa=True)  # [B, H, 1, C]
+                o_lat = attention(q_lat, ctx, ctx[..., : self.kv_lora], group, self.scale)  # [B, H, 1, C]
                 return torch.matmul(o_lat, w_uv_t)  # [B, H, 1, v]
+            ctx = ctx.squeeze(1)
             B, L = ctx.shape[0], ctx.shape[1]
             kv = self.kv_b_proj(ctx[..., : self.kv_lora]).view(B, L, self.num_heads, self.nope + self.v_dim)
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
             k_r = ctx[..., self.kv_lora:].unsqueeze(2).expand(B, L, self.num_heads, self.rope_dim)
             k = torch.cat([k_nope, k_r], dim=-1).transpose(1, 2)
-            return F.scaled_dot_product_attention(qg, k, v.transpose(1, 2), attn_mask=mask, scale=self.scale)
+            return attention(qg, k, v.transpose(1, 2), group, self.scale)
 
         out = run_groups(meta, q, self.v_dim, attend)
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
