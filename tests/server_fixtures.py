@@ -1,0 +1,73 @@
+"""Fixtures for the server tests: tiny checkpoints (written once per session) and an in-process live server.
+
+Import the fixtures into a test module with ``from server_fixtures import *``. Everything binds 127.0.0.1 only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+SERVED_NAME = "tiny-llama"
+
+
+def _root(tmp_path_factory) -> str:
+    path = os.path.join(str(tmp_path_factory.getbasetemp()), "tokenfab_server_models")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tmp_path_factory) -> str:
+    """A tiny Llama checkpoint (vocab 512, float32) with a ChatML tokenizer."""
+    from tokenfab.testing.tiny_checkpoints import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(os.path.join(_root(tmp_path_factory), "llama"), "llama", vocab_size=512)
+
+
+@pytest.fixture(scope="session")
+def no_template_model_dir(tmp_path_factory, server_model_dir) -> str:
+    """The same checkpoint with the chat template removed from its tokenizer files."""
+    dst = os.path.join(_root(tmp_path_factory), "llama-no-template")
+    if not os.path.isfile(os.path.join(dst, "config.json")):
+        tmp = dst + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(server_model_dir, tmp)
+        for name in ("chat_template.jinja", "chat_template.json"):
+            if os.path.exists(os.path.join(tmp, name)):
+                os.remove(os.path.join(tmp, name))
+        cfg_path = os.path.join(tmp, "tokenizer_config.json")
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        cfg.pop("chat_template", None)
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        os.rename(tmp, dst)
+    return dst
+
+
+def start_test_server(model_dir: str, name: str = SERVED_NAME, **engine_kw):
+    """Load ``model_dir`` (float32, CPU) and serve it on a free 127.0.0.1 port; returns a ServerHandle."""
+    import torch
+
+    from tokenfab.engine.engine_config import EngineConfig
+    from tokenfab.server.api_server import ServerHandle, build_app
+    from tokenfab.server.async_engine import AsyncLLM
+
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    kw = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8)
+    kw.update(engine_kw)
+    llm = AsyncLLM.from_config(EngineConfig(model=model_dir, **kw))
+    llm.start()
+    app = build_app(llm, name, model_dir)
+    return ServerHandle(app, llm)
+
+
+def metric_value(text: str, name: str) -> float:
+    """The value of the first sample of ``name`` (any labels) in a Prometheus text exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)

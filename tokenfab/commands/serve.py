@@ -1,0 +1,53 @@
+"""``tokenfab serve [MODEL]``: run the OpenAI-compatible HTTP server (vLLM's flag names).
+
+Example::
+
+    tokenfab serve /models/qwen3-0.6b --port 8000 --max-model-len 4096 --max-num-seqs 16
+
+Without MODEL the embedded default model is used (written on first use). FastAPI, uvicorn and torch are imported
+inside :func:`_run`, so ``tokenfab --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags shared by ``serve`` and ``demo`` (vLLM's names)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16 or float16. Default auto.")
+    g.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda. Default auto.")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="Longest sequence, prompt + output, in tokens. Default: the model's max_position_embeddings.")
+    g.add_argument("--max-num-seqs", type=int, default=16, help="Most sequences per engine step. Default 16.")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="Token budget per step (prefill chunks are cut to fit). Default 8192.")
+    g.add_argument("--block-size", type=int, default=16, help="Tokens per KV block. Default 16.")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory).")
+    g.add_argument("--kv-cache-memory", default=None,
+                   help="KV pool size in bytes, e.g. 2GiB. Default: min(2 GiB, max_num_seqs x max_model_len).")
+    g.add_argument("--seed", type=int, default=0, help="Engine RNG seed (requests without their own seed).")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Ranks for tensor parallel. Default 1.")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from tokenfab.server.api_server import run_server
+
+    return run_server(args)
+
+
+def register(subparsers) -> None:
+    """Add ``serve`` to the top-level ``tokenfab`` parser."""
+    p = subparsers.add_parser("serve", help="Run the OpenAI-compatible server (completions, chat, metrics).",
+                              description="Serve a model over an OpenAI-compatible HTTP API "
+                                          "(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
+                                          "/detokenize, /health, /version, /metrics).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="Checkpoint folder (Hugging Face layout). Default: the embedded default model.")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind. Default 127.0.0.1.")
+    p.add_argument("--port", type=int, default=8000, help="Port. Default 8000.")
+    p.add_argument("--served-model-name", default=None,
+                   help="Name clients send in the 'model' field. Default: the model path.")
+    p.add_argument("--log-level", default="warning", help="uvicorn log level. Default warning.")
+    add_engine_args(p)
+    p.set_defaults(func=_run)

@@ -1,0 +1,607 @@
+"""The OpenAI-compatible HTTP server (FastAPI): completions, chat, models, tokenize, health, metrics.
+
+``build_app(async_llm, served_model_name)`` makes the app around a started :class:`AsyncLLM`;
+``run_server(args)`` builds the engine from ``tokenfab serve`` flags and runs uvicorn until interrupted.
+
+Shapes follow OpenAI's API and vLLM's extensions (``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``,
+``/tokenize``, ``/detokenize``, ``vllm:`` metric names). Errors are OpenAI's error JSON with the matching status:
+400 (bad field, malformed JSON, prompt too long, no chat template), 404 (unknown model or path), 500 (engine
+failure of this request only), 503 (shutting down).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tokenfab.errors import PromptTooLongError
+from tokenfab.outputs import RequestOutput
+from tokenfab.sampling_params import SamplingParams
+from tokenfab.server.async_engine import AsyncLLM, EngineShutdownError, EngineStepError
+from tokenfab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from tokenfab.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    TokenizeRequest,
+    error_body,
+)
+
+logger = logging.getLogger("tokenfab.server")
+
+
+def _version() -> str:
+    try:
+        from tokenfab import __version__
+        return str(__version__)
+    except ImportError:
+        return "unknown"
+
+
+def _err(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(error_body(e.status, e.message, e.type, e.param), status_code=e.status)
+
+
+def _map_exception(e: BaseException) -> OpenAIError:
+    """Engine / validation exceptions -> OpenAIError with the right status."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineShutdownError):
+        return OpenAIError(503, str(e))
+    if isinstance(e, PromptTooLongError):
+        return OpenAIError(400, str(e), param="prompt")
+    if isinstance(e, EngineStepError):
+        return OpenAIError(500, str(e))
+    if isinstance(e, ValueError):
+        return OpenAIError(400, str(e))
+    return OpenAIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def _hold(params: SamplingParams) -> int:
+    """Characters to keep unsent while streaming: a stop string may be forming in the last len(stop)-1 of them."""
+    return max((len(x) for x in params.stop or []), default=1) - 1
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class OpenAIServing:
+    """Request handling shared by the endpoints: validation, prompt building, sampling params, response shapes.
+
+    Args:
+        async_llm: a started AsyncLLM.
+        served_model_name: the name clients send in ``model`` (the model path is accepted too).
+        model_path: the checkpoint folder (``root`` in /v1/models).
+    """
+
+    def __init__(self, async_llm: AsyncLLM, served_model_name: str, model_path: str | None = None):
+        self.llm = async_llm
+        self.name = served_model_name
+        self.model_path = model_path
+        self.tokenizer = async_llm.tokenizer
+        self.max_model_len = async_llm.max_model_len
+        self.vocab_size = int(async_llm.model_config.vocab_size)
+        self._tok_text: dict[int, str] = {}
+
+    # ------------------------------------------------------------------------------------------------- checks
+    def check_model(self, model: str | None) -> None:
+        """404 unless ``model`` is None, the served name or the model path."""
+        if model is None or model == self.name or (self.model_path and model == self.model_path):
+            return
+        raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.",
+                          "NotFoundError", "model")
+
+    def check_ids(self, ids: list[int], field: str = "prompt") -> None:
+        if not ids:
+            raise OpenAIError(400, f"{field} is empty: give at least one token.", param=field)
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise OpenAIError(400, f"{field}: token ids must be in [0, {self.vocab_size}) (vocab_size); "
+                                   f"got {lo}..{hi}.", param=field)
+
+    def check_length(self, prompt_len: int, max_tokens: int | None, field: str = "max_tokens") -> int:
+        """Return max_tokens (filled to the rest of the context when None); 400 when the request cannot fit."""
+        L = self.max_model_len
+        if prompt_len > L:
+            raise OpenAIError(400, f"This model's maximum context length is {L} tokens, but the prompt has "
+                                   f"{prompt_len} tokens; shorten the prompt.", param="prompt")
+        if max_tokens is None:
+            return max(1, L - prompt_len)
+        if prompt_len + max_tokens > L:
+            raise OpenAIError(400, f"This model's maximum context length is {L} tokens, but {prompt_len + max_tokens}"
+                                   f" were requested ({prompt_len} in the prompt, {max_tokens} in {field}); "
+                                   f"reduce the prompt or {field}.", param=field)
+        return max_tokens
+
+    def sampling_params(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Request fields -> SamplingParams; 400 naming the field for unsupported or out-of-range values."""
+        for field, value, neutral in (("presence_penalty", req.presence_penalty, 0.0),
+                                      ("frequency_penalty", req.frequency_penalty, 0.0),
+                                      ("repetition_penalty", req.repetition_penalty, 1.0),
+                                      ("min_p", req.min_p, 0.0)):
+            if value != neutral:
+                raise OpenAIError(400, f"{field}={value} is not supported yet; leave it at {neutral}.", param=field)
+        if getattr(req, "logit_bias", None):
+            raise OpenAIError(400, "logit_bias is not supported yet.", param="logit_bias")
+        try:
+            return SamplingParams(
+                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k in (None, 0) else req.top_k, max_tokens=max_tokens,
+                min_tokens=req.min_tokens, seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
+                ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+        except ValueError as e:
+            msg = str(e)
+            raise OpenAIError(400, msg, param=msg.split(" ", 1)[0]) from None
+
+    def token_text(self, tid: int) -> str:
+        """The text of one token id (cached)."""
+        s = self._tok_text.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid]) if self.tokenizer is not None else str(tid)
+            if len(self._tok_text) < 1 << 17:
+                self._tok_text[tid] = s
+        return s
+
+    # ---------------------------------------------------------------------------------------------- prompts
+    def completion_prompt(self, req: CompletionRequest) -> tuple[str | None, list[int]]:
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise OpenAIError(400, f"prompt: a list of {len(p)} prompts is not supported; send one prompt per "
+                                       "request.", param="prompt")
+            p = p[0]
+        if isinstance(p, str):
+            if not p:
+                raise OpenAIError(400, "prompt is empty.", param="prompt")
+            if self.tokenizer is None:
+                raise OpenAIError(400, "this model has no tokenizer: send prompt as token ids.", param="prompt")
+            ids = list(self.tokenizer(p, add_special_tokens=True)["input_ids"])
+            return p, ids
+        ids = [int(t) for t in p]
+        self.check_ids(ids)
+        return None, ids
+
+    def chat_prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    kwargs: dict | None = None) -> tuple[str, list[int]]:
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise OpenAIError(400, "this model has no chat template (tokenizer_config.json chat_template); use "
+                                   "/v1/completions with a plain prompt instead.", param="messages")
+        msgs = []
+        for m in messages:
+            c = m.content
+            if isinstance(c, list):
+                c = "".join(str(part.get("text", "")) for part in c if part.get("type", "text") == "text")
+            msgs.append({"role": m.role, "content": c or ""})
+        try:
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt
+                                           and not continue_final_message,
+                                           continue_final_message=continue_final_message, **(kwargs or {}))
+        except Exception as e:
+            raise OpenAIError(400, f"messages: the chat template failed: {type(e).__name__}: {e}",
+                              param="messages") from None
+        ids = list(tok(text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise OpenAIError(400, "messages: the chat template produced an empty prompt.", param="messages")
+        return text, ids
+
+    # ------------------------------------------------------------------------------------------- logprobs
+    def completion_logprobs(self, token_ids: list[int], lps: list[dict], offset0: int) -> dict:
+        """OpenAI completions shape: tokens, token_logprobs, top_logprobs (dict per position), text_offset."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = offset0
+        for tid, d in zip(token_ids, lps):
+            s = self.token_text(tid)
+            tokens.append(s)
+            token_lps.append(d.get(tid))
+            tops.append({self.token_text(t): v for t, v in sorted(d.items(), key=lambda kv: -kv[1])})
+            offsets.append(off)
+            off += len(s)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids: list[int], lps: list[dict], k: int) -> dict:
+        """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+        content = []
+        for tid, d in zip(token_ids, lps):
+            s = self.token_text(tid)
+            top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
+            content.append({"token": s, "logprob": d.get(tid), "bytes": list(s.encode("utf-8")),
+                            "top_logprobs": [{"token": self.token_text(t), "logprob": v,
+                                              "bytes": list(self.token_text(t).encode("utf-8"))} for t, v in top]})
+        return {"content": content}
+
+    # -------------------------------------------------------------------------------------------- running
+    async def collect(self, gen: AsyncIterator[RequestOutput], raw: Request) -> RequestOutput:
+        """Run a request to the end; abort it if the client goes away meanwhile."""
+        async def last() -> RequestOutput:
+            final = None
+            async for out in gen:
+                final = out
+            return final
+
+        task = asyncio.ensure_future(last())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    return task.result()
+                if await raw.is_disconnected():
+                    task.cancel()
+                    try:
+                        await task
+                    except BaseException:
+                        pass
+                    raise OpenAIError(499, "client disconnected")
+        finally:
+            if not task.done():
+                task.cancel()
+
+    @staticmethod
+    def usage(out: RequestOutput) -> dict:
+        p = len(out.prompt_token_ids)
+        c = sum(len(o.token_ids) for o in out.outputs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | None = None,
+              metrics: ServerMetrics | None = None) -> FastAPI:
+    """The FastAPI app serving ``async_llm`` (already started) as ``served_model_name``.
+
+    Hooks a :class:`ServerMetrics` into the engine thread's callbacks unless they are already set.
+    ``app.state.shutting_down = True`` makes new requests fail with 503.
+    """
+    app = FastAPI(title="tokenfab OpenAI-compatible server", version=_version())
+    serving = OpenAIServing(async_llm, served_model_name, model_path)
+    metrics = metrics or ServerMetrics(served_model_name)
+    if async_llm.on_step is None:
+        async_llm.on_step = metrics.on_step
+    if async_llm.on_finish is None:
+        async_llm.on_finish = metrics.on_finish
+    app.state.async_llm = async_llm
+    app.state.metrics = metrics
+    app.state.serving = serving
+    app.state.shutting_down = False
+
+    # ------------------------------------------------------------------------------------------- errors
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        parts, param = [], None
+        for e in errs[:5]:
+            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            field = ".".join(loc) or "body"
+            if e.get("type") == "json_invalid":
+                parts.append(f"malformed JSON body: {e.get('msg')} ({e.get('ctx', {}).get('error', '')})".strip())
+            else:
+                param = param or (loc[0] if loc else None)
+                parts.append(f"{field}: {e.get('msg')}")
+        return JSONResponse(error_body(400, "; ".join(parts) or "invalid request", param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        msg = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            msg = f"{request.url.path}: not found"
+        return JSONResponse(error_body(exc.status_code, msg), status_code=exc.status_code)
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(request: Request, exc: OpenAIError):
+        return _err(exc)
+
+    def _check_live() -> None:
+        if app.state.shutting_down or not async_llm.is_running:
+            raise OpenAIError(503, "the server is shutting down; no new requests are accepted.")
+
+    # ------------------------------------------------------------------------------------------- plain
+    @app.get("/health")
+    async def health():
+        if app.state.shutting_down or not async_llm.is_running:
+            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    @app.get("/v1/models")
+    async def models():
+        card = ModelCard(id=served_model_name, root=model_path or served_model_name,
+                         max_model_len=async_llm.max_model_len)
+        return ModelList(data=[card]).model_dump()
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(async_llm.get_stats()), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        serving.check_model(req.model)
+        if serving.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer.")
+        if req.messages is not None:
+            _, ids = serving.chat_prompt(req.messages, req.add_generation_prompt)
+        elif req.prompt is not None:
+            ids = list(serving.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+        else:
+            raise OpenAIError(400, "give either prompt or messages.", param="prompt")
+        return {"tokens": ids, "count": len(ids), "max_model_len": async_llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        serving.check_model(req.model)
+        if serving.tokenizer is None:
+            raise OpenAIError(400, "this model has no tokenizer.")
+        if req.tokens:
+            serving.check_ids(req.tokens, "tokens")
+        return {"prompt": serving.tokenizer.decode(req.tokens)}
+
+    # ------------------------------------------------------------------------------------------ completions
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, raw: Request):
+        _check_live()
+        serving.check_model(req.model)
+        if req.echo and req.logprobs is not None:
+            raise OpenAIError(400, "echo together with logprobs is not supported yet.", param="echo")
+        if req.suffix:
+            raise OpenAIError(400, "suffix is not supported.", param="suffix")
+        if req.best_of not in (None, req.n):
+            raise OpenAIError(400, "best_of other than n is not supported.", param="best_of")
+        prompt, ids = serving.completion_prompt(req)
+        max_tokens = serving.check_length(len(ids), req.max_tokens)
+        params = serving.sampling_params(req, max_tokens, req.logprobs)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = req.model or served_model_name
+        echo_text = ""
+        if req.echo:
+            echo_text = prompt if prompt is not None else serving.tokenizer.decode(ids)
+        gen = async_llm.generate(rid, prompt, ids, params)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream_completion(gen, rid, created, model, req.n, echo_text, include_usage,
+                                                        req.logprobs is not None, _hold(params)),
+                                     media_type="text/event-stream")
+        try:
+            out = await serving.collect(gen, raw)
+        except OpenAIError:
+            raise
+        except Exception as e:
+            raise _map_exception(e) from None
+        choices = []
+        for o in out.outputs:
+            lp = serving.completion_logprobs(o.token_ids, o.logprobs, 0) if req.logprobs is not None else None
+            choices.append({"index": o.index, "text": echo_text + o.text, "logprobs": lp,
+                            "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                "usage": serving.usage(out)}
+
+    async def _stream_completion(gen, rid, created, model, n, echo_text, include_usage, want_lp, hold):
+        """SSE chunks of a completion; ``hold`` characters stay unsent until the end (a stop string may be
+        forming there and would be cut from the final text)."""
+        sent_text = [""] * n
+        sent_tok = [0] * n
+        done = [False] * n
+        echoed = [not echo_text] * n
+        last = None
+        try:
+            async for out in gen:
+                last = out
+                for o in out.outputs:
+                    i = o.index
+                    if done[i]:
+                        continue
+                    end = len(o.text) if o.finish_reason is not None else max(len(sent_text[i]),
+                                                                                 len(o.text) - hold)
+                    delta = o.text[len(sent_text[i]):end]
+                    if not delta and o.finish_reason is None:
+                        continue
+                    new_ids = o.token_ids[sent_tok[i]:]
+                    lp = None
+                    if want_lp:
+                        lp = serving.completion_logprobs(new_ids, o.logprobs[sent_tok[i]:],
+                                                         len(sent_text[i]) + len(echo_text))
+                    text = delta
+                    if not echoed[i]:
+                        text, echoed[i] = echo_text + delta, True
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                             "choices": [{"index": i, "text": text, "logprobs": lp,
+                                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]}
+                    sent_text[i], sent_tok[i] = o.text[:end], len(o.token_ids)
+                    done[i] = o.finish_reason is not None
+                    yield _sse(chunk)
+            if include_usage and last is not None:
+                yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                            "choices": [], "usage": serving.usage(last)})
+        except Exception as e:
+            err = _map_exception(e)
+            yield _sse(error_body(err.status, err.message, err.type, err.param))
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------------------------------------ chat
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, raw: Request):
+        _check_live()
+        serving.check_model(req.model)
+        _, ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                     req.chat_template_kwargs)
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        want = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = serving.check_length(len(ids), want, field)
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        if req.top_logprobs and not req.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+        params = serving.sampling_params(req, max_tokens, k)
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        model = req.model or served_model_name
+        gen = async_llm.generate(rid, None, ids, params)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return StreamingResponse(_stream_chat(gen, rid, created, model, req.n, include_usage, k, _hold(params)),
+                                     media_type="text/event-stream")
+        try:
+            out = await serving.collect(gen, raw)
+        except OpenAIError:
+            raise
+        except Exception as e:
+            raise _map_exception(e) from None
+        choices = []
+        for o in out.outputs:
+            lp = serving.chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None
+            choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
+                            "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                "usage": serving.usage(out)}
+
+    async def _stream_chat(gen, rid, created, model, n, include_usage, k, hold):
+        """SSE chunks of a chat completion (role chunk first); ``hold`` as in _stream_completion."""
+        sent_text = [""] * n
+        sent_tok = [0] * n
+        done = [False] * n
+
+        def chunk(choices):
+            return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                         "choices": choices})
+
+        last = None
+        try:
+            for i in range(n):
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}])
+            async for out in gen:
+                last = out
+                for o in out.outputs:
+                    i = o.index
+                    if done[i]:
+                        continue
+                    end = len(o.text) if o.finish_reason is not None else max(len(sent_text[i]),
+                                                                                 len(o.text) - hold)
+                    delta = o.text[len(sent_text[i]):end]
+                    if not delta and o.finish_reason is None:
+                        continue
+                    lp = None
+                    if k is not None:
+                        lp = serving.chat_logprobs(o.token_ids[sent_tok[i]:], o.logprobs[sent_tok[i]:], k)
+                    d = {"content": delta} if delta else {}
+                    sent_text[i], sent_tok[i] = o.text[:end], len(o.token_ids)
+                    done[i] = o.finish_reason is not None
+                    yield chunk([{"index": i, "delta": d, "logprobs": lp, "finish_reason": o.finish_reason,
+                                  "stop_reason": o.stop_reason}])
+            if include_usage and last is not None:
+                yield chunk_usage(rid, created, model, serving.usage(last))
+        except Exception as e:
+            err = _map_exception(e)
+            yield _sse(error_body(err.status, err.message, err.type, err.param))
+        yield "data: [DONE]\n\n"
+
+    def chunk_usage(rid, created, model, usage):
+        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": [], "usage": usage})
+
+    return app
+
+
+# --------------------------------------------------------------------------------------------------- running
+def engine_config_from_args(args: argparse.Namespace):
+    """``tokenfab serve`` flags -> EngineConfig (model defaults to the embedded default model)."""
+    from tokenfab.engine.engine_config import EngineConfig
+
+    model = args.model
+    if not model:
+        from tokenfab.default_model import describe, ensure_default_model
+        model = ensure_default_model()
+        print(f"[tokenfab] model: {describe()}", flush=True)
+    return EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+                        tensor_parallel_size=args.tensor_parallel_size)
+
+
+class ServerHandle:
+    """A uvicorn server running ``app`` on a background thread (tests, ``tokenfab demo``).
+
+    ``port`` is the bound port (pass 0 to pick a free one). :meth:`stop` shuts uvicorn and the engine down.
+    """
+
+    def __init__(self, app: FastAPI, async_llm: AsyncLLM, host: str = "127.0.0.1", port: int = 0):
+        import socket
+        import threading
+
+        import uvicorn
+
+        self.app, self.async_llm, self.host = app, async_llm, host
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="tokenfab-http", daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.app.state.shutting_down = True
+        self.async_llm.shutdown()
+        self.server.should_exit = True
+        self.thread.join(15)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine from ``tokenfab serve`` flags and serve until Ctrl-C / SIGTERM; shuts down cleanly."""
+    import uvicorn
+
+    config = engine_config_from_args(args)
+    t0 = time.perf_counter()
+    async_llm = AsyncLLM.from_config(config, progress=True)
+    async_llm.start()
+    name = args.served_model_name or config.model
+    app = build_app(async_llm, name, config.model)
+
+    print(f"[tokenfab] engine ready in {time.perf_counter() - t0:.1f} s: model {config.model} as '{name}', "
+          f"max_model_len {config.max_model_len}, {config.num_kv_blocks} KV blocks of {config.block_size} tokens, "
+          f"max_num_seqs {config.max_num_seqs}", flush=True)
+    print(f"[tokenfab] serving on http://{args.host}:{args.port} (OpenAI API under /v1)", flush=True)
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # new requests get 503 while in-flight ones drain
+            app.state.shutting_down = True
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5,
+                                    log_level=getattr(args, "log_level", None) or "warning"))
+    try:
+        server.run()
+    finally:
+        app.state.shutting_down = True
+        async_llm.shutdown()
+        print("[tokenfab] server stopped", flush=True)
+    app.state.shutting_down = True
+    return 0

@@ -1,0 +1,303 @@
+"""AsyncLLM: the bridge between asyncio request handlers and the (thread-unsafe) LLMEngine.
+
+One background thread owns the :class:`~tokenfab.engine.engine.LLMEngine` and runs its step loop. Handlers never
+touch the engine: they put commands (add / abort) on a thread-safe queue and read :class:`RequestOutput` objects
+from a per-request :class:`asyncio.Queue`, filled from the engine thread with ``loop.call_soon_threadsafe``.
+
+Failure isolation:
+
+- a request the engine refuses in ``add_request`` (too long, bad token ids ...) fails alone with that error;
+- an exception inside ``engine.step()`` fails the requests that were running (the ones the failed step touched)
+  with an :class:`EngineStepError`, frees their KV blocks, and the loop keeps going for everything else;
+- after :meth:`AsyncLLM.shutdown` starts, new requests get :class:`EngineShutdownError` (HTTP 503) and in-flight
+  ones are failed with it.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Callable
+
+from tokenfab.outputs import RequestOutput
+from tokenfab.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenfab.server")
+
+
+class EngineShutdownError(RuntimeError):
+    """The server is shutting down: no new requests (HTTP 503)."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step failed while this request was running (HTTP 500); other requests are unaffected."""
+
+
+@dataclass
+class _Stream:
+    """Per-request delivery channel: an asyncio queue on the server's loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    finished: bool = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Deliver from any thread (thread-safe)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+def _snapshot(out: RequestOutput) -> RequestOutput:
+    """Copy the lists the engine thread keeps mutating (logprobs) so handlers read a consistent picture."""
+    outs = [replace(o, token_ids=list(o.token_ids),
+                    logprobs=list(o.logprobs) if o.logprobs is not None else None) for o in out.outputs]
+    plp = list(out.prompt_logprobs) if out.prompt_logprobs is not None else None
+    return replace(out, outputs=outs, prompt_logprobs=plp, metrics=copy.copy(out.metrics))
+
+
+class AsyncLLM:
+    """Run an LLMEngine on a background thread and serve many concurrent asyncio callers.
+
+    Args:
+        engine: a built LLMEngine (this object becomes its only user).
+        on_step: optional callback ``(outputs, stats, step_seconds)`` called on the engine thread after every
+            step (metrics); exceptions in it are logged and ignored.
+        on_finish: optional callback ``(RequestOutput)`` for every finished request (engine thread).
+
+    Use :meth:`start` once, ``async for out in generate(...)`` per request, :meth:`shutdown` at the end.
+    """
+
+    def __init__(self, engine, on_step: Callable | None = None, on_finish: Callable | None = None):
+        self.engine = engine
+        self.tokenizer = self._private_tokenizer(engine.tokenizer)
+        self.max_model_len: int = engine.max_model_len
+        self.model_config = engine.model_config
+        self.on_step = on_step
+        self.on_finish = on_finish
+        self._cmds: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._stats: dict = engine.get_stats()
+        self._stats_lock = threading.Lock()
+        self.dead_error: BaseException | None = None
+        self.num_aborted = 0  # requests aborted before finishing (client went away); engine thread writes it
+        self.num_step_failures = 0  # engine steps that raised
+
+    @staticmethod
+    def _private_tokenizer(tok):
+        """Handlers tokenize on the event-loop thread while the engine decodes on its own: give them a copy."""
+        if tok is None:
+            return None
+        try:
+            return copy.deepcopy(tok)
+        except Exception:
+            return tok
+
+    @classmethod
+    def from_config(cls, config, progress: bool = False, **kw) -> "AsyncLLM":
+        """Build the engine from an EngineConfig and wrap it (not started)."""
+        from tokenfab.engine.engine import LLMEngine
+
+        return cls(LLMEngine.from_config(config, progress=progress), **kw)
+
+    # ------------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="tokenfab-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def is_stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Refuse new requests, fail in-flight ones with EngineShutdownError, stop and join the engine thread."""
+        self._stopping.set()
+        self._cmds.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def get_stats(self) -> dict:
+        """The engine's latest gauges/counters (copied from the engine thread after each step)."""
+        with self._stats_lock:
+            return dict(self._stats)
+
+    # -------------------------------------------------------------------------------------------------- requests
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its cumulative RequestOutputs until it finishes.
+
+        Several engine steps may be merged into one yielded output when the consumer is slower than the engine
+        (outputs are cumulative, so nothing is lost). If the consumer stops early (client disconnect, cancellation)
+        the request is aborted and its KV blocks freed.
+
+        Raises:
+            EngineShutdownError: the server is shutting down.
+            PromptTooLongError, ValueError: refused by the engine's ``add_request``.
+            EngineStepError: an engine step failed while the request was running.
+        """
+        if self._stopping.is_set() or self._thread is None or not self._thread.is_alive():
+            raise EngineShutdownError("the server is shutting down; no new requests are accepted.")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._cmds.put(("add", request_id, prompt, prompt_token_ids, params, time.monotonic(), stream))
+        finished = False
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(stream.queue.get(), timeout=2.0)
+                except asyncio.TimeoutError:
+                    if self._thread is None or not self._thread.is_alive():  # added after the loop's last drain
+                        finished = True
+                        raise EngineShutdownError("the server is shutting down; the request was not finished.")
+                    continue
+                while not stream.queue.empty():  # coalesce: only the latest cumulative output matters
+                    nxt = stream.queue.get_nowait()
+                    if isinstance(item, BaseException):
+                        break
+                    item = nxt
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe; unknown / finished ids are ignored)."""
+        self._cmds.put(("abort", request_id))
+
+    # ------------------------------------------------------------------------------------------- engine thread
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "add":
+            _, rid, prompt, ids, params, arrival, stream = cmd
+            if self._stopping.is_set():
+                stream.put(EngineShutdownError("the server is shutting down; no new requests are accepted."))
+                return
+            try:
+                self.engine.add_request(rid, prompt, ids, params, arrival_time=arrival)
+            except Exception as e:  # refused: fails this request only
+                stream.put(e)
+                return
+            self._streams[rid] = stream
+        elif kind == "abort":
+            rid = cmd[1]
+            if self._streams.pop(rid, None) is not None:
+                self.num_aborted += 1
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:
+                    logger.exception("abort of request %s failed", rid)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            cmd = self._cmds.get(timeout=0.5) if block else self._cmds.get_nowait()
+        except queue.Empty:
+            return
+        self._handle(cmd)
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(cmd)
+
+    def _fail_running(self, exc: BaseException) -> None:
+        """After a failed step: fail and abort every request with a running sequence; waiting ones stay."""
+        self.num_step_failures += 1
+        sched = self.engine.scheduler
+        victims = {s.request_id for s in list(sched.running)}
+        for rid in victims:
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                logger.exception("could not abort request %s after a failed step", rid)
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(EngineStepError(f"the engine failed while running this request: "
+                                           f"{type(exc).__name__}: {exc}"))
+
+    def _publish_stats(self) -> None:
+        st = self.engine.get_stats()
+        st["num_aborted"] = self.num_aborted
+        st["num_step_failures"] = self.num_step_failures
+        with self._stats_lock:
+            self._stats = st
+
+    def _loop(self) -> None:
+        eng = self.engine
+        try:
+            while not self._stopping.is_set():
+                self._drain(block=not eng.has_unfinished_requests())
+                if self._stopping.is_set():
+                    break
+                if not eng.has_unfinished_requests():
+                    self._publish_stats()
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    outputs = eng.step()
+                except Exception as e:
+                    logger.exception("engine step failed; failing the running requests")
+                    self._fail_running(e)
+                    self._publish_stats()
+                    continue
+                dt = time.perf_counter() - t0
+                delivered = []
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    snap = _snapshot(out)
+                    delivered.append(snap)
+                    if out.finished:
+                        self._streams.pop(out.request_id, None)
+                        if self.on_finish is not None:
+                            try:
+                                self.on_finish(snap)
+                            except Exception:
+                                logger.exception("on_finish callback failed")
+                    stream.put(snap)
+                self._publish_stats()
+                if self.on_step is not None:
+                    try:
+                        self.on_step(delivered, self.get_stats(), dt)
+                    except Exception:
+                        logger.exception("on_step callback failed")
+        except BaseException as e:  # pragma: no cover - a bug in the loop itself
+            self.dead_error = e
+            logger.exception("engine loop died")
+        finally:
+            err = EngineShutdownError("the server is shutting down; the request was not finished.")
+            for rid, stream in list(self._streams.items()):
+                try:
+                    eng.abort_request(rid)
+                except Exception:
+                    pass
+                stream.put(err)
+            self._streams.clear()
+            while True:  # requests queued but never added
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] == "add":
+                    cmd[-1].put(err)
+            self._publish_stats()

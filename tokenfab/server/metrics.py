@@ -1,0 +1,152 @@
+"""Prometheus metrics for ``/metrics``, under vLLM's names (``vllm:...``) so existing dashboards work.
+
+Each :class:`ServerMetrics` owns its own ``CollectorRegistry`` (several servers may live in one process, e.g. in
+tests). Gauges and token counters are synced from the engine's stats when scraped; request histograms are fed
+from the engine thread (``on_step`` / ``on_finish`` callbacks of :class:`~tokenfab.server.async_engine.AsyncLLM`).
+
+Units: all times in seconds; token counts in tokens; ``vllm:kv_cache_usage_perc`` is a fraction in [0, 1].
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import disable_created_metrics
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+
+class ServerMetrics:
+    """The server's metric set, labelled ``model_name`` (vLLM's label).
+
+    Exposed (vLLM names): ``vllm:num_requests_running`` / ``_waiting`` (gauges, sequences), ``vllm:kv_cache_usage_perc``
+    (gauge, 0..1), ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total`` / ``vllm:num_preemptions_total``
+    / ``vllm:request_success_total{finished_reason}`` (counters), the histograms
+    ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``,
+    ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
+    ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``, and the speculative-decoding counters
+    ``vllm:spec_decode_num_drafts_total`` / ``_num_draft_tokens_total`` / ``_num_accepted_tokens_total`` (0: no
+    drafter yet). tokenfab adds ``tokenfab:num_aborted_requests_total`` and
+    ``tokenfab:num_engine_step_failures_total``.
+    """
+
+    def __init__(self, model_name: str):
+        disable_created_metrics()  # no *_created series (as vLLM)
+        self.model_name = model_name
+        self.registry = reg = CollectorRegistry()
+        L = ["model_name"]
+        self.running = Gauge("vllm:num_requests_running", "Number of sequences in model execution batches.", L,
+                             registry=reg)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of sequences waiting to be processed.", L,
+                             registry=reg)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L,
+                              registry=reg)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L, registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", L,
+                                         registry=reg)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", L,
+                                   registry=reg)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               L + ["finished_reason"], registry=reg)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", L,
+                                   registry=reg)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", L,
+                                         registry=reg)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", L,
+                                     registry=reg)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              L, buckets=_LATENCY_BUCKETS, registry=reg)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds",
+                              "Histogram of time per output token in seconds.", L, buckets=_ITL_BUCKETS,
+                              registry=reg)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", L,
+                             buckets=_ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             L, buckets=_LATENCY_BUCKETS, registry=reg)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", L,
+                                    buckets=_LATENCY_BUCKETS, registry=reg)
+        self.req_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens per request.",
+                                           L, buckets=_TOKEN_BUCKETS, registry=reg)
+        self.req_gen_tokens = Histogram("vllm:request_generation_tokens",
+                                        "Number of generation tokens per request.", L, buckets=_TOKEN_BUCKETS,
+                                        registry=reg)
+        self.aborted = Counter("tokenfab:num_aborted_requests", "Requests aborted before finishing (client gone).",
+                               L, registry=reg)
+        self.step_failures = Counter("tokenfab:num_engine_step_failures", "Engine steps that raised an error.", L,
+                                     registry=reg)
+        for m in (self.aborted, self.step_failures, self.prompt_tokens, self.generation_tokens, self.preemptions, self.spec_drafts,
+                  self.spec_draft_tokens, self.spec_accepted):
+            m.labels(model_name).inc(0)
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason).inc(0)
+        self._lock = threading.Lock()
+        self._seen = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "num_preemptions": 0,
+                      "num_aborted": 0, "num_step_failures": 0}
+        self._last: dict[str, tuple[float, int]] = {}  # request id -> (time of last token, tokens so far)
+
+    # ------------------------------------------------------------------------------------------- engine thread
+    def on_step(self, outputs, stats: dict, step_seconds: float) -> None:
+        """Observe inter-token gaps of the requests that progressed in a step (called on the engine thread)."""
+        now = time.monotonic()
+        m = self.model_name
+        for out in outputs:
+            ntok = sum(len(o.token_ids) for o in out.outputs)
+            prev = self._last.get(out.request_id)
+            if prev is not None and ntok > prev[1]:
+                gap = (now - prev[0]) / (ntok - prev[1])
+                for _ in range(ntok - prev[1]):
+                    self.itl.labels(m).observe(gap)
+                    self.tpot.labels(m).observe(gap)
+            if out.finished:
+                self._last.pop(out.request_id, None)
+            else:
+                self._last[out.request_id] = (now, ntok)
+        if len(self._last) > 4096:  # aborted requests never finish: forget the stale ones
+            cutoff = now - 600.0
+            self._last = {k: v for k, v in self._last.items() if v[0] >= cutoff}
+        self.sync(stats)
+
+    def on_finish(self, out) -> None:
+        """Observe a finished request's latencies and token counts (engine thread)."""
+        m = self.model_name
+        met = out.metrics
+        if met is not None:
+            end = met.finished_time or time.monotonic()
+            if met.first_token_time is not None:
+                self.ttft.labels(m).observe(max(0.0, met.first_token_time - met.arrival_time))
+            self.e2e.labels(m).observe(max(0.0, end - met.arrival_time))
+            if met.first_scheduled_time is not None:
+                self.queue_time.labels(m).observe(max(0.0, met.first_scheduled_time - met.arrival_time))
+        self.req_prompt_tokens.labels(m).observe(len(out.prompt_token_ids))
+        self.req_gen_tokens.labels(m).observe(sum(len(o.token_ids) for o in out.outputs))
+        for o in out.outputs:
+            self.success.labels(m, o.finish_reason or "abort").inc()
+
+    # ---------------------------------------------------------------------------------------------------- any
+    def sync(self, stats: dict) -> None:
+        """Set gauges and advance counters from the engine's cumulative stats (thread-safe)."""
+        m = self.model_name
+        with self._lock:
+            self.running.labels(m).set(stats.get("num_running", 0))
+            self.waiting.labels(m).set(stats.get("num_waiting", 0))
+            self.kv_usage.labels(m).set(stats.get("kv_cache_usage", 0.0))
+            for key, counter in (("prompt_tokens_total", self.prompt_tokens),
+                                 ("generation_tokens_total", self.generation_tokens),
+                                 ("num_preemptions", self.preemptions), ("num_aborted", self.aborted),
+                                 ("num_step_failures", self.step_failures)):
+                cur = int(stats.get(key, 0))
+                if cur > self._seen[key]:
+                    counter.labels(m).inc(cur - self._seen[key])
+                    self._seen[key] = cur
+
+    def render(self, stats: dict) -> bytes:
+        """The Prometheus text exposition, after syncing with ``stats``."""
+        self.sync(stats)
+        return generate_latest(self.registry)

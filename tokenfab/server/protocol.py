@@ -1,0 +1,149 @@
+"""Request and response models of the OpenAI-compatible API (OpenAI's field names plus vLLM's extensions).
+
+Requests are pydantic models: a wrong type or out-of-range value becomes a 400 with OpenAI's error JSON
+(``{"error": {"message", "type", "param", "code"}}``) naming the field. Unknown fields are ignored (as OpenAI and
+vLLM do). Streamed chunks and full responses are plain dicts in OpenAI's shape, built by the serving code.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class OpenAIError(Exception):
+    """An error to return as OpenAI's error JSON with HTTP ``status``.
+
+    Attributes:
+        status: HTTP status (400, 404, 500, 503).
+        message: one line naming the field at fault.
+        type: OpenAI's error type ("BadRequestError", "NotFoundError", ...).
+        param: the request field at fault, or None.
+    """
+
+    def __init__(self, status: int, message: str, type: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
+                             503: "ServiceUnavailableError"}.get(status, "BadRequestError")
+        self.param = param
+
+
+def error_body(status: int, message: str, type: str | None = None, param: str | None = None) -> dict:
+    """OpenAI's error JSON. ``code`` is the HTTP status (as vLLM sends it)."""
+    e = OpenAIError(status, message, type, param)
+    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": status}}
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class StreamOptions(_Base):
+    """``include_usage``: send a final chunk with ``usage`` and empty ``choices``."""
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Base):
+    """Sampling fields shared by completions and chat (OpenAI names, vLLM extensions at the end)."""
+
+    model: Optional[str] = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0 ** 16)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: Optional[str] = None
+    # vLLM extensions
+    top_k: Optional[int] = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: Optional[list[int]] = None
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: text, token ids, or a one-element list of either."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+
+class ChatMessage(_Base):
+    """One chat message; ``content`` as text or OpenAI content parts (only ``text`` parts are used)."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` (new name) wins over ``max_tokens``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    logit_bias: Optional[dict[str, float]] = None
+
+
+class TokenizeRequest(_Base):
+    """``POST /tokenize`` (vLLM): a ``prompt`` string or chat ``messages``."""
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Base):
+    """``POST /detokenize`` (vLLM): token ids -> ``{"prompt": text}``."""
+
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+class UsageInfo(_Base):
+    """Token counts of one request (tokens)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ModelCard(_Base):
+    """One entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "tokenfab"
+    root: Optional[str] = None
+    parent: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Base):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
