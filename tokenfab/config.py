@@ -235,6 +235,9 @@ def parse_config(cfg: dict, gen_cfg: dict | None = None) -> ModelConfig:
         ConfigError: unknown architecture / model_type, unsupported rope type or activation, a missing field.
     """
     archs = cfg.get("architectures") or []
+    from tokenfab.config_kimi import KIMI_ARCHITECTURES, KIMI_MODEL_TYPES, parse_kimi_config
+    if any(a in KIMI_ARCHITECTURES for a in archs) or (not archs and cfg.get("model_type") in KIMI_MODEL_TYPES):
+        return parse_kimi_config(cfg, gen_cfg)  # Kimi Linear / Kimi K3 (hybrid KDA + MLA): tokenfab/config_kimi.py
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         got = archs[0] if archs else "(none)"

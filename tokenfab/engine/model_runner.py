@@ -67,6 +67,8 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.device = device
         self.kv_caches = model.make_kv_cache(block_manager.num_blocks, self.block_size, dtype, device)
+        if hasattr(model, "make_state_cache"):  # hybrid models: per-request KDA state slots by row (state_cache.py)
+            model.make_state_cache(self.kv_caches, max_num_seqs, dtype, device)
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
         self.sampler = sampler
         self.eos_ids: list[int] = []
@@ -113,7 +115,7 @@ class ModelRunner:
             slot_mapping=torch.from_numpy(slots).to(self.device),
             decode=self._group(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
             prefill=self._group(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None,
-            num_tokens=T, block_size=bs)
+            num_tokens=T, block_size=bs, state_rows=torch.from_numpy(rows).to(self.device))
         pos_t = torch.from_numpy(positions).to(self.device)
         hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
 

@@ -47,6 +47,8 @@ class AttentionMetadata:
         prefill: group of sequences with a prefill chunk (q_len = longest chunk), or None.
         num_tokens: T.
         block_size: tokens per KV block.
+        state_rows: [B] int64 scheduler row of each sequence (decode group first, then prefill), the index of its
+            recurrent-state slot in hybrid models (engine/state_cache.py); None when not provided.
     """
 
     slot_mapping: torch.Tensor
@@ -54,3 +56,4 @@ class AttentionMetadata:
     prefill: AttentionGroup | None
     num_tokens: int
     block_size: int
+    state_rows: torch.Tensor | None = None

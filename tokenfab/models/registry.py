@@ -14,6 +14,10 @@ def get_model_class(cfg: ModelConfig):
         from tokenfab.models.qwen3_moe import Qwen3MoeForCausalLM as cls
     elif cfg.family == "deepseek_v3":
         from tokenfab.models.deepseek_v3 import DeepseekV3ForCausalLM as cls
+    elif cfg.family == "kimi_linear":
+        from tokenfab.models.kimi_linear import KimiLinearForCausalLM as cls
+    elif cfg.family == "kimi_k3":
+        from tokenfab.models.kimi_linear import KimiK3ForConditionalGeneration as cls
     else:  # pragma: no cover - parse_config guards this
         raise ValueError(f"no model class for family {cfg.family}")
     return cls

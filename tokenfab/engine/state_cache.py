@@ -1,0 +1,57 @@
+"""Per-request recurrent-state slots for linear-attention (KDA) layers of hybrid models (Kimi Linear, Kimi K3).
+
+MLA layers keep their per-token latents in the paged KV pool; a KDA layer keeps a fixed-size state per request
+instead, whatever the sequence length:
+
+* ``conv``: [num_slots, 3 * H * D, kernel - 1] in the activation dtype: the last ``kernel - 1`` inputs of the
+  depthwise causal short convolution over the concatenated q | k | v projections (oldest first);
+* ``recurrent``: [num_slots, H, D_k, D_v] float32: the gated-delta-rule state S (o_t = S_t^T q_t).
+
+Slot = the sequence's scheduler ``row`` (``AttentionMetadata.state_rows``): rows are unique among running sequences,
+so requests sharing a batch never touch each other's state. A slot is reset (zeroed) when its sequence runs its
+position 0, which covers admission and re-admission after preemption (recompute from scratch); a freed row needs no
+clearing because the next sequence in it starts at position 0. Chunked prefill carries the state across steps
+because the slot persists while the sequence runs.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KDAStateCache:
+    """State slots of one KDA layer.
+
+    Args:
+        num_slots: rows (max_num_seqs).
+        conv_dim: channels of the short convolution (3 * num_heads * head_dim).
+        kernel: convolution taps; the conv state keeps ``kernel - 1`` inputs.
+        num_heads, head_dim: KDA heads and their (key = value) width.
+        dtype: activation dtype of the conv state; the recurrent state is always float32.
+    """
+
+    def __init__(self, num_slots: int, conv_dim: int, kernel: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device):
+        self.conv = torch.zeros(num_slots, conv_dim, max(kernel - 1, 0), dtype=dtype, device=device)
+        self.recurrent = torch.zeros(num_slots, num_heads, head_dim, head_dim, dtype=torch.float32, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.recurrent.shape[0])
+
+    def nbytes_per_slot(self) -> int:
+        """Bytes of one request's state in this layer."""
+        return (self.conv[0].numel() * self.conv.element_size()
+                + self.recurrent[0].numel() * self.recurrent.element_size())
+
+    def read(self, rows: torch.Tensor, fresh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the states of ``rows`` [B] (int64), zeros where ``fresh`` [B] (bool: the sequence starts at
+        position 0 this step). Returns (conv [B, C, K-1], recurrent [B, H, D, D] float32)."""
+        f = fresh.view(-1, 1, 1)
+        conv = torch.where(f, torch.zeros((), dtype=self.conv.dtype, device=f.device), self.conv[rows])
+        rec = torch.where(f.unsqueeze(-1), torch.zeros((), device=f.device), self.recurrent[rows])
+        return conv, rec
+
+    def write(self, rows: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Store the states after this step for ``rows`` [B]."""
+        self.conv[rows] = conv.to(self.conv.dtype)
+        self.recurrent[rows] = recurrent.to(torch.float32)

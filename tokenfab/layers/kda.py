@@ -1,0 +1,253 @@
+"""Kimi Delta Attention (KDA): gated linear attention with a per-channel decay and the delta rule, batched over the
+engine's decode group and padded prefill group, with per-request state slots (tokenfab/engine/state_cache.py).
+
+Per head (D = head_dim, key width = value width = D), for token t of one sequence:
+
+    q_t, k_t, v_t = silu(causal_conv_K(W_q x)), ...          depthwise causal short conv of K taps over the sequence
+    q_t <- l2norm(q_t) * D^-0.5 ; k_t <- l2norm(k_t)            l2norm(x) = x / sqrt(sum x^2 + 1e-6)   (FLA, fp32)
+    beta_t = sigmoid(b_proj x_t)                                one scalar per head
+    g_t = -exp(A_log) * softplus(f_b(f_a x_t) + dt_bias)        per-channel log-decay [D] (softplus(x) = x for x > 20)
+        or, with ``gate_lower_bound`` lb:  lb * sigmoid(exp(A_log) * (f_b(f_a x_t) + dt_bias))
+    S_t = diag(exp(g_t)) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T      S: [D_k, D_v] float32
+    o_t = S_t^T q_t
+    y_t = o_proj( RMSNorm_D(o_t) * sigmoid(gate_t) )           gate = g_b(g_a x) (low rank) or g_proj x (full rank)
+
+Sources: transformers 5 ``modeling_kimi_linear.py`` (``KimiLinearDeltaAttention``, ``KimiLinearForgetGate``,
+``recurrent_kimi_delta_attention``, ``chunk_kimi_delta_attention``, ``KimiLinearRMSNormGated``, ``l2norm``); the
+bounded gate follows transformers' ``Glm5NextTextForgetGate`` (``safe_gate_lower_bound * sigmoid(exp(A_log) * g)``,
+FLA ``fla/ops/kda/gate.py``).
+
+Decode runs the recurrence one token at a time (vectorized over sequences); prefill runs the chunkwise (WY)
+form in chunks of 64 tokens, vectorized over the sequences of the padded prefill group, with bounded memory
+(one chunk's [B, H, C, C, D] decay tensor at a time). Padded positions get q = k = v = 0, beta = 0, g = 0, which
+leaves the state unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
+from tokenfab.layers.linear import Linear
+
+KDA_CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's form: + eps, not max(., eps))."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def kda_log_decay(g: torch.Tensor, a_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Per-channel log-decay from the gate pre-activation.
+
+    Args:
+        g: [..., H, D] float32 = f_b(f_a x) + dt_bias.
+        a_log: [H] float32 (this rank's heads).
+        lower_bound: None -> -exp(A_log) * softplus(g) (softplus(g) = g where g > 20, else log(1 + exp(g)));
+            else lower_bound * sigmoid(exp(A_log) * g) (values in (lower_bound, 0)).
+
+    Returns:
+        [..., H, D] float32 log-decay (<= 0).
+    """
+    a = a_log.float().exp().view(-1, 1)
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * g)
+    return -a * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+
+def kda_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule for a batch of sequences.
+
+    Args (float32): q, k [B, H, Dk] (normalized, q scaled); v [B, H, Dv]; g [B, H, Dk] log-decay; beta [B, H];
+        state [B, H, Dk, Dv].
+
+    Returns:
+        (o [B, H, Dv], new state [B, H, Dk, Dv]).
+    """
+    state = state * g.exp().unsqueeze(-1)
+    kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return (state * q.unsqueeze(-1)).sum(dim=-2), state
+
+
+def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor, chunk_size: int = KDA_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over L tokens in chunks (WY form), equal to L recurrent steps.
+
+    Within a chunk (G = cumulative log-decay from the chunk start, all per channel):
+        M[i, j] = sum_d beta_i k_i[d] k_j[d] exp(G_i[d] - G_j[d])  (j < i);  T = (I + M)^-1
+        U = T (beta v);  W = T (beta k exp(G))
+        v_new = U - W S;  o = (q exp(G)) S + tril(q k^T exp(G_i - G_j)) v_new
+        S <- exp(G_last) S + (k exp(G_last - G))^T v_new
+    which is transformers' ``chunk_kimi_delta_attention`` with the forward substitution done by a unit-lower-
+    triangular solve.
+
+    Args (float32): q, k [B, H, L, Dk] (normalized, q scaled); v [B, H, L, Dv]; g [B, H, L, Dk]; beta [B, H, L];
+        state [B, H, Dk, Dv] initial state.
+
+    Returns:
+        (o [B, H, L, Dv], final state [B, H, Dk, Dv]).
+    """
+    B, H, L, Dk = k.shape
+    C = chunk_size
+    pad = (-L) % C
+    if pad:
+        q, k, v, g = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, pad))
+    dev = q.device
+    strict_upper = torch.triu(torch.ones(C, C, dtype=torch.bool, device=dev), diagonal=1)
+    upper = torch.triu(torch.ones(C, C, dtype=torch.bool, device=dev), diagonal=0)
+    eye = torch.eye(C, dtype=torch.float32, device=dev)
+    out = torch.empty(B, H, L + pad, v.shape[-1], dtype=torch.float32, device=dev)
+    S = state
+    for c0 in range(0, L + pad, C):
+        qc, kc, vc = q[:, :, c0:c0 + C], k[:, :, c0:c0 + C], v[:, :, c0:c0 + C]
+        bc = beta[:, :, c0:c0 + C].unsqueeze(-1)
+        G = g[:, :, c0:c0 + C].cumsum(dim=-2)
+        kb, vb = kc * bc, vc * bc
+        decay = (G.unsqueeze(-2) - G.unsqueeze(-3)).masked_fill(strict_upper[..., None], float("-inf")).exp()
+        M = (kb.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1).masked_fill(upper, 0.0)
+        Tinv = torch.linalg.solve_triangular(eye + M, eye.expand_as(M), upper=False, unitriangular=True)
+        U = Tinv @ vb
+        W = Tinv @ (kb * G.exp())
+        Aqk = (qc.unsqueeze(-2) * kc.unsqueeze(-3) * decay).sum(-1).masked_fill(strict_upper, 0.0)
+        v_new = U - W @ S
+        out[:, :, c0:c0 + C] = (qc * G.exp()) @ S + Aqk @ v_new
+        g_last = G[:, :, -1:]
+        S = S * g_last.transpose(-1, -2).exp() + (kc * (g_last - G).exp()).transpose(-1, -2) @ v_new
+    return out[:, :, :L], S
+
+
+class ShortConvWeight(nn.Module):
+    """Holds a depthwise causal conv kernel ``weight`` [channels, 1, kernel] (checkpoint name ``*_conv1d.weight``)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the head dim in float32, times sigmoid(gate) (transformers ``KimiLinearRMSNormGated``).
+
+    x, gate [..., D] -> [..., D] in x's dtype: (w * x / sqrt(mean(x^2) + eps)) * sigmoid(gate), all float32.
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = self.weight.float() * h
+        return (h * torch.sigmoid(gate.float())).to(dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """A KDA layer: x [T, hidden] -> [T, hidden]; its cache entry is a :class:`KDAStateCache`.
+
+    Args:
+        cfg: a :class:`tokenfab.config_kimi.KimiConfig`.
+        head_range: [h0, h1) of the KDA heads this module owns (tensor parallel); default all heads. Per-head
+            tensors (q/k/v/g rows, conv channels, f_b rows, dt_bias, b_proj rows, A_log entries, o_proj columns) are
+            sliced by head; ``A_log`` (stored 1-D, padded or legacy 4-D) is sliced explicitly by the loader
+            (``KimiLinearForCausalLM._a_log_slice``: the first num_heads entries are real, this module takes
+            [h0, h1) of them).
+    """
+
+    def __init__(self, cfg, head_range: tuple[int, int] | None = None):
+        super().__init__()
+        self.total_heads = cfg.kda_num_heads
+        self.h0, self.h1 = head_range or (0, cfg.kda_num_heads)
+        H, D = self.h1 - self.h0, cfg.kda_head_dim
+        self.num_heads, self.head_dim, self.kernel = H, D, cfg.kda_conv_kernel
+        hd = H * D
+        hid = cfg.hidden_size
+        self.q_proj, self.k_proj, self.v_proj = Linear(hid, hd), Linear(hid, hd), Linear(hid, hd)
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConvWeight(hd, self.kernel) for _ in range(3))
+        self.f_a_proj = Linear(hid, D)
+        self.f_b_proj = Linear(D, hd)
+        self.dt_bias = nn.Parameter(torch.empty(hd, dtype=torch.float32), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(H, dtype=torch.float32), requires_grad=False)
+        self.b_proj = Linear(hid, H)
+        self.full_rank_gate = cfg.use_full_rank_gate
+        if self.full_rank_gate:
+            self.g_proj = Linear(hid, hd)
+        else:
+            self.g_a_proj = Linear(hid, D)
+            self.g_b_proj = Linear(D, hd)
+        self.o_norm = GatedRMSNorm(D, cfg.rms_norm_eps)
+        self.o_proj = Linear(hd, hid)
+        self.lower_bound = cfg.gate_lower_bound
+
+    def make_state_cache(self, num_slots: int, dtype: torch.dtype, device):
+        from tokenfab.engine.state_cache import KDAStateCache
+        return KDAStateCache(num_slots, 3 * self.num_heads * self.head_dim, self.kernel, self.num_heads,
+                             self.head_dim, dtype, device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.state_rows is None:
+            raise RuntimeError("KDA layers need AttentionMetadata.state_rows (the scheduler rows of the batch).")
+        T, H, D = x.shape[0], self.num_heads, self.head_dim
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        gpre = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        g = kda_log_decay(gpre.view(T, H, D), self.A_log, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x)).float()
+        pad1 = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])], 0)  # row T: padding
+        qkv_p, g_p, beta_p = pad1(qkv), pad1(g), pad1(beta)
+        core = x.new_empty(T + 1, H, D)
+        d = meta.decode.num_seqs if meta.decode is not None else 0
+        for group, rows in ((meta.decode, meta.state_rows[:d]), (meta.prefill, meta.state_rows[d:])):
+            if group is not None:
+                core[group.token_index.reshape(-1)] = self._run_group(group, rows, qkv_p, g_p, beta_p, cache)
+        core = core[:T]
+        if self.full_rank_gate:
+            gate = self.g_proj(x)
+        else:
+            gate = self.g_b_proj(self.g_a_proj(x))
+        out = self.o_norm(core, gate.view(T, H, D)).reshape(T, H * D)
+        return self.o_proj(out)
+
+    def _run_group(self, group: AttentionGroup, rows: torch.Tensor, qkv_p: torch.Tensor, g_p: torch.Tensor,
+                   beta_p: torch.Tensor, cache) -> torch.Tensor:
+        """KDA for one group; returns [B * Q, H, D] in the activation dtype (flattened like token_index)."""
+        idx = group.token_index  # [B, Q]
+        B, Q = idx.shape
+        H, D, K = self.num_heads, self.head_dim, self.kernel
+        valid = group.query_pos >= 0  # [B, Q]
+        fresh = group.query_pos[:, 0] == 0
+        conv_state, S = cache.read(rows, fresh)
+        # depthwise causal conv over [conv state | this step's inputs]; padded inputs are zero rows (after the
+        # valid ones, so they never reach a valid output)
+        xg = qkv_p[idx]  # [B, Q, 3HD]
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+        full = torch.cat([conv_state.to(xg.dtype), xg.transpose(1, 2)], dim=-1)  # [B, 3HD, K-1+Q]
+        y = F.silu(F.conv1d(full.to(w.dtype), w, groups=w.shape[0])).to(xg.dtype).transpose(1, 2)  # [B, Q, 3HD]
+        if K > 1:
+            n = valid.sum(1)
+            take = (n.view(B, 1) + torch.arange(K - 1, device=n.device).view(1, -1)).unsqueeze(1)
+            new_conv = full.gather(2, take.expand(B, full.shape[1], K - 1))
+        else:
+            new_conv = conv_state
+        vm = valid.view(B, Q, 1, 1)
+        q, k, v = (t.reshape(B, Q, H, D).float() for t in y.split(H * D, dim=-1))
+        q = torch.where(vm, l2norm(q) * D ** -0.5, 0.0)
+        k = torch.where(vm, l2norm(k), 0.0)
+        v = torch.where(vm, v, 0.0)
+        g = torch.where(vm, g_p[idx], 0.0)  # [B, Q, H, D]
+        beta = torch.where(valid.unsqueeze(-1), beta_p[idx], 0.0)  # [B, Q, H]
+        if Q == 1:
+            o, S = kda_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
+            o = o.unsqueeze(1)
+        else:
+            tr = lambda t: t.transpose(1, 2)
+            o, S = kda_chunked(tr(q), tr(k), tr(v), tr(g), tr(beta), S)
+            o = tr(o)
+        cache.write(rows, new_conv, S)
+        return o.to(qkv_p.dtype).reshape(B * Q, H, D)

@@ -1,0 +1,371 @@
+"""Kimi Linear (``KimiLinearForCausalLM``) and Kimi K3 (``KimiK3ForConditionalGeneration``): hybrid stacks of
+Kimi Delta Attention (tokenfab/layers/kda.py, per-request recurrent state) and NoPE MLA (paged latent cache), with
+sigmoid-routed MoE.
+
+Kimi Linear reference: transformers 5 ``modeling_kimi_linear.py`` (NoPE MLA: the qk_rope_head_dim slice of q and
+the shared key is cached and attended but never rotated; softmax scale qk_head_dim^-0.5; MoE = DeepSeek-V3 router
+with shared experts).
+
+Kimi K3 additions (no transformers implementation; formulas from the issue and Moonshot's published modeling code
+as transcribed in public ports, e.g. sglang/vLLM ``kimi_k3`` models: ``SituAndMul``, ``_apply_attn_res``,
+``KimiSparseMoeBlock``):
+
+* gated MLA (``mla_use_output_gate``): o_proj(attn * sigmoid(g_proj x));
+* SiTU-GLU: act(gate, up) = beta * tanh(gate / beta) * sigmoid(gate) * (lb * tanh(up / lb) if lb else up), in
+  float32 (beta = ``activation_situ_beta``, lb = ``activation_situ_linear_beta``); used by the dense MLP, the shared
+  experts and the routed experts (the KDA short conv keeps SiLU);
+* latent MoE: router on x (sigmoid + noaux_tc bias for choice, top-k, renormalise, routed_scaling_factor); routed
+  experts on z = routed_expert_down_proj(x); y = routed_expert_up_proj(RMSNorm(sum_k w_k E_k(z))) (norm when
+  ``latent_moe_use_norm``); plus shared_experts(x);
+* block attention residuals (``attn_res_block_size`` = S), arXiv:2603.15031 "Attention Residuals", block variant, as
+  in Moonshot's ``_apply_attn_res``: sources V = [completed block sums..., current partial sum];
+  mix(V) = sum_n softmax_n(<RMSNorm_noweight(V_n) * norm.weight, proj.weight>) V_n (float32). Layer i:
+  h = mix over (blocks, prefix) with the self_attention_res pair (h = prefix when no block exists yet);
+  if i % S == 0 the prefix closes as a block and a new prefix starts; prefix += attn(input_layernorm(h));
+  h = mix with the mlp_res pair; prefix += mlp(post_attention_layernorm(h)). The embedding is the first block
+  (layer 0 closes it). After the last layer: norm(mix with output_attn_res pair).
+* MXFP4 routed experts (tokenfab/layers/mxfp4.py), dequantised at load time to the engine dtype.
+
+Checkpoint names: published (``block_sparse_moe``, ``experts.{e}.w1/w2/w3``, ``q/k/v_conv1d``) and transformers 5
+runtime names (``mlp``, fused ``experts.gate_up_proj``/``down_proj``, ``conv1d``, ``forget_gate.*``) both load.
+"""
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from tokenfab.errors import WeightLoadError
+from tokenfab.layers.attention_metadata import AttentionMetadata
+from tokenfab.layers.kda import KimiDeltaAttention
+from tokenfab.layers.linear import Linear
+from tokenfab.layers.mla import MLAttention
+from tokenfab.layers.mlp import GatedMLP
+from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
+from tokenfab.layers.mxfp4 import dequantize_mxfp4
+from tokenfab.layers.norm import RMSNorm
+from tokenfab.models.base import CausalLM, layer_index
+from tokenfab.models.llama import DecoderLayer
+
+_W123 = re.compile(r"^(.*\.mlp\.experts\.\d+)\.(w1|w2|w3)\.(weight|weight_packed|weight_scale|weight_shape)$")
+_W_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MX = re.compile(r"^(.*)\.(weight_packed|weight_scale|weight_shape)$")
+_ROUTED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$")
+
+
+class NoRotary(nn.Module):
+    """Identity "rotary embedding" for NoPE MLA: returns q and k unchanged."""
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return q, k
+
+
+def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """SiTU-GLU on [..., 2I] laid out [gate | up] -> [..., I], computed in float32, cast back.
+
+    beta * tanh(gate / beta) * sigmoid(gate) * (linear_beta * tanh(up / linear_beta) if linear_beta else up).
+    Source: Moonshot's ``SituAndMul`` (Kimi K3 modeling), as transcribed in sglang / vLLM / ATOM ports.
+    """
+    dtype = gate_up.dtype
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    a = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
+    if linear_beta is not None:
+        up = linear_beta * torch.tanh(up / linear_beta)
+    return (a * up).to(dtype)
+
+
+class SituMLP(nn.Module):
+    """down(situ_glu([gate(x) | up(x)])); checkpoint names gate_proj / up_proj / down_proj. x [T, H] -> [T, H]."""
+
+    def __init__(self, hidden: int, intermediate: int, beta: float, linear_beta: float | None):
+        super().__init__()
+        self.gate_proj, self.up_proj = Linear(hidden, intermediate), Linear(hidden, intermediate)
+        self.down_proj = Linear(intermediate, hidden)
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return self.down_proj(situ_glu(gu, self.beta, self.linear_beta))
+
+
+class SituRoutedExperts(RoutedExperts):
+    """Routed experts with SiTU-GLU instead of SiLU-GLU (same stacked weights w13 / w2 and grouping)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, beta: float, linear_beta: float | None,
+                 expert_range: tuple[int, int] | None = None):
+        super().__init__(num_experts, hidden, intermediate, expert_range)
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum_k weights * expert_ids(x)."""
+        T, k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // k
+        w_sorted = weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        begin = sum(counts[: self.start])
+        for e in range(self.start, self.end):
+            n = counts[e]
+            if n == 0:
+                continue
+            idx = token_of[begin:begin + n]
+            h = situ_glu(x[idx] @ self.w13[e - self.start].t(), self.beta, self.linear_beta)
+            h = h @ self.w2[e - self.start].t()
+            out.index_add_(0, idx, (h * w_sorted[begin:begin + n, None]).to(out.dtype))
+            begin += n
+        return out
+
+
+def make_mlp(cfg, intermediate: int) -> nn.Module:
+    """Dense gated MLP with the config's activation (SiLU or SiTU)."""
+    if cfg.hidden_act == "situ":
+        return SituMLP(cfg.hidden_size, intermediate, cfg.situ_beta, cfg.situ_linear_beta)
+    return GatedMLP(cfg.hidden_size, intermediate)
+
+
+class KimiMoE(nn.Module):
+    """Sigmoid-routed MoE with shared experts; optionally latent (K3's stable latent MoE). x [T, H] -> [T, H].
+
+    Router: transformers ``KimiLinearTopkRouter`` (= DeepSeek-V3 noaux_tc): float32 sigmoid scores, bias for choice
+    only, top-k, renormalised (+1e-20) when moe_renormalize, times routed_scaling_factor.
+    """
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate = SigmoidGroupRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group,
+                                       cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
+        self.latent = cfg.routed_expert_hidden_size
+        inner = self.latent or cfg.hidden_size
+        if self.latent:
+            self.routed_expert_down_proj = Linear(cfg.hidden_size, self.latent)
+            self.routed_expert_up_proj = Linear(self.latent, cfg.hidden_size)
+            self.routed_expert_norm = RMSNorm(self.latent, eps=cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
+        if cfg.hidden_act == "situ":
+            self.experts = SituRoutedExperts(cfg.num_experts, inner, cfg.moe_intermediate_size, cfg.situ_beta,
+                                             cfg.situ_linear_beta)
+        else:
+            self.experts = RoutedExperts(cfg.num_experts, inner, cfg.moe_intermediate_size)
+        self.shared_experts = (make_mlp(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, ids = self.gate(x)
+        z = self.routed_expert_down_proj(x) if self.latent else x
+        y = self.experts(z, w, ids)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+
+class _GatedOutProj(Linear):
+    """o_proj of gated MLA: multiplies its input by the gate the attention set just before (then clears it)."""
+
+    gate: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, self.gate = self.gate, None
+        return super().forward(x if g is None else x * g)
+
+
+class GatedMLAttention(MLAttention):
+    """K3 gated NoPE MLA: o_proj(attention(x) * sigmoid(g_proj x)); g_proj [H * v_head_dim, hidden]."""
+
+    def __init__(self, cfg, rotary, head_range=None):
+        super().__init__(cfg, rotary, head_range)
+        self.g_proj = Linear(cfg.hidden_size, self.num_heads * self.v_dim)
+        self.o_proj = _GatedOutProj(self.num_heads * self.v_dim, cfg.hidden_size, cfg.attention_bias)
+
+    def forward(self, positions, x, cache, meta):
+        self.o_proj.gate = torch.sigmoid(self.g_proj(x))
+        return super().forward(positions, x, cache, meta)
+
+
+def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: Linear, norm: RMSNorm) -> torch.Tensor:
+    """Block attention-residual mix (Moonshot ``_apply_attn_res``).
+
+    Args:
+        prefix: [T, H] the current partial block sum; blocks: completed block sums, each [T, H].
+        proj: Linear(H, 1) (the pseudo-query, weight [1, H]); norm: RMSNorm(H) (eps and weight used).
+
+    Returns:
+        [T, H] in prefix's dtype: sum_n p_n V_n, p = softmax_n(sum_d (V_n / rms(V_n))[d] * norm.w[d] * proj.w[d]),
+        V = [blocks..., prefix], everything in float32.
+    """
+    v = torch.stack([*blocks, prefix], dim=1).float()  # [T, N, H]
+    k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps)
+    w = norm.weight.float() * proj.weight.reshape(-1).float()
+    p = (k * w).sum(-1).softmax(-1)  # [T, N]
+    return torch.matmul(p.unsqueeze(1), v).squeeze(1).to(prefix.dtype)
+
+
+class AttnResDecoderLayer(nn.Module):
+    """K3 decoder layer with block attention residuals; forward carries (prefix, blocks) instead of h."""
+
+    def __init__(self, cfg, layer_idx: int, self_attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.layer_idx, self.block_size = layer_idx, cfg.attn_res_block_size
+        self.self_attn, self.mlp = self_attn, mlp
+        self.input_layernorm = RMSNorm(H, eps=eps)
+        self.post_attention_layernorm = RMSNorm(H, eps=eps)
+        self.self_attention_res_norm, self.self_attention_res_proj = RMSNorm(H, eps=eps), Linear(H, 1)
+        self.mlp_res_norm, self.mlp_res_proj = RMSNorm(H, eps=eps), Linear(H, 1)
+
+    def forward(self, positions, prefix: torch.Tensor, blocks: list[torch.Tensor], cache,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        h = attn_res_mix(prefix, blocks, self.self_attention_res_proj, self.self_attention_res_norm) if blocks \
+            else prefix
+        cur: torch.Tensor | None = prefix
+        if self.layer_idx % self.block_size == 0:
+            blocks, cur = [*blocks, prefix], None
+        a = self.self_attn(positions, self.input_layernorm(h), cache, meta)
+        cur = a if cur is None else cur + a
+        h = attn_res_mix(cur, blocks, self.mlp_res_proj, self.mlp_res_norm)
+        return cur + self.mlp(self.post_attention_layernorm(h)), blocks
+
+
+class KimiLinearForCausalLM(CausalLM):
+    """Hybrid KDA + NoPE MLA causal LM. Cache entries: MLA layers a tensor [num_blocks, block_size,
+    kv_lora_rank + qk_rope_head_dim]; KDA layers a :class:`tokenfab.engine.state_cache.KDAStateCache`."""
+
+    def __init__(self, cfg, max_positions: int):
+        super().__init__(cfg)
+        self.rotary = NoRotary()
+        for i in range(cfg.num_hidden_layers):
+            self.model.layers.append(self.make_layer(i))
+
+    def make_attention(self, i: int) -> nn.Module:
+        if self.cfg.layer_types[i] == "kda":
+            return KimiDeltaAttention(self.cfg)
+        return GatedMLAttention(self.cfg, self.rotary) if self.cfg.mla_use_output_gate else \
+            MLAttention(self.cfg, self.rotary)
+
+    def make_mlp(self, i: int) -> nn.Module:
+        return KimiMoE(self.cfg) if i in self.cfg.moe_layers else make_mlp(self.cfg, self.cfg.intermediate_size)
+
+    def make_layer(self, i: int) -> nn.Module:
+        return DecoderLayer(self.cfg, self.make_attention(i), self.make_mlp(i))
+
+    # ---- caches --------------------------------------------------------------------------------------------
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:
+        """Paged latent cache for MLA layers; None placeholders for KDA layers (see :meth:`make_state_cache`)."""
+        width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
+        return [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device) if t == "mla" else None
+                for t in self.cfg.layer_types]
+
+    def make_state_cache(self, kv_caches: list, num_slots: int, dtype: torch.dtype, device) -> None:
+        """Put a KDA state cache of ``num_slots`` (= max_num_seqs) slots in each KDA layer's entry."""
+        for i, layer in enumerate(self.model.layers):
+            if self.cfg.layer_types[i] == "kda":
+                kv_caches[i] = layer.self_attn.make_state_cache(num_slots, dtype, device)
+
+    # ---- loading -------------------------------------------------------------------------------------------
+    def is_skipped_weight(self, name: str) -> bool:
+        idx = layer_index(name)
+        if idx is not None and idx >= self.cfg.num_hidden_layers:  # MTP layers
+            return True
+        if not (name.startswith("model.") or name.startswith("lm_head.")):  # e.g. K3 vision tower / projector
+            return True
+        return super().is_skipped_weight(name)
+
+    def _map_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Checkpoint names/tensors -> this model's names/tensors (prefix, MoE and conv renames, A_log by head,
+        MXFP4 dequantisation of routed experts)."""
+        prefix = self.cfg.weight_prefix
+        kda = {f"model.layers.{i}.self_attn": l.self_attn for i, l in enumerate(self.model.layers)
+               if isinstance(l.self_attn, KimiDeltaAttention)}
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        dtype = self.model.norm.weight.dtype
+        for name, t in weights:
+            if prefix:
+                if not name.startswith(prefix):
+                    yield name, t  # not the text model: reported as skipped
+                    continue
+                name = name[len(prefix):]
+            name = name.replace(".block_sparse_moe.", ".mlp.").replace(".self_attn.forget_gate.", ".self_attn.")
+            m = _W123.match(name)
+            if m:
+                name = f"{m.group(1)}.{_W_NAMES[m.group(2)]}.{m.group(3)}"
+            if name.endswith(".self_attn.conv1d.weight"):  # transformers 5 runtime: q|k|v convs concatenated
+                base = name[: -len("conv1d.weight")]
+                for part, x in zip(("q", "k", "v"), t.chunk(3, dim=0)):
+                    yield f"{base}{part}_conv1d.weight", x
+                continue
+            if name.endswith(".self_attn.A_log") and name[: -len(".A_log")] in kda:
+                mod = kda[name[: -len(".A_log")]]
+                yield name, self._a_log_slice(mod, t, name)
+                continue
+            mx = _MX.match(name)
+            if mx:
+                base, part = mx.group(1), mx.group(2)
+                if not _ROUTED.match(base):
+                    raise WeightLoadError(f"{prefix}{name}: an MXFP4 tensor outside the routed experts; MXFP4 "
+                                          "(mxfp4-pack-quantized) is supported for routed experts "
+                                          "(mlp.experts.{e}.w1/w2/w3) only.")
+                if not self.cfg.mxfp4_experts:
+                    raise WeightLoadError(f"{prefix}{name}: MXFP4 tensor but config.json has no compressed-tensors "
+                                          "quantization_config (format mxfp4-pack-quantized).")
+                if part == "weight_shape":
+                    continue
+                d = pending.setdefault(base, {})
+                d[part] = t
+                if len(d) == 2:
+                    del pending[base]
+                    yield f"{base}.weight", dequantize_mxfp4(d["weight_packed"], d["weight_scale"], dtype,
+                                                             name=prefix + base)
+                continue
+            yield name, t
+        if pending:
+            raise WeightLoadError("MXFP4 tensors without their pair (weight_packed + weight_scale): "
+                                  + ", ".join(sorted(pending)[:10]))
+
+    @staticmethod
+    def _a_log_slice(mod: KimiDeltaAttention, t: torch.Tensor, name: str) -> torch.Tensor:
+        """A_log (1-D, padded 1-D or legacy 4-D) -> this module's heads' entries [h1 - h0] (explicit per-head
+        slice of the first num_heads real entries; the padding is never split across ranks)."""
+        flat = t.reshape(-1)
+        if flat.numel() < mod.total_heads:
+            raise WeightLoadError(f"{name}: {flat.numel()} A_log entries for {mod.total_heads} KDA heads (a padded "
+                                  "A_log must hold at least num_heads entries; only the first num_heads are real).")
+        return flat[: mod.total_heads][mod.h0:mod.h1].float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        return super().load_weights(self._map_weights(weights))
+
+
+class KimiK3ForConditionalGeneration(KimiLinearForCausalLM):
+    """Kimi K3 text model (weights under ``language_model.``; vision weights are skipped and reported).
+
+    With ``attn_res_block_size`` the stack uses block attention residuals (:class:`AttnResDecoderLayer`) and a
+    final mix (``model.output_attn_res_proj`` / ``model.output_attn_res_norm``) before ``model.norm``.
+    """
+
+    def __init__(self, cfg, max_positions: int):
+        super().__init__(cfg, max_positions)
+        if cfg.attn_res_block_size:
+            self.model.output_attn_res_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+            self.model.output_attn_res_proj = Linear(cfg.hidden_size, 1)
+
+    def make_layer(self, i: int) -> nn.Module:
+        if self.cfg.attn_res_block_size:
+            return AttnResDecoderLayer(self.cfg, i, self.make_attention(i), self.make_mlp(i))
+        return super().make_layer(i)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if not self.cfg.attn_res_block_size:
+            return super().forward(input_ids, positions, kv_caches, meta)
+        prefix, blocks = self.model.embed_tokens(input_ids), []
+        for layer, cache in zip(self.model.layers, kv_caches):
+            prefix, blocks = layer(positions, prefix, blocks, cache, meta)
+        h = attn_res_mix(prefix, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm)
+        return self.model.norm(h)
