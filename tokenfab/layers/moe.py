@@ -67,12 +67,17 @@ class SoftmaxTopKRouter(nn.Module):
         return w.to(logits.dtype), ids
 
 
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
 class RoutedExperts(nn.Module):
     """E routed SiLU-GLU experts with stacked weights: w13 [E, 2I, hidden] ([gate | up]) and w2 [E, hidden, I].
 
-    Tokens are grouped by expert (one argsort) and each active expert runs once over all its tokens; results are
-    weighted and summed back with index_add. ``expert_range`` [start, end) lets a rank own a subset (expert
-    parallel): tokens routed elsewhere contribute zero here and are summed by the all-reduce.
+    Token-expert pairs are sorted by expert (one argsort) so that each expert's tokens are contiguous; then either
+    one grouped GEMM per projection runs all experts (``torch._grouped_mm``, when this torch has it) or a loop runs
+    each active expert once over its tokens (the fallback and the reference in tests). Results are weighted and
+    summed back with index_add. ``expert_range`` [start, end) lets a rank own a subset (expert parallel): pairs
+    routed elsewhere contribute zero here and are summed by the all-reduce.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_range: tuple[int, int] | None = None):
@@ -82,23 +87,33 @@ class RoutedExperts(nn.Module):
         self.num_experts, self.intermediate = num_experts, intermediate
         self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate), requires_grad=False)
+        self.use_grouped_mm = _HAS_GROUPED_MM
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum_k weights * expert_ids(x)."""
-        T, k = ids.shape
+        """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum over this rank's experts of weight * expert(x)."""
+        k = ids.shape[1]
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)[self.start:self.end]
+        lo = int((flat_ids < self.start).sum()) if self.start else 0
+        hi = lo + int(counts.sum())
+        out = torch.zeros_like(x)
+        if hi == lo:
+            return out
+        order = order[lo:hi]
         token_of = order // k  # token index of each sorted (token, slot) pair
         w_sorted = weights.reshape(-1)[order]
-        out = torch.zeros_like(x)
-        begin = sum(counts[: self.start])
-        for e in range(self.start, self.end):
-            n = counts[e]
-            if n == 0:
-                continue
-            idx = token_of[begin:begin + n]
-            h = silu_and_mul(x[idx] @ self.w13[e - self.start].t()) @ self.w2[e - self.start].t()
-            out.index_add_(0, idx, (h * w_sorted[begin:begin + n, None]).to(out.dtype))
-            begin += n
+        xs = x[token_of]
+        if self.use_grouped_mm:
+            offs = torch.cumsum(counts, 0, dtype=torch.int32)
+            h = torch._grouped_mm(silu_and_mul(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)),
+                                  self.w2.transpose(1, 2), offs=offs)
+        else:
+            h = torch.empty(hi - lo, x.shape[1], dtype=x.dtype, device=x.device)
+            b = 0
+            for e, n in enumerate(counts.tolist()):
+                if n:
+                    h[b:b + n] = silu_and_mul(xs[b:b + n] @ self.w13[e].t()) @ self.w2[e].t()
+                    b += n
+        out.index_add_(0, token_of, (h * w_sorted[:, None]).to(out.dtype))
         return out
