@@ -67,13 +67,30 @@ class LLMEngine:
         self._next_seq_id = 0
         self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0}
         self.skipped_weights = loaded.skipped_weights
+        self.tp_group = loaded.tp_group  # tensor parallel > 1: workers to drive (tokenfab.parallel.launcher)
+        if self.tp_group is not None:
+            self.tp_group.attach(self.runner)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> "LLMEngine":
         """Load the model and size the KV pool as ``config`` says (see EngineConfig)."""
-        loaded = load_model(config, progress=progress)
-        config.finalize(loaded.model_config, loaded.dtype)
-        return cls(config, loaded)
+        if config.tensor_parallel_size != 1:
+            from tokenfab.parallel.launcher import load_tensor_parallel
+            loaded = load_tensor_parallel(config, progress=progress)
+        else:
+            loaded = load_model(config, progress=progress)
+        try:
+            config.finalize(loaded.model_config, loaded.dtype)
+            return cls(config, loaded)
+        except BaseException:
+            if loaded.tp_group is not None:
+                loaded.tp_group.close()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop tensor-parallel workers and leave the process group (no-op on one device). Idempotent."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     # ---- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -142,7 +159,7 @@ class LLMEngine:
             if s.first_scheduled_time is None:
                 s.first_scheduled_time = now
         self.runner.admit(batch.admitted)
-        out = self.runner.execute(batch)
+        out = self.runner.execute(batch) if self.tp_group is None else self.tp_group.execute(self.runner, batch)
         return self._process(batch, out)
 
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:

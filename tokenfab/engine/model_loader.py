@@ -22,6 +22,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     skipped_weights: list[str]
+    tp_group: object | None = None  # tensor parallel: the launcher's handle (tokenfab.parallel.launcher.TPGroup)
 
 
 def load_tokenizer(path: str):
@@ -33,8 +34,11 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(config, progress: bool = True) -> LoadedModel:
+def load_model(config, progress: bool = True, tp=None, device: torch.device | None = None) -> LoadedModel:
     """Parse config.json, build the model in the engine dtype and fill it from the checkpoint.
+
+    ``tp`` (a :class:`tokenfab.parallel.distributed.TPContext`): build this rank's shard and read only its slices;
+    ``device`` overrides ``config.device`` (one device per rank).
 
     Raises:
         FileNotFoundError / ConfigError / WeightLoadError: see tokenfab.config and models.base.
@@ -45,20 +49,29 @@ def load_model(config, progress: bool = True) -> LoadedModel:
         raise FileNotFoundError(f"model folder '{config.model}' does not exist (pass a Hugging Face checkpoint "
                                 "folder with config.json and *.safetensors).")
     mc = load_config(config.model)
-    device = resolve_device(config.device)
+    device = device if device is not None else resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     max_len = config.max_model_len or mc.max_position_embeddings
     cls = get_model_class(mc)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
+        if tp is None:
+            model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
+        else:
+            from tokenfab.parallel.distributed import building_with
+            with building_with(tp):
+                model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
     finally:
         torch.set_default_dtype(prev)
-    skipped = model.load_weights(iterate_weights(config.model, progress=progress))
+    if tp is None:
+        skipped = model.load_weights(iterate_weights(config.model, progress=progress))
+    else:
+        from tokenfab.parallel.sharded_loading import iterate_rank_weights
+        skipped = model.load_weights(iterate_rank_weights(config.model, tp.plan, tp.rank))
     if skipped:
         logger.info("skipped %d checkpoint tensors not used by tokenfab yet (e.g. MTP layers): %s%s",
                     len(skipped), ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
     model.to(device).eval()
-    tokenizer = load_tokenizer(config.tokenizer or config.model)
+    tokenizer = load_tokenizer(config.tokenizer or config.model) if tp is None or tp.rank == 0 else None
     return LoadedModel(model, mc, tokenizer, device, dtype, skipped)

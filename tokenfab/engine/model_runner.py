@@ -72,6 +72,7 @@ class ModelRunner:
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
         self.sampler = sampler
         self.eos_ids: list[int] = []
+        self.tp_channel = None  # tensor parallel: rank 0 broadcasts each step (tokenfab.parallel.worker.StepChannel)
 
     def write_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
         """Record tokens (e.g. just sampled) at [row, position] of the persistent token array."""
@@ -98,6 +99,39 @@ class ModelRunner:
             context_lens=torch.from_numpy(ctx).to(dev), q_len=q_len, max_context=nblk * self.block_size)
 
     @torch.inference_mode()
+    def forward(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray, input_ids: np.ndarray,
+                logit_idx: np.ndarray, derived: tuple | None = None,
+                rows: np.ndarray | None = None) -> torch.Tensor | None:
+        """Run the model on one step's flat batch; logits [len(logit_idx), vocab] float32 on CPU, or None.
+
+        Args (int64 numpy): ``d`` decode sequences (first in the batch); ``num_new`` / ``num_computed`` [B] tokens
+        this step / already in the cache per sequence; ``bt`` [B, >= blocks needed] block tables; ``input_ids`` [T];
+        ``logit_idx`` [L] flat-batch rows whose logits are wanted. ``derived`` = (T, starts, req_idx, positions)
+        when the caller has them. Tensor-parallel workers call this with the arrays rank 0 broadcast. ``rows`` [B]:
+        scheduler rows, the recurrent-state slots of hybrid (KDA) models; required by those models only.
+        """
+        B = len(num_new)
+        if derived is None:
+            T = int(num_new.sum())
+            starts = np.cumsum(num_new) - num_new
+            req_idx = np.repeat(np.arange(B), num_new)
+            positions = num_computed[req_idx] + np.arange(T) - starts[req_idx]
+        else:
+            T, starts, req_idx, positions = derived
+        bs = self.block_size
+        slots = bt[req_idx, positions // bs] * bs + positions % bs
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(self.device),
+            decode=self._group(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
+            prefill=self._group(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None,
+            num_tokens=T, block_size=bs, state_rows=None if rows is None else torch.from_numpy(rows).to(self.device))
+        pos_t = torch.from_numpy(positions).to(self.device)
+        hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
+        if len(logit_idx) == 0:
+            return None
+        return self.model.compute_logits(hidden[torch.from_numpy(logit_idx).to(self.device)]).cpu()
+
+    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one forward pass for ``batch`` and sample where sequences reached their last known token."""
         seqs, B, d = batch.seqs, len(batch), batch.num_decodes
@@ -109,15 +143,6 @@ class ModelRunner:
         positions = num_computed[req_idx] + np.arange(T) - starts[req_idx]
         input_ids = self.token_ids[rows[req_idx], positions]
         bt = self.bm.block_tables[rows]
-        bs = self.block_size
-        slots = bt[req_idx, positions // bs] * bs + positions % bs
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(self.device),
-            decode=self._group(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
-            prefill=self._group(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None,
-            num_tokens=T, block_size=bs, state_rows=torch.from_numpy(rows).to(self.device))
-        pos_t = torch.from_numpy(positions).to(self.device)
-        hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
 
         seq_lens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=B)
         sampled_index = np.nonzero(num_computed + num_new == seq_lens)[0]
@@ -131,9 +156,12 @@ class ModelRunner:
             mask = wants[req_idx] & (positions < n_prompt[req_idx] - 1) & (positions >= done[req_idx])
             plp_tok = np.nonzero(mask)[0]
         logit_idx = np.concatenate([sample_tok, plp_tok])
-        if len(logit_idx) == 0:
+        if self.tp_channel is not None:  # tensor parallel: the workers run the same forward (tokenfab/parallel)
+            self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx)
+        logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
+                              rows=rows)
+        if logits is None:
             return StepOutput(sampled_index, None, None)
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logit_idx).to(self.device)]).cpu()
         s_logits, p_logits = logits[: len(sample_tok)], logits[len(sample_tok):]
 
         sampler_out = None

@@ -18,6 +18,8 @@ from tokenfab.errors import WeightLoadError
 from tokenfab.layers.attention_metadata import AttentionMetadata
 from tokenfab.layers.moe import RoutedExperts
 from tokenfab.layers.norm import RMSNorm
+from tokenfab.parallel.distributed import current_tp
+from tokenfab.parallel.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -32,12 +34,19 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.embed_tokens.weight.requires_grad_(False)
+        self.tp = current_tp()  # None on one device; else vocab-parallel embedding and lm_head
+        if self.tp is None:
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.model.embed_tokens.weight.requires_grad_(False)
+        else:
+            self.model.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, self.tp)
         self.model.layers = nn.ModuleList()
         self.model.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.lm_head.weight.requires_grad_(False)
+        if self.tp is None:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head.weight.requires_grad_(False)
+        else:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, self.tp)
 
     # ---- forward -------------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
@@ -49,7 +58,8 @@ class CausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        """hidden [N, hidden] -> logits [N, vocab] float32 (under tensor parallel: on rank 0; other ranks get an
+        empty tensor)."""
         return self.lm_head(hidden).float()
 
     def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:
@@ -94,13 +104,13 @@ class CausalLM(nn.Module):
             if m and m.group(1) in expert_mods:
                 mod = expert_mods[m.group(1)]
                 dst = mod.w13 if m.group(2) == "gate_up_proj" else mod.w2
-                src = t[mod.start:mod.end]
+                src = t[mod.start:mod.end] if t.shape[0] == mod.num_experts else t  # else: already this rank's slice
                 if dst.shape != src.shape:
                     bad_shape.append(f"{name}: checkpoint {tuple(src.shape)} vs model {tuple(dst.shape)}")
                     continue
                 dst.copy_(src)
                 projs = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
-                expert_loaded[m.group(1)].update((e, p) for e in range(mod.num_experts) for p in projs)
+                expert_loaded[m.group(1)].update((e, p) for e in range(mod.start, mod.end) for p in projs)
                 continue
             p = params.get(name)
             if p is None:
@@ -116,7 +126,7 @@ class CausalLM(nn.Module):
             loaded.add("lm_head.weight")
         missing = [n for n in params if n not in loaded and not any(n.startswith(e + ".") for e in expert_mods)]
         for prefix, mod in expert_mods.items():
-            need = {(e, p) for e in range(mod.num_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+            need = {(e, p) for e in range(mod.start, mod.end) for p in ("gate_proj", "up_proj", "down_proj")}
             missing += [f"{prefix}.{e}.{p}.weight" for e, p in sorted(need - expert_loaded[prefix])]
         problems = []
         if missing:

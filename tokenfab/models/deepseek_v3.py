@@ -15,6 +15,7 @@ from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
 from tokenfab.layers.rotary import RotaryEmbedding
 from tokenfab.models.base import CausalLM, layer_index
 from tokenfab.models.llama import DecoderLayer
+from tokenfab.parallel.distributed import current_tp
 
 
 class DeepseekV3MoE(nn.Module):
@@ -24,9 +25,11 @@ class DeepseekV3MoE(nn.Module):
         super().__init__()
         self.gate = SigmoidGroupRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.n_group,
                                        cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        self.shared_experts = (GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
-                               if cfg.n_shared_experts else None)
+        tp = current_tp()  # tensor parallel: whole experts per rank, shared expert split by intermediate
+        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                     None if tp is None else tp.r("experts"))
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts if tp is None else tp.size("shared_intermediate")
+        self.shared_experts = GatedMLP(cfg.hidden_size, shared) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids = self.gate(x)
@@ -40,9 +43,12 @@ class DeepseekV3ForCausalLM(CausalLM):
     def __init__(self, cfg, max_positions: int):
         super().__init__(cfg)
         self.rotary = RotaryEmbedding(cfg.rope, max_positions, cfg.max_position_embeddings)
+        tp = current_tp()  # tensor parallel: MLA heads and dense intermediate split (see tokenfab/parallel)
+        inter = cfg.intermediate_size if tp is None else tp.size("intermediate")
+        heads = None if tp is None else tp.r("heads")
         for i in range(cfg.num_hidden_layers):
-            mlp = DeepseekV3MoE(cfg) if i in cfg.moe_layers else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-            self.model.layers.append(DecoderLayer(cfg, MLAttention(cfg, self.rotary), mlp))
+            mlp = DeepseekV3MoE(cfg) if i in cfg.moe_layers else GatedMLP(cfg.hidden_size, inter)
+            self.model.layers.append(DecoderLayer(cfg, MLAttention(cfg, self.rotary, heads), mlp))
 
     def is_skipped_weight(self, name: str) -> bool:
         idx = layer_index(name)

@@ -16,6 +16,7 @@ from tokenfab.layers.norm import RMSNorm
 from tokenfab.layers.paged_attention import paged_mha
 from tokenfab.layers.rotary import RotaryEmbedding
 from tokenfab.models.base import CausalLM
+from tokenfab.parallel.distributed import current_tp
 
 
 class LlamaAttention(nn.Module):
@@ -27,6 +28,9 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, qk_norm: bool = False):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        tp = current_tp()
+        if tp is not None:  # this rank's query heads and (possibly replicated) KV heads; o_proj is row-parallel
+            self.num_heads, self.num_kv_heads = tp.size("heads"), tp.size("kv_heads")
         b = cfg.attention_bias
         self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim, b)
         self.k_proj = Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, b)
@@ -42,6 +46,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
+        if self.num_heads == 0:  # tensor parallel with more ranks than heads: contributes nothing to the sum
+            return x.new_zeros(T, self.o_proj.out_features)
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
@@ -58,7 +64,10 @@ class LlamaAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). ``mlp`` maps [T, hidden] -> [T, hidden]."""
+    """Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). ``mlp`` maps [T, hidden] -> [T, hidden].
+
+    Under tensor parallel, attention and MLP return this rank's partial sums and are all-reduced here, once each.
+    """
 
     def __init__(self, cfg: ModelConfig, self_attn: nn.Module, mlp: nn.Module):
         super().__init__()
@@ -66,8 +75,12 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.tp = current_tp()
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.tp is not None:
+            h = h + self.tp.all_reduce(self.self_attn(positions, self.input_layernorm(h), cache, meta))
+            return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
         h = h + self.self_attn(positions, self.input_layernorm(h), cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -87,9 +100,12 @@ class LlamaForCausalLM(CausalLM):
         return LlamaAttention(self.cfg, self.rotary, qk_norm=self.qk_norm)
 
     def make_mlp(self, layer_idx: int) -> nn.Module:
-        return GatedMLP(self.cfg.hidden_size, self.cfg.intermediate_size, self.cfg.mlp_bias)
+        tp = current_tp()  # tensor parallel: this rank's intermediate channels (down_proj row-parallel)
+        inter = self.cfg.intermediate_size if tp is None else tp.size("intermediate")
+        return GatedMLP(self.cfg.hidden_size, inter, self.cfg.mlp_bias)
 
     def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:
-        shape = (num_blocks, block_size, self.cfg.num_key_value_heads, self.cfg.head_dim)
+        kv_heads = self.cfg.num_key_value_heads if self.tp is None else self.tp.size("kv_heads")
+        shape = (num_blocks, block_size, kv_heads, self.cfg.head_dim)
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(self.cfg.num_hidden_layers)]

@@ -10,6 +10,7 @@ from torch import nn
 
 from tokenfab.layers.moe import RoutedExperts, SoftmaxTopKRouter
 from tokenfab.models.qwen3 import Qwen3ForCausalLM
+from tokenfab.parallel.distributed import current_tp
 
 
 class Qwen3MoeBlock(nn.Module):
@@ -18,7 +19,9 @@ class Qwen3MoeBlock(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.gate = SoftmaxTopKRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        tp = current_tp()  # tensor parallel: whole experts per rank (expert parallel); output all-reduced by the layer
+        self.experts = RoutedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                     None if tp is None else tp.r("experts"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids = self.gate(x)

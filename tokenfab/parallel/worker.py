@@ -1,0 +1,199 @@
+"""Tensor-parallel workers: the per-step batch channel and the worker loop (ranks 1..N-1).
+
+Rank 0 (the engine process) schedules, builds the step's arrays, broadcasts them with :class:`StepChannel`, runs
+its shard of the forward and samples. Each worker receives the same arrays, runs its shard of the same forward
+(the collectives inside the model pair up across ranks), and helps gather the logits to rank 0.
+
+Wire format of one step (two gloo broadcasts of int64 CPU tensors from rank 0):
+
+* header [8]: ``kind`` (1 = step, 0 = stop), ``B`` sequences, ``d`` decodes, ``T`` tokens, ``nblk`` block-table
+  columns sent, ``L`` logit rows, 0, 0.
+* payload [2B + B*nblk + T + L]: ``num_new`` [B], ``num_computed`` [B], block tables [B, nblk] (only the columns
+  this step needs), ``input_ids`` [T], ``logit_idx`` [L].
+
+Positions, slot mapping and the attention groups are recomputed from these on every rank (the same numpy code as
+rank 0, :meth:`tokenfab.engine.model_runner.ModelRunner.forward`), which keeps the payload small.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+STEP, STOP = 1, 0
+HEADER = 8
+
+
+class StepChannel:
+    """Broadcast of one step's batch from rank 0 to all ranks over the gloo control group."""
+
+    def __init__(self, group=None):
+        self.group = group
+        self._header = torch.zeros(HEADER, dtype=torch.int64)
+
+    def send_step(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray,
+                  input_ids: np.ndarray, logit_idx: np.ndarray) -> None:
+        """Rank 0: publish a step (shapes as in ModelRunner.forward; bt is cut to the blocks the step needs)."""
+        B, T, L = len(num_new), len(input_ids), len(logit_idx)
+        ctx_max = int((num_computed + num_new).max()) if B else 0
+        bs_cols = bt.shape[1]
+        nblk = min(bs_cols, -(-ctx_max // self.block_size)) if B else 0
+        h = self._header
+        h[0], h[1], h[2], h[3], h[4], h[5] = STEP, B, d, T, nblk, L
+        dist.broadcast(h, 0, group=self.group)
+        payload = np.concatenate([num_new.astype(np.int64, copy=False), num_computed.astype(np.int64, copy=False),
+                                  bt[:, :nblk].reshape(-1), input_ids.astype(np.int64, copy=False),
+                                  logit_idx.astype(np.int64, copy=False)])
+        dist.broadcast(torch.from_numpy(payload), 0, group=self.group)
+
+    def send_stop(self) -> None:
+        """Rank 0: tell the workers to leave their loop."""
+        self._header.zero_()
+        self._header[0] = STOP
+        dist.broadcast(self._header, 0, group=self.group)
+
+    def recv(self):
+        """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx), or None on stop."""
+        h = self._header
+        dist.broadcast(h, 0, group=self.group)
+        kind, B, d, T, nblk, L = h[:6].tolist()
+        if kind == STOP:
+            return None
+        payload = torch.empty(2 * B + B * nblk + T + L, dtype=torch.int64)
+        dist.broadcast(payload, 0, group=self.group)
+        p = payload.numpy()
+        o = 0
+        num_new, o = p[o:o + B], o + B
+        num_computed, o = p[o:o + B], o + B
+        bt, o = p[o:o + B * nblk].reshape(B, nblk), o + B * nblk
+        input_ids, o = p[o:o + T], o + T
+        logit_idx = p[o:o + L]
+        return d, num_new, num_computed, bt, input_ids, logit_idx
+
+    block_size = 1  # set by the launcher to the KV block size
+
+
+def build_rank(config, rank: int, world_size: int, device: torch.device | None = None, progress: bool = False):
+    """Load ``rank``'s shard and size its KV pool exactly as rank 0 does. Returns (TPContext, LoadedModel).
+
+    ``config`` is the user's EngineConfig (a copy is finalized here, giving the same num_kv_blocks on every rank).
+    """
+    from tokenfab.config import load_config
+    from tokenfab.engine.model_loader import load_model
+    from tokenfab.parallel.distributed import TPContext
+    from tokenfab.parallel.shard_plan import ShardPlan
+
+    mc = load_config(config.model)
+    ctx = TPContext(rank, world_size, ShardPlan.for_model(mc, world_size))
+    loaded = load_model(config, progress=progress, tp=ctx, device=device)
+    return ctx, loaded
+
+
+def make_runner(config, loaded):
+    """A ModelRunner (no sampler) over this rank's shard with the engine's KV-pool size."""
+    from tokenfab.engine.block_manager import BlockManager
+    from tokenfab.engine.model_runner import ModelRunner
+
+    config.finalize(loaded.model_config, loaded.dtype)
+    bm = BlockManager(config.num_kv_blocks, config.block_size, config.max_num_seqs, config.max_model_len)
+    return ModelRunner(loaded.model, bm, config.max_num_seqs, config.max_model_len, loaded.device, loaded.dtype,
+                       None)
+
+
+@torch.inference_mode()
+def serve_steps(runner, channel: StepChannel) -> int:
+    """Worker loop: receive a step, run the forward (logits go to rank 0 inside compute_logits); until stop.
+    Returns the number of steps run."""
+    n = 0
+    while True:
+        step = channel.recv()
+        if step is None:
+            return n
+        runner.forward(*step)
+        n += 1
+
+
+def rank_device(config, local_rank: int) -> torch.device:
+    """This rank's device: cuda:local_rank when the engine device resolves to CUDA/ROCm, else cpu."""
+    from tokenfab.engine.engine_config import resolve_device
+
+    dev = resolve_device(config.device)
+    if dev.type == "cuda":
+        return torch.device("cuda", local_rank)
+    return dev
+
+
+class PipeWriter:
+    """Worker side of the message pipe to rank 0: length-prefixed pickles of (kind, rank, text)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def put(self, msg) -> None:
+        data = pickle.dumps(msg)
+        os.write(self.fd, struct.pack("<I", len(data)) + data)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def worker_main(rank: int, world_size: int, config, init_method: str, msg_queue, timeout_s: float,
+                threads: int) -> None:
+    """Body of a spawned worker (ranks 1..N-1). Reports ("loaded" | "error" | "done", rank, text) on
+    ``msg_queue`` (a :class:`PipeWriter`); on any exception the traceback is sent and the process exits with 1."""
+    try:
+        if threads > 0:
+            torch.set_num_threads(threads)
+        from tokenfab.parallel.distributed import init_distributed
+
+        device = rank_device(config, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        ctx, loaded = build_rank(config, rank, world_size, device)
+        runner = make_runner(config, loaded)
+        msg_queue.put(("loaded", rank, ""))
+        init_distributed(ctx, device, init_method, timeout_s)
+        channel = StepChannel(ctx.cpu_group)
+        channel.block_size = config.block_size
+        n = serve_steps(runner, channel)
+        msg_queue.put(("done", rank, str(n)))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every failure must reach rank 0
+        tb = traceback.format_exc()
+        try:
+            msg_queue.put(("error", rank, tb))
+        finally:
+            sys.stderr.write(f"[tokenfab rank {rank}] {tb}")
+            sys.stderr.flush()
+            os._exit(1)
+
+
+def torchrun_worker(config, rank: int, world_size: int, local_rank: int, timeout_s: float) -> None:
+    """Ranks > 0 under torchrun: load, join env:// rendezvous, serve steps until rank 0 stops, then exit the
+    process (user code after ``LLM(...)`` runs on rank 0 only)."""
+    from tokenfab.parallel.distributed import init_distributed
+
+    device = rank_device(config, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    ctx, loaded = build_rank(config, rank, world_size, device)
+    runner = make_runner(config, loaded)
+    init_distributed(ctx, device, None, timeout_s)
+    channel = StepChannel(ctx.cpu_group)
+    channel.block_size = config.block_size
+    serve_steps(runner, channel)
+    dist.destroy_process_group()
+    sys.exit(0)
+
+
+if __name__ == "__main__":  # python -m tokenfab.parallel.worker FD  (arguments pickled on stdin; see launcher)
+    _fd = int(sys.argv[1])
+    _args = pickle.loads(sys.stdin.buffer.read())
+    worker_main(*_args[:4], PipeWriter(_fd), *_args[4:])
+    os._exit(0)
