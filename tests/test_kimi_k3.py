@@ -397,3 +397,26 @@ def test_planner_counts_hybrid_state():
     mc = parse_config({"architectures": ["KimiK3ForConditionalGeneration"], "text_config": TEXT})
     assert mc.kv_cache_bytes_per_token(2) == (16 + 8) * 1 * 2  # one MLA layer
     assert mc.kda_state_bytes_per_request(2) == 3 * (3 * 32 * 3 * 2 + 2 * 16 * 16 * 4)
+
+
+def test_plan_k3_shaped_config():
+    """``tokenfab plan`` on the published K3 text shape: 93 layers (69 KDA + 24 MLA), hidden 7168, 896 experts
+    top-16, latent 3584, MXFP4 experts, on 6 devices: weights (~2.8T parameters), per-token MLA KV (MLA layers
+    only) and per-request KDA state."""
+    from tokenfab.planner.memory_planner import plan_memory
+    full = [i for i in range(1, 94) if i % 4 == 0][:23] + [93]
+    text = dict(TEXT, vocab_size=163840, hidden_size=7168, intermediate_size=33792, moe_intermediate_size=3072,
+                num_hidden_layers=93, num_attention_heads=96, kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128, num_experts=896, num_experts_per_token=16, num_shared_experts=2,
+                routed_expert_hidden_size=3584, attn_res_block_size=12, model_max_length=1 << 20,
+                linear_attn_config=dict(TEXT["linear_attn_config"], num_heads=96, head_dim=128,
+                                        kda_layers=[i for i in range(1, 94) if i not in full], full_attn_layers=full))
+    cfg = {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3", "text_config": text,
+           "quantization_config": QUANT}
+    mp = plan_memory(cfg, 6, 288 * 10**9, max_model_len=1 << 20)
+    assert mp.model["num_kda_layers"] == 69 and mp.model["num_mla_layers"] == 24
+    assert all(r.kv_bytes_per_token == (512 + 64) * 24 * 2 for r in mp.ranks)
+    assert mp.model["kda_state_bytes_per_request"] == 69 * (3 * 96 * 128 * 3 * 2 + 96 * 128 * 128 * 4)
+    assert 2.7e12 < mp.weights.num_params < 2.9e12 and mp.weights.weight_format == "mxfp4"
+    assert any("KDA state" in a for a in mp.assumptions)
+    assert all(200 * 2**30 < r.weight_bytes < 300 * 2**30 for r in mp.ranks)  # ~1.45 TiB / 6 with MXFP4 experts

@@ -153,6 +153,7 @@ class ShardPlan:
     kv_b_head_width: int = 0     # MLA kv_b_proj rows per head (qk_nope_head_dim + v_head_dim)
     kv_head_width: int = 0       # GQA k_proj / v_proj rows per KV head (head_dim)
     o_head_width: int = 0        # o_proj input cols per head (v_head_dim or head_dim)
+    kda_head_width: int = 0      # Kimi KDA rows per head (head_dim) when KDA heads split like query heads, else 0
     is_mla: bool = False
     num_hidden_layers: int = 0
     quant_block: tuple[int, int] = (128, 128)
@@ -187,6 +188,8 @@ class ShardPlan:
             shared_intermediate=split_range(shared, world_size),
             vocab=split_range(mc.vocab_size, world_size),
             q_head_width=q_w, kv_b_head_width=kvb_w, kv_head_width=kv_w, o_head_width=o_w, is_mla=mc.is_mla,
+            kda_head_width=(getattr(mc, "kda_head_dim", 0)
+                            if getattr(mc, "kda_num_heads", 0) == mc.num_attention_heads else 0),
             num_hidden_layers=mc.num_hidden_layers, quant_block=block,
             totals={"heads": mc.num_attention_heads, "kv_heads": 1 if mc.is_mla else mc.num_key_value_heads,
                     "intermediate": mc.intermediate_size, "experts": mc.num_experts,
@@ -277,6 +280,15 @@ class ShardPlan:
             if leaf == "o_proj":
                 return ("attn_o", "replicated", None, None, 0) if is_bias else \
                     ("attn_o", "split", 1, "heads", self.o_head_width)
+        if ".kda_attn." in name and self.kda_head_width:  # Kimi KDA layers (planner names: planner/kimi_tensors.py)
+            w = self.kda_head_width
+            if leaf in ("q_proj", "k_proj", "v_proj", "g_proj", "g_b_proj", "f_b_proj", "q_conv1d", "k_conv1d",
+                        "v_conv1d", "dt_bias"):
+                return "attn_q", "split", 0, "heads", w
+            if leaf in ("b_proj", "A_log"):
+                return "attn_q", "split", 0, "heads", 1
+            if leaf == "o_proj":
+                return "attn_o", "split", 1, "heads", w
         return "other", "replicated", None, None, 0
 
     def shard_tensor(self, name: str, shape: Iterable[int], rank: int) -> TensorShard:
@@ -368,6 +380,9 @@ def model_tensors(model_config, weight_format: str | int = "bfloat16") -> list[T
         ValueError: an unknown format.
     """
     mc = model_config
+    if mc.family in ("kimi_linear", "kimi_k3"):  # hybrid KDA + MLA stack: tokenfab/planner/kimi_tensors.py
+        from tokenfab.planner.kimi_tensors import kimi_model_tensors
+        return kimi_model_tensors(mc, weight_format)
     if isinstance(weight_format, int):
         fbytes, fmt = weight_format, "plain"
     elif weight_format in _FLOAT_BYTES:

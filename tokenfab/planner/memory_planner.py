@@ -208,6 +208,8 @@ def checkpoint_tensors(model_dir: str) -> list[TensorRecord] | None:
 def auto_weight_format(model_config: ModelConfig) -> str:
     """Weight format implied by config.json alone: ``quantization_config`` fp8 -> ``fp8``; compressed-tensors with
     4-bit weights -> ``int4``; else the config's ``dtype`` / ``torch_dtype`` (bfloat16 when absent)."""
+    if getattr(model_config, "mxfp4_experts", False):  # Kimi K3: MXFP4 routed experts (tokenfab/config_kimi.py)
+        return "mxfp4"
     raw = model_config.raw or {}
     qc = raw.get("quantization_config") or {}
     method = str(qc.get("quant_method", "")).lower()
@@ -270,7 +272,7 @@ def estimate_weight_bytes(model_dir_or_config: str | dict | ModelConfig, world_s
         source = "safetensors"
     else:
         fmt = auto_weight_format(mc) if weight_dtype == "auto" else weight_dtype
-        if isinstance(fmt, str) and fmt not in ("bfloat16", "float16", "float32", "fp8", "int4"):
+        if isinstance(fmt, str) and fmt not in ("bfloat16", "float16", "float32", "fp8", "int4", "mxfp4"):
             raise PlanError(f"--weight-dtype: '{fmt}' is not supported; supported: auto, bfloat16, float16, "
                             "float32, fp8, int4")
         recs = model_tensors(mc, fmt)
@@ -512,10 +514,16 @@ def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_byt
                            f"({_gb(sum(rp.offloaded_bytes for rp in ranks))} in all; host memory is not checked)")
     if est.skipped_bytes:
         assumptions.append(f"{_gb(est.skipped_bytes)} of MTP-layer weights not loaded")
+    if getattr(mc, "kda_layers", None):  # hybrid Kimi models: per-request KDA state besides the per-token KV
+        from tokenfab.planner.kimi_tensors import kda_state_note
+        assumptions.append(kda_state_note(mc, plan, kv_b))
     model_info = {"architecture": mc.architecture, "model_type": mc.model_type,
                   "num_hidden_layers": mc.num_hidden_layers, "num_attention_heads": mc.num_attention_heads,
                   "num_key_value_heads": mc.num_key_value_heads, "num_experts": mc.num_experts,
                   "vocab_size": mc.vocab_size, "max_position_embeddings": mc.max_position_embeddings}
+    if getattr(mc, "kda_layers", None):
+        model_info.update(num_kda_layers=len(mc.kda_layers), num_mla_layers=len(mc.mla_layers),
+                          kda_state_bytes_per_request=mc.kda_state_bytes_per_request(kv_b))
     return MemoryPlan(model_info, devices, mem, reserve, kv_cache_dtype, kv_b, est, offload_experts, ranks, pool,
                       weights_fit, requested, max_model_len, kv_tokens, fits, min_dev, sugg, assumptions)
 
