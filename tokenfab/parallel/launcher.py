@@ -150,6 +150,7 @@ class TPGroup:
         self.channel.block_size = block_size
         self.prev_threads = prev_threads
         self.closed = False
+        self.failed_rank: int | None = None
 
     def attach(self, runner) -> None:
         """Make ``runner`` (rank 0's ModelRunner) broadcast every step to the workers."""
@@ -157,11 +158,15 @@ class TPGroup:
 
     def execute(self, runner, batch):
         """runner.execute(batch), with a failed worker reported as TensorParallelError (its traceback)."""
+        if self.closed:
+            raise TensorParallelError("the tensor-parallel group is stopped (a rank failed earlier or the engine "
+                                      "was shut down); create a new engine.", self.failed_rank)
         try:
             return runner.execute(batch)
         except Exception as e:  # noqa: BLE001
             err = self.worker_failure(wait_s=5.0)
             if err is not None:
+                self.failed_rank = err.rank
                 self.close(graceful=False)
                 raise err from e
             raise
@@ -195,61 +200,6 @@ class TPGroup:
         if errors:
             rank, text = errors[0]
             return TensorParallelError(f"tensor-parallel rank {rank} failed:\n{text}", rank, text)
-        return None
-
-    def close(self) -> None:
-        for fd in list(self.bufs):
-            os.close(fd)
-        self.bufs.clear()
-
-
-class TPGroup:
-    """Rank 0's handle on the tensor-parallel group: the step channel, the worker processes, shutdown.
-
-    Attributes:
-        ctx: rank 0's TPContext; channel: the StepChannel; procs: spawned workers (empty under torchrun).
-    """
-
-    def __init__(self, ctx, procs, msg_queue, block_size: int, prev_threads: int | None):
-        from tokenfab.parallel.worker import StepChannel
-
-        self.ctx, self.procs, self.msg_queue = ctx, procs, msg_queue
-        self.channel = StepChannel(ctx.cpu_group)
-        self.channel.block_size = block_size
-        self.prev_threads = prev_threads
-        self.closed = False
-
-    def attach(self, runner) -> None:
-        """Make ``runner`` (rank 0's ModelRunner) broadcast every step to the workers."""
-        runner.tp_channel = self.channel
-
-    def execute(self, runner, batch):
-        """runner.execute(batch), with a failed worker reported as TensorParallelError (its traceback)."""
-        try:
-            return runner.execute(batch)
-        except Exception as e:  # noqa: BLE001
-            err = self.worker_failure(wait_s=5.0)
-            if err is not None:
-                self.close(graceful=False)
-                raise err from e
-            raise
-
-    def worker_failure(self, wait_s: float = 0.0) -> TensorParallelError | None:
-        """The first reported worker error or dead worker, waiting up to ``wait_s`` for a report; else None."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                kind, rank, text = self.msg_queue.get(timeout=0.05) if self.msg_queue is not None else (None,) * 3
-                if kind == "error":
-                    return TensorParallelError(f"tensor-parallel rank {rank} failed:\n{text}", rank, text)
-            except queue_mod.Empty:
-                pass
-            if time.monotonic() >= deadline:
-                break
-        for rank, p in enumerate(self.procs, start=1):
-            if p.exitcode is not None and p.exitcode != 0:
-                return TensorParallelError(f"tensor-parallel rank {rank} exited with code {p.exitcode} "
-                                           "(killed, or crashed without a Python traceback).", rank)
         return None
 
     def close(self, graceful: bool = True) -> None:

@@ -4,12 +4,15 @@ Rank 0 (the engine process) schedules, builds the step's arrays, broadcasts them
 its shard of the forward and samples. Each worker receives the same arrays, runs its shard of the same forward
 (the collectives inside the model pair up across ranks), and helps gather the logits to rank 0.
 
-Wire format of one step (two gloo broadcasts of int64 CPU tensors from rank 0):
+Wire format of one step (gloo broadcasts of int64 CPU tensors from rank 0):
 
 * header [8]: ``kind`` (1 = step, 0 = stop), ``B`` sequences, ``d`` decodes, ``T`` tokens, ``nblk`` block-table
   columns sent, ``L`` logit rows, 0, 0.
 * payload [2B + B*nblk + T + L]: ``num_new`` [B], ``num_computed`` [B], block tables [B, nblk] (only the columns
   this step needs), ``input_ids`` [T], ``logit_idx`` [L].
+
+The header buffer has room for ``inline`` payload values after it: a step that fits is one broadcast; a larger one
+sends the payload in a second broadcast.
 
 Positions, slot mapping and the attention groups are recomputed from these on every rank (the same numpy code as
 rank 0, :meth:`tokenfab.engine.model_runner.ModelRunner.forward`), which keeps the payload small.
@@ -31,43 +34,54 @@ HEADER = 8
 
 
 class StepChannel:
-    """Broadcast of one step's batch from rank 0 to all ranks over the gloo control group."""
+    """Broadcast of one step's batch from rank 0 to all ranks over the gloo control group.
 
-    def __init__(self, group=None):
+    A step whose payload fits in ``inline`` int64 values travels in the same broadcast as the header (one
+    collective per step; decode steps and small prefill chunks); larger ones take a second broadcast.
+    """
+
+    def __init__(self, group=None, inline: int = 2048):
         self.group = group
-        self._header = torch.zeros(HEADER, dtype=torch.int64)
+        self.inline = inline
+        self._buf = torch.zeros(HEADER + inline, dtype=torch.int64)
 
     def send_step(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray,
                   input_ids: np.ndarray, logit_idx: np.ndarray) -> None:
         """Rank 0: publish a step (shapes as in ModelRunner.forward; bt is cut to the blocks the step needs)."""
         B, T, L = len(num_new), len(input_ids), len(logit_idx)
         ctx_max = int((num_computed + num_new).max()) if B else 0
-        bs_cols = bt.shape[1]
-        nblk = min(bs_cols, -(-ctx_max // self.block_size)) if B else 0
-        h = self._header
-        h[0], h[1], h[2], h[3], h[4], h[5] = STEP, B, d, T, nblk, L
-        dist.broadcast(h, 0, group=self.group)
+        nblk = min(bt.shape[1], -(-ctx_max // self.block_size)) if B else 0
         payload = np.concatenate([num_new.astype(np.int64, copy=False), num_computed.astype(np.int64, copy=False),
                                   bt[:, :nblk].reshape(-1), input_ids.astype(np.int64, copy=False),
                                   logit_idx.astype(np.int64, copy=False)])
-        dist.broadcast(torch.from_numpy(payload), 0, group=self.group)
+        buf = self._buf.numpy()
+        buf[:6] = (STEP, B, d, T, nblk, L)
+        n = len(payload)
+        if n <= self.inline:
+            buf[HEADER:HEADER + n] = payload
+            dist.broadcast(self._buf, 0, group=self.group)
+        else:
+            dist.broadcast(self._buf, 0, group=self.group)
+            dist.broadcast(torch.from_numpy(payload), 0, group=self.group)
 
     def send_stop(self) -> None:
         """Rank 0: tell the workers to leave their loop."""
-        self._header.zero_()
-        self._header[0] = STOP
-        dist.broadcast(self._header, 0, group=self.group)
+        self._buf[0] = STOP
+        dist.broadcast(self._buf, 0, group=self.group)
 
     def recv(self):
         """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx), or None on stop."""
-        h = self._header
-        dist.broadcast(h, 0, group=self.group)
-        kind, B, d, T, nblk, L = h[:6].tolist()
+        dist.broadcast(self._buf, 0, group=self.group)
+        kind, B, d, T, nblk, L = self._buf[:6].tolist()
         if kind == STOP:
             return None
-        payload = torch.empty(2 * B + B * nblk + T + L, dtype=torch.int64)
-        dist.broadcast(payload, 0, group=self.group)
-        p = payload.numpy()
+        n = 2 * B + B * nblk + T + L
+        if n <= self.inline:
+            p = self._buf.numpy()[HEADER:HEADER + n].copy()
+        else:
+            payload = torch.empty(n, dtype=torch.int64)
+            dist.broadcast(payload, 0, group=self.group)
+            p = payload.numpy()
         o = 0
         num_new, o = p[o:o + B], o + B
         num_computed, o = p[o:o + B], o + B
