@@ -24,6 +24,12 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
 
+    def visible_text(self) -> str:
+        """Text safe to show while the sequence runs: with stop strings, the last len(longest stop) - 1 characters
+        are held back, since they may begin a stop string that later tokens complete (vLLM does the same)."""
+        hold = max((len(s) for s in self.stop), default=1) - 1
+        return self.text[: len(self.text) - hold] if hold else self.text
+
     def update(self, output_ids: list[int]) -> tuple[str, str | None]:
         """Consume the sequence's full generated id list; returns (new text delta, stop string hit or None)."""
         if self.tok is None:

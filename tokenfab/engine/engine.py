@@ -65,7 +65,8 @@ class LLMEngine:
         self.runner.eos_ids = self.eos_token_ids
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
-        self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0}
+        self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
+                      "requests_aborted_total": 0}
         self.skipped_weights = loaded.skipped_weights
         self.tp_group = loaded.tp_group  # tensor parallel > 1: workers to drive (tokenfab.parallel.launcher)
         if self.tp_group is not None:
@@ -132,6 +133,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self.stats["requests_aborted_total"] += 1
         for s in req.seqs:
             if not s.is_finished:
                 self.scheduler.finish(s, "abort")
@@ -140,8 +142,12 @@ class LLMEngine:
         return bool(self.requests)
 
     def get_stats(self) -> dict:
-        """Gauges and counters: running / waiting sequences, KV usage 0..1, preemptions, token totals."""
+        """Gauges and counters: running / waiting sequences and requests (a request with n > 1 counts once; one
+        with any sequence running is running), KV usage 0..1, preemptions, token and request totals."""
+        running_reqs = {s.request_id for s in self.scheduler.running}
+        waiting_reqs = {s.request_id for s in self.scheduler.waiting} - running_reqs
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+                "num_requests_running": len(running_reqs), "num_requests_waiting": len(waiting_reqs),
                 "kv_cache_usage": self.block_manager.usage(), "num_preemptions": self.scheduler.num_preemptions,
                 **self.stats}
 
@@ -248,7 +254,7 @@ class LLMEngine:
         outs = []
         for s, d in zip(req.seqs, req.detoks):
             outs.append(CompletionOutput(
-                index=s.index, text=d.text, token_ids=s.output_token_ids,
+                index=s.index, text=d.text if s.is_finished else d.visible_text(), token_ids=s.output_token_ids,
                 logprobs=s.output_logprobs if s.params.logprobs is not None else None,
                 cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))

@@ -134,8 +134,8 @@ class ServerMetrics:
         """Set gauges and advance counters from the engine's cumulative stats (thread-safe)."""
         m = self.model_name
         with self._lock:
-            self.running.labels(m).set(stats.get("num_running", 0))
-            self.waiting.labels(m).set(stats.get("num_waiting", 0))
+            self.running.labels(m).set(stats.get("num_requests_running", stats.get("num_running", 0)))
+            self.waiting.labels(m).set(stats.get("num_requests_waiting", stats.get("num_waiting", 0)))
             self.kv_usage.labels(m).set(stats.get("kv_cache_usage", 0.0))
             for key, counter in (("prompt_tokens_total", self.prompt_tokens),
                                  ("generation_tokens_total", self.generation_tokens),
