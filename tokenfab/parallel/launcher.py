@@ -354,6 +354,6 @@ _live_groups: "weakref.WeakSet[TPGroup]" = weakref.WeakSet()
 def _close_all() -> None:  # pragma: no cover - interpreter exit
     for g in list(_live_groups):
         try:
-            g.close(graceful=False)
+            g.close(graceful=True)  # stop message first: workers exit quietly
         except Exception:  # noqa: BLE001
             pass

@@ -161,6 +161,7 @@ def worker_main(rank: int, world_size: int, config, init_method: str, msg_queue,
                 threads: int) -> None:
     """Body of a spawned worker (ranks 1..N-1). Reports ("loaded" | "error" | "done", rank, text) on
     ``msg_queue`` (a :class:`PipeWriter`); on any exception the traceback is sent and the process exits with 1."""
+    parent = os.getppid()
     try:
         if threads > 0:
             torch.set_num_threads(threads)
@@ -178,8 +179,11 @@ def worker_main(rank: int, world_size: int, config, init_method: str, msg_queue,
         n = serve_steps(runner, channel)
         msg_queue.put(("done", rank, str(n)))
         dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - every failure must reach rank 0
+    except BaseException as e:  # noqa: BLE001 - every failure must reach rank 0
         tb = traceback.format_exc()
+        if "closed by peer" in str(e) and os.getppid() != parent:  # rank 0 exited without a stop message
+            sys.stderr.write(f"[tokenfab rank {rank}] rank 0 went away; exiting.\n")
+            os._exit(1)
         try:
             msg_queue.put(("error", rank, tb))
         finally:
