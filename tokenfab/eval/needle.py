@@ -19,6 +19,7 @@ import math
 import os
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -407,7 +408,7 @@ def print_table(result: dict) -> None:
         tab.add_column(str(L), justify="right")
     for d, row in zip(deps, mat):
         tab.add_row(f"{d:g}", *[_pct(v) for v in row])
-    Console().print(tab)
+    Console(width=None if sys.stdout.isatty() else 120).print(tab)  # no squeezing when piped
 
 
 def write_heatmap(result: dict, path: str) -> str:

@@ -26,6 +26,11 @@ def parse_dtype(name: str, flag: str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def _tf_version() -> str:
+    import transformers
+    return transformers.__version__
+
+
 class TransformersReference:
     """A transformers causal LM loaded from a checkpoint folder, for teacher-forced log-probabilities.
 
@@ -50,8 +55,13 @@ class TransformersReference:
             from transformers import DeepseekV3Config
             raw = {k: v for k, v in raw.items() if k != "model_type"}
             kw["config"] = DeepseekV3Config(**raw)
-        self.model = AutoModelForCausalLM.from_pretrained(path, **kw).to(self.device).eval()
-        self.vocab_size = int(self.model.config.vocab_size)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, **kw)
+        except (ValueError, KeyError, OSError) as e:
+            raise usage_error(f"--reference-model: transformers {_tf_version()} cannot load '{path}' as a causal LM "
+                              f"with eager attention and experts ({type(e).__name__}: {e}).") from e
+        self.model = model.to(self.device).eval()
+        self.vocab_size = int(self.model.config.get_text_config().vocab_size)
 
     @torch.inference_mode()
     def logprobs(self, token_ids: Sequence[int]) -> torch.Tensor:
