@@ -128,6 +128,7 @@ class AsyncLLM:
         self._cmds.put(("wake",))
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.shutdown()  # stops tensor-parallel workers (no-op on one device)
 
     def get_stats(self) -> dict:
         """The engine's latest gauges/counters (copied from the engine thread after each step)."""
