@@ -421,7 +421,7 @@ def write_heatmap(result: dict, path: str) -> str:
     deps, lens, mat = recall_matrix(result)
     arr = np.array([[np.nan if v is None else v for v in row] for row in mat], dtype=float).reshape(len(deps),
                                                                                                    len(lens))
-    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * max(len(lens), 1), 1.2 + 0.6 * len(deps)))
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.6 + 1.2 * len(lens)), 1.6 + 0.6 * len(deps)))
     im = ax.imshow(arr, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
     ax.set_xticks(range(len(lens)), [str(L) for L in lens])
     ax.set_yticks(range(len(deps)), [f"{d:g}" for d in deps])
@@ -431,7 +431,7 @@ def write_heatmap(result: dict, path: str) -> str:
         for j in range(len(lens)):
             if not np.isnan(arr[i, j]):
                 ax.text(j, i, f"{100 * arr[i, j]:.0f}%", ha="center", va="center", fontsize=8)
-    ax.set_title(f"needle exact recall: {os.path.basename(str(result['model']))}", fontsize=9)
+    ax.set_title(f"needle exact recall\n{os.path.basename(str(result['model']))}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.05)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
