@@ -50,10 +50,17 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.scale = cfg.softmax_scale()
 
-    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """W_UK [H, nope, C] and W_UV^T [H, C, v] as views of kv_b_proj.weight [H*(nope+v), C]."""
+    def fuse(self) -> None:
+        """After loading: contiguous copies of W_UK [H, nope, C] and W_UV^T [H, C, v] from kv_b_proj.weight
+        [H*(nope+v), C], so the absorbed decode runs two plain batched GEMMs over heads."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
-        return w[:, : self.nope, :], w[:, self.nope:, :].transpose(1, 2)
+        self._w_uk = w[:, : self.nope, :].contiguous()
+        self._w_uv_t = w[:, self.nope:, :].transpose(1, 2).contiguous()
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if getattr(self, "_w_uk", None) is None:
+            self.fuse()
+        return self._w_uk, self._w_uv_t
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -74,10 +81,14 @@ class MLAttention(nn.Module):
         def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:
             ctx = gather_cache(cache, group).to(qg.dtype).unsqueeze(1)  # [B, 1, L, C + R]: one latent "head"
             if group.q_len == 1:  # absorbed decode over the latent cache
-                q_nope_g, q_rope_g = qg.split([self.nope, self.rope_dim], dim=-1)
-                q_lat = torch.cat([torch.matmul(q_nope_g, w_uk), q_rope_g], dim=-1)  # [B, H, 1, C + R]
-                o_lat = attention(q_lat, ctx, ctx[..., : self.kv_lora], group, self.scale)  # [B, H, 1, C]
-                return torch.matmul(o_lat, w_uv_t)  # [B, H, 1, v]
+                B = qg.shape[0]
+                q_nope_h = qg[:, :, 0, : self.nope].transpose(0, 1)  # [H, B, nope]
+                q_lat = torch.bmm(q_nope_h, w_uk).transpose(0, 1)  # [B, H, C]
+                q_lat = torch.cat([q_lat, qg[:, :, 0, self.nope:]], dim=-1).unsqueeze(2)  # [B, H, 1, C + R]
+                # values = the whole latent row (reads it in place; a sliced view would be copied), then cut
+                o_lat = attention(q_lat, ctx, ctx, group, self.scale)[..., : self.kv_lora]  # [B, H, 1, C]
+                o = torch.bmm(o_lat[:, :, 0].transpose(0, 1), w_uv_t)  # [H, B, v]
+                return o.transpose(0, 1).unsqueeze(2)  # [B, H, 1, v]
             ctx = ctx.squeeze(1)
             B, L = ctx.shape[0], ctx.shape[1]
             kv = self.kv_b_proj(ctx[..., : self.kv_lora]).view(B, L, self.num_heads, self.nope + self.v_dim)

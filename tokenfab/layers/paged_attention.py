@@ -20,9 +20,12 @@ def write_cache(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Ten
 
 
 def gather_cache(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
-    """The group's context from ``cache``: [B, max_blocks * block_size, ...] (block-table order = token order)."""
-    g = cache[group.block_tables]  # [B, max_blocks, block_size, ...]
-    return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
+    """The group's context from ``cache``: [B, max_blocks * block_size, ...] (block-table order = token order).
+
+    ``index_select`` on the flattened block ids (about 3x faster on CPU than advanced indexing with a 2-D index)."""
+    bt = group.block_tables
+    g = cache.index_select(0, bt.reshape(-1))  # [B * max_blocks, block_size, ...]
+    return g.view(bt.shape[0], bt.shape[1] * cache.shape[1], *cache.shape[2:])
 
 
 def run_groups(meta: AttentionMetadata, q: torch.Tensor, out_dim: int,
@@ -87,11 +90,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
     if Q > 1 and Dv == D:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(group, q.dtype), scale=scale,
                                               enable_gqa=H != Hk)
-    G = H // Hk
-    s = torch.matmul(q.reshape(B, Hk, G * Q, D), k.transpose(-1, -2)).float().mul_(scale)  # [B, Hk, G*Q, L]
-    s = s.view(B, Hk, G, Q, -1).masked_fill_(~causal_mask(group).unsqueeze(1), float("-inf"))
-    p = s.softmax(dim=-1).to(v.dtype).view(B, Hk, G * Q, -1)
-    return torch.matmul(p, v).view(B, H, Q, Dv)
+    G, L = H // Hk, k.shape[2]
+    # 3-D bmm with a transposed view of k: BLAS reads it in place (a 4-D matmul would copy k^T first).
+    s = torch.bmm(q.reshape(B * Hk, G * Q, D), k.reshape(B * Hk, L, D).transpose(1, 2)).float().mul_(scale)
+    s = s.view(B, Hk, G, Q, L).masked_fill_(~causal_mask(group).unsqueeze(1), float("-inf"))
+    p = s.softmax(dim=-1).to(v.dtype).view(B * Hk, G * Q, L)
+    return torch.bmm(p, v.reshape(B * Hk, L, Dv)).view(B, H, Q, Dv)
 
 
 def paged_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,146 @@
+"""Decode step time against its memory-bandwidth floor, and engine overhead (step wall time minus model forward).
+
+    .venv/bin/python benchmarks/decode_floor.py [--model DIR] [--context 512] [--batch 1,4,16] [--steps 30]
+
+For each batch size B: B sequences with ``--context`` prompt tokens are prefilled, then ``--steps`` decode steps are
+timed. Reported per step: wall time of ``LLMEngine.step()``, time inside the model forward (+ logits), their
+difference (engine overhead: scheduling, tensor building, sampling, output processing), and for B = 1 the floor:
+
+    floor = (bytes of weights a decode step must read + KV bytes read) / measured copy bandwidth
+
+Bytes read per step: every non-expert weight, plus the routed experts actually chosen (top_k of n_routed_experts for
+one token; all of them once B * top_k covers the experts — we count the distinct experts hit, measured), plus the
+KV cache rows attended. Copy bandwidth = 2 x bytes / time of ``dst.copy_(src)`` on a 512 MiB tensor (read + write
+traffic), best of 5, measured in the same run. Writes benchmarks/results/<date>-decode-floor.{json,md}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """Read+write bytes per second of a large tensor copy (best of ``reps``)."""
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def weight_bytes(model) -> tuple[int, int, int]:
+    """(non-expert weight bytes, bytes of one routed expert, number of routed experts per MoE layer summed)."""
+    from tokenfab.layers.moe import RoutedExperts
+    expert_params = set()
+    per_expert = 0
+    n_layers_experts = 0
+    for m in model.modules():
+        if isinstance(m, RoutedExperts):
+            for p in (m.w13, m.w2):
+                expert_params.add(id(p))
+            per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
+            n_layers_experts += 1
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
+    dense += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "cos" not in n and "sin" not in n)
+    return dense, per_expert, n_layers_experts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", default="1,4,16")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.default_model import ensure_default_model
+
+    model_dir = args.model or ensure_default_model()
+    llm = LLM(model_dir, max_model_len=args.context + args.steps + 16, max_num_seqs=64, progress=False)
+    eng = llm.llm_engine
+    runner = eng.runner
+    fwd_time = [0.0]
+    orig_forward = runner.forward
+
+    def timed_forward(*a, **k):
+        t = time.perf_counter()
+        try:
+            return orig_forward(*a, **k)
+        finally:
+            fwd_time[0] += time.perf_counter() - t
+
+    runner.forward = timed_forward
+    bw = copy_bandwidth()
+    dense, per_expert, n_moe = weight_bytes(runner.model)
+    mc = eng.model_config
+    rows = []
+    for B in [int(b) for b in args.batch.split(",")]:
+        sp = SamplingParams(max_tokens=args.steps + 3, ignore_eos=True)
+        for i in range(B):
+            eng.add_request(f"b{B}-{i}", None, [(7 * i + j) % 4000 + 5 for j in range(args.context)], sp)
+        while any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        eng.step()  # first pure decode step (warm-up)
+        walls, fwds = [], []
+        for _ in range(args.steps):
+            fwd_time[0] = 0.0
+            t = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - t)
+            fwds.append(fwd_time[0])
+        while eng.has_unfinished_requests():
+            eng.step()
+        wall, fwd = statistics.median(walls), statistics.median(fwds)
+        row = {"batch": B, "context": args.context, "step_ms": wall * 1e3, "forward_ms": fwd * 1e3,
+               "overhead_ms": (wall - fwd) * 1e3, "overhead_frac": (wall - fwd) / wall,
+               "tokens_per_s": B / wall}
+        if B == 1:
+            kv = mc.kv_cache_bytes_per_token(eng.dtype.itemsize) * (args.context + args.steps // 2)
+            experts = per_expert * mc.num_experts_per_tok * n_moe
+            read = dense + experts + kv
+            row.update({"bytes_read": read, "weight_bytes_dense": dense, "weight_bytes_experts": experts,
+                        "kv_bytes": kv, "floor_ms": read / bw * 1e3, "ratio_to_floor": wall / (read / bw)})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    try:
+        cpu = [l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")][0]
+    except (OSError, IndexError):
+        cpu = platform.processor()
+    result = {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+              "model": model_dir, "dtype": str(eng.dtype), "threads": torch.get_num_threads(), "cpu": cpu,
+              "cores": os.cpu_count(), "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__, "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"{dt.date.today().isoformat()}-decode-floor")
+    with open(stem + ".json", "w") as f:
+        json.dump(result, f, indent=2)
+    lines = [f"# Decode step vs memory floor ({result['date']})", "", f"`{result['command']}`", "",
+             f"CPU: {cpu}, {os.cpu_count()} cores, {result['threads']} torch threads, torch {torch.__version__}, "
+             f"dtype {result['dtype']}; copy bandwidth {bw / 1e9:.1f} GB/s (read+write)", "",
+             "| batch | step ms | forward ms | engine overhead | tok/s | floor ms | step / floor |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['batch']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['overhead_frac'] * 100:.1f}% "
+                     f"| {r['tokens_per_s']:.1f} | {r.get('floor_ms', float('nan')):.2f} | "
+                     f"{r.get('ratio_to_floor', float('nan')):.2f} |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
