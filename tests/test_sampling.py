@@ -38,12 +38,12 @@ def test_seed_reproducible_whatever_the_batch(llm):
     assert different[0].outputs[0].token_ids != alone
 
 
-def _first_token_counts(llm, params: SamplingParams, total: int) -> torch.Tensor:
+def _first_token_counts(llm, params: SamplingParams, total: int, seeded: bool = True) -> torch.Tensor:
     counts = torch.zeros(512)
     n_req = 8
     for r in range(n_req):
         sp = SamplingParams(n=total // n_req, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                            max_tokens=1, ignore_eos=True, seed=1000 + 100_000 * r)
+                            max_tokens=1, ignore_eos=True, seed=1000 + 100_000 * r if seeded else None)
         out = llm.generate([{"prompt_token_ids": PROMPT}], sp)[0]
         for c in out.outputs:
             counts[c.token_ids[0]] += 1
@@ -59,13 +59,15 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor, bins: int = 12) -> fl
     return float(((obs - exp) ** 2 / exp).sum())
 
 
-def test_sampled_distribution_matches_softmax(llm, ref):
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_distribution_matches_softmax(llm, ref, seeded):
     """4,000 first-token samples at T = 0.8 against softmax(logits / 0.8) of the reference: Pearson chi-square
     with 12 degrees of freedom must stay below 32.9 (p = 0.001). The same samples scored against T = 1.0 must fail
-    the test, so it can tell temperatures apart."""
+    the test, so it can tell temperatures apart. Seeded rows (per-request RNG, exponential race) and unseeded rows
+    (batched multinomial) are both checked."""
     with torch.no_grad():
         logits = ref(torch.tensor([PROMPT])).logits[0, -1].float()
-    counts = _first_token_counts(llm, SamplingParams(temperature=0.8), 4000)
+    counts = _first_token_counts(llm, SamplingParams(temperature=0.8), 4000, seeded=seeded)
     stat = _chi_square(counts, torch.softmax(logits / 0.8, -1))
     wrong = _chi_square(counts, torch.softmax(logits / 1.0, -1))
     print(f"\nchi2 at T=0.8: {stat:.1f} (right), {wrong:.1f} (T=1.0, wrong)")
