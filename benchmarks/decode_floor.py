@@ -52,6 +52,12 @@ def weight_bytes(model) -> tuple[int, int, int]:
             per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
             n_layers_experts += 1
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
+    from tokenfab.layers.linear import Linear
+    for m in model.modules():  # weights repacked for oneDNN are no longer parameters
+        if isinstance(m, Linear) and m._packed is not None:
+            dense += m.in_features * m.out_features * 2
+    if getattr(model, "_lm_head_packed", None) is not None:
+        dense += model.cfg.vocab_size * model.cfg.hidden_size * 2
     dense += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "cos" not in n and "sin" not in n)
     return dense, per_expert, n_layers_experts
 

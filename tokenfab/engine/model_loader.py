@@ -73,5 +73,6 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
         logger.info("skipped %d checkpoint tensors not used by tokenfab yet (e.g. MTP layers): %s%s",
                     len(skipped), ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
     model.to(device).eval()
+    model.post_load()
     tokenizer = load_tokenizer(config.tokenizer or config.model) if tp is None or tp.rank == 0 else None
     return LoadedModel(model, mc, tokenizer, device, dtype, skipped)

@@ -16,15 +16,18 @@ class GatedMLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias)
         self.up_proj = Linear(hidden_size, intermediate_size, bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias)
-        self._fused: torch.Tensor | None = None
+        self.gate_up: Linear | None = None
 
     def fuse(self) -> None:
-        """Concatenate gate and up weights into one [2I, hidden] matrix (one GEMM instead of two) after loading."""
-        if self.gate_proj.bias is None:
-            self._fused = torch.cat([self.gate_proj.weight, self.up_proj.weight], 0).contiguous()
-            self.gate_proj.weight = self.up_proj.weight = None  # freed; _fused holds the data
+        """After loading: one [2I, hidden] gate|up projection (one GEMM instead of two), packed when possible."""
+        if self.gate_proj.bias is None and self.gate_proj.weight is not None:
+            w = torch.cat([self.gate_proj.weight, self.up_proj.weight], 0)
+            self.gate_up = Linear(w.shape[1], w.shape[0], dtype=w.dtype)
+            self.gate_up.weight.data = w
+            self.gate_up.fuse()
+            self.gate_proj.weight = self.up_proj.weight = None  # freed; gate_up holds the data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._fused is not None:
-            return self.down_proj(silu_and_mul(x @ self._fused.t()))
+        if self.gate_up is not None:
+            return self.down_proj(silu_and_mul(self.gate_up(x)))
         return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))

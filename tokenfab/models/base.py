@@ -16,6 +16,7 @@ from torch import nn
 from tokenfab.config import ModelConfig
 from tokenfab.errors import WeightLoadError
 from tokenfab.layers.attention_metadata import AttentionMetadata
+from tokenfab.layers.linear import can_pack, pack_weight, packed_linear
 from tokenfab.layers.moe import RoutedExperts
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.parallel.distributed import current_tp
@@ -60,6 +61,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (under tensor parallel: on rank 0; other ranks get an
         empty tensor)."""
+        packed = getattr(self, "_lm_head_packed", None)
+        if packed is not None:
+            return packed_linear(hidden, packed, None).float()
         return self.lm_head(hidden).float()
 
     def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:
@@ -139,14 +143,19 @@ class CausalLM(nn.Module):
             problems.append("shape mismatches: " + "; ".join(bad_shape[:10]))
         if problems:
             raise WeightLoadError("checkpoint does not match the model: " + " | ".join(problems))
-        self.post_load()
         return skipped
 
     def post_load(self) -> None:
-        """Hook run once all weights are in (fusions, derived tensors)."""
-        for m in self.modules():
+        """Run once the weights are in and on their device: fusions and derived tensors (absorbed MLA weights,
+        gate|up concatenation, packed CPU bf16 linears)."""
+        for m in list(self.modules()):  # fuse() may add submodules
             if hasattr(m, "fuse") and callable(m.fuse):
                 m.fuse()
+        lm = self.lm_head
+        if (isinstance(lm, nn.Linear) and not self.cfg.tie_word_embeddings and lm.weight is not None
+                and can_pack(lm.weight)):
+            self._lm_head_packed = pack_weight(lm.weight)
+            lm.weight = None
 
 
 def layer_index(name: str) -> int | None:
