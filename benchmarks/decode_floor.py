@@ -47,9 +47,10 @@ def weight_bytes(model) -> tuple[int, int, int]:
     n_layers_experts = 0
     for m in model.modules():
         if isinstance(m, RoutedExperts):
-            for p in (m.w13, m.w2):
-                expert_params.add(id(p))
-            per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()
+            if m.w13 is not None:
+                for p in (m.w13, m.w2):
+                    expert_params.add(id(p))
+            per_expert = 3 * m.intermediate * model.cfg.hidden_size * 2  # bf16 gate, up, down
             n_layers_experts += 1
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
     from tokenfab.layers.linear import Linear

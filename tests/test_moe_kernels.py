@@ -42,3 +42,23 @@ def test_routed_experts_match_naive(grouped, expert_range):
     got = m(x, w, ids)
     ref = naive(x, m.w13, m.w2, w, ids, m.start, m.end)
     assert torch.allclose(got.double(), ref, atol=1e-5), (got.double() - ref).abs().max()
+
+
+def test_packed_expert_loop_matches_naive():
+    from tokenfab.layers.linear import can_pack
+    if not can_pack(torch.empty(2, 2, dtype=torch.bfloat16)):
+        pytest.skip("no oneDNN packing here")
+    torch.manual_seed(1)
+    E, H, I, T, k = 8, 64, 32, 11, 2
+    m = RoutedExperts(E, H, I, (2, 7)).to(torch.bfloat16)
+    with torch.no_grad():
+        m.w13.copy_(torch.randn(5, 2 * I, H) * 0.3)
+        m.w2.copy_(torch.randn(5, H, I) * 0.3)
+    w13, w2 = m.w13.clone(), m.w2.clone()
+    m.fuse()
+    assert m._p13 is not None and m.w13 is None
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    w = torch.rand(T, k)
+    ref = naive(x, w13, w2, w, ids, 2, 7)
+    assert torch.allclose(m(x, w, ids).double(), ref, atol=0.05 * ref.abs().max().item())

@@ -96,7 +96,8 @@ class ModelRunner:
         return AttentionGroup(
             token_index=torch.from_numpy(token_index).to(dev), query_pos=torch.from_numpy(query_pos).to(dev),
             block_tables=torch.from_numpy(np.ascontiguousarray(rows_bt[:, :nblk])).to(dev),
-            context_lens=torch.from_numpy(ctx).to(dev), q_len=q_len, max_context=nblk * self.block_size)
+            context_lens=torch.from_numpy(ctx).to(dev), q_len=q_len, max_context=nblk * self.block_size,
+            flat_range=(int(starts[0]), int(starts[0]) + len(num_new) * q_len) if bool(valid.all()) else None)
 
     @torch.inference_mode()
     def forward(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray, input_ids: np.ndarray,

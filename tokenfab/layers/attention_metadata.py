@@ -22,6 +22,9 @@ class AttentionGroup:
         context_lens: [B] int64 tokens in the cache after this step's writes.
         q_len: padded query length (1 for the decode group).
         max_context: tokens to gather per sequence (max_blocks * block_size), >= max(context_lens).
+        flat_range: (start, end) when the group's queries are exactly flat-batch rows start..end-1 in [B, q_len]
+            order with no padding (always for the decode group; for a prefill group of one sequence), so layers
+            can slice instead of gather/scatter; None otherwise.
     """
 
     token_index: torch.Tensor
@@ -30,6 +33,7 @@ class AttentionGroup:
     context_lens: torch.Tensor
     q_len: int
     max_context: int
+    flat_range: tuple[int, int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -41,11 +41,18 @@ def run_groups(meta: AttentionMetadata, q: torch.Tensor, out_dim: int,
         [T, H, Dv] attention outputs in flat-batch order.
     """
     T, H = q.shape[0], q.shape[1]
+    groups = [g for g in (meta.decode, meta.prefill) if g is not None]
+    if all(g.flat_range is not None for g in groups):  # contiguous groups: slice, no gather/scatter copies
+        outs = []
+        for g in groups:
+            a, b = g.flat_range
+            B, Q = g.token_index.shape
+            qg = q[a:b].view(B, Q, H, -1).transpose(1, 2)
+            outs.append(attend(g, qg).transpose(1, 2).reshape(B * Q, H, out_dim))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 0)
     out = q.new_empty(T + 1, H, out_dim)  # row T collects padding writes
     q_pad = torch.cat([q, q.new_zeros(1, *q.shape[1:])], 0)
-    for group in (meta.decode, meta.prefill):
-        if group is None:
-            continue
+    for group in groups:
         B, Q = group.token_index.shape
         qg = q_pad[group.token_index].transpose(1, 2)  # [B, H, Q, Dq]
         og = attend(group, qg)  # [B, H, Q, Dv]
@@ -78,24 +85,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
     """Causal attention of a group, choosing the kernel by shape (measured on CPU, benchmarks/NOTES.md).
 
     Args:
-        q: [B, H, Q, D]; k: [B, Hk, L, D]; v: [B, Hk, L, Dv] with H a multiple of Hk (grouped-query / MLA latent).
+        q: [B, H, Q, D]; k: [B, Hk, L, D]; v: [B, Hk, L, Dv] with H a multiple of Hk (grouped-query / MLA latent)
+            and Dv <= D.
     Returns:
         [B, H, Q, Dv] in q's dtype.
 
-    Decode (Q = 1) and Dv != D use explicit grouped matmuls with a float32 softmax (SDPA's CPU math fallback is
-    150x slower for MLA's single latent head); prefill with Dv == D uses SDPA with an additive mask.
+    Prefill (Q > 1): SDPA with a cached additive mask when Dv == D; for MLA's expanded prefill (Dv != D) explicit
+    matmuls with a float32 softmax (SDPA with zero-padded values was faster but raised the bf16 KL against the fp32
+    reference 50x on the tiny DeepSeek test model, tests/test_bf16.py). Decode (Q = 1): scores = mask + scale * q k^T in one ``baddbmm`` over a transposed view of
+    k (no copy), softmax in float32 as transformers' eager attention does, then one ``bmm`` with v.
     """
     B, H, Q, D = q.shape
-    Hk, Dv = k.shape[1], v.shape[-1]
+    Hk, L, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    mask = additive_mask(group, q.dtype)  # [B, 1, Q, L]
     if Q > 1 and Dv == D:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=additive_mask(group, q.dtype), scale=scale,
-                                              enable_gqa=H != Hk)
-    G, L = H // Hk, k.shape[2]
-    # 3-D bmm with a transposed view of k: BLAS reads it in place (a 4-D matmul would copy k^T first).
-    s = torch.bmm(q.reshape(B * Hk, G * Q, D), k.reshape(B * Hk, L, D).transpose(1, 2)).float().mul_(scale)
-    s = s.view(B, Hk, G, Q, L).masked_fill_(~causal_mask(group).unsqueeze(1), float("-inf"))
-    p = s.softmax(dim=-1).to(v.dtype).view(B * Hk, G * Q, L)
-    return torch.bmm(p, v.reshape(B * Hk, L, Dv)).view(B, H, Q, Dv)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hk)
+    G = H // Hk
+    if Q > 1:  # prefill with Dv != D (MLA expanded form)
+        s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).masked_fill_(~causal_mask(group), float("-inf"))
+        return torch.matmul(s.softmax(dim=-1).to(v.dtype), v)
+    m = mask.view(B, 1, L) if Hk == 1 else mask.expand(B, Hk, 1, L).reshape(B * Hk, 1, L)
+    s = torch.baddbmm(m, q.reshape(B * Hk, G, D), k.reshape(B * Hk, L, D).transpose(1, 2), alpha=scale)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.bmm(p, v.reshape(B * Hk, L, Dv)).view(B, H, 1, Dv)
 
 
 def paged_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
