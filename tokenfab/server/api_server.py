@@ -575,11 +575,29 @@ class ServerHandle:
             pass
 
 
+def set_server_threads(num_threads: int | None, config) -> int:
+    """Set torch's intra-op threads for a serving process: ``num_threads``, or by default cores - 1 (>= 1) on one
+    CPU rank (the HTTP event loop and tokenization get the remaining core; with every core in the OpenMP pool the
+    busy front end preempts a spinning worker thread and each parallel region waits for it). Returns the count."""
+    import os
+
+    import torch
+    if num_threads is None:
+        if config.tensor_parallel_size > 1:
+            return torch.get_num_threads()  # the tensor-parallel launcher splits the cores between ranks
+        num_threads = max(1, (os.cpu_count() or 1) - 1)
+    if num_threads < 1:
+        raise ValueError(f"--num-threads must be >= 1, got {num_threads}.")
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Build the engine from ``tokenfab serve`` flags and serve until Ctrl-C / SIGTERM; shuts down cleanly."""
     import uvicorn
 
     config = engine_config_from_args(args)
+    set_server_threads(getattr(args, "num_threads", None), config)
     t0 = time.perf_counter()
     async_llm = AsyncLLM.from_config(config, progress=True)
     async_llm.start()
