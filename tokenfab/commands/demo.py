@@ -267,7 +267,7 @@ def run_demo(args: argparse.Namespace) -> int:
             results.append((t, run_bench_serve(bargs)))
     finally:
         rc = server.stop()
-        print(f"[demo] server stopped (exit code {rc})", flush=True)
+        print(f"[demo] server stopped ({'cleanly' if rc in (0, 130, -2) else f'exit code {rc}'})", flush=True)
 
     cfg["wall_time_s"] = time.perf_counter() - t_start
     cfg["result_files"] = [os.path.basename(r.get("result_path", "")) for _, r in results]

@@ -272,7 +272,8 @@ def finish(run: PowerRun | None, result: dict, args: argparse.Namespace,
     result["cost"] = cost
     text = render_power_text(power)
     if cost.get("computed"):
-        title = "Cost (measured kW from the " + (cost.get("measured_source") or "—") + ")"
+        src = cost.get("measured_source")
+        title = f"Cost (measured kW from the {src})" if src else "Cost (no measured power: give --power-cap-kw)"
         text += render_cost_table(cost, title=title)
     else:
         text += f"Cost: not computed ({cost['reason']})\n"
