@@ -27,14 +27,18 @@ import time
 import torch
 
 
-def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
-    """Read+write bytes per second of a large tensor copy (best of ``reps``)."""
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5, device: str = "cpu") -> float:
+    """Read+write bytes per second of a large tensor copy on ``device`` (best of ``reps``; GPU HBM on cuda)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
+    dst.copy_(src)
+    sync()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         dst.copy_(src)
+        sync()
         best = min(best, time.perf_counter() - t)
     return 2 * nbytes / best
 
@@ -70,6 +74,7 @@ def main() -> int:
     ap.add_argument("--batch", default="1,4,16")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
     if args.threads:
@@ -78,7 +83,8 @@ def main() -> int:
     from tokenfab.default_model import ensure_default_model
 
     model_dir = args.model or ensure_default_model()
-    llm = LLM(model_dir, max_model_len=args.context + args.steps + 16, max_num_seqs=64, progress=False)
+    llm = LLM(model_dir, max_model_len=args.context + args.steps + 16, max_num_seqs=64, progress=False,
+              device=args.device)
     eng = llm.llm_engine
     runner = eng.runner
     fwd_time = [0.0]
@@ -92,7 +98,7 @@ def main() -> int:
             fwd_time[0] += time.perf_counter() - t
 
     runner.forward = timed_forward
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(device=str(eng.device))
     dense, per_expert, n_moe = weight_bytes(runner.model)
     mc = eng.model_config
     rows = []
