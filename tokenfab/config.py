@@ -327,15 +327,20 @@ def parse_config(cfg: dict, gen_cfg: dict | None = None) -> ModelConfig:
 
 
 def load_config(model_dir: str) -> ModelConfig:
-    """Read ``config.json`` (and ``generation_config.json`` when present) from a checkpoint folder.
+    """Read ``config.json`` (and ``generation_config.json`` when present) from a checkpoint folder, or from a
+    ``config.json`` path (its folder is searched for generation_config.json).
 
     Raises:
         FileNotFoundError: the folder or its config.json does not exist.
         ConfigError: see :func:`parse_config`.
     """
-    path = os.path.join(model_dir, "config.json")
+    if os.path.isfile(model_dir):
+        path, model_dir = model_dir, os.path.dirname(model_dir) or "."
+    else:
+        path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config.json in '{model_dir}': pass a Hugging Face checkpoint folder.")
+        raise FileNotFoundError(f"no config.json at '{model_dir}': pass a Hugging Face checkpoint folder or a "
+                                "config.json file.")
     with open(path) as f:
         cfg = json.load(f)
     gen = None

@@ -27,7 +27,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenfab.config import ModelConfig, parse_config
+from tokenfab.config import ModelConfig, load_config, parse_config
 from tokenfab.parallel.shard_plan import (
     TENSOR_CLASSES,
     ShardPlan,
@@ -137,20 +137,7 @@ def resolve_model(model: str | dict | ModelConfig) -> tuple[ModelConfig, str | N
     if isinstance(model, dict):
         return parse_config(model), None
     path = os.fspath(model)
-    if os.path.isdir(path):
-        cfg_path, folder = os.path.join(path, "config.json"), path
-    else:
-        cfg_path, folder = path, os.path.dirname(path) or "."
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"no config.json at '{path}': pass a checkpoint folder or a config.json file")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
-    gen = None
-    gpath = os.path.join(folder, "generation_config.json")
-    if os.path.isfile(gpath):
-        with open(gpath) as f:
-            gen = json.load(f)
-    return parse_config(cfg, gen), folder
+    return load_config(path), (path if os.path.isdir(path) else os.path.dirname(path) or ".")
 
 
 def read_safetensors_header(path: str) -> dict[str, dict]:

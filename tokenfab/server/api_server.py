@@ -404,9 +404,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
                     i = o.index
                     if done[i]:
                         continue
-                    end = len(o.text) if o.finish_reason is not None else max(len(sent_text[i]),
-                                                                                 len(o.text) - hold)
-                    delta = o.text[len(sent_text[i]):end]
+                    delta, end = _text_delta(o, sent_text[i], hold)
                     if not delta and o.finish_reason is None:
                         continue
                     new_ids = o.token_ids[sent_tok[i]:]
@@ -488,9 +486,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
                     i = o.index
                     if done[i]:
                         continue
-                    end = len(o.text) if o.finish_reason is not None else max(len(sent_text[i]),
-                                                                                 len(o.text) - hold)
-                    delta = o.text[len(sent_text[i]):end]
+                    delta, end = _text_delta(o, sent_text[i], hold)
                     if not delta and o.finish_reason is None:
                         continue
                     lp = None
@@ -530,6 +526,14 @@ def engine_config_from_args(args: argparse.Namespace):
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory=args.kv_cache_memory, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size)
+
+
+def _text_delta(o, sent: str, hold: int) -> tuple[str, int]:
+    """Text of CompletionOutput ``o`` not yet streamed (``sent`` went out already) and the new end offset.
+
+    While the sequence runs, the last ``hold`` characters stay back (they may begin a stop string)."""
+    end = len(o.text) if o.finish_reason is not None else max(len(sent), len(o.text) - hold)
+    return o.text[len(sent):end], end
 
 
 class ServerHandle:
