@@ -98,16 +98,45 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
     B, H, Q, D = q.shape
     Hk, L, Dv = k.shape[1], k.shape[2], v.shape[-1]
     mask = additive_mask(group, q.dtype)  # [B, 1, Q, L]
-    if Q > 1 and Dv == D:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hk)
+    if Q > 1:
+        return _prefill_attention(q, k, v, group, mask, scale)
     G = H // Hk
-    if Q > 1:  # prefill with Dv != D (MLA expanded form)
-        s = torch.matmul(q, k.transpose(-1, -2)).float().mul_(scale).masked_fill_(~causal_mask(group), float("-inf"))
-        return torch.matmul(s.softmax(dim=-1).to(v.dtype), v)
     m = mask.view(B, 1, L) if Hk == 1 else mask.expand(B, Hk, 1, L).reshape(B * Hk, 1, L)
     s = torch.baddbmm(m, q.reshape(B * Hk, G, D), k.reshape(B * Hk, L, D).transpose(1, 2), alpha=scale)
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.bmm(p, v.reshape(B * Hk, L, Dv)).view(B, H, 1, Dv)
+
+
+PREFILL_QUERY_BLOCK = 256  # queries per block in prefill attention (tokens)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup,
+                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Prefill attention in query blocks of PREFILL_QUERY_BLOCK: each block attends only to the keys up to its
+    last query's position (causal: the upper triangle is never computed, ~2x fewer FLOPs for a whole prompt) and
+    its score matrix stays small enough for the cache. SDPA's fused kernel when Dv == D; explicit matmuls with a
+    float32 softmax otherwise (MLA's expanded form, where SDPA with padded values lost bf16 accuracy).
+
+    q [B, H, Q, D], k [B, Hk, L, D], v [B, Hk, L, Dv] -> [B, H, Q, Dv].
+    """
+    B, H, Q, D = q.shape
+    Hk, Dv = k.shape[1], v.shape[-1]
+    if Dv != D and Hk != H:
+        k, v = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
+    k, v = k.contiguous(), v.contiguous()  # one copy per layer; each block's q k^T then reads k in place (1.6x)
+    key_end = (group.query_pos.max(dim=0).values + 1).tolist()  # per query index: keys any sequence needs
+    out = q.new_empty(B, H, Q, Dv)
+    for q0 in range(0, Q, PREFILL_QUERY_BLOCK):
+        q1 = min(Q, q0 + PREFILL_QUERY_BLOCK)
+        kend = max(1, max(key_end[q0:q1]))
+        qb, kb, vb, mb = q[:, :, q0:q1], k[:, :, :kend], v[:, :, :kend], mask[:, :, q0:q1, :kend]
+        if Dv == D:
+            out[:, :, q0:q1] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mb, scale=scale,
+                                                              enable_gqa=H != Hk)
+        else:
+            s = torch.matmul(qb, kb.transpose(-1, -2)).float().mul_(scale).add_(mb)
+            out[:, :, q0:q1] = torch.matmul(s.softmax(dim=-1).to(v.dtype), vb)
+    return out
 
 
 def paged_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
