@@ -67,7 +67,8 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.device = device
         self.kv_caches = model.make_kv_cache(block_manager.num_blocks, self.block_size, dtype, device)
-        if hasattr(model, "make_state_cache"):  # hybrid models: per-request KDA state slots by row (state_cache.py)
+        self.has_state = hasattr(model, "make_state_cache")
+        if self.has_state:  # hybrid models: per-request KDA state slots by row (state_cache.py)
             model.make_state_cache(self.kv_caches, max_num_seqs, dtype, device)
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
         self.sampler = sampler
@@ -158,7 +159,8 @@ class ModelRunner:
             plp_tok = np.nonzero(mask)[0]
         logit_idx = np.concatenate([sample_tok, plp_tok])
         if self.tp_channel is not None:  # tensor parallel: the workers run the same forward (tokenfab/parallel)
-            self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx)
+            self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx,
+                                      rows if self.has_state else None)  # hybrid models: the KDA state slots
         logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
                               rows=rows)
         if logits is None:

@@ -195,6 +195,8 @@ class KimiDeltaAttention(nn.Module):
         if meta.state_rows is None:
             raise RuntimeError("KDA layers need AttentionMetadata.state_rows (the scheduler rows of the batch).")
         T, H, D = x.shape[0], self.num_heads, self.head_dim
+        if H == 0:  # tensor parallel with more ranks than KDA heads: contributes nothing to the sum
+            return x.new_zeros(T, self.o_proj.out_features)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         gpre = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
         g = kda_log_decay(gpre.view(T, H, D), self.A_log, self.lower_bound)

@@ -65,6 +65,8 @@ class MLAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
+        if self.num_heads == 0:  # tensor parallel with more ranks than heads: contributes nothing to the sum
+            return x.new_zeros(T, self.o_proj.out_features)
         if self.q_lora_rank is None:
             q = self.q_proj(x)
         else:

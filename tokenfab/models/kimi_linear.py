@@ -28,6 +28,11 @@ as transcribed in public ports, e.g. sglang/vLLM ``kimi_k3`` models: ``SituAndMu
 
 Checkpoint names: published (``block_sparse_moe``, ``experts.{e}.w1/w2/w3``, ``q/k/v_conv1d``) and transformers 5
 runtime names (``mlp``, fused ``experts.gate_up_proj``/``down_proj``, ``conv1d``, ``forget_gate.*``) both load.
+
+Tensor parallel (docs/parallel.md): KDA layers own ``plan.kda_heads[rank]`` (per-head tensors read as slices, A_log and
+the fused runtime conv read whole and sliced here, state slots hold this rank's heads), MLA layers ``plan.heads[rank]``
+(K3: g_proj by head), MoE whole experts + split shared experts; every attention / MLP returns a partial sum that the
+decoder layer all-reduces once (the K3 latent MoE also all-reduces its routed latent sum before the latent norm).
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ from tokenfab.layers.mxfp4 import dequantize_mxfp4
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.models.base import CausalLM, layer_index
 from tokenfab.models.llama import DecoderLayer
+from tokenfab.parallel.distributed import current_tp
 
 _W123 = re.compile(r"^(.*\.mlp\.experts\.\d+)\.(w1|w2|w3)\.(weight|weight_packed|weight_scale|weight_shape)$")
 _W_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -140,26 +146,35 @@ class KimiMoE(nn.Module):
                                        cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
         self.latent = cfg.routed_expert_hidden_size
         inner = self.latent or cfg.hidden_size
+        self.tp = tp = current_tp()  # tensor parallel: whole experts per rank, shared experts split (as DeepSeek-V3)
+        rng = None if tp is None else tp.r("experts")
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts if tp is None else tp.size("shared_intermediate")
         if self.latent:
             self.routed_expert_down_proj = Linear(cfg.hidden_size, self.latent)
             self.routed_expert_up_proj = Linear(self.latent, cfg.hidden_size)
             self.routed_expert_norm = RMSNorm(self.latent, eps=cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
         if cfg.hidden_act == "situ":
             self.experts = SituRoutedExperts(cfg.num_experts, inner, cfg.moe_intermediate_size, cfg.situ_beta,
-                                             cfg.situ_linear_beta)
+                                             cfg.situ_linear_beta, rng)
         else:
-            self.experts = RoutedExperts(cfg.num_experts, inner, cfg.moe_intermediate_size)
-        self.shared_experts = (make_mlp(cfg, cfg.moe_intermediate_size * cfg.n_shared_experts)
-                               if cfg.n_shared_experts else None)
+            self.experts = RoutedExperts(cfg.num_experts, inner, cfg.moe_intermediate_size, rng)
+        self.shared_experts = make_mlp(cfg, shared) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids = self.gate(x)
         z = self.routed_expert_down_proj(x) if self.latent else x
         y = self.experts(z, w, ids)
         if self.latent:
-            if self.routed_expert_norm is not None:
-                y = self.routed_expert_norm(y)
-            y = self.routed_expert_up_proj(y)
+            if self.tp is not None:
+                # tensor parallel: the latent norm needs the full routed sum, so it is all-reduced here; the
+                # (replicated) norm and up-projection then run on rank 0 only and the other ranks add zeros.
+                y = self.tp.all_reduce(y)
+                if self.tp.rank != 0:
+                    y = x.new_zeros(x.shape)
+            if self.tp is None or self.tp.rank == 0:
+                if self.routed_expert_norm is not None:
+                    y = self.routed_expert_norm(y)
+                y = self.routed_expert_up_proj(y)
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
@@ -213,6 +228,7 @@ class AttnResDecoderLayer(nn.Module):
         super().__init__()
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.layer_idx, self.block_size = layer_idx, cfg.attn_res_block_size
+        self.tp = current_tp()  # tensor parallel: attention / MLP partial sums are all-reduced here, once each
         self.self_attn, self.mlp = self_attn, mlp
         self.input_layernorm = RMSNorm(H, eps=eps)
         self.post_attention_layernorm = RMSNorm(H, eps=eps)
@@ -227,9 +243,12 @@ class AttnResDecoderLayer(nn.Module):
         if self.layer_idx % self.block_size == 0:
             blocks, cur = [*blocks, prefix], None
         a = self.self_attn(positions, self.input_layernorm(h), cache, meta)
+        if self.tp is not None:
+            a = self.tp.all_reduce(a)
         cur = a if cur is None else cur + a
         h = attn_res_mix(cur, blocks, self.mlp_res_proj, self.mlp_res_norm)
-        return cur + self.mlp(self.post_attention_layernorm(h)), blocks
+        m = self.mlp(self.post_attention_layernorm(h))
+        return cur + (m if self.tp is None else self.tp.all_reduce(m)), blocks
 
 
 class KimiLinearForCausalLM(CausalLM):
@@ -243,13 +262,19 @@ class KimiLinearForCausalLM(CausalLM):
             self.model.layers.append(self.make_layer(i))
 
     def make_attention(self, i: int) -> nn.Module:
+        # tensor parallel (self.tp, captured at build): KDA layers own plan.kda_heads[rank], MLA layers
+        # plan.heads[rank]; both return partial sums (row-parallel o_proj) that DecoderLayer all-reduces.
+        tp = self.tp
         if self.cfg.layer_types[i] == "kda":
-            return KimiDeltaAttention(self.cfg)
-        return GatedMLAttention(self.cfg, self.rotary) if self.cfg.mla_use_output_gate else \
-            MLAttention(self.cfg, self.rotary)
+            return KimiDeltaAttention(self.cfg, None if tp is None else tp.r("kda_heads"))
+        heads = None if tp is None else tp.r("heads")
+        return GatedMLAttention(self.cfg, self.rotary, heads) if self.cfg.mla_use_output_gate else \
+            MLAttention(self.cfg, self.rotary, heads)
 
     def make_mlp(self, i: int) -> nn.Module:
-        return KimiMoE(self.cfg) if i in self.cfg.moe_layers else make_mlp(self.cfg, self.cfg.intermediate_size)
+        if i in self.cfg.moe_layers:
+            return KimiMoE(self.cfg)
+        return make_mlp(self.cfg, self.cfg.intermediate_size if self.tp is None else self.tp.size("intermediate"))
 
     def make_layer(self, i: int) -> nn.Module:
         return DecoderLayer(self.cfg, self.make_attention(i), self.make_mlp(i))
@@ -296,7 +321,10 @@ class KimiLinearForCausalLM(CausalLM):
                 name = f"{m.group(1)}.{_W_NAMES[m.group(2)]}.{m.group(3)}"
             if name.endswith(".self_attn.conv1d.weight"):  # transformers 5 runtime: q|k|v convs concatenated
                 base = name[: -len("conv1d.weight")]
+                mod = kda.get(base[:-1])
                 for part, x in zip(("q", "k", "v"), t.chunk(3, dim=0)):
+                    if mod is not None and mod.num_heads != mod.total_heads:  # tensor parallel: read whole, sliced
+                        x = x[mod.h0 * mod.head_dim: mod.h1 * mod.head_dim]
                     yield f"{base}{part}_conv1d.weight", x
                 continue
             if name.endswith(".self_attn.A_log") and name[: -len(".A_log")] in kda:

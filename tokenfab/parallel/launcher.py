@@ -41,7 +41,7 @@ class TensorParallelError(RuntimeError):
         self.rank, self.rank_traceback = rank, rank_traceback
 
 
-TP_FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3")
+TP_FAMILIES = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "kimi_linear", "kimi_k3")
 
 
 def _timeout_s() -> float:

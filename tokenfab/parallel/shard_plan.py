@@ -26,6 +26,11 @@ plan field                unit                                       tensors (HF
                           (moe_intermediate_size x n_shared_experts)  ``mlp.shared_experts.down_proj`` dim 1.
 ``vocab[r]``              vocabulary rows                            ``embed_tokens`` (vocab-parallel embedding)
                                                                      and ``lm_head`` (column-parallel), dim 0.
+``kda_heads[r]``          Kimi KDA heads (own split, not MLA heads)  KDA layers' ``q/k/v/g/g_b/f_b_proj``,
+                                                                     ``q/k/v_conv1d``, ``dt_bias`` (rows = heads x
+                                                                     head_dim), ``b_proj`` (rows = heads) dim 0;
+                                                                     ``o_proj`` dim 1. ``A_log`` read whole (may be
+                                                                     padded / 4-D), sliced by the model.
 (replicated)              --                                         all RMSNorm weights, the router
                                                                      (``mlp.gate.weight`` and
                                                                      ``e_score_correction_bias``), the MLA
@@ -153,11 +158,15 @@ class ShardPlan:
     kv_b_head_width: int = 0     # MLA kv_b_proj rows per head (qk_nope_head_dim + v_head_dim)
     kv_head_width: int = 0       # GQA k_proj / v_proj rows per KV head (head_dim)
     o_head_width: int = 0        # o_proj input cols per head (v_head_dim or head_dim)
-    kda_head_width: int = 0      # Kimi KDA rows per head (head_dim) when KDA heads split like query heads, else 0
+    kda_head_width: int = 0      # Kimi KDA rows per KDA head (kda_head_dim); 0 when the model has no KDA layers
     is_mla: bool = False
     num_hidden_layers: int = 0
     quant_block: tuple[int, int] = (128, 128)
     totals: dict = field(default_factory=dict)  # full size of each unit dimension, e.g. {"heads": 64}
+    # Kimi Linear / K3: KDA heads per rank (their own split, independent of the MLA heads) and the 0-indexed
+    # layers whose ``self_attn.*`` tensors are KDA tensors (checkpoint names do not say which layers are KDA).
+    kda_heads: list[Range] = field(default_factory=list)
+    kda_layer_ids: frozenset = field(default_factory=frozenset)
 
     @classmethod
     def for_model(cls, model_config, world_size: int) -> "ShardPlan":
@@ -177,6 +186,7 @@ class ShardPlan:
             heads, kv = _gqa_ranges(mc.num_attention_heads, mc.num_key_value_heads, world_size)
             q_w, kvb_w, kv_w, o_w = mc.head_dim, 0, mc.head_dim, mc.head_dim
         shared = mc.moe_intermediate_size * mc.n_shared_experts if mc.is_moe else 0
+        kda_heads = int(getattr(mc, "kda_num_heads", 0) or 0)  # Kimi KDA heads, split on their own
         block = (128, 128)
         qc = (mc.raw or {}).get("quantization_config") or {}
         if isinstance(qc.get("weight_block_size"), (list, tuple)) and len(qc["weight_block_size"]) == 2:
@@ -188,12 +198,13 @@ class ShardPlan:
             shared_intermediate=split_range(shared, world_size),
             vocab=split_range(mc.vocab_size, world_size),
             q_head_width=q_w, kv_b_head_width=kvb_w, kv_head_width=kv_w, o_head_width=o_w, is_mla=mc.is_mla,
-            kda_head_width=(getattr(mc, "kda_head_dim", 0)
-                            if getattr(mc, "kda_num_heads", 0) == mc.num_attention_heads else 0),
+            kda_head_width=getattr(mc, "kda_head_dim", 0) if kda_heads else 0,
             num_hidden_layers=mc.num_hidden_layers, quant_block=block,
             totals={"heads": mc.num_attention_heads, "kv_heads": 1 if mc.is_mla else mc.num_key_value_heads,
                     "intermediate": mc.intermediate_size, "experts": mc.num_experts,
-                    "shared_intermediate": shared, "vocab": mc.vocab_size},
+                    "shared_intermediate": shared, "vocab": mc.vocab_size, "kda_heads": kda_heads},
+            kda_heads=split_range(kda_heads, world_size),
+            kda_layer_ids=frozenset(getattr(mc, "kda_layers", None) or ()),
         )
 
     # ----------------------------------------------------------------------------------------------- queries
@@ -234,6 +245,7 @@ class ShardPlan:
         whole expert, id in the name), ``"expert_fused"`` (dim 0 indexes experts) or ``"skip"`` (MTP layers at
         index >= num_hidden_layers, which the engine does not load).
         """
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Kimi Linear / K3 published names (dense MLPs too)
         m = _LAYER_RE.search(name)
         if m and self.num_hidden_layers and int(m.group(1)) >= self.num_hidden_layers:
             return "mtp", "skip", None, None, 0
@@ -268,6 +280,23 @@ class ShardPlan:
                 return "mlp", "split", 0, "intermediate", 1
             if leaf == "down_proj":
                 return ("mlp", "replicated", None, None, 0) if is_bias else ("mlp", "split", 1, "intermediate", 1)
+        kda = ".kda_attn." in name or (m is not None and "model.layers." in name and ".self_attn." in name
+                                       and int(m.group(1)) in self.kda_layer_ids)
+        if kda and self.kda_head_width:
+            # Kimi KDA layers: checkpoint names ``model.layers.{i}.self_attn.*`` of a KDA layer i (transformers-5
+            # runtime names ``self_attn.forget_gate.*`` too), or the planner's ``kda_attn.*`` (kimi_tensors.py).
+            # Per-head tensors split by ``kda_heads``; A_log (1-D, padded, or legacy 4-D [1, 1, H, 1]) and the fused
+            # runtime ``conv1d`` [3HD, 1, K] are read whole and sliced by the model (KimiLinearForCausalLM
+            # ._map_weights / _a_log_slice); f_a_proj / g_a_proj (rank D) and o_norm are replicated.
+            w = self.kda_head_width
+            if leaf in ("q_proj", "k_proj", "v_proj", "g_proj", "g_b_proj", "f_b_proj", "q_conv1d", "k_conv1d",
+                        "v_conv1d", "dt_bias"):
+                return "attn_q", "split", 0, "kda_heads", w
+            if leaf == "b_proj":
+                return "attn_q", "split", 0, "kda_heads", 1
+            if leaf == "o_proj":
+                return "attn_o", "split", 1, "kda_heads", w
+            return "other", "replicated", None, None, 0
         if ".self_attn." in name:
             if leaf in ("q_a_proj", "kv_a_proj_with_mqa"):
                 return "attn_latent", "replicated", None, None, 0
@@ -275,20 +304,13 @@ class ShardPlan:
                 return "attn_q", "split", 0, "heads", self.q_head_width
             if leaf == "kv_b_proj":
                 return "attn_kv", "split", 0, "heads", self.kv_b_head_width
+            if leaf == "g_proj":  # Kimi K3 gated MLA output gate [heads x v_head_dim, hidden]
+                return "attn_q", "split", 0, "heads", self.o_head_width
             if leaf in ("k_proj", "v_proj"):
                 return "attn_kv", "split", 0, "kv_heads", self.kv_head_width
             if leaf == "o_proj":
                 return ("attn_o", "replicated", None, None, 0) if is_bias else \
                     ("attn_o", "split", 1, "heads", self.o_head_width)
-        if ".kda_attn." in name and self.kda_head_width:  # Kimi KDA layers (planner names: planner/kimi_tensors.py)
-            w = self.kda_head_width
-            if leaf in ("q_proj", "k_proj", "v_proj", "g_proj", "g_b_proj", "f_b_proj", "q_conv1d", "k_conv1d",
-                        "v_conv1d", "dt_bias"):
-                return "attn_q", "split", 0, "heads", w
-            if leaf in ("b_proj", "A_log"):
-                return "attn_q", "split", 0, "heads", 1
-            if leaf == "o_proj":
-                return "attn_o", "split", 1, "heads", w
         return "other", "replicated", None, None, 0
 
     def shard_tensor(self, name: str, shape: Iterable[int], rank: int) -> TensorShard:

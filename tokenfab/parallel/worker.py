@@ -7,9 +7,10 @@ its shard of the forward and samples. Each worker receives the same arrays, runs
 Wire format of one step (gloo broadcasts of int64 CPU tensors from rank 0):
 
 * header [8]: ``kind`` (1 = step, 0 = stop), ``B`` sequences, ``d`` decodes, ``T`` tokens, ``nblk`` block-table
-  columns sent, ``L`` logit rows, 0, 0.
-* payload [2B + B*nblk + T + L]: ``num_new`` [B], ``num_computed`` [B], block tables [B, nblk] (only the columns
-  this step needs), ``input_ids`` [T], ``logit_idx`` [L].
+  columns sent, ``L`` logit rows, ``R`` (1 when the scheduler rows follow, else 0), 0.
+* payload [2B + B*nblk + T + L (+ B)]: ``num_new`` [B], ``num_computed`` [B], block tables [B, nblk] (only the
+  columns this step needs), ``input_ids`` [T], ``logit_idx`` [L], then, when ``R``, the scheduler ``rows`` [B]: the
+  per-request recurrent-state slots of hybrid (KDA) models (tokenfab/engine/state_cache.py).
 
 The header buffer has room for ``inline`` payload values after it: a step that fits is one broadcast; a larger one
 sends the payload in a second broadcast.
@@ -46,16 +47,18 @@ class StepChannel:
         self._buf = torch.zeros(HEADER + inline, dtype=torch.int64)
 
     def send_step(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray,
-                  input_ids: np.ndarray, logit_idx: np.ndarray) -> None:
-        """Rank 0: publish a step (shapes as in ModelRunner.forward; bt is cut to the blocks the step needs)."""
+                  input_ids: np.ndarray, logit_idx: np.ndarray, rows: np.ndarray | None = None) -> None:
+        """Rank 0: publish a step (shapes as in ModelRunner.forward; bt is cut to the blocks the step needs;
+        ``rows`` [B] the scheduler rows, sent when given)."""
         B, T, L = len(num_new), len(input_ids), len(logit_idx)
         ctx_max = int((num_computed + num_new).max()) if B else 0
         nblk = min(bt.shape[1], -(-ctx_max // self.block_size)) if B else 0
         payload = np.concatenate([num_new.astype(np.int64, copy=False), num_computed.astype(np.int64, copy=False),
                                   bt[:, :nblk].reshape(-1), input_ids.astype(np.int64, copy=False),
-                                  logit_idx.astype(np.int64, copy=False)])
+                                  logit_idx.astype(np.int64, copy=False)]
+                                 + ([] if rows is None else [rows.astype(np.int64, copy=False)]))
         buf = self._buf.numpy()
-        buf[:6] = (STEP, B, d, T, nblk, L)
+        buf[:7] = (STEP, B, d, T, nblk, L, 0 if rows is None else 1)
         n = len(payload)
         if n <= self.inline:
             buf[HEADER:HEADER + n] = payload
@@ -70,12 +73,13 @@ class StepChannel:
         dist.broadcast(self._buf, 0, group=self.group)
 
     def recv(self):
-        """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx), or None on stop."""
+        """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx, rows), or None on stop
+        (``rows`` None when rank 0 sent none)."""
         dist.broadcast(self._buf, 0, group=self.group)
-        kind, B, d, T, nblk, L = self._buf[:6].tolist()
+        kind, B, d, T, nblk, L, R = self._buf[:7].tolist()
         if kind == STOP:
             return None
-        n = 2 * B + B * nblk + T + L
+        n = 2 * B + B * nblk + T + L + (B if R else 0)
         if n <= self.inline:
             p = self._buf.numpy()[HEADER:HEADER + n].copy()
         else:
@@ -87,8 +91,9 @@ class StepChannel:
         num_computed, o = p[o:o + B], o + B
         bt, o = p[o:o + B * nblk].reshape(B, nblk), o + B * nblk
         input_ids, o = p[o:o + T], o + T
-        logit_idx = p[o:o + L]
-        return d, num_new, num_computed, bt, input_ids, logit_idx
+        logit_idx, o = p[o:o + L], o + L
+        rows = p[o:o + B] if R else None
+        return d, num_new, num_computed, bt, input_ids, logit_idx, rows
 
     block_size = 1  # set by the launcher to the KV block size
 
@@ -129,7 +134,8 @@ def serve_steps(runner, channel: StepChannel) -> int:
         step = channel.recv()
         if step is None:
             return n
-        runner.forward(*step)
+        *arrays, rows = step
+        runner.forward(*arrays, rows=rows)
         n += 1
 
 
