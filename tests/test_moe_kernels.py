@@ -62,3 +62,14 @@ def test_packed_expert_loop_matches_naive():
     w = torch.rand(T, k)
     ref = naive(x, w13, w2, w, ids, 2, 7)
     assert torch.allclose(m(x, w, ids).double(), ref, atol=0.05 * ref.abs().max().item())
+
+
+def test_unaligned_intermediate_falls_back_to_the_loop():
+    """float32 with intermediate 34 (136-byte rows) is refused by torch._grouped_mm: the loop runs instead."""
+    torch.manual_seed(2)
+    m = RoutedExperts(6, 32, 34)
+    with torch.no_grad():
+        m.w13.copy_(torch.randn(6, 68, 32) * 0.3)
+        m.w2.copy_(torch.randn(6, 32, 34) * 0.3)
+    x, ids, w = torch.randn(5, 32), torch.stack([torch.randperm(6)[:2] for _ in range(5)]), torch.rand(5, 2)
+    assert torch.allclose(m(x, w, ids).double(), naive(x, m.w13, m.w2, w, ids), atol=1e-5)

@@ -48,7 +48,10 @@ class Linear(nn.Module):
 
     def fuse(self) -> None:
         """Pack the weight for the oneDNN kernel when possible (called once after loading)."""
-        if self._packed is None and self.weight is not None and self.weight.numel() and can_pack(self.weight):
+        # A one-row weight is a vector read directly by its owner (e.g. K3's attention-residual pseudo-query);
+        # packing a GEMV of one output gains nothing, so it stays a plain parameter.
+        if (self._packed is None and self.weight is not None and self.weight.numel() and self.out_features > 1
+                and can_pack(self.weight)):
             self._packed = pack_weight(self.weight)
             self.weight = None
 

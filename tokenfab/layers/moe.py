@@ -95,10 +95,17 @@ class RoutedExperts(nn.Module):
     def fuse(self) -> None:
         """After loading, on CPU in bf16: pack each expert's weights for oneDNN and run a loop over the active
         experts (measured 1.2-3x faster than torch._grouped_mm's CPU path at decode sizes, benchmarks/NOTES.md)."""
+        if type(self).forward is not RoutedExperts.forward:  # a subclass with its own math reads w13/w2 itself
+            return
         if self.w13 is not None and self.w13.shape[0] and can_pack(self.w13[0]):
             self._p13 = [pack_weight(w) for w in self.w13]
             self._p2 = [pack_weight(w) for w in self.w2]
             self.w13 = self.w2 = None
+
+    def _grouped_ok(self, xs: torch.Tensor) -> bool:
+        """torch._grouped_mm needs 16-byte-aligned row strides (e.g. float32 with intermediate 34 is refused)."""
+        e = xs.element_size()
+        return all((d * e) % 16 == 0 for d in (xs.shape[1], self.intermediate))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum over this rank's experts of weight * expert(x)."""
@@ -123,7 +130,7 @@ class RoutedExperts(nn.Module):
                     h[b:b + n] = packed_linear(silu_and_mul(packed_linear(xs[b:b + n], self._p13[e], None)),
                                                self._p2[e], None)
                     b += n
-        elif self.use_grouped_mm:
+        elif self.use_grouped_mm and self._grouped_ok(xs):
             offs = torch.cumsum(counts, 0, dtype=torch.int32)
             h = torch._grouped_mm(silu_and_mul(torch._grouped_mm(xs, self.w13.transpose(1, 2), offs=offs)),
                                   self.w2.transpose(1, 2), offs=offs)
