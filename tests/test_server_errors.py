@@ -167,6 +167,7 @@ def test_engine_step_failure_fails_only_running_requests(server, http):
     try:
         err = _error(http.post("/v1/completions", json={"prompt": "boom", "max_tokens": 5}), 500)
         assert "injected failure" in err["message"]
+        assert "Traceback" not in err["message"]
     finally:
         eng.step = real_step
     r = http.post("/v1/completions", json={"prompt": "fine", "max_tokens": 5, "ignore_eos": True})
@@ -182,3 +183,16 @@ def test_503_while_shutting_down(server, http):
     finally:
         server.app.state.shutting_down = False
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_health_503_when_the_engine_cannot_serve(server, http):
+    """A dead tensor-parallel group (reported by the engine's health check) makes /health answer 503."""
+    eng = server.async_llm.engine
+    real = eng.health_error
+    eng.health_error = lambda: "a tensor-parallel rank failed (rank 4); restart the server"
+    try:
+        err = _error(http.get("/health"), 503)
+        assert "rank 4" in err["message"]
+    finally:
+        eng.health_error = real
+    assert http.get("/health").status_code == 200

@@ -103,3 +103,24 @@ def test_each_rank_loads_only_its_slices(ckpt):
 def test_bad_tensor_parallel_size(ckpt):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(ckpt("qwen3"), tensor_parallel_size=0, **ENGINE_KW)
+
+
+def test_more_ranks_than_heads(tiny_model):
+    """6 ranks on the 4-head tiny DeepSeek-V3 (MLA) and a 2-KV-head Llama: ranks without attention heads add zeros;
+    greedy tokens and prompt logprobs equal one rank's."""
+    rng = random.Random(3)
+    ps = [[rng.randrange(5, 512) for _ in range(n)] for n in (17, 4)]
+    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, min_tokens=N_NEW, prompt_logprobs=0)
+    for family in ("deepseek_v3", "llama"):
+        path = tiny_model(family)
+        outs = []
+        for n in (1, 6):
+            llm = LLM(path, tensor_parallel_size=n, **ENGINE_KW)
+            try:
+                outs.append(llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False))
+            finally:
+                llm.llm_engine.shutdown()
+        for r, g in zip(*outs):
+            assert g.outputs[0].token_ids == r.outputs[0].token_ids, f"{family}: greedy tokens differ"
+            for a, b in zip(r.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+                assert max(abs(a[k] - b[k]) for k in a) < 1e-4

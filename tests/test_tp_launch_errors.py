@@ -54,4 +54,5 @@ def test_killed_worker_is_reported(path, monkeypatch):
     assert time.monotonic() - t0 < LIMIT_S
     assert ei.value.rank == 1 and "exited with code -9" in str(ei.value)
     assert all(p.exitcode is not None for p in group.procs)  # the survivors were stopped too
+    assert "rank 1" in (llm.llm_engine.health_error() or "")  # the server's /health turns 503 on this
     llm.llm_engine.shutdown()  # idempotent after a failure

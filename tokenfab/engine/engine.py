@@ -88,6 +88,14 @@ class LLMEngine:
                 loaded.tp_group.close()
             raise
 
+    def health_error(self) -> str | None:
+        """Why this engine can no longer serve (a tensor-parallel rank failed), or None when it is healthy."""
+        g = getattr(self, "tp_group", None)
+        if g is not None and g.closed:
+            return ("a tensor-parallel rank failed" + (f" (rank {g.failed_rank})" if g.failed_rank is not None else "")
+                    + "; restart the server")
+        return None
+
     def shutdown(self) -> None:
         """Stop tensor-parallel workers and leave the process group (no-op on one device). Idempotent."""
         if self.tp_group is not None:

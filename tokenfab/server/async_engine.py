@@ -232,8 +232,9 @@ class AsyncLLM:
                 logger.exception("could not abort request %s after a failed step", rid)
             stream = self._streams.pop(rid, None)
             if stream is not None:
+                first = (str(exc).strip().splitlines() or [""])[0][:300]  # tracebacks stay in the server log
                 stream.put(EngineStepError(f"the engine failed while running this request: "
-                                           f"{type(exc).__name__}: {exc}"))
+                                           f"{type(exc).__name__}: {first}"))
 
     def _publish_stats(self) -> None:
         st = self.engine.get_stats()
