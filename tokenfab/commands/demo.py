@@ -263,7 +263,8 @@ def run_demo(args: argparse.Namespace) -> int:
                               ignore_eos=True, temperature=t, seed=0, save_result=True, result_dir=out,
                               result_filename=f"result-temperature-{t:g}.json",
                               percentile_metrics="ttft,tpot,itl,e2el", metric_percentiles="50,90,99",
-                              disable_tqdm=args.disable_tqdm, command_line=cfg["demo_command"])
+                              disable_tqdm=args.disable_tqdm, command_line=cfg["demo_command"],
+                              power_cap_kw=args.power_cap_kw, device_hour_price=args.device_hour_price)
             results.append((t, run_bench_serve(bargs)))
     finally:
         rc = server.stop()
@@ -320,4 +321,8 @@ def register(subparsers) -> None:
                    help="Seconds to wait for the server to become healthy. Default 600.")
     p.add_argument("--disable-tqdm", action="store_true", help="No progress bars.")
     p.add_argument("--no-report", action="store_true", help="Skip the cost report even when it is available.")
+    p.add_argument("--power-cap-kw", type=float, default=None,
+                   help="Power cap (kW) for the cost table when none can be read from the machine.")
+    p.add_argument("--device-hour-price", type=float, action="append", default=None,
+                   help="Rental $ per device-hour for the cost table (repeatable).")
     p.set_defaults(func=run_demo)

@@ -123,7 +123,9 @@ def load_run(path: str) -> dict:
 
 def run_row(path: str, res: dict) -> dict:
     """The unpriced table row of a run (label, tok/s, devices, kW, latency); see :func:`_priced`."""
-    label = res.get("label") or res.get("model_id") or os.path.splitext(os.path.basename(path))[0]
+    model = res.get("model_id")
+    label = res.get("label") or (os.path.basename(os.path.normpath(model)) if model else None) \
+        or os.path.splitext(os.path.basename(path))[0]
     devices = res.get("num_devices") or 1
     row = {
         "kind": "run",

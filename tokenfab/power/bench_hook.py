@@ -273,7 +273,12 @@ def finish(run: PowerRun | None, result: dict, args: argparse.Namespace,
     text = render_power_text(power)
     if cost.get("computed"):
         src = cost.get("measured_source")
-        title = f"Cost (measured kW from the {src})" if src else "Cost (no measured power: give --power-cap-kw)"
+        if src:
+            title = f"Cost (measured kW from the {src})"
+        elif getattr(args, "power_cap_kw", None):
+            title = "Cost (no measured power; cap from --power-cap-kw)"
+        else:
+            title = "Cost (no measured power: give --power-cap-kw)"
         text += render_cost_table(cost, title=title)
     else:
         text += f"Cost: not computed ({cost['reason']})\n"

@@ -613,7 +613,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     print(f"[tokenfab] engine ready in {time.perf_counter() - t0:.1f} s: model {config.model} as '{name}', "
           f"max_model_len {config.max_model_len}, {config.num_kv_blocks} KV blocks of {config.block_size} tokens, "
-          f"max_num_seqs {config.max_num_seqs}", flush=True)
+          f"max_num_seqs {config.max_num_seqs}, tensor_parallel_size {config.tensor_parallel_size}, "
+          f"{__import__('torch').get_num_threads()} CPU threads", flush=True)
     print(f"[tokenfab] serving on http://{args.host}:{args.port} (OpenAI API under /v1)", flush=True)
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # new requests get 503 while in-flight ones drain
