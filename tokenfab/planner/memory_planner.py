@@ -538,7 +538,9 @@ def render_plan(mp: MemoryPlan, console=None) -> None:
     w = mp.weights
     m = mp.model
     title = (f"{m['model_type']} ({m['architecture']}) on {mp.devices} x {_mem_label(mp.device_memory_bytes)}\n"
-             f"weights {w.weight_format} (from {w.source}); KV cache {mp.kv_cache_dtype} ({mp.kv_dtype_bytes} B)")
+             f"weights {w.weight_format} ("
+             + ("read from safetensors headers" if w.source == "safetensors" else "parameter counts from config.json")
+             + f"); KV cache {mp.kv_cache_dtype} ({mp.kv_dtype_bytes} B)")
     t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
     mla = m["architecture"] == "DeepseekV3ForCausalLM"
     cols = ["rank", "heads", "kv heads", "experts", "vocab", "weights GiB"]
