@@ -53,7 +53,8 @@ def start_test_server(model_dir: str, name: str = SERVED_NAME, **engine_kw):
     import torch
 
     from tokenfab.engine.engine_config import EngineConfig
-    from tokenfab.server.api_server import ServerHandle, build_app
+    from tokenfab.server.api_server import build_app
+    from tokenfab.server.launch import ServerHandle
     from tokenfab.server.async_engine import AsyncLLM
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from tokenfab.server.api_server import run_server
+    from tokenfab.server.launch import run_server
 
     return run_server(args)
 

@@ -1,0 +1,121 @@
+"""Running the server: ``tokenfab serve`` flags -> engine + FastAPI app under uvicorn, an in-thread handle for tests
+and the demo, and the serving thread policy."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from fastapi import FastAPI
+
+from tokenfab.server.api_server import build_app
+from tokenfab.server.async_engine import AsyncLLM
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """``tokenfab serve`` flags -> EngineConfig (model defaults to the embedded default model)."""
+    from tokenfab.engine.engine_config import EngineConfig
+
+    model = args.model
+    if not model:
+        from tokenfab.default_model import describe, ensure_default_model
+        model = ensure_default_model()
+        print(f"[tokenfab] model: {describe()}", flush=True)
+    return EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                        kv_cache_memory=args.kv_cache_memory, seed=args.seed,
+                        tensor_parallel_size=args.tensor_parallel_size)
+
+
+class ServerHandle:
+    """A uvicorn server running ``app`` on a background thread (tests, ``tokenfab demo``).
+
+    ``port`` is the bound port (pass 0 to pick a free one). :meth:`stop` shuts uvicorn and the engine down.
+    """
+
+    def __init__(self, app: FastAPI, async_llm: AsyncLLM, host: str = "127.0.0.1", port: int = 0):
+        import socket
+        import threading
+
+        import uvicorn
+
+        self.app, self.async_llm, self.host = app, async_llm, host
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="tokenfab-http", daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.app.state.shutting_down = True
+        self.async_llm.shutdown()
+        self.server.should_exit = True
+        self.thread.join(15)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def set_server_threads(num_threads: int | None, config) -> int:
+    """Set torch's intra-op threads for a serving process: ``num_threads``, or by default cores - 1 (>= 1) on one
+    CPU rank (the HTTP event loop and tokenization get the remaining core; with every core in the OpenMP pool the
+    busy front end preempts a spinning worker thread and each parallel region waits for it). Returns the count."""
+    import os
+
+    import torch
+    if num_threads is None:
+        if config.tensor_parallel_size > 1:
+            return torch.get_num_threads()  # the tensor-parallel launcher splits the cores between ranks
+        num_threads = max(1, (os.cpu_count() or 1) - 1)
+    if num_threads < 1:
+        raise ValueError(f"--num-threads must be >= 1, got {num_threads}.")
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine from ``tokenfab serve`` flags and serve until Ctrl-C / SIGTERM; shuts down cleanly."""
+    import uvicorn
+
+    config = engine_config_from_args(args)
+    set_server_threads(getattr(args, "num_threads", None), config)
+    t0 = time.perf_counter()
+    async_llm = AsyncLLM.from_config(config, progress=True)
+    async_llm.start()
+    name = args.served_model_name or config.model
+    app = build_app(async_llm, name, config.model)
+
+    print(f"[tokenfab] engine ready in {time.perf_counter() - t0:.1f} s: model {config.model} as '{name}', "
+          f"max_model_len {config.max_model_len}, {config.num_kv_blocks} KV blocks of {config.block_size} tokens, "
+          f"max_num_seqs {config.max_num_seqs}, tensor_parallel_size {config.tensor_parallel_size}, "
+          f"{__import__('torch').get_num_threads()} CPU threads", flush=True)
+    print(f"[tokenfab] serving on http://{args.host}:{args.port} (OpenAI API under /v1)", flush=True)
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # new requests get 503 while in-flight ones drain
+            app.state.shutting_down = True
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5,
+                                    log_level=getattr(args, "log_level", None) or "warning"))
+    try:
+        server.run()
+    finally:
+        app.state.shutting_down = True
+        async_llm.shutdown()
+        print("[tokenfab] server stopped", flush=True)
+    app.state.shutting_down = True
+    return 0
