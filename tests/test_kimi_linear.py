@@ -41,16 +41,14 @@ def make_kimi_linear(out_dir: str, tokenizer_dir: str, seed: int = 0, **over) ->
     """A random tiny Kimi Linear checkpoint saved by transformers (published tensor names, transformers-5 config)."""
     from transformers import AutoModelForCausalLM, KimiLinearConfig
 
+    from tokenfab.testing.tiny_checkpoints import perturb_random_model
+
     cfg = KimiLinearConfig(**_kimi_linear_kwargs(**over))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    perturb_random_model(model)
     with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn(buf.shape) * 0.05)
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape) * 0.1)
             if name.endswith("conv1d.weight"):
                 p.mul_(4.0)  # conv taps large enough that a wrong conv state changes the tokens
     model.save_pretrained(out_dir)

@@ -49,6 +49,20 @@ def make_hf_config(family: str, **kwargs: Any):
     return cls(**kwargs)
 
 
+def perturb_random_model(model) -> None:
+    """Make a freshly initialised transformers model less degenerate, in place (uses torch's global RNG):
+    a non-zero ``e_score_correction_bias`` (so biased expert choice is exercised) and norm weights moved off 1
+    (weights at exactly 1 hide mix-ups between norms)."""
+    import torch
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape) * 0.05)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape) * 0.1)
+
+
 def make_tiny_checkpoint(out_dir: str, family: str, *, seed: int = 0, vocab_size: int = 512,
                          max_shard_size: str | None = None, dtype: str = "float32",
                          tokenizer_dir: str | None = None, **overrides: Any) -> str:
@@ -74,14 +88,7 @@ def make_tiny_checkpoint(out_dir: str, family: str, *, seed: int = 0, vocab_size
     cfg = make_hf_config(family, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(torch.randn(buf.shape) * 0.05)
-        # Norm weights at exactly 1 hide mix-ups between norms: perturb them.
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape) * 0.1)
+    perturb_random_model(model)
     model = model.to(getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
     save_kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
