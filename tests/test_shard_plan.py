@@ -86,18 +86,7 @@ def test_gqa_examples():
     assert [p.num_heads(r) for r in range(6)] == [16, 16, 8, 8, 8, 8]
 
 
-KIMI_K2 = dict(
-    architectures=["DeepseekV3ForCausalLM"], model_type="kimi_k2", vocab_size=163840, hidden_size=7168,
-    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=64,
-    num_key_value_heads=64, n_routed_experts=384, n_shared_experts=1, num_experts_per_tok=8,
-    first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-    qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=131072, n_group=1, topk_group=1,
-    norm_topk_prob=True, routed_scaling_factor=2.827, scoring_func="sigmoid", topk_method="noaux_tc",
-    rms_norm_eps=1e-6, hidden_act="silu", num_nextn_predict_layers=0, tie_word_embeddings=False,
-    torch_dtype="bfloat16", rope_theta=50000.0,
-    rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 1.0,
-                  "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-)
+from test_planner import KIMI_K2  # noqa: E402  (the published Kimi-K2 shape, one copy)
 
 
 def test_kimi_plan_ranges_on_6():
