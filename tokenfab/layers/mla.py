@@ -20,7 +20,7 @@ from tokenfab.config import ModelConfig
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
-from tokenfab.layers.paged_attention import attention, gather_cache, run_groups, write_cache
+from tokenfab.layers.paged_attention import attention, fused_decode, gather_cache, run_groups, write_cache
 from tokenfab.layers.rotary import RotaryEmbedding
 
 
@@ -81,17 +81,19 @@ class MLAttention(nn.Module):
         w_uk, w_uv_t = self._absorbed_weights()
 
         def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:
-            ctx = gather_cache(cache, group).to(qg.dtype).unsqueeze(1)  # [B, 1, L, C + R]: one latent "head"
             if group.q_len == 1:  # absorbed decode over the latent cache
-                B = qg.shape[0]
                 q_nope_h = qg[:, :, 0, : self.nope].transpose(0, 1)  # [H, B, nope]
                 q_lat = torch.bmm(q_nope_h, w_uk).transpose(0, 1)  # [B, H, C]
-                q_lat = torch.cat([q_lat, qg[:, :, 0, self.nope:]], dim=-1).unsqueeze(2)  # [B, H, 1, C + R]
-                # values = the whole latent row (reads it in place; a sliced view would be copied), then cut
-                o_lat = attention(q_lat, ctx, ctx, group, self.scale)[..., : self.kv_lora]  # [B, H, 1, C]
-                o = torch.bmm(o_lat[:, :, 0].transpose(0, 1), w_uv_t)  # [H, B, v]
+                q_lat = torch.cat([q_lat, qg[:, :, 0, self.nope:]], dim=-1)  # [B, H, C + R]
+                lat = cache.unsqueeze(2)  # [num_blocks, block_size, 1, C + R]: one latent "head", values = first C
+                o_lat = fused_decode(q_lat, lat, lat[..., : self.kv_lora], group, self.scale)  # [B, H, C]
+                if o_lat is None:
+                    ctx = gather_cache(cache, group).to(qg.dtype).unsqueeze(1)  # [B, 1, L, C + R]
+                    # values = the whole latent row (reads it in place; a sliced view would be copied), then cut
+                    o_lat = attention(q_lat.unsqueeze(2), ctx, ctx, group, self.scale)[:, :, 0, : self.kv_lora]
+                o = torch.bmm(o_lat.transpose(0, 1), w_uv_t)  # [H, B, v]
                 return o.transpose(0, 1).unsqueeze(2)  # [B, H, 1, v]
-            ctx = ctx.squeeze(1)
+            ctx = gather_cache(cache, group).to(qg.dtype)  # [B, L, C + R]
             B, L = ctx.shape[0], ctx.shape[1]
             kv = self.kv_b_proj(ctx[..., : self.kv_lora]).view(B, L, self.num_heads, self.nope + self.v_dim)
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)

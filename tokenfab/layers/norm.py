@@ -4,11 +4,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenfab.kernels import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), computed in float32 and cast back before the weight multiply.
 
-    Shapes: x [..., hidden] any float dtype -> same shape and dtype. Order of casts follows transformers exactly
+    Shapes: x [..., hidden] any float dtype -> same shape and dtype. On CPU the fused kernel
+    (kernels/cpu_kernels.py) computes the same thing in one pass. Order of casts follows transformers exactly
     (``self.weight * hidden_states.to(input_dtype)``), which matters for bit-level bf16 agreement.
     """
 
@@ -18,6 +21,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype and x.shape[-1] == self.weight.shape[0] and cpu_kernels.available_for(x):
+            return cpu_kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

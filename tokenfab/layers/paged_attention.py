@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from tokenfab.kernels import cpu_kernels
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 
 
@@ -58,6 +59,27 @@ def run_groups(meta: AttentionMetadata, q: torch.Tensor, out_dim: int,
         og = attend(group, qg)  # [B, H, Q, Dv]
         out[group.token_index.reshape(-1)] = og.transpose(1, 2).reshape(B * Q, H, out_dim)
     return out[:T]
+
+
+def fused_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
+                 scale: float) -> torch.Tensor | None:
+    """Decode attention straight from the paged pool with the fused CPU kernel (kernels/cpu_kernels.py), or None
+    when it does not apply (not CPU, another dtype, kernels unavailable) and the caller should gather instead.
+
+    q [B, H, D]; k_cache [num_blocks, block_size, Hk, D]; v_cache [num_blocks, block_size, Hk, Dv] (strided views
+    allowed). Returns [B, H, Dv] in q's dtype.
+    """
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or not cpu_kernels.available_for(q):
+        return None
+    if v_cache.data_ptr() == k_cache.data_ptr() and q.shape[0] * group.max_context > FUSED_LATENT_MAX_TOKENS:
+        return None  # MLA with many context tokens: the bf16 GEMMs of the gathered path are faster
+    return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, group.block_tables, group.context_lens, scale)
+
+
+# MLA decode (one latent pool as keys and values) takes the fused kernel only up to this many context tokens
+# summed over the batch: beyond it the gathered path's bf16 GEMMs (AVX512-BF16 dot products) beat the kernel's
+# float32 FMAs (measured on the benchmark shapes, benchmarks/NOTES.md). Grouped-query attention always takes it.
+FUSED_LATENT_MAX_TOKENS = 1024
 
 
 def causal_mask(group: AttentionGroup) -> torch.Tensor:
@@ -155,6 +177,10 @@ def paged_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     write_cache(v_cache, meta.slot_mapping, v)
 
     def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:
+        if group.q_len == 1:
+            o = fused_decode(qg[:, :, 0], k_cache, v_cache, group, scale)
+            if o is not None:
+                return o.unsqueeze(2)
         kg = gather_cache(k_cache, group).transpose(1, 2).to(qg.dtype)  # [B, Hkv, L, D]
         vg = gather_cache(v_cache, group).transpose(1, 2).to(qg.dtype)
         return attention(qg, kg, vg, group, scale)

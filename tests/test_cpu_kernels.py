@@ -1,0 +1,143 @@
+"""The fused CPU kernels (tokenfab/kernels) against independent float64 references and the PyTorch paths they
+replace. Skipped only when the extension cannot be built here (no compiler); CI builds it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfab.kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None,
+                                reason=f"CPU kernels not built: {cpu_kernels.load_error()}")
+
+
+def _paged_case(B, H, Hk, D, Dv, bs, lens, dtype, latent=False, seed=0):
+    """Random paged pool with shuffled block ids; returns q, k_cache, v_cache, block_tables, context_lens."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max((n + bs - 1) // bs for n in lens)
+    nb = B * max_blocks + 3
+    perm = torch.randperm(nb, generator=g)
+    bt = perm[: B * max_blocks].view(B, max_blocks).clone()
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    if latent:  # MLA: one pool [nb, bs, D], values = its first Dv columns
+        pool = torch.randn(nb, bs, 1, D, generator=g).to(dtype)
+        k_cache, v_cache = pool, pool[..., :Dv]
+    else:
+        k_cache = torch.randn(nb, bs, Hk, D, generator=g).to(dtype)
+        v_cache = torch.randn(nb, bs, Hk, Dv, generator=g).to(dtype)
+    return q, k_cache, v_cache, bt, torch.tensor(lens, dtype=torch.int64)
+
+
+def _reference_attention(q, k_cache, v_cache, bt, lens, scale):
+    """float64 softmax(scale q k^T) v per sequence, written from the definition."""
+    B, H, _ = q.shape
+    Hk, bs = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty(B, H, v_cache.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        L = int(lens[b])
+        blocks, offs = bt[b, torch.arange(L) // bs], torch.arange(L) % bs
+        k = k_cache[blocks, offs].double()  # [L, Hk, D]
+        v = v_cache[blocks, offs].double()
+        for h in range(H):
+            kh = h // (H // Hk)
+            p = torch.softmax(scale * (k[:, kh] @ q[b, h].double()), 0)
+            out[b, h] = p @ v[:, kh]
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("case", ["gqa", "mha_b1", "mla"])
+def test_paged_decode_attention_matches_definition(dtype, tol, case):
+    if case == "gqa":  # 12 query heads over 4 KV heads, ragged lengths crossing block boundaries
+        args = dict(B=5, H=12, Hk=4, D=64, Dv=64, bs=16, lens=[1, 16, 17, 40, 100])
+    elif case == "mha_b1":  # one sequence: the kernel splits heads across threads
+        args = dict(B=1, H=8, Hk=8, D=32, Dv=32, bs=8, lens=[33])
+    else:  # MLA absorbed decode: one latent head of 576, values its first 512 columns
+        args = dict(B=3, H=8, Hk=1, D=576, Dv=512, bs=16, lens=[5, 64, 130], latent=True)
+    q, kc, vc, bt, lens = _paged_case(dtype=dtype, **args)
+    scale = args["D"] ** -0.5
+    out = cpu_kernels.paged_decode_attention(q, kc, vc, bt, lens, scale)
+    assert out.shape == (args["B"], args["H"], args["Dv"]) and out.dtype == dtype
+    ref = _reference_attention(q, kc, vc, bt, lens, scale)
+    assert (out.double() - ref).abs().max().item() < tol
+
+
+def test_paged_decode_attention_reads_only_the_context():
+    """Tokens past context_lens (garbage in the last block) must not change the result."""
+    q, kc, vc, bt, lens = _paged_case(B=2, H=4, Hk=2, D=16, Dv=16, bs=8, lens=[5, 11], dtype=torch.float32)
+    a = cpu_kernels.paged_decode_attention(q, kc, vc, bt, lens, 0.25)
+    kc[bt[0, 0], 5:] = 1e4
+    vc[bt[1, 1], 3:] = float("nan")
+    b = cpu_kernels.paged_decode_attention(q, kc, vc, bt, lens, 0.25)
+    assert torch.equal(a, b)
+
+
+def test_rms_norm_matches_pytorch_order():
+    from tokenfab.layers.norm import RMSNorm
+    torch.manual_seed(0)
+    x = (torch.randn(7, 384) * 3).to(torch.bfloat16)
+    r = torch.randn(7, 384).to(torch.bfloat16)
+    w = (torch.rand(384) + 0.5).to(torch.bfloat16)
+    h = x.float()
+    ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)  # transformers' order
+    out = cpu_kernels.rms_norm(x, w, 1e-6)
+    # identical up to one bf16 ulp where the float32 sum order flips a rounding
+    assert (out.float() - ref.float()).abs().max().item() <= 2 ** -7 * ref.float().abs().max().item()
+    assert (out == ref).float().mean().item() > 0.99
+    y, s = cpu_kernels.rms_norm(x, w, 1e-6, residual=r)
+    assert torch.equal(s, x + r)
+    norm = RMSNorm(384)
+    norm.weight.data = w
+    assert torch.equal(y, norm(x + r))  # the module takes the same kernel
+    x32 = torch.randn(3, 64)
+    ref32 = x32 / torch.sqrt(x32.double().pow(2).mean(-1, keepdim=True) + 1e-5).float()
+    assert torch.allclose(cpu_kernels.rms_norm(x32, torch.ones(64), 1e-5), ref32, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_pytorch(dtype):
+    torch.manual_seed(1)
+    x = (torch.randn(9, 2 * 100) * 4).to(dtype)
+    ref = torch.nn.functional.silu(x[:, :100]) * x[:, 100:]
+    out = cpu_kernels.silu_and_mul(x)
+    if dtype == torch.float32:
+        assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
+    else:
+        assert (out == ref).float().mean().item() > 0.99
+        assert (out.float() - ref.float()).abs().max().item() <= 2 ** -7 * ref.float().abs().max().item()
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_matches_definition(interleave, dtype):
+    torch.manual_seed(2)
+    T, H, dim, P = 6, 3, 16, 50
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).double() / dim))
+    freqs = torch.outer(torch.arange(P).double(), inv)
+    cos, sin = freqs.cos().float(), freqs.sin().float()
+    base = torch.randn(T, H, dim + 8).to(dtype)
+    x = base[..., 4:4 + dim]  # a strided view, as MLA's q_rope slice is
+    pos = torch.tensor([0, 3, 7, 8, 20, 49])
+    out = cpu_kernels.rope(x, pos, cos, sin, interleave)
+    xd = x.double()
+    x1, x2 = (xd[..., 0::2], xd[..., 1::2]) if interleave else (xd[..., : dim // 2], xd[..., dim // 2:])
+    c, s = freqs.cos()[pos].unsqueeze(1), freqs.sin()[pos].unsqueeze(1)
+    ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], -1)
+    tol = 1e-5 if dtype == torch.float32 else 4e-2
+    assert (out.double() - ref).abs().max().item() < tol
+
+
+def test_fallback_when_disabled(monkeypatch):
+    """The layers keep their PyTorch paths when the kernels are off; both agree on a decode-shaped MLA step."""
+    from tokenfab.layers import paged_attention
+    q, kc, vc, bt, lens = _paged_case(B=2, H=4, Hk=1, D=40, Dv=32, bs=4, lens=[6, 9], dtype=torch.float32,
+                                      latent=True)
+    from tokenfab.layers.attention_metadata import AttentionGroup
+    group = AttentionGroup(token_index=torch.arange(2).view(2, 1), query_pos=(lens - 1).view(2, 1),
+                           block_tables=bt, context_lens=lens, q_len=1, max_context=bt.shape[1] * 4)
+    fused = paged_attention.fused_decode(q, kc, vc, group, 0.3)
+    monkeypatch.setattr(cpu_kernels, "available_for", lambda x: False)
+    assert paged_attention.fused_decode(q, kc, vc, group, 0.3) is None
+    ctx = paged_attention.gather_cache(kc[:, :, 0], group).unsqueeze(1)
+    eager = paged_attention.attention(q.unsqueeze(2), ctx, ctx, group, 0.3)[:, :, 0, :32]
+    assert torch.allclose(fused, eager, atol=1e-5)

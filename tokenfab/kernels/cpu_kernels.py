@@ -1,0 +1,129 @@
+"""Fused CPU kernels (csrc/cpu_kernels.cpp), compiled on first use, with the PyTorch paths as the fallback.
+
+Eager PyTorch spends most of a CPU decode step on dispatch and small-tensor passes (~150 ops per layer-step,
+benchmarks/NOTES.md). These kernels fold the hottest chains into one call each: paged decode attention straight
+from the block table (no gathered copy of the context), RMSNorm (optionally with the residual add), SiLU-GLU and
+rotary embedding.
+
+The extension is built with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; ~1 minute once,
+then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>``, override with ``TOKENFAB_KERNEL_CACHE``).
+``TOKENFAB_CPU_KERNELS=0`` disables them; a failed build logs one warning and every caller keeps its PyTorch path.
+Only CPU tensors take these paths; CUDA/ROCm use their own.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+
+import torch
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_module = None
+_tried = False
+_error: str | None = None
+
+
+def _cpu_tag() -> str:
+    """A short id of this CPU's model and flags: the build uses -march=native, so it is cached per CPU kind."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [l for l in f if l.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return hashlib.sha1("".join(lines).encode()).hexdigest()[:10]
+
+
+def _build_dir() -> str:
+    root = os.environ.get("TOKENFAB_KERNEL_CACHE", os.path.expanduser("~/.cache/tokenfab/kernels"))
+    src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
+    with open(src, "rb") as f:
+        digest = hashlib.sha1(f.read()).hexdigest()[:10]
+    path = os.path.join(root, f"torch{torch.__version__}-{_cpu_tag()}-{digest}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def load():
+    """The compiled extension module, or None when disabled or the build failed (reason in :func:`load_error`)."""
+    global _module, _tried, _error
+    if _tried:
+        return _module
+    with _lock:
+        if _tried:
+            return _module
+        if os.environ.get("TOKENFAB_CPU_KERNELS", "1") == "0":
+            _error = "disabled by TOKENFAB_CPU_KERNELS=0"
+        else:
+            try:
+                from torch.utils import cpp_extension
+                src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
+                flags = ["-O3", "-fopenmp"]
+                if platform.machine() in ("x86_64", "AMD64"):
+                    flags.append("-march=native")
+                _module = cpp_extension.load(name="tokenfab_cpu_kernels", sources=[src], extra_cflags=flags,
+                                             extra_ldflags=["-fopenmp"], build_directory=_build_dir(),
+                                             verbose=False)
+            except Exception as e:  # no compiler, no ninja, headers missing: keep the PyTorch paths
+                lines = str(e).strip().splitlines() or [""]
+                first = next((l for l in lines if "error:" in l), lines[-1])  # the compiler's first error
+                _error = f"{type(e).__name__}: {first.strip()}"
+                log.warning("tokenfab CPU kernels unavailable (%s); using the PyTorch paths", _error)
+        _tried = True
+        return _module
+
+
+def load_error() -> str | None:
+    """Why :func:`load` returned None (None when the kernels loaded or were not tried yet)."""
+    return _error
+
+
+def available_for(x: torch.Tensor) -> bool:
+    """True when the fused kernels apply to ``x``: a CPU tensor in float32 or bfloat16 and a built extension."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and load() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(scale * q k^T) v for one query token per sequence, reading K/V in place from the paged pool.
+
+    Args:
+        q: [B, H, D] (last dim contiguous).
+        k_cache: [num_blocks, block_size, Hk, D]; v_cache: [num_blocks, block_size, Hk, Dv] (any strides with a
+            contiguous last dim: MLA passes the latent pool as both, its first Dv columns as values). H % Hk == 0;
+            query head h uses KV head h // (H / Hk).
+        block_tables: [B, max_blocks] int64 block ids; context_lens: [B] int64 tokens to attend (<= max_blocks *
+            block_size), the current token's K/V already written.
+        scale: softmax scale.
+
+    Returns:
+        [B, H, Dv] in q's dtype; scores, softmax and the weighted sum accumulate in float32.
+
+    Raises:
+        RuntimeError: on shapes or dtypes outside the above (q, k_cache, v_cache must share a dtype).
+    """
+    return load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [N, hidden] (weight [hidden], x's dtype) in transformers' order (float32 statistics, cast, then
+    the weight multiply). With ``residual`` [N, hidden]: returns (norm(x + residual), x + residual), the sum
+    rounded to x's dtype first, as ``h = h + x`` followed by the norm would."""
+    out = load().rms_norm(x, residual, weight, float(eps))
+    return out[0] if residual is None else (out[0], out[1])
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x [N, 2I] laid out [gate | up] -> [N, I], rounded like the PyTorch ops."""
+    return load().silu_and_mul(x)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         interleave: bool) -> torch.Tensor:
+    """Rotary embedding of x [T, H, dim] at positions [T] (int64) with float32 tables cos/sin [P, dim/2]; returns
+    a new contiguous [T, H, dim] in x's dtype. ``interleave``: DeepSeek's (2i, 2i+1) pairs, output in halves."""
+    return load().rope(x, positions, cos, sin, interleave)

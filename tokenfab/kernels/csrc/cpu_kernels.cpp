@@ -1,0 +1,561 @@
+// tokenfab's fused CPU kernels: paged decode attention, RMSNorm, SiLU-GLU and rotary embedding.
+//
+// Each kernel replaces a chain of small eager-PyTorch ops on the decode hot path (benchmarks/NOTES.md). They are
+// built on first use by tokenfab/kernels/cpu_kernels.py (torch.utils.cpp_extension, -O3 -march=native) and checked
+// against the PyTorch paths in tests/test_cpu_kernels.py. Elementwise kernels round intermediates to the activation
+// dtype in the same order as the PyTorch code they replace (transformers' reference order), so bf16 results match
+// those paths bit for bit up to the order of the RMSNorm sum.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+// Run the lambda with scalar_t = float or c10::BFloat16 (the dtypes tokenfab computes in on CPU).
+#define DISPATCH_F32_BF16(TYPE, NAME, ...)                                              \
+  do {                                                                                  \
+    if ((TYPE) == at::kFloat) {                                                         \
+      using scalar_t = float;                                                           \
+      __VA_ARGS__();                                                                    \
+    } else if ((TYPE) == at::kBFloat16) {                                               \
+      using scalar_t = c10::BFloat16;                                                   \
+      __VA_ARGS__();                                                                    \
+    } else {                                                                            \
+      TORCH_CHECK(false, NAME ": float32 or bfloat16 tensors expected, got ", (TYPE)); \
+    }                                                                                   \
+  } while (0)
+
+namespace {
+
+#include <cstdint>
+#include <cstring>
+
+// Scalar conversions written on the bit patterns so that loops over them vectorize (c10::BFloat16's own
+// conversions do not). bf16 -> float is exact; float -> bf16 rounds to nearest even, NaN stays NaN, as c10 does.
+inline float bf16_to_f(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+// Per-dtype access: Raw is the storage type read and written in loops.
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<float> {
+  using Raw = float;
+  static inline float load(float v) { return v; }
+  static inline float store(float v) { return v; }
+  static inline float round(float v) { return v; }
+};
+template <>
+struct Cvt<c10::BFloat16> {
+  using Raw = uint16_t;
+  static inline float load(uint16_t v) { return bf16_to_f(v); }
+  static inline uint16_t store(float v) { return f_to_bf16(v); }
+  static inline float round(float v) { return bf16_to_f(f_to_bf16(v)); }
+};
+
+template <typename T>
+inline const typename Cvt<T>::Raw* raw(const at::Tensor& t) {
+  return reinterpret_cast<const typename Cvt<T>::Raw*>(t.data_ptr<T>());
+}
+template <typename T>
+inline typename Cvt<T>::Raw* raw_mut(at::Tensor& t) {
+  return reinterpret_cast<typename Cvt<T>::Raw*>(t.data_ptr<T>());
+}
+
+// Round a float to the activation dtype and back (what a PyTorch op in that dtype stores).
+template <typename T>
+inline float round_to(float x) { return Cvt<T>::round(x); }
+
+// exp(x) for float, branch-free so that loops over it vectorize: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p the
+// degree-6 Taylor polynomial (relative error ~2e-7, below float32's own rounding of the result; the callers round
+// to bf16 or compare against 1e-6 tolerances). Inputs are clamped to [-87, 88] (exp underflows to ~1e-38 there).
+inline float exp_approx(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t e = static_cast<int32_t>(n) + 127;
+  const uint32_t bits = static_cast<uint32_t>(e) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+// 16 floats in one value (GCC/Clang vector extension: one AVX-512 register, two AVX2 ones elsewhere).
+typedef float vf16 __attribute__((vector_size(64)));
+
+inline vf16 loadv(const float* p) {
+  vf16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void storev(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
+
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+// Horizontal sum by halving (a lane-by-lane loop costs ~16 extracts per call).
+inline float hsum(vf16 v) {
+  vf8 lo, hi;
+  std::memcpy(&lo, &v, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&v) + 32, 32);
+  const vf8 s8 = lo + hi;
+  vf4 a, b;
+  std::memcpy(&a, &s8, 16);
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + 16, 16);
+  const vf4 s4 = a + b;
+  return (s4[0] + s4[1]) + (s4[2] + s4[3]);
+}
+
+// Dot product with four independent accumulators (a single chain would wait on the FMA latency every step).
+inline float dot(const float* a, const float* b, int64_t n) {
+  vf16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    s0 += loadv(a + i) * loadv(b + i);
+    s1 += loadv(a + i + 16) * loadv(b + i + 16);
+    s2 += loadv(a + i + 32) * loadv(b + i + 32);
+    s3 += loadv(a + i + 48) * loadv(b + i + 48);
+  }
+  for (; i + 16 <= n; i += 16) s0 += loadv(a + i) * loadv(b + i);
+  float r = hsum((s0 + s1) + (s2 + s3));
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
+}
+
+// y[0:n] += p * x[0:n]
+inline void axpy(float* y, float p, const float* x, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) storev(y + i, loadv(y + i) + p * loadv(x + i));
+  for (; i < n; ++i) y[i] += p * x[i];
+}
+
+typedef uint16_t vu16x16 __attribute__((vector_size(32)));
+typedef uint32_t vu32x16 __attribute__((vector_size(64)));
+
+// Load n values of dtype T (float or bf16) into float: bf16 widened 16 lanes at a time (zero-extend, shift).
+inline void load_row(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+inline void load_row(const c10::BFloat16* src, float* dst, int64_t n) {
+  const auto* r = reinterpret_cast<const uint16_t*>(src);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    vu16x16 h;
+    std::memcpy(&h, r + i, sizeof(h));
+    const vu32x16 w = __builtin_convertvector(h, vu32x16) << 16;
+    std::memcpy(dst + i, &w, sizeof(w));
+  }
+  for (; i < n; ++i) dst[i] = bf16_to_f(r[i]);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Paged decode attention: one query token per sequence, keys/values read in place from the paged pool.
+//
+// q [B, H, D]; k_cache [NB, bs, Hk, D] and v_cache [NB, bs, Hk, Dv] (any strides: MLA passes one latent pool as
+// both, values being its first Dv columns); block_tables [B, max_blocks] int64; context_lens [B] int64.
+// out [B, H, Dv] = softmax(scale * q k^T) v over each sequence's first context_lens[b] tokens.
+// Query head h reads KV head h / (H / Hk).
+//
+// One pass over the context, block by block, with the online softmax of flash-decoding (running max and sum per
+// head, Milakov & Gimelshein 2018; Dao et al. 2023): each block's K (and V, unless it is the same latent rows) is
+// widened to float once into a tile, all of the item's heads are scored against it with 2-token x 4-head register
+// blocking, and the block's values are accumulated. Float32 throughout. Work items: (sequence, chunk of heads);
+// heads are split only when there are fewer sequences than threads. The next block is prefetched while one is
+// being computed (blocks are scattered in the pool, so the hardware prefetcher cannot follow them).
+
+// s[t * ls + g] = q_g . k_t for NT tokens and NG heads sharing one KV row per token (q rows at stride D).
+template <int NT, int NG>
+inline void score_tile(const float* q, const float* const* k, int64_t D, float* s, int64_t ls) {
+  vf16 acc[NT][NG];
+  for (int t = 0; t < NT; ++t)
+    for (int g = 0; g < NG; ++g) acc[t][g] = vf16{};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    vf16 kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = loadv(k[t] + d);
+    for (int g = 0; g < NG; ++g) {
+      const vf16 qv = loadv(q + g * D + d);
+      for (int t = 0; t < NT; ++t) acc[t][g] += qv * kv[t];
+    }
+  }
+  for (int t = 0; t < NT; ++t)
+    for (int g = 0; g < NG; ++g) {
+      float r = hsum(acc[t][g]);
+      for (int64_t e = d; e < D; ++e) r += q[g * D + e] * k[t][e];
+      s[t * ls + g] = r;
+    }
+}
+
+// acc_g[0:Dv] += sum_t p[t * lp + g] * v_t[0:Dv] for NG heads sharing the value rows v_t (t < n).
+template <int NG>
+inline void value_tile(const float* p, int64_t lp, const float* v, int64_t vstride, int64_t n, int64_t Dv,
+                       float* acc) {
+  int64_t d = 0;
+  for (; d + 16 <= Dv; d += 16) {
+    vf16 a[NG];
+    for (int g = 0; g < NG; ++g) a[g] = loadv(acc + g * Dv + d);
+    for (int64_t t = 0; t < n; ++t) {
+      const vf16 vv = loadv(v + t * vstride + d);
+      for (int g = 0; g < NG; ++g) a[g] += p[t * lp + g] * vv;
+    }
+    for (int g = 0; g < NG; ++g) storev(acc + g * Dv + d, a[g]);
+  }
+  for (; d < Dv; ++d)
+    for (int64_t t = 0; t < n; ++t)
+      for (int g = 0; g < NG; ++g) acc[g * Dv + d] += p[t * lp + g] * v[t * vstride + d];
+}
+
+template <int NT>
+inline void score_heads(const float* q, const float* const* k, int64_t D, int64_t ng, float* s, int64_t ls) {
+  int64_t g = 0;
+  for (; g + 4 <= ng; g += 4) score_tile<NT, 4>(q + g * D, k, D, s + g, ls);
+  switch (ng - g) {
+    case 3: score_tile<NT, 3>(q + g * D, k, D, s + g, ls); break;
+    case 2: score_tile<NT, 2>(q + g * D, k, D, s + g, ls); break;
+    case 1: score_tile<NT, 1>(q + g * D, k, D, s + g, ls); break;
+    default: break;
+  }
+}
+
+inline void value_heads(const float* p, int64_t lp, const float* v, int64_t vstride, int64_t n, int64_t Dv,
+                        int64_t ng, float* acc) {
+  int64_t g = 0;
+  for (; g + 4 <= ng; g += 4) value_tile<4>(p + g, lp, v, vstride, n, Dv, acc + g * Dv);
+  switch (ng - g) {
+    case 3: value_tile<3>(p + g, lp, v, vstride, n, Dv, acc + g * Dv); break;
+    case 2: value_tile<2>(p + g, lp, v, vstride, n, Dv, acc + g * Dv); break;
+    case 1: value_tile<1>(p + g, lp, v, vstride, n, Dv, acc + g * Dv); break;
+    default: break;
+  }
+}
+
+template <typename T>
+inline void prefetch_rows(const T* base, int64_t rows, int64_t row_stride, int64_t row_elems) {
+  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < rows; ++j) {
+    const char* r = reinterpret_cast<const char*>(base + j * row_stride);
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(r + o, 0, 1);
+  }
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                           at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), Hk = k_cache.size(2), Dv = v_cache.size(3);
+  const int64_t G = H / Hk;
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1);
+  const int64_t max_blocks = block_tables.size(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  // MLA: values are the first Dv columns of the key rows; reuse the widened key tile.
+  const bool shared_kv = vp == kp && vs0 == ks0 && vs1 == ks1 && vs2 == ks2 && Dv <= D;
+  const int64_t* btp = block_tables.data_ptr<int64_t>();
+  const int64_t* clp = context_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = 1;
+  while (B * chunks < threads && chunks < H) chunks *= 2;
+  chunks = std::min(chunks, H);
+  const int64_t per_chunk = (H + chunks - 1) / chunks;
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, B * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(per_chunk * D), ktile(bs * Hk * D), vtile(shared_kv ? 0 : bs * Hk * Dv),
+        s(bs * per_chunk), acc(per_chunk * Dv), m(per_chunk), l(per_chunk);
+    std::vector<const float*> krows(bs);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / chunks, c = item % chunks;
+      const int64_t h0 = c * per_chunk, h1 = std::min(H, h0 + per_chunk);
+      const int64_t ng = h1 - h0;
+      if (ng <= 0) continue;
+      const int64_t kv0 = h0 / G, kv1 = (h1 - 1) / G + 1, nkv = kv1 - kv0;  // KV heads this item reads
+      const int64_t L = clp[b];
+      const int64_t* bt = btp + b * max_blocks;
+      for (int64_t g = 0; g < ng; ++g) {
+        load_row(qp + b * qs0 + (h0 + g) * qs1, qf.data() + g * D, D);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= fscale;
+      }
+      std::fill(acc.begin(), acc.begin() + ng * Dv, 0.f);
+      std::fill(m.begin(), m.begin() + ng, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + ng, 0.f);
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const int64_t n = std::min(bs, L - t0);
+        const T* kb = kp + bt[t0 / bs] * ks0;
+        const T* vb = vp + bt[t0 / bs] * vs0;
+        if (t0 + bs < L) {  // the next block is somewhere else in the pool
+          const int64_t nn = std::min(bs, L - t0 - bs);
+          prefetch_rows(kp + bt[t0 / bs + 1] * ks0 + kv0 * ks2, nn, ks1, (nkv - 1) * ks2 + D);
+          if (!shared_kv) prefetch_rows(vp + bt[t0 / bs + 1] * vs0 + kv0 * vs2, nn, vs1, (nkv - 1) * vs2 + Dv);
+        }
+        for (int64_t j = 0; j < n; ++j)
+          for (int64_t kh = 0; kh < nkv; ++kh) {
+            load_row(kb + j * ks1 + (kv0 + kh) * ks2, ktile.data() + (j * nkv + kh) * D, D);
+            if (!shared_kv) load_row(vb + j * vs1 + (kv0 + kh) * vs2, vtile.data() + (j * nkv + kh) * Dv, Dv);
+          }
+        // scores s[j * ng + g] for the block, heads grouped by their KV head
+        for (int64_t kh = 0; kh < nkv; ++kh) {
+          const int64_t ga = std::max(h0, (kv0 + kh) * G) - h0, gb = std::min(h1, (kv0 + kh + 1) * G) - h0;
+          int64_t j = 0;
+          for (; j + 2 <= n; j += 2) {
+            krows[0] = ktile.data() + (j * nkv + kh) * D;
+            krows[1] = ktile.data() + ((j + 1) * nkv + kh) * D;
+            score_heads<2>(qf.data() + ga * D, krows.data(), D, gb - ga, s.data() + j * ng + ga, ng);
+          }
+          if (j < n) {
+            krows[0] = ktile.data() + (j * nkv + kh) * D;
+            score_heads<1>(qf.data() + ga * D, krows.data(), D, gb - ga, s.data() + j * ng + ga, ng);
+          }
+        }
+        // online softmax: rescale the running sums to the new maximum, turn scores into weights
+        for (int64_t g = 0; g < ng; ++g) {
+          float mb = m[g];
+          for (int64_t j = 0; j < n; ++j) mb = std::max(mb, s[j * ng + g]);
+          const float corr = exp_approx(m[g] - mb);  // 0 on the first block (m = -inf, clamped)
+          float sum = 0.f;
+          for (int64_t j = 0; j < n; ++j) {
+            const float e = exp_approx(s[j * ng + g] - mb);
+            s[j * ng + g] = e;
+            sum += e;
+          }
+          if (corr != 1.f) {
+            float* a = acc.data() + g * Dv;
+            for (int64_t d = 0; d < Dv; ++d) a[d] *= corr;
+          }
+          l[g] = l[g] * corr + sum;
+          m[g] = mb;
+        }
+        const float* vt = shared_kv ? ktile.data() : vtile.data();
+        const int64_t vw = shared_kv ? D : Dv;
+        for (int64_t kh = 0; kh < nkv; ++kh) {
+          const int64_t ga = std::max(h0, (kv0 + kh) * G) - h0, gb = std::min(h1, (kv0 + kh + 1) * G) - h0;
+          value_heads(s.data() + ga, ng, vt + kh * vw, nkv * vw, n, Dv, gb - ga, acc.data() + ga * Dv);
+        }
+      }
+      for (int64_t g = 0; g < ng; ++g) {
+        T* o = op + (b * H + h0 + g) * Dv;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<T>(acc[g * Dv + d] * inv);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode_attention: q [B, H, D], "
+              "k_cache [NB, bs, Hk, D], v_cache [NB, bs, Hk, Dv] expected");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_decode_attention: the last dimension of q, k_cache and v_cache must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: q, k_cache and v_cache must share a dtype");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode_attention: heads must be a multiple of KV heads");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "paged_decode_attention: q and k_cache head dims differ");
+  auto bt = block_tables.to(at::kLong).contiguous();
+  auto cl = context_lens.to(at::kLong).contiguous();
+  auto out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
+  DISPATCH_F32_BF16(q.scalar_type(), "paged_decode_attention", [&] {
+    decode_attention_impl<scalar_t>(q, k_cache, v_cache, bt, cl, scale, out);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// RMSNorm in transformers' order: y = w * T(x * rsqrt(mean(x^2) + eps)), statistics in float32.
+// x [N, hidden] (rows may be strided, last dim contiguous), weight [hidden] in x's dtype -> [N, hidden].
+// With ``residual`` (same shape): r = T(x + residual) is returned as well and normalised instead of x.
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& w, double eps,
+                   at::Tensor& out, at::Tensor* res_out) {
+  using C = Cvt<T>;
+  const int64_t N = x.size(0), Hd = x.size(1);
+  const int64_t xs = x.stride(0), rs = residual ? residual->stride(0) : 0;
+  const auto* xp = raw<T>(x);
+  const auto* rp = residual ? raw<T>(*residual) : nullptr;
+  const auto* wp = raw<T>(w);
+  auto* op = raw_mut<T>(out);
+  auto* rop = res_out ? raw_mut<T>(*res_out) : nullptr;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(Hd, 1));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(Hd), wf(Hd);
+    for (int64_t i = 0; i < Hd; ++i) wf[i] = C::load(wp[i]);
+    for (int64_t n = begin; n < end; ++n) {
+      const auto* xr = xp + n * xs;
+      if (rp) {
+        const auto* rr = rp + n * rs;
+        auto* ro = rop + n * Hd;
+#pragma omp simd
+        for (int64_t i = 0; i < Hd; ++i) {
+          ro[i] = C::store(C::load(xr[i]) + C::load(rr[i]));
+          h[i] = C::load(ro[i]);
+        }
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < Hd; ++i) h[i] = C::load(xr[i]);
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < Hd; ++i) ss += h[i] * h[i];
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(Hd) + static_cast<float>(eps));
+      auto* o = op + n * Hd;
+#pragma omp simd
+      for (int64_t i = 0; i < Hd; ++i) o[i] = C::store(wf[i] * C::round(h[i] * r));
+    }
+  });
+}
+
+std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                                 const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [N, hidden] with a contiguous last dim");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: weight must be a contiguous [hidden] tensor in x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  at::Tensor res_out;
+  const at::Tensor* rptr = nullptr;
+  at::Tensor r;
+  if (residual.has_value()) {
+    r = *residual;
+    TORCH_CHECK(r.sizes() == x.sizes() && r.stride(1) == 1 && r.scalar_type() == x.scalar_type(),
+                "rms_norm: residual must match x");
+    rptr = &r;
+    res_out = at::empty({x.size(0), x.size(1)}, x.options());
+  }
+  DISPATCH_F32_BF16(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(x, rptr, weight, eps, out, rptr ? &res_out : nullptr);
+  });
+  if (rptr) return {out, res_out};
+  return {out};
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// SiLU-GLU: x [N, 2I] laid out [gate | up] -> T(T(silu(gate)) * up) [N, I] (PyTorch's rounding order).
+template <typename T>
+void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
+  using C = Cvt<T>;
+  const int64_t N = x.size(0), I = x.size(1) / 2, xs = x.stride(0);
+  const auto* xp = raw<T>(x);
+  auto* op = raw_mut<T>(out);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const auto* g = xp + n * xs;
+      const auto* u = g + I;
+      auto* o = op + n * I;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) {
+        const float gv = C::load(g[i]);
+        const float s = C::round(gv / (1.f + exp_approx(-gv)));
+        o[i] = C::store(s * C::load(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "silu_and_mul: x must be [N, 2I] with a contiguous last dim");
+  auto out = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  DISPATCH_F32_BF16(x.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_impl<scalar_t>(x, out);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Rotary embedding of x [T, H, dim] (last dim contiguous, any other strides) at positions [T] with float32
+// cos/sin tables [P, dim/2] -> new contiguous [T, H, dim]. cos/sin are rounded to x's dtype first and every product
+// and sum rounded in x's dtype, as transformers' apply_rotary_pos_emb does. interleave: pairs (2i, 2i+1) as in
+// DeepSeek-V3's interleaved layout, output [even rotated | odd rotated] (halves); else pairs (i, i + dim/2).
+template <typename T>
+void rope_impl(const at::Tensor& x, const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin,
+               bool interleave, at::Tensor& out) {
+  using C = Cvt<T>;
+  const int64_t Tn = x.size(0), H = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1);
+  const auto* xp = raw<T>(x);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  auto* op = raw_mut<T>(out);
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(H * dim, 1));
+  at::parallel_for(0, Tn, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> cr(half), sr(half), x1(half), x2(half);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + pp[t] * half;
+      const float* s = sp + pp[t] * half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        cr[i] = C::round(c[i]);
+        sr[i] = C::round(s[i]);
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const auto* xr = xp + t * xs0 + h * xs1;
+        auto* o = op + (t * H + h) * dim;
+        if (interleave) {
+          for (int64_t i = 0; i < half; ++i) {
+            x1[i] = C::load(xr[2 * i]);
+            x2[i] = C::load(xr[2 * i + 1]);
+          }
+        } else {
+#pragma omp simd
+          for (int64_t i = 0; i < half; ++i) {
+            x1[i] = C::load(xr[i]);
+            x2[i] = C::load(xr[i + half]);
+          }
+        }
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = C::store(C::round(x1[i] * cr[i]) - C::round(x2[i] * sr[i]));
+          o[i + half] = C::store(C::round(x2[i] * cr[i]) + C::round(x1[i] * sr[i]));
+        }
+      }
+    }
+  });
+}
+
+at::Tensor rope(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                bool interleave) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "rope: x must be [T, H, dim] with a contiguous last dim and an even dim");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(1) == x.size(2) / 2, "rope: cos/sin must be contiguous float32 [P, dim/2]");
+  auto pos = positions.to(at::kLong).contiguous();
+  auto out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  DISPATCH_F32_BF16(x.scalar_type(), "rope", [&] {
+    rope_impl<scalar_t>(x, pos, cos, sin, interleave, out);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with a residual add (CPU)");
+  m.def("silu_and_mul", &silu_and_mul, "SiLU-GLU (CPU)");
+  m.def("rope", &rope, "rotary embedding (CPU)");
+}
