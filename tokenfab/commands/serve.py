@@ -29,8 +29,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="Engine RNG seed (requests without their own seed).")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Ranks for tensor parallel. Default 1.")
     g.add_argument("--num-threads", type=int, default=None,
-                   help="CPU intra-op threads for the engine. Default: cores - 1 (at least 1), leaving a core to the "
-                        "HTTP front end as vLLM's CPU backend does (measured faster than all cores on 2 cores).")
+                   help="CPU intra-op threads for every engine step. Default: all cores for steps with prefill "
+                        "tokens and cores - 1 (at least 1) for decode-only steps, leaving a core to the HTTP front "
+                        "end (measured fastest on 2 cores, benchmarks/NOTES.md).")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -74,6 +74,8 @@ class ModelRunner:
         self.sampler = sampler
         self.eos_ids: list[int] = []
         self.tp_channel = None  # tensor parallel: rank 0 broadcasts each step (tokenfab.parallel.worker.StepChannel)
+        self._threads: tuple[int, int] | None = None  # (prefill, decode) intra-op threads; None: leave torch's
+        self._threads_now = torch.get_num_threads()
 
     def write_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
         """Record tokens (e.g. just sampled) at [row, position] of the persistent token array."""
@@ -133,12 +135,26 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[torch.from_numpy(logit_idx).to(self.device)]).cpu()
 
+    def set_thread_policy(self, prefill_threads: int, decode_threads: int) -> None:
+        """CPU intra-op threads per step kind: steps with prefill tokens use ``prefill_threads`` (large GEMMs that
+        scale with cores), decode-only steps ``decode_threads`` (many small ops, where a core left to the HTTP
+        front end avoids stalled parallel regions). Measured in benchmarks/NOTES.md."""
+        self._threads = (int(prefill_threads), int(decode_threads))
+
+    def _apply_thread_policy(self, has_prefill: bool) -> None:
+        n = self._threads[0] if has_prefill else self._threads[1]
+        if n != self._threads_now:
+            torch.set_num_threads(n)
+            self._threads_now = n
+
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one forward pass for ``batch`` and sample where sequences reached their last known token."""
         seqs, B, d = batch.seqs, len(batch), batch.num_decodes
         num_new, num_computed, rows = batch.num_new, batch.num_computed, batch.rows
         T = int(num_new.sum())
+        if self._threads is not None:
+            self._apply_thread_policy(T > B)
         cu = np.cumsum(num_new)
         starts = cu - num_new
         req_idx = np.repeat(np.arange(B), num_new)

@@ -1,0 +1,43 @@
+"""The serving thread policy: all cores for steps with prefill tokens, cores - 1 for decode-only steps."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from tokenfab import LLM, SamplingParams
+from tokenfab.server.launch import set_server_threads
+
+
+def test_runner_switches_threads_by_step_kind(tiny_model):
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(tiny_model("llama"), max_model_len=64, progress=False)
+        eng = llm.llm_engine
+        eng.runner.set_thread_policy(2, 1)
+        eng.add_request("a", None, list(range(5, 25)), SamplingParams(max_tokens=4, ignore_eos=True))
+        seen = []
+        orig = eng.runner.forward
+
+        def spy(*a, **k):
+            seen.append(torch.get_num_threads())
+            return orig(*a, **k)
+
+        eng.runner.forward = spy
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert seen[0] == 2 and seen[1:] == [1] * (len(seen) - 1) and len(seen) == 4  # prefill, then 3 decodes
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_server_thread_defaults():
+    before = torch.get_num_threads()
+    try:
+        cfg = types.SimpleNamespace(tensor_parallel_size=1)
+        p, d = set_server_threads(None, cfg)
+        assert p >= 1 and d == max(1, p - 1) and torch.get_num_threads() == p
+        assert set_server_threads(3, cfg) == (3, 3)
+        assert set_server_threads(None, types.SimpleNamespace(tensor_parallel_size=2)) is None
+    finally:
+        torch.set_num_threads(before)
