@@ -141,3 +141,38 @@ def test_fallback_when_disabled(monkeypatch):
     ctx = paged_attention.gather_cache(kc[:, :, 0], group).unsqueeze(1)
     eager = paged_attention.attention(q.unsqueeze(2), ctx, ctx, group, 0.3)[:, :, 0, :32]
     assert torch.allclose(fused, eager, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)])
+def test_causal_softmax_matches_masked_softmax(dtype, tol):
+    """Rows stacked as (head of the KV group, query); positions ragged with a padded query (-1)."""
+    torch.manual_seed(3)
+    B, Hx, G, Qb, L = 2, 3, 2, 5, 12
+    s = (torch.randn(B, Hx, G * Qb, L) * 4).to(dtype)
+    qpos = torch.tensor([[3, 4, 5, 6, 7], [7, 8, 9, 10, -1]])
+    scale = 0.37
+    keys = torch.arange(L)
+    visible = keys.view(1, 1, L) <= qpos.clamp(min=0).unsqueeze(-1)  # [B, Qb, L]
+    visible = visible.repeat(1, G, 1).unsqueeze(1)  # rows g * Qb + i
+    ref = torch.softmax((s.double() * scale).masked_fill(~visible, float("-inf")), -1)
+    out = cpu_kernels.causal_softmax_(s.clone(), qpos, Qb, scale)
+    assert (out.double() - ref).abs().max().item() < tol
+    assert (out[~visible.expand_as(out)] == 0).all()
+
+
+def test_fused_prefill_attention_matches_sdpa():
+    """The fused prefill path (GEMMs + causal softmax) against SDPA with the causal mask, GQA and chunked context."""
+    from tokenfab.layers import paged_attention as PA
+    from tokenfab.layers.attention_metadata import AttentionGroup
+    torch.manual_seed(4)
+    B, H, Hk, Q, D, L = 2, 6, 2, 300, 16, 340  # two query blocks; sequence 1 has 40 cached tokens before the chunk
+    q, k, v = torch.randn(B, H, Q, D), torch.randn(B, Hk, L, D), torch.randn(B, Hk, L, D)
+    qpos = torch.stack([torch.arange(Q), torch.arange(Q) + 40])
+    qpos[0, 290:] = -1  # sequence 0 has a shorter chunk (padding)
+    g = AttentionGroup(token_index=torch.zeros(B, Q, dtype=torch.long), query_pos=qpos, block_tables=None,
+                       context_lens=torch.tensor([290, 340]), q_len=Q, max_context=L)
+    fused = PA._prefill_attention_fused(q, k, v, g, 0.25)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=PA.additive_mask(g, q.dtype),
+                                                           scale=0.25, enable_gqa=True)
+    assert (fused - ref)[0, :, :290].abs().max().item() < 1e-5
+    assert (fused - ref)[1].abs().max().item() < 1e-5

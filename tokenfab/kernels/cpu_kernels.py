@@ -127,3 +127,14 @@ def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch
     """Rotary embedding of x [T, H, dim] at positions [T] (int64) with float32 tables cos/sin [P, dim/2]; returns
     a new contiguous [T, H, dim] in x's dtype. ``interleave``: DeepSeek's (2i, 2i+1) pairs, output in halves."""
     return load().rope(x, positions, cos, sin, interleave)
+
+
+def causal_softmax_(scores: torch.Tensor, query_pos: torch.Tensor, q_len: int, scale: float) -> torch.Tensor:
+    """In place: scores [B, Hx, R, L] (contiguous q k^T) -> causal softmax(scale * scores) in scores' dtype.
+
+    Row r of (b, h) is query ``r % q_len`` of sequence b at absolute position ``query_pos[b, r % q_len]``
+    (query_pos [B, q_len] int64, -1 for padding); key j is visible when j <= that position (padding rows see key 0
+    only). Statistics in float32; masked keys get probability 0. Returns ``scores``.
+    """
+    load().causal_softmax_(scores, query_pos, int(q_len), float(scale))
+    return scores

@@ -119,9 +119,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
     """
     B, H, Q, D = q.shape
     Hk, L, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    mask = additive_mask(group, q.dtype)  # [B, 1, Q, L]
     if Q > 1:
-        return _prefill_attention(q, k, v, group, mask, scale)
+        if k.dtype == q.dtype and v.dtype == q.dtype and cpu_kernels.available_for(q):
+            return _prefill_attention_fused(q, k, v, group, scale)
+        return _prefill_attention(q, k, v, group, additive_mask(group, q.dtype), scale)
+    mask = additive_mask(group, q.dtype)  # [B, 1, 1, L]
     G = H // Hk
     m = mask.view(B, 1, L) if Hk == 1 else mask.expand(B, Hk, 1, L).reshape(B * Hk, 1, L)
     s = torch.baddbmm(m, q.reshape(B * Hk, G, D), k.reshape(B * Hk, L, D).transpose(1, 2), alpha=scale)
@@ -158,6 +160,31 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
         else:
             s = torch.matmul(qb, kb.transpose(-1, -2)).float().mul_(scale).add_(mb)
             out[:, :, q0:q1] = torch.matmul(s.softmax(dim=-1).to(v.dtype), vb)
+    return out
+
+
+def _prefill_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup,
+                             scale: float) -> torch.Tensor:
+    """CPU prefill attention in query blocks with two bf16 GEMMs and the fused causal softmax
+    (kernels/cpu_kernels.py) in between: the query heads of each KV head are stacked as rows of one GEMM (no
+    repeated K/V), and the float32 conversion, scale, mask and softmax passes of the eager path become one.
+    Measured against SDPA's CPU flash kernel with a block mask in benchmarks/NOTES.md.
+
+    q [B, H, Q, D], k [B, Hk, L, D], v [B, Hk, L, Dv] -> [B, H, Q, Dv].
+    """
+    B, H, Q, D = q.shape
+    Hk, Dv = k.shape[1], v.shape[-1]
+    G = H // Hk
+    k, v = k.contiguous(), v.contiguous()
+    key_end = (group.query_pos.max(dim=0).values + 1).tolist()
+    out = q.new_empty(B, H, Q, Dv)
+    for q0 in range(0, Q, PREFILL_QUERY_BLOCK):
+        q1 = min(Q, q0 + PREFILL_QUERY_BLOCK)
+        kend = max(1, max(key_end[q0:q1]))
+        qb = q[:, :, q0:q1].reshape(B, Hk, G * (q1 - q0), D)  # row g * Qb + i: head g of the group, query i
+        s = torch.matmul(qb, k[:, :, :kend].transpose(-1, -2))  # [B, Hk, G * Qb, kend]
+        cpu_kernels.causal_softmax_(s, group.query_pos[:, q0:q1], q1 - q0, scale)
+        out[:, :, q0:q1] = torch.matmul(s, v[:, :, :kend]).view(B, H, q1 - q0, Dv)
     return out
 
 
