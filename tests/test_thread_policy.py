@@ -37,6 +37,7 @@ def test_server_thread_defaults():
         cfg = types.SimpleNamespace(tensor_parallel_size=1)
         p, d = set_server_threads(None, cfg)
         assert p >= 1 and d == max(1, p - 1) and torch.get_num_threads() == p
+        assert set_server_threads(None, cfg, is_moe=False) == (p, p)  # dense models decode on every core
         assert set_server_threads(3, cfg) == (3, 3)
         assert set_server_threads(None, types.SimpleNamespace(tensor_parallel_size=2)) is None
     finally:

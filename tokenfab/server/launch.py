@@ -70,14 +70,17 @@ class ServerHandle:
             pass
 
 
-def set_server_threads(num_threads: int | None, config) -> tuple[int, int] | None:
+def set_server_threads(num_threads: int | None, config, is_moe: bool = True) -> tuple[int, int] | None:
     """Choose torch's intra-op threads for a serving process on one CPU rank; returns (prefill, decode) threads
     for :meth:`ModelRunner.set_thread_policy`, or None under tensor parallel (the launcher splits the cores).
 
     ``num_threads`` given: that many for every step. Default: every core for steps with prefill tokens (large
-    GEMMs that scale with cores) and cores - 1 (>= 1) for decode-only steps, whose many small parallel regions
-    stall when the busy HTTP front end preempts one of their threads. Measured on 2 cores, 256 in / 64 out,
-    concurrency 4 / 16 (benchmarks/NOTES.md): DeepSeek-V3 1.23x / 1.37x total tok/s over cores - 1 everywhere.
+    GEMMs that scale with cores); for decode-only steps every core on dense models and cores - 1 (>= 1) on MoE
+    models, whose decode step is many small parallel regions that stall when the busy HTTP front end preempts one
+    of their threads. Measured on 2 cores, 256 in / 64 out, concurrency 4 / 16 (benchmarks/NOTES.md): DeepSeek-V3
+    with 2 prefill / 1 decode threads 1.23x / 1.37x the total tok/s of 1 thread everywhere (2 threads everywhere:
+    TPOT 29 vs 19.5 ms at concurrency 4); the Llama with 2 decode threads 1.12x the total tok/s of 1 at
+    concurrency 16, equal at 4.
 
     Raises:
         ValueError: ``num_threads`` < 1.
@@ -89,7 +92,7 @@ def set_server_threads(num_threads: int | None, config) -> tuple[int, int] | Non
         if config.tensor_parallel_size > 1:
             return None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        policy = (cores, max(1, cores - 1))
+        policy = (cores, max(1, cores - 1) if is_moe else cores)
     elif num_threads < 1:
         raise ValueError(f"--num-threads must be >= 1, got {num_threads}.")
     else:
@@ -106,6 +109,8 @@ def run_server(args: argparse.Namespace) -> int:
     threads = set_server_threads(getattr(args, "num_threads", None), config)
     t0 = time.perf_counter()
     async_llm = AsyncLLM.from_config(config, progress=True)
+    if threads is not None:  # the decode share depends on the model (dense or MoE), known once loaded
+        threads = set_server_threads(getattr(args, "num_threads", None), config, async_llm.model_config.is_moe)
     if threads is not None:
         async_llm.engine.runner.set_thread_policy(*threads)
     async_llm.start()
