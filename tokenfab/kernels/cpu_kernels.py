@@ -2,11 +2,11 @@
 
 Eager PyTorch spends most of a CPU decode step on dispatch and small-tensor passes (~150 ops per layer-step,
 benchmarks/NOTES.md). These kernels fold the hottest chains into one call each: paged decode attention straight
-from the block table (no gathered copy of the context), RMSNorm (optionally with the residual add), SiLU-GLU and
-rotary embedding.
+from the block table (no gathered copy of the context), the causal softmax of prefill attention, RMSNorm
+(optionally with the residual add), SiLU-GLU and rotary embedding.
 
-The extension is built with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and ninja; ~1 minute once,
-then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>``, override with ``TOKENFAB_KERNEL_CACHE``).
+The extension is built with ``torch.utils.cpp_extension.load`` (needs a C++ compiler; ninja comes with tokenfab's
+dependencies; ~35 s on 2 cores once, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>``, override with ``TOKENFAB_KERNEL_CACHE``).
 ``TOKENFAB_CPU_KERNELS=0`` disables them; a failed build logs one warning and every caller keeps its PyTorch path.
 Only CPU tensors take these paths; CUDA/ROCm use their own.
 """
@@ -59,17 +59,25 @@ def load():
             _error = "disabled by TOKENFAB_CPU_KERNELS=0"
         else:
             try:
+                import sys
                 from torch.utils import cpp_extension
+                bindir = os.path.dirname(sys.executable)  # pip's ninja lives beside python in a venv not on PATH
+                if os.path.isfile(os.path.join(bindir, "ninja")) and bindir not in os.environ.get("PATH", ""):
+                    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
                 src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
                 flags = ["-O3", "-fopenmp"]
                 if platform.machine() in ("x86_64", "AMD64"):
                     flags.append("-march=native")
+                build_dir = _build_dir()
+                if not any(f.endswith(".so") for f in os.listdir(build_dir)):
+                    print("[tokenfab] building the fused CPU kernels (once per machine, ~35 s on 2 cores) ...",
+                          file=sys.stderr, flush=True)
                 _module = cpp_extension.load(name="tokenfab_cpu_kernels", sources=[src], extra_cflags=flags,
-                                             extra_ldflags=["-fopenmp"], build_directory=_build_dir(),
+                                             extra_ldflags=["-fopenmp"], build_directory=build_dir,
                                              verbose=False)
             except Exception as e:  # no compiler, no ninja, headers missing: keep the PyTorch paths
                 lines = str(e).strip().splitlines() or [""]
-                first = next((l for l in lines if "error:" in l), lines[-1])  # the compiler's first error
+                first = next((l for l in lines if "error:" in l or "not found" in l), lines[-1])  # the compiler's first error
                 _error = f"{type(e).__name__}: {first.strip()}"
                 log.warning("tokenfab CPU kernels unavailable (%s); using the PyTorch paths", _error)
         _tried = True

@@ -1,0 +1,38 @@
+"""Without a working C++ compiler the fused CPU kernels are reported unavailable and generation still works on the
+PyTorch paths, with the same greedy tokens as the kernels give."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = r"""
+import json, sys
+from tokenfab import LLM, SamplingParams
+from tokenfab.kernels import cpu_kernels
+llm = LLM(sys.argv[1], max_model_len=64, progress=False)
+out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+print(json.dumps({"loaded": cpu_kernels.load() is not None, "error": cpu_kernels.load_error(),
+                  "tokens": out[0].outputs[0].token_ids}))
+"""
+
+
+def _run(path, env):
+    r = subprocess.run([sys.executable, "-c", SCRIPT, path], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def test_no_compiler_falls_back(tiny_model, tmp_path):
+    path = tiny_model("deepseek_v3")
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TOKENFAB_KERNEL_CACHE=str(tmp_path / "kc"))
+    broken, stderr = _run(path, env)
+    assert not broken["loaded"] and broken["error"]
+    assert "using the PyTorch paths" in stderr
+    off, _ = _run(path, dict(os.environ, TOKENFAB_CPU_KERNELS="0"))
+    assert not off["loaded"] and "TOKENFAB_CPU_KERNELS=0" in off["error"]
+    on, _ = _run(path, dict(os.environ))
+    assert broken["tokens"] == off["tokens"]
+    if on["loaded"]:
+        assert on["tokens"] == off["tokens"]  # float32 tiny model: kernels and PyTorch paths agree
