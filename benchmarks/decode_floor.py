@@ -11,7 +11,7 @@ difference (engine overhead: scheduling, tensor building, sampling, output proce
 Bytes read per step: every non-expert weight, plus the routed experts actually chosen (top_k of n_routed_experts for
 one token; all of them once B * top_k covers the experts — we count the distinct experts hit, measured), plus the
 KV cache rows attended. Copy bandwidth = 2 x bytes / time of ``dst.copy_(src)`` on a 512 MiB tensor (read + write
-traffic), best of 5, measured in the same run. Writes benchmarks/results/<date>-decode-floor.{json,md}.
+traffic), best of 5, measured in the same run. Writes benchmarks/results/<date>[-<label>]-decode-floor.{json,md}.
 """
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--label", default=None, help="label in the result file names: <date>-<label>-decode-floor.*")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -138,7 +139,8 @@ def main() -> int:
               "model": model_dir, "dtype": str(eng.dtype), "threads": torch.get_num_threads(), "cpu": cpu,
               "cores": os.cpu_count(), "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"{dt.date.today().isoformat()}-decode-floor")
+    label = f"-{args.label}" if args.label else ""
+    stem = os.path.join(args.out, f"{dt.date.today().isoformat()}{label}-decode-floor")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
     lines = [f"# Decode step vs memory floor ({result['date']})", "", f"`{result['command']}`", "",

@@ -62,9 +62,11 @@ def test_paged_decode_attention_matches_definition(dtype, tol, case):
     assert (out.double() - ref).abs().max().item() < tol
 
 
-def test_paged_decode_attention_reads_only_the_context():
-    """Tokens past context_lens (garbage in the last block) must not change the result."""
-    q, kc, vc, bt, lens = _paged_case(B=2, H=4, Hk=2, D=16, Dv=16, bs=8, lens=[5, 11], dtype=torch.float32)
+@pytest.mark.parametrize("dtype,D", [(torch.float32, 16), (torch.bfloat16, 32)])
+def test_paged_decode_attention_reads_only_the_context(dtype, D):
+    """Tokens past context_lens (garbage in the last block) must not change the result (odd lengths: the bf16 path
+    pairs tokens)."""
+    q, kc, vc, bt, lens = _paged_case(B=2, H=4, Hk=2, D=D, Dv=D, bs=8, lens=[5, 11], dtype=dtype)
     a = cpu_kernels.paged_decode_attention(q, kc, vc, bt, lens, 0.25)
     kc[bt[0, 0], 5:] = 1e4
     vc[bt[1, 1], 3:] = float("nan")

@@ -7,6 +7,14 @@ import shlex
 import sys
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, unless its help text already states it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        return text if "(default" in text else super()._get_help_string(action)
+
+
 def register(subparsers) -> None:
     """Add ``eval`` with its ``kl`` and ``needle`` sub-commands."""
     p = subparsers.add_parser("eval", help="fidelity (KL vs transformers) and needle recall evaluations",
@@ -20,7 +28,7 @@ def register(subparsers) -> None:
         description="Run held-out rows through tokenfab (full-vocabulary prompt_logprobs / logprobs) and through "
                     "transformers (eager attention and experts, teacher-forced), and report mean / p99 / max KL and "
                     "top-1 agreement for the prefill path and for greedy and sampled decode paths.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     k.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint folder (default: the embedded default model)")
     k.add_argument("--reference", default="transformers", choices=["transformers"], help="reference implementation")
@@ -51,7 +59,7 @@ def register(subparsers) -> None:
         description="Plant K random access codes at given depths in filler text, ask for each, and score exact "
                     "recall per length and depth (table, JSON, Markdown, heat-map PNG). Runs the offline engine "
                     "on MODEL or any OpenAI-compatible server (--base-url).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsFormatter)
     n.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint folder for the offline engine (default: the embedded default model); with "
                         "--base-url, the tokenizer folder used to count tokens")

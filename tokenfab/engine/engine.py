@@ -52,6 +52,9 @@ class LLMEngine:
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer
         self.device, self.dtype = loaded.device, loaded.dtype
+        if self.device.type == "cpu":  # build (once per machine) or load the fused CPU kernels now, not mid-request
+            from tokenfab.kernels import cpu_kernels
+            cpu_kernels.load()
         self.max_model_len = config.max_model_len
         bs = config.block_size
         self.block_manager = BlockManager(config.num_kv_blocks, bs, config.max_num_seqs, config.max_model_len)

@@ -94,6 +94,12 @@ def available_for(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and load() is not None
 
 
+def has_bf16_dot() -> bool:
+    """True when the built kernels use AVX512-BF16 dot products (``vdpbf16ps``) for bf16 decode attention."""
+    m = load()
+    return bool(m is not None and m.has_bf16_dot)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax(scale * q k^T) v for one query token per sequence, reading K/V in place from the paged pool.
@@ -108,7 +114,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale: softmax scale.
 
     Returns:
-        [B, H, Dv] in q's dtype; scores, softmax and the weighted sum accumulate in float32.
+        [B, H, Dv] in q's dtype; scores, softmax and the weighted sum accumulate in float32. With AVX512-BF16
+        (:func:`has_bf16_dot`), bf16 inputs and D, Dv multiples of 32, products are bf16 x bf16 (exact in float32)
+        and the softmax weights are rounded to bf16 before the value products, as the eager path does.
 
     Raises:
         RuntimeError: on shapes or dtypes outside the above (q, k_cache, v_cache must share a dtype).

@@ -71,14 +71,16 @@ def fused_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or not cpu_kernels.available_for(q):
         return None
-    if v_cache.data_ptr() == k_cache.data_ptr() and q.shape[0] * group.max_context > FUSED_LATENT_MAX_TOKENS:
-        return None  # MLA with many context tokens: the bf16 GEMMs of the gathered path are faster
+    if (v_cache.data_ptr() == k_cache.data_ptr() and q.shape[0] * group.max_context > FUSED_LATENT_MAX_TOKENS
+            and not (q.dtype == torch.bfloat16 and cpu_kernels.has_bf16_dot())):
+        return None  # MLA with many context tokens on float32 FMAs: the gathered path's bf16 GEMMs are faster
     return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, group.block_tables, group.context_lens, scale)
 
 
-# MLA decode (one latent pool as keys and values) takes the fused kernel only up to this many context tokens
-# summed over the batch: beyond it the gathered path's bf16 GEMMs (AVX512-BF16 dot products) beat the kernel's
-# float32 FMAs (measured on the benchmark shapes, benchmarks/NOTES.md). Grouped-query attention always takes it.
+# Without AVX512-BF16 in the kernels, MLA decode (one latent pool as keys and values) takes the fused kernel only up
+# to this many context tokens summed over the batch: beyond it the gathered path's bf16 GEMMs beat the kernel's
+# float32 FMAs (measured on the benchmark shapes, benchmarks/NOTES.md). With AVX512-BF16, and for grouped-query
+# attention, the kernel is faster at every measured shape.
 FUSED_LATENT_MAX_TOKENS = 1024
 
 
