@@ -42,3 +42,14 @@ def test_server_thread_defaults():
         assert set_server_threads(None, types.SimpleNamespace(tensor_parallel_size=2)) is None
     finally:
         torch.set_num_threads(before)
+
+
+def test_serve_token_budget_default(tiny_model):
+    """`tokenfab serve` on CPU defaults to vLLM's CPU server budget (2048 tokens per step); a flag overrides it."""
+    from tokenfab.cli import build_parser
+    from tokenfab.server.launch import SERVE_CPU_MAX_NUM_BATCHED_TOKENS, engine_config_from_args
+    path = tiny_model("llama")
+    args = build_parser().parse_args(["serve", path, "--device", "cpu"])
+    assert engine_config_from_args(args).max_num_batched_tokens == SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 2048
+    args = build_parser().parse_args(["serve", path, "--device", "cpu", "--max-num-batched-tokens", "4096"])
+    assert engine_config_from_args(args).max_num_batched_tokens == 4096

@@ -20,8 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="Longest sequence, prompt + output, in tokens. Default: the model's max_position_embeddings.")
     g.add_argument("--max-num-seqs", type=int, default=16, help="Most sequences per engine step. Default 16.")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="Token budget per step (prefill chunks are cut to fit). Default 8192.")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="Token budget per step (prefill chunks are cut to fit). Default 2048 on CPU (vLLM's CPU "
+                        "server default: at the same throughput, median TTFT 2-2.5x lower than with 8192 at 1024-token "
+                        "prompts, benchmarks/NOTES.md), 8192 on GPUs.")
     g.add_argument("--block-size", type=int, default=16, help="Tokens per KV block. Default 16.")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory).")
     g.add_argument("--kv-cache-memory", default=None,

@@ -11,6 +11,9 @@ from tokenfab.server.api_server import build_app
 from tokenfab.server.async_engine import AsyncLLM
 
 
+SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step for `tokenfab serve` on CPU (vLLM's CPU server default)
+
+
 def engine_config_from_args(args: argparse.Namespace):
     """``tokenfab serve`` flags -> EngineConfig (model defaults to the embedded default model)."""
     from tokenfab.engine.engine_config import EngineConfig
@@ -20,8 +23,13 @@ def engine_config_from_args(args: argparse.Namespace):
         from tokenfab.default_model import describe, ensure_default_model
         model = ensure_default_model()
         print(f"[tokenfab] model: {describe()}", flush=True)
+    budget = args.max_num_batched_tokens
+    if budget is None:  # CPU: vLLM's CPU server default; shorter steps let new prompts in sooner (NOTES.md)
+        import torch
+        on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+        budget = SERVE_CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else EngineConfig.max_num_batched_tokens
     return EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory=args.kv_cache_memory, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size)
