@@ -42,6 +42,13 @@ def test_malformed_json(http):
     assert "JSON" in _error(r, 400)["message"]
 
 
+def test_form_encoded_body_says_to_send_json(http):
+    """curl -d without a JSON Content-Type: the 400 names the header to send."""
+    r = http.post("/v1/completions", content=b'{"prompt": "hi"}',
+                  headers={"content-type": "application/x-www-form-urlencoded"})
+    assert "Content-Type: application/json" in _error(r, 400)["message"]
+
+
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": "hi", "max_tokens": "lots"}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),

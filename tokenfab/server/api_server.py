@@ -288,6 +288,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
             else:
                 param = param or (loc[0] if loc else None)
                 parts.append(f"{field}: {e.get('msg')}")
+        ctype = request.headers.get("content-type", "")
+        if "json" not in ctype.lower():  # e.g. curl -d without -H: FastAPI then sees a string, not an object
+            parts.append(f"send the body as JSON with the header Content-Type: application/json "
+                         f"(got {ctype or 'no Content-Type'})")
         return JSONResponse(error_body(400, "; ".join(parts) or "invalid request", param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
