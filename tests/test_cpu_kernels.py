@@ -178,3 +178,17 @@ def test_fused_prefill_attention_matches_sdpa():
                                                            scale=0.25, enable_gqa=True)
     assert (fused - ref)[0, :, :290].abs().max().item() < 1e-5
     assert (fused - ref)[1].abs().max().item() < 1e-5
+
+
+def test_rmsnorm_module_residual_same_with_and_without_kernel(monkeypatch):
+    """RMSNorm(x, residual) = (norm(residual + x), residual + x), identical on the fused and the PyTorch path."""
+    from tokenfab.layers.norm import RMSNorm
+    torch.manual_seed(5)
+    norm = RMSNorm(96).to(torch.bfloat16)
+    norm.weight.data = (torch.rand(96) + 0.5).to(torch.bfloat16)
+    x, r = torch.randn(6, 96).to(torch.bfloat16), torch.randn(6, 96).to(torch.bfloat16)
+    y1, h1 = norm(x, r)
+    monkeypatch.setattr(cpu_kernels, "available_for", lambda t: False)
+    y2, h2 = norm(x, r)
+    assert torch.equal(h1, r + x) and torch.equal(h2, r + x)
+    assert (y1.float() - y2.float()).abs().max().item() <= 2 ** -7 * y2.float().abs().max().item()

@@ -20,7 +20,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with ``residual`` (same shape and dtype): (norm(x + residual), x + residual), the sum rounded to
+        x's dtype first exactly as ``h = h + x`` is (one fused pass on CPU)."""
+        if residual is not None:
+            if (x.dim() == 2 and x.dtype == self.weight.dtype == residual.dtype and x.stride(-1) == 1
+                    and residual.stride(-1) == 1 and cpu_kernels.available_for(x)):
+                return cpu_kernels.rms_norm(x, self.weight, self.eps, residual=residual)
+            h = residual + x
+            return self(h), h
         if x.dtype == self.weight.dtype and x.shape[-1] == self.weight.shape[0] and cpu_kernels.available_for(x):
             return cpu_kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         dtype = x.dtype

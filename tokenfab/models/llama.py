@@ -81,8 +81,8 @@ class DecoderLayer(nn.Module):
         if self.tp is not None:
             h = h + self.tp.all_reduce(self.self_attn(positions, self.input_layernorm(h), cache, meta))
             return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))
-        h = h + self.self_attn(positions, self.input_layernorm(h), cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, h = self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(h), cache, meta), h)
+        return h + self.mlp(x)  # h = h + attn(...) was rounded once, inside the fused norm
 
 
 class LlamaForCausalLM(CausalLM):
