@@ -122,7 +122,10 @@ def run_server(args: argparse.Namespace) -> int:
     if threads is not None:
         async_llm.engine.runner.set_thread_policy(*threads)
     async_llm.start()
-    name = args.served_model_name or config.model
+    name = args.served_model_name or config.model  # vLLM's default: the model path as given
+    if not args.served_model_name and not args.model:  # the embedded default model: its short name, not a cache path
+        from tokenfab.default_model import DEFAULT_MODEL_NAME
+        name = DEFAULT_MODEL_NAME
     app = build_app(async_llm, name, config.model)
 
     print(f"[tokenfab] engine ready in {time.perf_counter() - t0:.1f} s: model {config.model} as '{name}', "
