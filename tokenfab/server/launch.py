@@ -141,6 +141,15 @@ def run_server(args: argparse.Namespace) -> int:
 
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5,
                                     log_level=getattr(args, "log_level", None) or "warning"))
+    import signal
+    import threading
+    if threading.current_thread() is threading.main_thread():
+        # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler that kills the process
+        # before the engine (and tensor-parallel workers) are shut down below. Make it a normal exit instead.
+        def _exit_cleanly(signum, frame):
+            raise SystemExit(0)
+
+        signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
         server.run()
     finally:
