@@ -114,9 +114,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
     Returns:
         [B, H, Q, Dv] in q's dtype.
 
-    Prefill (Q > 1): SDPA with a cached additive mask when Dv == D; for MLA's expanded prefill (Dv != D) explicit
-    matmuls with a float32 softmax (SDPA with zero-padded values was faster but raised the bf16 KL against the fp32
-    reference 50x on the tiny DeepSeek test model, tests/test_bf16.py). Decode (Q = 1): scores = mask + scale * q k^T in one ``baddbmm`` over a transposed view of
+    Prefill (Q > 1), in causal query blocks: on CPU two GEMMs with the fused causal softmax between them; elsewhere
+    SDPA with a cached additive mask when Dv == D, and for MLA's expanded prefill (Dv != D) explicit matmuls with a
+    float32 softmax (SDPA with zero-padded values was faster but raised the bf16 KL against the fp32 reference 50x
+    on the tiny DeepSeek test model, tests/test_bf16.py). Decode (Q = 1; the gathered path, used when
+    :func:`fused_decode` does not apply): scores = mask + scale * q k^T in one ``baddbmm`` over a transposed view of
     k (no copy), softmax in float32 as transformers' eager attention does, then one ``bmm`` with v.
     """
     B, H, Q, D = q.shape
@@ -136,6 +138,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
 PREFILL_QUERY_BLOCK = 256  # queries per block in prefill attention (tokens)
 
 
+def _query_blocks(group: AttentionGroup, Q: int):
+    """Yield (q0, q1, kend) for query blocks [q0, q1) of PREFILL_QUERY_BLOCK: kend is the number of keys any
+    sequence's queries in the block can see (causal), so the block never touches keys past it."""
+    key_end = (group.query_pos.max(dim=0).values + 1).tolist()  # per query index: keys any sequence needs
+    for q0 in range(0, Q, PREFILL_QUERY_BLOCK):
+        q1 = min(Q, q0 + PREFILL_QUERY_BLOCK)
+        yield q0, q1, max(1, max(key_end[q0:q1]))
+
+
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup,
                        mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Prefill attention in query blocks of PREFILL_QUERY_BLOCK: each block attends only to the keys up to its
@@ -150,11 +161,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
     if Dv != D and Hk != H:
         k, v = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
     k, v = k.contiguous(), v.contiguous()  # one copy per layer; each block's q k^T then reads k in place (1.6x)
-    key_end = (group.query_pos.max(dim=0).values + 1).tolist()  # per query index: keys any sequence needs
     out = q.new_empty(B, H, Q, Dv)
-    for q0 in range(0, Q, PREFILL_QUERY_BLOCK):
-        q1 = min(Q, q0 + PREFILL_QUERY_BLOCK)
-        kend = max(1, max(key_end[q0:q1]))
+    for q0, q1, kend in _query_blocks(group, Q):
         qb, kb, vb, mb = q[:, :, q0:q1], k[:, :, :kend], v[:, :, :kend], mask[:, :, q0:q1, :kend]
         if Dv == D:
             out[:, :, q0:q1] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mb, scale=scale,
@@ -178,11 +186,8 @@ def _prefill_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Hk, Dv = k.shape[1], v.shape[-1]
     G = H // Hk
     k, v = k.contiguous(), v.contiguous()
-    key_end = (group.query_pos.max(dim=0).values + 1).tolist()
     out = q.new_empty(B, H, Q, Dv)
-    for q0 in range(0, Q, PREFILL_QUERY_BLOCK):
-        q1 = min(Q, q0 + PREFILL_QUERY_BLOCK)
-        kend = max(1, max(key_end[q0:q1]))
+    for q0, q1, kend in _query_blocks(group, Q):
         qb = q[:, :, q0:q1].reshape(B, Hk, G * (q1 - q0), D)  # row g * Qb + i: head g of the group, query i
         s = torch.matmul(qb, k[:, :, :kend].transpose(-1, -2))  # [B, Hk, G * Qb, kend]
         cpu_kernels.causal_softmax_(s, group.query_pos[:, q0:q1], q1 - q0, scale)
