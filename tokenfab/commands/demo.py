@@ -217,11 +217,10 @@ def run_demo(args: argparse.Namespace) -> int:
         describe_line = describe()
         served = DEFAULT_MODEL_NAME
     print(f"[demo] model: {describe_line}", flush=True)
-    if args.device in ("cpu", "auto"):  # build the fused CPU kernels here, on the console, before the server uses them
-        import torch
-        if args.device == "cpu" or not torch.cuda.is_available():
-            from tokenfab.kernels import cpu_kernels
-            cpu_kernels.load()
+    from tokenfab.engine.engine_config import resolve_device
+    if resolve_device(args.device).type == "cpu":  # build the fused CPU kernels here, on the console, not in the server
+        from tokenfab.kernels import cpu_kernels
+        cpu_kernels.load()
 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = os.path.abspath(args.out or os.path.join("runs", f"demo-{stamp}"))

@@ -16,7 +16,7 @@ SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step for `tokenfab serve` 
 
 def engine_config_from_args(args: argparse.Namespace):
     """``tokenfab serve`` flags -> EngineConfig (model defaults to the embedded default model)."""
-    from tokenfab.engine.engine_config import EngineConfig
+    from tokenfab.engine.engine_config import EngineConfig, resolve_device
 
     model = args.model
     if not model:
@@ -25,8 +25,7 @@ def engine_config_from_args(args: argparse.Namespace):
         print(f"[tokenfab] model: {describe()}", flush=True)
     budget = args.max_num_batched_tokens
     if budget is None:  # CPU: vLLM's CPU server default; shorter steps let new prompts in sooner (NOTES.md)
-        import torch
-        on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+        on_cpu = resolve_device(args.device).type == "cpu"
         budget = SERVE_CPU_MAX_NUM_BATCHED_TOKENS if on_cpu else EngineConfig.max_num_batched_tokens
     return EngineConfig(model=model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
@@ -114,11 +113,10 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     config = engine_config_from_args(args)
-    threads = set_server_threads(getattr(args, "num_threads", None), config)
+    from tokenfab.config import load_config
+    threads = set_server_threads(getattr(args, "num_threads", None), config, load_config(config.model).is_moe)
     t0 = time.perf_counter()
     async_llm = AsyncLLM.from_config(config, progress=True)
-    if threads is not None:  # the decode share depends on the model (dense or MoE), known once loaded
-        threads = set_server_threads(getattr(args, "num_threads", None), config, async_llm.model_config.is_moe)
     if threads is not None:
         async_llm.engine.runner.set_thread_policy(*threads)
     async_llm.start()
