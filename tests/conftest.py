@@ -55,3 +55,27 @@ def reference_logprobs(model, tokens: list[int]) -> torch.Tensor:
     """log_softmax of the reference logits [len(tokens), vocab] float32 for one sequence."""
     with torch.no_grad():
         return torch.log_softmax(model(torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+
+def tp_generate(path: str, n: int, prompts: list[list[int]], n_new: int, **engine_kw):
+    """Greedy generation of exactly ``n_new`` tokens with prompt logprobs on ``n`` tensor-parallel ranks; the
+    engine (and its worker processes) is shut down afterwards. Returns the RequestOutputs in prompt order."""
+    from tokenfab import LLM, SamplingParams
+    llm = LLM(path, tensor_parallel_size=n, **engine_kw)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=n_new, min_tokens=n_new, prompt_logprobs=0)
+        return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def max_prompt_logprob_gap(ref, got, label: str) -> float:
+    """Assert ``got`` has ``ref``'s greedy tokens and prompt-logprob positions; return the largest |Δ logprob|."""
+    worst = 0.0
+    for r, g in zip(ref, got):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids, f"{label}: greedy tokens differ"
+        assert len(g.prompt_logprobs) == len(r.prompt_logprobs)
+        for a, b in zip(r.prompt_logprobs[1:], g.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            worst = max(worst, max(abs(a[k] - b[k]) for k in a))
+    return worst

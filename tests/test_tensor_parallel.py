@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from conftest import max_prompt_logprob_gap, tp_generate
 from tokenfab import LLM, SamplingParams
 
 os.environ.setdefault("TOKENFAB_TP_TIMEOUT", "120")  # a broken test fails instead of hanging
@@ -46,12 +47,7 @@ def prompts() -> list[list[int]]:
 
 
 def run(path: str, n: int):
-    llm = LLM(path, tensor_parallel_size=n, **ENGINE_KW)
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=N_NEW, min_tokens=N_NEW, prompt_logprobs=0)
-        return llm.generate([{"prompt_token_ids": p} for p in prompts()], params, use_tqdm=False)
-    finally:
-        llm.llm_engine.shutdown()
+    return tp_generate(path, n, prompts(), N_NEW, **ENGINE_KW)
 
 
 def reference(family: str, path: str):
@@ -65,13 +61,7 @@ def reference(family: str, path: str):
 def test_tp_matches_single_rank(ckpt, family, n):
     path = ckpt(family)
     ref, got = reference(family, path), run(path, n)
-    worst = 0.0
-    for r, g in zip(ref, got):
-        assert g.outputs[0].token_ids == r.outputs[0].token_ids, f"{family} N={n}: greedy tokens differ"
-        assert len(g.prompt_logprobs) == len(r.prompt_logprobs)
-        for a, b in zip(r.prompt_logprobs[1:], g.prompt_logprobs[1:]):
-            assert a.keys() == b.keys()
-            worst = max(worst, max(abs(a[k] - b[k]) for k in a))
+    worst = max_prompt_logprob_gap(ref, got, f"{family} N={n}")
     assert worst < 1e-4, f"{family} N={n}: max |d prompt logprob| = {worst}"
 
 
