@@ -1,9 +1,11 @@
-"""The peer benchmark's pure report helpers (benchmarks/peers/run_peers.py) on hand-made numbers; no peers needed."""
+"""The peer benchmark's pure report helpers (benchmarks/peers/peer_report.py) and the harness's argument parsing
+(benchmarks/peers/run_peers.py) on hand-made numbers; no peers needed."""
 from __future__ import annotations
 
 import importlib.util
 import math
 import os
+import types
 
 import pytest
 
@@ -12,10 +14,13 @@ _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def rp():
+    """The report helpers and the harness's names in one namespace (loading the harness puts its folder on
+    sys.path, so peer_report imports from there)."""
     spec = importlib.util.spec_from_file_location("run_peers", _PATH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod
+    import peer_report
+    return types.SimpleNamespace(**{**vars(peer_report), **vars(mod)})
 
 
 def _rec(engine, client, total, output, ttft, tpot, conc=4, model="deepseek_v3", workload="256x64", error=None):
