@@ -63,8 +63,8 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor, bins: int = 12) -> fl
 def test_sampled_distribution_matches_softmax(llm, ref, seeded):
     """4,000 first-token samples at T = 0.8 against softmax(logits / 0.8) of the reference: Pearson chi-square
     with 12 degrees of freedom must stay below 32.9 (p = 0.001). The same samples scored against T = 1.0 must fail
-    the test, so it can tell temperatures apart. Seeded rows (per-request RNG, exponential race) and unseeded rows
-    (batched multinomial) are both checked."""
+    the test, so it can tell temperatures apart. Seeded rows (a uniform from the request's RNG) and unseeded rows
+    (uniforms from the engine's RNG) are both checked; both go through the inverse-CDF draw."""
     with torch.no_grad():
         logits = ref(torch.tensor([PROMPT])).logits[0, -1].float()
     counts = _first_token_counts(llm, SamplingParams(temperature=0.8), 4000, seeded=seeded)
@@ -132,3 +132,19 @@ def test_logprobs_top_k_and_max_model_len(llm, ref):
     long_prompt = [5] * 120
     o = llm.generate([{"prompt_token_ids": long_prompt}], SamplingParams(max_tokens=50, ignore_eos=True))[0]
     assert len(o.outputs[0].token_ids) == 128 - 120 and o.outputs[0].finish_reason == "length"
+
+
+def test_inverse_cdf_sample_hand_worked():
+    """probs [0.2, 0, 0.5, 0.3] (cdf 0.2, 0.2, 0.7, 1.0): u picks the first index whose cdf exceeds u; the zero-mass
+    index 1 is never drawn, not even at u = 0.2 exactly or u -> 1 with a masked tail; unnormalized rows scale u."""
+    from tokenfab.engine.sampler import inverse_cdf_sample
+
+    p = torch.tensor([0.2, 0.0, 0.5, 0.3])
+    u = torch.tensor([0.0, 0.1, 0.2, 0.25, 0.69, 0.71, 0.999, 1.0 - 2 ** -24])
+    got = inverse_cdf_sample(p.expand(len(u), 4).contiguous(), u).tolist()
+    assert got == [0, 0, 2, 2, 2, 3, 3, 3]
+    masked_tail = torch.tensor([[0.25, 0.75, 0.0, 0.0]])
+    assert inverse_cdf_sample(masked_tail, torch.tensor([1.0 - 2 ** -24])).tolist() == [1]
+    unnormalized = torch.tensor([[2.0, 6.0]])  # mass 0.25 / 0.75
+    assert inverse_cdf_sample(unnormalized, torch.tensor([0.24])).tolist() == [0]
+    assert inverse_cdf_sample(unnormalized, torch.tensor([0.26])).tolist() == [1]
