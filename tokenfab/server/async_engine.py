@@ -1,6 +1,7 @@
 """AsyncLLM: the bridge between asyncio request handlers and the (thread-unsafe) LLMEngine.
 
-One background thread owns the :class:`~tokenfab.engine.engine.LLMEngine` and runs its step loop. Handlers never
+One background thread owns the :class:`~tokenfab.engine.engine.LLMEngine` (it builds it, see
+:meth:`AsyncLLM.from_config`) and runs its step loop. Handlers never
 touch the engine: they put commands (add / abort) on a thread-safe queue and read :class:`RequestOutput` objects
 from a per-request :class:`asyncio.Queue`, filled from the engine thread with ``loop.call_soon_threadsafe``.
 
@@ -83,6 +84,8 @@ class AsyncLLM:
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
         self._thread: threading.Thread | None = None
+        self._go: threading.Event | None = None  # set by start() when from_config already made the engine thread
+        self._started = False
         self._stopping = threading.Event()
         self._stats: dict = engine.get_stats()
         self._stats_lock = threading.Lock()
@@ -102,17 +105,53 @@ class AsyncLLM:
 
     @classmethod
     def from_config(cls, config, progress: bool = False, **kw) -> "AsyncLLM":
-        """Build the engine from an EngineConfig and wrap it (not started)."""
+        """Build the engine from an EngineConfig and wrap it (not started: call :meth:`start`).
+
+        The engine is built on the engine thread itself, which later runs the step loop. On CPU, OpenMP keeps one
+        thread pool per thread that starts parallel regions; loading the model on the caller's thread left a second
+        pool behind, and libgomp then counts more threads than cores and stops spin-waiting at its barriers: every
+        decode step ran ~1.4x slower (benchmarks/NOTES.md, entry 18). The caller's thread starts no parallel region.
+
+        Raises:
+            whatever building the engine raised (bad model folder, unknown architecture, out of memory ...).
+        """
         from tokenfab.engine.engine import LLMEngine
 
-        return cls(LLMEngine.from_config(config, progress=progress), **kw)
+        built: dict = {}
+        ready, go = threading.Event(), threading.Event()
+
+        def engine_thread() -> None:
+            try:
+                built["engine"] = LLMEngine.from_config(config, progress=progress)
+            except BaseException as e:  # re-raised on the caller's thread
+                built["error"] = e
+                return
+            finally:
+                ready.set()
+            go.wait()
+            owner = built.get("owner")
+            if owner is not None and not owner._stopping.is_set():
+                owner._loop()
+
+        thread = threading.Thread(target=engine_thread, name="tokenfab-engine", daemon=True)
+        thread.start()
+        ready.wait()
+        if "error" in built:
+            raise built["error"]
+        obj = cls(built["engine"], **kw)
+        built["owner"] = obj
+        obj._thread, obj._go = thread, go
+        return obj
 
     # ------------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
-        if self._thread is None:
+        """Start the step loop on the engine thread (idempotent)."""
+        if self._go is not None:
+            self._go.set()
+        elif self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="tokenfab-engine", daemon=True)
             self._thread.start()
+        self._started = True
 
     @property
     def is_stopping(self) -> bool:
@@ -120,12 +159,15 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping.is_set()
+        return (self._started and self._thread is not None and self._thread.is_alive()
+                and not self._stopping.is_set())
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Refuse new requests, fail in-flight ones with EngineShutdownError, stop and join the engine thread."""
         self._stopping.set()
         self._cmds.put(("wake",))
+        if self._go is not None:
+            self._go.set()  # a never-started engine thread exits
         if self._thread is not None:
             self._thread.join(timeout)
         self.engine.shutdown()  # stops tensor-parallel workers (no-op on one device)
@@ -149,7 +191,7 @@ class AsyncLLM:
             PromptTooLongError, ValueError: refused by the engine's ``add_request``.
             EngineStepError: an engine step failed while the request was running.
         """
-        if self._stopping.is_set() or self._thread is None or not self._thread.is_alive():
+        if not self.is_running:
             raise EngineShutdownError("the server is shutting down; no new requests are accepted.")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._cmds.put(("add", request_id, prompt, prompt_token_ids, params, time.monotonic(), stream))

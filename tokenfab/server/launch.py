@@ -77,17 +77,14 @@ class ServerHandle:
             pass
 
 
-def set_server_threads(num_threads: int | None, config, is_moe: bool = True) -> tuple[int, int] | None:
+def set_server_threads(num_threads: int | None, config) -> tuple[int, int] | None:
     """Choose torch's intra-op threads for a serving process on one CPU rank; returns (prefill, decode) threads
     for :meth:`ModelRunner.set_thread_policy`, or None under tensor parallel (the launcher splits the cores).
 
-    ``num_threads`` given: that many for every step. Default: every core for steps with prefill tokens (large
-    GEMMs that scale with cores); for decode-only steps every core on dense models and cores - 1 (>= 1) on MoE
-    models, whose decode step is many small parallel regions that stall when the busy HTTP front end preempts one
-    of their threads. Measured on 2 cores, 256 in / 64 out, concurrency 4 / 16 (benchmarks/NOTES.md): DeepSeek-V3
-    with 2 prefill / 1 decode threads 1.23x / 1.37x the total tok/s of 1 thread everywhere (2 threads everywhere:
-    TPOT 29 vs 19.5 ms at concurrency 4); the Llama with 2 decode threads 1.12x the total tok/s of 1 at
-    concurrency 16, equal at 4.
+    ``num_threads`` given: that many for every step. Default: every core for every step. (Until the engine was
+    built on its own thread, decode steps lost to a second OpenMP pool and cores - 1 threads looked better for MoE
+    decode; with one pool, 2 decode threads beat 1 on both models: DeepSeek-V3 256 in / 64 out, concurrency 4 / 16,
+    1.2x / 1.15x the total tok/s, benchmarks/NOTES.md entry 18.)
 
     Raises:
         ValueError: ``num_threads`` < 1.
@@ -99,12 +96,12 @@ def set_server_threads(num_threads: int | None, config, is_moe: bool = True) -> 
         if config.tensor_parallel_size > 1:
             return None
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        policy = (cores, max(1, cores - 1) if is_moe else cores)
+        policy = (cores, cores)
     elif num_threads < 1:
         raise ValueError(f"--num-threads must be >= 1, got {num_threads}.")
     else:
         policy = (num_threads, num_threads)
-    torch.set_num_threads(policy[0])
+    torch.set_num_threads(policy[0])  # read by the engine thread when it starts (it builds the engine)
     return policy
 
 
@@ -113,8 +110,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     config = engine_config_from_args(args)
-    from tokenfab.config import load_config
-    threads = set_server_threads(getattr(args, "num_threads", None), config, load_config(config.model).is_moe)
+    threads = set_server_threads(getattr(args, "num_threads", None), config)
     t0 = time.perf_counter()
     async_llm = AsyncLLM.from_config(config, progress=True)
     if threads is not None:
