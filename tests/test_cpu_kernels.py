@@ -192,3 +192,40 @@ def test_rmsnorm_module_residual_same_with_and_without_kernel(monkeypatch):
     y2, h2 = norm(x, r)
     assert torch.equal(h1, r + x) and torch.equal(h2, r + x)
     assert (y1.float() - y2.float()).abs().max().item() <= 2 ** -7 * y2.float().abs().max().item()
+
+
+@pytest.mark.skipif(not cpu_kernels.has_bf16_dot(), reason="head_gemm_ needs AVX512-BF16")
+@pytest.mark.parametrize("G,K,N", [(8, 64, 512), (3, 512, 64), (2, 32, 48), (4, 16, 24), (2, 8, 70)])
+@pytest.mark.parametrize("B", [1, 3, 5, 16])
+def test_head_gemm_matches_definition(G, K, N, B):
+    """out[b, g] = x[b, g] @ W_g against float64, with a strided x (a column slice) and out written into the first N
+    columns of a wider buffer whose other columns must stay untouched; at most one bf16 rounding off."""
+    g = torch.Generator().manual_seed(G * 1000 + K + B)
+    w = torch.randn(G, K, N, generator=g).bfloat16()
+    x = torch.randn(B, G, K + 7, generator=g).bfloat16()[..., 3: 3 + K]
+    buf = torch.full((B, G, N + 16), 7.0, dtype=torch.bfloat16)
+    out = cpu_kernels.head_gemm_(x, cpu_kernels.pack_head_weights(w), buf[..., :N])
+    ref = torch.einsum("bgk,gkn->bgn", x.double(), w.double())
+    assert out.data_ptr() == buf.data_ptr()
+    assert ((out.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-3 * ref.abs().max()).all()
+    assert (buf[..., N:] == 7.0).all()
+
+
+@pytest.mark.skipif(not cpu_kernels.has_bf16_dot(), reason="head_gemm_ needs AVX512-BF16")
+def test_mla_absorbed_decode_head_gemm_matches_bmm(tiny_model, monkeypatch):
+    """bf16 DeepSeek-V3 decode with the packed per-head GEMM vs the torch.bmm path: same greedy tokens and
+    logprobs equal up to bf16 rounding of the two projections."""
+    from tokenfab import LLM, SamplingParams
+    path = tiny_model("deepseek_v3")
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = [{"prompt_token_ids": [5 + 13 * i + j for j in range(20 + 9 * i)]} for i in range(3)]
+    llm = LLM(path, dtype="bfloat16", max_model_len=128, progress=False)
+    fused = llm.generate(prompts, sp)
+    assert any(getattr(m, "_head_gemm", False) for m in llm.llm_engine.runner.model.modules())
+    monkeypatch.setattr(cpu_kernels, "head_gemm_applies", lambda x, w: False)
+    plain = LLM(path, dtype="bfloat16", max_model_len=128, progress=False).generate(prompts, sp)
+    for a, b in zip(fused, plain):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        assert ta == tb
+        for da, db, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, ta):
+            assert abs(da[t] - db[t]) < 0.05

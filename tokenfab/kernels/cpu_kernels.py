@@ -154,3 +154,36 @@ def causal_softmax_(scores: torch.Tensor, query_pos: torch.Tensor, q_len: int, s
     """
     load().causal_softmax_(scores, query_pos, int(q_len), float(scale))
     return scores
+
+
+def pack_head_weights(w: torch.Tensor) -> torch.Tensor:
+    """Per-head weights w [G, K, N] (K even) -> the VNNI pair layout [G, K / 2, Np, 2] of :func:`head_gemm_`, N
+    zero-padded to Np, the next multiple of 16."""
+    G, K, N = w.shape
+    w = torch.nn.functional.pad(w, (0, -N % 16))
+    return w.reshape(G, K // 2, 2, w.shape[2]).transpose(2, 3).contiguous()
+
+
+def head_gemm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """True when :func:`head_gemm_` runs for activations like ``x`` and per-head weights ``w`` [G, K, N]: built
+    kernels with AVX512-BF16 dot products, bf16 CPU tensors and K even."""
+    return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and w.shape[1] % 2 == 0 and has_bf16_dot())
+
+
+def head_gemm_(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[b, g, :] = x[b, g, :] @ W_g for every head g: MLA's absorbed-decode matmuls (q_nope W_UK, o_lat W_UV).
+
+    Args:
+        x: [B, G, K] bf16, last dim contiguous (any other strides).
+        w_packed: :func:`pack_head_weights` of W [G, K, N] (N padded to a multiple of 16 there; only N are written).
+        out: [B, G, N] bf16, last dim contiguous (may be a column slice of a wider buffer); written in place.
+
+    Returns ``out``. Float32 accumulation, one bf16 rounding per output, as a bf16 ``torch.bmm`` stores.
+
+    Raises:
+        RuntimeError: shapes or dtypes outside the above, or kernels without AVX512-BF16 (check
+            :func:`head_gemm_applies` first).
+    """
+    load().head_gemm_(x, w_packed, out)
+    return out
