@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenfab.kernels import cpu_kernels
 from tokenfab.layers.activation import silu_and_mul
 from tokenfab.layers.linear import can_pack, pack_weight, packed_linear
 
@@ -89,6 +90,7 @@ class RoutedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate), requires_grad=False)
         self.use_grouped_mm = _HAS_GROUPED_MM
+        self.fused_dispatch = True  # packed CPU experts: the dispatch in one kernel call (False: the Python loop)
         self._p13: list[torch.Tensor] | None = None  # per-expert packed oneDNN weights (CPU bf16), see fuse()
         self._p2: list[torch.Tensor] | None = None
 
@@ -109,6 +111,8 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum over this rank's experts of weight * expert(x)."""
+        if self._p13 is not None and self.fused_dispatch and cpu_kernels.available_for(x):  # same math in C++
+            return cpu_kernels.moe_experts_packed(x, weights, ids, self._p13, self._p2, self.start)
         k = ids.shape[1]
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)

@@ -1005,6 +1005,60 @@ void head_gemm_(const at::Tensor& x, const at::Tensor& wp, at::Tensor& y) {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Routed experts with oneDNN-packed weights: the whole token -> expert dispatch in one call (the Python version
+// spent ~230 us per MoE layer at batch 1 on ~25 small ops around its 4 GEMMs, benchmarks/NOTES.md). Same
+// arithmetic and order as RoutedExperts.forward's packed path: (token, slot) pairs grouped by expert in increasing
+// expert id (stable within an expert), per expert one packed GEMM [n, H] -> [n, 2I], SiLU-GLU, one packed GEMM
+// -> [n, H]; each row scaled by its float32 routing weight and rounded to bf16, then summed per token in that order
+// in float32 and rounded once (what `out.index_add_(0, token_of, (h * w).to(bf16))` does on CPU).
+at::Tensor moe_experts_packed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
+                              const std::vector<at::Tensor>& p13, const std::vector<at::Tensor>& p2, int64_t start) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && ids.dim() == 2 && weights.sizes() == ids.sizes() &&
+              ids.size(0) == x.size(0) && p13.size() == p2.size(), "moe_experts_packed: x [T, H] bf16, weights / ids "
+              "[T, k], one packed gate_up and down weight per local expert expected");
+  static const auto linear = c10::Dispatcher::singleton()
+      .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+      .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
+                        c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  const auto xc = x.contiguous();
+  const auto idc = ids.to(at::kLong).contiguous();
+  const auto wc = weights.to(at::kFloat).contiguous();
+  const int64_t T = xc.size(0), H = xc.size(1), k = idc.size(1), E = static_cast<int64_t>(p13.size());
+  const int64_t* idp = idc.data_ptr<int64_t>();
+  const float* wp = wc.data_ptr<float>();
+  std::vector<std::vector<int64_t>> pairs(E);
+  for (int64_t p = 0; p < T * k; ++p) {
+    const int64_t e = idp[p] - start;
+    if (e >= 0 && e < E) pairs[e].push_back(p);
+  }
+  std::vector<float> acc(T * H, 0.f);  // index_add_ on bf16 sums in float32 and rounds once
+  const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
+  const c10::List<std::optional<at::Scalar>> no_scalars;
+  for (int64_t e = 0; e < E; ++e) {
+    const auto& pe = pairs[e];
+    const int64_t n = static_cast<int64_t>(pe.size());
+    if (n == 0) continue;
+    auto xs = at::empty({n, H}, xc.options());
+    auto* xsp = reinterpret_cast<uint16_t*>(xs.data_ptr());
+    for (int64_t i = 0; i < n; ++i) std::memcpy(xsp + i * H, xp + (pe[i] / k) * H, H * sizeof(uint16_t));
+    const auto h13 = linear.call(xs, p13[e], std::nullopt, "none", no_scalars, std::string_view(""));
+    const auto h = linear.call(silu_and_mul(h13), p2[e], std::nullopt, "none", no_scalars, std::string_view(""))
+                       .contiguous();
+    const auto* hp = reinterpret_cast<const uint16_t*>(h.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      float* a = acc.data() + (pe[i] / k) * H;
+      const uint16_t* hr = hp + i * H;
+      const float w = wp[pe[i]];
+      for (int64_t c = 0; c < H; ++c) a[c] += bf16_to_f(f_to_bf16(bf16_to_f(hr[c]) * w));
+    }
+  }
+  auto out = at::empty_like(xc);
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t i = 0; i < T * H; ++i) op[i] = f_to_bf16(acc[i]);
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
 #if defined(__AVX512BF16__)
@@ -1016,5 +1070,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU-GLU (CPU)");
   m.def("rope", &rope, "rotary embedding (CPU)");
   m.def("causal_softmax_", &causal_softmax_, "in-place causal softmax of prefill scores (CPU)");
+  m.def("moe_experts_packed", &moe_experts_packed, "routed experts over oneDNN-packed weights (CPU, bf16)");
   m.def("head_gemm_", &head_gemm_, "per-head GEMM with VNNI-packed weights into y (CPU, AVX512-BF16)");
 }
