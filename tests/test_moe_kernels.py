@@ -105,3 +105,34 @@ def test_fused_dispatch_is_bit_identical_to_the_python_loop(T, k, expert_range):
     if T:
         ref = naive(x, w13, w2, w, ids, start, end)
         assert torch.allclose(fused.double(), ref, atol=0.05 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("T,E,k,n_group,topk_group,norm", [(1, 16, 2, 4, 2, True), (64, 256, 8, 8, 4, True),
+                                                          (33, 64, 6, 1, 1, False), (7, 12, 3, 3, 1, True)])
+def test_sigmoid_group_router_kernel_matches_pytorch_path(T, E, k, n_group, topk_group, norm):
+    """cpu_kernels.sigmoid_group_topk against SigmoidGroupRouter's PyTorch path (transformers' order, checked token
+    for token against transformers in test_engine_exact): the same experts per token and weights within float32
+    rounding, on logits spread so that group choice matters."""
+    from tokenfab.kernels import cpu_kernels
+    from tokenfab.layers.moe import SigmoidGroupRouter
+    if cpu_kernels.load() is None:
+        pytest.skip("no fused CPU kernels here")
+    g = torch.Generator().manual_seed(T * 7 + E)
+    r = SigmoidGroupRouter(48, E, k, n_group, topk_group, norm, 2.5)
+    with torch.no_grad():
+        r.weight.copy_(torch.randn(E, 48, generator=g) * 0.3)
+        r.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.2)
+    x = torch.randn(T, 48, generator=g)
+    w_k, ids_k = r(x)
+    assert cpu_kernels.available_for(x)
+    orig = cpu_kernels.available_for
+    try:
+        cpu_kernels.available_for = lambda t: False
+        w_p, ids_p = r(x)
+    finally:
+        cpu_kernels.available_for = orig
+    sk, sp = ids_k.sort(-1), ids_p.sort(-1)
+    assert torch.equal(sk.values, sp.values)
+    assert torch.allclose(w_k.gather(1, sk.indices), w_p.gather(1, sp.indices), rtol=1e-6, atol=1e-7)
+    if n_group > 1:  # every chosen expert lies in one of topk_group groups
+        assert all(len({int(e) // (E // n_group) for e in row}) <= topk_group for row in ids_k)

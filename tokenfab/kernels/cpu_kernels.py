@@ -203,3 +203,19 @@ def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     GEMMs, rounding and summation order) without its ~25 small ops per layer.
     """
     return load().moe_experts_packed(x, weights, ids, p13, p2, int(start))
+
+
+def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
+                       norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / Kimi-K2 routing (noaux_tc) from router logits [T, E] float32 and the score-correction bias [E]
+    float32: returns (weights [T, top_k] float32, expert ids [T, top_k] int64), the same selection and weights as
+    :class:`tokenfab.layers.moe.SigmoidGroupRouter`'s PyTorch path (transformers' ``DeepseekV3TopkRouter``), one
+    pass per token. Experts come in descending choice-score order; ties go to the lower index.
+
+    Raises:
+        RuntimeError: dtypes or shapes outside the above, E not divisible by n_group, or top_k larger than the
+            experts of the kept groups.
+    """
+    w, ids = load().sigmoid_group_topk(logits, bias, int(n_group), int(topk_group), int(top_k), bool(norm),
+                                       float(scale))
+    return w, ids

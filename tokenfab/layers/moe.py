@@ -34,6 +34,10 @@ class SigmoidGroupRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+        if cpu_kernels.available_for(x):  # the same selection in one pass per token after the router GEMM
+            return cpu_kernels.sigmoid_group_topk(torch.nn.functional.linear(x.float(), self.weight),
+                                                  self.e_score_correction_bias, self.n_group, self.topk_group,
+                                                  self.top_k, self.norm_topk_prob, self.scaling)
         scores = torch.nn.functional.linear(x.float(), self.weight).sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:

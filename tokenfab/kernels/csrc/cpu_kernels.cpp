@@ -1059,6 +1059,70 @@ at::Tensor moe_experts_packed(const at::Tensor& x, const at::Tensor& weights, co
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// DeepSeek-V3 / Kimi-K2 router (noaux_tc) after its float32 logits, one row per token: scores = sigmoid(logits);
+// choice = scores + bias; groups ranked by the sum of their top-2 choice scores and the best topk_group kept; the
+// top_k experts of the kept groups by choice score; weights = the unbiased scores of those experts, divided by
+// their sum (+1e-20) when norm, times scale. Replaces ~13 small ops of SigmoidGroupRouter.forward (transformers'
+// DeepseekV3TopkRouter order); ties go to the lower index.
+std::vector<at::Tensor> sigmoid_group_topk(const at::Tensor& logits, const at::Tensor& bias, int64_t n_group,
+                                           int64_t topk_group, int64_t top_k, bool norm, double scale) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && bias.scalar_type() == at::kFloat &&
+              bias.numel() == logits.size(1), "sigmoid_group_topk: logits [T, E] and bias [E] float32 expected");
+  const int64_t T = logits.size(0), E = logits.size(1);
+  TORCH_CHECK(n_group >= 1 && E % n_group == 0 && topk_group >= 1 && topk_group <= n_group && top_k >= 1 &&
+              top_k <= (E / n_group) * (n_group > 1 ? topk_group : 1), "sigmoid_group_topk: bad group / top-k sizes");
+  const auto lc = logits.contiguous();
+  const auto bc = bias.contiguous();
+  auto w = at::empty({T, top_k}, lc.options());
+  auto ids = at::empty({T, top_k}, lc.options().dtype(at::kLong));
+  const float* lp = lc.data_ptr<float>();
+  const float* bp = bc.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  const int64_t gs = E / n_group;
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> sc(E), ch(E), gscore(n_group);
+    std::vector<char> allowed(E);
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t e = 0; e < E; ++e) {
+        sc[e] = 1.0f / (1.0f + std::exp(-lp[t * E + e]));
+        ch[e] = sc[e] + bp[e];
+      }
+      std::fill(allowed.begin(), allowed.end(), static_cast<char>(n_group == 1));
+      if (n_group > 1) {
+        for (int64_t g = 0; g < n_group; ++g) {  // sum of the group's two largest choice scores
+          float a = -std::numeric_limits<float>::infinity(), b = a;
+          for (int64_t e = g * gs; e < (g + 1) * gs; ++e) {
+            if (ch[e] > a) { b = a; a = ch[e]; } else if (ch[e] > b) { b = ch[e]; }
+          }
+          gscore[g] = gs >= 2 ? a + b : a;
+        }
+        for (int64_t r = 0; r < topk_group; ++r) {
+          int64_t best = -1;
+          for (int64_t g = 0; g < n_group; ++g)
+            if (!allowed[g * gs] && (best < 0 || gscore[g] > gscore[best])) best = g;  // not yet kept
+          for (int64_t e = best * gs; e < (best + 1) * gs; ++e) allowed[e] = 1;
+        }
+      }
+      float sum = 0.f;
+      for (int64_t j = 0; j < top_k; ++j) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; ++e)
+          if (allowed[e] == 1 && (best < 0 || ch[e] > ch[best])) best = e;
+        allowed[best] = 2;  // taken
+        ip[t * top_k + j] = best;
+        wp[t * top_k + j] = sc[best];
+        sum += sc[best];
+      }
+      const float denom = sum + 1e-20f;
+      for (int64_t j = 0; j < top_k; ++j)
+        wp[t * top_k + j] = (norm ? wp[t * top_k + j] / denom : wp[t * top_k + j]) * static_cast<float>(scale);
+    }
+  });
+  return {w, ids};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
 #if defined(__AVX512BF16__)
@@ -1070,6 +1134,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU-GLU (CPU)");
   m.def("rope", &rope, "rotary embedding (CPU)");
   m.def("causal_softmax_", &causal_softmax_, "in-place causal softmax of prefill scores (CPU)");
+  m.def("sigmoid_group_topk", &sigmoid_group_topk, "DeepSeek-V3 sigmoid group-limited top-k routing (CPU)");
   m.def("moe_experts_packed", &moe_experts_packed, "routed experts over oneDNN-packed weights (CPU, bf16)");
   m.def("head_gemm_", &head_gemm_, "per-head GEMM with VNNI-packed weights into y (CPU, AVX512-BF16)");
 }
