@@ -11,7 +11,7 @@ difference (engine overhead: scheduling, tensor building, sampling, output proce
 Bytes read per step: every non-expert weight, plus the routed experts actually chosen (top_k of n_routed_experts for
 one token; all of them once B * top_k covers the experts — we count the distinct experts hit, measured), plus the
 KV cache rows attended. Copy bandwidth = 2 x bytes / time of ``dst.copy_(src)`` on a 512 MiB tensor (read + write
-traffic), best of 5, measured in the same run. Writes benchmarks/results/<date>[-<label>]-decode-floor.{json,md}.
+traffic), best of 5, measured in the same run. Writes <--out, default benchmarks/results>/<date>[-<label>]-decode-floor.{json,md}.
 """
 from __future__ import annotations
 
@@ -67,15 +67,21 @@ def weight_bytes(model) -> tuple[int, int, int]:
     return dense, per_expert, n_layers_experts
 
 
+def _cell(v) -> str:
+    """A table cell: two decimals, or an em dash where the floor applies to batch 1 only."""
+    return "—" if v is None else f"{v:.2f}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--batch", default="1,4,16")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default: 512)")
+    ap.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default: 1,4,16)")
+    ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size (default: 30)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
+                    help="folder for the .json and .md results (default: benchmarks/results)")
     ap.add_argument("--label", default=None, help="label in the result file names: <date>-<label>-decode-floor.*")
     args = ap.parse_args()
     if args.threads:
@@ -149,8 +155,7 @@ def main() -> int:
              "| batch | step ms | forward ms | engine overhead | tok/s | floor ms | step / floor |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['batch']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['overhead_frac'] * 100:.1f}% "
-                     f"| {r['tokens_per_s']:.1f} | {r.get('floor_ms', float('nan')):.2f} | "
-                     f"{r.get('ratio_to_floor', float('nan')):.2f} |")
+                     f"| {r['tokens_per_s']:.1f} | {_cell(r.get('floor_ms'))} | {_cell(r.get('ratio_to_floor'))} |")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -74,3 +74,14 @@ def test_bad_sampling_params_and_pool():
 def test_pool_too_small_for_max_model_len(tiny_model):
     with pytest.raises(ValueError, match="num_kv_blocks"):
         LLM(tiny_model("llama"), dtype="float32", max_model_len=128, num_kv_blocks=4, block_size=16, progress=False)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_max_model_len_above_the_model_is_one_line(tiny_model, capsys, command):
+    """--max-model-len above max_position_embeddings: exit status 2 and one line naming both numbers and the fix
+    (for serve the engine is built on its own thread; the error still reaches the CLI as a user error)."""
+    argv = [command, tiny_model("llama"), "--max-model-len", "100000"]
+    rc = main(argv + (["--prompt", "hi"] if command == "generate" else ["--port", "0"]))
+    err = capsys.readouterr().err
+    assert rc == 2 and "max_model_len 100000 exceeds" in err and "lower max_model_len" in err
+    assert "Traceback" not in err

@@ -1,5 +1,5 @@
-"""Without a working C++ compiler the fused CPU kernels are reported unavailable and generation still works on the
-PyTorch paths, with the same greedy tokens as the kernels give."""
+"""Without a working C++ compiler the fused CPU kernels are reported unavailable (once: the failure is remembered per
+compiler) and generation still works on the PyTorch paths, with the same greedy tokens as the kernels give."""
 from __future__ import annotations
 
 import json
@@ -29,7 +29,11 @@ def test_no_compiler_falls_back(tiny_model, tmp_path):
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TOKENFAB_KERNEL_CACHE=str(tmp_path / "kc"))
     broken, stderr = _run(path, env)
     assert not broken["loaded"] and broken["error"]
-    assert "using the PyTorch paths" in stderr
+    assert "using the PyTorch paths" in stderr and "!! WARNING !!" not in stderr
+    again, stderr2 = _run(path, env)  # the failure is remembered: no second build attempt, no second warning
+    assert not again["loaded"] and again["error"] == broken["error"]
+    assert "building the fused CPU kernels" not in stderr2 and "unavailable" not in stderr2
+    assert again["tokens"] == broken["tokens"]
     off, _ = _run(path, dict(os.environ, TOKENFAB_CPU_KERNELS="0"))
     assert not off["loaded"] and "TOKENFAB_CPU_KERNELS=0" in off["error"]
     on, _ = _run(path, dict(os.environ))

@@ -16,7 +16,12 @@ class UnsupportedError(ValueError):
     """A feature or combination tokenfab does not run (the message says what is supported)."""
 
 
-USER_ERRORS = (ConfigError, WeightLoadError, PromptTooLongError, UnsupportedError, FileNotFoundError)
+class EngineConfigError(ValueError):
+    """An engine setting that cannot work with this model or machine (max_model_len, dtype, KV pool size ...)."""
+
+
+USER_ERRORS = (ConfigError, WeightLoadError, PromptTooLongError, UnsupportedError, EngineConfigError,
+               FileNotFoundError)
 
 
 def is_user_error(e: BaseException) -> bool:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -11,16 +12,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", nargs="?", default=None, help="Hugging Face checkpoint folder (default: embedded model)")
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, 1 = off (default: 1)")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens, -1 = off (default: -1)")
+    p.add_argument("--seed", type=int, default=None, help="per-request seed: same output whatever the batch")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
+    p.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: the model's max_position_embeddings)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over (default: 1)")
     p.set_defaults(func=run)
 
 
@@ -32,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = args.model
     if model is None:
-        print(f"[tokenfab] no model given: using {describe()}")
+        print(f"[tokenfab] no model given: using {describe()}", file=sys.stderr)
         model = ensure_default_model()
     prompts = args.prompt or ["The access code for room 4417 is"]
     llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
@@ -54,5 +55,6 @@ def run(args: argparse.Namespace) -> int:
         n_out += len(c.token_ids)
         print(f"--- prompt ({len(o.prompt_token_ids)} tokens): {o.prompt!r}")
         print(f"--- output ({len(c.token_ids)} tokens, finish_reason={c.finish_reason}): {c.text!r}")
-    print(f"[tokenfab] {n_out} tokens in {dt:.2f} s ({n_out / dt:.1f} tok/s, dtype {llm.llm_engine.dtype})")
+    print(f"[tokenfab] {n_out} tokens in {dt:.2f} s ({n_out / dt:.1f} tok/s, dtype {llm.llm_engine.dtype})",
+          file=sys.stderr)
     return 0

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenfab.config import ModelConfig
-from tokenfab.errors import UnsupportedError
+from tokenfab.errors import EngineConfigError, UnsupportedError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -20,7 +20,7 @@ def parse_bytes(value: int | str, field: str) -> int:
         return value
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", str(value), re.IGNORECASE)
     if not m:
-        raise ValueError(f"{field}: cannot read '{value}' as a size; use e.g. 2GiB, 512MiB, 1.5GB or a byte count.")
+        raise EngineConfigError(f"{field}: cannot read '{value}' as a size; use e.g. 2GiB, 512MiB, 1.5GB or a byte count.")
     num, unit, ib = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
     base = 1000 if ib == "b" else 1024
     return int(num * base ** " KMGT".index(unit or " "))
@@ -33,7 +33,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype == "auto":
         return torch.bfloat16
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype '{dtype}' is not supported; use auto, float32, bfloat16 or float16.")
+        raise EngineConfigError(f"dtype '{dtype}' is not supported; use auto, float32, bfloat16 or float16.")
     return _DTYPES[dtype]
 
 
@@ -86,9 +86,9 @@ class EngineConfig:
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
         if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+            raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+            raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"{mc.max_position_embeddings}; lower max_model_len.")
         per_token = mc.kv_cache_bytes_per_token(torch.empty((), dtype=dtype).element_size())
         bs = self.block_size
@@ -102,6 +102,6 @@ class EngineConfig:
                 self.num_kv_blocks = (min(want, cap) + bs - 1) // bs
         need = (self.max_model_len + bs - 1) // bs
         if self.num_kv_blocks < need:
-            raise ValueError(f"the KV pool ({self.num_kv_blocks} blocks of {bs} tokens) cannot hold one "
+            raise EngineConfigError(f"the KV pool ({self.num_kv_blocks} blocks of {bs} tokens) cannot hold one "
                              f"max_model_len ({self.max_model_len}) sequence: raise num_kv_blocks / kv_cache_memory "
                              f"to at least {need} blocks ({need * bs * per_token} bytes) or lower max_model_len.")

@@ -13,6 +13,7 @@ Only CPU tensors take these paths; CUDA/ROCm use their own.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -58,30 +59,84 @@ def load():
         if os.environ.get("TOKENFAB_CPU_KERNELS", "1") == "0":
             _error = "disabled by TOKENFAB_CPU_KERNELS=0"
         else:
-            try:
-                import sys
-                from torch.utils import cpp_extension
-                bindir = os.path.dirname(sys.executable)  # pip's ninja lives beside python in a venv not on PATH
-                if os.path.isfile(os.path.join(bindir, "ninja")) and bindir not in os.environ.get("PATH", ""):
-                    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-                src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
-                flags = ["-O3", "-fopenmp"]
-                if platform.machine() in ("x86_64", "AMD64"):
-                    flags.append("-march=native")
-                build_dir = _build_dir()
-                if not any(f.endswith(".so") for f in os.listdir(build_dir)):
-                    print("[tokenfab] building the fused CPU kernels (once per machine, ~35 s on 2 cores) ...",
-                          file=sys.stderr, flush=True)
-                _module = cpp_extension.load(name="tokenfab_cpu_kernels", sources=[src], extra_cflags=flags,
-                                             extra_ldflags=["-fopenmp"], build_directory=build_dir,
-                                             verbose=False)
-            except Exception as e:  # no compiler, no ninja, headers missing: keep the PyTorch paths
-                lines = str(e).strip().splitlines() or [""]
-                first = next((l for l in lines if "error:" in l or "not found" in l), lines[-1])  # the compiler's first error
-                _error = f"{type(e).__name__}: {first.strip()}"
-                log.warning("tokenfab CPU kernels unavailable (%s); using the PyTorch paths", _error)
+            build_dir = _build_dir()
+            failed = os.path.join(build_dir, "build-failed.json")
+            compiler = _compiler_id()
+            previous = _read_failure(failed)
+            if previous is not None and previous.get("compiler") == compiler:
+                _error = previous.get("error", "the build failed before")  # said once, when it failed
+                log.info("tokenfab CPU kernels unavailable (%s; remove %s to retry)", _error, failed)
+            else:
+                _module, _error = _build(build_dir)
+                if _module is not None and previous is not None:
+                    try:
+                        os.remove(failed)  # an earlier failure with another compiler
+                    except OSError:
+                        pass
+                if _module is None:
+                    log.warning("tokenfab CPU kernels unavailable (%s); using the PyTorch paths (not retried until "
+                                "the compiler changes)", _error)
+                    try:
+                        with open(failed, "w") as f:
+                            json.dump({"error": _error, "compiler": compiler}, f)
+                    except OSError:
+                        pass
         _tried = True
         return _module
+
+
+def _compiler_id() -> str:
+    """Which C++ compiler a build would use (CXX or c++ on PATH): a failed build is retried when it changes."""
+    import shutil
+    cxx = os.environ.get("CXX", "c++")
+    return f"{cxx} -> {shutil.which(cxx)}"
+
+
+def _read_failure(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _build(build_dir: str):
+    """Compile (or load the cached build of) csrc/cpu_kernels.cpp -> (module, None) or (None, one-line reason)."""
+    import sys
+    import time
+    import warnings
+    try:
+        from torch.utils import cpp_extension
+        bindir = os.path.dirname(sys.executable)  # pip's ninja lives beside python in a venv not on PATH
+        if os.path.isfile(os.path.join(bindir, "ninja")) and bindir not in os.environ.get("PATH", ""):
+            os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+        src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
+        flags = ["-O3", "-fopenmp"]
+        if platform.machine() in ("x86_64", "AMD64"):
+            flags.append("-march=native")
+        fresh = not any(f.endswith(".so") for f in os.listdir(build_dir))
+        if fresh:
+            print("[tokenfab] building the fused CPU kernels (once per machine, ~35 s on 2 cores) ...",
+                  file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        torch_log = logging.getLogger("torch.utils.cpp_extension")
+        level = torch_log.level
+        torch_log.setLevel(logging.ERROR)  # torch's multi-line compiler-ABI banner; a failure is reported below
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                module = cpp_extension.load(name="tokenfab_cpu_kernels", sources=[src], extra_cflags=flags,
+                                            extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
+        finally:
+            torch_log.setLevel(level)
+        if fresh:
+            print(f"[tokenfab] built the fused CPU kernels in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
+                  flush=True)
+        return module, None
+    except Exception as e:  # no compiler, no ninja, headers missing: keep the PyTorch paths
+        lines = str(e).strip().splitlines() or [""]
+        first = next((l for l in lines if "error:" in l or "not found" in l), lines[-1])  # the compiler's first error
+        return None, f"{type(e).__name__}: {first.strip()}"
 
 
 def load_error() -> str | None:

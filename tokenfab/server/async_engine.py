@@ -162,12 +162,17 @@ class AsyncLLM:
         return (self._started and self._thread is not None and self._thread.is_alive()
                 and not self._stopping.is_set())
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Refuse new requests, fail in-flight ones with EngineShutdownError, stop and join the engine thread."""
+    def request_stop(self) -> None:
+        """Stop without waiting (any thread): new requests are refused and in-flight ones end with
+        EngineShutdownError after the current step (a stream gets an error event and ``[DONE]``)."""
         self._stopping.set()
         self._cmds.put(("wake",))
         if self._go is not None:
             self._go.set()  # a never-started engine thread exits
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Refuse new requests, fail in-flight ones with EngineShutdownError, stop and join the engine thread."""
+        self.request_stop()
         if self._thread is not None:
             self._thread.join(timeout)
         self.engine.shutdown()  # stops tensor-parallel workers (no-op on one device)

@@ -105,6 +105,21 @@ def set_server_threads(num_threads: int | None, config) -> tuple[int, int] | Non
     return policy
 
 
+def drain_seconds() -> float:
+    """Seconds in-flight requests may keep running after SIGTERM / Ctrl-C before they are ended with an error
+    (``TOKENFAB_DRAIN_SECONDS``, default 5)."""
+    import os
+
+    raw = os.environ.get("TOKENFAB_DRAIN_SECONDS", "5")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"TOKENFAB_DRAIN_SECONDS must be a number of seconds, got {raw!r}.") from None
+    if value < 0:
+        raise ValueError(f"TOKENFAB_DRAIN_SECONDS must be >= 0, got {raw!r}.")
+    return value
+
+
 def run_server(args: argparse.Namespace) -> int:
     """Build the engine from ``tokenfab serve`` flags and serve until Ctrl-C / SIGTERM; shuts down cleanly."""
     import uvicorn
@@ -128,15 +143,23 @@ def run_server(args: argparse.Namespace) -> int:
           f"CPU threads {'per rank: launcher' if threads is None else f'prefill {threads[0]} / decode {threads[1]}'}",
           flush=True)
     print(f"[tokenfab] serving on http://{args.host}:{args.port} (OpenAI API under /v1)", flush=True)
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # new requests get 503 while in-flight ones drain
-            app.state.shutting_down = True
-            super().handle_exit(sig, frame)
-
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=5,
-                                    log_level=getattr(args, "log_level", None) or "warning"))
     import signal
     import threading
+    drain = drain_seconds()
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # New requests get 503 while in-flight ones drain; requests still running after `drain` seconds end
+            # with an error event and [DONE] (not a cancelled task and a traceback), then uvicorn exits.
+            app.state.shutting_down = True
+            if not self.should_exit:
+                timer = threading.Timer(drain, async_llm.request_stop)
+                timer.daemon = True
+                timer.start()
+            super().handle_exit(sig, frame)
+
+    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=drain + 10,
+                                    log_level=getattr(args, "log_level", None) or "warning"))
     if threading.current_thread() is threading.main_thread():
         # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler that kills the process
         # before the engine (and tensor-parallel workers) are shut down below. Make it a normal exit instead.
