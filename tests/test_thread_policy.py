@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import types
 
+import pytest
+
 import torch
 
 from tokenfab import LLM, SamplingParams
@@ -53,3 +55,46 @@ def test_serve_token_budget_default(tiny_model):
     assert engine_config_from_args(args).max_num_batched_tokens == SERVE_CPU_MAX_NUM_BATCHED_TOKENS == 2048
     args = build_parser().parse_args(["serve", path, "--device", "cpu", "--max-num-batched-tokens", "4096"])
     assert engine_config_from_args(args).max_num_batched_tokens == 4096
+
+
+def test_async_engine_is_built_on_its_own_thread(tiny_model, monkeypatch):
+    """AsyncLLM.from_config builds the engine on the engine thread that later steps it, never on the caller's:
+    a second OpenMP pool left by loading on the main thread made every CPU decode step ~1.4x slower (NOTES 18).
+    Also: a build error is re-raised on the caller's thread, and the engine steps on the thread that built it."""
+    import threading
+
+    from tokenfab.engine.engine import LLMEngine
+    from tokenfab.engine.engine_config import EngineConfig
+    from tokenfab.errors import EngineConfigError
+    from tokenfab.server.async_engine import AsyncLLM
+
+    built_on, stepped_on = [], set()
+    real_build, real_step = LLMEngine.from_config.__func__, LLMEngine.step
+
+    def spy_build(cls, *a, **k):
+        built_on.append(threading.get_ident())
+        return real_build(cls, *a, **k)
+
+    def spy_step(self):
+        stepped_on.add(threading.get_ident())
+        return real_step(self)
+
+    monkeypatch.setattr(LLMEngine, "from_config", classmethod(spy_build))
+    monkeypatch.setattr(LLMEngine, "step", spy_step)
+    llm = AsyncLLM.from_config(EngineConfig(model=tiny_model("llama"), max_model_len=64))
+    try:
+        assert built_on and built_on[0] != threading.get_ident()
+        assert not llm.is_running  # built, not started
+        llm.start()
+        import asyncio
+
+        async def one():
+            outs = [o async for o in llm.generate("r", None, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))]
+            return outs[-1]
+        out = asyncio.run(one())
+        assert len(out.outputs[0].token_ids) == 3
+        assert stepped_on == {built_on[0]} == {llm._thread.ident}
+    finally:
+        llm.shutdown()
+    with pytest.raises(EngineConfigError, match="max_model_len 100000 exceeds"):
+        AsyncLLM.from_config(EngineConfig(model=tiny_model("llama"), max_model_len=100000))
