@@ -78,6 +78,8 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> "LLMEngine":
         """Load the model and size the KV pool as ``config`` says (see EngineConfig)."""
+        from tokenfab.config import load_config
+        config.check_max_model_len(load_config(config.model))  # settings errors before any weight is read
         if config.tensor_parallel_size != 1:
             from tokenfab.parallel.launcher import load_tensor_parallel
             loaded = load_tensor_parallel(config, progress=progress)

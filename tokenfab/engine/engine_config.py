@@ -74,6 +74,17 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     tensor_parallel_size: int = 1
 
+    def check_max_model_len(self, mc: ModelConfig) -> None:
+        """Raise EngineConfigError when max_model_len (tokens) is < 1 or above mc.max_position_embeddings; run
+        before any weight is read and again by :meth:`finalize`."""
+        if self.max_model_len is None:
+            return
+        if self.max_model_len < 1:
+            raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
+        if self.max_model_len > mc.max_position_embeddings:
+            raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                                    f"{mc.max_position_embeddings}; lower max_model_len.")
+
     def finalize(self, mc: ModelConfig, dtype: torch.dtype) -> None:
         """Fill max_model_len and num_kv_blocks from the model.
 
@@ -83,13 +94,9 @@ class EngineConfig:
         """
         if self.enable_prefix_caching:
             raise UnsupportedError("enable_prefix_caching is not implemented yet; leave it False.")
+        self.check_max_model_len(mc)
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
-        if self.max_model_len < 1:
-            raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
-        if self.max_model_len > mc.max_position_embeddings:
-            raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                             f"{mc.max_position_embeddings}; lower max_model_len.")
         per_token = mc.kv_cache_bytes_per_token(torch.empty((), dtype=dtype).element_size())
         bs = self.block_size
         if self.num_kv_blocks is None:

@@ -65,7 +65,7 @@ def load():
             previous = _read_failure(failed)
             if previous is not None and previous.get("compiler") == compiler:
                 _error = previous.get("error", "the build failed before")  # said once, when it failed
-                log.info("tokenfab CPU kernels unavailable (%s; remove %s to retry)", _error, failed)
+                log.info("[tokenfab] fused CPU kernels unavailable (%s; remove %s to retry)", _error, failed)
             else:
                 _module, _error = _build(build_dir)
                 if _module is not None and previous is not None:
@@ -74,8 +74,8 @@ def load():
                     except OSError:
                         pass
                 if _module is None:
-                    log.warning("tokenfab CPU kernels unavailable (%s); using the PyTorch paths (not retried until "
-                                "the compiler changes)", _error)
+                    log.warning("[tokenfab] fused CPU kernels unavailable (%s); using the PyTorch paths (not retried "
+                                "until the compiler changes)", _error)
                     try:
                         with open(failed, "w") as f:
                             json.dump({"error": _error, "compiler": compiler}, f)
@@ -102,6 +102,7 @@ def _read_failure(path: str) -> dict | None:
 
 def _build(build_dir: str):
     """Compile (or load the cached build of) csrc/cpu_kernels.cpp -> (module, None) or (None, one-line reason)."""
+    import shutil
     import sys
     import time
     import warnings
@@ -115,6 +116,9 @@ def _build(build_dir: str):
         if platform.machine() in ("x86_64", "AMD64"):
             flags.append("-march=native")
         fresh = not any(f.endswith(".so") for f in os.listdir(build_dir))
+        cxx = os.environ.get("CXX", "c++")
+        if fresh and shutil.which(cxx) is None:
+            return None, f"no C++ compiler: '{cxx}' not found (install g++ or set CXX)"
         if fresh:
             print("[tokenfab] building the fused CPU kernels (once per machine, ~35 s on 2 cores) ...",
                   file=sys.stderr, flush=True)

@@ -153,6 +153,9 @@ def run_server(args: argparse.Namespace) -> int:
             # with an error event and [DONE] (not a cancelled task and a traceback), then uvicorn exits.
             app.state.shutting_down = True
             if not self.should_exit:
+                running = async_llm.get_stats().get("num_running", 0)
+                print(f"[tokenfab] stopping: {running} running request(s) may finish within {drain:g} s, then end "
+                      f"with an error", flush=True)
                 timer = threading.Timer(drain, async_llm.request_stop)
                 timer.daemon = True
                 timer.start()
