@@ -77,9 +77,9 @@ def start(args: argparse.Namespace) -> PowerRun | None:
     prices_from_args(args)  # fail on a bad price flag/scenario file before the benchmark, not after it
     devices = parse_device_list(getattr(args, "power_devices", None))
     backend, note = select_backend(name, devices)
-    print(f"power: {note}", file=sys.stderr, flush=True)
-    if backend is None:
+    if backend is None:  # said once, in the result block ("Power: not measured (...)")
         return PowerRun(None, note, None)
+    print(f"power: {note}", file=sys.stderr, flush=True)
     monitor = PowerMonitor(backend, interval, already_open=True)
     try:
         monitor.start()
