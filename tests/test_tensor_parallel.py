@@ -84,8 +84,8 @@ def test_each_rank_loads_only_its_slices(ckpt):
         rows["experts"] += sd["model.layers.1.mlp.experts.w2"].shape[0]
         rows["dense"] += loaded.model.model.layers[0].mlp.down_proj.weight.shape[1]
         rows["shared"] += loaded.model.model.layers[1].mlp.shared_experts.down_proj.weight.shape[1]
-        # replicated: the latent projections
-        assert sd["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].shape[0] == 32 + 16
+        # replicated: the latent projections (q_a_proj and kv_a_proj_with_mqa, fused into one after loading)
+        assert sd["model.layers.1.self_attn.qkv_a_proj.weight"].shape[0] == 48 + 32 + 16
     assert rows == {"lm": VOCAB, "qb": 8 * 32, "kvb": 8 * (16 + 24), "o": 8 * 24, "experts": 16, "shared": 36,
                     "dense": 100}
 

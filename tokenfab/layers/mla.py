@@ -56,6 +56,7 @@ class MLAttention(nn.Module):
         absorbed decode; packed for :func:`~tokenfab.kernels.cpu_kernels.head_gemm_` when it applies (CPU bf16
         with AVX512-BF16, 2.5-8x faster than ``torch.bmm`` at decode shapes, benchmarks/NOTES.md), else contiguous
         copies for two plain batched GEMMs over heads."""
+        self._fuse_a_projections()
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv_t = w[:, : self.nope, :], w[:, self.nope:, :].transpose(1, 2)
         self._head_gemm = cpu_kernels.head_gemm_applies(w, w_uk) and cpu_kernels.head_gemm_applies(w, w_uv_t)
@@ -63,6 +64,23 @@ class MLAttention(nn.Module):
             self._w_uk, self._w_uv_t = cpu_kernels.pack_head_weights(w_uk), cpu_kernels.pack_head_weights(w_uv_t)
         else:
             self._w_uk, self._w_uv_t = w_uk.contiguous(), w_uv_t.contiguous()
+
+    def _fuse_a_projections(self) -> None:
+        """q_a_proj [q_lora, hidden] and kv_a_proj_with_mqa [kv_lora + rope, hidden] read the same x: one GEMM over
+        their concatenated rows (``qkv_a_proj``, as vLLM's fused_qkv_a_proj) instead of two. Each output column is
+        the same dot product as before."""
+        if self.q_lora_rank is None or getattr(self, "qkv_a_proj", None) is not None:
+            return
+        qa, kva = self.q_a_proj, self.kv_a_proj_with_mqa
+        if qa.weight is None or kva.weight is None:
+            return
+        fused = Linear(qa.in_features, qa.out_features + kva.out_features, qa.bias is not None, dtype=qa.weight.dtype)
+        fused.weight = nn.Parameter(torch.cat([qa.weight, kva.weight]), requires_grad=False)
+        if qa.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([qa.bias, kva.bias]), requires_grad=False)
+        fused.fuse()
+        self.qkv_a_proj = fused
+        qa.weight = kva.weight = qa.bias = kva.bias = None
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if getattr(self, "_w_uk", None) is None:
@@ -74,13 +92,15 @@ class MLAttention(nn.Module):
         T = x.shape[0]
         if self.num_heads == 0:  # tensor parallel with more ranks than heads: contributes nothing to the sum
             return x.new_zeros(T, self.o_proj.out_features)
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
+        fused_a = getattr(self, "qkv_a_proj", None)
+        if fused_a is not None:  # after fuse(): [q_a | c_kv | k_rope] from one GEMM
+            q_a, c_kv, k_rope = fused_a(x).split([self.q_lora_rank, self.kv_lora, self.rope_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a.contiguous()))
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
         q = q.view(T, self.num_heads, self.qk_dim)
         q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_rope, k_rope = self.rotary(positions, q_rope, k_rope.unsqueeze(1))
         write_cache(cache, meta.slot_mapping, torch.cat([c_kv, k_rope.squeeze(1)], dim=-1))
