@@ -31,9 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="Engine RNG seed (requests without their own seed).")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Ranks for tensor parallel. Default 1.")
     g.add_argument("--num-threads", type=int, default=None,
-                   help="CPU intra-op threads for every engine step. Default: all cores for steps with prefill "
-                        "tokens and cores - 1 (at least 1) for decode-only steps, leaving a core to the HTTP front "
-                        "end (measured fastest on 2 cores, benchmarks/NOTES.md).")
+                   help="CPU intra-op threads for every engine step. Default: all cores (measured fastest on 2 "
+                        "cores once the engine runs on one OpenMP pool, benchmarks/NOTES.md entry 18).")
 
 
 def _run(args: argparse.Namespace) -> int:
