@@ -154,8 +154,8 @@ def run_server(args: argparse.Namespace) -> int:
             app.state.shutting_down = True
             if not self.should_exit:
                 running = async_llm.get_stats().get("num_running", 0)
-                print(f"[tokenfab] stopping: {running} running request(s) may finish within {drain:g} s, then end "
-                      f"with an error", flush=True)
+                print("[tokenfab] stopping" + (f": {running} running request(s) may finish within {drain:g} s, then "
+                                               f"end with an error" if running else ""), flush=True)
                 timer = threading.Timer(drain, async_llm.request_stop)
                 timer.daemon = True
                 timer.start()
