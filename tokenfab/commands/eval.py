@@ -44,7 +44,8 @@ def register(subparsers) -> None:
     k.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     k.add_argument("--reference-device", default="cpu", help="torch device of the reference")
     k.add_argument("--device", default="auto", help="tokenfab's device")
-    k.add_argument("--decode-steps", type=int, default=16, help="generated tokens per decode run (0: prefill only)")
+    k.add_argument("--decode-steps", type=int, default=16, help="generated tokens K per decode run; K tokens give K - 1 decode positions (the first token's "
+                        "distribution comes from the prefill forward and counts under prefill); 0: prefill only")
     k.add_argument("--temperature", type=float, default=1.0,
                    help="temperature of the sampled decode run (0 skips it)")
     k.add_argument("--seed", type=int, default=0, help="seed of random rows and of the sampled run")

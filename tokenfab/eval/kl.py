@@ -194,7 +194,7 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
         model: tokenfab's checkpoint folder (None: the embedded default model).
         reference_model: the folder the reference reads (default: ``model``); tests point tokenfab at a copy with a
             corrupted config.json and the reference at the original.
-        decode_steps: K generated tokens per row and decode run (0: prefill only).
+        decode_steps: K generated tokens per row and decode run, scored at K - 1 decode positions (0: prefill only).
         temperature: the sampled decode run's temperature (seeded with ``seed + row``); 0 skips that run.
         out_dir: write ``kl.json`` and ``kl.md`` there.
 
