@@ -12,23 +12,28 @@ import time
 import httpx
 
 
-def test_sigterm_stops_cleanly(tiny_model):
+def _serve(model: str, max_model_len: int, env: dict) -> tuple[subprocess.Popen, int]:
+    """`tokenfab serve` in a subprocess on a free port, returned once /health answers 200."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tokenfab.cli", "serve", tiny_model("llama"), "--port", str(port),
-                             "--max-model-len", "64", "--num-threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    proc = subprocess.Popen([sys.executable, "-m", "tokenfab.cli", "serve", model, "--port", str(port),
+                             "--max-model-len", str(max_model_len), "--num-threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("server did not come up")
+
+
+def test_sigterm_stops_cleanly(tiny_model):
+    proc, _ = _serve(tiny_model("llama"), 64, dict(os.environ))
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError("server did not come up")
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
@@ -43,24 +48,9 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly(tiny_model):
     OpenAI error event and [DONE] instead of running to max_tokens, the server exits 0, and its log has no
     traceback."""
     import json
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, TOKENFAB_DRAIN_SECONDS="0")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenfab.cli", "serve", tiny_model("llama"), "--port", str(port),
-                             "--max-model-len", "512", "--num-threads", "1"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc, port = _serve(tiny_model("llama"), 512, dict(os.environ, TOKENFAB_DRAIN_SECONDS="0"))
     lines = []
     try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        else:
-            raise AssertionError("server did not come up")
         body = {"model": tiny_model("llama"), "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True,
                 "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:

@@ -110,13 +110,14 @@ def drain_seconds() -> float:
     (``TOKENFAB_DRAIN_SECONDS``, default 5)."""
     import os
 
+    from tokenfab.errors import EngineConfigError
     raw = os.environ.get("TOKENFAB_DRAIN_SECONDS", "5")
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"TOKENFAB_DRAIN_SECONDS must be a number of seconds, got {raw!r}.") from None
-    if value < 0:
-        raise ValueError(f"TOKENFAB_DRAIN_SECONDS must be >= 0, got {raw!r}.")
+        value = -1.0
+    if not value >= 0:  # also NaN
+        raise EngineConfigError(f"TOKENFAB_DRAIN_SECONDS must be a number of seconds >= 0, got {raw!r}.")
     return value
 
 
@@ -124,6 +125,7 @@ def run_server(args: argparse.Namespace) -> int:
     """Build the engine from ``tokenfab serve`` flags and serve until Ctrl-C / SIGTERM; shuts down cleanly."""
     import uvicorn
 
+    drain = drain_seconds()  # a bad setting fails before the model loads
     config = engine_config_from_args(args)
     threads = set_server_threads(getattr(args, "num_threads", None), config)
     t0 = time.perf_counter()
@@ -145,7 +147,6 @@ def run_server(args: argparse.Namespace) -> int:
     print(f"[tokenfab] serving on http://{args.host}:{args.port} (OpenAI API under /v1)", flush=True)
     import signal
     import threading
-    drain = drain_seconds()
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
