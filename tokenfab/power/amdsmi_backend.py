@@ -14,13 +14,13 @@ and ``amd-smi static --limit --json`` once for the cap; the JSON is searched for
 """
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
 import subprocess
 from typing import Any, Callable
 
 from tokenfab.power.base import PowerBackend, PowerBackendError, check_indices, visible_gpu_indices
+from tokenfab.power.gpu_library import GpuLibraryBackend
 
 
 def _num(v: Any) -> float | None:
@@ -46,60 +46,27 @@ def _cap_to_w(v: float | None) -> float | None:
     return v / 1e6 if v >= 1e4 else v
 
 
-class AmdSmiBackend(PowerBackend):
+class AmdSmiBackend(GpuLibraryBackend):
     """amdsmi reader for the GPUs ``indices`` (default: HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES or all)."""
 
     name = "amdsmi"
     cap_source = "amdsmi power_cap"
+    module, label, visible_env = "amdsmi", "amdsmi", "HIP_VISIBLE_DEVICES"
+    install_hint = "install the ROCm amdsmi package"
 
-    def __init__(self, indices: list[int] | None = None) -> None:
-        super().__init__()
-        self.indices = indices
-        self._amd = None
-        self._handles: list = []
-        self._e0_uj: list[float] = []
+    def _init(self, amd) -> None:
+        amd.amdsmi_init()
 
-    def open(self) -> None:
-        """Import amdsmi, init it, pick devices and probe the energy counter."""
-        try:
-            amd = importlib.import_module("amdsmi")
-        except ImportError as e:
-            raise PowerBackendError(f"amdsmi not importable ({e}); install the ROCm amdsmi package") from None
-        try:
-            amd.amdsmi_init()
-        except Exception as e:
-            raise PowerBackendError(f"amdsmi_init failed: {e}") from None
-        self._amd = amd
-        try:
-            handles = list(amd.amdsmi_get_processor_handles())
-            if not handles:
-                raise PowerBackendError("amdsmi sees no GPU")
-            indices = self.indices
-            if indices is None:
-                indices = visible_gpu_indices(len(handles), "HIP_VISIBLE_DEVICES")
-            check_indices(indices, len(handles), "amdsmi")
-            self._handles = [handles[i] for i in indices]
-            self.devices = [f"gpu{i}" for i in indices]
-            try:
-                self._e0_uj = [self._energy_uj(h) for h in self._handles]
-                self.has_energy_counter = True
-            except Exception:
-                self.has_energy_counter = False
-        except BaseException:
-            self.close()
-            raise
+    def _shutdown(self, amd) -> None:
+        amd.amdsmi_shut_down()
 
-    def close(self) -> None:
-        """Shut amdsmi down."""
-        if self._amd is not None:
-            try:
-                self._amd.amdsmi_shut_down()
-            except Exception:
-                pass
-            self._amd = None
+    def _handles_of(self, amd, indices):
+        handles = list(amd.amdsmi_get_processor_handles())
+        return len(handles), handles.__getitem__
 
-    def _energy_uj(self, h) -> float:
-        d = self._amd.amdsmi_get_energy_count(h)
+    def _energy_raw(self, h) -> float:
+        """µJ since the driver loaded: energy_accumulator (``power`` before ROCm 6.4) x counter_resolution."""
+        d = self._lib.amdsmi_get_energy_count(h)
         acc = d.get("energy_accumulator", d.get("power"))
         return float(acc) * float(d["counter_resolution"])
 
@@ -108,7 +75,7 @@ class AmdSmiBackend(PowerBackend):
         out: list[float | None] = []
         for h in self._handles:
             try:
-                out.append(_cap_to_w(_num(self._amd.amdsmi_get_power_cap_info(h).get("power_cap"))))
+                out.append(_cap_to_w(_num(self._lib.amdsmi_get_power_cap_info(h).get("power_cap"))))
             except Exception:
                 out.append(None)
         return out
@@ -117,13 +84,13 @@ class AmdSmiBackend(PowerBackend):
         """Energy since :meth:`open` per GPU in J: (accumulator × resolution µJ − value at open) / 1e6."""
         if not self.has_energy_counter:
             return None
-        return [(self._energy_uj(h) - e0) / 1e6 for h, e0 in zip(self._handles, self._e0_uj)]
+        return [(self._energy_raw(h) - e0) / 1e6 for h, e0 in zip(self._handles, self._e0)]
 
     def read_power_w(self) -> list[float] | None:
         """Socket power per GPU in W."""
         out = []
         for h in self._handles:
-            info = self._amd.amdsmi_get_power_info(h)
+            info = self._lib.amdsmi_get_power_info(h)
             w = _num(info.get("current_socket_power"))
             if w is None:
                 w = _num(info.get("average_socket_power"))
