@@ -474,22 +474,29 @@ def model_tensors(model_config, weight_format: str | int = "bfloat16") -> list[T
     linear(m + "up_proj", mc.intermediate_size, h, n_dense, mc.mlp_bias)
     linear(m + "down_proj", h, mc.intermediate_size, n_dense, mc.mlp_bias)
     if n_moe:
-        mi = mc.moe_intermediate_size
         plain(m + "gate.weight", (mc.num_experts, h), n_moe)
         if mc.family == "deepseek_v3":
             plain(m + "gate.e_score_correction_bias", (mc.num_experts,), n_moe,
                   4 if fmt in ("fp8", "int4") else fbytes)
-        for j in range(mc.num_experts):
-            e = f"{m}experts.{j}."
-            linear(e + "gate_proj", mi, h, n_moe, expert=True)
-            linear(e + "up_proj", mi, h, n_moe, expert=True)
-            linear(e + "down_proj", h, mi, n_moe, expert=True)
-        if mc.n_shared_experts:
-            si = mi * mc.n_shared_experts
-            linear(m + "shared_experts.gate_proj", si, h, n_moe)
-            linear(m + "shared_experts.up_proj", si, h, n_moe)
-            linear(m + "shared_experts.down_proj", h, si, n_moe)
+        expert_tensors(linear, m, mc, n_moe, h)
     return recs
+
+
+def expert_tensors(linear, prefix: str, mc, n_moe: int, expert_in: int) -> None:
+    """List the MoE experts of ``n_moe`` layers through ``linear(name, out, in, count, expert=...)``: routed experts
+    ``{prefix}experts.{j}.gate/up/down_proj`` reading and writing ``expert_in`` features (hidden_size, or K3's
+    latent width) and the shared experts (hidden_size in and out, moe_intermediate_size x n_shared_experts)."""
+    mi, h = mc.moe_intermediate_size, mc.hidden_size
+    for j in range(mc.num_experts):
+        e = f"{prefix}experts.{j}."
+        linear(e + "gate_proj", mi, expert_in, n_moe, expert=True)
+        linear(e + "up_proj", mi, expert_in, n_moe, expert=True)
+        linear(e + "down_proj", expert_in, mi, n_moe, expert=True)
+    if mc.n_shared_experts:
+        si = mi * mc.n_shared_experts
+        linear(prefix + "shared_experts.gate_proj", si, h, n_moe)
+        linear(prefix + "shared_experts.up_proj", si, h, n_moe)
+        linear(prefix + "shared_experts.down_proj", h, si, n_moe)
 
 
 def count_parameters(model_config) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from tokenfab.parallel.shard_plan import TensorRecord
+from tokenfab.parallel.shard_plan import TensorRecord, expert_tensors
 
 _FLOAT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -107,7 +107,7 @@ def kimi_model_tensors(mc, weight_format: str | int = "bfloat16") -> list[Tensor
                       ("down_proj", (h, mc.intermediate_size))):
         linear(m + n, o, i, n_dense)
     if n_moe:
-        mi, lat = mc.moe_intermediate_size, mc.routed_expert_hidden_size or h
+        lat = mc.routed_expert_hidden_size or h
         plain(m + "gate.weight", (mc.num_experts, h), n_moe, 4)
         plain(m + "gate.e_score_correction_bias", (mc.num_experts,), n_moe, 4)
         if mc.routed_expert_hidden_size:
@@ -115,16 +115,7 @@ def kimi_model_tensors(mc, weight_format: str | int = "bfloat16") -> list[Tensor
             linear(m + "routed_expert_up_proj", h, lat, n_moe)
             if mc.latent_moe_use_norm:
                 plain(m + "routed_expert_norm.weight", (lat,), n_moe)
-        for j in range(mc.num_experts):
-            e = f"{m}experts.{j}."
-            linear(e + "gate_proj", mi, lat, n_moe, expert=True)
-            linear(e + "up_proj", mi, lat, n_moe, expert=True)
-            linear(e + "down_proj", lat, mi, n_moe, expert=True)
-        if mc.n_shared_experts:
-            si = mi * mc.n_shared_experts
-            linear(m + "shared_experts.gate_proj", si, h, n_moe)
-            linear(m + "shared_experts.up_proj", si, h, n_moe)
-            linear(m + "shared_experts.down_proj", h, si, n_moe)
+        expert_tensors(linear, m, mc, n_moe, lat)
     return recs
 
 
