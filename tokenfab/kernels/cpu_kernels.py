@@ -85,11 +85,17 @@ def load():
         return _module
 
 
-def _compiler_id() -> str:
-    """Which C++ compiler a build would use (CXX or c++ on PATH): a failed build is retried when it changes."""
+def _compiler() -> tuple[str, str | None]:
+    """The C++ compiler a build would use: (CXX or "c++", its path on PATH or None)."""
     import shutil
     cxx = os.environ.get("CXX", "c++")
-    return f"{cxx} -> {shutil.which(cxx)}"
+    return cxx, shutil.which(cxx)
+
+
+def _compiler_id() -> str:
+    """Which compiler a build would use, as recorded with a failed build: it is retried when this changes."""
+    cxx, path = _compiler()
+    return f"{cxx} -> {path}"
 
 
 def _read_failure(path: str) -> dict | None:
@@ -102,7 +108,6 @@ def _read_failure(path: str) -> dict | None:
 
 def _build(build_dir: str):
     """Compile (or load the cached build of) csrc/cpu_kernels.cpp -> (module, None) or (None, one-line reason)."""
-    import shutil
     import sys
     import time
     import warnings
@@ -116,8 +121,8 @@ def _build(build_dir: str):
         if platform.machine() in ("x86_64", "AMD64"):
             flags.append("-march=native")
         fresh = not any(f.endswith(".so") for f in os.listdir(build_dir))
-        cxx = os.environ.get("CXX", "c++")
-        if fresh and shutil.which(cxx) is None:
+        cxx, cxx_path = _compiler()
+        if fresh and cxx_path is None:
             return None, f"no C++ compiler: '{cxx}' not found (install g++ or set CXX)"
         if fresh:
             print("[tokenfab] building the fused CPU kernels (once per machine, ~35 s on 2 cores) ...",

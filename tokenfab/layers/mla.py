@@ -95,7 +95,7 @@ class MLAttention(nn.Module):
         fused_a = getattr(self, "qkv_a_proj", None)
         if fused_a is not None:  # after fuse(): [q_a | c_kv | k_rope] from one GEMM
             q_a, c_kv, k_rope = fused_a(x).split([self.q_lora_rank, self.kv_lora, self.rope_dim], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a.contiguous()))
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
             c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)

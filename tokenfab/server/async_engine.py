@@ -109,8 +109,9 @@ class AsyncLLM:
 
         The engine is built on the engine thread itself, which later runs the step loop. On CPU, OpenMP keeps one
         thread pool per thread that starts parallel regions; loading the model on the caller's thread left a second
-        pool behind, and libgomp then counts more threads than cores and stops spin-waiting at its barriers: every
-        decode step ran ~1.4x slower (benchmarks/NOTES.md, entry 18). The caller's thread starts no parallel region.
+        pool behind and every decode step ran ~1.4x slower (measured; the likely cause, libgomp's barrier throttling
+        once it manages more threads than cores, is not pinned down: benchmarks/NOTES.md, entry 18). The caller's
+        thread starts no parallel region.
 
         Raises:
             whatever building the engine raised (bad model folder, unknown architecture, out of memory ...).
