@@ -80,6 +80,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size (default: 30)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (CUDA only)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
                     help="folder for the .json and .md results (default: benchmarks/results)")
     ap.add_argument("--label", default=None, help="label in the result file names: <date>-<label>-decode-floor.*")
@@ -91,7 +92,7 @@ def main() -> int:
 
     model_dir = args.model or ensure_default_model()
     llm = LLM(model_dir, max_model_len=args.context + args.steps + 16, max_num_seqs=64, progress=False,
-              device=args.device)
+              device=args.device, enforce_eager=args.enforce_eager)
     eng = llm.llm_engine
     runner = eng.runner
     fwd_time = [0.0]

@@ -30,6 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size in bytes, e.g. 2GiB. Default: min(2 GiB, max_num_seqs x max_model_len).")
     g.add_argument("--seed", type=int, default=0, help="Engine RNG seed (requests without their own seed).")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Ranks for tensor parallel. Default 1.")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="Never replay decode steps from CUDA graphs (graphs are used on CUDA/ROCm only).")
     g.add_argument("--num-threads", type=int, default=None,
                    help="CPU intra-op threads for every engine step. Default: all cores (measured fastest on 2 "
                         "cores once the engine runs on one OpenMP pool, benchmarks/NOTES.md entry 18).")

@@ -58,6 +58,7 @@ class EngineConfig:
         num_kv_blocks: KV pool size in blocks; or give kv_cache_memory (bytes or "2GiB").
         seed: seed of the engine RNG (requests without their own seed).
         tensor_parallel_size: number of ranks (1 = this process).
+        enforce_eager: never replay decode steps from CUDA graphs (engine/cuda_graph_runner.py; CUDA/ROCm only).
     """
 
     model: str
@@ -73,6 +74,7 @@ class EngineConfig:
     seed: int = 0
     enable_prefix_caching: bool = False
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
 
     def check_max_model_len(self, mc: ModelConfig) -> None:
         """Raise EngineConfigError when max_model_len (tokens) is < 1 or above mc.max_position_embeddings; run

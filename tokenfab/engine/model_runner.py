@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tokenfab.engine.block_manager import BlockManager
+from tokenfab.engine.cuda_graph_runner import DecodeGraphRunner, capture_sizes, decode_graph_mode
 from tokenfab.engine.sampler import Sampler, SamplerOutput
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
@@ -58,15 +59,25 @@ class ModelRunner:
         max_num_seqs, max_model_len: sizes of the persistent arrays (rows, tokens).
         device, dtype: where/what the KV pool is.
         sampler: the batched sampler.
+        enforce_eager: never replay decode steps from CUDA graphs (vLLM's flag; graphs apply on CUDA/ROCm only).
     """
 
     def __init__(self, model, block_manager: BlockManager, max_num_seqs: int, max_model_len: int,
-                 device: torch.device, dtype: torch.dtype, sampler: Sampler):
+                 device: torch.device, dtype: torch.dtype, sampler: Sampler, enforce_eager: bool = False):
         self.model = model
         self.bm = block_manager
         self.block_size = block_manager.block_size
         self.device = device
-        self.kv_caches = model.make_kv_cache(block_manager.num_blocks, self.block_size, dtype, device)
+        graph_mode = decode_graph_mode(device, model, enforce_eager)
+        # decode graphs pad batches into a spare block the block manager never hands out (cuda_graph_runner.py)
+        num_blocks = block_manager.num_blocks + (graph_mode is not None)
+        self.kv_caches = model.make_kv_cache(num_blocks, self.block_size, dtype, device)
+        self.decode_graphs: DecodeGraphRunner | None = None
+        if graph_mode is not None:
+            self.decode_graphs = DecodeGraphRunner(model, self.kv_caches, block_manager.num_blocks, self.block_size,
+                                                   block_manager.max_blocks_per_seq, capture_sizes(max_num_seqs),
+                                                   device, graph_mode)
+            self.decode_graphs.capture()
         self.has_state = hasattr(model, "make_state_cache")
         if self.has_state:  # hybrid models: per-request KDA state slots by row (state_cache.py)
             model.make_state_cache(self.kv_caches, max_num_seqs, dtype, device)
@@ -124,13 +135,18 @@ class ModelRunner:
             T, starts, req_idx, positions = derived
         bs = self.block_size
         slots = bt[req_idx, positions // bs] * bs + positions % bs
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(self.device),
-            decode=self._group(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
-            prefill=self._group(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None,
-            num_tokens=T, block_size=bs, state_rows=None if rows is None else torch.from_numpy(rows).to(self.device))
-        pos_t = torch.from_numpy(positions).to(self.device)
-        hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
+        graphs = self.decode_graphs
+        if graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: replay (cuda_graph_runner.py)
+            hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1)
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots).to(self.device),
+                decode=self._group(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
+                prefill=self._group(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None,
+                num_tokens=T, block_size=bs,
+                state_rows=None if rows is None else torch.from_numpy(rows).to(self.device))
+            pos_t = torch.from_numpy(positions).to(self.device)
+            hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
         if len(logit_idx) == 0:
             return None
         return self.model.compute_logits(hidden[torch.from_numpy(logit_idx).to(self.device)]).cpu()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels import cpu_kernels, triton_support
 from tokenfab.layers.activation import silu_and_mul
 from tokenfab.layers.linear import can_pack, pack_weight, packed_linear
 
@@ -117,6 +117,9 @@ class RoutedExperts(nn.Module):
         """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum over this rank's experts of weight * expert(x)."""
         if self._p13 is not None and self.fused_dispatch and cpu_kernels.available_for(x):  # same math in C++
             return cpu_kernels.moe_experts_packed(x, weights, ids, self._p13, self._p2, self.start)
+        if self.w13 is not None and triton_support.applies(x):  # CUDA/ROCm: grouped GEMMs in Triton, graph-safe
+            from tokenfab.kernels import triton_moe  # imports triton: only when it applies
+            return triton_moe.fused_moe(x, self.w13, self.w2, weights, ids, silu_and_mul, self.start)
         k = ids.shape[1]
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels import cpu_kernels, triton_support
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 
 
@@ -67,8 +67,13 @@ def fused_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     when it does not apply (not CPU, another dtype, kernels unavailable) and the caller should gather instead.
 
     q [B, H, D]; k_cache [num_blocks, block_size, Hk, D]; v_cache [num_blocks, block_size, Hk, Dv] (strided views
-    allowed). Returns [B, H, Dv] in q's dtype.
+    allowed). Returns [B, H, Dv] in q's dtype. On CUDA/ROCm the Triton kernel (kernels/triton_decode_attention.py)
+    runs instead when ``triton`` imports.
     """
+    if k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and triton_support.applies(q):
+        from tokenfab.kernels import triton_decode_attention  # imports triton: only when it applies
+        return triton_decode_attention.paged_decode_attention(q, k_cache, v_cache, group.block_tables,
+                                                              group.context_lens, scale, group.max_context)
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or not cpu_kernels.available_for(q):
         return None
     if (v_cache.data_ptr() == k_cache.data_ptr() and q.shape[0] * group.max_context > FUSED_LATENT_MAX_TOKENS

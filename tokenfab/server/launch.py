@@ -31,7 +31,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=budget,
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory=args.kv_cache_memory, seed=args.seed,
-                        tensor_parallel_size=args.tensor_parallel_size)
+                        tensor_parallel_size=args.tensor_parallel_size,
+                        enforce_eager=getattr(args, "enforce_eager", False))
 
 
 class ServerHandle:

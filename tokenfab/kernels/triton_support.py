@@ -1,0 +1,39 @@
+"""When the Triton kernels (kernels/triton_decode_attention.py, kernels/triton_moe.py) run.
+
+On CUDA/ROCm tensors they replace the eager PyTorch paths when the ``triton`` package imports. On CPU they never
+run in serving; tests run them through Triton's interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is
+imported, plus ``TOKENFAB_TRITON=interpret``) against the PyTorch paths, which stay the reference and the fallback.
+``TOKENFAB_TRITON=0`` turns them off everywhere.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def triton_importable() -> bool:
+    """True when ``import triton`` works (the package ships with CUDA builds of torch)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install without a driver
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton kernels are asked to run on CPU tensors in Triton's interpreter (tests only)."""
+    return os.environ.get("TOKENFAB_TRITON") == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the Triton kernels should handle tensors on ``x``'s device."""
+    mode = os.environ.get("TOKENFAB_TRITON", "1")
+    if mode == "0":
+        return False
+    if x.device.type == "cuda":  # ROCm builds of torch report "cuda" too
+        return triton_importable()
+    return x.device.type == "cpu" and interpreting() and triton_importable()
