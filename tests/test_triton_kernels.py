@@ -35,8 +35,9 @@ def reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     return torch.stack(out).float()
 
 
-@pytest.mark.parametrize("H,Hk,D,Dv,page", [(8, 2, 32, 32, 16), (4, 4, 16, 16, 8), (16, 1, 80, 64, 16)],
-                         ids=["gqa", "mha-page8", "mla-latent"])
+@pytest.mark.parametrize("H,Hk,D,Dv,page", [(8, 2, 32, 32, 16), (4, 4, 16, 16, 8), (16, 1, 80, 64, 16),
+                                             (40, 1, 160, 144, 16)],
+                         ids=["gqa", "mha-page8", "mla-latent", "mla-3-head-blocks"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_attention_matches_reference(interpret, H, Hk, D, Dv, page, num_splits):
     from tokenfab.kernels.triton_decode_attention import paged_decode_attention

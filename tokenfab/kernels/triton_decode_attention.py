@@ -148,7 +148,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_decode_attention: the last dim of q, k_cache and v_cache must be contiguous")
     G = H // Hk
-    BLOCK_H = _pow2(min(G, 64))
+    # query heads per program: MLA's [BLOCK_H, 512] float32 accumulator stays in registers only at 16 rows (as in
+    # vLLM's MLA decode); narrow heads take up to 64 rows of a group
+    BLOCK_H = 16 if Dv > 128 else _pow2(min(G, 64))
     num_hb = triton.cdiv(G, BLOCK_H)
     if max_context is None:
         max_context = block_tables.shape[1] * page
