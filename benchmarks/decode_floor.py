@@ -144,13 +144,18 @@ def main() -> int:
         cpu = platform.processor()
     result = {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
               "model": model_dir, "dtype": str(eng.dtype), "threads": torch.get_num_threads(), "cpu": cpu,
-              "cores": os.cpu_count(), "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__, "rows": rows}
+              "cores": os.cpu_count(), "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else None,
+              "decode_graphs": runner.decode_graphs is not None and runner.decode_graphs.mode == "cuda",
+              "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     label = f"-{args.label}" if args.label else ""
     stem = os.path.join(args.out, f"{dt.date.today().isoformat()}{label}-decode-floor")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
     lines = [f"# Decode step vs memory floor ({result['date']})", "", f"`{result['command']}`", "",
+             (f"GPU: {result['gpu']} (decode CUDA graphs {'on' if result['decode_graphs'] else 'off'}), host " if
+              result["gpu"] else "") +
              f"CPU: {cpu}, {os.cpu_count()} cores, {result['threads']} torch threads, torch {torch.__version__}, "
              f"dtype {result['dtype']}; copy bandwidth {bw / 1e9:.1f} GB/s (read+write)", "",
              "| batch | step ms | forward ms | engine overhead | tok/s | floor ms | step / floor |", "|---|---|---|---|---|---|---|"]

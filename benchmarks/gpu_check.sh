@@ -11,16 +11,26 @@ OUT=${OUT:-benchmarks/results/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENFAB_CACHE=${TOKENFAB_CACHE:-/tmp/tokenfab-cache}
 PY=${PY:-python3}
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check.sh: torch sees no CUDA/ROCm device here; nothing to check." >&2
+  exit 2
+fi
+FAILED="$OUT/failed_steps"
+: > "$FAILED"
+fail() { echo "$1 FAILED rc=$2" | tee -a "$FAILED"; }
 {
   nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv 2>/dev/null || rocm-smi 2>/dev/null || true
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
   for dt in float32 bfloat16; do
-    timeout 150 $PY -m tokenfab.cli eval kl --device cuda --reference-device cuda --dtype $dt \
-      --random-rows 4 --row-len 256 --decode-steps 16 --out "$OUT/kl-$dt" || echo "eval kl $dt FAILED rc=$?"
+    timeout 120 $PY -m tokenfab.cli eval kl --device cuda --reference-device cuda --dtype $dt \
+      --random-rows 4 --row-len 256 --decode-steps 16 --out "$OUT/kl-$dt" || fail "eval kl $dt" $?
   done
-  timeout 120 $PY benchmarks/gpu_kernels.py --device cuda --out "$OUT" || echo "gpu_kernels FAILED rc=$?"
-  timeout 90 $PY benchmarks/decode_floor.py --device cuda --batch 1,16,64 --steps 30 --out "$OUT" --label graphs \
-    || echo "decode_floor (graphs) FAILED rc=$?"
-  timeout 90 $PY benchmarks/decode_floor.py --device cuda --batch 1,16,64 --steps 30 --out "$OUT" --label eager \
-    --enforce-eager || echo "decode_floor (eager) FAILED rc=$?"
+  timeout 120 $PY benchmarks/gpu_kernels.py --device cuda --out "$OUT" || fail gpu_kernels $?
+  timeout 75 $PY benchmarks/decode_floor.py --device cuda --batch 1,16,64 --steps 30 --out "$OUT" --label graphs \
+    || fail "decode_floor (graphs)" $?
+  timeout 75 $PY benchmarks/decode_floor.py --device cuda --batch 1,16,64 --steps 30 --out "$OUT" --label eager \
+    --enforce-eager || fail "decode_floor (eager)" $?
 } 2>&1 | tee "$OUT/gpu_check.log"
+# step timeouts sum to 510 s; exit status 1 when any step failed (listed in $OUT/failed_steps)
+if [ -s "$FAILED" ]; then echo "gpu_check.sh: $(wc -l < "$FAILED") step(s) failed:"; cat "$FAILED"; exit 1; fi
+echo "gpu_check.sh: all steps passed"

@@ -30,6 +30,7 @@ def test_mode_choice(monkeypatch):
     assert decode_graph_mode(cpu, Dense(), enforce_eager=False) is None  # no graphs on CPU
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
     assert decode_graph_mode(cpu, Dense(), enforce_eager=False) == "eager"
+    assert decode_graph_mode(cpu, Dense(), enforce_eager=True) is None  # the user's flag wins
     assert decode_graph_mode(cpu, Hybrid(), enforce_eager=False) is None  # KDA state rows live outside the graph
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
     assert decode_graph_mode(cpu, Dense(), enforce_eager=False) is None

@@ -41,7 +41,8 @@ def register(subparsers) -> None:
     k.add_argument("--row-len", type=int, default=None,
                    help="tokens per random row (default 128); cuts --dataset rows when given")
     k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="tokenfab dtype")
-    k.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    k.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"],
+                   help="dtype of the transformers reference (default: float32)")
     k.add_argument("--reference-device", default="cpu", help="torch device of the reference")
     k.add_argument("--device", default="auto", help="tokenfab's device")
     k.add_argument("--decode-steps", type=int, default=16, help="generated tokens K per decode run; K tokens give K - 1 decode positions (the first token's "

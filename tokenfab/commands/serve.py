@@ -27,7 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="Tokens per KV block. Default 16.")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory).")
     g.add_argument("--kv-cache-memory", default=None,
-                   help="KV pool size in bytes, e.g. 2GiB. Default: min(2 GiB, max_num_seqs x max_model_len).")
+                   help="KV pool size in bytes, e.g. 2GiB. Default: the smaller of 2 GiB and what max_num_seqs "
+                        "sequences of max_model_len tokens need.")
     g.add_argument("--seed", type=int, default=0, help="Engine RNG seed (requests without their own seed).")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Ranks for tensor parallel. Default 1.")
     g.add_argument("--enforce-eager", action="store_true",

@@ -36,16 +36,17 @@ def capture_sizes(max_num_seqs: int, limit: int = 256) -> list[int]:
 def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str | None:
     """"cuda", "eager" or None (plain eager steps).
 
-    ``TOKENFAB_DECODE_GRAPHS``: "0" never; "eager" the padded static-buffer path without capture (tests);
+    ``enforce_eager`` or ``TOKENFAB_DECODE_GRAPHS=0``: never. ``TOKENFAB_DECODE_GRAPHS=eager``: the padded
+    static-buffer path without capture, on any device (tests, dry runs);
     unset: "cuda" on a CUDA/ROCm device when not ``enforce_eager``, the Triton kernels apply and the model runs on
     one rank. Never for models with recurrent-state (KDA) layers.
     """
     env = os.environ.get("TOKENFAB_DECODE_GRAPHS", "")
-    if env == "0" or hasattr(model, "make_state_cache"):  # KDA state slots are indexed by scheduler row
+    if enforce_eager or env == "0" or hasattr(model, "make_state_cache"):  # KDA state slots: by scheduler row
         return None
     if env == "eager":
         return "eager"
-    if enforce_eager or device.type != "cuda" or getattr(model, "tp", None) is not None:
+    if device.type != "cuda" or getattr(model, "tp", None) is not None:
         return None
     from tokenfab.kernels import triton_support
     return "cuda" if triton_support.applies(torch.empty(0, device=device)) else None
