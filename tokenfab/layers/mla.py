@@ -6,7 +6,9 @@ shared rope key (qk_rope_head_dim): one row of kv_lora_rank + qk_rope_head_dim v
 * Decode (one query per sequence) runs in absorbed form: the key up-projection W_UK is folded into the query
   (q_lat = q_nope W_UK) and the value up-projection W_UV applied after attention, so attention reads the latent
   cache directly (DeepSeek-V2 paper, arXiv:2405.04434, section 2.1.3).
-* Prefill runs in expanded form: the context latents go through kv_b_proj to per-head keys and values.
+* Prefill runs in expanded form (the context latents go through kv_b_proj to per-head keys and values), except
+  short chunks over long contexts, which attend in absorbed form too when that needs fewer FLOPs (measured:
+  benchmarks/mla_prefill_forms.py).
 
 Reference: transformers ``DeepseekV3Attention`` (q_lora_rank may be null -> plain q_proj; q_a_layernorm and
 kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says).
@@ -50,6 +52,7 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(H * self.v_dim, cfg.hidden_size, bias)
         self.rotary = rotary
         self.scale = cfg.softmax_scale()
+        self.prefill_form = "auto"  # or "expanded" / "absorbed" (see _absorb_prefill)
 
     def fuse(self) -> None:
         """After loading: W_UK [H, nope, C] and W_UV^T [H, C, v] from kv_b_proj.weight [H*(nope+v), C] for the
@@ -81,6 +84,53 @@ class MLAttention(nn.Module):
         fused.fuse()
         self.qkv_a_proj = fused
         qa.weight = kva.weight = qa.bias = kva.bias = None
+
+    def _absorb_prefill(self, group: AttentionGroup) -> bool:
+        """Prefill in absorbed form? ``prefill_form`` "expanded", "absorbed" or "auto" (default): absorbed when it
+        needs fewer FLOPs in the parts where the forms differ, for chunks of Q = q_len queries over L = max_context
+        gathered rows with S = L - (Q - 1) / 2 keys seen per query (per head):
+
+            absorbed  2QC(nope + v) + 2QS(2C + rope)      expanded  2LC(nope + v) + 2QS(nope + rope + v)
+
+        i.e. short chunks over long contexts. benchmarks/mla_prefill_forms.py measured both on this CPU: the
+        measured time ratio falls on the same side of 1 as the FLOP ratio at every shape (e.g. Q 16 of L 2048:
+        0.26 predicted, 0.42 measured; Q 1024 of 1024: 3.8 and 2.2). On GPUs (not measured) "auto" keeps the
+        expanded form."""
+        if self.prefill_form != "auto":
+            return self.prefill_form == "absorbed"
+        if group.block_tables.device.type != "cpu":  # measured on CPU only; GPU prefill stays expanded (as vLLM)
+            return False
+        Q, L, C = group.q_len, group.max_context, self.kv_lora
+        seen = L - (Q - 1) / 2
+        absorbed = Q * C * (self.nope + self.v_dim) + Q * seen * (2 * C + self.rope_dim)
+        expanded = L * C * (self.nope + self.v_dim) + Q * seen * (self.qk_dim + self.v_dim)
+        return absorbed < expanded
+
+    def _absorbed_prefill(self, qg: torch.Tensor, ctx: torch.Tensor, group: AttentionGroup, w_uk: torch.Tensor,
+                          w_uv_t: torch.Tensor) -> torch.Tensor:
+        """Prefill attention over the latent rows themselves, as decode does: q_lat = q_nope W_UK per head,
+        attention with keys [c_kv | k_rope] and values c_kv shared by all heads (one latent "head"), then W_UV.
+
+        qg [B, H, Q, nope + rope]; ctx [B, L, C + R] -> [B, H, Q, v]. Costs 2HQ(C + R + C) attention FLOPs per
+        context token against the expanded form's 2LC(nope + v) for kv_b_proj plus 2HQ(nope + rope + v): cheaper
+        only for short chunks over long contexts."""
+        B, H, Q, _ = qg.shape
+        C = self.kv_lora
+        rows = qg.transpose(1, 2).reshape(B * Q, H, self.qk_dim)  # [B*Q, H, D]
+        q_lat = rows.new_empty(B * Q, H, C + self.rope_dim)
+        if self._head_gemm:
+            cpu_kernels.head_gemm_(rows[..., : self.nope], w_uk, q_lat[..., :C])
+        else:
+            q_lat[..., :C] = torch.bmm(rows[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)
+        q_lat[..., C:] = rows[..., self.nope:]
+        lat = ctx.unsqueeze(1)  # [B, 1, L, C + R]
+        o_lat = attention(q_lat.view(B, Q, H, -1).transpose(1, 2), lat, lat[..., :C], group, self.scale)
+        o_rows = o_lat.transpose(1, 2).reshape(B * Q, H, C)
+        if self._head_gemm:
+            o = cpu_kernels.head_gemm_(o_rows, w_uv_t, o_rows.new_empty(B * Q, H, self.v_dim))
+        else:
+            o = torch.bmm(o_rows.transpose(0, 1), w_uv_t).transpose(0, 1)
+        return o.view(B, Q, H, self.v_dim).transpose(1, 2)
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if getattr(self, "_w_uk", None) is None:
@@ -130,6 +180,8 @@ class MLAttention(nn.Module):
                 o = torch.bmm(o_lat.transpose(0, 1), w_uv_t)  # [H, B, v]
                 return o.transpose(0, 1).unsqueeze(2)  # [B, H, 1, v]
             ctx = gather_cache(cache, group).to(qg.dtype)  # [B, L, C + R]
+            if self._absorb_prefill(group):
+                return self._absorbed_prefill(qg, ctx, group, w_uk, w_uv_t)
             B, L = ctx.shape[0], ctx.shape[1]
             kv = self.kv_b_proj(ctx[..., : self.kv_lora]).view(B, L, self.num_heads, self.nope + self.v_dim)
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
