@@ -8,13 +8,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
-mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENFAB_CACHE=${TOKENFAB_CACHE:-/tmp/tokenfab-cache}
 PY=${PY:-python3}
-if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+if ! $PY -c "import torch" 2>/dev/null; then
+  echo "gpu_check.sh: '$PY' cannot import torch; set PY to a Python with torch (e.g. PY=.venv/bin/python)." >&2
+  exit 2
+fi
+if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_check.sh: torch sees no CUDA/ROCm device here; nothing to check." >&2
   exit 2
 fi
+mkdir -p "$OUT"
 FAILED="$OUT/failed_steps"
 : > "$FAILED"
 fail() { echo "$1 FAILED rc=$2" | tee -a "$FAILED"; }

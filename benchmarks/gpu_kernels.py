@@ -16,7 +16,7 @@ A dry run of this script on CPU (tiny shapes, float32, Triton's interpreter; its
 side runs the padded graph buffers without capture):
 
     TRITON_INTERPRET=1 TOKENFAB_TRITON=interpret TOKENFAB_DECODE_GRAPHS=eager \
-        python benchmarks/gpu_kernels.py --device cpu --quick --reps 2 --out /tmp/gk
+        .venv/bin/python benchmarks/gpu_kernels.py --device cpu --quick --reps 2 --out /tmp/gk
 
 Writes <out>/gpu-kernels.{json,md}; exit status 1 when an error bound or the graph check fails.
 """
@@ -173,7 +173,7 @@ def main() -> int:
                                                            "TOKENFAB_DECODE_GRAPHS") if k in os.environ)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "dtype": str(dtype), "dry_run": dry, "copy_bandwidth_GBps": bw / 1e9,
-           "command": " ".join(([env_vars] if env_vars else []) + ["python"] + sys.argv)}
+           "command": " ".join(([env_vars] if env_vars else []) + [os.path.relpath(sys.executable)] + sys.argv)}
     with open(os.path.join(args.out, "gpu-kernels.json"), "w") as f:
         json.dump({"env": env, "kernels": rows, "graph_tokens": graph}, f, indent=1)
     title = (f"# Triton kernels: DRY RUN in Triton's interpreter on CPU ({dtype}; times mean nothing)" if dry else

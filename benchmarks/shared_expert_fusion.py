@@ -6,11 +6,16 @@ separate shared MLP plus an add, on one DeepSeek-V3 MoE layer of the embedded de
 Prints the max output difference and the median time per layer call of both, alternated 15 x 50 calls, at T = 1,
 4, 16 tokens. Result and decision: benchmarks/NOTES.md entry 28.
 """
-import time, statistics, torch
+import argparse
+import statistics
+import time
+
+import torch
 from tokenfab import LLM
 from tokenfab.default_model import ensure_default_model
 from tokenfab.models.deepseek_v3 import DeepseekV3MoE
 from tokenfab.kernels import cpu_kernels
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 llm = LLM(ensure_default_model(), max_model_len=256, max_num_seqs=1, progress=False)
 moe = next(m for m in llm.llm_engine.runner.model.modules() if isinstance(m, DeepseekV3MoE))
 ex, sh = moe.experts, moe.shared_experts

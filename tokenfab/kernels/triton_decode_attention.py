@@ -11,6 +11,9 @@ for MLA (one latent "head" shared by all query heads) every latent row is read o
 split as [first Dv dims | remaining D - Dv dims] so that MLA's 576-wide rows (512 latent + 64 rope) need no
 padding to 1024; when values are the first Dv dims of the key rows (MLA) the loaded key tile is reused as values.
 
+Every ``tl.dot`` asks for ``input_precision="ieee"``: float32 runs (the fidelity checks against transformers)
+must not drop to TF32, Triton's default for float32 operands on NVIDIA; bf16 operands are unaffected.
+
 Nothing here syncs with the host and every launch shape depends only on (batch, heads, max blocks), so the
 kernels run under CUDA graphs. Reference and fallback: ``layers/paged_attention.py::attention`` (gathered) and the
 CPU kernel; tests compare them in Triton's interpreter (tests/test_triton_kernels.py).
@@ -60,10 +63,10 @@ def _stage1(Q, K, V, BT, CL, MID_O, MID_LSE,
         blk = tl.load(BT + b * s_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
         row_k = blk * s_kn + (t % PAGE) * s_ks + hk * s_kh
         k = tl.load(K + row_k[:, None] + dv[None, :], mask=tmask[:, None] & dvmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_H, BLOCK_N] float32
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_H, BLOCK_N] float32
         if DR > 0:
             k_r = tl.load(K + row_k[:, None] + DV + dr[None, :], mask=tmask[:, None] & drmask[None, :], other=0.0)
-            s += tl.dot(q_r, tl.trans(k_r))
+            s += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
         s = tl.where(tmask[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
@@ -74,7 +77,7 @@ def _stage1(Q, K, V, BT, CL, MID_O, MID_LSE,
         else:
             row_v = blk * s_vn + (t % PAGE) * s_vs + hk * s_vh
             v = tl.load(V + row_v[:, None] + dv[None, :], mask=tmask[:, None] & dvmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m = m_new
 
     nonempty = l > 0

@@ -8,7 +8,8 @@ computes one [BLOCK_M, BLOCK_N] output tile: it gathers its pairs' input rows, m
 and scatters the rows back to pair order. The second projection multiplies each row by its routing weight; the
 k slots of a token are then summed in float32.
 
-The alignment is built with tensor ops only (no ``.item()``, no data-dependent shapes): the grid covers the worst
+Both GEMMs ask ``tl.dot`` for ``input_precision="ieee"`` (no TF32 in float32 runs). The alignment is built with
+tensor ops only (no ``.item()``, no data-dependent shapes): the grid covers the worst
 case T*k + E*(BLOCK_M - 1) rows and tiles past the real end return at once, so the launch is CUDA-graph safe.
 Reference and fallback: ``layers/moe.py::RoutedExperts`` (tests/test_triton_kernels.py runs both in Triton's
 interpreter).
@@ -47,7 +48,7 @@ def _moe_gemm(A, W, C, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
         a = tl.load(A + a_row[:, None] * s_am + kk[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(W + e * s_we + n[None, :] * s_wn + kk[:, None] * s_wk, mask=kmask[:, None] & nmask[None, :],
                     other=0.0)
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, w, input_precision="ieee")
     if MUL_WEIGHT:
         acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0)[:, None]
     tl.store(C + pair.to(tl.int64)[:, None] * s_cm + n[None, :], acc.to(C.dtype.element_ty),
