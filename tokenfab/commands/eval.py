@@ -52,6 +52,8 @@ def register(subparsers) -> None:
     k.add_argument("--seed", type=int, default=0, help="seed of random rows and of the sampled run")
     k.add_argument("--tensor-parallel-size", type=int, default=1, help="tokenfab tensor-parallel ranks")
     k.add_argument("--max-model-len", type=int, default=None, help="tokenfab max_model_len (tokens)")
+    k.add_argument("--enforce-eager", action="store_true",
+                   help="no decode CUDA graphs (GPU only): score the eager decode path instead of the replayed one")
     k.add_argument("--out", default="eval-kl", metavar="DIR", help="where kl.json and kl.md go")
     k.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     k.set_defaults(func=run_kl_command)
@@ -98,8 +100,8 @@ def run_kl_command(args) -> int:
                     max_rows=args.max_rows, dtype=args.dtype, reference_dtype=args.reference_dtype,
                     reference_device=args.reference_device, decode_steps=args.decode_steps,
                     temperature=args.temperature, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                    max_model_len=args.max_model_len, device=args.device, progress=not args.no_progress,
-                    command=_command_line())
+                    max_model_len=args.max_model_len, device=args.device, enforce_eager=args.enforce_eager,
+                    progress=not args.no_progress, command=_command_line())
     print_table(result)
     jp, mp = write_kl_outputs(result, args.out)
     print(f"wrote {jp} and {mp}")

@@ -187,7 +187,8 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
            max_rows: int | None = None, dtype: str = "float32", reference_dtype: str = "float32",
            reference_device: str = "cpu", decode_steps: int = 16, temperature: float = 1.0, seed: int = 0,
            tensor_parallel_size: int = 1, max_model_len: int | None = None, device: str = "auto",
-           progress: bool = True, out_dir: str | None = None, command: str | None = None) -> dict:
+           enforce_eager: bool = False, progress: bool = True, out_dir: str | None = None,
+           command: str | None = None) -> dict:
     """Compare tokenfab with the transformers reference on held-out rows (see the module docstring).
 
     Args:
@@ -196,6 +197,7 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
             corrupted config.json and the reference at the original.
         decode_steps: K generated tokens per row and decode run, scored at K - 1 decode positions (0: prefill only).
         temperature: the sampled decode run's temperature (seeded with ``seed + row``); 0 skips that run.
+        enforce_eager: no decode CUDA graphs (GPU only): scores the eager decode path instead of the replayed one.
         out_dir: write ``kl.json`` and ``kl.md`` there.
 
     Returns:
@@ -222,7 +224,7 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
     reference_model = reference_model or model
 
     t0 = time.perf_counter()
-    llm_kw = dict(dtype=dtype, seed=seed, device=device)
+    llm_kw = dict(dtype=dtype, seed=seed, device=device, enforce_eager=enforce_eager)
     if max_model_len is not None:
         llm_kw["max_model_len"] = max_model_len
     llm_kw["tensor_parallel_size"] = tensor_parallel_size  # passed through; the engine decides what it supports
@@ -294,6 +296,8 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
         "vocab_size": V, "max_model_len": mml, "rows": len(rows), "row_lengths": sorted({len(r) for r in rows}),
         "dataset": dataset, "decode_steps": decode_steps, "temperature": temperature, "seed": seed,
         "tensor_parallel_size": tensor_parallel_size, "kl_direction": "KL(reference || tokenfab), nats",
+        "decode_cuda_graphs": llm.llm_engine.runner.decode_graphs is not None
+        and llm.llm_engine.runner.decode_graphs.mode == "cuda",
         "paths": {p: s.summary() for p, s in stats.items()},
         "per_row": per_row,
         "timings_s": {"load_tokenfab": t_load_tf, "load_reference": t_load_ref, "tokenfab": t_tf,
