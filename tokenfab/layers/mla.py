@@ -108,29 +108,34 @@ class MLAttention(nn.Module):
 
     def _absorbed_prefill(self, qg: torch.Tensor, ctx: torch.Tensor, group: AttentionGroup, w_uk: torch.Tensor,
                           w_uv_t: torch.Tensor) -> torch.Tensor:
-        """Prefill attention over the latent rows themselves, as decode does: q_lat = q_nope W_UK per head,
-        attention with keys [c_kv | k_rope] and values c_kv shared by all heads (one latent "head"), then W_UV.
-
-        qg [B, H, Q, nope + rope]; ctx [B, L, C + R] -> [B, H, Q, v]. Costs 2HQ(C + R + C) attention FLOPs per
-        context token against the expanded form's 2LC(nope + v) for kv_b_proj plus 2HQ(nope + rope + v): cheaper
-        only for short chunks over long contexts."""
+        """Prefill attention over the latent rows themselves, as decode does (cost: :meth:`_absorb_prefill`):
+        queries through W_UK, keys [c_kv | k_rope] and values c_kv shared by all heads (one latent "head"), then
+        W_UV. qg [B, H, Q, nope + rope]; ctx [B, L, C + R] -> [B, H, Q, v]."""
         B, H, Q, _ = qg.shape
-        C = self.kv_lora
         rows = qg.transpose(1, 2).reshape(B * Q, H, self.qk_dim)  # [B*Q, H, D]
-        q_lat = rows.new_empty(B * Q, H, C + self.rope_dim)
-        if self._head_gemm:
-            cpu_kernels.head_gemm_(rows[..., : self.nope], w_uk, q_lat[..., :C])
-        else:
-            q_lat[..., :C] = torch.bmm(rows[..., : self.nope].transpose(0, 1), w_uk).transpose(0, 1)
-        q_lat[..., C:] = rows[..., self.nope:]
+        q_lat = self._latent_queries(rows[..., : self.nope], rows[..., self.nope:], w_uk)
         lat = ctx.unsqueeze(1)  # [B, 1, L, C + R]
-        o_lat = attention(q_lat.view(B, Q, H, -1).transpose(1, 2), lat, lat[..., :C], group, self.scale)
-        o_rows = o_lat.transpose(1, 2).reshape(B * Q, H, C)
-        if self._head_gemm:
-            o = cpu_kernels.head_gemm_(o_rows, w_uv_t, o_rows.new_empty(B * Q, H, self.v_dim))
-        else:
-            o = torch.bmm(o_rows.transpose(0, 1), w_uv_t).transpose(0, 1)
+        o_lat = attention(q_lat.view(B, Q, H, -1).transpose(1, 2), lat, lat[..., : self.kv_lora], group, self.scale)
+        o = self._value_heads(o_lat.transpose(1, 2).reshape(B * Q, H, self.kv_lora), w_uv_t)
         return o.view(B, Q, H, self.v_dim).transpose(1, 2)
+
+    def _latent_queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+        """[q_nope W_UK | q_rope] per head in one buffer: q_nope [N, H, nope], q_rope [N, H, R] -> [N, H, C + R]
+        (the per-head GEMM kernel when it applies, else one ``torch.bmm`` over heads)."""
+        C = self.kv_lora
+        q_lat = q_nope.new_empty(q_nope.shape[0], self.num_heads, C + self.rope_dim)
+        if self._head_gemm:
+            cpu_kernels.head_gemm_(q_nope, w_uk, q_lat[..., :C])
+        else:
+            q_lat[..., :C] = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        q_lat[..., C:] = q_rope
+        return q_lat
+
+    def _value_heads(self, o_lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
+        """o_lat W_UV per head: [N, H, C] -> [N, H, v]."""
+        if self._head_gemm:
+            return cpu_kernels.head_gemm_(o_lat, w_uv_t, o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim))
+        return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if getattr(self, "_w_uk", None) is None:
@@ -159,26 +164,14 @@ class MLAttention(nn.Module):
 
         def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:
             if group.q_len == 1:  # absorbed decode over the latent cache
-                if self._head_gemm:  # q_lat = [q_nope W_UK | q_rope] written into one buffer
-                    q_lat = qg.new_empty(qg.shape[0], self.num_heads, self.kv_lora + self.rope_dim)
-                    cpu_kernels.head_gemm_(qg[:, :, 0, : self.nope], w_uk, q_lat[..., : self.kv_lora])
-                    q_lat[..., self.kv_lora:] = qg[:, :, 0, self.nope:]
-                else:
-                    q_nope_h = qg[:, :, 0, : self.nope].transpose(0, 1)  # [H, B, nope]
-                    q_lat = torch.bmm(q_nope_h, w_uk).transpose(0, 1)  # [B, H, C]
-                    q_lat = torch.cat([q_lat, qg[:, :, 0, self.nope:]], dim=-1)  # [B, H, C + R]
+                q_lat = self._latent_queries(qg[:, :, 0, : self.nope], qg[:, :, 0, self.nope:], w_uk)  # [B, H, C+R]
                 lat = cache.unsqueeze(2)  # [num_blocks, block_size, 1, C + R]: one latent "head", values = first C
                 o_lat = fused_decode(q_lat, lat, lat[..., : self.kv_lora], group, self.scale)  # [B, H, C]
                 if o_lat is None:
                     ctx = gather_cache(cache, group).to(qg.dtype).unsqueeze(1)  # [B, 1, L, C + R]
                     # values = the whole latent row (reads it in place; a sliced view would be copied), then cut
                     o_lat = attention(q_lat.unsqueeze(2), ctx, ctx, group, self.scale)[:, :, 0, : self.kv_lora]
-                if self._head_gemm:
-                    o = cpu_kernels.head_gemm_(o_lat, w_uv_t, o_lat.new_empty(o_lat.shape[0], self.num_heads,
-                                                                              self.v_dim))
-                    return o.unsqueeze(2)  # [B, H, 1, v]
-                o = torch.bmm(o_lat.transpose(0, 1), w_uv_t)  # [H, B, v]
-                return o.transpose(0, 1).unsqueeze(2)  # [B, H, 1, v]
+                return self._value_heads(o_lat, w_uv_t).unsqueeze(2)  # [B, H, 1, v]
             ctx = gather_cache(cache, group).to(qg.dtype)  # [B, L, C + R]
             if self._absorb_prefill(group):
                 return self._absorbed_prefill(qg, ctx, group, w_uk, w_uv_t)
