@@ -113,20 +113,21 @@ class DecodeGraphRunner:
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, block_tables: np.ndarray,
             context_lens: np.ndarray) -> torch.Tensor:
         """One decode-only step of B <= max_batch sequences (int64 numpy inputs: [B] ids, positions, slots,
-        context lengths after this step's write; [B, >= blocks in use] block tables) -> hidden [B, hidden]."""
+        context lengths after this step's write; [B, >= blocks in use] block tables) -> hidden [B, hidden].
+
+        Only the block-table columns in use are copied: attention reads no column past a row's context length,
+        so older columns may keep stale ids. Padding rows get the pad block in column 0 and context length 1."""
         B = len(input_ids)
         bs = next(s for s in self.sizes if s >= B)
         width = min(block_tables.shape[1], self.max_blocks)
-        pad = bs - B
-        bt = np.full((bs, self.max_blocks), self.pad_block, dtype=np.int64)
-        bt[:B, :width] = block_tables[:, :width]
-        fill = lambda a, v: torch.from_numpy(np.concatenate([a, np.full(pad, v, dtype=np.int64)]) if pad else a)
         nb = self.input_ids.device.type == "cuda"
-        self.input_ids[:bs].copy_(fill(input_ids, 0), non_blocking=nb)
-        self.positions[:bs].copy_(fill(positions, 0), non_blocking=nb)
-        self.slot_mapping[:bs].copy_(fill(slot_mapping, self.pad_block * self.block_size), non_blocking=nb)
-        self.context_lens[:bs].copy_(fill(context_lens, 1), non_blocking=nb)
-        self.block_tables[:bs].copy_(torch.from_numpy(bt), non_blocking=nb)
+        for buf, rows, pad_value in ((self.input_ids, input_ids, 0), (self.positions, positions, 0),
+                                     (self.slot_mapping, slot_mapping, self.pad_block * self.block_size),
+                                     (self.context_lens, context_lens, 1)):
+            buf[:B].copy_(torch.from_numpy(rows), non_blocking=nb)
+            buf[B:bs].fill_(pad_value)
+        self.block_tables[:B, :width].copy_(torch.from_numpy(block_tables[:, :width]), non_blocking=nb)
+        self.block_tables[B:bs, 0].fill_(self.pad_block)
         self.replays += 1
         if self.mode == "cuda":
             graph, out = self.graphs[bs]
