@@ -34,6 +34,9 @@ def test_mode_choice(monkeypatch):
     assert decode_graph_mode(cpu, Hybrid(), enforce_eager=False) is None  # KDA state rows live outside the graph
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
     assert decode_graph_mode(cpu, Dense(), enforce_eager=False) is None
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "off")  # a typo must not silently mean "auto"
+    with pytest.raises(Exception, match="TOKENFAB_DECODE_GRAPHS='off'.*use 0"):
+        decode_graph_mode(cpu, Dense(), enforce_eager=False)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "llama"])

@@ -116,6 +116,10 @@ def test_applies_only_on_gpu_or_when_interpreting(monkeypatch):
     assert triton_support.applies(x)
     monkeypatch.setenv("TOKENFAB_TRITON", "0")
     assert not triton_support.applies(x)
+    triton_support.check_env()
+    monkeypatch.setenv("TOKENFAB_TRITON", "off")  # a typo must not silently mean "on"
+    with pytest.raises(Exception, match="TOKENFAB_TRITON='off'.*use 1"):
+        triton_support.check_env()
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "llama"])

@@ -20,6 +20,7 @@ import os
 import numpy as np
 import torch
 
+from tokenfab.errors import EngineConfigError
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 
 
@@ -40,8 +41,14 @@ def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str |
     static-buffer path without capture, on any device (tests, dry runs);
     unset: "cuda" on a CUDA/ROCm device when not ``enforce_eager``, the Triton kernels apply and the model runs on
     one rank. Never for models with recurrent-state (KDA) layers.
+
+    Raises:
+        EngineConfigError: another value of ``TOKENFAB_DECODE_GRAPHS``.
     """
     env = os.environ.get("TOKENFAB_DECODE_GRAPHS", "")
+    if env not in ("", "1", "0", "eager"):
+        raise EngineConfigError(f"TOKENFAB_DECODE_GRAPHS='{env}' is not understood; use 0 (off), eager (padded "
+                                "buffers without capture) or leave it unset (CUDA graphs where they apply).")
     if enforce_eager or env == "0" or hasattr(model, "make_state_cache"):  # KDA state slots: by scheduler row
         return None
     if env == "eager":

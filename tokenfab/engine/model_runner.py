@@ -21,6 +21,7 @@ from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.cuda_graph_runner import DecodeGraphRunner, capture_sizes, decode_graph_mode
 from tokenfab.engine.sampler import Sampler, SamplerOutput
 from tokenfab.engine.scheduler import ScheduledBatch
+from tokenfab.kernels import triton_support
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 
 
@@ -68,6 +69,7 @@ class ModelRunner:
         self.bm = block_manager
         self.block_size = block_manager.block_size
         self.device = device
+        triton_support.check_env()
         graph_mode = decode_graph_mode(device, model, enforce_eager)
         # decode graphs pad batches into a spare block the block manager never hands out (cuda_graph_runner.py)
         num_blocks = block_manager.num_blocks + (graph_mode is not None)

@@ -29,6 +29,16 @@ def interpreting() -> bool:
     return os.environ.get("TOKENFAB_TRITON") == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def check_env() -> None:
+    """Raise EngineConfigError for a ``TOKENFAB_TRITON`` value other than 1 (default), 0 or interpret (checked once
+    when an engine starts, so a typo is not silently read as "on")."""
+    mode = os.environ.get("TOKENFAB_TRITON", "1")
+    if mode not in ("1", "0", "interpret"):
+        from tokenfab.errors import EngineConfigError
+        raise EngineConfigError(f"TOKENFAB_TRITON='{mode}' is not understood; use 1 (Triton kernels on GPUs, the "
+                                "default), 0 (off) or interpret (tests: Triton's interpreter on CPU).")
+
+
 def applies(x: torch.Tensor) -> bool:
     """Whether the Triton kernels should handle tensors on ``x``'s device."""
     mode = os.environ.get("TOKENFAB_TRITON", "1")
