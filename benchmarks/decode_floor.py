@@ -58,7 +58,7 @@ def weight_bytes(model) -> tuple[int, int, int]:
             n_layers_experts += 1
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
     from tokenfab.layers.linear import Linear
-    for m in model.modules():  # weights repacked for oneDNN are no longer parameters
+    for m in model.modules():  # packed weights (tokenfab VNNI blocks or oneDNN) are no longer parameters
         if isinstance(m, Linear) and m._packed is not None:
             dense += m.in_features * m.out_features * 2
     if getattr(model, "_lm_head_packed", None) is not None:

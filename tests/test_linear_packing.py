@@ -1,10 +1,80 @@
-"""The packed oneDNN bf16 linear (CPU) gives F.linear's results, and the engine really uses it."""
+"""The packed bf16 linears (CPU: tokenfab's VNNI blocks and oneDNN's) give F.linear's results, and the engine really
+uses them."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tokenfab.kernels import cpu_kernels
 from tokenfab.layers.linear import Linear, can_pack
+
+needs_bf16_dot = pytest.mark.skipif(not cpu_kernels.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
+
+
+def assert_rounded_from(got: torch.Tensor, exact: torch.Tensor, mag: torch.Tensor) -> None:
+    """got (bf16) is exact (float64) rounded to bf16 up to float32 accumulation error: within half a bf16 ulp of
+    |exact| plus 2^-20 of sum |x w| (K <= 2048 float32 additions)."""
+    ulp = torch.ldexp(torch.ones_like(exact), torch.frexp(exact)[1] - 8)  # bf16 ulp at |exact|: 2^(e - 8)
+    bound = ulp / 2 + mag * 2.0 ** -20
+    err = (got.double() - exact).abs()
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 70, 130])
+@pytest.mark.parametrize("n,k", [(96, 64), (100, 62), (33, 128), (768, 384)])
+def test_vnni_linear_rounds_the_exact_product(rows, n, k):
+    """Decode GEMV (<= 4 rows) and brgemm tiles (more rows), N not a multiple of the 32-row block, K / 2 odd,
+    bias, a strided input (a column slice of a wider buffer) and a 3-D input."""
+    g = torch.Generator().manual_seed(rows * 1000 + n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16()
+    wide = torch.randn(rows, k + 10, generator=g).bfloat16()
+    x = wide[:, 3:3 + k]  # row stride k + 10
+    packed = cpu_kernels.pack_linear_weight(w)
+    assert packed.shape == (-(-n // 32), k // 2, 32, 2)
+    for bias in (None, b):
+        got = cpu_kernels.vnni_linear(x, packed, n, bias)
+        exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+        assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+        assert_rounded_from(got, exact, x.double().abs() @ w.double().abs().t())
+    got3 = cpu_kernels.vnni_linear(x.contiguous().view(1, rows, k), packed, n)
+    assert torch.equal(got3.view(rows, n), cpu_kernels.vnni_linear(x, packed, n))
+
+
+@needs_bf16_dot
+def test_vnni_linear_rejects_a_mismatched_weight():
+    packed = cpu_kernels.pack_linear_weight(torch.randn(64, 32).bfloat16())
+    with pytest.raises(RuntimeError, match="does not match"):
+        cpu_kernels.vnni_linear(torch.randn(1, 30).bfloat16(), packed, 64)
+    with pytest.raises(RuntimeError, match="does not match"):
+        cpu_kernels.vnni_linear(torch.randn(1, 32).bfloat16(), packed, 100)
+
+
+def test_cpu_linear_backend_typo_is_a_clear_error(monkeypatch):
+    from tokenfab.errors import EngineConfigError
+    from tokenfab.layers.linear import cpu_linear_backend
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "onednnn")
+    with pytest.raises(EngineConfigError, match="TOKENFAB_CPU_LINEAR='onednnn'.*tokenfab, onednn, torch"):
+        cpu_linear_backend()
+
+
+@pytest.mark.parametrize("backend", ["tokenfab", "onednn", "torch"])
+def test_cpu_linear_backend_decides_the_packing(monkeypatch, backend):
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", backend)
+    lin = Linear(64, 40, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 64))
+    w = lin.weight.clone()
+    lin.fuse()
+    if backend == "torch" or not torch.backends.mkldnn.is_available():
+        assert lin._packed is None
+    elif backend == "tokenfab" and cpu_kernels.has_bf16_dot():
+        assert not lin._packed.is_mkldnn and lin._packed.shape == (2, 32, 32, 2)
+    else:
+        assert lin._packed.is_mkldnn
+    x = torch.randn(3, 64).bfloat16()
+    assert_rounded_from(lin(x), x.double() @ w.double().t(), x.double().abs() @ w.double().abs().t())
 
 
 @pytest.mark.skipif(not can_pack(torch.empty(2, 2, dtype=torch.bfloat16)), reason="no oneDNN packing here")

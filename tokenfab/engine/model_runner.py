@@ -23,6 +23,7 @@ from tokenfab.engine.sampler import Sampler, SamplerOutput
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.kernels import triton_support
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
+from tokenfab.layers.linear import cpu_linear_backend
 
 
 @dataclass
@@ -70,6 +71,7 @@ class ModelRunner:
         self.block_size = block_manager.block_size
         self.device = device
         triton_support.check_env()
+        cpu_linear_backend()  # a typo in TOKENFAB_CPU_LINEAR is an error here, not a silent default
         graph_mode = decode_graph_mode(device, model, enforce_eager)
         # decode graphs pad batches into a spare block the block manager never hands out (cuda_graph_runner.py)
         num_blocks = block_manager.num_blocks + (graph_mode is not None)

@@ -1,4 +1,4 @@
-"""Fused CPU kernels (csrc/cpu_kernels.cpp), compiled on first use, with the PyTorch paths as the fallback.
+"""Fused CPU kernels (csrc/cpu_kernels.cpp, csrc/vnni_linear.cpp), compiled on first use, with the PyTorch paths as the fallback.
 
 Eager PyTorch spends most of a CPU decode step on dispatch and small-tensor passes (~150 ops per layer-step,
 benchmarks/NOTES.md). These kernels fold the hottest chains into one call each: paged decode attention straight
@@ -40,12 +40,20 @@ def _cpu_tag() -> str:
 
 def _build_dir() -> str:
     root = os.environ.get("TOKENFAB_KERNEL_CACHE", os.path.expanduser("~/.cache/tokenfab/kernels"))
-    src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
-    with open(src, "rb") as f:
-        digest = hashlib.sha1(f.read()).hexdigest()[:10]
+    h = hashlib.sha1()
+    for src in _sources():
+        with open(src, "rb") as f:
+            h.update(f.read())
+    digest = h.hexdigest()[:10]
     path = os.path.join(root, f"torch{torch.__version__}-{_cpu_tag()}-{digest}")
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def _sources() -> list[str]:
+    """The extension's C++ sources and headers (all of them hash into the build folder's name)."""
+    d = os.path.join(os.path.dirname(__file__), "csrc")
+    return [os.path.join(d, f) for f in ("cpu_kernels.cpp", "vnni_linear.cpp", "vnni_linear.h")]
 
 
 def load():
@@ -116,7 +124,7 @@ def _build(build_dir: str):
         bindir = os.path.dirname(sys.executable)  # pip's ninja lives beside python in a venv not on PATH
         if os.path.isfile(os.path.join(bindir, "ninja")) and bindir not in os.environ.get("PATH", ""):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
-        src = os.path.join(os.path.dirname(__file__), "csrc", "cpu_kernels.cpp")
+        srcs = [f for f in _sources() if f.endswith(".cpp")]
         flags = ["-O3", "-fopenmp"]
         if platform.machine() in ("x86_64", "AMD64"):
             flags.append("-march=native")
@@ -134,7 +142,7 @@ def _build(build_dir: str):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                module = cpp_extension.load(name="tokenfab_cpu_kernels", sources=[src], extra_cflags=flags,
+                module = cpp_extension.load(name="tokenfab_cpu_kernels", sources=srcs, extra_cflags=flags,
                                             extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
         finally:
             torch_log.setLevel(level)
@@ -283,3 +291,36 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, n_group: int, t
     w, ids = load().sigmoid_group_topk(logits, bias, int(n_group), int(topk_group), int(top_k), bool(norm),
                                        float(scale))
     return w, ids
+
+
+def vnni_linear_applies(weight: torch.Tensor) -> bool:
+    """True when :func:`vnni_linear` can run ``weight`` [N, K]: bf16 on CPU, K even, and built kernels with
+    AVX512-BF16 dot products."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[1] % 2 == 0 and weight.shape[0] > 0 and has_bf16_dot())
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 (K even) -> VNNI blocks [ceil(N / 32), K / 2, 32, 2] bf16 for :func:`vnni_linear`
+    (rows past N zero): each block of 32 output rows is one contiguous stream with the two k values of each pair
+    side by side, the B layout of ``vdpbf16ps`` and of oneDNN's brgemm micro-kernel."""
+    return load().pack_linear_weight(weight.detach())
+
+
+def vnni_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) over :func:`pack_linear_weight` of W [n, K].
+
+    Args:
+        x: [..., K] bf16 (last dim contiguous; 2-D row strides are kept).
+        packed: the packed weight. n: output features (W's rows). bias: [n] (any float dtype) or None.
+
+    Returns:
+        [..., n] bf16: float32 accumulation, + bias in float32, one rounding to nearest even per output. Up to 4
+        rows run a GEMV that streams each weight block once for all rows (decode); more rows run oneDNN's brgemm
+        micro-kernel on 64 x 32 tiles (prefill). benchmarks/linear_kernels.py measures both against oneDNN's
+        packed inner product.
+
+    Raises:
+        RuntimeError: x not bf16, or x's last dim / ``n`` not matching ``packed``.
+    """
+    return load().vnni_linear(x, packed, int(n), bias)

@@ -1,9 +1,15 @@
 """Linear layers whose weights come from a checkpoint (no random init: parameters start empty).
 
-On CPU in bfloat16, weights are repacked once after loading into oneDNN's blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight``) and run with ``torch.ops.mkldnn._linear_pointwise``, the kernels
-PyTorch's inductor uses for frozen CPU linears: about 1.5-2.5x faster than ``F.linear`` at decode shapes here
-(benchmarks/NOTES.md). Set ``TOKENFAB_MKLDNN_LINEAR=0`` to compare against plain ``F.linear``.
+On CPU in bfloat16, weights are repacked once after loading, by the backend ``TOKENFAB_CPU_LINEAR`` names:
+
+* ``tokenfab`` (default): tokenfab's VNNI blocks (``kernels/csrc/vnni_linear.cpp``) when the CPU kernels are built
+  with AVX512-BF16, else ``onednn``. Decode-sized inputs (<= 4 rows) run a GEMV that streams the weight at
+  27-35 GB/s on the 2-core VM, 0.43-0.69x the time of oneDNN's packed inner product; larger inputs run oneDNN's
+  brgemm micro-kernel on the same copy, level with oneDNN at prefill shapes (benchmarks/NOTES.md entry 32).
+* ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) run with
+  ``torch.ops.mkldnn._linear_pointwise``, the kernels PyTorch's inductor uses for frozen CPU linears (1.5-2.5x
+  faster than ``F.linear`` at decode shapes, NOTES entry 7).
+* ``torch``: plain ``F.linear`` (for comparisons).
 """
 from __future__ import annotations
 
@@ -13,22 +19,55 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab.kernels import cpu_kernels
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """True when ``weight`` (bf16 on CPU) can use the packed oneDNN linear in this torch build."""
-    return (os.environ.get("TOKENFAB_MKLDNN_LINEAR", "1") != "0" and weight.device.type == "cpu"
-            and weight.dtype == torch.bfloat16 and weight.dim() == 2 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+BACKENDS = ("tokenfab", "onednn", "torch")
+
+
+def cpu_linear_backend() -> str:
+    """``TOKENFAB_CPU_LINEAR`` (default ``tokenfab``).
+
+    Raises:
+        EngineConfigError: any other value (checked when a ModelRunner starts).
+    """
+    value = os.environ.get("TOKENFAB_CPU_LINEAR", "tokenfab")
+    if value not in BACKENDS:
+        from tokenfab.errors import EngineConfigError
+        raise EngineConfigError(f"TOKENFAB_CPU_LINEAR={value!r} is not a CPU linear backend; use one of "
+                                f"{', '.join(BACKENDS)} (or unset it for tokenfab).")
+    return value
+
+
+def _onednn_ok(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def can_pack(weight: torch.Tensor) -> bool:
+    """True when ``weight`` (bf16 on CPU) can be packed for :func:`packed_linear` under the configured backend."""
+    backend = cpu_linear_backend()
+    if backend == "torch" or weight.device.type != "cpu":
+        return False
+    if backend == "tokenfab" and cpu_kernels.vnni_linear_applies(weight):
+        return True
+    return _onednn_ok(weight)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] bf16 -> opaque oneDNN-blocked tensor for :func:`packed_linear`."""
+    """weight [out, in] bf16 -> the packed copy :func:`packed_linear` runs: tokenfab's VNNI blocks
+    [ceil(out / 32), in / 2, 32, 2] (backend ``tokenfab`` where it applies) or oneDNN's opaque blocked tensor."""
+    if cpu_linear_backend() == "tokenfab" and cpu_kernels.vnni_linear_applies(weight):
+        return cpu_kernels.pack_linear_weight(weight.contiguous())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] bf16 -> [..., out] with a weight packed by :func:`pack_weight`."""
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., in] bf16 -> [..., out_features] with a weight packed by :func:`pack_weight` (float32 accumulation,
+    one rounding to bf16 per output, either backend)."""
+    if not packed.is_mkldnn:
+        return cpu_kernels.vnni_linear(x, packed, out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -47,7 +86,7 @@ class Linear(nn.Module):
         self._packed: torch.Tensor | None = None
 
     def fuse(self) -> None:
-        """Pack the weight for the oneDNN kernel when possible (called once after loading)."""
+        """Pack the weight for the configured CPU backend when possible (called once after loading)."""
         # A one-row weight is a vector read directly by its owner (e.g. K3's attention-residual pseudo-query);
         # packing a GEMV of one output gains nothing, so it stays a plain parameter.
         if (self._packed is None and self.weight is not None and self.weight.numel() and self.out_features > 1
@@ -57,5 +96,5 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            return packed_linear(x, self._packed, self.bias)
+            return packed_linear(x, self._packed, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)

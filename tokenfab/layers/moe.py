@@ -95,12 +95,13 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate), requires_grad=False)
         self.use_grouped_mm = _HAS_GROUPED_MM
         self.fused_dispatch = True  # packed CPU experts: the dispatch in one kernel call (False: the Python loop)
-        self._p13: list[torch.Tensor] | None = None  # per-expert packed oneDNN weights (CPU bf16), see fuse()
+        self._p13: list[torch.Tensor] | None = None  # per-expert packed weights (CPU bf16), see fuse()
         self._p2: list[torch.Tensor] | None = None
 
     def fuse(self) -> None:
-        """After loading, on CPU in bf16: pack each expert's weights for oneDNN and run a loop over the active
-        experts (measured 1.2-3x faster than torch._grouped_mm's CPU path at decode sizes, benchmarks/NOTES.md)."""
+        """After loading, on CPU in bf16: pack each expert's weights (:func:`~tokenfab.layers.linear.pack_weight`)
+        and run a loop over the active experts (measured 1.2-3x faster than torch._grouped_mm's CPU path at decode
+        sizes with oneDNN packing, benchmarks/NOTES.md)."""
         if type(self).forward is not RoutedExperts.forward:  # a subclass with its own math reads w13/w2 itself
             return
         if self.w13 is not None and self.w13.shape[0] and can_pack(self.w13[0]):
@@ -138,8 +139,8 @@ class RoutedExperts(nn.Module):
             b = 0
             for e, n in enumerate(counts.tolist()):
                 if n:
-                    h[b:b + n] = packed_linear(silu_and_mul(packed_linear(xs[b:b + n], self._p13[e], None)),
-                                               self._p2[e], None)
+                    gate_up = packed_linear(xs[b:b + n], self._p13[e], None, 2 * self.intermediate)
+                    h[b:b + n] = packed_linear(silu_and_mul(gate_up), self._p2[e], None, x.shape[1])
                     b += n
         elif self.use_grouped_mm and self._grouped_ok(xs):
             offs = torch.cumsum(counts, 0, dtype=torch.int32)

@@ -63,7 +63,7 @@ class CausalLM(nn.Module):
         empty tensor)."""
         packed = getattr(self, "_lm_head_packed", None)
         if packed is not None:
-            return packed_linear(hidden, packed, None).float()
+            return packed_linear(hidden, packed, None, self._lm_head_rows).float()
         return self.lm_head(hidden).float()
 
     def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:
@@ -154,7 +154,7 @@ class CausalLM(nn.Module):
         lm = self.lm_head
         if (isinstance(lm, nn.Linear) and not self.cfg.tie_word_embeddings and lm.weight is not None
                 and can_pack(lm.weight)):
-            self._lm_head_packed = pack_weight(lm.weight)
+            self._lm_head_packed, self._lm_head_rows = pack_weight(lm.weight), lm.weight.shape[0]
             lm.weight = None
 
 

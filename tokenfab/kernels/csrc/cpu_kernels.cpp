@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "vnni_linear.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -1006,7 +1008,7 @@ void head_gemm_(const at::Tensor& x, const at::Tensor& wp, at::Tensor& y) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Routed experts with oneDNN-packed weights: the whole token -> expert dispatch in one call (the Python version
+// Routed experts with packed weights (tokenfab's VNNI blocks, vnni_linear.cpp, or oneDNN's): the whole token -> expert dispatch in one call (the Python version
 // spent ~230 us per MoE layer at batch 1 on ~25 small ops around its 4 GEMMs, benchmarks/NOTES.md). Same
 // arithmetic and order as RoutedExperts.forward's packed path: (token, slot) pairs grouped by expert in increasing
 // expert id (stable within an expert), per expert one packed GEMM [n, H] -> [n, 2I], SiLU-GLU, one packed GEMM
@@ -1042,9 +1044,14 @@ at::Tensor moe_experts_packed(const at::Tensor& x, const at::Tensor& weights, co
     auto xs = at::empty({n, H}, xc.options());
     auto* xsp = reinterpret_cast<uint16_t*>(xs.data_ptr());
     for (int64_t i = 0; i < n; ++i) std::memcpy(xsp + i * H, xp + (pe[i] / k) * H, H * sizeof(uint16_t));
-    const auto h13 = linear.call(xs, p13[e], std::nullopt, "none", no_scalars, std::string_view(""));
-    const auto h = linear.call(silu_and_mul(h13), p2[e], std::nullopt, "none", no_scalars, std::string_view(""))
-                       .contiguous();
+    at::Tensor h;
+    if (p13[e].dim() == 4) {  // VNNI blocks: gate_up [2I, H] -> N = 2I = 2 * (down's K)
+      const int64_t inter = p2[e].size(1) * 2;
+      h = vnni_linear(silu_and_mul(vnni_linear(xs, p13[e], 2 * inter, std::nullopt)), p2[e], H, std::nullopt);
+    } else {
+      const auto h13 = linear.call(xs, p13[e], std::nullopt, "none", no_scalars, std::string_view(""));
+      h = linear.call(silu_and_mul(h13), p2[e], std::nullopt, "none", no_scalars, std::string_view("")).contiguous();
+    }
     const auto* hp = reinterpret_cast<const uint16_t*>(h.data_ptr());
     for (int64_t i = 0; i < n; ++i) {
       float* a = acc.data() + (pe[i] / k) * H;
@@ -1136,5 +1143,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_softmax_", &causal_softmax_, "in-place causal softmax of prefill scores (CPU)");
   m.def("sigmoid_group_topk", &sigmoid_group_topk, "DeepSeek-V3 sigmoid group-limited top-k routing (CPU)");
   m.def("moe_experts_packed", &moe_experts_packed, "routed experts over oneDNN-packed weights (CPU, bf16)");
+  m.def("pack_linear_weight", &pack_linear_weight, "bf16 weight [N, K] -> VNNI blocks [N/32, K/2, 32, 2] (CPU)");
+  m.def("vnni_linear", &vnni_linear, "x W^T (+ b) over VNNI-blocked weights (CPU, bf16)");
   m.def("head_gemm_", &head_gemm_, "per-head GEMM with VNNI-packed weights into y (CPU, AVX512-BF16)");
 }

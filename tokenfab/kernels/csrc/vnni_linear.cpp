@@ -1,0 +1,178 @@
+// Linear layers for CPU decode and prefill on one VNNI-blocked copy of each bf16 weight.
+//
+// Layout: W [N, K] becomes wp[N / 32, K / 2, 32, 2]: 32 output rows per block, and within a block the two k values
+// of each pair side by side for every row, so one `vdpbf16ps` of a broadcast (x[2k'], x[2k' + 1]) pair against 64
+// bytes of the block adds two products to 16 outputs (no horizontal sums), and a block is one contiguous stream of
+// K * 64 bytes. The same layout is what oneDNN's brgemm micro-kernel takes as a VNNI B operand.
+//
+// M <= 4 rows (decode): a hand-written GEMV streams each block once for all rows; it is memory-bound and reaches
+// 27-35 GB/s on the 2-core AVX512-BF16 VM, where oneDNN's packed inner product reaches 12-22 GB/s at the same
+// shapes (benchmarks/NOTES.md entry 32, benchmarks/linear_kernels.py). M > 4 (prefill, batched decode): oneDNN's
+// brgemm micro-kernel (at::native::cpublas::brgemm) on 64 x 32 tiles, float32 tiles rounded once to bf16.
+#include "vnni_linear.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t BN = kVnniBlockN;
+constexpr int64_t kGemvRows = 4;  // M <= this: the GEMV; above: brgemm tiles
+constexpr int64_t kTileM = 64;
+
+#if defined(__AVX512BF16__)
+// Outputs [n0, n0 + nvalid) of one row from two 16-lane float32 accumulators: + bias, round to bf16, store.
+inline void store_block(uint16_t* y, __m512 lo, __m512 hi, const float* bias, int64_t nvalid) {
+  if (bias != nullptr) {
+    const __mmask16 ml = nvalid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nvalid) - 1u);
+    const __mmask16 mh = nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : static_cast<__mmask16>((1u << (nvalid - 16)) - 1u);
+    lo = _mm512_add_ps(lo, _mm512_maskz_loadu_ps(ml, bias));
+    hi = _mm512_add_ps(hi, _mm512_maskz_loadu_ps(mh, bias + 16));
+  }
+  const __m256i l = (__m256i)_mm512_cvtneps_pbh(lo), h = (__m256i)_mm512_cvtneps_pbh(hi);
+  if (nvalid >= 32) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), l);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16), h);
+  } else {
+    const __mmask16 ml = nvalid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nvalid) - 1u);
+    _mm256_mask_storeu_epi16(y, ml, l);
+    if (nvalid > 16) _mm256_mask_storeu_epi16(y + 16, static_cast<__mmask16>((1u << (nvalid - 16)) - 1u), h);
+  }
+}
+
+// Blocks [b0, b1) for M rows of x (row stride lda): per block 2 x 16 outputs, with the even and odd k pairs in
+// separate accumulators (two independent dependency chains per output vector), summed at the end.
+template <int M>
+void gemv_blocks(const uint16_t* x, int64_t lda, int64_t K, const uint16_t* wp, int64_t N, const float* bias,
+                 uint16_t* y, int64_t ldy, int64_t b0, int64_t b1) {
+  const int64_t KP = K / 2;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint16_t* w = wp + b * K * BN;
+    __m512 acc[M][2][2];
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < 2; ++h) acc[m][h][0] = acc[m][h][1] = _mm512_setzero_ps();
+    int64_t kp = 0;
+    for (; kp + 2 <= KP; kp += 2) {
+      const uint16_t* wk = w + kp * 2 * BN;
+      const __m512bh w00 = (__m512bh)_mm512_loadu_si512(wk), w01 = (__m512bh)_mm512_loadu_si512(wk + 32);
+      const __m512bh w10 = (__m512bh)_mm512_loadu_si512(wk + 64), w11 = (__m512bh)_mm512_loadu_si512(wk + 96);
+      for (int m = 0; m < M; ++m) {
+        uint32_t p0, p1;
+        std::memcpy(&p0, x + m * lda + 2 * kp, 4);
+        std::memcpy(&p1, x + m * lda + 2 * kp + 2, 4);
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p0));
+        const __m512bh x1 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p1));
+        acc[m][0][0] = _mm512_dpbf16_ps(acc[m][0][0], x0, w00);
+        acc[m][1][0] = _mm512_dpbf16_ps(acc[m][1][0], x0, w01);
+        acc[m][0][1] = _mm512_dpbf16_ps(acc[m][0][1], x1, w10);
+        acc[m][1][1] = _mm512_dpbf16_ps(acc[m][1][1], x1, w11);
+      }
+    }
+    if (kp < KP) {  // K / 2 odd: the last pair
+      const uint16_t* wk = w + kp * 2 * BN;
+      const __m512bh w00 = (__m512bh)_mm512_loadu_si512(wk), w01 = (__m512bh)_mm512_loadu_si512(wk + 32);
+      for (int m = 0; m < M; ++m) {
+        uint32_t p0;
+        std::memcpy(&p0, x + m * lda + 2 * kp, 4);
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32(static_cast<int>(p0));
+        acc[m][0][0] = _mm512_dpbf16_ps(acc[m][0][0], x0, w00);
+        acc[m][1][0] = _mm512_dpbf16_ps(acc[m][1][0], x0, w01);
+      }
+    }
+    const int64_t nvalid = std::min<int64_t>(BN, N - b * BN);
+    const float* bb = bias == nullptr ? nullptr : bias + b * BN;
+    for (int m = 0; m < M; ++m)
+      store_block(y + m * ldy + b * BN, _mm512_add_ps(acc[m][0][0], acc[m][0][1]),
+                  _mm512_add_ps(acc[m][1][0], acc[m][1][1]), bb, nvalid);
+  }
+}
+
+void gemv(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* wp, int64_t N, const float* bias,
+          uint16_t* y, int64_t ldy) {
+  const int64_t NB = (N + BN - 1) / BN;
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    switch (M) {
+      case 1: gemv_blocks<1>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+      case 2: gemv_blocks<2>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+      case 3: gemv_blocks<3>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+      default: gemv_blocks<4>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+    }
+  });
+}
+#endif  // __AVX512BF16__
+
+// M > kGemvRows: tiles of kTileM rows x one 32-wide block through oneDNN's brgemm micro-kernel; the row tile is the
+// outer index, so a thread keeps one tile of x (64 x K) in cache while it walks the weight blocks.
+void gemm(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* wp, int64_t N, const float* bias,
+          uint16_t* y, int64_t ldy) {
+  const int64_t NB = (N + BN - 1) / BN, MB = (M + kTileM - 1) / kTileM;
+  const auto* xb = reinterpret_cast<const at::BFloat16*>(x);
+  const auto* wb = reinterpret_cast<const at::BFloat16*>(wp);
+  at::parallel_for(0, MB * NB, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> c(kTileM * BN);
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t nb = it % NB, mb = it / NB;
+      const int64_t m0 = mb * kTileM, mt = std::min(kTileM, M - m0), nvalid = std::min<int64_t>(BN, N - nb * BN);
+      at::native::cpublas::brgemm(mt, BN, K, lda, BN, BN, false, xb + m0 * lda, wb + nb * K * BN, c.data(), true);
+      for (int64_t r = 0; r < mt; ++r) {
+        uint16_t* yr = y + (m0 + r) * ldy + nb * BN;
+        const float* cr = c.data() + r * BN;
+        for (int64_t j = 0; j < nvalid; ++j) {
+          const float v = bias == nullptr ? cr[j] : cr[j] + bias[nb * BN + j];
+          const c10::BFloat16 h(v);  // round to nearest even
+          std::memcpy(yr + j, &h, 2);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+}
+
+}  // namespace
+
+at::Tensor pack_linear_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.size(1) % 2 == 0,
+              "pack_linear_weight: a bf16 weight [N, K] with K even expected, got ", w.sizes(), " ", w.scalar_type());
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + BN - 1) / BN;
+  auto padded = at::constant_pad_nd(w, {0, 0, 0, NB * BN - N});
+  return padded.view({NB, BN, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 4 &&
+              wp.size(2) == BN && wp.size(3) == 2 && wp.is_contiguous(),
+              "vnni_linear: bf16 x [..., K] and a weight from pack_linear_weight expected");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(wp.size(1) * 2 == K && n > 0 && (n + BN - 1) / BN == wp.size(0),
+              "vnni_linear: x's last dim ", K, " or n ", n, " does not match the packed weight ", wp.sizes());
+  auto x2 = x.reshape({-1, K});
+  if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
+  const int64_t M = x2.size(0);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  auto y = at::empty(shape, x.options());
+  if (M == 0) return y;
+  at::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "vnni_linear: bias has ", bias->numel(), " values for ", n, " outputs");
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+  const auto* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+#if defined(__AVX512BF16__)
+  if (M <= kGemvRows) {
+    gemv(xp, M, x2.stride(0), K, wpp, n, bp, yp, n);
+    return y;
+  }
+#endif
+  gemm(xp, M, x2.stride(0), K, wpp, n, bp, yp, n);
+  return y;
+}

@@ -1,0 +1,13 @@
+// Linear layers on tokenfab's VNNI-blocked bf16 weight layout (vnni_linear.cpp).
+#pragma once
+#include <torch/extension.h>
+
+// Block width of the packed layout: weight [N, K] is stored as [ceil(N / 32), K / 2, 32, 2].
+constexpr int64_t kVnniBlockN = 32;
+
+// w [N, K] bf16 (K even) -> [ceil(N / 32), K / 2, 32, 2] bf16, rows past N zero.
+at::Tensor pack_linear_weight(const at::Tensor& w);
+
+// y = x W^T (+ bias): x [..., K] bf16 (last dim contiguous), wp from pack_linear_weight of W [n, K], bias [n] or
+// none (any float dtype) -> y [..., n] bf16. Float32 accumulation, one rounding to bf16 per output.
+at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias);
