@@ -8,7 +8,8 @@ difference (engine overhead: scheduling, tensor building, sampling, output proce
 
     floor = (bytes of weights a decode step must read + KV bytes read) / measured copy bandwidth
 
-Bytes read per step: every non-expert weight, plus the routed experts actually chosen (top_k of n_routed_experts for
+Bytes read per step: every non-expert weight except the token-embedding table (a step reads one row of it per
+sequence, unless the LM head shares it; counted as such since 2026-11-30 session 5, before which the whole table was counted), plus the routed experts actually chosen (top_k of n_routed_experts for
 one token; all of them once B * top_k covers the experts — we count the distinct experts hit, measured), plus the
 KV cache rows attended. Copy bandwidth = 2 x bytes / time of ``dst.copy_(src)`` on a 512 MiB tensor (read + write
 traffic), best of 5, measured in the same run. Writes <--out, default benchmarks/results>/<date>[-<label>]-decode-floor.{json,md}.
@@ -56,7 +57,12 @@ def weight_bytes(model) -> tuple[int, int, int]:
                     expert_params.add(id(p))
             per_expert = 3 * m.intermediate * model.cfg.hidden_size * 2  # bf16 gate, up, down
             n_layers_experts += 1
+    embed = model.model.embed_tokens.weight
+    if not model.cfg.tie_word_embeddings:  # untied: a decode step reads one embedding row per sequence
+        expert_params.add(id(embed))
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
+    if not model.cfg.tie_word_embeddings:
+        dense += embed.shape[1] * embed.element_size()
     from tokenfab.layers.linear import Linear
     for m in model.modules():  # packed weights (tokenfab VNNI blocks or oneDNN) are no longer parameters
         if isinstance(m, Linear) and m._packed is not None:

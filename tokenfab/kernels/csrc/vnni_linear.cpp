@@ -119,14 +119,18 @@ void gemm(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* 
       const int64_t nb = it % NB, mb = it / NB;
       const int64_t m0 = mb * kTileM, mt = std::min(kTileM, M - m0), nvalid = std::min<int64_t>(BN, N - nb * BN);
       at::native::cpublas::brgemm(mt, BN, K, lda, BN, BN, false, xb + m0 * lda, wb + nb * K * BN, c.data(), true);
+      const float* bb = bias == nullptr ? nullptr : bias + nb * BN;
       for (int64_t r = 0; r < mt; ++r) {
         uint16_t* yr = y + (m0 + r) * ldy + nb * BN;
         const float* cr = c.data() + r * BN;
+#if defined(__AVX512BF16__)
+        store_block(yr, _mm512_loadu_ps(cr), _mm512_loadu_ps(cr + 16), bb, nvalid);
+#else
         for (int64_t j = 0; j < nvalid; ++j) {
-          const float v = bias == nullptr ? cr[j] : cr[j] + bias[nb * BN + j];
-          const c10::BFloat16 h(v);  // round to nearest even
+          const c10::BFloat16 h(bb == nullptr ? cr[j] : cr[j] + bb[j]);  // round to nearest even
           std::memcpy(yr + j, &h, 2);
         }
+#endif
       }
     }
     at::native::cpublas::brgemm_release(true);
