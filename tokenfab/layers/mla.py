@@ -53,6 +53,8 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.scale = cfg.softmax_scale()
         self.prefill_form = "auto"  # or "expanded" / "absorbed" (see _absorb_prefill)
+        self.decode_block = True  # decode-only CPU batches: the whole block in one kernel call (_decode_block_weights)
+        self._block_weights: list[torch.Tensor] | None = None
 
     def fuse(self) -> None:
         """After loading: W_UK [H, nope, C] and W_UV^T [H, C, v] from kv_b_proj.weight [H*(nope+v), C] for the
@@ -60,6 +62,9 @@ class MLAttention(nn.Module):
         with AVX512-BF16, 2.5-8x faster than ``torch.bmm`` at decode shapes, benchmarks/NOTES.md), else contiguous
         copies for two plain batched GEMMs over heads."""
         self._fuse_a_projections()
+        for lin in (getattr(self, "q_b_proj", None), self.o_proj):  # packed before the decode block reads them
+            if lin is not None:
+                lin.fuse()
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv_t = w[:, : self.nope, :], w[:, self.nope:, :].transpose(1, 2)
         self._head_gemm = cpu_kernels.head_gemm_applies(w, w_uk) and cpu_kernels.head_gemm_applies(w, w_uv_t)
@@ -67,6 +72,21 @@ class MLAttention(nn.Module):
             self._w_uk, self._w_uv_t = cpu_kernels.pack_head_weights(w_uk), cpu_kernels.pack_head_weights(w_uv_t)
         else:
             self._w_uk, self._w_uv_t = w_uk.contiguous(), w_uv_t.contiguous()
+        self._block_weights = self._decode_block_weights()
+
+    def _decode_block_weights(self) -> list[torch.Tensor] | None:
+        """The weights of :func:`~tokenfab.kernels.cpu_kernels.mla_decode` (the absorbed decode as one C++ call,
+        bit-identical to :meth:`forward`'s Python path), or None where it does not apply: it needs the fused
+        q_a|kv_a projection, every linear in tokenfab's VNNI blocks (CPU bf16 with AVX512-BF16), no biases, the
+        per-head GEMM kernel and float32 RoPE tables (not a NoPE MLA such as Kimi Linear's)."""
+        fused = getattr(self, "qkv_a_proj", None)
+        lins = (fused, getattr(self, "q_b_proj", None), self.o_proj)
+        if (fused is None or not self._head_gemm or any(l is None or l._packed is None or l._packed.is_mkldnn
+                                                          or l.bias is not None for l in lins)
+                or getattr(self.rotary, "cos", None) is None or self.rotary.cos.dtype != torch.float32):
+            return None
+        return [fused._packed, self.q_a_layernorm.weight, self.kv_a_layernorm.weight, self.q_b_proj._packed,
+                self._w_uk, self._w_uv_t, self.o_proj._packed]
 
     def _fuse_a_projections(self) -> None:
         """q_a_proj [q_lora, hidden] and kv_a_proj_with_mqa [kv_lora + rope, hidden] read the same x: one GEMM over
@@ -147,6 +167,14 @@ class MLAttention(nn.Module):
         T = x.shape[0]
         if self.num_heads == 0:  # tensor parallel with more ranks than heads: contributes nothing to the sum
             return x.new_zeros(T, self.o_proj.out_features)
+        dec = meta.decode
+        if (self._block_weights is not None and self.decode_block and meta.prefill is None and dec is not None
+                and x.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and x.device.type == "cpu"):
+            return cpu_kernels.mla_decode(
+                x, positions, meta.slot_mapping, cache, dec.block_tables, dec.context_lens, self._block_weights,
+                [self.q_lora_rank, self.kv_lora, self.rope_dim, self.num_heads, self.nope, self.v_dim,
+                 self.o_proj.out_features], self.rotary.cos, self.rotary.sin, self.rotary.interleave,
+                self.q_a_layernorm.eps, self.kv_a_layernorm.eps, self.scale)
         fused_a = getattr(self, "qkv_a_proj", None)
         if fused_a is not None:  # after fuse(): [q_a | c_kv | k_rope] from one GEMM
             q_a, c_kv, k_rope = fused_a(x).split([self.q_lora_rank, self.kv_lora, self.rope_dim], dim=-1)

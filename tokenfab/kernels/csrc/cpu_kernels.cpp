@@ -1008,6 +1008,59 @@ void head_gemm_(const at::Tensor& x, const at::Tensor& wp, at::Tensor& y) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// MLA attention for a decode-only batch in one call: the ~25 Python-level ops of MLAttention.forward's absorbed
+// decode (tokenfab/layers/mla.py) between x and o_proj, on the same kernels in the same order, so the output and the
+// cache rows written are bit-identical to that path. Python dispatch was ~180 us of the ~410 us a layer took at
+// batch 1 on the 2-core VM (benchmarks/NOTES.md entry 33).
+//   a = x Wqkv_a^T -> [q_a | c_kv | k_rope]; q = rms(q_a) Wq_b^T -> [T, H, nope + R]; c_kv = rms(c_kv);
+//   q_rope, k_rope = rope(.); cache[slot] = [c_kv | k_rope]; q_lat = [q_nope W_UK | q_rope];
+//   o_lat = paged attention over the latent cache (values = its first C columns); o = (o_lat W_UV) Wo^T.
+// Weights: qkv_a, q_b, o_proj from pack_linear_weight; w_uk, w_uv_t from pack_head_weights; norm weights [q_lora],
+// [C] bf16. dims = {q_lora, C, R, H, nope, v, hidden}.
+at::Tensor mla_decode(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                      at::Tensor& cache, const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      const std::vector<at::Tensor>& w, const std::vector<int64_t>& dims, const at::Tensor& cos,
+                      const at::Tensor& sin, bool interleave, double eps_q, double eps_kv, double scale) {
+  TORCH_CHECK(w.size() == 7 && dims.size() == 7, "mla_decode: 7 weights and 7 dims expected");
+  const int64_t q_lora = dims[0], C = dims[1], R = dims[2], H = dims[3], nope = dims[4], vd = dims[5],
+                hidden = dims[6], T = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && cache.scalar_type() == at::kBFloat16 &&
+              cache.dim() == 3 && cache.size(2) == C + R && cache.is_contiguous(),
+              "mla_decode: bf16 x [T, hidden] and a contiguous bf16 latent cache [blocks, block_size, C + R]");
+  TORCH_CHECK(slot_mapping.numel() == T && positions.numel() == T && block_tables.size(0) == T,
+              "mla_decode: one decode token per sequence expected");
+  const auto a = vnni_linear(x, w[0], q_lora + C + R, std::nullopt);  // [T, q_lora + C + R]
+  const auto q_a = a.slice(1, 0, q_lora);
+  const auto q = vnni_linear(rms_norm(q_a, std::nullopt, w[1], eps_q)[0], w[3], H * (nope + R), std::nullopt)
+                     .view({T, H, nope + R});
+  const auto c_kv = rms_norm(a.slice(1, q_lora, q_lora + C), std::nullopt, w[2], eps_kv)[0];  // [T, C]
+  const auto q_rope = rope(q.slice(2, nope, nope + R), positions, cos, sin, interleave);     // [T, H, R]
+  const auto k_rope = rope(a.slice(1, q_lora + C, q_lora + C + R).unsqueeze(1), positions, cos, sin, interleave);
+  {  // write_cache: index_copy_ of [c_kv | k_rope] rows into the flat slots
+    const auto slots = slot_mapping.to(at::kLong).contiguous();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    auto* cp = reinterpret_cast<uint16_t*>(cache.data_ptr());
+    const auto* cv = reinterpret_cast<const uint16_t*>(c_kv.data_ptr());
+    const auto* kr = reinterpret_cast<const uint16_t*>(k_rope.data_ptr());
+    const int64_t nslots = cache.size(0) * cache.size(1);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "mla_decode: slot ", sp[t], " outside the cache");
+      std::memcpy(cp + sp[t] * (C + R), cv + t * C, C * 2);
+      std::memcpy(cp + sp[t] * (C + R) + C, kr + t * R, R * 2);
+    }
+  }
+  auto q_lat = at::empty({T, H, C + R}, x.options());
+  auto q_lat_c = q_lat.slice(2, 0, C);
+  head_gemm_(q.slice(2, 0, nope), w[4], q_lat_c);
+  q_lat.slice(2, C, C + R).copy_(q_rope);
+  const auto lat = cache.unsqueeze(2);  // [blocks, block_size, 1, C + R]: one latent "head", values = first C
+  const auto o_lat = paged_decode_attention(q_lat, lat, lat.slice(3, 0, C), block_tables, context_lens, scale);
+  auto o = at::empty({T, H, vd}, x.options());
+  head_gemm_(o_lat, w[5], o);
+  return vnni_linear(o.view({T, H * vd}), w[6], hidden, std::nullopt);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Routed experts with packed weights (tokenfab's VNNI blocks, vnni_linear.cpp, or oneDNN's): the whole token -> expert dispatch in one call (the Python version
 // spent ~230 us per MoE layer at batch 1 on ~25 small ops around its 4 GEMMs, benchmarks/NOTES.md). Same
 // arithmetic and order as RoutedExperts.forward's packed path: (token, slot) pairs grouped by expert in increasing
@@ -1145,5 +1198,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts_packed", &moe_experts_packed, "routed experts over oneDNN-packed weights (CPU, bf16)");
   m.def("pack_linear_weight", &pack_linear_weight, "bf16 weight [N, K] -> VNNI blocks [N/32, K/2, 32, 2] (CPU)");
   m.def("vnni_linear", &vnni_linear, "x W^T (+ b) over VNNI-blocked weights (CPU, bf16)");
+  m.def("mla_decode", &mla_decode, "MLA absorbed decode attention block, x -> o_proj output (CPU, bf16)");
   m.def("head_gemm_", &head_gemm_, "per-head GEMM with VNNI-packed weights into y (CPU, AVX512-BF16)");
 }

@@ -1,0 +1,84 @@
+"""MLA decode as one C++ call (``cpu_kernels.mla_decode``) against MLAttention's Python path, side by side on one
+engine: decode steps alternate between the two in blocks of ``--steps``, ``--rounds`` times, median step time each.
+
+    .venv/bin/python benchmarks/mla_decode_block.py [--model DIR] [--batch 1,4,16] [--context 512]
+
+Both paths give bit-identical outputs (tests/test_mla_decode_block.py), so only the time differs. Writes
+<out>/<date>-mla-decode-block.md (default benchmarks/results).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    ap.add_argument("--batch", default="1,4,16", help="decode batch sizes, comma-separated (default 1,4,16)")
+    ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default 512)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per block (default 20)")
+    ap.add_argument("--rounds", type=int, default=5, help="on/off blocks per batch size (default 5)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
+    args = ap.parse_args()
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.default_model import ensure_default_model
+    from tokenfab.layers.mla import MLAttention
+    batches = [int(b) for b in args.batch.split(",")]
+    total = 2 * args.rounds * args.steps + 10
+    llm = LLM(args.model or ensure_default_model(), max_model_len=args.context + total + 16,
+              max_num_seqs=max(batches), progress=False)
+    eng = llm.llm_engine
+    layers = [m for m in eng.runner.model.modules() if isinstance(m, MLAttention)]
+    if not layers or layers[0]._block_weights is None:
+        print("the MLA decode block does not apply here (needs CPU bf16 with AVX512-BF16 kernels and an MLA model)",
+              file=sys.stderr)
+        return 2
+    rows = []
+    for B in batches:
+        for i in range(B):
+            eng.add_request(f"b{B}-{i}", None, [(7 * j + 13 * i) % 4000 + 5 for j in range(args.context)],
+                            SamplingParams(max_tokens=total, ignore_eos=True, temperature=0.0))
+        while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        times = {True: [], False: []}
+        for _ in range(args.rounds):
+            for block in (True, False):
+                for m in layers:
+                    m.decode_block = block
+                eng.step()  # untimed switch-over step
+                for _ in range(args.steps):
+                    t = time.perf_counter()
+                    eng.step()
+                    times[block].append(time.perf_counter() - t)
+        for m in layers:
+            m.decode_block = True
+        on, off = statistics.median(times[True]), statistics.median(times[False])
+        rows.append((B, on, off))
+        print(f"batch {B}: block {on * 1e3:.2f} ms, Python path {off * 1e3:.2f} ms, ratio {on / off:.2f}")
+        for i in range(B):
+            eng.abort_request(f"b{B}-{i}")
+        while eng.has_unfinished_requests():
+            eng.step()
+    date = dt.date.today().isoformat()
+    lines = [f"# MLA decode block vs Python path ({date})", "",
+             f"Command: `benchmarks/mla_decode_block.py {' '.join(sys.argv[1:])}`; {torch.get_num_threads()} threads, "
+             f"context {args.context}, {args.rounds} alternated blocks of {args.steps} steps per path.", "",
+             "| batch | block ms/step | Python path ms/step | ratio |", "|---:|---:|---:|---:|"]
+    lines += [f"| {B} | {on * 1e3:.2f} | {off * 1e3:.2f} | {on / off:.2f} |" for B, on, off in rows]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"{date}-mla-decode-block.md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
