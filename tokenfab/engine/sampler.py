@@ -76,7 +76,11 @@ class Sampler:
         if bool(greedy.all()):
             token_ids = logits.argmax(dim=-1)
         else:
-            x = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+            any_greedy = bool(greedy.any())
+            if any_greedy or bool((temps != 1.0).any()):
+                x = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+            else:  # all at temperature 1: dividing by 1 is exact, skip it
+                x = logits
             ks = [p.top_k for p in params]
             ps = [p.top_p for p in params]
             top_k = torch.tensor([k if k > 0 else V for k in ks]) if any(0 < k < V for k in ks) else None
@@ -88,7 +92,8 @@ class Sampler:
             for i, s in enumerate(seqs):  # seeded rows: one uniform from the request's own RNG (scalars only)
                 if s.generator is not None:
                     u[i] = torch.rand((), generator=s.generator)
-            token_ids = torch.where(greedy, logits.argmax(dim=-1), inverse_cdf_sample(probs, u))
+            sampled = inverse_cdf_sample(probs, u)
+            token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled) if any_greedy else sampled
         want = [p.logprobs for p in params if p.logprobs is not None]
         if not want:
             return SamplerOutput(token_ids, None, None, None)

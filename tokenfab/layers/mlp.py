@@ -26,6 +26,7 @@ class GatedMLP(nn.Module):
             self.gate_up.weight.data = w
             self.gate_up.fuse()
             self.gate_proj.weight = self.up_proj.weight = None  # freed; gate_up holds the data
+        self.down_proj.fuse()  # now rather than after this module: a parent's fuse() may read it (DeepseekV3MoE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
