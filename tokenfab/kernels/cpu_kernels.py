@@ -354,26 +354,3 @@ def mla_decode(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Ten
     """
     return load().mla_decode(x, positions, slot_mapping, cache, block_tables, context_lens, weights, dims, cos, sin,
                              bool(interleave), float(eps_q), float(eps_kv), float(scale))
-
-
-def deepseek_moe(x: torch.Tensor, router_weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
-                 top_k: int, norm: bool, scale: float, p13: list[torch.Tensor], p2: list[torch.Tensor], start: int,
-                 shared_gate_up: torch.Tensor | None, shared_down: torch.Tensor | None,
-                 shared_intermediate: int) -> torch.Tensor:
-    """DeepSeek-V3's MoE block in one call: ``linear(x.float(), router_weight)`` -> :func:`sigmoid_group_topk` ->
-    :func:`moe_experts_packed` (+ the shared expert, SiLU-GLU over :func:`vnni_linear`), the ops of
-    :class:`tokenfab.models.deepseek_v3.DeepseekV3MoE` in the same order (bit-identical to it).
-
-    Args:
-        x: [T, hidden] bf16. router_weight: [E, hidden] float32; bias: [E] float32 score correction.
-        n_group, topk_group, top_k, norm, scale: the routing of :func:`sigmoid_group_topk`.
-        p13, p2, start: this rank's packed experts, as for :func:`moe_experts_packed`.
-        shared_gate_up, shared_down: :func:`pack_linear_weight` of the shared expert's [2I, hidden] and [hidden, I]
-            weights (None: no shared expert); shared_intermediate: its I.
-
-    Returns:
-        [T, hidden] bf16.
-    """
-    return load().deepseek_moe(x, router_weight, bias, int(n_group), int(topk_group), int(top_k), bool(norm),
-                               float(scale), p13, p2, int(start), shared_gate_up, shared_down,
-                               int(shared_intermediate))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenfab.kernels import cpu_kernels
 from tokenfab.layers.mla import MLAttention
 from tokenfab.layers.mlp import GatedMLP
 from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
@@ -31,30 +30,8 @@ class DeepseekV3MoE(nn.Module):
                                      None if tp is None else tp.r("experts"))
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts if tp is None else tp.size("shared_intermediate")
         self.shared_experts = GatedMLP(cfg.hidden_size, shared) if cfg.n_shared_experts else None
-        self.fused_block = True  # CPU bf16: the whole block in one kernel call where it applies (see fuse)
-        self._block_ok = False
-
-    def fuse(self) -> None:
-        """After loading: can :func:`~tokenfab.kernels.cpu_kernels.deepseek_moe` run this block? It needs the
-        experts packed for the fused dispatch and the shared expert's gate|up and down in tokenfab's VNNI blocks
-        without biases (CPU bf16 with AVX512-BF16)."""
-        self.experts.fuse()
-        sh = self.shared_experts
-        if sh is not None:
-            sh.fuse()
-        lins = [] if sh is None else [sh.gate_up, sh.down_proj]
-        self._block_ok = (type(self.experts) is RoutedExperts and self.experts._p13 is not None
-                          and all(l is not None and l._packed is not None and not l._packed.is_mkldnn
-                                  and l.bias is None for l in lins))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self._block_ok and self.fused_block and self.experts.fused_dispatch and x.dtype == torch.bfloat16
-                and cpu_kernels.available_for(x)):
-            g, e, sh = self.gate, self.experts, self.shared_experts
-            return cpu_kernels.deepseek_moe(
-                x, g.weight, g.e_score_correction_bias, g.n_group, g.topk_group, g.top_k, g.norm_topk_prob,
-                g.scaling, e._p13, e._p2, e.start, None if sh is None else sh.gate_up._packed,
-                None if sh is None else sh.down_proj._packed, 0 if sh is None else sh.down_proj.in_features)
         w, ids = self.gate(x)
         out = self.experts(x, w, ids)
         if self.shared_experts is not None:

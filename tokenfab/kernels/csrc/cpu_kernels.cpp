@@ -1183,25 +1183,6 @@ std::vector<at::Tensor> sigmoid_group_topk(const at::Tensor& logits, const at::T
   return {w, ids};
 }
 
-// ---------------------------------------------------------------------------------------------------------------
-// DeepSeek-V3's MoE block in one call: float32 router GEMM, sigmoid group-limited top-k, the routed experts and the
-// shared expert, out = routed + shared, i.e. DeepseekV3MoE.forward's ops in the same order (bit-identical), without
-// its ~15 Python-level calls. shared_gate_up / shared_down: pack_linear_weight of the shared expert's [2I, H] and
-// [H, I] weights, or undefined tensors for a model without shared experts.
-at::Tensor deepseek_moe(const at::Tensor& x, const at::Tensor& router_w, const at::Tensor& bias, int64_t n_group,
-                        int64_t topk_group, int64_t top_k, bool norm, double scale, const std::vector<at::Tensor>& p13,
-                        const std::vector<at::Tensor>& p2, int64_t start, const c10::optional<at::Tensor>& shared_gate_up,
-                        const c10::optional<at::Tensor>& shared_down, int64_t shared_inter) {
-  const auto routing = sigmoid_group_topk(at::linear(x.to(at::kFloat), router_w), bias, n_group, topk_group, top_k,
-                                          norm, scale);
-  auto out = moe_experts_packed(x, routing[0], routing[1], p13, p2, start);
-  if (shared_gate_up.has_value() && shared_gate_up->defined()) {
-    const auto h = vnni_linear(x, *shared_gate_up, 2 * shared_inter, std::nullopt);
-    out = out + vnni_linear(silu_and_mul(h), *shared_down, x.size(1), std::nullopt);
-  }
-  return out;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
 #if defined(__AVX512BF16__)
@@ -1217,7 +1198,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_experts_packed", &moe_experts_packed, "routed experts over oneDNN-packed weights (CPU, bf16)");
   m.def("pack_linear_weight", &pack_linear_weight, "bf16 weight [N, K] -> VNNI blocks [N/32, K/2, 32, 2] (CPU)");
   m.def("vnni_linear", &vnni_linear, "x W^T (+ b) over VNNI-blocked weights (CPU, bf16)");
-  m.def("deepseek_moe", &deepseek_moe, "DeepSeek-V3 MoE block: router, routed and shared experts (CPU, bf16)");
   m.def("mla_decode", &mla_decode, "MLA absorbed decode attention block, x -> o_proj output (CPU, bf16)");
   m.def("head_gemm_", &head_gemm_, "per-head GEMM with VNNI-packed weights into y (CPU, AVX512-BF16)");
 }
