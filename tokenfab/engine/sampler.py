@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenfab.engine.sequence import Sequence
+from tokenfab.kernels import cpu_kernels
 
 
 @dataclass
@@ -65,6 +66,15 @@ class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator
 
+    def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One uniform in [0, 1) per row: unseeded rows from one call on the engine's RNG, seeded rows from the
+        request's own RNG (one scalar each), so a seeded request draws the same values whatever its batch."""
+        u = torch.rand(len(seqs), generator=self.generator)
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                u[i] = torch.rand((), generator=s.generator)
+        return u
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], raw_logits: torch.Tensor | None = None
                  ) -> SamplerOutput:
         """logits [N, V] float32 for sequences ``seqs`` (len N) -> SamplerOutput. ``raw_logits`` (default: logits)
@@ -75,6 +85,9 @@ class Sampler:
         greedy = temps < 1e-5
         if bool(greedy.all()):
             token_ids = logits.argmax(dim=-1)
+        elif (logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available_for(logits)
+              and all(p.top_k <= 0 or p.top_k >= V for p in params) and all(p.top_p >= 1.0 for p in params)):
+            token_ids = cpu_kernels.sample_plain(logits, temps, self._uniforms(seqs))  # one pass per row in C++
         else:
             any_greedy = bool(greedy.any())
             if any_greedy or bool((temps != 1.0).any()):
@@ -88,11 +101,7 @@ class Sampler:
             if top_k is not None or top_p is not None:
                 x = apply_top_k_top_p(x, top_k, top_p)
             probs = x.softmax(dim=-1)
-            u = torch.rand(N, generator=self.generator)  # unseeded rows: one call on the engine's RNG
-            for i, s in enumerate(seqs):  # seeded rows: one uniform from the request's own RNG (scalars only)
-                if s.generator is not None:
-                    u[i] = torch.rand((), generator=s.generator)
-            sampled = inverse_cdf_sample(probs, u)
+            sampled = inverse_cdf_sample(probs, self._uniforms(seqs))
             token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled) if any_greedy else sampled
         want = [p.logprobs for p in params if p.logprobs is not None]
         if not want:
