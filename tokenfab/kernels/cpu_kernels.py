@@ -369,3 +369,31 @@ def sample_plain(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> 
         ``softmax(x / t)`` up to float32 rounding of the exponentials; for greedy rows the first argmax.
     """
     return load().sample_plain(logits, temps, u)
+
+
+def gqa_decode(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+               weights: list[torch.Tensor], biases: list[torch.Tensor | None], dims: list[int], cos: torch.Tensor,
+               sin: torch.Tensor, interleave: bool, eps: float, scale: float) -> torch.Tensor:
+    """Grouped-query attention (Llama, Qwen3) for a decode-only batch in one call, from the layer input to o_proj's
+    output: the kernels of :class:`tokenfab.models.llama.LlamaAttention`'s Python path in the same order (fused
+    q|k|v GEMM, Qwen3's per-head q/k RMSNorm, RoPE, k/v cache writes, paged decode attention, o_proj), so the
+    output and the cache rows written are bit-identical to it.
+
+    Args:
+        x: [T, hidden] bf16, one token per sequence. positions, slot_mapping: [T] int64.
+        k_cache, v_cache: [num_blocks, block_size, Hk, D] bf16, written at ``slot_mapping``.
+        block_tables: [T, max_blocks] int64; context_lens: [T] int64 (including this step's token).
+        weights: [qkv, o_proj] from :func:`pack_linear_weight` (qkv rows = q | k | v), then [q_norm, k_norm] [D]
+            bf16 for Qwen3. biases: [qkv bias [(H + 2 Hk) D] or None, o_proj bias or None].
+        dims: [H, Hk, D, hidden]. cos, sin: float32 RoPE tables [P, D / 2]; interleave: pair layout.
+        eps: the q/k RMSNorm epsilon (unused without them); scale: softmax scale.
+
+    Returns:
+        [T, hidden] bf16.
+
+    Raises:
+        RuntimeError: shapes or dtypes outside the above, or a slot outside the cache.
+    """
+    return load().gqa_decode(x, positions, slot_mapping, k_cache, v_cache, block_tables, context_lens, weights,
+                             biases, dims, cos, sin, bool(interleave), float(eps), float(scale))

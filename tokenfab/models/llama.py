@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenfab.config import ModelConfig
+from tokenfab.kernels import cpu_kernels
 from tokenfab.layers.attention_metadata import AttentionMetadata
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.mlp import GatedMLP
@@ -43,14 +44,54 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.rot_dim = cfg.rope.dim
         self.scale = cfg.softmax_scale()
+        self.qkv_proj: Linear | None = None
+        self.decode_block = True  # decode-only CPU batches: the whole block in one kernel call (see fuse)
+        self._block_ok = False
+
+    def fuse(self) -> None:
+        """After loading: q_proj, k_proj and v_proj read the same x, so they become one GEMM over their concatenated
+        rows (``qkv_proj``, as vLLM's QKVParallelLinear; each output column is the same dot product as before). Then
+        decide whether :func:`~tokenfab.kernels.cpu_kernels.gqa_decode` can run decode-only batches: tokenfab's VNNI
+        linears (CPU bf16 with AVX512-BF16), full-width float32 RoPE tables."""
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        if self.qkv_proj is None and self.num_heads and all(l.weight is not None for l in lins):
+            fused = Linear(self.q_proj.in_features, sum(l.out_features for l in lins), self.q_proj.bias is not None,
+                           dtype=self.q_proj.weight.dtype)
+            fused.weight = nn.Parameter(torch.cat([l.weight for l in lins]), requires_grad=False)
+            if self.q_proj.bias is not None:
+                fused.bias = nn.Parameter(torch.cat([l.bias for l in lins]), requires_grad=False)
+            fused.fuse()
+            self.qkv_proj = fused
+            for l in lins:
+                l.weight = l.bias = None
+        self.o_proj.fuse()
+        self._block_ok = (self.qkv_proj is not None and self.rot_dim == self.head_dim
+                          and all(l._packed is not None and not l._packed.is_mkldnn for l in (self.qkv_proj, self.o_proj))
+                          and getattr(self.rotary, "cos", None) is not None and self.rotary.cos.dtype == torch.float32)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         if self.num_heads == 0:  # tensor parallel with more ranks than heads: contributes nothing to the sum
             return x.new_zeros(T, self.o_proj.out_features)
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        dec = meta.decode
+        if (self._block_ok and self.decode_block and meta.prefill is None and dec is not None
+                and x.dtype == torch.bfloat16 and cache[0].dtype == torch.bfloat16 and x.device.type == "cpu"):
+            norms = [self.q_norm.weight, self.k_norm.weight] if self.qk_norm else []
+            return cpu_kernels.gqa_decode(
+                x, positions, meta.slot_mapping, cache[0], cache[1], dec.block_tables, dec.context_lens,
+                [self.qkv_proj._packed, self.o_proj._packed] + norms,
+                [self.qkv_proj.bias, self.o_proj.bias],
+                [self.num_heads, self.num_kv_heads, self.head_dim, self.o_proj.out_features],
+                self.rotary.cos, self.rotary.sin, self.rotary.interleave,
+                self.q_norm.eps if self.qk_norm else 0.0, self.scale)
+        if self.qkv_proj is not None:
+            H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+            q, k, v = self.qkv_proj(x).split([H * D, Hk * D, Hk * D], dim=-1)
+            q, k, v = q.view(T, H, D), k.view(T, Hk, D), v.view(T, Hk, D)
+        else:
+            q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rot_dim == self.head_dim:

@@ -51,15 +51,15 @@ def make_hf_config(family: str, **kwargs: Any):
 
 def perturb_random_model(model) -> None:
     """Make a freshly initialised transformers model less degenerate, in place (uses torch's global RNG):
-    a non-zero ``e_score_correction_bias`` (so biased expert choice is exercised) and norm weights moved off 1
-    (weights at exactly 1 hide mix-ups between norms)."""
+    a non-zero ``e_score_correction_bias`` (so biased expert choice is exercised), norm weights moved off 1
+    (weights at exactly 1 hide mix-ups between norms) and linear biases (``attention_bias`` / ``mlp_bias``) off 0."""
     import torch
     with torch.no_grad():
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape) * 0.05)
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith("proj.bias"):
                 p.add_(torch.randn(p.shape) * 0.1)
 
 

@@ -1061,6 +1061,54 @@ at::Tensor mla_decode(const at::Tensor& x, const at::Tensor& positions, const at
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// Grouped-query attention for a decode-only batch in one call (Llama / Qwen3 LlamaAttention.forward, layers in
+// tokenfab/models/llama.py): fused q|k|v GEMM, optional per-head q/k RMSNorm (Qwen3), RoPE, k/v cache writes,
+// paged decode attention, o_proj; the same kernels in the same order as the Python path (bit-identical).
+// w = {qkv (pack_linear_weight), o_proj, [q_norm, k_norm]}; biases = {qkv bias or undefined, o_proj bias or
+// undefined}; dims = {H, Hk, D, hidden}.
+at::Tensor gqa_decode(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                      at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& block_tables,
+                      const at::Tensor& context_lens, const std::vector<at::Tensor>& w,
+                      const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<int64_t>& dims,
+                      const at::Tensor& cos, const at::Tensor& sin, bool interleave, double eps, double scale) {
+  TORCH_CHECK((w.size() == 2 || w.size() == 4) && biases.size() == 2 && dims.size() == 4,
+              "gqa_decode: weights {qkv, o_proj[, q_norm, k_norm]}, 2 biases and 4 dims expected");
+  const int64_t H = dims[0], Hk = dims[1], D = dims[2], hidden = dims[3], T = x.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+              v_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+              k_cache.dim() == 4 && k_cache.size(2) == Hk && k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(),
+              "gqa_decode: bf16 x [T, hidden] and contiguous bf16 caches [blocks, block_size, Hk, D] expected");
+  TORCH_CHECK(slot_mapping.numel() == T && positions.numel() == T && block_tables.size(0) == T,
+              "gqa_decode: one decode token per sequence expected");
+  const auto qkv = vnni_linear(x, w[0], (H + 2 * Hk) * D, biases[0]);  // [T, (H + 2 Hk) D]
+  auto q = qkv.slice(1, 0, H * D).view({T, H, D});
+  auto k = qkv.slice(1, H * D, (H + Hk) * D).view({T, Hk, D});
+  const auto v = qkv.slice(1, (H + Hk) * D, (H + 2 * Hk) * D).view({T, Hk, D});
+  if (w.size() == 4) {  // Qwen3: RMSNorm over each head's D values
+    q = rms_norm(q.reshape({-1, D}), std::nullopt, w[2], eps)[0].view({T, H, D});
+    k = rms_norm(k.reshape({-1, D}), std::nullopt, w[3], eps)[0].view({T, Hk, D});
+  }
+  const auto q_rot = rope(q, positions, cos, sin, interleave);
+  const auto k_rot = rope(k, positions, cos, sin, interleave);
+  {  // write_cache for k and v: index_copy_ of each token's [Hk, D] rows into its flat slot
+    const auto slots = slot_mapping.to(at::kLong).contiguous();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
+    auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
+    const auto* kr = reinterpret_cast<const uint16_t*>(k_rot.data_ptr());
+    const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr());
+    const int64_t row = Hk * D, vs0 = v.stride(0), vs1 = v.stride(1), nslots = k_cache.size(0) * k_cache.size(1);
+    for (int64_t t = 0; t < T; ++t) {
+      TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "gqa_decode: slot ", sp[t], " outside the cache");
+      std::memcpy(kc + sp[t] * row, kr + t * row, row * 2);
+      for (int64_t h = 0; h < Hk; ++h) std::memcpy(vc + sp[t] * row + h * D, vp + t * vs0 + h * vs1, D * 2);
+    }
+  }
+  const auto o = paged_decode_attention(q_rot, k_cache, v_cache, block_tables, context_lens, scale);  // [T, H, D]
+  return vnni_linear(o.view({T, H * D}), w[1], hidden, biases[1]);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // Routed experts with packed weights (tokenfab's VNNI blocks, vnni_linear.cpp, or oneDNN's): the whole token -> expert dispatch in one call (the Python version
 // spent ~230 us per MoE layer at batch 1 on ~25 small ops around its 4 GEMMs, benchmarks/NOTES.md). Same
 // arithmetic and order as RoutedExperts.forward's packed path: (token, slot) pairs grouped by expert in increasing
@@ -1252,6 +1300,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_linear_weight", &pack_linear_weight, "bf16 weight [N, K] -> VNNI blocks [N/32, K/2, 32, 2] (CPU)");
   m.def("vnni_linear", &vnni_linear, "x W^T (+ b) over VNNI-blocked weights (CPU, bf16)");
   m.def("sample_plain", &sample_plain, "temperature sampling by inverse CDF, no top-k / top-p (CPU)");
+  m.def("gqa_decode", &gqa_decode, "grouped-query attention decode block, x -> o_proj output (CPU, bf16)");
   m.def("mla_decode", &mla_decode, "MLA absorbed decode attention block, x -> o_proj output (CPU, bf16)");
   m.def("head_gemm_", &head_gemm_, "per-head GEMM with VNNI-packed weights into y (CPU, AVX512-BF16)");
 }

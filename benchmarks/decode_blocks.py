@@ -1,10 +1,11 @@
-"""MLA decode as one C++ call (``cpu_kernels.mla_decode``) against MLAttention's Python path, side by side on one
-engine: decode steps alternate between the two in blocks of ``--steps``, ``--rounds`` times, median step time each.
+"""Attention of decode-only batches as one C++ call (``cpu_kernels.mla_decode`` for MLA, ``cpu_kernels.gqa_decode``
+for Llama / Qwen3) against the Python paths, side by side on one engine: decode steps alternate between the two in
+runs of ``--steps``, ``--rounds`` times, median step time each.
 
-    .venv/bin/python benchmarks/mla_decode_block.py [--model DIR] [--batch 1,4,16] [--context 512]
+    .venv/bin/python benchmarks/decode_blocks.py [--model DIR] [--batch 1,4,16] [--context 512]
 
-Both paths give bit-identical outputs (tests/test_mla_decode_block.py), so only the time differs. Writes
-<out>/<date>-mla-decode-block.md (default benchmarks/results).
+Both paths give bit-identical outputs (tests/test_decode_blocks.py), so only the time differs. Writes
+<out>/<date>-<model folder>-decode-blocks.md (default benchmarks/results).
 """
 from __future__ import annotations
 
@@ -30,15 +31,17 @@ def main() -> int:
     from tokenfab import LLM, SamplingParams
     from tokenfab.default_model import ensure_default_model
     from tokenfab.layers.mla import MLAttention
+    from tokenfab.models.llama import LlamaAttention
     batches = [int(b) for b in args.batch.split(",")]
     total = 2 * args.rounds * args.steps + 10
     llm = LLM(args.model or ensure_default_model(), max_model_len=args.context + total + 16,
               max_num_seqs=max(batches), progress=False)
     eng = llm.llm_engine
-    layers = [m for m in eng.runner.model.modules() if isinstance(m, MLAttention)]
-    if not layers or layers[0]._block_weights is None:
-        print("the MLA decode block does not apply here (needs CPU bf16 with AVX512-BF16 kernels and an MLA model)",
-              file=sys.stderr)
+    layers = [m for m in eng.runner.model.modules() if isinstance(m, (MLAttention, LlamaAttention))]
+    if not layers or not all(m._block_weights is not None if isinstance(m, MLAttention) else m._block_ok
+                             for m in layers):
+        print("the decode blocks do not apply here (need CPU bf16 with AVX512-BF16 kernels and an MLA or "
+              "Llama-family model)", file=sys.stderr)
         return 2
     rows = []
     for B in batches:
@@ -67,13 +70,14 @@ def main() -> int:
         while eng.has_unfinished_requests():
             eng.step()
     date = dt.date.today().isoformat()
-    lines = [f"# MLA decode block vs Python path ({date})", "",
-             f"Command: `benchmarks/mla_decode_block.py {' '.join(sys.argv[1:])}`; {torch.get_num_threads()} threads, "
+    name = os.path.basename(os.path.normpath(args.model or "default"))
+    lines = [f"# Decode attention blocks vs Python paths, {name} ({date})", "",
+             f"Command: `benchmarks/decode_blocks.py {' '.join(sys.argv[1:])}`; {torch.get_num_threads()} threads, "
              f"context {args.context}, {args.rounds} alternated blocks of {args.steps} steps per path.", "",
              "| batch | block ms/step | Python path ms/step | ratio |", "|---:|---:|---:|---:|"]
     lines += [f"| {B} | {on * 1e3:.2f} | {off * 1e3:.2f} | {on / off:.2f} |" for B, on, off in rows]
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{date}-mla-decode-block.md")
+    path = os.path.join(args.out, f"{date}-{name}-decode-blocks.md")
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
