@@ -21,8 +21,8 @@ from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
 
 
 def gemv_bandwidth(shapes: list[tuple[int, int]], threads: int) -> list[tuple[int, int, float, float]]:
-    """(N, K, µs, GB/s) of a 1-row bf16 oneDNN-packed linear per weight shape [N, K]; enough distinct weights
-    (64 MB) that each call streams its weight from DRAM, best of 5 passes."""
+    """(N, K, µs, GB/s) of a 1-row bf16 packed linear (the ``TOKENFAB_CPU_LINEAR`` backend) per weight shape [N, K];
+    enough distinct weights (64 MB) that each call streams its weight from DRAM, best of 5 passes."""
     from tokenfab.layers.linear import pack_weight, packed_linear
     torch.set_num_threads(threads)
     out = []
@@ -30,12 +30,12 @@ def gemv_bandwidth(shapes: list[tuple[int, int]], threads: int) -> list[tuple[in
         ws = [pack_weight(torch.randn(n, k, dtype=torch.bfloat16)) for _ in range(max(4, int(64e6 // (n * k * 2))))]
         x = torch.randn(1, k, dtype=torch.bfloat16)
         for w in ws:
-            packed_linear(x, w, None)
+            packed_linear(x, w, None, n)
         best = float("inf")
         for _ in range(5):
             t = time.perf_counter()
             for w in ws:
-                packed_linear(x, w, None)
+                packed_linear(x, w, None, n)
             best = min(best, (time.perf_counter() - t) / len(ws))
         out.append((n, k, best * 1e6, n * k * 2 / best / 1e9))
     return out

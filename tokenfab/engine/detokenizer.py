@@ -7,6 +7,17 @@ ends in an incomplete character (U+FFFD). Same idea as vLLM's / HF TextStreamer'
 from __future__ import annotations
 
 
+def decode_fn(tokenizer):
+    """The tokenizer's ``decode(ids, skip_special_tokens=...)``: for a fast (Rust ``tokenizers``) tokenizer that does
+    no clean-up of tokenization spaces, the backend's own decode, which is what transformers' ``decode`` returns for
+    it without the Python layers around it (~2 µs instead of ~6 µs per call warm, paid twice per token per sequence
+    on the step loop, benchmarks/NOTES.md entry 35); otherwise transformers' ``decode``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return backend.decode
+    return tokenizer.decode
+
+
 class IncrementalDetokenizer:
     """Text of one sequence's generated tokens.
 
@@ -18,6 +29,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None):
         self.tok = tokenizer
+        self._decode = decode_fn(tokenizer)
         self.skip = skip_special_tokens
         self.stop = stop or []
         self.text = ""
@@ -34,8 +46,8 @@ class IncrementalDetokenizer:
         """Consume the sequence's full generated id list; returns (new text delta, stop string hit or None)."""
         if self.tok is None:
             return "", None
-        prefix = self.tok.decode(output_ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
-        full = self.tok.decode(output_ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        prefix = self._decode(output_ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        full = self._decode(output_ids[self.prefix_offset:], skip_special_tokens=self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return "", None
         delta = full[len(prefix):]
