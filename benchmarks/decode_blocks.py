@@ -18,6 +18,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.results_file import write_markdown  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,11 +79,7 @@ def main() -> int:
              f"context {args.context}, {args.rounds} alternated blocks of {args.steps} steps per path.", "",
              "| batch | block ms/step | Python path ms/step | ratio |", "|---:|---:|---:|---:|"]
     lines += [f"| {B} | {on * 1e3:.2f} | {off * 1e3:.2f} | {on / off:.2f} |" for B, on, off in rows]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{date}-{name}-decode-blocks.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {path}")
+    write_markdown(args.out, f"{date}-{name}-decode-blocks.md", lines)
     return 0
 
 

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
+from benchmarks.results_file import write_markdown  # noqa: E402
 
 
 def gemv_bandwidth(shapes: list[tuple[int, int]], threads: int) -> list[tuple[int, int, float, float]]:
@@ -84,11 +85,7 @@ def main() -> int:
              "| weight [N, K] | MB | µs | GB/s read | of copy bandwidth |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {n} x {k} | {n * k * 2 / 1e6:.2f} | {us:.1f} | {gbs:.1f} | {gbs * 1e9 / bw:.0%} |"
               for n, k, us, gbs in rows]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{date}-decode-profile.md")
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {path}")
+    write_markdown(args.out, f"{date}-decode-profile.md", lines)
     return 0
 
 
