@@ -106,3 +106,17 @@ def test_engine_packs_bf16_linears(tiny_model):
     assert (attn.o_proj._packed is not None) == expected
     llm32 = LLM(tiny_model("deepseek_v3"), dtype="float32", max_model_len=64, progress=False)
     assert llm32.llm_engine.runner.model.model.layers[0].self_attn.o_proj._packed is None
+
+
+def test_cpu_linear_backend_typo_fails_before_any_weight_is_read(tiny_model, monkeypatch):
+    import tokenfab.engine.engine as engine_mod
+    from tokenfab import LLM
+    from tokenfab.errors import EngineConfigError
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were loaded before the settings were checked")
+
+    monkeypatch.setattr(engine_mod, "load_model", no_load)
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "bogus")
+    with pytest.raises(EngineConfigError, match="TOKENFAB_CPU_LINEAR='bogus'"):
+        LLM(tiny_model("llama"), dtype="bfloat16", max_model_len=64, progress=False)

@@ -81,16 +81,17 @@ class Sampler:
         are the model's logits before constraints such as min_tokens; returned logprobs come from them."""
         N, V = logits.shape
         params = [s.params for s in seqs]
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        greedy = temps < 1e-5
-        if bool(greedy.all()):
+        temp_list = [p.temperature for p in params]  # decisions on Python floats: no tensor ops on cold caches
+        temps = torch.tensor(temp_list, dtype=torch.float32)
+        if all(t < 1e-5 for t in temp_list):
             token_ids = logits.argmax(dim=-1)
         elif (logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available_for(logits)
               and all(p.top_k <= 0 or p.top_k >= V for p in params) and all(p.top_p >= 1.0 for p in params)):
             token_ids = cpu_kernels.sample_plain(logits, temps, self._uniforms(seqs))  # one pass per row in C++
         else:
-            any_greedy = bool(greedy.any())
-            if any_greedy or bool((temps != 1.0).any()):
+            greedy = temps < 1e-5
+            any_greedy = any(t < 1e-5 for t in temp_list)
+            if any_greedy or any(t != 1.0 for t in temp_list):
                 x = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
             else:  # all at temperature 1: dividing by 1 is exact, skip it
                 x = logits

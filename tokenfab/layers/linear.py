@@ -4,7 +4,7 @@ On CPU in bfloat16, weights are repacked once after loading, by the backend ``TO
 
 * ``tokenfab`` (default): tokenfab's VNNI blocks (``kernels/csrc/vnni_linear.cpp``) when the CPU kernels are built
   with AVX512-BF16, else ``onednn``. Decode-sized inputs (<= 4 rows) run a GEMV that streams the weight at
-  27-35 GB/s on the 2-core VM, 0.43-0.69x the time of oneDNN's packed inner product; larger inputs run oneDNN's
+  22-40 GB/s on the 2-core VM, 0.49-0.78x the time of oneDNN's packed inner product; larger inputs run oneDNN's
   brgemm micro-kernel on the same copy, level with oneDNN at prefill shapes (benchmarks/NOTES.md entry 32).
 * ``onednn``: oneDNN's blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) run with
   ``torch.ops.mkldnn._linear_pointwise``, the kernels PyTorch's inductor uses for frozen CPU linears (1.5-2.5x

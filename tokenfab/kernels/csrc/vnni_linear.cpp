@@ -6,7 +6,7 @@
 // K * 64 bytes. The same layout is what oneDNN's brgemm micro-kernel takes as a VNNI B operand.
 //
 // M <= 4 rows (decode): a hand-written GEMV streams each block once for all rows; it is memory-bound and reaches
-// 27-35 GB/s on the 2-core AVX512-BF16 VM, where oneDNN's packed inner product reaches 12-22 GB/s at the same
+// 22-40 GB/s on the 2-core AVX512-BF16 VM, where oneDNN's packed inner product reaches 14-29 GB/s at the same
 // shapes (benchmarks/NOTES.md entry 32, benchmarks/linear_kernels.py). M > 4 (prefill, batched decode): oneDNN's
 // brgemm micro-kernel (at::native::cpublas::brgemm) on 64 x 32 tiles, float32 tiles rounded once to bf16.
 #include "vnni_linear.h"
