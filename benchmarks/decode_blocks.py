@@ -4,7 +4,8 @@ runs of ``--steps``, ``--rounds`` times, median step time each.
 
     .venv/bin/python benchmarks/decode_blocks.py [--model DIR] [--batch 1,4,16] [--context 512]
 
-Both paths give bit-identical outputs (tests/test_decode_blocks.py), so only the time differs. Writes
+Both paths give bit-identical outputs (tests/test_decode_blocks.py), so only the time differs; the default 5 x 20
+steps per path are about the least that separates them from this VM's step-to-step noise. Writes
 <out>/<date>-<model folder>-decode-blocks.md (default benchmarks/results).
 """
 from __future__ import annotations
