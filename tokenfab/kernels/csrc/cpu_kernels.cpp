@@ -1008,6 +1008,29 @@ void head_gemm_(const at::Tensor& x, const at::Tensor& wp, at::Tensor& y) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
+// The paged cache write of the decode blocks below (what write_cache's index_copy_ does): slot_mapping as int64,
+// every slot checked against the pool, then per token its bf16 values copied to cache row slot, columns col.. on.
+at::Tensor checked_slots(const at::Tensor& slot_mapping, const at::Tensor& cache, const char* who) {
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t nslots = cache.size(0) * cache.size(1);
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, who, ": slot ", sp[t], " outside the cache");
+  return slots;
+}
+
+// cache [blocks, block_size, ...] contiguous bf16; rows [T, ...] bf16 (any strides), W values per token.
+void write_slots(at::Tensor& cache, const at::Tensor& slots, int64_t col, const at::Tensor& rows) {
+  const int64_t T = slots.numel(), row = cache.numel() / (cache.size(0) * cache.size(1));
+  const auto r = rows.reshape({T, -1}).contiguous();
+  const int64_t W = r.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  auto* cp = reinterpret_cast<uint16_t*>(cache.data_ptr());
+  const auto* rp = reinterpret_cast<const uint16_t*>(r.data_ptr());
+  for (int64_t t = 0; t < T; ++t) std::memcpy(cp + sp[t] * row + col, rp + t * W, W * 2);
+}
+
+// ---------------------------------------------------------------------------------------------------------------
 // MLA attention for a decode-only batch in one call: the ~25 Python-level ops of MLAttention.forward's absorbed
 // decode (tokenfab/layers/mla.py) between x and o_proj, on the same kernels in the same order, so the output and the
 // cache rows written are bit-identical to that path. Python dispatch was ~180 us of the ~410 us a layer took at
@@ -1036,19 +1059,9 @@ at::Tensor mla_decode(const at::Tensor& x, const at::Tensor& positions, const at
   const auto c_kv = rms_norm(a.slice(1, q_lora, q_lora + C), std::nullopt, w[2], eps_kv)[0];  // [T, C]
   const auto q_rope = rope(q.slice(2, nope, nope + R), positions, cos, sin, interleave);     // [T, H, R]
   const auto k_rope = rope(a.slice(1, q_lora + C, q_lora + C + R).unsqueeze(1), positions, cos, sin, interleave);
-  {  // write_cache: index_copy_ of [c_kv | k_rope] rows into the flat slots
-    const auto slots = slot_mapping.to(at::kLong).contiguous();
-    const int64_t* sp = slots.data_ptr<int64_t>();
-    auto* cp = reinterpret_cast<uint16_t*>(cache.data_ptr());
-    const auto* cv = reinterpret_cast<const uint16_t*>(c_kv.data_ptr());
-    const auto* kr = reinterpret_cast<const uint16_t*>(k_rope.data_ptr());
-    const int64_t nslots = cache.size(0) * cache.size(1);
-    for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "mla_decode: slot ", sp[t], " outside the cache");
-      std::memcpy(cp + sp[t] * (C + R), cv + t * C, C * 2);
-      std::memcpy(cp + sp[t] * (C + R) + C, kr + t * R, R * 2);
-    }
-  }
+  const auto slots = checked_slots(slot_mapping, cache, "mla_decode");
+  write_slots(cache, slots, 0, c_kv);  // the cache row is [c_kv | k_rope]
+  write_slots(cache, slots, C, k_rope);
   auto q_lat = at::empty({T, H, C + R}, x.options());
   auto q_lat_c = q_lat.slice(2, 0, C);
   head_gemm_(q.slice(2, 0, nope), w[4], q_lat_c);
@@ -1090,31 +1103,21 @@ at::Tensor gqa_decode(const at::Tensor& x, const at::Tensor& positions, const at
   }
   const auto q_rot = rope(q, positions, cos, sin, interleave);
   const auto k_rot = rope(k, positions, cos, sin, interleave);
-  {  // write_cache for k and v: index_copy_ of each token's [Hk, D] rows into its flat slot
-    const auto slots = slot_mapping.to(at::kLong).contiguous();
-    const int64_t* sp = slots.data_ptr<int64_t>();
-    auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
-    auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
-    const auto* kr = reinterpret_cast<const uint16_t*>(k_rot.data_ptr());
-    const auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr());
-    const int64_t row = Hk * D, vs0 = v.stride(0), vs1 = v.stride(1), nslots = k_cache.size(0) * k_cache.size(1);
-    for (int64_t t = 0; t < T; ++t) {
-      TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, "gqa_decode: slot ", sp[t], " outside the cache");
-      std::memcpy(kc + sp[t] * row, kr + t * row, row * 2);
-      for (int64_t h = 0; h < Hk; ++h) std::memcpy(vc + sp[t] * row + h * D, vp + t * vs0 + h * vs1, D * 2);
-    }
-  }
+  const auto slots = checked_slots(slot_mapping, k_cache, "gqa_decode");
+  write_slots(k_cache, slots, 0, k_rot);
+  write_slots(v_cache, slots, 0, v);
   const auto o = paged_decode_attention(q_rot, k_cache, v_cache, block_tables, context_lens, scale);  // [T, H, D]
   return vnni_linear(o.view({T, H * D}), w[1], hidden, biases[1]);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Routed experts with packed weights (tokenfab's VNNI blocks, vnni_linear.cpp, or oneDNN's): the whole token -> expert dispatch in one call (the Python version
-// spent ~230 us per MoE layer at batch 1 on ~25 small ops around its 4 GEMMs, benchmarks/NOTES.md). Same
-// arithmetic and order as RoutedExperts.forward's packed path: (token, slot) pairs grouped by expert in increasing
-// expert id (stable within an expert), per expert one packed GEMM [n, H] -> [n, 2I], SiLU-GLU, one packed GEMM
-// -> [n, H]; each row scaled by its float32 routing weight and rounded to bf16, then summed per token in that order
-// in float32 and rounded once (what `out.index_add_(0, token_of, (h * w).to(bf16))` does on CPU).
+// Routed experts with packed weights (tokenfab's VNNI blocks, vnni_linear.cpp, or oneDNN's): the whole token ->
+// expert dispatch in one call (the Python version spent ~230 us per MoE layer at batch 1 on ~25 small ops around its
+// 4 GEMMs, benchmarks/NOTES.md). Same arithmetic and order as RoutedExperts.forward's packed path: (token, slot)
+// pairs grouped by expert in increasing expert id (stable within an expert), per expert one packed GEMM [n, H] ->
+// [n, 2I], SiLU-GLU, one packed GEMM -> [n, H]; each row scaled by its float32 routing weight and rounded to bf16,
+// then summed per token in that order in float32 and rounded once
+// (what `out.index_add_(0, token_of, (h * w).to(bf16))` does on CPU).
 at::Tensor moe_experts_packed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
                               const std::vector<at::Tensor>& p13, const std::vector<at::Tensor>& p2, int64_t start) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && ids.dim() == 2 && weights.sizes() == ids.sizes() &&
@@ -1296,7 +1299,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "rotary embedding (CPU)");
   m.def("causal_softmax_", &causal_softmax_, "in-place causal softmax of prefill scores (CPU)");
   m.def("sigmoid_group_topk", &sigmoid_group_topk, "DeepSeek-V3 sigmoid group-limited top-k routing (CPU)");
-  m.def("moe_experts_packed", &moe_experts_packed, "routed experts over oneDNN-packed weights (CPU, bf16)");
+  m.def("moe_experts_packed", &moe_experts_packed, "routed experts over packed weights (CPU, bf16)");
   m.def("pack_linear_weight", &pack_linear_weight, "bf16 weight [N, K] -> VNNI blocks [N/32, K/2, 32, 2] (CPU)");
   m.def("vnni_linear", &vnni_linear, "x W^T (+ b) over VNNI-blocked weights (CPU, bf16)");
   m.def("sample_plain", &sample_plain, "temperature sampling by inverse CDF, no top-k / top-p (CPU)");
