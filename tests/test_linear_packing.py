@@ -120,3 +120,26 @@ def test_cpu_linear_backend_typo_fails_before_any_weight_is_read(tiny_model, mon
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "bogus")
     with pytest.raises(EngineConfigError, match="TOKENFAB_CPU_LINEAR='bogus'"):
         LLM(tiny_model("llama"), dtype="bfloat16", max_model_len=64, progress=False)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_concat_is_the_sources_side_by_side(bias):
+    """Linear.concat (q|k|v, gate|up, q_a|kv_a): output columns equal each source's, in order; sources freed."""
+    torch.manual_seed(1)
+    lins = [Linear(24, n, bias=bias) for n in (8, 5, 5)]
+    with torch.no_grad():
+        for l in lins:
+            l.weight.copy_(torch.randn_like(l.weight))
+            if bias:
+                l.bias.copy_(torch.randn_like(l.bias))
+    x = torch.randn(3, 24)
+    want = torch.cat([l(x) for l in lins], -1)
+    fused = Linear.concat(lins)
+    assert fused.out_features == 18 and all(l.weight is None and l.bias is None for l in lins)
+    assert torch.allclose(fused(x), want, rtol=1e-5, atol=1e-5)  # same dot products; BLAS blocking may differ
+    assert Linear.concat(lins) is None  # sources already consumed
+
+
+def test_concat_refuses_mixed_biases():
+    a, b = Linear(4, 2, bias=True), Linear(4, 2, bias=False)
+    assert Linear.concat([a, b]) is None and a.weight is not None and b.weight is not None

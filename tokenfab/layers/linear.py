@@ -14,6 +14,7 @@ On CPU in bfloat16, weights are repacked once after loading, by the backend ``TO
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,25 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
+
+    @classmethod
+    def concat(cls, linears: Sequence[Linear]) -> Linear | None:
+        """One Linear over the concatenated output rows of ``linears``, which all read the same input (q|k|v,
+        gate|up, ...): each output column is the same dot product as in its source, so one GEMM replaces several.
+        The result is packed (:meth:`fuse`) and the sources' weights and biases are freed. Returns None, changing
+        nothing, when a source's weight is already gone or only some sources have a bias."""
+        first = linears[0]
+        has_bias = first.bias is not None
+        if any(l.weight is None or (l.bias is not None) != has_bias for l in linears):
+            return None
+        fused = cls(first.in_features, sum(l.out_features for l in linears), has_bias, dtype=first.weight.dtype)
+        fused.weight = nn.Parameter(torch.cat([l.weight for l in linears]), requires_grad=False)
+        if has_bias:
+            fused.bias = nn.Parameter(torch.cat([l.bias for l in linears]), requires_grad=False)
+        fused.fuse()
+        for l in linears:
+            l.weight = l.bias = None
+        return fused
 
     def fuse(self) -> None:
         """Pack the weight for the configured CPU backend when possible (called once after loading)."""

@@ -94,16 +94,9 @@ class MLAttention(nn.Module):
         the same dot product as before."""
         if self.q_lora_rank is None or getattr(self, "qkv_a_proj", None) is not None:
             return
-        qa, kva = self.q_a_proj, self.kv_a_proj_with_mqa
-        if qa.weight is None or kva.weight is None:
-            return
-        fused = Linear(qa.in_features, qa.out_features + kva.out_features, qa.bias is not None, dtype=qa.weight.dtype)
-        fused.weight = nn.Parameter(torch.cat([qa.weight, kva.weight]), requires_grad=False)
-        if qa.bias is not None:
-            fused.bias = nn.Parameter(torch.cat([qa.bias, kva.bias]), requires_grad=False)
-        fused.fuse()
-        self.qkv_a_proj = fused
-        qa.weight = kva.weight = qa.bias = kva.bias = None
+        fused = Linear.concat([self.q_a_proj, self.kv_a_proj_with_mqa])
+        if fused is not None:
+            self.qkv_a_proj = fused
 
     def _absorb_prefill(self, group: AttentionGroup) -> bool:
         """Prefill in absorbed form? ``prefill_form`` "expanded", "absorbed" or "auto" (default): absorbed when it

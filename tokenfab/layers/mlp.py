@@ -20,12 +20,8 @@ class GatedMLP(nn.Module):
 
     def fuse(self) -> None:
         """After loading: one [2I, hidden] gate|up projection (one GEMM instead of two), packed when possible."""
-        if self.gate_proj.bias is None and self.gate_proj.weight is not None:
-            w = torch.cat([self.gate_proj.weight, self.up_proj.weight], 0)
-            self.gate_up = Linear(w.shape[1], w.shape[0], dtype=w.dtype)
-            self.gate_up.weight.data = w
-            self.gate_up.fuse()
-            self.gate_proj.weight = self.up_proj.weight = None  # freed; gate_up holds the data
+        if self.gate_proj.bias is None and self.gate_up is None:
+            self.gate_up = Linear.concat([self.gate_proj, self.up_proj])
         self.down_proj.fuse()  # now rather than after this module: a parent's fuse() may read it (DeepseekV3MoE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,17 +53,8 @@ class LlamaAttention(nn.Module):
         rows (``qkv_proj``, as vLLM's QKVParallelLinear; each output column is the same dot product as before). Then
         decide whether :func:`~tokenfab.kernels.cpu_kernels.gqa_decode` can run decode-only batches: tokenfab's VNNI
         linears (CPU bf16 with AVX512-BF16), full-width float32 RoPE tables."""
-        lins = (self.q_proj, self.k_proj, self.v_proj)
-        if self.qkv_proj is None and self.num_heads and all(l.weight is not None for l in lins):
-            fused = Linear(self.q_proj.in_features, sum(l.out_features for l in lins), self.q_proj.bias is not None,
-                           dtype=self.q_proj.weight.dtype)
-            fused.weight = nn.Parameter(torch.cat([l.weight for l in lins]), requires_grad=False)
-            if self.q_proj.bias is not None:
-                fused.bias = nn.Parameter(torch.cat([l.bias for l in lins]), requires_grad=False)
-            fused.fuse()
-            self.qkv_proj = fused
-            for l in lins:
-                l.weight = l.bias = None
+        if self.qkv_proj is None and self.num_heads:
+            self.qkv_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj.fuse()
         self._block_ok = (self.qkv_proj is not None and self.rot_dim == self.head_dim
                           and all(l._packed is not None and not l._packed.is_mkldnn for l in (self.qkv_proj, self.o_proj))
