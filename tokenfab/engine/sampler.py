@@ -82,13 +82,14 @@ class Sampler:
         N, V = logits.shape
         params = [s.params for s in seqs]
         temp_list = [p.temperature for p in params]  # decisions on Python floats: no tensor ops on cold caches
-        temps = torch.tensor(temp_list, dtype=torch.float32)
         if all(t < 1e-5 for t in temp_list):
             token_ids = logits.argmax(dim=-1)
-        elif (logits.device.type == "cpu" and logits.dtype == torch.float32 and cpu_kernels.available_for(logits)
+        elif (logits.dtype == torch.float32 and cpu_kernels.available_for(logits)
               and all(p.top_k <= 0 or p.top_k >= V for p in params) and all(p.top_p >= 1.0 for p in params)):
-            token_ids = cpu_kernels.sample_plain(logits, temps, self._uniforms(seqs))  # one pass per row in C++
+            temps = torch.tensor(temp_list, dtype=torch.float32)  # one pass per row in C++
+            token_ids = cpu_kernels.sample_plain(logits, temps, self._uniforms(seqs))
         else:
+            temps = torch.tensor(temp_list, dtype=torch.float32)
             greedy = temps < 1e-5
             any_greedy = any(t < 1e-5 for t in temp_list)
             if any_greedy or any(t != 1.0 for t in temp_list):

@@ -1,12 +1,15 @@
-"""Fused CPU kernels (csrc/cpu_kernels.cpp, csrc/vnni_linear.cpp), compiled on first use, with the PyTorch paths as the fallback.
+"""Fused CPU kernels (csrc/cpu_kernels.cpp, csrc/vnni_linear.cpp), compiled on first use, with the PyTorch paths as
+the fallback.
 
 Eager PyTorch spends most of a CPU decode step on dispatch and small-tensor passes (~150 ops per layer-step,
 benchmarks/NOTES.md). These kernels fold the hottest chains into one call each: paged decode attention straight
 from the block table (no gathered copy of the context), the causal softmax of prefill attention, RMSNorm
-(optionally with the residual add), SiLU-GLU and rotary embedding.
+(optionally with the residual add), SiLU-GLU and rotary embedding, bf16 linears on VNNI-blocked weights, the
+attention of a decode-only step (MLA and grouped-query) and sampling without top-k / top-p.
 
 The extension is built with ``torch.utils.cpp_extension.load`` (needs a C++ compiler; ninja comes with tokenfab's
-dependencies; ~35 s on 2 cores once, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>``, override with ``TOKENFAB_KERNEL_CACHE``).
+dependencies; ~35 s on 2 cores once, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>``, override
+with ``TOKENFAB_KERNEL_CACHE``).
 ``TOKENFAB_CPU_KERNELS=0`` disables them; a failed build logs one warning and every caller keeps its PyTorch path.
 Only CPU tensors take these paths; CUDA/ROCm use their own.
 """

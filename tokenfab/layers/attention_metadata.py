@@ -61,3 +61,10 @@ class AttentionMetadata:
     num_tokens: int
     block_size: int
     state_rows: torch.Tensor | None = None
+
+    def cpu_decode_block(self, x: torch.Tensor, cache: torch.Tensor) -> bool:
+        """True when an attention layer may run this step as one fused CPU call (``cpu_kernels.mla_decode`` /
+        ``gqa_decode``): a decode-only step (no prefill group) with bf16 activations ``x`` and KV pool ``cache``
+        on CPU."""
+        return (self.prefill is None and self.decode is not None and x.dtype == torch.bfloat16
+                and cache.dtype == torch.bfloat16 and x.device.type == "cpu")

@@ -114,6 +114,12 @@ class Linear(nn.Module):
             self._packed = pack_weight(self.weight)
             self.weight = None
 
+    @property
+    def vnni_packed(self) -> torch.Tensor | None:
+        """The packed weight when it is tokenfab's VNNI blocks (what the fused C++ blocks take), else None."""
+        p = self._packed
+        return p if p is not None and not p.is_mkldnn else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
             return packed_linear(x, self._packed, self.bias, self.out_features)

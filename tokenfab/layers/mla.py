@@ -81,12 +81,12 @@ class MLAttention(nn.Module):
         per-head GEMM kernel and float32 RoPE tables (not a NoPE MLA such as Kimi Linear's)."""
         fused = getattr(self, "qkv_a_proj", None)
         lins = (fused, getattr(self, "q_b_proj", None), self.o_proj)
-        if (fused is None or not self._head_gemm or any(l is None or l._packed is None or l._packed.is_mkldnn
-                                                          or l.bias is not None for l in lins)
+        if (fused is None or not self._head_gemm
+                or any(l is None or l.vnni_packed is None or l.bias is not None for l in lins)
                 or getattr(self.rotary, "cos", None) is None or self.rotary.cos.dtype != torch.float32):
             return None
-        return [fused._packed, self.q_a_layernorm.weight, self.kv_a_layernorm.weight, self.q_b_proj._packed,
-                self._w_uk, self._w_uv_t, self.o_proj._packed]
+        return [fused.vnni_packed, self.q_a_layernorm.weight, self.kv_a_layernorm.weight, self.q_b_proj.vnni_packed,
+                self._w_uk, self._w_uv_t, self.o_proj.vnni_packed]
 
     def _fuse_a_projections(self) -> None:
         """q_a_proj [q_lora, hidden] and kv_a_proj_with_mqa [kv_lora + rope, hidden] read the same x: one GEMM over
@@ -160,9 +160,8 @@ class MLAttention(nn.Module):
         T = x.shape[0]
         if self.num_heads == 0:  # tensor parallel with more ranks than heads: contributes nothing to the sum
             return x.new_zeros(T, self.o_proj.out_features)
-        dec = meta.decode
-        if (self._block_weights is not None and self.decode_block and meta.prefill is None and dec is not None
-                and x.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16 and x.device.type == "cpu"):
+        if self._block_weights is not None and self.decode_block and meta.cpu_decode_block(x, cache):
+            dec = meta.decode
             return cpu_kernels.mla_decode(
                 x, positions, meta.slot_mapping, cache, dec.block_tables, dec.context_lens, self._block_weights,
                 [self.q_lora_rank, self.kv_lora, self.rope_dim, self.num_heads, self.nope, self.v_dim,

@@ -57,20 +57,19 @@ class LlamaAttention(nn.Module):
             self.qkv_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj.fuse()
         self._block_ok = (self.qkv_proj is not None and self.rot_dim == self.head_dim
-                          and all(l._packed is not None and not l._packed.is_mkldnn for l in (self.qkv_proj, self.o_proj))
+                          and all(l.vnni_packed is not None for l in (self.qkv_proj, self.o_proj))
                           and getattr(self.rotary, "cos", None) is not None and self.rotary.cos.dtype == torch.float32)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         if self.num_heads == 0:  # tensor parallel with more ranks than heads: contributes nothing to the sum
             return x.new_zeros(T, self.o_proj.out_features)
-        dec = meta.decode
-        if (self._block_ok and self.decode_block and meta.prefill is None and dec is not None
-                and x.dtype == torch.bfloat16 and cache[0].dtype == torch.bfloat16 and x.device.type == "cpu"):
+        if self._block_ok and self.decode_block and meta.cpu_decode_block(x, cache[0]):
+            dec = meta.decode
             norms = [self.q_norm.weight, self.k_norm.weight] if self.qk_norm else []
             return cpu_kernels.gqa_decode(
                 x, positions, meta.slot_mapping, cache[0], cache[1], dec.block_tables, dec.context_lens,
-                [self.qkv_proj._packed, self.o_proj._packed] + norms,
+                [self.qkv_proj.vnni_packed, self.o_proj.vnni_packed] + norms,
                 [self.qkv_proj.bias, self.o_proj.bias],
                 [self.num_heads, self.num_kv_heads, self.head_dim, self.o_proj.out_features],
                 self.rotary.cos, self.rotary.sin, self.rotary.interleave,
