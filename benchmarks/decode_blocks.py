@@ -1,11 +1,15 @@
-"""Attention of decode-only batches as one C++ call (``cpu_kernels.mla_decode`` for MLA, ``cpu_kernels.gqa_decode``
-for Llama / Qwen3) against the Python paths, side by side on one engine: decode steps alternate between the two in
-runs of ``--steps``, ``--rounds`` times, median step time each.
+"""The three CPU paths of a decode-only step side by side on one engine:
+
+- ``stack``: the whole decoder stack as one C++ call (engine/cpu_decode_stack.py);
+- ``blocks``: the modules, each attention layer as one C++ call (``cpu_kernels.mla_decode`` for MLA,
+  ``cpu_kernels.gqa_decode`` for Llama / Qwen3);
+- ``modules``: the modules with attention in Python-level ops.
 
     .venv/bin/python benchmarks/decode_blocks.py [--model DIR] [--batch 1,4,16] [--context 512]
 
-Both paths give bit-identical outputs (tests/test_decode_blocks.py), so only the time differs; the default 5 x 20
-steps per path are about the least that separates them from this VM's step-to-step noise. Writes
+Decode steps cycle through the three in runs of ``--steps``, ``--rounds`` times; median step time each. All three
+give bit-identical outputs (tests/test_decode_blocks.py, tests/test_decode_stack.py), so only the time differs; the
+default 5 x 20 steps per path are about the least that separates them from this VM's step-to-step noise. Writes
 <out>/<date>-<model folder>-decode-blocks.md (default benchmarks/results).
 """
 from __future__ import annotations
@@ -23,6 +27,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.results_file import write_markdown  # noqa: E402
 
 
+PATHS = ("stack", "blocks", "modules")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
@@ -37,7 +44,7 @@ def main() -> int:
     from tokenfab.layers.mla import MLAttention
     from tokenfab.models.llama import LlamaAttention
     batches = [int(b) for b in args.batch.split(",")]
-    total = 2 * args.rounds * args.steps + 10
+    total = len(PATHS) * args.rounds * (args.steps + 1) + 10
     llm = LLM(args.model or ensure_default_model(), max_model_len=args.context + total + 16,
               max_num_seqs=max(batches), progress=False)
     eng = llm.llm_engine
@@ -47,6 +54,10 @@ def main() -> int:
         print("the decode blocks do not apply here (need CPU bf16 with AVX512-BF16 kernels and an MLA or "
               "Llama-family model)", file=sys.stderr)
         return 2
+    stack = eng.runner.cpu_decode_stack
+    if stack is None:
+        print("the decode stack does not apply here (engine/cpu_decode_stack.py)", file=sys.stderr)
+        return 2
     rows = []
     for B in batches:
         for i in range(B):
@@ -54,32 +65,38 @@ def main() -> int:
                             SamplingParams(max_tokens=total, ignore_eos=True, temperature=0.0))
         while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or eng.scheduler.waiting:
             eng.step()
-        times = {True: [], False: []}
+        times = {p: [] for p in PATHS}
         for _ in range(args.rounds):
-            for block in (True, False):
+            for path in PATHS:
+                eng.runner.cpu_decode_stack = stack if path == "stack" else None
                 for m in layers:
-                    m.decode_block = block
+                    m.decode_block = path != "modules"
                 eng.step()  # untimed switch-over step
                 for _ in range(args.steps):
                     t = time.perf_counter()
                     eng.step()
-                    times[block].append(time.perf_counter() - t)
+                    times[path].append(time.perf_counter() - t)
+        eng.runner.cpu_decode_stack = stack
         for m in layers:
             m.decode_block = True
-        on, off = statistics.median(times[True]), statistics.median(times[False])
-        rows.append((B, on, off))
-        print(f"batch {B}: block {on * 1e3:.2f} ms, Python path {off * 1e3:.2f} ms, ratio {on / off:.2f}")
+        med = {p: statistics.median(v) for p, v in times.items()}
+        rows.append((B, med))
+        print(f"batch {B}: " + ", ".join(f"{p} {med[p] * 1e3:.2f} ms" for p in PATHS)
+              + f"; stack / blocks {med['stack'] / med['blocks']:.2f}, blocks / modules "
+              f"{med['blocks'] / med['modules']:.2f}")
         for i in range(B):
             eng.abort_request(f"b{B}-{i}")
         while eng.has_unfinished_requests():
             eng.step()
     date = dt.date.today().isoformat()
     name = os.path.basename(os.path.normpath(args.model or "default"))
-    lines = [f"# Decode attention blocks vs Python paths, {name} ({date})", "",
+    lines = [f"# Decode paths: whole stack, attention blocks, modules; {name} ({date})", "",
              f"Command: `benchmarks/decode_blocks.py {' '.join(sys.argv[1:])}`; {torch.get_num_threads()} threads, "
-             f"context {args.context}, {args.rounds} alternated blocks of {args.steps} steps per path.", "",
-             "| batch | block ms/step | Python path ms/step | ratio |", "|---:|---:|---:|---:|"]
-    lines += [f"| {B} | {on * 1e3:.2f} | {off * 1e3:.2f} | {on / off:.2f} |" for B, on, off in rows]
+             f"context {args.context}, {args.rounds} rounds of {args.steps} steps per path, paths cycled.", "",
+             "| batch | stack ms/step | blocks ms/step | modules ms/step | stack / blocks | blocks / modules |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {B} | {m['stack'] * 1e3:.2f} | {m['blocks'] * 1e3:.2f} | {m['modules'] * 1e3:.2f} | "
+              f"{m['stack'] / m['blocks']:.2f} | {m['blocks'] / m['modules']:.2f} |" for B, m in rows]
     write_markdown(args.out, f"{date}-{name}-decode-blocks.md", lines)
     return 0
 

@@ -22,6 +22,7 @@ def run(path, prompts, block: bool):
                           for m in layers)  # the block applies to this model
     for m in layers:
         m.decode_block = block
+    llm.llm_engine.runner.cpu_decode_stack = None  # the layers' own path (the stack: test_decode_stack.py)
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]

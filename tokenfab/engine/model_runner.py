@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from tokenfab.engine.block_manager import BlockManager
+from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
 from tokenfab.engine.cuda_graph_runner import DecodeGraphRunner, capture_sizes, decode_graph_mode
 from tokenfab.engine.sampler import Sampler, SamplerOutput
 from tokenfab.engine.scheduler import ScheduledBatch
@@ -85,6 +86,10 @@ class ModelRunner:
         self.has_state = hasattr(model, "make_state_cache")
         if self.has_state:  # hybrid models: per-request KDA state slots by row (state_cache.py)
             model.make_state_cache(self.kv_caches, max_num_seqs, dtype, device)
+        # decode-only CPU bf16 steps: the whole decoder stack in one C++ call where the model allows (None: modules)
+        self.cpu_decode_stack: CpuDecodeStack | None = None
+        if device.type == "cpu" and graph_mode is None and not self.has_state:
+            self.cpu_decode_stack = CpuDecodeStack.build(model, self.kv_caches, self.block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
         self.sampler = sampler
         self.eos_ids: list[int] = []
@@ -142,6 +147,8 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: replay (cuda_graph_runner.py)
             hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1)
+        elif self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: one C++ call (cpu_decode_stack.py)
+            hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt, num_computed + 1)
         else:
             meta = AttentionMetadata(
                 slot_mapping=torch.from_numpy(slots).to(self.device),

@@ -56,7 +56,8 @@ def _build_dir() -> str:
 def _sources() -> list[str]:
     """The extension's C++ sources and headers (all of them hash into the build folder's name)."""
     d = os.path.join(os.path.dirname(__file__), "csrc")
-    return [os.path.join(d, f) for f in ("cpu_kernels.cpp", "vnni_linear.cpp", "vnni_linear.h")]
+    return [os.path.join(d, f) for f in ("cpu_kernels.cpp", "cpu_kernels.h", "decode_stack.cpp",
+                                           "vnni_linear.cpp", "vnni_linear.h")]
 
 
 def load():

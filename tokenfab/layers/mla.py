@@ -88,6 +88,16 @@ class MLAttention(nn.Module):
         return [fused.vnni_packed, self.q_a_layernorm.weight, self.kv_a_layernorm.weight, self.q_b_proj.vnni_packed,
                 self._w_uk, self._w_uv_t, self.o_proj.vnni_packed]
 
+    def decode_block_args(self) -> tuple[list[torch.Tensor], list[int], float, float] | None:
+        """(weights, dims, eps_q, eps_kv) of :func:`~tokenfab.kernels.cpu_kernels.mla_decode` for this layer (with the
+        rotary tables and ``scale``, all it needs besides the step's tensors), or None where the block does not
+        apply (:meth:`_decode_block_weights`)."""
+        if self._block_weights is None:
+            return None
+        dims = [self.q_lora_rank, self.kv_lora, self.rope_dim, self.num_heads, self.nope, self.v_dim,
+                self.o_proj.out_features]
+        return self._block_weights, dims, self.q_a_layernorm.eps, self.kv_a_layernorm.eps
+
     def _fuse_a_projections(self) -> None:
         """q_a_proj [q_lora, hidden] and kv_a_proj_with_mqa [kv_lora + rope, hidden] read the same x: one GEMM over
         their concatenated rows (``qkv_a_proj``, as vLLM's fused_qkv_a_proj) instead of two. Each output column is
@@ -162,11 +172,10 @@ class MLAttention(nn.Module):
             return x.new_zeros(T, self.o_proj.out_features)
         if self._block_weights is not None and self.decode_block and meta.cpu_decode_block(x, cache):
             dec = meta.decode
-            return cpu_kernels.mla_decode(
-                x, positions, meta.slot_mapping, cache, dec.block_tables, dec.context_lens, self._block_weights,
-                [self.q_lora_rank, self.kv_lora, self.rope_dim, self.num_heads, self.nope, self.v_dim,
-                 self.o_proj.out_features], self.rotary.cos, self.rotary.sin, self.rotary.interleave,
-                self.q_a_layernorm.eps, self.kv_a_layernorm.eps, self.scale)
+            w, dims, eps_q, eps_kv = self.decode_block_args()
+            return cpu_kernels.mla_decode(x, positions, meta.slot_mapping, cache, dec.block_tables, dec.context_lens,
+                                          w, dims, self.rotary.cos, self.rotary.sin, self.rotary.interleave, eps_q,
+                                          eps_kv, self.scale)
         fused_a = getattr(self, "qkv_a_proj", None)
         if fused_a is not None:  # after fuse(): [q_a | c_kv | k_rope] from one GEMM
             q_a, c_kv, k_rope = fused_a(x).split([self.q_lora_rank, self.kv_lora, self.rope_dim], dim=-1)

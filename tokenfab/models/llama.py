@@ -60,20 +60,27 @@ class LlamaAttention(nn.Module):
                           and all(l.vnni_packed is not None for l in (self.qkv_proj, self.o_proj))
                           and getattr(self.rotary, "cos", None) is not None and self.rotary.cos.dtype == torch.float32)
 
+    def decode_block_args(self) -> tuple[list, list, list[int], float] | None:
+        """(weights, biases, dims, eps) of :func:`~tokenfab.kernels.cpu_kernels.gqa_decode` for this layer (with the
+        rotary tables and ``scale``, all it needs besides the step's tensors), or None where the block does not
+        apply (see :meth:`fuse`)."""
+        if not self._block_ok:
+            return None
+        norms = [self.q_norm.weight, self.k_norm.weight] if self.qk_norm else []
+        return ([self.qkv_proj.vnni_packed, self.o_proj.vnni_packed] + norms, [self.qkv_proj.bias, self.o_proj.bias],
+                [self.num_heads, self.num_kv_heads, self.head_dim, self.o_proj.out_features],
+                self.q_norm.eps if self.qk_norm else 0.0)
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         if self.num_heads == 0:  # tensor parallel with more ranks than heads: contributes nothing to the sum
             return x.new_zeros(T, self.o_proj.out_features)
         if self._block_ok and self.decode_block and meta.cpu_decode_block(x, cache[0]):
             dec = meta.decode
-            norms = [self.q_norm.weight, self.k_norm.weight] if self.qk_norm else []
-            return cpu_kernels.gqa_decode(
-                x, positions, meta.slot_mapping, cache[0], cache[1], dec.block_tables, dec.context_lens,
-                [self.qkv_proj.vnni_packed, self.o_proj.vnni_packed] + norms,
-                [self.qkv_proj.bias, self.o_proj.bias],
-                [self.num_heads, self.num_kv_heads, self.head_dim, self.o_proj.out_features],
-                self.rotary.cos, self.rotary.sin, self.rotary.interleave,
-                self.q_norm.eps if self.qk_norm else 0.0, self.scale)
+            w, biases, dims, eps = self.decode_block_args()
+            return cpu_kernels.gqa_decode(x, positions, meta.slot_mapping, cache[0], cache[1], dec.block_tables,
+                                          dec.context_lens, w, biases, dims, self.rotary.cos, self.rotary.sin,
+                                          self.rotary.interleave, eps, self.scale)
         if self.qkv_proj is not None:
             H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
             q, k, v = self.qkv_proj(x).split([H * D, Hk * D, Hk * D], dim=-1)

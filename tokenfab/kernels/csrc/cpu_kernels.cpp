@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_kernels.h"
 #include "vnni_linear.h"
 
 #include <algorithm>
@@ -746,6 +747,9 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor* residual, const at::Te
   });
 }
 
+}  // namespace
+
+// Declared in cpu_kernels.h (decode_stack.cpp calls it).
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                  const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [N, hidden] with a contiguous last dim");
@@ -768,6 +772,8 @@ std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Te
   if (rptr) return {out, res_out};
   return {out};
 }
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
 // SiLU-GLU: x [N, 2I] laid out [gate | up] -> T(T(silu(gate)) * up) [N, I] (PyTorch's rounding order).
@@ -793,6 +799,9 @@ void silu_and_mul_impl(const at::Tensor& x, at::Tensor& out) {
   });
 }
 
+}  // namespace
+
+// Declared in cpu_kernels.h.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
               "silu_and_mul: x must be [N, 2I] with a contiguous last dim");
@@ -802,6 +811,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   });
   return out;
 }
+
+namespace {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Rotary embedding of x [T, H, dim] (last dim contiguous, any other strides) at positions [T] with float32
@@ -1306,4 +1317,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gqa_decode", &gqa_decode, "grouped-query attention decode block, x -> o_proj output (CPU, bf16)");
   m.def("mla_decode", &mla_decode, "MLA absorbed decode attention block, x -> o_proj output (CPU, bf16)");
   m.def("head_gemm_", &head_gemm_, "per-head GEMM with VNNI-packed weights into y (CPU, AVX512-BF16)");
+  register_decode_stack(m);
 }

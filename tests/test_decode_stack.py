@@ -1,0 +1,100 @@
+"""The whole decoder stack of decode-only CPU bf16 steps as one C++ call (engine/cpu_decode_stack.py) is
+bit-identical to the module path (``CausalLM.forward``): same tokens and logprobs over decode steps that read the
+cache rows the stack wrote, for DeepSeek-V3 (MLA, a dense layer, group-limited MoE with a shared expert), Llama
+(with biases, MQA) and Qwen3 (q/k norms). Mixed prefill + decode steps keep the module path. Models the stack
+does not cover get no stack and still run. The module path is tested against transformers in
+test_engine_exact.py / test_bf16.py."""
+from __future__ import annotations
+
+import pytest
+
+from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
+from tokenfab.kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
+
+
+def make_llm(path, **kw):
+    from tokenfab import LLM
+    return LLM(path, dtype="bfloat16", max_model_len=256, block_size=8, progress=False, **kw)
+
+
+def generate(llm, prompts, use_stack: bool, monkeypatch):
+    from tokenfab import SamplingParams
+    runner = llm.llm_engine.runner
+    stack = runner.cpu_decode_stack
+    assert stack is not None  # the stack covers this model
+    sizes = []
+    real_run = CpuDecodeStack.run
+
+    def counted(self, input_ids, *a):
+        sizes.append(len(input_ids))
+        return real_run(self, input_ids, *a)
+
+    monkeypatch.setattr(CpuDecodeStack, "run", counted)
+    runner.cpu_decode_stack = stack if use_stack else None
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    runner.cpu_decode_stack = stack
+    monkeypatch.setattr(CpuDecodeStack, "run", real_run)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sizes
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("deepseek_v3", {}),
+    ("deepseek_v3", dict(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, n_group=1, topk_group=1)),
+    ("llama", {}), ("llama", {"attention_bias": True, "num_key_value_heads": 1}), ("qwen3", {})],
+    ids=["deepseek", "deepseek-latent96-one-group", "llama", "llama-bias-mqa", "qwen3"])
+def test_decode_stack_is_bit_identical_to_the_module_path(tiny_model, monkeypatch, family, overrides):
+    from test_engine_exact import make_prompts
+    llm = make_llm(tiny_model(family, **overrides), max_num_batched_tokens=40)
+    prompts = make_prompts(5, [9, 30, 17])
+    want, sizes = generate(llm, prompts, use_stack=False, monkeypatch=monkeypatch)
+    assert not sizes
+    got, sizes = generate(llm, prompts, use_stack=True, monkeypatch=monkeypatch)
+    assert sizes and max(sizes) == 3  # the 3-sequence decode steps ran through the stack
+    assert got == want  # token ids and logprob dicts, exactly
+
+
+def test_stack_leaves_mixed_steps_to_the_modules(tiny_model, monkeypatch):
+    """A prompt admitted while others decode makes mixed steps (chunked prefill + decode): those take the module
+    path, and results still equal the module path alone."""
+    from tokenfab import SamplingParams
+    from test_engine_exact import make_prompts
+    llm = make_llm(tiny_model("deepseek_v3"), max_num_batched_tokens=16)
+    eng = llm.llm_engine
+    prompts = make_prompts(6, [5, 40])
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, ignore_eos=True)
+
+    def run(use_stack: bool):
+        stack = eng.runner.cpu_decode_stack
+        eng.runner.cpu_decode_stack = stack if use_stack else None
+        eng.add_request("a", None, prompts[0], params)
+        for _ in range(3):
+            eng.step()
+        eng.add_request("b", None, prompts[1], params)  # 40 tokens in chunks of <= 16 next to a's decodes
+        outs = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = (o.outputs[0].token_ids, o.outputs[0].logprobs)
+        eng.runner.cpu_decode_stack = stack
+        return outs
+
+    assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe"])
+def test_models_outside_the_stack_get_none(tiny_model, family):
+    llm = make_llm(tiny_model(family))
+    assert llm.llm_engine.runner.cpu_decode_stack is None  # softmax router: not covered, module path
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) > 0
+
+
+def test_float32_and_onednn_models_get_no_stack(tiny_model, monkeypatch):
+    from tokenfab import LLM
+    path = tiny_model("deepseek_v3")
+    assert LLM(path, dtype="float32", max_model_len=64, progress=False).llm_engine.runner.cpu_decode_stack is None
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "onednn")
+    assert make_llm(path).llm_engine.runner.cpu_decode_stack is None

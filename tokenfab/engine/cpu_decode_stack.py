@@ -1,0 +1,117 @@
+"""Decode-only CPU bf16 steps through the whole decoder stack in one C++ call (kernels/csrc/decode_stack.cpp).
+
+After the per-layer fusions (``cpu_kernels.mla_decode`` / ``gqa_decode``, the packed MoE dispatch), a batch-1
+decode step of the default DeepSeek model still spent ~0.8 ms of its ~3.8 ms in Python between ~50 kernel calls:
+module calls, argument lists, the router's float cast, residual adds (benchmarks/NOTES.md entry 38). Here the
+model's layers are described once, after loading, to a C++ ``DecodeStack`` that keeps their weights and sizes and
+runs embedding -> layers -> final norm with the same kernels in the same order, so hidden states and KV-cache
+writes are bit-identical to ``CausalLM.forward`` (tests/test_decode_stack.py). It also skips building the step's
+AttentionMetadata, which the stack does not read.
+
+Covered: single-device models made of ``DecoderLayer``s whose attention runs as one fused block (MLA or
+grouped-query) and whose MLP is a packed SiLU-GLU or DeepSeek-V3's MoE (sigmoid group-limited router, packed
+routed experts, optional shared expert). Anything else (tensor parallel, Qwen3-MoE's softmax router, hybrid KDA
+models, oneDNN or plain-PyTorch linears, fp32) keeps the module path: :meth:`CpuDecodeStack.build` returns None.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from tokenfab.kernels import cpu_kernels
+from tokenfab.layers.mla import MLAttention
+from tokenfab.layers.mlp import GatedMLP
+from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
+from tokenfab.layers.norm import RMSNorm
+from tokenfab.models.base import CausalLM
+from tokenfab.models.deepseek_v3 import DeepseekV3MoE
+from tokenfab.models.llama import DecoderLayer, LlamaAttention
+
+
+class CpuDecodeStack:
+    """The C++ decoder stack of one model and its KV pool; :meth:`run` replaces ``model(...)`` for decode-only
+    steps. Build with :meth:`build`."""
+
+    def __init__(self, stack, caches: list[torch.Tensor], block_size: int):
+        self._stack = stack
+        self._caches = caches  # flattened in layer order: MLA latent pool, or k and v pools
+        self.block_size = block_size
+
+    @classmethod
+    def build(cls, model: nn.Module, kv_caches: list, block_size: int) -> CpuDecodeStack | None:
+        """The stack for ``model`` (weights loaded and fused, ``post_load`` done) over ``kv_caches`` (from
+        ``model.make_kv_cache``), or None when some part of the model is outside what the stack covers."""
+        ext = cpu_kernels.load()
+        if ext is None or not hasattr(ext, "DecodeStack") or not cpu_kernels.has_bf16_dot():
+            return None
+        if (not isinstance(model, CausalLM) or type(model).forward is not CausalLM.forward
+                or model.tp is not None or type(model.model.embed_tokens) is not nn.Embedding):
+            return None
+        embed, norm = model.model.embed_tokens.weight, model.model.norm
+        if embed.dtype != torch.bfloat16 or embed.device.type != "cpu" or norm.weight.dtype != torch.bfloat16:
+            return None
+        layers = list(model.model.layers)
+        if not layers or len(layers) != len(kv_caches):
+            return None
+        rotary = getattr(layers[0].self_attn, "rotary", None)
+        if rotary is None or getattr(rotary, "cos", None) is None or rotary.cos.dtype != torch.float32:
+            return None
+        stack = ext.DecodeStack(embed, norm.weight, float(norm.eps), rotary.cos, rotary.sin, bool(rotary.interleave))
+        caches: list[torch.Tensor] = []
+        for layer, cache in zip(layers, kv_caches):
+            if type(layer) is not DecoderLayer or layer.tp is not None or layer.self_attn.rotary is not rotary:
+                return None
+            if not (_add_attention(stack, layer, cache, caches) and _add_mlp(stack, layer.mlp)):
+                return None
+        if any(c.dtype != torch.bfloat16 or c.device.type != "cpu" or not c.is_contiguous() for c in caches):
+            return None
+        return cls(stack, caches, block_size)
+
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, bt: np.ndarray,
+            context_lens: np.ndarray) -> torch.Tensor:
+        """One decode token per sequence: input_ids, positions, slots, context_lens [B] int64 numpy; bt [B, >=
+        blocks needed] int64 block tables. Returns the final-normed hidden states [B, hidden] bf16 (what
+        ``CausalLM.forward`` returns), after writing this step's K/V rows."""
+        nblk = int((context_lens.max() + self.block_size - 1) // self.block_size)
+        return self._stack.forward(torch.from_numpy(input_ids), torch.from_numpy(positions), torch.from_numpy(slots),
+                                   self._caches, torch.from_numpy(np.ascontiguousarray(bt[:, :nblk])),
+                                   torch.from_numpy(context_lens))
+
+
+def _add_attention(stack, layer: DecoderLayer, cache, caches: list[torch.Tensor]) -> bool:
+    attn, n_in, n_post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    norms = (n_in.weight, float(n_in.eps), n_post.weight, float(n_post.eps))
+    if type(attn) is MLAttention and attn.decode_block and attn.decode_block_args() is not None:
+        w, dims, eps_q, eps_kv = attn.decode_block_args()
+        stack.add_mla_layer(*norms, w, dims, float(eps_q), float(eps_kv), float(attn.scale))
+        caches.append(cache)
+        return True
+    if isinstance(attn, LlamaAttention) and attn.decode_block and attn.decode_block_args() is not None:
+        w, biases, dims, eps = attn.decode_block_args()
+        stack.add_gqa_layer(*norms, w, biases, dims, float(eps), float(attn.scale))
+        caches.extend(cache)
+        return True
+    return False
+
+
+def _add_mlp(stack, mlp: nn.Module) -> bool:
+    if type(mlp) is GatedMLP:
+        return _set_gated(stack, mlp)
+    if type(mlp) is not DeepseekV3MoE:
+        return False
+    gate, experts = mlp.gate, mlp.experts
+    if (type(gate) is not SigmoidGroupRouter or type(experts) is not RoutedExperts or experts._p13 is None
+            or not experts.fused_dispatch or gate.weight.dtype != torch.float32):
+        return False
+    stack.set_moe(gate.weight, gate.e_score_correction_bias, gate.n_group, gate.topk_group, gate.top_k,
+                  bool(gate.norm_topk_prob), float(gate.scaling), experts._p13, experts._p2, experts.start)
+    return mlp.shared_experts is None or (type(mlp.shared_experts) is GatedMLP and _set_gated(stack, mlp.shared_experts))
+
+
+def _set_gated(stack, mlp: GatedMLP) -> bool:
+    gu, down = mlp.gate_up, mlp.down_proj
+    if gu is None or gu.vnni_packed is None or down.vnni_packed is None:
+        return False
+    stack.set_gated_mlp(gu.vnni_packed, gu.bias, gu.out_features, down.vnni_packed, down.bias, down.out_features)
+    return True

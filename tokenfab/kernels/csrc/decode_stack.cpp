@@ -1,0 +1,168 @@
+// The whole decoder stack of a decode-only CPU bf16 step in one call (tokenfab/models/decode_stack.py builds it).
+//
+// A batch-1 decode step of the default DeepSeek model runs ~50 kernel calls that together take ~2.2-2.5 ms; the
+// Python between them (module calls, the router's float cast, adds, argument lists) took another ~0.8 ms
+// (benchmarks/NOTES.md entry 38). DecodeStack keeps every layer's weights and sizes on the C++ side and chains the
+// same kernels in the same order as the Python modules do:
+//
+//   h = embedding(ids)
+//   per layer:  a = rms(h);  o = attention(a)  [mla_decode or gqa_decode, which write the KV cache]
+//               x, h = rms(o + h), o + h        [one fused pass, as DecoderLayer does]
+//               h = h + mlp(x)                  [dense SiLU-GLU, or DeepSeek-V3 MoE: router GEMM in float32,
+//                                                sigmoid group-limited top-k, routed experts, + shared expert]
+//   return rms(h)
+//
+// so its output and the cache rows it writes are bit-identical to the Python path (tests/test_decode_stack.py).
+#include <torch/extension.h>
+
+#include "cpu_kernels.h"
+#include "vnni_linear.h"
+
+#include <string>
+#include <vector>
+
+namespace {
+
+// One SiLU-GLU block over VNNI-packed weights: down(silu(gate_up(x))), gate_up rows [gate | up].
+struct GatedMlp {
+  at::Tensor gate_up, down;
+  c10::optional<at::Tensor> gate_up_bias, down_bias;
+  int64_t gate_up_rows = 0, down_rows = 0;
+
+  bool defined() const { return gate_up.defined(); }
+  at::Tensor operator()(const at::Tensor& x) const {
+    return vnni_linear(silu_and_mul(vnni_linear(x, gate_up, gate_up_rows, gate_up_bias)), down, down_rows,
+                       down_bias);
+  }
+};
+
+struct Layer {
+  bool mla = false;
+  std::vector<at::Tensor> attn_w;
+  std::vector<c10::optional<at::Tensor>> attn_b;
+  std::vector<int64_t> attn_dims;
+  double eps_a = 0, eps_b = 0, scale = 0;  // MLA: q_a / kv_a norm eps; GQA: q/k norm eps (eps_a)
+  at::Tensor in_norm, post_norm;
+  double in_eps = 0, post_eps = 0;
+  GatedMlp mlp;  // dense layers; the shared expert of MoE layers
+  bool moe = false;
+  at::Tensor router_w, router_bias;  // float32 [E, hidden], [E]
+  int64_t n_group = 1, topk_group = 1, top_k = 1, expert_start = 0;
+  bool norm_topk = false;
+  double routed_scale = 1.0;
+  std::vector<at::Tensor> p13, p2;
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(at::Tensor embed, at::Tensor final_norm, double final_eps, at::Tensor cos, at::Tensor sin,
+              bool interleave)
+      : embed_(std::move(embed)), final_norm_(std::move(final_norm)), final_eps_(final_eps), cos_(std::move(cos)),
+        sin_(std::move(sin)), interleave_(interleave) {}
+
+  // A layer with MLA attention: the arguments of mla_decode that do not change between steps.
+  void add_mla_layer(at::Tensor in_norm, double in_eps, at::Tensor post_norm, double post_eps,
+                     std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps_q, double eps_kv,
+                     double scale) {
+    Layer l;
+    l.mla = true;
+    l.in_norm = std::move(in_norm), l.in_eps = in_eps, l.post_norm = std::move(post_norm), l.post_eps = post_eps;
+    l.attn_w = std::move(w), l.attn_dims = std::move(dims), l.eps_a = eps_q, l.eps_b = eps_kv, l.scale = scale;
+    layers_.push_back(std::move(l));
+  }
+
+  // A layer with grouped-query attention (gqa_decode's arguments).
+  void add_gqa_layer(at::Tensor in_norm, double in_eps, at::Tensor post_norm, double post_eps,
+                     std::vector<at::Tensor> w, std::vector<c10::optional<at::Tensor>> biases,
+                     std::vector<int64_t> dims, double eps, double scale) {
+    Layer l;
+    l.in_norm = std::move(in_norm), l.in_eps = in_eps, l.post_norm = std::move(post_norm), l.post_eps = post_eps;
+    l.attn_w = std::move(w), l.attn_b = std::move(biases), l.attn_dims = std::move(dims), l.eps_a = eps,
+    l.scale = scale;
+    layers_.push_back(std::move(l));
+  }
+
+  // The last added layer's dense SiLU-GLU (or, after set_moe, its shared expert).
+  void set_gated_mlp(at::Tensor gate_up, c10::optional<at::Tensor> gate_up_bias, int64_t gate_up_rows,
+                     at::Tensor down, c10::optional<at::Tensor> down_bias, int64_t down_rows) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack.set_gated_mlp: add a layer first");
+    layers_.back().mlp = GatedMlp{std::move(gate_up), std::move(down), std::move(gate_up_bias),
+                                  std::move(down_bias), gate_up_rows, down_rows};
+  }
+
+  // The last added layer's DeepSeek-V3 MoE: router (float32 weight and score-correction bias), group-limited top-k
+  // and one packed gate_up / down weight per local expert (experts start..start + len(p13) - 1).
+  void set_moe(at::Tensor router_w, at::Tensor router_bias, int64_t n_group, int64_t topk_group, int64_t top_k,
+               bool norm_topk, double routed_scale, std::vector<at::Tensor> p13, std::vector<at::Tensor> p2,
+               int64_t start) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack.set_moe: add a layer first");
+    TORCH_CHECK(router_w.scalar_type() == at::kFloat && p13.size() == p2.size() && !p13.empty(),
+                "DecodeStack.set_moe: float32 router weight and one gate_up / down pair per expert expected");
+    Layer& l = layers_.back();
+    l.moe = true;
+    l.router_w = std::move(router_w), l.router_bias = std::move(router_bias);
+    l.n_group = n_group, l.topk_group = topk_group, l.top_k = top_k, l.norm_topk = norm_topk;
+    l.routed_scale = routed_scale, l.p13 = std::move(p13), l.p2 = std::move(p2), l.expert_start = start;
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // input_ids, positions, slot_mapping [T] int64; caches: per layer its latent pool (MLA) or k and v pools (GQA),
+  // flattened in layer order; block_tables [T, max_blocks], context_lens [T]. Returns the final-normed hidden
+  // states [T, hidden] bf16.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                     std::vector<at::Tensor> caches, const at::Tensor& block_tables,
+                     const at::Tensor& context_lens) const {
+    size_t c = 0;
+    auto h = at::embedding(embed_, input_ids);
+    for (const Layer& l : layers_) {
+      const auto a = rms_norm(h, std::nullopt, l.in_norm, l.in_eps)[0];
+      at::Tensor o;
+      if (l.mla) {
+        TORCH_CHECK(c < caches.size(), "DecodeStack.forward: fewer KV caches than layers");
+        o = mla_decode(a, positions, slot_mapping, caches[c], block_tables, context_lens, l.attn_w, l.attn_dims,
+                       cos_, sin_, interleave_, l.eps_a, l.eps_b, l.scale);
+        c += 1;
+      } else {
+        TORCH_CHECK(c + 1 < caches.size(), "DecodeStack.forward: fewer KV caches than layers");
+        o = gqa_decode(a, positions, slot_mapping, caches[c], caches[c + 1], block_tables, context_lens, l.attn_w,
+                       l.attn_b, l.attn_dims, cos_, sin_, interleave_, l.eps_a, l.scale);
+        c += 2;
+      }
+      const auto xh = rms_norm(o, h, l.post_norm, l.post_eps);  // {norm(o + h), o + h}
+      const auto& x = xh[0];
+      at::Tensor m;
+      if (l.moe) {
+        const auto route = sigmoid_group_topk(at::linear(x.to(at::kFloat), l.router_w), l.router_bias, l.n_group,
+                                              l.topk_group, l.top_k, l.norm_topk, l.routed_scale);
+        m = moe_experts_packed(x, route[0], route[1], l.p13, l.p2, l.expert_start);
+        if (l.mlp.defined()) m = m + l.mlp(x);
+      } else {
+        m = l.mlp(x);
+      }
+      h = xh[1] + m;
+    }
+    TORCH_CHECK(c == caches.size(), "DecodeStack.forward: ", caches.size(), " KV caches for ", c, " expected");
+    return rms_norm(h, std::nullopt, final_norm_, final_eps_)[0];
+  }
+
+ private:
+  at::Tensor embed_, final_norm_;
+  double final_eps_;
+  at::Tensor cos_, sin_;
+  bool interleave_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void register_decode_stack(pybind11::module_& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder stack of a decode-only CPU bf16 step in one call")
+      .def(pybind11::init<at::Tensor, at::Tensor, double, at::Tensor, at::Tensor, bool>())
+      .def("add_mla_layer", &DecodeStack::add_mla_layer)
+      .def("add_gqa_layer", &DecodeStack::add_gqa_layer)
+      .def("set_gated_mlp", &DecodeStack::set_gated_mlp)
+      .def("set_moe", &DecodeStack::set_moe)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}
