@@ -160,7 +160,9 @@ class ModelRunner:
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
         if len(logit_idx) == 0:
             return None
-        return self.model.compute_logits(hidden[torch.from_numpy(logit_idx).to(self.device)]).cpu()
+        if not (d == B and len(logit_idx) == B):  # decode-only steps want every row, in order
+            hidden = hidden[torch.from_numpy(logit_idx).to(self.device)]
+        return self.model.compute_logits(hidden).cpu()
 
     def set_thread_policy(self, prefill_threads: int, decode_threads: int) -> None:
         """CPU intra-op threads per step kind: steps with prefill tokens use ``prefill_threads`` (large GEMMs that
@@ -182,25 +184,23 @@ class ModelRunner:
         T = int(num_new.sum())
         if self._threads is not None:
             self._apply_thread_policy(T > B)
-        cu = np.cumsum(num_new)
-        starts = cu - num_new
-        req_idx = np.repeat(np.arange(B), num_new)
-        positions = num_computed[req_idx] + np.arange(T) - starts[req_idx]
-        input_ids = self.token_ids[rows[req_idx], positions]
+        if d == B:  # decode-only: token i of sequence i at position num_computed[i]; every sequence samples
+            starts = req_idx = sampled_index = sample_tok = np.arange(B)
+            positions = num_computed
+            input_ids = self.token_ids[rows, positions]
+            plp_tok = np.zeros(0, dtype=np.int64)  # decode positions are past the prompt: no prompt logprobs
+        else:
+            cu = np.cumsum(num_new)
+            starts = cu - num_new
+            req_idx = np.repeat(np.arange(B), num_new)
+            positions = num_computed[req_idx] + np.arange(T) - starts[req_idx]
+            input_ids = self.token_ids[rows[req_idx], positions]
+            seq_lens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=B)
+            sampled_index = np.nonzero(num_computed + num_new == seq_lens)[0]
+            sample_tok = cu[sampled_index] - 1
+            plp_tok = self._prompt_logprob_tokens(seqs, req_idx, positions)
         bt = self.bm.block_tables[rows]
-
-        seq_lens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=B)
-        sampled_index = np.nonzero(num_computed + num_new == seq_lens)[0]
-        sample_tok = cu[sampled_index] - 1
-        plp_tok = np.zeros(0, dtype=np.int64)
-        wants = np.fromiter((s.wants_prompt_logprobs for s in seqs), dtype=bool, count=B)
-        if wants.any():
-            n_prompt = np.fromiter((s.num_prompt_tokens for s in seqs), dtype=np.int64, count=B)
-            done = np.fromiter((len(s.prompt_logprobs) - 1 if s.prompt_logprobs is not None else 0 for s in seqs),
-                               dtype=np.int64, count=B)
-            mask = wants[req_idx] & (positions < n_prompt[req_idx] - 1) & (positions >= done[req_idx])
-            plp_tok = np.nonzero(mask)[0]
-        logit_idx = np.concatenate([sample_tok, plp_tok])
+        logit_idx = np.concatenate([sample_tok, plp_tok]) if len(plp_tok) else sample_tok
         if self.tp_channel is not None:  # tensor parallel: the workers run the same forward (tokenfab/parallel)
             self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx,
                                       rows if self.has_state else None)  # hybrid models: the KDA state slots
@@ -212,7 +212,7 @@ class ModelRunner:
 
         sampler_out = None
         if len(sampled_index):
-            sample_seqs = [seqs[i] for i in sampled_index]
+            sample_seqs = seqs if d == B else [seqs[i] for i in sampled_index]
             sampler_out = self.sampler(self._mask_min_tokens(s_logits, sample_seqs), sample_seqs, raw_logits=s_logits)
         plp = None
         if len(plp_tok):
@@ -228,6 +228,20 @@ class ModelRunner:
                 top_v, top_i = tv.numpy(), ti.numpy()
             plp = PromptLogprobs(seq_i, pred_pos, targets, lp.numpy(), top_i, top_v)
         return StepOutput(sampled_index, sampler_out, plp)
+
+    @staticmethod
+    def _prompt_logprob_tokens(seqs, req_idx: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Flat-batch rows whose logits score a prompt token for a sequence that asked for prompt logprobs (each
+        prompt position once, resuming after those already stored)."""
+        B = len(seqs)
+        wants = np.fromiter((s.wants_prompt_logprobs for s in seqs), dtype=bool, count=B)
+        if not wants.any():
+            return np.zeros(0, dtype=np.int64)
+        n_prompt = np.fromiter((s.num_prompt_tokens for s in seqs), dtype=np.int64, count=B)
+        done = np.fromiter((len(s.prompt_logprobs) - 1 if s.prompt_logprobs is not None else 0 for s in seqs),
+                           dtype=np.int64, count=B)
+        mask = wants[req_idx] & (positions < n_prompt[req_idx] - 1) & (positions >= done[req_idx])
+        return np.nonzero(mask)[0]
 
     def _mask_min_tokens(self, logits: torch.Tensor, seqs) -> torch.Tensor:
         """Logits with EOS and stop tokens forbidden for sequences below ``min_tokens`` (vLLM semantics); the
