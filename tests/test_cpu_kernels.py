@@ -62,6 +62,23 @@ def test_paged_decode_attention_matches_definition(dtype, tol, case):
     assert (out.double() - ref).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("lens", [[5], [33], [300]], ids=["one-block", "3-blocks", "19-blocks"])
+def test_mla_decode_attention_context_splits_match_definition(threads, lens):
+    """With fewer sequences than threads the bf16 kernel splits MLA's shared latent context across threads and
+    merges the partial softmax states: a context of one block leaves a split empty."""
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, kc, vc, bt, cl = _paged_case(B=1, H=8, Hk=1, D=576, Dv=512, bs=16, lens=lens, dtype=torch.bfloat16,
+                                        latent=True, seed=len(lens) + lens[0])
+        out = cpu_kernels.paged_decode_attention(q, kc, vc, bt, cl, 576 ** -0.5)
+    finally:
+        torch.set_num_threads(prev)
+    ref = _reference_attention(q, kc, vc, bt, cl, 576 ** -0.5)
+    assert (out.double() - ref).abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize("dtype,D", [(torch.float32, 16), (torch.bfloat16, 32)])
 def test_paged_decode_attention_reads_only_the_context(dtype, D):
     """Tokens past context_lens (garbage in the last block) must not change the result (odd lengths: the bf16 path

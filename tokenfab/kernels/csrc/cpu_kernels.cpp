@@ -262,32 +262,43 @@ inline void prefetch_rows(const T* base, int64_t rows, int64_t row_stride, int64
   }
 }
 
-// Shapes, strides and work split shared by both decode kernels. Work items are (sequence, chunk of query heads);
-// heads are split only when there are fewer sequences than threads.
+// Shapes, strides and work split shared by both decode kernels. Work items are (sequence, chunk of query heads,
+// split of the context). With fewer sequences than threads, the work is split further: by query heads, or, with
+// ``split_context`` and one KV head shared by all query heads (MLA's latent pool), by the context instead
+// (flash-decoding): heads split over threads would each stream the same latent rows, while a context split reads
+// each row once for all heads; the partial softmax states are merged after (merge_splits).
 struct DecodeGeometry {
-  int64_t B, H, D, bs, Hk, Dv, G, ks0, ks1, ks2, vs0, vs1, vs2, qs0, qs1, max_blocks, chunks, per_chunk;
+  int64_t B, H, D, bs, Hk, Dv, G, ks0, ks1, ks2, vs0, vs1, vs2, qs0, qs1, max_blocks, chunks, per_chunk, splits;
 
   DecodeGeometry(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_tables)
+                 const at::Tensor& block_tables, bool split_context = false)
       : B(q.size(0)), H(q.size(1)), D(q.size(2)), bs(k_cache.size(1)), Hk(k_cache.size(2)), Dv(v_cache.size(3)),
         G(H / Hk), ks0(k_cache.stride(0)), ks1(k_cache.stride(1)), ks2(k_cache.stride(2)),
         vs0(v_cache.stride(0)), vs1(v_cache.stride(1)), vs2(v_cache.stride(2)), qs0(q.stride(0)),
         qs1(q.stride(1)), max_blocks(block_tables.size(1)) {
     const int64_t threads = at::get_num_threads();
     chunks = 1;
-    while (B * chunks < threads && chunks < H) chunks *= 2;
+    splits = 1;
+    if (split_context && Hk == 1 && B < threads) {
+      splits = std::min((threads + B - 1) / B, std::max<int64_t>(max_blocks, 1));
+    } else {
+      while (B * chunks < threads && chunks < H) chunks *= 2;
+    }
     chunks = std::min(chunks, H);
     per_chunk = (H + chunks - 1) / chunks;
   }
 
-  int64_t num_items() const { return B * chunks; }
+  int64_t num_items() const { return B * chunks * splits; }
 
-  // Item idx: sequence b, query heads [h0, h1) (ng of them), reading KV heads [kv0, kv0 + nkv).
+  // Item idx: sequence b, query heads [h0, h1) (ng of them), reading KV heads [kv0, kv0 + nkv), context split
+  // ``split`` of ``splits``.
   struct Item {
-    int64_t b, h0, h1, ng, kv0, nkv;
+    int64_t b, h0, h1, ng, kv0, nkv, split;
   };
   Item item(int64_t idx) const {
     Item it;
+    it.split = idx % splits;
+    idx /= splits;
     it.b = idx / chunks;
     it.h0 = (idx % chunks) * per_chunk;
     it.h1 = std::min(H, it.h0 + per_chunk);
@@ -536,11 +547,25 @@ inline __m512 exp_approx16(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
+// One output row of the bf16 decode kernel: the float32 accumulator (in value_heads_bf16's lane order) / l, rounded
+// to bf16 in column order.
+inline void store_decode_row(const float* a, float l, int64_t Dv, uint16_t* o) {
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  for (int64_t c0 = 0; c0 < Dv; c0 += 32)  // undo the unpack lane permutation
+    for (int j = 0; j < 4; ++j)
+      for (int i = 0; i < 4; ++i) {
+        o[c0 + 8 * j + i] = f_to_bf16(a[c0 + 4 * j + i] * inv);
+        o[c0 + 8 * j + 4 + i] = f_to_bf16(a[c0 + 16 + 4 * j + i] * inv);
+      }
+}
+
 void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                            at::Tensor& out) {
-  const DecodeGeometry geo(q, k_cache, v_cache, block_tables);
-  const int64_t H = geo.H, D = geo.D, bs = geo.bs, Dv = geo.Dv, per_chunk = geo.per_chunk;
+  const DecodeGeometry geo(q, k_cache, v_cache, block_tables, /*split_context=*/true);
+  const int64_t H = geo.H, D = geo.D, bs = geo.bs, Dv = geo.Dv, per_chunk = geo.per_chunk, S = geo.splits;
+  // context splits: per (sequence, split, head) the running max, sum and permuted accumulator, merged below
+  std::vector<float> part_m(S > 1 ? geo.B * S * H : 0), part_l(part_m.size()), part_acc(part_m.size() * Dv);
   const auto* qp = raw<c10::BFloat16>(q);
   const auto* kp = raw<c10::BFloat16>(k_cache);
   const auto* vp = raw<c10::BFloat16>(v_cache);
@@ -566,11 +591,14 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
       std::fill(acc.begin(), acc.begin() + ng * Dv, 0.f);
       std::fill(m.begin(), m.begin() + ng, -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.begin() + ng, 0.f);
-      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+      const int64_t nblk = (L + bs - 1) / bs, per_split = (nblk + S - 1) / S;
+      const int64_t t_begin = std::min(nblk, it.split * per_split) * bs;
+      const int64_t t_end = std::min(L, (it.split + 1) * per_split * bs);
+      for (int64_t t0 = t_begin; t0 < t_end; t0 += bs) {
         const int64_t n = std::min(bs, L - t0), npair = (n + 1) / 2;
         const uint16_t* kb = kp + bt[t0 / bs] * geo.ks0;
         const uint16_t* vb = vp + bt[t0 / bs] * geo.vs0;
-        if (t0 + bs < L) {
+        if (t0 + bs < t_end) {
           const int64_t nn = std::min(bs, L - t0 - bs);
           prefetch_rows(kp + bt[t0 / bs + 1] * geo.ks0 + it.kv0 * geo.ks2, nn, geo.ks1, (it.nkv - 1) * geo.ks2 + D);
           if (vp != kp) prefetch_rows(vp + bt[t0 / bs + 1] * geo.vs0 + it.kv0 * geo.vs2, nn, geo.vs1, (it.nkv - 1) * geo.vs2 + Dv);
@@ -663,16 +691,35 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
         }
       }
       for (int64_t g = 0; g < ng; ++g) {
-        uint16_t* o = op + (it.b * H + it.h0 + g) * Dv;
-        const float* a = acc.data() + g * Dv;
-        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-        for (int64_t c0 = 0; c0 < Dv; c0 += 32)  // undo the unpack lane permutation
-          for (int j = 0; j < 4; ++j)
-            for (int i = 0; i < 4; ++i) {
-              o[c0 + 8 * j + i] = f_to_bf16(a[c0 + 4 * j + i] * inv);
-              o[c0 + 8 * j + 4 + i] = f_to_bf16(a[c0 + 16 + 4 * j + i] * inv);
-            }
+        if (S > 1) {  // this split's state, merged below
+          const int64_t slot = (it.b * S + it.split) * H + it.h0 + g;
+          part_m[slot] = m[g];
+          part_l[slot] = l[g];
+          std::memcpy(part_acc.data() + slot * Dv, acc.data() + g * Dv, Dv * sizeof(float));
+          continue;
+        }
+        store_decode_row(acc.data() + g * Dv, l[g], Dv, op + (it.b * H + it.h0 + g) * Dv);
       }
+    }
+  });
+  if (S == 1) return;
+  // merge the context splits: softmax over the union = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
+  at::parallel_for(0, geo.B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(Dv);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float M = -std::numeric_limits<float>::infinity();
+      for (int64_t sp = 0; sp < S; ++sp) M = std::max(M, part_m[(b * S + sp) * H + h]);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float lsum = 0.f;
+      for (int64_t sp = 0; sp < S; ++sp) {
+        const int64_t slot = (b * S + sp) * H + h;
+        if (part_l[slot] == 0.f) continue;  // an empty split (context shorter than the others' share)
+        const float w = exp_approx(part_m[slot] - M);
+        lsum += part_l[slot] * w;
+        axpy(acc.data(), w, part_acc.data() + slot * Dv, Dv);
+      }
+      store_decode_row(acc.data(), lsum, Dv, op + bh * Dv);
     }
   });
 }
