@@ -98,3 +98,55 @@ def test_float32_and_onednn_models_get_no_stack(tiny_model, monkeypatch):
     assert LLM(path, dtype="float32", max_model_len=64, progress=False).llm_engine.runner.cpu_decode_stack is None
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "onednn")
     assert make_llm(path).llm_engine.runner.cpu_decode_stack is None
+
+
+def sampled(path, prompts, params, fused: bool):
+    """Tokens of one fresh engine (same seed each time), with the LM head and the draw fused into the stack's call
+    or left to compute_logits and the Sampler; and how many steps took the fused call."""
+    llm = make_llm(path)
+    stack = llm.llm_engine.runner.cpu_decode_stack
+    assert stack is not None and stack.vocab_size is not None  # untied LM head: the fused draw applies
+    if not fused:
+        stack.vocab_size = None
+    calls = []
+    real = stack.run_sample
+
+    def counted(*a):
+        calls.append(1)
+        return real(*a)
+
+    stack.run_sample = counted
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], len(calls)
+
+
+def test_fused_lm_head_and_draw_give_the_samplers_tokens(tiny_model):
+    """Greedy, temperature and seeded rows in one batch: the fused call draws the same uniforms in the same order as
+    the Sampler would, so every token matches, across steps that consume the engine's RNG."""
+    from tokenfab import SamplingParams
+    from test_engine_exact import make_prompts
+    path = tiny_model("deepseek_v3")
+    prompts = make_prompts(7, [9, 30, 17, 4])
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.9, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=1.3, seed=11, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.7, ignore_eos=True)]
+    want, n_unfused = sampled(path, prompts, params, fused=False)
+    got, n_fused = sampled(path, prompts, params, fused=True)
+    assert n_unfused == 0 and n_fused >= 9  # every decode-only step took the fused call
+    assert got == want
+    assert len({tuple(t) for t in got}) == 4
+
+
+def test_rows_wanting_logprobs_or_top_k_keep_the_sampler(tiny_model):
+    from tokenfab import SamplingParams
+    from test_engine_exact import make_prompts
+    path = tiny_model("deepseek_v3")
+    prompts = make_prompts(8, [9, 12])
+    for odd in (SamplingParams(max_tokens=6, temperature=0.8, logprobs=1, ignore_eos=True),
+                SamplingParams(max_tokens=6, temperature=0.8, top_k=5, ignore_eos=True),
+                SamplingParams(max_tokens=6, temperature=0.8, min_tokens=6, ignore_eos=True)):
+        params = [SamplingParams(max_tokens=6, temperature=0.8, ignore_eos=True), odd]
+        want, _ = sampled(path, prompts, params, fused=False)
+        got, n = sampled(path, prompts, params, fused=True)
+        assert got == want and n == 0  # (min_tokens 6 of max_tokens 6: below it until the end)

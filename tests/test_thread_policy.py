@@ -19,13 +19,17 @@ def test_runner_switches_threads_by_step_kind(tiny_model):
         eng.runner.set_thread_policy(2, 1)
         eng.add_request("a", None, list(range(5, 25)), SamplingParams(max_tokens=4, ignore_eos=True))
         seen = []
-        orig = eng.runner.forward
 
-        def spy(*a, **k):
-            seen.append(torch.get_num_threads())
-            return orig(*a, **k)
+        def spied(fn):
+            def spy(*a, **k):
+                seen.append(torch.get_num_threads())
+                return fn(*a, **k)
+            return spy
 
-        eng.runner.forward = spy
+        eng.runner.forward = spied(eng.runner.forward)
+        stack = eng.runner.cpu_decode_stack  # CPU bf16 decode steps may run through the stack's fused call instead
+        if stack is not None:
+            stack.run_sample = spied(stack.run_sample)
         while eng.has_unfinished_requests():
             eng.step()
         assert seen[0] == 2 and seen[1:] == [1] * (len(seen) - 1) and len(seen) == 4  # prefill, then 3 decodes

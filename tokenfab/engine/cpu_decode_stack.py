@@ -33,10 +33,11 @@ class CpuDecodeStack:
     """The C++ decoder stack of one model and its KV pool; :meth:`run` replaces ``model(...)`` for decode-only
     steps. Build with :meth:`build`."""
 
-    def __init__(self, stack, caches: list[torch.Tensor], block_size: int):
+    def __init__(self, stack, caches: list[torch.Tensor], block_size: int, vocab_size: int | None):
         self._stack = stack
         self._caches = caches  # flattened in layer order: MLA latent pool, or k and v pools
         self.block_size = block_size
+        self.vocab_size = vocab_size  # set when the LM head is in the stack (run_sample), else None
 
     @classmethod
     def build(cls, model: nn.Module, kv_caches: list, block_size: int) -> CpuDecodeStack | None:
@@ -66,17 +67,33 @@ class CpuDecodeStack:
                 return None
         if any(c.dtype != torch.bfloat16 or c.device.type != "cpu" or not c.is_contiguous() for c in caches):
             return None
-        return cls(stack, caches, block_size)
+        lm_head = getattr(model, "_lm_head_packed", None)  # packed by CausalLM.post_load (untied heads)
+        vocab = None
+        if lm_head is not None and not lm_head.is_mkldnn:
+            vocab = int(model._lm_head_rows)
+            stack.set_lm_head(lm_head, vocab)
+        return cls(stack, caches, block_size, vocab)
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, bt: np.ndarray,
             context_lens: np.ndarray) -> torch.Tensor:
         """One decode token per sequence: input_ids, positions, slots, context_lens [B] int64 numpy; bt [B, >=
         blocks needed] int64 block tables. Returns the final-normed hidden states [B, hidden] bf16 (what
         ``CausalLM.forward`` returns), after writing this step's K/V rows."""
+        return self._stack.forward(*self._step_tensors(input_ids, positions, slots, bt, context_lens))
+
+    def run_sample(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, bt: np.ndarray,
+                   context_lens: np.ndarray, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """:meth:`run`, then the LM head and one token per sequence drawn as ``Sampler`` draws plain rows
+        (``cpu_kernels.sample_plain`` at temperatures ``temps`` [B] float32 with uniforms ``u`` [B], from
+        ``Sampler.plain_inputs``), all in one C++ call: no Python runs between the forward and the draw, where
+        every interpreter step pays for the caches the forward's weight stream evicted (benchmarks/NOTES.md
+        entry 38). Only when ``vocab_size`` is set. Returns int64 [B]."""
+        return self._stack.forward_sample(*self._step_tensors(input_ids, positions, slots, bt, context_lens), temps, u)
+
+    def _step_tensors(self, input_ids, positions, slots, bt, context_lens) -> tuple:
         nblk = int((context_lens.max() + self.block_size - 1) // self.block_size)
-        return self._stack.forward(torch.from_numpy(input_ids), torch.from_numpy(positions), torch.from_numpy(slots),
-                                   self._caches, torch.from_numpy(np.ascontiguousarray(bt[:, :nblk])),
-                                   torch.from_numpy(context_lens))
+        return (torch.from_numpy(input_ids), torch.from_numpy(positions), torch.from_numpy(slots), self._caches,
+                torch.from_numpy(np.ascontiguousarray(bt[:, :nblk])), torch.from_numpy(context_lens))
 
 
 def _add_attention(stack, layer: DecoderLayer, cache, caches: list[torch.Tensor]) -> bool:

@@ -184,6 +184,10 @@ class ModelRunner:
         T = int(num_new.sum())
         if self._threads is not None:
             self._apply_thread_policy(T > B)
+        if d == B and self.cpu_decode_stack is not None and self.cpu_decode_stack.vocab_size is not None:
+            out = self._stack_sample_step(seqs, num_computed, rows)
+            if out is not None:
+                return out
         if d == B:  # decode-only: token i of sequence i at position num_computed[i]; every sequence samples
             starts = req_idx = sampled_index = sample_tok = np.arange(B)
             positions = num_computed
@@ -243,10 +247,32 @@ class ModelRunner:
         mask = wants[req_idx] & (positions < n_prompt[req_idx] - 1) & (positions >= done[req_idx])
         return np.nonzero(mask)[0]
 
+    def _stack_sample_step(self, seqs, num_computed: np.ndarray, rows: np.ndarray) -> StepOutput | None:
+        """A decode-only step whose rows the sampler draws plainly (no logprobs, top-k / top-p or min_tokens
+        mask): forward, LM head and draw in one C++ call (``CpuDecodeStack.run_sample``), the same tokens as
+        :meth:`forward` then the sampler. None, running nothing, when some row is not plain."""
+        stack = self.cpu_decode_stack
+        if self._min_tokens_rows(seqs):
+            return None
+        plain = self.sampler.plain_inputs(seqs, stack.vocab_size)
+        if plain is None:
+            return None
+        B, bs = len(seqs), self.block_size
+        bt = self.bm.block_tables[rows]
+        slots = bt[np.arange(B), num_computed // bs] * bs + num_computed % bs
+        tokens = stack.run_sample(self.token_ids[rows, num_computed], num_computed, slots, bt, num_computed + 1,
+                                  *plain)
+        return StepOutput(np.arange(B), SamplerOutput(tokens, None, None, None), None)
+
+    @staticmethod
+    def _min_tokens_rows(seqs) -> list[int]:
+        """Rows still below their ``min_tokens`` (EOS and stop tokens forbidden for them)."""
+        return [i for i, s in enumerate(seqs) if s.params.min_tokens and s.num_output_tokens < s.params.min_tokens]
+
     def _mask_min_tokens(self, logits: torch.Tensor, seqs) -> torch.Tensor:
         """Logits with EOS and stop tokens forbidden for sequences below ``min_tokens`` (vLLM semantics); the
         input is returned untouched (a masked copy is made only when some row needs it)."""
-        rows = [i for i, s in enumerate(seqs) if s.params.min_tokens and s.num_output_tokens < s.params.min_tokens]
+        rows = self._min_tokens_rows(seqs)
         if not rows:
             return logits
         masked = logits.clone()

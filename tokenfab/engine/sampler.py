@@ -75,6 +75,21 @@ class Sampler:
                 u[i] = torch.rand((), generator=s.generator)
         return u
 
+    def plain_inputs(self, seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(temperatures [N] float32, uniforms [N]) for :func:`~tokenfab.kernels.cpu_kernels.sample_plain` when
+        every row is plain (no logprobs asked, no top-k / top-p), else None. The uniforms are the ones
+        :meth:`__call__` would draw for these rows (none from any generator when all rows are greedy), so drawing
+        them here, before the forward, leaves every RNG stream where ``__call__`` would. Lets a caller run the LM
+        head and the draw in one C++ call after the forward (engine/cpu_decode_stack.py)."""
+        params = [s.params for s in seqs]
+        if any(p.logprobs is not None or 0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params):
+            return None
+        temp_list = [p.temperature for p in params]
+        temps = torch.tensor(temp_list, dtype=torch.float32)
+        if all(t < 1e-5 for t in temp_list):
+            return temps, torch.zeros(len(seqs))
+        return temps, self._uniforms(seqs)
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], raw_logits: torch.Tensor | None = None
                  ) -> SamplerOutput:
         """logits [N, V] float32 for sequences ``seqs`` (len N) -> SamplerOutput. ``raw_logits`` (default: logits)

@@ -33,5 +33,9 @@ at::Tensor moe_experts_packed(const at::Tensor& x, const at::Tensor& weights, co
 std::vector<at::Tensor> sigmoid_group_topk(const at::Tensor& logits, const at::Tensor& bias, int64_t n_group,
                                            int64_t topk_group, int64_t top_k, bool norm, double scale);
 
+// One token per row of float32 logits [N, V] by inverse CDF at temperatures [N] with uniforms [N] (t < 1e-5:
+// first argmax) -> int64 [N].
+at::Tensor sample_plain(const at::Tensor& logits, const at::Tensor& temps, const at::Tensor& u);
+
 // Adds the DecodeStack class (decode_stack.cpp) to the extension module.
 void register_decode_stack(pybind11::module_& m);

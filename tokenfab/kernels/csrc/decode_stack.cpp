@@ -10,7 +10,7 @@
 //               x, h = rms(o + h), o + h        [one fused pass, as DecoderLayer does]
 //               h = h + mlp(x)                  [dense SiLU-GLU, or DeepSeek-V3 MoE: router GEMM in float32,
 //                                                sigmoid group-limited top-k, routed experts, + shared expert]
-//   return rms(h)
+//   return rms(h)                               [forward_sample: then the LM head and sample_plain]
 //
 // so its output and the cache rows it writes are bit-identical to the Python path (tests/test_decode_stack.py).
 #include <torch/extension.h>
@@ -105,7 +105,24 @@ class DecodeStack {
     l.routed_scale = routed_scale, l.p13 = std::move(p13), l.p2 = std::move(p2), l.expert_start = start;
   }
 
+  // The LM head (VNNI-packed [vocab, hidden], ``rows`` = vocab) for forward_sample.
+  void set_lm_head(at::Tensor packed, int64_t rows) {
+    lm_head_ = std::move(packed);
+    lm_rows_ = rows;
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // forward, then the LM head's float32 logits (CausalLM.compute_logits) and one token per sequence drawn by
+  // sample_plain at temperatures ``temps`` [T] float32 with uniforms ``u`` [T]: the Sampler's plain path in the same
+  // call, so no Python runs between the forward and the draw. Returns int64 [T].
+  at::Tensor forward_sample(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                            std::vector<at::Tensor> caches, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, const at::Tensor& temps, const at::Tensor& u) const {
+    TORCH_CHECK(lm_head_.defined(), "DecodeStack.forward_sample: set_lm_head first");
+    const auto h = forward(input_ids, positions, slot_mapping, std::move(caches), block_tables, context_lens);
+    return sample_plain(vnni_linear(h, lm_head_, lm_rows_, std::nullopt).to(at::kFloat), temps, u);
+  }
 
   // input_ids, positions, slot_mapping [T] int64; caches: per layer its latent pool (MLA) or k and v pools (GQA),
   // flattened in layer order; block_tables [T, max_blocks], context_lens [T]. Returns the final-normed hidden
@@ -152,6 +169,8 @@ class DecodeStack {
   at::Tensor cos_, sin_;
   bool interleave_;
   std::vector<Layer> layers_;
+  at::Tensor lm_head_;
+  int64_t lm_rows_ = 0;
 };
 
 }  // namespace
@@ -163,6 +182,8 @@ void register_decode_stack(pybind11::module_& m) {
       .def("add_gqa_layer", &DecodeStack::add_gqa_layer)
       .def("set_gated_mlp", &DecodeStack::set_gated_mlp)
       .def("set_moe", &DecodeStack::set_moe)
+      .def("set_lm_head", &DecodeStack::set_lm_head)
       .def("num_layers", &DecodeStack::num_layers)
-      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("forward_sample", &DecodeStack::forward_sample, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
