@@ -33,6 +33,9 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.results_file import unused_stem  # noqa: E402
+
 
 def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5, device: str = "cpu") -> float:
     """Read+write bytes per second of a large tensor copy on ``device`` (best of ``reps``; GPU HBM on cuda)."""
@@ -108,28 +111,21 @@ def main() -> int:
     eng = llm.llm_engine
     runner = eng.runner
     fwd_time = [0.0]
-    orig_forward = runner.forward
 
-    def timed_forward(*a, **k):
-        t = time.perf_counter()
-        try:
-            return orig_forward(*a, **k)
-        finally:
-            fwd_time[0] += time.perf_counter() - t
-
-    runner.forward = timed_forward
-    stack = runner.cpu_decode_stack  # CPU: decode steps may run forward + LM head + draw in one call (run_sample)
-    if stack is not None:
-        orig_run_sample = stack.run_sample
-
-        def timed_run_sample(*a, **k):
+    def timed(fn):
+        """fn, adding its wall time to fwd_time[0]."""
+        def wrapper(*a, **k):
             t = time.perf_counter()
             try:
-                return orig_run_sample(*a, **k)
+                return fn(*a, **k)
             finally:
                 fwd_time[0] += time.perf_counter() - t
+        return wrapper
 
-        stack.run_sample = timed_run_sample
+    runner.forward = timed(runner.forward)
+    stack = runner.cpu_decode_stack  # CPU: decode steps may run forward + LM head + draw in one call (run_sample)
+    if stack is not None:
+        stack.run_sample = timed(stack.run_sample)
     bw = copy_bandwidth(device=str(eng.device))
     dense, per_expert, n_moe = weight_bytes(runner.model)
     mc = eng.model_config
@@ -179,7 +175,7 @@ def main() -> int:
               "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     label = f"-{args.label}" if args.label else ""
-    stem = os.path.join(args.out, f"{dt.date.today().isoformat()}{label}-decode-floor")
+    stem = unused_stem(os.path.join(args.out, f"{dt.date.today().isoformat()}{label}-decode-floor"))
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=2)
     lines = [f"# Decode step vs memory floor ({result['date']})", "", f"`{result['command']}`", "",

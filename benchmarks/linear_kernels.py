@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
+from benchmarks.results_file import unused_stem  # noqa: E402
 
 # [N, K] of the default model's linears (embedded DeepSeek-V3-architecture model, benchmarks/peers models): fused
 # q_a|kv_a, q_b, o_proj, a routed / shared expert's gate_up and down, the dense layer's gate_up and down, lm_head
@@ -102,7 +103,7 @@ def main() -> int:
         tf, od = sum(r["tokenfab_s"] for r in sel), sum(r["onednn_s"] for r in sel)
         lines.append(f"| {rows} | all {len(sel)} shapes, summed | {tf * 1e6:.1f} | {od * 1e6:.1f} | {tf / od:.2f} | | | |")
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"{date}-linear-kernels")
+    base = unused_stem(os.path.join(args.out, f"{date}-linear-kernels"))
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(base + ".md", "w") as f:

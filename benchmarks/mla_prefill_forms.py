@@ -24,6 +24,9 @@ import time
 import numpy as np
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.results_file import unused_stem  # noqa: E402
+
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,7 +91,7 @@ def main() -> int:
            "model": cfg.architectures if hasattr(cfg, "architectures") else None, "H": attn.num_heads, "C": C,
            "rope": R, "nope": nope, "v": v, "command": " ".join(sys.argv)}
     os.makedirs(args.out, exist_ok=True)
-    base = os.path.join(args.out, f"{date}-mla-prefill-forms")
+    base = unused_stem(os.path.join(args.out, f"{date}-mla-prefill-forms"))
     with open(base + ".json", "w") as f:
         json.dump({"env": env, "rows": rows}, f, indent=1)
     lines = [f"# MLA prefill: expanded vs absorbed form ({date})", "",

@@ -24,6 +24,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the sibling modules, also when loaded by path
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # benchmarks.*
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -35,6 +36,7 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 from datetime import datetime  # noqa: E402
 
+from benchmarks.results_file import unused_stem  # noqa: E402
 from peer_prepare import (REPO, LLAMA_CPP_PYTHON_VERSION, Paths, clean_env, convert_gguf, log,  # noqa: E402
                           prepare_llamacpp, prepare_models, prepare_vllm, run_logged)
 from peer_report import fmt, parse_workload, render_markdown, summarize_bench  # noqa: E402
@@ -531,7 +533,7 @@ def _measure(s: Server, client: str, p: Paths, model_name: str, model: dict, wl:
 def _save(report: dict, args, date: str, t_run: float) -> tuple[str, str]:
     report["duration_s"] = time.time() - t_run
     os.makedirs(args.results_dir, exist_ok=True)
-    base = os.path.join(args.results_dir, f"{date}{'-' + args.label if args.label else ''}-peers")
+    base = unused_stem(os.path.join(args.results_dir, f"{date}{'-' + args.label if args.label else ''}-peers"))
     with open(base + ".json", "w") as f:
         json.dump(report, f, indent=2, default=str)
     with open(base + ".md", "w") as f:
