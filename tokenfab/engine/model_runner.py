@@ -176,18 +176,24 @@ class ModelRunner:
             torch.set_num_threads(n)
             self._threads_now = n
 
-    @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one forward pass for ``batch`` and sample where sequences reached their last known token."""
+        stack = self.cpu_decode_stack
+        if batch.num_decodes == len(batch) and stack is not None and stack.vocab_size is not None:
+            if self._threads is not None:
+                self._apply_thread_policy(False)
+            out = self._stack_sample_step(batch.seqs, batch.num_computed, batch.rows)  # one C++ call, no autograd
+            if out is not None:
+                return out
+        return self._execute(batch)
+
+    @torch.inference_mode()
+    def _execute(self, batch: ScheduledBatch) -> StepOutput:
         seqs, B, d = batch.seqs, len(batch), batch.num_decodes
         num_new, num_computed, rows = batch.num_new, batch.num_computed, batch.rows
         T = int(num_new.sum())
         if self._threads is not None:
             self._apply_thread_policy(T > B)
-        if d == B and self.cpu_decode_stack is not None and self.cpu_decode_stack.vocab_size is not None:
-            out = self._stack_sample_step(seqs, num_computed, rows)
-            if out is not None:
-                return out
         if d == B:  # decode-only: token i of sequence i at position num_computed[i]; every sequence samples
             starts = req_idx = sampled_index = sample_tok = np.arange(B)
             positions = num_computed

@@ -65,6 +65,7 @@ class Sampler:
 
     def __init__(self, generator: torch.Generator):
         self.generator = generator
+        self._plain_temps: tuple[list[float], torch.Tensor | None] = ([], None)  # plain_inputs' last temperatures
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
         """One uniform in [0, 1) per row: unseeded rows from one call on the engine's RNG, seeded rows from the
@@ -85,7 +86,9 @@ class Sampler:
         if any(p.logprobs is not None or 0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params):
             return None
         temp_list = [p.temperature for p in params]
-        temps = torch.tensor(temp_list, dtype=torch.float32)
+        if temp_list != self._plain_temps[0]:  # steady decoding keeps its batch: reuse the tensor
+            self._plain_temps = (temp_list, torch.tensor(temp_list, dtype=torch.float32))
+        temps = self._plain_temps[1]
         if all(t < 1e-5 for t in temp_list):
             return temps, torch.zeros(len(seqs))
         return temps, self._uniforms(seqs)
