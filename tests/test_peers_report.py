@@ -117,3 +117,17 @@ def test_parse_args_smoke_defaults(rp):
     assert b.hf_batches == [1, 4, 16] and b.vllm_client_conc == {4}
     with pytest.raises(SystemExit):
         rp.parse_args(["--workloads", "2000x100"])
+
+
+def test_results_never_overwrite_an_earlier_run(tmp_path, rp):
+    """A second run with the same date and label gets a time suffix; the first run's files stay as they were, and
+    a name no file uses is kept as is (benchmarks/results_file.py, used by run_peers and the benchmarks)."""
+    from benchmarks.results_file import unused_stem, write_markdown
+    stem = str(tmp_path / "2026-12-01-x-peers")
+    assert unused_stem(stem) == stem
+    (tmp_path / "2026-12-01-x-peers.json").write_text("{}")
+    other = unused_stem(stem)
+    assert other != stem and other.startswith(stem + "-") and len(other) == len(stem) + 7
+    first = write_markdown(str(tmp_path), "r.md", ["first"])
+    second = write_markdown(str(tmp_path), "r.md", ["second"])
+    assert first != second and open(first).read() == "first\n" and open(second).read() == "second\n"

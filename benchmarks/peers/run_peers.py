@@ -375,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     # ---- the run
     stamp = datetime.now()
     date = stamp.strftime("%Y-%m-%d")
+    # one name for the whole run (rewritten after each cell), never an earlier run's
+    out_base = unused_stem(os.path.join(args.results_dir, f"{date}{'-' + args.label if args.label else ''}-peers"))
     run_id = stamp.strftime("%Y%m%d-%H%M%S") + (f"-{args.label}" if args.label else "")
     rundir = os.path.join(p.runs, run_id)
     os.makedirs(rundir, exist_ok=True)
@@ -439,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                             log(f"transformers: FAILED {rec['error']}")
                         rec["loadavg_after"] = os.getloadavg()[0]
                         report["records"].append(rec)
-                        _save(report, args, date, t_run)
+                        _save(report, args, out_base, t_run)
 
             servers: list[Server] = []
             for eng in [e for e in engines if e != "transformers"]:
@@ -484,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
                                 rec = _measure(s, client, p, model_name, model, wl, inp, out, conc, args, rundir,
                                                client_env, cell_seed(wi, conc))
                                 report["records"].append(rec)
-                                _save(report, args, date, t_run)
+                                _save(report, args, out_base, t_run)
                         finally:
                             if not args.no_pause_idle:
                                 s.pause()
@@ -493,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_all()
     report["loadavg_end"] = os.getloadavg()[0]
-    paths = _save(report, args, date, t_run)
+    paths = _save(report, args, out_base, t_run)
     log(f"wrote {paths[0]} and {paths[1]} ({time.time() - t_run:.0f} s)")
     print(render_markdown(report))
     return 0 if any(r.get("metrics") for r in report["records"]) else 1
@@ -530,10 +532,10 @@ def _measure(s: Server, client: str, p: Paths, model_name: str, model: dict, wl:
     return rec
 
 
-def _save(report: dict, args, date: str, t_run: float) -> tuple[str, str]:
+def _save(report: dict, args, base: str, t_run: float) -> tuple[str, str]:
+    """Write (rewrite, after every cell) ``base``.json and .md."""
     report["duration_s"] = time.time() - t_run
     os.makedirs(args.results_dir, exist_ok=True)
-    base = unused_stem(os.path.join(args.results_dir, f"{date}{'-' + args.label if args.label else ''}-peers"))
     with open(base + ".json", "w") as f:
         json.dump(report, f, indent=2, default=str)
     with open(base + ".md", "w") as f:
