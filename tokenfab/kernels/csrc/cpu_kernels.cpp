@@ -426,6 +426,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
 // (narrow rows: 16 dot products reduced together by transpose_sum16; rows of 256+ values, e.g. MLA's 576: the 2 x 4
 // tiles, which load each key row once for 4 heads), and the online-softmax step, the bf16 rounding and the weight
 // pairs are 16-lane operations. 1.3-2.1x faster than the per-token scalar softmax it replaces (benchmarks/NOTES.md).
+// Wide rows (MLA's 576) take scores16_heads_bf16: the 2 x 4 tiles' 8 dot products per pair of rows are kept and
+// reduced 16 rows at a time by transpose_sum16, 4-8% faster than one horizontal reduction each (NOTES.md entry 45).
 template <int NT, int NG>
 inline void score_tile_bf16(const uint16_t* q, int64_t D, const uint16_t* const* k, float scale, float* s,
                             int64_t ls, int64_t gs) {
@@ -529,6 +531,45 @@ inline __m512 scores16_bf16(const uint16_t* q, int64_t D, const uint16_t* k, int
   return transpose_sum16(acc);
 }
 
+// Scores of up to 4 query heads (ng, rows of q at stride D) against the 16 key rows of one block (stride ks), times
+// scale: s[g * 16 + t]. Key rows are loaded once per pair of rows for all heads (2-row x NG-head register tiles) and
+// the 16 x NG dot products reduced by transpose_sum16 per head, instead of one horizontal reduction each.
+template <int NG>
+inline void scores16_heads_tile(const uint16_t* q, int64_t D, const uint16_t* k, int64_t ks, float scale,
+                                float* s) {
+  __m512 acc[16][NG];
+  for (int t = 0; t < 16; t += 2) {
+    __m512 a0[NG], a1[NG];
+    for (int g = 0; g < NG; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+    const uint16_t* k0 = k + t * ks;
+    const uint16_t* k1 = k0 + ks;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh kv0 = (__m512bh)_mm512_loadu_si512(k0 + d), kv1 = (__m512bh)_mm512_loadu_si512(k1 + d);
+      for (int g = 0; g < NG; ++g) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * D + d);
+        a0[g] = _mm512_dpbf16_ps(a0[g], qv, kv0);
+        a1[g] = _mm512_dpbf16_ps(a1[g], qv, kv1);
+      }
+    }
+    for (int g = 0; g < NG; ++g) acc[t][g] = a0[g], acc[t + 1][g] = a1[g];
+  }
+  for (int g = 0; g < NG; ++g) {
+    __m512 col[16];
+    for (int t = 0; t < 16; ++t) col[t] = acc[t][g];
+    _mm512_storeu_ps(s + g * 16, _mm512_mul_ps(transpose_sum16(col), _mm512_set1_ps(scale)));
+  }
+}
+
+inline void scores16_heads_bf16(const uint16_t* q, int64_t D, const uint16_t* k, int64_t ks, int64_t ng, float scale,
+                                float* s) {
+  switch (ng) {
+    case 4: scores16_heads_tile<4>(q, D, k, ks, scale, s); break;
+    case 3: scores16_heads_tile<3>(q, D, k, ks, scale, s); break;
+    case 2: scores16_heads_tile<2>(q, D, k, ks, scale, s); break;
+    default: scores16_heads_tile<1>(q, D, k, ks, scale, s); break;
+  }
+}
+
 // exp_approx on 16 lanes (same clamp, reduction and polynomial).
 inline __m512 exp_approx16(__m512 x) {
   x = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.0f), x));
@@ -609,13 +650,10 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
             int64_t ga, gb;
             geo.heads_of(it, kh, ga, gb);
             const uint16_t* kk = kb + (it.kv0 + kh) * geo.ks2;
-            if (D >= 256) {  // wide rows (MLA's 576): 2-token x 4-head tiles load each key row once for 4 heads
-              for (int64_t j = 0; j < 16; j += 2) {
-                krows[0] = kk + j * geo.ks1;
-                krows[1] = kk + (j + 1) * geo.ks1;
-                score_heads_bf16<2>(qr.data() + ga * D, D, krows.data(), fscale, gb - ga, s.data() + ga * 16 + j, 1,
-                                    16);
-              }
+            if (D >= 256) {  // wide rows (MLA's 576): key rows loaded once per 4 heads, one transposing reduction
+              for (int64_t g0 = ga; g0 < gb; g0 += 4)
+                scores16_heads_bf16(qr.data() + g0 * D, D, kk, geo.ks1, std::min<int64_t>(4, gb - g0), fscale,
+                                    s.data() + g0 * 16);
             } else {  // narrow rows: 16 tokens per head in one transposing reduction
               for (int64_t g = ga; g < gb; ++g)
                 _mm512_storeu_ps(s.data() + g * 16, _mm512_mul_ps(scores16_bf16(qr.data() + g * D, D, kk, geo.ks1),
