@@ -43,8 +43,9 @@ def generate(llm, prompts, use_stack: bool, monkeypatch):
 @pytest.mark.parametrize("family,overrides", [
     ("deepseek_v3", {}),
     ("deepseek_v3", dict(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, n_group=1, topk_group=1)),
+    ("deepseek_v3", dict(n_shared_experts=0)),
     ("llama", {}), ("llama", {"attention_bias": True, "num_key_value_heads": 1}), ("qwen3", {})],
-    ids=["deepseek", "deepseek-latent96-one-group", "llama", "llama-bias-mqa", "qwen3"])
+    ids=["deepseek", "deepseek-latent96-one-group", "deepseek-no-shared", "llama", "llama-bias-mqa", "qwen3"])
 def test_decode_stack_is_bit_identical_to_the_module_path(tiny_model, monkeypatch, family, overrides):
     from test_engine_exact import make_prompts
     llm = make_llm(tiny_model(family, **overrides), max_num_batched_tokens=40)

@@ -85,6 +85,14 @@ def test_deepseek_grouped_routing_variants(tiny_model):
     assert worst < 1e-4
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")  # transformers' zero-width MLP
+def test_deepseek_without_shared_experts(tiny_model):
+    """n_shared_experts 0: transformers saves a zero-width shared MLP; tokenfab skips it and matches."""
+    path = tiny_model("deepseek_v3", n_shared_experts=0)
+    _, worst = check_family(path, make_prompts(9, [21, 8]))
+    assert worst < 1e-4
+
+
 def test_preemption_keeps_tokens_identical(tiny_model):
     """A KV pool of 12 blocks x 8 tokens cannot hold four ~40-token sequences at once: the scheduler preempts
     (recompute) and the tokens must not change."""

@@ -54,6 +54,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         idx = layer_index(name)
         if idx is not None and idx >= self.cfg.num_hidden_layers:  # MTP (num_nextn_predict_layers)
             return True
+        if not self.cfg.n_shared_experts and ".mlp.shared_experts." in name:
+            return True  # n_shared_experts 0: transformers still saves a zero-width shared MLP, which adds nothing
         return super().is_skipped_weight(name)
 
     def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:

@@ -6,6 +6,7 @@ bias ``e_score_correction_bias`` is made non-zero so that biased expert choice i
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from tokenfab.testing.tokenizer_builder import build_tokenizer
@@ -87,7 +88,9 @@ def make_tiny_checkpoint(out_dir: str, family: str, *, seed: int = 0, vocab_size
     kw = tiny_config_kwargs(family, vocab_size=vocab_size, **overrides)
     cfg = make_hf_config(family, **kw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with warnings.catch_warnings():  # zero-width modules (e.g. DeepSeek's shared MLP at n_shared_experts 0)
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     perturb_random_model(model)
     model = model.to(getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
