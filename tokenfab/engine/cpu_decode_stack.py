@@ -23,7 +23,6 @@ from tokenfab.kernels import cpu_kernels
 from tokenfab.layers.mla import MLAttention
 from tokenfab.layers.mlp import GatedMLP
 from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
-from tokenfab.layers.norm import RMSNorm
 from tokenfab.models.base import CausalLM
 from tokenfab.models.deepseek_v3 import DeepseekV3MoE
 from tokenfab.models.llama import DecoderLayer, LlamaAttention
@@ -99,13 +98,16 @@ class CpuDecodeStack:
 def _add_attention(stack, layer: DecoderLayer, cache, caches: list[torch.Tensor]) -> bool:
     attn, n_in, n_post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
     norms = (n_in.weight, float(n_in.eps), n_post.weight, float(n_post.eps))
-    if type(attn) is MLAttention and attn.decode_block and attn.decode_block_args() is not None:
-        w, dims, eps_q, eps_kv = attn.decode_block_args()
+    args = attn.decode_block_args() if isinstance(attn, (MLAttention, LlamaAttention)) and attn.decode_block else None
+    if args is None:
+        return False
+    if type(attn) is MLAttention:
+        w, dims, eps_q, eps_kv = args
         stack.add_mla_layer(*norms, w, dims, float(eps_q), float(eps_kv), float(attn.scale))
         caches.append(cache)
         return True
-    if isinstance(attn, LlamaAttention) and attn.decode_block and attn.decode_block_args() is not None:
-        w, biases, dims, eps = attn.decode_block_args()
+    if isinstance(attn, LlamaAttention):
+        w, biases, dims, eps = args
         stack.add_gqa_layer(*norms, w, biases, dims, float(eps), float(attn.scale))
         caches.extend(cache)
         return True

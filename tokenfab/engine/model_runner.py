@@ -142,8 +142,7 @@ class ModelRunner:
             positions = num_computed[req_idx] + np.arange(T) - starts[req_idx]
         else:
             T, starts, req_idx, positions = derived
-        bs = self.block_size
-        slots = bt[req_idx, positions // bs] * bs + positions % bs
+        slots = self._slots(bt, req_idx, positions)
         graphs = self.decode_graphs
         if graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: replay (cuda_graph_runner.py)
             hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1)
@@ -154,7 +153,7 @@ class ModelRunner:
                 slot_mapping=torch.from_numpy(slots).to(self.device),
                 decode=self._group(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
                 prefill=self._group(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None,
-                num_tokens=T, block_size=bs,
+                num_tokens=T, block_size=self.block_size,
                 state_rows=None if rows is None else torch.from_numpy(rows).to(self.device))
             pos_t = torch.from_numpy(positions).to(self.device)
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
@@ -263,12 +262,16 @@ class ModelRunner:
         plain = self.sampler.plain_inputs(seqs, stack.vocab_size)
         if plain is None:
             return None
-        B, bs = len(seqs), self.block_size
         bt = self.bm.block_tables[rows]
-        slots = bt[np.arange(B), num_computed // bs] * bs + num_computed % bs
+        slots = self._slots(bt, np.arange(len(seqs)), num_computed)
         tokens = stack.run_sample(self.token_ids[rows, num_computed], num_computed, slots, bt, num_computed + 1,
                                   *plain)
-        return StepOutput(np.arange(B), SamplerOutput(tokens, None, None, None), None)
+        return StepOutput(np.arange(len(seqs)), SamplerOutput(tokens, None, None, None), None)
+
+    def _slots(self, bt: np.ndarray, req_idx: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """KV-pool slot of each token: block_tables[sequence, position // block_size] * block_size + offset."""
+        bs = self.block_size
+        return bt[req_idx, positions // bs] * bs + positions % bs
 
     @staticmethod
     def _min_tokens_rows(seqs) -> list[int]:

@@ -56,6 +56,11 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
+def _unrestricted(params, vocab_size: int) -> bool:
+    """True when a row draws from its whole vocabulary: no top-k below it, no top-p below 1 (sample_plain's rows)."""
+    return (params.top_k <= 0 or params.top_k >= vocab_size) and params.top_p >= 1.0
+
+
 class Sampler:
     """Samples one token per row of a logits matrix.
 
@@ -83,7 +88,7 @@ class Sampler:
         them here, before the forward, leaves every RNG stream where ``__call__`` would. Lets a caller run the LM
         head and the draw in one C++ call after the forward (engine/cpu_decode_stack.py)."""
         params = [s.params for s in seqs]
-        if any(p.logprobs is not None or 0 < p.top_k < vocab_size or p.top_p < 1.0 for p in params):
+        if any(p.logprobs is not None or not _unrestricted(p, vocab_size) for p in params):
             return None
         temp_list = [p.temperature for p in params]
         if temp_list != self._plain_temps[0]:  # steady decoding keeps its batch: reuse the tensor
@@ -103,7 +108,7 @@ class Sampler:
         if all(t < 1e-5 for t in temp_list):
             token_ids = logits.argmax(dim=-1)
         elif (logits.dtype == torch.float32 and cpu_kernels.available_for(logits)
-              and all(p.top_k <= 0 or p.top_k >= V for p in params) and all(p.top_p >= 1.0 for p in params)):
+              and all(_unrestricted(p, V) for p in params)):
             temps = torch.tensor(temp_list, dtype=torch.float32)  # one pass per row in C++
             token_ids = cpu_kernels.sample_plain(logits, temps, self._uniforms(seqs))
         else:

@@ -423,15 +423,14 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
 // chunk; the permutation is undone once at the end. Needs D and Dv multiples of 32 (the caller checks).
 //
 // Blocks of 16 rows (tokenfab's block size) take a vector path: each head's 16 scores of a block form one register
-// (narrow rows: 16 dot products reduced together by transpose_sum16; rows of 256+ values, e.g. MLA's 576: the 2 x 4
-// tiles, which load each key row once for 4 heads), and the online-softmax step, the bf16 rounding and the weight
-// pairs are 16-lane operations. 1.3-2.1x faster than the per-token scalar softmax it replaces (benchmarks/NOTES.md).
-// Wide rows (MLA's 576) take scores16_heads_bf16: the 2 x 4 tiles' 8 dot products per pair of rows are kept and
-// reduced 16 rows at a time by transpose_sum16, 4-8% faster than one horizontal reduction each (NOTES.md entry 45).
+// (narrow rows: 16 dot products reduced together by transpose_sum16; rows of 256+ values, e.g. MLA's 576:
+// scores16_heads_bf16, 2-row x 4-head register tiles that load each key row once for 4 heads, their dot products
+// reduced 16 rows at a time by transpose_sum16, 4-8% faster than one horizontal reduction each, NOTES.md entry 45),
+// and the online-softmax step, the bf16 rounding and the weight pairs are 16-lane operations. 1.3-2.1x faster than
+// the per-token scalar softmax it replaces (benchmarks/NOTES.md).
+// acc[t][g] = the 16-lane partial products of q_g . k_t (D a multiple of 32): each key row loaded once for NG heads.
 template <int NT, int NG>
-inline void score_tile_bf16(const uint16_t* q, int64_t D, const uint16_t* const* k, float scale, float* s,
-                            int64_t ls, int64_t gs) {
-  __m512 acc[NT][NG];
+inline void dot_tile_bf16(const uint16_t* q, int64_t D, const uint16_t* const* k, __m512 (&acc)[NT][NG]) {
   for (int t = 0; t < NT; ++t)
     for (int g = 0; g < NG; ++g) acc[t][g] = _mm512_setzero_ps();
   for (int64_t d = 0; d < D; d += 32) {
@@ -442,19 +441,26 @@ inline void score_tile_bf16(const uint16_t* q, int64_t D, const uint16_t* const*
       for (int t = 0; t < NT; ++t) acc[t][g] = _mm512_dpbf16_ps(acc[t][g], qv, kv[t]);
     }
   }
+}
+
+template <int NT, int NG>
+inline void score_tile_bf16(const uint16_t* q, int64_t D, const uint16_t* const* k, float scale, float* s,
+                            int64_t ls) {
+  __m512 acc[NT][NG];
+  dot_tile_bf16<NT, NG>(q, D, k, acc);
   for (int t = 0; t < NT; ++t)
-    for (int g = 0; g < NG; ++g) s[t * ls + g * gs] = scale * _mm512_reduce_add_ps(acc[t][g]);
+    for (int g = 0; g < NG; ++g) s[t * ls + g] = scale * _mm512_reduce_add_ps(acc[t][g]);
 }
 
 template <int NT>
 inline void score_heads_bf16(const uint16_t* q, int64_t D, const uint16_t* const* k, float scale, int64_t ng,
-                             float* s, int64_t ls, int64_t gs = 1) {
+                             float* s, int64_t ls) {
   int64_t g = 0;
-  for (; g + 4 <= ng; g += 4) score_tile_bf16<NT, 4>(q + g * D, D, k, scale, s + g * gs, ls, gs);
+  for (; g + 4 <= ng; g += 4) score_tile_bf16<NT, 4>(q + g * D, D, k, scale, s + g, ls);
   switch (ng - g) {
-    case 3: score_tile_bf16<NT, 3>(q + g * D, D, k, scale, s + g * gs, ls, gs); break;
-    case 2: score_tile_bf16<NT, 2>(q + g * D, D, k, scale, s + g * gs, ls, gs); break;
-    case 1: score_tile_bf16<NT, 1>(q + g * D, D, k, scale, s + g * gs, ls, gs); break;
+    case 3: score_tile_bf16<NT, 3>(q + g * D, D, k, scale, s + g, ls); break;
+    case 2: score_tile_bf16<NT, 2>(q + g * D, D, k, scale, s + g, ls); break;
+    case 1: score_tile_bf16<NT, 1>(q + g * D, D, k, scale, s + g, ls); break;
     default: break;
   }
 }
@@ -539,19 +545,10 @@ inline void scores16_heads_tile(const uint16_t* q, int64_t D, const uint16_t* k,
                                 float* s) {
   __m512 acc[16][NG];
   for (int t = 0; t < 16; t += 2) {
-    __m512 a0[NG], a1[NG];
-    for (int g = 0; g < NG; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
-    const uint16_t* k0 = k + t * ks;
-    const uint16_t* k1 = k0 + ks;
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512bh kv0 = (__m512bh)_mm512_loadu_si512(k0 + d), kv1 = (__m512bh)_mm512_loadu_si512(k1 + d);
-      for (int g = 0; g < NG; ++g) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * D + d);
-        a0[g] = _mm512_dpbf16_ps(a0[g], qv, kv0);
-        a1[g] = _mm512_dpbf16_ps(a1[g], qv, kv1);
-      }
-    }
-    for (int g = 0; g < NG; ++g) acc[t][g] = a0[g], acc[t + 1][g] = a1[g];
+    const uint16_t* rows[2] = {k + t * ks, k + (t + 1) * ks};
+    __m512 a[2][NG];
+    dot_tile_bf16<2, NG>(q, D, rows, a);
+    for (int g = 0; g < NG; ++g) acc[t][g] = a[0][g], acc[t + 1][g] = a[1][g];
   }
   for (int g = 0; g < NG; ++g) {
     __m512 col[16];
