@@ -43,6 +43,27 @@ def test_vnni_linear_rounds_the_exact_product(rows, n, k):
 
 
 @needs_bf16_dot
+def test_vnni_linear_group_gives_each_items_vnni_linear():
+    """Items of 1-4 rows share one parallel region, a 5-row item runs brgemm; different N (not multiples of the
+    32-row block) and K, a strided input: every output equals its own vnni_linear call bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    shapes = [(1, 100, 62), (2, 33, 128), (4, 768, 384), (5, 96, 64), (3, 64, 96), (1, 32, 64)]
+    xs, packed, ns = [], [], []
+    for rows, n, k in shapes:
+        wide = torch.randn(rows, k + 6, generator=g).bfloat16()
+        xs.append(wide[:, 2:2 + k])
+        packed.append(cpu_kernels.pack_linear_weight(torch.randn(n, k, generator=g).bfloat16()))
+        ns.append(n)
+    got = cpu_kernels.vnni_linear_group(xs, packed, ns)
+    assert len(got) == len(shapes)
+    for x, p, n, y in zip(xs, packed, ns, got):
+        assert y.shape == (x.shape[0], n)
+        assert torch.equal(y, cpu_kernels.vnni_linear(x, p, n))
+    with pytest.raises(RuntimeError, match="item 1"):
+        cpu_kernels.vnni_linear_group(xs[:2], [packed[0], packed[0]], ns[:2])
+
+
+@needs_bf16_dot
 def test_vnni_linear_rejects_a_mismatched_weight():
     packed = cpu_kernels.pack_linear_weight(torch.randn(64, 32).bfloat16())
     with pytest.raises(RuntimeError, match="does not match"):

@@ -107,6 +107,35 @@ def test_fused_dispatch_is_bit_identical_to_the_python_loop(T, k, expert_range):
         assert torch.allclose(fused.double(), ref, atol=0.05 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("T", [1, 3, 9])
+def test_fused_shared_expert_is_routed_plus_shared(T):
+    """moe_experts_packed with a shared expert (its GEMVs in the routed experts' parallel regions) equals the routed
+    experts' call + the shared SiLU-GLU as separate bf16 ops (DeepseekV3MoE.forward's order), bit for bit; at T 9
+    the GEMMs run brgemm tiles instead."""
+    from tokenfab.kernels import cpu_kernels
+    if cpu_kernels.load() is None or not cpu_kernels.has_bf16_dot():
+        pytest.skip("no fused CPU kernels with AVX512-BF16 here")
+    g = torch.Generator().manual_seed(T)
+    E, H, I, Is, k = 6, 64, 48, 96, 2
+    pack = cpu_kernels.pack_linear_weight
+    p13 = [pack((torch.randn(2 * I, H, generator=g) * 0.3).bfloat16()) for _ in range(E)]
+    p2 = [pack((torch.randn(H, I, generator=g) * 0.3).bfloat16()) for _ in range(E)]
+    sgu, sd = (torch.randn(2 * Is, H, generator=g) * 0.3).bfloat16(), (torch.randn(H, Is, generator=g) * 0.3).bfloat16()
+    x = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    routed = cpu_kernels.moe_experts_packed(x, w, ids, p13, p2, 0)
+    shared = cpu_kernels.vnni_linear(cpu_kernels.silu_and_mul(cpu_kernels.vnni_linear(x, pack(sgu), 2 * Is)),
+                                     pack(sd), H)
+    fused = cpu_kernels.moe_experts_packed(x, w, ids, p13, p2, 0, pack(sgu), pack(sd))
+    assert torch.equal(fused, routed + shared)
+    # and the shared part is really there: the float64 SiLU-GLU of x, within bf16 rounding of the sum
+    xs = x.double()
+    h = xs @ sgu.double().t()
+    ref_shared = (torch.nn.functional.silu(h[:, :Is]) * h[:, Is:]) @ sd.double().t()
+    assert torch.allclose((fused.double() - routed.double()), ref_shared, atol=0.05 * ref_shared.abs().max().item())
+
+
 @pytest.mark.parametrize("T,E,k,n_group,topk_group,norm", [(1, 16, 2, 4, 2, True), (64, 256, 8, 8, 4, True),
                                                           (33, 64, 6, 1, 1, False), (7, 12, 3, 3, 1, True)])
 def test_sigmoid_group_router_kernel_matches_pytorch_path(T, E, k, n_group, topk_group, norm):

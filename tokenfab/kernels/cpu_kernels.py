@@ -266,19 +266,44 @@ def head_gemm_(x: torch.Tensor, w_packed: torch.Tensor, out: torch.Tensor) -> to
 
 
 def moe_experts_packed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, p13: list[torch.Tensor],
-                       p2: list[torch.Tensor], start: int) -> torch.Tensor:
-    """Routed SiLU-GLU experts over oneDNN-packed weights in one call: sum over slots j of weights[t, j] *
-    expert_{ids[t, j]}(x[t]) for the experts this rank owns.
+                       p2: list[torch.Tensor], start: int, shared_gate_up: torch.Tensor | None = None,
+                       shared_down: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed SiLU-GLU experts over packed weights in one call: sum over slots j of weights[t, j] *
+    expert_{ids[t, j]}(x[t]) for the experts this rank owns, optionally plus a shared expert.
 
     Args:
         x: [T, hidden] bf16. weights: [T, k] float32 routing weights. ids: [T, k] int64 global expert ids.
         p13, p2: per local expert ``e`` (global id ``start + e``), the packed gate_up [2I, hidden] and down
-            [hidden, I] weights (:func:`tokenfab.layers.linear.pack_weight`). Pairs routed to other experts add 0.
+            [hidden, I] weights (:func:`tokenfab.layers.linear.pack_weight`: tokenfab's VNNI blocks or oneDNN's).
+            Pairs routed to other experts add 0.
+        shared_gate_up, shared_down: a shared expert's gate_up [2I_s, hidden] and down [hidden, I_s] weights from
+            :func:`pack_linear_weight` (no bias; VNNI-packed routed experts only), or None.
 
     Returns [T, hidden] bf16, bit-identical to ``RoutedExperts.forward``'s packed Python path (same grouping,
-    GEMMs, rounding and summation order) without its ~25 small ops per layer.
+    GEMMs, rounding and summation order) without its ~25 small ops per layer; with a shared expert, to that result
+    ``+ GatedMLP(x)`` as bf16 tensors (DeepseekV3MoE.forward). With VNNI weights all experts' gate_up GEMVs run in one
+    parallel region and all down GEMVs in another (:func:`vnni_linear_group`).
+
+    Raises:
+        RuntimeError: shapes outside the above, or a shared expert with oneDNN-packed routed experts.
     """
-    return load().moe_experts_packed(x, weights, ids, p13, p2, int(start))
+    return load().moe_experts_packed(x, weights, ids, p13, p2, int(start), shared_gate_up, shared_down)
+
+
+def vnni_linear_group(xs: list[torch.Tensor], packed: list[torch.Tensor], ns: list[int]) -> list[torch.Tensor]:
+    """Several linears without bias in one call: ``[vnni_linear(x, p, n) for x, p, n in zip(xs, packed, ns)]``, the
+    same bits, with the items of <= 4 rows (decode GEMVs) sharing one parallel region over all their 32-row weight
+    blocks instead of one region each (fewer fork/joins; benchmarks/NOTES.md entry 47).
+
+    Args:
+        xs: per item x [..., K_i] bf16. packed: per item :func:`pack_linear_weight` of W_i [n_i, K_i]. ns: the n_i.
+
+    Returns per item y [..., n_i] bf16.
+
+    Raises:
+        RuntimeError: mismatched lengths or an item whose shapes do not match its weight.
+    """
+    return load().vnni_linear_group(xs, packed, [int(n) for n in ns])
 
 
 def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,

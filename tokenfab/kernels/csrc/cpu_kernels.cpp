@@ -1211,11 +1211,21 @@ at::Tensor gqa_decode(const at::Tensor& x, const at::Tensor& positions, const at
 // [n, 2I], SiLU-GLU, one packed GEMM -> [n, H]; each row scaled by its float32 routing weight and rounded to bf16,
 // then summed per token in that order in float32 and rounded once
 // (what `out.index_add_(0, token_of, (h * w).to(bf16))` does on CPU).
+// With VNNI weights the experts' GEMMs go through vnni_linear_group: all experts' gate_up GEMVs in one parallel
+// region, then all down GEMVs in one (decode: T * k pairs over few experts), with a shared expert (shared_gate_up,
+// shared_down: packed [2I_s, H] and [H, I_s], no bias) in the same two regions; the result is then
+// `routed + shared` rounded as a bf16 tensor add rounds (DeepseekV3MoE.forward's order).
 at::Tensor moe_experts_packed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
-                              const std::vector<at::Tensor>& p13, const std::vector<at::Tensor>& p2, int64_t start) {
+                              const std::vector<at::Tensor>& p13, const std::vector<at::Tensor>& p2, int64_t start,
+                              const c10::optional<at::Tensor>& shared_gate_up,
+                              const c10::optional<at::Tensor>& shared_down) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && ids.dim() == 2 && weights.sizes() == ids.sizes() &&
               ids.size(0) == x.size(0) && p13.size() == p2.size(), "moe_experts_packed: x [T, H] bf16, weights / ids "
               "[T, k], one packed gate_up and down weight per local expert expected");
+  const bool shared = shared_gate_up.has_value() && shared_gate_up->defined();
+  TORCH_CHECK(shared == (shared_down.has_value() && shared_down->defined()) &&
+              (!shared || (shared_gate_up->dim() == 4 && shared_down->dim() == 4)),
+              "moe_experts_packed: a shared expert needs both its gate_up and down weights, VNNI-packed");
   static const auto linear = c10::Dispatcher::singleton()
       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
@@ -1231,34 +1241,64 @@ at::Tensor moe_experts_packed(const at::Tensor& x, const at::Tensor& weights, co
     const int64_t e = idp[p] - start;
     if (e >= 0 && e < E) pairs[e].push_back(p);
   }
-  std::vector<float> acc(T * H, 0.f);  // index_add_ on bf16 sums in float32 and rounds once
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
-  const c10::List<std::optional<at::Scalar>> no_scalars;
+  std::vector<int64_t> active;  // local experts with pairs, in increasing id
+  std::vector<at::Tensor> xs;   // their gathered rows
   for (int64_t e = 0; e < E; ++e) {
     const auto& pe = pairs[e];
     const int64_t n = static_cast<int64_t>(pe.size());
     if (n == 0) continue;
-    auto xs = at::empty({n, H}, xc.options());
-    auto* xsp = reinterpret_cast<uint16_t*>(xs.data_ptr());
+    auto xe = at::empty({n, H}, xc.options());
+    auto* xsp = reinterpret_cast<uint16_t*>(xe.data_ptr());
     for (int64_t i = 0; i < n; ++i) std::memcpy(xsp + i * H, xp + (pe[i] / k) * H, H * sizeof(uint16_t));
-    at::Tensor h;
-    if (p13[e].dim() == 4) {  // VNNI blocks: gate_up [2I, H] -> N = 2I = 2 * (down's K)
-      const int64_t inter = p2[e].size(1) * 2;
-      h = vnni_linear(silu_and_mul(vnni_linear(xs, p13[e], 2 * inter, std::nullopt)), p2[e], H, std::nullopt);
-    } else {
-      const auto h13 = linear.call(xs, p13[e], std::nullopt, "none", no_scalars, std::string_view(""));
-      h = linear.call(silu_and_mul(h13), p2[e], std::nullopt, "none", no_scalars, std::string_view("")).contiguous();
+    active.push_back(e);
+    xs.push_back(xe);
+  }
+  const bool vnni = std::all_of(active.begin(), active.end(), [&](int64_t e) { return p13[e].dim() == 4; });
+  std::vector<at::Tensor> hs;  // per active expert [n, H], then (with a shared expert) the shared output [T, H]
+  if (vnni) {  // gate_up GEMVs of every expert (and the shared one) in one region, then every down GEMV in one
+    std::vector<at::Tensor> w13, w2;
+    std::vector<int64_t> n13, n2;
+    for (int64_t e : active) {
+      w13.push_back(p13[e]), w2.push_back(p2[e]);
+      n13.push_back(p2[e].size(1) * 4), n2.push_back(H);  // gate_up [2I, H]: 2I = 2 * (down's K = 2 * K/2)
     }
-    const auto* hp = reinterpret_cast<const uint16_t*>(h.data_ptr());
-    for (int64_t i = 0; i < n; ++i) {
-      float* a = acc.data() + (pe[i] / k) * H;
-      const uint16_t* hr = hp + i * H;
-      const float w = wp[pe[i]];
+    if (shared) {
+      xs.push_back(xc);
+      w13.push_back(*shared_gate_up), w2.push_back(*shared_down);
+      n13.push_back(shared_down->size(1) * 4), n2.push_back(H);
+    }
+    auto h13 = vnni_linear_group(xs, w13, n13);
+    for (auto& h : h13) h = silu_and_mul(h);
+    hs = vnni_linear_group(h13, w2, n2);
+  } else {
+    TORCH_CHECK(!shared, "moe_experts_packed: a shared expert needs VNNI-packed routed experts");
+    const c10::List<std::optional<at::Scalar>> no_scalars;
+    for (size_t i = 0; i < active.size(); ++i) {
+      const int64_t e = active[i];
+      const auto h13 = linear.call(xs[i], p13[e], std::nullopt, "none", no_scalars, std::string_view(""));
+      hs.push_back(
+          linear.call(silu_and_mul(h13), p2[e], std::nullopt, "none", no_scalars, std::string_view("")).contiguous());
+    }
+  }
+  std::vector<float> acc(T * H, 0.f);  // index_add_ on bf16 sums in float32 and rounds once
+  for (size_t i = 0; i < active.size(); ++i) {
+    const auto& pe = pairs[active[i]];
+    const auto* hp = reinterpret_cast<const uint16_t*>(hs[i].data_ptr());
+    for (size_t r = 0; r < pe.size(); ++r) {
+      float* a = acc.data() + (pe[r] / k) * H;
+      const uint16_t* hr = hp + r * H;
+      const float w = wp[pe[r]];
       for (int64_t c = 0; c < H; ++c) a[c] += bf16_to_f(f_to_bf16(bf16_to_f(hr[c]) * w));
     }
   }
   auto out = at::empty_like(xc);
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  if (shared) {  // bf16 routed sum + bf16 shared output, rounded once more (a bf16 tensor add)
+    const auto* sp = reinterpret_cast<const uint16_t*>(hs.back().data_ptr());
+    for (int64_t i = 0; i < T * H; ++i) op[i] = f_to_bf16(bf16_to_f(f_to_bf16(acc[i])) + bf16_to_f(sp[i]));
+    return out;
+  }
   for (int64_t i = 0; i < T * H; ++i) op[i] = f_to_bf16(acc[i]);
   return out;
 }
@@ -1392,9 +1432,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope, "rotary embedding (CPU)");
   m.def("causal_softmax_", &causal_softmax_, "in-place causal softmax of prefill scores (CPU)");
   m.def("sigmoid_group_topk", &sigmoid_group_topk, "DeepSeek-V3 sigmoid group-limited top-k routing (CPU)");
-  m.def("moe_experts_packed", &moe_experts_packed, "routed experts over packed weights (CPU, bf16)");
+  m.def("moe_experts_packed", &moe_experts_packed, "routed experts over packed weights (CPU, bf16)", py::arg("x"),
+        py::arg("weights"), py::arg("ids"), py::arg("p13"), py::arg("p2"), py::arg("start"),
+        py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none());
   m.def("pack_linear_weight", &pack_linear_weight, "bf16 weight [N, K] -> VNNI blocks [N/32, K/2, 32, 2] (CPU)");
   m.def("vnni_linear", &vnni_linear, "x W^T (+ b) over VNNI-blocked weights (CPU, bf16)");
+  m.def("vnni_linear_group", &vnni_linear_group, "several bias-free vnni_linear calls, GEMVs in one parallel region");
   m.def("sample_plain", &sample_plain, "temperature sampling by inverse CDF, no top-k / top-p (CPU)");
   m.def("gqa_decode", &gqa_decode, "grouped-query attention decode block, x -> o_proj output (CPU, bf16)");
   m.def("mla_decode", &mla_decode, "MLA absorbed decode attention block, x -> o_proj output (CPU, bf16)");

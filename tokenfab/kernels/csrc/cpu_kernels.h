@@ -25,9 +25,12 @@ at::Tensor gqa_decode(const at::Tensor& x, const at::Tensor& positions, const at
                       const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<int64_t>& dims,
                       const at::Tensor& cos, const at::Tensor& sin, bool interleave, double eps, double scale);
 
-// Routed experts over packed weights: x [T, H], weights / ids [T, k] -> [T, H].
+// Routed experts over packed weights: x [T, H], weights / ids [T, k] -> [T, H]; with a shared expert (VNNI-packed
+// gate_up and down) the routed sum + the shared expert's output.
 at::Tensor moe_experts_packed(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids,
-                              const std::vector<at::Tensor>& p13, const std::vector<at::Tensor>& p2, int64_t start);
+                              const std::vector<at::Tensor>& p13, const std::vector<at::Tensor>& p2, int64_t start,
+                              const c10::optional<at::Tensor>& shared_gate_up,
+                              const c10::optional<at::Tensor>& shared_down);
 
 // DeepSeek-V3 sigmoid group-limited top-k: router logits [T, E] float32 -> {weights [T, k] float32, ids [T, k]}.
 std::vector<at::Tensor> sigmoid_group_topk(const at::Tensor& logits, const at::Tensor& bias, int64_t n_group,

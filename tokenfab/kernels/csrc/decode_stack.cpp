@@ -152,8 +152,13 @@ class DecodeStack {
       if (l.moe) {
         const auto route = sigmoid_group_topk(at::linear(x.to(at::kFloat), l.router_w), l.router_bias, l.n_group,
                                               l.topk_group, l.top_k, l.norm_topk, l.routed_scale);
-        m = moe_experts_packed(x, route[0], route[1], l.p13, l.p2, l.expert_start);
-        if (l.mlp.defined()) m = m + l.mlp(x);
+        if (l.mlp.defined() && !l.mlp.gate_up_bias.has_value() && !l.mlp.down_bias.has_value()) {
+          // the shared expert's GEMVs in the routed experts' two parallel regions; routed + shared as before
+          m = moe_experts_packed(x, route[0], route[1], l.p13, l.p2, l.expert_start, l.mlp.gate_up, l.mlp.down);
+        } else {
+          m = moe_experts_packed(x, route[0], route[1], l.p13, l.p2, l.expert_start, std::nullopt, std::nullopt);
+          if (l.mlp.defined()) m = m + l.mlp(x);
+        }
       } else {
         m = l.mlp(x);
       }

@@ -180,3 +180,63 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
   gemm(xp, M, x2.stride(0), K, wpp, n, bp, yp, n);
   return y;
 }
+
+std::vector<at::Tensor> vnni_linear_group(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& wps,
+                                          const std::vector<int64_t>& ns) {
+  TORCH_CHECK(xs.size() == wps.size() && xs.size() == ns.size(), "vnni_linear_group: one weight and n per input");
+  const size_t J = xs.size();
+  std::vector<at::Tensor> ys(J);
+#if defined(__AVX512BF16__)
+  struct Job {
+    const uint16_t* x;
+    int64_t M, lda, K;
+    const uint16_t* w;
+    int64_t n;
+    uint16_t* y;
+  };
+  std::vector<Job> jobs;
+  std::vector<int64_t> first_block{0};  // jobs[j] owns blocks [first_block[j], first_block[j + 1]) of the region
+  std::vector<at::Tensor> keep;          // contiguous copies of inputs that needed one
+  for (size_t j = 0; j < J; ++j) {
+    const at::Tensor& x = xs[j];
+    const at::Tensor& wp = wps[j];
+    const int64_t K = x.size(-1), n = ns[j];
+    const int64_t M = K == 0 ? 0 : x.numel() / K;
+    if (M > kGemvRows || M == 0) {  // not a GEMV: its own call (brgemm tiles), before the group runs
+      ys[j] = vnni_linear(x, wp, n, std::nullopt);
+      continue;
+    }
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 4 &&
+                wp.size(2) == BN && wp.size(3) == 2 && wp.is_contiguous() && wp.size(1) * 2 == K && n > 0 &&
+                (n + BN - 1) / BN == wp.size(0),
+                "vnni_linear_group: item ", j, ": bf16 x [..., K] and a matching weight from pack_linear_weight expected");
+    auto x2 = x.reshape({-1, K});
+    if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
+    keep.push_back(x2);
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = n;
+    ys[j] = at::empty(shape, x.options());
+    jobs.push_back({reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0), K,
+                    reinterpret_cast<const uint16_t*>(wp.data_ptr()), n,
+                    reinterpret_cast<uint16_t*>(ys[j].data_ptr())});
+    first_block.push_back(first_block.back() + (n + BN - 1) / BN);
+  }
+  at::parallel_for(0, first_block.back(), 1, [&](int64_t begin, int64_t end) {
+    size_t j = std::upper_bound(first_block.begin(), first_block.end(), begin) - first_block.begin() - 1;
+    for (int64_t b = begin; b < end; ++j) {  // this thread's blocks, job by job
+      const Job& o = jobs[j];
+      const int64_t b0 = b - first_block[j], b1 = std::min(end, first_block[j + 1]) - first_block[j];
+      switch (o.M) {
+        case 1: gemv_blocks<1>(o.x, o.lda, o.K, o.w, o.n, nullptr, o.y, o.n, b0, b1); break;
+        case 2: gemv_blocks<2>(o.x, o.lda, o.K, o.w, o.n, nullptr, o.y, o.n, b0, b1); break;
+        case 3: gemv_blocks<3>(o.x, o.lda, o.K, o.w, o.n, nullptr, o.y, o.n, b0, b1); break;
+        default: gemv_blocks<4>(o.x, o.lda, o.K, o.w, o.n, nullptr, o.y, o.n, b0, b1); break;
+      }
+      b = first_block[j] + b1;
+    }
+  });
+#else
+  for (size_t j = 0; j < J; ++j) ys[j] = vnni_linear(xs[j], wps[j], ns[j], std::nullopt);
+#endif
+  return ys;
+}
