@@ -15,7 +15,8 @@ Bytes read per step: every non-expert weight except the token-embedding table (a
 sequence, unless the LM head shares it; counted as such since 2026-11-30 session 5, before which the whole table was counted), plus the routed experts actually chosen (top_k of n_routed_experts for
 one token; all of them once B * top_k covers the experts — we count the distinct experts hit, measured), plus the
 KV cache rows attended. Copy bandwidth = 2 x bytes / time of ``dst.copy_(src)`` on a 512 MiB tensor (read + write
-traffic), measured in the same run: best of 5 at the start, and one copy before every 5th timed step. This VM's
+traffic; both buffers in 2 MiB pages when the engine put its weights there, the larger of that and 4 KiB pages at
+the start), measured in the same run: best of 5 at the start, and one copy before every 5th timed step. This VM's
 bandwidth swings by up to 25% between back-to-back runs (e.g. 31.7 and 39.9 GB/s), so the floor uses the median of
 the copies taken between the steps it is compared with; the table also gives the ratio at the start-of-run copy
 (best of 5; JSON keys ``floor_best_ms`` / ``ratio_to_best_floor``), which can be higher or lower.
@@ -38,10 +39,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from benchmarks.results_file import unused_stem  # noqa: E402
 
 
-def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5, device: str = "cpu") -> float:
-    """Read+write bytes per second of a large tensor copy on ``device`` (best of ``reps``; GPU HBM on cuda)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5, device: str = "cpu", hugepages: bool = False) -> float:
+    """Read+write bytes per second of a large tensor copy on ``device`` (best of ``reps``; GPU HBM on cuda).
+    ``hugepages``: both buffers in 2 MiB pages, as the engine's weights are (tokenfab/engine/hugepages.py)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
+    if hugepages:
+        from tokenfab.engine.hugepages import move_to_hugepages
+        move_to_hugepages([src, dst])
+    src.fill_(1)
     sync = torch.cuda.synchronize if src.is_cuda else (lambda: None)
     dst.copy_(src)
     sync()
@@ -127,7 +133,9 @@ def main() -> int:
     stack = runner.cpu_decode_stack  # CPU: decode steps may run forward + LM head + draw in one call (run_sample)
     if stack is not None:
         stack.run_sample = timed(stack.run_sample)
-    bw = copy_bandwidth(device=str(eng.device))
+    huge = getattr(runner, "hugepage_bytes", 0) > 0  # weights in 2 MiB pages: so are the copy's buffers
+    bw_4k = copy_bandwidth(device=str(eng.device))
+    bw = max(bw_4k, copy_bandwidth(device=str(eng.device), hugepages=True)) if huge else bw_4k
     dense, per_expert, n_moe = weight_bytes(runner.model)
     mc = eng.model_config
     rows = []
@@ -141,7 +149,7 @@ def main() -> int:
         walls, fwds, bws = [], [], []
         for i in range(args.steps):
             if i % 5 == 0:  # copy bandwidth sampled between the steps it is compared with (one 512 MiB copy)
-                bws.append(copy_bandwidth(reps=1, device=str(eng.device)))
+                bws.append(copy_bandwidth(reps=1, device=str(eng.device), hugepages=huge))
             fwd_time[0] = 0.0
             t = time.perf_counter()
             eng.step()
@@ -170,7 +178,8 @@ def main() -> int:
         cpu = platform.processor()
     result = {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
               "model": model_dir, "dtype": str(eng.dtype), "threads": torch.get_num_threads(), "cpu": cpu,
-              "cores": os.cpu_count(), "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__,
+              "cores": os.cpu_count(), "copy_bandwidth_GBps": bw / 1e9, "copy_bandwidth_4k_pages_GBps": bw_4k / 1e9,
+              "weights_in_huge_pages": huge, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else None,
               "decode_graphs": runner.decode_graphs is not None and runner.decode_graphs.mode == "cuda",
               "rows": rows}
@@ -183,8 +192,9 @@ def main() -> int:
              (f"GPU: {result['gpu']} (decode CUDA graphs {'on' if result['decode_graphs'] else 'off'}), host " if
               result["gpu"] else "") +
              f"CPU: {cpu}, {os.cpu_count()} cores, {result['threads']} torch threads, torch {torch.__version__}, "
-             f"dtype {result['dtype']}; copy bandwidth {bw / 1e9:.1f} GB/s (read+write, best of 5 at the start; the "
-             "floor uses the median of the copies sampled every 5 steps between the batch-1 steps)", "",
+             f"dtype {result['dtype']}; copy bandwidth {bw / 1e9:.1f} GB/s (read+write, best of 5 at the start"
+             + (f", buffers in 2 MiB pages as the weights are; {bw_4k / 1e9:.1f} GB/s in 4 KiB pages" if huge else "")
+             + "; the floor uses the median of the copies sampled every 5 steps between the batch-1 steps)", "",
              "| batch | step ms | forward ms | engine overhead | tok/s | copy GB/s during steps | floor ms | step / floor "
              "| step / floor at the start copy |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -19,6 +19,7 @@ import torch
 
 from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
+from tokenfab.engine.hugepages import module_tensors, move_to_hugepages
 from tokenfab.engine.cuda_graph_runner import DecodeGraphRunner, capture_sizes, decode_graph_mode
 from tokenfab.engine.sampler import Sampler, SamplerOutput
 from tokenfab.engine.scheduler import ScheduledBatch
@@ -83,6 +84,10 @@ class ModelRunner:
                                                    block_manager.max_blocks_per_seq, capture_sizes(max_num_seqs),
                                                    device, graph_mode)
             self.decode_graphs.capture()
+        self.hugepage_bytes = 0  # CPU: weights and the KV pool moved into 2 MiB pages (hugepages.py)
+        if device.type == "cpu":
+            kv = [t for c in self.kv_caches for t in (c if isinstance(c, (list, tuple)) else (c,))]
+            self.hugepage_bytes = move_to_hugepages(module_tensors(model) + kv)
         self.has_state = hasattr(model, "make_state_cache")
         if self.has_state:  # hybrid models: per-request KDA state slots by row (state_cache.py)
             model.make_state_cache(self.kv_caches, max_num_seqs, dtype, device)
