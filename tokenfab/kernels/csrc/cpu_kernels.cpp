@@ -424,7 +424,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
 //
 // Blocks of 16 rows (tokenfab's block size) take a vector path: each head's 16 scores of a block form one register
 // (narrow rows: 16 dot products reduced together by transpose_sum16; rows of 256+ values, e.g. MLA's 576:
-// scores16_heads_bf16, 2-row x 4-head register tiles that load each key row once for 4 heads, their dot products
+// scores16_heads_bf16, 4-row x 4-head register tiles that load each key row once for 4 heads, their dot products
 // reduced 16 rows at a time by transpose_sum16, 4-8% faster than one horizontal reduction each, NOTES.md entry 45),
 // and the online-softmax step, the bf16 rounding and the weight pairs are 16-lane operations. 1.3-2.1x faster than
 // the per-token scalar softmax it replaces (benchmarks/NOTES.md).
@@ -538,17 +538,18 @@ inline __m512 scores16_bf16(const uint16_t* q, int64_t D, const uint16_t* k, int
 }
 
 // Scores of up to 4 query heads (ng, rows of q at stride D) against the 16 key rows of one block (stride ks), times
-// scale: s[g * 16 + t]. Key rows are loaded once per pair of rows for all heads (2-row x NG-head register tiles) and
+// scale: s[g * 16 + t]. Key rows are loaded once for all heads (4-row x NG-head register tiles, NOTES.md entry 49) and
 // the 16 x NG dot products reduced by transpose_sum16 per head, instead of one horizontal reduction each.
 template <int NG>
 inline void scores16_heads_tile(const uint16_t* q, int64_t D, const uint16_t* k, int64_t ks, float scale,
                                 float* s) {
   __m512 acc[16][NG];
-  for (int t = 0; t < 16; t += 2) {
-    const uint16_t* rows[2] = {k + t * ks, k + (t + 1) * ks};
-    __m512 a[2][NG];
-    dot_tile_bf16<2, NG>(q, D, rows, a);
-    for (int g = 0; g < NG; ++g) acc[t][g] = a[0][g], acc[t + 1][g] = a[1][g];
+  for (int t = 0; t < 16; t += 4) {  // 4 rows x NG heads: 4 key and 1 query load per 16 dot-product steps
+    const uint16_t* rows[4] = {k + t * ks, k + (t + 1) * ks, k + (t + 2) * ks, k + (t + 3) * ks};
+    __m512 a[4][NG];
+    dot_tile_bf16<4, NG>(q, D, rows, a);
+    for (int r = 0; r < 4; ++r)
+      for (int g = 0; g < NG; ++g) acc[t + r][g] = a[r][g];
   }
   for (int g = 0; g < NG; ++g) {
     __m512 col[16];
