@@ -151,3 +151,28 @@ def test_rows_wanting_logprobs_or_top_k_keep_the_sampler(tiny_model):
         want, _ = sampled(path, prompts, params, fused=False)
         got, n = sampled(path, prompts, params, fused=True)
         assert got == want and n == 0  # (min_tokens 6 of max_tokens 6: below it until the end)
+
+
+def test_slots_computed_in_cpp_match_the_runners(tiny_model):
+    """``run`` without slots computes them in C++ from positions and block tables: the same cache rows written and
+    the same hidden states as with ModelRunner._slots; a position past its block table is a clear error."""
+    import numpy as np
+    import torch
+    llm = make_llm(tiny_model("deepseek_v3"))
+    runner = llm.llm_engine.runner
+    stack = runner.cpu_decode_stack
+    bs = runner.block_size
+    pos = np.array([3, 17, 40], dtype=np.int64)  # block 0, 2 and 5 of each row
+    bt = np.array([[4, 9, 2, 7, 1, 3], [5, 0, 8, 6, 11, 10], [12, 13, 14, 15, 16, 17]], dtype=np.int64)
+    ids = np.array([11, 12, 13], dtype=np.int64)
+    before = [c.clone() for c in stack._caches]
+    want = stack.run(ids, pos, runner._slots(bt, np.arange(3), pos), bt, pos + 1)
+    written = [c.clone() for c in stack._caches]
+    for c, b in zip(stack._caches, before):
+        c.copy_(b)
+    got = stack.run(ids, pos, None, bt, pos + 1)
+    assert torch.equal(got, want)
+    assert all(torch.equal(c, w) for c, w in zip(stack._caches, written))
+    assert not all(torch.equal(w, b) for w, b in zip(written, before))  # rows were written
+    with pytest.raises(RuntimeError, match="past its block table"):
+        stack.run(ids, np.array([3, 17, 6 * bs], dtype=np.int64), None, bt, pos + 1)

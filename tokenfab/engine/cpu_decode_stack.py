@@ -28,6 +28,9 @@ from tokenfab.models.deepseek_v3 import DeepseekV3MoE
 from tokenfab.models.llama import DecoderLayer, LlamaAttention
 
 
+_NO_SLOTS = torch.empty(0, dtype=torch.int64)  # DecodeStack.forward computes the slots itself
+
+
 class CpuDecodeStack:
     """The C++ decoder stack of one model and its KV pool; :meth:`run` replaces ``model(...)`` for decode-only
     steps. Build with :meth:`build`."""
@@ -73,14 +76,16 @@ class CpuDecodeStack:
             stack.set_lm_head(lm_head, vocab)
         return cls(stack, caches, block_size, vocab)
 
-    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, bt: np.ndarray,
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray | None, bt: np.ndarray,
             context_lens: np.ndarray) -> torch.Tensor:
         """One decode token per sequence: input_ids, positions, slots, context_lens [B] int64 numpy; bt [B, >=
-        blocks needed] int64 block tables. Returns the final-normed hidden states [B, hidden] bf16 (what
-        ``CausalLM.forward`` returns), after writing this step's K/V rows."""
+        blocks needed] int64 block tables. ``slots`` None: computed in C++ from positions and bt (slot =
+        bt[i, pos // block_size] * block_size + pos % block_size, as ``ModelRunner._slots``). Returns the
+        final-normed hidden states [B, hidden] bf16 (what ``CausalLM.forward`` returns), after writing this step's
+        K/V rows. Raises RuntimeError for a position past its block table."""
         return self._stack.forward(*self._step_tensors(input_ids, positions, slots, bt, context_lens))
 
-    def run_sample(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, bt: np.ndarray,
+    def run_sample(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray | None, bt: np.ndarray,
                    context_lens: np.ndarray, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """:meth:`run`, then the LM head and one token per sequence drawn as ``Sampler`` draws plain rows
         (``cpu_kernels.sample_plain`` at temperatures ``temps`` [B] float32 with uniforms ``u`` [B], from
@@ -91,7 +96,8 @@ class CpuDecodeStack:
 
     def _step_tensors(self, input_ids, positions, slots, bt, context_lens) -> tuple:
         nblk = int((context_lens.max() + self.block_size - 1) // self.block_size)
-        return (torch.from_numpy(input_ids), torch.from_numpy(positions), torch.from_numpy(slots), self._caches,
+        return (torch.from_numpy(input_ids), torch.from_numpy(positions),
+                _NO_SLOTS if slots is None else torch.from_numpy(slots), self._caches,
                 torch.from_numpy(np.ascontiguousarray(bt[:, :nblk])), torch.from_numpy(context_lens))
 
 

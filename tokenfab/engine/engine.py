@@ -187,8 +187,13 @@ class LLMEngine:
 
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:
         seqs = batch.seqs
-        for s, n in zip(seqs, batch.num_new.tolist()):
-            s.num_computed_tokens += n
+        decode_only = batch.num_decodes == len(seqs)  # one new token each, and every sequence sampled in order
+        if decode_only:
+            for s in seqs:
+                s.num_computed_tokens += 1
+        else:
+            for s, n in zip(seqs, batch.num_new.tolist()):
+                s.num_computed_tokens += n
         if out.prompt_logprobs is not None:
             self._store_prompt_logprobs(seqs, out)
         touched: dict[str, Request] = {}
@@ -197,7 +202,10 @@ class LLMEngine:
             now = time.monotonic()
             toks = so.token_ids.numpy()
             idx = out.sampled_index
-            self.runner.write_tokens(batch.rows[idx], batch.num_computed[idx] + batch.num_new[idx], toks)
+            if decode_only:
+                self.runner.write_tokens(batch.rows, batch.num_computed + 1, toks)
+            else:
+                self.runner.write_tokens(batch.rows[idx], batch.num_computed[idx] + batch.num_new[idx], toks)
             tok_list = toks.tolist()
             lps = so.logprobs.tolist() if so.logprobs is not None else None
             top_ids = so.top_ids.tolist() if so.top_ids is not None else None

@@ -267,10 +267,10 @@ class ModelRunner:
         plain = self.sampler.plain_inputs(seqs, stack.vocab_size)
         if plain is None:
             return None
-        bt = self.bm.block_tables[rows]
-        slots = self._slots(bt, np.arange(len(seqs)), num_computed)
-        tokens = stack.run_sample(self.token_ids[rows, num_computed], num_computed, slots, bt, num_computed + 1,
-                                  *plain)
+        ctx = num_computed + 1
+        nblk = (int(ctx.max()) + self.block_size - 1) // self.block_size
+        bt = self.bm.block_tables[rows, :nblk]  # the columns attention reads; the slots are computed in C++
+        tokens = stack.run_sample(self.token_ids[rows, num_computed], num_computed, None, bt, ctx, *plain)
         return StepOutput(np.arange(len(seqs)), SamplerOutput(tokens, None, None, None), None)
 
     def _slots(self, bt: np.ndarray, req_idx: np.ndarray, positions: np.ndarray) -> np.ndarray:

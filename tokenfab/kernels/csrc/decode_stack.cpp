@@ -53,6 +53,26 @@ struct Layer {
   std::vector<at::Tensor> p13, p2;
 };
 
+// slot_mapping of one decode token per sequence, as ModelRunner._slots computes it: block_tables[t, pos / bs] * bs +
+// pos % bs (positions [T], block_tables [T, nblk] int64).
+at::Tensor decode_slots(const at::Tensor& positions, const at::Tensor& block_tables, int64_t bs) {
+  TORCH_CHECK(positions.scalar_type() == at::kLong && block_tables.scalar_type() == at::kLong &&
+              block_tables.dim() == 2 && block_tables.size(0) == positions.numel(),
+              "DecodeStack: int64 positions [T] and block_tables [T, blocks] expected");
+  const auto pos = positions.contiguous();
+  const auto bt = block_tables.contiguous();
+  const int64_t T = pos.numel(), nb = bt.size(1);
+  auto out = at::empty_like(pos);
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* bp = bt.data_ptr<int64_t>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(pp[t] >= 0 && pp[t] / bs < nb, "DecodeStack: position ", pp[t], " is past its block table");
+    op[t] = bp[t * nb + pp[t] / bs] * bs + pp[t] % bs;
+  }
+  return out;
+}
+
 class DecodeStack {
  public:
   DecodeStack(at::Tensor embed, at::Tensor final_norm, double final_eps, at::Tensor cos, at::Tensor sin,
@@ -124,12 +144,16 @@ class DecodeStack {
     return sample_plain(vnni_linear(h, lm_head_, lm_rows_, std::nullopt).to(at::kFloat), temps, u);
   }
 
-  // input_ids, positions, slot_mapping [T] int64; caches: per layer its latent pool (MLA) or k and v pools (GQA),
-  // flattened in layer order; block_tables [T, max_blocks], context_lens [T]. Returns the final-normed hidden
-  // states [T, hidden] bf16.
-  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping,
+  // input_ids, positions, slot_mapping [T] int64 (or an empty slot_mapping: computed here from positions and
+  // block_tables); caches: per layer its latent pool (MLA) or k and v pools (GQA), flattened in layer order;
+  // block_tables [T, max_blocks], context_lens [T]. Returns the final-normed hidden states [T, hidden] bf16.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping_in,
                      std::vector<at::Tensor> caches, const at::Tensor& block_tables,
                      const at::Tensor& context_lens) const {
+    TORCH_CHECK(!caches.empty(), "DecodeStack.forward: no KV caches");
+    const at::Tensor slot_mapping = slot_mapping_in.numel() == 0 && input_ids.numel() > 0
+                                        ? decode_slots(positions, block_tables, caches[0].size(1))
+                                        : slot_mapping_in;
     size_t c = 0;
     auto h = at::embedding(embed_, input_ids);
     for (const Layer& l : layers_) {
