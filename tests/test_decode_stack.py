@@ -1,8 +1,8 @@
 """The whole decoder stack of decode-only CPU bf16 steps as one C++ call (engine/cpu_decode_stack.py) is
 bit-identical to the module path (``CausalLM.forward``): same tokens and logprobs over decode steps that read the
 cache rows the stack wrote, for DeepSeek-V3 (MLA, a dense layer, group-limited MoE with a shared expert), Llama
-(with biases, MQA) and Qwen3 (q/k norms). Mixed prefill + decode steps keep the module path. Models the stack
-does not cover get no stack and still run. The module path is tested against transformers in
+(with biases, MQA), Qwen3 (q/k norms) and Qwen3-MoE (softmax top-k router). Mixed prefill + decode steps keep the
+module path. Models the stack does not cover get no stack and still run. The module path is tested against transformers in
 test_engine_exact.py / test_bf16.py."""
 from __future__ import annotations
 
@@ -44,8 +44,10 @@ def generate(llm, prompts, use_stack: bool, monkeypatch):
     ("deepseek_v3", {}),
     ("deepseek_v3", dict(kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, n_group=1, topk_group=1)),
     ("deepseek_v3", dict(n_shared_experts=0)),
-    ("llama", {}), ("llama", {"attention_bias": True, "num_key_value_heads": 1}), ("qwen3", {})],
-    ids=["deepseek", "deepseek-latent96-one-group", "deepseek-no-shared", "llama", "llama-bias-mqa", "qwen3"])
+    ("llama", {}), ("llama", {"attention_bias": True, "num_key_value_heads": 1}), ("qwen3", {}), ("qwen3_moe", {}),
+    ("qwen3_moe", {"norm_topk_prob": False})],
+    ids=["deepseek", "deepseek-latent96-one-group", "deepseek-no-shared", "llama", "llama-bias-mqa", "qwen3",
+         "qwen3-moe", "qwen3-moe-unnormalized"])
 def test_decode_stack_is_bit_identical_to_the_module_path(tiny_model, monkeypatch, family, overrides):
     from test_engine_exact import make_prompts
     llm = make_llm(tiny_model(family, **overrides), max_num_batched_tokens=40)
@@ -85,10 +87,17 @@ def test_stack_leaves_mixed_steps_to_the_modules(tiny_model, monkeypatch):
     assert run(True) == run(False)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe"])
-def test_models_outside_the_stack_get_none(tiny_model, family):
-    llm = make_llm(tiny_model(family))
-    assert llm.llm_engine.runner.cpu_decode_stack is None  # softmax router: not covered, module path
+def test_models_outside_the_stack_get_none(tiny_model):
+    """A MoE layer whose experts run the Python dispatch (not the packed C++ one) is outside the stack: build says
+    None and the engine keeps generating through the modules."""
+    llm = make_llm(tiny_model("qwen3_moe"))
+    runner = llm.llm_engine.runner
+    assert runner.cpu_decode_stack is not None
+    for layer in runner.model.model.layers:
+        if hasattr(layer.mlp, "experts"):
+            layer.mlp.experts.fused_dispatch = False
+    assert CpuDecodeStack.build(runner.model, runner.kv_caches, runner.block_size) is None
+    runner.cpu_decode_stack = None
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) > 0
 

@@ -9,9 +9,10 @@ writes are bit-identical to ``CausalLM.forward`` (tests/test_decode_stack.py). I
 AttentionMetadata, which the stack does not read.
 
 Covered: single-device models made of ``DecoderLayer``s whose attention runs as one fused block (MLA or
-grouped-query) and whose MLP is a packed SiLU-GLU or DeepSeek-V3's MoE (sigmoid group-limited router, packed
-routed experts, optional shared expert). Anything else (tensor parallel, Qwen3-MoE's softmax router, hybrid KDA
-models, oneDNN or plain-PyTorch linears, fp32) keeps the module path: :meth:`CpuDecodeStack.build` returns None.
+grouped-query) and whose MLP is a packed SiLU-GLU, DeepSeek-V3's MoE (sigmoid group-limited router, packed routed
+experts, optional shared expert) or Qwen3-MoE's (softmax top-k router, packed routed experts). Anything else (tensor
+parallel, hybrid KDA models, oneDNN or plain-PyTorch linears, fp32) keeps the module path:
+:meth:`CpuDecodeStack.build` returns None.
 """
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from torch import nn
 from tokenfab.kernels import cpu_kernels
 from tokenfab.layers.mla import MLAttention
 from tokenfab.layers.mlp import GatedMLP
-from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
+from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter, SoftmaxTopKRouter
 from tokenfab.models.base import CausalLM
 from tokenfab.models.deepseek_v3 import DeepseekV3MoE
 from tokenfab.models.llama import DecoderLayer, LlamaAttention
+from tokenfab.models.qwen3_moe import Qwen3MoeBlock
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # DecodeStack.forward computes the slots itself
@@ -123,6 +125,14 @@ def _add_attention(stack, layer: DecoderLayer, cache, caches: list[torch.Tensor]
 def _add_mlp(stack, mlp: nn.Module) -> bool:
     if type(mlp) is GatedMLP:
         return _set_gated(stack, mlp)
+    if type(mlp) is Qwen3MoeBlock:
+        gate, experts = mlp.gate, mlp.experts
+        if (type(gate) is not SoftmaxTopKRouter or type(experts) is not RoutedExperts or experts._p13 is None
+                or not experts.fused_dispatch or any(p.dim() != 4 for p in experts._p13)):
+            return False
+        stack.set_moe_softmax(gate.weight, gate.top_k, bool(gate.norm_topk_prob), experts._p13, experts._p2,
+                              experts.start)
+        return True
     if type(mlp) is not DeepseekV3MoE:
         return False
     gate, experts = mlp.gate, mlp.experts

@@ -9,7 +9,8 @@
 //   per layer:  a = rms(h);  o = attention(a)  [mla_decode or gqa_decode, which write the KV cache]
 //               x, h = rms(o + h), o + h        [one fused pass, as DecoderLayer does]
 //               h = h + mlp(x)                  [dense SiLU-GLU, or DeepSeek-V3 MoE: router GEMM in float32,
-//                                                sigmoid group-limited top-k, routed experts, + shared expert]
+//                                                sigmoid group-limited top-k, routed experts, + shared expert;
+//                                                or Qwen3-MoE: softmax top-k router, routed experts]
 //   return rms(h)                               [forward_sample: then the LM head and sample_plain]
 //
 // so its output and the cache rows it writes are bit-identical to the Python path (tests/test_decode_stack.py).
@@ -46,7 +47,8 @@ struct Layer {
   double in_eps = 0, post_eps = 0;
   GatedMlp mlp;  // dense layers; the shared expert of MoE layers
   bool moe = false;
-  at::Tensor router_w, router_bias;  // float32 [E, hidden], [E]
+  bool softmax_router = false;       // Qwen3-MoE: softmax top-k over bf16 logits; else DeepSeek-V3's sigmoid router
+  at::Tensor router_w, router_bias;  // float32 [E, hidden], [E] (softmax router: bf16 [E, hidden], no bias)
   int64_t n_group = 1, topk_group = 1, top_k = 1, expert_start = 0;
   bool norm_topk = false;
   double routed_scale = 1.0;
@@ -125,6 +127,19 @@ class DecodeStack {
     l.routed_scale = routed_scale, l.p13 = std::move(p13), l.p2 = std::move(p2), l.expert_start = start;
   }
 
+  // The last added layer's Qwen3-MoE block: router weight [E, hidden] (the activations' dtype), top_k, whether the
+  // chosen probabilities are renormalized, and one packed gate_up / down weight per local expert.
+  void set_moe_softmax(at::Tensor router_w, int64_t top_k, bool norm_topk, std::vector<at::Tensor> p13,
+                       std::vector<at::Tensor> p2, int64_t start) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack.set_moe_softmax: add a layer first");
+    TORCH_CHECK(p13.size() == p2.size() && !p13.empty() && top_k >= 1 && top_k <= router_w.size(0),
+                "DecodeStack.set_moe_softmax: one gate_up / down pair per expert and 1 <= top_k <= experts expected");
+    Layer& l = layers_.back();
+    l.moe = true, l.softmax_router = true;
+    l.router_w = std::move(router_w), l.top_k = top_k, l.norm_topk = norm_topk;
+    l.p13 = std::move(p13), l.p2 = std::move(p2), l.expert_start = start;
+  }
+
   // The LM head (VNNI-packed [vocab, hidden], ``rows`` = vocab) for forward_sample.
   void set_lm_head(at::Tensor packed, int64_t rows) {
     lm_head_ = std::move(packed);
@@ -173,7 +188,13 @@ class DecodeStack {
       const auto xh = rms_norm(o, h, l.post_norm, l.post_eps);  // {norm(o + h), o + h}
       const auto& x = xh[0];
       at::Tensor m;
-      if (l.moe) {
+      if (l.moe && l.softmax_router) {  // SoftmaxTopKRouter.forward's ops, in its order (the same ATen kernels)
+        const auto logits = at::linear(x, l.router_w);
+        auto [w, ids] = at::topk(at::softmax(logits, -1, at::kFloat), l.top_k, -1);
+        if (l.norm_topk) w = w / w.sum(-1, true);
+        m = moe_experts_packed(x, w.to(logits.scalar_type()), ids, l.p13, l.p2, l.expert_start, std::nullopt,
+                               std::nullopt);
+      } else if (l.moe) {
         const auto route = sigmoid_group_topk(at::linear(x.to(at::kFloat), l.router_w), l.router_bias, l.n_group,
                                               l.topk_group, l.top_k, l.norm_topk, l.routed_scale);
         if (l.mlp.defined() && !l.mlp.gate_up_bias.has_value() && !l.mlp.down_bias.has_value()) {
@@ -211,6 +232,7 @@ void register_decode_stack(pybind11::module_& m) {
       .def("add_gqa_layer", &DecodeStack::add_gqa_layer)
       .def("set_gated_mlp", &DecodeStack::set_gated_mlp)
       .def("set_moe", &DecodeStack::set_moe)
+      .def("set_moe_softmax", &DecodeStack::set_moe_softmax)
       .def("set_lm_head", &DecodeStack::set_lm_head)
       .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())
