@@ -5,10 +5,10 @@ pages, each a TLB miss and a page walk, and a hardware prefetch stream that stop
 memory with 2 MiB pages only where a program asks (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` on
 most distributions), and PyTorch asks only for single allocations of 2 MiB or more, and only when
 ``THP_MEM_ALLOC_ENABLE=1``: most of a layer's weights are smaller than that. So after loading, every storage the
-model holds is copied into one arena that is ``madvise(MADV_HUGEPAGE)``'d before it is written, and each tensor is
-re-pointed at its copy with ``Tensor.set_`` (views of one storage keep sharing it; nothing that holds the tensor
-object, Python or C++, needs to change). llama.cpp gets the same effect by mapping its weights; vLLM's CPU backend
-leaves it to the allocator. Measured in benchmarks/NOTES.md entry 48.
+model holds is copied into arenas of ~64 MiB that are ``madvise(MADV_HUGEPAGE)``'d before they are written, and
+each tensor is re-pointed at its copy with ``Tensor.set_`` (views of one storage keep sharing it; nothing that holds
+the tensor object, Python or C++, needs to change). llama.cpp gets the same effect by mapping its weights; vLLM's
+CPU backend leaves it to the allocator. Measured in benchmarks/NOTES.md entry 48.
 """
 from __future__ import annotations
 
@@ -81,22 +81,17 @@ def move_to_hugepages(tensors: list, min_bytes: int = 64 << 10, chunk_bytes: int
         entry = storages.setdefault(s.data_ptr(), (s, []))
         if not any(u is t for u in entry[1]):
             entry[1].append(t)
-    chunks: list[list[int]] = [[]]
-    size = 0
+    chunks: list[tuple[list[int], list[int], int]] = []  # per arena: storage keys, their offsets, total bytes
     for key, (s, _) in storages.items():
-        if chunks[-1] and size + s.nbytes() > chunk_bytes:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(key)
-        size += -(-s.nbytes() // 64) * 64
+        size = -(-s.nbytes() // 64) * 64  # 64-byte aligned, as PyTorch's allocator gives
+        if not chunks or (chunks[-1][0] and chunks[-1][2] + size > chunk_bytes):
+            chunks.append(([], [], 0))
+        keys, offsets, total = chunks[-1]
+        keys.append(key)
+        offsets.append(total)
+        chunks[-1] = (keys, offsets, total + size)
     moved = 0
-    for keys in chunks:
-        if not keys:
-            continue
-        offsets, total = [], 0
-        for key in keys:
-            offsets.append(total)
-            total += -(-storages[key][0].nbytes() // 64) * 64  # 64-byte aligned, as PyTorch's allocator gives
+    for keys, offsets, total in chunks:
         span = -(-total // HUGE_PAGE) * HUGE_PAGE
         arena = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)  # untouched: advised before any page fault
         start = -arena.data_ptr() % HUGE_PAGE

@@ -19,8 +19,8 @@ import torch
 
 from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
-from tokenfab.engine.hugepages import module_tensors, move_to_hugepages
 from tokenfab.engine.cuda_graph_runner import DecodeGraphRunner, capture_sizes, decode_graph_mode
+from tokenfab.engine.hugepages import module_tensors, move_to_hugepages
 from tokenfab.engine.sampler import Sampler, SamplerOutput
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.kernels import triton_support

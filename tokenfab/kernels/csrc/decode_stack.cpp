@@ -197,13 +197,13 @@ class DecodeStack {
       } else if (l.moe) {
         const auto route = sigmoid_group_topk(at::linear(x.to(at::kFloat), l.router_w), l.router_bias, l.n_group,
                                               l.topk_group, l.top_k, l.norm_topk, l.routed_scale);
-        if (l.mlp.defined() && !l.mlp.gate_up_bias.has_value() && !l.mlp.down_bias.has_value()) {
-          // the shared expert's GEMVs in the routed experts' two parallel regions; routed + shared as before
-          m = moe_experts_packed(x, route[0], route[1], l.p13, l.p2, l.expert_start, l.mlp.gate_up, l.mlp.down);
-        } else {
-          m = moe_experts_packed(x, route[0], route[1], l.p13, l.p2, l.expert_start, std::nullopt, std::nullopt);
-          if (l.mlp.defined()) m = m + l.mlp(x);
-        }
+        // a bias-free shared expert runs inside the routed experts' two parallel regions (routed + shared rounded
+        // as before); one with biases runs after them
+        const bool fused = l.mlp.defined() && !l.mlp.gate_up_bias.has_value() && !l.mlp.down_bias.has_value();
+        m = moe_experts_packed(x, route[0], route[1], l.p13, l.p2, l.expert_start,
+                               fused ? c10::optional<at::Tensor>(l.mlp.gate_up) : std::nullopt,
+                               fused ? c10::optional<at::Tensor>(l.mlp.down) : std::nullopt);
+        if (l.mlp.defined() && !fused) m = m + l.mlp(x);
       } else {
         m = l.mlp(x);
       }

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -92,16 +93,21 @@ void gemv_blocks(const uint16_t* x, int64_t lda, int64_t K, const uint16_t* wp, 
   }
 }
 
+// gemv_blocks for M (1..kGemvRows) rows chosen at run time.
+void gemv_rows(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* wp, int64_t N,
+               const float* bias, uint16_t* y, int64_t ldy, int64_t b0, int64_t b1) {
+  switch (M) {
+    case 1: gemv_blocks<1>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+    case 2: gemv_blocks<2>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+    case 3: gemv_blocks<3>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+    default: gemv_blocks<4>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+  }
+}
+
 void gemv(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* wp, int64_t N, const float* bias,
           uint16_t* y, int64_t ldy) {
-  const int64_t NB = (N + BN - 1) / BN;
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    switch (M) {
-      case 1: gemv_blocks<1>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
-      case 2: gemv_blocks<2>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
-      case 3: gemv_blocks<3>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
-      default: gemv_blocks<4>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
-    }
+  at::parallel_for(0, (N + BN - 1) / BN, 1, [&](int64_t b0, int64_t b1) {
+    gemv_rows(x, M, lda, K, wp, N, bias, y, ldy, b0, b1);
   });
 }
 #endif  // __AVX512BF16__
@@ -147,20 +153,42 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
   return padded.view({NB, BN, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias) {
+namespace {
+
+// The operands of one linear on a packed weight: x as rows [M, K] with a contiguous last dim (a copy only when its
+// strides need one) and the output y [..., n] allocated. ``who`` (and ``item`` when >= 0) start the error messages,
+// which are formatted only on failure.
+struct LinearOperands {
+  at::Tensor x2, y;
+  int64_t M, K;
+};
+
+inline std::string item_label(int64_t item) { return item >= 0 ? " item " + std::to_string(item) : std::string(); }
+
+LinearOperands linear_operands(const at::Tensor& x, const at::Tensor& wp, int64_t n, const char* who,
+                               int64_t item = -1) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 4 &&
               wp.size(2) == BN && wp.size(3) == 2 && wp.is_contiguous(),
-              "vnni_linear: bf16 x [..., K] and a weight from pack_linear_weight expected");
+              who, item_label(item), ": bf16 x [..., K] and a weight from pack_linear_weight expected");
   const int64_t K = x.size(-1);
   TORCH_CHECK(wp.size(1) * 2 == K && n > 0 && (n + BN - 1) / BN == wp.size(0),
-              "vnni_linear: x's last dim ", K, " or n ", n, " does not match the packed weight ", wp.sizes());
+              who, item_label(item), ": x's last dim ", K, " or n ", n, " does not match the packed weight ",
+              wp.sizes());
   auto x2 = x.reshape({-1, K});
   if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
-  const int64_t M = x2.size(0);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  auto y = at::empty(shape, x.options());
-  if (M == 0) return y;
+  return {x2, at::empty(shape, x.options()), x2.size(0), K};
+}
+
+inline const uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+inline uint16_t* u16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
+
+}  // namespace
+
+at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias) {
+  auto io = linear_operands(x, wp, n, "vnni_linear");
+  if (io.M == 0) return io.y;
   at::Tensor bf;
   const float* bp = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -168,17 +196,14 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
     bf = bias->to(at::kFloat).contiguous();
     bp = bf.data_ptr<float>();
   }
-  const auto* xp = reinterpret_cast<const uint16_t*>(x2.data_ptr());
-  const auto* wpp = reinterpret_cast<const uint16_t*>(wp.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
 #if defined(__AVX512BF16__)
-  if (M <= kGemvRows) {
-    gemv(xp, M, x2.stride(0), K, wpp, n, bp, yp, n);
-    return y;
+  if (io.M <= kGemvRows) {
+    gemv(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, u16_mut(io.y), n);
+    return io.y;
   }
 #endif
-  gemm(xp, M, x2.stride(0), K, wpp, n, bp, yp, n);
-  return y;
+  gemm(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, u16_mut(io.y), n);
+  return io.y;
 }
 
 std::vector<at::Tensor> vnni_linear_group(const std::vector<at::Tensor>& xs, const std::vector<at::Tensor>& wps,
@@ -187,51 +212,28 @@ std::vector<at::Tensor> vnni_linear_group(const std::vector<at::Tensor>& xs, con
   const size_t J = xs.size();
   std::vector<at::Tensor> ys(J);
 #if defined(__AVX512BF16__)
-  struct Job {
-    const uint16_t* x;
-    int64_t M, lda, K;
-    const uint16_t* w;
-    int64_t n;
-    uint16_t* y;
-  };
-  std::vector<Job> jobs;
-  std::vector<int64_t> first_block{0};  // jobs[j] owns blocks [first_block[j], first_block[j + 1]) of the region
-  std::vector<at::Tensor> keep;          // contiguous copies of inputs that needed one
+  std::vector<LinearOperands> gemvs;   // the items of 1..kGemvRows rows, run together below
+  std::vector<const uint16_t*> w;      // their weights
+  std::vector<int64_t> n, first_block{0};  // gemvs[j] owns blocks [first_block[j], first_block[j + 1]) of the region
   for (size_t j = 0; j < J; ++j) {
-    const at::Tensor& x = xs[j];
-    const at::Tensor& wp = wps[j];
-    const int64_t K = x.size(-1), n = ns[j];
-    const int64_t M = K == 0 ? 0 : x.numel() / K;
+    const int64_t K = xs[j].size(-1), M = K == 0 ? 0 : xs[j].numel() / K;
     if (M > kGemvRows || M == 0) {  // not a GEMV: its own call (brgemm tiles), before the group runs
-      ys[j] = vnni_linear(x, wp, n, std::nullopt);
+      ys[j] = vnni_linear(xs[j], wps[j], ns[j], std::nullopt);
       continue;
     }
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 4 &&
-                wp.size(2) == BN && wp.size(3) == 2 && wp.is_contiguous() && wp.size(1) * 2 == K && n > 0 &&
-                (n + BN - 1) / BN == wp.size(0),
-                "vnni_linear_group: item ", j, ": bf16 x [..., K] and a matching weight from pack_linear_weight expected");
-    auto x2 = x.reshape({-1, K});
-    if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
-    keep.push_back(x2);
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = n;
-    ys[j] = at::empty(shape, x.options());
-    jobs.push_back({reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0), K,
-                    reinterpret_cast<const uint16_t*>(wp.data_ptr()), n,
-                    reinterpret_cast<uint16_t*>(ys[j].data_ptr())});
-    first_block.push_back(first_block.back() + (n + BN - 1) / BN);
+    auto io = linear_operands(xs[j], wps[j], ns[j], "vnni_linear_group:", static_cast<int64_t>(j));
+    ys[j] = io.y;
+    gemvs.push_back(std::move(io));
+    w.push_back(u16(wps[j]));
+    n.push_back(ns[j]);
+    first_block.push_back(first_block.back() + (ns[j] + BN - 1) / BN);
   }
   at::parallel_for(0, first_block.back(), 1, [&](int64_t begin, int64_t end) {
     size_t j = std::upper_bound(first_block.begin(), first_block.end(), begin) - first_block.begin() - 1;
-    for (int64_t b = begin; b < end; ++j) {  // this thread's blocks, job by job
-      const Job& o = jobs[j];
+    for (int64_t b = begin; b < end; ++j) {  // this thread's blocks, item by item
+      auto& o = gemvs[j];
       const int64_t b0 = b - first_block[j], b1 = std::min(end, first_block[j + 1]) - first_block[j];
-      switch (o.M) {
-        case 1: gemv_blocks<1>(o.x, o.lda, o.K, o.w, o.n, nullptr, o.y, o.n, b0, b1); break;
-        case 2: gemv_blocks<2>(o.x, o.lda, o.K, o.w, o.n, nullptr, o.y, o.n, b0, b1); break;
-        case 3: gemv_blocks<3>(o.x, o.lda, o.K, o.w, o.n, nullptr, o.y, o.n, b0, b1); break;
-        default: gemv_blocks<4>(o.x, o.lda, o.K, o.w, o.n, nullptr, o.y, o.n, b0, b1); break;
-      }
+      gemv_rows(u16(o.x2), o.M, o.x2.stride(0), o.K, w[j], n[j], nullptr, u16_mut(o.y), n[j], b0, b1);
       b = first_block[j] + b1;
     }
   });
