@@ -136,7 +136,7 @@ def test_bench_serve_completions(fake_server, tokenizer_dir, tokenizer, tmp_path
         random_input_len=in_len, random_output_len=out_len, max_concurrency=2, ignore_eos=True,
         save_result=True, result_dir=str(tmp_path), result_filename="out.json", disable_tqdm=True,
         percentile_metrics="ttft,tpot,itl,e2el", metric_percentiles="50,99", num_devices=2,
-        header=[["X-Bench=yes"]], command_line="tokenfab bench serve (test)",
+        header=[["X-Bench=yes"]], command_line="tokenfab bench serve (test)", save_detailed=True,
     )
     result = run_bench_serve(args)
     out = capsys.readouterr().out
@@ -206,7 +206,8 @@ def test_bench_serve_completions(fake_server, tokenizer_dir, tokenizer, tmp_path
 def test_bench_serve_chat_without_ignore_eos(fake_server, tokenizer_dir):
     start = len(fake_server["received"])
     args = make_args(base_url=fake_server["url"], backend="openai-chat", tokenizer=tokenizer_dir, num_prompts=2,
-                     random_input_len=16, random_output_len=6, disable_tqdm=True, request_rate=50.0)
+                     random_input_len=16, random_output_len=6, disable_tqdm=True, request_rate=50.0,
+                     ignore_eos=False, save_detailed=True)
     result = run_bench_serve(args)  # --model omitted: taken from /v1/models
     assert result["model_id"] == "fake-model"
     got = fake_server["received"][start:]
@@ -220,7 +221,8 @@ def test_bench_serve_chat_without_ignore_eos(fake_server, tokenizer_dir):
 
 def test_failed_requests_are_counted_not_raised(fake_server, tokenizer_dir):
     args = make_args(base_url=fake_server["url"], model="fake-model", tokenizer=tokenizer_dir, num_prompts=3,
-                     random_input_len=16, random_output_len=4, disable_tqdm=True, header=[["X-Fail=1"]])
+                     random_input_len=16, random_output_len=4, disable_tqdm=True, header=[["X-Fail=1"]],
+                     save_detailed=True)
     result = run_bench_serve(args)
     assert result["completed"] == 0 and result["failed"] == 3
     assert all(e.startswith("HTTP 500") and "forced failure" in e for e in result["errors"])
@@ -234,7 +236,7 @@ def test_clear_errors(tokenizer_dir, tmp_path):
     with pytest.raises(BenchError, match=r"--base-url / --host / --port"):
         run_bench_serve(make_args(port=dead, model="m", tokenizer=tokenizer_dir, disable_tqdm=True))
     with pytest.raises(BenchError, match="--dataset-name"):
-        run_bench_serve(make_args(dataset_name="sharegpt", model="m", tokenizer=tokenizer_dir))
+        run_bench_serve(make_args(dataset_name="sonnet", model="m", tokenizer=tokenizer_dir))
     with pytest.raises(BenchError, match="--percentile-metrics"):
         run_bench_serve(make_args(percentile_metrics="ttft,foo", model="m"))
     with pytest.raises(BenchError, match="--header"):

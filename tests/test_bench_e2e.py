@@ -23,7 +23,7 @@ def test_bench_serve_against_live_server(server, server_model_dir, tmp_path, bac
     args = make_args(base_url=server.base_url, model=server_model_dir, served_model_name=SERVED_NAME,
                      backend=backend, num_prompts=5, random_input_len=24, random_output_len=7, max_concurrency=3,
                      ignore_eos=True, temperature=0.0, save_result=True, result_dir=str(tmp_path),
-                     result_filename="r.json", disable_tqdm=True, power="none")
+                     result_filename="r.json", disable_tqdm=True, power="none", save_detailed=True)
     res = run_bench_serve(args)
     with open(tmp_path / "r.json") as f:
         saved = json.load(f)

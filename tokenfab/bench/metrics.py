@@ -17,6 +17,10 @@ compare with published ones:
   linear interpolation (numpy ``percentile`` default). An empty list summarizes as 0, as in vLLM.
 - Failed requests count in ``failed``, contribute 0 output tokens and nothing to the latency statistics or the
   input-token total.
+- request_goodput (req/s) = successful requests meeting every service-level objective / duration (vLLM's
+  ``--goodput``, after DistServe): a request is good when ``value <= SLO`` for each of its TTFT, TPOT and E2EL
+  objectives given (milliseconds); a request with one output token has TPOT 0 for this test. None when no
+  objective is given.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import math
 from typing import Any, Callable, Iterable, Sequence
 
 METRIC_NAMES = ("ttft", "tpot", "itl", "e2el")
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")  # request-level metrics an SLO can bound (vLLM's VALID_NAMES)
 
 
 def percentile_key(p: float) -> str:
@@ -152,12 +157,31 @@ def max_output_chunks_per_s(records: Sequence[Any]) -> float:
     return float(max(buckets.values())) if buckets else 0.0
 
 
+def count_good_requests(per_request: Sequence[dict[str, float]], slos_ms: dict[str, float]) -> int:
+    """How many requests meet every objective: ``per_request[i][name] <= slos_ms[name] / 1000`` for each name.
+
+    Args:
+        per_request: one dict per successful request with ``ttft``, ``tpot`` and ``e2el`` in seconds (``tpot`` 0
+            for a one-token output, as vLLM counts it).
+        slos_ms: objectives in milliseconds, keys from :data:`GOODPUT_METRICS`.
+
+    Raises:
+        ValueError: an objective name outside :data:`GOODPUT_METRICS`.
+    """
+    bad = [k for k in slos_ms if k not in GOODPUT_METRICS]
+    if bad:
+        raise ValueError(f"unknown goodput metric(s) {bad}; choose from {', '.join(GOODPUT_METRICS)}")
+    limits = {k: float(v) / 1000.0 for k, v in slos_ms.items()}
+    return sum(1 for r in per_request if all(r[k] <= lim for k, lim in limits.items()))
+
+
 def compute_metrics(
     records: Sequence[Any],
     duration_s: float,
     percentiles: Iterable[float] = (99,),
     count_tokens: Callable[[str], int] | None = None,
     num_devices: int = 1,
+    goodput_slos_ms: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Aggregate per-request records into vLLM-named metrics.
 
@@ -168,13 +192,15 @@ def compute_metrics(
         count_tokens: ``text -> token count`` used when a successful record has no ``output_tokens`` (no usage
             chunk); without it such a request counts as 1 token (vLLM's fallback without a tokenizer).
         num_devices: accelerators serving the model, for the ``*_per_device`` throughputs.
+        goodput_slos_ms: service-level objectives in ms (``{"ttft": 500, "tpot": 50}``); None or empty: no
+            goodput (``request_goodput`` is None).
 
     Returns:
         A dict with ``completed``, ``failed``, ``total_input_tokens``, ``total_output_tokens``,
-        ``request_throughput`` (req/s), ``output_throughput`` / ``total_token_throughput`` (tok/s) and their
-        ``*_per_device`` variants, per-request lists (``input_lens``, ``output_lens``, ``ttfts``, ``itls``,
-        ``latencies``, ``tpots``; seconds), ``max_concurrent_requests``, ``max_output_tokens_per_s`` and, for each of
-        ttft/tpot/itl/e2el, ``mean_X_ms``, ``median_X_ms``, ``std_X_ms`` and ``pNN_X_ms``.
+        ``request_throughput`` and ``request_goodput`` (req/s), ``output_throughput`` / ``total_token_throughput``
+        (tok/s) and their ``*_per_device`` variants, per-request lists (``input_lens``, ``output_lens``, ``ttfts``,
+        ``itls``, ``latencies``, ``tpots``; seconds), ``max_concurrent_requests``, ``max_output_tokens_per_s`` and,
+        for each of ttft/tpot/itl/e2el, ``mean_X_ms``, ``median_X_ms``, ``std_X_ms`` and ``pNN_X_ms``.
     """
     percentiles = [float(p) for p in percentiles]
     if duration_s <= 0:
@@ -186,6 +212,7 @@ def compute_metrics(
     itls: list[float] = []
     e2els: list[float] = []
     output_lens: list[int] = []
+    per_request: list[dict[str, float]] = []
     completed = failed = total_input = 0
     for r in records:
         if not r.success:
@@ -202,15 +229,21 @@ def compute_metrics(
         ttfts.append(r.ttft)
         e2els.append(r.latency)
         itls.extend(r.itl)
+        tpot = (r.latency - r.ttft) / (n_out - 1) if n_out > 1 else 0.0
         if n_out > 1:
-            tpots.append((r.latency - r.ttft) / (n_out - 1))
+            tpots.append(tpot)
+        per_request.append({"ttft": r.ttft, "tpot": tpot, "e2el": r.latency})
     total_output = sum(output_lens)
+    goodput = None
+    if goodput_slos_ms:
+        goodput = count_good_requests(per_request, goodput_slos_ms) / duration_s
     m: dict[str, Any] = {
         "completed": completed,
         "failed": failed,
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
         "request_throughput": completed / duration_s,
+        "request_goodput": goodput,
         "output_throughput": total_output / duration_s,
         "total_token_throughput": (total_input + total_output) / duration_s,
         "num_devices": int(num_devices),

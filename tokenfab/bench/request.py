@@ -3,7 +3,10 @@
 Works against vLLM, llama.cpp's llama-server, tokenfab and any server speaking the OpenAI streaming protocol
 (server-sent events, ``data: {json}`` lines, ``data: [DONE]`` at the end). The payload follows vLLM's benchmark
 client (vllm/benchmarks/lib/endpoint_request_func.py): ``stream: true``, ``stream_options.include_usage``,
-``max_tokens`` and vLLM's extension fields (``ignore_eos``, ``top_k``) in the JSON body.
+``max_tokens`` and vLLM's extension fields (``ignore_eos``, ``top_k``) in the JSON body. Backends take vLLM's names:
+``vllm`` and ``openai`` stream ``/v1/completions`` (``prompt``), ``openai-chat`` streams ``/v1/chat/completions``
+(one user message; the text is read from each chunk's ``delta.content``, so TTFT / ITL / TPOT are timed on the chat
+deltas exactly as on completion chunks).
 
 Timing (all ``time.perf_counter()`` seconds):
 
@@ -23,8 +26,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-BACKENDS = ("openai", "openai-chat")
-DEFAULT_ENDPOINTS = {"openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+BACKENDS = ("vllm", "openai", "openai-chat")
+DEFAULT_ENDPOINTS = {"vllm": "/v1/completions", "openai": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+# The URL suffix each backend's API needs (vLLM's check in vllm/benchmarks/lib/endpoint_request_func.py).
+ENDPOINT_SUFFIXES = {"vllm": "completions", "openai": "completions", "openai-chat": "chat/completions"}
 
 
 @dataclass
@@ -38,8 +43,11 @@ class RequestInput:
         prompt_len: prompt length in tokens by the benchmark tokenizer.
         output_len: ``max_tokens`` (tokens).
         ignore_eos: ask the server to keep generating past EOS (vLLM / llama-server extension).
-        sampling: extra sampling fields for the body (temperature, top_p, top_k), None-valued ones left out.
+        sampling: extra body fields (temperature, top_p, top_k, penalties, ``--extra-body``), None-valued ones
+            left out.
         headers: extra HTTP headers (``--header KEY=VALUE``).
+        request_id: sent as the ``x-request-id`` header when set (vLLM's ``--request-id-prefix`` + index).
+        logprobs: the completions ``logprobs`` field (``--logprobs``), left out when None.
     """
 
     api_url: str
@@ -50,6 +58,8 @@ class RequestInput:
     ignore_eos: bool = False
     sampling: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
+    request_id: str | None = None
+    logprobs: int | None = None
 
 
 @dataclass
@@ -94,17 +104,23 @@ class RequestRecord:
 
 
 def build_payload(backend: str, inp: RequestInput) -> dict[str, Any]:
-    """The JSON body for ``backend`` ("openai" -> /v1/completions, "openai-chat" -> /v1/chat/completions).
+    """The JSON body for ``backend`` ("vllm" / "openai" -> /v1/completions, "openai-chat" -> /v1/chat/completions).
 
     Both carry ``stream``, ``stream_options.include_usage``, ``max_tokens`` and, when asked, ``ignore_eos``; chat
-    also sends ``max_completion_tokens`` (the newer OpenAI name; servers accept one or the other).
+    also sends ``max_completion_tokens`` (the newer OpenAI name; servers accept one or the other), completions
+    ``logprobs`` when set.
+
+    Raises:
+        ValueError: an unknown backend.
     """
     body: dict[str, Any] = {"model": inp.model}
     if backend == "openai-chat":
         body["messages"] = [{"role": "user", "content": inp.prompt}]
         body["max_completion_tokens"] = inp.output_len
-    elif backend == "openai":
+    elif backend in ("vllm", "openai"):
         body["prompt"] = inp.prompt
+        if inp.logprobs is not None:
+            body["logprobs"] = inp.logprobs
     else:
         raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     body["max_tokens"] = inp.output_len
@@ -141,6 +157,8 @@ async def send_request(client: Any, backend: str, inp: RequestInput, pbar: Any =
     """
     payload = build_payload(backend, inp)
     headers = {"Content-Type": "application/json", **inp.headers}
+    if inp.request_id:
+        headers["x-request-id"] = inp.request_id
     rec = RequestRecord(prompt_len=inp.prompt_len, dataset_prompt_len=inp.prompt_len,
                         expected_output_len=inp.output_len)
     text_parts: list[str] = []

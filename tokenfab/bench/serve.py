@@ -28,15 +28,16 @@ from datetime import datetime
 from typing import Any
 
 from tokenfab.bench import BenchError
-from tokenfab.bench.datasets import DATASET_NAMES
+from tokenfab.bench.datasets import DATASET_NAMES, FILE_DATASETS
 from tokenfab.bench.metrics import (
+    GOODPUT_METRICS,
     METRIC_NAMES,
     compute_metrics,
     percentile_key,
     steady_state_throughputs,
     steady_state_window,
 )
-from tokenfab.bench.request import BACKENDS, DEFAULT_ENDPOINTS
+from tokenfab.bench.request import BACKENDS, DEFAULT_ENDPOINTS, ENDPOINT_SUFFIXES
 
 try:
     from tokenfab.power import bench_hook
@@ -52,40 +53,134 @@ METRIC_HEADERS = {
 
 
 # ----------------------------------------------------------------------------------------------------- arguments
+# `vllm bench serve` flags tokenfab refuses by name (flag -> why); everything else vLLM's generation benchmark takes
+# is accepted with vLLM's meaning (see add_cli_args).
+_NO_DATASET = "its dataset is not supported here (datasets: random, sharegpt, custom)"
+REFUSED_VLLM_FLAGS = {
+    "--profile": "needs vLLM's torch profiler endpoints on the server",
+    "--lora-modules": "tokenfab serves no LoRA adapters",
+    "--lora-assignment": "tokenfab serves no LoRA adapters",
+    "--ramp-up-strategy": "request-rate ramp-up is not implemented; use --request-rate / --burstiness",
+    "--ramp-up-start-rps": "request-rate ramp-up is not implemented; use --request-rate / --burstiness",
+    "--ramp-up-end-rps": "request-rate ramp-up is not implemented; use --request-rate / --burstiness",
+    "--self-timed": "only for vLLM's timed_trace dataset",
+    "--no-self-timed": "only for vLLM's timed_trace dataset",
+    "--probe-request-rate": "probe requests are not implemented",
+    "--use-beam-search": "tokenfab's server has no beam search",
+    "--skip-tokenizer-init": "tokenfab counts prompt and output tokens with the tokenizer",
+    "--chat-template-kwargs": "client-side chat templates take no extra kwargs here",
+    "--plot-timeline": "no timeline plot; `tokenfab report` draws the charts",
+    "--timeline-itl-thresholds": "no timeline plot; `tokenfab report` draws the charts",
+    "--plot-dataset-stats": "no dataset plot; `tokenfab report` draws the charts",
+    "--ready-check-timeout-sec": "tokenfab checks once that the server answers; start the benchmark when it is up",
+    "--no-stream": "only for Hugging Face hub datasets",
+    "--enable-multimodal-chat": "text-only benchmark",
+    "--random-batch-size": "only for embedding benchmarks",
+    "--no-reranker": "only for reranker benchmarks",
+    **{f: _NO_DATASET for f in (
+        "--sonnet-input-len", "--sonnet-output-len", "--sonnet-prefix-len", "--hf-subset", "--hf-split",
+        "--hf-name", "--hf-output-len", "--spec-bench-output-len", "--spec-bench-category",
+        "--blazedit-min-distance", "--blazedit-max-distance", "--asr-max-audio-len-sec", "--asr-min-audio-len-sec",
+        "--random-mm-base-items-per-request", "--random-mm-num-mm-items-range-ratio",
+        "--random-mm-limit-mm-per-prompt", "--random-mm-bucket-config", "--prefix-repetition-prefix-len",
+        "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes", "--prefix-repetition-output-len")},
+}
+# vLLM names tokenfab knows but does not run: refused with the reason instead of "invalid choice".
+VLLM_OTHER_BACKENDS = ("openai-audio", "openai-embeddings", "openai-embeddings-chat", "openai-embeddings-clip",
+                       "openai-embeddings-vlm2vec", "infinity-embeddings", "infinity-embeddings-clip",
+                       "vllm-pooling", "vllm-rerank")
+VLLM_OTHER_DATASETS = ("burstgpt", "sonnet", "random-mm", "random-rerank", "hf", "custom_mm", "prefix_repetition",
+                       "spec_bench", "txt-slices", "timed_trace")
+
+
+class _RefusedFlag(argparse.Action):
+    """A ``vllm bench serve`` flag tokenfab does not implement: exits with one line naming it and why."""
+
+    def __init__(self, option_strings, dest, reason: str = "", **kwargs):
+        kwargs.update(nargs="*", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        super().__init__(option_strings, dest, **kwargs)
+        self.reason = reason
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.exit(2, f"{parser.prog}: error: {option_string} (a `vllm bench serve` flag) is not supported by "
+                       f"tokenfab: {self.reason}.\n")
+
+
+def _choice(kind: str, supported: tuple[str, ...], vllm_only: tuple[str, ...]):
+    def parse(value: str) -> str:
+        if value in supported:
+            return value
+        if value in vllm_only:
+            raise argparse.ArgumentTypeError(
+                f"{value!r} is a vLLM {kind} tokenfab does not support; choose one of: {', '.join(supported)}")
+        raise argparse.ArgumentTypeError(f"unknown {kind} {value!r}; choose one of: {', '.join(supported)}")
+    parse.__name__ = kind
+    return parse
+
+
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """Add the ``bench serve`` flags (vLLM's names and defaults, plus ``--num-devices`` and ``--request-timeout``)."""
+    """Add the ``bench serve`` flags: vLLM's names, defaults and meanings (plus tokenfab's ``--num-devices`` and
+    ``--request-timeout``), and the vLLM flags tokenfab refuses by name (:data:`REFUSED_VLLM_FLAGS`)."""
     g = parser.add_argument_group("server")
-    g.add_argument("--backend", default="openai", choices=list(BACKENDS),
-                   help="API flavour: openai (/v1/completions) or openai-chat (/v1/chat/completions). Default openai.")
+    g.add_argument("--backend", default="openai", type=_choice("backend", BACKENDS, VLLM_OTHER_BACKENDS),
+                   help="API flavour (vLLM's names): vllm or openai (/v1/completions, prompt), openai-chat "
+                        "(/v1/chat/completions, one user message). Default openai, as vLLM.")
     g.add_argument("--base-url", default=None,
                    help="Server base URL, e.g. http://127.0.0.1:8000 (overrides --host/--port).")
     g.add_argument("--host", default="127.0.0.1", help="Server host when --base-url is not given. Default 127.0.0.1.")
     g.add_argument("--port", type=int, default=8000, help="Server port when --base-url is not given. Default 8000.")
     g.add_argument("--endpoint", default=None,
-                   help="API path. Default /v1/completions (openai) or /v1/chat/completions (openai-chat).")
+                   help="API path. Default /v1/completions (vllm, openai) or /v1/chat/completions (openai-chat).")
     g.add_argument("--header", action="append", nargs="+", default=None, metavar="KEY=VALUE",
-                   help="Extra HTTP header for every request (repeatable), e.g. --header Connection=close.")
+                   help="Extra HTTP header for every request (repeatable), e.g. --header Connection=close. "
+                        "OPENAI_API_KEY in the environment is sent as 'Authorization: Bearer ...', as vLLM does.")
+    g.add_argument("--insecure", action="store_true", help="Do not verify TLS certificates (https servers).")
     g.add_argument("--request-timeout", type=float, default=6 * 3600.0,
                    help="Per-request timeout in seconds. Default 21600 (6 h, as vLLM).")
+    g.add_argument("--request-id-prefix", default=None,
+                   help="Send x-request-id PREFIX<index> with each request (vLLM's flag). Default: no header.")
     g.add_argument("--model", default=None,
                    help="Model name/path; the request's model field and the default tokenizer. "
-                        "Default: the first model the server lists at /v1/models.")
+                        "Default: the first model the server lists at /v1/models (its folder, 'root', is the "
+                        "tokenizer).")
     g.add_argument("--served-model-name", default=None,
                    help="Name sent in the request's model field when it differs from --model.")
     g.add_argument("--tokenizer", default=None,
-                   help="Local Hugging Face tokenizer folder (default: --model). Loaded offline.")
+                   help="Local Hugging Face tokenizer folder. Default: --model when it is a local folder, else the "
+                        "folder the server reports at /v1/models (root). Loaded offline.")
+    g.add_argument("--tokenizer-mode", default="auto",
+                   type=_choice("tokenizer mode", ("auto", "hf", "slow"), ("mistral", "deepseek_v32", "custom")),
+                   help="vLLM's tokenizer mode: auto/hf load the fast tokenizer, slow the Python one. Default auto.")
     g.add_argument("--trust-remote-code", action="store_true", help="Allow custom tokenizer code from the folder.")
 
     d = parser.add_argument_group("dataset")
-    d.add_argument("--dataset-name", default="random", choices=list(DATASET_NAMES),
-                   help="Workload. Only 'random' (vLLM's random token prompts). Default random.")
+    d.add_argument("--dataset-name", default="random",
+                   type=_choice("dataset", DATASET_NAMES, VLLM_OTHER_DATASETS),
+                   help="Workload: random (vLLM's random token prompts), sharegpt or custom (local files, "
+                        "--dataset-path). Default random.")
+    d.add_argument("--dataset-path", default=None,
+                   help="Local file for sharegpt (ShareGPT JSON) or custom (JSONL, one {\"prompt\": ..., "
+                        "\"output_tokens\": N} per line).")
     d.add_argument("--num-prompts", type=int, default=1000, help="Number of requests. Default 1000.")
+    d.add_argument("--input-len", type=int, default=None, help="Sets --random-input-len (vLLM's general flag).")
+    d.add_argument("--output-len", type=int, default=None,
+                   help="Sets --random-output-len, --sharegpt-output-len and --custom-output-len.")
     d.add_argument("--random-input-len", type=int, default=1024, help="Prompt tokens per request. Default 1024.")
     d.add_argument("--random-output-len", type=int, default=128, help="max_tokens per request. Default 128.")
     d.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="Lengths uniform in [L*(1-r), L*(1+r)], r in [0, 1). Default 0.")
     d.add_argument("--random-prefix-len", type=int, default=0,
                    help="Tokens of a random prefix shared by all prompts (added to the input length). Default 0.")
+    d.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="Fixed max_tokens for sharegpt. Default: the token count of each conversation's gpt turn.")
+    d.add_argument("--custom-output-len", type=int, default=256,
+                   help="max_tokens for custom; -1 reads each line's output_tokens. Default 256.")
+    d.add_argument("--skip-chat-template", action="store_true",
+                   help="custom: send prompts without the tokenizer's chat template (always so for openai-chat, "
+                        "where the server applies it).")
+    d.add_argument("--disable-shuffle", action="store_true", help="sharegpt/custom: keep the file's order.")
+    d.add_argument("--no-oversample", action="store_true",
+                   help="sharegpt/custom: with fewer usable samples than --num-prompts, send only those.")
     d.add_argument("--seed", type=int, default=0, help="Seed for prompts and arrival times. Default 0.")
 
     t = parser.add_argument_group("traffic")
@@ -95,25 +190,56 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="Requests per second (Poisson arrivals with --burstiness 1). Default inf: send all at once.")
     t.add_argument("--burstiness", type=float, default=1.0,
                    help="Gamma shape of the inter-arrival times: 1 = Poisson, <1 burstier, >1 more regular.")
+    t.add_argument("--num-warmups", type=int, default=0,
+                   help="Requests sent before the measured run (copies of the first prompt, at most "
+                        "--max-concurrency at once); not counted in any metric. Default 0.")
 
     s = parser.add_argument_group("sampling")
-    s.add_argument("--ignore-eos", action="store_true",
-                   help="Send ignore_eos=true so every request generates exactly its max_tokens.")
+    s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="Send ignore_eos=true so every request generates exactly its max_tokens. Default: on for "
+                        "the random dataset (as vLLM), off otherwise; --no-ignore-eos turns it off.")
     s.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature. Default 0 (greedy).")
     s.add_argument("--top-p", type=float, default=None, help="top_p (not sent unless given).")
     s.add_argument("--top-k", type=int, default=None, help="top_k (vLLM / llama-server extension; not sent unless given).")
+    s.add_argument("--min-p", type=float, default=None, help="min_p (not sent unless given).")
+    s.add_argument("--frequency-penalty", type=float, default=None, help="frequency_penalty (not sent unless given).")
+    s.add_argument("--presence-penalty", type=float, default=None, help="presence_penalty (not sent unless given).")
+    s.add_argument("--repetition-penalty", type=float, default=None,
+                   help="repetition_penalty (not sent unless given).")
+    s.add_argument("--logprobs", type=int, default=None,
+                   help="Completions logprobs per token (vllm/openai backends; not sent unless given).")
+    s.add_argument("--extra-body", type=str, default=None, metavar="JSON",
+                   help="JSON object merged into every request body, e.g. '{\"min_tokens\": 8}'.")
 
     r = parser.add_argument_group("results")
     r.add_argument("--percentile-metrics", default="ttft,tpot,itl",
                    help="Metrics to print with percentiles: any of ttft,tpot,itl,e2el. Default ttft,tpot,itl.")
     r.add_argument("--metric-percentiles", default="99", help="Comma-separated percentiles, e.g. 50,90,99. Default 99.")
+    r.add_argument("--goodput", nargs="+", default=None, metavar="KEY:VALUE",
+                   help="Service-level objectives in ms, e.g. --goodput ttft:500 tpot:50 e2el:1000 (keys ttft, tpot, "
+                        "e2el); reports request_goodput = requests meeting all of them per second.")
     r.add_argument("--num-devices", type=int, default=1,
                    help="Accelerators behind the server, for per-device throughput. Default 1.")
+    r.add_argument("--label", default=None,
+                   help="Label of the run, saved as 'label' and used as the file name prefix. Default: --backend.")
+    r.add_argument("--metadata", nargs="*", default=None, metavar="KEY=VALUE",
+                   help="Key-value pairs saved as top-level keys of the result JSON, e.g. --metadata tp=1 hw=cpu.")
     r.add_argument("--save-result", action="store_true", help="Save the result JSON.")
+    r.add_argument("--save-detailed", action="store_true",
+                   help="Keep the per-request lists (input_lens, output_lens, start_times, ttfts, itls, "
+                        "generated_texts, errors) in the result; without it they are left out, as vLLM does.")
+    r.add_argument("--append-result", action="store_true",
+                   help="Append the result as one JSON line to the result file instead of overwriting it.")
     r.add_argument("--result-dir", default=None, help="Folder for the result JSON. Default: current folder.")
     r.add_argument("--result-filename", default=None,
-                   help="File name for the result JSON. Default {backend}-{rate}qps[-concurrencyN]-{model}-{date}.json.")
+                   help="File name for the result JSON. Default {label}-{rate}qps[-concurrencyN]-{model}-{date}.json.")
     r.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
+
+    x = parser.add_argument_group(
+        "vllm bench serve flags refused",
+        "Refused by name with the reason: " + ", ".join(sorted(REFUSED_VLLM_FLAGS)) + ".")
+    for flag, reason in REFUSED_VLLM_FLAGS.items():
+        x.add_argument(flag, action=_RefusedFlag, reason=reason)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,6 +311,66 @@ def parse_metric_names(text: str) -> list[str]:
     return names
 
 
+def parse_goodput(items: Any) -> dict[str, float]:
+    """``["ttft:500", "tpot:50"]`` -> ``{"ttft": 500.0, "tpot": 50.0}`` (milliseconds; vLLM's ``--goodput``).
+
+    Raises:
+        BenchError: an item not ``KEY:VALUE``, a key outside ttft/tpot/e2el, or a negative value.
+    """
+    slos: dict[str, float] = {}
+    for item in items or []:
+        key, sep, value = str(item).partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            ms = float(value)
+        except ValueError:
+            raise BenchError(f"--goodput {item!r} is not KEY:VALUE with VALUE in milliseconds, e.g. ttft:500."
+                             ) from None
+        key = key.strip()
+        if key not in GOODPUT_METRICS:
+            raise BenchError(f"--goodput {item!r}: the objective must be one of {', '.join(GOODPUT_METRICS)}.")
+        if not ms >= 0 or math.isinf(ms):
+            raise BenchError(f"--goodput {item!r}: the objective must be a finite number of ms >= 0.")
+        slos[key] = ms
+    return slos
+
+
+def parse_metadata(items: Any) -> dict[str, str]:
+    """``["tp=1", "hw=cpu"]`` -> ``{"tp": "1", "hw": "cpu"}`` (vLLM's ``--metadata``; values stay strings).
+
+    Raises:
+        BenchError: an item without ``=`` or with an empty key.
+    """
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise BenchError(f"--metadata {item!r} is not KEY=VALUE.")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def parse_extra_body(text: str | None) -> dict[str, Any]:
+    """``--extra-body`` JSON text -> dict (``{}`` when None).
+
+    Raises:
+        BenchError: not a JSON object.
+    """
+    if text is None:
+        return {}
+    if isinstance(text, dict):
+        return dict(text)
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BenchError(f"--extra-body is not valid JSON ({e.msg}); give an object, e.g. '{{\"min_tokens\": 8}}'."
+                         ) from None
+    if not isinstance(body, dict):
+        raise BenchError(f"--extra-body must be a JSON object, got {type(body).__name__}.")
+    return body
+
+
 def resolve_base_url(args: argparse.Namespace) -> str:
     """``--base-url`` (trailing slash removed) or ``http://HOST:PORT`` (IPv6 hosts bracketed).
 
@@ -204,26 +390,50 @@ def resolve_base_url(args: argparse.Namespace) -> str:
 
 def _validate(args: argparse.Namespace) -> None:
     if args.backend not in BACKENDS:
-        raise BenchError(f"--backend {args.backend!r} is not supported; choose one of: {', '.join(BACKENDS)}.")
+        what = "is a vLLM backend tokenfab does not support" if args.backend in VLLM_OTHER_BACKENDS else \
+            "is not supported"
+        raise BenchError(f"--backend {args.backend!r} {what}; choose one of: {', '.join(BACKENDS)}.")
     if args.dataset_name not in DATASET_NAMES:
         raise BenchError(f"--dataset-name {args.dataset_name!r} is not supported; choose one of: "
                          f"{', '.join(DATASET_NAMES)}.")
+    if args.dataset_name == "random" and args.dataset_path is not None:
+        raise BenchError(f"--dataset-path {args.dataset_path!r} does not go with --dataset-name random; name the "
+                         "file's format: --dataset-name sharegpt or custom.")
+    if args.dataset_name in FILE_DATASETS and not args.dataset_path:
+        raise BenchError(f"--dataset-name {args.dataset_name} needs --dataset-path (a local file).")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise BenchError(f"--max-concurrency must be >= 1, got {args.max_concurrency}.")
     if not args.request_rate > 0:
         raise BenchError(f"--request-rate must be > 0 (or inf), got {args.request_rate}.")
     if not args.burstiness > 0:
         raise BenchError(f"--burstiness must be > 0, got {args.burstiness}.")
-    if args.num_prompts < 1:
+    if args.num_prompts < 1 and args.dataset_name != "custom":  # custom: <= 0 takes the whole file, as vLLM
         raise BenchError(f"--num-prompts must be >= 1, got {args.num_prompts}.")
     if args.num_devices < 1:
         raise BenchError(f"--num-devices must be >= 1, got {args.num_devices}.")
     if not args.request_timeout > 0:
         raise BenchError(f"--request-timeout must be > 0 seconds, got {args.request_timeout}.")
+    if args.num_warmups < 0:
+        raise BenchError(f"--num-warmups must be >= 0, got {args.num_warmups}.")
+    if args.logprobs is not None and args.backend == "openai-chat":
+        raise BenchError("--logprobs is sent by the completions backends only (vllm, openai), as in vLLM; for chat "
+                         "pass --extra-body '{\"logprobs\": true, \"top_logprobs\": N}'.")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
+def _apply_general_lengths(args: argparse.Namespace) -> None:
+    """vLLM's ``--input-len`` / ``--output-len``: they set the dataset-specific length flags."""
+    if args.input_len is not None:
+        args.random_input_len = args.input_len
+    if args.output_len is not None:
+        args.random_output_len = args.output_len
+        args.sharegpt_output_len = args.output_len
+        args.custom_output_len = args.output_len
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, tokenizer_mode: str = "auto") -> Any:
     """Load a Hugging Face tokenizer offline from a local folder (or the local HF cache).
+
+    ``tokenizer_mode`` "slow" loads the Python tokenizer (``use_fast=False``), "auto" / "hf" the fast one.
 
     Raises:
         BenchError: the folder is missing or holds no loadable tokenizer (names ``--tokenizer``).
@@ -232,7 +442,8 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     try:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code,
+                                             use_fast=tokenizer_mode != "slow")
     except Exception as e:
         what = "is not a local folder" if not os.path.isdir(path) else "holds no loadable tokenizer"
         detail = " ".join(str(e).split())[:200]
@@ -265,26 +476,82 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0, seed: 
     return out
 
 
-def _fetch_first_model(base_url: str, headers: dict[str, str]) -> str:
+def fetch_models(base_url: str, headers: dict[str, str], verify: bool = True) -> list[tuple[str, str | None]]:
+    """``GET /v1/models`` -> ``[(id, root), ...]`` (``root``: the model folder the server loaded, vLLM's field;
+    None when the server does not say).
+
+    Raises:
+        BenchError: the server answers with an error or no model list (names ``--model``).
+    """
     import httpx
 
     try:
-        r = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0, trust_env=False)
+        r = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0, trust_env=False, verify=verify)
         r.raise_for_status()
         data = r.json().get("data") or []
-        return str(data[0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as e:
+        out = [(str(m["id"]), (str(m["root"]) if m.get("root") else None)) for m in data]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError) as e:
         detail = " ".join(str(e).split())[:200]
         raise BenchError(f"--model not given and {base_url}/v1/models listed no model ({detail}); pass --model."
                          ) from None
+    if not out:
+        raise BenchError(f"--model not given and {base_url}/v1/models listed no model; pass --model.")
+    return out
 
 
-def _check_reachable(base_url: str, headers: dict[str, str]) -> None:
+def resolve_model_and_tokenizer(args: argparse.Namespace, base_url: str, headers: dict[str, str],
+                                verify: bool = True) -> tuple[str, str, str]:
+    """``(model_id, model_name, tokenizer_id)`` as vLLM picks them, with the tokenizer found locally.
+
+    Without ``--model``: the name is the first ``/v1/models`` id and ``model_id`` its ``root`` (the server's model
+    folder). With it: ``model_id`` = ``--model``, the name ``--served-model-name`` or ``--model``. The tokenizer is
+    ``--tokenizer``, else ``model_id`` when that is a local folder, else the ``root`` the server reports for the
+    model (so ``--model SERVED_NAME`` works without ``--tokenizer`` against a server on this machine).
+
+    Raises:
+        BenchError: no local folder to load the tokenizer from (asks for ``--tokenizer``).
+    """
+    if args.model:
+        model_id = args.model
+        name = args.served_model_name or args.model
+        if args.tokenizer:
+            return model_id, name, args.tokenizer
+        if os.path.isdir(model_id):
+            return model_id, name, model_id
+        try:
+            listed = fetch_models(base_url, headers, verify)
+        except BenchError:
+            listed = []
+        root = next((rt for mid, rt in listed if mid in (args.model, args.served_model_name)), None)
+        if root is None and len(listed) == 1:
+            root = listed[0][1]
+        if root and os.path.isdir(root):
+            return model_id, name, root
+        where = f"; the server reports its model folder as {root!r}, not readable here" if root else ""
+        raise BenchError(f"--model {model_id!r} is not a local folder to load the tokenizer from{where}: pass "
+                         "--tokenizer with a local Hugging Face tokenizer folder.")
+    listed = fetch_models(base_url, headers, verify)
+    served_id, root = listed[0]
+    model_id = root or served_id
+    name = args.served_model_name or served_id
+    if args.tokenizer:
+        return model_id, name, args.tokenizer
+    if root and os.path.isdir(root):
+        return model_id, name, root
+    if os.path.isdir(served_id):
+        return model_id, name, served_id
+    said = (f"reports its model folder (/v1/models root) as {root!r}, which is not readable here" if root else
+            "reports no model folder (/v1/models root)")
+    raise BenchError(f"the server at {base_url} {said}: pass --tokenizer with a local Hugging Face tokenizer "
+                     f"folder for {served_id!r}.")
+
+
+def _check_reachable(base_url: str, headers: dict[str, str], verify: bool = True) -> None:
     """Fail early, in one line, when nothing answers at the server address (any HTTP status counts as an answer)."""
     import httpx
 
     try:
-        httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0, trust_env=False)
+        httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0, trust_env=False, verify=verify)
     except httpx.HTTPError as e:
         detail = " ".join(str(e).split())[:200] or type(e).__name__
         raise BenchError(f"cannot reach the server at {base_url} (check --base-url / --host / --port): {detail}"
@@ -323,6 +590,8 @@ def format_result(result: dict[str, Any], metric_names: list[str], percentiles: 
     lines.append(_fmt_line("Total input tokens:", result["total_input_tokens"]))
     lines.append(_fmt_line("Total generated tokens:", result["total_output_tokens"]))
     lines.append(_fmt_line("Request throughput (req/s):", result["request_throughput"], ".2f"))
+    if result.get("request_goodput") is not None:
+        lines.append(_fmt_line("Request goodput (req/s):", result["request_goodput"], ".2f"))
     lines.append(_fmt_line("Output token throughput (tok/s):", result["output_throughput"], ".2f"))
     lines.append(_fmt_line("Peak output token throughput (tok/s):", result["max_output_tokens_per_s"], ".2f"))
     lines.append(_fmt_line("Peak concurrent requests:", result["max_concurrent_requests"]))
@@ -349,11 +618,12 @@ def format_result(result: dict[str, Any], metric_names: list[str], percentiles: 
 
 
 def result_filename(args: argparse.Namespace, model_id: str, date: str) -> str:
-    """vLLM's default name ``{backend}-{rate}qps[-concurrencyN]-{model basename}-{date}.json`` (or
-    ``--result-filename``), inside ``--result-dir`` when given."""
+    """vLLM's default name ``{label}-{rate}qps[-concurrencyN]-{model basename}-{date}.json`` (label: ``--label``,
+    else ``--backend``), or ``--result-filename``; inside ``--result-dir`` when given."""
     conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
+    label = getattr(args, "label", None) or args.backend
     name = args.result_filename or (
-        f"{args.backend}-{args.request_rate}qps{conc}-{os.path.basename(model_id.rstrip('/'))}-{date}.json")
+        f"{label}-{args.request_rate}qps{conc}-{os.path.basename(model_id.rstrip('/'))}-{date}.json")
     if args.result_dir:
         os.makedirs(args.result_dir, exist_ok=True)
         name = os.path.join(args.result_dir, name)
@@ -361,73 +631,116 @@ def result_filename(args: argparse.Namespace, model_id: str, date: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------------------- run
+# Per-request lists vLLM keeps in the result only with --save-detailed.
+DETAILED_KEYS = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
+
+
 async def _run_requests(args, base_url, api_url, model_name, samples, headers, offsets, on_first_send):
-    """Send every sample at its offset, at most ``max_concurrency`` in flight; returns (records, start, end).
+    """Send every sample at its offset, at most ``max_concurrency`` in flight; returns (records, start, end,
+    warm-up records).
 
     One untimed GET of ``/v1/models`` first warms the client (lazy imports of the async HTTP stack and the first
-    connection would otherwise block the event loop and delay the first concurrent sends by ~0.1 s)."""
+    connection would otherwise block the event loop and delay the first concurrent sends by ~0.1 s). Then
+    ``--num-warmups`` copies of the first sample run (at most ``max_concurrency`` at once, as vLLM's warm-up) and
+    are left out of the measured records."""
     import httpx
     from tqdm import tqdm
 
     from tokenfab.bench.request import RequestInput, send_request
 
-    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                "min_p": args.min_p, "frequency_penalty": args.frequency_penalty,
+                "presence_penalty": args.presence_penalty, "repetition_penalty": args.repetition_penalty}
+    sampling.update(parse_extra_body(args.extra_body))
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
     timeout = httpx.Timeout(args.request_timeout)
-    pbar = tqdm(total=len(samples), disable=args.disable_tqdm, desc="bench serve", unit="req")
 
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-        async def one(sample):
-            inp = RequestInput(api_url=api_url, model=model_name, prompt=sample.prompt, prompt_len=sample.prompt_len,
-                               output_len=sample.expected_output_len, ignore_eos=args.ignore_eos,
-                               sampling=sampling, headers=headers)
+    def make_input(sample, index):
+        rid = f"{args.request_id_prefix}{index}" if args.request_id_prefix is not None and index is not None \
+            else None
+        return RequestInput(api_url=api_url, model=model_name, prompt=sample.prompt, prompt_len=sample.prompt_len,
+                            output_len=sample.expected_output_len, ignore_eos=args.ignore_eos,
+                            sampling=sampling, headers=headers, request_id=rid, logprobs=args.logprobs)
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False,
+                                 verify=not args.insecure) as client:
+        async def one(inp, bar):
             if sem is None:
-                return await send_request(client, args.backend, inp, pbar)
+                return await send_request(client, args.backend, inp, bar)
             async with sem:
-                return await send_request(client, args.backend, inp, pbar)
+                return await send_request(client, args.backend, inp, bar)
 
         try:
             await client.get(f"{base_url}/v1/models", headers=headers, timeout=30.0)
         except Exception:  # only a warm-up; reachability was checked before
             pass
+        warmups: list = []
+        if args.num_warmups > 0:
+            print(f"Warming up with {args.num_warmups} requests...")
+            wbar = tqdm(total=args.num_warmups, disable=args.disable_tqdm, desc="warm-up", unit="req")
+            warm_input = make_input(samples[0], None)
+            warmups = list(await asyncio.gather(*(one(warm_input, wbar) for _ in range(args.num_warmups))))
+            wbar.close()
+            print("Warmup run completed.")
+        pbar = tqdm(total=len(samples), disable=args.disable_tqdm, desc="bench serve", unit="req")
         on_first_send()
         start = time.perf_counter()
         tasks = []
-        for sample, due in zip(samples, offsets):
+        for i, (sample, due) in enumerate(zip(samples, offsets)):
             wait = start + due - time.perf_counter()
             if wait > 0:
                 await asyncio.sleep(wait)
-            tasks.append(asyncio.create_task(one(sample)))
+            tasks.append(asyncio.create_task(one(make_input(sample, i), pbar)))
         records = await asyncio.gather(*tasks)
         end = time.perf_counter()
     pbar.close()
-    return list(records), start, end
+    return list(records), start, end, warmups
+
+
+def _auth_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Add ``Authorization: Bearer $OPENAI_API_KEY`` (vLLM's client does) unless a header already sets it."""
+    key = os.environ.get("OPENAI_API_KEY")
+    if key and not any(k.lower() == "authorization" for k in headers):
+        return {**headers, "Authorization": f"Bearer {key}"}
+    return headers
 
 
 def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     """Run the serving benchmark described by ``args`` (see :func:`make_args`); print and optionally save it.
 
-    Returns the result dict (the saved JSON's content). Must not be called from inside a running event loop.
+    Returns the result dict (the saved JSON's content; the per-request lists :data:`DETAILED_KEYS` only with
+    ``--save-detailed``, as vLLM). Must not be called from inside a running event loop.
 
     Raises:
         BenchError: bad flags, an unloadable tokenizer or an unreachable server (one line naming the flag).
     """
     _validate(args)
+    _apply_general_lengths(args)
     metric_names = parse_metric_names(args.percentile_metrics)
     percentiles = parse_percentiles(args.metric_percentiles)
-    headers = parse_headers(args.header)
+    goodput_slos = parse_goodput(args.goodput)
+    metadata = parse_metadata(args.metadata)
+    parse_extra_body(args.extra_body)  # fail before any request
+    headers = _auth_headers(parse_headers(args.header))
     base_url = resolve_base_url(args)
     endpoint = args.endpoint or DEFAULT_ENDPOINTS[args.backend]
     if not endpoint.startswith("/"):
         endpoint = "/" + endpoint
+    suffix = ENDPOINT_SUFFIXES[args.backend]
+    if not endpoint.rstrip("/").endswith(suffix) or (suffix == "completions" and "chat/" in endpoint):
+        raise BenchError(f"--endpoint {endpoint!r} does not fit --backend {args.backend} (its API path ends with "
+                         f"/{suffix}); use --backend openai-chat for /v1/chat/completions, vllm or openai for "
+                         "/v1/completions.")
     api_url = base_url + endpoint
+    if args.ignore_eos is None:  # vLLM: the random dataset always runs to the requested length
+        args.ignore_eos = args.dataset_name == "random"
+    verify = not args.insecure
 
-    _check_reachable(base_url, headers)
-    model_id = args.model or _fetch_first_model(base_url, headers)
-    model_name = args.served_model_name or model_id
-    tokenizer_id = args.tokenizer or model_id
-    tokenizer = load_tokenizer(tokenizer_id, getattr(args, "trust_remote_code", False))
+    _check_reachable(base_url, headers, verify)
+    model_id, model_name, tokenizer_id = resolve_model_and_tokenizer(args, base_url, headers, verify)
+    tokenizer = load_tokenizer(tokenizer_id, getattr(args, "trust_remote_code", False),
+                               getattr(args, "tokenizer_mode", "auto"))
 
     from tokenfab.bench.datasets import get_samples
 
@@ -451,15 +764,19 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
             print(f"WARNING: {hook_state['error']}", file=sys.stderr)
 
     wall_minus_perf = time.time() - time.perf_counter()
-    records, t_start, t_end = asyncio.run(
+    records, t_start, t_end, warmups = asyncio.run(
         _run_requests(args, base_url, api_url, model_name, samples, headers, offsets, on_first_send))
     duration = max(t_end - t_start, 1e-9)
+    warm_failed = [r.error for r in warmups if not r.success]
+    if warm_failed:
+        print(f"WARNING: {len(warm_failed)} of {len(warmups)} warm-up request(s) failed; first: {warm_failed[0]}",
+              file=sys.stderr)
 
     def count_tokens(text: str) -> int:
         return len(tokenizer.encode(text, add_special_tokens=False))
 
     metrics = compute_metrics(records, duration, percentiles, count_tokens=count_tokens,
-                              num_devices=args.num_devices)
+                              num_devices=args.num_devices, goodput_slos_ms=goodput_slos or None)
     metrics.pop("tpots", None)
     window = steady_state_window([(r.send_time, r.end_time) for r in records], args.max_concurrency)
 
@@ -469,14 +786,18 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         "date": date,
         "endpoint_type": args.backend,
         "backend": args.backend,
-        "label": None,
+        "label": args.label,
         "model_id": model_id,
         "served_model_name": model_name,
         "tokenizer_id": tokenizer_id,
+        "num_prompts": args.num_prompts,
+    }
+    result.update(metadata)  # vLLM stores --metadata as top-level keys, before the run's own keys
+    result.update({
         "base_url": base_url,
         "endpoint": endpoint,
-        "num_prompts": args.num_prompts,
         "dataset_name": args.dataset_name,
+        "dataset_path": args.dataset_path,
         "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio,
@@ -486,13 +807,16 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         "top_p": args.top_p,
         "top_k": args.top_k,
         "seed": args.seed,
+        "num_warmups": args.num_warmups,
         "request_rate": args.request_rate if args.request_rate < float("inf") else "inf",
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "duration": duration,
-        "request_goodput": None,
-    }
+        "goodput_slos_ms": goodput_slos or None,
+    })
     result.update(metrics)
+    if args.num_prompts < 1:  # custom dataset, whole file
+        result["num_prompts"] = len(records)
     result["start_times"] = [r.send_time - t_start for r in records]
     result["generated_texts"] = [r.generated_text for r in records]
     result["errors"] = [r.error for r in records]
@@ -506,6 +830,10 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         ["tokenfab" if os.path.basename(sys.argv[0]) in ("tokenfab", "cli.py", "__main__.py") else sys.argv[0],
          *sys.argv[1:]])
     result["tokenfab_version"] = _tokenfab_version()
+    shadowed = sorted(k for k in metadata if result[k] != metadata[k])
+    if shadowed:
+        print(f"WARNING: --metadata key(s) {', '.join(shadowed)} are result keys; the measured values are kept.",
+              file=sys.stderr)
 
     failed = [r.error for r in records if not r.success]
     if failed:
@@ -528,10 +856,19 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     if power_text:
         print(power_text.rstrip("\n"))
 
-    if args.save_result:
+    if not args.save_detailed:
+        for key in DETAILED_KEYS:
+            result.pop(key, None)
+
+    if args.save_result or args.append_result:
         path = result_filename(args, model_id, date)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=2)
+        with open(path, "a" if args.append_result else "w") as f:
+            if args.append_result:  # one JSON object per line, as vLLM appends
+                if f.tell() != 0:
+                    f.write("\n")
+                json.dump(result, f)
+            else:
+                json.dump(result, f, indent=2)
         result["result_path"] = path
         print(f"Saved result to {path}")
     return result
