@@ -12,7 +12,7 @@ Python, which runs before it and counts as overhead.
     floor = (bytes of weights a decode step must read + KV bytes read) / measured copy bandwidth
 
 Bytes read per step: every non-expert weight except the token-embedding table (a step reads one row of it per
-sequence, unless the LM head shares it; counted as such since 2026-11-30 session 5, before which the whole table was counted), plus the routed experts actually chosen (top_k of n_routed_experts for
+sequence, unless the LM head shares it; counted as such since commit e11ac63 (2026-11-30), before which the whole table was counted), plus the routed experts actually chosen (top_k of n_routed_experts for
 one token; all of them once B * top_k covers the experts — we count the distinct experts hit, measured), plus the
 KV cache rows attended. Copy bandwidth = 2 x bytes / time of ``dst.copy_(src)`` on a 512 MiB tensor (read + write
 traffic; both buffers in 2 MiB pages when the engine put its weights there, the larger of that and 4 KiB pages at

@@ -26,7 +26,14 @@ class LoadedModel:
 
 
 def load_tokenizer(path: str):
-    """transformers AutoTokenizer from a local folder, or None when the folder has no tokenizer files."""
+    """transformers AutoTokenizer from a local folder, or None when the folder has no tokenizer files.
+
+    A folder with ``tiktoken.model`` and no ``tokenizer.json`` (Kimi-K2 / Kimi Linear as published) gets
+    tokenfab's :class:`~tokenfab.tokenizers.tiktoken_tokenizer.TiktokenTokenizer`: the checkpoint's own tokenizer
+    code (``auto_map``, ``trust_remote_code``) is never run."""
+    from tokenfab.tokenizers.tiktoken_tokenizer import TiktokenTokenizer, is_tiktoken_folder
+    if is_tiktoken_folder(path):
+        return TiktokenTokenizer.from_pretrained(path)
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                                 "tokenizer.model")):
         return None
