@@ -131,3 +131,94 @@ def test_report_errors(tmp_path, capsys):
     good.write_text(json.dumps(RUN_B))
     rc = main(["report", str(good), "--peers", str(bad), "--out", str(tmp_path / "o")])
     assert rc == 2 and "lacks source" in capsys.readouterr().err
+
+
+LONG_PREFIX = "tokenfab-deepseek-v3-tp6-ep6-bf16-cap800W-in8192-out1024-temperature-1.0-"  # 73 chars
+
+
+def _long_runs(tmp_path, n=3):
+    d = tmp_path / "long"
+    d.mkdir()
+    names = []
+    for i in range(n):
+        run = json.loads(json.dumps(RUN_A if i % 2 == 0 else RUN_B))
+        run["label"] = f"{LONG_PREFIX}run-{i:03d}"  # 80 characters, differing only at the end
+        run["total_token_throughput"] = 1000.0 * (i + 1)
+        names.append(run["label"])
+        (d / f"{i}.json").write_text(json.dumps(run))
+    return d, names
+
+
+def test_long_run_names_stay_readable(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tokenfab.cost.report import build_charts
+
+    d, names = _long_runs(tmp_path)
+    assert all(len(x) == 80 for x in names)
+    out = tmp_path / "out"
+    md = open(write_report([str(d)], str(out), None)).read()
+    for name in CHARTS:
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert "full names" in md and all(x in md for x in names)  # the tables keep the full names
+    rep = json.load(open(out / "report.json"))
+    figs = build_charts(plt, rep["rows"], rep["usd_per_kwh"], rep["usd_per_device_hour"])
+    assert set(figs) == set(CHARTS)
+    for name, fig in figs.items():
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        fig_box = fig.bbox
+        for ax in fig.axes:
+            ticks = [t.get_text() for t in ax.get_yticklabels()]
+            assert len(set(ticks)) == len(names), (name, ticks)  # still distinct
+            for i, t in enumerate(ticks):
+                lines = t.split("\n")
+                assert len(lines) <= 2 and max(map(len, lines)) <= 24, (name, t)
+                assert f"run-{i:03d}" in t.replace("\n", "")  # the distinguishing end survives
+            for lab in ax.get_yticklabels():  # not clipped at the figure's edge
+                bb = lab.get_window_extent(renderer)
+                assert bb.x0 >= fig_box.x0 - 1 and bb.x1 <= fig_box.x1 + 1, (name, lab.get_text())
+            legend = ax.get_legend()
+            if legend is not None:  # outside the data area, inside the figure
+                lb, ab = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+                assert lb.x0 >= ab.x1 and lb.x1 <= fig_box.x1 + 1, name
+        plt.close(fig)
+
+
+def test_chart_without_data_is_left_out(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from tokenfab.cost.report import build_charts
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "a.json").write_text(json.dumps(RUN_A))
+    (runs / "b.json").write_text(json.dumps(RUN_B))
+    out = tmp_path / "out"
+    write_report([str(runs)], str(out), None)
+    assert (out / "tok_s_per_kw.svg").is_file()  # with power data it is drawn
+    # RUN_B alone: no cap, no measured draw, no $/device-hour: no per-kW and no $/M tok chart
+    md = open(write_report([str(runs / "b.json")], str(out), None)).read()
+    for name in ("tok_s_per_kw", "usd_per_mtok"):
+        assert not (out / f"{name}.svg").exists() and not (out / f"{name}.png").exists(), name  # stale removed
+        assert f"{name}.svg" not in md and f"{name}.png" not in md
+    for name in ("tok_s_per_device", "latency"):
+        assert (out / f"{name}.svg").is_file() and f"({name}.svg)" in md
+    assert "Left out" in md and "tok/s per kW (needs a power cap or a measured draw)" in md
+    # with a rental price the cost chart comes back with only its rental panel; a cap alone gives one series
+    capped = dict(RUN_B, power={"cap_total_kw": 2.0})
+    rows = json.load(open(write_report([str(runs / "b.json")], str(out), None, device_hour_price=2.0)
+                          .replace("report.md", "report.json")))["rows"]
+    figs = build_charts(plt, rows, 0.1, 2.0)
+    assert [ax.get_title() for ax in figs["usd_per_mtok"].axes] == ["Rental $/M tok at $2.00/device-h"]
+    (runs / "c.json").write_text(json.dumps(capped))
+    rep = json.load(open(write_report([str(runs / "c.json")], str(out), None).replace("report.md", "report.json")))
+    figs2 = build_charts(plt, rep["rows"], rep["usd_per_kwh"], rep["usd_per_device_hour"])
+    ax = figs2["tok_s_per_kw"].axes[0]
+    assert ax.get_legend() is None and len(ax.patches) == 1  # only the "at cap" bar, no empty series
+    for f in list(figs.values()) + list(figs2.values()):
+        plt.close(f)

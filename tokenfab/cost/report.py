@@ -32,8 +32,10 @@ Peers file (TOML; see ``benchmarks/peers.example.toml``): one ``[[peer]]`` table
 Caveats added automatically to peer rows: "cap unstated" when ``cap_kw`` is absent, "temperature unstated" when
 ``temperature`` is absent, "example figure" when ``example = true``.
 
-Outputs in ``out_dir``: ``report.md``, ``report.json`` (the rows) and four charts, each as .svg and .png:
-``tok_s_per_device``, ``tok_s_per_kw``, ``usd_per_mtok``, ``latency``.
+Outputs in ``out_dir``: ``report.md``, ``report.json`` (the rows) and up to four charts, each as .svg and .png:
+``tok_s_per_device``, ``tok_s_per_kw``, ``usd_per_mtok``, ``latency``. A chart, a panel or a bar series without
+data in any row is left out (the Markdown says which charts and what they need); row labels are wrapped or
+shortened to fit the chart (:func:`chart_label`), legends sit outside the data area.
 """
 from __future__ import annotations
 
@@ -281,58 +283,86 @@ def render_markdown(rows: list[dict], kwh: float, dev_h: float | None, skipped: 
     out.append("")
     out.append("## Charts")
     out.append("")
-    titles = {"tok_s_per_device": "Total tok/s per device", "tok_s_per_kw": "Total tok/s per kW",
-              "usd_per_mtok": "$ per million total tokens", "latency": "TTFT and TPOT"}
     for name in chart_names:
-        out.append(f"![{titles[name]}]({name}.svg) ([PNG]({name}.png))")
+        out.append(f"![{_CHART_TITLES[name]}]({name}.svg) ([PNG]({name}.png))")
+        out.append("")
+    left_out = [n for n in CHARTS if n not in chart_names]
+    if left_out:
+        out.append("Left out (no row has the data): "
+                   + "; ".join(f"{_CHART_TITLES[n]} (needs {_CHART_NEEDS[n]})" for n in left_out) + ".")
+        out.append("")
+    if any(chart_label(r["label"]) != r["label"] for r in rows):
+        out.append(f"Chart row labels are wrapped or shortened to {CHART_LABEL_LINES} lines of "
+                   f"{CHART_LABEL_WIDTH} characters; the tables above give the full names.")
         out.append("")
     return "\n".join(out)
 
 
-def _barh(ax, rows: list[dict], series: list[tuple[str, str]], title: str, xlabel: str) -> None:
-    """Grouped horizontal bars: one group per row, one bar per (key, legend label); peers hatched."""
+CHART_LABEL_WIDTH = 24  # characters per line of a chart's row label
+CHART_LABEL_LINES = 2  # lines per row label; longer labels are shortened in the middle
+_CHART_TITLES = {"tok_s_per_device": "Total tok/s per device", "tok_s_per_kw": "Total tok/s per kW",
+                 "usd_per_mtok": "$ per million total tokens", "latency": "TTFT and TPOT"}
+_CHART_NEEDS = {"tok_s_per_device": "total tok/s and devices",
+                "tok_s_per_kw": "a power cap or a measured draw",
+                "usd_per_mtok": "a power cap, a measured draw or a $/device-hour price",
+                "latency": "TTFT or TPOT figures"}
+
+
+def chart_label(label: str, width: int = CHART_LABEL_WIDTH, lines: int = CHART_LABEL_LINES) -> str:
+    """A row label that fits a chart axis: at most ``lines`` lines of at most ``width`` characters.
+
+    Wrapped at spaces and hyphens when that fits; otherwise the label keeps its head and its tail around "…" (run
+    names often share a long prefix and differ at the end) and is cut into ``width``-character lines.
+    """
+    import textwrap
+
+    label = " ".join(str(label).split())
+    wrapped = textwrap.wrap(label, width, break_long_words=True, break_on_hyphens=True)
+    if len(wrapped) <= lines:
+        return "\n".join(wrapped)
+    keep = width * lines - 1
+    short = label[: keep // 2] + "…" + label[len(label) - (keep - keep // 2):]
+    wrapped = textwrap.wrap(short, width, break_long_words=True, break_on_hyphens=True)
+    if len(wrapped) > lines:
+        wrapped = [short[i:i + width] for i in range(0, len(short), width)]
+    return "\n".join(wrapped)
+
+
+def chart_labels(labels: list[str]) -> list[str]:
+    """:func:`chart_label` of each label, kept distinct: a label whose short form repeats another's gets its
+    row number (``#3``) appended before shortening."""
+    short = [chart_label(x) for x in labels]
+    return [chart_label(f"{x} #{i + 1}") if short.count(s) > 1 else s for i, (x, s) in enumerate(zip(labels, short))]
+
+
+def _barh(ax, rows: list[dict], labels: list[str], series: list[tuple[str, str]], title: str, xlabel: str) -> None:
+    """Grouped horizontal bars: one group per row, one bar per (key, legend label) with data; peers hatched.
+    A row without a value for a series gets no bar; the legend sits outside the axes, right of the data."""
     import numpy as np
 
-    labels = [r["label"] for r in rows]
     y = np.arange(len(rows))
     h = 0.8 / max(1, len(series))
-    any_val = False
     for j, (key, name) in enumerate(series):
         vals = [r.get(key) for r in rows]
-        xs = [v if v is not None else 0.0 for v in vals]
-        bars = ax.barh(y + (j - (len(series) - 1) / 2) * h, xs, height=h, label=name)
+        bars = ax.barh(y + (j - (len(series) - 1) / 2) * h, [v if v is not None else 0.0 for v in vals],
+                       height=h, label=name)
         for b, r, v in zip(bars, rows, vals):
             if r["kind"] == "peer":
                 b.set_hatch("//")
             if v is None:
-                b.set_alpha(0.0)
-            else:
-                any_val = True
+                b.set_visible(False)
     ax.set_yticks(y)
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_title(title, fontsize=10)
     ax.set_xlabel(xlabel, fontsize=9)
     if len(series) > 1:
-        ax.legend(fontsize=7)
-    if not any_val:
-        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="gray")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
 
 
-def write_charts(rows: list[dict], out_dir: str, kwh: float, dev_h: float | None) -> list[str]:
-    """Write the four charts as SVG and PNG into ``out_dir``; return their base names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    # "$" is a dollar sign here, not mathtext; a fixed hash salt keeps SVG ids stable between runs.
-    with plt.rc_context({"svg.hashsalt": "tokenfab-report", "text.parse_math": False}):
-        return _write_charts(plt, rows, out_dir, kwh, dev_h)
-
-
-def _write_charts(plt, rows: list[dict], out_dir: str, kwh: float, dev_h: float | None) -> list[str]:
-    height = 1.2 + 0.45 * max(1, len(rows))
+def chart_panels(rows: list[dict], kwh: float, dev_h: float | None) -> dict[str, list]:
+    """Each chart's panels ``(series, title, xlabel)`` keeping only the series that have a value in some row; a
+    panel without such series is dropped, and a chart without panels is absent from the result."""
     specs = {
         "tok_s_per_device": [([("tok_s_per_device", "tok/s per device")], "Total tok/s per device", "tokens/s")],
         "tok_s_per_kw": [([("tok_s_per_kw_cap", "at cap"), ("tok_s_per_kw_measured", "at measured draw")],
@@ -345,18 +375,60 @@ def _write_charts(plt, rows: list[dict], out_dir: str, kwh: float, dev_h: float 
         "latency": [([("mean_ttft_ms", "mean"), ("median_ttft_ms", "median")], "TTFT", "ms"),
                     ([("mean_tpot_ms", "mean"), ("median_tpot_ms", "median")], "TPOT", "ms")],
     }
+    out = {}
     for name, panels in specs.items():
-        fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), height), squeeze=False)
-        for ax, (series, title, xlabel) in zip(axes[0], panels):
-            _barh(ax, rows, series, title, xlabel)
-        if any(r["kind"] == "peer" for r in rows):
-            fig.text(0.01, 0.005, "hatched: peer figures typed from published sources (see report caveats)",
-                     fontsize=7, color="dimgray")
-        fig.tight_layout(rect=(0, 0.03, 1, 1))
-        fig.savefig(os.path.join(out_dir, f"{name}.svg"), format="svg", metadata={"Date": None})
-        fig.savefig(os.path.join(out_dir, f"{name}.png"), format="png", dpi=120)
-        plt.close(fig)
-    return list(specs)
+        kept = []
+        for series, title, xlabel in panels:
+            series = [(k, n) for k, n in series if any(r.get(k) is not None for r in rows)]
+            if series:
+                kept.append((series, title, xlabel))
+        if kept:
+            out[name] = kept
+    return out
+
+
+def build_charts(plt, rows: list[dict], kwh: float, dev_h: float | None) -> dict:
+    """The matplotlib figures of the charts that have data, by name (see :func:`chart_panels`); row labels
+    through :func:`chart_labels`. The caller saves and closes them."""
+    labels = chart_labels([r["label"] for r in rows])
+    n_lines = max(s.count("\n") + 1 for s in labels)
+    height = 1.3 + (0.3 + 0.14 * n_lines) * max(1, len(rows))
+    figs = {}
+    with plt.rc_context({"text.parse_math": False}):  # "$" is a dollar sign here, not mathtext
+        for name, panels in chart_panels(rows, kwh, dev_h).items():
+            fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), height), squeeze=False)
+            for ax, (series, title, xlabel) in zip(axes[0], panels):
+                _barh(ax, rows, labels, series, title, xlabel)
+            if any(r["kind"] == "peer" for r in rows):
+                fig.text(0.01, 0.005, "hatched: peer figures typed from published sources (see report caveats)",
+                         fontsize=7, color="dimgray")
+            fig.tight_layout(rect=(0, 0.03, 1, 1))
+            figs[name] = fig
+    return figs
+
+
+def write_charts(rows: list[dict], out_dir: str, kwh: float, dev_h: float | None) -> list[str]:
+    """Write the charts that have data as SVG and PNG into ``out_dir``; return their base names (in
+    :data:`CHARTS` order). Files of a chart left out, from an earlier report in the same folder, are removed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # "$" is a dollar sign here, not mathtext; a fixed hash salt keeps SVG ids stable between runs.
+    with plt.rc_context({"svg.hashsalt": "tokenfab-report", "text.parse_math": False}):
+        figs = build_charts(plt, rows, kwh, dev_h)
+        for name, fig in figs.items():
+            fig.savefig(os.path.join(out_dir, f"{name}.svg"), format="svg", metadata={"Date": None})
+            fig.savefig(os.path.join(out_dir, f"{name}.png"), format="png", dpi=120)
+            plt.close(fig)
+    for name in CHARTS:
+        if name not in figs:
+            for ext in ("svg", "png"):
+                stale = os.path.join(out_dir, f"{name}.{ext}")
+                if os.path.isfile(stale):
+                    os.remove(stale)
+    return [n for n in CHARTS if n in figs]
 
 
 def write_report(inputs: list[str], out_dir: str, peers: str | None = None, kwh_price: float | None = None,
