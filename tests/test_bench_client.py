@@ -16,11 +16,14 @@ import pytest
 
 from tokenfab.bench import BenchError
 from tokenfab.bench.datasets import sample_random_requests
-from tokenfab.bench.serve import make_args, run_bench_serve
+from tokenfab.bench.serve import build_parser, make_args, run_bench_serve
 
 TTFT_DELAY = 0.06   # s before the first token
 ITL_DELAY = 0.02    # s between tokens
 EOS_AFTER = 3       # tokens generated when ignore_eos is not set
+
+
+MODEL_ROOT: dict = {}  # set "root" to make /v1/models report a model folder (vLLM's field)
 
 
 def _make_app(received: list):
@@ -31,7 +34,10 @@ def _make_app(received: list):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+        card = {"id": "fake-model", "object": "model"}
+        if MODEL_ROOT.get("root"):
+            card["root"] = MODEL_ROOT["root"]
+        return {"object": "list", "data": [card]}
 
     async def _stream(request: Request, chat: bool):
         body = await request.json()
@@ -271,3 +277,119 @@ def test_arrival_offsets():
     assert t[-1] == pytest.approx(5.0) and all(b >= a for a, b in zip(t, t[1:]))
     assert arrival_offsets(100, 20.0, seed=0) == t          # seeded
     assert arrival_offsets(3, 2.0, burstiness=float("inf")) == pytest.approx([0.5, 1.0, 1.5])  # constant gaps
+
+
+def test_vllm_flags_reach_the_result(fake_server, tokenizer_dir, tmp_path, monkeypatch):
+    """--label, --metadata, --num-warmups, --save-detailed off, --goodput, --request-id-prefix, penalties,
+    --extra-body, OPENAI_API_KEY and the tokenizer taken from /v1/models root (no --model, no --tokenizer)."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test")
+    MODEL_ROOT["root"] = tokenizer_dir
+    try:
+        start = len(fake_server["received"])
+        args = build_parser().parse_args([
+            "--base-url", fake_server["url"], "--backend", "vllm", "--num-prompts", "3", "--input-len", "16",
+            "--output-len", "5", "--num-warmups", "2", "--max-concurrency", "2", "--label", "mylabel",
+            "--metadata", "tp=1", "hw=cpu", "--goodput", "ttft:10000", "tpot:10000", "--request-id-prefix", "b-",
+            "--repetition-penalty", "1.1", "--min-p", "0.05", "--extra-body", '{"min_tokens": 2}',
+            "--save-result", "--result-dir", str(tmp_path), "--disable-tqdm", "--power", "none"])
+        result = run_bench_serve(args)
+    finally:
+        MODEL_ROOT.clear()
+    got = fake_server["received"][start:]
+    assert len(got) == 5                                    # 2 warm-ups + 3 measured
+    assert result["completed"] == 3 and result["num_warmups"] == 2
+    assert result["total_output_tokens"] == 15              # ignore_eos (random dataset default) x 5 tokens x 3
+    warm, measured = got[:2], got[2:]
+    assert warm[0]["body"]["prompt"] == warm[1]["body"]["prompt"] == measured[0]["body"]["prompt"]  # first prompt
+    assert all("x-request-id" not in g["headers"] for g in warm)
+    assert sorted(g["headers"]["x-request-id"] for g in measured) == ["b-0", "b-1", "b-2"]
+    for g in got:
+        b = g["body"]
+        assert g["path"] == "/v1/completions" and b["ignore_eos"] is True and b["max_tokens"] == 5
+        assert b["repetition_penalty"] == 1.1 and b["min_p"] == 0.05 and b["min_tokens"] == 2
+        assert "frequency_penalty" not in b and "presence_penalty" not in b
+        assert g["headers"]["authorization"] == "Bearer sk-test"
+    assert result["model_id"] == tokenizer_dir and result["tokenizer_id"] == tokenizer_dir
+    assert result["served_model_name"] == "fake-model"
+    # goodput: every request meets 10 s objectives -> goodput = throughput
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert result["goodput_slos_ms"] == {"ttft": 10000.0, "tpot": 10000.0}
+    path = result["result_path"]
+    assert os.path.basename(path).startswith("mylabel-inf") and os.path.dirname(path) == str(tmp_path)
+    saved = json.load(open(path))
+    assert saved["label"] == "mylabel" and saved["tp"] == "1" and saved["hw"] == "cpu"
+    for key in ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors"):
+        assert key not in saved, key                        # vLLM keeps them only with --save-detailed
+    assert "latencies" in saved and saved["backend"] == "vllm"
+
+
+def test_save_detailed_and_append(fake_server, tokenizer_dir, tmp_path):
+    common = dict(base_url=fake_server["url"], model="fake-model", tokenizer=tokenizer_dir, num_prompts=2,
+                  random_input_len=12, random_output_len=4, disable_tqdm=True, power="none",
+                  result_dir=str(tmp_path), result_filename="runs.json")
+    for _ in range(2):
+        run_bench_serve(make_args(append_result=True, save_detailed=True, **common))
+    lines = (tmp_path / "runs.json").read_text().splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        r = json.loads(line)
+        assert r["output_lens"] == [4, 4] and r["errors"] == ["", ""] and len(r["ttfts"]) == 2
+        assert [len(i) for i in r["itls"]] == [3, 3] and len(r["generated_texts"]) == 2
+        assert len(r["input_lens"]) == 2 and len(r["start_times"]) == 2
+
+
+def test_vllm_flag_errors(fake_server, tokenizer_dir, tmp_path):
+    base = dict(base_url=fake_server["url"], model="fake-model", tokenizer=tokenizer_dir, disable_tqdm=True)
+    with pytest.raises(BenchError, match="--endpoint '/v1/chat/completions' does not fit --backend openai"):
+        run_bench_serve(make_args(endpoint="/v1/chat/completions", **base))
+    with pytest.raises(BenchError, match="--goodput 'itl:5'"):
+        run_bench_serve(make_args(goodput=["itl:5"], **base))
+    with pytest.raises(BenchError, match="--extra-body must be a JSON object"):
+        run_bench_serve(make_args(extra_body="[1]", **base))
+    with pytest.raises(BenchError, match="--dataset-path .* does not go with --dataset-name random"):
+        run_bench_serve(make_args(dataset_path="x.json", **base))
+    with pytest.raises(BenchError, match="--dataset-name sharegpt needs --dataset-path"):
+        run_bench_serve(make_args(dataset_name="sharegpt", **base))
+    # no --tokenizer, --model not a folder and the server reports no root: ask for --tokenizer
+    with pytest.raises(BenchError, match="pass --tokenizer"):
+        run_bench_serve(make_args(base_url=fake_server["url"], model="fake-model", disable_tqdm=True))
+    MODEL_ROOT["root"] = str(tmp_path / "elsewhere")
+    try:
+        with pytest.raises(BenchError, match=r"model folder \(/v1/models root\) as .*elsewhere.* not readable here"):
+            run_bench_serve(make_args(base_url=fake_server["url"], disable_tqdm=True))
+    finally:
+        MODEL_ROOT.clear()
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--profile"], ["--profile", "vllm bench serve", "not supported"]),
+    (["--ramp-up-strategy", "linear"], ["--ramp-up-strategy", "not supported", "--request-rate"]),
+    (["--lora-modules", "a", "b"], ["--lora-modules", "LoRA"]),
+    (["--backend", "openai-audio"], ["--backend", "vLLM backend", "vllm, openai, openai-chat"]),
+    (["--dataset-name", "sonnet"], ["--dataset-name", "vLLM dataset", "random, sharegpt, custom"]),
+    (["--tokenizer-mode", "mistral"], ["--tokenizer-mode", "vLLM tokenizer mode"]),
+])
+def test_cli_refuses_unsupported_vllm_flags_by_name(argv, words, capsys):
+    from tokenfab.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "serve", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_cli_accepts_pasted_vllm_command():
+    """A typical `vllm bench serve` line parses unchanged (values checked on the namespace)."""
+    args = build_parser().parse_args(
+        "--backend vllm --model m --endpoint /v1/completions --dataset-name sharegpt --dataset-path d.json "
+        "--num-prompts 10 --request-rate 4 --burstiness 0.5 --max-concurrency 8 --save-result --save-detailed "
+        "--result-dir out --label run1 --metadata tp=1 gpu=none --goodput ttft:500 tpot:50 e2el:1000 "
+        "--num-warmups 3 --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --seed 1 "
+        "--sharegpt-output-len 64 --ignore-eos --temperature 0 --top-p 0.9 --top-k 5 --tokenizer-mode auto "
+        "--header x-a=1 --disable-shuffle --no-oversample --trust-remote-code".split())
+    assert (args.backend, args.dataset_name, args.dataset_path, args.label) == ("vllm", "sharegpt", "d.json", "run1")
+    assert args.metadata == ["tp=1", "gpu=none"] and args.goodput == ["ttft:500", "tpot:50", "e2el:1000"]
+    assert args.num_warmups == 3 and args.save_detailed and args.ignore_eos is True and args.sharegpt_output_len == 64

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from server_fixtures import SERVED_NAME, server_model_dir, start_test_server  # noqa: F401
+from server_fixtures import SERVED_NAME, metric_value, server_model_dir, start_test_server  # noqa: F401
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,79 @@ def test_bench_serve_against_live_server(server, server_model_dir, tmp_path, bac
         assert all(n > 24 for n in saved["input_lens"])
     assert all(t > 0 for t in saved["ttfts"]) and all(len(i) <= 6 for i in saved["itls"])
     assert all(saved["generated_texts"])
+
+
+def _generated_tokens(server) -> float:
+    import httpx
+
+    text = httpx.get(server.base_url + "/metrics", timeout=30.0, trust_env=False).text
+    return metric_value(text, "vllm:generation_tokens_total")
+
+
+def _settled_generated_tokens(server, want: float) -> float:
+    """The server's generated-token counter once it reaches ``want`` (it is bumped on the engine thread as each
+    request finishes, a moment after the client has read the stream's end), or its value after 10 s."""
+    import time
+
+    deadline = time.monotonic() + 10.0
+    got = _generated_tokens(server)
+    while got < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        got = _generated_tokens(server)
+    return got
+
+
+@pytest.mark.parametrize("backend", ["vllm", "openai", "openai-chat"])
+def test_pasted_vllm_command_against_live_server(server, server_model_dir, tmp_path, backend):  # noqa: F811
+    """No --model and no --tokenizer (the server's /v1/models root is the tokenizer), warm-ups sent but not
+    counted, --label / --metadata / --goodput in the saved JSON."""
+    from tokenfab.bench.serve import build_parser, run_bench_serve
+
+    n, warm, out_len = 3, 2, 4
+    before = _generated_tokens(server)
+    args = build_parser().parse_args([
+        "--base-url", server.base_url, "--backend", backend, "--dataset-name", "random", "--num-prompts", str(n),
+        "--random-input-len", "16", "--random-output-len", str(out_len), "--num-warmups", str(warm),
+        "--max-concurrency", "2", "--temperature", "0", "--label", f"e2e-{backend}", "--metadata", "case=e2e",
+        "--goodput", "ttft:60000", "e2el:60000", "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
+        "--disable-tqdm", "--power", "none"])
+    res = run_bench_serve(args)
+    # The server generated for the warm-ups too (ignore_eos is on for the random dataset, as in vLLM) ...
+    assert _settled_generated_tokens(server, before + (n + warm) * out_len) - before == (n + warm) * out_len
+    # ... but the result counts only the measured requests.
+    assert res["completed"] == n and res["failed"] == 0, res["errors"]
+    assert res["output_lens"] == [out_len] * n and res["total_output_tokens"] == n * out_len
+    assert len(res["ttfts"]) == len(res["itls"]) == len(res["start_times"]) == n
+    # One gap per later non-empty text chunk (a chunk may carry several tokens when bytes wait for a character).
+    assert all(t > 0 for t in res["ttfts"]) and all(len(i) <= out_len - 1 for i in res["itls"]) and any(res["itls"])
+    assert res["mean_tpot_ms"] > 0 and res["mean_itl_ms"] > 0        # timed on the streamed text / chat deltas
+    assert res["tokenizer_id"] == server_model_dir == res["model_id"] and res["served_model_name"] == SERVED_NAME
+    assert res["request_goodput"] == pytest.approx(res["request_throughput"])  # 60 s objectives: all good
+    saved = json.load(open(res["result_path"]))
+    assert os.path.basename(res["result_path"]).startswith(f"e2e-{backend}-infqps-concurrency2-")
+    assert saved["label"] == f"e2e-{backend}" and saved["case"] == "e2e" and saved["backend"] == backend
+    assert saved["errors"] == [""] * n and saved["request_goodput"] == res["request_goodput"]
+
+
+def test_sharegpt_file_against_live_server(server, server_model_dir, tmp_path):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    from tokenfab.bench.serve import make_args, run_bench_serve
+
+    tok = AutoTokenizer.from_pretrained(server_model_dir, local_files_only=True)
+    convs = [("What is a paged key value cache for?", "It stores the keys and values of many requests."),
+             ("How does the scheduler batch the decode steps?", "It runs one step for every running request."),
+             ("Why count the time to the first token?", "It measures how long the prefill took.")]
+    path = tmp_path / "sg.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+                                for q, a in convs]))
+    res = run_bench_serve(make_args(base_url=server.base_url, backend="openai", dataset_name="sharegpt",
+                                    dataset_path=str(path), num_prompts=3, disable_shuffle=True, ignore_eos=True,
+                                    disable_tqdm=True, power="none", save_detailed=True))
+    assert res["completed"] == 3, res["errors"]
+    # max_tokens = the gpt turn's token count; the server's prompt count is the human turn's (+ BOS if any)
+    assert res["output_lens"] == [len(tok(a).input_ids) for _, a in convs]
+    assert all(0 <= n - len(tok(q).input_ids) <= 1 for n, (q, _) in zip(res["input_lens"], convs))
 
 
 def test_demo_smoke(server_model_dir, tmp_path):  # noqa: F811

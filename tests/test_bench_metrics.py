@@ -165,3 +165,41 @@ def test_steady_state_throughputs(records):
     assert w["steady_output_throughput"] == pytest.approx(13.0)
     assert w["steady_total_token_throughput"] == pytest.approx(123.0)
     assert w["steady_request_throughput"] == pytest.approx(4.0)
+
+
+def test_goodput_hand_worked(records):
+    # Per successful request (s): ttft / tpot / e2el
+    #   A 0.10 / 0.0667 / 0.30    B 0.20 / 0.05 / 0.40    C 0.30 / 0 (one token) / 0.30    E 0.10 / 0.10 / 0.30
+    # D failed: never good.
+    m = compute_metrics(records, duration_s=2.0, count_tokens=_count_words, goodput_slos_ms={"ttft": 250})
+    assert m["request_goodput"] == pytest.approx(3 / 2.0)        # A, B, E; C's 0.30 misses
+    m = compute_metrics(records, duration_s=2.0, count_tokens=_count_words,
+                        goodput_slos_ms={"ttft": 250, "tpot": 60})
+    assert m["request_goodput"] == pytest.approx(1 / 2.0)        # only B: A's tpot 66.7 ms and E's 100 ms miss
+    m = compute_metrics(records, duration_s=2.0, count_tokens=_count_words,
+                        goodput_slos_ms={"ttft": 500, "tpot": 70, "e2el": 350})
+    assert m["request_goodput"] == pytest.approx(2 / 2.0)        # A (tpot 66.7 <= 70), C (tpot 0); B e2el 400 misses
+    m = compute_metrics(records, duration_s=4.0, count_tokens=_count_words, goodput_slos_ms={"tpot": 0})
+    assert m["request_goodput"] == pytest.approx(1 / 4.0)        # only the one-token request C has tpot 0
+    assert compute_metrics(records, duration_s=2.0, count_tokens=_count_words)["request_goodput"] is None
+    with pytest.raises(ValueError, match="itl"):
+        compute_metrics(records, duration_s=2.0, count_tokens=_count_words, goodput_slos_ms={"itl": 5})
+    # The bound is inclusive (vLLM: SLO >= value); exact binary fractions: ttft 0.25, tpot 0.25, e2el 0.5.
+    exact = [_rec(0.0, [0.25, 0.5], output_tokens=2, prompt_len=1)]
+    assert compute_metrics(exact, 1.0, goodput_slos_ms={"ttft": 250, "tpot": 250, "e2el": 500}
+                           )["request_goodput"] == 1.0
+    assert compute_metrics(exact, 1.0, goodput_slos_ms={"ttft": 249.9})["request_goodput"] == 0.0
+
+
+def test_parse_goodput_vllm_syntax():
+    from tokenfab.bench import BenchError
+    from tokenfab.bench.serve import parse_goodput, parse_metadata
+
+    assert parse_goodput(["ttft:500", "tpot:50", "e2el:1000"]) == {"ttft": 500.0, "tpot": 50.0, "e2el": 1000.0}
+    for bad, msg in ((["ttft=500"], "KEY:VALUE"), (["itl:5"], "ttft, tpot, e2el"), (["ttft:-1"], ">= 0"),
+                     (["ttft:abc"], "KEY:VALUE")):
+        with pytest.raises(BenchError, match=msg):
+            parse_goodput(bad)
+    assert parse_metadata(["tp=1", "hw = cpu", "note=a=b"]) == {"tp": "1", "hw": "cpu", "note": "a=b"}
+    with pytest.raises(BenchError, match="--metadata 'novalue' is not KEY=VALUE"):
+        parse_metadata(["novalue"])

@@ -17,7 +17,8 @@ and seed give the same requests in the same order:
 - both: with fewer usable samples than ``--num-prompts``, seeded random duplicates fill the list (vLLM's
   oversampling) unless ``--no-oversample``.
 
-The ``random`` dataset follows the workload of vLLM's ``RandomDataset`` (vllm/benchmarks/datasets, "random"): token ids drawn from the tokenizer's vocabulary (special tokens excluded),
+The ``random`` dataset follows the workload of vLLM's ``RandomDataset`` (vllm/benchmarks/datasets, "random"):
+token ids drawn from the tokenizer's vocabulary (special tokens excluded),
 decoded to text, re-encoded and corrected so the prompt re-tokenizes to the sampled length. Lengths are drawn
 uniformly from ``[floor(L * (1 - r)), ceil(L * (1 + r))]`` with ``r = --random-range-ratio``, and an optional shared
 prefix of ``--random-prefix-len`` random tokens is prepended to every prompt.

@@ -242,9 +242,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         x.add_argument(flag, action=_RefusedFlag, reason=reason)
 
 
+def short_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make ``parser`` report a bad flag in one line (plus a --help hint) instead of its long usage block."""
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: error: {message}\n(see {parser.prog} --help)\n")
+    parser.error = error  # type: ignore[method-assign]
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     """A standalone parser with the ``bench serve`` flags (and the power hook's, when installed)."""
-    parser = argparse.ArgumentParser(prog="tokenfab bench serve")
+    parser = short_errors(argparse.ArgumentParser(prog="tokenfab bench serve"))
     add_cli_args(parser)
     if bench_hook is not None:
         bench_hook.add_power_args(parser)
@@ -439,6 +447,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, tokenizer_mode: s
         BenchError: the folder is missing or holds no loadable tokenizer (names ``--tokenizer``).
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from tokenfab.tokenizers.tiktoken_tokenizer import TiktokenTokenizer, is_tiktoken_folder
+    if os.path.isdir(path) and is_tiktoken_folder(path):  # Kimi's tiktoken.model folders: no remote code runs
+        try:
+            return TiktokenTokenizer.from_pretrained(path)
+        except ValueError as e:
+            raise BenchError(f"--tokenizer '{path}': {e}") from None
     try:
         from transformers import AutoTokenizer
 

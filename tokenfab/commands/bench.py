@@ -6,13 +6,18 @@ Example::
         --dataset-name random --random-input-len 1024 --random-output-len 128 \\
         --num-prompts 200 --max-concurrency 16 --ignore-eos --temperature 0 --save-result
 
+    # as pasted from vLLM's docs: tokenizer from the server's /v1/models root, ShareGPT from a local file
+    tokenfab bench serve --backend vllm --dataset-name sharegpt \\
+        --dataset-path ShareGPT_V3_unfiltered_cleaned_split.json --num-prompts 100 \\
+        --goodput ttft:500 tpot:50 --num-warmups 4 --label run1 --metadata tp=1 --save-result --save-detailed
+
 Heavy imports (httpx, numpy, transformers) happen inside :func:`_run_serve`, so ``tokenfab --help`` stays fast.
 """
 from __future__ import annotations
 
 import argparse
 
-from tokenfab.bench.serve import add_cli_args
+from tokenfab.bench.serve import add_cli_args, short_errors
 
 try:
     from tokenfab.power import bench_hook
@@ -34,9 +39,11 @@ def register(subparsers) -> None:
     sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     serve = sub.add_parser(
         "serve", help="Online serving benchmark against any OpenAI-compatible server (vLLM's `bench serve`).",
-        description="Stream requests to an OpenAI-compatible server and report TTFT, TPOT, ITL, E2EL and "
-                    "throughput with vLLM's definitions and JSON keys.",
+        description="Stream requests to an OpenAI-compatible server and report TTFT, TPOT, ITL, E2EL, goodput and "
+                    "throughput with vLLM's definitions and JSON keys. Takes `vllm bench serve` flags as they are "
+                    "pasted; the ones tokenfab lacks are refused by name.",
     )
+    short_errors(serve)
     add_cli_args(serve)
     if bench_hook is not None:
         bench_hook.add_power_args(serve)
