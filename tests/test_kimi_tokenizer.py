@@ -303,3 +303,15 @@ def test_server_chat_uses_the_template(kimi_dir):
             assert t["tokens"] == prompt_ids
     finally:
         h.stop()
+
+
+def test_bench_client_reads_the_kimi_folder(kimi_dir):
+    from tokenfab.bench.datasets import sample_random_requests
+    from tokenfab.bench.serve import load_tokenizer
+    tok = load_tokenizer(kimi_dir)
+    assert isinstance(tok, TiktokenTokenizer)
+    reqs = sample_random_requests(tok, num_requests=3, input_len=48, output_len=4, seed=1)
+    special = set(tok.all_special_ids)
+    for r in reqs:
+        ids = tok.encode(r.prompt)
+        assert r.prompt_len == len(ids) == 48 and not special & set(ids)
