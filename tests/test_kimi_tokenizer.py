@@ -198,9 +198,14 @@ def test_encode_decode_match_tiktoken(kimi_dir, ranks):
         merged += len(text.encode()) - len(plain)
     assert merged > 40  # the learned merges are used, not only single bytes
     # whitespace / non-whitespace runs over 25,000 characters are cut every 25,000 characters (Kimi's rule)
-    run = "ab" * 15000
-    assert tok.encode(run) == ref.encode_ordinary(run[:25000]) + ref.encode_ordinary(run[25000:])
+    run = "xy" + "the" * 10000  # the cut at 25,000 falls inside "he"
+    assert tok.encode(run) == ref.encode_ordinary(run[:25000]) + ref.encode_ordinary(run[25000:]) \
+        != ref.encode_ordinary(run)
     assert tok.decode(tok.encode(run)) == run
+    # cut points counted from each run's start: "xythe..." starts at 3, the 26,003 spaces at 30,005
+    mixed = "hi " + run + " " * 26003 + "z"
+    want = [x for piece in (mixed[:25003], mixed[25003:55005], mixed[55005:]) for x in ref.encode_ordinary(piece)]
+    assert tok.encode(mixed) == want != ref.encode_ordinary(mixed) and tok.decode(want) == mixed
 
 
 def test_special_tokens_are_single_ids(kimi_dir, ranks):

@@ -57,6 +57,7 @@ KIMI_PAT_STR = "|".join([
 ])
 
 _RUNS = re.compile(r"\s+|\S+")
+_SPACES = re.compile(r"\s+")
 _CALL_IGNORED = frozenset({"return_token_type_ids", "verbose", "return_length"})
 
 
@@ -273,8 +274,9 @@ class TiktokenTokenizer:
         MAX_RUN_CHARS cut every MAX_RUN_CHARS characters from the run's start."""
         for i in range(0, len(s), MAX_ENCODE_CHARS):
             part = s[i:i + MAX_ENCODE_CHARS]
-            if len(part) <= MAX_RUN_CHARS:
-                yield part
+            if len(part) <= MAX_RUN_CHARS or (max(map(len, part.split()), default=0) <= MAX_RUN_CHARS
+                                              and max(map(len, _SPACES.findall(part)), default=0) <= MAX_RUN_CHARS):
+                yield part  # no run to cut (both checks run in C; the cutting loop below is Python)
                 continue
             start = 0
             for m in _RUNS.finditer(part):
