@@ -38,6 +38,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None,
                    help="CPU intra-op threads for every engine step. Default: all cores (measured fastest on 2 "
                         "cores once the engine runs on one OpenMP pool, benchmarks/NOTES.md entry 18).")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="Share (0, 1] of the device's memory for weights + KV pool; on CPU the share of HOST "
+                        "memory (physical memory or the cgroup limit, whichever is smaller). The KV pool gets that "
+                        "share minus the loaded weights. Default: not used (the --kv-cache-memory default pool); "
+                        "--num-kv-blocks and --kv-cache-memory take precedence.")
+    g.add_argument("--tokenizer", default=None, help="Tokenizer folder. Default: the model folder.")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="Let transformers run a tokenizer's own code (tokenfab never runs a checkpoint's modeling "
+                        "code).")
+    g.add_argument("--quantization", "-q", default=None,
+                   help="auto / unset: the checkpoint's own format. A method name must match config.json's "
+                        "quantization_config.quant_method and be one tokenfab runs (compressed-tensors: Kimi's "
+                        "MXFP4 experts); tokenfab does not quantize on the fly.")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="Prefix caching is not implemented yet: --enable-prefix-caching is refused with an error; "
+                        "--no-enable-prefix-caching (the default) is accepted.")
+    g.add_argument("--generation-config", default="auto",
+                   help="auto (default): default sampling settings (temperature, top_p, top_k, max_new_tokens ...) "
+                        "from the model folder's generation_config.json for fields a request leaves unset; vllm: "
+                        "ignore that file; or a folder holding a generation_config.json.")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="Most logprobs / top_logprobs a request may ask for. Default 20 (vLLM's).")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -61,6 +83,21 @@ def register(subparsers) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="Name clients send in the 'model' field. Default: the model path as given, or "
                         "SmolLM2-135M-Instruct / tokenfab-tiny-deepseek-v3 for the default model.")
-    p.add_argument("--log-level", default="warning", help="uvicorn log level. Default warning.")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="The model, as an alternative to the positional MODEL (as vLLM allows).")
+    p.add_argument("--api-key", default=None,
+                   help="Require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; /health, /metrics, /version, "
+                        "/tokenize stay open). Default: $VLLM_API_KEY, else $TOKENFAB_API_KEY, else no key.")
+    p.add_argument("--chat-template", default=None,
+                   help="Chat template for /v1/chat/completions and /tokenize: a file path or the template text. "
+                        "Default: the tokenizer's.")
+    p.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (info logs each HTTP request). Default warning.")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="Do not log each request (by default one INFO line per request: id, prompt, sampling "
+                        "params, prompt token ids, as vLLM).")
+    p.add_argument("--max-log-len", type=int, default=None,
+                   help="Characters of prompt / entries of prompt token ids kept in request log lines. Default: all.")
     add_engine_args(p)
     p.set_defaults(func=_run)

@@ -90,7 +90,7 @@ class LLMEngine:
         else:
             loaded = load_model(config, progress=progress)
         try:
-            config.finalize(loaded.model_config, loaded.dtype)
+            config.finalize(loaded.model_config, loaded.dtype, loaded.model)
             return cls(config, loaded)
         except BaseException:
             if loaded.tp_group is not None:

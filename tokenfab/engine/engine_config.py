@@ -1,8 +1,12 @@
 """Engine settings (vLLM's names) and the KV-pool sizing that follows from them."""
 from __future__ import annotations
 
+import difflib
+import json
+import logging
+import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -12,6 +16,35 @@ from tokenfab.errors import EngineConfigError, UnsupportedError
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 DEFAULT_KV_CACHE_MEMORY = 2 << 30  # bytes; the default pool is the smaller of this and max_num_seqs x max_model_len
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs per request
+
+# quantization= values tokenfab runs, as config.json's quantization_config.quant_method names them.
+SUPPORTED_QUANTIZATION = {
+    "compressed-tensors": "MXFP4 routed experts of Kimi checkpoints (format mxfp4-pack-quantized), dequantized to "
+                          "the engine dtype at load",
+}
+# generation_config.json keys that become default SamplingParams fields (vLLM's list; max_new_tokens -> max_tokens).
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+logger = logging.getLogger("tokenfab")
+
+
+class UnknownArgumentError(EngineConfigError, TypeError):
+    """An engine keyword argument tokenfab does not know (both a ValueError and a TypeError, so code catching
+    either sees it); the message names it and the nearest supported name."""
+
+
+def check_argument_names(given, supported, where: str = "LLM()") -> None:
+    """Raise UnknownArgumentError for the first name in ``given`` that is not in ``supported``, naming the
+    nearest supported one (difflib.get_close_matches) or listing them all."""
+    supported = sorted(supported)
+    for name in given:
+        if name in supported:
+            continue
+        near = difflib.get_close_matches(name, supported, n=1, cutoff=0.5)
+        hint = f"did you mean '{near[0]}'?" if near else f"supported: {', '.join(supported)}."
+        raise UnknownArgumentError(f"{where} got an unknown argument '{name}'; {hint}")
 
 
 def parse_bytes(value: int | str, field: str) -> int:
@@ -59,6 +92,24 @@ class EngineConfig:
         seed: seed of the engine RNG (requests without their own seed).
         tensor_parallel_size: number of ranks (1 = this process).
         enforce_eager: never replay decode steps from CUDA graphs (engine/cuda_graph_runner.py; CUDA/ROCm only).
+        tokenizer: tokenizer folder (default: the model folder).
+        trust_remote_code: let transformers run a tokenizer's own code (e.g. Kimi's tiktoken tokenizer); tokenfab
+            never runs a checkpoint's modeling code.
+        gpu_memory_utilization: share (0, 1] of the device's memory for weights + KV pool; on CPU the share of
+            host memory (the smaller of physical memory and the cgroup limit). The KV pool gets that share minus
+            the loaded weights (see :meth:`finalize`). None: the default pool below. num_kv_blocks and
+            kv_cache_memory take precedence.
+        enable_prefix_caching: must stay False (prefix caching is not implemented yet).
+        quantization: None or "auto" (the checkpoint's own format); a method name must match config.json's
+            quantization_config.quant_method and be one tokenfab runs (SUPPORTED_QUANTIZATION).
+        generation_config: "auto" (default sampling fields from the model folder's generation_config.json),
+            "vllm" (ignore that file) or a folder holding a generation_config.json; see
+            :meth:`generation_defaults`.
+        max_logprobs: most logprobs / prompt_logprobs a request may ask for (vLLM's default 20; -1: no limit).
+
+    Raises:
+        EngineConfigError / UnsupportedError (ValueError): a setting out of range or not supported, naming it;
+        checked when the config is made, before any weight is read.
     """
 
     model: str
@@ -75,6 +126,114 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    trust_remote_code: bool = False
+    gpu_memory_utilization: float | None = None
+    quantization: str | None = None
+    generation_config: str = "auto"
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+
+    @classmethod
+    def from_kwargs(cls, model: str, where: str = "LLM()", **kwargs) -> "EngineConfig":
+        """EngineConfig(model, **kwargs) whose unknown keywords raise UnknownArgumentError naming the nearest
+        supported one, instead of the dataclass's bare TypeError."""
+        check_argument_names(kwargs, {f.name for f in fields(cls)} - {"model"}, where)
+        return cls(model=model, **kwargs)
+
+    def __post_init__(self) -> None:
+        if self.enable_prefix_caching:
+            raise UnsupportedError("enable_prefix_caching=True: prefix caching is not implemented yet in tokenfab; "
+                                   "leave enable_prefix_caching False (--no-enable-prefix-caching).")
+        u = self.gpu_memory_utilization
+        if u is not None and not (isinstance(u, (int, float)) and 0 < u <= 1):
+            raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1] (a share of device memory; on CPU "
+                                    f"of host memory), got {u!r}.")
+        if u is not None and self.tensor_parallel_size != 1:
+            raise UnsupportedError("gpu_memory_utilization with tensor_parallel_size > 1 is not supported yet (each "
+                                   "rank sizes its own pool and they must agree); size the pool with "
+                                   "kv_cache_memory or num_kv_blocks instead.")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
+            raise EngineConfigError(f"max_logprobs must be an integer >= 0 (or -1 for no limit), got "
+                                    f"{self.max_logprobs!r}.")
+        self.check_quantization()
+        self.generation_defaults()  # a missing folder or a bad value fails now, not at the first request
+
+    def check_quantization(self) -> None:
+        """Accept quantization None / "auto" / "none"; a method name only when tokenfab runs it and the
+        checkpoint's config.json declares the same quant_method.
+
+        Raises:
+            UnsupportedError: a method tokenfab does not run (on-the-fly quantization included).
+            EngineConfigError: a supported method that does not match the checkpoint.
+        """
+        q = self.quantization
+        if q is None or str(q).lower() in ("auto", "none"):
+            self.quantization = None
+            return
+        q = str(q).lower()
+        ckpt = checkpoint_quant_method(self.model)
+        if q not in SUPPORTED_QUANTIZATION:
+            runs = "; ".join(f"'{k}' ({v})" for k, v in SUPPORTED_QUANTIZATION.items())
+            raise UnsupportedError(f"quantization='{q}' is not supported by tokenfab (it runs the checkpoint's own "
+                                   f"weights and does not quantize on the fly); leave quantization unset or 'auto'"
+                                   f" (this checkpoint: {ckpt or 'not quantized'}). Supported methods: {runs}.")
+        if ckpt != q:
+            raise EngineConfigError(f"quantization='{q}' does not match the checkpoint: its config.json "
+                                    + (f"declares quant_method '{ckpt}'" if ckpt else "has no quantization_config")
+                                    + "; leave quantization unset or 'auto'.")
+        self.quantization = q
+
+    def generation_defaults(self) -> dict:
+        """Default SamplingParams fields from ``generation_config`` (vLLM's semantics): "auto" reads the model
+        folder's generation_config.json, a folder path reads that folder's, "vllm" gives {}.
+
+        Keys kept: temperature, top_p, top_k, min_p, repetition_penalty (the last two only when SamplingParams
+        has them) and max_new_tokens as ``max_tokens``. A missing file gives {}.
+
+        Raises:
+            EngineConfigError: generation_config is neither "auto", "vllm" nor an existing folder, or the file
+                is unreadable or holds a value SamplingParams refuses (the message names the file and field).
+        """
+        g = self.generation_config
+        if g is None or g == "vllm":
+            return {}
+        if g == "auto":
+            folder = self.model
+        elif os.path.isdir(str(g)):
+            folder = str(g)
+        else:
+            raise EngineConfigError(f"generation_config must be 'auto', 'vllm' or a folder holding a "
+                                    f"generation_config.json; '{g}' is not a folder.")
+        path = os.path.join(folder, "generation_config.json")
+        if not os.path.isfile(path):
+            return {}
+        try:
+            with open(path) as f:
+                raw = json.load(f)
+        except (OSError, ValueError) as e:
+            raise EngineConfigError(f"generation_config: cannot read {path}: {e}") from None
+        from tokenfab.sampling_params import SamplingParams
+        known = {f.name for f in fields(SamplingParams)}
+        out = {dst: raw[src] for src, dst in GENERATION_CONFIG_FIELDS.items()
+               if raw.get(src) is not None and dst in known}
+        try:
+            SamplingParams(**out)
+        except (TypeError, ValueError) as e:
+            raise EngineConfigError(f"generation_config: {path} gives default sampling settings {out} that "
+                                    f"SamplingParams refuses: {e} (use generation_config='vllm' to ignore the "
+                                    "file).") from None
+        return out
+
+    def check_logprobs(self, params) -> None:
+        """Raise ValueError when ``params`` (SamplingParams) asks for more logprobs or prompt_logprobs than
+        max_logprobs (-1: no limit)."""
+        cap = self.max_logprobs
+        if cap < 0:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name, None)
+            if k is not None and k > cap:
+                raise ValueError(f"{name}={k} is more than max_logprobs ({cap}); ask for at most {cap} or raise "
+                                 f"max_logprobs (LLM(max_logprobs=...), tokenfab serve --max-logprobs).")
 
     def check_max_model_len(self, mc: ModelConfig) -> None:
         """Raise EngineConfigError when max_model_len (tokens) is < 1 or above mc.max_position_embeddings; run
@@ -87,15 +246,17 @@ class EngineConfig:
             raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                                     f"{mc.max_position_embeddings}; lower max_model_len.")
 
-    def finalize(self, mc: ModelConfig, dtype: torch.dtype) -> None:
+    def finalize(self, mc: ModelConfig, dtype: torch.dtype, model: torch.nn.Module | None = None) -> None:
         """Fill max_model_len and num_kv_blocks from the model.
 
+        Pool size, first that applies: num_kv_blocks; kv_cache_memory bytes; gpu_memory_utilization (with the
+        loaded ``model``: :func:`kv_bytes_for_memory_share` bytes); else the smaller of DEFAULT_KV_CACHE_MEMORY and
+        max_num_seqs x max_model_len tokens. Bytes become blocks as bytes // (kv bytes per token x block_size).
+
         Raises:
-            ValueError: max_model_len above the model's limit, or a KV pool smaller than one max_model_len
-                sequence (the message says what to raise).
+            ValueError: max_model_len above the model's limit, a memory share smaller than the weights, or a KV
+                pool smaller than one max_model_len sequence (the message says what to raise).
         """
-        if self.enable_prefix_caching:
-            raise UnsupportedError("enable_prefix_caching is not implemented yet; leave it False.")
         self.check_max_model_len(mc)
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
@@ -105,12 +266,90 @@ class EngineConfig:
             if self.kv_cache_memory is not None:
                 mem = parse_bytes(self.kv_cache_memory, "kv_cache_memory")
                 self.num_kv_blocks = mem // (per_token * bs)
+            elif self.gpu_memory_utilization is not None and model is not None:
+                device = next((t.device for t in model.parameters()), torch.device("cpu"))
+                mem = kv_bytes_for_memory_share(self.gpu_memory_utilization, device, model)
+                self.num_kv_blocks = mem // (per_token * bs)
             else:
                 want = self.max_num_seqs * self.max_model_len
                 cap = DEFAULT_KV_CACHE_MEMORY // per_token
                 self.num_kv_blocks = (min(want, cap) + bs - 1) // bs
         need = (self.max_model_len + bs - 1) // bs
         if self.num_kv_blocks < need:
+            knob = ("gpu_memory_utilization" if self.num_kv_blocks is not None and self.kv_cache_memory is None
+                    and self.gpu_memory_utilization is not None else "num_kv_blocks / kv_cache_memory")
             raise EngineConfigError(f"the KV pool ({self.num_kv_blocks} blocks of {bs} tokens) cannot hold one "
-                             f"max_model_len ({self.max_model_len}) sequence: raise num_kv_blocks / kv_cache_memory "
+                             f"max_model_len ({self.max_model_len}) sequence: raise {knob} "
                              f"to at least {need} blocks ({need * bs * per_token} bytes) or lower max_model_len.")
+
+
+def checkpoint_quant_method(model_dir: str) -> str | None:
+    """config.json's quantization_config.quant_method (lower case; also under text_config), or None when the
+    folder has no config.json or declares no quantization."""
+    path = os.path.join(str(model_dir), "config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return None
+    qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    return str(method).lower() if method else None
+
+
+def host_memory_bytes() -> int:
+    """Memory this process may use on the host (bytes): the smaller of physical memory
+    (``sysconf(SC_PHYS_PAGES) x SC_PAGE_SIZE``) and the cgroup v2 / v1 memory limit when one is set."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw.isdigit():
+            total = min(total, int(raw))
+    return total
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    """Total memory of ``device`` in bytes: the GPU's (torch.cuda.mem_get_info) or, on CPU, host_memory_bytes()."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    return host_memory_bytes()
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights a loaded model holds: parameters and the packed copies kept as plain tensor
+    attributes (engine/hugepages.py's module_tensors), each storage counted once; buffers (RoPE tables) are not
+    weights and are left out."""
+    from tokenfab.engine.hugepages import module_tensors
+    buffers = {id(b) for b in model.buffers()}
+    seen: dict[tuple, int] = {}
+    for t in module_tensors(model):
+        if id(t) in buffers:
+            continue
+        s = t.untyped_storage()
+        seen[(t.device.type, t.device.index, s.data_ptr())] = s.nbytes()
+    return sum(seen.values())
+
+
+def kv_bytes_for_memory_share(share: float, device: torch.device, model: torch.nn.Module) -> int:
+    """KV-pool bytes for ``gpu_memory_utilization = share``: floor(share x total) - weights.
+
+    total: :func:`device_memory_bytes` of ``device`` (host memory on CPU); weights: :func:`model_weight_bytes`
+    of the loaded model. Activations and the Python process are not counted.
+
+    Raises:
+        EngineConfigError: the share does not even hold the weights (the message gives the numbers).
+    """
+    total = device_memory_bytes(device)
+    weights = model_weight_bytes(model)
+    budget = int(share * total)
+    if budget <= weights:
+        where = "host memory" if device.type == "cpu" else f"{device} memory"
+        raise EngineConfigError(f"gpu_memory_utilization={share} gives {budget / 2**30:.3f} GiB of "
+                                f"{total / 2**30:.2f} GiB {where}, not more than the weights "
+                                f"({weights / 2**30:.3f} GiB): raise gpu_memory_utilization above "
+                                f"{weights / total:.4f}, or size the pool with kv_cache_memory.")
+    return budget - weights

@@ -25,7 +25,7 @@ class LoadedModel:
     tp_group: object | None = None  # tensor parallel: the launcher's handle (tokenfab.parallel.launcher.TPGroup)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     """transformers AutoTokenizer from a local folder, or None when the folder has no tokenizer files.
 
     A folder with ``tiktoken.model`` and no ``tokenizer.json`` (Kimi-K2 / Kimi Linear as published) gets
@@ -38,7 +38,7 @@ def load_tokenizer(path: str):
                                                                 "tokenizer.model")):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def load_model(config, progress: bool = True, tp=None, device: torch.device | None = None) -> LoadedModel:
@@ -81,5 +81,6 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
                     len(skipped), ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
     model.to(device).eval()
     model.post_load()
-    tokenizer = load_tokenizer(config.tokenizer or config.model) if tp is None or tp.rank == 0 else None
+    tokenizer = (load_tokenizer(config.tokenizer or config.model, getattr(config, "trust_remote_code", False))
+                 if tp is None or tp.rank == 0 else None)
     return LoadedModel(model, mc, tokenizer, device, dtype, skipped)

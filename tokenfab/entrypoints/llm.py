@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Sequence as Seq
 
 from tokenfab.engine.engine import LLMEngine
-from tokenfab.engine.engine_config import EngineConfig
+from tokenfab.engine.engine_config import EngineConfig, check_argument_names
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling_params import SamplingParams
 
@@ -12,37 +12,87 @@ from tokenfab.sampling_params import SamplingParams
 class LLM:
     """Load a checkpoint folder and generate offline with continuous batching.
 
-    Args: see :class:`tokenfab.engine.engine_config.EngineConfig` (model, dtype, max_model_len, max_num_seqs,
-    max_num_batched_tokens, block_size, num_kv_blocks or kv_cache_memory, seed, device, tensor_parallel_size).
+    Args: see :class:`tokenfab.engine.engine_config.EngineConfig` (model, tokenizer, trust_remote_code, dtype,
+    max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks, kv_cache_memory or
+    gpu_memory_utilization, seed, device, tensor_parallel_size, enforce_eager, enable_prefix_caching (False only),
+    quantization, generation_config, max_logprobs), plus ``progress`` (tqdm bars).
+
+    Raises:
+        UnknownArgumentError (a ValueError and a TypeError): an unknown keyword, naming the nearest supported one;
+            raised before anything is loaded.
+        ValueError: a setting out of range or not supported (see EngineConfig).
     """
 
     def __init__(self, model: str | None = None, progress: bool = True, **kwargs):
+        check_argument_names(kwargs, {f for f in EngineConfig.__dataclass_fields__ if f != "model"} | {"progress"})
         from tokenfab.default_model import resolve_model
         model = resolve_model(model)  # None -> the default model; *.gguf -> its cached bf16 folder
-        self.engine_config = EngineConfig(model=model, **kwargs)
+        self.engine_config = EngineConfig.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine.from_config(self.engine_config, progress=progress)
         self._counter = 0
         self.progress = progress
+        self._default_fields = self.engine_config.generation_defaults()
+        if self._default_fields:
+            import logging
+            logging.getLogger("tokenfab").info("default sampling settings from generation_config: %s "
+                                               "(generation_config='vllm' ignores them)", self._default_fields)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams used when none are given: SamplingParams() updated with the model's
+        generation_config.json fields (temperature, top_p, top_k, max_new_tokens as max_tokens ...) unless
+        generation_config='vllm' (EngineConfig.generation_defaults)."""
+        return SamplingParams(**self._default_fields)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to a list of them,
+        as vLLM's ``LLM.chat``: each conversation is rendered with the tokenizer's chat template (or
+        ``chat_template``: template text or a file path) through transformers' ``apply_chat_template``
+        (``tools`` and ``chat_template_kwargs`` go to the template), tokenized without special tokens (the
+        template writes them), then run as :meth:`generate` runs prompt token ids. Returns one RequestOutput
+        per conversation, in order; ``prompt`` holds the rendered text.
+
+        Raises:
+            ValueError: no chat template, a malformed message, add_generation_prompt with continue_final_message,
+                or what :meth:`generate` raises.
+        """
+        from tokenfab.entrypoints.chat_template import load_chat_template, render_chat
+        convs = messages if messages and isinstance(messages[0], (list, tuple)) else [messages]
+        template = load_chat_template(chat_template)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in convs:
+            text = render_chat(tok, list(conv), template, add_generation_prompt, continue_final_message, tools,
+                               chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False)["input_ids"]})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(self, prompts: str | list | dict, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns RequestOutputs in prompt order.
 
         ``prompts``: a string, a list of strings, or dicts ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``.
-        ``sampling_params``: one for all prompts or a list aligned with them (default: SamplingParams()).
+        ``sampling_params``: one for all prompts or a list aligned with them (default:
+        :meth:`get_default_sampling_params`, i.e. SamplingParams() with the generation_config defaults).
 
         Raises:
-            PromptTooLongError, ValueError: for a bad prompt (nothing is generated then).
+            PromptTooLongError, ValueError: for a bad prompt, or logprobs / prompt_logprobs above max_logprobs
+                (nothing is generated then).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts.")
+        for sp in params_list:
+            self.engine_config.check_logprobs(sp)  # logprobs / prompt_logprobs above max_logprobs: ValueError
         eng = self.llm_engine
         ids = []
         try:

@@ -26,6 +26,7 @@ from tokenfab.errors import PromptTooLongError
 from tokenfab.outputs import RequestOutput
 from tokenfab.sampling_params import SamplingParams
 from tokenfab.server.async_engine import AsyncLLM, EngineShutdownError, EngineStepError
+from tokenfab.server.auth import add_api_key
 from tokenfab.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tokenfab.server.protocol import (
     ChatCompletionRequest,
@@ -37,6 +38,7 @@ from tokenfab.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from tokenfab.server.request_policy import RequestPolicy
 
 logger = logging.getLogger("tokenfab.server")
 
@@ -257,14 +259,23 @@ class OpenAIServing:
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | None = None,
-              metrics: ServerMetrics | None = None) -> FastAPI:
+              metrics: ServerMetrics | None = None, chat_template: str | None = None, api_key: str | None = None,
+              policy: RequestPolicy | None = None) -> FastAPI:
     """The FastAPI app serving ``async_llm`` (already started) as ``served_model_name``.
+
+    ``chat_template`` (template text) replaces the tokenizer's for /v1/chat/completions and /tokenize;
+    ``api_key`` makes /v1/* need ``Authorization: Bearer KEY`` (server/auth.py); ``policy`` (default: from the
+    engine's config) fills generation-config defaults, enforces max_logprobs and logs requests.
 
     Hooks a :class:`ServerMetrics` into the engine thread's callbacks unless they are already set.
     ``app.state.shutting_down = True`` makes new requests fail with 503.
     """
     app = FastAPI(title="tokenfab OpenAI-compatible server", version=_version())
     serving = OpenAIServing(async_llm, served_model_name, model_path)
+    if chat_template is not None and serving.tokenizer is not None:
+        serving.tokenizer.chat_template = chat_template  # the handlers' own tokenizer copy (AsyncLLM)
+    policy = policy or RequestPolicy.from_async_llm(async_llm)
+    add_api_key(app, api_key)
     metrics = metrics or ServerMetrics(served_model_name)
     if async_llm.on_step is None:
         async_llm.on_step = metrics.on_step
@@ -367,9 +378,11 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
         if req.best_of not in (None, req.n):
             raise OpenAIError(400, "best_of other than n is not supported.", param="best_of")
         prompt, ids = serving.completion_prompt(req)
+        policy.fill_defaults(req, len(ids))
         max_tokens = serving.check_length(len(ids), req.max_tokens)
         params = serving.sampling_params(req, max_tokens, req.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
+        policy.admit(rid, prompt, ids, params)
         created = int(time.time())
         model = req.model or served_model_name
         echo_text = ""
@@ -440,8 +453,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
     async def chat(req: ChatCompletionRequest, raw: Request):
         _check_live()
         serving.check_model(req.model)
-        _, ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                     req.chat_template_kwargs)
+        chat_text, ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
+                                             req.chat_template_kwargs)
+        policy.fill_defaults(req, len(ids))
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         want = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         max_tokens = serving.check_length(len(ids), want, field)
@@ -450,6 +464,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
             raise OpenAIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         params = serving.sampling_params(req, max_tokens, k)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        policy.admit(rid, chat_text, ids, params, "top_logprobs")
         created = int(time.time())
         model = req.model or served_model_name
         gen = async_llm.generate(rid, None, ids, params)

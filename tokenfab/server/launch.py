@@ -3,15 +3,31 @@ and the demo, and the serving thread policy."""
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from fastapi import FastAPI
 
 from tokenfab.server.api_server import build_app
 from tokenfab.server.async_engine import AsyncLLM
+from tokenfab.server.auth import resolve_api_key
+from tokenfab.server.request_policy import RequestPolicy, request_logger
 
 
 SERVE_CPU_MAX_NUM_BATCHED_TOKENS = 2048  # tokens per step for `tokenfab serve` on CPU (vLLM's CPU server default)
+
+
+def model_arg(args: argparse.Namespace) -> str | None:
+    """The MODEL of ``tokenfab serve``: the positional one or ``--model`` (as vLLM allows either).
+
+    Raises:
+        EngineConfigError: both are given and differ.
+    """
+    from tokenfab.errors import EngineConfigError
+    pos, flag = getattr(args, "model", None), getattr(args, "model_flag", None)
+    if pos and flag and pos != flag:
+        raise EngineConfigError(f"the model is given twice ('{pos}' as MODEL and '{flag}' as --model); give one.")
+    return pos or flag
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -19,8 +35,9 @@ def engine_config_from_args(args: argparse.Namespace):
     from tokenfab.engine.engine_config import EngineConfig, resolve_device
 
     from tokenfab.default_model import default_describe, resolve_model
-    model = resolve_model(args.model or None)  # None -> the default model; *.gguf -> its cached bf16 folder
-    if not args.model:
+    given = model_arg(args)
+    model = resolve_model(given or None)  # None -> the default model; *.gguf -> its cached bf16 folder
+    if not given:
         print(f"[tokenfab] model: {default_describe()}", flush=True)
     budget = args.max_num_batched_tokens
     if budget is None:  # CPU: vLLM's CPU server default; shorter steps let new prompts in sooner (NOTES.md)
@@ -31,7 +48,45 @@ def engine_config_from_args(args: argparse.Namespace):
                         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
                         kv_cache_memory=args.kv_cache_memory, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
-                        enforce_eager=getattr(args, "enforce_eager", False))
+                        enforce_eager=getattr(args, "enforce_eager", False),
+                        tokenizer=getattr(args, "tokenizer", None),
+                        trust_remote_code=getattr(args, "trust_remote_code", False),
+                        gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),
+                        quantization=getattr(args, "quantization", None),
+                        enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
+                        generation_config=getattr(args, "generation_config", "auto"),
+                        max_logprobs=getattr(args, "max_logprobs", 20))
+
+
+class PortInUseError(OSError):
+    """``tokenfab serve``'s host:port cannot be bound (checked before the model loads)."""
+
+
+def bind_listen_socket(host: str, port: int):
+    """Bind ``host:port`` now, before any weight is read, and return the socket (uvicorn serves on it later).
+
+    Raises:
+        PortInUseError: the address is taken or cannot be bound (the message names --port / --host).
+    """
+    import socket
+
+    from tokenfab.errors import EngineConfigError
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise EngineConfigError(f"--host {host}: cannot resolve the address ({e}).") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT leftovers are fine
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        import errno
+        sock.close()
+        why = ("another process holds the port; stop it or choose another with --port" if e.errno == errno.EADDRINUSE
+               else "choose another --port or --host")
+        raise PortInUseError(f"cannot listen on {host}:{port} ({e.strerror or e}): {why} (the model was not "
+                             "loaded).") from None
+    return sock
 
 
 class ServerHandle:
@@ -105,6 +160,18 @@ def set_server_threads(num_threads: int | None, config) -> tuple[int, int] | Non
     return policy
 
 
+def _log_requests_to_stdout() -> None:
+    """Send the ``tokenfab.requests`` INFO lines (one per request) to stdout, once."""
+    import logging
+    if not any(getattr(h, "_tokenfab_requests", False) for h in request_logger.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("INFO %(asctime)s [requests] %(message)s", "%m-%d %H:%M:%S"))
+        handler._tokenfab_requests = True
+        request_logger.addHandler(handler)
+    request_logger.setLevel(logging.INFO)
+    request_logger.propagate = False
+
+
 def drain_seconds() -> float:
     """Seconds in-flight requests may keep running after SIGTERM / Ctrl-C before they are ended with an error
     (``TOKENFAB_DRAIN_SECONDS``, default 5)."""
@@ -125,11 +192,35 @@ def run_server(args: argparse.Namespace) -> int:
     """Build the engine from ``tokenfab serve`` flags and serve until Ctrl-C / SIGTERM; shuts down cleanly."""
     import uvicorn
 
-    drain = drain_seconds()  # a bad setting fails before the model loads
-    config = engine_config_from_args(args)
-    threads = set_server_threads(getattr(args, "num_threads", None), config)
-    t0 = time.perf_counter()
-    async_llm = AsyncLLM.from_config(config, progress=True)
+    drain = drain_seconds()  # bad settings fail before the model loads: this, the flags below, a busy port
+    args.model = model_arg(args)
+    api_key = resolve_api_key(getattr(args, "api_key", None))
+    chat_template = None
+    if getattr(args, "chat_template", None) is not None:
+        from tokenfab.entrypoints.chat_template import load_chat_template
+        from tokenfab.errors import EngineConfigError
+        try:
+            chat_template = load_chat_template(args.chat_template)
+        except ValueError as e:
+            raise EngineConfigError(f"--chat-template: {e}") from None
+    try:
+        sock = bind_listen_socket(args.host, args.port)
+    except PortInUseError as e:
+        print(f"tokenfab serve: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        config = engine_config_from_args(args)
+        threads = set_server_threads(getattr(args, "num_threads", None), config)
+        t0 = time.perf_counter()
+        async_llm = AsyncLLM.from_config(config, progress=True)
+    except BaseException:
+        sock.close()
+        raise
+    if chat_template is not None and async_llm.tokenizer is None:
+        sock.close()
+        async_llm.shutdown()
+        from tokenfab.errors import EngineConfigError
+        raise EngineConfigError("--chat-template: this model folder has no tokenizer (give one with --tokenizer).")
     if threads is not None:
         async_llm.engine.runner.set_thread_policy(*threads)
     async_llm.start()
@@ -137,14 +228,23 @@ def run_server(args: argparse.Namespace) -> int:
     if not name:  # the default model: its short name, not a cache path
         from tokenfab.default_model import default_model_name
         name = default_model_name()
-    app = build_app(async_llm, name, config.model)
+    log_requests = not getattr(args, "disable_log_requests", False)
+    if log_requests:
+        _log_requests_to_stdout()
+    policy = RequestPolicy.from_async_llm(async_llm, log_requests, getattr(args, "max_log_len", None))
+    app = build_app(async_llm, name, config.model, chat_template=chat_template, api_key=api_key, policy=policy)
+    if policy.defaults:
+        print(f"[tokenfab] default sampling settings from generation_config ({config.generation_config}): "
+              f"{policy.defaults} (for fields a request leaves unset; --generation-config vllm ignores them)",
+              flush=True)
 
     print(f"[tokenfab] engine ready in {time.perf_counter() - t0:.1f} s: model {config.model} as '{name}', "
           f"max_model_len {config.max_model_len}, {config.num_kv_blocks} KV blocks of {config.block_size} tokens, "
           f"max_num_seqs {config.max_num_seqs}, tensor_parallel_size {config.tensor_parallel_size}, "
           f"CPU threads {'per rank: launcher' if threads is None else f'prefill {threads[0]} / decode {threads[1]}'}",
           flush=True)
-    print(f"[tokenfab] serving on http://{args.host}:{args.port} (OpenAI API under /v1)", flush=True)
+    print(f"[tokenfab] serving on http://{args.host}:{args.port} (OpenAI API under /v1"
+          + (", API key required" if api_key else "") + ")", flush=True)
     import signal
     import threading
 
@@ -172,8 +272,9 @@ def run_server(args: argparse.Namespace) -> int:
 
         signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         app.state.shutting_down = True
         async_llm.shutdown()
         print("[tokenfab] server stopped", flush=True)
