@@ -43,24 +43,28 @@ def test_bench_serve_against_live_server(server, server_model_dir, tmp_path, bac
     assert all(saved["generated_texts"])
 
 
-def _generated_tokens(server) -> float:
+def _finished(server) -> tuple[float, float, float]:
+    """(finished requests, their generated tokens, requests running or waiting) from the server's /metrics."""
     import httpx
 
     text = httpx.get(server.base_url + "/metrics", timeout=30.0, trust_env=False).text
-    return metric_value(text, "vllm:generation_tokens_total")
+    busy = metric_value(text, "vllm:num_requests_running") + metric_value(text, "vllm:num_requests_waiting")
+    return (metric_value(text, "vllm:request_generation_tokens_count"),
+            metric_value(text, "vllm:request_generation_tokens_sum"), busy)
 
 
-def _settled_generated_tokens(server, want: float) -> float:
-    """The server's generated-token counter once it reaches ``want`` (it is bumped on the engine thread as each
-    request finishes, a moment after the client has read the stream's end), or its value after 10 s."""
+def _settled(server, want_count: float | None = None) -> tuple[float, float]:
+    """The finished-request counters once the server is idle (and, given ``want_count``, has counted that many
+    finished requests: they are observed on the engine thread a moment after the client read the stream's end);
+    gives up waiting after 10 s and returns what it has."""
     import time
 
     deadline = time.monotonic() + 10.0
-    got = _generated_tokens(server)
-    while got < want and time.monotonic() < deadline:
+    count, tokens, busy = _finished(server)
+    while (busy or (want_count is not None and count < want_count)) and time.monotonic() < deadline:
         time.sleep(0.05)
-        got = _generated_tokens(server)
-    return got
+        count, tokens, busy = _finished(server)
+    return count, tokens
 
 
 @pytest.mark.parametrize("backend", ["vllm", "openai", "openai-chat"])
@@ -70,7 +74,7 @@ def test_pasted_vllm_command_against_live_server(server, server_model_dir, tmp_p
     from tokenfab.bench.serve import build_parser, run_bench_serve
 
     n, warm, out_len = 3, 2, 4
-    before = _generated_tokens(server)
+    count0, tokens0 = _settled(server)
     args = build_parser().parse_args([
         "--base-url", server.base_url, "--backend", backend, "--dataset-name", "random", "--num-prompts", str(n),
         "--random-input-len", "16", "--random-output-len", str(out_len), "--num-warmups", str(warm),
@@ -78,8 +82,9 @@ def test_pasted_vllm_command_against_live_server(server, server_model_dir, tmp_p
         "--goodput", "ttft:60000", "e2el:60000", "--save-result", "--save-detailed", "--result-dir", str(tmp_path),
         "--disable-tqdm", "--power", "none"])
     res = run_bench_serve(args)
-    # The server generated for the warm-ups too (ignore_eos is on for the random dataset, as in vLLM) ...
-    assert _settled_generated_tokens(server, before + (n + warm) * out_len) - before == (n + warm) * out_len
+    # The server finished the warm-ups too (ignore_eos is on for the random dataset, as in vLLM) ...
+    count1, tokens1 = _settled(server, count0 + n + warm)
+    assert (count1 - count0, tokens1 - tokens0) == (n + warm, (n + warm) * out_len)
     # ... but the result counts only the measured requests.
     assert res["completed"] == n and res["failed"] == 0, res["errors"]
     assert res["output_lens"] == [out_len] * n and res["total_output_tokens"] == n * out_len
