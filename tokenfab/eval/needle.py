@@ -279,8 +279,11 @@ class HttpBackend:
             from tokenfab.default_model import ensure_default_model
             path = ensure_default_model(quiet=True)
             print(f"[needle] counting tokens with {path}'s tokenizer (pass --tokenizer for the served model's)")
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        from tokenfab.engine.model_loader import load_tokenizer
+        self.tokenizer = load_tokenizer(path)
+        if self.tokenizer is None:
+            raise ValueError(f"--tokenizer {path}: no tokenizer files there (tokenizer.json, tokenizer_config.json, "
+                             "tokenizer.model or tiktoken.model); pass the served model's folder.")
 
     def complete(self, prompts: list[dict], max_tokens: int) -> list[str]:
         out = []
