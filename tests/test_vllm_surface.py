@@ -133,6 +133,14 @@ def test_prefix_caching_and_quantization_refused_by_name(llama, tmp_path):
     assert EngineConfig(model=str(q_dir), quantization="compressed-tensors").quantization == "compressed-tensors"
     with pytest.raises(UnsupportedError, match="quantization='awq'.*compressed-tensors"):
         EngineConfig(model=str(q_dir), quantization="awq")
+    # a folder converted from a .gguf file (it holds gguf_source.json) is the 'gguf' method
+    g_dir = tmp_path / "from-gguf"
+    g_dir.mkdir()
+    shutil.copy(os.path.join(llama, "config.json"), g_dir / "config.json")
+    (g_dir / "gguf_source.json").write_text(json.dumps({"source": "x.gguf"}))
+    assert EngineConfig(model=str(g_dir), quantization="gguf").quantization == "gguf"
+    with pytest.raises(EngineConfigError, match="quantization='gguf' does not match"):
+        EngineConfig(model=llama, quantization="gguf")
     for bad in (0, 1.5, -0.1):
         with pytest.raises(EngineConfigError, match="gpu_memory_utilization must be in"):
             EngineConfig(model=llama, gpu_memory_utilization=bad)

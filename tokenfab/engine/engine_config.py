@@ -22,6 +22,7 @@ DEFAULT_MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs pe
 SUPPORTED_QUANTIZATION = {
     "compressed-tensors": "MXFP4 routed experts of Kimi checkpoints (format mxfp4-pack-quantized), dequantized to "
                           "the engine dtype at load",
+    "gguf": "a .gguf file, dequantized once to a cached bf16 folder (loader/gguf_to_hf.py)",
 }
 # generation_config.json keys that become default SamplingParams fields (vLLM's list; max_new_tokens -> max_tokens).
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -284,8 +285,9 @@ class EngineConfig:
 
 
 def checkpoint_quant_method(model_dir: str) -> str | None:
-    """config.json's quantization_config.quant_method (lower case; also under text_config), or None when the
-    folder has no config.json or declares no quantization."""
+    """config.json's quantization_config.quant_method (lower case; also under text_config); "gguf" for a folder
+    converted from a .gguf file (it holds gguf_source.json); None when the folder has no config.json or declares
+    no quantization."""
     path = os.path.join(str(model_dir), "config.json")
     try:
         with open(path) as f:
@@ -294,6 +296,8 @@ def checkpoint_quant_method(model_dir: str) -> str | None:
         return None
     qc = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config") or {}
     method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if not method and os.path.isfile(os.path.join(str(model_dir), "gguf_source.json")):
+        return "gguf"
     return str(method).lower() if method else None
 
 
