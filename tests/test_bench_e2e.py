@@ -48,9 +48,14 @@ def _finished(server) -> tuple[float, float, float]:
     import httpx
 
     text = httpx.get(server.base_url + "/metrics", timeout=30.0, trust_env=False).text
-    busy = metric_value(text, "vllm:num_requests_running") + metric_value(text, "vllm:num_requests_waiting")
-    return (metric_value(text, "vllm:request_generation_tokens_count"),
-            metric_value(text, "vllm:request_generation_tokens_sum"), busy)
+
+    def value(name):  # a labelled histogram has no sample before its first request
+        try:
+            return metric_value(text, name)
+        except KeyError:
+            return 0.0
+    busy = value("vllm:num_requests_running") + value("vllm:num_requests_waiting")
+    return value("vllm:request_generation_tokens_count"), value("vllm:request_generation_tokens_sum"), busy
 
 
 def _settled(server, want_count: float | None = None) -> tuple[float, float]:
