@@ -396,6 +396,15 @@ def test_serve_flags_parse(llama):
         engine_config_from_args(build_parser().parse_args(["serve", llama, "--enable-prefix-caching"]))
 
 
+def test_unknown_serve_flag_names_the_nearest(capsys):
+    from tokenfab.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--gpu-memory-utilisation", "0.5", "--max-logprobs", "3"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "unrecognized arguments: --gpu-memory-utilisation (did you mean --gpu-memory-utilization?)" in err
+
+
 def test_busy_port_is_reported_before_the_weights_load(llama, monkeypatch, capsys):
     """A port another socket listens on: exit status 1, a message naming --port, and the loader never ran (the
     control run on a free port reaches the loader)."""
