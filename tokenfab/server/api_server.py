@@ -176,6 +176,21 @@ class OpenAIServing:
         self.check_ids(ids)
         return None, ids
 
+    def completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        """Every prompt of a request as (text or None, token ids): a list of texts or of token-id lists is several
+        prompts (OpenAI's and vLLM's batch form, which lm-eval sends); each is checked as a single prompt is,
+        and a bad one is named by its index (``prompt[2]``)."""
+        p = req.prompt
+        if not (isinstance(p, list) and p and isinstance(p[0], (str, list))):
+            return [self.completion_prompt(req)]
+        out = []
+        for i, x in enumerate(p):
+            try:
+                out.append(self.completion_prompt(req.model_copy(update={"prompt": [x]})))
+            except OpenAIError as e:
+                raise OpenAIError(e.status, f"prompt[{i}]: {e.message}", e.type, f"prompt[{i}]") from None
+        return out
+
     def chat_prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
                     kwargs: dict | None = None) -> tuple[str, list[int]]:
         tok = self.tokenizer
@@ -213,6 +228,19 @@ class OpenAIServing:
             offsets.append(off)
             off += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def echo_logprobs(self, prompt_ids: list[int], prompt_lps: list, token_ids: list[int], lps: list[dict]) -> dict:
+        """Completions logprobs of echo + logprobs: the prompt's positions (from the engine's prompt_logprobs)
+        followed by the generated ones, as OpenAI's legacy API and vLLM return them. Position 0 has nothing that
+        predicts it: its ``token_logprobs`` and ``top_logprobs`` entries are None. Logprobs are natural-log
+        probabilities of the model's distribution at each position (float)."""
+        first = self.token_text(prompt_ids[0])
+        head = self.completion_logprobs(prompt_ids[1:], prompt_lps[1:], len(first))
+        tail = self.completion_logprobs(token_ids, lps, len(first) + sum(len(s) for s in head["tokens"]))
+        return {"tokens": [first] + head["tokens"] + tail["tokens"],
+                "token_logprobs": [None] + head["token_logprobs"] + tail["token_logprobs"],
+                "top_logprobs": [None] + head["top_logprobs"] + tail["top_logprobs"],
+                "text_offset": [0] + head["text_offset"] + tail["text_offset"]}
 
     def chat_logprobs(self, token_ids: list[int], lps: list[dict], k: int) -> dict:
         """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
@@ -371,13 +399,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
     async def completions(req: CompletionRequest, raw: Request):
         _check_live()
         serving.check_model(req.model)
-        if req.echo and req.logprobs is not None:
-            raise OpenAIError(400, "echo together with logprobs is not supported yet.", param="echo")
         if req.suffix:
             raise OpenAIError(400, "suffix is not supported.", param="suffix")
         if req.best_of not in (None, req.n):
             raise OpenAIError(400, "best_of other than n is not supported.", param="best_of")
-        prompt, ids = serving.completion_prompt(req)
+        prompts = serving.completion_prompts(req)
+        if len(prompts) > 1 or (req.echo and req.logprobs is not None):
+            return await _completions_all(req, raw, prompts)
+        prompt, ids = prompts[0]
         policy.fill_defaults(req, len(ids))
         max_tokens = serving.check_length(len(ids), req.max_tokens)
         params = serving.sampling_params(req, max_tokens, req.logprobs)
@@ -407,6 +436,50 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
                             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": serving.usage(out)}
+
+    async def _completions_all(req: CompletionRequest, raw: Request, prompts: list) -> dict:
+        """A non-streamed completion of several prompts, or of one with echo + logprobs (lm-eval's
+        log-likelihood request: the prompt positions' logprobs come from the engine's prompt_logprobs, with top
+        ``logprobs`` alternatives each). All prompts run concurrently in the engine's batch; choice ``index`` is
+        prompt index x n + sample index (OpenAI's order); usage sums over the prompts."""
+        if req.stream:
+            raise OpenAIError(400, "stream=true is not supported with a list of prompts or with echo and logprobs; "
+                                   "send stream=false, or one prompt per request.", param="stream")
+        scoring = req.echo and req.logprobs is not None
+        policy.fill_defaults(req, max(len(ids) for _, ids in prompts))
+        runs = []
+        for prompt, ids in prompts:
+            params = serving.sampling_params(req, serving.check_length(len(ids), req.max_tokens), req.logprobs)
+            if scoring:
+                params.prompt_logprobs = req.logprobs
+            rid = f"cmpl-{uuid.uuid4().hex}"
+            policy.admit(rid, prompt, ids, params)
+            runs.append((rid, prompt, ids, params))
+        results = await asyncio.gather(*(serving.collect(async_llm.generate(rid, prompt, ids, params), raw)
+                                         for rid, prompt, ids, params in runs), return_exceptions=True)
+        for r in results:
+            if isinstance(r, OpenAIError):
+                raise r
+            if isinstance(r, BaseException):
+                raise _map_exception(r) from None
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+        for pi, ((rid, prompt, ids, params), out) in enumerate(zip(runs, results)):
+            echo_text = ""
+            if req.echo:
+                echo_text = prompt if prompt is not None else (
+                    serving.tokenizer.decode(ids) if serving.tokenizer is not None else "")
+            for o in out.outputs:
+                lp = None
+                if scoring:
+                    lp = serving.echo_logprobs(ids, out.prompt_logprobs, o.token_ids, o.logprobs)
+                elif req.logprobs is not None:
+                    lp = serving.completion_logprobs(o.token_ids, o.logprobs, len(echo_text))
+                choices.append({"index": pi * req.n + o.index, "text": echo_text + o.text, "logprobs": lp,
+                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+            for k, v in serving.usage(out).items():
+                usage[k] += v
+        return {"id": runs[0][0], "object": "text_completion", "created": int(time.time()),
+                "model": req.model or served_model_name, "choices": choices, "usage": usage}
 
     async def _stream_completion(gen, rid, created, model, n, echo_text, include_usage, want_lp, hold):
         """SSE chunks of a completion; ``hold`` characters stay unsent until the end (a stop string may be
