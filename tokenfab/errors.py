@@ -20,8 +20,21 @@ class EngineConfigError(ValueError):
     """An engine setting that cannot work with this model or machine (max_model_len, dtype, KV pool size ...)."""
 
 
+class InvalidRequestError(ValueError):
+    """A request field that cannot run (wrong type, out of range, outside the vocabulary ...).
+
+    Attributes:
+        param: the request field at fault (``"top_p"``, ``"prompt"``, ``"stop_token_ids"`` ...); the HTTP server
+            returns it as the ``param`` of OpenAI's error JSON with status 400.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 USER_ERRORS = (ConfigError, WeightLoadError, PromptTooLongError, UnsupportedError, EngineConfigError,
-               FileNotFoundError)
+               InvalidRequestError, FileNotFoundError)
 
 
 def is_user_error(e: BaseException) -> bool:

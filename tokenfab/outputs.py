@@ -13,7 +13,7 @@ class CompletionOutput:
 
     ``token_ids``: generated token ids; ``logprobs``: one dict per generated token (None unless asked for);
     ``finish_reason``: "stop" (EOS, stop string or stop token), "length" (max_tokens or max_model_len), "abort",
-    or None while running.
+    "error" (the engine failed this request, see ``RequestOutput.error``), or None while running.
     """
 
     index: int
@@ -56,3 +56,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    error: str | None = None  # why the engine failed this request (its outputs then finish with "error")

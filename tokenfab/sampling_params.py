@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenfab.request_validation import check_sampling_params, check_sampling_params_for_model
+
 
 @dataclass
 class SamplingParams:
@@ -24,7 +26,8 @@ class SamplingParams:
         prompt_logprobs: number of top logprobs per prompt position; None returns none.
 
     Raises:
-        ValueError: a field out of range, naming it.
+        InvalidRequestError (a ValueError): a field of the wrong type or out of range (NaN and infinities
+            included), naming it (checks in tokenfab/request_validation.py, shared with the HTTP server).
     """
 
     n: int = 1
@@ -44,25 +47,22 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}.")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        self.stop = [s for s in (self.stop or []) if not isinstance(s, str) or s]
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None or self.top_k == 0:
             self.top_k = -1
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}.")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}.")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise ValueError(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
+        check_sampling_params(self)
+
+    def validate(self, vocab_size: int) -> None:
+        """Check every field again (they may have been changed since construction) and against the model's
+        vocabulary: stop token ids in [0, vocab_size), logprobs and prompt_logprobs at most vocab_size.
+        ``LLMEngine.add_request`` calls it for every request.
+
+        Raises:
+            InvalidRequestError (a ValueError): the field at fault, by name.
+        """
+        check_sampling_params_for_model(self, vocab_size)
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,10 @@ def decode_fn(tokenizer):
     """The tokenizer's ``decode(ids, skip_special_tokens=...)``: for a fast (Rust ``tokenizers``) tokenizer that does
     no clean-up of tokenization spaces, the backend's own decode, which is what transformers' ``decode`` returns for
     it without the Python layers around it (~2 µs instead of ~6 µs per call warm, paid twice per token per sequence
-    on the step loop, benchmarks/NOTES.md entry 35); otherwise transformers' ``decode``."""
+    on the step loop, benchmarks/NOTES.md entry 35); otherwise transformers' ``decode``; None without a tokenizer
+    (a checkpoint folder with no tokenizer files: token ids only, text stays empty, as vLLM's skip_tokenizer_init)."""
+    if tokenizer is None:
+        return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
         return backend.decode
@@ -21,8 +24,11 @@ def decode_fn(tokenizer):
 class IncrementalDetokenizer:
     """Text of one sequence's generated tokens.
 
+    Invariant: ``text`` is a prefix of ``decode(output_ids)`` (cut before a stop string once one ended generation),
+    and after :meth:`finish` it is the whole ``decode(output_ids)`` (or the part before the stop string).
+
     Args:
-        tokenizer: a transformers tokenizer (``decode``).
+        tokenizer: a transformers tokenizer (``decode``), or None (no text: ``text`` stays "").
         skip_special_tokens: drop special tokens (EOS...) from the text.
         stop: stop strings; the text is cut before the first one found.
     """
@@ -42,22 +48,46 @@ class IncrementalDetokenizer:
         hold = max((len(s) for s in self.stop), default=1) - 1
         return self.text[: len(self.text) - hold] if hold else self.text
 
-    def update(self, output_ids: list[int]) -> tuple[str, str | None]:
-        """Consume the sequence's full generated id list; returns (new text delta, stop string hit or None)."""
-        if self.tok is None:
+    def update(self, output_ids: list[int], check_stop: bool = True) -> tuple[str, str | None]:
+        """Consume the sequence's full generated id list; returns (new text delta, stop string hit or None).
+
+        ``check_stop`` False (the sequence is still below ``min_tokens``): the text grows but no stop string is
+        searched, so none is cut; later steps search only for stop strings that end in their new text (vLLM's
+        rule). Text is held back while it ends in an incomplete UTF-8 character (U+FFFD) until more tokens
+        complete it or :meth:`finish` flushes it."""
+        if self._decode is None:
             return "", None
         prefix = self._decode(output_ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
         full = self._decode(output_ids[self.prefix_offset:], skip_special_tokens=self.skip)
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return "", None
-        delta = full[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
-        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        return self._append(full[len(prefix):], len(output_ids), check_stop)
+
+    def finish(self, output_ids: list[int], check_stop: bool = True) -> tuple[str, str | None]:
+        """The sequence ended (EOS, stop token, length): append what :meth:`update` held back (the trailing bytes
+        of an incomplete UTF-8 character decode to U+FFFD, as ``tokenizer.decode`` shows them), so ``text``
+        equals ``decode(output_ids)``. Returns (delta, stop string hit or None) like :meth:`update`."""
+        if self._decode is None or self.read_offset >= len(output_ids):
+            return "", None
+        prefix = self._decode(output_ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        full = self._decode(output_ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        if len(full) <= len(prefix):
+            return "", None
+        return self._append(full[len(prefix):], len(output_ids), check_stop)
+
+    def _append(self, delta: str, n_ids: int, check_stop: bool) -> tuple[str, str | None]:
+        self.prefix_offset, self.read_offset = self.read_offset, n_ids
+        before = len(self.text)
         self.text += delta
-        for s in self.stop:
-            i = self.text.find(s, start)
-            if i >= 0:
-                cut = len(self.text) - i
-                self.text = self.text[:i]
-                return delta[: max(0, len(delta) - cut)], s
-        return delta, None
+        if not check_stop:
+            return delta, None
+        hit = None
+        for s in self.stop:  # the earliest stop string that ends inside the new text
+            i = self.text.find(s, max(0, before - len(s) + 1))
+            if i >= 0 and (hit is None or i < hit[0]):
+                hit = (i, s)
+        if hit is None:
+            return delta, None
+        i, s = hit
+        self.text = self.text[:i]
+        return delta[: max(0, i - before)], s

@@ -1,11 +1,21 @@
 """LLMEngine: the step loop. ``step()`` = scheduler.schedule() -> model_runner.execute() -> sampler ->
-output processing (append tokens, stop checks, detokenize) -> RequestOutputs for the requests that progressed."""
+output processing (append tokens, stop checks, detokenize) -> RequestOutputs for the requests that progressed.
+
+Failure isolation: every request is validated completely in ``add_request`` (tokenfab/request_validation.py), so
+nothing invalid reaches a step. If a step raises anyway, the engine re-runs the step's sequences in halves
+(bisection) to find the ones whose rows raise, finishes their requests with ``finish_reason="error"`` (the message in
+``RequestOutput.error``) and serves every other sequence of the step from the re-runs. Re-running is safe: a re-run
+writes the same K/V at the same positions, and sequence progress (``num_computed_tokens``, tokens) is only advanced
+in output processing, after a run succeeded. Models with recurrent state (KDA), which a failed run may have advanced,
+recompute the other sequences from scratch instead (preemption). The normal path pays nothing for this (a ``try``).
+"""
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenfab.engine.block_manager import BlockManager
@@ -16,8 +26,9 @@ from tokenfab.engine.model_runner import ModelRunner, StepOutput
 from tokenfab.engine.sampler import Sampler
 from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.sequence import Sequence
-from tokenfab.errors import PromptTooLongError
+from tokenfab.errors import InvalidRequestError, PromptTooLongError
 from tokenfab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenfab.request_validation import check_prompt_text, check_token_ids
 from tokenfab.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenfab")
@@ -34,6 +45,7 @@ class Request:
     seqs: list[Sequence]
     detoks: list[IncrementalDetokenizer]
     metrics: RequestMetrics
+    error: str | None = None  # why the engine failed this request (finish_reason "error"), else None
 
     @property
     def finished(self) -> bool:
@@ -69,7 +81,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
         self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
-                      "requests_aborted_total": 0}
+                      "requests_aborted_total": 0, "requests_failed_total": 0, "step_failures_total": 0}
         self.skipped_weights = loaded.skipped_weights
         self.tp_group = loaded.tp_group  # tensor parallel > 1: workers to drive (tokenfab.parallel.launcher)
         if self.tp_group is not None:
@@ -113,24 +125,35 @@ class LLMEngine:
     # ---- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                     params: SamplingParams, arrival_time: float | None = None) -> None:
-        """Queue a request. Tokenizes ``prompt`` when ``prompt_token_ids`` is None.
+        """Queue a request after validating all of it (request_validation.py). Tokenizes ``prompt`` when
+        ``prompt_token_ids`` is None.
 
         Raises:
             PromptTooLongError: the prompt has more than max_model_len tokens, or more than the whole KV pool holds.
-            ValueError: empty prompt, duplicate request id, or token ids outside the vocabulary.
+            InvalidRequestError (a ValueError): a SamplingParams field out of range or outside the vocabulary, an
+                empty prompt, token ids that are not integers in [0, vocab_size), a lone surrogate in the prompt
+                text, a text prompt or stop strings for a model without tokenizer.
+            ValueError: duplicate request id.
         """
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in use.")
-        if prompt_token_ids is None:
-            if prompt is None or self.tokenizer is None:
-                raise ValueError("a request needs a prompt string (with a tokenizer) or prompt_token_ids.")
-            prompt_token_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError("the prompt is empty: give at least one token.")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}.",
+                                      "sampling_params")
         V = self.model_config.vocab_size
-        if min(ids) < 0 or max(ids) >= V:
-            raise ValueError(f"prompt token ids must be in [0, {V}) (vocab_size); got {min(ids)}..{max(ids)}.")
+        params.validate(V)
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer and this model has none (no tokenizer files "
+                                      "in its folder); use stop_token_ids instead.", "stop")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise InvalidRequestError("a request needs a prompt string or prompt_token_ids.", "prompt")
+            check_prompt_text("prompt", prompt)
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer (no tokenizer files in its folder), so a text "
+                                          "prompt cannot be tokenized; pass prompt_token_ids instead.", "prompt")
+            prompt_token_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        ids = check_token_ids("prompt_token_ids", prompt_token_ids, V)
         if len(ids) > self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens, more than max_model_len "
                                      f"({self.max_model_len}); shorten it or raise max_model_len.")
@@ -145,15 +168,18 @@ class LLMEngine:
         for s in seqs:
             self.scheduler.add(s)
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now and free its KV blocks (unknown or finished ids are ignored)."""
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Returns its final output (``finish_reason`` "abort" for the
+        sequences that were still running), or None for unknown or finished ids (ignored)."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return
+            return None
         self.stats["requests_aborted_total"] += 1
-        for s in req.seqs:
+        for s, d in zip(req.seqs, req.detoks):
             if not s.is_finished:
+                d.finish(s.output_token_ids, check_stop=False)
                 self.scheduler.finish(s, "abort")
+        return self._make_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -181,9 +207,79 @@ class LLMEngine:
         for s in batch.admitted:
             if s.first_scheduled_time is None:
                 s.first_scheduled_time = now
-        self.runner.admit(batch.admitted)
-        out = self.runner.execute(batch) if self.tp_group is None else self.tp_group.execute(self.runner, batch)
+        try:
+            out = self._run(batch)
+        except Exception as exc:  # some sequence's rows raised: find it, fail its request alone, serve the rest
+            return self._step_isolating(batch, exc)
         return self._process(batch, out)
+
+    def _run(self, batch: ScheduledBatch) -> StepOutput:
+        """Write admitted sequences' tokens and run the forward + sampling of ``batch`` (no sequence state
+        changes: safe to repeat)."""
+        self.runner.admit(batch.admitted)
+        return self.runner.execute(batch) if self.tp_group is None else self.tp_group.execute(self.runner, batch)
+
+    @staticmethod
+    def _sub_batch(batch: ScheduledBatch, idx: np.ndarray) -> ScheduledBatch:
+        """The part of ``batch`` at the sorted indices ``idx`` (decodes still first)."""
+        seqs = [batch.seqs[i] for i in idx.tolist()]
+        ids = {id(s) for s in seqs}
+        return ScheduledBatch(seqs=seqs, num_decodes=int((idx < batch.num_decodes).sum()), rows=batch.rows[idx],
+                              num_new=batch.num_new[idx], num_computed=batch.num_computed[idx],
+                              admitted=[s for s in batch.admitted if id(s) in ids])
+
+    def _step_isolating(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        """After ``batch`` raised ``exc``: bisect it (re-run each half, recurse into halves that raise) down to the
+        single sequences that raise, fail their requests (finish_reason "error", ``RequestOutput.error``), and
+        process the outputs of the halves that ran. With recurrent-state models the halves' outputs are dropped
+        and every other sequence of the batch is preempted (recomputed from its tokens). Returns the outputs of
+        the requests that progressed, finished or failed."""
+        self.stats["step_failures_total"] += 1
+        logger.warning("engine step over %d sequences failed (%s: %s); isolating the failing requests",
+                       len(batch), type(exc).__name__, str(exc).strip().splitlines()[:1])
+        recurrent = self.runner.has_state
+        results: dict[str, RequestOutput] = {}
+        failed: dict[str, Exception] = {}
+
+        def bisect(idx: np.ndarray, err: Exception) -> None:
+            if len(idx) == 1:
+                failed.setdefault(batch.seqs[int(idx[0])].request_id, err)
+                return
+            half = len(idx) // 2
+            for part in (idx[:half], idx[half:]):
+                sub = self._sub_batch(batch, part)
+                try:
+                    out = self._run(sub)
+                except Exception as e:
+                    bisect(part, e)
+                    continue
+                if not recurrent:
+                    for o in self._process(sub, out):
+                        results[o.request_id] = o
+
+        bisect(np.arange(len(batch)), exc)
+        if recurrent:  # the failed runs may have advanced their recurrent state: recompute from scratch
+            for s in reversed(batch.seqs):
+                if s.request_id not in failed and not s.is_finished:
+                    self.scheduler._preempt(s)
+        for rid, err in failed.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                results[rid] = self._fail_request(req, err)
+        return list(results.values())
+
+    def _fail_request(self, req: Request, err: BaseException) -> RequestOutput:
+        """Finish every sequence of ``req`` with finish_reason "error", free its blocks and rows, and return its
+        final output (``error`` says what raised; the traceback goes to the log)."""
+        first = (str(err).strip().splitlines() or [""])[0][:300]
+        req.error = f"{type(err).__name__}: {first}"
+        logger.error("request %s failed in an engine step: %s", req.request_id, req.error, exc_info=err)
+        for s in req.seqs:
+            if not s.is_finished:
+                self.scheduler.finish(s, "error")
+        self.requests.pop(req.request_id, None)
+        self.stats["requests_failed_total"] += 1
+        return self._make_output(req)
 
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:
         seqs = batch.seqs
@@ -197,6 +293,7 @@ class LLMEngine:
         if out.prompt_logprobs is not None:
             self._store_prompt_logprobs(seqs, out)
         touched: dict[str, Request] = {}
+        failed: dict[str, tuple[Request, Exception]] | None = None
         so = out.sampler_output
         if so is not None:
             now = time.monotonic()
@@ -231,9 +328,17 @@ class LLMEngine:
                 req = self.requests.get(seq.request_id)
                 if req is None:
                     continue
-                self._check_stop(req, seq, tok)
+                try:
+                    self._check_stop(req, seq, tok)
+                except Exception as e:  # detokenizing this sequence raised: fail its request only
+                    failed = failed or {}
+                    failed[req.request_id] = (req, e)
                 touched[req.request_id] = req
         outputs = []
+        if failed:
+            for rid, (req, e) in failed.items():
+                touched.pop(rid, None)
+                outputs.append(self._fail_request(req, e))
         for req in touched.values():
             outputs.append(self._make_output(req))
             if req.finished:
@@ -257,9 +362,10 @@ class LLMEngine:
     def _check_stop(self, req: Request, seq: Sequence, tok: int) -> None:
         p = seq.params
         detok = req.detoks[seq.index]
-        _, stop_str = detok.update(seq.output_token_ids)
+        check = seq.num_output_tokens >= p.min_tokens  # below min_tokens no stop string is searched (or cut)
+        _, stop_str = detok.update(seq.output_token_ids, check)
         reason = stop_reason = None
-        if seq.num_output_tokens >= p.min_tokens:
+        if check:
             if stop_str is not None:
                 reason, stop_reason = "stop", stop_str
             elif not p.ignore_eos and tok in self.eos_token_ids:
@@ -272,6 +378,10 @@ class LLMEngine:
             elif seq.num_tokens >= self.max_model_len:
                 reason = "length"
         if reason is not None:
+            if stop_str is None:  # flush text held back for an incomplete UTF-8 character (it may end in a stop)
+                _, stop_str = detok.finish(seq.output_token_ids, check)
+                if stop_str is not None:
+                    reason, stop_reason = "stop", stop_str
             seq.stop_reason = stop_reason
             self.scheduler.finish(seq, reason)
 
@@ -294,4 +404,4 @@ class LLMEngine:
         s0 = req.seqs[0]
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
                              outputs=outs, finished=req.finished, prompt_logprobs=s0.prompt_logprobs,
-                             metrics=m)
+                             metrics=m, error=req.error)

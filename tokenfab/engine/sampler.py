@@ -32,7 +32,8 @@ class SamplerOutput:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask logits [N, V] outside each row's top-k (int64 [N], V = disabled) and then outside its top-p nucleus
-    (float32 [N], 1.0 = disabled; the smallest set of most likely tokens whose mass reaches p). Returns new logits."""
+    (float32 [N], 1.0 = disabled; the smallest set of most likely tokens whose mass reaches p, never empty: the most
+    likely token stays even where p rounds to 0 in float32, e.g. 1e-300). Returns new logits."""
     sorted_logits, idx = logits.sort(dim=-1, descending=True)
     V = logits.shape[-1]
     if top_k is not None:
@@ -41,7 +42,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     if top_p is not None:
         probs = sorted_logits.softmax(dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p.unsqueeze(1), float("-inf"))
+        drop = mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False  # the most likely token always stays: a top_p that rounds to 0 in float32 means greedy
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
 
 
@@ -121,7 +124,7 @@ class Sampler:
                 x = logits
             ks = [p.top_k for p in params]
             ps = [p.top_p for p in params]
-            top_k = torch.tensor([k if k > 0 else V for k in ks]) if any(0 < k < V for k in ks) else None
+            top_k = torch.tensor([k if 0 < k < V else V for k in ks]) if any(0 < k < V for k in ks) else None
             top_p = torch.tensor(ps, dtype=torch.float32) if any(p < 1.0 for p in ps) else None
             if top_k is not None or top_p is not None:
                 x = apply_top_k_top_p(x, top_k, top_p)

@@ -81,6 +81,9 @@ class LLM:
         ``sampling_params``: one for all prompts or a list aligned with them (default:
         :meth:`get_default_sampling_params`, i.e. SamplingParams() with the generation_config defaults).
 
+        A request the engine fails while running (``finish_reason`` "error") comes back with the reason in
+        ``RequestOutput.error``; the others finish normally.
+
         Raises:
             PromptTooLongError, ValueError: for a bad prompt, or logprobs / prompt_logprobs above max_logprobs
                 (nothing is generated then).
@@ -112,10 +115,16 @@ class LLM:
         show = self.progress if use_tqdm is None else use_tqdm
         bar = tqdm(total=len(ids), desc="Generating", unit="req", disable=not show, leave=False)
         done: dict[str, RequestOutput] = {}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update(1)
-        bar.close()
+        try:
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        except BaseException:  # a failure the engine could not pin on one request: leave the LLM usable
+            for rid in ids:
+                eng.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         return [done[r] for r in ids]

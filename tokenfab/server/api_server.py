@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenfab.errors import PromptTooLongError
 from tokenfab.outputs import RequestOutput
+from tokenfab.request_validation import check_token_ids
 from tokenfab.sampling_params import SamplingParams
 from tokenfab.server.async_engine import AsyncLLM, EngineShutdownError, EngineStepError
 from tokenfab.server.auth import add_api_key
@@ -66,8 +67,15 @@ def _map_exception(e: BaseException) -> OpenAIError:
     if isinstance(e, EngineStepError):
         return OpenAIError(500, str(e))
     if isinstance(e, ValueError):
-        return OpenAIError(400, str(e))
+        return OpenAIError(400, str(e), param=getattr(e, "param", None))
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}")
+
+
+def bad_request(e: ValueError) -> OpenAIError:
+    """A 400 for a refused field: ``param`` from an InvalidRequestError, else the message's first word (the
+    checks start their messages with the field name)."""
+    msg = str(e)
+    return OpenAIError(400, msg, param=getattr(e, "param", None) or msg.split(" ", 1)[0])
 
 
 def _hold(params: SamplingParams) -> int:
@@ -106,12 +114,11 @@ class OpenAIServing:
                           "NotFoundError", "model")
 
     def check_ids(self, ids: list[int], field: str = "prompt") -> None:
-        if not ids:
-            raise OpenAIError(400, f"{field} is empty: give at least one token.", param=field)
-        lo, hi = min(ids), max(ids)
-        if lo < 0 or hi >= self.vocab_size:
-            raise OpenAIError(400, f"{field}: token ids must be in [0, {self.vocab_size}) (vocab_size); "
-                                   f"got {lo}..{hi}.", param=field)
+        """400 naming ``field`` unless ``ids`` are integer token ids in [0, vocab_size) (request_validation)."""
+        try:
+            check_token_ids(field, ids, self.vocab_size)
+        except ValueError as e:
+            raise bad_request(e) from None
 
     def check_length(self, prompt_len: int, max_tokens: int | None, field: str = "max_tokens") -> int:
         """Return max_tokens (filled to the rest of the context when None); 400 when the request cannot fit."""
@@ -138,15 +145,16 @@ class OpenAIServing:
         if getattr(req, "logit_bias", None):
             raise OpenAIError(400, "logit_bias is not supported yet.", param="logit_bias")
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k in (None, 0) else req.top_k, max_tokens=max_tokens,
                 min_tokens=req.min_tokens, seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
                 ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+            params.validate(self.vocab_size)  # the checks add_request runs (request_validation.py), before streaming
         except ValueError as e:
-            msg = str(e)
-            raise OpenAIError(400, msg, param=msg.split(" ", 1)[0]) from None
+            raise bad_request(e) from None
+        return params
 
     def token_text(self, tid: int) -> str:
         """The text of one token id (cached)."""
@@ -217,14 +225,23 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------------------------------- logprobs
     def completion_logprobs(self, token_ids: list[int], lps: list[dict], offset0: int) -> dict:
-        """OpenAI completions shape: tokens, token_logprobs, top_logprobs (dict per position), text_offset."""
+        """OpenAI completions shape: tokens, token_logprobs, top_logprobs (dict per position, text -> logprob, most
+        likely first), text_offset.
+
+        ``top_logprobs`` is keyed by token text, and different ids can decode to the same text (byte-fallback
+        pieces of one multi-byte character all decode to U+FFFD): the chosen token's entry is always there with
+        its own logprob (= ``token_logprobs``), and among other ids with one text the most likely one is kept."""
         tokens, token_lps, tops, offsets = [], [], [], []
         off = offset0
         for tid, d in zip(token_ids, lps):
             s = self.token_text(tid)
             tokens.append(s)
-            token_lps.append(d.get(tid))
-            tops.append({self.token_text(t): v for t, v in sorted(d.items(), key=lambda kv: -kv[1])})
+            lp = d.get(tid)
+            token_lps.append(lp)
+            top = {s: lp}
+            for t, v in sorted(d.items(), key=lambda kv: -kv[1]):
+                top.setdefault(self.token_text(t), v)
+            tops.append(dict(sorted(top.items(), key=lambda kv: -kv[1] if kv[1] is not None else float("inf"))))
             offsets.append(off)
             off += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -376,7 +393,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
     async def tokenize(req: TokenizeRequest):
         serving.check_model(req.model)
         if serving.tokenizer is None:
-            raise OpenAIError(400, "this model has no tokenizer.")
+            raise OpenAIError(400, "this model has no tokenizer (no tokenizer files in its folder).", param="prompt")
         if req.messages is not None:
             _, ids = serving.chat_prompt(req.messages, req.add_generation_prompt)
         elif req.prompt is not None:
@@ -416,7 +433,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
         model = req.model or served_model_name
         echo_text = ""
         if req.echo:
-            echo_text = prompt if prompt is not None else serving.tokenizer.decode(ids)
+            echo_text = prompt if prompt is not None else (  # no tokenizer: token ids only, the text stays empty
+                serving.tokenizer.decode(ids) if serving.tokenizer is not None else "")
         gen = async_llm.generate(rid, prompt, ids, params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

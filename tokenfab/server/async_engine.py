@@ -8,8 +8,11 @@ from a per-request :class:`asyncio.Queue`, filled from the engine thread with ``
 Failure isolation:
 
 - a request the engine refuses in ``add_request`` (too long, bad token ids ...) fails alone with that error;
-- an exception inside ``engine.step()`` fails the requests that were running (the ones the failed step touched)
-  with an :class:`EngineStepError`, frees their KV blocks, and the loop keeps going for everything else;
+- a request the engine fails inside a step (its rows raised: ``RequestOutput.error``, finish_reason "error"; the
+  engine finds it by re-running the step's sequences in halves, engine.py) gets an :class:`EngineStepError` on its
+  stream only; the step's other requests go on with the tokens they would have had;
+- an exception that escapes ``engine.step()`` (one the engine could not pin on a request) fails the requests that
+  were running with an :class:`EngineStepError`, frees their KV blocks, and the loop keeps going for the rest;
 - after :meth:`AsyncLLM.shutdown` starts, new requests get :class:`EngineShutdownError` (HTTP 503) and in-flight
   ones are failed with it.
 """
@@ -251,9 +254,15 @@ class AsyncLLM:
             if self._streams.pop(rid, None) is not None:
                 self.num_aborted += 1
                 try:
-                    self.engine.abort_request(rid)
+                    out = self.engine.abort_request(rid)
                 except Exception:
                     logger.exception("abort of request %s failed", rid)
+                    return
+                if out is not None and self.on_finish is not None:  # counted as finished_reason "abort"
+                    try:
+                        self.on_finish(_snapshot(out))
+                    except Exception:
+                        logger.exception("on_finish callback failed")
 
     def _drain(self, block: bool) -> None:
         try:
@@ -287,7 +296,7 @@ class AsyncLLM:
     def _publish_stats(self) -> None:
         st = self.engine.get_stats()
         st["num_aborted"] = self.num_aborted
-        st["num_step_failures"] = self.num_step_failures
+        st["num_step_failures"] = self.num_step_failures + st.get("step_failures_total", 0)
         with self._stats_lock:
             self._stats = st
 
@@ -324,6 +333,9 @@ class AsyncLLM:
                                 self.on_finish(snap)
                             except Exception:
                                 logger.exception("on_finish callback failed")
+                    if out.error is not None:  # the engine failed this request alone
+                        stream.put(EngineStepError(f"the engine failed while running this request: {out.error}"))
+                        continue
                     stream.put(snap)
                 self._publish_stats()
                 if self.on_step is not None:

@@ -27,7 +27,8 @@ class ServerMetrics:
 
     Exposed (vLLM names): ``vllm:num_requests_running`` / ``_waiting`` (gauges, sequences), ``vllm:kv_cache_usage_perc``
     (gauge, 0..1), ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total`` / ``vllm:num_preemptions_total``
-    / ``vllm:request_success_total{finished_reason}`` (counters), the histograms
+    / ``vllm:request_success_total{finished_reason}`` (counters; finished_reason "stop", "length", "abort" for
+    requests the client gave up on, "error" for requests the engine failed), the histograms
     ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``,
     ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
     ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``, and the speculative-decoding counters
@@ -84,7 +85,7 @@ class ServerMetrics:
         for m in (self.aborted, self.step_failures, self.prompt_tokens, self.generation_tokens, self.preemptions, self.spec_drafts,
                   self.spec_draft_tokens, self.spec_accepted):
             m.labels(model_name).inc(0)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason).inc(0)
         self._lock = threading.Lock()
         self._seen = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "num_preemptions": 0,

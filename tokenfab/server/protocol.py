@@ -1,7 +1,10 @@
 """Request and response models of the OpenAI-compatible API (OpenAI's field names plus vLLM's extensions).
 
 Requests are pydantic models: a wrong type or out-of-range value becomes a 400 with OpenAI's error JSON
-(``{"error": {"message", "type", "param", "code"}}``) naming the field. Unknown fields are ignored (as OpenAI and
+(``{"error": {"message", "type", "param", "code"}}``) naming the field. Numbers must be finite (no NaN or
+infinity), token ids strict integers (not ``true`` or ``1.0``), and no string may hold a lone UTF-16 surrogate
+(``"\ud800"``, which UTF-8 cannot encode). The ranges of sampling fields are checked where SamplingParams is built,
+by the checks the offline API runs (tokenfab/request_validation.py). Unknown fields are ignored (as OpenAI and
 vLLM do). Streamed chunks and full responses are plain dicts in OpenAI's shape, built by the serving code.
 """
 from __future__ import annotations
@@ -9,7 +12,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from tokenfab.request_validation import find_lone_surrogate
 
 
 class OpenAIError(Exception):
@@ -33,12 +39,28 @@ class OpenAIError(Exception):
 
 def error_body(status: int, message: str, type: str | None = None, param: str | None = None) -> dict:
     """OpenAI's error JSON. ``code`` is the HTTP status (as vLLM sends it)."""
-    e = OpenAIError(status, message, type, param)
+    e = OpenAIError(status, _utf8_safe(message), type, _utf8_safe(param) if param is not None else None)
     return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": status}}
 
 
+def _utf8_safe(s: str) -> str:
+    """``s`` with lone surrogates written as ``\\udXXX`` escapes, so the JSON body always encodes as UTF-8."""
+    return s if s.isascii() else s.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    """Every request model: unknown fields ignored, finite numbers only, no lone surrogate in any string."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _no_lone_surrogates(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not isinstance(v, (int, float, bool)) and find_lone_surrogate(v) is not None:
+            raise PydanticCustomError(
+                "lone_surrogate", "the text holds a lone UTF-16 surrogate (U+D800..U+DFFF, e.g. the JSON escape "
+                "\\ud800 without its pair), which is not valid Unicode; send UTF-8 text or a complete pair")
+        return v
 
 
 class StreamOptions(_Base):
@@ -53,8 +75,8 @@ class _SamplingFields(_Base):
 
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=128)
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0 ** 16)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    temperature: Optional[float] = None  # ranges of sampling fields: request_validation.check_sampling_params
+    top_p: Optional[float] = None
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
@@ -67,15 +89,15 @@ class _SamplingFields(_Base):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: Optional[list[int]] = None
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[StrictInt]] = None
     skip_special_tokens: bool = True
 
 
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: text, token ids, or a one-element list of either."""
 
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]]
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     echo: bool = False
@@ -121,7 +143,7 @@ class DetokenizeRequest(_Base):
     """``POST /detokenize`` (vLLM): token ids -> ``{"prompt": text}``."""
 
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[StrictInt]
 
 
 class UsageInfo(_Base):
