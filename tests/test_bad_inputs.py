@@ -85,3 +85,50 @@ def test_max_model_len_above_the_model_is_one_line(tiny_model, capsys, command):
     err = capsys.readouterr().err
     assert rc == 2 and "max_model_len 100000 exceeds" in err and "lower max_model_len" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("kw,param", [
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(top_p=float("nan")), "top_p"), (dict(top_p=1e-400), "top_p"), (dict(seed=2 ** 64), "seed"),
+    (dict(seed=2 ** 64 - 2, n=3), "seed"), (dict(n=True), "n"), (dict(max_tokens=2.5), "max_tokens"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop_token_ids=["7"]), "stop_token_ids"),
+    (dict(stop=[3]), "stop"), (dict(logprobs=-2), "logprobs"), (dict(top_k=1.5), "top_k"),
+])
+def test_sampling_params_refuse_bad_fields_by_name(kw, param):
+    """SamplingParams checks types, ranges and finiteness (request_validation.py): the error names the field."""
+    with pytest.raises(ValueError, match=param) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param
+
+
+def test_add_request_checks_against_the_model(tiny_model):
+    """What needs the model is checked when the request enters: stop token ids inside the vocabulary (the issue's
+    IndexError / overflow triggers), logprobs and prompt_logprobs at most vocab_size, integer prompt ids, a prompt
+    text UTF-8 can encode, and fields changed after SamplingParams was built. Nothing stays queued after."""
+    llm = LLM(tiny_model("llama"), dtype="float32", max_model_len=64, max_logprobs=-1, progress=False)
+    eng = llm.llm_engine
+    cases = [
+        ([5, 6], SamplingParams(max_tokens=2, min_tokens=1, stop_token_ids=[512]), "stop_token_ids"),
+        ([5, 6], SamplingParams(max_tokens=2, stop_token_ids=[2 ** 70]), "stop_token_ids"),
+        ([5, 6], SamplingParams(max_tokens=2, logprobs=513), "logprobs"),
+        ([5, 6], SamplingParams(max_tokens=2, prompt_logprobs=10 ** 6), "prompt_logprobs"),
+        ([True, False], SamplingParams(max_tokens=2), "prompt_token_ids"),
+        ([1.0, 2.0], SamplingParams(max_tokens=2), "prompt_token_ids"),
+        (["1"], SamplingParams(max_tokens=2), "prompt_token_ids"),
+        ([], SamplingParams(max_tokens=2), "prompt_token_ids"),
+    ]
+    for i, (ids, sp, param) in enumerate(cases):
+        with pytest.raises(ValueError) as e:
+            eng.add_request(f"bad{i}", None, ids, sp)
+        assert e.value.param == param and param in str(e.value), (param, str(e.value))
+    changed = SamplingParams(max_tokens=2)
+    changed.top_p = 0.0
+    with pytest.raises(ValueError, match="top_p"):
+        eng.add_request("changed", None, [5], changed)
+    with pytest.raises(ValueError, match="surrogate") as e:
+        llm.generate("caf\udce9", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert e.value.param == "prompt"
+    assert not eng.has_unfinished_requests()
+    lp = llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2, prompt_logprobs=512,
+                                                                       ignore_eos=True), use_tqdm=False)
+    assert len(lp[0].prompt_logprobs[1]) == 512  # the whole vocabulary is allowed

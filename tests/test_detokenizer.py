@@ -33,3 +33,41 @@ def test_incremental_text_equals_transformers_decode(tokenizer_dir, skip, backen
         want = AutoTokenizer.from_pretrained(tokenizer_dir).decode(ids, skip_special_tokens=skip)
         assert d.text == text
         assert want.startswith(text) and (text == want or want[len(text):] == "\ufffd" * (len(want) - len(text)))
+
+
+def test_finish_flushes_an_incomplete_character(tokenizer_dir):
+    """After finish() the text is exactly decode(ids), also when the ids end inside a multi-byte character (its
+    bytes decode to U+FFFD, which update() holds back while more tokens may complete it)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rng = random.Random(1)
+    tails = 0
+    for trial in range(60):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(1, 30))]
+        d = IncrementalDetokenizer(tok)
+        for i in range(1, len(ids) + 1):
+            d.update(ids[:i])
+        want = tok.decode(ids, skip_special_tokens=True)
+        tails += d.text != want
+        d.finish(ids)
+        assert d.text == want
+    assert tails >= 5  # the case under test occurs
+
+
+def test_stop_strings_are_not_searched_below_min_tokens(tokenizer_dir):
+    """update(check_stop=False) appends text without cutting a stop string; later updates find only stop strings
+    that end in their new text, so the text stays a prefix of decode(ids)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    ids = tok("the model said the word twice: the end", add_special_tokens=False)["input_ids"]
+    d = IncrementalDetokenizer(tok, stop=["the"])
+    for i in range(1, 3):
+        assert d.update(ids[:i], check_stop=False)[1] is None
+    assert d.text.startswith("the")
+    stop = None
+    for i in range(3, len(ids) + 1):
+        _, stop = d.update(ids[:i])
+        if stop:
+            break
+    assert stop == "the" and d.text == "the model said "
+    assert tok.decode(ids).startswith(d.text)

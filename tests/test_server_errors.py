@@ -203,3 +203,79 @@ def test_health_503_when_the_engine_cannot_serve(server, http):
     finally:
         eng.health_error = real
     assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("path,raw,param", [
+    ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", b'{"model": "\\ud800", "prompt": "hi"}', "model"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\ud800"]}', "stop"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "\\ud800", "content": "x"}]}', "messages"),
+    ("/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udbff"}]}]}', "messages"),
+    ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+])
+def test_lone_surrogates_give_400_and_keep_the_connection(server, path, raw, param):
+    """JSON's \\ud800 escape without its pair is not text UTF-8 can encode: a 400 in OpenAI's error JSON naming
+    the field (not a plain-text 500 that drops the keep-alive connection), and the same connection serves on."""
+    with httpx.Client(base_url=server.base_url, trust_env=False, timeout=60) as c:
+        err = _error(c.post(path, content=raw, headers={"content-type": "application/json"}), 400)
+        assert err["param"] == param and "surrogate" in err["message"]
+        r = c.post("/v1/completions", json={"prompt": "fine", "max_tokens": 2})
+        assert r.status_code == 200
+
+
+@pytest.mark.parametrize("prompt", [[True, False], [1.0], [1, "1"], [[2.5]], [[1, 2], [3, True]]])
+def test_prompt_token_ids_must_be_integers(http, prompt):
+    """true, 1.0 or "1" are not token ids (a one-element list of strings is a text prompt, as OpenAI's API)."""
+    err = _error(http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}), 400)
+    assert err["param"] == "prompt"
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"temperature": float("nan")}, "temperature", "finite"),
+    ({"temperature": float("inf")}, "temperature", "finite"),
+    ({"top_p": float("nan")}, "top_p", "finite"),
+    ({"seed": 2 ** 64}, "seed", "2**64"),
+    ({"seed": -(2 ** 63) - 1}, "seed", "seed"),
+    ({"stop_token_ids": [512], "min_tokens": 1}, "stop_token_ids", "512"),
+    ({"stop_token_ids": [2 ** 70]}, "stop_token_ids", "vocab"),
+    ({"stop_token_ids": [True]}, "stop_token_ids", "integer"),
+    ({"top_k": -3}, "top_k", "top_k"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"min_tokens": -1}, "min_tokens", "min_tokens"),
+])
+def test_sampling_fields_are_checked_before_any_step(http, body, param, words):
+    """Out-of-range, non-finite or out-of-vocabulary sampling fields: a 400 naming the field, from the checks the
+    offline API runs; nothing reaches the engine (the issue's triggers of failed steps among them)."""
+    raw = json.dumps({"prompt": "hi", "max_tokens": 3, **body}).encode()  # json.dumps writes NaN / Infinity
+    err = _error(http.post("/v1/completions", content=raw, headers={"content-type": "application/json"}), 400)
+    assert err["param"] == param, err
+    assert words in err["message"], err
+    assert "65536" not in err["message"]
+
+
+def test_top_p_below_float32_range_runs(http):
+    """top_p = 1e-300 is in (0, 1]: it runs (the most likely token) instead of failing the step."""
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "top_p": 1e-300, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    g = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    assert r.json()["choices"][0]["text"] == g.json()["choices"][0]["text"]
+
+
+def test_completion_top_logprobs_keep_the_chosen_token(server):
+    """Byte-fallback pieces of one character all decode to U+FFFD: keyed by text they collide, and the chosen
+    token's entry must stay, equal to its token_logprobs value; among the others the most likely one is kept."""
+    serving = server.app.state.serving
+    tok = serving.tokenizer
+    fffd = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"]
+    assert len(fffd) >= 3
+    a, b, c = fffd[:3]
+    lp = serving.completion_logprobs([a], [{a: -3.0, b: -1.0, c: -2.0, 7: -0.5}], 0)
+    assert lp["token_logprobs"] == [-3.0]
+    top = lp["top_logprobs"][0]
+    assert top["\ufffd"] == -3.0 and top[tok.decode([7])] == -0.5 and len(top) == 2
+    assert list(top.values()) == sorted(top.values(), reverse=True)
+    lp = serving.completion_logprobs([7], [{7: -0.5, b: -1.0, c: -2.0}], 0)
+    assert lp["top_logprobs"][0] == {tok.decode([7]): -0.5, "\ufffd": -1.0}
