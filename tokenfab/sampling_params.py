@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenfab.engine.logits_processors import check_processor_params, check_processor_params_for_model
 from tokenfab.request_validation import check_sampling_params, check_sampling_params_for_model
 
 
@@ -24,6 +25,17 @@ class SamplingParams:
         logprobs: number of top logprobs to return per generated token (the sampled token's logprob is always
             included); None returns none.
         prompt_logprobs: number of top logprobs per prompt position; None returns none.
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every token already in the output.
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per occurrence in the output.
+        repetition_penalty: > 0 (1 disables); tokens in the prompt or the output get logit / r where the logit is
+            positive, logit * r otherwise (CTRL / HF).
+        min_p: in [0, 1]; after temperature, tokens less likely than min_p times the most likely one are dropped.
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit.
+        allowed_token_ids: when set, only these token ids can be generated.
+        bad_words: words never generated: each is encoded with and without a leading space; a word's last token
+            is forbidden whenever the output ends with the word's other tokens.
+        (The penalties, logit_bias, allowed_token_ids and bad_words act on the logits before temperature, in
+        vLLM's order; see tokenfab/engine/logits_processors.py.)
 
     Raises:
         InvalidRequestError (a ValueError): a field of the wrong type or out of range (NaN and infinities
@@ -43,6 +55,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -53,6 +72,7 @@ class SamplingParams:
         if self.top_k is None or self.top_k == 0:
             self.top_k = -1
         check_sampling_params(self)
+        check_processor_params(self)
 
     def validate(self, vocab_size: int) -> None:
         """Check every field again (they may have been changed since construction) and against the model's
@@ -63,6 +83,8 @@ class SamplingParams:
             InvalidRequestError (a ValueError): the field at fault, by name.
         """
         check_sampling_params_for_model(self, vocab_size)
+        check_processor_params(self)
+        check_processor_params_for_model(self, vocab_size)
 
     @property
     def greedy(self) -> bool:

@@ -21,6 +21,7 @@ import torch
 from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.detokenizer import IncrementalDetokenizer
 from tokenfab.engine.engine_config import EngineConfig
+from tokenfab.engine.logits_processors import bad_words_token_ids, check_processor_params_for_model
 from tokenfab.engine.model_loader import LoadedModel, load_model
 from tokenfab.engine.model_runner import ModelRunner, StepOutput
 from tokenfab.engine.sampler import Sampler
@@ -145,6 +146,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer and this model has none (no tokenizer files "
                                       "in its folder); use stop_token_ids instead.", "stop")
+        bad_ids = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else []
+        check_processor_params_for_model(params, V, bad_ids)  # bad words encoded once per request, in the vocabulary
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequestError("a request needs a prompt string or prompt_token_ids.", "prompt")
@@ -161,6 +164,7 @@ class LLMEngine:
         seqs, detoks = [], []
         for i in range(params.n):
             seqs.append(Sequence(self._next_seq_id, request_id, i, ids, params, now))
+            seqs[-1].bad_words_token_ids = bad_ids
             self._next_seq_id += 1
             detoks.append(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop))
         req = Request(request_id, prompt, ids, params, seqs, detoks, RequestMetrics(arrival_time=now))
@@ -208,14 +212,15 @@ class LLMEngine:
             if s.first_scheduled_time is None:
                 s.first_scheduled_time = now
         try:
-            out = self._run(batch)
+            self.runner.admit(batch.admitted)
+            out = self.runner.execute(batch) if self.tp_group is None else self.tp_group.execute(self.runner, batch)
         except Exception as exc:  # some sequence's rows raised: find it, fail its request alone, serve the rest
             return self._step_isolating(batch, exc)
         return self._process(batch, out)
 
     def _run(self, batch: ScheduledBatch) -> StepOutput:
         """Write admitted sequences' tokens and run the forward + sampling of ``batch`` (no sequence state
-        changes: safe to repeat)."""
+        changes: safe to repeat). What :meth:`step` runs inline."""
         self.runner.admit(batch.admitted)
         return self.runner.execute(batch) if self.tp_group is None else self.tp_group.execute(self.runner, batch)
 

@@ -21,6 +21,7 @@ from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
 from tokenfab.engine.cuda_graph_runner import DecodeGraphRunner, capture_sizes, decode_graph_mode
 from tokenfab.engine.hugepages import module_tensors, move_to_hugepages
+from tokenfab.engine.logits_state import LogitsProcessorState
 from tokenfab.engine.sampler import Sampler, SamplerOutput
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.kernels import triton_support
@@ -97,6 +98,8 @@ class ModelRunner:
             self.cpu_decode_stack = CpuDecodeStack.build(model, self.kv_caches, self.block_size)
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
         self.sampler = sampler
+        if sampler is not None:  # penalties, min_p, logit_bias, allowed_token_ids, bad_words by row (logits_state.py)
+            sampler.processors = LogitsProcessorState(max_num_seqs, model.cfg.vocab_size, self.token_ids)
         self.eos_ids: list[int] = []
         self.tp_channel = None  # tensor parallel: rank 0 broadcasts each step (tokenfab.parallel.worker.StepChannel)
         self._threads: tuple[int, int] | None = None  # (prefill, decode) intra-op threads; None: leave torch's
@@ -105,11 +108,15 @@ class ModelRunner:
     def write_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
         """Record tokens (e.g. just sampled) at [row, position] of the persistent token array."""
         self.token_ids[rows, positions] = tokens
+        if self.sampler is not None and self.sampler.processors is not None:
+            self.sampler.processors.record(rows, tokens)  # output-token counts of rows with penalties
 
     def admit(self, seqs) -> None:
         """Copy the full token lists of newly admitted sequences into their rows."""
         for s in seqs:
             self.token_ids[s.row, : s.num_tokens] = s.token_ids
+        if self.sampler is not None and self.sampler.processors is not None:
+            self.sampler.processors.admit(seqs)
 
     def _group(self, rows_bt: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
                T: int) -> AttentionGroup:
@@ -227,7 +234,8 @@ class ModelRunner:
         sampler_out = None
         if len(sampled_index):
             sample_seqs = seqs if d == B else [seqs[i] for i in sampled_index]
-            sampler_out = self.sampler(self._mask_min_tokens(s_logits, sample_seqs), sample_seqs, raw_logits=s_logits)
+            sampler_out = self.sampler(self._mask_min_tokens(s_logits, sample_seqs), sample_seqs, raw_logits=s_logits,
+                                       rows=rows[sampled_index], lengths=(num_computed + num_new)[sampled_index])
         plp = None
         if len(plp_tok):
             seq_i = req_idx[plp_tok]
@@ -264,7 +272,7 @@ class ModelRunner:
         stack = self.cpu_decode_stack
         if self._min_tokens_rows(seqs):
             return None
-        plain = self.sampler.plain_inputs(seqs, stack.vocab_size)
+        plain = self.sampler.plain_inputs(seqs, stack.vocab_size, rows)
         if plain is None:
             return None
         ctx = num_computed + 1

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from tokenfab.engine.logits_processors import apply_min_p
+from tokenfab.engine.logits_state import LogitsProcessorState
 from tokenfab.engine.sequence import Sequence
 from tokenfab.kernels import cpu_kernels
 
@@ -74,6 +77,8 @@ class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator
         self._plain_temps: tuple[list[float], torch.Tensor | None] = ([], None)  # plain_inputs' last temperatures
+        # per-row penalties, min_p, logit_bias, allowed_token_ids, bad_words (the model runner sets it; logits_state.py)
+        self.processors: LogitsProcessorState | None = None
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
         """One uniform in [0, 1) per row: unseeded rows from one call on the engine's RNG, seeded rows from the
@@ -84,12 +89,17 @@ class Sampler:
                 u[i] = torch.rand((), generator=s.generator)
         return u
 
-    def plain_inputs(self, seqs: list[Sequence], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def plain_inputs(self, seqs: list[Sequence], vocab_size: int, rows: np.ndarray | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(temperatures [N] float32, uniforms [N]) for :func:`~tokenfab.kernels.cpu_kernels.sample_plain` when
         every row is plain (no logprobs asked, no top-k / top-p), else None. The uniforms are the ones
         :meth:`__call__` would draw for these rows (none from any generator when all rows are greedy), so drawing
         them here, before the forward, leaves every RNG stream where ``__call__`` would. Lets a caller run the LM
-        head and the draw in one C++ call after the forward (engine/cpu_decode_stack.py)."""
+        head and the draw in one C++ call after the forward (engine/cpu_decode_stack.py). ``rows`` [N] int64: the
+        sequences' persistent rows; None, also when a row uses penalties, min_p, logit_bias, allowed_token_ids or
+        bad_words (they need :meth:`__call__`)."""
+        if rows is not None and self.processors is not None and self.processors.any_active(rows):
+            return None
         params = [s.params for s in seqs]
         if any(p.logprobs is not None or not _unrestricted(p, vocab_size) for p in params):
             return None
@@ -101,13 +111,24 @@ class Sampler:
             return temps, torch.zeros(len(seqs))
         return temps, self._uniforms(seqs)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], raw_logits: torch.Tensor | None = None
-                 ) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], raw_logits: torch.Tensor | None = None,
+                 rows: np.ndarray | None = None, lengths: np.ndarray | None = None) -> SamplerOutput:
         """logits [N, V] float32 for sequences ``seqs`` (len N) -> SamplerOutput. ``raw_logits`` (default: logits)
-        are the model's logits before constraints such as min_tokens; returned logprobs come from them."""
+        are the model's logits before constraints such as min_tokens; returned logprobs come from them. ``rows`` /
+        ``lengths`` [N] int64 (persistent rows, tokens known per sequence) enable the logits processors
+        (logits_processors.py): masks, bias and penalties before temperature, min_p after it."""
         N, V = logits.shape
+        if raw_logits is None:
+            raw_logits = logits
         params = [s.params for s in seqs]
         temp_list = [p.temperature for p in params]  # decisions on Python floats: no tensor ops on cold caches
+        proc = self.processors.batch(rows) if rows is not None and self.processors is not None else None
+        if proc is not None:  # some row uses penalties / bias / masks / min_p; None costs one numpy gather
+            logits = self.processors.apply(logits.clone() if logits is raw_logits else logits, proc, lengths)
+            if proc.min_p is not None and not all(t < 1e-5 for t in temp_list):  # greedy rows: min_p keeps argmax
+                # min_p after temperature T is min_p ** T before it (apply_min_p), so the draw below stays fused
+                temps = torch.tensor([t if t >= 1e-5 else 1.0 for t in temp_list], dtype=torch.float32)
+                logits = apply_min_p(logits, proc.min_p.pow(temps))
         if all(t < 1e-5 for t in temp_list):
             token_ids = logits.argmax(dim=-1)
         elif (logits.dtype == torch.float32 and cpu_kernels.available_for(logits)
@@ -134,7 +155,7 @@ class Sampler:
         want = [p.logprobs for p in params if p.logprobs is not None]
         if not want:
             return SamplerOutput(token_ids, None, None, None)
-        logp = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
+        logp = torch.log_softmax(raw_logits, dim=-1)
         chosen = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         k = max(want)
         if k > 0:

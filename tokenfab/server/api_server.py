@@ -136,21 +136,23 @@ class OpenAIServing:
 
     def sampling_params(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Request fields -> SamplingParams; 400 naming the field for unsupported or out-of-range values."""
-        for field, value, neutral in (("presence_penalty", req.presence_penalty, 0.0),
-                                      ("frequency_penalty", req.frequency_penalty, 0.0),
-                                      ("repetition_penalty", req.repetition_penalty, 1.0),
-                                      ("min_p", req.min_p, 0.0)):
-            if value != neutral:
-                raise OpenAIError(400, f"{field}={value} is not supported yet; leave it at {neutral}.", param=field)
-        if getattr(req, "logit_bias", None):
-            raise OpenAIError(400, "logit_bias is not supported yet.", param="logit_bias")
+        bias = getattr(req, "logit_bias", None)
+        if bias is not None:  # JSON keys are strings: "50256" -> 50256
+            try:
+                bias = {int(k): v for k, v in bias.items()}
+            except ValueError:
+                raise OpenAIError(400, f"logit_bias keys must be token ids (integers as strings), got "
+                                       f"{list(bias)[:5]}.", param="logit_bias") from None
         try:
             params = SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=-1 if req.top_k in (None, 0) else req.top_k, max_tokens=max_tokens,
                 min_tokens=req.min_tokens, seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
-                ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+                ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=bias,
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
             params.validate(self.vocab_size)  # the checks add_request runs (request_validation.py), before streaming
         except ValueError as e:
             raise bad_request(e) from None

@@ -92,6 +92,8 @@ class _SamplingFields(_Base):
     min_tokens: int = 0
     stop_token_ids: Optional[list[StrictInt]] = None
     skip_special_tokens: bool = True
+    allowed_token_ids: Optional[list[StrictInt]] = None
+    bad_words: Optional[list[str]] = None
 
 
 class CompletionRequest(_SamplingFields):

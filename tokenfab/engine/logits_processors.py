@@ -1,0 +1,188 @@
+"""Batched logits processors: penalties, min-p, logit bias, allowed token ids, bad words (vLLM semantics).
+
+Pure torch functions over a batch of rows; none loops over rows or tokens in Python. They run in this order inside
+the sampler (vLLM v1's: ``vllm/v1/sample/sampler.py``), all on float32 logits:
+
+1. :func:`apply_allowed_token_ids` and :func:`apply_bad_words` (-inf masks), then :func:`apply_logit_bias`, on the
+   raw logits (after the min_tokens mask);
+2. :func:`apply_penalties` (repetition, frequency, presence) on those logits, before temperature;
+3. greedy rows take the argmax here; random rows divide by temperature, then :func:`apply_min_p`, then top-k / top-p.
+
+:func:`check_processor_params`, :func:`bad_words_token_ids` and :func:`check_processor_params_for_model` prepare a
+request once, when it is built or added (never per step).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenfab.errors import InvalidRequestError
+from tokenfab.request_validation import check_float, check_int
+
+NEG_INF = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
+                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """Repetition, frequency and presence penalties on ``logits`` [N, V] float32; returns new logits.
+
+    Args:
+        prompt_mask: [N, V] bool, True where the token occurs in the row's prompt.
+        output_counts: [N, V] int32, how often each token occurs in the row's output so far.
+        repetition: [N] float32 > 0 (1 = off): for tokens in the prompt OR the output, a logit > 0 becomes
+            logit / r, any other logit * r (CTRL, Keskar et al. 2019, as in HF's RepetitionPenaltyLogitsProcessor
+            and vLLM).
+        frequency: [N] float32 (0 = off): subtracts f * count(token in output) (OpenAI's definition).
+        presence: [N] float32 (0 = off): subtracts p * [count(token in output) > 0] (OpenAI's definition).
+    """
+    seen = output_counts > 0
+    rep = repetition.to(logits.dtype).unsqueeze(1)
+    rep = torch.where(prompt_mask | seen, rep, torch.ones((), dtype=logits.dtype))
+    out = torch.where(logits > 0, logits / rep, logits * rep)
+    out = out - frequency.to(logits.dtype).unsqueeze(1) * output_counts.to(logits.dtype)
+    return out - presence.to(logits.dtype).unsqueeze(1) * seen.to(logits.dtype)
+
+
+def apply_penalties_at(logits: torch.Tensor, row: torch.Tensor, token: torch.Tensor, count: torch.Tensor,
+                       repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_penalties` touching only the tokens it changes, in place: the K distinct (``row``, ``token``)
+    pairs [K] int64 of tokens seen in a row's prompt or output, with ``count`` [K] int32 their occurrences in the
+    output (0 for prompt-only tokens). Every other logit is left as it is, which is what the dense formula gives it
+    (r = 1, no count), so the result is the same in O(K) instead of O(N * V). Returns ``logits``."""
+    vals = logits[row, token]
+    r = repetition.to(logits.dtype)[row]
+    vals = torch.where(vals > 0, vals / r, vals * r)
+    c = count.to(logits.dtype)
+    vals = vals - frequency.to(logits.dtype)[row] * c
+    vals = vals - presence.to(logits.dtype)[row] * (c > 0).to(logits.dtype)
+    logits[row, token] = vals
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask (-inf) tokens whose probability is below ``min_p`` [N] float32 times the row's largest probability;
+    ``logits`` [N, V] float32 are already divided by temperature (vLLM applies min-p after temperature). 0 keeps
+    every token. Returns new logits.
+
+    Computed in logit space: p_i < m * p_max exactly when x_i < x_max + log(m) (p_i / p_max = exp(x_i - x_max)),
+    with no softmax. On logits not yet divided by a temperature T the same mask is ``min_p ** T`` (x_i / T <
+    x_max / T + log(m) exactly when x_i < x_max + T log(m)), which lets the sampler mask before its fused
+    temperature-and-draw kernel."""
+    thresh = logits.amax(dim=-1, keepdim=True) + min_p.to(logits.dtype).log().unsqueeze(1)
+    return logits.masked_fill(logits < thresh, NEG_INF)
+
+
+def apply_logit_bias(logits: torch.Tensor, row: torch.Tensor, token: torch.Tensor, bias: torch.Tensor
+                     ) -> torch.Tensor:
+    """Add ``bias`` [K] float32 to ``logits[row[k], token[k]]`` (``row``, ``token`` [K] int64; no (row, token) pair
+    twice), in place; returns ``logits``."""
+    return logits.index_put_((row, token), bias.to(logits.dtype), accumulate=True)
+
+
+def allowed_token_mask(num_rows: int, vocab_size: int, rows: torch.Tensor, row: torch.Tensor, token: torch.Tensor
+                       ) -> torch.Tensor:
+    """[num_rows, vocab_size] bool mask for :func:`apply_allowed_token_ids`: True (masked) everywhere in ``rows``
+    [M] int64 (the rows with an allow-list) except at the allowed pairs (``row``, ``token``) [K] int64."""
+    mask = torch.zeros(num_rows, vocab_size, dtype=torch.bool)
+    mask[rows] = True
+    mask[row, token] = False
+    return mask
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Set ``logits`` [N, V] to -inf where ``mask`` [N, V] bool (:func:`allowed_token_mask`) is True, in place."""
+    return logits.masked_fill_(mask, NEG_INF)
+
+
+def apply_bad_words(logits: torch.Tensor, row: torch.Tensor, last_token: torch.Tensor, prefix: torch.Tensor,
+                    history: torch.Tensor) -> torch.Tensor:
+    """Mask (-inf, in place) the last token of each bad word whose preceding tokens end the row's output.
+
+    One entry per (row, bad word) pair, P in all, prefixes right-aligned to a common width L:
+
+    Args:
+        row: [P] int64 row of ``logits`` [N, V].
+        last_token: [P] int64 the word's last token id.
+        prefix: [P, L] int64 the word's tokens before the last, right-aligned, -1 where the word is shorter.
+        history: [P, L] int64 the row's last L output tokens, right-aligned, -2 before the output's start (so a word
+            longer than the output + 1 never matches, as in vLLM). A single-token word (prefix all -1) always masks.
+    """
+    match = ((prefix == history) | (prefix < 0)).all(dim=1)
+    logits[row[match], last_token[match]] = NEG_INF
+    return logits
+
+
+def bad_words_token_ids(bad_words: list[str], tokenizer) -> list[list[int]]:
+    """Token id sequences to forbid for ``bad_words``, vLLM's way: each word (leading spaces stripped) is encoded
+    without special tokens as is, and again after one leading space; the spaced form is kept only when it starts
+    with a different token and has the same length (a word-initial variant, e.g. "Ġword").
+
+    Raises:
+        InvalidRequestError (a ValueError): a word encodes to no tokens, or there is no tokenizer.
+    """
+    if tokenizer is None:
+        raise InvalidRequestError("bad_words needs a tokenizer; this engine has none (use allowed_token_ids or "
+                                  "logit_bias).", "bad_words")
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise InvalidRequestError(f"bad_words: {word!r} encodes to no tokens; remove it.", "bad_words")
+        out.append([int(t) for t in plain])
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append([int(t) for t in spaced])
+    return out
+
+
+def check_processor_params(p) -> None:
+    """Check (and normalize) the logits-processor fields of a SamplingParams ``p``; no model needed. Ranges are
+    vLLM's / OpenAI's: presence and frequency penalties in [-2, 2], repetition_penalty > 0, min_p in [0, 1],
+    logit_bias values in [-100, 100] keyed by integer token ids, allowed_token_ids a non-empty list of ids,
+    bad_words a list of strings (one string becomes a list of one).
+
+    Raises:
+        InvalidRequestError (a ValueError): the field at fault, by name.
+    """
+    check_float("presence_penalty", p.presence_penalty, -2.0, 2.0)
+    check_float("frequency_penalty", p.frequency_penalty, -2.0, 2.0)
+    check_float("repetition_penalty", p.repetition_penalty, 0.0, math.inf, lo_open=True)
+    check_float("min_p", p.min_p, 0.0, 1.0)
+    if p.logit_bias is not None:
+        if not isinstance(p.logit_bias, dict):
+            raise InvalidRequestError(f"logit_bias must be a dict of token id -> bias, got {p.logit_bias!r}.",
+                                      "logit_bias")
+        for t, v in p.logit_bias.items():
+            check_int("logit_bias", t, lo=0, what="keyed by token ids (integers >= 0)")
+            check_float("logit_bias", v, -100.0, 100.0)
+    if p.allowed_token_ids is not None:
+        if isinstance(p.allowed_token_ids, tuple):
+            p.allowed_token_ids = list(p.allowed_token_ids)
+        if not isinstance(p.allowed_token_ids, list) or not p.allowed_token_ids:
+            raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of token ids (or None), got "
+                                      f"{p.allowed_token_ids!r}.", "allowed_token_ids")
+        for t in p.allowed_token_ids:
+            check_int("allowed_token_ids", t, lo=0, what="a list of token ids >= 0")
+    if isinstance(p.bad_words, str):
+        p.bad_words = [p.bad_words]
+    if p.bad_words is not None and (not isinstance(p.bad_words, (list, tuple))
+                                    or not all(isinstance(w, str) and w.strip() for w in p.bad_words)):
+        raise InvalidRequestError(f"bad_words must be a list of non-blank strings, got {p.bad_words!r}.",
+                                  "bad_words")
+
+
+def check_processor_params_for_model(p, vocab_size: int, bad_words_ids: list[list[int]] = ()) -> None:
+    """Check the token ids of ``p`` (``logit_bias`` keys, ``allowed_token_ids``) and of its encoded bad words
+    (:func:`bad_words_token_ids`) against [0, vocab_size).
+
+    Raises:
+        InvalidRequestError (a ValueError): naming the field and the vocabulary size.
+    """
+    for field, ids in (("logit_bias", list(p.logit_bias or {})),
+                       ("allowed_token_ids", list(p.allowed_token_ids or [])),
+                       ("bad_words", [t for w in bad_words_ids for t in w])):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{field}: token ids must be in [0, {vocab_size}) (vocab_size); got "
+                                      f"{bad[:5]}.", field)

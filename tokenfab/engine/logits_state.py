@@ -1,0 +1,214 @@
+"""Per-row state of the logits processors, kept across steps so that a step does batched tensor work only.
+
+Rows are the model runner's persistent rows (``Sequence.row``). Per-sequence work runs at admission only
+(:meth:`LogitsProcessorState.admit`: a row's prompt-presence mask, output-token counts, penalty values, bias /
+allow / bad-word lists); a step then gathers by row (:meth:`batch`, cached while the batch keeps its rows) and
+appends sampled tokens with one scatter (:meth:`record`). A batch where no row uses these parameters costs one
+numpy gather and takes the sampler's plain path.
+
+Penalties touch only the tokens a row has seen: besides dense output counts [rows, V] (for lookups) and a prompt
+mask, each row keeps the list of its distinct seen tokens (prompt and output, in order of first appearance), so a
+step gathers K = sum of those lists' lengths (row, token) pairs and changes K logits
+(:func:`~tokenfab.engine.logits_processors.apply_penalties_at`) rather than passing over N x V.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tokenfab.engine.logits_processors import (allowed_token_mask, apply_allowed_token_ids, apply_bad_words,
+                                               apply_logit_bias, apply_penalties_at)
+
+
+@dataclass
+class ProcessorBatch:
+    """Tensors for one batch's rows (N rows; a field is None when no row of the batch uses it).
+
+    ``pen_index`` [n] int64 batch positions with penalties, ``pen_rows`` [n] their persistent rows (numpy),
+    ``repetition`` / ``frequency`` / ``presence`` [N] float32 (neutral for rows without penalties); ``bias`` = (row [K], token [K], value [K]); ``allowed`` [N, V] bool
+    mask; ``bad`` = (batch row [P], persistent row [P], last token [P], prefix [P, L] numpy int64); ``min_p`` [N]
+    float32.
+    """
+
+    pen_index: torch.Tensor | None = None
+    pen_rows: torch.Tensor | None = None
+    repetition: torch.Tensor | None = None
+    frequency: torch.Tensor | None = None
+    presence: torch.Tensor | None = None
+    bias: tuple | None = None
+    allowed: torch.Tensor | None = None
+    bad: tuple | None = None
+    min_p: torch.Tensor | None = None
+
+
+class LogitsProcessorState:
+    """Persistent per-row inputs of the logits processors.
+
+    Args:
+        max_num_seqs: number of rows.
+        vocab_size: logits width V.
+        token_ids: the runner's persistent token array [max_num_seqs, >= max_model_len] int64 numpy (prompt then
+            output by row); bad words read the output's last tokens from it.
+    """
+
+    def __init__(self, max_num_seqs: int, vocab_size: int, token_ids: np.ndarray):
+        self.V = int(vocab_size)
+        self.token_ids = token_ids
+        n = max_num_seqs
+        self.active = np.zeros(n, dtype=bool)  # the row uses any of these parameters
+        self.counting = np.zeros(n, dtype=bool)  # the row has penalties: output counts are kept
+        self.any_counting = False
+        self.repetition = np.ones(n, dtype=np.float32)
+        self.frequency = np.zeros(n, dtype=np.float32)
+        self.presence = np.zeros(n, dtype=np.float32)
+        self.min_p = np.zeros(n, dtype=np.float32)
+        self.num_prompt = np.zeros(n, dtype=np.int64)
+        self.bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * n
+        self.allowed: list[np.ndarray | None] = [None] * n
+        self.bad_words: list[list[list[int]] | None] = [None] * n
+        self.output_counts: torch.Tensor | None = None  # [n, V] int32, allocated at the first penalized admission
+        self.prompt_mask: torch.Tensor | None = None  # [n, V] bool
+        self.seen: np.ndarray | None = None  # [n, token_ids width] int64: distinct tokens of prompt + output by row
+        self.num_seen = np.zeros(n, dtype=np.int64)
+        self._version = 0
+        self._cache: tuple[bytes, int, ProcessorBatch] | None = None
+
+    # ---- admission: the only per-sequence work --------------------------------------------------------------
+    def admit(self, seqs) -> None:
+        """Set the rows of newly admitted (or resumed) sequences from their params and token lists."""
+        if not seqs:
+            return
+        for s in seqs:
+            self._admit_one(s)
+        self.any_counting = bool(self.counting.any())
+        self._version += 1
+
+    def _admit_one(self, s) -> None:
+        r, p = s.row, s.params
+        pen = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+        bad = getattr(s, "bad_words_token_ids", None) or None
+        self.active[r] = bool(pen or p.min_p > 0.0 or p.logit_bias or p.allowed_token_ids is not None or bad)
+        self.counting[r] = pen
+        self.repetition[r], self.frequency[r], self.presence[r] = (p.repetition_penalty, p.frequency_penalty,
+                                                                   p.presence_penalty)
+        self.min_p[r] = p.min_p
+        self.num_prompt[r] = s.num_prompt_tokens
+        self.bias[r] = None
+        if p.logit_bias:
+            self.bias[r] = (np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias)),
+                            np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)))
+        self.allowed[r] = (np.unique(np.asarray(p.allowed_token_ids, dtype=np.int64))
+                           if p.allowed_token_ids is not None else None)
+        self.bad_words[r] = bad
+        if pen:
+            if self.output_counts is None:
+                n = len(self.active)
+                self.output_counts = torch.zeros(n, self.V, dtype=torch.int32)
+                self.prompt_mask = torch.zeros(n, self.V, dtype=torch.bool)
+                self.seen = np.zeros((n, self.token_ids.shape[1]), dtype=np.int64)
+            ids = np.asarray(s.token_ids, dtype=np.int64)
+            npr = s.num_prompt_tokens
+            t = torch.from_numpy(ids)
+            self.output_counts[r] = torch.bincount(t[npr:], minlength=self.V).to(torch.int32)
+            self.prompt_mask[r] = False
+            self.prompt_mask[r, t[:npr]] = True
+            _, first = np.unique(ids, return_index=True)
+            distinct = ids[np.sort(first)]
+            self.seen[r, :len(distinct)] = distinct
+            self.num_seen[r] = len(distinct)
+
+    def record(self, rows: np.ndarray, tokens: np.ndarray) -> None:
+        """Count tokens just appended at ``rows`` [B] (int64 numpy, distinct) for the rows with penalties."""
+        if not self.any_counting:
+            return
+        m = self.counting[rows]
+        if m.any():
+            r = torch.from_numpy(np.ascontiguousarray(rows[m]))
+            t = torch.from_numpy(np.ascontiguousarray(np.asarray(tokens, dtype=np.int64)[m]))
+            self.output_counts.index_put_((r, t), torch.ones(len(r), dtype=torch.int32), accumulate=True)
+            new = ((self.output_counts[r, t] == 1) & ~self.prompt_mask[r, t]).numpy()  # first sight of the token
+            if new.any():
+                rn = rows[m][new]
+                self.seen[rn, self.num_seen[rn]] = np.asarray(tokens, dtype=np.int64)[m][new]
+                self.num_seen[rn] += 1
+
+    # ---- a step ----------------------------------------------------------------------------------------------
+    def any_active(self, rows: np.ndarray) -> bool:
+        """True when some row of ``rows`` uses these parameters (the plain sampling paths must then step aside)."""
+        return bool(self.active[rows].any())
+
+    def batch(self, rows: np.ndarray) -> ProcessorBatch | None:
+        """The processors' tensors for a batch of persistent ``rows`` [N] int64, or None when no row uses them.
+        Cached while the rows and their admissions stay the same (steady decoding)."""
+        if not self.active[rows].any():
+            return None
+        key = rows.tobytes()
+        c = self._cache
+        if c is not None and c[0] == key and c[1] == self._version:
+            return c[2]
+        b = self._build(rows)
+        self._cache = (key, self._version, b)
+        return b
+
+    def _build(self, rows: np.ndarray) -> ProcessorBatch:
+        N = len(rows)
+        b = ProcessorBatch()
+        act = np.nonzero(self.active[rows])[0]
+        pen = np.nonzero(self.counting[rows])[0]
+        if len(pen):
+            b.pen_index, b.pen_rows = pen, rows[pen]
+            b.repetition = torch.from_numpy(self.repetition[rows])
+            b.frequency = torch.from_numpy(self.frequency[rows])
+            b.presence = torch.from_numpy(self.presence[rows])
+        mp = self.min_p[rows]
+        if (mp > 0).any():
+            b.min_p = torch.from_numpy(mp)
+        bias_rows = [(i, self.bias[rows[i]]) for i in act if self.bias[rows[i]] is not None]
+        if bias_rows:
+            b.bias = (torch.from_numpy(np.concatenate([np.full(len(t), i) for i, (t, _) in bias_rows])),
+                      torch.from_numpy(np.concatenate([t for _, (t, _) in bias_rows])),
+                      torch.from_numpy(np.concatenate([v for _, (_, v) in bias_rows])))
+        allow = [(i, self.allowed[rows[i]]) for i in act if self.allowed[rows[i]] is not None]
+        if allow:
+            b.allowed = allowed_token_mask(
+                N, self.V, torch.tensor([i for i, _ in allow], dtype=torch.int64),
+                torch.from_numpy(np.concatenate([np.full(len(a), i) for i, a in allow])),
+                torch.from_numpy(np.concatenate([a for _, a in allow])))
+        pairs = [(i, w) for i in act for w in (self.bad_words[rows[i]] or ())]
+        if pairs:
+            L = max(len(w) for _, w in pairs) - 1
+            prefix = np.full((len(pairs), L), -1, dtype=np.int64)
+            for k, (_, w) in enumerate(pairs):
+                if len(w) > 1:
+                    prefix[k, L - len(w) + 1:] = w[:-1]
+            bi = np.array([i for i, _ in pairs], dtype=np.int64)
+            b.bad = (bi, rows[bi], torch.tensor([w[-1] for _, w in pairs], dtype=torch.int64), prefix)
+        return b
+
+    def apply(self, logits: torch.Tensor, b: ProcessorBatch, lengths: np.ndarray) -> torch.Tensor:
+        """Allowed-token and bad-word masks, logit bias, then penalties on ``logits`` [N, V] float32 (the batch's
+        rows, modified in place where possible); ``lengths`` [N] int64 tokens known per row (prompt + output).
+        Returns the processed logits; min-p comes later, after temperature (``b.min_p``)."""
+        if b.allowed is not None:
+            apply_allowed_token_ids(logits, b.allowed)
+        if b.bad is not None:
+            bi, br, last, prefix = b.bad
+            L = prefix.shape[1]
+            pos = lengths[bi][:, None] - L + np.arange(L)[None, :]  # absolute positions of the last L tokens
+            hist = np.where(pos >= self.num_prompt[br][:, None],
+                            self.token_ids[br[:, None], np.maximum(pos, 0)], -2)
+            apply_bad_words(logits, torch.from_numpy(bi), last, torch.from_numpy(prefix), torch.from_numpy(hist))
+        if b.bias is not None:
+            apply_logit_bias(logits, *b.bias)
+        if b.pen_index is not None:  # the K distinct seen (row, token) pairs of the penalized rows
+            ns = self.num_seen[b.pen_rows]
+            width = int(ns.max())
+            keep = np.arange(width)[None, :] < ns[:, None]
+            li, col = np.nonzero(keep)
+            tok = torch.from_numpy(self.seen[b.pen_rows[li], col])
+            count = self.output_counts[torch.from_numpy(b.pen_rows[li]), tok]
+            apply_penalties_at(logits, torch.from_numpy(b.pen_index[li]), tok, count, b.repetition, b.frequency,
+                               b.presence)
+        return logits
