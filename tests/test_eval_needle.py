@@ -161,3 +161,39 @@ def test_run_needle_against_openai_compatible_server(tiny_llama, tmp_path):
     assert res["overall_exact_recall"] == 1.0 and len(res["records"]) == 2 * 3 * 3
     seen = _OracleHandler.requests_seen
     assert seen and all(r["model"] == "oracle" and r["temperature"] == 0.0 for r in seen)
+
+
+# ---- side by side and the misread-parameter copy ----------------------------------------------------------------
+def test_comparison_rows_hand_made(tmp_path):
+    from tokenfab.eval.needle import comparison_rows, render_comparison_markdown, write_comparison_outputs
+    recs_a = [{"length": 256, "depth": 0.0, "exact": True, "partial": 1.0},
+              {"length": 256, "depth": 1.0, "exact": True, "partial": 1.0},
+              {"length": 2048, "depth": 0.0, "exact": True, "partial": 1.0},
+              {"length": 2048, "depth": 1.0, "exact": False, "partial": 0.4}]
+    recs_b = [dict(r, exact=r["length"] == 256) for r in recs_a]
+    base = dict(run_lengths=[256, 2048], lengths=[256, 2048], depths=[0.0, 1.0], needles=1, seed=0, max_tokens=8,
+                skipped=[], base_url=None, command=None, max_model_len=None, elapsed_s=0.0)
+    a = dict(base, model="/m/good", **aggregate(recs_a), records=recs_a)
+    b = dict(base, model="/m/bad", **aggregate(recs_b), records=recs_b)
+    rows = comparison_rows([a, b])
+    assert {(r["length"], r["depth"]): r["recall"] for r in rows} == {
+        (256, 0.0): [1.0, 1.0], (256, 1.0): [1.0, 1.0], (2048, 0.0): [1.0, 0.0], (2048, 1.0): [0.0, 0.0],
+        (256, "all"): [1.0, 1.0], (2048, "all"): [0.5, 0.0]}
+    md = render_comparison_markdown([a, b])
+    assert "| 2048 | all | 50% | 0% |" in md and "`good`" in md and "`bad`" in md
+    paths = write_comparison_outputs([a, b], str(tmp_path))
+    assert json.load(open(paths["compare_json"]))["models"] == ["/m/good", "/m/bad"]
+    assert paths["run1_heatmap"].endswith("run1-bad/needle_heatmap.png")
+
+
+def test_write_config_variant(tiny_llama, tmp_path):
+    import os
+    from tokenfab.eval.needle import config_rope_theta, write_config_variant
+    theta = config_rope_theta(tiny_llama)
+    assert theta is not None
+    dst = write_config_variant(tiny_llama, str(tmp_path / "bad"), {"rope_theta": theta / 10})
+    assert config_rope_theta(dst) == theta / 10 and config_rope_theta(tiny_llama) == theta
+    assert os.path.islink(os.path.join(dst, "model.safetensors")) or any(
+        os.path.islink(os.path.join(dst, f)) for f in os.listdir(dst) if f.endswith(".safetensors"))
+    with pytest.raises(ValueError, match="rope_thetaa"):
+        write_config_variant(tiny_llama, str(tmp_path / "typo"), {"rope_thetaa": 1.0})
