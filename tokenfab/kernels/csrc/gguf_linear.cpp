@@ -92,7 +92,8 @@ inline void store_tile(void* y, __m512 v, const float* bias, int64_t nvalid) {
 }
 
 // Tiles [t0, t1) for M rows of x given as S bf16 parts each (xp [M][S][K], the parts of a row summing to it), with
-// xsum [M][K / 32] the float32 block sums of x (Q4_1 only). Two accumulator chains per row and block.
+// xsum [M][K / 32] the float32 block sums of x (Q4_1 only). Four accumulator chains per row and block (one
+// vdpbf16ps chain of 16 would wait on its latency at M = 1).
 template <int QT, int M, int S, bool F32OUT>
 void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                 void* y, int64_t ldy, int64_t t0, int64_t t1) {
@@ -104,8 +105,8 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* b = w + (t * KB + kb) * TB;
       const uint16_t* xk = xp + kb * QK;
-      __m512 c0[M], c1[M];
-      for (int m = 0; m < M; ++m) c0[m] = c1[m] = _mm512_setzero_ps();
+      __m512 c0[M], c1[M], c2[M], c3[M];
+      for (int m = 0; m < M; ++m) c0[m] = c1[m] = c2[m] = c3[m] = _mm512_setzero_ps();
       auto step = [&](int p, __m512i op, __m512* c) {
         for (int m = 0; m < M; ++m)
           for (int s = 0; s < S; ++s)
@@ -117,7 +118,13 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
         for (int p = 0; p < 16; ++p) {
           __m512 lo, hi;
           q8_halves(q + 32 * p, lo, hi);
-          step(p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo), (p & 1) ? c1 : c0);
+          const __m512i op = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+          switch (p & 3) {
+            case 0: step(p, op, c0); break;
+            case 1: step(p, op, c1); break;
+            case 2: step(p, op, c2); break;
+            default: step(p, op, c3); break;
+          }
         }
       } else {
         const uint8_t* q = b + (QT == kQ4_1 ? 4 : 2) * TN;
@@ -126,12 +133,13 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
           const __m512i wd = _mm512_loadu_si512(q + 64 * L);
           step(4 * L, q4_operand<0>(wd, table), c0);
           step(4 * L + 1, q4_operand<1>(wd, table), c1);
-          step(4 * L + 2, q4_operand<2>(wd, table), c0);
-          step(4 * L + 3, q4_operand<3>(wd, table), c1);
+          step(4 * L + 2, q4_operand<2>(wd, table), c2);
+          step(4 * L + 3, q4_operand<3>(wd, table), c3);
         }
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-      for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_add_ps(c0[m], c1[m]), d, acc[m]);
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(c0[m], c1[m]), _mm512_add_ps(c2[m], c3[m])), d, acc[m]);
       if constexpr (QT == kQ4_1) {
         const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * TN)));
         for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * KB + kb]), acc[m]);
