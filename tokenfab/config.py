@@ -328,12 +328,16 @@ def parse_config(cfg: dict, gen_cfg: dict | None = None) -> ModelConfig:
 
 def load_config(model_dir: str) -> ModelConfig:
     """Read ``config.json`` (and ``generation_config.json`` when present) from a checkpoint folder, or from a
-    ``config.json`` path (its folder is searched for generation_config.json).
+    ``config.json`` path (its folder is searched for generation_config.json), or the metadata of a ``.gguf`` file
+    (tokenfab.loader.gguf_packed.gguf_config).
 
     Raises:
         FileNotFoundError: the folder or its config.json does not exist.
         ConfigError: see :func:`parse_config`.
     """
+    if model_dir.lower().endswith(".gguf"):  # a llama.cpp file: its metadata is the config
+        from tokenfab.loader.gguf_packed import gguf_config
+        return parse_config(gguf_config(model_dir))
     if os.path.isfile(model_dir):
         path, model_dir = model_dir, os.path.dirname(model_dir) or "."
     else:

@@ -11,8 +11,8 @@ AttentionMetadata, which the stack does not read.
 Covered: single-device models made of ``DecoderLayer``s whose attention runs as one fused block (MLA or
 grouped-query) and whose MLP is a packed SiLU-GLU, DeepSeek-V3's MoE (sigmoid group-limited router, packed routed
 experts, optional shared expert) or Qwen3-MoE's (softmax top-k router, packed routed experts). Anything else (tensor
-parallel, hybrid KDA models, oneDNN or plain-PyTorch linears, fp32) keeps the module path:
-:meth:`CpuDecodeStack.build` returns None.
+parallel, hybrid KDA models, oneDNN or plain-PyTorch linears, fp32, compressed weights kept packed such as GGUF
+block types) keeps the module path: :meth:`CpuDecodeStack.build` returns None.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from tokenfab.models.base import CausalLM
 from tokenfab.models.deepseek_v3 import DeepseekV3MoE
 from tokenfab.models.llama import DecoderLayer, LlamaAttention
 from tokenfab.models.qwen3_moe import Qwen3MoeBlock
+from tokenfab.quant.packed_weight import PackedWeight
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # DecodeStack.forward computes the slots itself
@@ -55,6 +56,8 @@ class CpuDecodeStack:
             return None
         embed, norm = model.model.embed_tokens.weight, model.model.norm
         if embed.dtype != torch.bfloat16 or embed.device.type != "cpu" or norm.weight.dtype != torch.bfloat16:
+            return None
+        if any(isinstance(m, PackedWeight) for m in model.modules()):  # the stack runs bf16 VNNI weights only
             return None
         layers = list(model.model.layers)
         if not layers or len(layers) != len(kv_caches):

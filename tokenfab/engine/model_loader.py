@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenfab.config import ModelConfig, load_config
+from tokenfab.loader.gguf_packed import is_gguf, iterate_gguf_weights, load_gguf_tokenizer
 from tokenfab.loader.safetensors_loader import iterate_weights
 from tokenfab.models.registry import get_model_class
 
@@ -45,14 +46,19 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
     """Parse config.json, build the model in the engine dtype and fill it from the checkpoint.
 
     ``tp`` (a :class:`tokenfab.parallel.distributed.TPContext`): build this rank's shard and read only its slices;
-    ``device`` overrides ``config.device`` (one device per rank).
+    ``device`` overrides ``config.device`` (one device per rank). ``config.model`` may be a llama ``.gguf`` file:
+    its quantized linears are kept packed (tokenfab.loader.gguf_packed), its tokenizer read from the file unless
+    ``config.tokenizer`` names one.
 
     Raises:
         FileNotFoundError / ConfigError / WeightLoadError: see tokenfab.config and models.base.
     """
     from tokenfab.engine.engine_config import resolve_device, resolve_dtype
 
-    if not os.path.isdir(config.model):
+    gguf_file = is_gguf(config.model)
+    if gguf_file and tp is not None:
+        raise ValueError("tensor_parallel_size > 1 is not supported for GGUF files yet; use tensor_parallel_size=1.")
+    if not gguf_file and not os.path.isdir(config.model):
         raise FileNotFoundError(f"model folder '{config.model}' does not exist (pass a Hugging Face checkpoint "
                                 "folder with config.json and *.safetensors).")
     mc = load_config(config.model)
@@ -71,7 +77,9 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
                 model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
     finally:
         torch.set_default_dtype(prev)
-    if tp is None:
+    if gguf_file:  # quantized linears stay packed (tokenfab.quant.gguf_weight)
+        skipped = model.load_weights(iterate_gguf_weights(config.model, progress=progress))
+    elif tp is None:
         skipped = model.load_weights(iterate_weights(config.model, progress=progress))
     else:
         from tokenfab.parallel.sharded_loading import iterate_rank_weights
@@ -81,6 +89,9 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
                     len(skipped), ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
     model.to(device).eval()
     model.post_load()
-    tokenizer = (load_tokenizer(config.tokenizer or config.model, getattr(config, "trust_remote_code", False))
-                 if tp is None or tp.rank == 0 else None)
+    if gguf_file and not config.tokenizer:
+        tokenizer = load_gguf_tokenizer(config.model)
+    else:
+        tokenizer = (load_tokenizer(config.tokenizer or config.model, getattr(config, "trust_remote_code", False))
+                     if tp is None or tp.rank == 0 else None)
     return LoadedModel(model, mc, tokenizer, device, dtype, skipped)

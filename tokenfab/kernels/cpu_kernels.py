@@ -57,7 +57,7 @@ def _sources() -> list[str]:
     """The extension's C++ sources and headers (all of them hash into the build folder's name)."""
     d = os.path.join(os.path.dirname(__file__), "csrc")
     return [os.path.join(d, f) for f in ("cpu_kernels.cpp", "cpu_kernels.h", "decode_stack.cpp",
-                                           "vnni_linear.cpp", "vnni_linear.h")]
+                                           "gguf_linear.cpp", "gguf_linear.h", "vnni_linear.cpp", "vnni_linear.h")]
 
 
 def load():
@@ -426,3 +426,32 @@ def gqa_decode(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Ten
     """
     return load().gqa_decode(x, positions, slot_mapping, k_cache, v_cache, block_tables, context_lens, weights,
                              biases, dims, cos, sin, bool(interleave), float(eps), float(scale))
+
+
+def gguf_linear_applies() -> bool:
+    """True when :func:`gguf_linear` runs: built kernels with AVX512-BF16 dot products."""
+    m = load()
+    return bool(m is not None and m.has_bf16_dot and hasattr(m, "gguf_linear"))
+
+
+def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) with W [n, K] in a GGUF block type, packed as tiles (tokenfab.quant.gguf_blocks).
+
+    Args:
+        x: [..., K] bf16 or float32 (last dim contiguous), K a multiple of 32.
+        tiles: uint8 [ceil(n / 16), K / 32, 16 * block bytes] from ``gguf_blocks.pack_tiles``.
+        ggml_type: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0). n: output features. bias: [n] (any float dtype) or None.
+
+    Returns:
+        [..., n] in x's dtype: per 32-input block the exact products of x and the integer quants summed in float32,
+        scaled by the block's d (+ m * the block sum of x for Q4_1), + bias, one rounding per output. Float32 x is
+        split into three bf16 parts, so it keeps float32 accuracy. Up to 4 rows run a GEMV that streams the packed
+        bytes once (decode); more rows dequantize 32 weight rows at a time into a thread-local buffer for oneDNN's
+        brgemm (prefill). benchmarks/gguf_linear.py measures the GEMV's bandwidth against :func:`vnni_linear`.
+
+    Raises:
+        RuntimeError: shapes or dtypes outside the above, or kernels without AVX512-BF16 (check
+            :func:`gguf_linear_applies` first).
+    """
+    return load().gguf_linear(x, tiles, int(ggml_type), int(n), bias)

@@ -10,6 +10,11 @@ On CPU in bfloat16, weights are repacked once after loading, by the backend ``TO
   ``torch.ops.mkldnn._linear_pointwise``, the kernels PyTorch's inductor uses for frozen CPU linears (1.5-2.5x
   faster than ``F.linear`` at decode shapes, NOTES entry 7).
 * ``torch``: plain ``F.linear`` (for comparisons).
+
+A weight read in a compressed format (GGUF block types, ...) is instead a :class:`~tokenfab.quant.packed_weight.
+PackedWeight` in ``qweight`` (set by the loader through :meth:`Linear.set_qweight`; ``weight`` is then None): it keeps
+the compressed bytes and runs its own kernels, chosen once in :meth:`Linear.fuse` (``TOKENFAB_CPU_LINEAR=torch``
+selects its plain-PyTorch reference there too).
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.kernels import cpu_kernels
+from tokenfab.quant.packed_weight import PackedWeight
 
 
 BACKENDS = ("tokenfab", "onednn", "torch")
@@ -77,6 +83,7 @@ class Linear(nn.Module):
 
     Parameters are allocated uninitialized (``torch.empty``): the loader fills every one of them or fails.
     After loading, :meth:`fuse` may replace ``weight`` by a packed copy (CPU, bf16); the plain weight is freed.
+    A compressed weight lives in ``qweight`` instead (:meth:`set_qweight`).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None):
@@ -85,6 +92,20 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self._packed: torch.Tensor | None = None
+        self.qweight: PackedWeight | None = None
+
+    def set_qweight(self, qweight: PackedWeight) -> None:
+        """Hold ``qweight`` (a compressed W [out_features, in_features]) instead of the plain ``weight``, which is
+        freed.
+
+        Raises:
+            ValueError: qweight's shape differs from this Linear's.
+        """
+        if (qweight.out_features, qweight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"compressed weight [{qweight.out_features}, {qweight.in_features}] does not fit a "
+                             f"Linear [{self.out_features}, {self.in_features}]")
+        self.weight = None
+        self.qweight = qweight
 
     @classmethod
     def concat(cls, linears: Sequence[Linear]) -> Linear | None:
@@ -94,7 +115,22 @@ class Linear(nn.Module):
         nothing, when a source's weight is already gone or only some sources have a bias."""
         first = linears[0]
         has_bias = first.bias is not None
-        if any(l.weight is None or (l.bias is not None) != has_bias for l in linears):
+        if any((l.bias is not None) != has_bias for l in linears):
+            return None
+        if first.qweight is not None:  # compressed: joined by the format, or left separate
+            q = type(first.qweight).concat([l.qweight for l in linears]) if all(
+                l.qweight is not None for l in linears) else None
+            if q is None:
+                return None
+            fused = cls(first.in_features, q.out_features, False)
+            fused.set_qweight(q)
+            if has_bias:
+                fused.bias = nn.Parameter(torch.cat([l.bias for l in linears]), requires_grad=False)
+            fused.fuse()
+            for l in linears:
+                l.qweight = l.bias = None
+            return fused
+        if any(l.weight is None for l in linears):
             return None
         fused = cls(first.in_features, sum(l.out_features for l in linears), has_bias, dtype=first.weight.dtype)
         fused.weight = nn.Parameter(torch.cat([l.weight for l in linears]), requires_grad=False)
@@ -106,7 +142,11 @@ class Linear(nn.Module):
         return fused
 
     def fuse(self) -> None:
-        """Pack the weight for the configured CPU backend when possible (called once after loading)."""
+        """Pack the weight for the configured CPU backend when possible (called once after loading); a compressed
+        weight chooses its kernels (:meth:`PackedWeight.prepare`)."""
+        if self.qweight is not None:
+            self.qweight.prepare()
+            return
         # A one-row weight is a vector read directly by its owner (e.g. K3's attention-residual pseudo-query);
         # packing a GEMV of one output gains nothing, so it stays a plain parameter.
         if (self._packed is None and self.weight is not None and self.weight.numel() and self.out_features > 1
@@ -121,6 +161,8 @@ class Linear(nn.Module):
         return p if p is not None and not p.is_mkldnn else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight.linear(x, self.bias)
         if self._packed is not None:
             return packed_linear(x, self._packed, self.bias, self.out_features)
         return F.linear(x, self.weight, self.bias)

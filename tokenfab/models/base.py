@@ -16,11 +16,12 @@ from torch import nn
 from tokenfab.config import ModelConfig
 from tokenfab.errors import WeightLoadError
 from tokenfab.layers.attention_metadata import AttentionMetadata
-from tokenfab.layers.linear import can_pack, pack_weight, packed_linear
+from tokenfab.layers.linear import Linear, can_pack, pack_weight, packed_linear
 from tokenfab.layers.moe import RoutedExperts
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.parallel.distributed import current_tp
 from tokenfab.parallel.parallel_layers import ParallelLMHead, VocabParallelEmbedding
+from tokenfab.quant.packed_weight import PackedWeight
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -79,10 +80,14 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy checkpoint tensors into parameters by name.
 
+        A value may be a :class:`~tokenfab.quant.packed_weight.PackedWeight` (a compressed checkpoint) for a
+        Linear's ``weight``: the Linear keeps it (``Linear.set_qweight``) instead of a plain copy.
+
         Returns the names skipped on purpose. Raises WeightLoadError listing missing weights, unexpected weights
         and shape mismatches.
         """
         params = dict(self.named_parameters())
+        linears = {n: m for n, m in self.named_modules() if isinstance(m, Linear)}
         expert_mods = {n: m for n, m in self.named_modules() if isinstance(m, RoutedExperts)}
         loaded: set[str] = set()
         expert_loaded: dict[str, set] = {n: set() for n in expert_mods}
@@ -115,6 +120,17 @@ class CausalLM(nn.Module):
                 dst.copy_(src)
                 projs = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
                 expert_loaded[m.group(1)].update((e, p) for e in range(mod.start, mod.end) for p in projs)
+                continue
+            if isinstance(t, PackedWeight):
+                lin = linears.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+                if lin is None or name not in params:
+                    unexpected.append(name)
+                elif (t.out_features, t.in_features) != (lin.out_features, lin.in_features):
+                    bad_shape.append(f"{name}: checkpoint {(t.out_features, t.in_features)} vs model "
+                                     f"{(lin.out_features, lin.in_features)}")
+                else:
+                    lin.set_qweight(t)
+                    loaded.add(name)
                 continue
             p = params.get(name)
             if p is None:

@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include "cpu_kernels.h"
+#include "gguf_linear.h"
 #include "vnni_linear.h"
 
 #include <algorithm>
@@ -1444,4 +1445,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_decode", &mla_decode, "MLA absorbed decode attention block, x -> o_proj output (CPU, bf16)");
   m.def("head_gemm_", &head_gemm_, "per-head GEMM with VNNI-packed weights into y (CPU, AVX512-BF16)");
   register_decode_stack(m);
+  register_gguf_linear(m);
 }

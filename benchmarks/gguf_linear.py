@@ -1,0 +1,127 @@
+"""Packed GGUF linears (Q8_0, Q4_0, Q4_1; kernels/csrc/gguf_linear.cpp) against tokenfab's bf16 VNNI linear
+(kernels/csrc/vnni_linear.cpp) at the same shapes, side by side.
+
+    .venv/bin/python benchmarks/gguf_linear.py [--rows 1,4,64,512] [--reps 5] [--mb 128]
+
+Every format gets enough distinct weights of each shape (``--mb`` MB of its own bytes) that a pass streams them
+from memory, as a decode step streams its layers; the formats run the same input, alternated pass by pass, best
+pass of ``--reps``. Rows <= 4 (the GEMV) are memory-bound: GB/s of weight bytes read per call (the packed bytes
+for GGUF, 2 bytes per weight for bf16) and the time relative to bf16 (the packed formats read 1.06 / 0.56 / 0.63 of
+a byte per weight, so at equal GB/s Q4_1 takes 0.31x bf16's time). More rows (the prefill GEMM): GFLOP/s.
+Writes <out>/<date>-gguf-linear.{json,md} (default benchmarks/results).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
+from benchmarks.results_file import unused_stem  # noqa: E402
+
+# [N, K]: SmolLM2-135M's fused q|k|v, o_proj, gate|up, down; a 4096-wide model's square and MLP-up projections
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 4096), (11008, 4096)]
+FORMATS = ("bf16", "Q8_0", "Q4_0", "Q4_1")
+
+
+def random_rows(name: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
+    """GGUF rows of random quants with small finite fp16 scales (what the kernel reads; values do not matter)."""
+    from tokenfab.quant.gguf_blocks import BLOCK_TYPES
+    bt = BLOCK_TYPES[name]
+    raw = rng.integers(0, 256, size=(n, k // 32, bt.block_bytes), dtype=np.uint8)
+    ns = 2 if bt.has_min else 1
+    raw[..., :2 * ns] = (rng.standard_normal((n, k // 32, ns)) * 0.01).astype(np.float16).view(np.uint8)
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def time_shape(n: int, k: int, rows: int, reps: int, mb: float) -> dict:
+    """Best seconds per call of every format for weight [n, k] and ``rows`` input rows, and bytes per weight."""
+    from tokenfab.kernels import cpu_kernels
+    from tokenfab.quant.gguf_weight import GGUFWeight
+    rng = np.random.default_rng(0)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    runs, nbytes = {}, {}
+    for fmt in FORMATS:
+        if fmt == "bf16":
+            count = max(2, int(mb * 1e6 // (n * k * 2))) if rows <= 4 else 2
+            ws = [cpu_kernels.pack_linear_weight(torch.randn(n, k, dtype=torch.bfloat16)) for _ in range(count)]
+            runs[fmt] = (lambda ws: lambda i: cpu_kernels.vnni_linear(x, ws[i], n))(ws)
+            nbytes[fmt] = n * k * 2
+        else:
+            one = GGUFWeight.from_rows(random_rows(fmt, n, k, rng), fmt, k)
+            count = max(2, int(mb * 1e6 // one.nbytes)) if rows <= 4 else 2
+            ws = [one] + [GGUFWeight.from_rows(random_rows(fmt, n, k, rng), fmt, k) for _ in range(count - 1)]
+            for w in ws:
+                w.prepare()
+            runs[fmt] = (lambda ws: lambda i: ws[i].linear(x, None))(ws)
+            nbytes[fmt] = one.nbytes
+        runs[fmt] = (runs[fmt], count)
+    best = {f: float("inf") for f in FORMATS}
+    for _ in range(reps):
+        for f, (fn, count) in runs.items():
+            fn(0)
+            t = time.perf_counter()
+            for i in range(count):
+                fn(i)
+            best[f] = min(best[f], (time.perf_counter() - t) / count)
+    return {"n": n, "k": k, "rows": rows, "seconds": best, "bytes": nbytes}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,4,64,512", help="input rows per call, comma-separated")
+    ap.add_argument("--reps", type=int, default=5, help="passes per format (best is kept; default 5)")
+    ap.add_argument("--mb", type=float, default=128, help="MB of distinct weights per format and shape (GEMV)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
+    args = ap.parse_args()
+    from tokenfab.kernels import cpu_kernels
+    if not (cpu_kernels.has_bf16_dot() and cpu_kernels.gguf_linear_applies()):
+        print("the packed GGUF and VNNI linears need the CPU kernels built with AVX512-BF16: "
+              f"{cpu_kernels.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
+        return 2
+    threads = torch.get_num_threads()
+    bw = copy_bandwidth()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = [time_shape(n, k, rows, args.reps, args.mb) for rows in rows_list for n, k in SHAPES]
+    date = dt.date.today().isoformat()
+    meta = {"date": date, "command": " ".join(["benchmarks/gguf_linear.py"] + sys.argv[1:]), "threads": threads,
+            "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+            "copy_bandwidth_gbs": bw / 1e9}
+    lines = [f"# Packed GGUF linears vs the bf16 VNNI linear ({date})", "",
+             f"Command: `{meta['command']}`; {threads} threads; torch {torch.__version__}; copy bandwidth "
+             f"{bw / 1e9:.1f} GB/s (read+write).", "",
+             "Rows <= 4: GB/s of weight bytes read per call (packed bytes for GGUF) and the time relative to bf16 "
+             "(×bf16 < 1: faster). More rows: GFLOP/s and ×bf16 time.", ""]
+    head = "| rows | weight [N, K] | " + " | ".join(f"{f} µs | {f}" for f in FORMATS) + " | " + " | ".join(
+        f"{f} ×bf16" for f in FORMATS[1:]) + " |"
+    lines += [head, "|" + "---:|" * (2 + 2 * len(FORMATS) + len(FORMATS) - 1)]
+    for r in results:
+        n, k, rows, s = r["n"], r["k"], r["rows"], r["seconds"]
+        cells = []
+        for f in FORMATS:
+            rate = (f"{r['bytes'][f] / s[f] / 1e9:.1f} GB/s" if rows <= 4 else
+                    f"{2 * rows * n * k / s[f] / 1e9:.0f} GFLOP/s")
+            cells.append(f"{s[f] * 1e6:.1f} | {rate}")
+        ratios = [f"{s[f] / s['bf16']:.2f}" for f in FORMATS[1:]]
+        lines.append(f"| {rows} | {n} x {k} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    os.makedirs(args.out, exist_ok=True)
+    base = unused_stem(os.path.join(args.out, f"{date}-gguf-linear"))
+    with open(base + ".json", "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {base}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,369 @@
+// Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) executed packed: the weight stays in its
+// quantized bytes and is unpacked and scaled in registers.
+//
+// Layout (built by tokenfab/quant/gguf_blocks.py, same byte count as the GGUF file): W [n, K] becomes tiles of 16
+// output rows; a tile is K / 32 consecutive tile-blocks, one per GGUF block along K, each holding the 16 rows'
+// fp16 scales d (and Q4_1's fp16 minimums m) followed by their quants:
+//   Q4_0 / Q4_1: 256 bytes = 4 groups of 32 little-endian u16 words; word 2j + e of group L holds, in its nibble s
+//                (bits 4s..4s+3), the quant of row j at k = 2 (4L + s) + e of the block.
+//   Q8_0:        512 bytes = 16 pairs of 32 bytes; byte 2j + e of pair p is the int8 quant of row j at k = 2p + e.
+// So one 64-byte load of nibbles, a shift and a 32-entry `vpermw` table lookup give a `vdpbf16ps` operand with the
+// two k values of a pair side by side for 16 rows (the VNNI layout of vnni_linear.cpp), each quant as an exact
+// bf16 integer. Per block and row the products sum_k x_k q_k (exact bf16 products, float32 accumulation) are
+// scaled once: y += d * sum_k x_k q_k (+ m * sum_k x_k for Q4_1), the same real number as sum_k x_k (d q_k + m).
+//
+// M <= 4 rows (decode): a GEMV over tiles, parallel over tiles. bf16 x is used as is; float32 x is split into three
+// bf16 parts (x = h + m + l up to 2^-24 relative), each multiplied exactly, so float32 activations keep float32
+// accuracy. M > 4 (prefill): per 32-column block, the thread dequantizes its 32 weight rows once into a small
+// thread-local buffer (float32 values d q + m, exactly as gguf's dequantize computes them) and runs oneDNN's brgemm
+// micro-kernel over all row tiles of x: bf16 x against the weight split into three bf16 parts (w = h + m + l exactly),
+// float32 x against the float32 values. Never a full-size copy of the weight.
+#include "gguf_linear.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // ggml type ids
+constexpr int64_t TN = kGgufTileN, QK = kGgufBlockK;
+constexpr int64_t kGemvRows = 4;
+constexpr int64_t kTileM = 64;
+
+int64_t tile_block_bytes(int64_t qt) {
+  switch (qt) {
+    case kQ4_0: return 2 * TN + TN * QK / 2;      // 288
+    case kQ4_1: return 4 * TN + TN * QK / 2;      // 320
+    case kQ8_0: return 2 * TN + TN * QK;          // 544
+    default: TORCH_CHECK(false, "gguf_linear: ggml type ", qt, " is not packed by tokenfab (Q4_0, Q4_1, Q8_0)");
+  }
+  return 0;
+}
+
+#if defined(__AVX512BF16__)
+
+// 32-entry table for vpermw: entry i is bf16(value of nibble i & 15), Q4_0's q - 8 or Q4_1's q.
+inline __m512i nibble_table(int qt) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = static_cast<float>((i & 15) - (qt == kQ4_0 ? 8 : 0));
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    t[i] = static_cast<uint16_t>(bits >> 16);  // small integers are exact in bf16
+  }
+  return _mm512_load_si512(t);
+}
+
+inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// Q8_0 pair operand: 32 int8 quants -> their fp32 values in two halves (lane i of half h: row 8h + i / 2, k = i % 2).
+inline void q8_halves(const int8_t* q, __m512& lo, __m512& hi) {
+  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
+  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
+}
+
+// Nibble s (0..3) of every word of a quant group -> the bf16 operand of pair 4L + s.
+template <int S>
+inline __m512i q4_operand(__m512i words, __m512i table) {
+  return _mm512_permutexvar_epi16(S == 0 ? words : _mm512_srli_epi16(words, 4 * S), table);
+}
+
+inline __m512i bcast_pair(const uint16_t* x) {
+  uint32_t p;
+  std::memcpy(&p, x, 4);
+  return _mm512_set1_epi32(static_cast<int>(p));
+}
+
+// One tile-row store: 16 outputs from a float32 accumulator, + bias, as bf16 (round to nearest even) or float32.
+template <bool F32OUT>
+inline void store_tile(void* y, __m512 v, const float* bias, int64_t nvalid) {
+  const __mmask16 mk = nvalid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nvalid) - 1u);
+  if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, bias));
+  if constexpr (F32OUT) {
+    _mm512_mask_storeu_ps(static_cast<float*>(y), mk, v);
+  } else {
+    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y), mk, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// Tiles [t0, t1) for M rows of x given as S bf16 parts each (xp [M][S][K], the parts of a row summing to it), with
+// xsum [M][K / 32] the float32 block sums of x (Q4_1 only). Four accumulator chains per row and block (one
+// vdpbf16ps chain of 16 would wait on its latency at M = 1).
+template <int QT, int M, int S, bool F32OUT>
+void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                void* y, int64_t ldy, int64_t t0, int64_t t1) {
+  const int64_t KB = K / QK, TB = tile_block_bytes(QT);
+  const __m512i table = nibble_table(QT);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const uint8_t* b = w + (t * KB + kb) * TB;
+      const uint16_t* xk = xp + kb * QK;
+      __m512 c0[M], c1[M], c2[M], c3[M];
+      for (int m = 0; m < M; ++m) c0[m] = c1[m] = c2[m] = c3[m] = _mm512_setzero_ps();
+      auto step = [&](int p, __m512i op, __m512* c) {
+        for (int m = 0; m < M; ++m)
+          for (int s = 0; s < S; ++s)
+            c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)bcast_pair(xk + (m * S + s) * K + 2 * p), (__m512bh)op);
+      };
+      if constexpr (QT == kQ8_0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(b + 2 * TN);
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; ++p) {
+          __m512 lo, hi;
+          q8_halves(q + 32 * p, lo, hi);
+          const __m512i op = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+          switch (p & 3) {
+            case 0: step(p, op, c0); break;
+            case 1: step(p, op, c1); break;
+            case 2: step(p, op, c2); break;
+            default: step(p, op, c3); break;
+          }
+        }
+      } else {
+        const uint8_t* q = b + (QT == kQ4_1 ? 4 : 2) * TN;
+#pragma GCC unroll 4
+        for (int L = 0; L < 4; ++L) {
+          const __m512i wd = _mm512_loadu_si512(q + 64 * L);
+          step(4 * L, q4_operand<0>(wd, table), c0);
+          step(4 * L + 1, q4_operand<1>(wd, table), c1);
+          step(4 * L + 2, q4_operand<2>(wd, table), c2);
+          step(4 * L + 3, q4_operand<3>(wd, table), c3);
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+      for (int m = 0; m < M; ++m)
+        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(c0[m], c1[m]), _mm512_add_ps(c2[m], c3[m])), d, acc[m]);
+      if constexpr (QT == kQ4_1) {
+        const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * TN)));
+        for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * KB + kb]), acc[m]);
+      }
+    }
+    const int64_t n0 = t * TN, nvalid = std::min<int64_t>(TN, N - n0);
+    const float* bb = bias == nullptr ? nullptr : bias + n0;
+    for (int m = 0; m < M; ++m) {
+      void* yr = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m * ldy + n0)
+                        : static_cast<void*>(static_cast<uint16_t*>(y) + m * ldy + n0);
+      store_tile<F32OUT>(yr, acc[m], bb, nvalid);
+    }
+  }
+}
+
+template <int QT, int S, bool F32OUT>
+void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+               const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
+  switch (M) {
+    case 1: gemv_tiles<QT, 1, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    case 2: gemv_tiles<QT, 2, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    case 3: gemv_tiles<QT, 3, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    default: gemv_tiles<QT, 4, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+  }
+}
+
+template <int S, bool F32OUT>
+void gemv(int qt, const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+          const float* bias, void* y, int64_t ldy) {
+  at::parallel_for(0, (N + TN - 1) / TN, 1, [&](int64_t t0, int64_t t1) {
+    if (qt == kQ4_0) gemv_rows<kQ4_0, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+    else if (qt == kQ4_1) gemv_rows<kQ4_1, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+    else gemv_rows<kQ8_0, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+  });
+}
+
+// Float32 weight values (d q, or d q + m for Q4_1: q d is exact in float32, so one rounding, as gguf computes them)
+// of pair p of one tile-block, in two halves (lane i of half h: row 8h + i / 2 of the tile, k = 2p + i % 2).
+template <int QT>
+inline void pair_values(const uint8_t* b, int p, __m512i table, __m512 v[2]) {
+  __m512 q[2];
+  if constexpr (QT == kQ8_0) {
+    q8_halves(reinterpret_cast<const int8_t*>(b + 2 * TN) + 32 * p, q[0], q[1]);
+  } else {
+    const __m512i wd = _mm512_loadu_si512(b + (QT == kQ4_1 ? 4 : 2) * TN + 64 * (p / 4));
+    const __m512i op = _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4 * (p % 4)), table);
+    q[0] = bf16_to_f32(_mm512_castsi512_si256(op));
+    q[1] = bf16_to_f32(_mm512_extracti64x4_epi64(op, 1));
+  }
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  const __m512 mn = QT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * TN)))
+                                : _mm512_setzero_ps();
+  for (int h = 0; h < 2; ++h) {
+    const __m512i idx = _mm512_set_epi32(8 * h + 7, 8 * h + 7, 8 * h + 6, 8 * h + 6, 8 * h + 5, 8 * h + 5, 8 * h + 4,
+                                         8 * h + 4, 8 * h + 3, 8 * h + 3, 8 * h + 2, 8 * h + 2, 8 * h + 1, 8 * h + 1,
+                                         8 * h, 8 * h);
+    const __m512 dh = _mm512_permutexvar_ps(idx, d);
+    v[h] = QT == kQ4_1 ? _mm512_fmadd_ps(q[h], dh, _mm512_permutexvar_ps(idx, mn)) : _mm512_mul_ps(q[h], dh);
+  }
+}
+
+// Tile t of the weight (16 rows; rows past the weight's last tile are zero) -> columns [col0, col0 + 16) of a
+// 32-column block buffer: three bf16 VNNI parts [K / 2, 32, 2] whose sum is the float32 weight exactly (bf16 x), or
+// one float32 [K, 32] buffer (float32 x).
+template <int QT, bool F32W>
+void dequant_tile(const uint8_t* w, int64_t t, int64_t NT, int64_t K, int64_t col0, void* buf) {
+  const int64_t KB = K / QK, TB = tile_block_bytes(QT);
+  const __m512i table = QT == kQ8_0 ? _mm512_setzero_si512() : nibble_table(QT);
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* b = w + (t * KB + kb) * TB;
+    for (int p = 0; p < 16; ++p) {
+      __m512 v[2];
+      if (t < NT) {
+        pair_values<QT>(b, p, table, v);
+      } else {
+        v[0] = v[1] = _mm512_setzero_ps();
+      }
+      const int64_t kp = kb * 16 + p;
+      if constexpr (F32W) {
+        float* f = static_cast<float*>(buf);
+        _mm512_storeu_ps(f + (2 * kp) * 32 + col0, _mm512_permutex2var_ps(v[0], even, v[1]));
+        _mm512_storeu_ps(f + (2 * kp + 1) * 32 + col0, _mm512_permutex2var_ps(v[0], odd, v[1]));
+      } else {
+        uint16_t* part = static_cast<uint16_t*>(buf);
+        for (int h = 0; h < 2; ++h) {
+          const int64_t off = kp * 64 + (col0 + 8 * h) * 2;
+          const __m256i hi = (__m256i)_mm512_cvtneps_pbh(v[h]);
+          const __m512 r = _mm512_sub_ps(v[h], bf16_to_f32(hi));  // exact: the bits rounding dropped
+          const __m256i mid = (__m256i)_mm512_cvtneps_pbh(r);
+          const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(r, bf16_to_f32(mid)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + off), hi);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + K * 32 + off), mid);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + 2 * K * 32 + off), lo);
+        }
+      }
+    }
+  }
+}
+
+template <bool F32W>
+void dequant_block32(int qt, const uint8_t* w, int64_t nb, int64_t NT, int64_t K, void* buf) {
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t t = 2 * nb + half;
+    if (qt == kQ4_0) dequant_tile<kQ4_0, F32W>(w, t, NT, K, 16 * half, buf);
+    else if (qt == kQ4_1) dequant_tile<kQ4_1, F32W>(w, t, NT, K, 16 * half, buf);
+    else dequant_tile<kQ8_0, F32W>(w, t, NT, K, 16 * half, buf);
+  }
+}
+
+// M > kGemvRows: per 32-column block, dequantize once, then brgemm over 64-row tiles of x.
+template <typename T>
+void gemm(int qt, const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+          T* y, int64_t ldy) {
+  constexpr bool F32 = std::is_same_v<T, float>;
+  const int64_t NT = (N + TN - 1) / TN, NB = (N + 31) / 32;
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    std::vector<uint16_t> parts(F32 ? 0 : 3 * K * 32);
+    std::vector<float> wf(F32 ? K * 32 : 0), c(kTileM * 32);
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      dequant_block32<F32>(qt, w, nb, NT, K, F32 ? static_cast<void*>(wf.data()) : static_cast<void*>(parts.data()));
+      const int64_t nvalid = std::min<int64_t>(32, N - nb * 32);
+      const float* bb = bias == nullptr ? nullptr : bias + nb * 32;
+      for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
+        const int64_t mt = std::min(kTileM, M - m0);
+        if constexpr (F32) {
+          at::native::cpublas::brgemm(mt, 32, K, lda, 32, 32, false, x + m0 * lda, wf.data(), c.data(), false);
+        } else {
+          const auto* xb = reinterpret_cast<const at::BFloat16*>(x + m0 * lda);
+          const auto* pb = reinterpret_cast<const at::BFloat16*>(parts.data());
+          at::native::cpublas::brgemm(mt, 32, K, lda, 32, 32, false, xb, pb + 2 * K * 32, c.data(), true);
+          at::native::cpublas::brgemm(mt, 32, K, lda, 32, 32, true, xb, pb + K * 32, c.data(), true);
+          at::native::cpublas::brgemm(mt, 32, K, lda, 32, 32, true, xb, pb, c.data(), true);
+        }
+        for (int64_t r = 0; r < mt; ++r) {
+          T* yr = y + (m0 + r) * ldy + nb * 32;
+          const float* cr = c.data() + r * 32;
+          store_tile<F32>(yr, _mm512_loadu_ps(cr), bb, nvalid);
+          if (nvalid > 16) store_tile<F32>(yr + 16, _mm512_loadu_ps(cr + 16), bb == nullptr ? nullptr : bb + 16,
+                                           nvalid - 16);
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release(!F32);
+  });
+}
+
+#endif  // __AVX512BF16__
+
+}  // namespace
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n,
+                       const c10::optional<at::Tensor>& bias) {
+  const int64_t TB = tile_block_bytes(qtype);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "gguf_linear: x must be bfloat16 or float32, got ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == TB &&
+              w.size(1) * QK == K && w.size(0) == (n + TN - 1) / TN && n > 0,
+              "gguf_linear: weight ", w.sizes(), " does not hold ", n, " rows of ", K, " inputs of ggml type ", qtype);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  auto y = at::empty(shape, x.options());
+  auto x2 = x.reshape({-1, K});
+  if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
+  const int64_t M = x2.size(0);
+  if (M == 0) return y;
+  at::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == n, "gguf_linear: bias has ", bias->numel(), " values for ", n, " outputs");
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+#if defined(__AVX512BF16__)
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const auto* wp = w.data_ptr<uint8_t>();
+  if (M > kGemvRows) {
+    if (f32) gemm<float>(static_cast<int>(qtype), x2.data_ptr<float>(), M, x2.stride(0), K, wp, n, bp,
+                         y.data_ptr<float>(), n);
+    else gemm<uint16_t>(static_cast<int>(qtype), reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0),
+                        K, wp, n, bp, reinterpret_cast<uint16_t*>(y.data_ptr()), n);
+    return y;
+  }
+  // The GEMV's operands: x as [M][S][K] bf16 parts (float32 rows split in three) and Q4_1's float32 block sums.
+  at::Tensor parts;
+  if (f32) {
+    const auto h = x2.to(at::kBFloat16), r = x2 - h.to(at::kFloat), mid = r.to(at::kBFloat16);
+    const auto lo = (r - mid.to(at::kFloat)).to(at::kBFloat16);
+    parts = at::stack({h, mid, lo}, 1).contiguous();  // [M, 3, K]
+  } else {
+    parts = x2.contiguous();
+  }
+  std::vector<float> xsum;
+  if (qtype == kQ4_1) {
+    const int64_t KB = K / QK;
+    xsum.assign(M * KB, 0.f);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        float s = 0.f;
+        if (f32) {
+          const float* xr = x2.data_ptr<float>() + m * x2.stride(0) + kb * QK;
+          for (int64_t k = 0; k < QK; ++k) s += xr[k];
+        } else {
+          const auto* xr = reinterpret_cast<const c10::BFloat16*>(x2.data_ptr()) + m * x2.stride(0) + kb * QK;
+          for (int64_t k = 0; k < QK; ++k) s += static_cast<float>(xr[k]);
+        }
+        xsum[m * KB + kb] = s;
+      }
+  }
+  const float* sp = xsum.empty() ? nullptr : xsum.data();
+  const auto* xp = reinterpret_cast<const uint16_t*>(parts.data_ptr());
+  if (f32) gemv<3, true>(static_cast<int>(qtype), xp, sp, M, K, wp, n, bp, y.data_ptr(), n);
+  else gemv<1, false>(static_cast<int>(qtype), xp, sp, M, K, wp, n, bp, y.data_ptr(), n);
+  return y;
+#else
+  TORCH_CHECK(false, "gguf_linear needs AVX512-BF16 (has_bf16_dot is False): use the PyTorch path");
+  return y;
+#endif
+}
+
+void register_gguf_linear(pybind11::module_& m) {
+  m.def("gguf_linear", &gguf_linear, "x W^T (+ b) over packed GGUF Q4_0 / Q4_1 / Q8_0 tiles (CPU, AVX512-BF16)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"),
+        pybind11::arg("bias") = pybind11::none());
+}

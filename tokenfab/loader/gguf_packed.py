@@ -1,0 +1,184 @@
+"""Read a llama-architecture GGUF file (llama.cpp's format, parsed with the ``gguf`` package) with its quantized
+linears kept packed: ``LLM(model="path/file.gguf")``.
+
+* Config: the ``llama.*`` metadata becomes a config.json-shaped dict (:func:`gguf_config`); the tokenizer and chat
+  template come from the file (transformers' GGUF tokenizer loader) unless a tokenizer folder is given.
+* Names: :func:`hf_name` maps llama.cpp tensor names to the Hugging Face names the models load by.
+* Values: the linears (q, k, v, o, gate, up, down) in a packed block type (Q8_0, Q4_0, Q4_1) become
+  :class:`~tokenfab.quant.gguf_weight.GGUFWeight` objects (their bytes, regrouped, never a float copy); every other
+  tensor (embedding, norms, an untied output) is read as float32 (quantized ones dequantized), the model casting it
+  to its dtype. A linear in another quantized type is refused by name.
+* llama.cpp's converter permutes q and k rows per head for its rotary layout (``LlamaModel.permute`` in
+  convert_hf_to_gguf.py); the permutation is over output rows and GGUF blocks run along the input dimension, so it
+  is undone on the packed rows (:func:`unpermute_rows`).
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from tokenfab.errors import WeightLoadError
+
+_BLOCK_NAMES = {  # llama.cpp's per-layer names -> transformers' LlamaDecoderLayer names
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+_BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def is_gguf(path: str) -> bool:
+    """True when ``path`` names a GGUF file (by its .gguf suffix)."""
+    return isinstance(path, str) and path.lower().endswith(".gguf")
+
+
+def hf_name(name: str) -> str | None:
+    """llama.cpp tensor name -> Hugging Face name (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.
+    weight``), or None for a tensor tokenfab does not load (e.g. ``rope_freqs.weight``)."""
+    m = _BLK.match(name)
+    if m:
+        mapped = _BLOCK_NAMES.get(m.group(2))
+        return None if mapped is None else f"model.layers.{m.group(1)}.{mapped}.{m.group(3)}"
+    base, _, kind = name.rpartition(".")
+    mapped = _TOP_NAMES.get(base)
+    return None if mapped is None else f"{mapped}.{kind}"
+
+
+def _reader(path: str):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file '{path}' does not exist.")
+    import gguf
+    return gguf.GGUFReader(path)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    v = f.contents()
+    return v
+
+
+def gguf_config(path: str) -> dict:
+    """The config.json-shaped dict (LlamaForCausalLM) of a llama-architecture GGUF file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        WeightLoadError: an architecture other than llama, or rope scaling metadata (not read yet).
+    """
+    r = _reader(path)
+    arch = _field(r, "general.architecture")
+    if arch != "llama":
+        raise WeightLoadError(f"{path}: GGUF architecture '{arch}' (general.architecture) is not supported for packed "
+                              "loading yet; supported: llama.")
+    if any(k.startswith("llama.rope.scaling.") for k in r.fields):
+        raise WeightLoadError(f"{path}: GGUF rope scaling (llama.rope.scaling.*) is not supported yet.")
+    a = lambda k, d=None: _field(r, f"llama.{k}", d)  # noqa: E731
+    hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
+    names = {t.name for t in r.tensors}
+    vocab = a("vocab_size") or len(_field(r, "tokenizer.ggml.tokens", []))
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": hidden, "intermediate_size": int(a("feed_forward_length")),
+        "num_hidden_layers": int(a("block_count")), "num_attention_heads": heads,
+        "num_key_value_heads": int(a("attention.head_count_kv", heads)),
+        "head_dim": int(a("attention.key_length", a("rope.dimension_count", hidden // heads))),
+        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(a("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(a("context_length")), "vocab_size": int(vocab),
+        "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu",
+    }
+    for key, tok in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        v = _field(r, tok)
+        if v is not None:
+            cfg[key] = int(v)
+    return cfg
+
+
+def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: GGUF row (h, i, s) of head h holds the Hugging Face row (h, s, i), i <
+    head_dim / 2, s in {0, 1}. ``rows`` [n, ...] (float values or packed GGUF rows: only whole rows move)."""
+    n = rows.shape[0]
+    return rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+
+
+def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor | object]]:
+    """Yield (Hugging Face name, value) for every tensor tokenfab loads from a llama GGUF file: a
+    :class:`~tokenfab.quant.gguf_weight.GGUFWeight` for packed linears, else a float32 tensor.
+
+    Raises:
+        WeightLoadError: a linear in a quantized type tokenfab does not execute packed, or a non-linear tensor in a
+            type gguf cannot dequantize.
+    """
+    import gguf
+    from tqdm import tqdm
+
+    from tokenfab.quant import gguf_blocks
+    from tokenfab.quant.gguf_weight import GGUFWeight
+
+    r = _reader(path)
+    cfg = gguf_config(path)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    for t in tqdm(r.tensors, desc="Loading GGUF", unit="tensor", disable=not progress, leave=False):
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        n_head = heads if kind == "attn_q" else kv_heads if kind == "attn_k" else None
+        shape = [int(s) for s in reversed(t.shape)]  # GGUF lists ne0 (the input dim) first
+        qtype = t.tensor_type
+        if kind in _LINEARS and t.name.endswith(".weight") and qtype not in plain:
+            if qtype.name not in gguf_blocks.BLOCK_TYPES:
+                raise WeightLoadError(f"{path}: tensor {t.name} is {qtype.name}; tokenfab executes "
+                                      f"{', '.join(gguf_blocks.BLOCK_TYPES)} packed (other types not yet).")
+            rows = torch.from_numpy(np.array(t.data)).reshape(shape[0], -1)
+            if n_head is not None:
+                rows = unpermute_rows(rows, n_head)
+            yield name, GGUFWeight.from_rows(rows, qtype.name, shape[1])
+            continue
+        if qtype in plain:
+            values = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(shape)
+        elif qtype.name in gguf_blocks.BLOCK_TYPES:
+            values = gguf_blocks.dequantize_rows(torch.from_numpy(np.array(t.data)).reshape(shape[0], -1),
+                                                 gguf_blocks.block_type(qtype.name)).reshape(shape)
+        else:
+            try:
+                values = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, qtype))).reshape(shape)
+            except NotImplementedError as e:
+                raise WeightLoadError(f"{path}: tensor {t.name} is {qtype.name}, which gguf cannot dequantize") from e
+        if n_head is not None:
+            values = unpermute_rows(values, n_head)
+        yield name, values
+
+
+def load_gguf_tokenizer(path: str):
+    """transformers' tokenizer built from the GGUF file's tokenizer metadata (and chat template)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+
+def save_dequantized(path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:
+    """Write a Hugging Face checkpoint folder (config.json, model.safetensors in ``dtype``, tokenizer files) holding
+    the GGUF file's weights dequantized: the reference the packed model is compared with. Returns ``out_dir``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from tokenfab.quant.packed_weight import PackedWeight
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(gguf_config(path), f, indent=1)
+    tensors = {name: (v.dequantize() if isinstance(v, PackedWeight) else v).to(dtype).contiguous()
+               for name, v in iterate_gguf_weights(path, progress=False)}
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"))
+    load_gguf_tokenizer(path).save_pretrained(out_dir)
+    return out_dir

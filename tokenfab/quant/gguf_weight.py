@@ -1,0 +1,107 @@
+"""A Linear weight in a GGUF block type (Q8_0, Q4_0, Q4_1), kept packed and multiplied packed.
+
+Fast path: ``cpu_kernels.gguf_linear`` (kernels/csrc/gguf_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
+decode GEMV that unpacks nibbles and scales in registers and a prefill GEMM that dequantizes 32 weight rows at a
+time into a thread-local buffer for oneDNN's brgemm. Reference / fallback (no kernels, no AVX512-BF16, another
+device, or ``TOKENFAB_CPU_LINEAR=torch``): dequantize 1024 rows at a time and ``F.linear`` in float32, so no
+full-size float copy of the weight is ever made either way.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tokenfab.kernels import cpu_kernels
+from tokenfab.quant import gguf_blocks
+from tokenfab.quant.gguf_blocks import TILE, BlockType
+from tokenfab.quant.packed_weight import PackedWeight
+
+_REFERENCE_ROWS = 1024  # rows dequantized at a time by the PyTorch path
+
+
+class GGUFWeight(PackedWeight):
+    """W [out_features, in_features] in GGUF block type ``block`` as tiles (:func:`gguf_blocks.pack_tiles`).
+
+    Build with :meth:`from_rows` from the file's bytes. ``tiles`` is a uint8 buffer
+    [ceil(out / 16), in / 32, 16 * block_bytes].
+    """
+
+    def __init__(self, tiles: torch.Tensor, block: BlockType, out_features: int, in_features: int):
+        super().__init__(out_features, in_features)
+        if tiles.dtype != torch.uint8 or tiles.shape != (-(-out_features // TILE), in_features // gguf_blocks.BLOCK,
+                                                         block.tile_block_bytes):
+            raise ValueError(f"GGUFWeight: tiles {tuple(tiles.shape)} {tiles.dtype} do not hold a {block.name} weight "
+                             f"[{out_features}, {in_features}]")
+        self.block = block
+        self.register_buffer("tiles", tiles, persistent=False)
+        self._kernel = False
+
+    @classmethod
+    def from_rows(cls, raw: torch.Tensor, block: BlockType | str | int, in_features: int) -> GGUFWeight:
+        """From GGUF rows: raw [out, in / 32 * block_bytes] uint8 (one tensor's data as stored in the file, rows =
+        output features).
+
+        Raises:
+            ValueError: ``in_features`` not a multiple of 32, or raw's row length not matching it.
+        """
+        bt = block if isinstance(block, BlockType) else gguf_blocks.block_type(block)
+        if in_features % gguf_blocks.BLOCK or raw.dim() != 2 or raw.shape[1] != in_features // 32 * bt.block_bytes:
+            raise ValueError(f"GGUF {bt.name} rows {tuple(raw.shape)} do not hold {in_features} inputs per row "
+                             f"(in_features must be a multiple of 32, {bt.block_bytes} bytes per 32)")
+        return cls(gguf_blocks.pack_tiles(raw, bt), bt, raw.shape[0], in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel()
+
+    def rows(self, t0: int = 0, t1: int | None = None) -> torch.Tensor:
+        """The GGUF rows of tiles [t0, t1) as in the file (raw uint8; the inverse of :meth:`from_rows`)."""
+        return gguf_blocks.unpack_tiles(self.tiles, self.block, self.out_features, t0, t1)
+
+    def dequantize_rows(self, start: int, end: int) -> torch.Tensor:
+        t0, t1 = start // TILE, -(-end // TILE)
+        w = gguf_blocks.dequantize_rows(self.rows(t0, t1), self.block)
+        return w[start - t0 * TILE:end - t0 * TILE]
+
+    def prepare(self) -> None:
+        """Use the C++ kernel when it runs here: CPU tensors, built kernels with AVX512-BF16 and a CPU linear backend
+        other than ``torch`` (``TOKENFAB_CPU_LINEAR``)."""
+        from tokenfab.layers.linear import cpu_linear_backend
+        self._kernel = (self.tiles.device.type == "cpu" and cpu_linear_backend() != "torch"
+                        and cpu_kernels.gguf_linear_applies())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._kernel and x.dtype in (torch.bfloat16, torch.float32):
+            return cpu_kernels.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias)
+        return self.reference_linear(x, bias)
+
+    def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The plain-PyTorch path: float32 ``F.linear`` over 1024 dequantized rows at a time, + bias in float32,
+        one rounding to x's dtype."""
+        xf = x.float()
+        ys = [F.linear(xf, self.dequantize_rows(s, min(s + _REFERENCE_ROWS, self.out_features)).to(x.device))
+              for s in range(0, self.out_features, _REFERENCE_ROWS)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+    @classmethod
+    def concat(cls, weights: Sequence[PackedWeight]) -> GGUFWeight | None:
+        """Rows of several GGUF weights of one block type and in_features joined (q|k|v, gate|up); None otherwise."""
+        first = weights[0]
+        if not all(isinstance(w, GGUFWeight) and w.block is first.block and w.in_features == first.in_features
+                   for w in weights):
+            return None
+        if all(w.out_features % TILE == 0 for w in weights[:-1]):  # whole tiles: join them as they are
+            tiles = torch.cat([w.tiles for w in weights])
+        else:
+            tiles = gguf_blocks.pack_tiles(torch.cat([w.rows() for w in weights]), first.block)
+        out = cls(tiles, first.block, sum(w.out_features for w in weights), first.in_features)
+        out._kernel = first._kernel
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.block.name}, " + super().extra_repr()
