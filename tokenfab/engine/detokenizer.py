@@ -48,38 +48,24 @@ class IncrementalDetokenizer:
         hold = max((len(s) for s in self.stop), default=1) - 1
         return self.text[: len(self.text) - hold] if hold else self.text
 
-    def update(self, output_ids: list[int], check_stop: bool = True) -> tuple[str, str | None]:
+    def update(self, output_ids: list[int], check_stop: bool = True, final: bool = False) -> tuple[str, str | None]:
         """Consume the sequence's full generated id list; returns (new text delta, stop string hit or None).
 
         ``check_stop`` False (the sequence is still below ``min_tokens``): the text grows but no stop string is
         searched, so none is cut; later steps search only for stop strings that end in their new text (vLLM's
         rule). Text is held back while it ends in an incomplete UTF-8 character (U+FFFD) until more tokens
-        complete it or :meth:`finish` flushes it."""
+        complete it or the sequence ends (``final``, see :meth:`finish`)."""
         if self._decode is None:
             return "", None
         prefix = self._decode(output_ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
         full = self._decode(output_ids[self.prefix_offset:], skip_special_tokens=self.skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        if len(full) <= len(prefix) or (full.endswith("\ufffd") and not final):
             return "", None
-        return self._append(full[len(prefix):], len(output_ids), check_stop)
-
-    def finish(self, output_ids: list[int], check_stop: bool = True) -> tuple[str, str | None]:
-        """The sequence ended (EOS, stop token, length): append what :meth:`update` held back (the trailing bytes
-        of an incomplete UTF-8 character decode to U+FFFD, as ``tokenizer.decode`` shows them), so ``text``
-        equals ``decode(output_ids)``. Returns (delta, stop string hit or None) like :meth:`update`."""
-        if self._decode is None or self.read_offset >= len(output_ids):
-            return "", None
-        prefix = self._decode(output_ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
-        full = self._decode(output_ids[self.prefix_offset:], skip_special_tokens=self.skip)
-        if len(full) <= len(prefix):
-            return "", None
-        return self._append(full[len(prefix):], len(output_ids), check_stop)
-
-    def _append(self, delta: str, n_ids: int, check_stop: bool) -> tuple[str, str | None]:
-        self.prefix_offset, self.read_offset = self.read_offset, n_ids
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(output_ids)
         before = len(self.text)
         self.text += delta
-        if not check_stop:
+        if not check_stop or not self.stop:
             return delta, None
         hit = None
         for s in self.stop:  # the earliest stop string that ends inside the new text
@@ -91,3 +77,11 @@ class IncrementalDetokenizer:
         i, s = hit
         self.text = self.text[:i]
         return delta[: max(0, i - before)], s
+
+    def finish(self, output_ids: list[int], check_stop: bool = True) -> tuple[str, str | None]:
+        """The sequence ended (EOS, stop token, length, abort): append what :meth:`update` held back (the trailing
+        bytes of an incomplete UTF-8 character decode to U+FFFD, as ``tokenizer.decode`` shows them), so ``text``
+        equals ``decode(output_ids)`` (up to a stop string). Returns (delta, stop string hit or None)."""
+        if self.read_offset >= len(output_ids):
+            return "", None
+        return self.update(output_ids, check_stop, final=True)
