@@ -1,5 +1,5 @@
-"""Fused CPU kernels (csrc/cpu_kernels.cpp, csrc/vnni_linear.cpp), compiled on first use, with the PyTorch paths as
-the fallback.
+"""Fused CPU kernels (csrc/: one file per kernel concept, entry points in cpu_kernels.h, Python bindings in
+bindings.cpp), compiled on first use, with the PyTorch paths as the fallback.
 
 Eager PyTorch spends most of a CPU decode step on dispatch and small-tensor passes (~150 ops per layer-step,
 benchmarks/NOTES.md). These kernels fold the hottest chains into one call each: paged decode attention straight
@@ -54,10 +54,10 @@ def _build_dir() -> str:
 
 
 def _sources() -> list[str]:
-    """The extension's C++ sources and headers (all of them hash into the build folder's name)."""
+    """The extension's C++ sources and headers: every ``.cpp`` and ``.h`` in csrc/, sorted (all of them hash into the
+    build folder's name; the ``.cpp`` files are compiled, bindings.cpp holding the Python module)."""
     d = os.path.join(os.path.dirname(__file__), "csrc")
-    return [os.path.join(d, f) for f in ("cpu_kernels.cpp", "cpu_kernels.h", "decode_stack.cpp",
-                                           "vnni_linear.cpp", "vnni_linear.h")]
+    return [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith((".cpp", ".h"))]
 
 
 def load():
@@ -119,7 +119,7 @@ def _read_failure(path: str) -> dict | None:
 
 
 def _build(build_dir: str):
-    """Compile (or load the cached build of) csrc/cpu_kernels.cpp -> (module, None) or (None, one-line reason)."""
+    """Compile (or load the cached build of) the csrc/ sources -> (module, None) or (None, one-line reason)."""
     import sys
     import time
     import warnings
