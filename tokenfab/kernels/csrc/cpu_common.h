@@ -9,10 +9,13 @@
 // intermediates to the activation dtype in the same order as the PyTorch code they replace (transformers' reference
 // order), so bf16 results match those paths bit for bit up to the order of the RMSNorm sum.
 //
-// Kernel files include ATen only (torch/extension.h, with pybind11, is several times slower to compile and only
-// bindings.cpp and decode_stack.cpp need it).
+// Kernel files include ATen's Tensor and the per-operator headers they call, not <ATen/ATen.h> (every operator,
+// ~2x the compile time) nor torch/extension.h (pybind11 and torch's API, ~6x; only bindings.cpp and decode_stack.cpp
+// need it): the extension is compiled on first use.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

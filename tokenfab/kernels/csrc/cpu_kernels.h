@@ -2,7 +2,7 @@
 // Python; decode_blocks.cpp and decode_stack.cpp chain them). Shapes, dtypes and the rounding each one follows are
 // documented at their definitions and in tokenfab/kernels/cpu_kernels.py.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

@@ -1,6 +1,6 @@
 // Linear layers on tokenfab's VNNI-blocked bf16 weight layout (vnni_linear.cpp).
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 
