@@ -21,13 +21,14 @@ Kimi K3 nests the text model under ``text_config`` (weights under ``language_mod
 ``activation_situ_beta``, ``activation_situ_linear_beta``), the bounded KDA gate (``gate_lower_bound``), the
 full-rank KDA output gate (``use_full_rank_gate``) and MXFP4 routed experts (``quantization_config``).
 
-Every error is a :class:`tokenfab.config.ConfigError` naming the field.
+Every error is a :class:`tokenfab.model_config.ConfigError` (also importable from :mod:`tokenfab.config`) naming
+the field.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenfab.config import ConfigError, ModelConfig, RopeConfig, _eos_ids
+from tokenfab.model_config import ConfigError, ModelConfig, RopeConfig, eos_token_ids
 
 KIMI_ARCHITECTURES = {"KimiLinearForCausalLM": "kimi_linear", "KimiK3ForConditionalGeneration": "kimi_k3"}
 KIMI_MODEL_TYPES = {"kimi_linear", "kimi_k3"}
@@ -199,9 +200,9 @@ def parse_kimi_config(cfg: dict, gen_cfg: dict | None = None) -> KimiConfig:
         raise ConfigError(f"config.json: activation '{act}' (field '{where}hidden_act') is not supported; supported: "
                           "silu, swish, situ.")
     types, kda = _layer_types(cfg, L, where)
-    eos = _eos_ids(cfg, gen_cfg)
+    eos = eos_token_ids(cfg, gen_cfg)
     if top is not cfg:
-        for x in _eos_ids(top, None):
+        for x in eos_token_ids(top, None):
             if x not in eos:
                 eos.append(x)
     mc = KimiConfig(

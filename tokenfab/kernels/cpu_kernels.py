@@ -1,5 +1,5 @@
-"""Fused CPU kernels (csrc/cpu_kernels.cpp, csrc/vnni_linear.cpp), compiled on first use, with the PyTorch paths as
-the fallback.
+"""Fused CPU kernels (csrc/: one file per kernel concept, entry points in cpu_kernels.h, Python bindings in
+bindings.cpp), compiled on first use, with the PyTorch paths as the fallback.
 
 Eager PyTorch spends most of a CPU decode step on dispatch and small-tensor passes (~150 ops per layer-step,
 benchmarks/NOTES.md). These kernels fold the hottest chains into one call each: paged decode attention straight
@@ -8,7 +8,7 @@ from the block table (no gathered copy of the context), the causal softmax of pr
 attention of a decode-only step (MLA and grouped-query) and sampling without top-k / top-p.
 
 The extension is built with ``torch.utils.cpp_extension.load`` (needs a C++ compiler; ninja comes with tokenfab's
-dependencies; ~50 s on 2 cores once, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>``, override
+dependencies; ~1 min on 2 cores once, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>``, override
 with ``TOKENFAB_KERNEL_CACHE``).
 ``TOKENFAB_CPU_KERNELS=0`` disables them; a failed build logs one warning and every caller keeps its PyTorch path.
 Only CPU tensors take these paths; CUDA/ROCm use their own.
@@ -54,10 +54,10 @@ def _build_dir() -> str:
 
 
 def _sources() -> list[str]:
-    """The extension's C++ sources and headers (all of them hash into the build folder's name)."""
+    """The extension's C++ sources and headers: every ``.cpp`` and ``.h`` in csrc/, sorted (all of them hash into the
+    build folder's name; the ``.cpp`` files are compiled, bindings.cpp holding the Python module)."""
     d = os.path.join(os.path.dirname(__file__), "csrc")
-    return [os.path.join(d, f) for f in ("cpu_kernels.cpp", "cpu_kernels.h", "decode_stack.cpp",
-                                           "gguf_linear.cpp", "gguf_linear.h", "vnni_linear.cpp", "vnni_linear.h")]
+    return [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith((".cpp", ".h"))]
 
 
 def load():
@@ -119,7 +119,7 @@ def _read_failure(path: str) -> dict | None:
 
 
 def _build(build_dir: str):
-    """Compile (or load the cached build of) csrc/cpu_kernels.cpp -> (module, None) or (None, one-line reason)."""
+    """Compile (or load the cached build of) the csrc/ sources -> (module, None) or (None, one-line reason)."""
     import sys
     import time
     import warnings
@@ -137,7 +137,7 @@ def _build(build_dir: str):
         if fresh and cxx_path is None:
             return None, f"no C++ compiler: '{cxx}' not found (install g++ or set CXX)"
         if fresh:
-            print("[tokenfab] building the fused CPU kernels (once per machine, ~50 s on 2 cores) ...",
+            print("[tokenfab] building the fused CPU kernels (once per machine, ~1 min on 2 cores) ...",
                   file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         torch_log = logging.getLogger("torch.utils.cpp_extension")

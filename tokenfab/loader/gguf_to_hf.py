@@ -46,7 +46,7 @@ def cache_key(path: str) -> str:
 
 def cached_folder(path: str) -> str:
     """Where :func:`ensure_converted` keeps ``path``'s checkpoint: ``<cache>/models/gguf/<stem>-<key>``."""
-    from tokenfab.default_model import cache_dir
+    from tokenfab.cache_paths import cache_dir
 
     stem = os.path.basename(path)[:-len(".gguf")] if is_gguf_path(path) else os.path.basename(path)
     return os.path.join(cache_dir(), "models", "gguf", f"{stem}-{cache_key(path)}")

@@ -64,6 +64,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
+# The checkpoint tensor listing (tokenfab/model_tensors.py), re-exported for callers that import it from here.
+from tokenfab.model_tensors import (  # noqa: F401
+    WEIGHT_FORMATS,
+    TensorRecord,
+    count_parameters,
+    expert_tensors,
+    model_tensors,
+)
+
 # Tensor classes used in byte accounting (keys of the per-rank dicts).
 TENSOR_CLASSES = ("embed", "lm_head", "attn_q", "attn_kv", "attn_o", "attn_latent", "mlp", "shared_experts",
                   "experts", "router", "norms", "other")
@@ -284,7 +293,7 @@ class ShardPlan:
                                        and int(m.group(1)) in self.kda_layer_ids)
         if kda and self.kda_head_width:
             # Kimi KDA layers: checkpoint names ``model.layers.{i}.self_attn.*`` of a KDA layer i (transformers-5
-            # runtime names ``self_attn.forget_gate.*`` too), or the planner's ``kda_attn.*`` (kimi_tensors.py).
+            # runtime names ``self_attn.forget_gate.*`` too), or the listing's ``kda_attn.*`` (model_tensors.py).
             # Per-head tensors split by ``kda_heads``; A_log (1-D, padded, or legacy 4-D [1, 1, H, 1]) and the fused
             # runtime ``conv1d`` [3HD, 1, K] are read whole and sliced by the model (KimiLinearForCausalLM
             # ._map_weights / _a_log_slice); f_a_proj / g_a_proj (rank D) and o_norm are replicated.
@@ -364,144 +373,6 @@ class ShardPlan:
                  "intermediate": self.intermediate[r], "experts": self.experts[r],
                  "shared_intermediate": self.shared_intermediate[r], "vocab": self.vocab[r]}
                 for r in range(self.world_size)]
-
-
-# --------------------------------------------------------------------------------------------------- tensors
-@dataclass(frozen=True)
-class TensorRecord:
-    """One checkpoint tensor (or ``count`` identical ones in different layers): name, stored shape, total bytes."""
-
-    name: str
-    shape: tuple[int, ...]
-    nbytes: int
-    count: int = 1
-    dtype: str = ""
-
-
-WEIGHT_FORMATS = ("bfloat16", "float16", "float32", "fp8", "int4")
-_FLOAT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-
-
-def model_tensors(model_config, weight_format: str | int = "bfloat16") -> list[TensorRecord]:
-    """The tensors a checkpoint of this model holds (HF names, layer index ``{L}`` aggregated into ``count``).
-
-    Formats:
-
-    * an int ``n`` or ``"bfloat16"`` / ``"float16"`` / ``"float32"``: every parameter takes ``n`` (2, 2, 4) bytes.
-    * ``"fp8"``: DeepSeek-V3 block FP8. Every Linear weight inside the decoder layers (attention projections, dense
-      MLP, shared and routed experts) is float8_e4m3fn (1 byte) plus a float32 ``weight_scale_inv``
-      ``[ceil(out/128), ceil(in/128)]``; embeddings, lm_head, norms and router weight stay bfloat16, the router
-      ``e_score_correction_bias`` float32.
-    * ``"int4"``: compressed-tensors pack-quantized, group 32, symmetric, routed experts only: ``weight_packed``
-      int32 ``[out, in/8]``, ``weight_scale`` bfloat16 ``[out, ceil(in/32)]``, ``weight_shape`` int32 ``[2]``; every
-      other tensor bfloat16.
-
-    Multi-token-prediction layers (``num_nextn_predict_layers``) are not included (the engine does not load them).
-
-    Raises:
-        ValueError: an unknown format.
-    """
-    mc = model_config
-    if mc.family in ("kimi_linear", "kimi_k3"):  # hybrid KDA + MLA stack: tokenfab/planner/kimi_tensors.py
-        from tokenfab.planner.kimi_tensors import kimi_model_tensors
-        return kimi_model_tensors(mc, weight_format)
-    if isinstance(weight_format, int):
-        fbytes, fmt = weight_format, "plain"
-    elif weight_format in _FLOAT_BYTES:
-        fbytes, fmt = _FLOAT_BYTES[weight_format], "plain"
-    elif weight_format in ("fp8", "int4"):
-        fbytes, fmt = 2, weight_format
-    else:
-        raise ValueError(f"weight dtype '{weight_format}' is not supported; supported: {', '.join(WEIGHT_FORMATS)}")
-    h = mc.hidden_size
-    recs: list[TensorRecord] = []
-
-    def plain(name: str, shape: tuple[int, ...], count: int, nbytes_per_el: int = fbytes, dtype: str = ""):
-        if count > 0 and all(shape):
-            recs.append(TensorRecord(name, shape, math.prod(shape) * nbytes_per_el, count, dtype))
-
-    def linear(name: str, out: int, inp: int, count: int, bias: bool = False, expert: bool = False):
-        """A Linear weight [out, in] in the chosen format (plus its scale tensors)."""
-        if count <= 0 or out == 0 or inp == 0:
-            return
-        if fmt == "fp8":
-            plain(name + ".weight", (out, inp), count, 1, "F8_E4M3")
-            plain(name + ".weight_scale_inv", (-(-out // 128), -(-inp // 128)), count, 4, "F32")
-        elif fmt == "int4" and expert:
-            plain(name + ".weight_packed", (out, -(-inp // 8)), count, 4, "I32")
-            plain(name + ".weight_scale", (out, -(-inp // 32)), count, 2, "BF16")
-            plain(name + ".weight_shape", (2,), count, 4, "I32")
-        else:
-            plain(name + ".weight", (out, inp), count)
-        if bias:
-            plain(name + ".bias", (out,), count)
-
-    L = mc.num_hidden_layers
-    moe = set(mc.moe_layers) if mc.is_moe else set()
-    n_moe = len(moe)
-    n_dense = L - n_moe
-    plain("model.embed_tokens.weight", (mc.vocab_size, h), 1)
-    if not mc.tie_word_embeddings:
-        plain("lm_head.weight", (mc.vocab_size, h), 1)
-    plain("model.norm.weight", (h,), 1)
-    p = "model.layers.{L}."
-    plain(p + "input_layernorm.weight", (h,), L)
-    plain(p + "post_attention_layernorm.weight", (h,), L)
-    a = p + "self_attn."
-    if mc.is_mla:
-        H = mc.num_attention_heads
-        if mc.q_lora_rank:
-            linear(a + "q_a_proj", mc.q_lora_rank, h, L)
-            plain(a + "q_a_layernorm.weight", (mc.q_lora_rank,), L)
-            linear(a + "q_b_proj", H * mc.qk_head_dim, mc.q_lora_rank, L)
-        else:
-            linear(a + "q_proj", H * mc.qk_head_dim, h, L)
-        linear(a + "kv_a_proj_with_mqa", mc.kv_lora_rank + mc.qk_rope_head_dim, h, L, mc.attention_bias)
-        plain(a + "kv_a_layernorm.weight", (mc.kv_lora_rank,), L)
-        linear(a + "kv_b_proj", H * (mc.qk_nope_head_dim + mc.v_head_dim), mc.kv_lora_rank, L)
-        linear(a + "o_proj", h, H * mc.v_head_dim, L)
-    else:
-        hd, H, K = mc.head_dim, mc.num_attention_heads, mc.num_key_value_heads
-        linear(a + "q_proj", H * hd, h, L, mc.attention_bias)
-        linear(a + "k_proj", K * hd, h, L, mc.attention_bias)
-        linear(a + "v_proj", K * hd, h, L, mc.attention_bias)
-        linear(a + "o_proj", h, H * hd, L, mc.attention_bias)
-        if mc.family in ("qwen3", "qwen3_moe"):
-            plain(a + "q_norm.weight", (hd,), L)
-            plain(a + "k_norm.weight", (hd,), L)
-    m = p + "mlp."
-    linear(m + "gate_proj", mc.intermediate_size, h, n_dense, mc.mlp_bias)
-    linear(m + "up_proj", mc.intermediate_size, h, n_dense, mc.mlp_bias)
-    linear(m + "down_proj", h, mc.intermediate_size, n_dense, mc.mlp_bias)
-    if n_moe:
-        plain(m + "gate.weight", (mc.num_experts, h), n_moe)
-        if mc.family == "deepseek_v3":
-            plain(m + "gate.e_score_correction_bias", (mc.num_experts,), n_moe,
-                  4 if fmt in ("fp8", "int4") else fbytes)
-        expert_tensors(linear, m, mc, n_moe, h)
-    return recs
-
-
-def expert_tensors(linear, prefix: str, mc, n_moe: int, expert_in: int) -> None:
-    """List the MoE experts of ``n_moe`` layers through ``linear(name, out, in, count, expert=...)``: routed experts
-    ``{prefix}experts.{j}.gate/up/down_proj`` reading and writing ``expert_in`` features (hidden_size, or K3's
-    latent width) and the shared experts (hidden_size in and out, moe_intermediate_size x n_shared_experts)."""
-    mi, h = mc.moe_intermediate_size, mc.hidden_size
-    for j in range(mc.num_experts):
-        e = f"{prefix}experts.{j}."
-        linear(e + "gate_proj", mi, expert_in, n_moe, expert=True)
-        linear(e + "up_proj", mi, expert_in, n_moe, expert=True)
-        linear(e + "down_proj", expert_in, mi, n_moe, expert=True)
-    if mc.n_shared_experts:
-        si = mi * mc.n_shared_experts
-        linear(prefix + "shared_experts.gate_proj", si, h, n_moe)
-        linear(prefix + "shared_experts.up_proj", si, h, n_moe)
-        linear(prefix + "shared_experts.down_proj", h, si, n_moe)
-
-
-def count_parameters(model_config) -> int:
-    """Logical parameter count (elements) of the tensors :func:`model_tensors` lists, MTP layers excluded."""
-    return sum(r.nbytes * r.count for r in model_tensors(model_config, 1))
 
 
 def _empty_classes() -> dict[str, int]:

@@ -15,7 +15,7 @@ fit and ``max_kv_tokens >= T``.
 
 Weight bytes come from the checkpoint's safetensors headers when present (real dtypes: FP8 block-scaled,
 INT4 pack-quantized, ... — only the 8-byte length and the JSON header of each file are read) or else from the
-config with a stated weight format (see :func:`tokenfab.parallel.shard_plan.model_tensors`).
+config with a stated weight format (see :func:`tokenfab.model_tensors.model_tensors`).
 """
 from __future__ import annotations
 
@@ -28,13 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenfab.config import ModelConfig, load_config, parse_config
-from tokenfab.parallel.shard_plan import (
-    TENSOR_CLASSES,
-    ShardPlan,
-    TensorRecord,
-    WeightInventory,
-    model_tensors,
-)
+from tokenfab.model_tensors import TensorRecord, count_parameters, model_tensors
+from tokenfab.parallel.shard_plan import TENSOR_CLASSES, ShardPlan, WeightInventory
 
 
 class PlanError(ValueError):
@@ -271,7 +266,6 @@ def estimate_weight_bytes(model_dir_or_config: str | dict | ModelConfig, world_s
         per_rank = inv.per_rank(plan)
     except ValueError as e:
         raise PlanError(str(e)) from None
-    from tokenfab.parallel.shard_plan import count_parameters
     return WeightEstimate(source, fmt, world_size, per_rank, inv.total_bytes, inv.replicated_bytes(),
                           inv.skipped_bytes, count_parameters(mc), inv)
 

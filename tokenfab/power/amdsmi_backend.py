@@ -53,6 +53,7 @@ class AmdSmiBackend(GpuLibraryBackend):
     cap_source = "amdsmi power_cap"
     module, label, visible_env = "amdsmi", "amdsmi", "HIP_VISIBLE_DEVICES"
     install_hint = "install the ROCm amdsmi package"
+    energy_units_per_j = 1e6  # µJ
 
     def _init(self, amd) -> None:
         amd.amdsmi_init()
@@ -70,32 +71,17 @@ class AmdSmiBackend(GpuLibraryBackend):
         acc = d.get("energy_accumulator", d.get("power"))
         return float(acc) * float(d["counter_resolution"])
 
-    def caps_w(self) -> list[float | None]:
-        """Power cap per GPU in W (power_cap µW / 1e6)."""
-        out: list[float | None] = []
-        for h in self._handles:
-            try:
-                out.append(_cap_to_w(_num(self._lib.amdsmi_get_power_cap_info(h).get("power_cap"))))
-            except Exception:
-                out.append(None)
-        return out
+    def _power_w(self, h) -> float:
+        """current_socket_power, else average_socket_power (W); 0.0 when neither reads as a number."""
+        info = self._lib.amdsmi_get_power_info(h)
+        w = _num(info.get("current_socket_power"))
+        if w is None:
+            w = _num(info.get("average_socket_power"))
+        return w if w is not None else 0.0
 
-    def read_energy_j(self) -> list[float] | None:
-        """Energy since :meth:`open` per GPU in J: (accumulator × resolution µJ − value at open) / 1e6."""
-        if not self.has_energy_counter:
-            return None
-        return [(self._energy_raw(h) - e0) / 1e6 for h, e0 in zip(self._handles, self._e0)]
-
-    def read_power_w(self) -> list[float] | None:
-        """Socket power per GPU in W."""
-        out = []
-        for h in self._handles:
-            info = self._lib.amdsmi_get_power_info(h)
-            w = _num(info.get("current_socket_power"))
-            if w is None:
-                w = _num(info.get("average_socket_power"))
-            out.append(w if w is not None else 0.0)
-        return out
+    def _cap_w(self, h) -> float | None:
+        """power_cap µW / 1e6 (see :func:`_cap_to_w`)."""
+        return _cap_to_w(_num(self._lib.amdsmi_get_power_cap_info(h).get("power_cap")))
 
 
 def _find_key(obj: Any, pred: Callable[[str], bool]) -> Any:

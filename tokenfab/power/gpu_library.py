@@ -1,8 +1,9 @@
 """The part NVML and amdsmi share: a vendor library imported when the backend opens, initialised, devices picked by
-index (a visibility variable by default), the energy counter probed once, the library shut down on close.
+index (a visibility variable by default), the energy counter probed once, per-GPU readings collected, the library
+shut down on close.
 
-Subclasses name the library and give its calls; the readings (energy units, power, caps) stay in their own files
-(``nvml.py``, ``amdsmi_backend.py``).
+Subclasses name the library and give its calls, one GPU handle at a time (energy counter, power, cap, in the
+library's units); those stay in their own files (``nvml.py``, ``amdsmi_backend.py``).
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ class GpuLibraryBackend(PowerBackend):
     library; default: the ones the visibility variable names, or all).
 
     Subclasses set ``module`` (import name), ``install_hint``, ``label`` (in messages), ``visible_env`` (e.g.
-    ``CUDA_VISIBLE_DEVICES``) and implement :meth:`_init`, :meth:`_shutdown`, :meth:`_handles_of` and
-    :meth:`_energy_raw` (the counter in the library's own unit; raising means no counter).
+    ``CUDA_VISIBLE_DEVICES``), ``energy_units_per_j`` (the counter's units in one joule: 1000 for mJ) and implement
+    :meth:`_init`, :meth:`_shutdown`, :meth:`_handles_of`, :meth:`_energy_raw` (the counter in the library's own
+    unit; raising means no counter), :meth:`_power_w` and :meth:`_cap_w`.
 
     After :meth:`open`: ``self._lib`` is the module, ``self._handles`` one handle per selected GPU,
     ``self._e0`` the counter values at open when ``has_energy_counter``.
@@ -28,6 +30,7 @@ class GpuLibraryBackend(PowerBackend):
     install_hint = ""
     label = ""
     visible_env = "CUDA_VISIBLE_DEVICES"
+    energy_units_per_j = 1.0
 
     def __init__(self, indices: list[int] | None = None) -> None:
         super().__init__()
@@ -47,6 +50,14 @@ class GpuLibraryBackend(PowerBackend):
         raise NotImplementedError
 
     def _energy_raw(self, handle) -> float:
+        raise NotImplementedError
+
+    def _power_w(self, handle) -> float:
+        """Power draw of one GPU in W."""
+        raise NotImplementedError
+
+    def _cap_w(self, handle) -> float | None:
+        """Configured power cap of one GPU in W (raising or None: unknown)."""
         raise NotImplementedError
 
     def open(self) -> None:
@@ -90,3 +101,23 @@ class GpuLibraryBackend(PowerBackend):
             except Exception:
                 pass
             self._lib = None
+
+    def caps_w(self) -> list[float | None]:
+        """Power cap per GPU in W (:meth:`_cap_w`; None where the library cannot say)."""
+        out: list[float | None] = []
+        for h in self._handles:
+            try:
+                out.append(self._cap_w(h))
+            except Exception:
+                out.append(None)
+        return out
+
+    def read_energy_j(self) -> list[float] | None:
+        """Energy since :meth:`open` per GPU in J: (counter - counter at open) / ``energy_units_per_j``."""
+        if not self.has_energy_counter:
+            return None
+        return [(self._energy_raw(h) - e0) / self.energy_units_per_j for h, e0 in zip(self._handles, self._e0)]
+
+    def read_power_w(self) -> list[float] | None:
+        """Power draw per GPU in W (:meth:`_power_w`)."""
+        return [self._power_w(h) for h in self._handles]

@@ -17,6 +17,7 @@ class NvmlBackend(GpuLibraryBackend):
     cap_source = "NVML enforced power limit"
     module, label, visible_env = "pynvml", "NVML", "CUDA_VISIBLE_DEVICES"
     install_hint = "install nvidia-ml-py"
+    energy_units_per_j = 1000.0  # mJ
 
     def _init(self, nv) -> None:
         nv.nvmlInit()
@@ -31,22 +32,10 @@ class NvmlBackend(GpuLibraryBackend):
         """nvmlDeviceGetTotalEnergyConsumption: mJ since the driver loaded (Volta and newer)."""
         return float(self._lib.nvmlDeviceGetTotalEnergyConsumption(h))
 
-    def caps_w(self) -> list[float | None]:
-        """Enforced power limit per GPU in W (mW / 1000)."""
-        out: list[float | None] = []
-        for h in self._handles:
-            try:
-                out.append(float(self._lib.nvmlDeviceGetEnforcedPowerLimit(h)) / 1000.0)
-            except Exception:
-                out.append(None)
-        return out
+    def _power_w(self, h) -> float:
+        """nvmlDeviceGetPowerUsage: mW / 1000."""
+        return float(self._lib.nvmlDeviceGetPowerUsage(h)) / 1000.0
 
-    def read_energy_j(self) -> list[float] | None:
-        """Energy since :meth:`open` per GPU in J: (counter_mJ − counter_mJ at open) / 1000."""
-        if not self.has_energy_counter:
-            return None
-        return [(self._energy_raw(h) - e0) / 1000.0 for h, e0 in zip(self._handles, self._e0)]
-
-    def read_power_w(self) -> list[float] | None:
-        """Power draw per GPU in W (nvmlDeviceGetPowerUsage mW / 1000)."""
-        return [float(self._lib.nvmlDeviceGetPowerUsage(h)) / 1000.0 for h in self._handles]
+    def _cap_w(self, h) -> float:
+        """nvmlDeviceGetEnforcedPowerLimit: mW / 1000."""
+        return float(self._lib.nvmlDeviceGetEnforcedPowerLimit(h)) / 1000.0

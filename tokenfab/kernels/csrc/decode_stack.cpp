@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include "cpu_kernels.h"
+#include "decode_stack.h"
 #include "vnni_linear.h"
 
 #include <string>

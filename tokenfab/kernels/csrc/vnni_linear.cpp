@@ -11,6 +11,7 @@
 // brgemm micro-kernel (at::native::cpublas::brgemm) on 64 x 32 tiles, float32 tiles rounded once to bf16.
 #include "vnni_linear.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include <immintrin.h>

@@ -1,6 +1,8 @@
 // Linear layers on tokenfab's VNNI-blocked bf16 weight layout (vnni_linear.cpp).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+
+#include <vector>
 
 // Block width of the packed layout: weight [N, K] is stored as [ceil(N / 32), K / 2, 32, 2].
 constexpr int64_t kVnniBlockN = 32;

@@ -1,0 +1,24 @@
+// The paged cache write of the decode blocks below (what write_cache's index_copy_ does): slot_mapping as int64,
+// every slot checked against the pool, then per token its bf16 values copied to cache row slot, columns col.. on.
+#include "cpu_common.h"
+#include "cpu_kernels.h"
+
+at::Tensor checked_slots(const at::Tensor& slot_mapping, const at::Tensor& cache, const char* who) {
+  auto slots = slot_mapping.to(at::kLong).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  const int64_t nslots = cache.size(0) * cache.size(1);
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < nslots, who, ": slot ", sp[t], " outside the cache");
+  return slots;
+}
+
+// cache [blocks, block_size, ...] contiguous bf16; rows [T, ...] bf16 (any strides), W values per token.
+void write_slots(at::Tensor& cache, const at::Tensor& slots, int64_t col, const at::Tensor& rows) {
+  const int64_t T = slots.numel(), row = cache.numel() / (cache.size(0) * cache.size(1));
+  const auto r = rows.reshape({T, -1}).contiguous();
+  const int64_t W = r.size(1);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  auto* cp = reinterpret_cast<uint16_t*>(cache.data_ptr());
+  const auto* rp = reinterpret_cast<const uint16_t*>(r.data_ptr());
+  for (int64_t t = 0; t < T; ++t) std::memcpy(cp + sp[t] * row + col, rp + t * W, W * 2);
+}
