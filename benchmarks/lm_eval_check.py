@@ -130,7 +130,7 @@ def start_server(model: str, port: int, dtype: str, log: str) -> subprocess.Pope
 
 
 def run_lm_eval(venv: str, label: str, model: str, model_args: str, tasks: str, include: str, out: str,
-                extra: list[str]) -> tuple[str, float]:
+                extra: list[str], reuse: bool = False) -> tuple[str, float]:
     cmd = [os.path.join(venv, "bin", "lm-eval"), "run", "--model", model, "--model_args", model_args,
            "--tasks", tasks, "--include_path", include, "--log_samples", "--output_path",
            os.path.join(out, label), "--seed", "1234", *extra]
@@ -138,6 +138,10 @@ def run_lm_eval(venv: str, label: str, model: str, model_args: str, tasks: str, 
                TOKENIZERS_PARALLELISM="false")
     t0 = time.perf_counter()
     print("+ " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    done = glob.glob(os.path.join(out, label, "**", "results_*.json"), recursive=True)
+    if reuse and done:
+        print(f"  (reusing {done[-1]})", flush=True)
+        return " ".join(shlex.quote(c) for c in cmd), float("nan")
     with open(os.path.join(out, f"{label}.log"), "w") as log:
         p = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=out)
     if p.returncode != 0:
@@ -168,6 +172,7 @@ def main() -> int:
     ap.add_argument("--tol", type=float, default=2e-3, help="largest |Δ log-likelihood| per item (nats)")
     ap.add_argument("--work", default="/tmp/tokenfab-lm-eval-check")
     ap.add_argument("--out", default=None, help="Markdown result file")
+    ap.add_argument("--reuse", action="store_true", help="keep lm-eval runs already in --work (their time: nan)")
     args = ap.parse_args()
     if not os.path.isfile(os.path.join(args.venv, "bin", "lm-eval")):
         print(f"no lm-eval in {args.venv}; create it as the docstring says.", file=sys.stderr)
@@ -182,22 +187,22 @@ def main() -> int:
     cmds, times = {}, {}
     hf_args = f"pretrained={model},dtype={args.dtype}"
     cmds["hf"], times["hf"] = run_lm_eval(args.venv, "hf", "hf", hf_args, "tokenfab_mc,tokenfab_gen", include,
-                                          args.work, ["--batch_size", "4", "--device", "cpu"])
+                                          args.work, ["--batch_size", "4", "--device", "cpu"], args.reuse)
     cmds["hf_chat"], times["hf_chat"] = run_lm_eval(args.venv, "hf_chat", "hf", hf_args, "tokenfab_gen", include,
                                                     args.work, ["--batch_size", "4", "--device", "cpu",
-                                                                "--apply_chat_template"])
+                                                                "--apply_chat_template"], args.reuse)
     server = start_server(model, port, args.dtype, os.path.join(args.work, "serve.log"))
     try:
         comp_args = (f"model=smollm2,base_url={base}/completions,tokenizer={model},tokenizer_backend=huggingface,"
-                     "tokenized_requests=True,num_concurrent=1,max_retries=1,batch_size=4")
+                     "tokenized_requests=True,num_concurrent=1,max_retries=1")
         cmds["local-completions"], times["local-completions"] = run_lm_eval(
             args.venv, "local_completions", "local-completions", comp_args, "tokenfab_mc,tokenfab_gen", include,
-            args.work, ["--batch_size", "4"])
+            args.work, ["--batch_size", "4"], args.reuse)
         chat_args = (f"model=smollm2,base_url={base}/chat/completions,tokenizer={model},"
                      "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
         cmds["local-chat-completions"], times["local-chat-completions"] = run_lm_eval(
             args.venv, "local_chat", "local-chat-completions", chat_args, "tokenfab_gen", include, args.work,
-            ["--apply_chat_template"])
+            ["--apply_chat_template"], args.reuse)
     finally:
         server.terminate()
         server.wait(30)
