@@ -157,8 +157,13 @@ def test_gguf_refuses_other_architectures_by_name(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    from tokenfab.errors import WeightLoadError
+    from tokenfab.errors import UnsupportedError, WeightLoadError
+    from tokenfab.loader.gguf_packed import packed_unsupported_reason
+    assert "architecture 'gpt2'" in packed_unsupported_reason(path)
     with pytest.raises(WeightLoadError, match="architecture 'gpt2'.*supported: llama"):
+        list(iterate_gguf_weights(path, progress=False))
+    # LLM() then tries the dequantizing reader, which refuses it by name too
+    with pytest.raises(UnsupportedError, match="architecture 'gpt2'.*supported: llama"):
         LLM(path, progress=False)
 
 

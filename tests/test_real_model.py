@@ -58,7 +58,7 @@ def test_default_model_is_smollm2_in_the_cache(smol, capsys):
 
     assert smol.startswith(os.environ["TOKENFAB_CACHE"]) and os.path.isfile(os.path.join(smol, "model.safetensors"))
     assert default_model_name() == REAL_MODEL_NAME
-    assert resolve_model(None) == smol and resolve_model(GGUF) == smol
+    assert resolve_model(None) == smol and resolve_model(GGUF) == os.path.abspath(GGUF)  # a file given is served packed
     assert "dequantizing" not in capsys.readouterr().out  # converted once, then read from the cache
     cfg = json.load(open(os.path.join(smol, "config.json")))
     assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["hidden_size"],

@@ -145,12 +145,22 @@ def default_describe() -> str:
 
 
 def resolve_model(model: str | None, quiet: bool = False) -> str:
-    """The checkpoint folder behind a user's model argument: None -> :func:`default_model_path`; a ``*.gguf``
-    file -> its cached bf16 folder (:func:`tokenfab.loader.gguf_to_hf.ensure_converted`); anything else as given.
+    """The checkpoint behind a user's model argument: None -> :func:`default_model_path` (SmolLM2's cached bf16
+    folder, which the fused decode stack runs); a ``*.gguf`` file -> the file itself, served with its quantized
+    linears packed (:mod:`tokenfab.loader.gguf_packed`), or its cached bf16 folder
+    (:func:`tokenfab.loader.gguf_to_hf.ensure_converted`) when it holds an architecture or block type without
+    packed kernels; anything else as given.
 
     Raises FileNotFoundError for a missing ``*.gguf`` file and the converter's errors for one it cannot read.
     """
     if model is None:
         return default_model_path(quiet=quiet)
+    from tokenfab.loader.gguf_packed import is_gguf, packed_unsupported_reason
+    if is_gguf(model) and os.path.isfile(model):
+        reason = packed_unsupported_reason(model)
+        if reason is None:
+            return os.path.abspath(model)  # served packed (tokenfab.loader.gguf_packed, tokenfab.quant)
+        if not quiet:
+            print(f"[tokenfab] {model}: not served packed ({reason}); using its dequantized bf16 copy", flush=True)
     from tokenfab.loader.gguf_to_hf import resolve_model_path
     return resolve_model_path(model, quiet=quiet)

@@ -1,7 +1,7 @@
 """Error types users see. Each message names the field or input at fault and how to fix it."""
 from __future__ import annotations
 
-from tokenfab.config import ConfigError
+from tokenfab.model_config import ConfigError
 
 
 class WeightLoadError(ValueError):

@@ -26,7 +26,7 @@ class LLM:
     def __init__(self, model: str | None = None, progress: bool = True, **kwargs):
         check_argument_names(kwargs, {f for f in EngineConfig.__dataclass_fields__ if f != "model"} | {"progress"})
         from tokenfab.default_model import resolve_model
-        model = resolve_model(model)  # None -> the default model; *.gguf -> its cached bf16 folder
+        model = resolve_model(model)  # None -> the default model; *.gguf -> served packed
         self.engine_config = EngineConfig.from_kwargs(model, **kwargs)
         self.llm_engine = LLMEngine.from_config(self.engine_config, progress=progress)
         self._counter = 0

@@ -109,6 +109,31 @@ def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     return rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
 
 
+def packed_unsupported_reason(path: str) -> str | None:
+    """Why the GGUF file at ``path`` cannot be served packed (an architecture other than llama, rope scaling, or a
+    linear in a block type without a packed kernel), or None when it can. Reads metadata and tensor headers only
+    (the file is memory-mapped; no tensor data is touched).
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+    """
+    import gguf
+
+    from tokenfab.quant import gguf_blocks
+
+    try:
+        gguf_config(path)
+    except WeightLoadError as e:
+        return str(e)
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    for t in _reader(path).tensors:
+        m = _BLK.match(t.name)
+        if (m and m.group(2) in _LINEARS and t.name.endswith(".weight") and t.tensor_type not in plain
+                and t.tensor_type.name not in gguf_blocks.BLOCK_TYPES):
+            return f"tensor {t.name} is {t.tensor_type.name} (packed kernels: {', '.join(gguf_blocks.BLOCK_TYPES)})"
+    return None
+
+
 def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor | object]]:
     """Yield (Hugging Face name, value) for every tensor tokenfab loads from a llama GGUF file: a
     :class:`~tokenfab.quant.gguf_weight.GGUFWeight` for packed linears, else a float32 tensor.

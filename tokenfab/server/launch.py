@@ -36,7 +36,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     from tokenfab.default_model import default_describe, resolve_model
     given = model_arg(args)
-    model = resolve_model(given or None)  # None -> the default model; *.gguf -> its cached bf16 folder
+    model = resolve_model(given or None)  # None -> the default model; *.gguf -> served packed
     if not given:
         print(f"[tokenfab] model: {default_describe()}", flush=True)
     budget = args.max_num_batched_tokens
