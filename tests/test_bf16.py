@@ -17,7 +17,7 @@ def test_bf16_kl_against_fp32_reference(tiny_model, family):
     path = tiny_model(family)
     rng = random.Random(11)
     prompts = [[rng.randrange(5, 512) for _ in range(n)] for n in (48, 20)]
-    llm = LLM(path, dtype="bfloat16", max_model_len=128, max_num_batched_tokens=32, progress=False)
+    llm = LLM(path, dtype="bfloat16", max_model_len=128, max_num_batched_tokens=32, max_logprobs=-1, progress=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=512))
     ref = load_reference(path, torch.float32)
     kls = []

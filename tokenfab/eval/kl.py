@@ -224,7 +224,8 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
     reference_model = reference_model or model
 
     t0 = time.perf_counter()
-    llm_kw = dict(dtype=dtype, seed=seed, device=device, enforce_eager=enforce_eager)
+    llm_kw = dict(dtype=dtype, seed=seed, device=device, enforce_eager=enforce_eager,
+                  max_logprobs=-1)  # the full distribution is read (logprobs=vocab_size)
     if max_model_len is not None:
         llm_kw["max_model_len"] = max_model_len
     llm_kw["tensor_parallel_size"] = tensor_parallel_size  # passed through; the engine decides what it supports
