@@ -12,6 +12,7 @@ import json
 import os
 import random
 import shutil
+import time
 
 import httpx
 import pytest
@@ -356,8 +357,28 @@ def test_aborted_requests_are_counted_as_abort(server):
             for i, line in enumerate(r.iter_lines()):
                 if i >= 4:
                     break
-    import time
     deadline = time.time() + 15
     while abort_count() != before + 1:
         assert time.time() < deadline, (before, abort_count())
         time.sleep(0.05)
+
+
+def test_a_failing_request_fails_alone_with_recurrent_state(tmp_path, tokenizer_dir):
+    """Kimi Linear keeps a recurrent KDA state per request, which a failed run may already have advanced: the
+    other requests are recomputed from their tokens (preempted) and still finish with the fault-free tokens."""
+    from test_kimi_linear import make_kimi_linear
+    path = make_kimi_linear(str(tmp_path / "kl"), tokenizer_dir)
+    llm = LLM(path, dtype="float32", max_model_len=128, max_num_batched_tokens=24, block_size=8, progress=False)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()[:3]] + [{"prompt_token_ids": MARK}]
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)]
+    clean = llm.generate(prompts, params, use_tqdm=False)
+    preempted_before = llm.llm_engine.scheduler.num_preemptions
+    with RowFault(llm.llm_engine.runner, after=2):
+        got = llm.generate(prompts, params, use_tqdm=False)
+    assert got[-1].outputs[0].finish_reason == "error"
+    assert [r.outputs[0].token_ids for r in got[:-1]] == [r.outputs[0].token_ids for r in clean[:-1]]
+    assert llm.llm_engine.scheduler.num_preemptions > preempted_before
+    _assert_idle(llm)

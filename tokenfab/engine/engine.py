@@ -237,8 +237,10 @@ class LLMEngine:
         """After ``batch`` raised ``exc``: bisect it (re-run each half, recurse into halves that raise) down to the
         single sequences that raise, fail their requests (finish_reason "error", ``RequestOutput.error``), and
         process the outputs of the halves that ran. With recurrent-state models the halves' outputs are dropped
-        and every other sequence of the batch is preempted (recomputed from its tokens). Returns the outputs of
-        the requests that progressed, finished or failed."""
+        and every other sequence of the batch is preempted (recomputed from its tokens). RNG draws of runs that
+        raised (or whose outputs are dropped) are given back; those of the first, failed run cannot be, so a
+        seeded request keeps its tokens when the step failed before sampling (the forward, the min_tokens mask).
+        Returns the outputs of the requests that progressed, finished or failed."""
         self.stats["step_failures_total"] += 1
         logger.warning("engine step over %d sequences failed (%s: %s); isolating the failing requests",
                        len(batch), type(exc).__name__, str(exc).strip().splitlines()[:1])
@@ -253,12 +255,16 @@ class LLMEngine:
             half = len(idx) // 2
             for part in (idx[:half], idx[half:]):
                 sub = self._sub_batch(batch, part)
+                rng = self._rng_states(sub.seqs)
                 try:
                     out = self._run(sub)
                 except Exception as e:
+                    self._restore_rng(rng)  # draws of a run that raised never happened
                     bisect(part, e)
                     continue
-                if not recurrent:
+                if recurrent:
+                    self._restore_rng(rng)  # its tokens are dropped: so are its draws
+                else:
                     for o in self._process(sub, out):
                         results[o.request_id] = o
 
@@ -272,6 +278,18 @@ class LLMEngine:
             if req is not None:
                 results[rid] = self._fail_request(req, err)
         return list(results.values())
+
+    def _rng_states(self, seqs: list[Sequence]) -> list[tuple[torch.Generator, torch.Tensor]]:
+        """(generator, state) of the engine's RNG and of every seeded sequence in ``seqs`` (isolation re-runs
+        only: a re-run that raises or whose tokens are dropped gives its draws back, so seeded requests keep the
+        tokens they would have had)."""
+        gens = [self.generator] + [s.generator for s in seqs if s.generator is not None]
+        return [(g, g.get_state()) for g in gens]
+
+    @staticmethod
+    def _restore_rng(states: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        for g, st in states:
+            g.set_state(st)
 
     def _fail_request(self, req: Request, err: BaseException) -> RequestOutput:
         """Finish every sequence of ``req`` with finish_reason "error", free its blocks and rows, and return its
