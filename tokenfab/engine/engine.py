@@ -215,6 +215,8 @@ class LLMEngine:
             self.runner.admit(batch.admitted)
             out = self.runner.execute(batch) if self.tp_group is None else self.tp_group.execute(self.runner, batch)
         except Exception as exc:  # some sequence's rows raised: find it, fail its request alone, serve the rest
+            if self.health_error() is not None:  # a tensor-parallel rank died: no request is at fault, none can run
+                raise
             return self._step_isolating(batch, exc)
         return self._process(batch, out)
 
