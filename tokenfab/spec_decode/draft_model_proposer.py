@@ -85,7 +85,7 @@ class DraftModelProposer(Proposer):
         if bool(st.greedy.all()):
             return logits.argmax(dim=-1), None
         q = target_probs(logits.unsqueeze(1), st).squeeze(1)
-        tok = inverse_cdf_sample(q, draw_uniforms(seqs, 1, self.generator)[:, 0])
+        tok = inverse_cdf_sample(q, draw_uniforms(seqs, 1, self.generator)[1])
         return torch.where(st.greedy, logits.argmax(dim=-1), tok), q
 
     def propose(self, seqs, rows, token_ids, lengths, max_lens) -> Proposal:

@@ -151,12 +151,18 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: 
     return VerifyResult(tokens, m)
 
 
-def draw_uniforms(seqs, n: int, generator: torch.Generator) -> torch.Tensor:
-    """[N, n] uniforms in [0, 1): unseeded rows from one call on the engine's ``generator``, rows with a
-    per-request seed from their own generator (n values each), so a seeded row's draws depend on its own stream
-    only."""
+def draw_uniforms(seqs, n: int, generator: torch.Generator, draft_lens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms in [0, 1) for verification: (u_accept [N, n - 1], u_final [N]). Unseeded rows take theirs from one
+    call on the engine's ``generator``; a row with a per-request seed takes ``draft_lens[i] + 1`` values from its
+    own generator (its acceptance tests, then its final draw; all n when ``draft_lens`` is None), so a seeded
+    row's stream depends on its own drafts only, never on its batch mates."""
     u = torch.rand(len(seqs), n, generator=generator)
+    u_final = u[:, n - 1].clone()
+    u_acc = u[:, : n - 1].clone()
     for i, s in enumerate(seqs):
         if s.generator is not None:
-            u[i] = torch.rand(n, generator=s.generator)
-    return u
+            c = n - 1 if draft_lens is None else int(draft_lens[i])
+            v = torch.rand(c + 1, generator=s.generator)
+            u_acc[i, :c] = v[:c]
+            u_final[i] = v[c]
+    return u_acc, u_final

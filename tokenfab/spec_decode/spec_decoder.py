@@ -198,8 +198,11 @@ class SpecDecoder:
         draft_ids = torch.from_numpy(np.ascontiguousarray(prop.draft_ids[prow, :K1 - 1]))
         q = None if prop.draft_probs is None else prop.draft_probs[torch.from_numpy(prow), :K1 - 1]
         st = SamplingTensors.from_seqs(spec_seqs, V)
-        u = draw_uniforms(spec_seqs, K1, eng.generator) if not bool(st.greedy.all()) else torch.zeros(len(si), K1)
-        res = rejection_sample(logits, draft_ids, torch.from_numpy(k_eff), q, st, u[:, :K1 - 1], u[:, K1 - 1])
+        if bool(st.greedy.all()):
+            u_acc, u_fin = torch.zeros(len(si), K1 - 1), torch.zeros(len(si))
+        else:
+            u_acc, u_fin = draw_uniforms(spec_seqs, K1, eng.generator, k_eff)
+        res = rejection_sample(logits, draft_ids, torch.from_numpy(k_eff), q, st, u_acc, u_fin)
         acc = res.num_accepted.numpy()
         toks = res.token_ids.numpy()
         self._strip(batch, spec_lens)
