@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from server_fixtures import SERVED_NAME, server_model_dir  # noqa: F401
 from tokenfab import LLM, SamplingParams
 from tokenfab.errors import EngineConfigError, UnsupportedError
 from tokenfab.spec_decode.config import parse_speculative_config
@@ -337,3 +338,37 @@ def test_rows_with_logprobs_decode_plainly(tiny_model):
     for a, b in zip(out, base):
         assert all(abs(x[t] - y[t]) < 1e-5 for x, y, t in
                    zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids))
+
+
+# ----------------------------------------------------------------------------------- /metrics and bench client
+def test_server_exports_spec_counters_and_bench_reads_them(server_model_dir):
+    import httpx
+    from server_fixtures import start_test_server
+
+    from tokenfab.bench.spec_metrics import fetch_spec_counters, format_spec_decode, spec_decode_result
+    h = start_test_server(server_model_dir, speculative_config=dict(NGRAM))
+    try:
+        before = fetch_spec_counters(h.base_url)
+        assert before == {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": {0: 0.0, 1: 0.0, 2: 0.0}}
+        with httpx.Client(base_url=h.base_url, trust_env=False, timeout=60) as c:
+            r = c.post("/v1/completions", json={"model": SERVED_NAME, "max_tokens": 24, "temperature": 0,
+                                                 "prompt": "one two three one two three one two", "ignore_eos": True})
+            assert r.status_code == 200, r.text
+        import time
+        st = h.async_llm.engine.get_stats()
+        for _ in range(50):  # the engine thread publishes its stats just after delivering the last output
+            after = fetch_spec_counters(h.base_url)
+            if after["drafts"] == st["spec_decode_num_drafts"]:
+                break
+            time.sleep(0.1)
+    finally:
+        h.stop()
+    assert after["drafts"] > 0 and after["draft_tokens"] >= after["accepted"]
+    assert after["drafts"] == st["spec_decode_num_drafts"]
+    assert after["accepted"] == st["spec_decode_num_accepted_tokens"]
+    assert [after["per_pos"].get(j, 0) for j in range(3)] == st["spec_decode_num_accepted_tokens_per_pos"]
+    res = spec_decode_result(before, after)
+    assert res["spec_decode_acceptance_rate"] == pytest.approx(100 * after["accepted"] / after["draft_tokens"])
+    assert res["spec_decode_acceptance_length"] == pytest.approx(1 + after["accepted"] / after["drafts"])
+    text = "\n".join(format_spec_decode(res, lambda a, b, f="": f"{a} {b:{f}}"))
+    assert "Acceptance rate (%)" in text and "Position 0" in text

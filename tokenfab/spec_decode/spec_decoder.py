@@ -231,9 +231,9 @@ class SpecDecoder:
         st_["spec_decode_num_drafts"] += int((k_eff > 0).sum())
         st_["spec_decode_num_draft_tokens"] += int(k_eff.sum())
         st_["spec_decode_num_accepted_tokens"] += int(acc.sum())
-        per = st_["spec_decode_num_accepted_tokens_per_pos"]
-        for j in range(min(self.k, int(acc.max()) if len(acc) else 0)):
-            per[j] += int((acc > j).sum())
+        # a new list each step: published stats snapshots (server thread) keep the list they were given
+        st_["spec_decode_num_accepted_tokens_per_pos"] = [
+            c + int((acc > j).sum()) for j, c in enumerate(st_["spec_decode_num_accepted_tokens_per_pos"])]
         self.policy.update(spec_seqs, k_eff.tolist(), acc.tolist())
         acc_by_seq = {id(s): int(a) for s, a in zip(spec_seqs, acc)}
         self.proposer.on_verified(seqs, np.fromiter((acc_by_seq.get(id(s), 0) for s in seqs), dtype=np.int64,
