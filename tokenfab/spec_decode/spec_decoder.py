@@ -34,6 +34,7 @@ from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.sequence import SequenceStatus
 from tokenfab.errors import UnsupportedError
 from tokenfab.spec_decode.config import SpeculativeConfig
+from tokenfab.spec_decode.fused_verify import fused_verify_logits
 from tokenfab.spec_decode.policy import SpecPolicy
 from tokenfab.spec_decode.proposer import Proposer
 from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, rejection_sample
@@ -162,16 +163,31 @@ class SpecDecoder:
         for s in batch.admitted:
             if s.first_scheduled_time is None:
                 s.first_scheduled_time = now
+        fused = self._can_fuse(batch, spec_lens)
         try:
             eng.runner.admit(batch.admitted)
-            out = (eng.runner.execute(batch) if eng.tp_group is None
-                   else eng.tp_group.execute(eng.runner, batch))
+            if fused:  # every row a decode row: verify through the fused decode stack (fused_verify.py)
+                out = StepOutput(np.zeros(0, dtype=np.int64), None, None, fused_verify_logits(eng.runner, batch))
+            else:
+                out = (eng.runner.execute(batch) if eng.tp_group is None
+                       else eng.tp_group.execute(eng.runner, batch))
         except Exception:  # roll back the drafts and let the plain step (with its failure isolation) rerun it
             self._strip(batch, spec_lens)
             self.proposer.on_verified(seqs, np.zeros(len(seqs), dtype=np.int64))
             logger.warning("a speculative step failed; rerunning it without speculation", exc_info=True)
             return self._plain()
-        return self._accept(batch, out, spec_lens, seqs, prop, drafted)
+        verify = np.ones(len(batch.seqs), dtype=bool) if fused else spec_lens > 0
+        return self._accept(batch, out, spec_lens, verify, seqs, prop, drafted)
+
+    def _can_fuse(self, batch: ScheduledBatch, spec_lens: np.ndarray) -> bool:
+        """True when the whole batch can verify through the fused CPU decode stack: the model has one, one device,
+        and every row is a decode row (plain, or verifying all its drafts) the rejection sampler samples exactly."""
+        r = self.engine.runner
+        if r.cpu_decode_stack is None or self.engine.tp_group is not None or batch.admitted:
+            return False
+        if not np.array_equal(batch.num_new, spec_lens + 1):
+            return False
+        return all(s.status == SequenceStatus.RUNNING and row_supports_speculation(s) for s in batch.seqs)
 
     @staticmethod
     def _strip(batch: ScheduledBatch, spec_lens: np.ndarray) -> None:
@@ -179,9 +195,12 @@ class SpecDecoder:
             s = batch.seqs[i]
             del s.token_ids[int(batch.num_computed[i]) + 1:]
 
-    def _accept(self, batch, out: StepOutput, spec_lens, seqs, prop, drafted):
+    def _accept(self, batch, out: StepOutput, spec_lens, verify, seqs, prop, drafted):
+        """Verify the rows marked in ``verify`` (``out.spec_logits`` holds logits at each of their tokens; rows
+        without drafts sample their one token as the plain sampler would), process the other rows as a plain step,
+        then emit, roll back and count."""
         eng = self.engine
-        si = np.nonzero(spec_lens)[0]
+        si = np.nonzero(verify)[0]
         if len(si) == 0:
             self.proposer.on_verified(seqs, np.zeros(len(seqs), dtype=np.int64))
             return eng._process(batch, out)
@@ -194,9 +213,14 @@ class SpecDecoder:
         mask = torch.from_numpy(np.arange(K1)[None, :] < n_new[:, None])
         logits = torch.zeros(len(si), K1, V, dtype=flat.dtype)
         logits[mask] = flat
-        prow = np.fromiter((drafted[id(s)][0] for s in spec_seqs), dtype=np.int64, count=len(si))
-        draft_ids = torch.from_numpy(np.ascontiguousarray(prop.draft_ids[prow, :K1 - 1]))
-        q = None if prop.draft_probs is None else prop.draft_probs[torch.from_numpy(prow), :K1 - 1]
+        prow = np.fromiter((drafted[id(s)][0] if id(s) in drafted else -1 for s in spec_seqs), dtype=np.int64,
+                           count=len(si))
+        has = torch.from_numpy(prow >= 0)
+        pr = np.maximum(prow, 0)
+        draft_ids = torch.from_numpy(np.ascontiguousarray(prop.draft_ids[pr, :K1 - 1]))
+        q = None
+        if prop.draft_probs is not None:  # rows without drafts never read q (k_eff 0)
+            q = prop.draft_probs[torch.from_numpy(pr), :K1 - 1] * has[:, None, None]
         st = SamplingTensors.from_seqs(spec_seqs, V)
         if bool(st.greedy.all()):
             u_acc, u_fin = torch.zeros(len(si), K1 - 1), torch.zeros(len(si))
