@@ -627,6 +627,8 @@ def format_result(result: dict[str, Any], metric_names: list[str], percentiles: 
         for p in percentiles:
             key = percentile_key(p)
             lines.append(_fmt_line(f"{key.upper()} {short} (ms):", result[f"{key}_{name}_ms"], ".2f"))
+    from tokenfab.bench.spec_metrics import format_spec_decode
+    lines.extend(format_spec_decode(result, _fmt_line))
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -778,8 +780,11 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
             print(f"WARNING: {hook_state['error']}", file=sys.stderr)
 
     wall_minus_perf = time.time() - time.perf_counter()
+    from tokenfab.bench.spec_metrics import fetch_spec_counters, spec_decode_result
+    spec_before = fetch_spec_counters(base_url)  # speculative-decoding counters, when the server exports them
     records, t_start, t_end, warmups = asyncio.run(
         _run_requests(args, base_url, api_url, model_name, samples, headers, offsets, on_first_send))
+    spec_result = spec_decode_result(spec_before, fetch_spec_counters(base_url) if spec_before else None)
     duration = max(t_end - t_start, 1e-9)
     warm_failed = [r.error for r in warmups if not r.success]
     if warm_failed:
@@ -829,6 +834,8 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         "goodput_slos_ms": goodput_slos or None,
     })
     result.update(metrics)
+    if spec_result is not None:
+        result.update(spec_result)
     if args.num_prompts < 1:  # custom dataset, whole file
         result["num_prompts"] = len(records)
     result["start_times"] = [r.send_time - t_start for r in records]

@@ -60,6 +60,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "ignore that file; or a folder holding a generation_config.json.")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="Most logprobs / top_logprobs a request may ask for. Default 20 (vLLM's).")
+    g.add_argument("--speculative-config", default=None,
+                   help="Speculative decoding as JSON (vLLM's shape), e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' or "
+                        "'{\"method\": \"draft_model\", \"model\": \"PATH\", \"num_speculative_tokens\": 3}' "
+                        "(tokenfab/spec_decode/config.py).")
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -63,6 +63,14 @@ class BlockManager:
             seq.block_table.extend(new)
         return new
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Return ``seq``'s blocks past the first ``ceil(num_tokens / block_size)`` to the free list (after
+        speculative decoding rejected tokens that had blocks reserved)."""
+        keep = (num_tokens + self.block_size - 1) // self.block_size
+        if len(seq.block_table) > keep:
+            self.free_blocks.extend(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks to the free list."""
         self.free_blocks.extend(seq.block_table)

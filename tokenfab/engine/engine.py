@@ -87,6 +87,10 @@ class LLMEngine:
         self.tp_group = loaded.tp_group  # tensor parallel > 1: workers to drive (tokenfab.parallel.launcher)
         if self.tp_group is not None:
             self.tp_group.attach(self.runner)
+        self.spec = None  # speculative decoding (tokenfab/spec_decode/spec_decoder.py) when configured
+        if config.speculative_config is not None:
+            from tokenfab.spec_decode.spec_decoder import SpecDecoder
+            self.spec = SpecDecoder(self, config.speculative_config)
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> "LLMEngine":
@@ -202,6 +206,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + forward + sampling step; returns outputs of requests that gained a token or
         finished."""
+        if self.spec is not None and self.spec.active():  # propose, verify in this batch, accept (spec_decode/)
+            return self.spec.step()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.waiting and not self.scheduler.running:  # cannot happen with a valid pool size

@@ -107,6 +107,10 @@ class EngineConfig:
             "vllm" (ignore that file) or a folder holding a generation_config.json; see
             :meth:`generation_defaults`.
         max_logprobs: most logprobs / prompt_logprobs a request may ask for (vLLM's default 20; -1: no limit).
+        speculative_config: None, or vLLM's dict (or its JSON text), e.g. {"method": "ngram",
+            "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method":
+            "draft_model", "model": PATH, "num_speculative_tokens": 3}; normalized to a
+            :class:`~tokenfab.spec_decode.config.SpeculativeConfig` (tokenfab/spec_decode/config.py).
 
     Raises:
         EngineConfigError / UnsupportedError (ValueError): a setting out of range or not supported, naming it;
@@ -132,6 +136,7 @@ class EngineConfig:
     quantization: str | None = None
     generation_config: str = "auto"
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    speculative_config: dict | str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, where: str = "LLM()", **kwargs) -> "EngineConfig":
@@ -155,6 +160,8 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise EngineConfigError(f"max_logprobs must be an integer >= 0 (or -1 for no limit), got "
                                     f"{self.max_logprobs!r}.")
+        from tokenfab.spec_decode.config import parse_speculative_config
+        self.speculative_config = parse_speculative_config(self.speculative_config)  # strict: names a bad field
         self.check_quantization()
         self.generation_defaults()  # a missing folder or a bad value fails now, not at the first request
 

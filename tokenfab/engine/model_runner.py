@@ -27,6 +27,7 @@ from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.kernels import triton_support
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import cpu_linear_backend
+from tokenfab.spec_decode.verification import verification_rows
 
 
 @dataclass
@@ -53,6 +54,7 @@ class StepOutput:
     sampled_index: np.ndarray
     sampler_output: SamplerOutput | None
     prompt_logprobs: PromptLogprobs | None
+    spec_logits: torch.Tensor | None = None  # [sum(num_new) of speculative rows, V] (spec_decode/spec_decoder.py)
 
 
 class ModelRunner:
@@ -220,8 +222,13 @@ class ModelRunner:
             sampled_index = np.nonzero(num_computed + num_new == seq_lens)[0]
             sample_tok = cu[sampled_index] - 1
             plp_tok = self._prompt_logprob_tokens(seqs, req_idx, positions)
+        spec_tok = None
+        if batch.spec_lens is not None:  # speculative rows: logits at all their tokens, verified by spec_decode
+            sampled_index, sample_tok, spec_tok = verification_rows(batch.spec_lens, num_new, sampled_index)
         bt = self.bm.block_tables[rows]
         logit_idx = np.concatenate([sample_tok, plp_tok]) if len(plp_tok) else sample_tok
+        if spec_tok is not None:
+            logit_idx = np.concatenate([logit_idx, spec_tok])
         if self.tp_channel is not None:  # tensor parallel: the workers run the same forward (tokenfab/parallel)
             self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx,
                                       rows if self.has_state else None)  # hybrid models: the KDA state slots
@@ -229,7 +236,8 @@ class ModelRunner:
                               rows=rows)
         if logits is None:
             return StepOutput(sampled_index, None, None)
-        s_logits, p_logits = logits[: len(sample_tok)], logits[len(sample_tok):]
+        s_logits, p_logits = logits[: len(sample_tok)], logits[len(sample_tok):len(sample_tok) + len(plp_tok)]
+        spec_logits = logits[len(sample_tok) + len(plp_tok):] if spec_tok is not None else None
 
         sampler_out = None
         if len(sampled_index):
@@ -249,7 +257,7 @@ class ModelRunner:
                 tv, ti = logp.topk(k, dim=-1)
                 top_v, top_i = tv.numpy(), ti.numpy()
             plp = PromptLogprobs(seq_i, pred_pos, targets, lp.numpy(), top_i, top_v)
-        return StepOutput(sampled_index, sampler_out, plp)
+        return StepOutput(sampled_index, sampler_out, plp, spec_logits)
 
     @staticmethod
     def _prompt_logprob_tokens(seqs, req_idx: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -34,6 +34,7 @@ class ScheduledBatch:
     num_computed: np.ndarray
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    spec_lens: np.ndarray | None = None  # [B] draft tokens appended per sequence (speculative decoding), or None
 
     @property
     def num_tokens(self) -> int:

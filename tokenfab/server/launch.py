@@ -55,7 +55,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         quantization=getattr(args, "quantization", None),
                         enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
                         generation_config=getattr(args, "generation_config", "auto"),
-                        max_logprobs=getattr(args, "max_logprobs", 20))
+                        max_logprobs=getattr(args, "max_logprobs", 20),
+                        speculative_config=getattr(args, "speculative_config", None))
 
 
 class PortInUseError(OSError):

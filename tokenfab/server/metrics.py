@@ -61,6 +61,8 @@ class ServerMetrics:
                                          registry=reg)
         self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", L,
                                      registry=reg)
+        self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", L + ["position"], registry=reg)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               L, buckets=_LATENCY_BUCKETS, registry=reg)
         self.tpot = Histogram("vllm:time_per_output_token_seconds",
@@ -89,7 +91,9 @@ class ServerMetrics:
             self.success.labels(model_name, reason).inc(0)
         self._lock = threading.Lock()
         self._seen = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "num_preemptions": 0,
-                      "num_aborted": 0, "num_step_failures": 0}
+                      "num_aborted": 0, "num_step_failures": 0, "spec_decode_num_drafts": 0,
+                      "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0}
+        self._seen_per_pos: list[int] = []
         self._last: dict[str, tuple[float, int]] = {}  # request id -> (time of last token, tokens so far)
 
     # ------------------------------------------------------------------------------------------- engine thread
@@ -141,11 +145,22 @@ class ServerMetrics:
             for key, counter in (("prompt_tokens_total", self.prompt_tokens),
                                  ("generation_tokens_total", self.generation_tokens),
                                  ("num_preemptions", self.preemptions), ("num_aborted", self.aborted),
-                                 ("num_step_failures", self.step_failures)):
+                                 ("num_step_failures", self.step_failures),
+                                 ("spec_decode_num_drafts", self.spec_drafts),
+                                 ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                                 ("spec_decode_num_accepted_tokens", self.spec_accepted)):
                 cur = int(stats.get(key, 0))
                 if cur > self._seen[key]:
                     counter.labels(m).inc(cur - self._seen[key])
                     self._seen[key] = cur
+            per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos") or []  # speculative decoding on
+            for j, cur in enumerate(per_pos):
+                if j >= len(self._seen_per_pos):
+                    self._seen_per_pos.append(0)
+                    self.spec_per_pos.labels(m, str(j)).inc(0)
+                if cur > self._seen_per_pos[j]:
+                    self.spec_per_pos.labels(m, str(j)).inc(cur - self._seen_per_pos[j])
+                    self._seen_per_pos[j] = cur
 
     def render(self, stats: dict) -> bytes:
         """The Prometheus text exposition, after syncing with ``stats``."""

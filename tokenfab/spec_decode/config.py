@@ -1,0 +1,152 @@
+"""``speculative_config`` in vLLM's shape: parsing and strict validation.
+
+Accepted (``LLM(..., speculative_config={...})``, ``tokenfab serve --speculative-config '{...}'``)::
+
+    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
+
+plus the switch-off knobs (see :mod:`tokenfab.spec_decode.policy`): ``disable_by_batch_size`` (vLLM's name: no
+speculation in a step with more running sequences than this), and tokenfab's ``min_acceptance_rate`` /
+``probe_interval`` (per-sequence acceptance EMA below the threshold pauses that sequence's drafting, which is
+retried every ``probe_interval`` of its decode steps). As in vLLM, a ``model`` without a method means
+``draft_model`` and ``"[ngram]"`` as model means ``ngram``. ``mtp``, ``dspark`` (and vLLM's ``eagle`` /
+``eagle3`` / ``medusa``) are refused by name: not implemented yet.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+
+from tokenfab.errors import EngineConfigError, UnsupportedError
+
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("mtp", "dspark", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass
+class SpeculativeConfig:
+    """Validated speculative-decoding settings.
+
+    Attributes:
+        method: "ngram" (prompt lookup, no model) or "draft_model" (a small model with the same vocabulary).
+        num_speculative_tokens: k, draft tokens proposed per sequence and step (1..32).
+        prompt_lookup_max / prompt_lookup_min: longest / shortest suffix n-gram matched (ngram only; tokens).
+        model: draft checkpoint folder (draft_model only).
+        disable_by_batch_size: speculate only in steps with at most this many running sequences (None: always).
+        min_acceptance_rate: a sequence whose acceptance-rate EMA falls below this stops drafting (0 disables).
+        probe_interval: a paused sequence drafts again once every this many of its decode steps (>= 1).
+        acceptance_ema_decay: weight of the previous EMA value per verification (0..1).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    disable_by_batch_size: int | None = None
+    min_acceptance_rate: float = 0.3
+    probe_interval: int = 8
+    acceptance_ema_decay: float = 0.7
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def _int(d: dict, name: str, lo: int, hi: int | None = None, default=None):
+    v = d.get(name, default)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise EngineConfigError(f"speculative_config.{name} must be an integer, got {v!r}.")
+    if v < lo or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise EngineConfigError(f"speculative_config.{name} must be {rng}, got {v}.")
+    return v
+
+
+def _float(d: dict, name: str, lo: float, hi: float, default: float) -> float:
+    v = d.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo <= float(v) <= hi):
+        raise EngineConfigError(f"speculative_config.{name} must be a number in [{lo}, {hi}], got {v!r}.")
+    return float(v)
+
+
+def parse_speculative_config(value) -> SpeculativeConfig | None:
+    """dict, JSON text, SpeculativeConfig or None -> SpeculativeConfig or None (None / {} = off).
+
+    Raises:
+        EngineConfigError: malformed JSON, an unknown field (named, with the fields the method takes), a missing
+            or out-of-range field (named), a draft model folder that does not exist.
+        UnsupportedError: a method tokenfab does not run yet (mtp, dspark, eagle ...), by name.
+    """
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise EngineConfigError(f"speculative_config: cannot read {value!r} as JSON ({e}); give e.g. "
+                                    '\'{"method": "ngram", "num_speculative_tokens": 3}\'.') from None
+    if not isinstance(value, dict):
+        raise EngineConfigError(f"speculative_config must be a dict (or JSON object), got {type(value).__name__}.")
+    if not value:
+        return None
+    d = dict(value)
+    method = d.get("method")
+    if method is None:
+        if d.get("model") == "[ngram]":
+            method = "ngram"
+        elif d.get("model") is not None:
+            method = "draft_model"
+        else:
+            raise EngineConfigError("speculative_config.method is missing; use 'ngram' or 'draft_model' (with "
+                                    "'model': a checkpoint folder).")
+    if d.get("model") == "[ngram]":
+        d.pop("model")
+    if not isinstance(method, str):
+        raise EngineConfigError(f"speculative_config.method must be a string, got {method!r}.")
+    if method in NOT_YET:
+        raise UnsupportedError(f"speculative_config.method '{method}' is not implemented yet in tokenfab; use "
+                               "'ngram' or 'draft_model'.")
+    if method not in METHODS:
+        raise EngineConfigError(f"speculative_config.method '{method}' is unknown; use 'ngram' or 'draft_model'.")
+    common = {"method", "num_speculative_tokens", "disable_by_batch_size", "min_acceptance_rate",
+              "probe_interval", "acceptance_ema_decay"}
+    allowed = common | ({"prompt_lookup_max", "prompt_lookup_min"} if method == "ngram" else {"model"})
+    for name in d:
+        if name not in allowed:
+            raise EngineConfigError(f"speculative_config has an unknown field '{name}' for method '{method}'; "
+                                    f"its fields: {', '.join(sorted(allowed))}.")
+    if "num_speculative_tokens" not in d:
+        raise EngineConfigError("speculative_config.num_speculative_tokens is missing: how many draft tokens to "
+                                f"propose per step (1..{MAX_SPECULATIVE_TOKENS}).")
+    k = _int(d, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS)
+    cfg = SpeculativeConfig(
+        method=method, num_speculative_tokens=k,
+        disable_by_batch_size=_int(d, "disable_by_batch_size", 1),
+        min_acceptance_rate=_float(d, "min_acceptance_rate", 0.0, 1.0, 0.3),
+        probe_interval=_int(d, "probe_interval", 1, None, 8),
+        acceptance_ema_decay=_float(d, "acceptance_ema_decay", 0.0, 0.999, 0.7))
+    if method == "ngram":
+        hi = _int(d, "prompt_lookup_max", 1, 64)
+        lo = _int(d, "prompt_lookup_min", 1, 64)
+        if hi is None and lo is None:
+            hi, lo = 4, 1  # neither given: match suffixes of 4 down to 1 tokens
+        hi = hi if hi is not None else lo
+        lo = lo if lo is not None else hi
+        if lo > hi:
+            raise EngineConfigError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max "
+                                    f"({hi}).")
+        cfg.prompt_lookup_max, cfg.prompt_lookup_min = hi, lo
+    else:
+        path = d.get("model")
+        if not isinstance(path, str) or not path:
+            raise EngineConfigError("speculative_config.model is missing: the draft checkpoint folder for method "
+                                    "'draft_model'.")
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise EngineConfigError(f"speculative_config.model '{path}' is not a checkpoint folder (no "
+                                    "config.json); give the draft model's folder.")
+        cfg.model = path
+    return cfg

@@ -1,0 +1,137 @@
+"""A separate small draft model (``method: "draft_model"``): same vocabulary as the target, its own paged KV pool.
+
+The draft model gets its own :class:`~tokenfab.engine.model_runner.ModelRunner` whose pool has the target's
+geometry (same number of blocks, same block size), so a sequence's block table, owned by the target's block
+manager, addresses both pools: draft K/V of token position t lives at the same slot as the target's. The caller
+reserves the verification blocks (1 + k tokens) before :meth:`propose`, which writes draft K/V there.
+
+Per sequence the proposer remembers how many leading positions of the draft pool are valid. A proposal first
+catches the draft up to the sequence (the prompt on the first proposal, then the tokens accepted since the last
+one; one forward over all rows, chunks as in chunked prefill), then runs k - 1 one-token decode steps (the fused
+CPU decode stack where the draft allows). Drafts are the draft's argmax for greedy rows and a draw from q (its
+distribution after the row's temperature / top-k / top-p) otherwise, with the row's seeded generator when it has
+one. After verification the valid prefix becomes min(written, tokens before the first rejected draft); a
+preempted sequence (its blocks were freed) starts over from 0.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenfab.errors import EngineConfigError, UnsupportedError
+from tokenfab.engine.sampler import inverse_cdf_sample
+from tokenfab.spec_decode.proposer import Proposal, Proposer
+from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, target_probs
+
+
+class DraftModelProposer(Proposer):
+    """Draft-model drafter.
+
+    Args:
+        path: draft checkpoint folder.
+        k: num_speculative_tokens.
+        engine: the target LLMEngine (its config, block manager, device, dtype, generator and vocabulary).
+
+    Raises:
+        EngineConfigError: the draft's vocabulary size (or tokenizer vocabulary) differs from the target's, or its
+            max_position_embeddings is below max_model_len.
+        UnsupportedError: a draft with recurrent (KDA) layers.
+    """
+
+    def __init__(self, path: str, k: int, engine):
+        from tokenfab.config import load_config
+        from tokenfab.engine.engine_config import EngineConfig
+        from tokenfab.engine.model_loader import load_model
+        from tokenfab.engine.model_runner import ModelRunner
+
+        self.num_speculative_tokens = k
+        tgt = engine.model_config
+        mc = load_config(path)
+        if mc.vocab_size != tgt.vocab_size:
+            raise EngineConfigError(f"speculative_config.model: the draft's vocab_size ({mc.vocab_size}) differs "
+                                    f"from the target's ({tgt.vocab_size}); a draft model must share the target's "
+                                    "tokenizer.")
+        if mc.max_position_embeddings < engine.max_model_len:
+            raise EngineConfigError(f"speculative_config.model: the draft's max_position_embeddings "
+                                    f"({mc.max_position_embeddings}) is below max_model_len ({engine.max_model_len}); "
+                                    "lower max_model_len.")
+        dtype_name = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[engine.dtype]
+        dcfg = EngineConfig(model=path, dtype=dtype_name, device=str(engine.device),
+                            max_model_len=engine.max_model_len, max_num_seqs=engine.config.max_num_seqs,
+                            num_kv_blocks=engine.config.num_kv_blocks, block_size=engine.config.block_size,
+                            enforce_eager=True, generation_config="vllm")
+        loaded = load_model(dcfg, progress=False)
+        if hasattr(loaded.model, "make_state_cache"):
+            raise UnsupportedError("speculative_config.model: draft models with recurrent (KDA) layers are not "
+                                   "supported yet; use an attention-only draft.")
+        tt, dt = engine.tokenizer, loaded.tokenizer
+        if tt is not None and dt is not None and hasattr(tt, "get_vocab") and hasattr(dt, "get_vocab"):
+            if tt.get_vocab() != dt.get_vocab():
+                raise EngineConfigError("speculative_config.model: the draft's tokenizer vocabulary differs from "
+                                        "the target's; a draft model must share the target's tokenizer.")
+        self.model = loaded.model
+        self.bm = engine.block_manager
+        self.runner = ModelRunner(loaded.model, self.bm, engine.config.max_num_seqs, engine.max_model_len,
+                                  loaded.device, loaded.dtype, None, enforce_eager=True)
+        self.vocab_size = tgt.vocab_size
+        self.generator = engine.generator
+        self._valid: dict[int, list[int]] = {}  # seq_id -> [num_preemptions, valid prefix, written, length]
+
+    def preallocates_kv(self) -> bool:
+        return True
+
+    def _draw(self, logits: torch.Tensor, seqs, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft token per row from draft logits [N, V] float32, and q [N, V] (None when all rows are greedy)."""
+        if bool(st.greedy.all()):
+            return logits.argmax(dim=-1), None
+        q = target_probs(logits.unsqueeze(1), st).squeeze(1)
+        tok = inverse_cdf_sample(q, draw_uniforms(seqs, 1, self.generator)[1])
+        return torch.where(st.greedy, logits.argmax(dim=-1), tok), q
+
+    def propose(self, seqs, rows, token_ids, lengths, max_lens) -> Proposal:
+        N, k = len(seqs), self.num_speculative_tokens
+        valid = np.empty(N, dtype=np.int64)
+        for i, s in enumerate(seqs):
+            st = self._valid.get(s.seq_id)
+            valid[i] = st[1] if st is not None and st[0] == s.num_preemptions else 0
+        valid = np.minimum(valid, lengths - 1)
+        num_new = lengths - valid
+        order = np.argsort(num_new != 1, kind="stable")  # one-token rows first (the runner's decode group)
+        inv = np.empty(N, dtype=np.int64)
+        inv[order] = np.arange(N)
+        o_rows, o_new, o_valid = rows[order], num_new[order], valid[order]
+        T = int(o_new.sum())
+        starts = np.cumsum(o_new) - o_new
+        req_idx = np.repeat(np.arange(N), o_new)
+        positions = o_valid[req_idx] + np.arange(T) - starts[req_idx]
+        bt = self.bm.block_tables[o_rows]
+        d = int((o_new == 1).sum())
+        logits = self.runner.forward(d, o_new, o_valid, bt, token_ids[o_rows[req_idx], positions],
+                                     starts + o_new - 1, (T, starts, req_idx, positions))[inv]
+        bt = self.bm.block_tables[rows]
+        st = SamplingTensors.from_seqs(seqs, self.vocab_size)
+        drafts = torch.zeros(N, k, dtype=torch.int64)
+        q_all = None
+        ones = np.ones(N, dtype=np.int64)
+        for j in range(k):
+            tok, q = self._draw(logits, seqs, st)
+            drafts[:, j] = tok
+            if q is not None:
+                if q_all is None:
+                    q_all = torch.zeros(N, k, q.shape[-1], dtype=torch.float32)
+                q_all[:, j] = q
+            if j == k - 1:
+                break
+            logits = self.runner.forward(N, ones, lengths + j, bt, tok.numpy(), np.arange(N))
+        for i, s in enumerate(seqs):
+            self._valid[s.seq_id] = [s.num_preemptions, int(lengths[i]), int(lengths[i] + k - 1), int(lengths[i])]
+        if len(self._valid) > 4 * max(1, self.runner.token_ids.shape[0]):
+            self._valid = {s.seq_id: self._valid[s.seq_id] for s in seqs}
+        n = np.minimum(k, np.maximum(max_lens, 0)).astype(np.int64)
+        return Proposal(drafts.numpy(), n, q_all)
+
+    def on_verified(self, seqs, num_accepted) -> None:
+        for s, m in zip(seqs, num_accepted):
+            st = self._valid.get(s.seq_id)
+            if st is not None:
+                st[1] = min(st[2], st[3] + int(m))

@@ -1,0 +1,168 @@
+"""Exact verification of draft tokens (speculative sampling; Leviathan et al. 2023, Chen et al. 2023).
+
+For a row with drafts d_1..d_k drawn from q_1..q_k and target distributions p_1..p_{k+1} (the target's logits at
+the k + 1 verified positions, after the request's temperature, top-k and top-p, as the plain sampler applies them):
+
+* greedy rows (temperature 0): accept d_j while d_j == argmax(target logits_j); the token after the accepted run
+  is the target's argmax there (the first mismatch, or the bonus position k + 1): exactly the tokens plain greedy
+  decoding gives.
+* random rows: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) (uniform u_j: accept when
+  u_j * q_j(d_j) < p_j(d_j)); at the first rejection j draw from normalize(max(0, p_j - q_j)); when all k are
+  accepted draw a bonus token from p_{k+1}. Each emitted token is then distributed exactly as p (the theorem of
+  both papers). One-hot proposals (n-gram lookup) have q_j(d_j) = 1, so the acceptance probability is p_j(d_j) and
+  the recovery distribution is p_j with d_j removed.
+
+Everything is batched over rows and positions (one softmax over [N * (k + 1), V], gathers, a cumulative product
+for the accepted prefix, one inverse-CDF draw per row); no Python loop over rows or positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenfab.engine.sampler import apply_top_k_top_p, inverse_cdf_sample
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (as the plain sampler)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings: temperatures [N] float32, top_k [N] int64 (V = off) or None, top_p [N]
+    float32 or None, greedy [N] bool."""
+
+    temperatures: torch.Tensor
+    top_k: torch.Tensor | None
+    top_p: torch.Tensor | None
+    greedy: torch.Tensor
+
+    @staticmethod
+    def from_seqs(seqs, vocab_size: int) -> "SamplingTensors":
+        params = [s.params for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        ks = [p.top_k for p in params]
+        ps = [p.top_p for p in params]
+        top_k = (torch.tensor([k if 0 < k < vocab_size else vocab_size for k in ks])
+                 if any(0 < k < vocab_size for k in ks) else None)
+        top_p = torch.tensor(ps, dtype=torch.float32) if any(p < 1.0 for p in ps) else None
+        return SamplingTensors(temps, top_k, top_p, temps < GREEDY_EPS)
+
+    def select(self, idx: torch.Tensor) -> "SamplingTensors":
+        return SamplingTensors(self.temperatures[idx], None if self.top_k is None else self.top_k[idx],
+                               None if self.top_p is None else self.top_p[idx], self.greedy[idx])
+
+
+def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Softmax of ``logits`` [N, P, V] float32 after each row's temperature (greedy rows: 1), top-k and top-p, the
+    plain sampler's order (sampler.py). Returns [N, P, V] float32.
+
+    This is where the request-level logits processors (penalties, logit bias, min-p ...) belong when verification
+    supports them: apply them to ``logits`` per position first (for draft position j the output counts include
+    drafts 1..j-1), then call this. Until then rows using them are not speculated (spec_decoder.row_supports_speculation).
+    """
+    N, P, V = logits.shape
+    t = torch.where(st.greedy, torch.ones_like(st.temperatures), st.temperatures)
+    x = (logits / t[:, None, None]).reshape(N * P, V)
+    if st.top_k is not None or st.top_p is not None:
+        x = apply_top_k_top_p(x, None if st.top_k is None else st.top_k.repeat_interleave(P),
+                              None if st.top_p is None else st.top_p.repeat_interleave(P))
+    return x.softmax(dim=-1).reshape(N, P, V)
+
+
+def acceptance_probs(p_draft: torch.Tensor, q_draft: torch.Tensor | None) -> torch.Tensor:
+    """min(1, p(d) / q(d)) for drafted tokens: ``p_draft`` / ``q_draft`` [...] the target / draft probability of
+    each drafted token (q None: one-hot proposals, q(d) = 1)."""
+    if q_draft is None:
+        return p_draft.clamp(max=1.0)
+    return torch.where(q_draft > 0, (p_draft / q_draft.clamp_min(1e-38)).clamp(max=1.0), torch.ones_like(p_draft))
+
+
+def recovery_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalize(max(0, p - q)) over the last axis (``p``, ``q`` [..., V]); where p - q has no positive mass (only
+    reachable through rounding, p == q rejects with probability 0) the result is p itself."""
+    r = (p - q).clamp_min(0.0)
+    s = r.sum(dim=-1, keepdim=True)
+    return torch.where(s > 0, r / s.clamp_min(1e-38), p)
+
+
+@dataclass
+class VerifyResult:
+    """token_ids [N, k + 1] int64 (the first ``num_emitted[i]`` of row i are its new tokens: accepted drafts then
+    one recovered or bonus token); num_accepted [N] int64 (drafts accepted, 0..draft_lens)."""
+
+    token_ids: torch.Tensor
+    num_accepted: torch.Tensor
+
+    @property
+    def num_emitted(self) -> torch.Tensor:
+        return self.num_accepted + 1
+
+
+def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: torch.Tensor,
+                     draft_probs: torch.Tensor | None, st: SamplingTensors, u_accept: torch.Tensor,
+                     u_final: torch.Tensor) -> VerifyResult:
+    """Verify drafts of N rows in one batched pass.
+
+    Args:
+        logits: [N, k + 1, V] float32 target logits at the verified positions (row i's first
+            ``draft_lens[i] + 1`` are real, the rest padding).
+        draft_ids: [N, k] int64 drafted tokens (padding past draft_lens is ignored).
+        draft_lens: [N] int64 in [0, k].
+        draft_probs: [N, k, V] float32 q each draft was drawn from, or None (one-hot proposals).
+        st: the rows' sampling settings (:class:`SamplingTensors`).
+        u_accept: [N, k] uniforms in [0, 1) for the acceptance tests; u_final: [N] for the last token's draw.
+
+    Returns:
+        :class:`VerifyResult`.
+    """
+    N, K1, V = logits.shape
+    k = K1 - 1
+    r = torch.arange(N)
+    argmax = logits.argmax(dim=-1)  # [N, K1]
+    valid = torch.arange(k)[None, :] < draft_lens[:, None]
+    d = draft_ids[:, :k].clamp(0, V - 1)
+    acc = d == argmax[:, :k]
+    all_greedy = bool(st.greedy.all())
+    p = None
+    if not all_greedy:
+        p = target_probs(logits, st)
+        p_d = p[:, :k].gather(-1, d.unsqueeze(-1)).squeeze(-1)
+        q_d = None if draft_probs is None else draft_probs[:, :k].gather(-1, d.unsqueeze(-1)).squeeze(-1)
+        acc_rand = u_accept[:, :k] < acceptance_probs(p_d, q_d)
+        acc = torch.where(st.greedy[:, None], acc, acc_rand)
+    acc = acc & valid
+    m = acc.to(torch.int64).cumprod(dim=1).sum(dim=1) if k else torch.zeros(N, dtype=torch.int64)
+    final = argmax[r, m]
+    if not all_greedy:
+        p_m = p[r, m]  # [N, V]
+        rejected = m < draft_lens
+        mq = m.clamp(max=max(k - 1, 0))
+        if k == 0:
+            q_m = torch.zeros_like(p_m)
+        elif draft_probs is None:
+            q_m = torch.nn.functional.one_hot(d[r, mq], V).to(p_m.dtype)
+        else:
+            q_m = draft_probs[r, mq]
+        q_m = torch.where(rejected[:, None], q_m, torch.zeros_like(q_m))
+        sampled = inverse_cdf_sample(recovery_probs(p_m, q_m), u_final)
+        final = torch.where(st.greedy, final, sampled)
+    tokens = torch.cat([d, torch.zeros(N, 1, dtype=torch.int64)], dim=1)
+    tokens[r, m] = final
+    return VerifyResult(tokens, m)
+
+
+def draw_uniforms(seqs, n: int, generator: torch.Generator, draft_lens=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniforms in [0, 1) for verification: (u_accept [N, n - 1], u_final [N]). Unseeded rows take theirs from one
+    call on the engine's ``generator``; a row with a per-request seed takes ``draft_lens[i] + 1`` values from its
+    own generator (its acceptance tests, then its final draw; all n when ``draft_lens`` is None), so a seeded
+    row's stream depends on its own drafts only, never on its batch mates."""
+    u = torch.rand(len(seqs), n, generator=generator)
+    u_final = u[:, n - 1].clone()
+    u_acc = u[:, : n - 1].clone()
+    for i, s in enumerate(seqs):
+        if s.generator is not None:
+            c = n - 1 if draft_lens is None else int(draft_lens[i])
+            v = torch.rand(c + 1, generator=s.generator)
+            u_acc[i, :c] = v[:c]
+            u_final[i] = v[c]
+    return u_acc, u_final

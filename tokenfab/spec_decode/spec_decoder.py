@@ -1,0 +1,267 @@
+"""The speculative step: propose, verify inside the continuous batch, accept, roll back.
+
+One step (:meth:`SpecDecoder.step`, called by ``LLMEngine.step`` when speculation is configured):
+
+1. Rows: running sequences in decode state (their last sampled token not yet in the KV cache) that the policy
+   lets draft (policy.py) and whose sampling the verifier supports (:func:`row_supports_speculation`).
+2. Propose: k drafts per row (a :class:`~tokenfab.spec_decode.proposer.Proposer`). The drafts are appended to the
+   sequence's token list and to the runner's token array, so the unchanged scheduler schedules the row as a chunk
+   of 1 + k tokens over its paged context (chunked prefill's path: blocks allocated, preemption as usual) and the
+   runner reads them as input ids. Rows not scheduled or preempted lose their drafts at once.
+3. Verify: the runner returns logits at every token of the speculative rows (``ScheduledBatch.spec_lens``,
+   ``StepOutput.spec_logits``); other rows sample as always. The rejection sampler accepts a prefix of each row's
+   drafts and adds one recovered or bonus token.
+4. Roll back and emit: drafts leave the token list; ``num_computed_tokens`` goes back to the last sampled token and
+   the emitted tokens are fed through the engine's normal output processing one position at a time (stop strings,
+   EOS, max_tokens, stats exactly as for plain decoding; a stop inside the accepted run drops the rest).
+   K/V rows written for rejected drafts are simply overwritten later; blocks past the new length go back to the
+   free list (BlockManager.trim).
+
+Metrics (engine stats, vLLM's counters): ``spec_decode_num_drafts`` (rows verified with >= 1 draft),
+``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+``spec_decode_num_accepted_tokens_per_pos`` (a list: position j counts rows that accepted more than j drafts).
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenfab.engine.model_runner import StepOutput
+from tokenfab.engine.sampler import SamplerOutput
+from tokenfab.engine.scheduler import ScheduledBatch
+from tokenfab.engine.sequence import SequenceStatus
+from tokenfab.errors import UnsupportedError
+from tokenfab.spec_decode.config import SpeculativeConfig
+from tokenfab.spec_decode.fused_verify import fused_verify_logits
+from tokenfab.spec_decode.policy import SpecPolicy
+from tokenfab.spec_decode.proposer import Proposer
+from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, rejection_sample
+
+logger = logging.getLogger("tokenfab")
+
+# SamplingParams fields (present on some versions) whose logits processors verification does not apply yet, with
+# their "off" values: rows using any of them are not speculated (they decode plainly, exactly as without it).
+_PROCESSOR_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
+                     "logit_bias": None, "allowed_token_ids": None, "bad_words": None}
+
+
+def row_supports_speculation(seq) -> bool:
+    """True when the verifier reproduces ``seq``'s sampling exactly: no logprobs asked, min_tokens reached, and
+    no logits processor (penalties, min_p, logit_bias, allowed_token_ids, bad_words) in use. Hook: once
+    rejection_sampler.target_probs applies the processors per draft position, drop them from _PROCESSOR_FIELDS."""
+    p = seq.params
+    if p.logprobs is not None or seq.num_output_tokens < p.min_tokens:
+        return False
+    for name, off in _PROCESSOR_FIELDS.items():
+        v = getattr(p, name, off)
+        if v != off and not (off is None and not v):
+            return False
+    return True
+
+
+def build_proposer(cfg: SpeculativeConfig, engine) -> Proposer:
+    if cfg.method == "ngram":
+        from tokenfab.spec_decode.ngram_proposer import NgramProposer
+        return NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    from tokenfab.spec_decode.draft_model_proposer import DraftModelProposer
+    return DraftModelProposer(cfg.model, cfg.num_speculative_tokens, engine)
+
+
+class SpecDecoder:
+    """Speculative decoding for one LLMEngine (see the module docstring).
+
+    Raises:
+        UnsupportedError: a model with recurrent (KDA) layers (their state cannot be rolled back yet).
+    """
+
+    def __init__(self, engine, cfg: SpeculativeConfig, proposer: Proposer | None = None):
+        if engine.runner.has_state:
+            raise UnsupportedError("speculative_config with a hybrid model (KDA linear-attention layers) is not "
+                                   "supported yet: their recurrent state cannot be rolled back; remove "
+                                   "speculative_config.")
+        self.engine = engine
+        self.cfg = cfg
+        self.k = cfg.num_speculative_tokens
+        self.proposer = proposer if proposer is not None else build_proposer(cfg, engine)
+        self.policy = SpecPolicy(cfg)
+        engine.stats.update({"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
+                             "spec_decode_num_accepted_tokens": 0,
+                             "spec_decode_num_accepted_tokens_per_pos": [0] * self.k})
+        self._plain_now = False
+
+    def active(self) -> bool:
+        """False while the engine runs a plain step on this decoder's behalf."""
+        return not self._plain_now
+
+    def _plain(self):
+        self._plain_now = True
+        try:
+            return self.engine.step()
+        finally:
+            self._plain_now = False
+
+    # ------------------------------------------------------------------------------------------------ the step
+    def step(self):
+        eng = self.engine
+        sch = eng.scheduler
+        if not self.policy.batch_allows(len(sch.running)):
+            return self._plain()
+        cand = [s for s in sch.running if s.num_tokens - s.num_computed_tokens == 1 and row_supports_speculation(s)]
+        if not cand:
+            return self._plain()
+        lengths = np.fromiter((s.num_tokens for s in cand), dtype=np.int64, count=len(cand))
+        big = np.iinfo(np.int64).max // 4
+        left = np.fromiter((s.params.max_tokens - s.num_output_tokens if s.params.max_tokens is not None else big
+                            for s in cand), dtype=np.int64, count=len(cand))
+        max_lens = np.minimum(np.minimum(left - 1, eng.max_model_len - lengths - 1), self.k)
+        allow = np.fromiter((self.policy.row_allows(s) for s in cand), dtype=bool, count=len(cand)) & (max_lens > 0)
+        if not allow.any():
+            return self._plain()
+        if self.proposer.preallocates_kv():  # the draft writes K/V into the verification blocks: reserve them
+            for i in np.nonzero(allow)[0].tolist():
+                if eng.block_manager.can_allocate(cand[i], 1 + self.k):
+                    eng.block_manager.allocate(cand[i], 1 + self.k)
+                else:
+                    allow[i] = False
+            if not allow.any():
+                return self._plain()
+        sel = np.nonzero(allow)[0]
+        seqs = [cand[i] for i in sel.tolist()]
+        rows = np.fromiter((s.row for s in seqs), dtype=np.int64, count=len(seqs))
+        prop = self.proposer.propose(seqs, rows, eng.runner.token_ids, lengths[sel], max_lens[sel])
+        n = np.minimum(prop.draft_lens, max_lens[sel])
+        drafted = {}  # id(seq) -> (proposal row, drafts appended)
+        tok_arr = eng.runner.token_ids
+        for j in np.nonzero(n > 0)[0].tolist():
+            s, c = seqs[j], int(n[j])
+            d = prop.draft_ids[j, :c]
+            tok_arr[s.row, s.num_tokens:s.num_tokens + c] = d
+            s.token_ids.extend(d.tolist())
+            drafted[id(s)] = (j, c)
+        if not drafted:
+            self.proposer.on_verified(seqs, np.zeros(len(seqs), dtype=np.int64))
+            return self._plain()
+        batch = sch.schedule()
+        spec_lens = np.zeros(len(batch.seqs), dtype=np.int64)
+        in_batch = set()
+        for i, s in enumerate(batch.seqs):
+            e = drafted.get(id(s))
+            if e is not None and s.status == SequenceStatus.RUNNING:
+                spec_lens[i] = e[1]
+                in_batch.add(id(s))
+        for s in seqs:  # drafts of rows that did not get scheduled (budget, preemption) go now
+            if id(s) in drafted and id(s) not in in_batch:
+                del s.token_ids[s.num_tokens - drafted[id(s)][1]:]
+        if not batch.seqs:
+            self.proposer.on_verified(seqs, np.zeros(len(seqs), dtype=np.int64))
+            return []
+        batch.spec_lens = spec_lens if spec_lens.any() else None
+        import time
+        now = time.monotonic()
+        for s in batch.admitted:
+            if s.first_scheduled_time is None:
+                s.first_scheduled_time = now
+        fused = self._can_fuse(batch, spec_lens)
+        try:
+            eng.runner.admit(batch.admitted)
+            if fused:  # every row a decode row: verify through the fused decode stack (fused_verify.py)
+                out = StepOutput(np.zeros(0, dtype=np.int64), None, None, fused_verify_logits(eng.runner, batch))
+            else:
+                out = (eng.runner.execute(batch) if eng.tp_group is None
+                       else eng.tp_group.execute(eng.runner, batch))
+        except Exception:  # roll back the drafts and let the plain step (with its failure isolation) rerun it
+            self._strip(batch, spec_lens)
+            self.proposer.on_verified(seqs, np.zeros(len(seqs), dtype=np.int64))
+            logger.warning("a speculative step failed; rerunning it without speculation", exc_info=True)
+            return self._plain()
+        verify = np.ones(len(batch.seqs), dtype=bool) if fused else spec_lens > 0
+        return self._accept(batch, out, spec_lens, verify, seqs, prop, drafted)
+
+    def _can_fuse(self, batch: ScheduledBatch, spec_lens: np.ndarray) -> bool:
+        """True when the whole batch can verify through the fused CPU decode stack: the model has one, one device,
+        and every row is a decode row (plain, or verifying all its drafts) the rejection sampler samples exactly."""
+        r = self.engine.runner
+        if r.cpu_decode_stack is None or self.engine.tp_group is not None or batch.admitted:
+            return False
+        if not np.array_equal(batch.num_new, spec_lens + 1):
+            return False
+        return all(s.status == SequenceStatus.RUNNING and row_supports_speculation(s) for s in batch.seqs)
+
+    @staticmethod
+    def _strip(batch: ScheduledBatch, spec_lens: np.ndarray) -> None:
+        for i in np.nonzero(spec_lens)[0].tolist():
+            s = batch.seqs[i]
+            del s.token_ids[int(batch.num_computed[i]) + 1:]
+
+    def _accept(self, batch, out: StepOutput, spec_lens, verify, seqs, prop, drafted):
+        """Verify the rows marked in ``verify`` (``out.spec_logits`` holds logits at each of their tokens; rows
+        without drafts sample their one token as the plain sampler would), process the other rows as a plain step,
+        then emit, roll back and count."""
+        eng = self.engine
+        si = np.nonzero(verify)[0]
+        if len(si) == 0:
+            self.proposer.on_verified(seqs, np.zeros(len(seqs), dtype=np.int64))
+            return eng._process(batch, out)
+        spec_seqs = [batch.seqs[i] for i in si.tolist()]
+        n_new = batch.num_new[si]
+        k_eff = np.minimum(spec_lens[si], n_new - 1)
+        K1 = int(n_new.max())
+        flat = out.spec_logits  # [sum(n_new), V], rows in batch order
+        V = flat.shape[-1]
+        mask = torch.from_numpy(np.arange(K1)[None, :] < n_new[:, None])
+        logits = torch.zeros(len(si), K1, V, dtype=flat.dtype)
+        logits[mask] = flat
+        prow = np.fromiter((drafted[id(s)][0] if id(s) in drafted else -1 for s in spec_seqs), dtype=np.int64,
+                           count=len(si))
+        has = torch.from_numpy(prow >= 0)
+        pr = np.maximum(prow, 0)
+        draft_ids = torch.from_numpy(np.ascontiguousarray(prop.draft_ids[pr, :K1 - 1]))
+        q = None
+        if prop.draft_probs is not None:  # rows without drafts never read q (k_eff 0)
+            q = prop.draft_probs[torch.from_numpy(pr), :K1 - 1] * has[:, None, None]
+        st = SamplingTensors.from_seqs(spec_seqs, V)
+        if bool(st.greedy.all()):
+            u_acc, u_fin = torch.zeros(len(si), K1 - 1), torch.zeros(len(si))
+        else:
+            u_acc, u_fin = draw_uniforms(spec_seqs, K1, eng.generator, k_eff)
+        res = rejection_sample(logits, draft_ids, torch.from_numpy(k_eff), q, st, u_acc, u_fin)
+        acc = res.num_accepted.numpy()
+        toks = res.token_ids.numpy()
+        self._strip(batch, spec_lens)
+        outputs = {o.request_id: o for o in eng._process(batch, out)}  # the other rows, as a plain step
+        for i, s in zip(si.tolist(), spec_seqs):
+            s.num_computed_tokens = int(batch.num_computed[i])  # back to the last sampled token
+        emit = acc + 1
+        for j in range(int(emit.max())):
+            live = [t for t in range(len(si)) if emit[t] > j and not spec_seqs[t].is_finished]
+            if not live:
+                break
+            lv = np.asarray(live, dtype=np.int64)
+            lseqs = [spec_seqs[t] for t in live]
+            sub = ScheduledBatch(seqs=lseqs, num_decodes=len(lseqs), rows=batch.rows[si[lv]],
+                                 num_new=np.ones(len(lv), dtype=np.int64),
+                                 num_computed=np.fromiter((s.num_computed_tokens for s in lseqs), dtype=np.int64,
+                                                          count=len(lseqs)))
+            so = SamplerOutput(torch.from_numpy(np.ascontiguousarray(toks[lv, j])), None, None, None)
+            for o in eng._process(sub, StepOutput(np.arange(len(lv)), so, None)):
+                outputs[o.request_id] = o
+        bm = eng.block_manager
+        for s in spec_seqs:
+            if not s.is_finished:
+                bm.trim(s, s.num_tokens)
+        st_ = eng.stats
+        st_["spec_decode_num_drafts"] += int((k_eff > 0).sum())
+        st_["spec_decode_num_draft_tokens"] += int(k_eff.sum())
+        st_["spec_decode_num_accepted_tokens"] += int(acc.sum())
+        # a new list each step: published stats snapshots (server thread) keep the list they were given
+        st_["spec_decode_num_accepted_tokens_per_pos"] = [
+            c + int((acc > j).sum()) for j, c in enumerate(st_["spec_decode_num_accepted_tokens_per_pos"])]
+        self.policy.update(spec_seqs, k_eff.tolist(), acc.tolist())
+        acc_by_seq = {id(s): int(a) for s, a in zip(spec_seqs, acc)}
+        self.proposer.on_verified(seqs, np.fromiter((acc_by_seq.get(id(s), 0) for s in seqs), dtype=np.int64,
+                                                    count=len(seqs)))
+        if len(self.policy.rows) > 4 * eng.config.max_num_seqs:
+            self.policy.prune(s.seq_id for s in eng.scheduler.running)
+        return list(outputs.values())
