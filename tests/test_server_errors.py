@@ -59,6 +59,12 @@ def test_form_encoded_body_says_to_send_json(http):
     ("/v1/chat/completions", {"messages": [{"content": "no role"}]}, "messages"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 9}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format"),
 ])
 def test_wrong_fields_give_400_naming_the_field(http, path, body, param):
     err = _error(http.post(path, json=body), 400)
@@ -254,6 +260,14 @@ def test_sampling_fields_are_checked_before_any_step(http, body, param, words):
     assert err["param"] == param, err
     assert words in err["message"], err
     assert "65536" not in err["message"]
+
+
+def test_plain_text_format_and_tool_choice_none_run(http):
+    msgs = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for extra in ({"response_format": {"type": "text"}}, {"tools": tools, "tool_choice": "none"}):
+        r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, **extra})
+        assert r.status_code == 200, r.text
 
 
 def test_top_p_below_float32_range_runs(http):

@@ -83,6 +83,23 @@ def _hold(params: SamplingParams) -> int:
     return max((len(x) for x in params.stop or []), default=1) - 1
 
 
+def check_unsupported(req) -> None:
+    """Refuse, with a 400 naming the field, request fields tokenfab does not implement yet instead of ignoring
+    them: ``tools`` (unless ``tool_choice`` is "none") and a ``response_format`` other than ``{"type": "text"}``.
+
+    Raises:
+        OpenAIError: 400 with ``param`` the field.
+    """
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.get("type", "text") != "text":
+        raise OpenAIError(400, f"response_format type {rf.get('type')!r}: structured output (json_object, json_schema) "
+                          "is not implemented yet; send the request without response_format.", param="response_format")
+    tools = getattr(req, "tools", None)
+    if tools and getattr(req, "tool_choice", None) != "none":
+        raise OpenAIError(400, "tools: tool calling is not implemented yet; send the request without tools (or with "
+                          "tool_choice \"none\").", param="tools")
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -418,6 +435,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
     async def completions(req: CompletionRequest, raw: Request):
         _check_live()
         serving.check_model(req.model)
+        check_unsupported(req)
         if req.suffix:
             raise OpenAIError(400, "suffix is not supported.", param="suffix")
         if req.best_of not in (None, req.n):
@@ -546,6 +564,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
     async def chat(req: ChatCompletionRequest, raw: Request):
         _check_live()
         serving.check_model(req.model)
+        check_unsupported(req)
         chat_text, ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
                                              req.chat_template_kwargs)
         policy.fill_defaults(req, len(ids))

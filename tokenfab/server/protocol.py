@@ -105,6 +105,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None  # refused unless {"type": "text"}
     logit_bias: Optional[dict[str, float]] = None
 
 
@@ -129,6 +130,10 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     logit_bias: Optional[dict[str, float]] = None
+    # Refused by name until implemented (never silently ignored): see api_server's check_unsupported.
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+    response_format: Optional[dict[str, Any]] = None
 
 
 class TokenizeRequest(_Base):
