@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -400,7 +401,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
 
     @app.get("/v1/models")
     async def models():
-        card = ModelCard(id=served_model_name, root=model_path or served_model_name,
+        root = os.path.abspath(model_path) if model_path and os.path.exists(model_path) else model_path
+        card = ModelCard(id=served_model_name, root=root or served_model_name,  # absolute: clients elsewhere read it
                          max_model_len=async_llm.max_model_len)
         return ModelList(data=[card]).model_dump()
 
@@ -599,7 +601,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
                 "usage": serving.usage(out)}
 
     async def _stream_chat(gen, rid, created, model, n, include_usage, k, hold):
-        """SSE chunks of a chat completion (role chunk first); ``hold`` as in _stream_completion."""
+        """SSE chunks of a chat completion (the role chunk first, sent with the first output); ``hold`` as in
+        _stream_completion."""
         sent_text = [""] * n
         sent_tok = [0] * n
         done = [False] * n
@@ -610,10 +613,11 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
 
         last = None
         try:
-            for i in range(n):
-                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                              "finish_reason": None}])
             async for out in gen:
+                if last is None:  # the role chunk goes out with the first output, as vLLM's (so clients time TTFT)
+                    for i in range(n):
+                        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}])
                 last = out
                 for o in out.outputs:
                     i = o.index
