@@ -72,3 +72,19 @@ def metric_value(text: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
+
+
+@pytest.fixture(scope="module")
+def server(server_model_dir):  # noqa: F811
+    """A test server on the default tiny model for the test module (stopped after it)."""
+    h = start_test_server(server_model_dir)
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def http(server):  # noqa: F811
+    """An httpx client on :func:`server` (no proxies from the environment)."""
+    import httpx
+    with httpx.Client(base_url=server.base_url, trust_env=False, timeout=60) as c:
+        yield c

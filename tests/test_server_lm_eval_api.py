@@ -8,23 +8,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_fixtures import SERVED_NAME, server_model_dir, start_test_server  # noqa: F401
+from server_fixtures import SERVED_NAME, http, server, server_model_dir, start_test_server  # noqa: F401
 from conftest import load_reference, reference_logprobs
 
 PROMPTS = [[5, 77, 300, 41, 9, 120, 33], [400, 12, 8, 250, 3], [17, 18, 19, 20, 21, 22, 23, 24, 25]]
-
-
-@pytest.fixture(scope="module")
-def server(server_model_dir):  # noqa: F811
-    h = start_test_server(server_model_dir)
-    yield h
-    h.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, trust_env=False, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -6,22 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_fixtures import SERVED_NAME, server_model_dir, start_test_server  # noqa: F401
+from server_fixtures import SERVED_NAME, http, server, server_model_dir, start_test_server  # noqa: F401
 
 PROMPT = [5, 77, 300, 41, 9, 120]
-
-
-@pytest.fixture(scope="module")
-def server(server_model_dir):  # noqa: F811
-    h = start_test_server(server_model_dir)
-    yield h
-    h.stop()
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, trust_env=False, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -4,16 +4,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from server_fixtures import SERVED_NAME, no_template_model_dir, server_model_dir, start_test_server  # noqa: F401
+from server_fixtures import SERVED_NAME, no_template_model_dir, server, server_model_dir, start_test_server  # noqa: F401
 
 PROMPT = "The quick brown fox jumps over"
-
-
-@pytest.fixture(scope="module")
-def server(server_model_dir):  # noqa: F811
-    h = start_test_server(server_model_dir)
-    yield h
-    h.stop()
 
 
 @pytest.fixture(scope="module")
