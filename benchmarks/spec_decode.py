@@ -120,7 +120,9 @@ def verify_part(model, steps):
     from tokenfab import LLM, SamplingParams
     rows = []
     for k in (0, 1, 3, 7):
-        spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "min_acceptance_rate": 0.0}
+        spec = None if k == 0 else {"method": "ngram", "num_speculative_tokens": k, "verify_token_cost": 0.0,
+                                    "verify_step_overhead": 0.0,
+                                    "random_row_cost": 0.0}
         llm = LLM(model, progress=False, max_num_seqs=16, max_model_len=2048, speculative_config=spec)
         eng = llm.llm_engine
         V = eng.model_config.vocab_size
@@ -222,10 +224,13 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--spec-extra", default="{}", help="extra speculative_config fields as JSON")
     ap.add_argument("--label", default="ngram")
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
     import json
 
     import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     from tokenfab.default_model import default_model_path
     model = default_model_path()
@@ -235,7 +240,8 @@ def main():
              f"{torch.get_num_threads()} threads; the VM was shared with other jobs, so absolute times are noisy: "
              "compare rows measured side by side).", "",
              f"Command: `python benchmarks/spec_decode.py --parts {args.parts} --k {args.k} --steps {args.steps} "
-             f"--max-tokens {args.max_tokens} --spec-extra '{args.spec_extra}' --label {args.label}`", ""]
+             f"--max-tokens {args.max_tokens} --spec-extra '{args.spec_extra}' --label {args.label} --threads {args.threads}`",
+             ""]
     if "verify" in parts:
         lines += verify_part(model, args.steps) + [""]
     if "workload" in parts:

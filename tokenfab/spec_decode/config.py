@@ -6,9 +6,9 @@ Accepted (``LLM(..., speculative_config={...})``, ``tokenfab serve --speculative
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
 
 plus the switch-off knobs (see :mod:`tokenfab.spec_decode.policy`): ``disable_by_batch_size`` (vLLM's name: no
-speculation in a step with more running sequences than this), and tokenfab's ``min_acceptance_rate`` /
-``probe_interval`` (per-sequence acceptance EMA below the threshold pauses that sequence's drafting, which is
-retried every ``probe_interval`` of its decode steps). As in vLLM, a ``model`` without a method means
+speculation in a step with more running sequences than this), and tokenfab's ``verify_token_cost``,
+``min_acceptance_rate``, ``acceptance_ema_decay`` and ``probe_interval`` (per-sequence draft caps from an
+acceptance EMA and the verification cost model). As in vLLM, a ``model`` without a method means
 ``draft_model`` and ``"[ngram]"`` as model means ``ngram``. ``mtp``, ``dspark`` (and vLLM's ``eagle`` /
 ``eagle3`` / ``medusa``) are refused by name: not implemented yet.
 """
@@ -35,9 +35,13 @@ class SpeculativeConfig:
         prompt_lookup_max / prompt_lookup_min: longest / shortest suffix n-gram matched (ngram only; tokens).
         model: draft checkpoint folder (draft_model only).
         disable_by_batch_size: speculate only in steps with at most this many running sequences (None: always).
-        min_acceptance_rate: a sequence whose acceptance-rate EMA falls below this stops drafting (0 disables).
-        probe_interval: a paused sequence drafts again once every this many of its decode steps (>= 1).
+        min_acceptance_rate: floor of the per-position acceptance a^j a draft must be expected to reach (0..1).
+        probe_interval: a sequence capped at 0 drafts drafts one token once every this many of its steps (>= 1).
         acceptance_ema_decay: weight of the previous EMA value per verification (0..1).
+        verify_token_cost: cost of one more verified token relative to a step's fixed cost (c1 / c0, >= 0; 0:
+            always draft k). See policy.py.
+        verify_step_overhead: fixed extra cost of a speculative step relative to a plain step's fixed cost (>= 0).
+        random_row_cost: extra cost per row at temperature > 0 in a speculative step, same unit (>= 0).
     """
 
     method: str
@@ -46,9 +50,12 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     model: str | None = None
     disable_by_batch_size: int | None = None
-    min_acceptance_rate: float = 0.3
+    min_acceptance_rate: float = 0.0
     probe_interval: int = 8
     acceptance_ema_decay: float = 0.7
+    verify_token_cost: float = 0.035
+    verify_step_overhead: float = 0.1
+    random_row_cost: float = 0.02
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -113,7 +120,8 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     if method not in METHODS:
         raise EngineConfigError(f"speculative_config.method '{method}' is unknown; use 'ngram' or 'draft_model'.")
     common = {"method", "num_speculative_tokens", "disable_by_batch_size", "min_acceptance_rate",
-              "probe_interval", "acceptance_ema_decay"}
+              "probe_interval", "acceptance_ema_decay", "verify_token_cost", "verify_step_overhead",
+              "random_row_cost"}
     allowed = common | ({"prompt_lookup_max", "prompt_lookup_min"} if method == "ngram" else {"model"})
     for name in d:
         if name not in allowed:
@@ -126,9 +134,12 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
     cfg = SpeculativeConfig(
         method=method, num_speculative_tokens=k,
         disable_by_batch_size=_int(d, "disable_by_batch_size", 1),
-        min_acceptance_rate=_float(d, "min_acceptance_rate", 0.0, 1.0, 0.3),
+        min_acceptance_rate=_float(d, "min_acceptance_rate", 0.0, 1.0, 0.0),
         probe_interval=_int(d, "probe_interval", 1, None, 8),
-        acceptance_ema_decay=_float(d, "acceptance_ema_decay", 0.0, 0.999, 0.7))
+        acceptance_ema_decay=_float(d, "acceptance_ema_decay", 0.0, 0.999, 0.7),
+        verify_token_cost=_float(d, "verify_token_cost", 0.0, 1e6, 0.035),
+        verify_step_overhead=_float(d, "verify_step_overhead", 0.0, 1e6, 0.1),
+        random_row_cost=_float(d, "random_row_cost", 0.0, 1e6, 0.02))
     if method == "ngram":
         hi = _int(d, "prompt_lookup_max", 1, 64)
         lo = _int(d, "prompt_lookup_min", 1, 64)

@@ -118,23 +118,29 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: 
     N, K1, V = logits.shape
     k = K1 - 1
     r = torch.arange(N)
-    argmax = logits.argmax(dim=-1)  # [N, K1]
     valid = torch.arange(k)[None, :] < draft_lens[:, None]
     d = draft_ids[:, :k].clamp(0, V - 1)
-    acc = d == argmax[:, :k]
     all_greedy = bool(st.greedy.all())
-    p = None
+    any_greedy = all_greedy or bool(st.greedy.any())
+    argmax = logits.argmax(dim=-1) if any_greedy else None  # [N, K1]
+    acc = d == argmax[:, :k] if any_greedy else None
+    p = x = None
     if not all_greedy:
-        p = target_probs(logits, st)
-        p_d = p[:, :k].gather(-1, d.unsqueeze(-1)).squeeze(-1)
+        if st.top_k is None and st.top_p is None:  # p only where needed: log-sum-exp per position, no full softmax
+            t = torch.where(st.greedy, torch.ones_like(st.temperatures), st.temperatures)
+            x = logits / t[:, None, None]
+            p_d = (x[:, :k].gather(-1, d.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x[:, :k], dim=-1)).exp()
+        else:
+            p = target_probs(logits, st)
+            p_d = p[:, :k].gather(-1, d.unsqueeze(-1)).squeeze(-1)
         q_d = None if draft_probs is None else draft_probs[:, :k].gather(-1, d.unsqueeze(-1)).squeeze(-1)
         acc_rand = u_accept[:, :k] < acceptance_probs(p_d, q_d)
-        acc = torch.where(st.greedy[:, None], acc, acc_rand)
+        acc = torch.where(st.greedy[:, None], acc, acc_rand) if any_greedy else acc_rand
     acc = acc & valid
     m = acc.to(torch.int64).cumprod(dim=1).sum(dim=1) if k else torch.zeros(N, dtype=torch.int64)
-    final = argmax[r, m]
+    final = argmax[r, m] if any_greedy else None
     if not all_greedy:
-        p_m = p[r, m]  # [N, V]
+        p_m = p[r, m] if p is not None else x[r, m].softmax(dim=-1)  # [N, V]
         rejected = m < draft_lens
         mq = m.clamp(max=max(k - 1, 0))
         if k == 0:
@@ -145,7 +151,7 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: 
             q_m = draft_probs[r, mq]
         q_m = torch.where(rejected[:, None], q_m, torch.zeros_like(q_m))
         sampled = inverse_cdf_sample(recovery_probs(p_m, q_m), u_final)
-        final = torch.where(st.greedy, final, sampled)
+        final = torch.where(st.greedy, final, sampled) if any_greedy else sampled
     tokens = torch.cat([d, torch.zeros(N, 1, dtype=torch.int64)], dim=1)
     tokens[r, m] = final
     return VerifyResult(tokens, m)

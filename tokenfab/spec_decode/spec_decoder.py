@@ -90,6 +90,7 @@ class SpecDecoder:
                              "spec_decode_num_accepted_tokens": 0,
                              "spec_decode_num_accepted_tokens_per_pos": [0] * self.k})
         self._plain_now = False
+        self.num_fused_steps = 0  # verification steps run through the fused CPU decode stack (fused_verify.py)
 
     def active(self) -> bool:
         """False while the engine runs a plain step on this decoder's behalf."""
@@ -116,7 +117,8 @@ class SpecDecoder:
         left = np.fromiter((s.params.max_tokens - s.num_output_tokens if s.params.max_tokens is not None else big
                             for s in cand), dtype=np.int64, count=len(cand))
         max_lens = np.minimum(np.minimum(left - 1, eng.max_model_len - lengths - 1), self.k)
-        allow = np.fromiter((self.policy.row_allows(s) for s in cand), dtype=bool, count=len(cand)) & (max_lens > 0)
+        max_lens = np.minimum(max_lens, self.policy.draft_caps(cand, len(sch.running)))  # policy.py
+        allow = max_lens > 0
         if not allow.any():
             return self._plain()
         if self.proposer.preallocates_kv():  # the draft writes K/V into the verification blocks: reserve them
@@ -142,6 +144,7 @@ class SpecDecoder:
             drafted[id(s)] = (j, c)
         if not drafted:
             self.proposer.on_verified(seqs, np.zeros(len(seqs), dtype=np.int64))
+            self._trim(seqs)
             return self._plain()
         batch = sch.schedule()
         spec_lens = np.zeros(len(batch.seqs), dtype=np.int64)
@@ -168,6 +171,7 @@ class SpecDecoder:
             eng.runner.admit(batch.admitted)
             if fused:  # every row a decode row: verify through the fused decode stack (fused_verify.py)
                 out = StepOutput(np.zeros(0, dtype=np.int64), None, None, fused_verify_logits(eng.runner, batch))
+                self.num_fused_steps += 1
             else:
                 out = (eng.runner.execute(batch) if eng.tp_group is None
                        else eng.tp_group.execute(eng.runner, batch))
@@ -188,6 +192,13 @@ class SpecDecoder:
         if not np.array_equal(batch.num_new, spec_lens + 1):
             return False
         return all(s.status == SequenceStatus.RUNNING and row_supports_speculation(s) for s in batch.seqs)
+
+    def _trim(self, seqs) -> None:
+        """Give back blocks past each running sequence's tokens (reserved for drafts that were rejected)."""
+        bm = self.engine.block_manager
+        for s in seqs:
+            if s.status == SequenceStatus.RUNNING:
+                bm.trim(s, s.num_tokens)
 
     @staticmethod
     def _strip(batch: ScheduledBatch, spec_lens: np.ndarray) -> None:
@@ -247,10 +258,9 @@ class SpecDecoder:
             so = SamplerOutput(torch.from_numpy(np.ascontiguousarray(toks[lv, j])), None, None, None)
             for o in eng._process(sub, StepOutput(np.arange(len(lv)), so, None)):
                 outputs[o.request_id] = o
-        bm = eng.block_manager
-        for s in spec_seqs:
-            if not s.is_finished:
-                bm.trim(s, s.num_tokens)
+        self._trim(spec_seqs)
+        if self.proposer.preallocates_kv():
+            self._trim(seqs)
         st_ = eng.stats
         st_["spec_decode_num_drafts"] += int((k_eff > 0).sum())
         st_["spec_decode_num_draft_tokens"] += int(k_eff.sum())
