@@ -487,3 +487,15 @@ def test_serve_end_to_end_with_api_key_and_template(server_model_dir, tmp_path):
     out = open(tmp_path / "serve.log").read()
     assert out.count("Received request chatcmpl-") == 1, out
     assert "API key required" in out
+
+
+def test_second_bind_of_a_listening_port_is_refused():
+    """Two servers starting together: both binds succeed with SO_REUSEADDR, so the check must also listen()."""
+    from tokenfab.server.launch import PortInUseError, bind_listen_socket
+    first = bind_listen_socket("127.0.0.1", 0)
+    port = first.getsockname()[1]
+    try:
+        with pytest.raises(PortInUseError, match=f"127.0.0.1:{port}.*--port"):
+            bind_listen_socket("127.0.0.1", port)
+    finally:
+        first.close()

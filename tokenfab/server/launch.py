@@ -80,6 +80,7 @@ def bind_listen_socket(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: TIME_WAIT leftovers are fine
     try:
         sock.bind(addr)
+        sock.listen(2048)  # with SO_REUSEADDR two binds can both succeed: a held port only shows at listen()
     except OSError as e:
         import errno
         sock.close()
