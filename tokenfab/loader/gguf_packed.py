@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tokenfab.errors import WeightLoadError
+from tokenfab.loader.gguf_reader import open_gguf
 
 _BLOCK_NAMES = {  # llama.cpp's per-layer names -> transformers' LlamaDecoderLayer names
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -51,62 +52,29 @@ def hf_name(name: str) -> str | None:
     return None if mapped is None else f"{mapped}.{kind}"
 
 
-def _reader(path: str):
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"GGUF file '{path}' does not exist.")
-    import gguf
-    return gguf.GGUFReader(path)
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    v = f.contents()
-    return v
-
-
 def gguf_config(path: str) -> dict:
-    """The config.json-shaped dict (LlamaForCausalLM) of a llama-architecture GGUF file.
+    """The config.json-shaped dict (LlamaForCausalLM) of a llama-architecture GGUF file: the dequantizing
+    reader's :func:`tokenfab.loader.gguf_reader.hf_config`, with its refusals as WeightLoadError naming the file.
 
     Raises:
         FileNotFoundError: no such file.
-        WeightLoadError: an architecture other than llama, or rope scaling metadata (not read yet).
+        WeightLoadError: an architecture other than llama, RoPE scaling tokenfab does not read, missing metadata.
     """
-    r = _reader(path)
-    arch = _field(r, "general.architecture")
-    if arch != "llama":
-        raise WeightLoadError(f"{path}: GGUF architecture '{arch}' (general.architecture) is not supported for packed "
-                              "loading yet; supported: llama.")
-    if any(k.startswith("llama.rope.scaling.") for k in r.fields):
-        raise WeightLoadError(f"{path}: GGUF rope scaling (llama.rope.scaling.*) is not supported yet.")
-    a = lambda k, d=None: _field(r, f"llama.{k}", d)  # noqa: E731
-    hidden, heads = int(a("embedding_length")), int(a("attention.head_count"))
-    names = {t.name for t in r.tensors}
-    vocab = a("vocab_size") or len(_field(r, "tokenizer.ggml.tokens", []))
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden, "intermediate_size": int(a("feed_forward_length")),
-        "num_hidden_layers": int(a("block_count")), "num_attention_heads": heads,
-        "num_key_value_heads": int(a("attention.head_count_kv", heads)),
-        "head_dim": int(a("attention.key_length", a("rope.dimension_count", hidden // heads))),
-        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(a("rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(a("context_length")), "vocab_size": int(vocab),
-        "tie_word_embeddings": "output.weight" not in names, "hidden_act": "silu",
-    }
-    for key, tok in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
-        v = _field(r, tok)
-        if v is not None:
-            cfg[key] = int(v)
-    return cfg
+    from tokenfab.errors import UnsupportedError
+    from tokenfab.loader.gguf_reader import hf_config, metadata
+
+    r = open_gguf(path)
+    try:
+        return hf_config(metadata(r), {t.name for t in r.tensors})
+    except (UnsupportedError, WeightLoadError) as e:
+        raise WeightLoadError(f"{path}: {e}") from None
 
 
 def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row permutation: GGUF row (h, i, s) of head h holds the Hugging Face row (h, s, i), i <
-    head_dim / 2, s in {0, 1}. ``rows`` [n, ...] (float values or packed GGUF rows: only whole rows move)."""
-    n = rows.shape[0]
-    return rows.reshape(n_head, n // n_head // 2, 2, *rows.shape[1:]).transpose(1, 2).reshape(rows.shape)
+    """Undo llama.cpp's q/k row permutation (:func:`tokenfab.loader.gguf_reader.unpermute_qk`) on ``rows`` [n, ...]:
+    float values or packed GGUF rows alike, since only whole rows move."""
+    from tokenfab.loader.gguf_reader import unpermute_qk
+    return unpermute_qk(rows, n_head)
 
 
 def packed_unsupported_reason(path: str) -> str | None:
@@ -126,7 +94,7 @@ def packed_unsupported_reason(path: str) -> str | None:
     except WeightLoadError as e:
         return str(e)
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
-    for t in _reader(path).tensors:
+    for t in open_gguf(path).tensors:
         m = _BLK.match(t.name)
         if (m and m.group(2) in _LINEARS and t.name.endswith(".weight") and t.tensor_type not in plain
                 and t.tensor_type.name not in gguf_blocks.BLOCK_TYPES):
@@ -148,7 +116,7 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
     from tokenfab.quant import gguf_blocks
     from tokenfab.quant.gguf_weight import GGUFWeight
 
-    r = _reader(path)
+    r = open_gguf(path)
     cfg = gguf_config(path)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
