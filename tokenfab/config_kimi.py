@@ -255,7 +255,10 @@ def parse_kimi_config(cfg: dict, gen_cfg: dict | None = None) -> KimiConfig:
         mc.routed_scaling_factor = float(cfg.get("routed_scaling_factor", 1.0))
         mc.n_group = int(_get(cfg, "num_expert_group", "n_group", default=1) or 1)
         mc.topk_group = int(cfg.get("topk_group") or 1)
-        mc.norm_topk_prob = bool(_get(cfg, "moe_renormalize", "norm_topk_prob", default=True))
+        # Moonshot's router renormalizes the chosen weights only when top_k > 1 (and moe_renormalize): at top_k = 1
+        # the single weight stays the raw sigmoid score (renormalizing would make every routed output weight 1).
+        mc.norm_topk_prob = (bool(_get(cfg, "moe_renormalize", "norm_topk_prob", default=True))
+                             and mc.num_experts_per_tok > 1)
         mc.scoring_func = "sigmoid"
         act_fn = cfg.get("moe_router_activation_func", "sigmoid")
         if act_fn != "sigmoid":
@@ -275,7 +278,9 @@ def parse_kimi_config(cfg: dict, gen_cfg: dict | None = None) -> KimiConfig:
         else:
             k_dense = int(_get(cfg, "first_k_dense_replace", default=1))
             freq = int(cfg.get("moe_layer_freq") or 1)
-            mc.moe_layers = [i for i in range(L) if i >= k_dense and (i - k_dense) % freq == 0]
+            # Moonshot's placement: layer i is MoE when i >= first_k_dense_replace and i % moe_layer_freq == 0
+            # (not (i - first_k_dense_replace) % freq, which differs when freq > 1).
+            mc.moe_layers = [i for i in range(L) if i >= k_dense and i % freq == 0]
         rehs = cfg.get("routed_expert_hidden_size")
         mc.routed_expert_hidden_size = None if rehs is None else int(rehs)
         mc.latent_moe_use_norm = bool(cfg.get("latent_moe_use_norm", False)) and rehs is not None

@@ -123,11 +123,13 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
 
 
 class ShortConvWeight(nn.Module):
-    """Holds a depthwise causal conv kernel ``weight`` [channels, 1, kernel] (checkpoint name ``*_conv1d.weight``)."""
+    """Holds a depthwise causal conv kernel ``weight`` [channels, 1, kernel] float32 (checkpoint name
+    ``*_conv1d.weight``). Kept in float32 whatever the engine dtype, as Moonshot's checkpoints store it and its
+    modeling code convolves: the short conv then runs in float32 and its output is rounded once."""
 
     def __init__(self, channels: int, kernel: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, kernel), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=torch.float32), requires_grad=False)
 
 
 class GatedRMSNorm(nn.Module):
@@ -191,6 +193,11 @@ class KimiDeltaAttention(nn.Module):
         return KDAStateCache(num_slots, 3 * self.num_heads * self.head_dim, self.kernel, self.num_heads,
                              self.head_dim, dtype, device)
 
+    def beta(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> beta [T, H] float32 = sigmoid(b_proj x), the sigmoid taken in float32 (Moonshot's
+        modeling code: ``self.b_proj(x).float().sigmoid()``), not on the rounded activation dtype."""
+        return torch.sigmoid(self.b_proj(x).float())
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta.state_rows is None:
             raise RuntimeError("KDA layers need AttentionMetadata.state_rows (the scheduler rows of the batch).")
@@ -200,7 +207,7 @@ class KimiDeltaAttention(nn.Module):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         gpre = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
         g = kda_log_decay(gpre.view(T, H, D), self.A_log, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x)).float()
+        beta = self.beta(x)
         pad1 = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])], 0)  # row T: padding
         qkv_p, g_p, beta_p = pad1(qkv), pad1(g), pad1(beta)
         core = x.new_empty(T + 1, H, D)

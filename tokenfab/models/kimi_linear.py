@@ -97,22 +97,29 @@ class SituMLP(nn.Module):
 
 
 class SituRoutedExperts(RoutedExperts):
-    """Routed experts with SiTU-GLU instead of SiLU-GLU (same stacked weights w13 / w2 and grouping)."""
+    """Routed experts with SiTU-GLU instead of SiLU-GLU (same stacked weights w13 / w2 and grouping).
+
+    ``accumulate_fp32``: the weighted sum over the chosen experts is taken in float32 and returned in float32
+    (K3's latent MoE: Moonshot sums the routed experts' latent outputs in float32 before the latent norm); otherwise
+    each weighted expert output is rounded to x's dtype before it is added.
+    """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, beta: float, linear_beta: float | None,
-                 expert_range: tuple[int, int] | None = None):
+                 expert_range: tuple[int, int] | None = None, accumulate_fp32: bool = False):
         super().__init__(num_experts, hidden, intermediate, expert_range)
         self.beta, self.linear_beta = beta, linear_beta
+        self.accumulate_fp32 = accumulate_fp32
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum_k weights * expert_ids(x)."""
+        """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum_k weights * expert_ids(x) (float32 when
+        ``accumulate_fp32``, else x's dtype)."""
         T, k = ids.shape
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         token_of = order // k
         w_sorted = weights.reshape(-1)[order]
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=torch.float32 if self.accumulate_fp32 else x.dtype)
         begin = sum(counts[: self.start])
         for e in range(self.start, self.end):
             n = counts[e]
@@ -121,7 +128,7 @@ class SituRoutedExperts(RoutedExperts):
             idx = token_of[begin:begin + n]
             h = situ_glu(x[idx] @ self.w13[e - self.start].t(), self.beta, self.linear_beta)
             h = h @ self.w2[e - self.start].t()
-            out.index_add_(0, idx, (h * w_sorted[begin:begin + n, None]).to(out.dtype))
+            out.index_add_(0, idx, (h.to(w_sorted.dtype) * w_sorted[begin:begin + n, None]).to(out.dtype))
             begin += n
         return out
 
@@ -155,7 +162,7 @@ class KimiMoE(nn.Module):
             self.routed_expert_norm = RMSNorm(self.latent, eps=cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
         if cfg.hidden_act == "situ":
             self.experts = SituRoutedExperts(cfg.num_experts, inner, cfg.moe_intermediate_size, cfg.situ_beta,
-                                             cfg.situ_linear_beta, rng)
+                                             cfg.situ_linear_beta, rng, accumulate_fp32=bool(self.latent))
         else:
             self.experts = RoutedExperts(cfg.num_experts, inner, cfg.moe_intermediate_size, rng)
         self.shared_experts = make_mlp(cfg, shared) if cfg.n_shared_experts else None
@@ -173,8 +180,8 @@ class KimiMoE(nn.Module):
                     y = x.new_zeros(x.shape)
             if self.tp is None or self.tp.rank == 0:
                 if self.routed_expert_norm is not None:
-                    y = self.routed_expert_norm(y)
-                y = self.routed_expert_up_proj(y)
+                    y = self.routed_expert_norm(y)  # on the float32 latent sum (weight cast up by the promotion)
+                y = self.routed_expert_up_proj(y.to(x.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y
