@@ -59,6 +59,8 @@ class CpuDecodeStack:
             return None
         if any(isinstance(m, PackedWeight) for m in model.modules()):  # the stack runs bf16 VNNI weights only
             return None
+        if getattr(model, "host_expert_stats", None) is not None:  # host-offloaded experts: the module path
+            return None
         layers = list(model.model.layers)
         if not layers or len(layers) != len(kv_caches):
             return None

@@ -51,6 +51,8 @@ def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str |
                                 "buffers without capture) or leave it unset (CUDA graphs where they apply).")
     if enforce_eager or env == "0" or hasattr(model, "make_state_cache"):  # KDA state slots: by scheduler row
         return None
+    if getattr(model, "host_expert_stats", None) is not None:  # host experts: per-step host work, no capture
+        return None
     if env == "eager":
         return "eager"
     if device.type != "cuda" or getattr(model, "tp", None) is not None:

@@ -87,6 +87,10 @@ class LLMEngine:
         self.tp_group = loaded.tp_group  # tensor parallel > 1: workers to drive (tokenfab.parallel.launcher)
         if self.tp_group is not None:
             self.tp_group.attach(self.runner)
+        self.expert_popularity = None  # routed-pair counts per layer per expert (engine/expert_popularity.py)
+        if getattr(config, "record_expert_popularity", None):
+            from tokenfab.engine.expert_popularity import ExpertPopularity
+            self.expert_popularity = ExpertPopularity(loaded.model)
         self.spec = None  # speculative decoding (tokenfab/spec_decode/spec_decoder.py) when configured
         if config.speculative_config is not None:
             from tokenfab.spec_decode.spec_decoder import SpecDecoder
@@ -123,7 +127,10 @@ class LLMEngine:
         return None
 
     def shutdown(self) -> None:
-        """Stop tensor-parallel workers and leave the process group (no-op on one device). Idempotent."""
+        """Stop tensor-parallel workers and leave the process group (no-op on one device), and write the
+        expert-popularity file when recording. Idempotent."""
+        if getattr(self, "expert_popularity", None) is not None:
+            self.expert_popularity.write(self.config.record_expert_popularity)
         if self.tp_group is not None:
             self.tp_group.close()
 
@@ -200,7 +207,16 @@ class LLMEngine:
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_requests_running": len(running_reqs), "num_requests_waiting": len(waiting_reqs),
                 "kv_cache_usage": self.block_manager.usage(), "num_preemptions": self.scheduler.num_preemptions,
-                **self.stats}
+                **self.stats, **self._host_expert_stats()}
+
+    def _host_expert_stats(self) -> dict:
+        """{"host_experts": cumulative split accounting (layers/host_experts.py, this process = rank 0)} when the
+        model has host experts, else {}."""
+        hs = getattr(self.runner.model, "host_expert_stats", None)
+        if hs is None:
+            return {}
+        from tokenfab.layers.host_experts import host_expert_bytes
+        return {"host_experts": dict(hs.snapshot(), resident_bytes=host_expert_bytes(self.runner.model))}
 
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -111,6 +111,15 @@ class EngineConfig:
             "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method":
             "draft_model", "model": PATH, "num_speculative_tokens": 3}; normalized to a
             :class:`~tokenfab.spec_decode.config.SpeculativeConfig` (tokenfab/spec_decode/config.py).
+        host_experts: keep part of each MoE layer's routed experts in host memory and compute them on the host's
+            CPUs (tokenfab/layers/host_experts.py): a share ("50%") or a count of experts per MoE layer; None: all
+            on the device. num_device_experts: instead, how many experts per MoE layer stay on the devices.
+        expert_popularity: a JSON file of routed-token counts per layer per expert (written by
+            record_expert_popularity): the most used experts stay on the devices (tokenfab/planner/expert_placement.py).
+        host_expert_threads: intra-op threads of the host-expert worker (default: every core beside a GPU, half
+            of this process's threads on CPU).
+        record_expert_popularity: a path where the engine writes those counts when it shuts down
+            (tokenfab/engine/expert_popularity.py).
 
     Raises:
         EngineConfigError / UnsupportedError (ValueError): a setting out of range or not supported, naming it;
@@ -137,6 +146,11 @@ class EngineConfig:
     generation_config: str = "auto"
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     speculative_config: dict | str | None = None
+    host_experts: str | int | None = None
+    num_device_experts: int | None = None
+    expert_popularity: str | None = None
+    host_expert_threads: int | None = None
+    record_expert_popularity: str | None = None
 
     @classmethod
     def from_kwargs(cls, model: str, where: str = "LLM()", **kwargs) -> "EngineConfig":
@@ -160,10 +174,47 @@ class EngineConfig:
         if not isinstance(self.max_logprobs, int) or self.max_logprobs < -1:
             raise EngineConfigError(f"max_logprobs must be an integer >= 0 (or -1 for no limit), got "
                                     f"{self.max_logprobs!r}.")
+        self.check_host_experts()
         from tokenfab.spec_decode.config import parse_speculative_config
         self.speculative_config = parse_speculative_config(self.speculative_config)  # strict: names a bad field
         self.check_quantization()
         self.generation_defaults()  # a missing folder or a bad value fails now, not at the first request
+
+    def check_host_experts(self) -> None:
+        """Check the host-expert settings (host_experts, num_device_experts, expert_popularity,
+        host_expert_threads, record_expert_popularity) before any weight is read.
+
+        Raises:
+            EngineConfigError: a bad value, both host_experts and num_device_experts, a popularity file without
+                either, an unreadable file or a missing folder; the message names the field.
+        """
+        from tokenfab.planner.expert_placement import PlacementError, load_popularity, parse_host_experts
+        try:
+            if self.host_experts is not None:
+                parse_host_experts(self.host_experts, "host_experts (--host-experts)")
+            nd = self.num_device_experts
+            if nd is not None and (isinstance(nd, bool) or not isinstance(nd, int) or nd < 0):
+                raise PlacementError(f"num_device_experts (--num-device-experts) must be an integer >= 0, got {nd!r}")
+            if self.host_experts is not None and nd is not None:
+                raise PlacementError("host_experts (--host-experts) and num_device_experts (--num-device-experts) "
+                                     "both say how many experts go to the host; give one of them")
+            if self.expert_popularity is not None:
+                if self.host_experts is None and nd is None:
+                    raise PlacementError("expert_popularity (--expert-popularity) chooses which experts stay on the "
+                                         "device; also give host_experts (--host-experts) or num_device_experts "
+                                         "(--num-device-experts)")
+                load_popularity(self.expert_popularity, None, "expert_popularity (--expert-popularity)")
+            t = self.host_expert_threads
+            if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+                raise PlacementError(f"host_expert_threads (--host-expert-threads) must be an integer >= 1, got {t!r}")
+            r = self.record_expert_popularity
+            if r is not None:
+                folder = os.path.dirname(os.path.abspath(str(r)))
+                if not os.path.isdir(folder):
+                    raise PlacementError(f"record_expert_popularity (--record-expert-popularity): folder '{folder}' "
+                                         "does not exist")
+        except PlacementError as e:
+            raise EngineConfigError(str(e)) from None
 
     def check_quantization(self) -> None:
         """Accept quantization None / "auto" / "none"; a method name only when tokenfab runs it and the

@@ -87,8 +87,16 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
     if skipped:
         logger.info("skipped %d checkpoint tensors not used by tokenfab yet (e.g. MTP layers): %s%s",
                     len(skipped), ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
+    placement = None
+    if getattr(config, "host_experts", None) is not None or getattr(config, "num_device_experts", None) is not None:
+        from tokenfab.layers import host_experts  # part of the routed experts kept in host memory
+        from tokenfab.planner.expert_placement import placement_for_engine
+        placement = placement_for_engine(config, mc, 1 if tp is None else tp.world_size)
+        host_experts.install(model, placement, config.host_expert_threads, device)
     model.to(device).eval()
     model.post_load()
+    if placement is not None:
+        host_experts.finalize(model)
     if gguf_file and not config.tokenizer:
         tokenizer = load_gguf_tokenizer(config.model)
     else:

@@ -97,6 +97,9 @@ class RoutedExperts(nn.Module):
         self.fused_dispatch = True  # packed CPU experts: the dispatch in one kernel call (False: the Python loop)
         self._p13: list[torch.Tensor] | None = None  # per-expert packed weights (CPU bf16), see fuse()
         self._p2: list[torch.Tensor] | None = None
+        # host-offloaded experts (layers/host_experts.py): None, or the split that computes this layer instead
+        self.host = None
+        self.route_counter = None  # engine/expert_popularity.py: counts routed pairs per expert when recording
 
     def fuse(self) -> None:
         """After loading, on CPU in bf16: pack each expert's weights (:func:`~tokenfab.layers.linear.pack_weight`)
@@ -116,6 +119,10 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum over this rank's experts of weight * expert(x)."""
+        if self.route_counter is not None:
+            self.route_counter.record(ids)
+        if self.host is not None:  # part of the experts in host memory: the split runs both sides, same sum order
+            return self.host.forward(self, x, weights, ids)
         if self._p13 is not None and self.fused_dispatch and cpu_kernels.available_for(x):  # same math in C++
             return cpu_kernels.moe_experts_packed(x, weights, ids, self._p13, self._p2, self.start)
         if self.w13 is not None and triton_support.applies(x):  # CUDA/ROCm: grouped GEMMs in Triton, graph-safe
