@@ -91,7 +91,13 @@ class CausalLM(nn.Module):
         expert_mods = {n: m for n, m in self.named_modules() if isinstance(m, RoutedExperts)}
         loaded: set[str] = set()
         expert_loaded: dict[str, set] = {n: set() for n in expert_mods}
-        unexpected, skipped, bad_shape = [], [], []
+        unexpected, skipped, bad_shape, bad_dtype = [], [], [], []
+        file_of = getattr(weights, "file_of", None)  # CheckpointWeights names each tensor's file
+
+        def where(name: str) -> str:
+            f = file_of(name) if file_of is not None else None
+            return f"{name} (in {f})" if f else name
+
         for name, t in weights:
             if self.is_skipped_weight(name):
                 skipped.append(name)
@@ -104,7 +110,7 @@ class CausalLM(nn.Module):
                     dst = {"gate_proj": mod.w13[e - mod.start, :I], "up_proj": mod.w13[e - mod.start, I:],
                            "down_proj": mod.w2[e - mod.start]}[proj]
                     if dst.shape != t.shape:
-                        bad_shape.append(f"{name}: checkpoint {tuple(t.shape)} vs model {tuple(dst.shape)}")
+                        bad_shape.append(f"{where(name)}: checkpoint {tuple(t.shape)} vs model {tuple(dst.shape)}")
                         continue
                     dst.copy_(t)
                 expert_loaded[m.group(1)].add((e, proj))
@@ -115,7 +121,7 @@ class CausalLM(nn.Module):
                 dst = mod.w13 if m.group(2) == "gate_up_proj" else mod.w2
                 src = t[mod.start:mod.end] if t.shape[0] == mod.num_experts else t  # else: already this rank's slice
                 if dst.shape != src.shape:
-                    bad_shape.append(f"{name}: checkpoint {tuple(src.shape)} vs model {tuple(dst.shape)}")
+                    bad_shape.append(f"{where(name)}: checkpoint {tuple(src.shape)} vs model {tuple(dst.shape)}")
                     continue
                 dst.copy_(src)
                 projs = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
@@ -137,7 +143,11 @@ class CausalLM(nn.Module):
                 unexpected.append(name)
                 continue
             if p.shape != t.shape:
-                bad_shape.append(f"{name}: checkpoint {tuple(t.shape)} vs model {tuple(p.shape)}")
+                bad_shape.append(f"{where(name)}: checkpoint {tuple(t.shape)} vs model {tuple(p.shape)}")
+                continue
+            if p.is_floating_point() and not t.is_floating_point():  # copy_ would cast integers silently
+                bad_dtype.append(f"{where(name)}: checkpoint dtype {str(t.dtype).removeprefix('torch.')}, expected "
+                                 "a floating-point tensor (bf16, fp16 or fp32)")
                 continue
             p.copy_(t)
             loaded.add(name)
@@ -148,6 +158,8 @@ class CausalLM(nn.Module):
         for prefix, mod in expert_mods.items():
             need = {(e, p) for e in range(mod.start, mod.end) for p in ("gate_proj", "up_proj", "down_proj")}
             missing += [f"{prefix}.{e}.{p}.weight" for e, p in sorted(need - expert_loaded[prefix])]
+        misfit = {e.split(" ", 1)[0].rstrip(":") for e in bad_shape + bad_dtype}  # present, reported below
+        missing = [n for n in missing if n not in misfit]
         problems = []
         if missing:
             problems.append(f"missing weights ({len(missing)}): {', '.join(missing[:20])}"
@@ -156,7 +168,11 @@ class CausalLM(nn.Module):
             problems.append(f"unexpected weights ({len(unexpected)}): {', '.join(unexpected[:20])}"
                             + (" ..." if len(unexpected) > 20 else ""))
         if bad_shape:
-            problems.append("shape mismatches: " + "; ".join(bad_shape[:10]))
+            problems.append(f"shape mismatches ({len(bad_shape)}; the model's shapes come from config.json): "
+                            + "; ".join(bad_shape[:10]) + (" ..." if len(bad_shape) > 10 else ""))
+        if bad_dtype:
+            problems.append(f"wrong dtypes ({len(bad_dtype)}): " + "; ".join(bad_dtype[:10])
+                            + (" ..." if len(bad_dtype) > 10 else ""))
         if problems:
             raise WeightLoadError("checkpoint does not match the model: " + " | ".join(problems))
         return skipped
