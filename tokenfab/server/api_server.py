@@ -390,7 +390,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
     async def health():
         if app.state.shutting_down or not async_llm.is_running:
             return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
-        reason = async_llm.engine.health_error()
+        reason = async_llm.health_error()
         if reason:
             return JSONResponse(error_body(503, f"the engine cannot serve: {reason}"), status_code=503)
         return Response(status_code=200)

@@ -93,6 +93,7 @@ class AsyncLLM:
         self._stats: dict = engine.get_stats()
         self._stats_lock = threading.Lock()
         self.dead_error: BaseException | None = None
+        self.num_in_flight = 0  # generate() calls not yet returned (event-loop thread writes it; drain reads it)
         self.num_aborted = 0  # requests aborted before finishing (client went away); engine thread writes it
         self.num_step_failures = 0  # engine steps that raised
 
@@ -181,6 +182,24 @@ class AsyncLLM:
             self._thread.join(timeout)
         self.engine.shutdown()  # stops tensor-parallel workers (no-op on one device)
 
+    def health_error(self) -> str | None:
+        """Why this server can no longer serve, or None: the engine's own reason (a tensor-parallel rank failed in
+        a step), a tensor-parallel worker process that has exited (seen before any step needs it), or an engine
+        thread that died. Any thread may call it."""
+        reason = self.engine.health_error()
+        if reason:
+            return reason
+        group = getattr(self.engine, "tp_group", None)
+        for p in getattr(group, "procs", None) or []:
+            code = p.exitcode
+            if code is not None:
+                return (f"tensor-parallel rank {getattr(p, 'rank', '?')} exited with code {code}; restart the "
+                        "server")
+        if self._started and self._thread is not None and not self._thread.is_alive() and not self.is_stopping:
+            return "the engine thread stopped" + (f" ({type(self.dead_error).__name__}: {self.dead_error})"
+                                                  if self.dead_error is not None else "")
+        return None
+
     def get_stats(self) -> dict:
         """The engine's latest gauges/counters (copied from the engine thread after each step)."""
         with self._stats_lock:
@@ -205,6 +224,7 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._cmds.put(("add", request_id, prompt, prompt_token_ids, params, time.monotonic(), stream))
         finished = False
+        self.num_in_flight += 1
         try:
             while True:
                 try:
@@ -228,6 +248,7 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
+            self.num_in_flight -= 1
             if not finished:
                 self.abort(request_id)
 

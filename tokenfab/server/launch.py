@@ -250,27 +250,65 @@ def run_server(args: argparse.Namespace) -> int:
     import signal
     import threading
 
+    exit_code = [0]
+
     class _Server(uvicorn.Server):
+        """uvicorn with a drain: the first SIGTERM / Ctrl-C makes new requests get 503 (OpenAI error JSON) while the
+        listener stays open and in-flight requests run on; once none is left, or after ``drain`` seconds (then the
+        rest end with an error event and ``[DONE]``), uvicorn shuts down. A second signal stops at once."""
+
+        draining = False
+
         def handle_exit(self, sig, frame):
-            # New requests get 503 while in-flight ones drain; requests still running after `drain` seconds end
-            # with an error event and [DONE] (not a cancelled task and a traceback), then uvicorn exits.
             app.state.shutting_down = True
-            if not self.should_exit:
-                running = async_llm.get_stats().get("num_running", 0)
-                print("[tokenfab] stopping" + (f": {running} running request(s) may finish within {drain:g} s, then "
-                                               f"end with an error" if running else ""), flush=True)
-                timer = threading.Timer(drain, async_llm.request_stop)
-                timer.daemon = True
-                timer.start()
-            super().handle_exit(sig, frame)
+            if self.draining or self.should_exit:
+                async_llm.request_stop()
+                super().handle_exit(sig, frame)
+                return
+            self.draining = True
+            n = async_llm.num_in_flight
+            print("[tokenfab] stopping" + (f": {n} in-flight request(s) may finish within {drain:g} s, new ones get "
+                                           "503" if n else ""), flush=True)
+            threading.Thread(target=self.drain_then_exit, name="tokenfab-drain", daemon=True).start()
+
+        def drain_then_exit(self):
+            deadline = time.monotonic() + drain
+            while async_llm.num_in_flight > 0 and time.monotonic() < deadline and not self.should_exit:
+                time.sleep(0.05)
+            left = async_llm.num_in_flight
+            if left:
+                print(f"[tokenfab] {left} request(s) still running after {drain:g} s: ending them with an error",
+                      flush=True)
+                async_llm.request_stop()
+                end = time.monotonic() + 5
+                while async_llm.num_in_flight > 0 and time.monotonic() < end:
+                    time.sleep(0.05)
+            self.should_exit = True
 
     server = _Server(uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=drain + 10,
                                     log_level=getattr(args, "log_level", None) or "warning"))
+
+    def watch_health():
+        # A tensor-parallel worker that died (or an engine thread that stopped) cannot be recovered: /health
+        # already answers 503 with the reason; the process exits with status 1 instead of hanging on.
+        while not server.should_exit and not server.draining:
+            reason = async_llm.health_error()
+            if reason:
+                print(f"[tokenfab] the engine cannot serve: {reason}; exiting", file=sys.stderr, flush=True)
+                exit_code[0] = 1
+                app.state.shutting_down = True
+                time.sleep(1.0)  # /health keeps answering 503 with the reason meanwhile
+                async_llm.request_stop()
+                server.should_exit = True
+                return
+            time.sleep(0.5)
+
+    threading.Thread(target=watch_health, name="tokenfab-health", daemon=True).start()
     if threading.current_thread() is threading.main_thread():
         # uvicorn re-raises SIGTERM after its graceful shutdown; with the default handler that kills the process
         # before the engine (and tensor-parallel workers) are shut down below. Make it a normal exit instead.
         def _exit_cleanly(signum, frame):
-            raise SystemExit(0)
+            raise SystemExit(exit_code[0])
 
         signal.signal(signal.SIGTERM, _exit_cleanly)
     try:
@@ -281,4 +319,4 @@ def run_server(args: argparse.Namespace) -> int:
         async_llm.shutdown()
         print("[tokenfab] server stopped", flush=True)
     app.state.shutting_down = True
-    return 0
+    return exit_code[0]
