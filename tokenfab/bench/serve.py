@@ -629,6 +629,8 @@ def format_result(result: dict[str, Any], metric_names: list[str], percentiles: 
             lines.append(_fmt_line(f"{key.upper()} {short} (ms):", result[f"{key}_{name}_ms"], ".2f"))
     from tokenfab.bench.spec_metrics import format_spec_decode
     lines.extend(format_spec_decode(result, _fmt_line))
+    from tokenfab.bench.host_expert_metrics import format_host_experts
+    lines.extend(format_host_experts(result, _fmt_line))
     lines.append("=" * 50)
     return "\n".join(lines)
 
@@ -782,9 +784,12 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     wall_minus_perf = time.time() - time.perf_counter()
     from tokenfab.bench.spec_metrics import fetch_spec_counters, spec_decode_result
     spec_before = fetch_spec_counters(base_url)  # speculative-decoding counters, when the server exports them
+    from tokenfab.bench.host_expert_metrics import fetch_host_expert_counters, host_experts_result
+    host_before = fetch_host_expert_counters(base_url)  # host-offloaded experts' time split, when exported
     records, t_start, t_end, warmups = asyncio.run(
         _run_requests(args, base_url, api_url, model_name, samples, headers, offsets, on_first_send))
     spec_result = spec_decode_result(spec_before, fetch_spec_counters(base_url) if spec_before else None)
+    host_result = host_experts_result(host_before, fetch_host_expert_counters(base_url) if host_before else None)
     duration = max(t_end - t_start, 1e-9)
     warm_failed = [r.error for r in warmups if not r.success]
     if warm_failed:
@@ -836,6 +841,8 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
     result.update(metrics)
     if spec_result is not None:
         result.update(spec_result)
+    if host_result is not None:
+        result.update(host_result)
     if args.num_prompts < 1:  # custom dataset, whole file
         result["num_prompts"] = len(records)
     result["start_times"] = [r.send_time - t_start for r in records]

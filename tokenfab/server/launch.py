@@ -56,7 +56,12 @@ def engine_config_from_args(args: argparse.Namespace):
                         enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
                         generation_config=getattr(args, "generation_config", "auto"),
                         max_logprobs=getattr(args, "max_logprobs", 20),
-                        speculative_config=getattr(args, "speculative_config", None))
+                        speculative_config=getattr(args, "speculative_config", None),
+                        host_experts=getattr(args, "host_experts", None),
+                        num_device_experts=getattr(args, "num_device_experts", None),
+                        expert_popularity=getattr(args, "expert_popularity", None),
+                        host_expert_threads=getattr(args, "host_expert_threads", None),
+                        record_expert_popularity=getattr(args, "record_expert_popularity", None))
 
 
 class PortInUseError(OSError):

@@ -34,7 +34,12 @@ class ServerMetrics:
     ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``, and the speculative-decoding counters
     ``vllm:spec_decode_num_drafts_total`` / ``_num_draft_tokens_total`` / ``_num_accepted_tokens_total`` (0: no
     drafter yet). tokenfab adds ``tokenfab:num_aborted_requests_total`` and
-    ``tokenfab:num_engine_step_failures_total``.
+    ``tokenfab:num_engine_step_failures_total``, and with host-offloaded experts (rank 0's accounting,
+    tokenfab/layers/host_experts.py) the counters ``tokenfab:host_experts_device_seconds_total`` (device-expert
+    compute), ``_host_seconds_total`` (host-expert compute on the worker), ``_copy_seconds_total`` (gather and
+    device <-> host copies), ``_wait_seconds_total`` (the device side waiting for the host),
+    ``_routed_pairs_total{side="device"|"host"}``, ``_copied_bytes_total{direction="to_host"|"to_device"}``,
+    ``_forward_passes_total`` and the gauge ``tokenfab:host_experts_resident_bytes`` (host-resident weights).
     """
 
     def __init__(self, model_name: str):
@@ -95,6 +100,7 @@ class ServerMetrics:
                       "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0}
         self._seen_per_pos: list[int] = []
         self._last: dict[str, tuple[float, int]] = {}  # request id -> (time of last token, tokens so far)
+        self._host = None  # host-expert metrics, made when the engine first reports them (_sync_host_experts)
 
     # ------------------------------------------------------------------------------------------- engine thread
     def on_step(self, outputs, stats: dict, step_seconds: float) -> None:
@@ -153,6 +159,8 @@ class ServerMetrics:
                 if cur > self._seen[key]:
                     counter.labels(m).inc(cur - self._seen[key])
                     self._seen[key] = cur
+            if stats.get("host_experts"):
+                self._sync_host_experts(stats["host_experts"])
             per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos") or []  # speculative decoding on
             for j, cur in enumerate(per_pos):
                 if j >= len(self._seen_per_pos):
@@ -161,6 +169,40 @@ class ServerMetrics:
                 if cur > self._seen_per_pos[j]:
                     self.spec_per_pos.labels(m, str(j)).inc(cur - self._seen_per_pos[j])
                     self._seen_per_pos[j] = cur
+
+    _HOST_COUNTERS = (("device_s", "device_seconds", "Seconds of device-expert compute (host-expert layers).", {}),
+                      ("host_s", "host_seconds", "Seconds of host-expert compute on the host worker.", {}),
+                      ("copy_s", "copy_seconds", "Seconds of gathering and copying rows device <-> host.", {}),
+                      ("wait_s", "wait_seconds", "Seconds the device side waited for the host experts.", {}),
+                      ("device_pairs", "routed_pairs", "Routed (token, expert) pairs per side.", {"side": "device"}),
+                      ("host_pairs", "routed_pairs", "Routed (token, expert) pairs per side.", {"side": "host"}),
+                      ("bytes_to_host", "copied_bytes", "Activation bytes copied between device and host.",
+                       {"direction": "to_host"}),
+                      ("bytes_to_device", "copied_bytes", "Activation bytes copied between device and host.",
+                       {"direction": "to_device"}),
+                      ("passes", "forward_passes", "Forward passes that ran host experts.", {}))
+
+    def _sync_host_experts(self, hs: dict) -> None:
+        """Advance the host-expert counters to the engine's cumulative values (lock held)."""
+        m = self.model_name
+        if self._host is None:
+            made: dict[str, Counter] = {}
+            for _, name, doc, labels in self._HOST_COUNTERS:
+                if name not in made:
+                    made[name] = Counter(f"tokenfab:host_experts_{name}", doc, ["model_name", *labels],
+                                         registry=self.registry)
+            resident = Gauge("tokenfab:host_experts_resident_bytes", "Bytes of expert weights kept in host memory.",
+                             ["model_name"], registry=self.registry)
+            self._host = (made, resident, {key: 0.0 for key, *_ in self._HOST_COUNTERS})
+            for key, name, _, labels in self._HOST_COUNTERS:
+                made[name].labels(m, *labels.values()).inc(0)
+        made, resident, seen = self._host
+        for key, name, _, labels in self._HOST_COUNTERS:
+            cur = float(hs.get(key, 0))
+            if cur > seen[key]:
+                made[name].labels(m, *labels.values()).inc(cur - seen[key])
+                seen[key] = cur
+        resident.labels(m).set(hs.get("resident_bytes", 0))
 
     def render(self, stats: dict) -> bytes:
         """The Prometheus text exposition, after syncing with ``stats``."""
