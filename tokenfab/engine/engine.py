@@ -26,6 +26,7 @@ from tokenfab.engine.model_loader import LoadedModel, load_model
 from tokenfab.engine.model_runner import ModelRunner, StepOutput
 from tokenfab.engine.sampler import Sampler
 from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
+from tokenfab.engine.scheduling_policy import check_priority, make_policy
 from tokenfab.engine.sequence import Sequence
 from tokenfab.errors import InvalidRequestError, PromptTooLongError
 from tokenfab.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -71,7 +72,8 @@ class LLMEngine:
         self.max_model_len = config.max_model_len
         bs = config.block_size
         self.block_manager = BlockManager(config.num_kv_blocks, bs, config.max_num_seqs, config.max_model_len)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   make_policy(config.scheduling_policy, bs))
         self.generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(loaded.model, self.block_manager, config.max_num_seqs, config.max_model_len,
                                   self.device, self.dtype, Sampler(self.generator), config.enforce_eager)
@@ -136,7 +138,7 @@ class LLMEngine:
 
     # ---- requests --------------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                    params: SamplingParams, arrival_time: float | None = None) -> None:
+                    params: SamplingParams, arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request after validating all of it (request_validation.py). Tokenizes ``prompt`` when
         ``prompt_token_ids`` is None.
 
@@ -146,9 +148,12 @@ class LLMEngine:
                 empty prompt, token ids that are not integers in [0, vocab_size), a lone surrogate in the prompt
                 text, a text prompt or stop strings for a model without tokenizer.
             ValueError: duplicate request id.
+            InvalidRequestError: ``priority`` not an integer, or not 0 while scheduling_policy is not "priority"
+                (scheduling_policy.check_priority).
         """
         if request_id in self.requests:
             raise ValueError(f"request id '{request_id}' is already in use.")
+        priority = check_priority(priority, self.config.scheduling_policy)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}.",
                                       "sampling_params")
@@ -176,6 +181,7 @@ class LLMEngine:
         for i in range(params.n):
             seqs.append(Sequence(self._next_seq_id, request_id, i, ids, params, now))
             seqs[-1].bad_words_token_ids = bad_ids
+            seqs[-1].priority = priority
             self._next_seq_id += 1
             detoks.append(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop))
         req = Request(request_id, prompt, ids, params, seqs, detoks, RequestMetrics(arrival_time=now))

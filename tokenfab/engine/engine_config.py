@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from tokenfab.config import ModelConfig
+from tokenfab.engine.scheduling_policy import SCHEDULING_POLICIES
 from tokenfab.errors import EngineConfigError, UnsupportedError
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -111,6 +112,9 @@ class EngineConfig:
             "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1} or {"method":
             "draft_model", "model": PATH, "num_speculative_tokens": 3}; normalized to a
             :class:`~tokenfab.spec_decode.config.SpeculativeConfig` (tokenfab/spec_decode/config.py).
+        scheduling_policy: "fcfs" (default), "fair" (decodes first, the rest of each step's budget shared by a few
+            prefills) or "priority" (requests' ``priority``, lower first, then arrival); see
+            tokenfab/engine/scheduling_policy.py.
         host_experts: keep part of each MoE layer's routed experts in host memory and compute them on the host's
             CPUs (tokenfab/layers/host_experts.py): a share ("50%") or a count of experts per MoE layer; None: all
             on the device. num_device_experts: instead, how many experts per MoE layer stay on the devices.
@@ -146,6 +150,7 @@ class EngineConfig:
     generation_config: str = "auto"
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     speculative_config: dict | str | None = None
+    scheduling_policy: str = "fcfs"
     host_experts: str | int | None = None
     num_device_experts: int | None = None
     expert_popularity: str | None = None
@@ -177,6 +182,9 @@ class EngineConfig:
         self.check_host_experts()
         from tokenfab.spec_decode.config import parse_speculative_config
         self.speculative_config = parse_speculative_config(self.speculative_config)  # strict: names a bad field
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise EngineConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+                                    f"{self.scheduling_policy!r}.")
         self.check_quantization()
         self.generation_defaults()  # a missing folder or a bad value fails now, not at the first request
 

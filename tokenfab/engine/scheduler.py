@@ -5,6 +5,9 @@ next chunk), then waiting sequences are admitted while the token budget (``max_n
 limit (``max_num_seqs``) and free KV blocks allow; the last admitted may get a partial (chunked) prefill. When a
 running sequence needs a block and none is free, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue to recompute its tokens later (vLLM's RECOMPUTE).
+That is the ``fcfs`` scheduling policy; the order of the running and waiting sequences, each sequence's share of the
+budget and the preemption victim come from the scheduler's policy (scheduling_policy.py: ``fcfs``, ``fair``,
+``priority``).
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokenfab.engine.block_manager import BlockManager
+from tokenfab.engine.scheduling_policy import SchedulingPolicy
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 
 
@@ -51,9 +55,11 @@ class Scheduler:
         block_manager: the KV pool.
         max_num_seqs: most sequences running at once (rows of the persistent batch).
         max_num_batched_tokens: token budget of one step (decode tokens + prefill chunk tokens).
+        policy: the scheduling policy (scheduling_policy.py); default fcfs.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: SchedulingPolicy | None = None):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1 "
                              f"(got {max_num_seqs}, {max_num_batched_tokens}).")
@@ -64,10 +70,11 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_rows: deque[int] = deque(range(max_num_seqs))
         self.num_preemptions = 0
+        self.policy = policy if policy is not None else SchedulingPolicy()
 
     # ---- queue management ------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.policy.enqueue(self.waiting, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -96,7 +103,18 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.policy.requeue(self.waiting, seq)
+
+    @staticmethod
+    def _unschedule(seq: Sequence, *lists: list[tuple[Sequence, int]]) -> int:
+        """Drop ``seq`` from this step's scheduled (sequence, tokens) lists (a victim given tokens earlier in the
+        step, which fcfs never picks); returns the tokens given back to the budget."""
+        for lst in lists:
+            for j, (s, n) in enumerate(lst):
+                if s is seq:
+                    del lst[j]
+                    return n
+        return 0
 
     # ---- the step decision -----------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
@@ -105,26 +123,32 @@ class Scheduler:
         prefills: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
         admitted: list[Sequence] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+        policy = self.policy
+        policy.plan(self.running, self.waiting, budget, len(self.free_rows))
+        for seq in policy.running_order(self.running):
+            if budget <= 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this step
+                continue
+            n = policy.grant(seq, budget)
+            if n <= 0:  # not among this step's prefills (fair)
+                continue
             while not self.bm.can_allocate(seq, n):
-                victim = self.running[-1]
+                victim = policy.victim(self.running)
+                budget += self._unschedule(victim, decodes, prefills)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
-                break
+                continue
             self.bm.allocate(seq, n)
             (decodes if seq.num_tokens - seq.num_computed_tokens == 1 else prefills).append((seq, n))
             budget -= n
-            i += 1
         while self.waiting and budget > 0 and not preempted and self.free_rows:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.bm.can_allocate(seq, n):
+            n = policy.grant(seq, budget)
+            if n <= 0 or not self.bm.can_allocate(seq, n):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -74,12 +74,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate(self, prompts: str | list | dict, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns RequestOutputs in prompt order.
 
         ``prompts``: a string, a list of strings, or dicts ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``.
         ``sampling_params``: one for all prompts or a list aligned with them (default:
         :meth:`get_default_sampling_params`, i.e. SamplingParams() with the generation_config defaults).
+        ``priority``: one int per prompt (lower runs earlier) for ``scheduling_policy="priority"``, as vLLM's; other
+        policies accept only zeros (default: all 0).
 
         A request the engine fails while running (``finish_reason`` "error") comes back with the reason in
         ``RequestOutput.error``; the others finish normally.
@@ -94,18 +96,22 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} prompts.")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority: got {len(priorities)} priorities for {len(prompts)} prompts; give one per "
+                             "prompt.")
         for sp in params_list:
             self.engine_config.check_logprobs(sp)  # logprobs / prompt_logprobs above max_logprobs: ValueError
         eng = self.llm_engine
         ids = []
         try:
-            for p, sp in zip(prompts, params_list):
+            for p, sp, prio in zip(prompts, params_list, priorities):
                 rid = str(self._counter)
                 self._counter += 1
                 if isinstance(p, dict):
-                    eng.add_request(rid, p.get("prompt"), p.get("prompt_token_ids"), sp)
+                    eng.add_request(rid, p.get("prompt"), p.get("prompt_token_ids"), sp, priority=prio)
                 else:
-                    eng.add_request(rid, p, None, sp)
+                    eng.add_request(rid, p, None, sp, priority=prio)
                 ids.append(rid)
         except Exception:
             for rid in ids:

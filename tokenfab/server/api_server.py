@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tokenfab.engine.scheduling_policy import check_priority
 from tokenfab.errors import PromptTooLongError
 from tokenfab.outputs import RequestOutput
 from tokenfab.request_validation import check_token_ids
@@ -121,6 +122,8 @@ class OpenAIServing:
         self.tokenizer = async_llm.tokenizer
         self.max_model_len = async_llm.max_model_len
         self.vocab_size = int(async_llm.model_config.vocab_size)
+        engine = getattr(async_llm, "engine", None)
+        self.scheduling_policy = getattr(getattr(engine, "config", None), "scheduling_policy", "fcfs")
         self._tok_text: dict[int, str] = {}
 
     # ------------------------------------------------------------------------------------------------- checks
@@ -175,6 +178,14 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e) from None
         return params
+
+    def priority(self, req) -> int:
+        """The request's ``priority`` checked against the engine's scheduling policy before anything streams;
+        400 naming ``priority`` when it is not 0 and the policy is not "priority" (as vLLM)."""
+        try:
+            return check_priority(req.priority, self.scheduling_policy)
+        except ValueError as e:
+            raise bad_request(e) from None
 
     def token_text(self, tid: int) -> str:
         """The text of one token id (cached)."""
@@ -449,6 +460,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
         policy.fill_defaults(req, len(ids))
         max_tokens = serving.check_length(len(ids), req.max_tokens)
         params = serving.sampling_params(req, max_tokens, req.logprobs)
+        priority = serving.priority(req)
         rid = f"cmpl-{uuid.uuid4().hex}"
         policy.admit(rid, prompt, ids, params)
         created = int(time.time())
@@ -457,7 +469,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
         if req.echo:
             echo_text = prompt if prompt is not None else (  # no tokenizer: token ids only, the text stays empty
                 serving.tokenizer.decode(ids) if serving.tokenizer is not None else "")
-        gen = async_llm.generate(rid, prompt, ids, params)
+        gen = async_llm.generate(rid, prompt, ids, params, priority)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream_completion(gen, rid, created, model, req.n, echo_text, include_usage,
@@ -486,6 +498,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
             raise OpenAIError(400, "stream=true is not supported with a list of prompts or with echo and logprobs; "
                                    "send stream=false, or one prompt per request.", param="stream")
         scoring = req.echo and req.logprobs is not None
+        priority = serving.priority(req)
         policy.fill_defaults(req, max(len(ids) for _, ids in prompts))
         runs = []
         for prompt, ids in prompts:
@@ -495,8 +508,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
             rid = f"cmpl-{uuid.uuid4().hex}"
             policy.admit(rid, prompt, ids, params)
             runs.append((rid, prompt, ids, params))
-        results = await asyncio.gather(*(serving.collect(async_llm.generate(rid, prompt, ids, params), raw)
-                                         for rid, prompt, ids, params in runs), return_exceptions=True)
+        results = await asyncio.gather(*(serving.collect(async_llm.generate(rid, prompt, ids, params, priority),
+                                                         raw) for rid, prompt, ids, params in runs),
+                                       return_exceptions=True)
         for r in results:
             if isinstance(r, OpenAIError):
                 raise r
@@ -577,11 +591,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         params = serving.sampling_params(req, max_tokens, k)
+        priority = serving.priority(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         policy.admit(rid, chat_text, ids, params, "top_logprobs")
         created = int(time.time())
         model = req.model or served_model_name
-        gen = async_llm.generate(rid, None, ids, params)
+        gen = async_llm.generate(rid, None, ids, params, priority)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream_chat(gen, rid, created, model, req.n, include_usage, k, _hold(params)),

@@ -207,8 +207,9 @@ class AsyncLLM:
 
     # -------------------------------------------------------------------------------------------------- requests
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        """Submit a request and yield its cumulative RequestOutputs until it finishes.
+                       params: SamplingParams, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Submit a request and yield its cumulative RequestOutputs until it finishes (``priority``: the
+        engine's add_request's, lower runs earlier under scheduling_policy "priority").
 
         Several engine steps may be merged into one yielded output when the consumer is slower than the engine
         (outputs are cumulative, so nothing is lost). If the consumer stops early (client disconnect, cancellation)
@@ -222,7 +223,7 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineShutdownError("the server is shutting down; no new requests are accepted.")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._cmds.put(("add", request_id, prompt, prompt_token_ids, params, time.monotonic(), stream))
+        self._cmds.put(("add", request_id, prompt, prompt_token_ids, params, time.monotonic(), stream, priority))
         finished = False
         self.num_in_flight += 1
         try:
@@ -260,12 +261,12 @@ class AsyncLLM:
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, ids, params, arrival, stream = cmd
+            _, rid, prompt, ids, params, arrival, stream, priority = cmd
             if self._stopping.is_set():
                 stream.put(EngineShutdownError("the server is shutting down; no new requests are accepted."))
                 return
             try:
-                self.engine.add_request(rid, prompt, ids, params, arrival_time=arrival)
+                self.engine.add_request(rid, prompt, ids, params, arrival_time=arrival, priority=priority)
             except Exception as e:  # refused: fails this request only
                 stream.put(e)
                 return

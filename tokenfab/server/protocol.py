@@ -94,6 +94,7 @@ class _SamplingFields(_Base):
     skip_special_tokens: bool = True
     allowed_token_ids: Optional[list[StrictInt]] = None
     bad_words: Optional[list[str]] = None
+    priority: StrictInt = 0  # lower runs earlier; non-zero needs --scheduling-policy priority (scheduling_policy.py)
 
 
 class CompletionRequest(_SamplingFields):
