@@ -54,6 +54,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="Prefix caching is not implemented yet: --enable-prefix-caching is refused with an error; "
                         "--no-enable-prefix-caching (the default) is accepted.")
+    g.add_argument("--scheduling-policy", choices=("fcfs", "fair", "priority"), default="fcfs",
+                   help="fcfs (default): first come, first served, one prompt prefilled at a time; fair: decodes "
+                        "first each step, the rest of the token budget shared by a few prefilling requests; "
+                        "priority: requests' priority field (lower first), then arrival (tokenfab/engine/"
+                        "scheduling_policy.py). A non-zero request priority needs priority.")
     g.add_argument("--generation-config", default="auto",
                    help="auto (default): default sampling settings (temperature, top_p, top_k, max_new_tokens ...) "
                         "from the model folder's generation_config.json for fields a request leaves unset; vllm: "

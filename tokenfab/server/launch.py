@@ -61,7 +61,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         num_device_experts=getattr(args, "num_device_experts", None),
                         expert_popularity=getattr(args, "expert_popularity", None),
                         host_expert_threads=getattr(args, "host_expert_threads", None),
-                        record_expert_popularity=getattr(args, "record_expert_popularity", None))
+                        record_expert_popularity=getattr(args, "record_expert_popularity", None),
+                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
 
 
 class PortInUseError(OSError):
