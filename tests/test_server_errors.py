@@ -60,9 +60,10 @@ def test_form_encoded_body_says_to_send_json(http):
     ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 9}, "min_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tool_choice"),  # "auto" (the default with tools) needs --enable-auto-tool-choice
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+                              "response_format": {"type": "yaml"}}, "response_format"),
     ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {}}},
      "response_format"),
 ])

@@ -1,6 +1,6 @@
 """tokenfab: an LLM inference and serving engine (paged KV cache, continuous batching, MLA + MoE models)."""
 from tokenfab.outputs import CompletionOutput, RequestOutput
-from tokenfab.sampling_params import SamplingParams
+from tokenfab.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -12,4 +12,5 @@ def __getattr__(name):  # lazy: importing tokenfab must not pull torch for the C
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
+           "CompletionOutput", "__version__"]

@@ -4,7 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenfab.engine.logits_processors import check_processor_params, check_processor_params_for_model
+from tokenfab.errors import InvalidRequestError
 from tokenfab.request_validation import check_sampling_params, check_sampling_params_for_model
+from tokenfab.structured_output.params import GuidedDecodingParams, StructuredOutputsParams, as_structured_outputs
 
 
 @dataclass
@@ -36,6 +38,10 @@ class SamplingParams:
             is forbidden whenever the output ends with the word's other tokens.
         (The penalties, logit_bias, allowed_token_ids and bad_words act on the logits before temperature, in
         vLLM's order; see tokenfab/engine/logits_processors.py.)
+        structured_outputs: a :class:`~tokenfab.structured_output.params.StructuredOutputsParams` (or a dict of
+            its fields): the output follows a JSON schema, any JSON object, a regex, one of a list of strings or an
+            EBNF grammar (xgrammar's token mask, tokenfab/engine/grammar_state.py; EOS only once it is complete).
+        guided_decoding: vLLM <= 0.10's name for ``structured_outputs`` (``GuidedDecodingParams``); folded into it.
 
     Raises:
         InvalidRequestError (a ValueError): a field of the wrong type or out of range (NaN and infinities
@@ -62,8 +68,18 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise InvalidRequestError("give structured_outputs or guided_decoding (its older name), not both.",
+                                          "guided_decoding")
+            self.structured_outputs = as_structured_outputs(self.guided_decoding, "guided_decoding")
+            self.guided_decoding = None
+        self.structured_outputs = as_structured_outputs(
+            self.structured_outputs, getattr(self.structured_outputs, "source", "structured_outputs"))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if not isinstance(s, str) or s]
@@ -83,6 +99,8 @@ class SamplingParams:
             InvalidRequestError (a ValueError): the field at fault, by name.
         """
         check_sampling_params_for_model(self, vocab_size)
+        self.structured_outputs = as_structured_outputs(
+            self.structured_outputs, getattr(self.structured_outputs, "source", "structured_outputs"))
         check_processor_params(self)
         check_processor_params_for_model(self, vocab_size)
 

@@ -91,6 +91,7 @@ class LLMEngine:
             self.tp_group.attach(self.runner)
         self.expert_popularity = None  # routed-pair counts per layer per expert (engine/expert_popularity.py)
         if getattr(config, "record_expert_popularity", None):
+        self._grammar_compiler = None  # structured outputs (grammar_compiler), made on first use
             from tokenfab.engine.expert_popularity import ExpertPopularity
             self.expert_popularity = ExpertPopularity(loaded.model)
         self.spec = None  # speculative decoding (tokenfab/spec_decode/spec_decoder.py) when configured
@@ -146,7 +147,8 @@ class LLMEngine:
             PromptTooLongError: the prompt has more than max_model_len tokens, or more than the whole KV pool holds.
             InvalidRequestError (a ValueError): a SamplingParams field out of range or outside the vocabulary, an
                 empty prompt, token ids that are not integers in [0, vocab_size), a lone surrogate in the prompt
-                text, a text prompt or stop strings for a model without tokenizer.
+                text, a text prompt or stop strings for a model without tokenizer, a structured-output schema /
+                regex / grammar that does not compile.
             ValueError: duplicate request id.
             InvalidRequestError: ``priority`` not an integer, or not 0 while scheduling_policy is not "priority"
                 (scheduling_policy.check_priority).
@@ -172,6 +174,7 @@ class LLMEngine:
                 raise InvalidRequestError("this model has no tokenizer (no tokenizer files in its folder), so a text "
                                           "prompt cannot be tokenized; pass prompt_token_ids instead.", "prompt")
             prompt_token_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        grammar = self.compile_grammar(params)  # structured outputs: compiled once per request (cached by schema)
         ids = check_token_ids("prompt_token_ids", prompt_token_ids, V)
         if len(ids) > self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens, more than max_model_len "
@@ -190,6 +193,7 @@ class LLMEngine:
             self.scheduler.add(s)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+            seqs[-1].grammar = grammar
         """Stop a request now and free its KV blocks. Returns its final output (``finish_reason`` "abort" for the
         sequences that were still running), or None for unknown or finished ids (ignored)."""
         req = self.requests.pop(request_id, None)
@@ -197,6 +201,35 @@ class LLMEngine:
             return None
         self.stats["requests_aborted_total"] += 1
         for s, d in zip(req.seqs, req.detoks):
+    @property
+    def grammar_compiler(self):
+        """The :class:`~tokenfab.structured_output.compiler.GrammarCompiler` for this model's tokenizer (made on
+        first use; the server compiles requests with it before they stream, so bad schemas are 400s)."""
+        if self._grammar_compiler is None:
+            from tokenfab.structured_output.compiler import GrammarCompiler
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                                     self.eos_token_ids)
+        return self._grammar_compiler
+
+    def use_grammar_tokenizer(self, tokenizer) -> None:
+        """Compile grammars against ``tokenizer`` (an equal copy of the model's: the server's own, so that its
+        handler threads never read the tokenizer the engine thread detokenizes with). Before the first compile."""
+        if self._grammar_compiler is None and tokenizer is not None:
+            from tokenfab.structured_output.compiler import GrammarCompiler
+            self._grammar_compiler = GrammarCompiler(tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+
+    def compile_grammar(self, params: SamplingParams):
+        """``params.structured_outputs`` compiled (xgrammar CompiledGrammar), or None without one.
+
+        Raises:
+            InvalidRequestError: a schema / regex / grammar that does not compile, naming the field.
+        """
+        so = params.structured_outputs
+        if so is None:
+            return None
+        so.check()
+        return self.grammar_compiler.compile(so)
+
             if not s.is_finished:
                 d.finish(s.output_token_ids, check_stop=False)
                 self.scheduler.finish(s, "abort")

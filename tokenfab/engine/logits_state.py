@@ -10,6 +10,10 @@ Penalties touch only the tokens a row has seen: besides dense output counts [row
 mask, each row keeps the list of its distinct seen tokens (prompt and output, in order of first appearance), so a
 step gathers K = sum of those lists' lengths (row, token) pairs and changes K logits
 (:func:`~tokenfab.engine.logits_processors.apply_penalties_at`) rather than passing over N x V.
+
+Structured outputs (a row whose sequence carries a compiled grammar) count as active rows too, so the plain
+sampling paths (the fused CPU decode stack's draw included) step aside for them; their matchers and token mask live
+in :class:`~tokenfab.engine.grammar_state.GrammarState` (made on the first such admission), applied first.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ class ProcessorBatch:
     allowed: torch.Tensor | None = None
     bad: tuple | None = None
     min_p: torch.Tensor | None = None
+    grammar: tuple | None = None  # (batch positions [G], persistent rows [G]) int64 numpy of rows with a grammar
 
 
 class LogitsProcessorState:
@@ -74,6 +79,8 @@ class LogitsProcessorState:
         self.num_seen = np.zeros(n, dtype=np.int64)
         self._version = 0
         self._cache: tuple[bytes, int, ProcessorBatch] | None = None
+        self.has_grammar = np.zeros(n, dtype=bool)  # the row's sequence has a structured-output grammar
+        self.grammar = None  # GrammarState (engine/grammar_state.py), made at the first admission with a grammar
 
     # ---- admission: the only per-sequence work --------------------------------------------------------------
     def admit(self, seqs) -> None:
@@ -89,7 +96,14 @@ class LogitsProcessorState:
         r, p = s.row, s.params
         pen = p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
         bad = getattr(s, "bad_words_token_ids", None) or None
-        self.active[r] = bool(pen or p.min_p > 0.0 or p.logit_bias or p.allowed_token_ids is not None or bad)
+        gram = getattr(s, "grammar", None) is not None
+        self.active[r] = bool(pen or p.min_p > 0.0 or p.logit_bias or p.allowed_token_ids is not None or bad or gram)
+        self.has_grammar[r] = gram
+        if gram and self.grammar is None:
+            from tokenfab.engine.grammar_state import GrammarState  # imports xgrammar: only when a grammar comes
+            self.grammar = GrammarState(len(self.active), self.V)
+        if self.grammar is not None:
+            self.grammar.admit(s)  # a matcher that replayed the output so far (preemption, re-runs), or none
         self.counting[r] = pen
         self.repetition[r], self.frequency[r], self.presence[r] = (p.repetition_penalty, p.frequency_penalty,
                                                                    p.presence_penalty)
@@ -120,7 +134,10 @@ class LogitsProcessorState:
             self.num_seen[r] = len(distinct)
 
     def record(self, rows: np.ndarray, tokens: np.ndarray) -> None:
-        """Count tokens just appended at ``rows`` [B] (int64 numpy, distinct) for the rows with penalties."""
+        """Count tokens just appended at ``rows`` [B] (int64 numpy, distinct) for the rows with penalties, and
+        advance the grammar matchers of rows with structured outputs."""
+        if self.grammar is not None:
+            self.grammar.record(rows, tokens)
         if not self.any_counting:
             return
         m = self.counting[rows]
@@ -165,6 +182,9 @@ class LogitsProcessorState:
         mp = self.min_p[rows]
         if (mp > 0).any():
             b.min_p = torch.from_numpy(mp)
+        gi = np.nonzero(self.has_grammar[rows])[0]
+        if len(gi):
+            b.grammar = (gi, rows[gi])
         bias_rows = [(i, self.bias[rows[i]]) for i in act if self.bias[rows[i]] is not None]
         if bias_rows:
             b.bias = (torch.from_numpy(np.concatenate([np.full(len(t), i) for i, (t, _) in bias_rows])),
@@ -190,7 +210,10 @@ class LogitsProcessorState:
     def apply(self, logits: torch.Tensor, b: ProcessorBatch, lengths: np.ndarray) -> torch.Tensor:
         """Allowed-token and bad-word masks, logit bias, then penalties on ``logits`` [N, V] float32 (the batch's
         rows, modified in place where possible); ``lengths`` [N] int64 tokens known per row (prompt + output).
-        Returns the processed logits; min-p comes later, after temperature (``b.min_p``)."""
+        Returns the processed logits; min-p comes later, after temperature (``b.min_p``). The grammar mask of rows
+        with structured outputs comes first (vLLM applies it before its sampler)."""
+        if b.grammar is not None:
+            self.grammar.apply(logits, *b.grammar)
         if b.allowed is not None:
             apply_allowed_token_ids(logits, b.allowed)
         if b.bad is not None:

@@ -55,6 +55,7 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed + index)
 
     @property
+        self.grammar = None  # params.structured_outputs compiled (xgrammar CompiledGrammar; engine.add_request)
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -42,6 +42,9 @@ from tokenfab.server.protocol import (
     error_body,
 )
 from tokenfab.server.request_policy import RequestPolicy
+from tokenfab.server.structured_request import request_structured_outputs
+from tokenfab.server.tool_calls import (ToolCallStream, check_tools, message_tool_fields, output_tool_calls,
+                                        resolve_tool_choice, tool_constraint)
 
 logger = logging.getLogger("tokenfab.server")
 
@@ -85,23 +88,6 @@ def _hold(params: SamplingParams) -> int:
     return max((len(x) for x in params.stop or []), default=1) - 1
 
 
-def check_unsupported(req) -> None:
-    """Refuse, with a 400 naming the field, request fields tokenfab does not implement yet instead of ignoring
-    them: ``tools`` (unless ``tool_choice`` is "none") and a ``response_format`` other than ``{"type": "text"}``.
-
-    Raises:
-        OpenAIError: 400 with ``param`` the field.
-    """
-    rf = getattr(req, "response_format", None)
-    if rf is not None and rf.get("type", "text") != "text":
-        raise OpenAIError(400, f"response_format type {rf.get('type')!r}: structured output (json_object, json_schema) "
-                          "is not implemented yet; send the request without response_format.", param="response_format")
-    tools = getattr(req, "tools", None)
-    if tools and getattr(req, "tool_choice", None) != "none":
-        raise OpenAIError(400, "tools: tool calling is not implemented yet; send the request without tools (or with "
-                          "tool_choice \"none\").", param="tools")
-
-
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -125,6 +111,9 @@ class OpenAIServing:
         engine = getattr(async_llm, "engine", None)
         self.scheduling_policy = getattr(getattr(engine, "config", None), "scheduling_policy", "fcfs")
         self._tok_text: dict[int, str] = {}
+        self.engine = engine
+        if engine is not None and hasattr(engine, "use_grammar_tokenizer"):
+            engine.use_grammar_tokenizer(self.tokenizer)  # structured outputs compile on the handlers' copy
 
     # ------------------------------------------------------------------------------------------------- checks
     def check_model(self, model: str | None) -> None:
@@ -155,8 +144,12 @@ class OpenAIServing:
                                    f"reduce the prompt or {field}.", param=field)
         return max_tokens
 
-    def sampling_params(self, req, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Request fields -> SamplingParams; 400 naming the field for unsupported or out-of-range values."""
+    def sampling_params(self, req, max_tokens: int, logprobs: int | None, constraint=None) -> SamplingParams:
+        """Request fields -> SamplingParams; 400 naming the field for unsupported or out-of-range values.
+
+        The output constraint is ``constraint`` (a StructuredOutputsParams, from tool_choice) or the request's
+        response_format / structured_outputs / guided_* fields (server/structured_request.py); it is compiled here,
+        so a schema, regex or grammar that does not compile is a 400 before anything streams."""
         bias = getattr(req, "logit_bias", None)
         if bias is not None:  # JSON keys are strings: "50256" -> 50256
             try:
@@ -165,6 +158,13 @@ class OpenAIServing:
                 raise OpenAIError(400, f"logit_bias keys must be token ids (integers as strings), got "
                                        f"{list(bias)[:5]}.", param="logit_bias") from None
         try:
+            so = request_structured_outputs(req)
+            if constraint is not None:
+                if so is not None:
+                    raise OpenAIError(400, f"{so.source} cannot be combined with tool_choice \"required\" or a named "
+                                           "function (the tool's schema already constrains the output).",
+                                      param=so.source)
+                so = constraint
             params = SamplingParams(
                 n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
@@ -173,8 +173,10 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=bias,
-                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words)
+                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, structured_outputs=so)
             params.validate(self.vocab_size)  # the checks add_request runs (request_validation.py), before streaming
+            if so is not None:  # compiled here (cached), so the engine's add_request finds it compiled
+                self.engine.compile_grammar(params)
         except ValueError as e:
             raise bad_request(e) from None
         return params
@@ -231,7 +233,10 @@ class OpenAIServing:
         return out
 
     def chat_prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    kwargs: dict | None = None) -> tuple[str, list[int]]:
+                    kwargs: dict | None = None, tools: list[dict] | None = None) -> tuple[str, list[int]]:
+        """(prompt text, token ids) of a conversation through the chat template; ``tools`` (checked) go to the
+        template, and assistant ``tool_calls`` / tool ``tool_call_id`` fields of messages are passed on (JSON-string
+        arguments parsed into objects, as templates expect)."""
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise OpenAIError(400, "this model has no chat template (tokenizer_config.json chat_template); use "
@@ -242,10 +247,14 @@ class OpenAIServing:
             if isinstance(c, list):
                 c = "".join(str(part.get("text", "")) for part in c if part.get("type", "text") == "text")
             msgs.append({"role": m.role, "content": c or ""})
+            msgs[-1].update(message_tool_fields(m))
+        kw = dict(kwargs or {})
+        if tools:
+            kw["tools"] = tools
         try:
             text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt
                                            and not continue_final_message,
-                                           continue_final_message=continue_final_message, **(kwargs or {}))
+                                           continue_final_message=continue_final_message, **kw)
         except Exception as e:
             raise OpenAIError(400, f"messages: the chat template failed: {type(e).__name__}: {e}",
                               param="messages") from None
@@ -336,12 +345,13 @@ class OpenAIServing:
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | None = None,
               metrics: ServerMetrics | None = None, chat_template: str | None = None, api_key: str | None = None,
-              policy: RequestPolicy | None = None) -> FastAPI:
+              policy: RequestPolicy | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``async_llm`` (already started) as ``served_model_name``.
 
     ``chat_template`` (template text) replaces the tokenizer's for /v1/chat/completions and /tokenize;
     ``api_key`` makes /v1/* need ``Authorization: Bearer KEY`` (server/auth.py); ``policy`` (default: from the
-    engine's config) fills generation-config defaults, enforces max_logprobs and logs requests.
+    engine's config) fills generation-config defaults, enforces max_logprobs and logs requests;
+    ``tool_call_parser`` (``--enable-auto-tool-choice --tool-call-parser``: "hermes") enables tool_choice "auto".
 
     Hooks a :class:`ServerMetrics` into the engine thread's callbacks unless they are already set.
     ``app.state.shutting_down = True`` makes new requests fail with 503.
@@ -448,7 +458,6 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
     async def completions(req: CompletionRequest, raw: Request):
         _check_live()
         serving.check_model(req.model)
-        check_unsupported(req)
         if req.suffix:
             raise OpenAIError(400, "suffix is not supported.", param="suffix")
         if req.best_of not in (None, req.n):
@@ -580,9 +589,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
     async def chat(req: ChatCompletionRequest, raw: Request):
         _check_live()
         serving.check_model(req.model)
-        check_unsupported(req)
+        try:  # tools go to the template; tool_choice named / "required" becomes the output constraint
+            tools = check_tools(req.tools) if req.tools is not None else None
+            tool_choice = resolve_tool_choice(tools, req.tool_choice, tool_call_parser)
+            constraint = tool_constraint(tools, tool_choice)
+        except ValueError as e:
+            raise bad_request(e) from None
         chat_text, ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                             req.chat_template_kwargs)
+                                             req.chat_template_kwargs, tools)
         policy.fill_defaults(req, len(ids))
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         want = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -590,7 +604,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
         k = (req.top_logprobs or 0) if req.logprobs else None
         if req.top_logprobs and not req.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
-        params = serving.sampling_params(req, max_tokens, k)
+        params = serving.sampling_params(req, max_tokens, k, constraint)
         priority = serving.priority(req)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         policy.admit(rid, chat_text, ids, params, "top_logprobs")
@@ -599,8 +613,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
         gen = async_llm.generate(rid, None, ids, params, priority)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(_stream_chat(gen, rid, created, model, req.n, include_usage, k, _hold(params)),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_stream_chat(gen, rid, created, model, req.n, include_usage, k, _hold(params),
+                                                  tool_choice), media_type="text/event-stream")
         try:
             out = await serving.collect(gen, raw)
         except OpenAIError:
@@ -610,14 +624,22 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
         choices = []
         for o in out.outputs:
             lp = serving.chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None
-            choices.append({"index": o.index, "message": {"role": "assistant", "content": o.text},
-                            "logprobs": lp, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+            message, finish = {"role": "assistant", "content": o.text}, o.finish_reason
+            if tool_choice.mode != "none":
+                content, calls = output_tool_calls(o.text, tool_choice, o.finish_reason)
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if calls else finish
+            choices.append({"index": o.index, "message": message, "logprobs": lp, "finish_reason": finish,
+                            "stop_reason": o.stop_reason})
         return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": serving.usage(out)}
 
-    async def _stream_chat(gen, rid, created, model, n, include_usage, k, hold):
+    async def _stream_chat(gen, rid, created, model, n, include_usage, k, hold, tool_choice=None):
         """SSE chunks of a chat completion (the role chunk first, sent with the first output); ``hold`` as in
-        _stream_completion."""
+        _stream_completion; with a ``tool_choice`` other than "none" the text goes out as tool-call deltas
+        (server/tool_calls.py ToolCallStream)."""
+        tools_on = tool_choice is not None and tool_choice.mode != "none"
+        streams = [ToolCallStream(tool_choice) for _ in range(n)] if tools_on else None
         sent_text = [""] * n
         sent_tok = [0] * n
         done = [False] * n
@@ -645,9 +667,15 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
                     if k is not None:
                         lp = serving.chat_logprobs(o.token_ids[sent_tok[i]:], o.logprobs[sent_tok[i]:], k)
                     d = {"content": delta} if delta else {}
+                    finish = o.finish_reason
+                    if streams is not None:
+                        d, finish = streams[i].delta(delta, o.finish_reason)
+                        if not d and finish is None:
+                            sent_text[i], sent_tok[i] = o.text[:end], len(o.token_ids)
+                            continue
                     sent_text[i], sent_tok[i] = o.text[:end], len(o.token_ids)
                     done[i] = o.finish_reason is not None
-                    yield chunk([{"index": i, "delta": d, "logprobs": lp, "finish_reason": o.finish_reason,
+                    yield chunk([{"index": i, "delta": d, "logprobs": lp, "finish_reason": finish,
                                   "stop_reason": o.stop_reason}])
             if include_usage and last is not None:
                 yield chunk_usage(rid, created, model, serving.usage(last))

@@ -211,6 +211,11 @@ def run_server(args: argparse.Namespace) -> int:
             chat_template = load_chat_template(args.chat_template)
         except ValueError as e:
             raise EngineConfigError(f"--chat-template: {e}") from None
+    parser = getattr(args, "tool_call_parser", None)
+    if getattr(args, "enable_auto_tool_choice", False) and parser is None:
+        from tokenfab.errors import EngineConfigError
+        raise EngineConfigError("--enable-auto-tool-choice needs --tool-call-parser (hermes).")
+    tool_call_parser = parser if getattr(args, "enable_auto_tool_choice", False) else None
     try:
         sock = bind_listen_socket(args.host, args.port)
     except PortInUseError as e:
@@ -240,7 +245,8 @@ def run_server(args: argparse.Namespace) -> int:
     if log_requests:
         _log_requests_to_stdout()
     policy = RequestPolicy.from_async_llm(async_llm, log_requests, getattr(args, "max_log_len", None))
-    app = build_app(async_llm, name, config.model, chat_template=chat_template, api_key=api_key, policy=policy)
+    app = build_app(async_llm, name, config.model, chat_template=chat_template, api_key=api_key, policy=policy,
+                    tool_call_parser=tool_call_parser)
     if policy.defaults:
         print(f"[tokenfab] default sampling settings from generation_config ({config.generation_config}): "
               f"{policy.defaults} (for fields a request leaves unset; --generation-config vllm ignores them)",

@@ -94,6 +94,16 @@ class _SamplingFields(_Base):
     skip_special_tokens: bool = True
     allowed_token_ids: Optional[list[StrictInt]] = None
     bad_words: Optional[list[str]] = None
+    # structured outputs (server/structured_request.py): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields; one per request
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
     priority: StrictInt = 0  # lower runs earlier; non-zero needs --scheduling-policy priority (scheduling_policy.py)
 
 
@@ -106,7 +116,6 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
-    response_format: Optional[dict[str, Any]] = None  # refused unless {"type": "text"}
     logit_bias: Optional[dict[str, float]] = None
 
 
@@ -131,10 +140,11 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     logit_bias: Optional[dict[str, float]] = None
-    # Refused by name until implemented (never silently ignored): see api_server's check_unsupported.
+    # tool calling (server/tool_calls.py): tools go to the chat template; tool_choice named / "required" is
+    # enforced with structured outputs, "auto" needs --enable-auto-tool-choice
     tools: Optional[list[Any]] = None
-    tool_choice: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 class TokenizeRequest(_Base):

@@ -44,7 +44,8 @@ logger = logging.getLogger("tokenfab")
 # SamplingParams fields (present on some versions) whose logits processors verification does not apply yet, with
 # their "off" values: rows using any of them are not speculated (they decode plainly, exactly as without it).
 _PROCESSOR_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-                     "logit_bias": None, "allowed_token_ids": None, "bad_words": None}
+                     "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
+                     "structured_outputs": None}  # grammar rows decode plainly: their matcher sees each token once
 
 
 def row_supports_speculation(seq) -> bool:
