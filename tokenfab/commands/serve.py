@@ -116,7 +116,6 @@ def register(subparsers) -> None:
     p.add_argument("--chat-template", default=None,
                    help="Chat template for /v1/chat/completions and /tokenize: a file path or the template text. "
                         "Default: the tokenizer's.")
-    p.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="warning",
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="Allow tool_choice \"auto\" (the default when a request has tools): the model's reply is "
                         "parsed for tool calls by --tool-call-parser. Without it such requests get a 400; "
@@ -124,6 +123,7 @@ def register(subparsers) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=["hermes"],
                    help="How tool calls are read from the reply under tool_choice \"auto\": hermes = "
                         "<tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call> blocks (Hermes, Qwen).")
+    p.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (info logs each HTTP request). Default warning.")
     p.add_argument("--disable-log-requests", action="store_true",

@@ -83,6 +83,7 @@ class LLMEngine:
         self.runner.eos_ids = self.eos_token_ids
         self.requests: dict[str, Request] = {}
         self._next_seq_id = 0
+        self._grammar_compiler = None  # structured outputs (grammar_compiler), made on first use
         self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
                       "requests_aborted_total": 0, "requests_failed_total": 0, "step_failures_total": 0}
         self.skipped_weights = loaded.skipped_weights
@@ -91,7 +92,6 @@ class LLMEngine:
             self.tp_group.attach(self.runner)
         self.expert_popularity = None  # routed-pair counts per layer per expert (engine/expert_popularity.py)
         if getattr(config, "record_expert_popularity", None):
-        self._grammar_compiler = None  # structured outputs (grammar_compiler), made on first use
             from tokenfab.engine.expert_popularity import ExpertPopularity
             self.expert_popularity = ExpertPopularity(loaded.model)
         self.spec = None  # speculative decoding (tokenfab/spec_decode/spec_decoder.py) when configured
@@ -166,6 +166,7 @@ class LLMEngine:
                                       "in its folder); use stop_token_ids instead.", "stop")
         bad_ids = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else []
         check_processor_params_for_model(params, V, bad_ids)  # bad words encoded once per request, in the vocabulary
+        grammar = self.compile_grammar(params)  # structured outputs: compiled once per request (cached by schema)
         if prompt_token_ids is None:
             if prompt is None:
                 raise InvalidRequestError("a request needs a prompt string or prompt_token_ids.", "prompt")
@@ -174,7 +175,6 @@ class LLMEngine:
                 raise InvalidRequestError("this model has no tokenizer (no tokenizer files in its folder), so a text "
                                           "prompt cannot be tokenized; pass prompt_token_ids instead.", "prompt")
             prompt_token_ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        grammar = self.compile_grammar(params)  # structured outputs: compiled once per request (cached by schema)
         ids = check_token_ids("prompt_token_ids", prompt_token_ids, V)
         if len(ids) > self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens, more than max_model_len "
@@ -184,6 +184,7 @@ class LLMEngine:
         for i in range(params.n):
             seqs.append(Sequence(self._next_seq_id, request_id, i, ids, params, now))
             seqs[-1].bad_words_token_ids = bad_ids
+            seqs[-1].grammar = grammar
             seqs[-1].priority = priority
             self._next_seq_id += 1
             detoks.append(IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop))
@@ -192,15 +193,6 @@ class LLMEngine:
         for s in seqs:
             self.scheduler.add(s)
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-            seqs[-1].grammar = grammar
-        """Stop a request now and free its KV blocks. Returns its final output (``finish_reason`` "abort" for the
-        sequences that were still running), or None for unknown or finished ids (ignored)."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        self.stats["requests_aborted_total"] += 1
-        for s, d in zip(req.seqs, req.detoks):
     @property
     def grammar_compiler(self):
         """The :class:`~tokenfab.structured_output.compiler.GrammarCompiler` for this model's tokenizer (made on
@@ -230,6 +222,14 @@ class LLMEngine:
         so.check()
         return self.grammar_compiler.compile(so)
 
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Returns its final output (``finish_reason`` "abort" for the
+        sequences that were still running), or None for unknown or finished ids (ignored)."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.stats["requests_aborted_total"] += 1
+        for s, d in zip(req.seqs, req.detoks):
             if not s.is_finished:
                 d.finish(s.output_token_ids, check_stop=False)
                 self.scheduler.finish(s, "abort")

@@ -50,12 +50,12 @@ class Sequence:
         self.first_token_time: float | None = None
         self.generator: torch.Generator | None = None
         self.bad_words_token_ids: list[list[int]] = []  # params.bad_words encoded (engine.add_request)
+        self.grammar = None  # params.structured_outputs compiled (xgrammar CompiledGrammar; engine.add_request)
         self.priority = 0  # the request's priority (lower runs earlier under scheduling_policy "priority")
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed + index)
 
     @property
-        self.grammar = None  # params.structured_outputs compiled (xgrammar CompiledGrammar; engine.add_request)
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
