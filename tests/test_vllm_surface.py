@@ -112,10 +112,9 @@ def test_unknown_keyword_names_the_nearest_before_loading(llama, monkeypatch):
 
 
 # -------------------------------------------------------------------------------- settings refused / accepted
-def test_prefix_caching_and_quantization_refused_by_name(llama, tmp_path):
+def test_prefix_caching_accepted_and_quantization_refused_by_name(llama, tmp_path):
     from tokenfab.engine.engine_config import EngineConfig
-    with pytest.raises(UnsupportedError, match="enable_prefix_caching=True: prefix caching is not implemented"):
-        EngineConfig(model=llama, enable_prefix_caching=True)
+    assert EngineConfig(model=llama, enable_prefix_caching=True).enable_prefix_caching is True
     assert EngineConfig(model=llama, enable_prefix_caching=False).enable_prefix_caching is False
     for q in (None, "auto", "none"):
         assert EngineConfig(model=llama, quantization=q).quantization is None
@@ -392,8 +391,8 @@ def test_serve_flags_parse(llama):
     assert build_parser().parse_args(["serve", llama, "--log-level", "debug"]).log_level == "debug"
     with pytest.raises(EngineConfigError, match="given twice"):
         model_arg(build_parser().parse_args(["serve", llama, "--model", llama + "x"]))
-    with pytest.raises(UnsupportedError, match="prefix caching is not implemented"):
-        engine_config_from_args(build_parser().parse_args(["serve", llama, "--enable-prefix-caching"]))
+    assert engine_config_from_args(build_parser().parse_args(
+        ["serve", llama, "--enable-prefix-caching"])).enable_prefix_caching is True
 
 
 def test_unknown_serve_flag_names_the_nearest(capsys):

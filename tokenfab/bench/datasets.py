@@ -1,6 +1,6 @@
 """Benchmark datasets: each yields :class:`SampleRequest` (prompt text, prompt_len tokens, expected_output_len tokens).
 
-Three of vLLM's datasets (vllm/benchmarks/datasets), with its flag names and sampling rules so that the same file
+Four of vLLM's datasets (vllm/benchmarks/datasets), with its flag names and sampling rules so that the same file
 and seed give the same requests in the same order:
 
 - ``sharegpt`` (``--dataset-path`` a local ShareGPT JSON): entries with at least two ``conversations`` turns,
@@ -16,6 +16,12 @@ and seed give the same requests in the same order:
   applies the template); shuffled with seed 0 (vLLM passes no seed to this dataset) unless ``--disable-shuffle``.
 - both: with fewer usable samples than ``--num-prompts``, seeded random duplicates fill the list (vLLM's
   oversampling) unless ``--no-oversample``.
+
+The ``prefix_repetition`` dataset follows vLLM's ``PrefixRepetitionRandomDataset``: ``--prefix-repetition-num-prefixes``
+G random prefixes of ``--prefix-repetition-prefix-len`` tokens, each shared by ``num_prompts // G`` prompts that
+append their own random suffix of ``--prefix-repetition-suffix-len`` tokens, all asking for
+``--prefix-repetition-output-len`` tokens; shuffled (seeded) unless ``--disable-shuffle``. The workload of prefix
+caching (a system prompt or few-shot block sent again and again).
 
 The ``random`` dataset follows the workload of vLLM's ``RandomDataset`` (vllm/benchmarks/datasets, "random"):
 token ids drawn from the tokenizer's vocabulary (special tokens excluded),
@@ -35,7 +41,7 @@ from typing import Any
 
 from tokenfab.bench import BenchError
 
-DATASET_NAMES = ("random", "sharegpt", "custom")
+DATASET_NAMES = ("random", "sharegpt", "custom", "prefix_repetition")
 FILE_DATASETS = ("sharegpt", "custom")  # need --dataset-path
 
 # vLLM's is_valid_sequence defaults (from its original sample_sharegpt_requests).
@@ -190,6 +196,71 @@ def sample_random_requests(
         body = allowed[(int(offsets[i]) + i + np.arange(n)) % len(allowed)].tolist()
         text, actual = _fit_to_length(tokenizer, prefix + body, prefix_len + n, allowed, rng)
         requests.append(SampleRequest(prompt=text, prompt_len=actual, expected_output_len=int(output_lens[i])))
+    return requests
+
+
+def sample_prefix_repetition_requests(
+    tokenizer: Any,
+    num_requests: int,
+    prefix_len: int = 256,
+    suffix_len: int = 256,
+    num_prefixes: int = 10,
+    output_len: int = 128,
+    seed: int = 0,
+    disable_shuffle: bool = False,
+) -> list[SampleRequest]:
+    """Shared-prefix prompts (vLLM's ``prefix_repetition`` workload).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        num_requests: requests wanted; ``num_prefixes * (num_requests // num_prefixes)`` are made (as vLLM).
+        prefix_len: tokens of each group's shared random prefix (>= 0).
+        suffix_len: tokens of each prompt's own random suffix (>= 0; prefix_len + suffix_len >= 1).
+        num_prefixes: number of groups (1 <= num_prefixes <= num_requests).
+        output_len: ``max_tokens`` of every request (>= 1).
+        seed: numpy ``default_rng`` seed (prompts) and Python ``random`` seed (the shuffle).
+        disable_shuffle: keep the requests grouped by prefix, in order.
+
+    Token ids are drawn from the tokenizer's non-special vocabulary; each prefix and each prompt is decoded and
+    corrected to re-tokenize to its length, the prompt text being the prefix text followed by the suffix text (so
+    every prompt of a group starts with exactly the same text; ``prompt_len`` is the prompt's re-tokenized length).
+
+    Raises:
+        BenchError: a length or count out of range (the message names the flag).
+    """
+    import numpy as np
+
+    if num_prefixes < 1:
+        raise BenchError(f"--prefix-repetition-num-prefixes must be >= 1, got {num_prefixes}.")
+    if num_requests < num_prefixes:
+        raise BenchError(f"--num-prompts ({num_requests}) must be >= --prefix-repetition-num-prefixes "
+                         f"({num_prefixes}): each prefix needs at least one prompt.")
+    if prefix_len < 0 or suffix_len < 0 or prefix_len + suffix_len < 1:
+        raise BenchError(f"--prefix-repetition-prefix-len and --prefix-repetition-suffix-len must be >= 0 and not "
+                         f"both 0, got {prefix_len} and {suffix_len}.")
+    if output_len < 1:
+        raise BenchError(f"--prefix-repetition-output-len must be >= 1, got {output_len}.")
+    rng = np.random.default_rng(seed)
+    allowed = np.array(_allowed_token_ids(tokenizer, int(tokenizer.vocab_size)), dtype=np.int64)
+    if len(allowed) == 0:
+        raise BenchError("--tokenizer has no non-special tokens to build random prompts from.")
+
+    def text_of(n: int) -> str:
+        if n == 0:
+            return ""
+        ids = allowed[rng.integers(0, len(allowed), size=n)].tolist()
+        return _fit_to_length(tokenizer, ids, n, allowed, rng)[0]
+
+    per_prefix = num_requests // num_prefixes
+    requests = []
+    for _ in range(num_prefixes):
+        prefix = text_of(prefix_len)
+        for _ in range(per_prefix):
+            prompt = prefix + text_of(suffix_len)
+            requests.append(SampleRequest(prompt=prompt, prompt_len=len(_encode(tokenizer, prompt)),
+                                          expected_output_len=int(output_len)))
+    if not disable_shuffle:
+        random.Random(seed).shuffle(requests)
     return requests
 
 
@@ -369,6 +440,11 @@ def get_samples(args: Any, tokenizer: Any) -> list[SampleRequest]:
         return sample_sharegpt_requests(
             tokenizer, args.dataset_path, args.num_prompts, output_len=args.sharegpt_output_len, seed=args.seed,
             disable_shuffle=args.disable_shuffle, no_oversample=args.no_oversample)
+    if name == "prefix_repetition":
+        return sample_prefix_repetition_requests(
+            tokenizer, args.num_prompts, prefix_len=args.prefix_repetition_prefix_len,
+            suffix_len=args.prefix_repetition_suffix_len, num_prefixes=args.prefix_repetition_num_prefixes,
+            output_len=args.prefix_repetition_output_len, seed=args.seed, disable_shuffle=args.disable_shuffle)
     if name == "custom":
         skip = args.skip_chat_template or getattr(args, "backend", None) == "openai-chat"
         return sample_custom_requests(

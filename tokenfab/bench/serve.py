@@ -55,7 +55,7 @@ METRIC_HEADERS = {
 # ----------------------------------------------------------------------------------------------------- arguments
 # `vllm bench serve` flags tokenfab refuses by name (flag -> why); everything else vLLM's generation benchmark takes
 # is accepted with vLLM's meaning (see add_cli_args).
-_NO_DATASET = "its dataset is not supported here (datasets: random, sharegpt, custom)"
+_NO_DATASET = "its dataset is not supported here (datasets: random, sharegpt, custom, prefix_repetition)"
 REFUSED_VLLM_FLAGS = {
     "--profile": "needs vLLM's torch profiler endpoints on the server",
     "--lora-modules": "tokenfab serves no LoRA adapters",
@@ -82,15 +82,13 @@ REFUSED_VLLM_FLAGS = {
         "--hf-name", "--hf-output-len", "--spec-bench-output-len", "--spec-bench-category",
         "--blazedit-min-distance", "--blazedit-max-distance", "--asr-max-audio-len-sec", "--asr-min-audio-len-sec",
         "--random-mm-base-items-per-request", "--random-mm-num-mm-items-range-ratio",
-        "--random-mm-limit-mm-per-prompt", "--random-mm-bucket-config", "--prefix-repetition-prefix-len",
-        "--prefix-repetition-suffix-len", "--prefix-repetition-num-prefixes", "--prefix-repetition-output-len")},
+        "--random-mm-limit-mm-per-prompt", "--random-mm-bucket-config")},
 }
 # vLLM names tokenfab knows but does not run: refused with the reason instead of "invalid choice".
 VLLM_OTHER_BACKENDS = ("openai-audio", "openai-embeddings", "openai-embeddings-chat", "openai-embeddings-clip",
                        "openai-embeddings-vlm2vec", "infinity-embeddings", "infinity-embeddings-clip",
                        "vllm-pooling", "vllm-rerank")
-VLLM_OTHER_DATASETS = ("burstgpt", "sonnet", "random-mm", "random-rerank", "hf", "custom_mm", "prefix_repetition",
-                       "spec_bench", "txt-slices", "timed_trace")
+VLLM_OTHER_DATASETS = ("burstgpt", "sonnet", "random-mm", "random-rerank", "hf", "custom_mm", "spec_bench", "txt-slices", "timed_trace")
 
 
 class _RefusedFlag(argparse.Action):
@@ -157,7 +155,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--dataset-name", default="random",
                    type=_choice("dataset", DATASET_NAMES, VLLM_OTHER_DATASETS),
                    help="Workload: random (vLLM's random token prompts), sharegpt or custom (local files, "
-                        "--dataset-path). Default random.")
+                        "--dataset-path), prefix_repetition (groups of prompts sharing a random prefix). "
+                        "Default random.")
     d.add_argument("--dataset-path", default=None,
                    help="Local file for sharegpt (ShareGPT JSON) or custom (JSONL, one {\"prompt\": ..., "
                         "\"output_tokens\": N} per line).")
@@ -171,6 +170,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="Lengths uniform in [L*(1-r), L*(1+r)], r in [0, 1). Default 0.")
     d.add_argument("--random-prefix-len", type=int, default=0,
                    help="Tokens of a random prefix shared by all prompts (added to the input length). Default 0.")
+    d.add_argument("--prefix-repetition-prefix-len", type=int, default=256,
+                   help="prefix_repetition: tokens of each shared prefix. Default 256.")
+    d.add_argument("--prefix-repetition-suffix-len", type=int, default=256,
+                   help="prefix_repetition: tokens of each prompt's own suffix. Default 256.")
+    d.add_argument("--prefix-repetition-num-prefixes", type=int, default=10,
+                   help="prefix_repetition: number of distinct prefixes (num_prompts // this prompts each). "
+                        "Default 10.")
+    d.add_argument("--prefix-repetition-output-len", type=int, default=128,
+                   help="prefix_repetition: max_tokens per request. Default 128.")
     d.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="Fixed max_tokens for sharegpt. Default: the token count of each conversation's gpt turn.")
     d.add_argument("--custom-output-len", type=int, default=256,
@@ -826,6 +834,11 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio,
         "random_prefix_len": args.random_prefix_len,
+        **({"prefix_repetition_prefix_len": args.prefix_repetition_prefix_len,
+            "prefix_repetition_suffix_len": args.prefix_repetition_suffix_len,
+            "prefix_repetition_num_prefixes": args.prefix_repetition_num_prefixes,
+            "prefix_repetition_output_len": args.prefix_repetition_output_len}
+           if args.dataset_name == "prefix_repetition" else {}),
         "ignore_eos": bool(args.ignore_eos),
         "temperature": args.temperature,
         "top_p": args.top_p,

@@ -52,8 +52,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "quantization_config.quant_method and be one tokenfab runs (compressed-tensors: Kimi's "
                         "MXFP4 experts); tokenfab does not quantize on the fly.")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="Prefix caching is not implemented yet: --enable-prefix-caching is refused with an error; "
-                        "--no-enable-prefix-caching (the default) is accepted.")
+                   help="Reuse the KV blocks of prompt prefixes seen before (hash-addressed blocks, LRU eviction; "
+                        "hybrid KDA models restore recurrent-state snapshots). Default off "
+                        "(--no-enable-prefix-caching).")
     g.add_argument("--scheduling-policy", choices=("fcfs", "fair", "priority"), default="fcfs",
                    help="fcfs (default): first come, first served, one prompt prefilled at a time; fair: decodes "
                         "first each step, the rest of the token budget shared by a few prefilling requests; "

@@ -28,7 +28,7 @@ from tokenfab.engine.sampler import Sampler
 from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.scheduling_policy import check_priority, make_policy
 from tokenfab.engine.sequence import Sequence
-from tokenfab.errors import InvalidRequestError, PromptTooLongError
+from tokenfab.errors import InvalidRequestError, PromptTooLongError, UnsupportedError
 from tokenfab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenfab.request_validation import check_prompt_text, check_token_ids
 from tokenfab.sampling_params import SamplingParams
@@ -77,6 +77,14 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(loaded.model, self.block_manager, config.max_num_seqs, config.max_model_len,
                                   self.device, self.dtype, Sampler(self.generator), config.enforce_eager)
+        if config.enable_prefix_caching:  # KV blocks shared by content hash (prefix_cache.py)
+            from tokenfab.engine.prefix_cache import build_prefix_cache
+            if self.runner.has_state and loaded.tp_group is not None:
+                raise UnsupportedError("enable_prefix_caching with a hybrid (KDA) model and tensor_parallel_size > 1 "
+                                       "is not supported yet (the state snapshots live on every rank); use one "
+                                       "device or leave prefix caching off.")
+            self.block_manager.enable_prefix_caching(build_prefix_cache(
+                config.num_kv_blocks, bs, f"{config.model}|{self.dtype}", self.runner.kv_caches, config.max_num_seqs))
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = [self.tokenizer.eos_token_id]
@@ -240,12 +248,16 @@ class LLMEngine:
 
     def get_stats(self) -> dict:
         """Gauges and counters: running / waiting sequences and requests (a request with n > 1 counts once; one
-        with any sequence running is running), KV usage 0..1, preemptions, token and request totals."""
+        with any sequence running is running), KV usage 0..1, preemptions, prefix-cache queries and hits (tokens),
+        token and request totals."""
         running_reqs = {s.request_id for s in self.scheduler.running}
+        pc = self.block_manager.prefix_cache
         waiting_reqs = {s.request_id for s in self.scheduler.waiting} - running_reqs
         return {"num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
                 "num_requests_running": len(running_reqs), "num_requests_waiting": len(waiting_reqs),
                 "kv_cache_usage": self.block_manager.usage(), "num_preemptions": self.scheduler.num_preemptions,
+                "prefix_cache_queries": pc.queries if pc is not None else 0,
+                "prefix_cache_hits": pc.hits if pc is not None else 0,
                 **self.stats, **self._host_expert_stats()}
 
     def _host_expert_stats(self) -> dict:

@@ -101,7 +101,8 @@ class EngineConfig:
             host memory (the smaller of physical memory and the cgroup limit). The KV pool gets that share minus
             the loaded weights (see :meth:`finalize`). None: the default pool below. num_kv_blocks and
             kv_cache_memory take precedence.
-        enable_prefix_caching: must stay False (prefix caching is not implemented yet).
+        enable_prefix_caching: share the KV blocks of common prompt prefixes between requests (engine/prefix_cache.py;
+            hybrid KDA models restore state snapshots, engine/state_snapshots.py). Default False.
         quantization: None or "auto" (the checkpoint's own format); a method name must match config.json's
             quantization_config.quant_method and be one tokenfab runs (SUPPORTED_QUANTIZATION).
         generation_config: "auto" (default sampling fields from the model folder's generation_config.json),
@@ -165,9 +166,8 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
     def __post_init__(self) -> None:
-        if self.enable_prefix_caching:
-            raise UnsupportedError("enable_prefix_caching=True: prefix caching is not implemented yet in tokenfab; "
-                                   "leave enable_prefix_caching False (--no-enable-prefix-caching).")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise EngineConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}.")
         u = self.gpu_memory_utilization
         if u is not None and not (isinstance(u, (int, float)) and 0 < u <= 1):
             raise EngineConfigError(f"gpu_memory_utilization must be in (0, 1] (a share of device memory; on CPU "

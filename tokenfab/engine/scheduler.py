@@ -5,6 +5,8 @@ next chunk), then waiting sequences are admitted while the token budget (``max_n
 limit (``max_num_seqs``) and free KV blocks allow; the last admitted may get a partial (chunked) prefill. When a
 running sequence needs a block and none is free, the most recently admitted running sequence is preempted: its
 blocks are freed and it goes back to the front of the queue to recompute its tokens later (vLLM's RECOMPUTE).
+With prefix caching (engine/prefix_cache.py) an admitted sequence first takes the cached blocks of its prefix and
+computes only the rest.
 That is the ``fcfs`` scheduling policy; the order of the running and waiting sequences, each sequence's share of the
 budget and the preemption victim come from the scheduler's policy (scheduling_policy.py: ``fcfs``, ``fair``,
 ``priority``).
@@ -124,6 +126,10 @@ class Scheduler:
         preempted: list[Sequence] = []
         admitted: list[Sequence] = []
         policy = self.policy
+        pc = self.bm.prefix_cache
+        if pc is not None:  # blocks the last step filled become reusable; hybrid states snapshotted (prefix_cache.py)
+            for s in self.running:
+                pc.commit(s, snapshot=True)
         policy.plan(self.running, self.waiting, budget, len(self.free_rows))
         for seq in policy.running_order(self.running):
             if budget <= 0:
@@ -133,6 +139,8 @@ class Scheduler:
             n = policy.grant(seq, budget)
             if n <= 0:  # not among this step's prefills (fair)
                 continue
+            if pc is not None:
+                n = pc.cut_chunk(seq, n)  # hybrid models: chunks end on state-snapshot boundaries
             while not self.bm.can_allocate(seq, n):
                 victim = policy.victim(self.running)
                 budget += self._unschedule(victim, decodes, prefills)
@@ -148,14 +156,17 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and self.free_rows:
             seq = self.waiting[0]
             n = policy.grant(seq, budget)
-            if n <= 0 or not self.bm.can_allocate(seq, n):
+            hit = self.bm.match_prefix(seq) if n > 0 else None  # cached leading blocks (None: caching off)
+            if hit is not None:  # only the tokens after the hit are computed
+                n = pc.cut_chunk(seq, min(n, seq.num_tokens - hit.num_tokens), hit.num_tokens)
+            if n <= 0 or not self.bm.can_allocate(seq, n, hit):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             seq.row = self.free_rows.popleft()
             self.running.append(seq)
             admitted.append(seq)
-            self.bm.allocate(seq, n)
+            self.bm.allocate(seq, n, hit)  # a hit's blocks first; num_computed_tokens starts after them
             (decodes if seq.num_tokens - seq.num_computed_tokens == 1 else prefills).append((seq, n))
             budget -= n
         pairs = decodes + prefills

@@ -21,7 +21,8 @@ class Sequence:
         token_ids: prompt then generated token ids.
         num_prompt_tokens: length of the original prompt (tokens).
         num_computed_tokens: tokens whose K/V are in the cache (prefill progress; reset to 0 on preemption).
-        block_table: KV-pool block ids holding this sequence's tokens, in order.
+        block_table: KV-pool block ids holding this sequence's tokens, in order (shared blocks of a prefix-cache
+            hit first).
         row: this sequence's row in the model runner's persistent input arrays, or -1 while not running.
         generator: per-request RNG (seeded) or None to use the engine's generator.
     """
@@ -35,6 +36,9 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # prefix caching: hashes of the full blocks of token_ids (prefix_cache.py)
+        self.num_cached_blocks = 0  # prefix caching: leading block_table entries whose hash is registered
+        self.snapshot_junction = 0  # prefix caching, hybrid models: extra state-snapshot boundary (tokens), or 0
         self.row = -1
         self.params = params
         self.status = SequenceStatus.WAITING

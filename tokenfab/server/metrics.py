@@ -33,7 +33,8 @@ class ServerMetrics:
     ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
     ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``, and the speculative-decoding counters
     ``vllm:spec_decode_num_drafts_total`` / ``_num_draft_tokens_total`` / ``_num_accepted_tokens_total`` (0: no
-    drafter yet). tokenfab adds ``tokenfab:num_aborted_requests_total`` and
+    drafter yet), the prefix-cache counters ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``
+    (tokens looked up / found cached at admission; 0 with prefix caching off). tokenfab adds ``tokenfab:num_aborted_requests_total`` and
     ``tokenfab:num_engine_step_failures_total``, and with host-offloaded experts (rank 0's accounting,
     tokenfab/layers/host_experts.py) the counters ``tokenfab:host_experts_device_seconds_total`` (device-expert
     compute), ``_host_seconds_total`` (host-expert compute on the worker), ``_copy_seconds_total`` (gather and
@@ -66,6 +67,10 @@ class ServerMetrics:
                                          registry=reg)
         self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", L,
                                      registry=reg)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.", L, registry=reg)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                                   L, registry=reg)
         self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                     "Accepted tokens per draft position.", L + ["position"], registry=reg)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -90,14 +95,15 @@ class ServerMetrics:
         self.step_failures = Counter("tokenfab:num_engine_step_failures", "Engine steps that raised an error.", L,
                                      registry=reg)
         for m in (self.aborted, self.step_failures, self.prompt_tokens, self.generation_tokens, self.preemptions, self.spec_drafts,
-                  self.spec_draft_tokens, self.spec_accepted):
+                  self.spec_draft_tokens, self.spec_accepted, self.prefix_queries, self.prefix_hits):
             m.labels(model_name).inc(0)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason).inc(0)
         self._lock = threading.Lock()
         self._seen = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "num_preemptions": 0,
                       "num_aborted": 0, "num_step_failures": 0, "spec_decode_num_drafts": 0,
-                      "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0}
+                      "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
+                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self._seen_per_pos: list[int] = []
         self._last: dict[str, tuple[float, int]] = {}  # request id -> (time of last token, tokens so far)
         self._host = None  # host-expert metrics, made when the engine first reports them (_sync_host_experts)
@@ -154,7 +160,9 @@ class ServerMetrics:
                                  ("num_step_failures", self.step_failures),
                                  ("spec_decode_num_drafts", self.spec_drafts),
                                  ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
-                                 ("spec_decode_num_accepted_tokens", self.spec_accepted)):
+                                 ("spec_decode_num_accepted_tokens", self.spec_accepted),
+                                 ("prefix_cache_queries", self.prefix_queries),
+                                 ("prefix_cache_hits", self.prefix_hits)):
                 cur = int(stats.get(key, 0))
                 if cur > self._seen[key]:
                     counter.labels(m).inc(cur - self._seen[key])
