@@ -82,10 +82,11 @@ class SamplingParams:
             self.structured_outputs, getattr(self.structured_outputs, "source", "structured_outputs"))
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if not isinstance(s, str) or s]
+        if self.stop is None or isinstance(self.stop, (list, tuple)):  # anything else: refused by name below
+            self.stop = [s for s in (self.stop or []) if not isinstance(s, str) or s]
         if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.top_k is None or self.top_k == 0:
+        if self.top_k is None or (self.top_k == 0 and not isinstance(self.top_k, bool)):  # False: refused below
             self.top_k = -1
         check_sampling_params(self)
         check_processor_params(self)
