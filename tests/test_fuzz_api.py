@@ -244,3 +244,13 @@ def test_schemathesis_negative_cases_get_4xx(server):
         run()
     print("schemathesis (operation -> status -> requests):", json.dumps(seen, sort_keys=True))
     assert set(seen) == {"POST /tokenize", "POST /detokenize", "POST /v1/completions", "POST /v1/chat/completions"}
+
+
+@pytest.mark.parametrize("kw,param", [(dict(stop=1), "stop"), (dict(stop={"a": 1}), "stop"),
+                                      (dict(top_k=False), "top_k"), (dict(top_k=True), "top_k")])
+def test_sampling_params_fuzz_findings(kw, param):
+    """What the fuzzing found: ``stop=1`` raised a TypeError, ``stop={"a": 1}`` was taken as ``["a"]`` and
+    ``top_k=False`` as "disabled"; each is now a ValueError naming the field."""
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kw)
+    assert e.value.param == param
