@@ -26,22 +26,36 @@ def register(subparsers) -> None:
     p.add_argument("--activation-reserve", default="10%",
                    help="memory kept for activations, CUDA graphs, workspace: percent of device memory or a size")
     p.add_argument("--offload-experts", action="store_true", help="keep routed experts in host memory")
+    p.add_argument("--max-num-seqs", type=int, default=1,
+                   help="requests whose per-request state is held at once (hybrid KDA models: the recurrent state "
+                        "of each is reserved on every rank before the KV pool is sized)")
+    p.add_argument("--sweep-devices", default=None, metavar="N-M|N,M,...",
+                   help="instead of one plan, a table of what fits on each of these device counts (e.g. 4-8)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    """Run ``tokenfab plan``; returns 0 when the request fits, 1 when it does not."""
+    """Run ``tokenfab plan``; returns 0 when the request fits (a sweep: on some device count), 1 when not."""
     import json
 
-    from tokenfab.planner.memory_planner import parse_count, parse_size, plan_memory, render_plan
+    from tokenfab.planner.memory_planner import (parse_count, parse_device_counts, parse_size, plan_device_sweep,
+                                                 plan_memory, render_plan, render_sweep, sweep_rows)
 
     mem = parse_size(args.device_memory, "--device-memory")
-    mp = plan_memory(args.model, args.devices, mem,
-                     max_model_len=parse_count(args.max_model_len, "--max-model-len"),
-                     kv_tokens=parse_count(args.kv_tokens, "--kv-tokens"),
-                     kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,
-                     activation_reserve=args.activation_reserve, offload_experts=args.offload_experts)
+    kw = dict(max_model_len=parse_count(args.max_model_len, "--max-model-len"),
+              kv_tokens=parse_count(args.kv_tokens, "--kv-tokens"),
+              kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,
+              activation_reserve=args.activation_reserve, offload_experts=args.offload_experts,
+              max_num_seqs=args.max_num_seqs)
+    if args.sweep_devices is not None:
+        plans = plan_device_sweep(args.model, parse_device_counts(args.sweep_devices), mem, **kw)
+        if args.json:
+            print(json.dumps({"plans": [p.to_dict() for p in plans], "rows": sweep_rows(plans)}, indent=2))
+        else:
+            render_sweep(plans)
+        return 0 if any(p.fits for p in plans) else 1
+    mp = plan_memory(args.model, args.devices, mem, **kw)
     if args.json:
         print(json.dumps(mp.to_dict(), indent=2))
     else:

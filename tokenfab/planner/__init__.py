@@ -13,11 +13,16 @@ from tokenfab.planner.memory_planner import (
     parse_count,
     parse_reserve,
     parse_size,
+    plan_device_sweep,
     plan_memory,
     read_safetensors_header,
     render_plan,
+    render_sweep,
+    state_bytes_per_rank,
+    sweep_rows,
 )
 
 __all__ = ["MemoryPlan", "RankPlan", "WeightEstimate", "PlanError", "estimate_weight_bytes", "kv_pool_tokens",
            "kv_bytes_per_token_per_rank", "kv_dtype_bytes", "min_devices_that_fit", "plan_memory", "render_plan",
-           "parse_size", "parse_count", "parse_reserve", "read_safetensors_header", "checkpoint_tensors"]
+           "parse_size", "parse_count", "parse_reserve", "read_safetensors_header", "checkpoint_tensors",
+           "plan_device_sweep", "render_sweep", "sweep_rows", "state_bytes_per_rank"]

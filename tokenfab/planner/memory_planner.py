@@ -3,11 +3,13 @@ the activation reserve, and the largest KV pool (in tokens) that fits.
 
 Per rank ``r`` on a device of ``M`` bytes with reserve ``R``::
 
-    free_for_kv[r]   = M - R - weight_bytes[r]                      (bytes)
+    free_for_kv[r]   = M - R - weight_bytes[r] - S x state_bytes[r]  (bytes)
     max_kv_tokens    = min over ranks of floor(free_for_kv[r] / kv_bytes_per_token[r])
     kv_bytes_per_token[r] = (kv_lora_rank + qk_rope_head_dim) x layers x kv_dtype_bytes        (MLA)
                           = 2 x kv_heads_on_rank x head_dim x layers x kv_dtype_bytes          (MHA / GQA)
 
+Hybrid models (Kimi Linear / K3) also keep a per-request KDA state (conv + fp32 recurrent state, split with the
+KDA heads): ``state_bytes[r]`` per request, reserved for S = ``max_num_seqs`` requests before the pool is sized.
 Every rank holds the same tokens (tensor-parallel attention), so the pool is the minimum over ranks. MLA's latent
 is not split by heads: every rank holds the full latent for every token, so adding devices does not shrink the
 per-rank KV of MLA models (data-parallel attention is not modelled). A request of ``T`` tokens fits when the weights
@@ -77,6 +79,22 @@ def parse_count(text: str | int | None, flag: str) -> int | None:
         raise PlanError(f"{flag}: cannot read '{text}' as a token count; use e.g. 131072, 128K, 1M or 1Mi")
     base = 1024 if m.group(3) else 1000
     return int(float(m.group(1)) * base ** _POW[m.group(2).lower()])
+
+
+def parse_device_counts(text: str, flag: str = "--sweep-devices") -> list[int]:
+    """Device counts from ``4-8`` (inclusive range), ``4,6,8`` or a mix (``4-6,8``); each >= 1.
+
+    Raises:
+        PlanError: anything else; the message names ``flag``.
+    """
+    counts: list[int] = []
+    for part in str(text).split(","):
+        m = re.match(r"^\s*([0-9]+)\s*(?:-\s*([0-9]+))?\s*$", part)
+        if not m or int(m.group(1)) < 1 or (m.group(2) and int(m.group(2)) < int(m.group(1))):
+            raise PlanError(f"{flag}: cannot read '{text}' as device counts; use e.g. 4-8 or 4,6,8 (counts >= 1)")
+        a, b = int(m.group(1)), int(m.group(2) or m.group(1))
+        counts.extend(range(a, b + 1))
+    return sorted(set(counts))
 
 
 def parse_reserve(text: str | int | float, device_memory_bytes: int, flag: str = "--activation-reserve") -> int:
@@ -326,6 +344,7 @@ class RankPlan:
     reserve_bytes: int
     free_bytes_for_kv: int       # device memory - reserve - weight bytes (negative: weights do not fit)
     max_kv_tokens: int | None    # None: this rank holds no KV (no heads)
+    state_bytes: int = 0         # KDA state reserved for max_num_seqs requests (hybrid models; 0 otherwise)
 
 
 @dataclass
@@ -350,6 +369,7 @@ class MemoryPlan:
     min_devices: int | None
     suggestions: list[str]
     assumptions: list[str]
+    max_num_seqs: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (all sizes in bytes, pools in tokens)."""
@@ -365,7 +385,8 @@ class MemoryPlan:
                        "weight_bytes": r.weight_bytes, "weight_bytes_by_class": r.weight_bytes_by_class,
                        "offloaded_bytes": r.offloaded_bytes, "kv_bytes_per_token": r.kv_bytes_per_token,
                        "reserve_bytes": r.reserve_bytes, "free_bytes_for_kv": r.free_bytes_for_kv,
-                       "max_kv_tokens": r.max_kv_tokens} for r in self.ranks],
+                       "max_kv_tokens": r.max_kv_tokens, "state_bytes": r.state_bytes} for r in self.ranks],
+            "max_num_seqs": self.max_num_seqs,
             "max_kv_tokens": self.max_kv_tokens, "weights_fit": self.weights_fit,
             "max_model_len": self.max_model_len, "kv_tokens": self.kv_tokens,
             "requested_tokens": self.requested_tokens, "fits": self.fits, "min_devices": self.min_devices,
@@ -373,14 +394,25 @@ class MemoryPlan:
         }
 
 
+def state_bytes_per_rank(mc: ModelConfig, plan: ShardPlan, kv_dtype_bytes: int, max_num_seqs: int = 1) -> list[int]:
+    """KDA state bytes each rank reserves for ``max_num_seqs`` requests (hybrid Kimi models; zeros otherwise):
+    ``max_num_seqs x`` :func:`tokenfab.planner.kimi_tensors.kda_state_bytes_per_rank`."""
+    if not getattr(mc, "kda_layers", None):
+        return [0] * plan.world_size
+    from tokenfab.planner.kimi_tensors import kda_state_bytes_per_rank
+    return [b * max_num_seqs for b in kda_state_bytes_per_rank(mc, plan, kv_dtype_bytes)]
+
+
 def _evaluate(mc: ModelConfig, inv: WeightInventory, n: int, mem: int, reserve: int, kv_b: int,
-              offload: bool) -> tuple[ShardPlan, list[dict], list[int], int, bool]:
-    """(plan, per-rank class bytes, per-rank kv bytes/token, pool tokens, weights fit) for ``n`` devices."""
+              offload: bool, seqs: int = 1) -> tuple[ShardPlan, list[dict], list[int], int, bool]:
+    """(plan, per-rank class bytes, per-rank kv bytes/token, pool tokens, weights fit) for ``n`` devices; the KDA
+    state of ``seqs`` requests is held besides the weights."""
     plan = ShardPlan.for_model(mc, n)
     per = inv.per_rank(plan)
     kv = kv_bytes_per_token_per_rank(mc, plan, kv_b)
     excl = ("experts",) if offload else ()
-    ws = [sum(v for k, v in d.items() if k not in excl) for d in per]
+    state = state_bytes_per_rank(mc, plan, kv_b, seqs)
+    ws = [sum(v for k, v in d.items() if k not in excl) + st for d, st in zip(per, state)]
     weights_fit = all(mem - reserve - w >= 0 for w in ws)
     pool = kv_pool_tokens(mc, n, mem, ws, kv_b, reserve) if weights_fit else 0
     return plan, per, kv, pool, weights_fit
@@ -391,7 +423,8 @@ def _fits(pool: int, weights_fit: bool, requested: int | None) -> bool:
 
 
 def min_devices_that_fit(mc: ModelConfig, inv: WeightInventory, mem: int, reserve: int, kv_b: int,
-                         requested: int | None, offload: bool = False, max_devices: int = 4096) -> int | None:
+                         requested: int | None, offload: bool = False, max_devices: int = 4096,
+                         seqs: int = 1) -> int | None:
     """Fewest devices of ``mem`` bytes on which the weights fit and the pool holds ``requested`` tokens.
 
     Starts at the lower bound ceil(sharded bytes / (mem - reserve - replicated bytes)) and walks up one device at a
@@ -405,7 +438,7 @@ def min_devices_that_fit(mc: ModelConfig, inv: WeightInventory, mem: int, reserv
     sharded = inv.total_bytes - rep - (sum(inv.expert_bytes) if offload else 0)
     n = max(1, math.ceil(sharded / budget))
     while n <= max_devices:
-        _, _, _, pool, wf = _evaluate(mc, inv, n, mem, reserve, kv_b, offload)
+        _, _, _, pool, wf = _evaluate(mc, inv, n, mem, reserve, kv_b, offload, seqs)
         if _fits(pool, wf, requested):
             return n
         n += 1 if n < 256 else max(1, n // 64)
@@ -419,19 +452,22 @@ def _gb(x: int | float) -> str:
 def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_bytes: int, *,
                 max_model_len: int | None = None, kv_tokens: int | None = None, kv_cache_dtype: str = "auto",
                 weight_dtype: str | int = "auto", activation_reserve: str | int = "10%",
-                offload_experts: bool = False) -> MemoryPlan:
+                offload_experts: bool = False, max_num_seqs: int = 1) -> MemoryPlan:
     """Plan memory for ``model`` on ``devices`` devices of ``device_memory_bytes`` each.
 
     Requested tokens T = max(max_model_len, kv_tokens) (either may be None). Fits when every rank holds its
     weights + reserve and the pool >= T (>= 1 token when nothing is requested). When it does not fit the suggestions
     name the fewest devices that fit, whether offloading routed experts to host memory fits (and the bytes it
-    moves per rank), whether an fp8 KV cache fits, and the largest pool that fits now.
+    moves per rank), whether an fp8 KV cache fits, and the largest pool that fits now. Hybrid (KDA) models hold
+    the recurrent state of ``max_num_seqs`` requests on every rank besides the weights.
 
     Raises:
-        PlanError: ``devices < 1`` or bad sizes (named by flag).
+        PlanError: ``devices < 1``, ``max_num_seqs < 1`` or bad sizes (named by flag).
     """
     if devices < 1:
         raise PlanError(f"--devices: must be >= 1, got {devices}")
+    if max_num_seqs < 1:
+        raise PlanError(f"--max-num-seqs: must be >= 1, got {max_num_seqs}")
     if device_memory_bytes <= 0:
         raise PlanError(f"--device-memory: must be > 0, got {device_memory_bytes}")
     mc, _ = resolve_model(model)
@@ -441,16 +477,18 @@ def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_byt
     inv = est.inventory
     mem = device_memory_bytes
     requested = None if max_model_len is None and kv_tokens is None else max(max_model_len or 0, kv_tokens or 0)
-    plan, per, kv, pool, weights_fit = _evaluate(mc, inv, devices, mem, reserve, kv_b, offload_experts)
+    seqs = max_num_seqs
+    plan, per, kv, pool, weights_fit = _evaluate(mc, inv, devices, mem, reserve, kv_b, offload_experts, seqs)
+    state = state_bytes_per_rank(mc, plan, kv_b, seqs)
     ranks = []
     for r in range(devices):
         off = per[r]["experts"] if offload_experts else 0
         w = sum(per[r].values()) - off
-        free = mem - reserve - w
+        free = mem - reserve - w - state[r]
         ranks.append(RankPlan(r, {k: v for k, v in plan.describe()[r].items() if k != "rank"}, w, per[r], off,
-                              kv[r], reserve, free, (max(free, 0) // kv[r]) if kv[r] else None))
+                              kv[r], reserve, free, (max(free, 0) // kv[r]) if kv[r] else None, state[r]))
     fits = _fits(pool, weights_fit, requested)
-    min_dev = min_devices_that_fit(mc, inv, mem, reserve, kv_b, requested, offload_experts)
+    min_dev = min_devices_that_fit(mc, inv, mem, reserve, kv_b, requested, offload_experts, seqs=seqs)
     need = requested or 1
     sugg: list[str] = []
     if not fits:
@@ -461,14 +499,14 @@ def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_byt
                         f"({'per-rank MLA latent KV does not shrink with more devices' if mc.is_mla else ''})"
                         .replace(" ()", ""))
         if not offload_experts and mc.is_moe:
-            _, per_o, _, pool_o, wf_o = _evaluate(mc, inv, devices, mem, reserve, kv_b, True)
+            _, per_o, _, pool_o, wf_o = _evaluate(mc, inv, devices, mem, reserve, kv_b, True, seqs)
             moved = max(d["experts"] for d in per_o)
             total_moved = sum(d["experts"] for d in per_o)
             verdict = "fits" if _fits(pool_o, wf_o, requested) else "still does not fit"
             sugg.append(f"--offload-experts on {devices} devices {verdict} (pool {pool_o:,} tokens): moves up to "
                         f"{_gb(moved)} of routed experts per rank to host memory ({_gb(total_moved)} in all)")
         if kv_b > 1:
-            _, _, _, pool_f, wf_f = _evaluate(mc, inv, devices, mem, reserve, 1, offload_experts)
+            _, _, _, pool_f, wf_f = _evaluate(mc, inv, devices, mem, reserve, 1, offload_experts, seqs)
             if _fits(pool_f, wf_f, requested):
                 sugg.append(f"--kv-cache-dtype fp8 fits on {devices} devices (pool {pool_f:,} tokens)")
         if weights_fit and pool > 0:
@@ -497,7 +535,7 @@ def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_byt
         assumptions.append(f"{_gb(est.skipped_bytes)} of MTP-layer weights not loaded")
     if getattr(mc, "kda_layers", None):  # hybrid Kimi models: per-request KDA state besides the per-token KV
         from tokenfab.planner.kimi_tensors import kda_state_note
-        assumptions.append(kda_state_note(mc, plan, kv_b))
+        assumptions.append(kda_state_note(mc, plan, kv_b, seqs))
     model_info = {"architecture": mc.architecture, "model_type": mc.model_type,
                   "num_hidden_layers": mc.num_hidden_layers, "num_attention_heads": mc.num_attention_heads,
                   "num_key_value_heads": mc.num_key_value_heads, "num_experts": mc.num_experts,
@@ -506,7 +544,7 @@ def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_byt
         model_info.update(num_kda_layers=len(mc.kda_layers), num_mla_layers=len(mc.mla_layers),
                           kda_state_bytes_per_request=mc.kda_state_bytes_per_request(kv_b))
     return MemoryPlan(model_info, devices, mem, reserve, kv_cache_dtype, kv_b, est, offload_experts, ranks, pool,
-                      weights_fit, requested, max_model_len, kv_tokens, fits, min_dev, sugg, assumptions)
+                      weights_fit, requested, max_model_len, kv_tokens, fits, min_dev, sugg, assumptions, seqs)
 
 
 def _fmt_range(r) -> str:
@@ -540,6 +578,9 @@ def render_plan(mp: MemoryPlan, console=None) -> None:
     cols = ["rank", "heads", "kv heads", "experts", "vocab", "weights GiB"]
     if mp.offload_experts:
         cols.append("offloaded GiB")
+    hybrid = any(r.state_bytes for r in mp.ranks)
+    if hybrid:
+        cols.append(f"KDA state GiB ({mp.max_num_seqs} req)")
     cols += ["KV B/token", "reserve GiB", "free GiB", "max KV tokens"]
     for col in cols:
         t.add_column(col, justify="right")
@@ -548,6 +589,8 @@ def render_plan(mp: MemoryPlan, console=None) -> None:
                _fmt_range(r.ranges["experts"]), _fmt_range(r.ranges["vocab"]), f"{r.weight_bytes / 2**30:,.1f}"]
         if mp.offload_experts:
             row.append(f"{r.offloaded_bytes / 2**30:,.1f}")
+        if hybrid:
+            row.append(f"{r.state_bytes / 2**30:,.2f}")
         row += [f"{r.kv_bytes_per_token:,}", f"{r.reserve_bytes / 2**30:,.1f}",
                 f"{r.free_bytes_for_kv / 2**30:,.1f}", "-" if r.max_kv_tokens is None else f"{r.max_kv_tokens:,}"]
         t.add_row(*row)
@@ -570,4 +613,63 @@ def render_plan(mp: MemoryPlan, console=None) -> None:
     for s in mp.suggestions:
         console.print(f"  - {s}")
     for a in mp.assumptions:
+        console.print(f"[dim]assumes: {a}[/dim]")
+
+
+def plan_device_sweep(model: str | dict | ModelConfig, device_counts: list[int], device_memory_bytes: int,
+                      **kwargs) -> list[MemoryPlan]:
+    """:func:`plan_memory` for each device count in ``device_counts`` (same keyword arguments), e.g. "what fits
+    on 4..8 devices of 141 GB". Raises what :func:`plan_memory` raises."""
+    return [plan_memory(model, n, device_memory_bytes, **kwargs) for n in device_counts]
+
+
+def sweep_rows(plans: list[MemoryPlan]) -> list[dict[str, Any]]:
+    """One dict per plan of a sweep (bytes per rank are the fullest rank's): devices, weights, KV bytes of the
+    requested tokens (or of the largest pool when none is requested), KDA state, free memory after all of them,
+    the largest pool, and whether the request fits."""
+    rows = []
+    for mp in plans:
+        worst = max(mp.ranks, key=lambda r: r.weight_bytes + r.state_bytes)
+        kv_tok = max(r.kv_bytes_per_token for r in mp.ranks)
+        tokens = mp.requested_tokens if mp.requested_tokens is not None else mp.max_kv_tokens
+        kv_bytes = tokens * kv_tok
+        rows.append({"devices": mp.devices, "weight_bytes_per_rank": worst.weight_bytes,
+                     "kv_bytes_per_token_per_rank": kv_tok, "tokens": tokens, "kv_bytes_per_rank": kv_bytes,
+                     "state_bytes_per_rank": worst.state_bytes, "reserve_bytes": mp.reserve_bytes,
+                     "headroom_bytes": mp.device_memory_bytes - mp.reserve_bytes - worst.weight_bytes
+                     - worst.state_bytes - kv_bytes,
+                     "max_kv_tokens": mp.max_kv_tokens, "weights_fit": mp.weights_fit, "fits": mp.fits})
+    return rows
+
+
+def render_sweep(plans: list[MemoryPlan], console=None) -> None:
+    """Print a device-count sweep (:func:`plan_device_sweep`) as one table: a row per device count, sizes in
+    GiB (2^30 bytes) on the fullest rank, headroom = device memory - reserve - weights - KDA state - KV of the
+    requested tokens (negative: does not fit)."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:
+            console = Console(width=140)
+    mp0 = plans[0]
+    req = mp0.requested_tokens
+    title = (f"{mp0.model['model_type']} ({mp0.model['architecture']}) on N x {_mem_label(mp0.device_memory_bytes)}; "
+             f"weights {mp0.weights.weight_format}; KV cache {mp0.kv_cache_dtype} ({mp0.kv_dtype_bytes} B); "
+             + (f"{req:,} KV tokens requested" if req is not None else "no KV size requested")
+             + (f"; KDA state for {mp0.max_num_seqs} request(s)" if any(r.state_bytes for r in mp0.ranks) else ""))
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("devices", "weights GiB/rank", "KV B/token/rank", "KV GiB/rank", "KDA state GiB/rank",
+                "reserve GiB", "headroom GiB", "max KV tokens", "fits"):
+        t.add_column(col, justify="right")
+    for row in sweep_rows(plans):
+        t.add_row(str(row["devices"]), f"{row['weight_bytes_per_rank'] / 2**30:,.1f}",
+                  f"{row['kv_bytes_per_token_per_rank']:,}", f"{row['kv_bytes_per_rank'] / 2**30:,.1f}",
+                  f"{row['state_bytes_per_rank'] / 2**30:,.2f}", f"{row['reserve_bytes'] / 2**30:,.1f}",
+                  f"{row['headroom_bytes'] / 2**30:,.1f}", f"{row['max_kv_tokens']:,}",
+                  "[bold green]yes[/bold green]" if row["fits"] else "[bold red]no[/bold red]")
+    console.print(t)
+    for a in mp0.assumptions[1:]:
         console.print(f"[dim]assumes: {a}[/dim]")
