@@ -88,3 +88,9 @@ def test_cli_sweep_prints_a_row_per_device_count(capsys):
     assert rc == (0 if any(r["fits"] for r in out["rows"]) else 1)
     rc = main(["plan", CONFIG, "--device-memory", "141GB", "--sweep-devices", "4-x"])
     assert rc != 0 and "--sweep-devices" in capsys.readouterr().err
+
+
+def test_cli_weight_format_the_family_cannot_take_names_the_flag(capsys):
+    rc = main(["plan", CONFIG, "--device-memory", "141GB", "--weight-dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "--weight-dtype" in err and "Traceback" not in err

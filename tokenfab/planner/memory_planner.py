@@ -275,7 +275,10 @@ def estimate_weight_bytes(model_dir_or_config: str | dict | ModelConfig, world_s
         if isinstance(fmt, str) and fmt not in ("bfloat16", "float16", "float32", "fp8", "int4", "mxfp4"):
             raise PlanError(f"--weight-dtype: '{fmt}' is not supported; supported: auto, bfloat16, float16, "
                             "float32, fp8, int4")
-        recs = model_tensors(mc, fmt)
+        try:
+            recs = model_tensors(mc, fmt)
+        except ValueError as e:  # a format this family cannot be stored in (e.g. fp8 for Kimi): name the flag
+            raise PlanError(f"--weight-dtype: {e}") from None
         fmt = f"{fmt} bytes/param" if isinstance(fmt, int) else str(fmt)
         source = "config"
     try:
