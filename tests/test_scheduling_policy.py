@@ -387,3 +387,16 @@ def test_server_priority_field(server_model_dir, policy):  # noqa: F811
                     assert "priority scheduling is not enabled" in r.json()["error"]["message"]
     finally:
         h.stop()
+
+
+def test_serve_flag(tiny_model, capsys):
+    from tokenfab.cli import build_parser
+    from tokenfab.server.launch import engine_config_from_args
+    path = tiny_model("llama")
+    for name in ("fcfs", "fair", "priority"):
+        args = build_parser().parse_args(["serve", path, "--device", "cpu", "--scheduling-policy", name])
+        assert engine_config_from_args(args).scheduling_policy == name
+    assert engine_config_from_args(build_parser().parse_args(["serve", path])).scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", path, "--scheduling-policy", "lifo"])
+    assert "--scheduling-policy" in capsys.readouterr().err
