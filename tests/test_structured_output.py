@@ -268,6 +268,31 @@ def test_server_bad_constraints_are_400s(http, body, param, words):
         assert err["param"] == param and words in err["message"], err
 
 
+def test_fused_decode_draw_steps_aside_for_grammar_rows(tiny_model):
+    """bf16 with the fused CPU decode stack, whose plain path runs the LM head and the draw in C++ (no mask): no
+    decode step holding a grammar row takes it, steps of plain rows alone still do, and the outputs are valid."""
+    llm = LLM(tiny_model("llama"), dtype="bfloat16", max_model_len=256, progress=False)
+    runner = llm.llm_engine.runner
+    if runner.cpu_decode_stack is None or runner.cpu_decode_stack.vocab_size is None:
+        pytest.skip("no fused CPU decode stack with the LM head on this machine")
+    fused = []  # (a row of the step has a grammar, the fused draw ran) for every decode-only step
+    orig = runner._stack_sample_step
+
+    def spy(seqs, num_computed, rows):
+        out = orig(seqs, num_computed, rows)
+        fused.append((any(s.grammar is not None for s in seqs), out is not None))
+        return out
+
+    runner._stack_sample_step = spy
+    kinds = ["json", "regex", None]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=150 if k else 200, ignore_eos=k is None,
+                             structured_outputs=CONSTRAINTS[k] if k else None) for i, k in enumerate(kinds)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in _prompts(6, [12, 20, 9])], params, use_tqdm=False)
+    for k, o in zip(kinds[:2], outs):
+        _check_constrained(k, o.outputs[0].text, o.outputs[0].finish_reason)
+    assert (True, True) not in fused and (True, False) in fused and (False, True) in fused
+
+
 # --------------------------------------------------------------------------------------------- real model
 GGUF = real_model_gguf()
 

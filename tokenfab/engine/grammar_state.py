@@ -84,6 +84,8 @@ class GrammarState:
         bm = self._bitmask[:N]
         idx = index.tolist()
         self._batch.batch_fill_next_token_bitmask([self.matchers[r] for r in rows.tolist()], bm, indices=idx)
+        if logits.device.type != "cpu":  # xgrammar fills on CPU; its GPU kernel applies on the logits' device
+            bm = bm.to(logits.device, non_blocking=True)
         self.xgr.apply_token_bitmask_inplace(logits, bm, vocab_size=min(self.V, logits.shape[-1]), indices=idx)
         return logits
 
