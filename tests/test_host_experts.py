@@ -223,3 +223,63 @@ def test_metrics_and_bench_section():
     assert r["host_experts_exposed_ms_per_pass"] == 37.5 and r["host_experts_host_pair_share"] == 0.25
     assert any("Wait for host" in line for line in format_host_experts(r, lambda a, b, f="": f"{a} {b}"))
     assert host_experts_result(before, dict(before)) is None  # no forward pass: no section
+
+
+# ------------------------------------------------------------------------------------------------ planner
+def _k2_by_hand():
+    """Kimi-K2 in bf16 on 4 ranks, by hand (h hidden, every split even: 16 heads, 40,960 vocab rows, 4,608 dense
+    and 512 shared-expert intermediate channels, 96 experts per rank): bytes per rank without routed experts, one
+    routed expert of one layer, and KV bytes per token."""
+    h, E = 7168, 384
+    attn = 1536 * h + 1536 + 16 * 192 * 1536 + 576 * h + 512 + 16 * 256 * 512 + h * 16 * 128 + 2 * h
+    params = 61 * attn + 3 * h * 4608 + 60 * (E * h + E + 3 * h * 512) + 2 * 40960 * h + h
+    return 2 * params, 2 * 3 * h * 2048, (512 + 64) * 61 * 2
+
+
+def test_planner_splits_kimi_k2_by_hand():
+    from test_planner import KIMI_K2
+    from tokenfab.planner import plan_memory
+    GiB, T = 2**30, 131072
+    dense, expert, kv = _k2_by_hand()
+    kw = dict(max_model_len=T, weight_dtype="bfloat16", activation_reserve="8GiB", offload_experts=True)
+    mp = plan_memory(KIMI_K2, 4, 400 * GiB, **kw)
+    assert all(r.weight_bytes_by_class["experts"] == 96 * 60 * expert for r in mp.ranks)
+    assert all(sum(r.weight_bytes_by_class.values()) - r.weight_bytes_by_class["experts"] == dense for r in mp.ranks)
+    slots = (400 * GiB - 8 * GiB - dense - T * kv) // expert  # expert-layers each device holds
+    base, extra = divmod(slots, 60)  # every MoE layer gets `base`, the first `extra` layers one more
+    assert (dense, expert, kv) == (7_495_576_576, 88_080_384, 70_272)
+    assert (slots, base, extra) == (4588, 76, 28)  # 404,200,526,848 bytes free per device
+    ep = mp.expert_placement
+    for i, layer in enumerate(range(1, 61)):
+        dev = base + (i < extra)
+        assert ep.host[layer] == tuple(j for r in range(4) for j in range(96 * r + dev, 96 * r + 96))
+    host = 60 * 96 - slots
+    assert all(r.offloaded_bytes == host * expert for r in mp.ranks)
+    assert all(r.weight_bytes == dense + slots * expert for r in mp.ranks)
+    assert mp.fits and mp.max_kv_tokens >= T
+
+    # host experts exactly when the weights exceed device memory: all of them fit -> none on the host; one byte
+    # less -> one expert per rank, in the last MoE layer (the highest id of each range)
+    fit_all = dense + 96 * 60 * expert + T * kv + 8 * GiB
+    full = plan_memory(KIMI_K2, 4, fit_all, **kw)
+    assert full.expert_placement.num_host() == 0 and full.fits and all(r.offloaded_bytes == 0 for r in full.ranks)
+    tight = plan_memory(KIMI_K2, 4, fit_all - 1, **kw)
+    assert {k: v for k, v in tight.expert_placement.host.items() if v} == {60: (95, 191, 287, 383)}
+    assert tight.fits
+    assert plan_memory(KIMI_K2, 4, fit_all, weight_dtype="bfloat16", activation_reserve="8GiB",
+                       max_model_len=T).fits  # without offload the same memory fits too
+    assert not plan_memory(KIMI_K2, 4, fit_all - 1, weight_dtype="bfloat16", activation_reserve="8GiB",
+                           max_model_len=T).fits
+
+
+def test_plan_cli_prints_the_split(tmp_path, capsys):
+    from test_planner import KIMI_K2
+    from tokenfab.cli import main
+    (tmp_path / "config.json").write_text(json.dumps(KIMI_K2))
+    rc = main(["plan", str(tmp_path), "--devices", "4", "--device-memory", "400GiB", "--weight-dtype", "bfloat16",
+               "--max-model-len", "128Ki", "--activation-reserve", "8GiB", "--host-experts", "25%", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    _, expert, _ = _k2_by_hand()
+    assert rc == 0 and out["expert_placement"]["host"]["1"] == [j for r in range(4) for j in range(96 * r + 72,
+                                                                                                96 * r + 96)]
+    assert out["expert_placement"]["host_bytes"] == 60 * 96 * expert and out["offload_experts"]

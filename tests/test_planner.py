@@ -101,7 +101,8 @@ def test_kimi_1m_tokens_on_6_x_141gb_does_not_fit_and_suggests():
     assert off and " fits " in off[0] and "host memory" in off[0]
     mo = plan_memory(KIMI_K2_FP8, 6, 141 * 10**9, kv_tokens=1_000_000, offload_experts=True)
     assert mo.fits
-    assert all(r.offloaded_bytes == r.weight_bytes_by_class["experts"] > 0 for r in mo.ranks)
+    # the devices are filled with experts first (tests/test_host_experts.py): only the rest go to host memory
+    assert all(0 < r.offloaded_bytes < r.weight_bytes_by_class["experts"] for r in mo.ranks)
     assert all(r.weight_bytes == sum(r.weight_bytes_by_class.values()) - r.offloaded_bytes for r in mo.ranks)
 
 

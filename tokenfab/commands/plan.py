@@ -25,7 +25,18 @@ def register(subparsers) -> None:
                         "dtype; others compute bytes from the config in that format")
     p.add_argument("--activation-reserve", default="10%",
                    help="memory kept for activations, CUDA graphs, workspace: percent of device memory or a size")
-    p.add_argument("--offload-experts", action="store_true", help="keep routed experts in host memory")
+    p.add_argument("--offload-experts", action="store_true",
+                   help="split routed experts between the devices and host memory: each device filled with its "
+                        "experts first (after dense weights, the requested KV and the reserve), the rest on the "
+                        "host; prints the split and the host bytes")
+    p.add_argument("--host-experts", default=None,
+                   help="with --offload-experts implied: this share (50%%) or count of each MoE layer's experts on "
+                        "the host instead of the memory fill")
+    p.add_argument("--num-device-experts", type=int, default=None,
+                   help="with --offload-experts implied: experts per MoE layer kept on the devices (all ranks)")
+    p.add_argument("--expert-popularity", default=None, metavar="FILE",
+                   help="routed-token counts per layer per expert (JSON from tokenfab serve "
+                        "--record-expert-popularity): the most used experts stay on the devices")
     p.add_argument("--max-num-seqs", type=int, default=1,
                    help="requests whose per-request state is held at once (hybrid KDA models: the recurrent state "
                         "of each is reserved on every rank before the KV pool is sized)")
@@ -47,7 +58,8 @@ def run(args) -> int:
               kv_tokens=parse_count(args.kv_tokens, "--kv-tokens"),
               kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,
               activation_reserve=args.activation_reserve, offload_experts=args.offload_experts,
-              max_num_seqs=args.max_num_seqs)
+              max_num_seqs=args.max_num_seqs, host_experts=args.host_experts,
+              num_device_experts=args.num_device_experts, expert_popularity=args.expert_popularity)
     if args.sweep_devices is not None:
         plans = plan_device_sweep(args.model, parse_device_counts(args.sweep_devices), mem, **kw)
         if args.json:

@@ -373,6 +373,7 @@ class MemoryPlan:
     suggestions: list[str]
     assumptions: list[str]
     max_num_seqs: int = 1
+    expert_placement: Any = None  # ExpertPlacement under --offload-experts (tokenfab/planner/expert_placement.py)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (all sizes in bytes, pools in tokens)."""
@@ -390,6 +391,7 @@ class MemoryPlan:
                        "reserve_bytes": r.reserve_bytes, "free_bytes_for_kv": r.free_bytes_for_kv,
                        "max_kv_tokens": r.max_kv_tokens, "state_bytes": r.state_bytes} for r in self.ranks],
             "max_num_seqs": self.max_num_seqs,
+            "expert_placement": None if self.expert_placement is None else self.expert_placement.to_dict(),
             "max_kv_tokens": self.max_kv_tokens, "weights_fit": self.weights_fit,
             "max_model_len": self.max_model_len, "kv_tokens": self.kv_tokens,
             "requested_tokens": self.requested_tokens, "fits": self.fits, "min_devices": self.min_devices,
@@ -455,8 +457,16 @@ def _gb(x: int | float) -> str:
 def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_bytes: int, *,
                 max_model_len: int | None = None, kv_tokens: int | None = None, kv_cache_dtype: str = "auto",
                 weight_dtype: str | int = "auto", activation_reserve: str | int = "10%",
-                offload_experts: bool = False, max_num_seqs: int = 1) -> MemoryPlan:
+                offload_experts: bool = False, max_num_seqs: int = 1, host_experts=None,
+                num_device_experts: int | None = None, expert_popularity: str | None = None) -> MemoryPlan:
     """Plan memory for ``model`` on ``devices`` devices of ``device_memory_bytes`` each.
+
+    ``offload_experts`` (implied by ``host_experts``, ``num_device_experts`` or ``expert_popularity``): split each
+    MoE layer's routed experts between the devices and host memory (:mod:`tokenfab.planner.expert_placement`): by
+    default each rank's device is filled first, after its dense weights, the KV of the requested tokens, the KDA
+    state and the reserve, and the rest go to the host; ``host_experts`` ("50%" or a count per layer) or
+    ``num_device_experts`` set the split instead; ``expert_popularity`` (a routed-token count file) keeps the most
+    used experts on the devices. The split is ``MemoryPlan.expert_placement``.
 
     Requested tokens T = max(max_model_len, kv_tokens) (either may be None). Fits when every rank holds its
     weights + reserve and the pool >= T (>= 1 token when nothing is requested). When it does not fit the suggestions
@@ -474,6 +484,8 @@ def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_byt
     if device_memory_bytes <= 0:
         raise PlanError(f"--device-memory: must be > 0, got {device_memory_bytes}")
     mc, _ = resolve_model(model)
+    offload_experts = bool(offload_experts or host_experts is not None or num_device_experts is not None
+                           or expert_popularity is not None)
     reserve = parse_reserve(activation_reserve, device_memory_bytes)
     kv_b = kv_dtype_bytes(kv_cache_dtype, mc)
     est = estimate_weight_bytes(model if not isinstance(model, dict) else mc, devices, weight_dtype)
@@ -483,9 +495,17 @@ def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_byt
     seqs = max_num_seqs
     plan, per, kv, pool, weights_fit = _evaluate(mc, inv, devices, mem, reserve, kv_b, offload_experts, seqs)
     state = state_bytes_per_rank(mc, plan, kv_b, seqs)
+    placement = None
+    if offload_experts and mc.is_moe and mc.moe_layers:  # which experts stay on the devices, which go to the host
+        placement = _expert_split(mc, inv, plan, per, kv, mem, reserve, requested, state, host_experts,
+                                  num_device_experts, expert_popularity)
+        ws = [sum(per[r].values()) - placement.host_bytes(plan.experts[r]) + state[r] for r in range(devices)]
+        weights_fit = all(mem - reserve - w >= 0 for w in ws)
+        pool = kv_pool_tokens(mc, devices, mem, ws, kv_b, reserve) if weights_fit else 0
     ranks = []
     for r in range(devices):
-        off = per[r]["experts"] if offload_experts else 0
+        off = (per[r]["experts"] if placement is None else placement.host_bytes(plan.experts[r])) \
+            if offload_experts else 0
         w = sum(per[r].values()) - off
         free = mem - reserve - w - state[r]
         ranks.append(RankPlan(r, {k: v for k, v in plan.describe()[r].items() if k != "rank"}, w, per[r], off,
@@ -530,6 +550,10 @@ def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_byt
     if mc.is_mla:
         assumptions.append("MLA latent KV (kv_lora_rank + qk_rope_head_dim) held in full on every rank "
                            "(tensor-parallel attention, no data-parallel attention)")
+    if placement is not None:
+        assumptions.append(f"--offload-experts: {placement.summary()}; chosen by {placement.source}"
+                           + ("" if host_experts is not None or num_device_experts is not None else
+                              f" after the dense weights, the KV of {requested or 0:,} tokens and the reserve"))
     if offload_experts:
         host = max(rp.offloaded_bytes for rp in ranks)
         assumptions.append(f"--offload-experts: up to {_gb(host)} of routed experts per rank in host memory "
@@ -547,7 +571,30 @@ def plan_memory(model: str | dict | ModelConfig, devices: int, device_memory_byt
         model_info.update(num_kda_layers=len(mc.kda_layers), num_mla_layers=len(mc.mla_layers),
                           kda_state_bytes_per_request=mc.kda_state_bytes_per_request(kv_b))
     return MemoryPlan(model_info, devices, mem, reserve, kv_cache_dtype, kv_b, est, offload_experts, ranks, pool,
-                      weights_fit, requested, max_model_len, kv_tokens, fits, min_dev, sugg, assumptions, seqs)
+                      weights_fit, requested, max_model_len, kv_tokens, fits, min_dev, sugg, assumptions, seqs,
+                      expert_placement=placement)
+
+
+def _expert_split(mc, inv, plan, per, kv, mem, reserve, requested, state, host_experts, num_device_experts,
+                  popularity_path):
+    """The planner's :class:`~tokenfab.planner.expert_placement.ExpertPlacement`: from the counts when given, else
+    filling each rank's free bytes (device memory - reserve - non-expert weights - KDA state - requested tokens x
+    KV bytes per token) with its experts. One expert of one layer = the largest expert's bytes over all layers / L
+    (rounded up). Raises PlanError naming the flag."""
+    from tokenfab.planner.expert_placement import (PlacementError, load_popularity, placement_from_counts,
+                                                   placement_from_memory)
+    layers = sorted(mc.moe_layers)
+    eb = -(-max(inv.expert_bytes) // len(layers))
+    try:
+        pop = load_popularity(popularity_path, mc.num_experts) if popularity_path else None
+        if host_experts is not None or num_device_experts is not None:
+            return placement_from_counts(layers, mc.num_experts, plan.experts, host_experts=host_experts,
+                                         num_device_experts=num_device_experts, popularity=pop, expert_bytes=eb)
+        free = [mem - reserve - (sum(per[r].values()) - per[r]["experts"]) - state[r] - (requested or 0) * kv[r]
+                for r in range(plan.world_size)]
+        return placement_from_memory(layers, mc.num_experts, plan.experts, eb, free, pop)
+    except PlacementError as e:
+        raise PlanError(str(e)) from None
 
 
 def _fmt_range(r) -> str:
@@ -613,6 +660,16 @@ def render_plan(mp: MemoryPlan, console=None) -> None:
         console.print("[bold red]DOES NOT FIT[/bold red]: the weights and reserve exceed device memory")
     if mp.min_devices is not None:
         console.print(f"fewest devices of this size that fit: {mp.min_devices}")
+    ep = mp.expert_placement
+    if ep is not None:
+        console.print(f"expert split ({ep.source}): {ep.summary()}")
+        for r in mp.ranks:
+            s, e = r.ranges["experts"]
+            per_layer = [sum(1 for j in ids if s <= j < e) for ids in ep.host.values()] or [0]
+            lo, hi = min(per_layer), max(per_layer)
+            console.print(f"  rank {r.rank}: experts {s}:{e}, host {lo if lo == hi else f'{lo}-{hi}'} per layer "
+                          f"({r.offloaded_bytes / 2**30:,.2f} GiB in host memory), device {e - s - hi}"
+                          + ("" if lo == hi else f"-{e - s - lo}") + " per layer")
     for s in mp.suggestions:
         console.print(f"  - {s}")
     for a in mp.assumptions:
