@@ -181,6 +181,24 @@ def test_eviction_under_pressure_never_frees_a_block_in_use(paths, monkeypatch):
     assert pc.hits > 0
 
 
+def test_speculative_decoding_trim_keeps_refcounts(paths):
+    """n-gram speculative decoding (k = 3, always drafting) on repetitive prompts sharing a prefix, with a pool of
+    40 blocks x 4: rejected drafts' blocks go back through trim() while other blocks are shared. Tokens equal
+    speculative decoding without prefix caching, invariants hold after every step, drafts were rejected."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+            "verify_token_cost": 0.0, "verify_step_overhead": 0.0, "random_row_cost": 0.0}
+    off, on = engines(paths["llama"], block_size=4, num_kv_blocks=40, max_model_len=80, max_num_seqs=3,
+                      speculative_config=spec)
+    base = [11, 23, 37, 41, 53, 67, 79, 83, 97]
+    prompts = [(base * 4)[:24 + i] for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    assert run_checked(on, prompts, sp, one_by_one=True) == run_checked(off, prompts, sp, one_by_one=True)
+    assert run_checked(on, prompts, sp) == run_checked(off, prompts, sp)
+    st = on.llm_engine.get_stats()
+    assert st["prefix_cache_hits"] > 0
+    assert 0 < st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+
+
 # ---------------------------------------------------------------------------------------------- hybrid KDA
 def test_kda_snapshot_fallback_and_junction_hand_worked(kl_path):
     """Blocks of 8, one request at a time, Kimi Linear (snapshots every 64 blocks, at the prompt's last full
