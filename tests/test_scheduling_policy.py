@@ -239,8 +239,8 @@ def test_fair_shares_water_fill_and_respect_the_knobs():
     p.plan([], deque(seqs), 256, free_rows=8)
     # three sharers (cap 3, 256 // 64 = 4): the 40-token prompt takes 40, then 216 -> 108 -> 96 (blocks), 120
     assert [p.grant(s, 256) for s in seqs] == [40, 96, 120, 0, 0]
-    p.plan([], deque(seqs), 100, free_rows=8)  # 100 // 64 = 1 sharer only
-    assert [p.grant(s, 100) for s in seqs] == [40, 0, 0, 0, 0]
+    p.plan([], deque(seqs), 100, free_rows=8)  # 100 // 64 = 1 sharer; the 60 it leaves go to the next in line
+    assert [p.grant(s, 100) for s in seqs] == [40, 60, 0, 0, 0]
     p.plan([], deque(seqs), 256, free_rows=1)  # one free row: one waiting sequence can be admitted
     assert [p.grant(s, 256) for s in seqs] == [40, 0, 0, 0, 0]
     with pytest.raises(ValueError, match="max_partial_prefills"):

@@ -151,6 +151,18 @@ class FairPolicy(SchedulingPolicy):
             g = min(remaining(s), share)
             self._grants[id(s)] = g
             left -= g
+        if left <= 0:
+            return
+        # the sharers need less than the step holds: the rest goes to the next prefills in order, as fcfs gives it
+        # (a step is never left part-empty while prompts wait)
+        more = [s for s in running if not in_decode(s) and id(s) not in self._grants]
+        more += [s for s in waiting if id(s) not in self._grants][:max(0, free_rows)]
+        for s in more:
+            if left <= 0:
+                break
+            g = min(remaining(s), left)
+            self._grants[id(s)] = g
+            left -= g
 
     def grant(self, seq: Sequence, budget: int) -> int:
         """A decoding sequence: all it has left (up to the budget); a prefilling one: its planned share (0 when
