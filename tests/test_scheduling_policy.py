@@ -229,6 +229,34 @@ def test_fair_gives_every_long_prompt_tokens_at_once_and_never_skips_a_decode():
     assert max(runs["fcfs"].values()) > 3 + 6  # fcfs: the last one waits for three whole prefills
 
 
+def test_fair_lets_short_prompts_in_beside_a_long_one():
+    # one 2,000-token prompt, then a 40-token prompt arriving each step from 1 to 4; budget 256 per step
+    reqs = [(0, 2000, 2, 0)] + [(k, 40, 2, 0) for k in range(1, 5)]
+    first = {}
+    for name, policy, short_first in (("fcfs", SchedulingPolicy(), False),
+                                      ("fair", FairPolicy(max_partial_prefills=2, min_prefill_chunk=64), False),
+                                      ("fair-shortest", FairPolicy(max_partial_prefills=2, min_prefill_chunk=64,
+                                                                   shortest_first=True), True)):
+        sched, bm = make(policy, 200, 16, 8, 256, max_model_len=2048)
+        sim = Sim(sched, bm, reqs, 16)
+        got = {}
+        while not sim.done():
+            batch = sim.step()
+            check_invariants(sched, bm, 8, 256, batch)
+            for s in batch.seqs:
+                if s.num_output_tokens == 1 and s.seq_id not in got:
+                    got[s.seq_id] = sim.step_no - reqs[s.seq_id][0]
+        first[name] = got
+    # fcfs: the short ones wait for the long prefill: it ends in step 8 (7 x 256 + 208), whose last 48 tokens take
+    # short 1 (40, first token in step 8: 7 steps after it arrived) and 8 tokens of short 2; shorts 2-4 finish in
+    # step 9 (7, 6, 5 steps after arriving). fair: each starts the step it arrives (the long one is the oldest
+    # sharer, the short one the next) and is done in that step.
+    assert [first["fcfs"][i] for i in range(1, 5)] == [7, 7, 6, 5]
+    assert all(first["fair"][i] == 1 for i in range(1, 5)) and all(first["fair-shortest"][i] == 1
+                                                                   for i in range(1, 5))
+    assert first["fair"][0] <= first["fcfs"][0] + 1  # the long one loses at most a step (4 x 40 tokens)
+
+
 def test_fair_shares_water_fill_and_respect_the_knobs():
     bs = 16
     seqs = []

@@ -103,6 +103,9 @@ class FairPolicy(SchedulingPolicy):
             ``max(1, P // min_prefill_chunk)`` prefills share the step.
         block_size: KV block size; shares are rounded down to whole blocks (except the last one, which takes what
             is left), so chunks end on block boundaries.
+        shortest_first: besides the oldest, share the step with the prefills nearest their first token (True:
+            short prompts behind queued long ones start at once, the long ones wait longer for rows) or with the
+            next ones in arrival order (False, default).
 
     Raises:
         ValueError: a knob below 1.
@@ -111,7 +114,8 @@ class FairPolicy(SchedulingPolicy):
     name = "fair"
 
     def __init__(self, max_partial_prefills: int = DEFAULT_MAX_PARTIAL_PREFILLS,
-                 min_prefill_chunk: int = DEFAULT_MIN_PREFILL_CHUNK, block_size: int = 16):
+                 min_prefill_chunk: int = DEFAULT_MIN_PREFILL_CHUNK, block_size: int = 16,
+                 shortest_first: bool = False):
         for k, v in (("max_partial_prefills", max_partial_prefills), ("min_prefill_chunk", min_prefill_chunk),
                      ("block_size", block_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -119,6 +123,7 @@ class FairPolicy(SchedulingPolicy):
         self.max_partial_prefills = max_partial_prefills
         self.min_prefill_chunk = min_prefill_chunk
         self.block_size = block_size
+        self.shortest_first = bool(shortest_first)
         self._grants: dict[int, int] = {}  # id(seq) -> prefill tokens planned this step
 
     def running_order(self, running: list[Sequence]) -> list[Sequence]:
@@ -127,23 +132,41 @@ class FairPolicy(SchedulingPolicy):
         return [s for s in running if in_decode(s)] + [s for s in running if not in_decode(s)]
 
     def plan(self, running: list[Sequence], waiting: deque[Sequence], budget: int, free_rows: int) -> None:
-        """Split the budget left after the decodes among the first prefills (running, then waiting up to
-        ``free_rows``), equal shares by water-filling: in increasing need, each takes ``min(need, left // k)``
-        with ``k`` sharers still unserved, rounded down to whole blocks except for the last sharer."""
+        """Choose this step's prefill sharers and split the budget left after the decodes among them.
+
+        Sharers: the oldest prefilling or waiting sequence (by arrival, so nobody starves), then, up to
+        ``max_partial_prefills``, the next in arrival order (running prefills first), or with ``shortest_first``
+        those nearest their first token (fewest tokens left); waiting ones only while rows are free. Shares by water-filling: in increasing
+        need, each takes ``min(need, left // k)`` with ``k`` sharers still unserved, rounded down to whole blocks
+        except for the last sharer. Budget the sharers leave goes to the next candidates in the same order (the
+        step is never left part-empty while prompts wait). The chosen waiting sequences are moved to the front
+        of ``waiting``, in grant order, for the scheduler to admit.
+        """
         self._grants = {}
         left = budget - sum(remaining(s) for s in running if in_decode(s))
         if left <= 0:
             return
         cap = min(self.max_partial_prefills, max(1, left // self.min_prefill_chunk))
-        cands = [s for s in running if not in_decode(s)][:cap]
-        for s in waiting:
-            if len(cands) >= cap or free_rows <= 0:
-                break
-            cands.append(s)
-            free_rows -= 1
+        pool = [s for s in running if not in_decode(s)] + list(waiting)
+        if not pool:
+            return
+        is_waiting = {id(s) for s in waiting}
+        oldest = min(pool, key=lambda s: (s.arrival_time, s.seq_id))
+        rest = [s for s in pool if s is not oldest]
+        if self.shortest_first:
+            rest.sort(key=remaining)  # stable: ties keep running-then-arrival order
+        order = [s for s in [oldest] + rest]
+        chosen, rows = [], free_rows
+        for s in order:  # every candidate the step could serve, in preference order
+            if id(s) in is_waiting:
+                if rows <= 0:
+                    continue
+                rows -= 1
+            chosen.append(s)
+        sharers = chosen[:cap]
         bs = self.block_size
-        m = len(cands)
-        for j, s in enumerate(sorted(cands, key=remaining)):
+        m = len(sharers)
+        for j, s in enumerate(sorted(sharers, key=remaining)):
             k = m - j
             share = left // k
             if k > 1 and share >= bs:
@@ -151,18 +174,18 @@ class FairPolicy(SchedulingPolicy):
             g = min(remaining(s), share)
             self._grants[id(s)] = g
             left -= g
-        if left <= 0:
-            return
-        # the sharers need less than the step holds: the rest goes to the next prefills in order, as fcfs gives it
-        # (a step is never left part-empty while prompts wait)
-        more = [s for s in running if not in_decode(s) and id(s) not in self._grants]
-        more += [s for s in waiting if id(s) not in self._grants][:max(0, free_rows)]
-        for s in more:
+        for s in chosen[cap:]:  # what the sharers leave goes to the next in line
             if left <= 0:
                 break
             g = min(remaining(s), left)
             self._grants[id(s)] = g
             left -= g
+        admit = [s for s in chosen if id(s) in is_waiting and self._grants.get(id(s), 0) > 0]
+        if admit and any(a is not b for a, b in zip(admit, waiting)):
+            ids = {id(s) for s in admit}
+            others = [s for s in waiting if id(s) not in ids]
+            waiting.clear()
+            waiting.extend(admit + others)
 
     def grant(self, seq: Sequence, budget: int) -> int:
         """A decoding sequence: all it has left (up to the budget); a prefilling one: its planned share (0 when
