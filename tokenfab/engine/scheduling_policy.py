@@ -19,11 +19,13 @@ Policies (``LLM(scheduling_policy=...)``, ``tokenfab serve --scheduling-policy``
     (chunked) prefill, so simultaneous long prompts are prefilled one after another.
 ``fair``
     Running decodes first, every step (each gets its 1 token, or its verification rows); the budget left is split
-    equally among up to ``max_partial_prefills`` prefilling sequences (running ones first, then waiting ones in
-    arrival order), in chunks rounded to whole KV blocks and of at least ``min_prefill_chunk`` tokens (fewer
-    sequences share the step when the budget left is smaller); a sequence that needs less than its share gives the
-    rest to the others (water-filling). Simultaneous long prompts all make progress; a short prompt arriving behind
-    long ones is not queued behind their whole prefill. Preemption as fcfs.
+    equally among up to ``max_partial_prefills`` prefilling sequences: the oldest (so nobody starves), then the
+    next in arrival order (or, with ``shortest_first``, those nearest their first token), in chunks rounded to
+    whole KV blocks and of at least ``min_prefill_chunk`` tokens (fewer sequences share the step when the budget
+    left is smaller); a sequence that needs less than its share gives the rest to the others (water-filling), and
+    budget the sharers leave goes to the next prompts in line, so a step is as full as under fcfs. Several long
+    prompts make progress at once, and a short prompt arriving while a long one is prefilled starts at once.
+    Preemption as fcfs.
 ``priority``
     As vLLM's: waiting sequences ordered by the request's ``priority`` (lower runs earlier) then arrival; the
     preempted sequence is the running one with the largest (priority, arrival) — the least important, latest
@@ -32,10 +34,11 @@ Policies (``LLM(scheduling_policy=...)``, ``tokenfab serve --scheduling-policy``
 A request's ``priority`` other than 0 with a policy other than ``priority`` is refused (ValueError naming
 ``priority``), as vLLM refuses it ("Got priority ... but Priority scheduling is not enabled").
 
-For equal-length prompts arriving together, fcfs finishes the k-th prefill after k prompts' work, which no
-reordering can beat (each of the first k first tokens needs k whole prefills); ``fair`` trades some median TTFT
-there for progress on every prompt and lower TTFT for shorter prompts behind long ones
-(benchmarks/fair_scheduling.py, benchmarks/results/2026-12-01-fair-scheduling.md).
+For prompts arriving together, fcfs gives the k-th first token after k prompts' prefill work, which no
+reordering of equal-cost steps can beat (k first tokens need k whole prefills), so ``fair`` cannot lower their
+median TTFT: it costs some (max_partial_prefills 2: +0-5% in steps; 16: up to +85%) for progress on every prompt,
+and it lowers the TTFT of short prompts arriving during long prefills (benchmarks/fair_scheduling.py,
+benchmarks/results/2026-12-01-fair-scheduling*.md).
 """
 from __future__ import annotations
 
