@@ -23,7 +23,9 @@ from tokenfab.kernels import cpu_kernels
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
-from tokenfab.layers.paged_attention import attention, fused_decode, gather_cache, run_groups, write_cache
+from tokenfab.layers import long_context_attention
+from tokenfab.layers.paged_attention import (attention, fused_decode, gather_cache, gather_cache_range, run_groups,
+                                             write_cache)
 from tokenfab.layers.rotary import RotaryEmbedding
 
 
@@ -142,6 +144,42 @@ class MLAttention(nn.Module):
         o = self._value_heads(o_lat.transpose(1, 2).reshape(B * Q, H, self.kv_lora), w_uv_t)
         return o.view(B, Q, H, self.v_dim).transpose(1, 2)
 
+    def _long_prefill(self, qg: torch.Tensor, cache: torch.Tensor, group: AttentionGroup, w_uk: torch.Tensor,
+                      w_uv_t: torch.Tensor) -> torch.Tensor:
+        """Prefill attention over a long context (:mod:`tokenfab.layers.long_context_attention`): the latent rows
+        are read, and in expanded form expanded through kv_b_proj, one key block at a time, so no per-head copy of
+        the context exists. The form follows :meth:`_absorb_prefill`. Expanded: keys [k_nope | k_rope] and values
+        zero-padded to one width (the flash kernel wants equal widths). qg [B, H, Q, nope + rope] -> [B, H, Q, v]."""
+        B, H, Q, _ = qg.shape
+        C = self.kv_lora
+        if self._absorb_prefill(group):
+            rows = qg.transpose(1, 2).reshape(B * Q, H, self.qk_dim)
+            q_lat = self._latent_queries(rows[..., : self.nope], rows[..., self.nope:], w_uk)  # [B*Q, H, C + R]
+
+            def latent_block(k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+                lat = gather_cache_range(cache, group, k0, k1).to(qg.dtype).unsqueeze(1)  # [B, 1, n, C + R]
+                return lat, lat  # values: the first C columns of the latent row (cut after attention)
+
+            o_lat = long_context_attention.blocked_prefill_attention(
+                q_lat.view(B, Q, H, -1).transpose(1, 2), group, latent_block, self.scale, C)  # [B, H, Q, C]
+            o = self._value_heads(o_lat.transpose(1, 2).reshape(B * Q, H, C), w_uv_t)
+            return o.view(B, Q, H, self.v_dim).transpose(1, 2)
+        width = max(self.qk_dim, self.v_dim)
+        if width > self.qk_dim:
+            qg = torch.nn.functional.pad(qg, (0, width - self.qk_dim))
+
+        def expanded_block(k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+            ctx = gather_cache_range(cache, group, k0, k1).to(qg.dtype)  # [B, n, C + R]
+            n = ctx.shape[1]
+            kv = self.kv_b_proj(ctx[..., :C]).view(B, n, H, self.nope + self.v_dim)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            k = torch.cat([k_nope, ctx[..., C:].unsqueeze(2).expand(B, n, H, self.rope_dim)], dim=-1)
+            k = torch.nn.functional.pad(k, (0, width - self.qk_dim)) if width > self.qk_dim else k
+            v = torch.nn.functional.pad(v, (0, width - self.v_dim)) if width > self.v_dim else v
+            return k.transpose(1, 2), v.transpose(1, 2)
+
+        return long_context_attention.blocked_prefill_attention(qg, group, expanded_block, self.scale, self.v_dim)
+
     def _latent_queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
         """[q_nope W_UK | q_rope] per head in one buffer: q_nope [N, H, nope], q_rope [N, H, R] -> [N, H, C + R]
         (the per-head GEMM kernel when it applies, else one ``torch.bmm`` over heads)."""
@@ -201,6 +239,8 @@ class MLAttention(nn.Module):
                     # values = the whole latent row (reads it in place; a sliced view would be copied), then cut
                     o_lat = attention(q_lat.unsqueeze(2), ctx, ctx, group, self.scale)[:, :, 0, : self.kv_lora]
                 return self._value_heads(o_lat, w_uv_t).unsqueeze(2)  # [B, H, 1, v]
+            if long_context_attention.applies(group):  # key block by key block, memory bounded at any length
+                return self._long_prefill(qg, cache, group, w_uk, w_uv_t)
             ctx = gather_cache(cache, group).to(qg.dtype)  # [B, L, C + R]
             if self._absorb_prefill(group):
                 return self._absorbed_prefill(qg, ctx, group, w_uk, w_uv_t)

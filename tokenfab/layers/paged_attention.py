@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfab.kernels import cpu_kernels, triton_support
+from tokenfab.layers import long_context_attention
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 
 
@@ -27,6 +28,16 @@ def gather_cache(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
     bt = group.block_tables
     g = cache.index_select(0, bt.reshape(-1))  # [B * max_blocks, block_size, ...]
     return g.view(bt.shape[0], bt.shape[1] * cache.shape[1], *cache.shape[2:])
+
+
+def gather_cache_range(cache: torch.Tensor, group: AttentionGroup, k0: int, k1: int) -> torch.Tensor:
+    """Context positions [k0, k1) of every sequence of the group from ``cache``: [B, k1 - k0, ...] (``k0`` a
+    multiple of the block size; rows past a sequence's context hold whatever its block table points at)."""
+    bs = cache.shape[1]
+    c0, c1 = k0 // bs, -(-k1 // bs)
+    bt = group.block_tables[:, c0:c1]
+    g = cache.index_select(0, bt.reshape(-1))
+    return g.view(bt.shape[0], bt.shape[1] * bs, *cache.shape[2:])[:, k0 - c0 * bs: k1 - c0 * bs]
 
 
 def run_groups(meta: AttentionMetadata, q: torch.Tensor, out_dim: int,
@@ -120,7 +131,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
         [B, H, Q, Dv] in q's dtype.
 
     Prefill (Q > 1), in causal query blocks: on CPU two GEMMs with the fused causal softmax between them; elsewhere
-    SDPA with a cached additive mask when Dv == D, and for MLA's expanded prefill (Dv != D) explicit matmuls with a
+    SDPA with each block's additive mask when Dv == D, and for MLA's expanded prefill (Dv != D) explicit matmuls with a
     float32 softmax (SDPA with zero-padded values was faster but raised the bf16 KL against the fp32 reference 50x
     on the tiny DeepSeek test model, tests/test_bf16.py). Decode (Q = 1; the gathered path, used when
     :func:`fused_decode` does not apply): scores = mask + scale * q k^T in one ``baddbmm`` over a transposed view of
@@ -131,7 +142,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
     if Q > 1:
         if k.dtype == q.dtype and v.dtype == q.dtype and cpu_kernels.available_for(q):
             return _prefill_attention_fused(q, k, v, group, scale)
-        return _prefill_attention(q, k, v, group, additive_mask(group, q.dtype), scale)
+        return _prefill_attention(q, k, v, group, scale)
     mask = additive_mask(group, q.dtype)  # [B, 1, 1, L]
     G = H // Hk
     m = mask.view(B, 1, L) if Hk == 1 else mask.expand(B, Hk, 1, L).reshape(B * Hk, 1, L)
@@ -152,12 +163,23 @@ def _query_blocks(group: AttentionGroup, Q: int):
         yield q0, q1, max(1, max(key_end[q0:q1]))
 
 
+def block_mask(group: AttentionGroup, q0: int, q1: int, kend: int, dtype: torch.dtype) -> torch.Tensor:
+    """The causal mask of queries q0..q1-1 over keys 0..kend-1 as 0 / -inf in ``dtype``: [B, 1, q1 - q0, kend]
+    (key j visible to a query at position p when j <= p; padded queries see key 0 only). Built per query block,
+    so no [q_len, context] mask of the whole chunk ever exists."""
+    qpos = group.query_pos[:, q0:q1].clamp(min=0)
+    keys = torch.arange(kend, device=qpos.device)
+    visible = (keys.view(1, 1, -1) <= qpos.unsqueeze(-1)).unsqueeze(1)
+    return torch.zeros(visible.shape, dtype=dtype, device=qpos.device).masked_fill_(~visible, float("-inf"))
+
+
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup,
-                       mask: torch.Tensor, scale: float) -> torch.Tensor:
+                       scale: float) -> torch.Tensor:
     """Prefill attention in query blocks of PREFILL_QUERY_BLOCK: each block attends only to the keys up to its
     last query's position (causal: the upper triangle is never computed, ~2x fewer FLOPs for a whole prompt) and
-    its score matrix stays small enough for the cache. SDPA's fused kernel when Dv == D; explicit matmuls with a
-    float32 softmax otherwise (MLA's expanded form, where SDPA with padded values lost bf16 accuracy).
+    its score matrix and mask (:func:`block_mask`) stay small enough for the cache. SDPA's fused kernel when
+    Dv == D; explicit matmuls with a float32 softmax otherwise (MLA's expanded form, where SDPA with padded values
+    lost bf16 accuracy).
 
     q [B, H, Q, D], k [B, Hk, L, D], v [B, Hk, L, Dv] -> [B, H, Q, Dv].
     """
@@ -168,7 +190,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
     k, v = k.contiguous(), v.contiguous()  # one copy per layer; each block's q k^T then reads k in place (1.6x)
     out = q.new_empty(B, H, Q, Dv)
     for q0, q1, kend in _query_blocks(group, Q):
-        qb, kb, vb, mb = q[:, :, q0:q1], k[:, :, :kend], v[:, :, :kend], mask[:, :, q0:q1, :kend]
+        qb, kb, vb, mb = q[:, :, q0:q1], k[:, :, :kend], v[:, :, :kend], block_mask(group, q0, q1, kend, q.dtype)
         if Dv == D:
             out[:, :, q0:q1] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mb, scale=scale,
                                                               enable_gqa=H != Hk)
@@ -220,6 +242,11 @@ def paged_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
             o = fused_decode(qg[:, :, 0], k_cache, v_cache, group, scale)
             if o is not None:
                 return o.unsqueeze(2)
+        if long_context_attention.applies(group):  # key block by key block, memory bounded at any length
+            def key_block(k0: int, k1: int) -> tuple[torch.Tensor, torch.Tensor]:
+                return (gather_cache_range(k_cache, group, k0, k1).transpose(1, 2).to(qg.dtype),
+                        gather_cache_range(v_cache, group, k0, k1).transpose(1, 2).to(qg.dtype))
+            return long_context_attention.blocked_prefill_attention(qg, group, key_block, scale, v.shape[-1])
         kg = gather_cache(k_cache, group).transpose(1, 2).to(qg.dtype)  # [B, Hkv, L, D]
         vg = gather_cache(v_cache, group).transpose(1, 2).to(qg.dtype)
         return attention(qg, kg, vg, group, scale)
