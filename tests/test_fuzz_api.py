@@ -254,3 +254,21 @@ def test_sampling_params_fuzz_findings(kw, param):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kw)
     assert e.value.param == param
+
+
+@pytest.mark.parametrize("path,field,value", [
+    ("/v1/chat/completions", "seed", True), ("/v1/chat/completions", "temperature", False),
+    ("/v1/completions", "temperature", "0.5"), ("/v1/completions", "max_tokens", 2.0),
+    ("/v1/completions", "stream", 1), ("/v1/completions", "top_k", True), ("/tokenize", "add_special_tokens", "yes"),
+])
+def test_http_fields_take_their_json_type_only(http, path, field, value):
+    """What the fuzzing found (schemathesis): pydantic's lax mode took ``"seed": true`` as seed 1 and
+    ``"temperature": false`` as greedy, where SamplingParams refuses bools; every field now takes the JSON type it
+    declares (an integer is still a valid number: ``"temperature": 1``)."""
+    body = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            "/v1/completions": {"prompt": "hi", "max_tokens": 2}, "/tokenize": {"prompt": "hi"}}[path]
+    r = http.post(path, json=dict(body, **{field: value}))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"] and "must be" in err["message"], err
+    assert http.post(path, json=dict(body, temperature=1) if path != "/tokenize" else body).status_code == 200

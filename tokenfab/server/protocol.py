@@ -10,6 +10,8 @@ vLLM do). Streamed chunks and full responses are plain dicts in OpenAI's shape, 
 from __future__ import annotations
 
 import time
+import types
+import typing
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
@@ -48,10 +50,60 @@ def _utf8_safe(s: str) -> str:
     return s if s.isascii() else s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def json_kinds(annotation) -> frozenset[str]:
+    """The JSON value kinds a field annotation takes: "boolean", "integer", "number", "string", "array",
+    "object", "null", or "any" (``Any``, unknown types)."""
+    if annotation is Any:
+        return frozenset({"any"})
+    origin = typing.get_origin(annotation)
+    if origin is Union or origin is types.UnionType:
+        return frozenset().union(*(json_kinds(a) for a in typing.get_args(annotation)))
+    if origin is typing.Annotated:
+        return json_kinds(typing.get_args(annotation)[0])
+    if origin is Literal:
+        return frozenset({"string"})
+    if origin in (list, tuple, set):
+        return frozenset({"array"})
+    if origin is dict:
+        return frozenset({"object"})
+    if annotation is type(None):
+        return frozenset({"null"})
+    for t, kinds in ((bool, {"boolean"}), (int, {"integer"}), (float, {"number", "integer"}), (str, {"string"}),
+                     (BaseModel, {"object"})):
+        if isinstance(annotation, type) and issubclass(annotation, t):
+            return frozenset(kinds)
+    return frozenset({"any"})
+
+
+_KIND_OF = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"), (list, "array"),
+            (dict, "object"))
+_KIND_WORDS = {"boolean": "true or false", "integer": "an integer", "number": "a number", "string": "a string",
+               "array": "a list", "object": "an object", "null": "null"}
+
+
 class _Base(BaseModel):
-    """Every request model: unknown fields ignored, finite numbers only, no lone surrogate in any string."""
+    """Every request model: unknown fields ignored, finite numbers only, no lone surrogate in any string, and JSON
+    types as declared (no pydantic lax conversions of top-level fields: ``true`` is not the number 1, ``"0.5"``
+    not a number, ``2.0`` not an integer, ``1`` not ``true``), as the offline SamplingParams checks refuse them."""
 
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _json_type_as_declared(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or info.field_name is None:
+            return v
+        field = cls.model_fields.get(info.field_name)
+        kinds = json_kinds(field.annotation) if field is not None else frozenset({"any"})
+        if "any" in kinds:
+            return v
+        got = next((k for t, k in _KIND_OF if isinstance(v, t)), None)
+        if got is None or got in kinds or (got == "integer" and "number" in kinds):
+            return v
+        want = " or ".join(_KIND_WORDS[k] for k in sorted(kinds - {"null"}) if k != "integer" or "number" not in kinds)
+        raise PydanticCustomError("wrong_json_type", "must be {want}, got {got} {value}",
+                                  {"want": want, "got": _KIND_WORDS[got].split(" ")[-1] if got != "boolean" else
+                                   "boolean", "value": _utf8_safe(repr(v))[:40]})
 
     @field_validator("*", mode="after")
     @classmethod
