@@ -94,18 +94,18 @@ _scalars = st.one_of(st.none(), st.booleans(), st.integers(-10 ** 6, 10 ** 6), s
 
 
 def _wrong_values(kinds: set[str]):
-    """Values of a JSON kind that ``kinds`` does not accept (pydantic's lax conversions avoided: no numeric
-    strings, no 0/1 where numbers or booleans are accepted, no booleans where integers are)."""
-    numeric = bool(kinds & {"integer", "number", "boolean"})
+    """Values of a JSON kind that ``kinds`` does not take (an integer is a valid number). The server refuses
+    pydantic's lax conversions too, so numeric strings, booleans for numbers, 2.0 for integers and 0 / 1 for
+    booleans are wrong types here."""
     opts = []
     if "string" not in kinds:
-        opts.append(_words)
-    if not numeric:
-        opts.append(st.integers(2, 10 ** 6))
-    if "number" not in kinds and "boolean" not in kinds:
-        opts.append(st.sampled_from([2.5, -3.75, 0.125]))
-    if not numeric:
+        opts.append(st.one_of(_words, st.sampled_from(["5", "0.5", "true", "1e3", ""])))
+    if "boolean" not in kinds:
         opts.append(st.booleans())
+    if not kinds & {"integer", "number"}:
+        opts.append(st.integers(-10 ** 6, 10 ** 6))
+    if "number" not in kinds:
+        opts.append(st.sampled_from([2.5, -3.75, 0.125, 2.0, 0.0]))
     if "array" not in kinds:
         opts.append(st.lists(_scalars, max_size=3))
     if "object" not in kinds:
