@@ -519,7 +519,9 @@ def main(argv=None) -> int:
     rep = run(args)
     stem = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                     time.strftime("%Y-%m-%d") + "-soak")
-    command = "python benchmarks/soak.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("TOKENFAB_CPU_KERNELS",) if k in os.environ)
+    command = (env + " " if env else "") + "python benchmarks/soak.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
     write_report(rep, stem, command)
     print(open(stem + ".md").read())
     return 0 if rep["passed"] else 1
