@@ -150,9 +150,19 @@ def main() -> int:
     ap.add_argument("--replay", action="store_true",
                     help="Only the scheduler replay (no model): first-token steps per policy, --replay-lengths.")
     ap.add_argument("--replay-lengths", default="2048,4096,8000")
+    ap.add_argument("--from-log", default=None,
+                    help="Write the result files from the per-run lines of this script's log (a run cut short); "
+                         "give the same workload flags as the run.")
     args = ap.parse_args()
     if args.replay:
         return run_replay(args)
+    if args.from_log:  # a run cut short: its per-run lines, summarized as the full run would have been
+        runs, describe, pool, threads = runs_from_log(args.from_log)
+        labels = [v for v in args.variants.split(",")]
+        os.makedirs(args.out, exist_ok=True)
+        stem = unused_stem(os.path.join(args.out, f"{dt.date.today().isoformat()}-{args.label}"))
+        write_results(args, labels, runs, describe, pool, threads, stem)
+        return 0
 
     import torch
 
@@ -179,6 +189,8 @@ def main() -> int:
     pool_tokens = engine.block_manager.num_blocks * bs
     print(f"[fair] model {describe}; pool {pool_tokens} tokens; threads {torch.get_num_threads()}", flush=True)
     runs = []
+    stem = unused_stem(os.path.join(args.out, f"{dt.date.today().isoformat()}-{args.label}"))
+    os.makedirs(args.out, exist_ok=True)
     try:
         import httpx
         httpx.post(server.base_url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4},
@@ -203,51 +215,64 @@ def main() -> int:
                 runs.append(row)
                 print(f"[fair] round {r} {label}: " + ", ".join(f"{k}={row[k]:.1f}" for k in KEYS
                                                                    if isinstance(row[k], (int, float))), flush=True)
+                write_results(args, [v[0] for v in variants], runs, describe, pool_tokens, torch.get_num_threads(),
+                              stem)
     finally:
         server.stop()
 
-    labels = [v[0] for v in variants]
+    write_results(args, [v[0] for v in variants], runs, describe, pool_tokens, torch.get_num_threads(), stem)
+    return 0
+
+
+def write_results(args, labels: list[str], runs: list[dict], describe: str, pool_tokens: int, threads: int,
+                  stem: str) -> None:
+    """Summarize ``runs`` (medians per variant; ratios against the first variant of the same round, rounds
+    without it left out of the ratios) and write ``stem``.md / .json (rewritten after every run)."""
     base = labels[0]
     summary = {}
     for lab in labels:
         rows = [x for x in runs if x["variant"] == lab]
+        if not rows:
+            continue
         s = {k: statistics.median(x[k] for x in rows) for k in KEYS}
         for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "total_token_throughput"):
             ratios = []
             for x in rows:
-                b = next(y for y in runs if y["variant"] == base and y["round"] == x["round"])
-                ratios.append(x[k] / b[k])
-            s[k + "_ratio"] = statistics.median(ratios)
-        s["preemptions"] = sum(x["preemptions"] for x in rows)
+                b = next((y for y in runs if y["variant"] == base and y["round"] == x["round"]), None)
+                if b is not None:
+                    ratios.append(x[k] / b[k])
+            s[k + "_ratio"] = statistics.median(ratios) if ratios else float("nan")
+        s["preemptions"] = sum(x.get("preemptions", 0) for x in rows)
+        s["runs"] = len(rows)
         summary[lab] = s
-    cmd = shlex.join([sys.executable.split("/")[-1], "benchmarks/fair_scheduling.py", *sys.argv[1:]])
-    date = dt.date.today().isoformat()
-    stem = unused_stem(os.path.join(args.out, f"{date}-{args.label}"))
+    cmd = shlex.join(["python", "benchmarks/fair_scheduling.py", *sys.argv[1:]])
     meta = {"command": cmd, "model": describe, "input_len": args.input_len, "output_len": args.output_len,
-            "num_prompts": args.num_prompts, "repeats": args.repeats, "range_ratio": args.range_ratio, "max_num_batched_tokens":
-            args.max_num_batched_tokens, "max_num_seqs": 16, "kv_pool_tokens": pool_tokens, "dtype": "bfloat16",
-            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "date": date}
-    os.makedirs(args.out, exist_ok=True)
+            "num_prompts": args.num_prompts, "repeats": args.repeats, "range_ratio": args.range_ratio,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_num_seqs": 16, "kv_pool_tokens": pool_tokens,
+            "dtype": "bfloat16", "threads": threads, "cpu_count": os.cpu_count(), "date": dt.date.today().isoformat()}
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "summary": summary, "runs": runs}, f, indent=2)
     lengths = (f"{args.input_len} tokens" if not args.range_ratio else
                f"{args.input_len} x [1 - {args.range_ratio:g}, 1 + {args.range_ratio:g}] tokens")
+    done = len({x["round"] for x in runs})
     lines = [f"# Fair scheduling: {args.num_prompts} prompts of {lengths} arriving together", "",
              f"Command: `{cmd}`", "",
-             f"Model: {describe}, bf16, CPU ({os.cpu_count()} cores, {torch.get_num_threads()} threads, shared with "
-             f"other jobs), max_num_batched_tokens {args.max_num_batched_tokens}, max_num_seqs 16, KV pool "
-             f"{pool_tokens} tokens; {args.output_len} output tokens per request (ignore_eos, temperature 0), "
-             f"request rate inf; `tokenfab bench serve`'s client against the in-process server. Medians over "
-             f"{args.repeats} interleaved rounds; ratios against fcfs of the same round (median of the rounds).", "",
-             "| policy | median TTFT (ms) | p99 TTFT (ms) | median TPOT (ms) | p99 TPOT (ms) | total tok/s | "
-             "TTFT ratio | p99 TTFT ratio | TPOT ratio | tok/s ratio | preemptions |",
+             f"Model: {describe}, bf16, CPU ({os.cpu_count()} cores, {threads} threads, shared with other jobs), "
+             f"max_num_batched_tokens {args.max_num_batched_tokens}, max_num_seqs 16, KV pool {pool_tokens} tokens; "
+             f"{args.output_len} output tokens per request (ignore_eos, temperature 0), request rate inf; "
+             f"`tokenfab bench serve`'s client against the in-process server. Medians over the rounds run "
+             f"({done} of {args.repeats}, interleaved, order alternating); ratios against {base} of the same round "
+             "(median over rounds)." + (f" Summarized from the per-run lines of the log of a run cut short "
+                                        f"(`--from-log`); the run had the other flags above."
+                                        if getattr(args, "from_log", None) else ""), "",
+             "| policy | runs | median TTFT (ms) | p99 TTFT (ms) | median TPOT (ms) | p99 TPOT (ms) | total tok/s | "
+             "TTFT ratio | p99 TTFT ratio | TPOT ratio | tok/s ratio |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for lab in labels:
-        s = summary[lab]
-        lines.append(f"| {lab} | {s['median_ttft_ms']:.0f} | {s['p99_ttft_ms']:.0f} | {s['median_tpot_ms']:.1f} | "
-                     f"{s['p99_tpot_ms']:.1f} | {s['total_token_throughput']:.0f} | {s['median_ttft_ms_ratio']:.2f} | "
-                     f"{s['p99_ttft_ms_ratio']:.2f} | {s['median_tpot_ms_ratio']:.2f} | "
-                     f"{s['total_token_throughput_ratio']:.3f} | {s['preemptions']} |")
+    for lab, s in summary.items():
+        lines.append(f"| {lab} | {s['runs']} | {s['median_ttft_ms']:.0f} | {s['p99_ttft_ms']:.0f} | "
+                     f"{s['median_tpot_ms']:.1f} | {s['p99_tpot_ms']:.1f} | {s['total_token_throughput']:.0f} | "
+                     f"{s['median_ttft_ms_ratio']:.2f} | {s['p99_ttft_ms_ratio']:.2f} | "
+                     f"{s['median_tpot_ms_ratio']:.2f} | {s['total_token_throughput_ratio']:.3f} |")
     lines += ["", "Per run:", "", "| round | policy | median TTFT | p99 TTFT | median TPOT | total tok/s | duration s |",
               "|---|---|---|---|---|---|---|"]
     for x in runs:
@@ -255,9 +280,26 @@ def main() -> int:
                      f"{x['median_tpot_ms']:.1f} | {x['total_token_throughput']:.0f} | {x['duration']:.1f} |")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {stem}.md and {stem}.json")
-    return 0
+    print(f"wrote {stem}.md and {stem}.json", flush=True)
+
+
+def runs_from_log(path: str) -> tuple[list[dict], str, int, int]:
+    """The per-run lines (``[fair] round R LABEL: key=value, ...``) and the model line of a log of this script:
+    (runs, model description, pool tokens, threads); for a run cut short (``--from-log``)."""
+    import re
+    runs, describe, pool, threads = [], "", 0, 0
+    for line in open(path):
+        m = re.match(r"\[fair\] model (.*); pool (\d+) tokens; threads (\d+)", line)
+        if m:
+            describe, pool, threads = m.group(1), int(m.group(2)), int(m.group(3))
+        m = re.match(r"\[fair\] round (\d+) (\S+): (.*)", line)
+        if m:
+            row = {"round": int(m.group(1)), "variant": m.group(2)}
+            for kv in m.group(3).split(", "):
+                k, v = kv.split("=")
+                row[k] = float(v)
+            runs.append(row)
+    return runs, describe, pool, threads
 
 
 if __name__ == "__main__":
