@@ -126,7 +126,9 @@ def main(argv=None) -> int:
     rep["passed"] = (not failures and not dropped and not inn.errors and innocent_ok == len(inn.results) > 0
                      and healthy)
     stem = args.out or os.path.join(HERE, "results", time.strftime("%Y-%m-%d") + "-fuzz")
-    command = "python benchmarks/fuzz_api.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("TOKENFAB_CPU_KERNELS",) if k in os.environ)
+    command = (env + " " if env else "") + "python benchmarks/fuzz_api.py " + " ".join(
+        argv if argv is not None else sys.argv[1:])
     with open(stem + ".json", "w") as f:
         json.dump(dict(rep, command=command), f, indent=1)
     fxx = sum(v for k, v in statuses.items() if k.startswith("5"))
