@@ -81,12 +81,13 @@ def _sampling(rng: random.Random) -> dict:
     return body
 
 
-def _request(rng: random.Random, long: bool = False) -> tuple[str, dict]:
-    """(path, body) of one streaming request."""
+def _request(rng: random.Random, long: bool = False, cap: int = 128) -> tuple[str, dict]:
+    """(path, body) of one streaming request (``max_tokens`` at most ``cap``)."""
     n_words = rng.randint(150, 300) if long else rng.choice([rng.randint(1, 12), rng.randint(12, 60),
                                                              rng.randint(60, 200)])
     max_tokens = rng.randint(32, 96) if long else rng.choice([1, rng.randint(2, 16), rng.randint(16, 64),
                                                               rng.randint(64, 128)])
+    max_tokens = min(max_tokens, cap)
     body = {"max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True}, **_sampling(rng)}
     if rng.random() < 0.2:
         body["min_tokens"] = min(max_tokens, rng.randint(1, 8))
@@ -218,7 +219,7 @@ async def _stream_one(client, path: str, body: dict, disconnect_after: int | Non
 
 
 async def client_load(base_url: str, duration: float, clients: int, burst_every: float, burst_size: int,
-                      bad_every: float, vocab_size: int, max_model_len: int, seed: int) -> dict:
+                      bad_every: float, vocab_size: int, max_model_len: int, seed: int, cap: int = 128) -> dict:
     """Run the load against ``base_url`` for ``duration`` seconds; returns every request's record."""
     import httpx
     records: list[dict] = []
@@ -229,7 +230,7 @@ async def client_load(base_url: str, duration: float, clients: int, burst_every:
         async def worker(i: int) -> None:
             rng = random.Random(seed * 1000 + i)
             while time.monotonic() < t_end:
-                path, body = _request(rng)
+                path, body = _request(rng, cap=cap)
                 cut = rng.randint(1, 8) if rng.random() < 0.1 else None
                 rec = {"client": i, "kind": _kind(path) + ("_disconnect" if cut else ""),
                        "req": uuid.uuid4().hex, "t0": time.monotonic()}
@@ -247,7 +248,7 @@ async def client_load(base_url: str, duration: float, clients: int, burst_every:
                 k += 1
                 jobs = []
                 for _ in range(burst_size):
-                    path, body = _request(rng, long=True)
+                    path, body = _request(rng, long=True, cap=cap)
                     rec = {"client": "burst", "kind": "burst_" + _kind(path), "burst": k,
                            "req": uuid.uuid4().hex, "t0": time.monotonic()}
                     records.append(rec)
@@ -387,7 +388,8 @@ def run(args) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--client-of", handle.base_url, "--duration", str(args.duration),
            "--clients", str(args.clients), "--burst-every", str(args.burst_every), "--burst-size",
            str(args.burst_size), "--bad-every", str(args.bad_every), "--vocab-size", str(vocab), "--max-model-len",
-           str(args.max_model_len), "--seed", str(args.seed), "--client-out", out_path]
+           str(args.max_model_len), "--seed", str(args.seed), "--max-tokens", str(args.max_tokens), "--client-out",
+           out_path]
     child = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     load_wall = time.monotonic() - t0
     if child.returncode != 0:
@@ -501,6 +503,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rss-every", type=float, default=5.0)
     ap.add_argument("--rss-bound-mib", type=float, default=200.0, help="largest RSS growth after warm-up that passes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=128, help="largest max_tokens a request asks for")
     ap.add_argument("--workdir", default="/tmp/tokenfab-soak")
     ap.add_argument("--out", default=None, help="result stem (default benchmarks/results/<date>-soak)")
     ap.add_argument("--client-of", default=None, help=argparse.SUPPRESS)
@@ -509,7 +512,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.client_of:
         res = asyncio.run(client_load(args.client_of, args.duration, args.clients, args.burst_every,
-                                      args.burst_size, args.bad_every, args.vocab_size, args.max_model_len, args.seed))
+                                      args.burst_size, args.bad_every, args.vocab_size, args.max_model_len, args.seed,
+                                      args.max_tokens))
         with open(args.client_out, "w") as f:
             json.dump(res, f)
         return 0

@@ -18,7 +18,7 @@ def test_soak_smoke(tmp_path):
         sys.path.pop(0)
     stem = str(tmp_path / "soak")
     rc = soak.main(["--model", "tiny", "--duration", "6", "--clients", "4", "--burst-every", "2", "--burst-size", "4",
-                    "--bad-every", "0.5", "--num-kv-blocks", "24", "--max-model-len", "384", "--max-num-seqs", "16",
+                    "--bad-every", "0.5", "--num-kv-blocks", "24", "--max-model-len", "384", "--max-num-seqs", "16", "--max-tokens", "24",
                     "--workdir", str(tmp_path / "work"), "--out", stem])
     rep = json.load(open(stem + ".json"))
     assert rc == 0 and rep["passed"], (rep["checks"], rep["summary"]["lost_examples"][:3])
