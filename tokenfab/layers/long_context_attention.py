@@ -59,11 +59,16 @@ def block_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return torch.matmul(p.to(v.dtype), v), lse
 
 
+def _flash_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """PyTorch's CPU flash kernel takes q (CPU, float32 / bfloat16) and values as wide as the keys."""
+    return q.device.type == "cpu" and v.shape[-1] == q.shape[-1] and q.dtype in (torch.float32, torch.bfloat16)
+
+
 def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of q over one key block: PyTorch's CPU flash kernel when it applies (CPU, Dv == D), else
     :func:`block_attention_reference`. Same shapes and contract as the reference."""
-    if q.device.type == "cpu" and v.shape[-1] == q.shape[-1] and q.dtype in (torch.float32, torch.bfloat16):
+    if _flash_applies(q, v):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k.to(q.dtype), v.to(q.dtype), 0.0, False, attn_mask=mask, scale=scale)
         return o, lse.float()
@@ -131,7 +136,11 @@ def blocked_prefill_attention(q: torch.Tensor, group: AttentionGroup, key_block:
             o_b, lse_b = _block_attention(q[:, :, a:b], k, v, mask.unsqueeze(1), scale)
             lse_b = torch.where((qp >= k0).unsqueeze(1), lse_b, torch.full_like(lse_b, float("-inf")))
             _merge(out, lse, a, b, o_b, lse_b)
-        if full < Q:  # every query from `full` on sees the whole block: no mask
-            o_b, lse_b = _block_attention(q[:, :, full:], k, v, None, scale)
-            _merge(out, lse, full, Q, o_b, lse_b)
+        # every query from `full` on sees the whole block: no mask; one call where the flash kernel tiles it,
+        # else (the plain-PyTorch path materializes its scores) in sub-blocks of PARTIAL_QUERY_BLOCK queries
+        step = Q if _flash_applies(q, v) else PARTIAL_QUERY_BLOCK
+        for a in range(full, Q, step):
+            b = min(Q, a + step)
+            o_b, lse_b = _block_attention(q[:, :, a:b], k, v, None, scale)
+            _merge(out, lse, a, b, o_b, lse_b)
     return out[..., :out_dim].to(q.dtype)
