@@ -92,6 +92,16 @@ def test_three_ranks_match(ckpt, family, share):
     assert_same(reference(family, path), run(path, 3, host_experts=share), f"{family} {share} N=3")
 
 
+def test_kimi_k3_situ_latent_experts(tmp_path_factory, tokenizer_dir):
+    """Kimi K3's SiTU experts in the latent space, summed in float32 (its own expert math through ``act``)."""
+    from test_kimi_k3 import TEXT, k3_tensors, write_k3
+    stored, _ = k3_tensors(TEXT)
+    path = write_k3(str(tmp_path_factory.mktemp("k3_host")), tokenizer_dir, tensors=stored)
+    ref = run(path, 1)
+    for share in ("50%", "100%"):
+        assert assert_same(ref, run(path, 1, host_experts=share), f"kimi_k3 {share}") == 0.0
+
+
 def test_accounting_counts_each_pair_on_its_side(ckpt, tmp_path):
     """With the popularity recorder on: host pairs = the recorded routed pairs of the host experts, device pairs =
     the rest, and all pairs = tokens forwarded x top-k x MoE layers (prompt + generated - 1 per sequence)."""

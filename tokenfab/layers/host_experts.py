@@ -13,7 +13,11 @@ One MoE layer call with a split (:meth:`HostExpertSplit.forward`):
    per expert).
 3. Meanwhile the calling thread computes the device experts over their rows (on the model's device).
 4. The host rows are copied back and both sides' expert outputs are put back in the sorted-pair order; the weighted
-   sum is then exactly the no-offload path's: ``out.index_add_(0, token_of, (h * w_sorted[:, None]).to(dtype))``.
+   sum is then exactly the no-offload path's: ``out.index_add_(0, token_of, (h * w_sorted[:, None]).to(dtype))``
+   (float32 ``out`` for experts that sum in float32, Kimi K3's latent MoE).
+
+The experts' activation is the module's ``act`` (SiLU-GLU; SiTU-GLU for Kimi K3's ``SituRoutedExperts``). Experts
+whose module runs its own unpacked GEMMs (SiTU) keep their host copies unpacked too, so both sides match it.
 
 Because each expert sees the same rows in the same order and the per-token sum runs over the same pairs in the same
 order, the result is bit-identical to no offload whenever an expert's GEMM gives the same bits on either side (CPU
@@ -117,8 +121,10 @@ class ExpertWeights:
         return sum(t.numel() * t.element_size() for t in ts if not t.is_mkldnn)
 
 
-def expert_rows(xs: torch.Tensor, counts: list[int], wts: ExpertWeights, intermediate: int) -> torch.Tensor:
-    """SiLU-GLU expert outputs for rows sorted by expert.
+def expert_rows(xs: torch.Tensor, counts: list[int], wts: ExpertWeights, intermediate: int,
+                act=silu_and_mul) -> torch.Tensor:
+    """Gated-MLP expert outputs (``act``: SiLU-GLU by default, e.g. SiTU-GLU for Kimi K3) for rows sorted by
+    expert.
 
     Args:
         xs: [P, H] rows, the ``counts[i]`` rows of expert i (in ``wts`` order) contiguous and in that order.
@@ -142,16 +148,16 @@ def expert_rows(xs: torch.Tensor, counts: list[int], wts: ExpertWeights, interme
             # all experts' gate_up GEMMs in one parallel region, then all down GEMMs in one more
             gu = cpu_kernels.vnni_linear_group([xs[s:e] for s, e in bounds], [wts.p13[i] for i, _ in live],
                                                [2 * intermediate] * len(live))
-            act = [silu_and_mul(g) for g in gu]
-            return torch.cat(cpu_kernels.vnni_linear_group(act, [wts.p2[i] for i, _ in live], [H] * len(live)))
+            mid = [act(g) for g in gu]
+            return torch.cat(cpu_kernels.vnni_linear_group(mid, [wts.p2[i] for i, _ in live], [H] * len(live)))
         h = xs.new_empty(P, H)
         for (i, _), (s, e) in zip(live, bounds):
-            h[s:e] = packed_linear(silu_and_mul(packed_linear(xs[s:e], wts.p13[i], None, 2 * intermediate)),
+            h[s:e] = packed_linear(act(packed_linear(xs[s:e], wts.p13[i], None, 2 * intermediate)),
                                    wts.p2[i], None, H)
         return h
     h = xs.new_empty(P, H)
     for (i, _), (s, e) in zip(live, bounds):
-        h[s:e] = silu_and_mul(xs[s:e] @ wts.w13[i].t()) @ wts.w2[i].t()
+        h[s:e] = act(xs[s:e] @ wts.w13[i].t()) @ wts.w2[i].t()
     return h
 
 
@@ -177,6 +183,11 @@ class HostExpertSplit:
         hs = set(self.host_local)
         self.device_local = [i for i in range(e - s) if i not in hs]
         self.worker, self.stats, self.first_layer = worker, stats, first_layer
+        self.act = module.act
+        self.out_fp32 = bool(module.accumulate_fp32)  # Kimi K3's latent MoE sums the experts in float32
+        # experts with their own math (SiTU) run unpacked on the module too: the host keeps the same GEMMs
+        from tokenfab.layers.moe import RoutedExperts
+        self.packable = type(module).forward is RoutedExperts.forward
         w13, w2 = module.w13.data, module.w2.data
         hl = torch.tensor(self.host_local, dtype=torch.long)
         dl = torch.tensor(self.device_local, dtype=torch.long)
@@ -189,8 +200,10 @@ class HostExpertSplit:
         self._mask_dev: torch.Tensor | None = None
 
     def finalize(self) -> None:
-        """After ``post_load``: pack the host experts for the CPU kernels (CPU bf16)."""
-        self.host.pack()
+        """After ``post_load``: pack the host experts for the CPU kernels (CPU bf16), as ``fuse()`` packs the
+        device ones (experts with their own math stay unpacked on both sides)."""
+        if self.packable:
+            self.host.pack()
 
     def host_bytes(self) -> int:
         """Bytes of this layer's host-resident expert weights."""
@@ -199,7 +212,7 @@ class HostExpertSplit:
     def _host_job(self, xs_host: torch.Tensor, counts: list[int], intermediate: int) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            h = expert_rows(xs_host, counts, self.host, intermediate)
+            h = expert_rows(xs_host, counts, self.host, intermediate, self.act)
         return h, time.perf_counter() - t0
 
     def forward(self, module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -212,7 +225,7 @@ class HostExpertSplit:
         lo = int((flat < module.start).sum()) if module.start else 0
         counts_l = counts.tolist()
         P = sum(counts_l)
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=torch.float32 if self.out_fp32 else x.dtype)
         if self.first_layer:
             self.stats.add(passes=1)
         if P == 0:
@@ -241,7 +254,7 @@ class HostExpertSplit:
         if n_host < P:
             dev_idx = (~is_host).nonzero().squeeze(1) if n_host else None
             xs_dev = x.index_select(0, token_of if dev_idx is None else token_of.index_select(0, dev_idx))
-            h_dev = expert_rows(xs_dev, dev_counts, ExpertWeights.of_module(module), I)
+            h_dev = expert_rows(xs_dev, dev_counts, ExpertWeights.of_module(module), I, self.act)
             if x.device.type == "cuda":
                 torch.cuda.current_stream(x.device).synchronize()  # device time, not launch time
         device_s = time.perf_counter() - t0
@@ -260,7 +273,7 @@ class HostExpertSplit:
                 h[dev_idx] = h_dev
                 h[host_idx] = h_host.to(x.device, non_blocking=True)
             copy_s += time.perf_counter() - t0
-        out.index_add_(0, token_of, (h * w_sorted[:, None]).to(out.dtype))
+        out.index_add_(0, token_of, (h.to(w_sorted.dtype) * w_sorted[:, None]).to(out.dtype))
         e = x.element_size()
         self.stats.add(device_s=device_s, host_s=host_s, copy_s=copy_s, wait_s=wait_s, device_pairs=P - n_host,
                        host_pairs=n_host, bytes_to_host=n_host * H * e, bytes_to_device=n_host * H * e,
@@ -294,13 +307,14 @@ def install(model, placement, threads: int | None = None, device: torch.device |
     kept as ``model.host_expert_stats``. Call :func:`finalize` after ``post_load``.
 
     Raises:
-        UnsupportedError: experts with their own math (e.g. Kimi K3's SiTU experts), which have no host path yet.
+        UnsupportedError: experts with their own forward but no ``act`` of their own (math the split cannot
+            reproduce).
     """
     from tokenfab.errors import UnsupportedError
     from tokenfab.layers.moe import RoutedExperts
     mods = moe_expert_modules(model)
     for i, m in mods.items():
-        if type(m).forward is not RoutedExperts.forward:
+        if type(m).forward is not RoutedExperts.forward and type(m).act is RoutedExperts.act:
             raise UnsupportedError(f"host experts: layer {i}'s {type(m).__name__} (its own expert math) has no host "
                                    "path yet; leave host_experts / --host-experts unset for this model.")
     worker = HostExpertWorker(threads or default_host_threads(device or torch.device("cpu")))

@@ -112,6 +112,13 @@ class RoutedExperts(nn.Module):
             self._p2 = [pack_weight(w) for w in self.w2]
             self.w13 = self.w2 = None
 
+    accumulate_fp32 = False  # the weighted sum in x's dtype (subclasses may sum in float32)
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The experts' gated activation on gate_up [N, 2I] ([gate | up]) -> [N, I]: SiLU-GLU (subclasses with
+        another activation override it; layers/host_experts.py computes host experts with it)."""
+        return silu_and_mul(gate_up)
+
     def _grouped_ok(self, xs: torch.Tensor) -> bool:
         """torch._grouped_mm needs 16-byte-aligned row strides (e.g. float32 with intermediate 34 is refused)."""
         e = xs.element_size()

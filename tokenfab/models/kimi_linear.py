@@ -110,9 +110,17 @@ class SituRoutedExperts(RoutedExperts):
         self.beta, self.linear_beta = beta, linear_beta
         self.accumulate_fp32 = accumulate_fp32
 
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SiTU-GLU on gate_up [N, 2I] -> [N, I] (the host-expert split computes these experts with it)."""
+        return situ_glu(gate_up, self.beta, self.linear_beta)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum_k weights * expert_ids(x) (float32 when
         ``accumulate_fp32``, else x's dtype)."""
+        if self.route_counter is not None:
+            self.route_counter.record(ids)
+        if self.host is not None:  # host-offloaded experts (layers/host_experts.py): same pairs, same sum order
+            return self.host.forward(self, x, weights, ids)
         T, k = ids.shape
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
