@@ -3,12 +3,13 @@ one run, and grammar compile times.
 
     .venv/bin/python benchmarks/structured_output_overhead.py [--model DIR] [--batches 1,16] [--steps 30] [--rounds 3]
 
-For each batch size, ``B`` requests (the same prompts each time, ``--context`` tokens) are prefilled, then
-``--steps`` decode steps of ``LLMEngine.step()`` are timed, once with no constraint and once with every row under a
-JSON schema (:data:`SCHEMA`: eight required string properties, so no row can complete its JSON, and stop, within the
-timed steps; the number of rows still constrained at the end is reported). Both greedy. Configurations are
-interleaved ``--rounds`` times (ABAB.., so drift of a shared machine hits both alike) and each is reported as its
-fastest round's median step (all rounds listed). Unconstrained rows take the fused CPU decode path (forward, LM head
+For each batch size, two engines on the same weights each prefill ``B`` requests (the same prompts, ``--context``
+tokens): one with no constraint, one with every row under a JSON schema (:data:`SCHEMA`: eight required string
+properties, so no row can complete its JSON, and stop, within the timed steps; the number of rows still constrained
+at the end is reported). Both greedy. Then ``--steps`` decode steps are timed with the two engines stepped in turn
+(A, B, A, B, ...: on a heavily shared machine, load changes within seconds, and alternating single steps exposes both
+configurations to the same load), ``--rounds`` times; each is reported as its fastest round's median step (all rounds
+listed). Unconstrained rows take the fused CPU decode path (forward, LM head
 and draw in one C++ call); grammar rows take forward + LM head, the mask (fill + apply) and the sampler's module
 path, so the difference is the grammar plus leaving that path. A second table times the mask alone
 (``GrammarState.apply``: fill the batch's bitmasks, apply them to random logits [B, V]; median of 50) and a third
@@ -41,9 +42,8 @@ PERSON = {"type": "object",
           "required": ["name", "age", "tags"]}
 
 
-def time_decode(engine, prompts, params, steps: int, warmup: int = 3) -> tuple[float, int]:
-    """(median wall time in ms of ``steps`` decode steps of ``len(prompts)`` sequences, rows still constrained
-    after them)."""
+def _start(engine, prompts, params) -> list[str]:
+    """Add one request per prompt and step until every sequence sampled once (prefill done); returns the ids."""
     ids = []
     for i, p in enumerate(prompts):
         rid = f"bench-{time.monotonic_ns()}-{i}"
@@ -51,19 +51,31 @@ def time_decode(engine, prompts, params, steps: int, warmup: int = 3) -> tuple[f
         ids.append(rid)
     while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
         engine.step()
+    return ids
+
+
+def time_paired(engines, prompts, params_list, steps: int, warmup: int = 3) -> tuple[list[float], int]:
+    """Decode-step times (ms; median of ``steps``) of each engine with its params, the engines stepped in turn
+    (A, B, A, B, ...) so that a shared machine's load hits every configuration alike; and the rows still
+    constrained in the last engine at the end."""
+    ids = [_start(e, prompts, p) for e, p in zip(engines, params_list)]
     for _ in range(warmup):
-        engine.step()
-    times = []
+        for e in engines:
+            e.step()
+    times = [[] for _ in engines]
     for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    st = engine.runner.sampler.processors
-    rows = [s.row for r in engine.requests.values() for s in r.seqs if not s.is_finished]
+        for k, e in enumerate(engines):
+            t = time.perf_counter()
+            e.step()
+            times[k].append(time.perf_counter() - t)
+    e = engines[-1]
+    st = e.runner.sampler.processors
+    rows = [s.row for r in e.requests.values() for s in r.seqs if not s.is_finished]
     live = int(st.grammar.on[rows].sum()) if st.grammar is not None and rows else 0
-    for rid in ids:
-        engine.abort_request(rid)
-    return 1e3 * statistics.median(times), live
+    for eng, rids in zip(engines, ids):
+        for rid in rids:
+            eng.abort_request(rid)
+    return [1e3 * statistics.median(t) for t in times], live
 
 
 def time_mask(engine, B: int, reps: int = 50) -> float:
@@ -138,8 +150,10 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
 
     from tokenfab import LLM, SamplingParams, StructuredOutputsParams
-    llm = LLM(args.model, max_num_seqs=max(batches), max_model_len=args.context + 512, progress=False)
-    engine = llm.llm_engine
+    # two engines on the same weights, one per configuration, stepped in turn (time_paired)
+    engines = [LLM(args.model, max_num_seqs=max(batches), max_model_len=args.context + 512, progress=False).llm_engine
+               for _ in range(2)]
+    engine = engines[1]
     V = engine.model_config.vocab_size
     rng = np.random.default_rng(1)
     prompts = [rng.integers(10, V, args.context).tolist() for _ in range(max(batches))]
@@ -151,11 +165,10 @@ def main() -> None:
     live: dict[int, int] = {}
     for _ in range(args.rounds):
         for B in batches:
-            for label, params in cfgs:
-                ms, n_live = time_decode(engine, prompts[:B], params, args.steps)
-                res.setdefault((B, label), []).append(ms)
-                if label != "no grammar":
-                    live[B] = min(live.get(B, B), n_live)
+            ms, n_live = time_paired(engines, prompts[:B], [p for _, p in cfgs], args.steps)
+            for (label, _), m in zip(cfgs, ms):
+                res.setdefault((B, label), []).append(m)
+            live[B] = min(live.get(B, B), n_live)
     mask_ms = {B: time_mask(engine, B) for B in batches}
     compiles = time_compiles(engine)
     stack = engine.runner.cpu_decode_stack is not None
@@ -169,8 +182,8 @@ def main() -> None:
              f"Model: {name} (vocab {V}, {engine.dtype}), {engine.device}, fused CPU decode stack "
              f"{'on' if stack else 'off'}; {platform.processor() or platform.machine()}, {torch.get_num_threads()} "
              f"torch threads, {dt.datetime.now().isoformat(timespec='seconds')}. Prompts of {args.context} random "
-             f"tokens, greedy. Step: median of {args.steps} decode steps in the fastest of {args.rounds} interleaved "
-             "rounds (every round's median listed). Grammar rows: every row under a JSON schema of eight required "
+             f"tokens, greedy. Step: median of {args.steps} decode steps in the fastest of {args.rounds} rounds, the "
+             "two configurations' engines stepped in turn (every round's median listed). Grammar rows: every row under a JSON schema of eight required "
              "string properties (rows still constrained after the timed steps in the last column).", "",
              "| batch | configuration | decode step (ms) | vs no grammar | all rounds (ms) | rows constrained at end |",
              "|---:|---|---:|---:|---|---:|"]
@@ -181,8 +194,9 @@ def main() -> None:
             lines.append(f"| {B} | {label} | {med:.2f} | {med / base:.2f}x (+{med - base:.2f} ms) | "
                          f"{', '.join(f'{x:.2f}' for x in res[(B, label)])} | "
                          f"{live[B] if label != 'no grammar' else '-'} |")
-    lines += ["", "The mask alone (`GrammarState.apply`: `batch_fill_next_token_bitmask` + `apply_token_bitmask_inplace`"
-              " on random logits [B, V], every row inside a JSON string; median of 50 calls):", "",
+    lines += ["", "The mask alone (`GrammarState.apply`: `batch_fill_next_token_bitmask` + "
+              "`apply_token_bitmask_inplace` on random logits [B, V], every row inside a JSON string; median of 50 "
+              "calls):", "",
               "| batch | mask fill + apply (ms) |", "|---:|---:|"]
     lines += [f"| {B} | {mask_ms[B]:.3f} |" for B in batches]
     lines += ["", "Compile times (cold: tokenfab's and xgrammar's caches cleared; median of 5):", "",

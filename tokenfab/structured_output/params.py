@@ -15,9 +15,11 @@ Exactly one constraint per request:
 - ``choice``: the output is exactly one of these strings.
 - ``grammar``: an EBNF grammar (GBNF, llama.cpp's dialect, with a ``root`` rule), as vLLM's xgrammar backend takes.
 
-Options: ``disable_any_whitespace`` (JSON without optional whitespace: compact output), ``disable_additional_properties``
-(objects in the schema get ``additionalProperties: false`` where the schema leaves it unset). ``whitespace_pattern``
-and ``structural_tag`` are refused by name (the grammar library here does not take them).
+Options: ``disable_any_whitespace`` (JSON without optional whitespace: compact output).
+``disable_additional_properties`` and ``disable_fallback`` are accepted and change nothing: every schema compiles
+in xgrammar's strict mode (no property the schema does not name, unless it allows them) and there is no other
+backend to fall back to.
+``whitespace_pattern`` and ``structural_tag`` are refused by name (xgrammar here does not take them).
 """
 from __future__ import annotations
 
