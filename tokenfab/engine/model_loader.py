@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenfab.config import ModelConfig, load_config
+from tokenfab.errors import WeightLoadError
 from tokenfab.loader.gguf_packed import is_gguf, iterate_gguf_weights, load_gguf_tokenizer
 from tokenfab.loader.safetensors_loader import iterate_weights
 from tokenfab.models.registry import get_model_class
@@ -80,7 +81,11 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
     if gguf_file:  # quantized linears stay packed (tokenfab.quant.gguf_weight)
         skipped = model.load_weights(iterate_gguf_weights(config.model, progress=progress))
     elif tp is None:
-        skipped = model.load_weights(iterate_weights(config.model, progress=progress))
+        try:
+            skipped = model.load_weights(iterate_weights(config.model, progress=progress))
+        except WeightLoadError as e:  # name the folder when the message names only files inside it
+            msg = str(e)
+            raise (e if msg.startswith(config.model) else WeightLoadError(f"{config.model}: {msg}")) from None
     else:
         from tokenfab.parallel.sharded_loading import iterate_rank_weights
         skipped = model.load_weights(iterate_rank_weights(config.model, tp.plan, tp.rank))
