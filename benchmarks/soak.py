@@ -241,8 +241,8 @@ async def client_load(base_url: str, duration: float, clients: int, burst_every:
         async def bursts() -> None:
             rng = random.Random(seed + 7)
             k = 0
-            while True:
-                await asyncio.sleep(burst_every)
+            while True:  # a burst is never cut short: the load waits for it (cancelling would abort its streams)
+                await asyncio.sleep(max(0.0, min(burst_every, t_end - time.monotonic())))
                 if time.monotonic() >= t_end - 1:
                     return
                 k += 1
@@ -274,15 +274,7 @@ async def client_load(base_url: str, duration: float, clients: int, burst_every:
 
         tasks = [asyncio.create_task(worker(i)) for i in range(clients)]
         side = [asyncio.create_task(bursts()), asyncio.create_task(bad())]
-        await asyncio.gather(*tasks)
-        for t in side:
-            if not t.done():
-                t.cancel()
-        for t in side:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
+        await asyncio.gather(*tasks, *side)
     for r in records:
         r.setdefault("outcome", "lost_unfinished")
     return {"records": records}
