@@ -82,6 +82,9 @@ def one_run(model: str, caching: bool, a, num_prefixes: int) -> dict:
         st = llm.get_stats()
     finally:
         handle.stop()
+    del llm, handle
+    import gc
+    gc.collect()  # the next run's server gets this run's KV pool memory back
     q, h = st.get("prefix_cache_queries", 0), st.get("prefix_cache_hits", 0)
     return {"caching": caching, "hit_rate": h / q if q else 0.0, "queries": q, "hits": h,
             "median_ttft_ms": res["median_ttft_ms"], "p99_ttft_ms": res["p99_ttft_ms"],
@@ -103,7 +106,7 @@ def main() -> int:
     p.add_argument("--max-concurrency", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokenfab serve's CPU default.")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--kv-cache-memory", default="256MiB")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = p.parse_args()
