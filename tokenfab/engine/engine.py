@@ -74,7 +74,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(loaded.model, self.block_manager, config.max_num_seqs, config.max_model_len,
-                                  self.device, self.dtype, Sampler(self.generator), config.enforce_eager)
+                                  self.device, self.dtype, Sampler(self.generator), config.enforce_eager,
+                                  batch_invariant=config.batch_invariant)
         self.eos_token_ids = list(self.model_config.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = [self.tokenizer.eos_token_id]

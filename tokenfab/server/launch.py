@@ -56,7 +56,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         enable_prefix_caching=bool(getattr(args, "enable_prefix_caching", False)),
                         generation_config=getattr(args, "generation_config", "auto"),
                         max_logprobs=getattr(args, "max_logprobs", 20),
-                        speculative_config=getattr(args, "speculative_config", None))
+                        speculative_config=getattr(args, "speculative_config", None),
+                        batch_invariant=bool(getattr(args, "batch_invariant", False)))
 
 
 class PortInUseError(OSError):

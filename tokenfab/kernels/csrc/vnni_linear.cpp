@@ -9,7 +9,11 @@
 // 22-40 GB/s on the 2-core AVX512-BF16 VM, where oneDNN's packed inner product reaches 14-29 GB/s at the same
 // shapes (benchmarks/NOTES.md entry 32, benchmarks/linear_kernels.py). M > 4 (prefill, batched decode): oneDNN's
 // brgemm micro-kernel (at::native::cpublas::brgemm) on 64 x 32 tiles, float32 tiles rounded once to bf16.
+// In batch-invariant mode (batch_invariant.h) every M runs the GEMV's per-row summation order (gemv_tiles), so a
+// row's output does not depend on how many rows share the call.
 #include "vnni_linear.h"
+
+#include "batch_invariant.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -111,6 +115,23 @@ void gemv(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* 
     gemv_rows(x, M, lda, K, wp, N, bias, y, ldy, b0, b1);
   });
 }
+
+// Batch-invariant linear for any M: the GEMV kernel on groups of up to kGemvRows rows. gemv_blocks keeps separate
+// accumulators per row and walks k in the same order for every M, so each output has the bits a one-row GEMV gives
+// it, whatever M is and however the work is split over threads. Work items are (64-row tile, 32-column block) as
+// in gemm below: a thread keeps one tile of x in cache while it walks weight blocks, and each block, once loaded,
+// serves the tile's 16 row groups from cache.
+void gemv_tiles(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* wp, int64_t N,
+                const float* bias, uint16_t* y, int64_t ldy) {
+  const int64_t NB = (N + BN - 1) / BN, MB = (M + kTileM - 1) / kTileM;
+  at::parallel_for(0, MB * NB, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t it = begin; it < end; ++it) {
+      const int64_t nb = it % NB, m0 = (it / NB) * kTileM, m1 = std::min(M, m0 + kTileM);
+      for (int64_t r = m0; r < m1; r += kGemvRows)
+        gemv_rows(x + r * lda, std::min(kGemvRows, m1 - r), lda, K, wp, N, bias, y + r * ldy, ldy, nb, nb + 1);
+    }
+  });
+}
 #endif  // __AVX512BF16__
 
 // M > kGemvRows: tiles of kTileM rows x one 32-wide block through oneDNN's brgemm micro-kernel; the row tile is the
@@ -202,6 +223,12 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
     gemv(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, u16_mut(io.y), n);
     return io.y;
   }
+  if (tokenfab_cpu::batch_invariant()) {
+    gemv_tiles(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, u16_mut(io.y), n);
+    return io.y;
+  }
+#else
+  TORCH_CHECK(!tokenfab_cpu::batch_invariant(), "vnni_linear: batch-invariant mode needs AVX512-BF16");
 #endif
   gemm(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, u16_mut(io.y), n);
   return io.y;
