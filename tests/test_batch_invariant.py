@@ -54,6 +54,23 @@ def _gen(llm: LLM, reqs) -> list[tuple]:
     return [_result(o) for o in outs]
 
 
+def _staggered(llm: LLM, target, others, after: int) -> tuple:
+    """The target's result when ``others`` (prompt, params) arrive after its ``after``-th step, as requests reach a
+    server while another decodes: its decode rows then share steps with their prefill chunks."""
+    eng = llm.llm_engine
+    eng.add_request("target", None, target[0], target[1])
+    result, steps = None, 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.request_id == "target" and o.finished:
+                result = _result(o)
+        steps += 1
+        if steps == after:
+            for i, (p, sp) in enumerate(others):
+                eng.add_request(f"other-{i}", None, p, sp)
+    return result
+
+
 def _llm(path: str, budget: int, invariant: bool) -> LLM:
     return LLM(path, dtype="bfloat16", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=budget,
                max_logprobs=-1, batch_invariant=invariant, progress=False)
@@ -73,15 +90,24 @@ def test_bit_identical_alone_in_any_batch_and_any_chunking(tiny_model, family):
     chunked = _llm(path, 7, True)
     assert [_gen(chunked, [t])[0] for t in TARGETS] == alone, f"{family}: chunked prefill, alone"
     assert _gen(chunked, OTHERS[4:] + TARGETS + OTHERS[:4])[3:6] == alone, f"{family}: chunked, in a batch"
+    for i, t in enumerate(TARGETS):  # copies and others arriving while it decodes: mixed decode + prefill steps
+        assert _staggered(llm, t, [t] * 3, 3) == alone[i], f"{family}: target {i}, 3 copies arriving later"
+        assert _staggered(chunked, t, OTHERS, 5) == alone[i], f"{family}: target {i}, 7 others arriving later"
+
+
+def _chosen_logprobs(llm: LLM, reqs, i: int) -> list[float]:
+    """Logprobs of the tokens request ``i`` of ``reqs`` generated (run as one batch)."""
+    c = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)[i].outputs[0]
+    return [d[t] for d, t in zip(c.logprobs, c.token_ids)]
 
 
 def test_default_mode_is_not_batch_invariant(tiny_model):
-    """The comparison the mode passes fails in the default mode: beside seven different requests (decode GEMMs
-    of 8 rows on brgemm tiles instead of the 1-row GEMV) the greedy target's logprobs move."""
+    """The comparison the mode passes fails in the default mode: beside seven different requests (decode linears
+    of 8 rows on oneDNN's brgemm tiles instead of the 1-row GEMV) the seeded target's logprobs move."""
     llm = _llm(tiny_model("llama"), 256, False)
-    alone = _gen(llm, [TARGETS[0]])[0]
-    mixed = _gen(llm, OTHERS[:4] + [TARGETS[0]] + OTHERS[4:])[4]
-    assert mixed != alone
+    alone = _chosen_logprobs(llm, [TARGETS[1]], 0)
+    mixed = _chosen_logprobs(llm, OTHERS[:4] + [TARGETS[1]] + OTHERS[4:], 4)
+    assert len(alone) == len(mixed) == 20 and alone != mixed
 
 
 def test_refused_by_name_where_it_does_not_hold(tiny_model):
@@ -135,6 +161,7 @@ def _smol_llm(path: str, budget: int, invariant: bool) -> LLM:
                batch_invariant=invariant, progress=False)
 
 
+@pytest.mark.slow
 def test_smollm2_bit_identical_alone_in_any_batch_and_any_chunking(smol):
     llm = _smol_llm(smol, 512, True)
     chat = _chat_prompts(llm)
@@ -150,3 +177,22 @@ def test_smollm2_bit_identical_alone_in_any_batch_and_any_chunking(smol):
     assert _gen(llm, others[:3] + targets + others[3:])[3:5] == alone, "beside 7 different requests"
     chunked = _smol_llm(smol, 16, True)  # prompts of ~40 tokens cut into chunks of <= 16, shared with the others
     assert _gen(chunked, others[3:] + targets + others[:3])[4:6] == alone, "chunked, in a batch"
+    for i, t in enumerate(targets):  # the README's case: beside three copies, arriving while it decodes
+        assert _staggered(llm, t, [t] * 3, 2) == alone[i], f"target {i}, 3 copies arriving later"
+
+
+@pytest.mark.slow
+def test_smollm2_default_mode_differs_beside_three_copies(smol):
+    """What the README claimed and bf16 broke: the greedy answer to the third demo prompt alone, and beside three
+    copies of it that arrive while it decodes (its decode row then shares steps with their prefill chunks, on the
+    brgemm path instead of the GEMV). The default mode's logprobs move (on the 2-core VM its tokens part at the 7th
+    token); batch-invariant mode gives the same bits."""
+    target_of = lambda llm: (_chat_prompts(llm)[2], SamplingParams(temperature=0.0, max_tokens=48,  # noqa: E731
+                                                                     logprobs=1))
+    default = _smol_llm(smol, 512, False)
+    t = target_of(default)
+    alone = _gen(default, [t])[0]
+    assert _staggered(default, t, [t] * 3, 2)[1] != alone[1]
+    invariant = _smol_llm(smol, 512, True)
+    t = target_of(invariant)
+    assert _staggered(invariant, t, [t] * 3, 2) == _gen(invariant, [t])[0]
