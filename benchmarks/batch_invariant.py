@@ -13,7 +13,7 @@ default, ... (ABBA, so slow drift of a shared machine hits both alike):
   token; tokens / wall time of that step.
 
 Each cell is reported as its fastest round (the least disturbed on a shared machine), with every round listed, and
-the invariant / default ratio. Writes <--out, default benchmarks/results>/<date>-batch-invariant.{md,json} (with the
+the invariant / default ratio. A discarded warm-up pass of every cell runs first. Writes <--out, default benchmarks/results>/<date>-batch-invariant.{md,json} (with the
 command line).
 """
 from __future__ import annotations
@@ -98,6 +98,10 @@ def main() -> int:
     vocab = llms["default"].llm_engine.model_config.vocab_size
     cells = [("decode", b) for b in batches] + [("prefill", args.prompts)]
     rounds: dict[str, dict[str, list[float]]] = {m: {f"{k}@{b}": [] for k, b in cells} for m in llms}
+    for mode, llm in llms.items():  # warm-up (oneDNN's kernel generation, first-touch of the KV pool): discarded
+        time_prefill(llm.llm_engine, args.prompts, args.prompt_len, vocab)
+        for b in batches:
+            time_decode(llm.llm_engine, b, args.context, 3, vocab, warmup=1)
     for r in range(args.rounds):
         order = list(llms) if r % 2 == 0 else list(reversed(llms))
         for kind, b in cells:

@@ -21,6 +21,62 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.has_bf16_dot(),
 FAMILIES = ("llama", "deepseek_v3", "qwen3_moe")
 
 
+# ------------------------------------------------------------------------------------------------- the kernels
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (576, 1536, True), (200, 64, False), (100, 2050, True),
+                                      (49, 96, False)])
+def test_linear_rows_do_not_depend_on_the_row_count_or_place(n, k, bias):
+    """In the mode, row r of vnni_linear(x[:M]) has the same bits for every M (1..300, across the 4-row GEMV
+    threshold of the default mode and the 64-row brgemm tiles) and at any offset in the batch; the default mode's
+    GEMV (M <= 4) and brgemm (M > 4) give a row different bits."""
+    import torch
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(300, k, generator=g).bfloat16()
+    p = cpu_kernels.pack_linear_weight(w)
+    with cpu_kernels.batch_invariant():
+        ref = torch.cat([cpu_kernels.vnni_linear(x[i:i + 1], p, n, b) for i in range(8)])
+        for m in (1, 2, 3, 4, 5, 7, 8, 63, 64, 65, 129, 300):
+            assert torch.equal(cpu_kernels.vnni_linear(x[:m], p, n, b)[:8], ref[:m]), m
+        rolled = cpu_kernels.vnni_linear(torch.roll(x, 37, 0), p, n, b)
+        assert torch.equal(torch.roll(rolled, -37, 0)[:8], ref)
+    assert not cpu_kernels.batch_invariant_active()
+    if k >= 576:  # reductions long enough that the default mode's two orders part somewhere in 64 rows
+        gemv = torch.cat([cpu_kernels.vnni_linear(x[i:i + 1], p, n, b) for i in range(64)])
+        assert not torch.equal(gemv, cpu_kernels.vnni_linear(x[:64], p, n, b))
+
+
+def test_decode_attention_does_not_split_a_context_in_the_mode():
+    """MLA-shaped decode attention (one latent KV head of 576, bf16): alone a sequence is split across threads
+    (flash-decoding) in the default mode, beside 7 others it is not; in the mode it has the same bits either way."""
+    import torch
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: the default mode does not split either")
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(64, 16, 1, 576, generator=g).bfloat16()
+    q = torch.randn(8, 16, 576, generator=g).bfloat16()
+    bt = torch.randperm(64, generator=g)[:64].view(8, 8).contiguous()
+    lens = torch.tensor([120, 77, 128, 5, 64, 99, 31, 128])
+
+    def attend(rows):
+        return cpu_kernels.paged_decode_attention(q[rows], cache, cache[..., :512], bt[rows].contiguous(),
+                                                  lens[rows], 0.05)
+    with cpu_kernels.batch_invariant():
+        batch = attend(slice(0, 8))
+        assert all(torch.equal(attend(slice(i, i + 1))[0], batch[i]) for i in range(8))
+    assert not all(torch.equal(attend(slice(i, i + 1))[0], attend(slice(0, 8))[i]) for i in range(8))
+
+
+def test_router_dot_does_not_depend_on_the_row_count():
+    import torch
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(70, 300, generator=g), torch.randn(16, 300, generator=g)
+    y = cpu_kernels.rowwise_linear_f32(x, w)
+    assert torch.equal(torch.cat([cpu_kernels.rowwise_linear_f32(x[i:i + 1], w) for i in range(70)]), y)
+    torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------- the engine
 def _prompt(seed: int, n: int, vocab: int = 512) -> list[int]:
     return [(seed * 7919 + i * 104729) % (vocab - 3) + 3 for i in range(n)]
 

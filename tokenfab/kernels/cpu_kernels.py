@@ -463,9 +463,10 @@ class batch_invariant:
 
     In that mode every kernel reduces in an order independent of the number of rows, a row's place among them and
     the thread count (csrc/batch_invariant.cpp): :func:`vnni_linear` (and everything built on it: the decode blocks,
-    the MoE dispatch, the decode stack) runs its GEMV's per-row order for any number of rows instead of oneDNN's
-    brgemm tiles above 4 rows, :func:`paged_decode_attention` never splits a context across threads, and the MoE
-    routers' GEMMs run :func:`rowwise_linear_f32`. The flag is per thread (the thread that steps the engine sets
+    the MoE dispatch, the decode stack) runs oneDNN's brgemm tiles for every number of rows instead of switching to
+    its GEMV at 4 rows and fewer (brgemm's order per output does not depend on the row count or the row's tile;
+    the GEMV's differs from it), :func:`paged_decode_attention` never splits a context across threads, and the
+    decode stack's MoE routers run :func:`rowwise_linear_f32`. The flag is per thread (the thread that steps the engine sets
     it), so engines in other threads keep their own mode. Python callers ask :func:`batch_invariant_active`.
 
     Raises:

@@ -1,12 +1,12 @@
 // Batch-invariant mode: the switch and the one kernel it needs beyond the existing ones.
 //
-// In the default mode a row's result can depend on its batch: linears of more than 4 rows leave the GEMV for
-// oneDNN's brgemm tiles (another summation order), decode attention splits a context across threads when there
-// are fewer sequences than threads (flash-decoding, merged by log-sum-exp), and the routers' GEMMs go to
-// MKL / oneDNN, whose kernels are chosen by shape. With the switch on (tokenfab/kernels/cpu_kernels.py
-// batch_invariant()), vnni_linear runs the GEMV's per-row order for any number of rows (vnni_linear.cpp), decode
-// attention never splits a context (paged_attention_bf16.cpp) and the routers run rowwise_linear_f32 below
-// (decode_stack.cpp, layers/moe.py). The idea follows vLLM's batch-invariant mode and Thinking Machines'
+// In the default mode a row's result can depend on its batch: linears of up to 4 rows run the GEMV and larger ones
+// oneDNN's brgemm tiles (two summation orders), decode attention splits a context across threads when there are
+// fewer sequences than threads (flash-decoding, merged by log-sum-exp), and the routers' GEMMs go to MKL / oneDNN,
+// whose kernels are chosen by shape. With the switch on (tokenfab/kernels/cpu_kernels.py batch_invariant()),
+// vnni_linear runs brgemm tiles for every number of rows (vnni_linear.cpp: their order per output does not depend
+// on M or the row's tile), decode attention never splits a context (paged_attention_bf16.cpp) and the routers run
+// rowwise_linear_f32 below (decode_stack.cpp). The idea follows vLLM's batch-invariant mode and Thinking Machines'
 // "Defeating Nondeterminism in LLM Inference" (2025): fix each reduction's order per row, whatever the batch.
 #include "batch_invariant.h"
 
