@@ -2,10 +2,10 @@
 
 In that mode every step runs through the fused CPU decode stack (engine/cpu_decode_stack.py) with each token, of a
 prompt chunk or a decode, as one query row over its own context (context length = its position + 1), in the
-kernels' batch-invariant mode (``cpu_kernels.batch_invariant``): linears of any number of rows on the GEMV's
-per-row order, decode attention over the pool in absolute 16-token blocks without context splits, routers on a
-fixed-order float32 dot. A token's hidden states, KV rows and logits then have the same bits whatever else the step
-holds and wherever a chunk starts (docs/batch_invariance.md). Anything outside that path is refused here, by name,
+kernels' batch-invariant mode (``cpu_kernels.batch_invariant``): linears of any number of rows on brgemm tiles
+(never the GEMV, whose order differs), decode attention over the pool in absolute 16-token blocks without context
+splits, routers on a fixed-order float32 dot. A token's hidden states, KV rows and logits then have the same bits
+whatever else the step holds and wherever a chunk starts (docs/batch_invariance.md). Anything outside that path is refused here, by name,
 instead of silently falling back to a path whose rounding depends on the batch.
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ def check_model(model: torch.nn.Module, device: torch.device, graph_mode: str | 
                                f"({cpu_kernels.load_error()}); install a C++ compiler and unset "
                                f"TOKENFAB_CPU_KERNELS=0, {_OFF}.")
     if not cpu_kernels.has_bf16_dot():
-        raise UnsupportedError("batch_invariant=True needs a CPU with AVX512-BF16 (its linears are tokenfab's "
-                               f"vdpbf16ps GEMV; oneDNN's kernels on this CPU pick their order by shape); {_OFF}.")
+        raise UnsupportedError("batch_invariant=True needs a CPU with AVX512-BF16 (the fused decode stack and "
+                               f"tokenfab's VNNI-blocked linears need it); {_OFF}.")
     backend = cpu_linear_backend()
     if backend != "tokenfab":
         raise UnsupportedError(f"batch_invariant=True runs tokenfab's own linears; TOKENFAB_CPU_LINEAR={backend} "
