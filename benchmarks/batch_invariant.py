@@ -82,12 +82,17 @@ def main() -> int:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--prompts", type=int, default=1, help="prompts prefilled together in the timed prefill step")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="intra-op threads (default: torch's). 1 keeps a machine shared with other jobs from turning "
+                         "every parallel region's fork/join into a scheduler wait")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
 
     import torch
 
     from tokenfab import LLM
+    if args.threads:
+        torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
     kw = dict(dtype="bfloat16", max_model_len=max(args.prompt_len, args.context + args.steps + 16) + 16,
               max_num_seqs=max(batches + [args.prompts]), max_num_batched_tokens=max(8192, args.prompts *
