@@ -35,6 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Ranks for tensor parallel. Default 1.")
     g.add_argument("--enforce-eager", action="store_true",
                    help="Never replay decode steps from CUDA graphs (graphs are used on CUDA/ROCm only).")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="Batch-invariant mode: a request's tokens and logprobs are bit-identical whatever else "
+                        "runs beside it and however its prompt is chunked (CPU, bfloat16; slower prefill, "
+                        "benchmarks/results/2026-12-01-batch-invariant.md).")
     g.add_argument("--num-threads", type=int, default=None,
                    help="CPU intra-op threads for every engine step. Default: all cores (measured fastest on 2 "
                         "cores once the engine runs on one OpenMP pool, benchmarks/NOTES.md entry 18).")

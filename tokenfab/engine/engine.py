@@ -76,7 +76,8 @@ class LLMEngine:
                                    make_policy(config.scheduling_policy, bs))
         self.generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(loaded.model, self.block_manager, config.max_num_seqs, config.max_model_len,
-                                  self.device, self.dtype, Sampler(self.generator), config.enforce_eager)
+                                  self.device, self.dtype, Sampler(self.generator), config.enforce_eager,
+                                  batch_invariant=config.batch_invariant)
         if config.enable_prefix_caching:  # KV blocks shared by content hash (prefix_cache.py)
             from tokenfab.engine.prefix_cache import build_prefix_cache
             if self.runner.has_state and loaded.tp_group is not None:

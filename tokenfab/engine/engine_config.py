@@ -125,6 +125,12 @@ class EngineConfig:
             of this process's threads on CPU).
         record_expert_popularity: a path where the engine writes those counts when it shuts down
             (tokenfab/engine/expert_popularity.py).
+        batch_invariant: run every kernel in an order that does not depend on the batch (as vLLM's batch-invariant
+            mode): a request's tokens and logprobs are then bit-identical alone, beside any other requests and
+            under any ``max_num_batched_tokens`` (docs/batch_invariance.md). CPU, bfloat16, models the fused
+            decode stack covers; every token runs as a one-query row over its own context. Costs prefill speed
+            (benchmarks/results/2026-12-01-batch-invariant.md). See :meth:`check_batch_invariant` for what is
+            refused.
 
     Raises:
         EngineConfigError / UnsupportedError (ValueError): a setting out of range or not supported, naming it;
@@ -157,6 +163,7 @@ class EngineConfig:
     expert_popularity: str | None = None
     host_expert_threads: int | None = None
     record_expert_popularity: str | None = None
+    batch_invariant: bool = False
 
     @classmethod
     def from_kwargs(cls, model: str, where: str = "LLM()", **kwargs) -> "EngineConfig":
@@ -187,6 +194,38 @@ class EngineConfig:
                                     f"{self.scheduling_policy!r}.")
         self.check_quantization()
         self.generation_defaults()  # a missing folder or a bad value fails now, not at the first request
+        self.check_batch_invariant()
+
+    def check_batch_invariant(self) -> None:
+        """With ``batch_invariant=True``, refuse (by name, before any weight is read) what the mode does not cover.
+
+        Raises:
+            EngineConfigError: batch_invariant is not a bool.
+            UnsupportedError: a dtype other than bfloat16, a CUDA/ROCm device, tensor_parallel_size > 1 or a
+                speculative_config. The model itself is checked after loading (ModelRunner).
+        """
+        if not isinstance(self.batch_invariant, bool):
+            raise EngineConfigError(f"batch_invariant must be True or False, got {self.batch_invariant!r}.")
+        if not self.batch_invariant:
+            return
+        if self.dtype not in ("auto", "bfloat16", "bf16", torch.bfloat16):
+            raise UnsupportedError(f"batch_invariant=True runs bfloat16 only (its kernels are tokenfab's bf16 CPU "
+                                   f"kernels); got dtype={self.dtype!r}: use dtype='bfloat16' (or 'auto'), or "
+                                   "leave batch_invariant off.")
+        if resolve_device(self.device).type != "cpu":
+            raise UnsupportedError("batch_invariant=True is implemented on CPU only: on CUDA/ROCm the Triton decode "
+                                   "attention splits each context over programs by its length and merges the "
+                                   "splits (flash-decoding), the routed experts' grouped GEMM tiles depend on "
+                                   "how many tokens each expert gets, and cuBLAS picks GEMM kernels (and "
+                                   "split-K) by batch size; use device='cpu' or leave batch_invariant off "
+                                   "(docs/batch_invariance.md says what a GPU version needs).")
+        if self.tensor_parallel_size != 1:
+            raise UnsupportedError("batch_invariant=True with tensor_parallel_size > 1 is not supported (the ranks' "
+                                   "partial sums are all-reduced in an order the mode does not fix); use "
+                                   "tensor_parallel_size=1.")
+        if self.speculative_config is not None:
+            raise UnsupportedError("batch_invariant=True with speculative_config is not supported yet; leave one "
+                                   "of them off.")
 
     def check_host_experts(self) -> None:
         """Check the host-expert settings (host_experts, num_device_experts, expert_popularity,

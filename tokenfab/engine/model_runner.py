@@ -17,14 +17,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenfab.engine.batch_invariance import check_model, check_stack
 from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
 from tokenfab.engine.cuda_graph_runner import DecodeGraphRunner, capture_sizes, decode_graph_mode
 from tokenfab.engine.hugepages import module_tensors, move_to_hugepages
 from tokenfab.engine.logits_state import LogitsProcessorState
-from tokenfab.engine.sampler import Sampler, SamplerOutput
+from tokenfab.engine.sampler import Sampler, SamplerOutput, top_logprobs
 from tokenfab.engine.scheduler import ScheduledBatch
-from tokenfab.kernels import triton_support
+from tokenfab.kernels import cpu_kernels, triton_support
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import cpu_linear_backend
 from tokenfab.spec_decode.verification import verification_rows
@@ -67,10 +68,19 @@ class ModelRunner:
         device, dtype: where/what the KV pool is.
         sampler: the batched sampler.
         enforce_eager: never replay decode steps from CUDA graphs (vLLM's flag; graphs apply on CUDA/ROCm only).
+        batch_invariant: every step, prefill and decode alike, runs through the fused CPU decode stack with each
+            token as a one-query row over its own context, in the kernels' batch-invariant mode
+            (``cpu_kernels.batch_invariant``), so a token's values do not depend on its batch or chunk
+            (docs/batch_invariance.md).
+
+    Raises:
+        UnsupportedError: ``batch_invariant`` for a model or machine the decode stack does not cover (the message
+            says which part).
     """
 
     def __init__(self, model, block_manager: BlockManager, max_num_seqs: int, max_model_len: int,
-                 device: torch.device, dtype: torch.dtype, sampler: Sampler, enforce_eager: bool = False):
+                 device: torch.device, dtype: torch.dtype, sampler: Sampler, enforce_eager: bool = False,
+                 batch_invariant: bool = False):
         self.model = model
         self.bm = block_manager
         self.block_size = block_manager.block_size
@@ -87,6 +97,10 @@ class ModelRunner:
                                                    block_manager.max_blocks_per_seq, capture_sizes(max_num_seqs),
                                                    device, graph_mode)
             self.decode_graphs.capture()
+        self.batch_invariant = batch_invariant
+        if batch_invariant:  # refused by name before anything is moved or built (batch_invariance.py)
+            check_model(model, device, graph_mode)
+            model.pack_tied_lm_head()  # the LM head on the packed linear too (an untied one is packed already)
         self.hugepage_bytes = 0  # CPU: weights and the KV pool moved into 2 MiB pages (hugepages.py)
         if device.type == "cpu":
             kv = [t for c in self.kv_caches for t in (c if isinstance(c, (list, tuple)) else (c,))]
@@ -98,8 +112,12 @@ class ModelRunner:
         self.cpu_decode_stack: CpuDecodeStack | None = None
         if device.type == "cpu" and graph_mode is None and not self.has_state:
             self.cpu_decode_stack = CpuDecodeStack.build(model, self.kv_caches, self.block_size)
+        if batch_invariant:
+            check_stack(self.cpu_decode_stack)
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
         self.sampler = sampler
+        if sampler is not None:
+            sampler.batch_invariant = batch_invariant  # each row drawn by its own kind of draw, whatever its mates
         if sampler is not None:  # penalties, min_p, logit_bias, allowed_token_ids, bad_words by row (logits_state.py)
             sampler.processors = LogitsProcessorState(max_num_seqs, model.cfg.vocab_size, self.token_ids)
         self.eos_ids: list[int] = []
@@ -158,7 +176,9 @@ class ModelRunner:
             T, starts, req_idx, positions = derived
         slots = self._slots(bt, req_idx, positions)
         graphs = self.decode_graphs
-        if graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: replay (cuda_graph_runner.py)
+        if self.batch_invariant:  # every token one query row over its own context: no group, chunk or batch shape
+            hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt[req_idx], positions + 1)
+        elif graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: replay (cuda_graph_runner.py)
             hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1)
         elif self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: one C++ call (cpu_decode_stack.py)
             hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt, num_computed + 1)
@@ -190,7 +210,12 @@ class ModelRunner:
             self._threads_now = n
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
-        """Run one forward pass for ``batch`` and sample where sequences reached their last known token."""
+        """Run one forward pass for ``batch`` and sample where sequences reached their last known token (in the
+        kernels' batch-invariant mode when the runner was built with ``batch_invariant``)."""
+        with cpu_kernels.batch_invariant(self.batch_invariant):
+            return self._execute_step(batch)
+
+    def _execute_step(self, batch: ScheduledBatch) -> StepOutput:
         stack = self.cpu_decode_stack
         if batch.num_decodes == len(batch) and stack is not None and stack.vocab_size is not None:
             if self._threads is not None:
@@ -254,7 +279,7 @@ class ModelRunner:
             k = max(seqs[i].params.prompt_logprobs for i in np.unique(seq_i))
             top_v = top_i = None
             if k > 0:
-                tv, ti = logp.topk(k, dim=-1)
+                tv, ti = top_logprobs(logp, k, self.batch_invariant)
                 top_v, top_i = tv.numpy(), ti.numpy()
             plp = PromptLogprobs(seq_i, pred_pos, targets, lp.numpy(), top_i, top_v)
         return StepOutput(sampled_index, sampler_out, plp, spec_logits)

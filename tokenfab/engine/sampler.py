@@ -62,6 +62,17 @@ def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
 
 
+def top_logprobs(logp: torch.Tensor, k: int, ties_by_id: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row of ``logp`` [N, V] and their ids, largest first (``torch.topk``). With
+    ``ties_by_id`` (batch-invariant mode), equal values come lowest id first, so a row's top-k does not depend on the
+    k its batch mates asked for (the batch takes the largest k and each request keeps its first k: ``topk(4)[:3]``
+    and ``topk(3)`` may pick different tokens among ties). Returns (values [N, k], int64 ids [N, k])."""
+    if not ties_by_id:
+        return logp.topk(k, dim=-1)
+    vals, ids = logp.sort(dim=-1, descending=True, stable=True)
+    return vals[:, :k], ids[:, :k]
+
+
 def _unrestricted(params, vocab_size: int) -> bool:
     """True when a row draws from its whole vocabulary: no top-k below it, no top-p below 1 (sample_plain's rows)."""
     return (params.top_k <= 0 or params.top_k >= vocab_size) and params.top_p >= 1.0
@@ -79,6 +90,9 @@ class Sampler:
         self._plain_temps: tuple[list[float], torch.Tensor | None] = ([], None)  # plain_inputs' last temperatures
         # per-row penalties, min_p, logit_bias, allowed_token_ids, bad_words (the model runner sets it; logits_state.py)
         self.processors: LogitsProcessorState | None = None
+        # batch-invariant mode (the model runner sets it): rows without top-k / top-p are always drawn by sample_plain
+        # and the others by the sorted path, so a row's draw does not depend on which kinds of rows share its batch
+        self.batch_invariant = False
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
         """One uniform in [0, 1) per row: unseeded rows from one call on the engine's RNG, seeded rows from the
@@ -111,6 +125,29 @@ class Sampler:
             return temps, torch.zeros(len(seqs))
         return temps, self._uniforms(seqs)
 
+    @staticmethod
+    def _sorted_draw(logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
+        """Rows of ``logits`` [N, V] float32 drawn with their temperature, top-k and top-p (``params``, one
+        SamplingParams per row) from uniforms ``u`` [N] by :func:`inverse_cdf_sample`; greedy rows take their
+        first argmax. Returns int64 [N]."""
+        V = logits.shape[-1]
+        temp_list = [p.temperature for p in params]
+        temps = torch.tensor(temp_list, dtype=torch.float32)
+        greedy = temps < 1e-5
+        any_greedy = any(t < 1e-5 for t in temp_list)
+        if any_greedy or any(t != 1.0 for t in temp_list):
+            x = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
+        else:  # all at temperature 1: dividing by 1 is exact, skip it
+            x = logits
+        ks = [p.top_k for p in params]
+        ps = [p.top_p for p in params]
+        top_k = torch.tensor([k if 0 < k < V else V for k in ks]) if any(0 < k < V for k in ks) else None
+        top_p = torch.tensor(ps, dtype=torch.float32) if any(p < 1.0 for p in ps) else None
+        if top_k is not None or top_p is not None:
+            x = apply_top_k_top_p(x, top_k, top_p)
+        sampled = inverse_cdf_sample(x.softmax(dim=-1), u)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled) if any_greedy else sampled
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], raw_logits: torch.Tensor | None = None,
                  rows: np.ndarray | None = None, lengths: np.ndarray | None = None) -> SamplerOutput:
         """logits [N, V] float32 for sequences ``seqs`` (len N) -> SamplerOutput. ``raw_logits`` (default: logits)
@@ -129,29 +166,23 @@ class Sampler:
                 # min_p after temperature T is min_p ** T before it (apply_min_p), so the draw below stays fused
                 temps = torch.tensor([t if t >= 1e-5 else 1.0 for t in temp_list], dtype=torch.float32)
                 logits = apply_min_p(logits, proc.min_p.pow(temps))
+        plain_ok = logits.dtype == torch.float32 and cpu_kernels.available_for(logits)
+        plain = [_unrestricted(p, V) for p in params]
         if all(t < 1e-5 for t in temp_list):
             token_ids = logits.argmax(dim=-1)
-        elif (logits.dtype == torch.float32 and cpu_kernels.available_for(logits)
-              and all(_unrestricted(p, V) for p in params)):
+        elif plain_ok and all(plain):
             temps = torch.tensor(temp_list, dtype=torch.float32)  # one pass per row in C++
             token_ids = cpu_kernels.sample_plain(logits, temps, self._uniforms(seqs))
+        elif plain_ok and self.batch_invariant and any(plain):  # each kind of row by its own draw
+            u = self._uniforms(seqs)
+            pm = torch.tensor(plain)
+            pi, ri = pm.nonzero().squeeze(1), (~pm).nonzero().squeeze(1)
+            token_ids = torch.empty(N, dtype=torch.int64)
+            token_ids[pi] = cpu_kernels.sample_plain(logits[pi], torch.tensor(temp_list, dtype=torch.float32)[pi],
+                                                     u[pi])
+            token_ids[ri] = self._sorted_draw(logits[ri], [params[i] for i in ri.tolist()], u[ri])
         else:
-            temps = torch.tensor(temp_list, dtype=torch.float32)
-            greedy = temps < 1e-5
-            any_greedy = any(t < 1e-5 for t in temp_list)
-            if any_greedy or any(t != 1.0 for t in temp_list):
-                x = logits / torch.where(greedy, torch.ones_like(temps), temps).unsqueeze(1)
-            else:  # all at temperature 1: dividing by 1 is exact, skip it
-                x = logits
-            ks = [p.top_k for p in params]
-            ps = [p.top_p for p in params]
-            top_k = torch.tensor([k if 0 < k < V else V for k in ks]) if any(0 < k < V for k in ks) else None
-            top_p = torch.tensor(ps, dtype=torch.float32) if any(p < 1.0 for p in ps) else None
-            if top_k is not None or top_p is not None:
-                x = apply_top_k_top_p(x, top_k, top_p)
-            probs = x.softmax(dim=-1)
-            sampled = inverse_cdf_sample(probs, self._uniforms(seqs))
-            token_ids = torch.where(greedy, logits.argmax(dim=-1), sampled) if any_greedy else sampled
+            token_ids = self._sorted_draw(logits, params, self._uniforms(seqs))
         want = [p.logprobs for p in params if p.logprobs is not None]
         if not want:
             return SamplerOutput(token_ids, None, None, None)
@@ -159,7 +190,7 @@ class Sampler:
         chosen = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
         k = max(want)
         if k > 0:
-            top_vals, top_ids = logp.topk(k, dim=-1)
+            top_vals, top_ids = top_logprobs(logp, k, self.batch_invariant)
         else:
             top_vals = top_ids = None
         return SamplerOutput(token_ids, chosen, top_ids, top_vals)

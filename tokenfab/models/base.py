@@ -189,6 +189,16 @@ class CausalLM(nn.Module):
             self._lm_head_packed, self._lm_head_rows = pack_weight(lm.weight), lm.weight.shape[0]
             lm.weight = None
 
+    def pack_tied_lm_head(self) -> None:
+        """Give a tied LM head (the embedding matrix) a packed copy for the CPU kernels, as :meth:`post_load` packs
+        an untied one, so :meth:`compute_logits` and the fused decode stack run it on the same linear kernel; the
+        embedding keeps its own weight (vocab x hidden bf16 more memory). No-op when a packed head exists or the
+        weight cannot be packed. Batch-invariant mode calls it (engine/model_runner.py)."""
+        lm = self.lm_head
+        if (getattr(self, "_lm_head_packed", None) is None and isinstance(lm, nn.Linear)
+                and lm.weight is not None and can_pack(lm.weight)):
+            self._lm_head_packed, self._lm_head_rows = pack_weight(lm.weight), lm.weight.shape[0]
+
 
 def layer_index(name: str) -> int | None:
     """Decoder layer index named in a checkpoint key, or None."""

@@ -62,7 +62,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         expert_popularity=getattr(args, "expert_popularity", None),
                         host_expert_threads=getattr(args, "host_expert_threads", None),
                         record_expert_popularity=getattr(args, "record_expert_popularity", None),
-                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"))
+                        scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
+                        batch_invariant=bool(getattr(args, "batch_invariant", False)))
 
 
 class PortInUseError(OSError):

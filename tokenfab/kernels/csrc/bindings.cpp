@@ -2,6 +2,7 @@
 // one place, each kernel defined in the file cpu_kernels.h / vnni_linear.h names.
 #include <torch/extension.h>
 
+#include "batch_invariant.h"
 #include "cpu_kernels.h"
 #include "decode_stack.h"
 #include "gguf_linear.h"
@@ -29,6 +30,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gqa_decode", &gqa_decode, "grouped-query attention decode block, x -> o_proj output (CPU, bf16)");
   m.def("mla_decode", &mla_decode, "MLA absorbed decode attention block, x -> o_proj output (CPU, bf16)");
   m.def("head_gemm_", &head_gemm_, "per-head GEMM with VNNI-packed weights into y (CPU, AVX512-BF16)");
+  m.def("set_batch_invariant", &set_batch_invariant, "set this thread's batch-invariant kernel mode; returns the old");
+  m.def("batch_invariant", &tokenfab_cpu::batch_invariant, "this thread's batch-invariant kernel mode");
+  m.def("rowwise_linear_f32", &rowwise_linear_f32, "float32 x w^T with one fixed-order dot per output (CPU)");
   register_decode_stack(m);
   register_gguf_linear(m);
 }

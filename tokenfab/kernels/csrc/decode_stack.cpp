@@ -16,6 +16,7 @@
 // so its output and the cache rows it writes are bit-identical to the Python path (tests/test_decode_stack.py).
 #include <torch/extension.h>
 
+#include "batch_invariant.h"
 #include "cpu_kernels.h"
 #include "decode_stack.h"
 #include "vnni_linear.h"
@@ -190,13 +191,18 @@ class DecodeStack {
       const auto& x = xh[0];
       at::Tensor m;
       if (l.moe && l.softmax_router) {  // SoftmaxTopKRouter.forward's ops, in its order (the same ATen kernels)
-        const auto logits = at::linear(x, l.router_w);
+        const auto logits = tokenfab_cpu::batch_invariant()  // as SoftmaxTopKRouter.forward in that mode
+            ? rowwise_linear_f32(x.to(at::kFloat), l.router_w.to(at::kFloat)).to(at::result_type(x, l.router_w))
+            : at::linear(x, l.router_w);
         auto [w, ids] = at::topk(at::softmax(logits, -1, at::kFloat), l.top_k, -1);
         if (l.norm_topk) w = w / w.sum(-1, true);
         m = moe_experts_packed(x, w.to(logits.scalar_type()), ids, l.p13, l.p2, l.expert_start, std::nullopt,
                                std::nullopt);
       } else if (l.moe) {
-        const auto route = sigmoid_group_topk(at::linear(x.to(at::kFloat), l.router_w), l.router_bias, l.n_group,
+        const auto xf = x.to(at::kFloat);
+        const auto route = sigmoid_group_topk(tokenfab_cpu::batch_invariant() ? rowwise_linear_f32(xf, l.router_w)
+                                                                               : at::linear(xf, l.router_w),
+                                              l.router_bias, l.n_group,
                                               l.topk_group, l.top_k, l.norm_topk, l.routed_scale);
         // a bias-free shared expert runs inside the routed experts' two parallel regions (routed + shared rounded
         // as before); one with biases runs after them

@@ -1,6 +1,8 @@
 // Paged decode attention, bf16 on AVX512-BF16: the fast path of paged_decode_attention (paged_attention.cpp).
 #include "paged_attention.h"
 
+#include "batch_invariant.h"
+
 #if defined(__AVX512BF16__)
 // bf16 paged decode attention on AVX512-BF16 (`vdpbf16ps`: 32 bf16 products accumulated in float32 per
 // instruction, twice the float32 FMA rate and no widening pass). Same algorithm and work split as
@@ -199,7 +201,8 @@ namespace tokenfab_cpu {
 void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                            at::Tensor& out) {
-  const DecodeGeometry geo(q, k_cache, v_cache, block_tables, /*split_context=*/true);
+  // batch-invariant mode: never split a context (a split's partial sums depend on how many sequences share the step)
+  const DecodeGeometry geo(q, k_cache, v_cache, block_tables, /*split_context=*/!batch_invariant());
   const int64_t H = geo.H, D = geo.D, bs = geo.bs, Dv = geo.Dv, per_chunk = geo.per_chunk, S = geo.splits;
   // context splits: per (sequence, split, head) the running max, sum and permuted accumulator, merged below
   std::vector<float> part_m(S > 1 ? geo.B * S * H : 0), part_l(part_m.size()), part_acc(part_m.size() * Dv);

@@ -9,7 +9,13 @@
 // 22-40 GB/s on the 2-core AVX512-BF16 VM, where oneDNN's packed inner product reaches 14-29 GB/s at the same
 // shapes (benchmarks/NOTES.md entry 32, benchmarks/linear_kernels.py). M > 4 (prefill, batched decode): oneDNN's
 // brgemm micro-kernel (at::native::cpublas::brgemm) on 64 x 32 tiles, float32 tiles rounded once to bf16.
+// The switch between the two is what makes a row's bits depend on its batch (the GEMV sums even and odd k pairs in
+// two accumulators, brgemm in its own order). brgemm's order for an output does not depend on M or on the row's
+// tile: rows of M = 1..600 at any offset are bit-identical (tests/test_batch_invariant.py). So in batch-invariant
+// mode (batch_invariant.h) every M, decode rows included, runs the brgemm tiles.
 #include "vnni_linear.h"
+
+#include "batch_invariant.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -111,6 +117,7 @@ void gemv(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* 
     gemv_rows(x, M, lda, K, wp, N, bias, y, ldy, b0, b1);
   });
 }
+
 #endif  // __AVX512BF16__
 
 // M > kGemvRows: tiles of kTileM rows x one 32-wide block through oneDNN's brgemm micro-kernel; the row tile is the
@@ -198,7 +205,7 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
     bp = bf.data_ptr<float>();
   }
 #if defined(__AVX512BF16__)
-  if (io.M <= kGemvRows) {
+  if (io.M <= kGemvRows && !tokenfab_cpu::batch_invariant()) {  // batch-invariant mode: brgemm tiles for every M
     gemv(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, u16_mut(io.y), n);
     return io.y;
   }
@@ -218,7 +225,8 @@ std::vector<at::Tensor> vnni_linear_group(const std::vector<at::Tensor>& xs, con
   std::vector<int64_t> n, first_block{0};  // gemvs[j] owns blocks [first_block[j], first_block[j + 1]) of the region
   for (size_t j = 0; j < J; ++j) {
     const int64_t K = xs[j].size(-1), M = K == 0 ? 0 : xs[j].numel() / K;
-    if (M > kGemvRows || M == 0) {  // not a GEMV: its own call (brgemm tiles), before the group runs
+    // not a GEMV (or batch-invariant mode, where every M runs brgemm tiles): its own call, before the group runs
+    if (M > kGemvRows || M == 0 || tokenfab_cpu::batch_invariant()) {
       ys[j] = vnni_linear(xs[j], wps[j], ns[j], std::nullopt);
       continue;
     }
