@@ -362,8 +362,68 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 #endif
 }
 
+at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const at::Tensor& ids,
+                          bool bf16_out) {
+  const int64_t TB = tile_block_bytes(qtype);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == TB &&
+              w.size(0) == (n + TN - 1) / TN && n > 0,
+              "gguf_embedding: weight ", w.sizes(), " does not hold ", n, " rows of ggml type ", qtype);
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "gguf_embedding: int64 ids expected, got ", ids.scalar_type());
+  const auto dtype = bf16_out ? at::kBFloat16 : at::kFloat;
+  const int64_t KB = w.size(1), K = KB * QK;
+  const auto idc = ids.contiguous();
+  const int64_t T = idc.numel();
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(K);
+  auto y = at::empty(shape, ids.options().dtype(dtype));
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < T; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "gguf_embedding: id ", ip[i], " is outside the ", n, " rows");
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t qoff = (qtype == kQ4_1 ? 4 : 2) * TN;
+  at::parallel_for(0, T, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> row(K);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = ip[i] / TN, j = ip[i] % TN;
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const uint8_t* b = wp + (t * KB + kb) * TB;
+        c10::Half dh, mh;
+        std::memcpy(&dh, b + 2 * j, 2);
+        const float d = static_cast<float>(dh);
+        float mn = 0.f;
+        if (qtype == kQ4_1) {
+          std::memcpy(&mh, b + 2 * TN + 2 * j, 2);
+          mn = static_cast<float>(mh);
+        }
+        float* r = row.data() + kb * QK;
+        for (int64_t k = 0; k < QK; ++k) {
+          const int64_t pair = k / 2, e = k % 2;
+          if (qtype == kQ8_0) {
+            r[k] = d * static_cast<float>(static_cast<int8_t>(b[qoff + pair * 32 + 2 * j + e]));
+          } else {  // word 2j + e of group pair / 4 holds the quant in nibble pair % 4
+            uint16_t word;
+            std::memcpy(&word, b + qoff + 64 * (pair / 4) + 2 * (2 * j + e), 2);
+            const int q = (word >> (4 * (pair % 4))) & 15;
+            // q d is exact in float32 (a 4-bit integer times an fp16), so q d + m rounds once, as gguf computes it
+            r[k] = qtype == kQ4_1 ? static_cast<float>(q) * d + mn : d * static_cast<float>(q - 8);
+          }
+        }
+      }
+      if (dtype == at::kFloat) {
+        std::memcpy(y.data_ptr<float>() + i * K, row.data(), K * sizeof(float));
+      } else {
+        auto* yr = y.data_ptr<at::BFloat16>() + i * K;
+        for (int64_t k = 0; k < K; ++k) yr[k] = at::BFloat16(row[k]);  // round to nearest even, as Tensor.to
+      }
+    }
+  });
+  return y;
+}
+
 void register_gguf_linear(pybind11::module_& m) {
   m.def("gguf_linear", &gguf_linear, "x W^T (+ b) over packed GGUF Q4_0 / Q4_1 / Q8_0 tiles (CPU, AVX512-BF16)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none());
+  m.def("gguf_embedding", &gguf_embedding, "rows ids of a packed GGUF Q4_0 / Q4_1 / Q8_0 weight, dequantized (CPU)",
+        pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"), pybind11::arg("ids"), pybind11::arg("bf16_out"));
 }
