@@ -125,10 +125,14 @@ def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str,
     port = free_port()
     path = model["path"]
     lg = os.path.join(logdir, f"server-{engine}-{model_name}.log")
-    if engine == "tokenfab":
-        cmd = [os.path.join(REPO, ".venv", "bin", "tokenfab"), "serve", path, "--host", "127.0.0.1", "--port",
+    if engine in ("tokenfab", "tokenfab_bf16"):
+        # a model from a GGUF file: tokenfab serves the file (linears packed), tokenfab_bf16 its bf16 folder
+        served = model.get("tokenfab_model", path) if engine == "tokenfab" else path
+        cmd = [os.path.join(REPO, ".venv", "bin", "tokenfab"), "serve", served, "--host", "127.0.0.1", "--port",
                str(port), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len",
                str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_SEQS)]
+        if served != path:
+            cmd += ["--tokenizer", path]  # the client's tokenizer (the file's own, saved with the bf16 folder)
         if not os.path.isfile(cmd[0]):
             cmd = [sys.executable, "-m", "tokenfab.cli", *cmd[1:]]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

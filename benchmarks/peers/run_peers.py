@@ -45,8 +45,9 @@ from peer_servers import (MAX_MODEL_LEN, MAX_SEQS, SERVED_NAME, Server, _on_sign
 
 THIS = os.path.abspath(__file__)
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tokenfab", "peers")
-ALL_ENGINES = ("tokenfab", "vllm", "llamacpp", "transformers")
-ALL_MODELS = ("deepseek_v3", "llama")
+ALL_ENGINES = ("tokenfab", "tokenfab_bf16", "vllm", "llamacpp", "transformers")
+ALL_MODELS = ("deepseek_v3", "llama", "smollm2")  # smollm2: the real model, from its Q4_1 GGUF (not in the default)
+DEFAULT_MODELS = ("deepseek_v3", "llama")
 
 
 # ------------------------------------------------------------------------------------------------ clients
@@ -239,8 +240,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="tokenfab vs vLLM (CPU), llama.cpp and transformers, side by side.")
     ap.add_argument("--cache", default=DEFAULT_CACHE,
                     help=f"Peers' venvs, builds, models, logs. Default {DEFAULT_CACHE}.")
-    ap.add_argument("--engines", default=",".join(ALL_ENGINES), help="Subset of tokenfab,vllm,llamacpp,transformers.")
-    ap.add_argument("--models", default=",".join(ALL_MODELS), help="Subset of deepseek_v3,llama.")
+    ap.add_argument("--engines", default="tokenfab,vllm,llamacpp,transformers",
+                    help="Subset of tokenfab,tokenfab_bf16,vllm,llamacpp,transformers (tokenfab_bf16: tokenfab on a "
+                         "GGUF model's dequantized bf16 folder, for models served from a GGUF file).")
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                    help="Subset of deepseek_v3,llama,smollm2 (smollm2: SmolLM2-135M-Instruct from its Q4_1 GGUF: "
+                         "tokenfab serves the file packed, llama.cpp the same file, tokenfab_bf16 / vLLM / "
+                         "transformers its bf16 folder).")
     ap.add_argument("--workloads", default="256x64,1024x128", help="INxOUT token lengths, comma-separated.")
     ap.add_argument("--concurrency", default="1,4,16", help="Client max concurrency values, comma-separated.")
     ap.add_argument("--num-prompts", type=int, default=32, help="Prompts per cell. Default 32.")
@@ -363,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     models = prepare_models(p, args.model_list)
     if "llamacpp" in engines:
         for name, m in models.items():
+            if m.get("gguf"):  # served from its own GGUF file
+                continue
             try:
                 m["gguf"] = convert_gguf(p, m["path"])
             except Exception as e:
@@ -445,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
 
             servers: list[Server] = []
             for eng in [e for e in engines if e != "transformers"]:
-                if eng == "llamacpp" and not model.get("gguf"):
+                if (eng == "llamacpp" and not model.get("gguf")) or (eng == "tokenfab_bf16"
+                                                                     and not model.get("tokenfab_model")):
                     continue
                 s = server_for(eng, p, model_name, model, rundir, args.llamacpp_threads)
                 try:

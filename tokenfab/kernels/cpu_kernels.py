@@ -446,7 +446,7 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
     Returns:
         [..., n] in x's dtype: per 32-input block the exact products of x and the integer quants summed in float32,
         scaled by the block's d (+ m * the block sum of x for Q4_1), + bias, one rounding per output. Float32 x is
-        split into three bf16 parts, so it keeps float32 accuracy. Up to 4 rows run a GEMV that streams the packed
+        split into three bf16 parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the packed
         bytes once (decode); more rows dequantize 32 weight rows at a time into a thread-local buffer for oneDNN's
         brgemm (prefill). benchmarks/gguf_linear.py measures the GEMV's bandwidth against :func:`vnni_linear`.
 

@@ -12,9 +12,9 @@
 // bf16 integer. Per block and row the products sum_k x_k q_k (exact bf16 products, float32 accumulation) are
 // scaled once: y += d * sum_k x_k q_k (+ m * sum_k x_k for Q4_1), the same real number as sum_k x_k (d q_k + m).
 //
-// M <= 4 rows (decode): a GEMV over tiles, parallel over tiles. bf16 x is used as is; float32 x is split into three
-// bf16 parts (x = h + m + l up to 2^-24 relative), each multiplied exactly, so float32 activations keep float32
-// accuracy. M > 4 (prefill): per 32-column block, the thread dequantizes its 32 weight rows once into a small
+// M <= 16 rows (decode batches): a GEMV over tiles, parallel over tiles, in passes of up to 4 rows per tile (the
+// tile's bytes come from memory once). bf16 x is used as is; float32 x is split into three bf16 parts (x = h + m + l
+// up to 2^-24 relative), each multiplied exactly, so float32 activations keep float32 accuracy. M > 16 (prefill): per 32-column block, the thread dequantizes its 32 weight rows once into a small
 // thread-local buffer (float32 values d q + m, exactly as gguf's dequantize computes them) and runs oneDNN's brgemm
 // micro-kernel over all row tiles of x: bf16 x against the weight split into three bf16 parts (w = h + m + l exactly),
 // float32 x against the float32 values. Never a full-size copy of the weight.
@@ -32,7 +32,8 @@ namespace {
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // ggml type ids
 constexpr int64_t TN = kGgufTileN, QK = kGgufBlockK;
-constexpr int64_t kGemvRows = 4;
+constexpr int64_t kGemvRows = 4;      // rows of x one GEMV pass multiplies (accumulators held in registers)
+constexpr int64_t kGemvMaxRows = 16;  // up to this many rows (decode batches): GEMV passes of 4 rows per tile
 constexpr int64_t kTileM = 64;
 
 int64_t tile_block_bytes(int64_t qt) {
@@ -156,14 +157,33 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
 }
 
 template <int QT, int S, bool F32OUT>
-void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-               const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
+void gemv_rows4(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
   switch (M) {
     case 1: gemv_tiles<QT, 1, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
     case 2: gemv_tiles<QT, 2, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
     case 3: gemv_tiles<QT, 3, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
     default: gemv_tiles<QT, 4, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
   }
+}
+
+// M <= kGemvMaxRows rows: per tile, GEMV passes over groups of up to 4 rows of x, so the tile's bytes are read from
+// memory once (later passes find them in L1) and each output is the same sum as a single-pass GEMV would give.
+template <int QT, int S, bool F32OUT>
+void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+               const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
+  if (M <= kGemvRows) {
+    gemv_rows4<QT, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+    return;
+  }
+  const int64_t KB = K / QK;
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {
+      void* ym = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m0 * ldy)
+                        : static_cast<void*>(static_cast<uint16_t*>(y) + m0 * ldy);
+      gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xsum == nullptr ? nullptr : xsum + m0 * KB,
+                                std::min(kGemvRows, M - m0), K, w, N, bias, ym, ldy, t, t + 1);
+    }
 }
 
 template <int S, bool F32OUT>
@@ -251,7 +271,7 @@ void dequant_block32(int qt, const uint8_t* w, int64_t nb, int64_t NT, int64_t K
   }
 }
 
-// M > kGemvRows: per 32-column block, dequantize once, then brgemm over 64-row tiles of x.
+// M > kGemvMaxRows: per 32-column block, dequantize once, then brgemm over 64-row tiles of x.
 template <typename T>
 void gemm(int qt, const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, int64_t N, const float* bias,
           T* y, int64_t ldy) {
@@ -318,7 +338,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 #if defined(__AVX512BF16__)
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto* wp = w.data_ptr<uint8_t>();
-  if (M > kGemvRows) {
+  if (M > kGemvMaxRows) {
     if (f32) gemm<float>(static_cast<int>(qtype), x2.data_ptr<float>(), M, x2.stride(0), K, wp, n, bp,
                          y.data_ptr<float>(), n);
     else gemm<uint16_t>(static_cast<int>(qtype), reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0),
