@@ -448,7 +448,8 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
         scaled by the block's d (+ m * the block sum of x for Q4_1), + bias, one rounding per output. Float32 x is
         split into three bf16 parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the packed
         bytes once (decode); more rows dequantize 32 weight rows at a time into a thread-local buffer for oneDNN's
-        brgemm (prefill). benchmarks/gguf_linear.py measures the GEMV's bandwidth against :func:`vnni_linear`.
+        brgemm (prefill); on CPUs with AMX, bf16 x of more than 4 rows runs one AMX tile product per GGUF block
+        instead. benchmarks/gguf_linear.py measures the GEMV's bandwidth against :func:`vnni_linear`.
 
     Raises:
         RuntimeError: shapes or dtypes outside the above, or kernels without AVX512-BF16 (check
