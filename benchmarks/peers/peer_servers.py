@@ -121,7 +121,8 @@ def _on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str, threads: int | None = None) -> Server:
+def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str, threads: int | None = None,
+               tokenfab_threads: int | None = None, llamacpp_no_repack: bool = False) -> Server:
     port = free_port()
     path = model["path"]
     lg = os.path.join(logdir, f"server-{engine}-{model_name}.log")
@@ -132,7 +133,9 @@ def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str,
                str(port), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len",
                str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_SEQS)]
         if served != path:
-            cmd += ["--tokenizer", path]  # the client's tokenizer (the file's own, saved with the bf16 folder)
+            cmd += ["--tokenizer", path]
+        if tokenfab_threads:
+            cmd += ["--num-threads", str(tokenfab_threads)]  # the client's tokenizer (the file's own, saved with the bf16 folder)
         if not os.path.isfile(cmd[0]):
             cmd = [sys.executable, "-m", "tokenfab.cli", *cmd[1:]]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -148,6 +151,8 @@ def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str,
                "-np", str(MAX_SEQS), "-c", str(MAX_SEQS * MAX_MODEL_LEN), "--repeat-penalty", "1.0"]
         if threads:
             cmd += ["-t", str(threads), "-tb", str(threads)]
+        if llamacpp_no_repack:
+            cmd += ["--no-repack"]
         # llama-server drops keep-alive connections after a streamed reply (peers.md): clients send Connection: close
         return Server(engine, cmd, port, clean_env(), lg, ["Connection=close"])
     raise ValueError(engine)

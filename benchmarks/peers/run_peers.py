@@ -268,6 +268,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "SDPA attention and grouped_mm experts).")
     ap.add_argument("--llamacpp-threads", type=int, default=None,
                     help="llama-server -t/-tb (default: llama.cpp's own choice, all cores).")
+    ap.add_argument("--llamacpp-no-repack", action="store_true",
+                    help="llama-server --no-repack: no extra weight buffers (its AMX one included; built with GCC's "
+                         "AMX intrinsics it crashes in ldtilecfg on this machine, SIGILL / SIGSEGV at the first "
+                         "batch).")
+    ap.add_argument("--tokenfab-threads", type=int, default=None,
+                    help="tokenfab serve --num-threads for the tokenfab servers (default: torch's, all cores).")
     ap.add_argument("--no-pause-idle", action="store_true",
                     help="Leave the other servers running while one is measured (default: SIGSTOP them).")
     ap.add_argument("--skip-vllm", action="store_true", help="Neither install nor run vLLM.")
@@ -400,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             "pause_idle_servers": not args.no_pause_idle, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_SEQS,
             "temperature": 0, "ignore_eos": True, "dataset": "random",
             "seeds": "1000 * (workload index + 1) + concurrency, per cell (same for every engine); warm-up 7",
-            "llamacpp_threads": args.llamacpp_threads},
+            "llamacpp_threads": args.llamacpp_threads, "llamacpp_no_repack": args.llamacpp_no_repack,
+            "tokenfab_threads": args.tokenfab_threads},
         "notes": [
             "Random-weight models: the text is meaningless; compute and memory traffic are real.",
             "Engines were measured alternately, cell by cell (engine order rotated each cell); servers not under "
@@ -456,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                 if (eng == "llamacpp" and not model.get("gguf")) or (eng == "tokenfab_bf16"
                                                                      and not model.get("tokenfab_model")):
                     continue
-                s = server_for(eng, p, model_name, model, rundir, args.llamacpp_threads)
+                s = server_for(eng, p, model_name, model, rundir, args.llamacpp_threads, args.tokenfab_threads,
+                               args.llamacpp_no_repack)
                 try:
                     s.start(args.server_timeout)
                     report["commands"][f"{eng} server ({model_name})"] = shlex.join(s.cmd)
