@@ -110,7 +110,8 @@ def resident_bytes(model, kv_caches) -> dict:
     from tokenfab.layers.linear import Linear
     from tokenfab.quant.packed_weight import PackedWeight
     seen, weights = set(), 0
-    tensors = [p for p in model.parameters()] + [b for n, b in model.named_buffers() if "cos" not in n and "sin" not in n]
+    tensors = list(model.parameters())
+    tensors += [b for n, b in model.named_buffers() if "cos" not in n and "sin" not in n]
     tensors += [m._packed for m in model.modules() if isinstance(m, Linear) and m._packed is not None
                 and not m._packed.is_mkldnn]
     if getattr(model, "_lm_head_packed", None) is not None and not model._lm_head_packed.is_mkldnn:
@@ -248,13 +249,13 @@ def main() -> int:
                      f"| {_cell(r.get('ratio_to_floor'))} | {_cell(r.get('ratio_to_best_floor'))} |")
     mib = 1 << 20
     r0 = rows[0] if rows and rows[0]["batch"] == 1 else None
-    lines += ["", f"Bytes read per batch-1 step: {r0['bytes_read'] / mib:.1f} MiB (weights {r0['weight_bytes_dense'] / mib:.1f}"
-              f" MiB, KV {r0['kv_bytes'] / mib:.1f} MiB)." if r0 else "", "",
+    lines += ["", f"Bytes read per batch-1 step: {r0['bytes_read'] / mib:.1f} MiB (weights "
+              f"{r0['weight_bytes_dense'] / mib:.1f} MiB, KV {r0['kv_bytes'] / mib:.1f} MiB)." if r0 else "", "",
               "Resident memory (process RSS, VmRSS): "
               f"{memory['rss_before_load'] / mib:.0f} MiB before loading (interpreter, torch, transformers, tokenfab), "
               f"{memory['rss_after_load'] / mib:.0f} MiB after: +{memory['rss_growth'] / mib:.0f} MiB for weights "
-              f"{memory['weight_bytes_resident'] / mib:.1f} MiB (of them packed: {memory['packed_weight_bytes'] / mib:.1f}"
-              f" MiB) + KV pool {memory['kv_pool_bytes'] / mib:.1f} MiB = "
+              f"{memory['weight_bytes_resident'] / mib:.1f} MiB (of them packed: "
+              f"{memory['packed_weight_bytes'] / mib:.1f} MiB) + KV pool {memory['kv_pool_bytes'] / mib:.1f} MiB = "
               f"{(memory['weight_bytes_resident'] + memory['kv_pool_bytes']) / mib:.1f} MiB."]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -133,9 +133,9 @@ def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str,
                str(port), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len",
                str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_SEQS)]
         if served != path:
-            cmd += ["--tokenizer", path]
+            cmd += ["--tokenizer", path]  # the client's tokenizer (the file's own, saved with the bf16 folder)
         if tokenfab_threads:
-            cmd += ["--num-threads", str(tokenfab_threads)]  # the client's tokenizer (the file's own, saved with the bf16 folder)
+            cmd += ["--num-threads", str(tokenfab_threads)]
         if not os.path.isfile(cmd[0]):
             cmd = [sys.executable, "-m", "tokenfab.cli", *cmd[1:]]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
