@@ -73,12 +73,15 @@ def weight_bytes(model) -> tuple[int, int, int]:
                     expert_params.add(id(p))
             per_expert = 3 * m.intermediate * model.cfg.hidden_size * 2  # bf16 gate, up, down
             n_layers_experts += 1
-    embed = model.model.embed_tokens.weight
-    if not model.cfg.tie_word_embeddings:  # untied: a decode step reads one embedding row per sequence
+    embed = getattr(model.model.embed_tokens, "weight", None)  # None: kept packed (PackedEmbedding, GGUF)
+    packed_embed = getattr(model.model.embed_tokens, "qweight", None)
+    if embed is not None and not model.cfg.tie_word_embeddings:  # untied: one embedding row per sequence
         expert_params.add(id(embed))
     dense = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_params)
-    if not model.cfg.tie_word_embeddings:
+    if embed is not None and not model.cfg.tie_word_embeddings:
         dense += embed.shape[1] * embed.element_size()
+    if packed_embed is not None and not model.cfg.tie_word_embeddings:  # its tiles are buffers, counted below
+        dense -= packed_embed.nbytes - packed_embed.nbytes // packed_embed.out_features
     from tokenfab.layers.linear import Linear
     for m in model.modules():  # packed weights (tokenfab VNNI blocks or oneDNN) are no longer parameters
         if isinstance(m, Linear) and m._packed is not None:
@@ -87,6 +90,40 @@ def weight_bytes(model) -> tuple[int, int, int]:
         dense += model.cfg.vocab_size * model.cfg.hidden_size * 2
     dense += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "cos" not in n and "sin" not in n)
     return dense, per_expert, n_layers_experts
+
+
+def rss_bytes() -> int:
+    """This process's resident set size (VmRSS of /proc/self/status), in bytes; 0 where there is no /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def resident_bytes(model, kv_caches) -> dict:
+    """Bytes the loaded model holds: weights (parameters, buffers other than the RoPE tables, tokenfab's VNNI and
+    GGUF packed copies; a tied table once), of them the compressed ones (PackedWeight), and the KV pool."""
+    from tokenfab.layers.linear import Linear
+    from tokenfab.quant.packed_weight import PackedWeight
+    seen, weights = set(), 0
+    tensors = list(model.parameters())
+    tensors += [b for n, b in model.named_buffers() if "cos" not in n and "sin" not in n]
+    tensors += [m._packed for m in model.modules() if isinstance(m, Linear) and m._packed is not None
+                and not m._packed.is_mkldnn]
+    if getattr(model, "_lm_head_packed", None) is not None and not model._lm_head_packed.is_mkldnn:
+        tensors.append(model._lm_head_packed)
+    for t in tensors:  # by tensor, not storage: the engine may place many weights in one 2 MiB-page arena
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            weights += t.numel() * t.element_size()
+    packed = sum(m.nbytes for m in {id(m): m for m in model.modules() if isinstance(m, PackedWeight)}.values())
+    flat = [c for entry in kv_caches for c in (entry if isinstance(entry, (list, tuple)) else [entry])]
+    kv = sum(c.numel() * c.element_size() for c in flat)
+    return {"weight_bytes_resident": weights, "packed_weight_bytes": packed, "kv_pool_bytes": kv}
 
 
 def _cell(v) -> str:
@@ -113,10 +150,18 @@ def main() -> int:
     from tokenfab.default_model import ensure_default_model
 
     model_dir = args.model or ensure_default_model()
+    import transformers  # noqa: F401  (imported by loading anyway: its code is not the model's memory)
+    rss_before = rss_bytes()  # interpreter, torch, transformers, tokenfab: before any weight is read
     llm = LLM(model_dir, max_model_len=args.context + args.steps + 16, max_num_seqs=64, progress=False,
               device=args.device, enforce_eager=args.enforce_eager)
     eng = llm.llm_engine
     runner = eng.runner
+    import gc
+    gc.collect()
+    memory = {"rss_before_load": rss_before, "rss_after_load": rss_bytes(),
+              **resident_bytes(runner.model, runner.kv_caches)}
+    memory["rss_growth"] = memory["rss_after_load"] - rss_before
+    print(json.dumps({"memory": memory}), flush=True)
     fwd_time = [0.0]
 
     def timed(fn):
@@ -182,7 +227,7 @@ def main() -> int:
               "weights_in_huge_pages": huge, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else None,
               "decode_graphs": runner.decode_graphs is not None and runner.decode_graphs.mode == "cuda",
-              "rows": rows}
+              "memory": memory, "rows": rows}
     os.makedirs(args.out, exist_ok=True)
     label = f"-{args.label}" if args.label else ""
     stem = unused_stem(os.path.join(args.out, f"{dt.date.today().isoformat()}{label}-decode-floor"))
@@ -202,6 +247,16 @@ def main() -> int:
         lines.append(f"| {r['batch']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['overhead_frac'] * 100:.1f}% "
                      f"| {r['tokens_per_s']:.1f} | {_cell(bw_s)} | {_cell(r.get('floor_ms'))} "
                      f"| {_cell(r.get('ratio_to_floor'))} | {_cell(r.get('ratio_to_best_floor'))} |")
+    mib = 1 << 20
+    r0 = rows[0] if rows and rows[0]["batch"] == 1 else None
+    lines += ["", f"Bytes read per batch-1 step: {r0['bytes_read'] / mib:.1f} MiB (weights "
+              f"{r0['weight_bytes_dense'] / mib:.1f} MiB, KV {r0['kv_bytes'] / mib:.1f} MiB)." if r0 else "", "",
+              "Resident memory (process RSS, VmRSS): "
+              f"{memory['rss_before_load'] / mib:.0f} MiB before loading (interpreter, torch, transformers, tokenfab), "
+              f"{memory['rss_after_load'] / mib:.0f} MiB after: +{memory['rss_growth'] / mib:.0f} MiB for weights "
+              f"{memory['weight_bytes_resident'] / mib:.1f} MiB (of them packed: "
+              f"{memory['packed_weight_bytes'] / mib:.1f} MiB) + KV pool {memory['kv_pool_bytes'] / mib:.1f} MiB = "
+              f"{(memory['weight_bytes_resident'] + memory['kv_pool_bytes']) / mib:.1f} MiB."]
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

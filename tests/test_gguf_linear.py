@@ -102,7 +102,7 @@ def test_unsupported_type_and_bad_rows_are_refused():
 
 @needs_kernel
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 4, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 17, 33, 64])  # 5..16: GEMV passes or AMX; 17+: prefill
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_matches_exact_product(name, rows, dtype):
     torch.manual_seed(rows)

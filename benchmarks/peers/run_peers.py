@@ -45,8 +45,9 @@ from peer_servers import (MAX_MODEL_LEN, MAX_SEQS, SERVED_NAME, Server, _on_sign
 
 THIS = os.path.abspath(__file__)
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tokenfab", "peers")
-ALL_ENGINES = ("tokenfab", "vllm", "llamacpp", "transformers")
-ALL_MODELS = ("deepseek_v3", "llama")
+ALL_ENGINES = ("tokenfab", "tokenfab_bf16", "vllm", "llamacpp", "transformers")
+ALL_MODELS = ("deepseek_v3", "llama", "smollm2")  # smollm2: the real model, from its Q4_1 GGUF (not in the default)
+DEFAULT_MODELS = ("deepseek_v3", "llama")
 
 
 # ------------------------------------------------------------------------------------------------ clients
@@ -239,8 +240,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="tokenfab vs vLLM (CPU), llama.cpp and transformers, side by side.")
     ap.add_argument("--cache", default=DEFAULT_CACHE,
                     help=f"Peers' venvs, builds, models, logs. Default {DEFAULT_CACHE}.")
-    ap.add_argument("--engines", default=",".join(ALL_ENGINES), help="Subset of tokenfab,vllm,llamacpp,transformers.")
-    ap.add_argument("--models", default=",".join(ALL_MODELS), help="Subset of deepseek_v3,llama.")
+    ap.add_argument("--engines", default="tokenfab,vllm,llamacpp,transformers",
+                    help="Subset of tokenfab,tokenfab_bf16,vllm,llamacpp,transformers (tokenfab_bf16: tokenfab on a "
+                         "GGUF model's dequantized bf16 folder, for models served from a GGUF file).")
+    ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                    help="Subset of deepseek_v3,llama,smollm2 (smollm2: SmolLM2-135M-Instruct from its Q4_1 GGUF: "
+                         "tokenfab serves the file packed, llama.cpp the same file, tokenfab_bf16 / vLLM / "
+                         "transformers its bf16 folder).")
     ap.add_argument("--workloads", default="256x64,1024x128", help="INxOUT token lengths, comma-separated.")
     ap.add_argument("--concurrency", default="1,4,16", help="Client max concurrency values, comma-separated.")
     ap.add_argument("--num-prompts", type=int, default=32, help="Prompts per cell. Default 32.")
@@ -262,6 +268,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "SDPA attention and grouped_mm experts).")
     ap.add_argument("--llamacpp-threads", type=int, default=None,
                     help="llama-server -t/-tb (default: llama.cpp's own choice, all cores).")
+    ap.add_argument("--llamacpp-no-repack", action="store_true",
+                    help="llama-server --no-repack: no extra weight buffers (its AMX one included; built with GCC's "
+                         "AMX intrinsics it crashes in ldtilecfg on this machine, SIGILL / SIGSEGV at the first "
+                         "batch).")
+    ap.add_argument("--tokenfab-threads", type=int, default=None,
+                    help="tokenfab serve --num-threads for the tokenfab servers (default: torch's, all cores).")
     ap.add_argument("--no-pause-idle", action="store_true",
                     help="Leave the other servers running while one is measured (default: SIGSTOP them).")
     ap.add_argument("--skip-vllm", action="store_true", help="Neither install nor run vLLM.")
@@ -363,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     models = prepare_models(p, args.model_list)
     if "llamacpp" in engines:
         for name, m in models.items():
+            if m.get("gguf"):  # served from its own GGUF file
+                continue
             try:
                 m["gguf"] = convert_gguf(p, m["path"])
             except Exception as e:
@@ -392,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
             "pause_idle_servers": not args.no_pause_idle, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_SEQS,
             "temperature": 0, "ignore_eos": True, "dataset": "random",
             "seeds": "1000 * (workload index + 1) + concurrency, per cell (same for every engine); warm-up 7",
-            "llamacpp_threads": args.llamacpp_threads},
+            "llamacpp_threads": args.llamacpp_threads, "llamacpp_no_repack": args.llamacpp_no_repack,
+            "tokenfab_threads": args.tokenfab_threads},
         "notes": [
             "Random-weight models: the text is meaningless; compute and memory traffic are real.",
             "Engines were measured alternately, cell by cell (engine order rotated each cell); servers not under "
@@ -445,9 +460,11 @@ def main(argv: list[str] | None = None) -> int:
 
             servers: list[Server] = []
             for eng in [e for e in engines if e != "transformers"]:
-                if eng == "llamacpp" and not model.get("gguf"):
+                if (eng == "llamacpp" and not model.get("gguf")) or (eng == "tokenfab_bf16"
+                                                                     and not model.get("tokenfab_model")):
                     continue
-                s = server_for(eng, p, model_name, model, rundir, args.llamacpp_threads)
+                s = server_for(eng, p, model_name, model, rundir, args.llamacpp_threads, args.tokenfab_threads,
+                               args.llamacpp_no_repack)
                 try:
                     s.start(args.server_timeout)
                     report["commands"][f"{eng} server ({model_name})"] = shlex.join(s.cmd)

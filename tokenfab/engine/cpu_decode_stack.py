@@ -10,9 +10,13 @@ AttentionMetadata, which the stack does not read.
 
 Covered: single-device models made of ``DecoderLayer``s whose attention runs as one fused block (MLA or
 grouped-query) and whose MLP is a packed SiLU-GLU, DeepSeek-V3's MoE (sigmoid group-limited router, packed routed
-experts, optional shared expert) or Qwen3-MoE's (softmax top-k router, packed routed experts). Anything else (tensor
-parallel, hybrid KDA models, oneDNN or plain-PyTorch linears, fp32, compressed weights kept packed such as GGUF
-block types) keeps the module path: :meth:`CpuDecodeStack.build` returns None.
+experts, optional shared expert) or Qwen3-MoE's (softmax top-k router, packed routed experts). Grouped-query layers,
+dense SiLU-GLUs, the embedding and the LM head may also hold GGUF weights kept packed
+(:class:`~tokenfab.quant.gguf_weight.GGUFWeight` on its C++ kernel): a ``.gguf`` file served packed runs the same
+one-call step, its linears multiplied by ``gguf_linear`` from C++ (q|k|v and gate|up joined when their block types
+match, as ``Linear.concat`` joined them; tests/test_decode_stack_packed.py). Anything else (tensor parallel, hybrid
+KDA models, oneDNN or plain-PyTorch linears, fp32, other compressed formats or GGUF weights on the PyTorch
+reference path) keeps the module path: :meth:`CpuDecodeStack.build` returns None.
 """
 from __future__ import annotations
 
@@ -21,13 +25,16 @@ import torch
 from torch import nn
 
 from tokenfab.kernels import cpu_kernels
+from tokenfab.layers.linear import Linear
 from tokenfab.layers.mla import MLAttention
 from tokenfab.layers.mlp import GatedMLP
 from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter, SoftmaxTopKRouter
+from tokenfab.layers.packed_embedding import PackedEmbedding
 from tokenfab.models.base import CausalLM
 from tokenfab.models.deepseek_v3 import DeepseekV3MoE
 from tokenfab.models.llama import DecoderLayer, LlamaAttention
 from tokenfab.models.qwen3_moe import Qwen3MoeBlock
+from tokenfab.quant.gguf_weight import GGUFWeight
 from tokenfab.quant.packed_weight import PackedWeight
 
 
@@ -51,16 +58,22 @@ class CpuDecodeStack:
         ext = cpu_kernels.load()
         if ext is None or not hasattr(ext, "DecodeStack") or not cpu_kernels.has_bf16_dot():
             return None
-        if (not isinstance(model, CausalLM) or type(model).forward is not CausalLM.forward
-                or model.tp is not None or type(model.model.embed_tokens) is not nn.Embedding):
+        if not isinstance(model, CausalLM) or type(model).forward is not CausalLM.forward or model.tp is not None:
             return None
-        embed, norm = model.model.embed_tokens.weight, model.model.norm
-        if embed.dtype != torch.bfloat16 or embed.device.type != "cpu" or norm.weight.dtype != torch.bfloat16:
+        emb, norm = model.model.embed_tokens, model.model.norm
+        if type(emb) is nn.Embedding:
+            embed, packed_embed = emb.weight, None
+        elif type(emb) is PackedEmbedding and emb.dtype == torch.bfloat16 and _gguf_kernel(emb.qweight):
+            embed, packed_embed = emb.qweight.tiles, emb.qweight
+        else:
             return None
-        if any(isinstance(m, PackedWeight) for m in model.modules()):  # the stack runs bf16 VNNI weights only
+        if ((packed_embed is None and embed.dtype != torch.bfloat16) or embed.device.type != "cpu"
+                or norm.weight.dtype != torch.bfloat16):
             return None
         if getattr(model, "host_expert_stats", None) is not None:  # host-offloaded experts: the module path
             return None
+        if any(isinstance(m, PackedWeight) and not _gguf_kernel(m) for m in model.modules()):
+            return None  # compressed weights the stack does not run (other formats, GGUF on its PyTorch path)
         layers = list(model.model.layers)
         if not layers or len(layers) != len(kv_caches):
             return None
@@ -68,17 +81,25 @@ class CpuDecodeStack:
         if rotary is None or getattr(rotary, "cos", None) is None or rotary.cos.dtype != torch.float32:
             return None
         stack = ext.DecodeStack(embed, norm.weight, float(norm.eps), rotary.cos, rotary.sin, bool(rotary.interleave))
+        if packed_embed is not None:
+            stack.set_gguf_embedding(packed_embed.tiles, packed_embed.block.ggml_type, packed_embed.out_features)
         caches: list[torch.Tensor] = []
         for layer, cache in zip(layers, kv_caches):
             if type(layer) is not DecoderLayer or layer.tp is not None or layer.self_attn.rotary is not rotary:
                 return None
-            if not (_add_attention(stack, layer, cache, caches) and _add_mlp(stack, layer.mlp)):
+            if not ((_add_attention(stack, layer, cache, caches) or _add_gqa_lin(stack, layer, cache, caches))
+                    and _add_mlp(stack, layer.mlp)):
                 return None
         if any(c.dtype != torch.bfloat16 or c.device.type != "cpu" or not c.is_contiguous() for c in caches):
             return None
         lm_head = getattr(model, "_lm_head_packed", None)  # packed by CausalLM.post_load (untied heads)
+        qhead = getattr(model, "_lm_head_qweight", None)  # a compressed head (GGUF; tied: the packed embedding)
         vocab = None
-        if lm_head is not None and not lm_head.is_mkldnn:
+        if qhead is not None:
+            if _gguf_kernel(qhead):
+                vocab = int(qhead.out_features)
+                stack.set_lm_head_lin((qhead.tiles, qhead.block.ggml_type, vocab, None))
+        elif lm_head is not None and not lm_head.is_mkldnn:
             vocab = int(model._lm_head_rows)
             stack.set_lm_head(lm_head, vocab)
         return cls(stack, caches, block_size, vocab)
@@ -127,6 +148,42 @@ def _add_attention(stack, layer: DecoderLayer, cache, caches: list[torch.Tensor]
     return False
 
 
+def _add_gqa_lin(stack, layer: DecoderLayer, cache, caches: list[torch.Tensor]) -> bool:
+    """A grouped-query layer whose projections are not all VNNI blocks (GGUF weights kept packed): the stack runs
+    LlamaAttention.forward's module path with each projection a Lin (``_lin_spec``)."""
+    attn, n_in, n_post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    if (not isinstance(attn, LlamaAttention) or not attn.decode_block or not attn.num_heads
+            or attn.rot_dim != attn.head_dim or attn.rotary.cos.dtype != torch.float32):
+        return False
+    projs = [attn.qkv_proj] if attn.qkv_proj is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+    specs, o = [_lin_spec(p) for p in projs], _lin_spec(attn.o_proj)
+    if o is None or any(s is None for s in specs):
+        return False
+    qk_norms = [attn.q_norm.weight, attn.k_norm.weight] if attn.qk_norm else []
+    stack.add_gqa_layer_lin(n_in.weight, float(n_in.eps), n_post.weight, float(n_post.eps), specs, o, qk_norms,
+                            [attn.num_heads, attn.num_kv_heads, attn.head_dim],
+                            float(attn.q_norm.eps) if attn.qk_norm else 0.0, float(attn.scale))
+    caches.extend(cache)
+    return True
+
+
+def _gguf_kernel(w) -> bool:
+    """True for a GGUF weight that runs its C++ kernel (``GGUFWeight.prepare`` chose it)."""
+    return isinstance(w, GGUFWeight) and w._kernel and w.tiles.device.type == "cpu"
+
+
+def _lin_spec(lin: Linear | None) -> tuple | None:
+    """(weight, ggml type or -1, out_features, bias) of a Linear for the C++ stack: its VNNI blocks (-1) or its
+    GGUF tiles; None for any other form (oneDNN, plain, another compressed format)."""
+    if lin is None:
+        return None
+    if lin.qweight is not None:
+        q = lin.qweight
+        return (q.tiles, q.block.ggml_type, q.out_features, lin.bias) if _gguf_kernel(q) else None
+    p = lin.vnni_packed
+    return None if p is None else (p, -1, lin.out_features, lin.bias)
+
+
 def _add_mlp(stack, mlp: nn.Module) -> bool:
     if type(mlp) is GatedMLP:
         return _set_gated(stack, mlp)
@@ -151,7 +208,12 @@ def _add_mlp(stack, mlp: nn.Module) -> bool:
 
 def _set_gated(stack, mlp: GatedMLP) -> bool:
     gu, down = mlp.gate_up, mlp.down_proj
-    if gu is None or gu.vnni_packed is None or down.vnni_packed is None:
-        return False
-    stack.set_gated_mlp(gu.vnni_packed, gu.bias, gu.out_features, down.vnni_packed, down.bias, down.out_features)
+    if gu is not None and gu.vnni_packed is not None and down.vnni_packed is not None:
+        stack.set_gated_mlp(gu.vnni_packed, gu.bias, gu.out_features, down.vnni_packed, down.bias, down.out_features)
+        return True
+    specs = [_lin_spec(gu)] if gu is not None else [_lin_spec(mlp.gate_proj), _lin_spec(mlp.up_proj)]
+    d = _lin_spec(down)
+    if d is None or any(s is None for s in specs) or all(s[1] < 0 for s in specs + [d]):
+        return False  # the all-VNNI case is the branch above (a half-packed bf16 MLP keeps the module path)
+    stack.set_gated_mlp_lin(specs, d)
     return True

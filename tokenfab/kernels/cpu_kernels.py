@@ -446,9 +446,10 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
     Returns:
         [..., n] in x's dtype: per 32-input block the exact products of x and the integer quants summed in float32,
         scaled by the block's d (+ m * the block sum of x for Q4_1), + bias, one rounding per output. Float32 x is
-        split into three bf16 parts, so it keeps float32 accuracy. Up to 4 rows run a GEMV that streams the packed
+        split into three bf16 parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the packed
         bytes once (decode); more rows dequantize 32 weight rows at a time into a thread-local buffer for oneDNN's
-        brgemm (prefill). benchmarks/gguf_linear.py measures the GEMV's bandwidth against :func:`vnni_linear`.
+        brgemm (prefill); on CPUs with AMX, bf16 x of more than 4 rows runs one AMX tile product per GGUF block
+        instead. benchmarks/gguf_linear.py measures the GEMV's bandwidth against :func:`vnni_linear`.
 
     Raises:
         RuntimeError: shapes or dtypes outside the above, or kernels without AVX512-BF16 (check
@@ -510,3 +511,25 @@ def rowwise_linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         RuntimeError: shapes or dtypes outside the above.
     """
     return load().rowwise_linear_f32(x, w)
+
+
+def gguf_embedding(tiles: torch.Tensor, ggml_type: int, n: int, ids: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of a GGUF weight W [n, K] packed as tiles (as for :func:`gguf_linear`), dequantized.
+
+    Args:
+        tiles, ggml_type, n: the packed weight, as for :func:`gguf_linear`.
+        ids: int64 row indices, any shape, each in [0, n).
+        dtype: torch.bfloat16 or torch.float32.
+
+    Returns:
+        ids.shape + [K] in ``dtype``: gguf's float32 values (d q for Q8_0, d (q - 8) for Q4_0, q d + m for Q4_1;
+        gguf-py ``quants.dequantize``), rounded to nearest even for bfloat16. Plain C++: needs the kernels built, not
+        AVX512-BF16.
+
+    Raises:
+        RuntimeError: an id outside [0, n) or tiles that do not hold n rows of that type.
+    """
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"gguf_embedding: dtype must be torch.bfloat16 or torch.float32, got {dtype}")
+    return load().gguf_embedding(tiles, int(ggml_type), int(n), ids, dtype == torch.bfloat16)

@@ -4,10 +4,12 @@ linears kept packed: ``LLM(model="path/file.gguf")``.
 * Config: the ``llama.*`` metadata becomes a config.json-shaped dict (:func:`gguf_config`); the tokenizer and chat
   template come from the file (transformers' GGUF tokenizer loader) unless a tokenizer folder is given.
 * Names: :func:`hf_name` maps llama.cpp tensor names to the Hugging Face names the models load by.
-* Values: the linears (q, k, v, o, gate, up, down) in a packed block type (Q8_0, Q4_0, Q4_1) become
-  :class:`~tokenfab.quant.gguf_weight.GGUFWeight` objects (their bytes, regrouped, never a float copy); every other
-  tensor (embedding, norms, an untied output) is read as float32 (quantized ones dequantized), the model casting it
-  to its dtype. A linear in another quantized type is refused by name.
+* Values: the linears (q, k, v, o, gate, up, down), the token embedding and an untied output in a packed block
+  type (Q8_0, Q4_0, Q4_1) become :class:`~tokenfab.quant.gguf_weight.GGUFWeight` objects (their bytes, regrouped,
+  never a float copy; the embedding is looked up row by row from them and a tied LM head multiplies them,
+  ``CausalLM.load_weights``); every other tensor (norms, an embedding in another type) is read as float32
+  (quantized ones dequantized), the model casting it to its dtype. A linear in another quantized type is refused
+  by name.
 * llama.cpp's converter permutes q and k rows per head for its rotary layout (``LlamaModel.permute`` in
   convert_hf_to_gguf.py); the permutation is over output rows and GGUF blocks run along the input dimension, so it
   is undone on the packed rows (:func:`unpermute_rows`).
@@ -31,6 +33,7 @@ _BLOCK_NAMES = {  # llama.cpp's per-layer names -> transformers' LlamaDecoderLay
     "ffn_down": "mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_PACKED_TOP = {"token_embd.weight", "output.weight"}  # kept packed when in a packed block type (PackedEmbedding)
 _LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 _BLK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
@@ -135,6 +138,10 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
             rows = torch.from_numpy(np.array(t.data)).reshape(shape[0], -1)
             if n_head is not None:
                 rows = unpermute_rows(rows, n_head)
+            yield name, GGUFWeight.from_rows(rows, qtype.name, shape[1])
+            continue
+        if t.name in _PACKED_TOP and qtype.name in gguf_blocks.BLOCK_TYPES:  # embedding / LM head kept packed too
+            rows = torch.from_numpy(np.array(t.data)).reshape(shape[0], -1)
             yield name, GGUFWeight.from_rows(rows, qtype.name, shape[1])
             continue
         if qtype in plain:

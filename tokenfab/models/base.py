@@ -19,6 +19,7 @@ from tokenfab.layers.attention_metadata import AttentionMetadata
 from tokenfab.layers.linear import Linear, can_pack, pack_weight, packed_linear
 from tokenfab.layers.moe import RoutedExperts
 from tokenfab.layers.norm import RMSNorm
+from tokenfab.layers.packed_embedding import PackedEmbedding
 from tokenfab.parallel.distributed import current_tp
 from tokenfab.parallel.parallel_layers import ParallelLMHead, VocabParallelEmbedding
 from tokenfab.quant.packed_weight import PackedWeight
@@ -62,6 +63,9 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (under tensor parallel: on rank 0; other ranks get an
         empty tensor)."""
+        qweight = getattr(self, "_lm_head_qweight", None)  # a compressed head (GGUF), see load_weights
+        if qweight is not None:
+            return qweight.linear(hidden, None).float()
         packed = getattr(self, "_lm_head_packed", None)
         if packed is not None:
             return packed_linear(hidden, packed, None, self._lm_head_rows).float()
@@ -81,7 +85,10 @@ class CausalLM(nn.Module):
         """Copy checkpoint tensors into parameters by name.
 
         A value may be a :class:`~tokenfab.quant.packed_weight.PackedWeight` (a compressed checkpoint) for a
-        Linear's ``weight``: the Linear keeps it (``Linear.set_qweight``) instead of a plain copy.
+        Linear's ``weight``: the Linear keeps it (``Linear.set_qweight``) instead of a plain copy. For
+        ``model.embed_tokens.weight`` the embedding becomes a :class:`~tokenfab.layers.packed_embedding.
+        PackedEmbedding` over it (and a tied LM head multiplies the same packed weight); for ``lm_head.weight`` the
+        head multiplies it (``_lm_head_qweight``).
 
         Returns the names skipped on purpose. Raises WeightLoadError listing missing weights, unexpected weights
         and shape mismatches.
@@ -127,6 +134,22 @@ class CausalLM(nn.Module):
                 projs = ("gate_proj", "up_proj") if m.group(2) == "gate_up_proj" else ("down_proj",)
                 expert_loaded[m.group(1)].update((e, p) for e in range(mod.start, mod.end) for p in projs)
                 continue
+            if isinstance(t, PackedWeight) and name in ("model.embed_tokens.weight", "lm_head.weight"):
+                head = name == "lm_head.weight"
+                mod = self.lm_head if head else self.model.embed_tokens
+                want = (self.cfg.vocab_size, self.cfg.hidden_size)
+                if self.tp is not None or type(mod) is not (nn.Linear if head else nn.Embedding):
+                    unexpected.append(name)
+                elif (t.out_features, t.in_features) != want:
+                    bad_shape.append(f"{name}: checkpoint {(t.out_features, t.in_features)} vs model {want}")
+                elif head:
+                    self.lm_head.weight = None
+                    self._lm_head_qweight = t
+                    loaded.add(name)
+                else:
+                    self.model.embed_tokens = PackedEmbedding(t, mod.weight.dtype)
+                    loaded.add(name)
+                continue
             if isinstance(t, PackedWeight):
                 lin = linears.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
                 if lin is None or name not in params:
@@ -152,7 +175,11 @@ class CausalLM(nn.Module):
             p.copy_(t)
             loaded.add(name)
         if self.cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            if isinstance(self.model.embed_tokens, PackedEmbedding):  # the head multiplies the packed table
+                self.lm_head.weight = None
+                self._lm_head_qweight = self.model.embed_tokens.qweight
+            else:
+                self.lm_head.weight = self.model.embed_tokens.weight
             loaded.add("lm_head.weight")
         missing = [n for n in params if n not in loaded and not any(n.startswith(e + ".") for e in expert_mods)]
         for prefix, mod in expert_mods.items():
@@ -183,6 +210,10 @@ class CausalLM(nn.Module):
         for m in list(self.modules()):  # fuse() may add submodules
             if hasattr(m, "fuse") and callable(m.fuse):
                 m.fuse()
+        if isinstance(self.model.embed_tokens, PackedEmbedding):
+            self.model.embed_tokens.qweight.prepare()
+        if getattr(self, "_lm_head_qweight", None) is not None:
+            self._lm_head_qweight.prepare()
         lm = self.lm_head
         if (isinstance(lm, nn.Linear) and not self.cfg.tie_word_embeddings and lm.weight is not None
                 and can_pack(lm.weight)):

@@ -77,6 +77,20 @@ class GGUFWeight(PackedWeight):
             return cpu_kernels.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias)
         return self.reference_linear(x, bias)
 
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` dequantized: ``cpu_kernels.gguf_embedding`` where the kernels are built (CPU tiles,
+        bf16 / float32), else the tiles holding them unpacked and dequantized in PyTorch: the same values (gguf's
+        float32 ones, one rounding to ``dtype``)."""
+        if (self.tiles.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+                and cpu_kernels.load() is not None and hasattr(cpu_kernels.load(), "gguf_embedding")):
+            return cpu_kernels.gguf_embedding(self.tiles, self.block.ggml_type, self.out_features, ids.long(), dtype)
+        flat = ids.reshape(-1).long()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+            raise IndexError(f"embedding ids must lie in [0, {self.out_features})")
+        raw = gguf_blocks.unpack_tiles(self.tiles[flat // TILE], self.block, flat.numel() * TILE)
+        raw = raw.reshape(flat.numel(), TILE, -1)[torch.arange(flat.numel(), device=flat.device), flat % TILE]
+        return gguf_blocks.dequantize_rows(raw, self.block).to(dtype).reshape(*ids.shape, self.in_features)
+
     def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The plain-PyTorch path: float32 ``F.linear`` over 1024 dequantized rows at a time, + bias in float32,
         one rounding to x's dtype."""

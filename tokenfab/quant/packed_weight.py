@@ -37,6 +37,15 @@ class PackedWeight(nn.Module):
         """Rows [start, end) of W as float32 [end - start, in_features], exactly as the format defines them."""
         raise NotImplementedError
 
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``ids`` (int64, any shape) of W as an embedding table: ids.shape + [in_features] in ``dtype``, each
+        value the format's float32 value rounded once. This default dequantizes one row per id (formats override
+        it with a batched kernel)."""
+        flat = ids.reshape(-1).tolist()
+        rows = [self.dequantize_rows(i, i + 1) for i in flat]
+        out = torch.cat(rows) if rows else torch.empty(0, self.in_features)
+        return out.to(dtype).reshape(*ids.shape, self.in_features)
+
     def dequantize(self) -> torch.Tensor:
         """All of W as float32 [out_features, in_features] (tests and references; a full-size copy)."""
         return self.dequantize_rows(0, self.out_features)

@@ -53,6 +53,14 @@ at::Tensor gqa_decode(const at::Tensor& x, const at::Tensor& positions, const at
                       const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<int64_t>& dims,
                       const at::Tensor& cos, const at::Tensor& sin, bool interleave, double eps, double scale);
 
+// gqa_decode without its two projections: q [T, H, D], k, v [T, Hk, D] -> attention output [T, H, D] (optional
+// per-head q/k norms {q_norm, k_norm} or {}, RoPE, k/v cache writes, paged decode attention).
+at::Tensor gqa_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                      const at::Tensor& slot_mapping, at::Tensor& k_cache, at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      const std::vector<at::Tensor>& qk_norms, const at::Tensor& cos, const at::Tensor& sin,
+                      bool interleave, double eps, double scale);
+
 // ---- moe.cpp
 // Routed experts over packed weights: x [T, H], weights / ids [T, k] -> [T, H]; with a shared expert (VNNI-packed
 // gate_up and down) the routed sum + the shared expert's output.

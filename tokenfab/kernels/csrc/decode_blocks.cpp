@@ -68,18 +68,32 @@ at::Tensor gqa_decode(const at::Tensor& x, const at::Tensor& positions, const at
   TORCH_CHECK(slot_mapping.numel() == T && positions.numel() == T && block_tables.size(0) == T,
               "gqa_decode: one decode token per sequence expected");
   const auto qkv = vnni_linear(x, w[0], (H + 2 * Hk) * D, biases[0]);  // [T, (H + 2 Hk) D]
-  auto q = qkv.slice(1, 0, H * D).view({T, H, D});
-  auto k = qkv.slice(1, H * D, (H + Hk) * D).view({T, Hk, D});
+  const auto q = qkv.slice(1, 0, H * D).view({T, H, D});
+  const auto k = qkv.slice(1, H * D, (H + Hk) * D).view({T, Hk, D});
   const auto v = qkv.slice(1, (H + Hk) * D, (H + 2 * Hk) * D).view({T, Hk, D});
-  if (w.size() == 4) {  // Qwen3: RMSNorm over each head's D values
-    q = rms_norm(q.reshape({-1, D}), std::nullopt, w[2], eps)[0].view({T, H, D});
-    k = rms_norm(k.reshape({-1, D}), std::nullopt, w[3], eps)[0].view({T, Hk, D});
+  const std::vector<at::Tensor> qk_norms(w.begin() + 2, w.end());
+  const auto o = gqa_attend(q, k, v, positions, slot_mapping, k_cache, v_cache, block_tables, context_lens, qk_norms,
+                            cos, sin, interleave, eps, scale);
+  return vnni_linear(o.view({T, H * D}), w[1], hidden, biases[1]);
+}
+
+// The part of gqa_decode between the q|k|v projection and o_proj, shared with DecodeStack's layers whose linears
+// are not VNNI blocks (GGUF tiles): q [T, H, D], k / v [T, Hk, D] (views of the projection output) -> [T, H, D].
+at::Tensor gqa_attend(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v, const at::Tensor& positions,
+                      const at::Tensor& slot_mapping, at::Tensor& k_cache, at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      const std::vector<at::Tensor>& qk_norms, const at::Tensor& cos, const at::Tensor& sin,
+                      bool interleave, double eps, double scale) {
+  const int64_t T = q_in.size(0), H = q_in.size(1), Hk = k_in.size(1), D = q_in.size(2);
+  auto q = q_in, k = k_in;
+  if (qk_norms.size() == 2) {  // Qwen3: RMSNorm over each head's D values
+    q = rms_norm(q.reshape({-1, D}), std::nullopt, qk_norms[0], eps)[0].view({T, H, D});
+    k = rms_norm(k.reshape({-1, D}), std::nullopt, qk_norms[1], eps)[0].view({T, Hk, D});
   }
   const auto q_rot = rope(q, positions, cos, sin, interleave);
   const auto k_rot = rope(k, positions, cos, sin, interleave);
   const auto slots = checked_slots(slot_mapping, k_cache, "gqa_decode");
   write_slots(k_cache, slots, 0, k_rot);
   write_slots(v_cache, slots, 0, v);
-  const auto o = paged_decode_attention(q_rot, k_cache, v_cache, block_tables, context_lens, scale);  // [T, H, D]
-  return vnni_linear(o.view({T, H * D}), w[1], hidden, biases[1]);
+  return paged_decode_attention(q_rot, k_cache, v_cache, block_tables, context_lens, scale);  // [T, H, D]
 }

@@ -14,11 +14,17 @@
 //   return rms(h)                               [forward_sample: then the LM head and sample_plain]
 //
 // so its output and the cache rows it writes are bit-identical to the Python path (tests/test_decode_stack.py).
+//
+// A linear is either tokenfab's VNNI-blocked bf16 weight (vnni_linear) or a GGUF block-quantized weight kept packed
+// (gguf_linear over its tiles, tokenfab/quant/gguf_blocks.py): grouped-query layers, dense SiLU-GLUs and the LM head
+// take either, the embedding may be a packed GGUF weight too (gguf_embedding), so a GGUF file served packed runs
+// the same one-call step (tests/test_decode_stack_packed.py).
 #include <torch/extension.h>
 
 #include "batch_invariant.h"
 #include "cpu_kernels.h"
 #include "decode_stack.h"
+#include "gguf_linear.h"
 #include "vnni_linear.h"
 
 #include <string>
@@ -26,21 +32,46 @@
 
 namespace {
 
-// One SiLU-GLU block over VNNI-packed weights: down(silu(gate_up(x))), gate_up rows [gate | up].
-struct GatedMlp {
-  at::Tensor gate_up, down;
-  c10::optional<at::Tensor> gate_up_bias, down_bias;
-  int64_t gate_up_rows = 0, down_rows = 0;
+// One linear y = x W^T (+ b): VNNI blocks (qtype -1, vnni_linear) or packed GGUF tiles (qtype the ggml type id,
+// gguf_linear); ``rows`` = output features.
+struct Lin {
+  at::Tensor w;
+  int64_t qtype = -1;
+  int64_t rows = 0;
+  c10::optional<at::Tensor> bias;
 
-  bool defined() const { return gate_up.defined(); }
+  bool defined() const { return w.defined(); }
+  bool vnni() const { return qtype < 0; }
   at::Tensor operator()(const at::Tensor& x) const {
-    return vnni_linear(silu_and_mul(vnni_linear(x, gate_up, gate_up_rows, gate_up_bias)), down, down_rows,
-                       down_bias);
+    return qtype < 0 ? vnni_linear(x, w, rows, bias) : gguf_linear(x, w, qtype, rows, bias);
+  }
+};
+
+// (weight, qtype, rows, bias) from Python (engine/cpu_decode_stack.py's _lin_spec).
+using LinSpec = std::tuple<at::Tensor, int64_t, int64_t, c10::optional<at::Tensor>>;
+Lin make_lin(const LinSpec& s) {
+  return Lin{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s)};
+}
+
+// One SiLU-GLU block: down(silu(gate_up(x))), gate_up rows [gate | up]; or, where gate and up could not be joined
+// (GGUF weights of two block types), down(silu(gate(x)) * up(x)) as GatedMLP.forward computes it.
+struct GatedMlp {
+  Lin gate_up, gate, up, down;
+
+  bool defined() const { return gate_up.defined() || gate.defined(); }
+  bool has_bias() const {
+    return gate_up.bias.has_value() || gate.bias.has_value() || up.bias.has_value() || down.bias.has_value();
+  }
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (gate_up.defined()) return down(silu_and_mul(gate_up(x)));
+    return down(at::silu(gate(x)) * up(x));
   }
 };
 
 struct Layer {
   bool mla = false;
+  std::vector<Lin> qkv;  // grouped-query layers on Lin projections: {q|k|v} or {q, k, v}; then o
+  Lin o;
   std::vector<at::Tensor> attn_w;
   std::vector<c10::optional<at::Tensor>> attn_b;
   std::vector<int64_t> attn_dims;
@@ -106,12 +137,49 @@ class DecodeStack {
     layers_.push_back(std::move(l));
   }
 
-  // The last added layer's dense SiLU-GLU (or, after set_moe, its shared expert).
+  // A grouped-query layer whose projections are Lins (GGUF tiles or VNNI blocks): qkv = {q|k|v} or {q, k, v},
+  // o = o_proj, qk_norms = {q_norm, k_norm} (Qwen3) or {}; dims = {H, Hk, D}. Runs gqa_attend between them.
+  void add_gqa_layer_lin(at::Tensor in_norm, double in_eps, at::Tensor post_norm, double post_eps,
+                         std::vector<LinSpec> qkv, LinSpec o, std::vector<at::Tensor> qk_norms,
+                         std::vector<int64_t> dims, double eps, double scale) {
+    TORCH_CHECK((qkv.size() == 1 || qkv.size() == 3) && dims.size() == 3 && (qk_norms.empty() || qk_norms.size() == 2),
+                "DecodeStack.add_gqa_layer_lin: {q|k|v} or {q, k, v}, 3 dims and 0 or 2 q/k norms expected");
+    Layer l;
+    l.in_norm = std::move(in_norm), l.in_eps = in_eps, l.post_norm = std::move(post_norm), l.post_eps = post_eps;
+    for (const auto& s : qkv) l.qkv.push_back(make_lin(s));
+    l.o = make_lin(o);
+    l.attn_w = std::move(qk_norms), l.attn_dims = std::move(dims), l.eps_a = eps, l.scale = scale;
+    layers_.push_back(std::move(l));
+  }
+
+  // The last added layer's dense SiLU-GLU (or, after set_moe, its shared expert) over VNNI blocks.
   void set_gated_mlp(at::Tensor gate_up, c10::optional<at::Tensor> gate_up_bias, int64_t gate_up_rows,
                      at::Tensor down, c10::optional<at::Tensor> down_bias, int64_t down_rows) {
     TORCH_CHECK(!layers_.empty(), "DecodeStack.set_gated_mlp: add a layer first");
-    layers_.back().mlp = GatedMlp{std::move(gate_up), std::move(down), std::move(gate_up_bias),
-                                  std::move(down_bias), gate_up_rows, down_rows};
+    GatedMlp g;
+    g.gate_up = Lin{std::move(gate_up), -1, gate_up_rows, std::move(gate_up_bias)};
+    g.down = Lin{std::move(down), -1, down_rows, std::move(down_bias)};
+    layers_.back().mlp = std::move(g);
+  }
+
+  // The last added layer's dense SiLU-GLU over Lins: gate_up = {gate|up} or {gate, up}, then down.
+  void set_gated_mlp_lin(std::vector<LinSpec> gate_up, LinSpec down) {
+    TORCH_CHECK(!layers_.empty() && (gate_up.size() == 1 || gate_up.size() == 2),
+                "DecodeStack.set_gated_mlp_lin: add a layer first; {gate|up} or {gate, up} expected");
+    GatedMlp g;
+    if (gate_up.size() == 1) {
+      g.gate_up = make_lin(gate_up[0]);
+    } else {
+      g.gate = make_lin(gate_up[0]), g.up = make_lin(gate_up[1]);
+    }
+    g.down = make_lin(down);
+    layers_.back().mlp = std::move(g);
+  }
+
+  // The embedding as a packed GGUF weight (tiles [ceil(vocab / 16), hidden / 32, bytes], ggml type, vocab rows):
+  // its rows are dequantized by gguf_embedding instead of read from the bf16 table.
+  void set_gguf_embedding(at::Tensor tiles, int64_t qtype, int64_t rows) {
+    embed_ = std::move(tiles), embed_qtype_ = qtype, embed_rows_ = rows;
   }
 
   // The last added layer's DeepSeek-V3 MoE: router (float32 weight and score-correction bias), group-limited top-k
@@ -143,10 +211,10 @@ class DecodeStack {
   }
 
   // The LM head (VNNI-packed [vocab, hidden], ``rows`` = vocab) for forward_sample.
-  void set_lm_head(at::Tensor packed, int64_t rows) {
-    lm_head_ = std::move(packed);
-    lm_rows_ = rows;
-  }
+  void set_lm_head(at::Tensor packed, int64_t rows) { lm_head_ = Lin{std::move(packed), -1, rows, std::nullopt}; }
+
+  // The LM head as any Lin (a packed GGUF weight, e.g. the tied Q8_0 token embedding of a GGUF file).
+  void set_lm_head_lin(LinSpec lin) { lm_head_ = make_lin(lin); }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
@@ -158,7 +226,7 @@ class DecodeStack {
                             const at::Tensor& context_lens, const at::Tensor& temps, const at::Tensor& u) const {
     TORCH_CHECK(lm_head_.defined(), "DecodeStack.forward_sample: set_lm_head first");
     const auto h = forward(input_ids, positions, slot_mapping, std::move(caches), block_tables, context_lens);
-    return sample_plain(vnni_linear(h, lm_head_, lm_rows_, std::nullopt).to(at::kFloat), temps, u);
+    return sample_plain(lm_head_(h).to(at::kFloat), temps, u);
   }
 
   // input_ids, positions, slot_mapping [T] int64 (or an empty slot_mapping: computed here from positions and
@@ -172,11 +240,28 @@ class DecodeStack {
                                         ? decode_slots(positions, block_tables, caches[0].size(1))
                                         : slot_mapping_in;
     size_t c = 0;
-    auto h = at::embedding(embed_, input_ids);
+    auto h = embed_qtype_ < 0 ? at::embedding(embed_, input_ids)
+                              : gguf_embedding(embed_, embed_qtype_, embed_rows_, input_ids, true);
     for (const Layer& l : layers_) {
       const auto a = rms_norm(h, std::nullopt, l.in_norm, l.in_eps)[0];
       at::Tensor o;
-      if (l.mla) {
+      if (!l.qkv.empty()) {  // LlamaAttention.forward's module path, its linears Lins
+        TORCH_CHECK(c + 1 < caches.size(), "DecodeStack.forward: fewer KV caches than layers");
+        const int64_t T = a.size(0), H = l.attn_dims[0], Hk = l.attn_dims[1], D = l.attn_dims[2];
+        at::Tensor q, k, v;
+        if (l.qkv.size() == 1) {
+          const auto qkv = l.qkv[0](a);
+          q = qkv.slice(1, 0, H * D).view({T, H, D});
+          k = qkv.slice(1, H * D, (H + Hk) * D).view({T, Hk, D});
+          v = qkv.slice(1, (H + Hk) * D, (H + 2 * Hk) * D).view({T, Hk, D});
+        } else {
+          q = l.qkv[0](a).view({T, H, D}), k = l.qkv[1](a).view({T, Hk, D}), v = l.qkv[2](a).view({T, Hk, D});
+        }
+        const auto att = gqa_attend(q, k, v, positions, slot_mapping, caches[c], caches[c + 1], block_tables,
+                                    context_lens, l.attn_w, cos_, sin_, interleave_, l.eps_a, l.scale);
+        o = l.o(att.view({T, H * D}));
+        c += 2;
+      } else if (l.mla) {
         TORCH_CHECK(c < caches.size(), "DecodeStack.forward: fewer KV caches than layers");
         o = mla_decode(a, positions, slot_mapping, caches[c], block_tables, context_lens, l.attn_w, l.attn_dims,
                        cos_, sin_, interleave_, l.eps_a, l.eps_b, l.scale);
@@ -206,10 +291,10 @@ class DecodeStack {
                                               l.topk_group, l.top_k, l.norm_topk, l.routed_scale);
         // a bias-free shared expert runs inside the routed experts' two parallel regions (routed + shared rounded
         // as before); one with biases runs after them
-        const bool fused = l.mlp.defined() && !l.mlp.gate_up_bias.has_value() && !l.mlp.down_bias.has_value();
+        const bool fused = l.mlp.gate_up.defined() && l.mlp.gate_up.vnni() && l.mlp.down.vnni() && !l.mlp.has_bias();
         m = moe_experts_packed(x, route[0], route[1], l.p13, l.p2, l.expert_start,
-                               fused ? c10::optional<at::Tensor>(l.mlp.gate_up) : std::nullopt,
-                               fused ? c10::optional<at::Tensor>(l.mlp.down) : std::nullopt);
+                               fused ? c10::optional<at::Tensor>(l.mlp.gate_up.w) : std::nullopt,
+                               fused ? c10::optional<at::Tensor>(l.mlp.down.w) : std::nullopt);
         if (l.mlp.defined() && !fused) m = m + l.mlp(x);
       } else {
         m = l.mlp(x);
@@ -222,12 +307,12 @@ class DecodeStack {
 
  private:
   at::Tensor embed_, final_norm_;
+  int64_t embed_qtype_ = -1, embed_rows_ = 0;  // a packed GGUF embedding: its ggml type and rows
   double final_eps_;
   at::Tensor cos_, sin_;
   bool interleave_;
   std::vector<Layer> layers_;
-  at::Tensor lm_head_;
-  int64_t lm_rows_ = 0;
+  Lin lm_head_;
 };
 
 }  // namespace
@@ -237,7 +322,11 @@ void register_decode_stack(pybind11::module_& m) {
       .def(pybind11::init<at::Tensor, at::Tensor, double, at::Tensor, at::Tensor, bool>())
       .def("add_mla_layer", &DecodeStack::add_mla_layer)
       .def("add_gqa_layer", &DecodeStack::add_gqa_layer)
+      .def("add_gqa_layer_lin", &DecodeStack::add_gqa_layer_lin)
       .def("set_gated_mlp", &DecodeStack::set_gated_mlp)
+      .def("set_gated_mlp_lin", &DecodeStack::set_gated_mlp_lin)
+      .def("set_gguf_embedding", &DecodeStack::set_gguf_embedding)
+      .def("set_lm_head_lin", &DecodeStack::set_lm_head_lin)
       .def("set_moe", &DecodeStack::set_moe)
       .def("set_moe_softmax", &DecodeStack::set_moe_softmax)
       .def("set_lm_head", &DecodeStack::set_lm_head)

@@ -12,5 +12,11 @@ constexpr int64_t kGgufBlockK = 32;
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n,
                        const c10::optional<at::Tensor>& bias);
 
-// Adds gguf_linear to the extension module.
+// Rows ``ids`` (int64, any shape) of the same packed weight, dequantized as gguf does (float32 d q, d (q - 8) or
+// q d + m): ids.shape + [K], bfloat16 (rounded to nearest even) when ``bf16_out``, else float32. Plain C++ (no
+// AVX512 needed). Raises for an id outside [0, n).
+at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const at::Tensor& ids,
+                          bool bf16_out);
+
+// Adds gguf_linear and gguf_embedding to the extension module.
 void register_gguf_linear(pybind11::module_& m);
