@@ -40,3 +40,36 @@ def test_no_compiler_falls_back(tiny_model, tmp_path):
     assert broken["tokens"] == off["tokens"]
     if on["loaded"]:
         assert on["tokens"] == off["tokens"]  # float32 tiny model: kernels and PyTorch paths agree
+
+
+LOAD = r"""
+import json
+from tokenfab.kernels import cpu_kernels
+print(json.dumps({"loaded": cpu_kernels.load() is not None, "error": cpu_kernels.load_error()}))
+"""
+
+
+def test_stale_build_lock_is_removed(tmp_path):
+    """A build killed midway leaves torch's ``lock`` file in the build folder; without the flock guard every later
+    load waits on it forever. A copy of this checkout's built folder with such a file still loads (no rebuild)."""
+    import shutil
+    import pytest
+    from tokenfab.kernels import cpu_kernels
+    if cpu_kernels.load() is None:
+        pytest.skip(f"kernels not built here: {cpu_kernels.load_error()}")
+    src = cpu_kernels._build_dir()
+    env = dict(os.environ, TOKENFAB_KERNEL_CACHE=str(tmp_path / "kc"))
+    r = subprocess.run([sys.executable, "-c", "from tokenfab.kernels import cpu_kernels; print(cpu_kernels._build_dir())"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    dst = r.stdout.strip().splitlines()[-1]
+    assert dst.startswith(str(tmp_path)) and os.path.basename(dst) == os.path.basename(src)
+    for f in os.listdir(src):
+        if os.path.isfile(os.path.join(src, f)) and f not in ("lock", "build.flock"):
+            shutil.copy2(os.path.join(src, f), dst)
+    open(os.path.join(dst, "lock"), "w").close()  # what a killed build leaves
+    r = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["loaded"], got["error"]
+    assert not os.path.exists(os.path.join(dst, "lock"))
+    assert "building the fused CPU kernels" not in r.stderr  # the copied build was reused, not rebuilt

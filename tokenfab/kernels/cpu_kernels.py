@@ -43,8 +43,8 @@ def _cpu_tag() -> str:
 
 def _build_dir() -> str:
     root = os.environ.get("TOKENFAB_KERNEL_CACHE", os.path.expanduser("~/.cache/tokenfab/kernels"))
-    h = hashlib.sha1()
-    for src in _sources():
+    h = hashlib.sha1(os.path.dirname(os.path.abspath(__file__)).encode())  # one folder per checkout: ninja's
+    for src in _sources():  # build file holds absolute source paths, so two checkouts sharing one would rebuild it
         with open(src, "rb") as f:
             h.update(f.read())
     digest = h.hexdigest()[:10]
@@ -118,6 +118,35 @@ def _read_failure(path: str) -> dict | None:
         return None
 
 
+class _build_lock:
+    """Exclusive ``flock`` on ``build_dir/build.flock`` around a build (POSIX; a no-op elsewhere).
+
+    torch's ``cpp_extension.load`` guards a build folder with a ``lock`` file that it deletes when done; a build
+    killed midway leaves it, and every later load waits on it forever. The flock is released by the OS when its
+    holder dies, and every tokenfab build holds it, so a ``lock`` file found while holding it is a dead build's:
+    it is removed before loading.
+    """
+
+    def __init__(self, build_dir: str):
+        self.build_dir, self.f = build_dir, None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.f = open(os.path.join(self.build_dir, "build.flock"), "w")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+        stale = os.path.join(self.build_dir, "lock")
+        if os.path.exists(stale):
+            os.remove(stale)
+        return self
+
+    def __exit__(self, *exc):
+        if self.f is not None:
+            self.f.close()  # releases the flock
+
+
 def _build(build_dir: str):
     """Compile (or load the cached build of) the csrc/ sources -> (module, None) or (None, one-line reason)."""
     import sys
@@ -144,7 +173,7 @@ def _build(build_dir: str):
         level = torch_log.level
         torch_log.setLevel(logging.ERROR)  # torch's multi-line compiler-ABI banner; a failure is reported below
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _build_lock(build_dir):
                 warnings.simplefilter("ignore")
                 module = cpp_extension.load(name="tokenfab_cpu_kernels", sources=srcs, extra_cflags=flags,
                                             extra_ldflags=["-fopenmp"], build_directory=build_dir, verbose=False)
