@@ -109,6 +109,12 @@ def test_good_sampling_params_are_accepted_and_generate(fuzz_llm):
     @given(good_params(), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8))
     def run(kw, prompt):
         sp = SamplingParams(**kw)
+        ends = set(kw["stop_token_ids"]) | (set() if kw["ignore_eos"] else set(fuzz_llm.llm_engine.eos_token_ids))
+        if kw["min_tokens"] > 0 and kw["allowed_token_ids"] and set(kw["allowed_token_ids"]) <= ends:
+            with pytest.raises(ValueError, match="allowed_token_ids"):  # nothing could be drawn: refused by name
+                fuzz_llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
+            assert not fuzz_llm.llm_engine.has_unfinished_requests()
+            return
         out = fuzz_llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
         assert len(out.outputs) == kw["n"]
         for o in out.outputs:
@@ -272,3 +278,17 @@ def test_http_fields_take_their_json_type_only(http, path, field, value):
     err = r.json()["error"]
     assert err["param"] == field and field in err["message"] and "must be" in err["message"], err
     assert http.post(path, json=dict(body, temperature=1) if path != "/tokenize" else body).status_code == 200
+
+
+def test_only_end_tokens_allowed_under_min_tokens_is_refused(fuzz_llm):
+    """Found by the fuzzer: allowed_token_ids = [EOS] with min_tokens >= 1 masks every token (min_tokens forbids
+    EOS), so the draw returned token 0, outside allowed_token_ids. Refused by name; with ignore_eos it generates."""
+    eos = fuzz_llm.llm_engine.eos_token_ids[0]
+    with pytest.raises(ValueError, match="allowed_token_ids") as e:
+        fuzz_llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=2, min_tokens=1,
+                                                                          allowed_token_ids=[eos]), use_tqdm=False)
+    assert getattr(e.value, "param", None) == "allowed_token_ids"
+    out = fuzz_llm.generate([{"prompt_token_ids": [5, 6]}],
+                            SamplingParams(max_tokens=2, min_tokens=1, allowed_token_ids=[eos], ignore_eos=True,
+                                           temperature=0), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == [eos, eos]

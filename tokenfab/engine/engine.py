@@ -157,7 +157,8 @@ class LLMEngine:
             InvalidRequestError (a ValueError): a SamplingParams field out of range or outside the vocabulary, an
                 empty prompt, token ids that are not integers in [0, vocab_size), a lone surrogate in the prompt
                 text, a text prompt or stop strings for a model without tokenizer, a structured-output schema /
-                regex / grammar that does not compile.
+                regex / grammar that does not compile, allowed_token_ids that are all end tokens (EOS or
+                stop_token_ids) while min_tokens forbids them.
             ValueError: duplicate request id.
             InvalidRequestError: ``priority`` not an integer, or not 0 while scheduling_policy is not "priority"
                 (scheduling_policy.check_priority).
@@ -173,6 +174,13 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer and this model has none (no tokenizer files "
                                       "in its folder); use stop_token_ids instead.", "stop")
+        if params.min_tokens > 0 and params.allowed_token_ids:
+            ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+            if set(params.allowed_token_ids) <= ends:  # min_tokens masks them all: no token could be drawn
+                raise InvalidRequestError(
+                    f"allowed_token_ids {sorted(set(params.allowed_token_ids))} are all end tokens (EOS or "
+                    f"stop_token_ids), which min_tokens = {params.min_tokens} forbids: no token could be generated; "
+                    "allow another token, set min_tokens 0 or ignore_eos.", "allowed_token_ids")
         bad_ids = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else []
         check_processor_params_for_model(params, V, bad_ids)  # bad words encoded once per request, in the vocabulary
         grammar = self.compile_grammar(params)  # structured outputs: compiled once per request (cached by schema)
