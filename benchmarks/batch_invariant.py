@@ -23,11 +23,11 @@ import datetime as dt
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.engine_steps import median_decode_ms  # noqa: E402
 from benchmarks.results_file import unused_stem, write_markdown  # noqa: E402
 
 
@@ -41,23 +41,7 @@ def time_decode(engine, batch: int, context: int, steps: int, vocab: int, warmup
     prompt."""
     from tokenfab import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 8, ignore_eos=True)
-    ids = []
-    for i in range(batch):
-        rid = f"d-{time.monotonic_ns()}-{i}"
-        engine.add_request(rid, None, prompt_ids(i, context, vocab), params)
-        ids.append(rid)
-    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
-        engine.step()
-    for _ in range(warmup):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    for rid in ids:
-        engine.abort_request(rid)
-    return 1e3 * statistics.median(times)
+    return median_decode_ms(engine, [prompt_ids(i, context, vocab) for i in range(batch)], params, steps, warmup)
 
 
 def time_prefill(engine, prompts: int, length: int, vocab: int) -> float:

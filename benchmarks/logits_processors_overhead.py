@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.engine_steps import median_decode_ms  # noqa: E402
 from benchmarks.results_file import write_markdown  # noqa: E402
 
 
@@ -52,23 +53,7 @@ def configs(vocab: int, words: list[str]) -> list[tuple[str, dict]]:
 
 def time_decode(engine, prompts: list[list[int]], params, steps: int, warmup: int = 3) -> float:
     """Median wall time (ms) of ``steps`` decode steps of ``len(prompts)`` sequences with ``params``."""
-    ids = []
-    for i, p in enumerate(prompts):
-        rid = f"bench-{time.monotonic_ns()}-{i}"
-        engine.add_request(rid, None, p, params)
-        ids.append(rid)
-    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
-        engine.step()  # prefill (chunked as the scheduler likes) until every sequence sampled once
-    for _ in range(warmup):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    for rid in ids:
-        engine.abort_request(rid)
-    return 1e3 * statistics.median(times)
+    return median_decode_ms(engine, prompts, params, steps, warmup)
 
 
 def time_sampler(engine, prompts: list[list[int]], params, reps: int = 50) -> float:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from benchmarks.engine_steps import start_requests  # noqa: E402
 from benchmarks.results_file import write_markdown  # noqa: E402
 
 KEYS = ["name", "city", "country", "street", "job", "company", "hobby", "pet"]
@@ -42,23 +43,11 @@ PERSON = {"type": "object",
           "required": ["name", "age", "tags"]}
 
 
-def _start(engine, prompts, params) -> list[str]:
-    """Add one request per prompt and step until every sequence sampled once (prefill done); returns the ids."""
-    ids = []
-    for i, p in enumerate(prompts):
-        rid = f"bench-{time.monotonic_ns()}-{i}"
-        engine.add_request(rid, None, p, params)
-        ids.append(rid)
-    while any(s.num_output_tokens == 0 for r in engine.requests.values() for s in r.seqs):
-        engine.step()
-    return ids
-
-
 def time_paired(engines, prompts, params_list, steps: int, warmup: int = 3) -> tuple[list[float], int]:
     """Decode-step times (ms; median of ``steps``) of each engine with its params, the engines stepped in turn
     (A, B, A, B, ...) so that a shared machine's load hits every configuration alike; and the rows still
     constrained in the last engine at the end."""
-    ids = [_start(e, prompts, p) for e, p in zip(engines, params_list)]
+    ids = [start_requests(e, prompts, p) for e, p in zip(engines, params_list)]
     for _ in range(warmup):
         for e in engines:
             e.step()
