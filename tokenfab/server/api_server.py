@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI): completions, chat, models, tokenize, health, metrics.
 
-``build_app(async_llm, served_model_name)`` makes the app around a started :class:`AsyncLLM`;
-``run_server(args)`` builds the engine from ``tokenfab serve`` flags and runs uvicorn until interrupted.
+``build_app(async_llm, served_model_name)`` makes the app around a started :class:`AsyncLLM` (request handling
+shared by the routes: :class:`tokenfab.server.serving.OpenAIServing`);
+``run_server(args)`` (launch.py) builds the engine from ``tokenfab serve`` flags and runs uvicorn until interrupted.
 
 Shapes follow OpenAI's API and vLLM's extensions (``ignore_eos``, ``min_tokens``, ``top_k``, ``stop_token_ids``,
 ``/tokenize``, ``/detokenize``, ``vllm:`` metric names). Errors are OpenAI's error JSON with the matching status:
@@ -16,17 +17,14 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenfab.engine.scheduling_policy import check_priority
 from tokenfab.errors import PromptTooLongError
-from tokenfab.outputs import RequestOutput
-from tokenfab.request_validation import check_token_ids
 from tokenfab.sampling_params import SamplingParams
 from tokenfab.server.async_engine import AsyncLLM, EngineShutdownError, EngineStepError
 from tokenfab.server.auth import add_api_key
@@ -42,8 +40,8 @@ from tokenfab.server.protocol import (
     error_body,
 )
 from tokenfab.server.request_policy import RequestPolicy
-from tokenfab.server.structured_request import request_structured_outputs
-from tokenfab.server.tool_calls import (ToolCallStream, check_tools, message_tool_fields, output_tool_calls,
+from tokenfab.server.serving import OpenAIServing, bad_request
+from tokenfab.server.tool_calls import (ToolCallStream, check_tools, output_tool_calls,
                                         resolve_tool_choice, tool_constraint)
 
 logger = logging.getLogger("tokenfab.server")
@@ -76,13 +74,6 @@ def _map_exception(e: BaseException) -> OpenAIError:
     return OpenAIError(500, f"internal error: {type(e).__name__}: {e}")
 
 
-def bad_request(e: ValueError) -> OpenAIError:
-    """A 400 for a refused field: ``param`` from an InvalidRequestError, else the message's first word (the
-    checks start their messages with the field name)."""
-    msg = str(e)
-    return OpenAIError(400, msg, param=getattr(e, "param", None) or msg.split(" ", 1)[0])
-
-
 def _hold(params: SamplingParams) -> int:
     """Characters to keep unsent while streaming: a stop string may be forming in the last len(stop)-1 of them."""
     return max((len(x) for x in params.stop or []), default=1) - 1
@@ -90,257 +81,6 @@ def _hold(params: SamplingParams) -> int:
 
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-class OpenAIServing:
-    """Request handling shared by the endpoints: validation, prompt building, sampling params, response shapes.
-
-    Args:
-        async_llm: a started AsyncLLM.
-        served_model_name: the name clients send in ``model`` (the model path is accepted too).
-        model_path: the checkpoint folder (``root`` in /v1/models).
-    """
-
-    def __init__(self, async_llm: AsyncLLM, served_model_name: str, model_path: str | None = None):
-        self.llm = async_llm
-        self.name = served_model_name
-        self.model_path = model_path
-        self.tokenizer = async_llm.tokenizer
-        self.max_model_len = async_llm.max_model_len
-        self.vocab_size = int(async_llm.model_config.vocab_size)
-        engine = getattr(async_llm, "engine", None)
-        self.scheduling_policy = getattr(getattr(engine, "config", None), "scheduling_policy", "fcfs")
-        self._tok_text: dict[int, str] = {}
-        self.engine = engine
-        if engine is not None and hasattr(engine, "use_grammar_tokenizer"):
-            engine.use_grammar_tokenizer(self.tokenizer)  # structured outputs compile on the handlers' copy
-
-    # ------------------------------------------------------------------------------------------------- checks
-    def check_model(self, model: str | None) -> None:
-        """404 unless ``model`` is None, the served name or the model path."""
-        if model is None or model == self.name or (self.model_path and model == self.model_path):
-            return
-        raise OpenAIError(404, f"The model `{model}` does not exist; this server serves `{self.name}`.",
-                          "NotFoundError", "model")
-
-    def check_ids(self, ids: list[int], field: str = "prompt") -> None:
-        """400 naming ``field`` unless ``ids`` are integer token ids in [0, vocab_size) (request_validation)."""
-        try:
-            check_token_ids(field, ids, self.vocab_size)
-        except ValueError as e:
-            raise bad_request(e) from None
-
-    def check_length(self, prompt_len: int, max_tokens: int | None, field: str = "max_tokens") -> int:
-        """Return max_tokens (filled to the rest of the context when None); 400 when the request cannot fit."""
-        L = self.max_model_len
-        if prompt_len > L:
-            raise OpenAIError(400, f"This model's maximum context length is {L} tokens, but the prompt has "
-                                   f"{prompt_len} tokens; shorten the prompt.", param="prompt")
-        if max_tokens is None:
-            return max(1, L - prompt_len)
-        if prompt_len + max_tokens > L:
-            raise OpenAIError(400, f"This model's maximum context length is {L} tokens, but {prompt_len + max_tokens}"
-                                   f" were requested ({prompt_len} in the prompt, {max_tokens} in {field}); "
-                                   f"reduce the prompt or {field}.", param=field)
-        return max_tokens
-
-    def sampling_params(self, req, max_tokens: int, logprobs: int | None, constraint=None) -> SamplingParams:
-        """Request fields -> SamplingParams; 400 naming the field for unsupported or out-of-range values.
-
-        The output constraint is ``constraint`` (a StructuredOutputsParams, from tool_choice) or the request's
-        response_format / structured_outputs / guided_* fields (server/structured_request.py); it is compiled here,
-        so a schema, regex or grammar that does not compile is a 400 before anything streams."""
-        bias = getattr(req, "logit_bias", None)
-        if bias is not None:  # JSON keys are strings: "50256" -> 50256
-            try:
-                bias = {int(k): v for k, v in bias.items()}
-            except ValueError:
-                raise OpenAIError(400, f"logit_bias keys must be token ids (integers as strings), got "
-                                       f"{list(bias)[:5]}.", param="logit_bias") from None
-        try:
-            so = request_structured_outputs(req)
-            if constraint is not None:
-                if so is not None:
-                    raise OpenAIError(400, f"{so.source} cannot be combined with tool_choice \"required\" or a named "
-                                           "function (the tool's schema already constrains the output).",
-                                      param=so.source)
-                so = constraint
-            params = SamplingParams(
-                n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=-1 if req.top_k in (None, 0) else req.top_k, max_tokens=max_tokens,
-                min_tokens=req.min_tokens, seed=req.seed, stop=req.stop, stop_token_ids=list(req.stop_token_ids or []),
-                ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=bias,
-                allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words, structured_outputs=so)
-            params.validate(self.vocab_size)  # the checks add_request runs (request_validation.py), before streaming
-            if so is not None:  # compiled here (cached), so the engine's add_request finds it compiled
-                self.engine.compile_grammar(params)
-        except ValueError as e:
-            raise bad_request(e) from None
-        return params
-
-    def priority(self, req) -> int:
-        """The request's ``priority`` checked against the engine's scheduling policy before anything streams;
-        400 naming ``priority`` when it is not 0 and the policy is not "priority" (as vLLM)."""
-        try:
-            return check_priority(req.priority, self.scheduling_policy)
-        except ValueError as e:
-            raise bad_request(e) from None
-
-    def token_text(self, tid: int) -> str:
-        """The text of one token id (cached)."""
-        s = self._tok_text.get(tid)
-        if s is None:
-            s = self.tokenizer.decode([tid]) if self.tokenizer is not None else str(tid)
-            if len(self._tok_text) < 1 << 17:
-                self._tok_text[tid] = s
-        return s
-
-    # ---------------------------------------------------------------------------------------------- prompts
-    def completion_prompt(self, req: CompletionRequest) -> tuple[str | None, list[int]]:
-        p = req.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise OpenAIError(400, f"prompt: a list of {len(p)} prompts is not supported; send one prompt per "
-                                       "request.", param="prompt")
-            p = p[0]
-        if isinstance(p, str):
-            if not p:
-                raise OpenAIError(400, "prompt is empty.", param="prompt")
-            if self.tokenizer is None:
-                raise OpenAIError(400, "this model has no tokenizer: send prompt as token ids.", param="prompt")
-            ids = list(self.tokenizer(p, add_special_tokens=True)["input_ids"])
-            return p, ids
-        ids = [int(t) for t in p]
-        self.check_ids(ids)
-        return None, ids
-
-    def completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-        """Every prompt of a request as (text or None, token ids): a list of texts or of token-id lists is several
-        prompts (OpenAI's and vLLM's batch form, which lm-eval sends); each is checked as a single prompt is,
-        and a bad one is named by its index (``prompt[2]``)."""
-        p = req.prompt
-        if not (isinstance(p, list) and p and isinstance(p[0], (str, list))):
-            return [self.completion_prompt(req)]
-        out = []
-        for i, x in enumerate(p):
-            try:
-                out.append(self.completion_prompt(req.model_copy(update={"prompt": [x]})))
-            except OpenAIError as e:
-                raise OpenAIError(e.status, f"prompt[{i}]: {e.message}", e.type, f"prompt[{i}]") from None
-        return out
-
-    def chat_prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    kwargs: dict | None = None, tools: list[dict] | None = None) -> tuple[str, list[int]]:
-        """(prompt text, token ids) of a conversation through the chat template; ``tools`` (checked) go to the
-        template, and assistant ``tool_calls`` / tool ``tool_call_id`` fields of messages are passed on (JSON-string
-        arguments parsed into objects, as templates expect)."""
-        tok = self.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise OpenAIError(400, "this model has no chat template (tokenizer_config.json chat_template); use "
-                                   "/v1/completions with a plain prompt instead.", param="messages")
-        msgs = []
-        for m in messages:
-            c = m.content
-            if isinstance(c, list):
-                c = "".join(str(part.get("text", "")) for part in c if part.get("type", "text") == "text")
-            msgs.append({"role": m.role, "content": c or ""})
-            msgs[-1].update(message_tool_fields(m))
-        kw = dict(kwargs or {})
-        if tools:
-            kw["tools"] = tools
-        try:
-            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt
-                                           and not continue_final_message,
-                                           continue_final_message=continue_final_message, **kw)
-        except Exception as e:
-            raise OpenAIError(400, f"messages: the chat template failed: {type(e).__name__}: {e}",
-                              param="messages") from None
-        ids = list(tok(text, add_special_tokens=False)["input_ids"])
-        if not ids:
-            raise OpenAIError(400, "messages: the chat template produced an empty prompt.", param="messages")
-        return text, ids
-
-    # ------------------------------------------------------------------------------------------- logprobs
-    def completion_logprobs(self, token_ids: list[int], lps: list[dict], offset0: int) -> dict:
-        """OpenAI completions shape: tokens, token_logprobs, top_logprobs (dict per position, text -> logprob, most
-        likely first), text_offset.
-
-        ``top_logprobs`` is keyed by token text, and different ids can decode to the same text (byte-fallback
-        pieces of one multi-byte character all decode to U+FFFD): the chosen token's entry is always there with
-        its own logprob (= ``token_logprobs``), and among other ids with one text the most likely one is kept."""
-        tokens, token_lps, tops, offsets = [], [], [], []
-        off = offset0
-        for tid, d in zip(token_ids, lps):
-            s = self.token_text(tid)
-            tokens.append(s)
-            lp = d.get(tid)
-            token_lps.append(lp)
-            top = {s: lp}
-            for t, v in sorted(d.items(), key=lambda kv: -kv[1]):
-                top.setdefault(self.token_text(t), v)
-            tops.append(dict(sorted(top.items(), key=lambda kv: -kv[1] if kv[1] is not None else float("inf"))))
-            offsets.append(off)
-            off += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def echo_logprobs(self, prompt_ids: list[int], prompt_lps: list, token_ids: list[int], lps: list[dict]) -> dict:
-        """Completions logprobs of echo + logprobs: the prompt's positions (from the engine's prompt_logprobs)
-        followed by the generated ones, as OpenAI's legacy API and vLLM return them. Position 0 has nothing that
-        predicts it: its ``token_logprobs`` and ``top_logprobs`` entries are None. Logprobs are natural-log
-        probabilities of the model's distribution at each position (float)."""
-        first = self.token_text(prompt_ids[0])
-        head = self.completion_logprobs(prompt_ids[1:], prompt_lps[1:], len(first))
-        tail = self.completion_logprobs(token_ids, lps, len(first) + sum(len(s) for s in head["tokens"]))
-        return {"tokens": [first] + head["tokens"] + tail["tokens"],
-                "token_logprobs": [None] + head["token_logprobs"] + tail["token_logprobs"],
-                "top_logprobs": [None] + head["top_logprobs"] + tail["top_logprobs"],
-                "text_offset": [0] + head["text_offset"] + tail["text_offset"]}
-
-    def chat_logprobs(self, token_ids: list[int], lps: list[dict], k: int) -> dict:
-        """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
-        content = []
-        for tid, d in zip(token_ids, lps):
-            s = self.token_text(tid)
-            top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
-            content.append({"token": s, "logprob": d.get(tid), "bytes": list(s.encode("utf-8")),
-                            "top_logprobs": [{"token": self.token_text(t), "logprob": v,
-                                              "bytes": list(self.token_text(t).encode("utf-8"))} for t, v in top]})
-        return {"content": content}
-
-    # -------------------------------------------------------------------------------------------- running
-    async def collect(self, gen: AsyncIterator[RequestOutput], raw: Request) -> RequestOutput:
-        """Run a request to the end; abort it if the client goes away meanwhile."""
-        async def last() -> RequestOutput:
-            final = None
-            async for out in gen:
-                final = out
-            return final
-
-        task = asyncio.ensure_future(last())
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.5)
-                if done:
-                    return task.result()
-                if await raw.is_disconnected():
-                    task.cancel()
-                    try:
-                        await task
-                    except BaseException:
-                        pass
-                    raise OpenAIError(499, "client disconnected")
-        finally:
-            if not task.done():
-                task.cancel()
-
-    @staticmethod
-    def usage(out: RequestOutput) -> dict:
-        p = len(out.prompt_token_ids)
-        c = sum(len(o.token_ids) for o in out.outputs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | None = None,
