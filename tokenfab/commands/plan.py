@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from tokenfab.commands.expert_placement_args import add_expert_placement_args
+
 
 def register(subparsers) -> None:
     """Add the ``plan`` command to the CLI."""
@@ -29,14 +31,7 @@ def register(subparsers) -> None:
                    help="split routed experts between the devices and host memory: each device filled with its "
                         "experts first (after dense weights, the requested KV and the reserve), the rest on the "
                         "host; prints the split and the host bytes")
-    p.add_argument("--host-experts", default=None,
-                   help="with --offload-experts implied: this share (50%%) or count of each MoE layer's experts on "
-                        "the host instead of the memory fill")
-    p.add_argument("--num-device-experts", type=int, default=None,
-                   help="with --offload-experts implied: experts per MoE layer kept on the devices (all ranks)")
-    p.add_argument("--expert-popularity", default=None, metavar="FILE",
-                   help="routed-token counts per layer per expert (JSON from tokenfab serve "
-                        "--record-expert-popularity): the most used experts stay on the devices")
+    add_expert_placement_args(p, planning=True)
     p.add_argument("--max-num-seqs", type=int, default=1,
                    help="requests whose per-request state is held at once (hybrid KDA models: the recurrent state "
                         "of each is reserved on every rank before the KV pool is sized)")

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from tokenfab.commands.expert_placement_args import add_expert_placement_args
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by ``serve`` and ``demo`` (vLLM's names)."""
@@ -75,16 +77,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 1}' or "
                         "'{\"method\": \"draft_model\", \"model\": \"PATH\", \"num_speculative_tokens\": 3}' "
                         "(tokenfab/spec_decode/config.py).")
-    g.add_argument("--host-experts", default=None,
-                   help="Keep this share (e.g. 50%%) or count of each MoE layer's routed experts in host memory and "
-                        "compute them on the host's CPUs, overlapped with the device's experts (tokenfab/layers/"
-                        "host_experts.py). Default: none. `tokenfab plan ... --offload-experts` says what fits.")
-    g.add_argument("--num-device-experts", type=int, default=None,
-                   help="Instead of --host-experts: routed experts per MoE layer kept on the devices (all ranks "
-                        "together); the rest go to host memory.")
-    g.add_argument("--expert-popularity", default=None, metavar="FILE",
-                   help="Routed-token counts per layer per expert (JSON from --record-expert-popularity): the most "
-                        "used experts stay on the devices. Needs --host-experts or --num-device-experts.")
+    add_expert_placement_args(g, planning=False)
     g.add_argument("--host-expert-threads", type=int, default=None,
                    help="Threads of the host-expert worker. Default: every core beside a GPU, half the threads on CPU.")
     g.add_argument("--record-expert-popularity", default=None, metavar="FILE",
