@@ -328,3 +328,24 @@ def test_real_model_structured_outputs():
     assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]", texts[2]), texts[2]
     assert texts[3] in ("yes", "no")
     assert "Paris" in texts[4]
+
+
+def test_warm_up_builds_the_compiler_once_and_defers_errors(llama):
+    """GrammarCompiler.warm_up_in_background (tokenfab serve calls it at startup): after the thread ends the xgrammar
+    compiler exists and a compile reuses it; without a tokenizer the warm-up swallows the error and the first
+    constrained request still gets the 400-shaped InvalidRequestError naming structured_outputs."""
+    from tokenfab.structured_output.compiler import GrammarCompiler
+    llm = _engine(llama)
+    eng = llm.llm_engine
+    gc = GrammarCompiler(eng.tokenizer, eng.model_config.vocab_size, eng.eos_token_ids)
+    assert gc._compiler is None
+    gc.warm_up_in_background().join(timeout=120)
+    built = gc._compiler
+    assert built is not None
+    gc.compile(CONSTRAINTS["regex"])
+    assert gc._compiler is built
+    bare = GrammarCompiler(None, 512, [0])
+    bare.warm_up_in_background().join(timeout=120)
+    with pytest.raises(InvalidRequestError, match="tokenizer") as e:
+        bare.compile(CONSTRAINTS["regex"])
+    assert e.value.param == "structured_outputs"

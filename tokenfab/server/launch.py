@@ -248,6 +248,7 @@ def run_server(args: argparse.Namespace) -> int:
     policy = RequestPolicy.from_async_llm(async_llm, log_requests, getattr(args, "max_log_len", None))
     app = build_app(async_llm, name, config.model, chat_template=chat_template, api_key=api_key, policy=policy,
                     tool_call_parser=tool_call_parser)
+    async_llm.engine.grammar_compiler.warm_up_in_background()  # the first constrained request skips the import
     if policy.defaults:
         print(f"[tokenfab] default sampling settings from generation_config ({config.generation_config}): "
               f"{policy.defaults} (for fields a request leaves unset; --generation-config vllm ignores them)",

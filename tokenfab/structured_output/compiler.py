@@ -8,11 +8,13 @@ the schema does not name; ``any_whitespace`` unless ``disable_any_whitespace``),
 ``{"type": "object"}``, ``regex`` -> ``compile_regex``, ``choice`` -> an EBNF alternation of the quoted strings,
 ``grammar`` -> ``compile_grammar`` (EBNF / GBNF).
 
-xgrammar is imported on first use (its import takes seconds), so engines that never see a constraint never load it.
+xgrammar is imported on first use (its import takes seconds), so engines that never see a constraint never load it;
+``tokenfab serve`` starts that import on a background thread at startup (:meth:`GrammarCompiler.warm_up_in_background`).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
@@ -73,6 +75,24 @@ class GrammarCompiler:
                                           f"({type(e).__name__}: {e}).", "structured_outputs") from None
             self._compiler = xgr.GrammarCompiler(info, max_threads=2)
         return self._compiler
+
+    def warm_up_in_background(self) -> threading.Thread:
+        """Import xgrammar and build its tokenizer info on a low-priority daemon thread, so the first constrained
+        request does not wait seconds for them (a request arriving meanwhile waits on the lock, never works twice).
+        Failures are left for that request to report. Returns the thread."""
+        def run():
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)  # Linux: this thread only
+            except (AttributeError, OSError):
+                pass
+            try:
+                with self._lock:
+                    self._xgr_compiler()
+            except Exception:  # the first structured request raises it again, as a 400 naming the field
+                pass
+        t = threading.Thread(target=run, name="tokenfab-xgrammar-warmup", daemon=True)
+        t.start()
+        return t
 
     def compile(self, p: StructuredOutputsParams):
         """The ``xgrammar.CompiledGrammar`` for ``p`` (cached).
