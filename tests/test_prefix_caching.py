@@ -338,3 +338,31 @@ def test_prefix_repetition_dataset(tokenizer_dir):
         sample_prefix_repetition_requests(tok, 10, num_prefixes=0)
     with pytest.raises(BenchError, match="--num-prompts .* must be >= --prefix-repetition-num-prefixes"):
         sample_prefix_repetition_requests(tok, 2, num_prefixes=3)
+
+
+def test_tensor_parallel_outputs_identical_with_and_without_prefix_caching(paths):
+    """Tensor parallel 3 (DeepSeek-V3: MLA latent cache and experts sharded): rank 0 owns the block manager and its
+    cache, the workers hold their shards of the same blocks. Shared-prefix prompts one by one give the same greedy
+    tokens as the same TP engine without prefix caching, with hits counted."""
+    prompts = shared_prefix_prompts(20, 40, [3, 17])
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    kw = dict(max_num_batched_tokens=32, max_num_seqs=2, block_size=8, num_kv_blocks=48, max_model_len=96,
+              tensor_parallel_size=3, dtype="float32", progress=False)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(paths["deepseek_v3"], enable_prefix_caching=caching, **kw)
+        outs[caching] = [llm.generate([{"prompt_token_ids": p}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+                         for p in prompts]
+        if caching:
+            assert llm.llm_engine.block_manager.prefix_cache.hits > 0
+        del llm
+    assert outs[True] == outs[False]
+
+
+def test_tensor_parallel_hybrid_prefix_caching_refused_by_name(paths):
+    """KDA state snapshots would have to be taken on every rank: refused when the engine starts, naming both
+    settings and what to do."""
+    from tokenfab.errors import UnsupportedError
+    with pytest.raises(UnsupportedError, match="enable_prefix_caching.*tensor_parallel_size"):
+        LLM(paths["kimi_linear"], enable_prefix_caching=True, tensor_parallel_size=2, dtype="float32",
+            progress=False)
