@@ -1,0 +1,271 @@
+"""DSpark (``method: "dspark"``): both published config layouts read strictly, the draft network against a
+hand-written float64 reference on the same weights and taps, the Markov bias applied in order (hand-worked), and
+speculation end to end (greedy outputs identical with and without, acceptance counters).
+
+The references never call tokenfab's drafter code: MLA in expanded form per head with explicit loops (the drafter
+runs the absorbed form), RoPE by explicit pair rotation, KDA by the naive recurrence of tests/test_kimi_k3.py.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from test_kimi_k3 import naive_kda, naive_rms
+from tokenfab.errors import EngineConfigError, UnsupportedError, WeightLoadError
+from tokenfab.spec_decode.dspark_config import parse_dspark_config, resolve_tap
+from tokenfab.testing.tiny_dspark import KDA, MLA, dspark_config, write_tiny_dspark
+
+V, D = 512, 64
+K3_5MLA = ["mla"] * 5
+K3_4KDA = ["kda", "kda", "mla", "kda", "kda"]
+
+
+# ---- reference (float64, independent) --------------------------------------------------------------------------
+def ref_rope(x, pos, theta):
+    """Adjacent pairs (x[2i], x[2i+1]) rotated by pos * theta^(-2i/R), one element at a time."""
+    out = x.clone()
+    R = x.shape[-1]
+    for i in range(R // 2):
+        ang = pos * theta ** (-2 * i / R)
+        c, s = math.cos(ang), math.sin(ang)
+        a, b = float(x[2 * i]), float(x[2 * i + 1])
+        out[2 * i], out[2 * i + 1] = a * c - b * s, b * c + a * s
+    return out
+
+
+def ref_mla(h, ctx, W, a, pos_ctx, pos_blk, eps, theta):
+    """Expanded MLA (keys/values through kv_b_proj per head); queries = block, keys = [context | block], every
+    block slot sees the whole block (non-causal) and all context."""
+    H, nope, R, vd, C = (MLA[k] for k in ("num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim",
+                                          "v_head_dim", "kv_lora_rank"))
+    src = torch.cat([ctx, h]) if ctx is not None else h
+    pos = list(pos_ctx) + list(pos_blk)
+    ckv = src @ W[a + "kv_a_proj_with_mqa.weight"].T
+    lat = naive_rms(ckv[:, :C], W[a + "kv_a_layernorm.weight"], eps)
+    kpe = torch.stack([ref_rope(ckv[j, C:], pos[j], theta) for j in range(len(pos))])
+    kv = (lat @ W[a + "kv_b_proj.weight"].T).view(len(pos), H, nope + vd)
+    q = (naive_rms(h @ W[a + "q_a_proj.weight"].T, W[a + "q_a_layernorm.weight"], eps) @ W[a + "q_b_proj.weight"].T)
+    q = q.view(h.shape[0], H, nope + R)
+    o = torch.zeros(h.shape[0], H, vd, dtype=torch.float64)
+    for hh in range(H):
+        for t in range(h.shape[0]):
+            qr = ref_rope(q[t, hh, nope:], pos_blk[t], theta)
+            sc = [(float(q[t, hh, :nope] @ kv[j, hh, :nope]) + float(qr @ kpe[j])) * (nope + R) ** -0.5
+                  for j in range(len(pos))]
+            m = max(sc)
+            e = [math.exp(s - m) for s in sc]
+            for j in range(len(pos)):
+                o[t, hh] += e[j] / sum(e) * kv[j, hh, nope:]
+    o = o.reshape(h.shape[0], H * vd) * torch.sigmoid(h @ W[a + "g_proj.weight"].T)
+    return o @ W[a + "o_proj.weight"].T
+
+
+def ref_block_logits(W, types, taps, anchor, mask_id, N, embed, lm_head, eps=1e-5, theta=10000.0):
+    """Draft block logits [N, V] (every slot) for one sequence whose context is ``taps`` [L, n * Ht]."""
+    L = taps.shape[0]
+    ctx = naive_rms(taps @ W["fc.weight"].T, W["hidden_norm.weight"], eps) if L else None
+    x = embed[[anchor] + [mask_id] * (N - 1)]
+    pos_blk = [L + j for j in range(N)]
+    tc = {"linear_attn_config": KDA, "rms_norm_eps": eps}
+    for i, kind in enumerate(types):
+        p = f"layers.{i}."
+        h = naive_rms(x, W[p + "input_layernorm.weight"], eps)
+        if kind == "mla":
+            a = ref_mla(h, ctx, W, p + "self_attn.", list(range(L)), pos_blk, eps, theta)
+        else:
+            Wk = {k: (v.unsqueeze(1) if k.endswith("conv1d.weight") and v.dim() == 2 else v) for k, v in W.items()}
+            a = naive_kda(h, Wk, p + "self_attn.", tc)  # from a zero state over the block only
+        x = x + a
+        hm = naive_rms(x, W[p + "post_attention_layernorm.weight"], eps)
+        g, u = hm @ W[p + "mlp.gate_proj.weight"].T, hm @ W[p + "mlp.up_proj.weight"].T
+        x = x + (g * torch.sigmoid(g) * u) @ W[p + "mlp.down_proj.weight"].T
+    return naive_rms(x, W["norm.weight"], eps) @ lm_head.T
+
+
+def _drafter(path, embed, lm_head):
+    from tokenfab.models.dspark_drafter import DSparkDrafter, load_dspark_weights
+    from tokenfab.spec_decode.dspark_config import load_dspark_config
+    cfg = load_dspark_config(path)
+    dr = DSparkDrafter(cfg, torch.nn.Embedding.from_pretrained(embed.float()), lambda h: h.float() @ lm_head.float().T)
+    skipped = load_dspark_weights(dr, path, torch.float32)
+    return dr, skipped
+
+
+@pytest.mark.parametrize("layout, types", [("specforge", K3_5MLA), ("specforge", K3_4KDA),
+                                           ("speculators", K3_5MLA), ("speculators", ["mla", "kda"])])
+def test_block_logits_match_reference(tmp_path, layout, types):
+    """Tiny random drafters in each published layout load, and one draft pass (two sequences with different
+    context lengths, batched, padded) gives the reference's logits at every draft slot within 1e-4 (fp32 drafter vs
+    float64 reference)."""
+    path, cfg, W = write_tiny_dspark(str(tmp_path / "d"), layout, types, target_layer_ids=(0, 2))
+    g = torch.Generator().manual_seed(1)
+    embed, lm_head = torch.randn(V, D, generator=g), torch.randn(V, D, generator=g) * 0.2
+    dr, skipped = _drafter(path, embed, lm_head)
+    assert (skipped == ["embed_tokens.weight"]) == (layout == "specforge")
+    assert dr.cfg.num_drafts == (4 if layout == "speculators" else 3)  # sample_from_anchor: speculators' default
+    W64 = {k: v.double() for k, v in W.items()}
+    lens, anchors = [9, 4], [17, 250]
+    taps = [torch.randn(n, 2 * D, generator=g) for n in lens]
+    rows = [dr.context_rows(dr.context(t), torch.arange(len(t))) for t in taps]
+    Lm = max(lens)
+    ctx = [torch.stack([torch.cat([r[li], r[li].new_zeros(Lm - len(r[li]), r[li].shape[1])]) for r in rows])
+           for li in range(len(dr.mla_layers))]
+    valid = torch.tensor([[j < n for j in range(Lm)] for n in lens])
+    with torch.no_grad():
+        hid = dr.block(torch.tensor(anchors), torch.tensor(lens), ctx, valid)
+        got = dr.draft_logits(hid).double()
+    for b in range(2):
+        want = ref_block_logits(W64, types, taps[b].double(), anchors[b], cfg_mask(cfg), 4, embed.double(),
+                                lm_head.double())
+        want = want if dr.cfg.sample_from_anchor else want[1:]
+        err = (got[b] - want).abs().max().item()
+        assert err < 1e-4, (b, err)
+
+
+def cfg_mask(cfg):
+    return cfg["mask_token_id"] if "mask_token_id" in cfg else cfg["dflash_config"]["mask_token_id"]
+
+
+def test_padded_context_rows_are_masked(tmp_path):
+    """Context rows past a sequence's length (padding in a batch) change nothing (4KDA+1MLA drafter)."""
+    path, cfg, W = write_tiny_dspark(str(tmp_path / "d"), "specforge", K3_4KDA)
+    g = torch.Generator().manual_seed(2)
+    embed, lm_head = torch.randn(V, D, generator=g), torch.randn(V, D, generator=g) * 0.2
+    dr, _ = _drafter(path, embed, lm_head)
+    taps = torch.randn(6, 2 * D, generator=g)
+    (rows,) = dr.context_rows(dr.context(taps), torch.arange(6))
+    with torch.no_grad():
+        a = dr.block(torch.tensor([5]), torch.tensor([4]), [rows[None, :6]], torch.tensor([[True] * 4 + [False] * 2]))
+        b = dr.block(torch.tensor([5]), torch.tensor([4]), [torch.cat([rows[None, :4], 9 * rows[None, 4:]], 1)],
+                     torch.tensor([[True] * 4 + [False] * 2]))
+        assert torch.equal(a, b)
+
+
+# ---- Markov bias in order (hand-worked) ------------------------------------------------------------------------
+def test_markov_bias_applied_in_order():
+    """V = 3, two drafts. base logits: slot 0 [0, 1, 0], slot 1 [0, 0, 0.5]. Markov bias(prev): prev 0 -> [0, 0, 2],
+    prev 2 -> [3, 0, 0], prev 1 -> 0. Anchor 0: draft 0 = argmax([0, 1, 2]) = 2; draft 1 sees bias(2):
+    argmax([3, 0, 0.5]) = 0. (No bias: [1, 2]; every bias from the anchor: [2, 2].)"""
+    from tokenfab.spec_decode.dspark_proposer import sample_in_order
+    from tokenfab.spec_decode.rejection_sampler import SamplingTensors
+    base = torch.tensor([[[0.0, 1.0, 0.0], [0.0, 0.0, 0.5]]])
+    table = torch.tensor([[0.0, 0.0, 2.0], [0.0, 0.0, 0.0], [3.0, 0.0, 0.0]])
+    greedy = SamplingTensors(torch.tensor([0.0]), None, None, torch.tensor([True]))
+    d, q = sample_in_order(base, torch.tensor([0]), lambda prev: table[prev], greedy, [None], None)
+    assert d.tolist() == [[2, 0]] and q is None
+    d, _ = sample_in_order(base, torch.tensor([0]), lambda prev: None, greedy, [None], None)
+    assert d.tolist() == [[1, 2]]
+    # temperature 0.5: q_j = softmax((base_j + bias(prev_j)) / 0.5) with prev_1 = the drawn draft 0
+    from types import SimpleNamespace
+    st = SamplingTensors(torch.tensor([0.5]), None, None, torch.tensor([False]))
+    seq = SimpleNamespace(generator=torch.Generator().manual_seed(0))
+    d, q = sample_in_order(base, torch.tensor([0]), lambda prev: table[prev], st, [seq], torch.Generator())
+    for j, prev in enumerate([0, int(d[0, 0])]):
+        want = torch.softmax((base[0, j] + table[prev]) / 0.5, -1)
+        assert torch.allclose(q[0, j], want, atol=1e-6)
+
+
+# ---- config layouts: strict reading, errors name the field -------------------------------------------------------
+def _sf(**kw):
+    return dspark_config("specforge", K3_5MLA, hidden=D, target_hidden=D, vocab=V, target_layer_ids=[11, 23, 47, 71, 83],
+                         target_num_layers=93, block_size=7, mask_token_id=163 % V, intermediate=96, markov_rank=256,
+                         confidence=True, **kw)
+
+
+def _sp(**kw):
+    return dspark_config("speculators", K3_4KDA, hidden=D, target_hidden=D, vocab=V, target_layer_ids=[1, 3],
+                         target_num_layers=4, block_size=7, mask_token_id=3, intermediate=96, markov_rank=8,
+                         confidence=False, **kw)
+
+
+def test_published_layouts_parse():
+    c = parse_dspark_config(_sf())
+    assert (c.layout, c.block_size, c.num_drafts, c.target_layer_ids, c.markov_rank) == \
+        ("specforge", 7, 6, [11, 23, 47, 71, 83], 256)
+    assert c.layer_types == K3_5MLA and c.mla_use_output_gate and c.target_num_layers == 93
+    assert c.aux_hidden_stream == "partial_sum"
+    c = parse_dspark_config(_sp())
+    assert (c.layout, c.num_drafts, c.layer_types, c.kda_num_heads) == ("speculators", 7, K3_4KDA, 2)
+    assert parse_dspark_config(_sf(aux_hidden_stream="attn_res")).aux_hidden_stream == "attn_res_mixture"
+    assert parse_dspark_config(_sf(sample_from_anchor=True)).num_drafts == 7
+    c = parse_dspark_config(_sf())
+    assert resolve_tap(c, None) == "partial_sum" and resolve_tap(c, "attn_res_mixture") == "attn_res_mixture"
+    with pytest.raises(EngineConfigError, match="dspark_tap 'mix'"):
+        resolve_tap(c, "mix")
+
+
+def _drop(d, dotted):
+    d = copy.deepcopy(d)
+    *head, last = dotted.split(".")
+    cur = d
+    for h in head:
+        cur = cur[h]
+    del cur[last]
+    return d
+
+
+@pytest.mark.parametrize("mk, field", [
+    (_sf, "dflash_config.mask_token_id"), (_sf, "dflash_config.target_layer_ids"), (_sf, "block_size"),
+    (_sf, "kv_lora_rank"), (_sf, "dflash_config"), (_sp, "aux_hidden_state_layer_ids"), (_sp, "mask_token_id"),
+    (_sp, "transformer_layer_config.hidden_size"), (_sp, "transformer_layer_config.linear_attn_config.head_dim"),
+    (_sp, "transformer_layer_config"),
+])
+def test_missing_field_is_named(mk, field):
+    with pytest.raises(EngineConfigError, match=f"'{field}' is missing"):
+        parse_dspark_config(_drop(mk(), field))
+
+
+def test_bad_fields_are_named():
+    bad = _sf()
+    bad["dflash_config"]["target_layer_ids"] = [11, 93]
+    with pytest.raises(EngineConfigError, match="target_layer_ids.*93-layer target"):
+        parse_dspark_config(bad)
+    bad = _sp()
+    bad["speculators_model_type"] = "dflash"
+    with pytest.raises(EngineConfigError, match="speculators_model_type"):
+        parse_dspark_config(bad)
+    bad = _sf()
+    bad["architectures"] = ["Qwen3ForCausalLM"]
+    with pytest.raises(EngineConfigError, match="architectures"):
+        parse_dspark_config(bad)
+    bad = _sf()
+    bad["dflash_config"]["markov_head_type"] = "gated"
+    with pytest.raises(UnsupportedError, match="markov_head_type"):
+        parse_dspark_config(bad)
+    bad = _sp()
+    bad["draft_vocab_size"] = 32
+    with pytest.raises(UnsupportedError, match="draft_vocab_size"):
+        parse_dspark_config(bad)
+    bad = _sf()
+    bad["block_size"] = "7"
+    with pytest.raises(EngineConfigError, match="'block_size' must be an integer"):
+        parse_dspark_config(bad)
+    bad = _sf()
+    bad["dflash_config"]["aux_hidden_stream"] = "residual"
+    with pytest.raises(EngineConfigError, match="aux_hidden_stream"):
+        parse_dspark_config(bad)
+
+
+def test_weight_errors_are_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+    path, _, _ = write_tiny_dspark(str(tmp_path / "d"), "specforge", K3_5MLA)
+    t = load_file(os.path.join(path, "model.safetensors"))
+    t["layers.0.self_attn.q_b_proj.weight"] = t["layers.0.self_attn.q_b_proj.weight"][:-1]
+    save_file(t, os.path.join(path, "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(WeightLoadError, match="q_b_proj.weight' has shape"):
+        _drafter(path, torch.randn(V, D, generator=g), torch.randn(V, D, generator=g))
+    del t["layers.0.self_attn.q_b_proj.weight"]
+    t["layers.0.self_attn.extra.weight"] = torch.zeros(1)
+    save_file(t, os.path.join(path, "model.safetensors"))
+    with pytest.raises(WeightLoadError, match="extra.weight' has no place"):
+        _drafter(path, torch.randn(V, D, generator=g), torch.randn(V, D, generator=g))
+    del t["layers.0.self_attn.extra.weight"]
+    save_file(t, os.path.join(path, "model.safetensors"))
+    with pytest.raises(WeightLoadError, match="missing tensors.*q_b_proj"):
+        _drafter(path, torch.randn(V, D, generator=g), torch.randn(V, D, generator=g))

@@ -1,0 +1,294 @@
+"""The DSpark draft network (block-parallel drafter published for Kimi K3), given the target's tapped hidden states.
+
+Shapes: B draft blocks (one per sequence), N = block_size query slots, L context positions, Ht the target's hidden
+size, n = len(target_layer_ids), D the drafter's hidden size, C = kv_lora_rank, R = qk_rope_head_dim.
+
+1. Context: the target's hidden states tapped after each layer of ``target_layer_ids`` at every verified position,
+   concatenated [L, n * Ht], -> ``ctx = hidden_norm(fc(taps))`` [L, D]. Every MLA draft layer turns ctx into
+   latent key rows ``[kv_a_layernorm(c) | rope(k_pe)]`` [L, C + R] with its own ``kv_a_proj_with_mqa`` (ctx is
+   *not* passed through the layer's input_layernorm: DFlash's target_hidden injection); the proposer keeps those
+   rows in a paged cache so each position is projected once.
+2. One pass over the block ``x = embed([anchor, mask x (N - 1)])`` at positions p .. p + N - 1 (p = L, the anchor's
+   position), through pre-norm residual layers (input_layernorm -> attention -> + x; post_attention_layernorm ->
+   SiLU-GLU MLP -> + x), then ``norm``:
+   * MLA layers: queries from the block, keys/values = [context rows (positions < p) | the block's own rows],
+     non-causal within the block (every slot sees every slot, as DFlash's training mask: context before the anchor
+     plus the whole block). Absorbed form: scores = [q_nope W_UK | rope(q_pe)] . [c | k_pe] * scale, out =
+     softmax . c W_UV; ``o_proj(out * sigmoid(g_proj x))`` with the output gate. Same weights and names as tokenfab's
+     K3 MLA (:class:`tokenfab.layers.mla.MLAttention`), plus RoPE on the R slice.
+   * KDA layers: tokenfab's KDA (:class:`tokenfab.layers.kda.KimiDeltaAttention` weights) over the N slots only,
+     from a zero recurrent state and a zero conv state: the state resets every block (SpecForge's K3 hybrid
+     drafter injects context through its one MLA layer).
+3. Logits: the target's lm_head on the normed block hidden states [B, N, V]; draft j (j = 0 .. m - 1) reads slot
+   j (sample_from_anchor) or j + 1, plus the Markov bias ``markov_w2(markov_w1[prev])`` of the token before it
+   (the anchor for j = 0, else draft j - 1), so drafts are drawn in order (:meth:`DSparkDrafter.markov_bias`).
+
+The embedding and lm_head are the target's (passed in, never copied). The confidence head's weights are loaded and
+not used (every block is verified whole).
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenfab.errors import WeightLoadError
+from tokenfab.layers.kda import KimiDeltaAttention, kda_chunked, kda_log_decay, l2norm
+from tokenfab.layers.linear import Linear
+from tokenfab.layers.mla import MLAttention
+from tokenfab.layers.mlp import GatedMLP
+from tokenfab.layers.norm import RMSNorm
+from tokenfab.spec_decode.dspark_config import DSparkConfig
+
+_FP32_PARAMS = ("conv1d.weight", "A_log", "dt_bias")  # kept in float32 (as tokenfab's KDA keeps them)
+
+
+def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, interleave: bool) -> torch.Tensor:
+    """RoPE on the last dim of x [..., heads, R] at positions [...] (int64), computed in float32, cast back.
+
+    interleave: rotate adjacent pairs (x[2i], x[2i+1]) in place (SpecForge ``rope_interleave``); else halves
+    (x[i], x[i + R/2]). Angle of pair i at position t: t * theta^(-2i / R).
+    """
+    R = x.shape[-1]
+    if R == 0:
+        return x
+    inv = 1.0 / (theta ** (torch.arange(0, R, 2, dtype=torch.float32, device=x.device) / R))
+    ang = positions.float().unsqueeze(-1) * inv  # [..., R/2]
+    cos, sin = ang.cos().unsqueeze(-2), ang.sin().unsqueeze(-2)  # [..., 1, R/2]
+    xf = x.float()
+    if interleave:
+        a, b = xf[..., 0::2], xf[..., 1::2]
+        return torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2).to(x.dtype)
+    a, b = xf[..., : R // 2], xf[..., R // 2:]
+    return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
+
+
+class DraftMLAttention(MLAttention):
+    """A DSpark MLA draft layer's attention (tokenfab's MLA weights, optional K3 output gate, RoPE on k_pe/q_pe)."""
+
+    def __init__(self, cfg: DSparkConfig):
+        super().__init__(cfg, rotary=None)
+        if self.q_lora_rank is not None:
+            self.q_a_layernorm.eps = cfg.rms_norm_eps
+        self.kv_a_layernorm.eps = cfg.rms_norm_eps
+        self.g_proj = Linear(cfg.hidden_size, self.num_heads * self.v_dim) if cfg.mla_use_output_gate else None
+        self.theta, self.interleave = cfg.rope_theta, cfg.rope_interleave
+
+    def latent_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Key rows of x [T, D] at positions [T]: [kv_a_layernorm(c) | rope(k_pe)] [T, C + R] in x's dtype."""
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
+        k_pe = rope_rotate(k_pe.unsqueeze(-2), positions, self.theta, self.interleave).squeeze(-2)
+        return torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)
+
+    def block_forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor | None,
+                      ctx_valid: torch.Tensor | None) -> torch.Tensor:
+        """x [B, N, D] (normed block), positions [B, N], ctx [B, L, C + R] context key rows with ctx_valid [B, L]
+        (bool; False = padding) or None -> [B, N, D]. Attention in float32, non-causal within the block."""
+        B, N, _ = x.shape
+        H, nope, R, C, vd = self.num_heads, self.nope, self.rope_dim, self.kv_lora, self.v_dim
+        xf = x.reshape(B * N, -1)
+        q = self.q_proj(xf) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(xf)))
+        q = q.view(B, N, H, nope + R)
+        q_nope, q_pe = q[..., :nope], rope_rotate(q[..., nope:], positions, self.theta, self.interleave)
+        rows = self.latent_rows(xf, positions.reshape(-1)).view(B, N, C + R)
+        keys = rows if ctx is None else torch.cat([ctx.to(rows.dtype), rows], dim=1)  # [B, L + N, C + R]
+        w = self.kv_b_proj.weight.view(H, nope + vd, C).float()
+        q_lat = torch.cat([torch.einsum("bnhd,hdc->bnhc", q_nope.float(), w[:, :nope]), q_pe.float()], dim=-1)
+        kf = keys.float()
+        scores = torch.einsum("bnhc,blc->bhnl", q_lat, kf) * self.scale
+        if ctx is not None:
+            ok = torch.cat([ctx_valid, ctx_valid.new_ones(B, N)], dim=1)
+            scores = scores.masked_fill(~ok[:, None, None, :], float("-inf"))
+        o_lat = torch.einsum("bhnl,blc->bnhc", scores.softmax(-1), kf[..., :C])
+        o = torch.einsum("bnhc,hvc->bnhv", o_lat, w[:, nope:]).to(x.dtype).reshape(B * N, H * vd)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(xf))
+        return self.o_proj(o).view(B, N, -1)
+
+
+class DraftKDAttention(KimiDeltaAttention):
+    """A DSpark KDA draft layer's attention: tokenfab's KDA over the block slots only, zero initial state."""
+
+    def block_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, N, D] -> [B, N, D]: causal short conv (zero history), gated delta rule from S = 0 over N slots."""
+        B, N, _ = x.shape
+        H, Dh, K = self.num_heads, self.head_dim, self.kernel
+        xf = x.reshape(B * N, -1)
+        qkv = torch.cat([self.q_proj(xf), self.k_proj(xf), self.v_proj(xf)], dim=-1).view(B, N, -1)
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+        full = F.pad(qkv.transpose(1, 2).to(w.dtype), (K - 1, 0))
+        y = F.silu(F.conv1d(full, w, groups=w.shape[0])).to(x.dtype).transpose(1, 2)  # [B, N, 3HD]
+        q, k, v = (t.reshape(B, N, H, Dh).float() for t in y.split(H * Dh, dim=-1))
+        q, k = l2norm(q) * Dh ** -0.5, l2norm(k)
+        gpre = self.f_b_proj(self.f_a_proj(xf)).float() + self.dt_bias.float()
+        g = kda_log_decay(gpre.view(B, N, H, Dh), self.A_log, self.lower_bound)
+        beta = self.beta(xf).view(B, N, H)
+        tr = lambda t: t.transpose(1, 2)
+        S = torch.zeros(B, H, Dh, Dh, dtype=torch.float32, device=x.device)
+        o, _ = kda_chunked(tr(q), tr(k), tr(v), tr(g), tr(beta), S)
+        o = tr(o).to(x.dtype)  # [B, N, H, Dh]
+        gate = self.g_proj(xf) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(xf))
+        out = self.o_norm(o.reshape(B * N, H, Dh), gate.view(B * N, H, Dh)).reshape(B * N, H * Dh)
+        return self.o_proj(out).view(B, N, -1)
+
+
+class DSparkDraftLayer(nn.Module):
+    """Pre-norm residual draft layer: x + attn(input_layernorm(x)); then + mlp(post_attention_layernorm(.))."""
+
+    def __init__(self, cfg: DSparkConfig, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.self_attn = DraftMLAttention(cfg) if kind == "mla" else DraftKDAttention(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x, positions, ctx, ctx_valid):
+        h = self.input_layernorm(x)
+        a = self.self_attn.block_forward(h, positions, ctx, ctx_valid) if self.kind == "mla" else \
+            self.self_attn.block_forward(h)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DSparkDrafter(nn.Module):
+    """The DSpark draft network (see the module docstring for the formulas).
+
+    Args:
+        cfg: the drafter's :class:`~tokenfab.spec_decode.dspark_config.DSparkConfig`.
+        embed: the target's token embedding (ids [...] -> [..., D]); D must equal the target's hidden size.
+        lm_head: the target's head (hidden [T, D] -> logits [T, V] float32), e.g. ``target.compute_logits``.
+    """
+
+    def __init__(self, cfg: DSparkConfig, embed, lm_head):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.target_hidden_size, D)
+        self.hidden_norm = RMSNorm(D, eps=cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DSparkDraftLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(D, eps=cfg.rms_norm_eps)
+        self.markov_w1 = self.markov_w2 = None
+        if cfg.markov_rank:
+            self.markov_w1 = nn.Parameter(torch.empty(cfg.vocab_size, cfg.markov_rank), requires_grad=False)
+            self.markov_w2 = Linear(cfg.markov_rank, cfg.vocab_size)
+        self.confidence_proj = None
+        if cfg.enable_confidence_head:  # loaded, not used at inference
+            width = D + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
+            self.confidence_proj = Linear(width, 1, bias=True)
+        self._embed, self._lm_head = [embed], [lm_head]  # lists: not registered as submodules (target-owned)
+        self.mla_layers = [i for i, t in enumerate(cfg.layer_types) if t == "mla"]
+
+    def context(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [T, n * Ht] (the tapped hidden states, concatenated in target_layer_ids order) -> ctx [T, D]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """ctx [T, D] at positions [T] -> one [T, C + R] key-row tensor per MLA draft layer (in layer order)."""
+        return [self.layers[i].self_attn.latent_rows(ctx, positions) for i in self.mla_layers]
+
+    def block(self, anchor_ids: torch.Tensor, start: torch.Tensor, ctx_rows: list[torch.Tensor] | None,
+              ctx_valid: torch.Tensor | None) -> torch.Tensor:
+        """One draft pass.
+
+        Args:
+            anchor_ids: [B] int64, the last sampled token of each sequence (block slot 0).
+            start: [B] int64, the anchor's position p (= context length).
+            ctx_rows: per MLA layer [B, L, C + R] context key rows (positions 0 .. L - 1, padded), or None.
+            ctx_valid: [B, L] bool, True where a context row is real (position < p), or None.
+
+        Returns:
+            [B, N, D] normed hidden states of the N block slots.
+        """
+        B, N = anchor_ids.shape[0], self.cfg.block_size
+        ids = torch.full((B, N), self.cfg.mask_token_id, dtype=torch.int64, device=anchor_ids.device)
+        ids[:, 0] = anchor_ids
+        x = self._embed[0](ids)
+        positions = start.view(B, 1) + torch.arange(N, device=start.device).view(1, N)
+        it = iter(ctx_rows) if ctx_rows is not None else None
+        for layer in self.layers:
+            ctx = next(it) if (it is not None and layer.kind == "mla") else None
+            x = layer(x, positions, ctx, ctx_valid if ctx is not None else None)
+        return self.norm(x)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[B, N, D] block hidden states -> [B, m, V] float32 base logits of the m = num_drafts drafts (slots
+        0 .. N - 1 with sample_from_anchor, else 1 .. N - 1), before the Markov bias."""
+        h = hidden if self.cfg.sample_from_anchor else hidden[:, 1:]
+        B, m, D = h.shape
+        return self._lm_head[0](h.reshape(B * m, D)).float().view(B, m, -1)
+
+    def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor | None:
+        """prev_ids [B] int64 (the token before each draft) -> [B, V] float32 = markov_w2(markov_w1[prev]), or
+        None without a Markov head."""
+        if self.markov_w1 is None:
+            return None
+        return self.markov_w2(self.markov_w1[prev_ids]).float()
+
+
+# ---- weights ---------------------------------------------------------------------------------------------------
+_IGNORED = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight", "t2d", "d2t")
+
+
+def _canonical(name: str) -> str:
+    """Published tensor names -> this module's: ``model.`` prefix dropped, ``markov_head.markov_w*`` /
+    ``markov_w*``, ``confidence_head.proj`` -> ``confidence_proj``, K3 runtime KDA names."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    name = name.replace("markov_head.", "")
+    if name == "markov_w1.weight":
+        return "markov_w1"
+    name = name.replace("confidence_head.proj.", "confidence_proj.").replace("confidence_head.", "confidence_proj.")
+    return name.replace(".self_attn.forget_gate.", ".self_attn.")
+
+
+def load_dspark_weights(drafter: DSparkDrafter, path: str, dtype: torch.dtype) -> list[str]:
+    """Fill ``drafter`` from the ``*.safetensors`` files in ``path`` (both published layouts' names).
+
+    The drafter's parameters become ``dtype`` except the KDA conv kernels, A_log and dt_bias (float32). A SpecForge
+    conv kernel [channels, K] is read as [channels, 1, K]; a padded A_log keeps its first num_heads entries.
+
+    Returns:
+        names skipped on purpose (the embedding / lm_head copies: the target's are used).
+
+    Raises:
+        WeightLoadError: no safetensors file, a tensor this drafter has no place for, a shape mismatch, or missing
+            tensors (all named).
+    """
+    from safetensors import safe_open
+
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise WeightLoadError(f"DSpark drafter {path}: no *.safetensors file.")
+    params = dict(drafter.named_parameters())
+    loaded, skipped = set(), []
+    for fn in files:
+        with safe_open(fn, framework="pt") as f:
+            for raw in f.keys():
+                if any(raw.endswith(s) and (raw == s or raw.endswith("." + s)) for s in _IGNORED):
+                    skipped.append(raw)
+                    continue
+                name = _canonical(raw)
+                p = params.get(name)
+                if p is None:
+                    raise WeightLoadError(f"DSpark drafter {path}: tensor '{raw}' has no place in a "
+                                          f"{drafter.cfg.layout} drafter with layers {drafter.cfg.layer_types}.")
+                t = f.get_tensor(raw)
+                if name.endswith("conv1d.weight") and t.dim() == 2:
+                    t = t.unsqueeze(1)
+                if name.endswith("A_log"):
+                    t = t.reshape(-1)[: p.shape[0]]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise WeightLoadError(f"DSpark drafter {path}: '{raw}' has shape {list(t.shape)}, expected "
+                                          f"{list(p.shape)}.")
+                keep32 = any(name.endswith(s) for s in _FP32_PARAMS)
+                p.data = t.to(torch.float32 if keep32 else dtype).contiguous()
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise WeightLoadError(f"DSpark drafter {path}: missing tensors {missing[:12]}"
+                              f"{' ...' if len(missing) > 12 else ''}.")
+    return skipped
