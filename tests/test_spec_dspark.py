@@ -269,3 +269,76 @@ def test_weight_errors_are_named(tmp_path):
     save_file(t, os.path.join(path, "model.safetensors"))
     with pytest.raises(WeightLoadError, match="missing tensors.*q_b_proj"):
         _drafter(path, torch.randn(V, D, generator=g), torch.randn(V, D, generator=g))
+
+
+# ---- K3 taps: the two streams against the naive K3 -------------------------------------------------------------
+def naive_k3_streams(W, tc, tokens):
+    """Per layer i of the naive float64 K3 (tests/test_kimi_k3.py's formulas): (partial-block sum after layer i,
+    the attention-residual mix layer i + 1 computes from it; after the last layer the output mix)."""
+    from test_kimi_k3 import naive_gated_mla, naive_latent_moe, naive_mix, naive_situ
+    eps, S = tc["rms_norm_eps"], tc["attn_res_block_size"]
+    kda = {i - 1 for i in tc["linear_attn_config"]["kda_layers"]}
+    m = "model."
+    prefix, blocks, out = W[m + "embed_tokens.weight"][tokens], [], []
+    n_layers = tc["num_hidden_layers"]
+    for i in range(n_layers):
+        L = f"{m}layers.{i}."
+        h = naive_mix(prefix, blocks, W[L + "self_attention_res_proj.weight"], W[L + "self_attention_res_norm.weight"],
+                      eps) if blocks else prefix
+        if i:
+            out[-1] = (out[-1][0], h)
+        cur = prefix
+        if i % S == 0:
+            blocks, cur = blocks + [prefix], None
+        hn = naive_rms(h, W[L + "input_layernorm.weight"], eps)
+        a = naive_kda(hn, W, L + "self_attn.", tc) if i in kda else naive_gated_mla(hn, W, L + "self_attn.", tc)
+        cur = a if cur is None else cur + a
+        h = naive_rms(naive_mix(cur, blocks, W[L + "mlp_res_proj.weight"], W[L + "mlp_res_norm.weight"], eps),
+                      W[L + "post_attention_layernorm.weight"], eps)
+        if i < tc["first_k_dense_replace"]:
+            b, lb = tc["activation_situ_beta"], tc["activation_situ_linear_beta"]
+            mo = naive_situ(h @ W[L + "mlp.gate_proj.weight"].T, h @ W[L + "mlp.up_proj.weight"].T, b, lb) @ \
+                W[L + "mlp.down_proj.weight"].T
+        else:
+            mo = naive_latent_moe(h, W, L + "block_sparse_moe.", tc)
+        prefix = cur + mo
+        out.append((prefix, None))
+    last = naive_mix(prefix, blocks, W[m + "output_attn_res_proj.weight"], W[m + "output_attn_res_norm.weight"], eps)
+    out[-1] = (out[-1][0], last)
+    return out
+
+
+@pytest.fixture(scope="module")
+def k3_target(tmp_path_factory, tokenizer_dir):
+    from test_kimi_k3 import TEXT, k3_tensors, write_k3
+    stored, ref = k3_tensors(TEXT)
+    return write_k3(str(tmp_path_factory.mktemp("k3")), tokenizer_dir, tensors=stored), ref, TEXT
+
+
+@pytest.mark.parametrize("stream", ["partial_sum", "attn_res_mixture"])
+def test_k3_tap_streams_match_naive(k3_target, stream):
+    """KimiK3ForConditionalGeneration.tap_hidden after every layer (a forward hook on each decoder layer, fp32
+    engine) equals the naive float64 K3's partial sum / next-layer mix within 1e-4; the two streams differ."""
+    from tokenfab import LLM, SamplingParams
+    path, ref, tc = k3_target
+    llm = LLM(path, dtype="float32", device="cpu", progress=False)
+    model = llm.llm_engine.runner.model
+    got = {}
+
+    def hook(i):
+        def f(_mod, _inp, out):
+            got.setdefault(i, model.tap_hidden(i, out, stream))  # returns None: the output is left as it is
+        return f
+
+    hooks = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(model.model.layers)]
+    prompt = list(range(7, 30))
+    try:
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    want = naive_k3_streams(ref, tc, prompt)
+    for i, (ps, mix) in enumerate(want):
+        w = ps if stream == "partial_sum" else mix
+        assert (got[i].double() - w).abs().max() < 1e-4, i
+    assert (want[1][0] - want[1][1]).abs().max() > 1e-2  # the streams are different features

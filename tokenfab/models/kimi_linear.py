@@ -403,6 +403,26 @@ class KimiK3ForConditionalGeneration(KimiLinearForCausalLM):
             return AttnResDecoderLayer(self.cfg, i, self.make_attention(i), self.make_mlp(i))
         return super().make_layer(i)
 
+    def tap_hidden(self, layer_idx: int, out, stream: str = "partial_sum") -> torch.Tensor:
+        """The hidden state [T, H] a drafter taps after decoder layer ``layer_idx``, from that layer's forward
+        output ``out`` (with attention residuals: the pair (partial block sum, completed blocks)).
+
+        stream: ``"partial_sum"``, the raw partial-block sum after the layer (a vLLM port's tap; the Inferact K3
+        DSpark drafter's ``aux_hidden_stream: prefix``), or ``"attn_res_mixture"``, the attention-residual mix the
+        next layer computes as its input (its self_attention_res pair over the completed blocks and that sum; after
+        the last layer the output mix; SGLang's tap, ``aux_hidden_stream: attn_res``). Without attention residuals
+        both are the layer output.
+        """
+        if not isinstance(out, tuple):
+            return out
+        prefix, blocks = out
+        if stream == "partial_sum" or not blocks:
+            return prefix
+        if layer_idx + 1 < len(self.model.layers):
+            nxt = self.model.layers[layer_idx + 1]
+            return attn_res_mix(prefix, blocks, nxt.self_attention_res_proj, nxt.self_attention_res_norm)
+        return attn_res_mix(prefix, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> torch.Tensor:
         if not self.cfg.attn_res_block_size:
