@@ -9,7 +9,9 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
    copy bandwidth reached (bytes = KV rows read once + q + output).
 2. Fused MoE (kernels/triton_moe.py) at DeepSeek-V3 expert shapes (hidden 7168, intermediate 2048, 8 of 64 local
    experts): error against RoutedExperts' PyTorch loop, time per call and bandwidth over the distinct experts hit.
-3. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
+3. Packed GGUF Q4_1 / Q8_0 linears (kernels/triton_gguf_linear.py) at 4096 x 4096, 1 and 16 rows: error against
+   GGUFWeight's dequantizing PyTorch path, time, and bandwidth over the packed bytes.
+4. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
    identical token ids expected.
 
 A dry run of this script on CPU (tiny shapes, float32, Triton's interpreter; its times mean nothing; the "graphs"
@@ -116,6 +118,32 @@ def check_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
     return rows
 
 
+def check_gguf(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
+    """The packed GGUF GEMV/GEMM (kernels/triton_gguf_linear.py) at a 4096 x 4096 weight (quick: 48 x 96) in Q4_1 and
+    Q8_0, 1 and 16 activation rows: error against GGUFWeight's dequantize-and-F.linear path, time, bandwidth over the
+    packed bytes."""
+    import gguf
+    import numpy as np
+    from tokenfab.kernels.triton_gguf_linear import gguf_linear
+    from tokenfab.quant.gguf_weight import GGUFWeight
+    n, k = (4096, 4096) if not quick else (48, 96)
+    rows = []
+    for name in ("Q4_1", "Q8_0"):
+        w_f = np.random.default_rng(0).standard_normal((n, k)).astype(np.float32) * 0.02
+        raw = gguf.quants.quantize(w_f, gguf.GGMLQuantizationType[name])
+        w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, k).to(dev)
+        for M in (1, 16):
+            x = torch.randn(M, k, device=dev, dtype=dtype)
+            got = gguf_linear(x, w.tiles, w.block, n)
+            want = w.reference_linear(x.float(), None)
+            err = ((got.float() - want).abs().max() / want.abs().max()).item()
+            us = _time_us(lambda: gguf_linear(x, w.tiles, w.block, n), dev, reps)
+            rows.append({"kernel": f"GGUF {name} linear", "shape": f"M={M} N={n} K={k}", "max_err": err, "us": us,
+                         "bytes": w.nbytes, "bw_fraction": w.nbytes / (us * 1e-6) / bw})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def check_graph_tokens(device: str, quick: bool) -> dict:
     from tokenfab import LLM, SamplingParams
     if quick:  # the interpreted dry run: a tiny random DeepSeek-V3 checkpoint instead of the default model
@@ -166,7 +194,8 @@ def main() -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # the interpreter has no bf16
     bw = copy_bandwidth(64 << 20 if args.quick else 1 << 30, device=str(dev))
     print(json.dumps({"copy_bandwidth_GBps": bw / 1e9}), flush=True)
-    rows = check_attention(dev, dtype, args.quick, bw, args.reps) + check_moe(dev, dtype, args.quick, bw, args.reps)
+    rows = (check_attention(dev, dtype, args.quick, bw, args.reps) + check_moe(dev, dtype, args.quick, bw, args.reps)
+            + check_gguf(dev, dtype, args.quick, bw, args.reps))
     graph = check_graph_tokens(args.device, args.quick)
     os.makedirs(args.out, exist_ok=True)
     env_vars = " ".join(f"{k}={os.environ[k]}" for k in ("TRITON_INTERPRET", "TOKENFAB_TRITON",
@@ -180,7 +209,8 @@ def main() -> int:
              f"# Triton kernels on {env['device']} ({dtype}, copy bandwidth {bw / 1e9:.0f} GB/s)")
     lines = [title, "", f"Command: `{env['command']}`", "",
              "Max error: absolute for attention (against a float32 gather-and-softmax), relative to the largest "
-             "reference output for the MoE (against RoutedExperts' PyTorch loop).", "",
+             "reference output for the MoE (against RoutedExperts' PyTorch loop) and the GGUF linears (against "
+             "GGUFWeight's dequantize-and-F.linear path).", "",
              "| kernel | shape | max error | µs | bytes | of copy bandwidth |", "|---|---|---:|---:|---:|---:|"]
     lines += [f"| {r['kernel']} | {r['shape']} | {r['max_err']:.2e} | {r['us']:.1f} | {r['bytes']:,} | "
               f"{r['bw_fraction']:.0%} |" for r in rows]

@@ -4,7 +4,8 @@ Fast path: ``cpu_kernels.gguf_linear`` (kernels/csrc/gguf_linear.cpp) on CPUs wh
 decode GEMV that unpacks nibbles and scales in registers and a prefill GEMM that dequantizes 32 weight rows at a
 time into a thread-local buffer for oneDNN's brgemm. Reference / fallback (no kernels, no AVX512-BF16, another
 device, or ``TOKENFAB_CPU_LINEAR=torch``): dequantize 1024 rows at a time and ``F.linear`` in float32, so no
-full-size float copy of the weight is ever made either way.
+full-size float copy of the weight is ever made either way. On CUDA/ROCm the Triton kernel
+(kernels/triton_gguf_linear.py) reads the same tiles.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels import cpu_kernels, triton_support
 from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_blocks import TILE, BlockType
 from tokenfab.quant.packed_weight import PackedWeight
@@ -75,6 +76,9 @@ class GGUFWeight(PackedWeight):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._kernel and x.dtype in (torch.bfloat16, torch.float32):
             return cpu_kernels.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias)
+        if triton_support.applies(x):  # CUDA/ROCm (tests: the interpreter): the same tiles, kernels/triton_gguf_linear
+            from tokenfab.kernels import triton_gguf_linear
+            return triton_gguf_linear.gguf_linear(x, self.tiles, self.block, self.out_features, bias)
         return self.reference_linear(x, bias)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""The Triton GGUF Q8_0 / Q4_0 / Q4_1 kernel (kernels/triton_gguf_linear.py) in Triton's interpreter on CPU: it reads
+the same packed tiles as the CPU kernels, and its products are checked against the float64 product of gguf-py's own
+dequantized weights within the float32 accumulation bound that tests/test_gguf_linear.py derives (the interpreter
+has no bfloat16, so float32 activations; on a GPU the same code loads bf16). GGUFWeight.linear takes it wherever
+Triton applies, and the whole packed model gives the reference path's greedy tokens through it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from test_gguf_linear import TYPES, check_close, quantized, random_blocks
+from tokenfab.kernels import triton_support
+from tokenfab.quant.gguf_weight import GGUFWeight
+
+pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows,out_features,source", [(1, 48, "quantize"), (5, 40, "random"), (23, 33, "quantize"),
+                                                       (70, 16, "random")])
+def test_kernel_matches_exact_product(interpret, name, rows, out_features, source):
+    from tokenfab.kernels.triton_gguf_linear import gguf_linear
+    K = 96
+    raw = (quantized if source == "quantize" else random_blocks)(name, out_features, K, seed=rows)
+    w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, K)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, K, generator=g)
+    bias = torch.randn(out_features, generator=g) if rows % 2 else None
+    y = gguf_linear(x, w.tiles, w.block, out_features, bias)
+    assert y.shape == (rows, out_features) and y.dtype == torch.float32
+    check_close(y, x, raw, name, bias)
+
+
+def test_linear_dispatches_to_triton_only_where_it_applies(interpret, monkeypatch):
+    """GGUFWeight.linear: the Triton kernel where triton_support.applies and the CPU kernel does not (GPU tiles; here
+    the interpreter with the CPU kernel off), else the reference path. Shown by making the Triton entry point raise:
+    it is reached in interpret mode and never with TOKENFAB_TRITON=0."""
+    from tokenfab.kernels import triton_gguf_linear
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
+    raw = quantized("Q4_1", 32, 64)
+    w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), "Q4_1", 64)
+    w.prepare()
+    x = torch.randn(3, 64)
+    ref = w.reference_linear(x, None)
+
+    def boom(*a, **k):
+        raise RuntimeError("triton path taken")
+    monkeypatch.setattr(triton_gguf_linear, "gguf_linear", boom)
+    with pytest.raises(RuntimeError, match="triton path taken"):
+        w.linear(x, None)
+    monkeypatch.setenv("TOKENFAB_TRITON", "0")
+    torch.testing.assert_close(w.linear(x, None), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_refuses_block_types_and_mismatched_tiles(interpret):
+    from tokenfab.kernels.triton_gguf_linear import gguf_linear
+    raw = quantized("Q8_0", 16, 64)
+    w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), "Q8_0", 64)
+    with pytest.raises(ValueError, match=r"\[16, 96\]"):
+        gguf_linear(torch.randn(2, 96), w.tiles, w.block, 16)
+
+
+def test_packed_model_through_the_triton_kernel(interpret, monkeypatch, tiny_model, tokenizer_dir, tmp_path):
+    """A tiny llama GGUF (mixed Q4_0 / Q4_1 / Q8_0 linears, Q8_0 embedding and head) served packed with every linear
+    in the Triton kernel (interpreted; the CPU kernel off): the same greedy tokens as the dequantized reference
+    folder, and prompt logprobs within 1e-4 of it."""
+    from test_gguf_packed_loader import MIXED, reference_folder, write_gguf
+    from conftest import max_prompt_logprob_gap
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.kernels import triton_gguf_linear
+    ckpt = tiny_model("llama")
+    path = str(tmp_path / "tiny.gguf")
+    ref = reference_folder(ckpt, str(tmp_path / "ref"), write_gguf(ckpt, path, MIXED))
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 200, 7], [9, 4, 300])]
+    sp = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=6, prompt_logprobs=0)
+    calls = []
+    real = triton_gguf_linear.gguf_linear
+    monkeypatch.setattr(triton_gguf_linear, "gguf_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = {}
+    for key, model in (("reference", ref), ("packed", path)):
+        if key == "packed":
+            monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
+        llm = LLM(model, dtype="float32", tokenizer=tokenizer_dir, max_model_len=64, progress=False)
+        outs[key] = llm.generate(prompts, sp, use_tqdm=False)
+    assert calls, "the Triton kernel never ran"
+    assert [o.outputs[0].token_ids for o in outs["packed"]] == [o.outputs[0].token_ids for o in outs["reference"]]
+    assert max_prompt_logprob_gap(outs["reference"], outs["packed"], "Triton GGUF") < 1e-4
