@@ -10,7 +10,8 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
 2. Fused MoE (kernels/triton_moe.py) at DeepSeek-V3 expert shapes (hidden 7168, intermediate 2048, 8 of 64 local
    experts): error against RoutedExperts' PyTorch loop, time per call and bandwidth over the distinct experts hit.
 3. Packed GGUF Q4_1 / Q8_0 linears (kernels/triton_gguf_linear.py) at 4096 x 4096, 1 and 16 rows: error against
-   GGUFWeight's dequantizing PyTorch path, time, and bandwidth over the packed bytes.
+   GGUFWeight's dequantizing PyTorch path, time, and bandwidth over the packed bytes; the same for the FP8
+   block-scaled linear (kernels/triton_fp8_linear.py) against its dequantized weight.
 4. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
    identical token ids expected.
 
@@ -144,6 +145,29 @@ def check_gguf(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
     return rows
 
 
+def check_fp8(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
+    """The FP8 block-scaled linear (kernels/triton_fp8_linear.py) at 4096 x 4096 (quick: 200 x 200, partial blocks),
+    1 and 16 rows: error against the dequantized weight's float32 product, time, bandwidth over the FP8 bytes."""
+    from tokenfab.kernels.triton_fp8_linear import fp8_block_linear
+    n, k = (4096, 4096) if not quick else (200, 200)
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.float8_e4m3fn)
+    s = torch.rand(-(-n // 128), -(-k // 128), device=dev, generator=g) + 0.5
+    wd = w.float() * s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    rows = []
+    for M in (1, 16):
+        x = torch.randn(M, k, device=dev, dtype=dtype, generator=g)
+        got = fp8_block_linear(x, w, s)
+        want = x.float() @ wd.T
+        err = ((got.float() - want).abs().max() / want.abs().max()).item()
+        us = _time_us(lambda: fp8_block_linear(x, w, s), dev, reps)
+        nbytes = n * k + s.numel() * 4
+        rows.append({"kernel": "FP8 block linear", "shape": f"M={M} N={n} K={k}", "max_err": err, "us": us,
+                     "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def check_graph_tokens(device: str, quick: bool) -> dict:
     from tokenfab import LLM, SamplingParams
     if quick:  # the interpreted dry run: a tiny random DeepSeek-V3 checkpoint instead of the default model
@@ -195,7 +219,7 @@ def main() -> int:
     bw = copy_bandwidth(64 << 20 if args.quick else 1 << 30, device=str(dev))
     print(json.dumps({"copy_bandwidth_GBps": bw / 1e9}), flush=True)
     rows = (check_attention(dev, dtype, args.quick, bw, args.reps) + check_moe(dev, dtype, args.quick, bw, args.reps)
-            + check_gguf(dev, dtype, args.quick, bw, args.reps))
+            + check_gguf(dev, dtype, args.quick, bw, args.reps) + check_fp8(dev, dtype, args.quick, bw, args.reps))
     graph = check_graph_tokens(args.device, args.quick)
     os.makedirs(args.out, exist_ok=True)
     env_vars = " ".join(f"{k}={os.environ[k]}" for k in ("TRITON_INTERPRET", "TOKENFAB_TRITON",

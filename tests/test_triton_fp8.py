@@ -1,0 +1,69 @@
+"""The Triton FP8 block-scaled linear (kernels/triton_fp8_linear.py) in Triton's interpreter on CPU: its E4M3FN
+decoding against torch's own float8_e4m3fn conversion for all 256 codes, and its products against the published
+formula W = weight * weight_scale_inv[n // 128, k // 128] written out here, in float64, with partial edge blocks."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfab.kernels import triton_support
+
+pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
+U = 2.0 ** -24
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
+
+
+def test_every_e4m3fn_code_decodes_as_torch_does(interpret):
+    """Row n of the weight holds code n at input 0 (zeros elsewhere), x = e_0 and scale 1: y[0, n] is code n's
+    value; NaN codes (0x7f, 0xff) give NaN, -0 gives -0."""
+    from tokenfab.kernels.triton_fp8_linear import fp8_block_linear
+    codes = torch.arange(256, dtype=torch.uint8)
+    w = torch.zeros(256, 128, dtype=torch.uint8)
+    w[:, 0] = codes
+    x = torch.zeros(1, 128)
+    x[0, 0] = 1.0
+    y = fp8_block_linear(x, w.view(torch.float8_e4m3fn), torch.ones(2, 1))[0]
+    want = codes.view(torch.float8_e4m3fn).float()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(y), nan) and int(nan.sum()) == 2
+    assert torch.equal(y[~nan], want[~nan])
+
+
+def formula(x: torch.Tensor, w8: torch.Tensor, s: torch.Tensor, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    N, K = w8.shape
+    r = torch.arange(N) // 128
+    c = torch.arange(K) // 128
+    w = w8.view(torch.float8_e4m3fn).double() * s.double()[r][:, c]
+    y = x.double() @ w.T
+    bound = x.double().abs() @ w.abs().T
+    if bias is not None:
+        y, bound = y + bias.double(), bound + bias.double().abs()
+    return y, bound
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 200, 200), (5, 128, 256), (40, 70, 130)])
+def test_products_match_the_formula(interpret, M, N, K):
+    from tokenfab.kernels.triton_fp8_linear import fp8_block_linear
+    g = torch.Generator().manual_seed(M)
+    w8 = torch.randint(0, 256, (N, K), generator=g, dtype=torch.int64).to(torch.uint8)
+    w8[(w8 & 0x7F) == 0x7F] = 0x3C  # no NaN codes in the products (decoding of NaN: the test above)
+    s = torch.rand(-(-N // 128), -(-K // 128), generator=g) * 1e-2 + 1e-3
+    x = torch.randn(M, K, generator=g)
+    bias = torch.randn(N, generator=g) if M % 2 else None
+    y = fp8_block_linear(x, w8.view(torch.float8_e4m3fn), s, bias)
+    want, bound = formula(x, w8, s, bias)
+    tol = (2 * K + 8) * U * bound  # float32 products and sums: one rounding each, K terms
+    assert y.dtype == torch.float32 and y.shape == (M, N)
+    assert ((y.double() - want).abs() <= tol).all(), (y.double() - want).abs().max()
+
+
+def test_mismatched_scales_refused(interpret):
+    from tokenfab.kernels.triton_fp8_linear import fp8_block_linear
+    w = torch.zeros(200, 200, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="128 x 128"):
+        fp8_block_linear(torch.zeros(1, 200), w, torch.ones(1, 2))
