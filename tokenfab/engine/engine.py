@@ -300,7 +300,10 @@ class LLMEngine:
             if self.health_error() is not None:  # a tensor-parallel rank died: no request is at fault, none can run
                 raise
             return self._step_isolating(batch, exc)
-        return self._process(batch, out)
+        outputs = self._process(batch, out)
+        if self.spec is not None:  # drafters that follow the target's hidden states see this forward's
+            self.spec.observe()
+        return outputs
 
     def _run(self, batch: ScheduledBatch) -> StepOutput:
         """Write admitted sequences' tokens and run the forward + sampling of ``batch`` (no sequence state

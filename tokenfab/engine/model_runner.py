@@ -28,6 +28,7 @@ from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.kernels import cpu_kernels, triton_support
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import cpu_linear_backend
+from tokenfab.spec_decode.proposer import CapturedHidden, HiddenRequest
 from tokenfab.spec_decode.verification import verification_rows
 
 
@@ -124,6 +125,34 @@ class ModelRunner:
         self.tp_channel = None  # tensor parallel: rank 0 broadcasts each step (tokenfab.parallel.worker.StepChannel)
         self._threads: tuple[int, int] | None = None  # (prefill, decode) intra-op threads; None: leave torch's
         self._threads_now = torch.get_num_threads()
+        # the target-hidden-state seam for drafters (spec_decode/proposer.py): set by set_hidden_capture
+        self.capture: HiddenRequest | None = None
+        self.captured: CapturedHidden | None = None  # the last execute()'s hidden states, when capture is set
+        self._hidden_now: tuple | None = None  # (hidden [T, H], taps [T, n, H] or None) of the last forward
+        self._tap_out: list = []
+        self._tap_hooks: list = []
+
+    def set_hidden_capture(self, request: HiddenRequest | None) -> None:
+        """Keep the hidden states ``request`` asks for from every forward (``self.captured`` after each
+        :meth:`execute`, a :class:`~tokenfab.spec_decode.proposer.CapturedHidden`); None stops it. Layer taps
+        are forward hooks on ``model.model.layers[i]`` and make every step a module step.
+
+        Raises:
+            ValueError: a layer id outside the model's decoder layers (named)."""
+        for h in self._tap_hooks:
+            h.remove()
+        self._tap_hooks, self._tap_out = [], []
+        self.capture = request
+        if request is None or not request.layer_ids:
+            return
+        layers = self.model.model.layers
+        for i in request.layer_ids:
+            if not 0 <= i < len(layers):
+                raise ValueError(f"hidden-state tap at layer {i}: the model has decoder layers 0..{len(layers) - 1}.")
+        for slot, i in enumerate(request.layer_ids):
+            def hook(_mod, _inp, out, slot=slot):
+                self._tap_out[slot] = out
+            self._tap_hooks.append(layers[i].register_forward_hook(hook))
 
     def write_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
         """Record tokens (e.g. just sampled) at [row, position] of the persistent token array."""
@@ -176,11 +205,14 @@ class ModelRunner:
             T, starts, req_idx, positions = derived
         slots = self._slots(bt, req_idx, positions)
         graphs = self.decode_graphs
-        if self.batch_invariant:  # every token one query row over its own context: no group, chunk or batch shape
+        taps = self.capture is not None and bool(self.capture.layer_ids)
+        if taps:  # layer outputs come from forward hooks: the module path below
+            self._tap_out = [None] * len(self.capture.layer_ids)
+        if self.batch_invariant and not taps:  # every token one query row over its own context: no group or chunk
             hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt[req_idx], positions + 1)
-        elif graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: replay (cuda_graph_runner.py)
+        elif not taps and graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: cuda_graph_runner.py
             hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1)
-        elif self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: one C++ call (cpu_decode_stack.py)
+        elif not taps and self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: cpu_decode_stack.py
             hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt, num_computed + 1)
         else:
             meta = AttentionMetadata(
@@ -191,11 +223,21 @@ class ModelRunner:
                 state_rows=None if rows is None else torch.from_numpy(rows).to(self.device))
             pos_t = torch.from_numpy(positions).to(self.device)
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
+        if self.capture is not None:
+            self._hidden_now = (hidden if self.capture.final else None,
+                                torch.stack(self._tap_out, dim=1) if taps else None)
         if len(logit_idx) == 0:
             return None
         if not (d == B and len(logit_idx) == B):  # decode-only steps want every row, in order
             hidden = hidden[torch.from_numpy(logit_idx).to(self.device)]
         return self.model.compute_logits(hidden).cpu()
+
+    def keep_captured(self, seqs, rows: np.ndarray, req_idx: np.ndarray, positions: np.ndarray) -> None:
+        """``self.captured`` from the last forward's hidden states and its batch (``seqs`` [B], ``rows`` [B],
+        ``req_idx`` / ``positions`` [T])."""
+        hidden, taps = self._hidden_now
+        self._hidden_now = None
+        self.captured = CapturedHidden(list(seqs), rows, req_idx, positions, hidden, taps)
 
     def set_thread_policy(self, prefill_threads: int, decode_threads: int) -> None:
         """CPU intra-op threads per step kind: steps with prefill tokens use ``prefill_threads`` (large GEMMs that
@@ -212,12 +254,14 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one forward pass for ``batch`` and sample where sequences reached their last known token (in the
         kernels' batch-invariant mode when the runner was built with ``batch_invariant``)."""
+        self.captured = None
         with cpu_kernels.batch_invariant(self.batch_invariant):
             return self._execute_step(batch)
 
     def _execute_step(self, batch: ScheduledBatch) -> StepOutput:
         stack = self.cpu_decode_stack
-        if batch.num_decodes == len(batch) and stack is not None and stack.vocab_size is not None:
+        if (batch.num_decodes == len(batch) and stack is not None and stack.vocab_size is not None
+                and self.capture is None):  # the fused draw returns no hidden states
             if self._threads is not None:
                 self._apply_thread_policy(False)
             out = self._stack_sample_step(batch.seqs, batch.num_computed, batch.rows)  # one C++ call, no autograd
@@ -259,6 +303,8 @@ class ModelRunner:
                                       rows if self.has_state else None)  # hybrid models: the KDA state slots
         logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
                               rows=rows)
+        if self.capture is not None:
+            self.keep_captured(seqs, rows, req_idx, positions)
         if logits is None:
             return StepOutput(sampled_index, None, None)
         s_logits, p_logits = logits[: len(sample_tok)], logits[len(sample_tok):len(sample_tok) + len(plp_tok)]

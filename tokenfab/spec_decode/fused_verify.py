@@ -32,6 +32,10 @@ def fused_verify_logits(runner, batch) -> torch.Tensor:
     slots = runner._slots(bt, np.arange(T), positions)
     if runner._threads is not None:
         runner._apply_thread_policy(False)
+    runner.captured = None
     with torch.inference_mode():
         hidden = runner.cpu_decode_stack.run(input_ids, positions, slots, bt, positions + 1)
+        if runner.capture is not None:  # the target-hidden-state seam (final states only: no taps here)
+            runner._hidden_now = (hidden, None)
+            runner.keep_captured(batch.seqs, batch.rows, req, positions)
         return runner.model.compute_logits(hidden).float().cpu()

@@ -28,6 +28,51 @@ class Proposal:
         return Proposal(np.zeros((n, k), dtype=np.int64), np.zeros(n, dtype=np.int64), None)
 
 
+@dataclass(frozen=True)
+class HiddenRequest:
+    """What target hidden states a drafter needs from every target forward (:meth:`Proposer.hidden_request`).
+
+    Attributes:
+        final: the final hidden states (after the target's last norm, the LM head's input) of every token.
+        layer_ids: decoder layers (0-based) whose output (the residual stream after the layer) is tapped for every
+            token, in this order; () = none. Taps run the module path (the fused CPU decode stack and CUDA graphs
+            do not expose a layer's output), so a drafter asking for them makes every target step a module step.
+    """
+
+    final: bool = True
+    layer_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class CapturedHidden:
+    """The target hidden states of one target forward (a plain step, a prefill chunk, a verification step).
+
+    Tokens are the forward's flat batch: T tokens of the B sequences ``seqs``, token t of ``seqs[req_idx[t]]`` at
+    ``positions[t]``. Tensors are on the target's device in its dtype and valid until the target's next forward.
+
+    Attributes:
+        seqs: the B sequences of the step (``Sequence`` objects; ``seq.row``, ``seq.num_tokens`` are current).
+        rows: [B] int64 their rows in the runner's token array.
+        req_idx: [T] int64 index into ``seqs`` of each token.
+        positions: [T] int64 position of each token in its sequence.
+        hidden: [T, H] final post-norm hidden states, or None when not asked for.
+        taps: [T, len(layer_ids), H] the tapped layer outputs, or None when none asked for.
+
+    Which tokens are final context: when :meth:`Proposer.observe` runs, the step's sampled / accepted tokens are
+    already appended, so token t belongs to its sequence's context iff ``positions[t] <= seq.num_tokens - 2``
+    (its next token, the one its hidden state predicts, is known: ``token_ids[row, positions[t] + 1]``). Later
+    positions were drafts rejected in this step. Positions a step did not compute (prefix-cache hits, a failed step
+    rerun in parts) are never observed.
+    """
+
+    seqs: list
+    rows: np.ndarray
+    req_idx: np.ndarray
+    positions: np.ndarray
+    hidden: torch.Tensor | None
+    taps: torch.Tensor | None = None
+
+
 class Proposer:
     """Interface of a drafter.
 
@@ -39,6 +84,15 @@ class Proposer:
 
     ``on_verified(seqs, num_accepted)``: after verification, how many drafts of each proposed row were accepted
     (int64 [N]; rows not verified this step count 0), so stateful drafters roll back.
+
+    The target-hidden-state seam (drafters that run on the target's hidden states: MTP, DSpark): a drafter whose
+    :meth:`hidden_request` returns a :class:`HiddenRequest` gets :meth:`observe` called with a
+    :class:`CapturedHidden` after every target forward of the engine: plain steps (prefill chunks, decode steps,
+    also while the policy keeps speculation off) and verification steps, each once its outputs are processed
+    (tokens appended, rejected drafts rolled back) and before the next step's :meth:`propose`. It writes its own
+    KV for those positions there, so it keeps up with the context as vLLM runs its drafter after each forward.
+    A failed step rerun in parts (failure isolation) is not observed. None (n-gram, draft model): nothing is
+    captured and plain decode steps keep the fused draw (``CpuDecodeStack.run_sample``).
     """
 
     num_speculative_tokens: int
@@ -48,6 +102,14 @@ class Proposer:
         raise NotImplementedError
 
     def on_verified(self, seqs, num_accepted: np.ndarray) -> None:
+        return None
+
+    def hidden_request(self) -> HiddenRequest | None:
+        """The target hidden states :meth:`observe` needs from every target forward, or None (not called)."""
+        return None
+
+    def observe(self, captured: CapturedHidden) -> None:
+        """After every target forward (see the class docstring); only when :meth:`hidden_request` is not None."""
         return None
 
     def preallocates_kv(self) -> bool:

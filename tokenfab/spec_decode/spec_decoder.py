@@ -86,6 +86,8 @@ class SpecDecoder:
         self.cfg = cfg
         self.k = cfg.num_speculative_tokens
         self.proposer = proposer if proposer is not None else build_proposer(cfg, engine)
+        self.hidden_request = self.proposer.hidden_request()  # the target-hidden-state seam (proposer.py)
+        engine.runner.set_hidden_capture(self.hidden_request)
         self.policy = SpecPolicy(cfg)
         engine.stats.update({"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,
                              "spec_decode_num_accepted_tokens": 0,
@@ -96,6 +98,14 @@ class SpecDecoder:
     def active(self) -> bool:
         """False while the engine runs a plain step on this decoder's behalf."""
         return not self._plain_now
+
+    def observe(self) -> None:
+        """Hand the last target forward's hidden states (``runner.captured``) to the proposer, once; called after
+        each step's outputs are processed (LLMEngine.step, :meth:`step`). No-op for proposers that want none."""
+        r = self.engine.runner
+        cap, r.captured = r.captured, None
+        if cap is not None and self.hidden_request is not None:
+            self.proposer.observe(cap)
 
     def _plain(self):
         self._plain_now = True
@@ -182,13 +192,17 @@ class SpecDecoder:
             logger.warning("a speculative step failed; rerunning it without speculation", exc_info=True)
             return self._plain()
         verify = np.ones(len(batch.seqs), dtype=bool) if fused else spec_lens > 0
-        return self._accept(batch, out, spec_lens, verify, seqs, prop, drafted)
+        outputs = self._accept(batch, out, spec_lens, verify, seqs, prop, drafted)
+        self.observe()
+        return outputs
 
     def _can_fuse(self, batch: ScheduledBatch, spec_lens: np.ndarray) -> bool:
         """True when the whole batch can verify through the fused CPU decode stack: the model has one, one device,
         and every row is a decode row (plain, or verifying all its drafts) the rejection sampler samples exactly."""
         r = self.engine.runner
         if r.cpu_decode_stack is None or self.engine.tp_group is not None or batch.admitted:
+            return False
+        if self.hidden_request is not None and self.hidden_request.layer_ids:  # layer taps: the module path
             return False
         if not np.array_equal(batch.num_new, spec_lens + 1):
             return False
