@@ -11,7 +11,8 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
    experts): error against RoutedExperts' PyTorch loop, time per call and bandwidth over the distinct experts hit.
 3. Packed GGUF Q4_1 / Q8_0 linears (kernels/triton_gguf_linear.py) at 4096 x 4096, 1 and 16 rows: error against
    GGUFWeight's dequantizing PyTorch path, time, and bandwidth over the packed bytes; the same for the FP8
-   block-scaled linear (kernels/triton_fp8_linear.py) against its dequantized weight.
+   block-scaled linear (kernels/triton_fp8_linear.py) against its dequantized weight, and the fused MoE over INT4
+   group-32 and MXFP4 stacks (kernels/triton_packed_moe.py) against the bf16 fused MoE on the dequantized weights.
 4. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
    identical token ids expected.
 
@@ -168,6 +169,52 @@ def check_fp8(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
     return rows
 
 
+def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
+    """The fused MoE over INT4 group-32 and MXFP4 stacks (kernels/triton_packed_moe.py) at DeepSeek-V3's expert
+    shape: error against the bf16 fused MoE on the same (dequantized) weights, time, bandwidth over the packed bytes
+    of the experts hit."""
+    from tokenfab.kernels.triton_moe import fused_moe
+    from tokenfab.kernels.triton_packed_moe import fused_moe_packed
+    from tokenfab.layers.activation import silu_and_mul
+    E, k, hidden, inter = (64, 8, 7168, 2048) if not quick else (8, 2, 64, 32)
+    g = torch.Generator(device=dev).manual_seed(0)
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       device=dev)
+    rows = []
+    for fmt in ("int4_group", "mxfp4"):
+        stacks = []
+        for n, kk in ((2 * inter, hidden), (hidden, inter)):
+            code = torch.randint(0, 16, (E, n, kk), device=dev, generator=g, dtype=torch.int32)
+            if fmt == "int4_group":
+                packed = (code.view(E, n, kk // 8, 8) << (4 * torch.arange(8, device=dev, dtype=torch.int32))).sum(
+                    -1, dtype=torch.int32)
+                scale = (torch.rand(E, n, kk // 32, device=dev, generator=g) * 0.004).to(torch.bfloat16)
+                w = (code - 8).float() * scale.float().repeat_interleave(32, -1)
+            else:
+                packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+                scale = torch.randint(118, 122, (E, n, kk // 32), device=dev, generator=g).to(torch.uint8)
+                w = lut[code] * torch.exp2(scale.float() - 127).repeat_interleave(32, -1)
+            stacks.append((packed, scale, w.to(dtype)))
+            del code
+        (p13, s13, w13), (p2, s2, w2) = stacks
+        for T in ([1, 16, 64] if not quick else [1, 5]):
+            x = torch.randn(T, hidden, device=dev, dtype=dtype, generator=g)
+            ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(T)])
+            wts = torch.rand(T, k, device=dev, generator=g)
+            got = fused_moe_packed(x, fmt, p13, s13, p2, s2, wts, ids, silu_and_mul)
+            want = fused_moe(x, w13, w2, wts, ids, silu_and_mul)
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+            us = _time_us(lambda: fused_moe_packed(x, fmt, p13, s13, p2, s2, wts, ids, silu_and_mul), dev, reps)
+            hit = int(ids.unique().numel())
+            nbytes = hit * sum(t.numel() * t.element_size() // E for t in (p13, s13, p2, s2))
+            rows.append({"kernel": f"fused MoE {fmt}", "shape": f"T={T} E={E} k={k} hidden={hidden} I={inter} "
+                         f"experts_hit={hit}", "max_err": err, "us": us, "bytes": nbytes,
+                         "bw_fraction": nbytes / (us * 1e-6) / bw})
+            print(json.dumps(rows[-1]), flush=True)
+        del stacks, p13, s13, w13, p2, s2, w2
+    return rows
+
+
 def check_graph_tokens(device: str, quick: bool) -> dict:
     from tokenfab import LLM, SamplingParams
     if quick:  # the interpreted dry run: a tiny random DeepSeek-V3 checkpoint instead of the default model
@@ -219,7 +266,8 @@ def main() -> int:
     bw = copy_bandwidth(64 << 20 if args.quick else 1 << 30, device=str(dev))
     print(json.dumps({"copy_bandwidth_GBps": bw / 1e9}), flush=True)
     rows = (check_attention(dev, dtype, args.quick, bw, args.reps) + check_moe(dev, dtype, args.quick, bw, args.reps)
-            + check_gguf(dev, dtype, args.quick, bw, args.reps) + check_fp8(dev, dtype, args.quick, bw, args.reps))
+            + check_gguf(dev, dtype, args.quick, bw, args.reps) + check_fp8(dev, dtype, args.quick, bw, args.reps)
+            + check_packed_moe(dev, dtype, args.quick, bw, args.reps))
     graph = check_graph_tokens(args.device, args.quick)
     os.makedirs(args.out, exist_ok=True)
     env_vars = " ".join(f"{k}={os.environ[k]}" for k in ("TRITON_INTERPRET", "TOKENFAB_TRITON",
