@@ -26,10 +26,10 @@ fail() { echo "$1 FAILED rc=$2" | tee -a "$FAILED"; }
   nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv 2>/dev/null || rocm-smi 2>/dev/null || true
   $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
   for dt in float32 bfloat16; do
-    timeout 120 $PY -m tokenfab.cli eval kl --device cuda --reference-device cuda --dtype $dt \
+    timeout 90 $PY -m tokenfab.cli eval kl --device cuda --reference-device cuda --dtype $dt \
       --random-rows 4 --row-len 256 --decode-steps 16 --out "$OUT/kl-$dt" || fail "eval kl $dt" $?
   done
-  timeout 120 $PY benchmarks/gpu_kernels.py --device cuda --out "$OUT" || fail gpu_kernels $?
+  timeout 180 $PY benchmarks/gpu_kernels.py --device cuda --out "$OUT" || fail gpu_kernels $?
   timeout 75 $PY benchmarks/decode_floor.py --device cuda --batch 1,16,64 --steps 30 --out "$OUT" --label graphs \
     || fail "decode_floor (graphs)" $?
   timeout 75 $PY benchmarks/decode_floor.py --device cuda --batch 1,16,64 --steps 30 --out "$OUT" --label eager \
