@@ -25,6 +25,8 @@ from tokenfab.engine.hugepages import module_tensors, move_to_hugepages
 from tokenfab.engine.logits_state import LogitsProcessorState
 from tokenfab.engine.sampler import Sampler, SamplerOutput, top_logprobs
 from tokenfab.engine.scheduler import ScheduledBatch
+from tokenfab.engine.state_cache import KDAStateCache
+from tokenfab.engine.state_rollback import clear_pending, roll_back
 from tokenfab.kernels import cpu_kernels, triton_support
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import cpu_linear_backend
@@ -109,6 +111,7 @@ class ModelRunner:
         self.has_state = hasattr(model, "make_state_cache")
         if self.has_state:  # hybrid models: per-request KDA state slots by row (state_cache.py)
             model.make_state_cache(self.kv_caches, max_num_seqs, dtype, device)
+        self.state_caches = [c for c in self.kv_caches if isinstance(c, KDAStateCache)]
         # decode-only CPU bf16 steps: the whole decoder stack in one C++ call where the model allows (None: modules)
         self.cpu_decode_stack: CpuDecodeStack | None = None
         if device.type == "cpu" and graph_mode is None and not self.has_state:
@@ -186,14 +189,16 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray, input_ids: np.ndarray,
                 logit_idx: np.ndarray, derived: tuple | None = None,
-                rows: np.ndarray | None = None) -> torch.Tensor | None:
+                rows: np.ndarray | None = None, keep: np.ndarray | None = None) -> torch.Tensor | None:
         """Run the model on one step's flat batch; logits [len(logit_idx), vocab] float32 on CPU, or None.
 
         Args (int64 numpy): ``d`` decode sequences (first in the batch); ``num_new`` / ``num_computed`` [B] tokens
         this step / already in the cache per sequence; ``bt`` [B, >= blocks needed] block tables; ``input_ids`` [T];
         ``logit_idx`` [L] flat-batch rows whose logits are wanted. ``derived`` = (T, starts, req_idx, positions)
         when the caller has them. Tensor-parallel workers call this with the arrays rank 0 broadcast. ``rows`` [B]:
-        scheduler rows, the recurrent-state slots of hybrid (KDA) models; required by those models only.
+        scheduler rows, the recurrent-state slots of hybrid (KDA) models; required by those models only. ``keep``
+        [B] bool: speculative verification rows whose KDA state :meth:`roll_back_state` may roll back after this
+        step (hybrid models; None: no row).
         """
         B = len(num_new)
         if derived is None:
@@ -204,6 +209,8 @@ class ModelRunner:
         else:
             T, starts, req_idx, positions = derived
         slots = self._slots(bt, req_idx, positions)
+        if self.state_caches:
+            clear_pending(self.state_caches)
         graphs = self.decode_graphs
         taps = self.capture is not None and bool(self.capture.layer_ids)
         if taps:  # layer outputs come from forward hooks: the module path below
@@ -220,7 +227,8 @@ class ModelRunner:
                 decode=self._group(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
                 prefill=self._group(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None,
                 num_tokens=T, block_size=self.block_size,
-                state_rows=None if rows is None else torch.from_numpy(rows).to(self.device))
+                state_rows=None if rows is None else torch.from_numpy(rows).to(self.device),
+                state_keep=None if keep is None else torch.from_numpy(keep).to(self.device))
             pos_t = torch.from_numpy(positions).to(self.device)
             hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
         if self.capture is not None:
@@ -238,6 +246,23 @@ class ModelRunner:
         hidden, taps = self._hidden_now
         self._hidden_now = None
         self.captured = CapturedHidden(list(seqs), rows, req_idx, positions, hidden, taps)
+
+    def roll_back_state(self, rows: np.ndarray, kept: np.ndarray) -> int:
+        """After a verification step of a hybrid model: make the KDA state of each row in ``rows`` [N] int64 the
+        state after its first ``kept`` [N] int64 tokens of that step (engine/state_rollback.py), on every
+        tensor-parallel rank. Returns the (layer, row) states rewritten here (0 for models without state).
+
+        Raises:
+            ValueError: ``kept`` larger than the tokens a row ran, or mismatched lengths.
+        """
+        if not self.state_caches:
+            return 0
+        rows = np.asarray(rows, dtype=np.int64)
+        kept = np.asarray(kept, dtype=np.int64)
+        n = roll_back(self.state_caches, torch.from_numpy(rows).to(self.device), torch.from_numpy(kept).to(self.device))
+        if self.tp_channel is not None:  # the workers hold their heads' states: the same roll back there
+            self.tp_channel.send_rollback(rows, kept)
+        return n
 
     def set_thread_policy(self, prefill_threads: int, decode_threads: int) -> None:
         """CPU intra-op threads per step kind: steps with prefill tokens use ``prefill_threads`` (large GEMMs that
@@ -295,14 +320,15 @@ class ModelRunner:
         if batch.spec_lens is not None:  # speculative rows: logits at all their tokens, verified by spec_decode
             sampled_index, sample_tok, spec_tok = verification_rows(batch.spec_lens, num_new, sampled_index)
         bt = self.bm.block_tables[rows]
+        keep = batch.spec_lens > 0 if spec_tok is not None and self.has_state else None  # KDA state roll back
         logit_idx = np.concatenate([sample_tok, plp_tok]) if len(plp_tok) else sample_tok
         if spec_tok is not None:
             logit_idx = np.concatenate([logit_idx, spec_tok])
         if self.tp_channel is not None:  # tensor parallel: the workers run the same forward (tokenfab/parallel)
             self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx,
-                                      rows if self.has_state else None)  # hybrid models: the KDA state slots
+                                      rows if self.has_state else None, keep)  # hybrid models: the KDA state slots
         logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
-                              rows=rows)
+                              rows=rows, keep=keep)
         if self.capture is not None:
             self.keep_captured(seqs, rows, req_idx, positions)
         if logits is None:

@@ -15,7 +15,34 @@ because the slot persists while the sequence runs.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass
+class PendingStates:
+    """What one KDA layer kept of one attention group's speculative verification rows during a step, so that
+    :func:`tokenfab.engine.state_rollback.roll_back` can restore their state to any prefix of the step's tokens.
+
+    Attributes:
+        rows: [n] int64 state slots (scheduler rows).
+        num_tokens: [n] int64 valid tokens each row ran this step (1 + drafts).
+        conv_window: [n, C, K - 1 + Q] the short conv's input window: the conv state before the step, then the
+            step's q | k | v projections (activation dtype); the conv state after j tokens is
+            ``conv_window[:, :, j:j + K - 1]``.
+        state: [n, H, D, D] float32 recurrent state before the step.
+        k, v, g: [n, Q, H, D] float32 normalized keys, values and log-decays of the step's tokens; beta [n, Q, H].
+    """
+
+    rows: torch.Tensor
+    num_tokens: torch.Tensor
+    conv_window: torch.Tensor
+    state: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
 
 
 class KDAStateCache:
@@ -33,6 +60,7 @@ class KDAStateCache:
                  dtype: torch.dtype, device):
         self.conv = torch.zeros(num_slots, conv_dim, max(kernel - 1, 0), dtype=dtype, device=device)
         self.recurrent = torch.zeros(num_slots, num_heads, head_dim, head_dim, dtype=torch.float32, device=device)
+        self.pending: list[PendingStates] = []  # this step's verification rows (engine/state_rollback.py)
 
     @property
     def num_slots(self) -> int:

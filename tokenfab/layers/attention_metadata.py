@@ -53,6 +53,9 @@ class AttentionMetadata:
         block_size: tokens per KV block.
         state_rows: [B] int64 scheduler row of each sequence (decode group first, then prefill), the index of its
             recurrent-state slot in hybrid models (engine/state_cache.py); None when not provided.
+        state_keep: [B] bool, aligned with ``state_rows``: speculative verification rows whose recurrent state the
+            KDA layers must be able to roll back to a prefix of this step's tokens (engine/state_rollback.py);
+            None when no row needs it.
     """
 
     slot_mapping: torch.Tensor
@@ -61,6 +64,7 @@ class AttentionMetadata:
     num_tokens: int
     block_size: int
     state_rows: torch.Tensor | None = None
+    state_keep: torch.Tensor | None = None
 
     def cpu_decode_block(self, x: torch.Tensor, cache: torch.Tensor) -> bool:
         """True when an attention layer may run this step as one fused CPU call (``cpu_kernels.mla_decode`` /

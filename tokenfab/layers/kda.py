@@ -212,9 +212,11 @@ class KimiDeltaAttention(nn.Module):
         qkv_p, g_p, beta_p = pad1(qkv), pad1(g), pad1(beta)
         core = x.new_empty(T + 1, H, D)
         d = meta.decode.num_seqs if meta.decode is not None else 0
-        for group, rows in ((meta.decode, meta.state_rows[:d]), (meta.prefill, meta.state_rows[d:])):
+        keep = meta.state_keep
+        for group, rows, kp in ((meta.decode, meta.state_rows[:d], None if keep is None else keep[:d]),
+                                (meta.prefill, meta.state_rows[d:], None if keep is None else keep[d:])):
             if group is not None:
-                core[group.token_index.reshape(-1)] = self._run_group(group, rows, qkv_p, g_p, beta_p, cache)
+                core[group.token_index.reshape(-1)] = self._run_group(group, rows, qkv_p, g_p, beta_p, cache, kp)
         core = core[:T]
         if self.full_rank_gate:
             gate = self.g_proj(x)
@@ -224,8 +226,10 @@ class KimiDeltaAttention(nn.Module):
         return self.o_proj(out)
 
     def _run_group(self, group: AttentionGroup, rows: torch.Tensor, qkv_p: torch.Tensor, g_p: torch.Tensor,
-                   beta_p: torch.Tensor, cache) -> torch.Tensor:
-        """KDA for one group; returns [B * Q, H, D] in the activation dtype (flattened like token_index)."""
+                   beta_p: torch.Tensor, cache, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """KDA for one group; returns [B * Q, H, D] in the activation dtype (flattened like token_index).
+        ``keep`` [B] bool: rows (speculative verification) whose state before the step and per-token recurrence
+        inputs go to ``cache.pending`` for a later roll back (engine/state_rollback.py)."""
         idx = group.token_index  # [B, Q]
         B, Q = idx.shape
         H, D, K = self.num_heads, self.head_dim, self.kernel
@@ -251,6 +255,13 @@ class KimiDeltaAttention(nn.Module):
         v = torch.where(vm, v, 0.0)
         g = torch.where(vm, g_p[idx], 0.0)  # [B, Q, H, D]
         beta = torch.where(valid.unsqueeze(-1), beta_p[idx], 0.0)  # [B, Q, H]
+        if keep is not None and bool(keep.any()):
+            from tokenfab.engine.state_cache import PendingStates
+            sel = keep.nonzero().squeeze(1)
+            n_tok = valid[sel].sum(1)
+            qk = int(n_tok.max())
+            cache.pending.append(PendingStates(rows[sel], n_tok, full[sel, :, :K - 1 + qk], S[sel], k[sel, :qk],
+                                               v[sel, :qk], g[sel, :qk], beta[sel, :qk]))
         if Q == 1:
             o, S = kda_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
             o = o.unsqueeze(1)

@@ -32,7 +32,6 @@ from tokenfab.engine.model_runner import StepOutput
 from tokenfab.engine.sampler import SamplerOutput
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.sequence import SequenceStatus
-from tokenfab.errors import UnsupportedError
 from tokenfab.spec_decode.config import SpeculativeConfig
 from tokenfab.spec_decode.fused_verify import fused_verify_logits
 from tokenfab.spec_decode.policy import SpecPolicy
@@ -73,15 +72,11 @@ def build_proposer(cfg: SpeculativeConfig, engine) -> Proposer:
 class SpecDecoder:
     """Speculative decoding for one LLMEngine (see the module docstring).
 
-    Raises:
-        UnsupportedError: a model with recurrent (KDA) layers (their state cannot be rolled back yet).
+    Hybrid models (KDA layers): after acceptance each verification row's recurrent state is rolled back to its
+    last accepted token (``ModelRunner.roll_back_state``, engine/state_rollback.py).
     """
 
     def __init__(self, engine, cfg: SpeculativeConfig, proposer: Proposer | None = None):
-        if engine.runner.has_state:
-            raise UnsupportedError("speculative_config with a hybrid model (KDA linear-attention layers) is not "
-                                   "supported yet: their recurrent state cannot be rolled back; remove "
-                                   "speculative_config.")
         self.engine = engine
         self.cfg = cfg
         self.k = cfg.num_speculative_tokens
@@ -187,6 +182,9 @@ class SpecDecoder:
                 out = (eng.runner.execute(batch) if eng.tp_group is None
                        else eng.tp_group.execute(eng.runner, batch))
         except Exception:  # roll back the drafts and let the plain step (with its failure isolation) rerun it
+            if eng.runner.has_state and eng.health_error() is None:  # KDA state of the verification rows: as before
+                si = np.nonzero(spec_lens)[0]
+                eng.runner.roll_back_state(batch.rows[si], np.zeros(len(si), dtype=np.int64))
             self._strip(batch, spec_lens)
             self.proposer.on_verified(seqs, np.zeros(len(seqs), dtype=np.int64))
             logger.warning("a speculative step failed; rerunning it without speculation", exc_info=True)
@@ -255,6 +253,8 @@ class SpecDecoder:
         res = rejection_sample(logits, draft_ids, torch.from_numpy(k_eff), q, st, u_acc, u_fin)
         acc = res.num_accepted.numpy()
         toks = res.token_ids.numpy()
+        if eng.runner.has_state:  # KDA state: back to the last accepted token (engine/state_rollback.py)
+            eng.runner.roll_back_state(batch.rows[si], acc + 1)
         self._strip(batch, spec_lens)
         outputs = {o.request_id: o for o in eng._process(batch, out)}  # the other rows, as a plain step
         for i, s in zip(si.tolist(), spec_seqs):
