@@ -342,3 +342,165 @@ def test_k3_tap_streams_match_naive(k3_target, stream):
         w = ps if stream == "partial_sum" else mix
         assert (got[i].double() - w).abs().max() < 1e-4, i
     assert (want[1][0] - want[1][1]).abs().max() > 1e-2  # the streams are different features
+
+
+# ---- end to end on a tiny K3 target --------------------------------------------------------------------------------
+ALWAYS = {"verify_token_cost": 0.0, "verify_step_overhead": 0.0, "random_row_cost": 0.0}  # draft k every step
+
+
+def _k3_prompts():
+    g = torch.Generator().manual_seed(9)
+    return [{"prompt_token_ids": torch.randint(5, 500, (n,), generator=g).tolist()} for n in (5, 17, 30)]
+
+
+@pytest.fixture(scope="module")
+def k3_drafter(tmp_path_factory, k3_target):
+    """A SpecForge-layout 5MLA drafter for the tiny K3 target (4 layers, hidden 64), taps after layers 0 and 2."""
+    path, _, tc = k3_target
+    path, _, W = write_tiny_dspark(str(tmp_path_factory.mktemp("dspark")), "specforge", K3_5MLA, block_size=4,
+                                   target_layer_ids=(0, 2), target_num_layers=tc["num_hidden_layers"], seed=3)
+    return path, W
+
+
+def _counting(llm):
+    """Wrap the proposer's propose: record (row lengths, drafts, draft lens) of every proposal."""
+    prop = llm.llm_engine.spec.proposer
+    log, orig = [], prop.propose
+
+    def propose(seqs, rows, token_ids, lengths, max_lens):
+        out = orig(seqs, rows, token_ids, lengths, max_lens)
+        log.append(([s.request_id for s in seqs], lengths.copy(), out.draft_ids.copy(), out.draft_lens.copy()))
+        return out
+
+    prop.propose = propose
+    return log
+
+
+@pytest.mark.parametrize("tap", ["partial_sum", "attn_res_mixture"])
+def test_greedy_identical_and_counters_exact(k3_target, k3_drafter, tap):
+    k3_drafter = k3_drafter[0]
+    """Greedy K3 outputs with dspark (k = 3, mixed prompt lengths, KDA state rolled back after each verification)
+    equal those without; the accepted-token counters equal an independent count: for every proposal, the longest
+    prefix of its drafts that matches the non-speculative output at those positions."""
+    from tokenfab import LLM, SamplingParams
+    path, _, _ = k3_target
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    base = LLM(path, dtype="float32", progress=False).generate(_k3_prompts(), sp, use_tqdm=False)
+    llm = LLM(path, dtype="float32", progress=False, speculative_config=dict(
+        ALWAYS, method="dspark", model=k3_drafter, num_speculative_tokens=3, dspark_tap=tap))
+    assert llm.llm_engine.spec.proposer.tap == tap
+    log = _counting(llm)
+    out = llm.generate(_k3_prompts(), sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
+    full = {o.request_id: o.prompt_token_ids + o.outputs[0].token_ids for o in base}
+    rid = {o.request_id: b.request_id for o, b in zip(out, base)}
+    acc, per_pos, drafts, n_drafts = 0, [0, 0, 0], 0, 0
+    for ids, lengths, d, n in log:
+        for r, L, dr, c in zip(ids, lengths, d, n):
+            want = full[rid[r]][L:L + int(c)]
+            a = 0
+            while a < c and a < len(want) and dr[a] == want[a]:
+                a += 1
+            acc += a
+            drafts += int(c)
+            n_drafts += int(c > 0)
+            for j in range(a):
+                per_pos[j] += 1
+    st = llm.llm_engine.get_stats()
+    assert n_drafts > 0 and st["spec_decode_num_drafts"] == n_drafts
+    assert st["spec_decode_num_draft_tokens"] == drafts
+    assert st["spec_decode_num_accepted_tokens"] == acc
+    assert st["spec_decode_num_accepted_tokens_per_pos"] == per_pos
+
+
+class _Oracle:
+    """Turns a DSparkProposer into a perfect drafter: the drafter pass still runs, its drafts are replaced by the
+    target's own greedy continuation (known from a non-speculative run)."""
+
+    def __init__(self, prop, full):
+        self.prop, self.full, self.orig = prop, full, prop.propose
+
+    def __call__(self, seqs, rows, token_ids, lengths, max_lens):
+        out = self.orig(seqs, rows, token_ids, lengths, max_lens)
+        for i, (s, L) in enumerate(zip(seqs, lengths)):
+            want = self.full[s.request_id][L:L + out.draft_ids.shape[1]]
+            out.draft_ids[i, :len(want)] = want
+        return out
+
+
+def test_perfect_drafter_accepts_everything(k3_target, k3_drafter):
+    k3_drafter = k3_drafter[0]
+    """With the target's own continuation as drafts every draft is accepted (k = 3: 4 tokens per verification)
+    and the output is unchanged."""
+    from tokenfab import LLM, SamplingParams
+    path, _, _ = k3_target
+    sp = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    prompts = _k3_prompts()
+    base = LLM(path, dtype="float32", progress=False).generate(prompts, sp, use_tqdm=False)
+    llm = LLM(path, dtype="float32", progress=False, speculative_config=dict(
+        ALWAYS, method="dspark", model=k3_drafter, num_speculative_tokens=3))
+    prop = llm.llm_engine.spec.proposer
+    full = {}
+    orig_add = llm.llm_engine.add_request
+
+    def add(rid, *a, **kw):  # this engine's request ids -> the base run's continuations, in prompt order
+        i = len(full)
+        full[rid] = base[i].prompt_token_ids + base[i].outputs[0].token_ids
+        return orig_add(rid, *a, **kw)
+
+    llm.llm_engine.add_request = add
+    prop.propose = _Oracle(prop, full)
+    out = llm.generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
+    st = llm.llm_engine.get_stats()
+    assert st["spec_decode_num_drafts"] > 0
+    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+
+
+def test_dspark_config_errors(k3_target, k3_drafter, tmp_path):
+    k3_drafter = k3_drafter[0]
+    from tokenfab import LLM
+    path, _, _ = k3_target
+    with pytest.raises(EngineConfigError, match="num_speculative_tokens \\(4\\) exceeds the 3 drafts"):
+        LLM(path, dtype="float32", progress=False, speculative_config={
+            "method": "dspark", "model": k3_drafter, "num_speculative_tokens": 4})
+    with pytest.raises(EngineConfigError, match="dspark_tap"):
+        LLM(path, dtype="float32", progress=False, speculative_config={
+            "method": "dspark", "model": k3_drafter, "num_speculative_tokens": 2, "dspark_tap": "mix"})
+    bad, _, _ = write_tiny_dspark(str(tmp_path / "bad"), "specforge", K3_5MLA, target_layer_ids=(0, 2),
+                                  target_num_layers=6)
+    with pytest.raises(EngineConfigError, match="6-layer target"):
+        LLM(path, dtype="float32", progress=False, speculative_config={
+            "method": "dspark", "model": bad, "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("tap", ["partial_sum", "attn_res_mixture"])
+def test_engine_drafts_equal_reference_on_naive_taps(k3_target, k3_drafter, tap):
+    """The drafts the engine proposes (context rows written from the taps observed after each target forward:
+    the prefill, then every verification) equal the float64 reference drafter run on the naive K3's taps of the
+    same tokens, greedy with the Markov bias in order (first proposals of one sequence)."""
+    from tokenfab import LLM, SamplingParams
+    path, ref, tc = k3_target
+    dpath, W = k3_drafter
+    W64 = {k: v.double() for k, v in W.items()}
+    llm = LLM(path, dtype="float32", progress=False, speculative_config=dict(
+        ALWAYS, method="dspark", model=dpath, num_speculative_tokens=3, dspark_tap=tap))
+    log = _counting(llm)
+    prompt = _k3_prompts()[1]
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    full = prompt["prompt_token_ids"] + out[0].outputs[0].token_ids
+    w1, w2 = W64["markov_head.markov_w1.weight"], W64["markov_head.markov_w2.weight"]
+    checked = 0
+    for _, lengths, d, n in log[:3]:
+        L = int(lengths[0])
+        streams = naive_k3_streams(ref, tc, full[:L - 1])
+        taps = torch.cat([streams[i][0 if tap == "partial_sum" else 1] for i in (0, 2)], dim=-1)
+        logits = ref_block_logits(W64, K3_5MLA, taps, full[L - 1], 3, 4, ref["model.embed_tokens.weight"],
+                                  ref["lm_head.weight"])[1:]  # SpecForge layout: slots 1..3 are the drafts
+        prev, want = full[L - 1], []
+        for j in range(int(n[0])):
+            prev = int((logits[j] + w2 @ w1[prev]).argmax())
+            want.append(prev)
+        assert d[0, : int(n[0])].tolist() == want
+        checked += 1
+    assert checked >= 2

@@ -152,9 +152,10 @@ class ModelRunner:
         for i in request.layer_ids:
             if not 0 <= i < len(layers):
                 raise ValueError(f"hidden-state tap at layer {i}: the model has decoder layers 0..{len(layers) - 1}.")
+        tap = getattr(self.model, "tap_hidden", None)  # a layer output that is not one tensor (K3: kimi_linear.py)
         for slot, i in enumerate(request.layer_ids):
-            def hook(_mod, _inp, out, slot=slot):
-                self._tap_out[slot] = out
+            def hook(_mod, _inp, out, slot=slot, i=i):
+                self._tap_out[slot] = out if tap is None else tap(i, out, request.tap_stream)
             self._tap_hooks.append(layers[i].register_forward_hook(hook))
 
     def write_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:

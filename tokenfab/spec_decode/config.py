@@ -4,12 +4,14 @@ Accepted (``LLM(..., speculative_config={...})``, ``tokenfab serve --speculative
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
+    {"method": "dspark", "model": DRAFTER, "num_speculative_tokens": k, "dspark_tap": "partial_sum"}
 
 plus the switch-off knobs (see :mod:`tokenfab.spec_decode.policy`): ``disable_by_batch_size`` (vLLM's name: no
 speculation in a step with more running sequences than this), and tokenfab's ``verify_token_cost``,
 ``min_acceptance_rate``, ``acceptance_ema_decay`` and ``probe_interval`` (per-sequence draft caps from an
 acceptance EMA and the verification cost model). As in vLLM, a ``model`` without a method means
-``draft_model`` and ``"[ngram]"`` as model means ``ngram``. ``mtp``, ``dspark`` (and vLLM's ``eagle`` /
+``draft_model`` and ``"[ngram]"`` as model means ``ngram``. ``dspark``: a DSpark block drafter on the target's
+tapped hidden states (spec_decode/dspark_proposer.py; ``dspark_tap`` optional). ``mtp`` (and vLLM's ``eagle`` /
 ``eagle3`` / ``medusa``) are refused by name: not implemented yet.
 """
 from __future__ import annotations
@@ -20,8 +22,8 @@ from dataclasses import dataclass, fields
 
 from tokenfab.errors import EngineConfigError, UnsupportedError
 
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("mtp", "dspark", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+METHODS = ("ngram", "draft_model", "dspark")
+NOT_YET = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -56,6 +58,7 @@ class SpeculativeConfig:
     verify_token_cost: float = 0.035
     verify_step_overhead: float = 0.1
     random_row_cost: float = 0.02
+    dspark_tap: str | None = None  # dspark: "partial_sum" | "attn_res_mixture" (None: the checkpoint's; dspark_config.py)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -123,6 +126,8 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
               "probe_interval", "acceptance_ema_decay", "verify_token_cost", "verify_step_overhead",
               "random_row_cost"}
     allowed = common | ({"prompt_lookup_max", "prompt_lookup_min"} if method == "ngram" else {"model"})
+    if method == "dspark":  # a DSpark drafter folder (speculators or SpecForge layout, dspark_config.py)
+        allowed = allowed | {"dspark_tap"}
     for name in d:
         if name not in allowed:
             raise EngineConfigError(f"speculative_config has an unknown field '{name}' for method '{method}'; "
@@ -140,7 +145,16 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         verify_token_cost=_float(d, "verify_token_cost", 0.0, 1e6, 0.035),
         verify_step_overhead=_float(d, "verify_step_overhead", 0.0, 1e6, 0.1),
         random_row_cost=_float(d, "random_row_cost", 0.0, 1e6, 0.02))
-    if method == "ngram":
+    if method == "dspark":
+        path = d.get("model")
+        if not isinstance(path, str) or not os.path.isfile(os.path.join(path, "config.json")):
+            raise EngineConfigError(f"speculative_config.model {path!r} is not a DSpark drafter folder (no "
+                                    "config.json); give the drafter's folder (speculators or SpecForge layout).")
+        tap = d.get("dspark_tap")
+        if tap is not None and not isinstance(tap, str):
+            raise EngineConfigError(f"speculative_config.dspark_tap must be a string, got {tap!r}.")
+        cfg.model, cfg.dspark_tap = path, tap
+    elif method == "ngram":
         hi = _int(d, "prompt_lookup_max", 1, 64)
         lo = _int(d, "prompt_lookup_min", 1, 64)
         if hi is None and lo is None:

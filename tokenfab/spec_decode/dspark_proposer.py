@@ -109,9 +109,7 @@ class DSparkProposer(Proposer):
 
     # ---- the target-hidden-state seam ---------------------------------------------------------------------
     def hidden_request(self) -> HiddenRequest:
-        return HiddenRequest(final=False, layer_ids=tuple(self.cfg.target_layer_ids),
-                             **({"tap_stream": self.tap} if "tap_stream" in HiddenRequest.__dataclass_fields__
-                                else {}))
+        return HiddenRequest(final=False, layer_ids=tuple(self.cfg.target_layer_ids), tap_stream=self.tap)
 
     def _slots(self, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         bs = self.bm.block_size

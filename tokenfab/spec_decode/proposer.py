@@ -37,10 +37,15 @@ class HiddenRequest:
         layer_ids: decoder layers (0-based) whose output (the residual stream after the layer) is tapped for every
             token, in this order; () = none. Taps run the module path (the fused CPU decode stack and CUDA graphs
             do not expose a layer's output), so a drafter asking for them makes every target step a module step.
+        tap_stream: which hidden state a tap is where a layer's output is not one tensor (Kimi K3's attention
+            residuals: ``model.tap_hidden``): ``"partial_sum"`` (the raw partial-block sum after the layer) or
+            ``"attn_res_mixture"`` (the attention-residual mix the next layer computes from it); other models
+            ignore it.
     """
 
     final: bool = True
     layer_ids: tuple[int, ...] = ()
+    tap_stream: str = "partial_sum"
 
 
 @dataclass

@@ -65,6 +65,9 @@ def build_proposer(cfg: SpeculativeConfig, engine) -> Proposer:
     if cfg.method == "ngram":
         from tokenfab.spec_decode.ngram_proposer import NgramProposer
         return NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+    if cfg.method == "dspark":
+        from tokenfab.spec_decode.dspark_proposer import DSparkProposer
+        return DSparkProposer(cfg.model, cfg.num_speculative_tokens, engine, cfg.dspark_tap)
     from tokenfab.spec_decode.draft_model_proposer import DraftModelProposer
     return DraftModelProposer(cfg.model, cfg.num_speculative_tokens, engine)
 
