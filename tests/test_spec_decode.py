@@ -427,3 +427,90 @@ def test_policy_draft_caps_follow_the_cost_rule():
     assert pol.ema(seqs[0]) == pytest.approx(0.7 * 0.43 + 0.3 * 0.5)
     pol.update(seqs[3:], [3], [3])  # all 3 accepted: rate 1 (the first observation sets the EMA)
     assert pol.ema(seqs[3]) == 1.0
+
+
+# ---------------------------------------------------------------------- logits processors on speculated rows
+def _processor_params(i: int, temperature: float = 0.0, seed=None, max_tokens: int = 20):
+    """Processors verification applies per position, on different rows: penalties (each kind), logit bias,
+    allowed_token_ids and min_p (bad words use the same per-position lengths; tests/test_logits_processors.py
+    covers their matching)."""
+    kinds = [dict(repetition_penalty=1.4), dict(frequency_penalty=0.7, presence_penalty=0.4),
+             dict(logit_bias={23: 2.5, 37: -3.0}), dict(allowed_token_ids=list(range(5, 140))),
+             dict(min_p=0.05), dict(repetition_penalty=1.2, frequency_penalty=0.5, logit_bias={11: 1.5})]
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, ignore_eos=True,
+                          **kinds[i % len(kinds)])
+
+
+def test_greedy_identical_with_processors_on_speculated_rows(tiny_model):
+    """Greedy rows with penalties, bias, allowed ids and min_p are speculated (drafts counted) and give exactly
+    the tokens of plain decoding: position j of a verification applies the processors with drafts 1..j counted as
+    output (a penalty that ignored them would change tokens: repeated prompts make drafts repeat tokens)."""
+    path = tiny_model("llama")
+    prompts = _prompts(6)
+    sps = [_processor_params(i) for i in range(6)]
+    base = _tokens(_llm(path).generate(prompts, sps))
+    llm = _llm(path, NGRAM)
+    assert _tokens(llm.generate(prompts, sps)) == base
+    st = llm.llm_engine.get_stats()
+    assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_penalties_count_drafts_hand_worked():
+    """apply_verify on a hand-made row: seen tokens {3 (prompt), 5 (output once)}, drafts [5, 7]. Position 0 sees
+    counts {5: 1}; position 1 {5: 2}; position 2 {5: 2, 7: 1}. Frequency 1, presence 0.5, repetition 2 on logits of
+    all 1.0 give 1/2 - f * count - p * [count > 0] for output tokens, 1/2 for prompt-only token 3."""
+    from tokenfab.engine.logits_state import LogitsProcessorState
+    V = 10
+    tok = np.zeros((1, 16), dtype=np.int64)
+    tok[0, :2] = [3, 5]  # prompt [3], output [5]
+    st = LogitsProcessorState(1, V, tok)
+
+    class S:  # the fields _admit_one reads
+        row = 0
+        num_prompt_tokens = 1
+        num_tokens = 2
+        token_ids = [3, 5]
+        prompt_token_ids = [3]
+        output_token_ids = [5]
+        params = SamplingParams(repetition_penalty=2.0, frequency_penalty=1.0, presence_penalty=0.5)
+        grammar = None
+        bad_words_token_ids = None
+    st.admit([S()])
+    tok[0, 2:4] = [5, 7]
+    out = st.apply_verify(torch.ones(1, 3, V), np.array([0]), np.array([2]), np.array([[5, 7]]),
+                          torch.zeros(1))[0]
+    want = torch.ones(3, V)
+    want[:, 3] = 0.5
+    for j, counts in enumerate([{5: 1}, {5: 2}, {5: 2, 7: 1}]):
+        for t, c in counts.items():
+            want[j, t] = 0.5 - c - 0.5
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("drafter", ["random_tokens", "target_as_draft"])
+def test_distribution_unchanged_with_penalties_at_temperature_one(tiny_model, drafter):
+    """Frequency and presence penalties plus min_p at temperature 1 with top-k 4 (the draft model's q knows
+    nothing of them, random tokens are one-hot q): total variation of output tokens 2 and 3 to plain decoding
+    below TV_TOL (same sample sizes as above)."""
+    path = tiny_model("llama")
+    prompt = {"prompt_token_ids": [11, 23, 37, 41, 53, 11, 23, 37, 41, 53, 11, 23]}
+
+    def sps(off):
+        return [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=off + i,
+                               frequency_penalty=1.5, presence_penalty=0.5, min_p=0.02) for i in range(N_SAMPLES)]
+    base = _llm(path, max_num_seqs=128).generate([prompt] * N_SAMPLES, sps(0))
+    if drafter == "random_tokens":
+        llm = _llm(path, dict(NGRAM, num_speculative_tokens=2), max_num_seqs=128)
+        llm.llm_engine.spec.proposer = RandomProposer(2, 512)
+    else:
+        llm = _llm(path, {"method": "draft_model", "model": path, "num_speculative_tokens": 2,
+                          "verify_token_cost": 0.0, "verify_step_overhead": 0.0, "random_row_cost": 0.0},
+                   max_num_seqs=128, max_model_len=512)
+    spec = llm.generate([prompt] * N_SAMPLES, sps(10_000))
+    st = llm.llm_engine.get_stats()
+    assert st["spec_decode_num_draft_tokens"] == N_SAMPLES
+    if drafter == "target_as_draft":  # q lacks the penalties, so not all accepted, but most
+        assert 0.3 * N_SAMPLES < st["spec_decode_num_accepted_tokens"] < N_SAMPLES
+    for pos in (1, 2):
+        tv = 0.5 * np.abs(_token_hist(base, pos, 512) - _token_hist(spec, pos, 512)).sum()
+        assert tv < TV_TOL, (pos, tv)

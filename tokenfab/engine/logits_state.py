@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tokenfab.engine.logits_processors import (allowed_token_mask, apply_allowed_token_ids, apply_bad_words,
-                                               apply_logit_bias, apply_penalties_at)
+                                               apply_logit_bias, apply_min_p, apply_penalties_at)
 
 
 @dataclass
@@ -206,6 +206,60 @@ class LogitsProcessorState:
             bi = np.array([i for i, _ in pairs], dtype=np.int64)
             b.bad = (bi, rows[bi], torch.tensor([w[-1] for _, w in pairs], dtype=torch.int64), prefix)
         return b
+
+    def apply_verify(self, logits: torch.Tensor, rows: np.ndarray, lengths: np.ndarray, drafts: np.ndarray,
+                     temperatures: torch.Tensor) -> torch.Tensor:
+        """The processors for speculative verification: ``logits`` [N, K1, V] float32 at the K1 verified positions
+        of N rows (persistent ``rows`` [N] int64), where position j follows the last sampled token and drafts
+        1..j. ``lengths`` [N] int64: tokens known before the drafts (prompt + output); ``drafts`` [N, K1 - 1] int64
+        (only each row's real drafts are ever read for a position verification uses; the drafts also sit in the
+        token array at positions lengths .. lengths + K1 - 2, where bad words read them); ``temperatures`` [N]
+        float32 (min_p's exponent; greedy rows count as 1).
+
+        Position j gets what the plain sampler would give the same row after accepting drafts 1..j: masks and
+        bias unchanged, bad words over the history with those drafts, penalties with the drafts counted as output
+        tokens (the output counts themselves change only when tokens are emitted), min_p as ``min_p ** T`` before
+        temperature (the sampler's form). Rows with structured outputs are never verified (their matchers see each
+        token once). Returns the processed logits [N, K1, V] (modified in place)."""
+        N, K1, V = logits.shape
+        if not self.active[rows].any():
+            return logits
+        rep = np.repeat(rows, K1)
+        b = self._build(rep)
+        flat = logits.reshape(N * K1, V)
+        lens = (lengths[:, None] + np.arange(K1)[None, :]).reshape(-1)
+        pen = b.pen_index
+        b.pen_index = None  # penalties below, with the drafts counted
+        self.apply(flat, b, lens)
+        if pen is not None:
+            self._verify_penalties(flat, b, pen, rep, drafts, K1)
+        if b.min_p is not None:
+            t = temperatures.repeat_interleave(K1)
+            flat = apply_min_p(flat, b.min_p.pow(torch.where(t >= 1e-5, t, torch.ones_like(t))))
+        return flat.reshape(N, K1, V)
+
+    def _verify_penalties(self, flat: torch.Tensor, b: ProcessorBatch, pen: np.ndarray, rep: np.ndarray,
+                          drafts: np.ndarray, K1: int) -> None:
+        """Penalties at the flat verification positions ``pen`` (rows ``rep[pen]``): for position j of row i the
+        (token, count) pairs are the row's seen tokens and drafts 1..j, counts = output counts + occurrences among
+        those drafts; then :func:`apply_penalties_at` (one call, O(pairs))."""
+        V = flat.shape[1]
+        prow = rep[pen]
+        ns = self.num_seen[prow]
+        keep = np.arange(max(int(ns.max()), 1))[None, :] < ns[:, None]
+        li, col = np.nonzero(keep)
+        base = pen[li] * V + self.seen[prow[li], col]
+        i, j = pen // K1, pen % K1
+        di, dk = np.nonzero(np.arange(max(K1 - 1, 1))[None, :] < j[:, None])  # drafts 1..j of position pen[di]
+        extra = pen[di] * V + drafts[i[di], dk] if len(di) else np.zeros(0, dtype=np.int64)
+        keys, extra_n = np.unique(np.concatenate([base, extra]), return_counts=True)
+        in_base = np.isin(keys, base)
+        extra_n = extra_n - in_base  # occurrences among the drafts (a seen token appears once in base)
+        f, tok = keys // V, keys % V
+        count = self.output_counts[torch.from_numpy(rep[f]), torch.from_numpy(tok)] + torch.from_numpy(
+            extra_n.astype(np.int32))
+        apply_penalties_at(flat, torch.from_numpy(f), torch.from_numpy(tok), count, b.repetition, b.frequency,
+                           b.presence)
 
     def apply(self, logits: torch.Tensor, b: ProcessorBatch, lengths: np.ndarray) -> torch.Tensor:
         """Allowed-token and bad-word masks, logit bias, then penalties on ``logits`` [N, V] float32 (the batch's

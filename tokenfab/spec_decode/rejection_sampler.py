@@ -56,9 +56,8 @@ def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Softmax of ``logits`` [N, P, V] float32 after each row's temperature (greedy rows: 1), top-k and top-p, the
     plain sampler's order (sampler.py). Returns [N, P, V] float32.
 
-    This is where the request-level logits processors (penalties, logit bias, min-p ...) belong when verification
-    supports them: apply them to ``logits`` per position first (for draft position j the output counts include
-    drafts 1..j-1), then call this. Until then rows using them are not speculated (spec_decoder.row_supports_speculation).
+    The request-level logits processors (penalties, masks, logit bias, min-p) are applied to ``logits`` per
+    position before this (``LogitsProcessorState.apply_verify``: position j counts drafts 1..j as output).
     """
     N, P, V = logits.shape
     t = torch.where(st.greedy, torch.ones_like(st.temperatures), st.temperatures)

@@ -40,17 +40,15 @@ from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniform
 
 logger = logging.getLogger("tokenfab")
 
-# SamplingParams fields (present on some versions) whose logits processors verification does not apply yet, with
-# their "off" values: rows using any of them are not speculated (they decode plainly, exactly as without it).
-_PROCESSOR_FIELDS = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0,
-                     "logit_bias": None, "allowed_token_ids": None, "bad_words": None,
-                     "structured_outputs": None}  # grammar rows decode plainly: their matcher sees each token once
+# SamplingParams fields whose processing verification does not reproduce, with their "off" values: rows using any
+# of them are not speculated (they decode plainly, exactly as without it). Penalties, min_p, logit_bias,
+# allowed_token_ids and bad_words are applied per verified position (LogitsProcessorState.apply_verify).
+_PROCESSOR_FIELDS = {"structured_outputs": None}  # grammar rows decode plainly: their matcher sees each token once
 
 
 def row_supports_speculation(seq) -> bool:
-    """True when the verifier reproduces ``seq``'s sampling exactly: no logprobs asked, min_tokens reached, and
-    no logits processor (penalties, min_p, logit_bias, allowed_token_ids, bad_words) in use. Hook: once
-    rejection_sampler.target_probs applies the processors per draft position, drop them from _PROCESSOR_FIELDS."""
+    """True when the verifier reproduces ``seq``'s sampling exactly: no logprobs asked, min_tokens reached, and no
+    structured output (the logits processors are applied per verified position)."""
     p = seq.params
     if p.logprobs is not None or seq.num_output_tokens < p.min_tokens:
         return False
@@ -249,6 +247,10 @@ class SpecDecoder:
         if prop.draft_probs is not None:  # rows without drafts never read q (k_eff 0)
             q = prop.draft_probs[torch.from_numpy(pr), :K1 - 1] * has[:, None, None]
         st = SamplingTensors.from_seqs(spec_seqs, V)
+        procs = eng.runner.sampler.processors
+        if procs is not None and procs.any_active(batch.rows[si]):  # penalties, masks, bias, min_p per position
+            logits = procs.apply_verify(logits, batch.rows[si], batch.num_computed[si] + 1, draft_ids.numpy(),
+                                        st.temperatures)
         if bool(st.greedy.all()):
             u_acc, u_fin = torch.zeros(len(si), K1 - 1), torch.zeros(len(si))
         else:
