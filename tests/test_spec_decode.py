@@ -51,7 +51,7 @@ def test_config_errors_name_the_field(cfg, match):
         parse_speculative_config(cfg)
 
 
-@pytest.mark.parametrize("method", ["mtp", "eagle"])
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_unimplemented_methods_refused_by_name(method):
     with pytest.raises(UnsupportedError, match=f"'{method}' is not implemented yet"):
         parse_speculative_config({"method": method, "num_speculative_tokens": 1})

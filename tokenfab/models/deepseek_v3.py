@@ -1,8 +1,9 @@
 """DeepSeek-V3 / Kimi-K2 (``DeepseekV3ForCausalLM``): MLA attention, sigmoid group-limited MoE with shared
 experts, dense first ``first_k_dense_replace`` layers, YaRN RoPE.
 
-Reference: transformers ``modeling_deepseek_v3.py``. MTP layers (``model.layers.{num_hidden_layers + i}``) are
-not loaded yet; the loader reports them as skipped.
+Reference: transformers ``modeling_deepseek_v3.py``. The MTP layers (``model.layers.{num_hidden_layers + i}``)
+are not part of this model (the loader reports them as skipped); speculative decoding's ``mtp`` method loads them
+as a drafter (models/deepseek_mtp.py).
 """
 from __future__ import annotations
 

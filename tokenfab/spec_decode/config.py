@@ -4,6 +4,7 @@ Accepted (``LLM(..., speculative_config={...})``, ``tokenfab serve --speculative
 
     {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     {"method": "draft_model", "model": PATH, "num_speculative_tokens": k}
+    {"method": "mtp", "num_speculative_tokens": k}     (vLLM's older name "deepseek_mtp" is read as "mtp")
     {"method": "dspark", "model": DRAFTER, "num_speculative_tokens": k, "dspark_tap": "partial_sum"}
 
 plus the switch-off knobs (see :mod:`tokenfab.spec_decode.policy`): ``disable_by_batch_size`` (vLLM's name: no
@@ -11,8 +12,9 @@ speculation in a step with more running sequences than this), and tokenfab's ``v
 ``min_acceptance_rate``, ``acceptance_ema_decay`` and ``probe_interval`` (per-sequence draft caps from an
 acceptance EMA and the verification cost model). As in vLLM, a ``model`` without a method means
 ``draft_model`` and ``"[ngram]"`` as model means ``ngram``. ``dspark``: a DSpark block drafter on the target's
-tapped hidden states (spec_decode/dspark_proposer.py; ``dspark_tap`` optional). ``mtp`` (and vLLM's ``eagle`` /
-``eagle3`` / ``medusa``) are refused by name: not implemented yet.
+tapped hidden states (spec_decode/dspark_proposer.py; ``dspark_tap`` optional). ``mtp``: the target
+checkpoint's next-token-prediction layers (DeepSeek-V3 / Kimi-K2, spec_decode/mtp_proposer.py). vLLM's ``eagle`` /
+``eagle3`` / ``medusa`` are refused by name: not implemented yet.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from dataclasses import dataclass, fields
 
 from tokenfab.errors import EngineConfigError, UnsupportedError
 
-METHODS = ("ngram", "draft_model", "dspark")
-NOT_YET = ("mtp", "eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+METHODS = ("ngram", "draft_model", "dspark", "mtp")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -32,7 +34,8 @@ class SpeculativeConfig:
     """Validated speculative-decoding settings.
 
     Attributes:
-        method: "ngram" (prompt lookup, no model) or "draft_model" (a small model with the same vocabulary).
+        method: "ngram" (prompt lookup, no model), "draft_model" (a small model with the same vocabulary), "mtp"
+            (the target checkpoint's MTP layers) or "dspark".
         num_speculative_tokens: k, draft tokens proposed per sequence and step (1..32).
         prompt_lookup_max / prompt_lookup_min: longest / shortest suffix n-gram matched (ngram only; tokens).
         model: draft checkpoint folder (draft_model only).
@@ -117,6 +120,8 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         d.pop("model")
     if not isinstance(method, str):
         raise EngineConfigError(f"speculative_config.method must be a string, got {method!r}.")
+    if method == "deepseek_mtp":  # vLLM's name before "mtp"
+        method = d["method"] = "mtp"
     if method in NOT_YET:
         raise UnsupportedError(f"speculative_config.method '{method}' is not implemented yet in tokenfab; use "
                                "'ngram' or 'draft_model'.")
@@ -126,6 +131,8 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
               "probe_interval", "acceptance_ema_decay", "verify_token_cost", "verify_step_overhead",
               "random_row_cost"}
     allowed = common | ({"prompt_lookup_max", "prompt_lookup_min"} if method == "ngram" else {"model"})
+    if method == "mtp":  # the target checkpoint's own MTP layers (models/deepseek_mtp.py): no model field
+        allowed = common
     if method == "dspark":  # a DSpark drafter folder (speculators or SpecForge layout, dspark_config.py)
         allowed = allowed | {"dspark_tap"}
     for name in d:
@@ -165,6 +172,8 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
             raise EngineConfigError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max "
                                     f"({hi}).")
         cfg.prompt_lookup_max, cfg.prompt_lookup_min = hi, lo
+    elif method == "mtp":
+        pass  # whether the target has MTP layers is checked when the engine builds the proposer (mtp_proposer.py)
     else:
         path = d.get("model")
         if not isinstance(path, str) or not path:

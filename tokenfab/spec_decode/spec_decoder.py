@@ -66,6 +66,9 @@ def build_proposer(cfg: SpeculativeConfig, engine) -> Proposer:
     if cfg.method == "dspark":
         from tokenfab.spec_decode.dspark_proposer import DSparkProposer
         return DSparkProposer(cfg.model, cfg.num_speculative_tokens, engine, cfg.dspark_tap)
+    if cfg.method == "mtp":
+        from tokenfab.spec_decode.mtp_proposer import MTPProposer
+        return MTPProposer(cfg.num_speculative_tokens, engine)
     from tokenfab.spec_decode.draft_model_proposer import DraftModelProposer
     return DraftModelProposer(cfg.model, cfg.num_speculative_tokens, engine)
 

@@ -102,3 +102,69 @@ def make_tiny_checkpoint(out_dir: str, family: str, *, seed: int = 0, vocab_size
     else:
         build_tokenizer(out_dir, vocab_size=vocab_size)
     return out_dir
+
+
+def add_mtp_layers(ckpt_dir: str, num_layers: int = 1, *, seed: int = 0, own_head: bool = False,
+                   own_embed: bool = False) -> str:
+    """Give a DeepSeek-V3 checkpoint written by :func:`make_tiny_checkpoint` ``num_layers`` random
+    next-token-prediction (MTP) layers in DeepSeek-V3's published layout, in place (no-op when
+    ``model-mtp.safetensors`` exists; transformers writes ``num_nextn_predict_layers: 1`` but no such layer): ``model.layers.{L + i}.`` (L = num_hidden_layers) ``enorm``, ``hnorm``,
+    ``eh_proj`` [hidden, 2 * hidden], ``shared_head.norm``, the decoder block of layer index L + i (MLA attention,
+    MoE or dense MLP as that index gets from ``first_k_dense_replace``; transformers' initialisation of a deeper
+    model, perturbed), and with ``own_head`` / ``own_embed`` the layer's own ``shared_head.head`` /
+    ``embed_tokens`` (random, unlike the target's; published checkpoints store copies of the target's). transformers
+    builds no MTP layers, so they go to ``model-mtp.safetensors`` (added to the index when there is one), in the
+    checkpoint's stored dtype, and config.json gets ``num_nextn_predict_layers``.
+
+    Returns:
+        ``ckpt_dir``.
+    """
+    import json
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg_path = os.path.join(ckpt_dir, "config.json")
+    with open(cfg_path) as f:
+        raw = json.load(f)
+    if os.path.isfile(os.path.join(ckpt_dir, "model-mtp.safetensors")):
+        return ckpt_dir
+    hf = AutoConfig.from_pretrained(ckpt_dir)
+    L, H, V = hf.num_hidden_layers, hf.hidden_size, hf.vocab_size
+    hf.num_hidden_layers = L + num_layers
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors is a no-op")
+        deep = AutoModelForCausalLM.from_config(hf, dtype=torch.float32)
+    perturb_random_model(deep)
+    sd = deep.state_dict()
+    std = float(getattr(hf, "initializer_range", 0.02))
+    out: dict[str, torch.Tensor] = {}
+    for i in range(num_layers):
+        p = f"model.layers.{L + i}."
+        out.update({k: v for k, v in sd.items() if k.startswith(p)})
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            out[f"{p}{norm}.weight"] = 1.0 + 0.1 * torch.randn(H)
+        out[p + "eh_proj.weight"] = std * torch.randn(H, 2 * H)
+        if own_head:
+            out[p + "shared_head.head.weight"] = std * torch.randn(V, H)
+        if own_embed:
+            out[p + "embed_tokens.weight"] = std * torch.randn(V, H)
+    first = sorted(f for f in os.listdir(ckpt_dir) if f.endswith(".safetensors"))[0]
+    with safe_open(os.path.join(ckpt_dir, first), framework="pt") as h:  # the checkpoint's stored dtype
+        stored = h.get_tensor(next(iter(h.keys()))).dtype
+    save_file({k: (v.to(stored) if v.is_floating_point() else v).contiguous() for k, v in out.items()},
+              os.path.join(ckpt_dir, "model-mtp.safetensors"), metadata={"format": "pt"})
+    index = os.path.join(ckpt_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            idx = json.load(f)
+        idx["weight_map"].update({k: "model-mtp.safetensors" for k in out})
+        with open(index, "w") as f:
+            json.dump(idx, f, indent=2)
+    raw["num_nextn_predict_layers"] = num_layers
+    with open(cfg_path, "w") as f:
+        json.dump(raw, f, indent=2)
+    return ckpt_dir

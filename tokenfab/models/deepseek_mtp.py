@@ -1,0 +1,204 @@
+"""DeepSeek-V3 / Kimi-K2 next-token-prediction (MTP) layers (``num_nextn_predict_layers`` in config.json), run as a
+drafter by :mod:`tokenfab.spec_decode.mtp_proposer`.
+
+Checkpoint layout (DeepSeek-V3 as published): layer i of the MTP stack is ``model.layers.{L + i}.*`` with L =
+``num_hidden_layers``: ``enorm``, ``hnorm`` (RMSNorms), ``eh_proj`` [hidden, 2 * hidden], a full decoder block as
+layer index L + i would have in the target (MLA attention, then the MoE when L + i >= ``first_k_dense_replace``
+and (L + i) % ``moe_layer_freq`` == 0, else the dense MLP), ``shared_head.norm`` and optionally
+``shared_head.head`` [vocab, hidden] and ``embed_tokens`` [vocab, hidden]. When the checkpoint omits the head or
+the embedding, the target's are used (the DeepSeek-V3 report: embedding and output head shared with the main
+model; SGLang always uses the target's, vLLM loads the copies the checkpoint stores: here a stored copy is used).
+
+Forward of layer i at position t (vLLM ``deepseek_mtp.py``, SGLang ``deepseek_nextn.py``)::
+
+    u = eh_proj(cat[enorm(embed(x_{t+1})), hnorm(h_t)])    # embedding first, then the hidden state
+    y = DecoderLayer(u)                                      # attention over this layer's own paged KV, residuals
+    logits(t + 2) = head(shared_head.norm(y))
+
+with ``h_t`` the target's final post-norm hidden state at t (what its LM head reads) for the context, or, chaining
+drafts, the MTP layer's own output ``y`` at t (before ``shared_head.norm``). vLLM also zeroes the embedding at
+position 0; SGLang and the training formulation do not, nor does tokenfab. The block's weights load through
+:meth:`CausalLM.load_weights` (expert stacking, shape checks) and get the same fusions (:meth:`CausalLM.post_load`).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import torch
+from torch import nn
+
+from tokenfab.errors import EngineConfigError
+from tokenfab.layers.attention_metadata import AttentionMetadata
+from tokenfab.layers.linear import Linear
+from tokenfab.layers.mla import MLAttention
+from tokenfab.layers.mlp import GatedMLP
+from tokenfab.layers.norm import RMSNorm
+from tokenfab.models.base import CausalLM, layer_index
+from tokenfab.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
+from tokenfab.models.llama import DecoderLayer
+
+
+class MTPLayer(DecoderLayer):
+    """One MTP layer: the decoder block of its layer index plus enorm, hnorm, eh_proj and the shared head's norm
+    (and its own head / embedding when the checkpoint has them). Parameter names are the checkpoint's after the
+    ``model.layers.{L + i}.`` prefix."""
+
+    def __init__(self, cfg, rotary, moe: bool, own_head: bool, own_embed: bool):
+        mlp = DeepseekV3MoE(cfg) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        super().__init__(cfg, MLAttention(cfg, rotary), mlp)
+        H = cfg.hidden_size
+        self.enorm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * H, H)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(H, eps=cfg.rms_norm_eps)
+        if own_head:
+            self.shared_head.head = Linear(H, cfg.vocab_size)
+        if own_embed:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+            self.embed_tokens.weight.requires_grad_(False)
+
+
+class DeepseekMTP(nn.Module):
+    """The MTP layers of a DeepSeek-V3 checkpoint, sharing the target's rotary tables, embedding and LM head
+    (unless the checkpoint stores its own). Build with :func:`load_mtp`.
+
+    Args:
+        target: the loaded :class:`DeepseekV3ForCausalLM` (one device).
+        moe: per MTP layer, whether its block has the MoE.
+        own_head / own_embed: per MTP layer, whether the checkpoint stores ``shared_head.head`` / ``embed_tokens``.
+    """
+
+    def __init__(self, target: DeepseekV3ForCausalLM, moe: list[bool], own_head: list[bool], own_embed: list[bool]):
+        super().__init__()
+        self.cfg = copy.copy(target.cfg)
+        self.cfg.tie_word_embeddings = False  # the base loader must not tie a head this module does not have
+        self.tp = None
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(MTPLayer(self.cfg, target.rotary, m, h, e)
+                                          for m, h, e in zip(moe, own_head, own_embed))
+        self.model.embed_tokens = None  # the target's (not a submodule: not loaded, not moved)
+        self.lm_head = None
+        self._target = (target,)  # a tuple keeps it out of this module's parameters
+
+    def is_skipped_weight(self, name: str) -> bool:
+        """As the target skips them: rotary caches, and DeepSeek's zero-width shared MLP at n_shared_experts 0."""
+        if not self.cfg.n_shared_experts and ".mlp.shared_experts." in name:
+            return True
+        return name.endswith("rotary_emb.inv_freq")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:
+        """One MLA latent pool [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim] per MTP layer."""
+        width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
+        return [torch.zeros(num_blocks, block_size, width, dtype=dtype, device=device) for _ in self.model.layers]
+
+    def embed(self, i: int, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] int64 -> [T, hidden]: layer i's embedding (its own, else the target's)."""
+        layer = self.model.layers[i]
+        emb = getattr(layer, "embed_tokens", None)
+        return (emb if emb is not None else self._target[0].model.embed_tokens)(input_ids)
+
+    def forward(self, i: int, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,
+                cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """MTP layer ``i`` on a flat batch: ``input_ids`` [T] int64 (the token after each position), ``positions``
+        [T] int64, ``prev_hidden`` [T, hidden] (target final hidden states or this layer's previous outputs),
+        ``cache`` layer i's pool (K/V written at ``meta.slot_mapping``). Returns the block's output [T, hidden]
+        (before ``shared_head.norm``)."""
+        layer = self.model.layers[i]
+        e = layer.enorm(self.embed(i, input_ids))
+        u = layer.eh_proj(torch.cat([e, layer.hnorm(prev_hidden.to(e.dtype))], dim=-1))
+        return DecoderLayer.forward(layer, positions, u, cache, meta)
+
+    def compute_logits(self, i: int, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] layer-i outputs -> [N, vocab] float32: ``head(shared_head.norm(hidden))`` with layer i's own
+        head, else the target's LM head."""
+        sh = self.model.layers[i].shared_head
+        x = sh.norm(hidden)
+        head = getattr(sh, "head", None)
+        return head(x).float() if head is not None else self._target[0].compute_logits(x)
+
+
+def mtp_layer_names(path: str, num_hidden_layers: int, n: int) -> dict[int, set[str]]:
+    """{MTP layer i: names after ``model.layers.{L + i}.``} of the tensors a checkpoint folder stores (header reads
+    only)."""
+    from safetensors import safe_open
+
+    from tokenfab.loader.safetensors_loader import checkpoint_files
+    out: dict[int, set[str]] = {i: set() for i in range(n)}
+    for f in checkpoint_files(path):
+        with safe_open(f, framework="pt") as h:
+            for name in h.keys():
+                idx = layer_index(name)
+                if idx is not None and num_hidden_layers <= idx < num_hidden_layers + n:
+                    out[idx - num_hidden_layers].add(name.split(".", 3)[3])
+    return out
+
+
+@torch.no_grad()
+def load_mtp(path: str, target, device: torch.device, dtype: torch.dtype) -> DeepseekMTP:
+    """Build the MTP layers of the checkpoint folder ``path`` for ``target`` and load their weights.
+
+    Raises:
+        EngineConfigError: ``target`` is not a DeepSeek-V3 / Kimi-K2 model, or the checkpoint has no MTP layers
+            (``num_nextn_predict_layers`` 0, or config.json names some but no ``model.layers.{L}.*`` tensor exists;
+            published DeepSeek-V3 / R1 checkpoints have one), or a layer lacks enorm / hnorm / eh_proj /
+            shared_head.norm.
+        WeightLoadError: a block weight is missing, unexpected or misshapen (named).
+    """
+    from tokenfab.loader.safetensors_loader import iterate_weights
+
+    if not isinstance(target, DeepseekV3ForCausalLM) or target.tp is not None:
+        raise EngineConfigError(f"speculative_config.method 'mtp' needs a DeepSeek-V3 / Kimi-K2 checkpoint with "
+                                f"next-token-prediction layers; the model is {type(target).__name__}. Use 'ngram' "
+                                "or 'draft_model'.")
+    if not os.path.isdir(path):
+        raise EngineConfigError(f"speculative_config.method 'mtp' reads the MTP layers from a checkpoint folder; "
+                                f"'{path}' is not one. Use 'ngram' or 'draft_model'.")
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    raw = raw.get("text_config", raw)
+    L = int(raw["num_hidden_layers"])
+    n = int(raw.get("num_nextn_predict_layers") or 0)
+    names = mtp_layer_names(path, L, n) if n else {}
+    if not n or not any(names.values()):
+        raise EngineConfigError(
+            f"speculative_config.method 'mtp': the checkpoint '{path}' has no next-token-prediction layers "
+            f"(config.json num_nextn_predict_layers {n}; no model.layers.{L}.* tensors). Use a checkpoint that ships "
+            "them (DeepSeek-V3 / R1 do) or speculative_config method 'ngram' / 'draft_model'.")
+    need = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+    for i in range(n):
+        lack = [x for x in need if x not in names[i]]
+        if lack:
+            raise EngineConfigError(f"speculative_config.method 'mtp': MTP layer model.layers.{L + i} in '{path}' "
+                                    f"lacks {', '.join(lack)}; the checkpoint is not in DeepSeek-V3's MTP layout.")
+    k_dense = int(raw.get("first_k_dense_replace") or 0)
+    freq = int(raw.get("moe_layer_freq") or 1)
+    has_experts = bool(target.cfg.num_experts)
+    moe = [has_experts and L + i >= k_dense and (L + i) % freq == 0 for i in range(n)]
+    own_head = ["shared_head.head.weight" in names[i] for i in range(n)]
+    own_embed = ["embed_tokens.weight" in names[i] for i in range(n)]
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        mtp = DeepseekMTP(target, moe, own_head, own_embed).requires_grad_(False)
+    finally:
+        torch.set_default_dtype(prev)
+
+    def is_mtp(name: str) -> bool:
+        idx = layer_index(name)
+        return idx is not None and L <= idx < L + n
+
+    def renamed():  # model.layers.{L + i}.X -> model.layers.{i}.X (only those tensors are read)
+        for name, t in iterate_weights(path, progress=False, want=is_mtp):
+            yield f"model.layers.{layer_index(name) - L}.{name.split('.', 3)[3]}", t
+
+    CausalLM.load_weights(mtp, renamed())  # the base loader: needs cfg, tp, parameters, modules only
+    mtp.to(device).eval()
+    CausalLM.post_load(mtp)  # fusions: absorbed MLA weights, gate|up, packed CPU linears, expert packing
+    return mtp
