@@ -336,17 +336,25 @@ def test_seeded_request_reproducible_whatever_its_batch(tiny_model):
     assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
 
 
-def test_rows_with_logprobs_decode_plainly(tiny_model):
+def test_rows_with_logprobs_are_speculated_with_the_same_logprobs(tiny_model):
+    """Rows asking for logprobs (one with a repetition penalty: logprobs stay the model's raw ones) are verified
+    like any other: same tokens, the same top-2 ids and each logprob within 1e-5 of plain decoding (float32; the
+    verified positions' logits come from one multi-token forward)."""
     path = tiny_model("llama")
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
-    base = _llm(path).generate(_prompts(2), sp)
+    sps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, repetition_penalty=1.3),
+           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    base = _llm(path).generate(_prompts(3), sps)
     llm = _llm(path, NGRAM)
-    out = llm.generate(_prompts(2), sp)
+    out = llm.generate(_prompts(3), sps)
     assert _tokens(out) == _tokens(base)
-    assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] == 0
-    for a, b in zip(out, base):
-        assert all(abs(x[t] - y[t]) < 1e-5 for x, y, t in
-                   zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids))
+    assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
+    for a, b in zip(out[:2], base[:2]):
+        assert len(a.outputs[0].logprobs) == len(b.outputs[0].logprobs) == 12
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert set(x) == set(y)
+            assert all(abs(x[t] - y[t]) < 1e-5 for t in x)
+    assert out[2].outputs[0].logprobs is None
 
 
 # ----------------------------------------------------------------------------------- /metrics and bench client

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tokenfab.engine.model_runner import StepOutput
-from tokenfab.engine.sampler import SamplerOutput
+from tokenfab.engine.sampler import SamplerOutput, top_logprobs
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.sequence import SequenceStatus
 from tokenfab.spec_decode.config import SpeculativeConfig
@@ -47,10 +47,10 @@ _PROCESSOR_FIELDS = {"structured_outputs": None}  # grammar rows decode plainly:
 
 
 def row_supports_speculation(seq) -> bool:
-    """True when the verifier reproduces ``seq``'s sampling exactly: no logprobs asked, min_tokens reached, and no
-    structured output (the logits processors are applied per verified position)."""
+    """True when the verifier reproduces ``seq``'s sampling exactly: min_tokens reached and no structured output
+    (the logits processors are applied per verified position; logprobs come from each position's raw logits)."""
     p = seq.params
-    if p.logprobs is not None or seq.num_output_tokens < p.min_tokens:
+    if seq.num_output_tokens < p.min_tokens:
         return False
     for name, off in _PROCESSOR_FIELDS.items():
         v = getattr(p, name, off)
@@ -251,7 +251,10 @@ class SpecDecoder:
             q = prop.draft_probs[torch.from_numpy(pr), :K1 - 1] * has[:, None, None]
         st = SamplingTensors.from_seqs(spec_seqs, V)
         procs = eng.runner.sampler.processors
+        want_lp = [s.params.logprobs for s in spec_seqs if s.params.logprobs is not None]
+        raw = logits  # logprobs come from the model's logits, before any processor (as the plain sampler's)
         if procs is not None and procs.any_active(batch.rows[si]):  # penalties, masks, bias, min_p per position
+            raw = logits.clone() if want_lp else logits
             logits = procs.apply_verify(logits, batch.rows[si], batch.num_computed[si] + 1, draft_ids.numpy(),
                                         st.temperatures)
         if bool(st.greedy.all()):
@@ -278,7 +281,13 @@ class SpecDecoder:
                                  num_new=np.ones(len(lv), dtype=np.int64),
                                  num_computed=np.fromiter((s.num_computed_tokens for s in lseqs), dtype=np.int64,
                                                           count=len(lseqs)))
-            so = SamplerOutput(torch.from_numpy(np.ascontiguousarray(toks[lv, j])), None, None, None)
+            tok_j = torch.from_numpy(np.ascontiguousarray(toks[lv, j]))
+            so = SamplerOutput(tok_j, None, None, None)
+            if want_lp:  # the emitted token's logprob and the top ones at its position, from the raw logits
+                logp = torch.log_softmax(raw[torch.from_numpy(lv), j], dim=-1)
+                top = top_logprobs(logp, max(want_lp), eng.runner.batch_invariant) if max(want_lp) > 0 else None
+                so = SamplerOutput(tok_j, logp.gather(1, tok_j.unsqueeze(1)).squeeze(1),
+                                   None if top is None else top[1], None if top is None else top[0])
             for o in eng._process(sub, StepOutput(np.arange(len(lv)), so, None)):
                 outputs[o.request_id] = o
         self._trim(spec_seqs)
