@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tokenfab.engine.sampler import inverse_cdf_sample
-from tokenfab.errors import EngineConfigError
+from tokenfab.errors import EngineConfigError, UnsupportedError
 from tokenfab.spec_decode.dspark_config import check_against_target, load_dspark_config, resolve_tap
 from tokenfab.spec_decode.proposer import HiddenRequest, Proposal, Proposer
 from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, target_probs
@@ -77,12 +77,16 @@ class DSparkProposer(Proposer):
 
     Raises:
         EngineConfigError: k above the block's drafts, or a drafter that does not fit the target (named field).
+        UnsupportedError: tensor parallel (not supported yet).
         WeightLoadError: missing / unexpected / mis-shaped drafter tensors.
     """
 
     def __init__(self, path: str, k: int, engine, tap: str | None = None):
         from tokenfab.models.dspark_drafter import DSparkDrafter, load_dspark_weights
 
+        if engine.tp_group is not None:  # the drafter would run rank 0's slice of the vocab-parallel embedding
+            raise UnsupportedError("speculative_config method 'dspark' under tensor parallel is not supported yet; "
+                                   "use tensor_parallel_size 1 or another method.")
         cfg = load_dspark_config(path)
         check_against_target(cfg, engine.model_config)
         if k > cfg.num_drafts:
