@@ -218,11 +218,11 @@ class RandomProposer(Proposer):
         return Proposal(d.astype(np.int64), np.minimum(self.num_speculative_tokens, max_lens).astype(np.int64))
 
 
-N_SAMPLES = 800
+N_SAMPLES = 500
 # top-k 2 at temperature 1: output token 2 takes <= 2 values, token 3 <= 4, token 4 <= 8. Two independent samples
-# of 800 from one law over 8 values have E[TV] ~ 0.06 (sd ~ 0.02); a state left after the rejected draft changes
-# the law of token 4 entirely.
-TV_TOL = 0.15
+# of 500 from one law over 8 values have E[TV] ~ 0.07 (sd ~ 0.02); a verifier that keeps rejected drafts, or a
+# state left after them, moves token 3 or 4 to other values.
+TV_TOL = 0.16
 
 
 def _token_hist(outs, pos, V):
@@ -233,7 +233,7 @@ def _token_hist(outs, pos, V):
 
 
 def test_distribution_unchanged_at_temperature_one_kimi_linear(kl_path):
-    """Output tokens 2-4 over 800 seeded requests, top-k 2 at temperature 1, random drafts (2 per row: nearly
+    """Output tokens 2-4 over 500 seeded requests, top-k 2 at temperature 1, random drafts (2 per row: nearly
     always rejected at once, so token 4 is computed from a rolled-back state): total variation to the same counts
     without speculation below TV_TOL."""
     prompt = {"prompt_token_ids": [11, 23, 37, 41, 53, 11, 23, 37]}

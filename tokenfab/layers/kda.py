@@ -267,7 +267,9 @@ class KimiDeltaAttention(nn.Module):
             o = o.unsqueeze(1)
         else:
             tr = lambda t: t.transpose(1, 2)
-            o, S = kda_chunked(tr(q), tr(k), tr(v), tr(g), tr(beta), S)
+            # one chunk of Q when Q < 64 (verification rows of 1 + k tokens, short prefills): the [B, H, C, C, D]
+            # decay tensor of a 64-token chunk would be mostly padding
+            o, S = kda_chunked(tr(q), tr(k), tr(v), tr(g), tr(beta), S, chunk_size=min(KDA_CHUNK, Q))
             o = tr(o)
         cache.write(rows, new_conv, S)
         return o.to(qkv_p.dtype).reshape(B * Q, H, D)
