@@ -355,6 +355,29 @@ def _block_ok(block: dict) -> bool:
     return all(r.get("failed", 1) == 0 and r.get("completed", 0) == n for _, r in block["results"])
 
 
+def _run_spec_demo(args: argparse.Namespace, spec, planned: tuple, workload: dict, temps: list[float],
+                   out: str) -> int:
+    """``--speculative-config``: :func:`tokenfab.commands.demo_spec.compare` on the planned model, its table
+    printed (rich) and written to ``out``/spec_decode.md and .json. Returns 0."""
+    import json
+
+    from tokenfab.commands import demo_spec
+
+    _, model, describe_line, served = planned
+    print(f"[demo] model: {describe_line}", flush=True)
+    print(f"[demo] {served}: {workload['num_prompts']} prompts, {workload['input_len']} in / "
+          f"{workload['output_len']} out, {workload['max_concurrency']} in flight, at temperatures "
+          f"{', '.join(f'{t:g}' for t in temps)}, without and with speculative_config {spec.to_dict()}", flush=True)
+    res = demo_spec.compare(model, spec, temps, dtype=args.dtype, device=args.device, **workload)
+    demo_spec.print_table(res)
+    with open(os.path.join(out, "spec_decode.json"), "w") as f:
+        json.dump(res, f, indent=2)
+    with open(os.path.join(out, "spec_decode.md"), "w") as f:
+        f.write(demo_spec.markdown(res))
+    print(f"[demo] run folder: {out}")
+    return 0
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo described by ``args`` (see :func:`register`); returns 0 when every request succeeded."""
     import json
@@ -369,6 +392,17 @@ def run_demo(args: argparse.Namespace) -> int:
         if getattr(args, field) < 1:
             raise ValueError(f"--{field.replace('_', '-')} must be >= 1, got {getattr(args, field)}.")
     temps = _parse_temperatures(args.temperatures)
+    spec = None
+    if getattr(args, "speculative_config", None):  # refused here, in one line, before any model loads
+        from tokenfab.errors import EngineConfigError, UnsupportedError
+        from tokenfab.spec_decode.config import parse_speculative_config
+        try:
+            spec = parse_speculative_config(args.speculative_config)
+        except (EngineConfigError, UnsupportedError) as e:
+            raise type(e)(f"--speculative-config: {e}") from None
+        if spec is None:
+            raise EngineConfigError("--speculative-config is empty: give e.g. '{\"method\": \"ngram\", "
+                                    "\"num_speculative_tokens\": 4}'.")
     workload = {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "max_concurrency")}
     real_workload = {k: getattr(args, "real_" + k) for k in workload}
 
@@ -406,6 +440,9 @@ def run_demo(args: argparse.Namespace) -> int:
         json.dump(env, f, indent=2)
     print(f"[demo] machine: {env['cpu_model']} ({env['cpus_available']} CPUs), python {env['python']}, "
           f"torch {env['torch']}, transformers {env['transformers']}", flush=True)
+
+    if spec is not None:  # the first planned model with and without speculation, offline (demo_spec.py)
+        return _run_spec_demo(args, spec, plan[0], real_workload if plan[0][0] == "real" else workload, temps, out)
 
     if plan[0][0] == "given":  # one block, its files at the top of the run folder
         _, model, describe_line, served = plan[0]
@@ -491,6 +528,11 @@ def register(subparsers) -> None:
                    help="Seconds to wait for the server to become healthy. Default 600.")
     p.add_argument("--disable-tqdm", action="store_true", help="No progress bars.")
     p.add_argument("--no-report", action="store_true", help="Skip the cost report even when it is available.")
+    p.add_argument("--speculative-config", default=None,
+                   help="JSON speculative_config (vLLM's shape, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4}'): instead of the served benchmarks, run the first model's "
+                        "workload offline without and with speculation at each temperature and print one table "
+                        "side by side (TPOT, output tok/s, acceptance rate and length, identical tokens at T=0).")
     p.add_argument("--power-cap-kw", type=float, default=None,
                    help="Power cap (kW) for the cost table when none can be read from the machine.")
     p.add_argument("--device-hour-price", type=float, action="append", default=None,
