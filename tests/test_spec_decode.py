@@ -522,3 +522,39 @@ def test_distribution_unchanged_with_penalties_at_temperature_one(tiny_model, dr
     for pos in (1, 2):
         tv = 0.5 * np.abs(_token_hist(base, pos, 512) - _token_hist(spec, pos, 512)).sum()
         assert tv < TV_TOL, (pos, tv)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bf16_draft_model_runs_through_fused_decode_stack(tiny_model, temperature):
+    """bf16 draft model: its catch-up (one-token rows) and draft steps run through its fused CPU decode stack
+    (greedy: forward, head and argmax in one run_sample call per draft token). With the target as its own draft
+    the drafts are the target's own greedy tokens, so at T = 0 every draft is accepted and the tokens equal plain
+    decoding's; at T = 1 q = p, so every draft is accepted with probability min(1, p/q) = 1 as well."""
+    path = tiny_model("llama", dtype="bfloat16")
+    sp = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=3)
+    base = _tokens(LLM(path, dtype="bfloat16", progress=False, max_model_len=512).generate(_prompts(), sp))
+    llm = LLM(path, dtype="bfloat16", progress=False, max_model_len=512,
+              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                                  "verify_token_cost": 0.0, "verify_step_overhead": 0.0, "random_row_cost": 0.0})
+    prop = llm.llm_engine.spec.proposer
+    stack = prop.runner.cpu_decode_stack
+    if stack is None or stack.vocab_size is None:
+        pytest.skip("no fused CPU decode stack with the LM head on this machine (C++ kernels, AVX512-BF16)")
+    calls = {"run": 0, "run_sample": 0}
+    for name in calls:
+        orig = getattr(stack, name)
+
+        def spy(*a, _orig=orig, _name=name):
+            calls[_name] += 1
+            return _orig(*a)
+        setattr(stack, name, spy)
+    out = _tokens(llm.generate(_prompts(), sp))
+    st = llm.llm_engine.get_stats()
+    assert st["spec_decode_num_drafts"] > 0
+    if temperature == 0:
+        assert out == base
+        assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+        assert calls["run_sample"] > 0 and calls["run"] == 0  # greedy: no separate head, no module path
+    else:  # q equals p up to bf16 rounding between the two stacks' row groupings
+        assert st["spec_decode_num_accepted_tokens"] >= 0.9 * st["spec_decode_num_draft_tokens"]
+        assert calls["run"] > 0

@@ -38,7 +38,8 @@ class SpeculativeConfig:
             (the target checkpoint's MTP layers) or "dspark".
         num_speculative_tokens: k, draft tokens proposed per sequence and step (1..32).
         prompt_lookup_max / prompt_lookup_min: longest / shortest suffix n-gram matched (ngram only; tokens).
-        model: draft checkpoint folder (draft_model only).
+        model: draft checkpoint folder or llama ``.gguf`` file (draft_model only; a file is served packed as
+            ``LLM(model=path.gguf)`` serves it).
         disable_by_batch_size: speculate only in steps with at most this many running sequences (None: always).
         min_acceptance_rate: floor of the per-position acceptance a^j a draft must be expected to reach (0..1).
         probe_interval: a sequence capped at 0 drafts drafts one token once every this many of its steps (>= 1).
@@ -179,8 +180,9 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         if not isinstance(path, str) or not path:
             raise EngineConfigError("speculative_config.model is missing: the draft checkpoint folder for method "
                                     "'draft_model'.")
-        if not os.path.isfile(os.path.join(path, "config.json")):
+        gguf = path.lower().endswith(".gguf")
+        if not (os.path.isfile(path) if gguf else os.path.isfile(os.path.join(path, "config.json"))):
             raise EngineConfigError(f"speculative_config.model '{path}' is not a checkpoint folder (no "
-                                    "config.json); give the draft model's folder.")
+                                    "config.json) or a .gguf file; give the draft model's folder or .gguf file.")
         cfg.model = path
     return cfg

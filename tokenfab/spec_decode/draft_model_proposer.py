@@ -28,7 +28,7 @@ class DraftModelProposer(Proposer):
     """Draft-model drafter.
 
     Args:
-        path: draft checkpoint folder.
+        path: draft checkpoint folder or ``.gguf`` file (resolved as ``LLM(model=...)`` resolves it).
         k: num_speculative_tokens.
         engine: the target LLMEngine (its config, block manager, device, dtype, generator and vocabulary).
 
@@ -40,12 +40,14 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, path: str, k: int, engine):
         from tokenfab.config import load_config
+        from tokenfab.default_model import resolve_model
         from tokenfab.engine.engine_config import EngineConfig
         from tokenfab.engine.model_loader import load_model
         from tokenfab.engine.model_runner import ModelRunner
 
         self.num_speculative_tokens = k
         tgt = engine.model_config
+        path = resolve_model(path, quiet=True)  # a .gguf file: itself (served packed) or its cached bf16 folder
         mc = load_config(path)
         if mc.vocab_size != tgt.vocab_size:
             raise EngineConfigError(f"speculative_config.model: the draft's vocab_size ({mc.vocab_size}) differs "
@@ -106,15 +108,40 @@ class DraftModelProposer(Proposer):
         positions = o_valid[req_idx] + np.arange(T) - starts[req_idx]
         bt = self.bm.block_tables[o_rows]
         d = int((o_new == 1).sum())
-        logits = self.runner.forward(d, o_new, o_valid, bt, token_ids[o_rows[req_idx], positions],
-                                     starts + o_new - 1, (T, starts, req_idx, positions))[inv]
-        bt = self.bm.block_tables[rows]
+        ids = token_ids[o_rows[req_idx], positions]
         st = SamplingTensors.from_seqs(seqs, self.vocab_size)
+        stack = self.runner.cpu_decode_stack
+        # all rows greedy and the LM head inside the fused stack: forward, head and argmax in one C++ call per
+        # draft token (run_sample at temperature 0, as the target's plain decode steps draw); no q is needed
+        greedy = stack is not None and stack.vocab_size == self.vocab_size and bool(st.greedy.all())
+
+        def _zeros(n):
+            return torch.zeros(n, dtype=torch.float32), torch.zeros(n)
+
+        tok_next = None
+        if stack is not None and int(o_new.max()) <= k + 1:
+            # short catch-ups (the 2 tokens after a fully accepted proposal): one-token rows through the fused
+            # decode stack, as fused_verify.py verifies, instead of a module-path prefill (~2.4x a decode step)
+            slots = self.runner._slots(bt, req_idx, positions)
+            last = torch.from_numpy(starts + o_new - 1)
+            with torch.inference_mode():
+                if greedy:
+                    tok_next = stack.run_sample(ids, positions, slots, bt[req_idx], positions + 1,
+                                                *_zeros(T))[last][inv]
+                else:
+                    hidden = stack.run(ids, positions, slots, bt[req_idx], positions + 1)
+                    logits = self.model.compute_logits(hidden[last]).float().cpu()[inv]
+        else:
+            logits = self.runner.forward(d, o_new, o_valid, bt, ids, starts + o_new - 1,
+                                         (T, starts, req_idx, positions))[inv]
+            if greedy:
+                tok_next = logits.argmax(dim=-1)
+        bt = self.bm.block_tables[rows]
         drafts = torch.zeros(N, k, dtype=torch.int64)
         q_all = None
         ones = np.ones(N, dtype=np.int64)
         for j in range(k):
-            tok, q = self._draw(logits, seqs, st)
+            tok, q = (tok_next, None) if greedy else self._draw(logits, seqs, st)
             drafts[:, j] = tok
             if q is not None:
                 if q_all is None:
@@ -122,7 +149,12 @@ class DraftModelProposer(Proposer):
                 q_all[:, j] = q
             if j == k - 1:
                 break
-            logits = self.runner.forward(N, ones, lengths + j, bt, tok.numpy(), np.arange(N))
+            if greedy:
+                with torch.inference_mode():
+                    tok_next = stack.run_sample(np.ascontiguousarray(tok.numpy()), lengths + j, None, bt,
+                                                lengths + j + 1, *_zeros(N))
+            else:
+                logits = self.runner.forward(N, ones, lengths + j, bt, tok.numpy(), np.arange(N))
         for i, s in enumerate(seqs):
             self._valid[s.seq_id] = [s.num_preemptions, int(lengths[i]), int(lengths[i] + k - 1), int(lengths[i])]
         if len(self._valid) > 4 * max(1, self.runner.token_ids.shape[0]):
