@@ -524,6 +524,23 @@ def test_distribution_unchanged_with_penalties_at_temperature_one(tiny_model, dr
         assert tv < TV_TOL, (pos, tv)
 
 
+def test_min_tokens_rows_are_speculated_with_stop_tokens_masked(tiny_model):
+    """A stop token that greedy decoding emits early (found by a plain run) with min_tokens 9: rows below
+    min_tokens are verified with EOS and stop tokens masked at exactly the positions still below it, giving the
+    tokens of plain decoding (which stop at the first later occurrence, or run to max_tokens)."""
+    path = tiny_model("llama")
+    prompts = _prompts(3)
+    free = _tokens(_llm(path).generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))
+    sps = [SamplingParams(temperature=0, max_tokens=24, min_tokens=9, stop_token_ids=[t[2]]) for t in free]
+    base = _llm(path).generate(prompts, sps)
+    llm = _llm(path, NGRAM)
+    llm.llm_engine.spec.proposer = RandomProposer(3, 512)  # drafts every step: every row goes through verification
+    out = llm.generate(prompts, sps)
+    assert _tokens(out) == _tokens(base)
+    assert all(len(t) >= 9 for t in _tokens(out))
+    assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_bf16_draft_model_runs_through_fused_decode_stack(tiny_model, temperature):
     """bf16 draft model: its catch-up (one-token rows) and draft steps run through its fused CPU decode stack

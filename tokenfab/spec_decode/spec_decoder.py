@@ -47,11 +47,9 @@ _PROCESSOR_FIELDS = {"structured_outputs": None}  # grammar rows decode plainly:
 
 
 def row_supports_speculation(seq) -> bool:
-    """True when the verifier reproduces ``seq``'s sampling exactly: min_tokens reached and no structured output
-    (the logits processors are applied per verified position; logprobs come from each position's raw logits)."""
+    """True when the verifier reproduces ``seq``'s sampling exactly: no structured output (the logits processors
+    and the min_tokens mask are applied per verified position; logprobs come from each position's raw logits)."""
     p = seq.params
-    if seq.num_output_tokens < p.min_tokens:
-        return False
     for name, off in _PROCESSOR_FIELDS.items():
         v = getattr(p, name, off)
         if v != off and not (off is None and not v):
@@ -253,8 +251,16 @@ class SpecDecoder:
         procs = eng.runner.sampler.processors
         want_lp = [s.params.logprobs for s in spec_seqs if s.params.logprobs is not None]
         raw = logits  # logprobs come from the model's logits, before any processor (as the plain sampler's)
-        if procs is not None and procs.any_active(batch.rows[si]):  # penalties, masks, bias, min_p per position
-            raw = logits.clone() if want_lp else logits
+        active = procs is not None and procs.any_active(batch.rows[si])
+        below = eng.runner._min_tokens_rows(spec_seqs)
+        if want_lp and (active or below):
+            logits = logits.clone()
+        for t in below:  # min_tokens: EOS and stop tokens forbidden at positions that would still be below it
+            p = spec_seqs[t].params
+            ids = list(p.stop_token_ids) + ([] if p.ignore_eos else eng.runner.eos_ids)
+            if ids:
+                logits[t, :p.min_tokens - spec_seqs[t].num_output_tokens, ids] = float("-inf")
+        if active:  # penalties, masks, bias, min_p per position
             logits = procs.apply_verify(logits, batch.rows[si], batch.num_computed[si] + 1, draft_ids.numpy(),
                                         st.temperatures)
         if bool(st.greedy.all()):
