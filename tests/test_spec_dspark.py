@@ -504,3 +504,39 @@ def test_engine_drafts_equal_reference_on_naive_taps(k3_target, k3_drafter, tap)
         assert d[0, : int(n[0])].tolist() == want
         checked += 1
     assert checked >= 2
+
+
+def test_greedy_identical_chunked_prefill_and_preemption(k3_target, k3_drafter):
+    """Prefill in 8-token chunks (the context rows arrive chunk by chunk) and a pool too small for all three
+    sequences (preempted sequences recompute from zero and their drafter context is rebuilt from the recompute's
+    taps): outputs equal plain decoding's, and sequences draft again after a preemption. (Drafts overwritten by the
+    known continuation, as in the perfect-drafter test, so few steps run.)"""
+    from tokenfab import LLM, SamplingParams
+    path, _, _ = k3_target
+    sp = SamplingParams(temperature=0, max_tokens=26, ignore_eos=True)
+    base = LLM(path, dtype="float32", progress=False).generate(_k3_prompts(), sp, use_tqdm=False)
+    llm = LLM(path, dtype="float32", progress=False, num_kv_blocks=4, max_model_len=64, max_num_batched_tokens=8,
+              speculative_config=dict(ALWAYS, method="dspark", model=k3_drafter[0], num_speculative_tokens=3))
+    eng = llm.llm_engine
+    full, orig_add = {}, eng.add_request
+
+    def add(rid, *a, **kw):
+        i = len(full)
+        full[rid] = base[i].prompt_token_ids + base[i].outputs[0].token_ids
+        return orig_add(rid, *a, **kw)
+
+    eng.add_request = add
+    oracle = _Oracle(eng.spec.proposer, full)
+    after_preemption = []
+
+    def propose(seqs, rows, token_ids, lengths, max_lens):
+        out = oracle(seqs, rows, token_ids, lengths, max_lens)
+        after_preemption.extend(int(n) for s, n in zip(seqs, out.draft_lens) if s.num_preemptions > 0)
+        return out
+
+    eng.spec.proposer.propose = propose
+    out = llm.generate(_k3_prompts(), sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in base]
+    st = eng.get_stats()
+    assert st["num_preemptions"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
+    assert sum(after_preemption) > 0
