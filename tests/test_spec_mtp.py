@@ -308,3 +308,25 @@ def test_mtp_refusals_name_the_cause(mtp_model, tiny_model):
     with pytest.raises(EngineConfigError, match="unknown field 'model' for method 'mtp'"):
         parse_speculative_config({"method": "mtp", "num_speculative_tokens": 1, "model": "x"})
     assert parse_speculative_config({"method": "deepseek_mtp", "num_speculative_tokens": 2}).method == "mtp"
+    from types import SimpleNamespace
+
+    from tokenfab.errors import UnsupportedError
+    from tokenfab.spec_decode.mtp_proposer import MTPProposer
+    with pytest.raises(UnsupportedError, match="'mtp' with tensor_parallel_size > 1 is not supported"):
+        MTPProposer(1, SimpleNamespace(tp_group=object()))  # refused before anything is loaded
+
+
+def test_perfect_mtp_drafter_gets_every_draft_accepted(mtp_model, tmp_path):
+    """With an MTP layer that predicts its (bigram) target exactly, greedy decoding accepts every draft: k per
+    verification, drafts chained through the layer's own output included, and the output equals plain decoding."""
+    from tokenfab.testing.tiny_checkpoints import perfect_mtp_pair
+    path = perfect_mtp_pair(mtp_model(1), str(tmp_path / "perfect"))
+    sp = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
+    base = _tokens(LLM(path, dtype="float32", progress=False).generate(_prompts(3), sp))
+    llm = LLM(path, dtype="float32", progress=False, speculative_config=MTP)
+    assert _tokens(llm.generate(_prompts(3), sp)) == base
+    st = llm.llm_engine.get_stats()
+    # per request: 1 token from the prefill, then 3 verification steps of 3 drafts + 1 bonus (13 = 1 + 3 * 4)
+    assert st["spec_decode_num_drafts"] == 3 * 3 and st["spec_decode_num_draft_tokens"] == 3 * 3 * 3
+    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+    assert st["spec_decode_num_accepted_tokens_per_pos"] == [9, 9, 9]

@@ -168,3 +168,44 @@ def add_mtp_layers(ckpt_dir: str, num_layers: int = 1, *, seed: int = 0, own_hea
     with open(cfg_path, "w") as f:
         json.dump(raw, f, indent=2)
     return ckpt_dir
+
+
+def perfect_mtp_pair(src: str, dst: str) -> str:
+    """Copy the MTP checkpoint ``src`` (single-file, from :func:`add_mtp_layers`) to ``dst`` as a pair whose
+    target is a pure bigram model and whose MTP layer predicts it exactly (a perfect drafter for tests and the
+    upper-bound benchmark).
+
+    Every attention and MLP output projection is zeroed (o_proj, down_proj, the experts' down projections), so the
+    target's final hidden state at t is norm(embed(x_t)) and its greedy next token g(x_t) = argmax
+    lm_head(norm(embed(x_t))). The MTP layer gets eh_proj = [I | 0], enorm = 1, a zero block and shared_head.norm
+    = the target's final norm: its output at t is rms(embed(x_{t+1})), so its logits are the target's at x_{t+1}
+    and every draft, chained or not, is the target's greedy token (up to exact ties).
+
+    Returns:
+        ``dst``.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(src, dst)
+
+    def zeroed(name):
+        return name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj"))
+
+    main = load_file(os.path.join(dst, "model.safetensors"))
+    save_file({k: torch.zeros_like(v) if zeroed(k) else v for k, v in main.items()},
+              os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    mtp = load_file(os.path.join(dst, "model-mtp.safetensors"))
+    for k, v in mtp.items():
+        if zeroed(k):
+            mtp[k] = torch.zeros_like(v)
+        elif k.endswith("eh_proj.weight"):
+            H = v.shape[0]
+            mtp[k] = torch.cat([torch.eye(H), torch.zeros(H, H)], dim=1).to(v.dtype)
+        elif k.endswith("enorm.weight"):
+            mtp[k] = torch.ones_like(v)
+        elif k.endswith("shared_head.norm.weight"):
+            mtp[k] = main["model.norm.weight"].clone()
+    save_file(mtp, os.path.join(dst, "model-mtp.safetensors"), metadata={"format": "pt"})
+    return dst
