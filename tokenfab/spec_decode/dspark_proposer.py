@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tokenfab.engine.sampler import inverse_cdf_sample
+from tokenfab.engine.sequence import SequenceStatus
 from tokenfab.errors import EngineConfigError, UnsupportedError
 from tokenfab.spec_decode.dspark_config import check_against_target, load_dspark_config, resolve_tap
 from tokenfab.spec_decode.proposer import HiddenRequest, Proposal, Proposer
@@ -128,8 +129,10 @@ class DSparkProposer(Proposer):
             return
         seqs = captured.seqs
         ntok = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        # sequences that finished or were preempted in this step have given their blocks back: nothing to write
+        alive = np.fromiter((s.status == SequenceStatus.RUNNING for s in seqs), dtype=bool, count=len(seqs))
         pos, ridx = captured.positions, captured.req_idx
-        ctx = pos <= ntok[ridx] - 2
+        ctx = (pos <= ntok[ridx] - 2) & alive[ridx]
         if not ctx.any():
             return
         sel = np.nonzero(ctx)[0]
