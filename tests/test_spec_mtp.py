@@ -168,9 +168,10 @@ class MTPReference:
 
     def drafts(self, toks, L, drafts, h=None):
         """Reference logits [k, V] of a proposal made for a sequence with L tokens (``toks`` its final tokens,
-        whose first L were its context then; ``h`` their final hidden states, if known), chaining through ``drafts`` [k] as the drafter does: positions
-        0..L-2 hold (token t + 1, target hidden at t); draft j + 1 comes from layer j % n at position L - 2 + j
-        over (draft j, the previous step's output), every layer seeing the same inputs."""
+        whose first L were its context then; ``h`` their final hidden states, if known), chaining through
+        ``drafts`` [k] as the drafter does: positions 0..L-2 hold (token t + 1, target hidden at t); draft j + 1
+        comes from layer j % n at position L - 2 + j over (draft j, the previous step's output), every layer
+        seeing the same inputs."""
         h = self.final_hidden(toks[:L]) if h is None else h  # causal: the whole sequence's states serve any prefix
         nxt, prev = list(toks[1:L]), h[:L - 1]
         y, lg = self.forward(0, nxt, prev)

@@ -108,13 +108,14 @@ def add_mtp_layers(ckpt_dir: str, num_layers: int = 1, *, seed: int = 0, own_hea
                    own_embed: bool = False) -> str:
     """Give a DeepSeek-V3 checkpoint written by :func:`make_tiny_checkpoint` ``num_layers`` random
     next-token-prediction (MTP) layers in DeepSeek-V3's published layout, in place (no-op when
-    ``model-mtp.safetensors`` exists; transformers writes ``num_nextn_predict_layers: 1`` but no such layer): ``model.layers.{L + i}.`` (L = num_hidden_layers) ``enorm``, ``hnorm``,
-    ``eh_proj`` [hidden, 2 * hidden], ``shared_head.norm``, the decoder block of layer index L + i (MLA attention,
-    MoE or dense MLP as that index gets from ``first_k_dense_replace``; transformers' initialisation of a deeper
-    model, perturbed), and with ``own_head`` / ``own_embed`` the layer's own ``shared_head.head`` /
-    ``embed_tokens`` (random, unlike the target's; published checkpoints store copies of the target's). transformers
-    builds no MTP layers, so they go to ``model-mtp.safetensors`` (added to the index when there is one), in the
-    checkpoint's stored dtype, and config.json gets ``num_nextn_predict_layers``.
+    ``model-mtp.safetensors`` exists; transformers writes ``num_nextn_predict_layers: 1`` but no such layer):
+    ``model.layers.{L + i}.`` (L = num_hidden_layers) ``enorm``, ``hnorm``, ``eh_proj`` [hidden, 2 * hidden],
+    ``shared_head.norm``, the decoder block of layer index L + i (MLA attention, MoE or dense MLP as that index
+    gets from ``first_k_dense_replace``; transformers' initialisation of a deeper model, perturbed), and with
+    ``own_head`` / ``own_embed`` the layer's own ``shared_head.head`` / ``embed_tokens`` (random, unlike the
+    target's; published checkpoints store copies of the target's). transformers builds no MTP layers, so they go to
+    ``model-mtp.safetensors`` (added to the index when there is one), in the checkpoint's stored dtype, and
+    config.json gets ``num_nextn_predict_layers``.
 
     Returns:
         ``ckpt_dir``.
