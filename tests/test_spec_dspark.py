@@ -474,14 +474,19 @@ def test_dspark_config_errors(k3_target, k3_drafter, tmp_path):
             "method": "dspark", "model": bad, "num_speculative_tokens": 2})
 
 
-@pytest.mark.parametrize("tap", ["partial_sum", "attn_res_mixture"])
-def test_engine_drafts_equal_reference_on_naive_taps(k3_target, k3_drafter, tap):
+@pytest.mark.parametrize("tap, layout", [("partial_sum", "specforge"), ("attn_res_mixture", "specforge"),
+                                         ("attn_res_mixture", "speculators")])
+def test_engine_drafts_equal_reference_on_naive_taps(k3_target, k3_drafter, tmp_path, tap, layout):
     """The drafts the engine proposes (context rows written from the taps observed after each target forward:
     the prefill, then every verification) equal the float64 reference drafter run on the naive K3's taps of the
-    same tokens, greedy with the Markov bias in order (first proposals of one sequence)."""
+    same tokens, greedy with the Markov bias in order (first proposals of one sequence). SpecForge 5MLA drafter
+    (drafts from slots 1..3) and a speculators 4KDA+1MLA one (sample_from_anchor: slots 0..2)."""
     from tokenfab import LLM, SamplingParams
     path, ref, tc = k3_target
-    dpath, W = k3_drafter
+    types = K3_5MLA if layout == "specforge" else K3_4KDA
+    dpath, W = k3_drafter if layout == "specforge" else write_tiny_dspark(
+        str(tmp_path / "sp"), "speculators", K3_4KDA, block_size=4, target_layer_ids=(0, 2),
+        target_num_layers=tc["num_hidden_layers"], seed=4)[::2]
     W64 = {k: v.double() for k, v in W.items()}
     llm = LLM(path, dtype="float32", progress=False, speculative_config=dict(
         ALWAYS, method="dspark", model=dpath, num_speculative_tokens=3, dspark_tap=tap))
@@ -495,8 +500,9 @@ def test_engine_drafts_equal_reference_on_naive_taps(k3_target, k3_drafter, tap)
         L = int(lengths[0])
         streams = naive_k3_streams(ref, tc, full[:L - 1])
         taps = torch.cat([streams[i][0 if tap == "partial_sum" else 1] for i in (0, 2)], dim=-1)
-        logits = ref_block_logits(W64, K3_5MLA, taps, full[L - 1], 3, 4, ref["model.embed_tokens.weight"],
-                                  ref["lm_head.weight"])[1:]  # SpecForge layout: slots 1..3 are the drafts
+        logits = ref_block_logits(W64, types, taps, full[L - 1], 3, 4, ref["model.embed_tokens.weight"],
+                                  ref["lm_head.weight"])
+        logits = logits[1:] if layout == "specforge" else logits  # SpecForge: slot 0 is the anchor
         prev, want = full[L - 1], []
         for j in range(int(n[0])):
             prev = int((logits[j] + w2 @ w1[prev]).argmax())
