@@ -23,6 +23,8 @@ DEFAULT_MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs pe
 SUPPORTED_QUANTIZATION = {
     "compressed-tensors": "MXFP4 routed experts of Kimi checkpoints (format mxfp4-pack-quantized), dequantized to "
                           "the engine dtype at load",
+    "fp8": "FP8 block-scaled weights (DeepSeek-V3 / Kimi-K2 as published, weight_block_size [128, 128]), kept packed "
+           "(routed experts and MLA kv_b_proj dequantized to the engine dtype at load)",
     "gguf": "a .gguf file, dequantized once to a cached bf16 folder (loader/gguf_to_hf.py)",
 }
 # generation_config.json keys that become default SamplingParams fields (vLLM's list; max_new_tokens -> max_tokens).
