@@ -236,3 +236,42 @@ def test_unpaired_fp8_weight_and_tensor_parallel_are_refused(fp8_pair):
     assert isinstance(got["a.weight"], Fp8BlockWeight)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         load_model(SimpleNamespace(model=fp8_pair[0]), tp=object())
+
+
+@kernel
+@pytest.mark.parametrize("q_lora", [64, 128], ids=["q_a-kv_a-separate", "q_a-kv_a-joined"])
+def test_fp8_decode_stack_is_bit_identical_to_the_module_path(tiny_model, tmp_path, monkeypatch, q_lora):
+    """bf16 decode of the FP8 model through the fused C++ stack (MLA and MLP projections as FP8 Lins) against the
+    module path on the same packed weights: same tokens and logprobs over steps that read the cache rows the stack
+    wrote. q_lora 128 lets q_a|kv_a join (whole 128-row blocks), 64 keeps them apart."""
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
+    fp8 = write_fp8_checkpoint(tiny_model("deepseek_v3", **dict(TINY, q_lora_rank=q_lora)), str(tmp_path / "fp8"))
+    llm = LLM(fp8, dtype="bfloat16", max_model_len=256, block_size=8, max_num_batched_tokens=40, progress=False)
+    runner = llm.llm_engine.runner
+    attn = runner.model.model.layers[0].self_attn
+    assert (getattr(attn, "qkv_a_proj", None) is not None) == (q_lora == 128)
+    assert isinstance(attn.o_proj.qweight, Fp8BlockWeight)
+    stack = runner.cpu_decode_stack
+    assert stack is not None  # the FP8 model's decode stays fused
+    prompts = [[5, 17, 33, 200, 7, 9, 11, 300, 41], [9, 4, 300] * 10, list(range(3, 20))]
+    sizes = []
+    real = CpuDecodeStack.run
+
+    def counted(self, input_ids, *a):
+        sizes.append(len(input_ids))
+        return real(self, input_ids, *a)
+
+    def run(use_stack: bool):
+        runner.cpu_decode_stack = stack if use_stack else None
+        sp = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        runner.cpu_decode_stack = stack
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    monkeypatch.setattr(CpuDecodeStack, "run", counted)
+    want = run(False)
+    assert not sizes
+    got = run(True)
+    assert sizes and max(sizes) == 3  # the 3-sequence decode steps ran through the stack
+    assert got == want
