@@ -506,8 +506,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     Returns:
         [..., n] in x's dtype: per 128-input block the exact products of x and the e4m3 values summed in float32,
         scaled once by the block's scale_inv, + bias, one rounding per output. Float32 x is split into three bf16
-        parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the FP8 bytes once (decode); more
-        rows convert 32 weight rows at a time into a thread-local buffer for oneDNN's brgemm (prefill).
+        parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the FP8 bytes once (decode); on
+        CPUs with AMX, bf16 x of more than 4 rows runs AMX tile products on 16 converted weight rows at a time; else
+        more than 16 rows convert 32 weight rows at a time into a thread-local buffer for oneDNN's brgemm.
         benchmarks/fp8_linear.py measures the GEMV against :func:`vnni_linear`.
 
     Raises:

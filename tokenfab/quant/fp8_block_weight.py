@@ -9,9 +9,10 @@ Stored as published: ``weight`` float8_e4m3fn [out, in] (1 byte per parameter) a
 out or in is not a multiple of 128). The product is one float32 rounding of an exact e4m3 value times the scale.
 
 Fast path: ``cpu_kernels.fp8_block_linear`` (kernels/csrc/fp8_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
-decode GEMV converting e4m3 to bf16 in registers (every e4m3 value is exact in bf16) and a prefill GEMM that converts
-32 weight rows at a time into a thread-local buffer for oneDNN's brgemm; both sum x q exactly per 128 inputs in
-float32 and scale each block's sum once: y = sum_kb s[n, kb] * sum_{k in kb} x_k q_k, the same real number as
+decode GEMV converting e4m3 to bf16 in registers (every e4m3 value is exact in bf16); with AMX, bf16 x of more than 4
+rows converts 16 weight rows at a time into AMX tiles; otherwise more than 16 rows convert 32 weight rows at a time
+into a thread-local buffer for oneDNN's brgemm. All sum x q exactly per 128 inputs in float32 and scale each block's
+sum once: y = sum_kb s[n, kb] * sum_{k in kb} x_k q_k, the same real number as
 sum_k x_k W[n, k] up to float32 rounding. Needs in_features a multiple of 32. Reference / fallback (no kernels, no
 AVX512-BF16, another device, in_features not a multiple of 32, or ``TOKENFAB_CPU_LINEAR=torch``): dequantize 1024 rows
 at a time by the formula and ``F.linear`` in float32, so no full-size float copy of the weight is ever made.

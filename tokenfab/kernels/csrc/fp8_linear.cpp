@@ -13,12 +13,16 @@
 // the same real number as sum_k x_k (q_k s) up to float32 rounding. float32 x is split into three bf16 parts
 // (x = h + m + l up to 2^-24 relative), each multiplied exactly, so float32 activations keep float32 accuracy.
 //
-// M <= 16 rows (decode): a GEMV over weight rows, parallel over rows: R weight rows x M rows of x per pass (R = 4 at
-// M = 1, 2 at M = 2, else 1; independent accumulator chains), passes of up to 8 rows of x over a weight row that stays
-// in L1. M > 16 (prefill): per 32 weight rows, the thread converts them once into a small thread-local buffer (bf16
-// VNNI pairs [K / 2, 32, 2] for bf16 x, float32 [K, 32] for float32 x; the e4m3 values exactly) and runs oneDNN's
-// brgemm per 128-input block over 64-row tiles of x, scaling each block's [64, 32] sums by its scale_inv. Never a
-// full-size copy of the weight.
+// Paths, by rows M of x (never a full-size copy of the weight):
+// - GEMV (bf16 x with M <= 4 where the CPU has AMX, else M <= 16; float32 x with M <= 16): over weight rows, parallel
+//   over rows: R weight rows x M rows of x per pass (R = 4 at M = 1, 2 at M = 2, else 1; independent accumulator
+//   chains), passes of up to 8 rows of x over a weight row that stays in L1.
+// - AMX (bf16 x with M > 4, AMX-BF16 granted): per 16 weight rows converted once to bf16 A tiles, one TDPBF16PS per
+//   32 inputs and 16-row tile of x, each 128-input block's float32 tile scaled in registers (amx_tiles below).
+// - brgemm (M > 16 without AMX, and float32 x): per 32 weight rows, the thread converts them once into a small
+//   thread-local buffer (bf16 VNNI pairs [K / 2, 32, 2] for bf16 x, float32 [K, 32] for float32 x; the e4m3 values
+//   exactly) and runs oneDNN's brgemm per 128-input block over 64-row tiles of x, scaling each block's [64, 32] sums
+//   by its scale_inv.
 #include "fp8_linear.h"
 
 #include <ATen/Parallel.h>
@@ -27,8 +31,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TOKENFAB_FP8_AMX 1
+#endif
 
 namespace {
 
@@ -211,6 +222,105 @@ void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const
   });
 }
 
+#if defined(TOKENFAB_FP8_AMX)
+// AMX path for bf16 x with more than kAmxMinRows rows (decode batches and prefill). The weight is the A operand, so
+// its row-major bytes need no transpose: per 16 weight rows, their e4m3 values are converted once into A tiles
+// (bf16 [16 rows, 32 inputs] per 32 inputs, exact). x is laid out once per call as B tiles (bf16 pairs [16 pairs,
+// 16 rows of x, 2], zero-padded to 16 rows). Per 16-row tile of x and 128-input scale block, four TDPBF16PS
+// accumulate the block's exact products in a float32 tile C [16 weight rows, 16 rows of x], scaled once in AVX512
+// registers: acc += s * C, the GEMV's sum per block. The linux kernel hands out AMX tile state only on request.
+constexpr int64_t kAmxMinRows = 4;
+
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_config() {  // tile 0: C [16, 16] fp32, tile 1: A [16, 32] bf16, tile 2: B [16 pairs, 16 x 2] bf16
+  TileConfig c;
+  c.colsb[0] = c.colsb[1] = c.colsb[2] = 64;
+  c.rows[0] = c.rows[1] = c.rows[2] = 16;
+  // fixed tile registers in inline assembly (GCC's AMX intrinsics may insert a ldtilecfg of their own)
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// x [M, K] bf16 (row stride lda) -> xb [ceil(M / 16)][K / 32][16 pairs][16 rows][2], rows past M zero.
+void pack_x_tiles(const uint16_t* x, int64_t lda, int64_t M, int64_t K, uint16_t* xb) {
+  const int64_t KC = K / 32;
+  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(16));
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(xb) + (m / 16) * KC * 256 + m % 16;
+      for (int64_t kc = 0; kc < KC; ++kc)
+        _mm512_i32scatter_epi32(dst + kc * 256, idx, _mm512_loadu_si512(x + m * lda + kc * 32), 4);
+    }
+  });
+}
+
+template <bool F32OUT>
+void amx_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* w, const float* sc, int64_t N,
+               const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1, const Lut& L) {
+  const int64_t KB = (K + BK - 1) / BK, KC = K / 32;
+  uint16_t* at = static_cast<uint16_t*>(std::aligned_alloc(64, K * 32));  // A tiles [K / 32][16 rows][32]
+  alignas(64) float ct[16 * 16];
+  amx_config();
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t row = t * 16 + j;
+      for (int64_t kc = 0; kc < KC; ++kc)
+        _mm512_store_si512(at + kc * 512 + j * 32,
+                           row < N ? e4m3x32(w + row * K + kc * 32, L) : _mm512_setzero_si512());
+    }
+    const float* srow = sc + (t * 16 / BK) * KB;  // the 16 rows lie in one 128-row scale block
+    const int64_t n0 = t * 16, nvalid = std::min<int64_t>(16, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      const uint16_t* xt = xb + (m0 / 16) * KC * 512;
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const int64_t kc0 = kb * (BK / 32), kc1 = std::min(KC, kc0 + BK / 32);
+        asm volatile("tilezero %%tmm0" ::: "memory");
+        for (int64_t kc = kc0; kc < kc1; ++kc) {
+          const uint16_t* a = at + kc * 512;
+          const uint16_t* b = xt + kc * 512;
+          const int64_t stride = 64;
+          asm volatile("tileloadd (%0,%1,1), %%tmm1" ::"r"(a), "r"(stride) : "memory");
+          asm volatile("tileloadd (%0,%1,1), %%tmm2" ::"r"(b), "r"(stride) : "memory");
+          asm volatile("tdpbf16ps %%tmm2, %%tmm1, %%tmm0" ::: "memory");
+        }
+        const int64_t stride = 64;
+        asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(ct), "r"(stride) : "memory");
+        const __m512 s = _mm512_set1_ps(srow[kb]);
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(ct + 16 * r), s, acc[r]);
+      }
+      const int64_t mt = std::min<int64_t>(16, M - m0);
+      alignas(64) float out[16 * 16];  // acc[j] lane i = y[m0 + i, n0 + j]
+      for (int r = 0; r < 16; ++r) _mm512_store_ps(out + 16 * r, acc[r]);
+      for (int64_t i = 0; i < mt; ++i)
+        for (int64_t j = 0; j < nvalid; ++j) {
+          float v = out[16 * j + i];
+          if (bias != nullptr) v += bias[n0 + j];
+          store_one<F32OUT>(y, (m0 + i) * ldy + n0 + j, v);
+        }
+    }
+  }
+  std::free(at);
+  asm volatile("tilerelease" ::: "memory");
+  // oneDNN's brgemm tracks the tile configuration it loaded per thread: forget it, so its next call loads its own
+  at::native::cpublas::brgemm_release(true);
+}
+#endif  // TOKENFAB_FP8_AMX
+
 #endif  // __AVX512BF16__
 
 }  // namespace
@@ -246,6 +356,17 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto* wp = w.data_ptr<uint8_t>();
   const float* sp = scale_inv.data_ptr<float>();
+#if defined(TOKENFAB_FP8_AMX)
+  if (!f32 && M > kAmxMinRows && amx_ready()) {
+    auto xt = at::zeros({(M + 15) / 16 * 16 * K}, x.options());  // x as B tiles (rows past M zero)
+    auto* xb = reinterpret_cast<uint16_t*>(xt.data_ptr());
+    pack_x_tiles(reinterpret_cast<const uint16_t*>(x2.data_ptr()), x2.stride(0), M, K, xb);
+    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
+      amx_tiles<false>(xb, M, K, wp, sp, N, bp, y.data_ptr(), N, t0, t1, lut);
+    });
+    return y;
+  }
+#endif
   if (M > kGemvMaxRows) {
     if (f32) gemm<float>(x2.data_ptr<float>(), M, x2.stride(0), K, wp, sp, N, bp, y.data_ptr<float>(), N, lut);
     else gemm<uint16_t>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0), K, wp, sp, N, bp,
