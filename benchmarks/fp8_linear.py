@@ -46,7 +46,7 @@ def random_fp8(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.
     return quantize_fp8_block(torch.randn(n, k, generator=g) * 0.02)
 
 
-def time_shape(n: int, k: int, rows: int, reps: int, mb: float) -> dict:
+def time_shape(n: int, k: int, rows: int, reps: int, mb: float, clock=time.perf_counter) -> dict:
     """Best seconds per call of each format for weight [n, k] and ``rows`` input rows, and bytes per call."""
     from tokenfab.kernels import cpu_kernels
     from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
@@ -71,29 +71,33 @@ def time_shape(n: int, k: int, rows: int, reps: int, mb: float) -> dict:
     for _ in range(reps):
         for f, (fn, count) in runs.items():
             fn(0)
-            t = time.perf_counter()
+            t = clock()
             for i in range(count):
                 fn(i)
-            best[f] = min(best[f], (time.perf_counter() - t) / count)
+            best[f] = min(best[f], (clock() - t) / count)
     return {"n": n, "k": k, "rows": rows, "seconds": best, "bytes": nbytes}
 
 
 _RSS_CHILD = r"""
-import json, sys, torch
-def rss():
+import ctypes, gc, json, sys, torch
+def rss(field="VmRSS"):
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back, so RSS counts what is held
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
 from tokenfab import LLM
 from tokenfab.engine.engine_config import model_weight_bytes
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
 import tokenfab.kernels.cpu_kernels as ck; ck.load()
-before = rss()
+before, anon0 = rss(), rss("RssAnon")
 llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=256, kv_cache_memory=1 << 20, progress=False)
-after = rss()
+after, anon1 = rss(), rss("RssAnon")
 model = llm.llm_engine.runner.model
 packed = sum(m.nbytes for m in model.modules() if isinstance(m, Fp8BlockWeight))
-print(json.dumps({"rss_growth": after - before, "weight_bytes": model_weight_bytes(model), "fp8_packed_bytes": packed}))
+print(json.dumps({"rss_growth": after - before, "rss_after": after, "anon_growth": anon1 - anon0, "weight_bytes": model_weight_bytes(model),
+                  "fp8_packed_bytes": packed, "kv_pool_bytes": sum(c.numel() * c.element_size()
+                                                                   for c in llm.llm_engine.runner.kv_caches)}))
 """
 
 
@@ -123,6 +127,10 @@ def main() -> int:
     ap.add_argument("--rows", default="1,8,64", help="input rows per call, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="passes per format (best is kept; default 5)")
     ap.add_argument("--mb", type=float, default=128, help="MB of distinct weights per format and shape (GEMV)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads for the linears (default: torch's)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall: perf_counter; cpu: this thread's CPU time (with --threads 1: robust on a shared, "
+                         "oversubscribed machine, where wall time mostly measures the other processes)")
     ap.add_argument("--no-rss", action="store_true", help="skip the resident-memory comparison")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
     args = ap.parse_args()
@@ -131,15 +139,23 @@ def main() -> int:
         print("the FP8 and VNNI linears need the CPU kernels built with AVX512-BF16: "
               f"{cpu_kernels.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    rows_list = [int(r) for r in args.rows.split(",")]
-    results = [time_shape(n, k, rows, args.reps, args.mb) for rows in rows_list for n, k in SHAPES]
+    rows_list = [int(r) for r in args.rows.split(",") if r]
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        print("--clock cpu needs --threads 1 (one thread's CPU time)", file=sys.stderr)
+        return 2
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    results = [time_shape(n, k, rows, args.reps, args.mb, clock) for rows in rows_list for n, k in SHAPES]
     date = dt.date.today().isoformat()
     meta = {"date": date, "command": " ".join(["benchmarks/fp8_linear.py"] + sys.argv[1:]), "threads": threads,
+            "clock": args.clock,
             "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
     lines = [f"# FP8 block-scaled linears vs the bf16 VNNI linear ({date})", "",
-             f"Command: `{meta['command']}`; {threads} threads; torch {torch.__version__}. Both formats alternated "
-             "pass by pass in one run, best of the passes; the machine is shared, so read the ratios.", "",
+             f"Command: `{meta['command']}`; {threads} threads; torch {torch.__version__}; clock {args.clock}. Both "
+             "formats alternated pass by pass in one run, best of the passes; the machine is shared, so read the "
+             "ratios.", "",
              "| rows | weight [N, K] | bf16 µs | bf16 | fp8 µs | fp8 | fp8 time ×bf16 |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         n, k, rows, s = r["n"], r["k"], r["rows"], r["seconds"]
@@ -155,14 +171,18 @@ def main() -> int:
             rss = rss_rows(tmp)
         lines += ["", "Resident memory after loading (DeepSeek-V3 shape " + json.dumps(RSS_MODEL) + "; routed experts "
                   "and kv_b_proj are dequantized to bf16 at load, every other decoder linear stays FP8):", "",
-                  "| checkpoint | RSS growth over the load (MB) | weight bytes held (MB) | of which FP8 packed (MB) |",
-                  "|---|---:|---:|---:|"]
+                  "| checkpoint | RSS growth over the load (MB) | anonymous RSS growth (MB) | RSS after loading (MB) | "
+                  "weight bytes held (MB) | of which FP8 packed (MB) | KV pool (MB) |", "|---|---:|---:|---:|---:|---:|---:|"]
         for key in ("fp8", "bf16"):
             v = rss[key]
-            lines.append(f"| {key} | {v['rss_growth'] / 1e6:.1f} | {v['weight_bytes'] / 1e6:.1f} | "
-                         f"{v['fp8_packed_bytes'] / 1e6:.1f} |")
-        lines.append(f"\nfp8 / bf16: RSS growth {rss['fp8']['rss_growth'] / rss['bf16']['rss_growth']:.2f}, weight "
-                     f"bytes {rss['fp8']['weight_bytes'] / rss['bf16']['weight_bytes']:.2f}.")
+            lines.append(f"| {key} | {v['rss_growth'] / 1e6:.1f} | {v['anon_growth'] / 1e6:.1f} | {v['rss_after'] / 1e6:.1f} | "
+                         f"{v['weight_bytes'] / 1e6:.1f} | {v['fp8_packed_bytes'] / 1e6:.1f} | "
+                         f"{v['kv_pool_bytes'] / 1e6:.1f} |")
+        lines.append(f"\nfp8 / bf16: RSS growth {rss['fp8']['rss_growth'] / rss['bf16']['rss_growth']:.2f}, anonymous "
+                     f"RSS growth {rss['fp8']['anon_growth'] / rss['bf16']['anon_growth']:.2f}, weight bytes "
+                     f"{rss['fp8']['weight_bytes'] / rss['bf16']['weight_bytes']:.2f}. RSS is read after gc and "
+                     "malloc_trim; the growth also holds the engine's own buffers (kernels' scratch, tokenizer, step "
+                     "state), the same in both.")
     os.makedirs(args.out, exist_ok=True)
     base = unused_stem(os.path.join(args.out, f"{date}-fp8-linear"))
     with open(base + ".json", "w") as f:

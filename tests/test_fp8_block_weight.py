@@ -145,8 +145,13 @@ def fp8_pair(tiny_model, tmp_path_factory):
     return fp8, twin
 
 
-def test_tiny_fp8_model_matches_dequantized_twin(fp8_pair, tokenizer_dir):
+@pytest.mark.parametrize("backend", ["tokenfab", "torch"], ids=["kernels", "forced-reference"])
+def test_tiny_fp8_model_matches_dequantized_twin(fp8_pair, monkeypatch, backend):
+    """fp32 activations: the packed model (C++ kernels, or the PyTorch reference path a CPU without AVX512-BF16
+    takes, forced by TOKENFAB_CPU_LINEAR=torch) against the same model on the dequantized weights as plain fp32
+    weights: greedy tokens identical, prompt logprobs within 1e-4."""
     from tokenfab import LLM, SamplingParams
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", backend)
     fp8, twin = fp8_pair
     prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 200, 7], [9, 4, 300], list(range(3, 43)))]
     sp = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10, prompt_logprobs=0)
@@ -163,8 +168,7 @@ def test_tiny_fp8_model_matches_dequantized_twin(fp8_pair, tokenizer_dir):
             assert attn.kv_b_proj.qweight is None and attn.kv_b_proj.weight is not None
             assert attn.o_proj.qweight is not None and moe.shared_experts.down_proj.qweight is not None
             assert len(packed) >= 2 * 4 + 2 + 2
-            if cpu_kernels.fp8_block_linear_applies():
-                assert attn.o_proj.qweight._kernel
+            assert attn.o_proj.qweight._kernel == (cpu_kernels.fp8_block_linear_applies() and backend != "torch")
             del llm
     gap = max_prompt_logprob_gap(outs["reference"], outs["packed"], "packed FP8")
     assert gap < 1e-4
@@ -232,6 +236,8 @@ def test_unpaired_fp8_weight_and_tensor_parallel_are_refused(fp8_pair):
     items = [("model.layers.0.mlp.down_proj.weight", q), ("model.layers.0.self_attn.o_proj.weight_scale_inv", s)]
     with pytest.raises(WeightLoadError, match="o_proj.weight_scale_inv .no float8.*|down_proj.weight .no"):
         list(Fp8CheckpointWeights(items))
+    with pytest.raises(WeightLoadError, match="b.weight is float8_e5m2"):
+        list(Fp8CheckpointWeights([("b.weight", q.float().to(torch.float8_e5m2))]))
     got = dict(Fp8CheckpointWeights([("a.weight_scale_inv", s), ("a.weight", q)]))
     assert isinstance(got["a.weight"], Fp8BlockWeight)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
@@ -275,3 +281,16 @@ def test_fp8_decode_stack_is_bit_identical_to_the_module_path(tiny_model, tmp_pa
     got = run(True)
     assert sizes and max(sizes) == 3  # the 3-sequence decode steps ran through the stack
     assert got == want
+
+
+def test_model_weight_bytes_counts_the_packed_bytes():
+    """The KV pool is sized from the weights' bytes (gpu_memory_utilization): the FP8 bytes and scales a
+    PackedWeight holds as buffers are weights, the RoPE-table kind of buffer is not."""
+    from tokenfab.engine.engine_config import model_weight_bytes
+    from tokenfab.layers.linear import Linear
+    m = torch.nn.Module()
+    m.lin = Linear(160, 200)
+    m.lin.set_qweight(Fp8BlockWeight(*random_fp8(200, 160)))
+    m.norm = torch.nn.Parameter(torch.ones(160))
+    m.register_buffer("cos", torch.zeros(1000))
+    assert model_weight_bytes(m) == 200 * 160 + 4 * 2 * 2 + 160 * 4

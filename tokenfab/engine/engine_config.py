@@ -433,9 +433,12 @@ def device_memory_bytes(device: torch.device) -> int:
 def model_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a loaded model holds: parameters and the packed copies kept as plain tensor
     attributes (engine/hugepages.py's module_tensors), each storage counted once; buffers (RoPE tables) are not
-    weights and are left out."""
+    weights and are left out, except the compressed bytes a PackedWeight holds as buffers (GGUF tiles, FP8 bytes and
+    scales)."""
     from tokenfab.engine.hugepages import module_tensors
-    buffers = {id(b) for b in model.buffers()}
+    from tokenfab.quant.packed_weight import PackedWeight
+    packed = {id(b) for m in model.modules() if isinstance(m, PackedWeight) for b in m.buffers()}
+    buffers = {id(b) for b in model.buffers()} - packed
     seen: dict[tuple, int] = {}
     for t in module_tensors(model):
         if id(t) in buffers:

@@ -65,6 +65,9 @@ class Fp8CheckpointWeights:
                     yield key, self._pair(key, weights.pop(key), t)
                 else:
                     scales[key] = t
+            elif t.dtype != torch.float8_e4m3fn and t.dtype.is_floating_point and t.element_size() == 1:
+                raise WeightLoadError(f"FP8 checkpoint: {self._where(name)} is {str(t.dtype).removeprefix('torch.')}; "
+                                      "tokenfab reads float8_e4m3fn weights (quantization_config fmt 'e4m3').")
             elif t.dtype == torch.float8_e4m3fn:
                 if name in scales:
                     yield name, self._pair(name, t, scales.pop(name))
@@ -81,9 +84,13 @@ class Fp8CheckpointWeights:
                         "once at load (routed experts into the stacked expert tensors, MLA kv_b_proj for the "
                         "absorbed decode)", self.packed, self.dequantized)
 
+    def _where(self, name: str) -> str:
+        f = self.file_of(name)
+        return f"{name} (in {f})" if f else name
+
     def _pair(self, name: str, weight: torch.Tensor, scale: torch.Tensor):
-        try:
-            w = Fp8BlockWeight(weight, scale, name)
+        try:  # own copies: safetensors' tensors may view its file mapping, which would stay resident as file pages
+            w = Fp8BlockWeight(weight.clone(), scale.clone(), name)
         except ValueError as e:
             raise WeightLoadError(f"FP8 checkpoint: {e}") from None
         if is_dequantized_at_load(name):
