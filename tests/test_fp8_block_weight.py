@@ -93,7 +93,7 @@ def test_kernel_matches_reference(n, k, m, dtype):
 
 
 @kernel
-@pytest.mark.parametrize("m", [16, 160])  # GEMV (16 rows of x per call) and GEMM (all 160 at once)
+@pytest.mark.parametrize("m", [4, 16, 160])  # GEMV (bf16 and float32), AMX / GEMV, AMX / brgemm
 def test_kernel_decodes_every_e4m3_code_exactly(m):
     """x = rows of the identity: y[i, n] = W[n, i] exactly (one exact product scaled once), so the kernel's e4m3
     table and block scaling are checked bit for bit against the formula (subnormals, signed zeros, partial blocks)."""
