@@ -118,8 +118,10 @@ def test_prefix_caching_accepted_and_quantization_refused_by_name(llama, tmp_pat
     assert EngineConfig(model=llama, enable_prefix_caching=False).enable_prefix_caching is False
     for q in (None, "auto", "none"):
         assert EngineConfig(model=llama, quantization=q).quantization is None
-    with pytest.raises(UnsupportedError, match="quantization='fp8' is not supported.*not quantized"):
-        EngineConfig(model=llama, quantization="fp8")
+    with pytest.raises(UnsupportedError, match="quantization='gptq' is not supported.*not quantized"):
+        EngineConfig(model=llama, quantization="gptq")
+    with pytest.raises(EngineConfigError, match="quantization='fp8' does not match the checkpoint"):
+        EngineConfig(model=llama, quantization="fp8")  # runs FP8 checkpoints; this one is not
     with pytest.raises(EngineConfigError, match="quantization='compressed-tensors' does not match the checkpoint: "
                                                 "its config.json has no quantization_config"):
         EngineConfig(model=llama, quantization="compressed-tensors")

@@ -188,6 +188,10 @@ def parse_config(cfg: dict, gen_cfg: dict | None = None) -> ModelConfig:
     else:
         rope_dim = int(head_dim * float(cfg.get("partial_rotary_factor", 1.0)))
     mc.rope = _parse_rope(cfg, rope_dim, family)
+    qc = cfg.get("quantization_config")
+    if qc and str((qc if isinstance(qc, dict) else {}).get("quant_method", "")).lower() != "compressed-tensors":
+        from tokenfab.quant.fp8_config import parse_fp8_quantization_config  # strict: a wrong field is named
+        mc.fp8_block_size = parse_fp8_quantization_config(qc)
     return mc
 
 

@@ -84,6 +84,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     num_nextn_predict_layers: int = 0
+    # FP8 block-scaled weights (quantization_config quant_method fp8): the weight block (rows, columns), else None
+    fp8_block_size: tuple[int, int] | None = None
     raw: dict = field(default_factory=dict, repr=False)
 
     @property

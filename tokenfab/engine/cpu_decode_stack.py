@@ -14,7 +14,9 @@ experts, optional shared expert) or Qwen3-MoE's (softmax top-k router, packed ro
 dense SiLU-GLUs, the embedding and the LM head may also hold GGUF weights kept packed
 (:class:`~tokenfab.quant.gguf_weight.GGUFWeight` on its C++ kernel): a ``.gguf`` file served packed runs the same
 one-call step, its linears multiplied by ``gguf_linear`` from C++ (q|k|v and gate|up joined when their block types
-match, as ``Linear.concat`` joined them; tests/test_decode_stack_packed.py). Anything else (tensor parallel, hybrid
+match, as ``Linear.concat`` joined them; tests/test_decode_stack_packed.py). FP8 block-scaled weights (:class:`~tokenfab.quant.fp8_block_weight.
+Fp8BlockWeight` on its C++ kernel, DeepSeek-V3 / Kimi-K2 checkpoints) may fill the same Lins, and MLA layers whose
+projections are such Lins run mla_decode's steps with them (tests/test_fp8_block_weight.py). Anything else (tensor parallel, hybrid
 KDA models, oneDNN or plain-PyTorch linears, fp32, other compressed formats or GGUF weights on the PyTorch
 reference path) keeps the module path: :meth:`CpuDecodeStack.build` returns None.
 """
@@ -34,11 +36,13 @@ from tokenfab.models.base import CausalLM
 from tokenfab.models.deepseek_v3 import DeepseekV3MoE
 from tokenfab.models.llama import DecoderLayer, LlamaAttention
 from tokenfab.models.qwen3_moe import Qwen3MoeBlock
+from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
 from tokenfab.quant.gguf_weight import GGUFWeight
 from tokenfab.quant.packed_weight import PackedWeight
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # DecodeStack.forward computes the slots itself
+FP8_LIN_QTYPE = 256  # decode_stack.cpp's kFp8LinQtype: a Lin over FP8 block-scaled bytes (fp8_block_linear)
 
 
 class CpuDecodeStack:
@@ -72,8 +76,8 @@ class CpuDecodeStack:
             return None
         if getattr(model, "host_expert_stats", None) is not None:  # host-offloaded experts: the module path
             return None
-        if any(isinstance(m, PackedWeight) and not _gguf_kernel(m) for m in model.modules()):
-            return None  # compressed weights the stack does not run (other formats, GGUF on its PyTorch path)
+        if any(isinstance(m, PackedWeight) and not (_gguf_kernel(m) or _fp8_kernel(m)) for m in model.modules()):
+            return None  # compressed weights the stack does not run (other formats, GGUF / FP8 on the PyTorch path)
         layers = list(model.model.layers)
         if not layers or len(layers) != len(kv_caches):
             return None
@@ -87,7 +91,8 @@ class CpuDecodeStack:
         for layer, cache in zip(layers, kv_caches):
             if type(layer) is not DecoderLayer or layer.tp is not None or layer.self_attn.rotary is not rotary:
                 return None
-            if not ((_add_attention(stack, layer, cache, caches) or _add_gqa_lin(stack, layer, cache, caches))
+            if not ((_add_attention(stack, layer, cache, caches) or _add_mla_lin(stack, layer, cache, caches)
+                     or _add_gqa_lin(stack, layer, cache, caches))
                     and _add_mlp(stack, layer.mlp)):
                 return None
         if any(c.dtype != torch.bfloat16 or c.device.type != "cpu" or not c.is_contiguous() for c in caches):
@@ -167,6 +172,33 @@ def _add_gqa_lin(stack, layer: DecoderLayer, cache, caches: list[torch.Tensor]) 
     return True
 
 
+def _add_mla_lin(stack, layer: DecoderLayer, cache, caches: list[torch.Tensor]) -> bool:
+    """An MLA layer whose projections are not all VNNI blocks (FP8 weights kept packed): the stack runs
+    mla_decode's steps with q_a|kv_a (or q_a and kv_a), q_b and o_proj as Lins (``_lin_spec``); kv_b_proj's absorbed
+    W_UK / W_UV must be on the per-head GEMM kernel."""
+    attn, n_in, n_post = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    if (type(attn) is not MLAttention or not attn.decode_block or attn.q_lora_rank is None
+            or not getattr(attn, "_head_gemm", False) or attn.rotary.cos.dtype != torch.float32):
+        return False
+    fused = getattr(attn, "qkv_a_proj", None)
+    a = [_lin_spec(fused)] if fused is not None else [_lin_spec(attn.q_a_proj), _lin_spec(attn.kv_a_proj_with_mqa)]
+    q_b, o = _lin_spec(attn.q_b_proj), _lin_spec(attn.o_proj)
+    if q_b is None or o is None or any(s is None or s[3] is not None for s in a + [q_b, o]):
+        return False  # mla_decode's projections have no biases
+    dims = [attn.q_lora_rank, attn.kv_lora, attn.rope_dim, attn.num_heads, attn.nope, attn.v_dim,
+            attn.o_proj.out_features]
+    stack.add_mla_layer_lin(n_in.weight, float(n_in.eps), n_post.weight, float(n_post.eps), a, q_b, o,
+                            [attn.q_a_layernorm.weight, attn.kv_a_layernorm.weight, attn._w_uk, attn._w_uv_t], dims,
+                            float(attn.q_a_layernorm.eps), float(attn.kv_a_layernorm.eps), float(attn.scale))
+    caches.append(cache)
+    return True
+
+
+def _fp8_kernel(w) -> bool:
+    """True for an FP8 block weight that runs its C++ kernel (``Fp8BlockWeight.prepare`` chose it)."""
+    return isinstance(w, Fp8BlockWeight) and w._kernel and w.weight.device.type == "cpu"
+
+
 def _gguf_kernel(w) -> bool:
     """True for a GGUF weight that runs its C++ kernel (``GGUFWeight.prepare`` chose it)."""
     return isinstance(w, GGUFWeight) and w._kernel and w.tiles.device.type == "cpu"
@@ -174,11 +206,14 @@ def _gguf_kernel(w) -> bool:
 
 def _lin_spec(lin: Linear | None) -> tuple | None:
     """(weight, ggml type or -1, out_features, bias) of a Linear for the C++ stack: its VNNI blocks (-1) or its
-    GGUF tiles; None for any other form (oneDNN, plain, another compressed format)."""
+    GGUF tiles; (bytes, FP8_LIN_QTYPE, out_features, bias, scale_inv) for an FP8 block weight; None for any other
+    form (oneDNN, plain, another compressed format)."""
     if lin is None:
         return None
     if lin.qweight is not None:
         q = lin.qweight
+        if _fp8_kernel(q):
+            return (q.weight.view(torch.uint8), FP8_LIN_QTYPE, q.out_features, lin.bias, q.scale_inv)
         return (q.tiles, q.block.ggml_type, q.out_features, lin.bias) if _gguf_kernel(q) else None
     p = lin.vnni_packed
     return None if p is None else (p, -1, lin.out_features, lin.bias)

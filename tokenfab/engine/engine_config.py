@@ -23,6 +23,8 @@ DEFAULT_MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs pe
 SUPPORTED_QUANTIZATION = {
     "compressed-tensors": "MXFP4 routed experts of Kimi checkpoints (format mxfp4-pack-quantized), dequantized to "
                           "the engine dtype at load",
+    "fp8": "FP8 block-scaled weights (DeepSeek-V3 / Kimi-K2 as published, weight_block_size [128, 128]), kept packed "
+           "(routed experts and MLA kv_b_proj dequantized to the engine dtype at load)",
     "gguf": "a .gguf file, dequantized once to a cached bf16 folder (loader/gguf_to_hf.py)",
 }
 # generation_config.json keys that become default SamplingParams fields (vLLM's list; max_new_tokens -> max_tokens).
@@ -431,9 +433,12 @@ def device_memory_bytes(device: torch.device) -> int:
 def model_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a loaded model holds: parameters and the packed copies kept as plain tensor
     attributes (engine/hugepages.py's module_tensors), each storage counted once; buffers (RoPE tables) are not
-    weights and are left out."""
+    weights and are left out, except the compressed bytes a PackedWeight holds as buffers (GGUF tiles, FP8 bytes and
+    scales)."""
     from tokenfab.engine.hugepages import module_tensors
-    buffers = {id(b) for b in model.buffers()}
+    from tokenfab.quant.packed_weight import PackedWeight
+    packed = {id(b) for m in model.modules() if isinstance(m, PackedWeight) for b in m.buffers()}
+    buffers = {id(b) for b in model.buffers()} - packed
     seen: dict[tuple, int] = {}
     for t in module_tensors(model):
         if id(t) in buffers:

@@ -63,6 +63,10 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
         raise FileNotFoundError(f"model folder '{config.model}' does not exist (pass a Hugging Face checkpoint "
                                 "folder with config.json and *.safetensors).")
     mc = load_config(config.model)
+    if mc.fp8_block_size is not None and tp is not None:
+        raise ValueError("tensor_parallel_size > 1 (--tensor-parallel-size) is not supported for FP8 block-scaled "
+                         "checkpoints yet (their weights stay packed and the shard slicing does not cut them on "
+                         "128-blocks); use tensor_parallel_size=1.")
     device = device if device is not None else resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     max_len = config.max_model_len or mc.max_position_embeddings
@@ -82,7 +86,11 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
         skipped = model.load_weights(iterate_gguf_weights(config.model, progress=progress))
     elif tp is None:
         try:
-            skipped = model.load_weights(iterate_weights(config.model, progress=progress))
+            weights = iterate_weights(config.model, progress=progress)
+            if mc.fp8_block_size is not None:  # weight + weight_scale_inv pairs kept packed (quant.fp8_block_weight)
+                from tokenfab.loader.fp8_block_loader import Fp8CheckpointWeights
+                weights = Fp8CheckpointWeights(weights)
+            skipped = model.load_weights(weights)
         except WeightLoadError as e:  # name the folder when the message names only files inside it
             msg = str(e)
             raise (e if msg.startswith(config.model) else WeightLoadError(f"{config.model}: {msg}")) from None

@@ -487,6 +487,37 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
     return load().gguf_linear(x, tiles, int(ggml_type), int(n), bias)
 
 
+def fp8_block_linear_applies() -> bool:
+    """True when :func:`fp8_block_linear` runs: built kernels with AVX512-BF16 dot products."""
+    m = load()
+    return bool(m is not None and m.has_bf16_dot and hasattr(m, "fp8_block_linear"))
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) with W [n, K] FP8 block-scaled as published: W[r, c] = float32(weight[r, c]) *
+    scale_inv[r // 128, c // 128] (tokenfab.quant.fp8_block_weight).
+
+    Args:
+        x: [..., K] bf16 or float32, K a multiple of 32.
+        weight: float8_e4m3fn [n, K] (contiguous). scale_inv: float32 [ceil(n / 128), ceil(K / 128)].
+        bias: [n] (any float dtype) or None.
+
+    Returns:
+        [..., n] in x's dtype: per 128-input block the exact products of x and the e4m3 values summed in float32,
+        scaled once by the block's scale_inv, + bias, one rounding per output. Float32 x is split into three bf16
+        parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the FP8 bytes once (decode); on
+        CPUs with AMX, bf16 x of more than 4 rows runs AMX tile products on 16 converted weight rows at a time; else
+        more than 16 rows convert 32 weight rows at a time into a thread-local buffer for oneDNN's brgemm.
+        benchmarks/fp8_linear.py measures the GEMV against :func:`vnni_linear`.
+
+    Raises:
+        RuntimeError: shapes or dtypes outside the above, or kernels without AVX512-BF16 (check
+            :func:`fp8_block_linear_applies` first).
+    """
+    return load().fp8_block_linear(x, weight.view(torch.uint8), scale_inv, bias)
+
+
 class batch_invariant:
     """Context manager: the calling thread's kernels run in batch-invariant mode inside it (``on=True``), restored
     on exit; ``on=False`` changes nothing.

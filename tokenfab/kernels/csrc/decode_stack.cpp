@@ -24,6 +24,7 @@
 #include "batch_invariant.h"
 #include "cpu_kernels.h"
 #include "decode_stack.h"
+#include "fp8_linear.h"
 #include "gguf_linear.h"
 #include "vnni_linear.h"
 
@@ -32,25 +33,36 @@
 
 namespace {
 
-// One linear y = x W^T (+ b): VNNI blocks (qtype -1, vnni_linear) or packed GGUF tiles (qtype the ggml type id,
-// gguf_linear); ``rows`` = output features.
+// qtype of an FP8 block-scaled Lin (DeepSeek-V3's float8_e4m3fn bytes + float32 scale_inv per 128 x 128 block).
+constexpr int64_t kFp8LinQtype = 256;
+
+// One linear y = x W^T (+ b): VNNI blocks (qtype -1, vnni_linear), packed GGUF tiles (qtype the ggml type id,
+// gguf_linear) or FP8 block-scaled bytes (qtype kFp8LinQtype, fp8_block_linear with ``scale``); ``rows`` = output
+// features.
 struct Lin {
   at::Tensor w;
   int64_t qtype = -1;
   int64_t rows = 0;
   c10::optional<at::Tensor> bias;
+  c10::optional<at::Tensor> scale;  // FP8: scale_inv [ceil(rows / 128), ceil(K / 128)]
 
   bool defined() const { return w.defined(); }
   bool vnni() const { return qtype < 0; }
   at::Tensor operator()(const at::Tensor& x) const {
+    if (qtype == kFp8LinQtype) return fp8_block_linear(x, w, *scale, bias);
     return qtype < 0 ? vnni_linear(x, w, rows, bias) : gguf_linear(x, w, qtype, rows, bias);
   }
 };
 
-// (weight, qtype, rows, bias) from Python (engine/cpu_decode_stack.py's _lin_spec).
-using LinSpec = std::tuple<at::Tensor, int64_t, int64_t, c10::optional<at::Tensor>>;
+// (weight, qtype, rows, bias[, scale]) from Python (engine/cpu_decode_stack.py's _lin_spec; the scale for FP8 only).
+using LinSpec = pybind11::tuple;
 Lin make_lin(const LinSpec& s) {
-  return Lin{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s)};
+  TORCH_CHECK(s.size() == 4 || s.size() == 5, "DecodeStack: a Lin is (weight, qtype, rows, bias[, scale])");
+  Lin l{s[0].cast<at::Tensor>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
+        s[3].cast<c10::optional<at::Tensor>>(), std::nullopt};
+  if (s.size() == 5) l.scale = s[4].cast<c10::optional<at::Tensor>>();
+  TORCH_CHECK(l.qtype != kFp8LinQtype || l.scale.has_value(), "DecodeStack: an FP8 Lin needs its scale_inv");
+  return l;
 }
 
 // One SiLU-GLU block: down(silu(gate_up(x))), gate_up rows [gate | up]; or, where gate and up could not be joined
@@ -70,6 +82,7 @@ struct GatedMlp {
 
 struct Layer {
   bool mla = false;
+  std::vector<Lin> mla_lins;  // MLA on Lin projections: {q_a|kv_a} or {q_a, kv_a}, then q_b, o_proj
   std::vector<Lin> qkv;  // grouped-query layers on Lin projections: {q|k|v} or {q, k, v}; then o
   Lin o;
   std::vector<at::Tensor> attn_w;
@@ -122,6 +135,24 @@ class DecodeStack {
     Layer l;
     l.mla = true;
     l.in_norm = std::move(in_norm), l.in_eps = in_eps, l.post_norm = std::move(post_norm), l.post_eps = post_eps;
+    l.attn_w = std::move(w), l.attn_dims = std::move(dims), l.eps_a = eps_q, l.eps_b = eps_kv, l.scale = scale;
+    layers_.push_back(std::move(l));
+  }
+
+  // A layer with MLA attention whose projections are Lins (FP8 weights kept packed): a = {q_a|kv_a} or {q_a, kv_a},
+  // then q_b and o; w = {q_a_layernorm, kv_a_layernorm, W_UK, W_UV^T (pack_head_weights)}; dims as mla_decode's.
+  // Runs mla_decode's steps with the Lins in place of its VNNI linears (MLAttention.forward's module path).
+  void add_mla_layer_lin(at::Tensor in_norm, double in_eps, at::Tensor post_norm, double post_eps,
+                         std::vector<LinSpec> a, LinSpec q_b, LinSpec o, std::vector<at::Tensor> w,
+                         std::vector<int64_t> dims, double eps_q, double eps_kv, double scale) {
+    TORCH_CHECK((a.size() == 1 || a.size() == 2) && w.size() == 4 && dims.size() == 7,
+                "DecodeStack.add_mla_layer_lin: {q_a|kv_a} or {q_a, kv_a}, 4 weights and 7 dims expected");
+    Layer l;
+    l.mla = true;
+    l.in_norm = std::move(in_norm), l.in_eps = in_eps, l.post_norm = std::move(post_norm), l.post_eps = post_eps;
+    for (const auto& s : a) l.mla_lins.push_back(make_lin(s));
+    l.mla_lins.push_back(make_lin(q_b));
+    l.mla_lins.push_back(make_lin(o));
     l.attn_w = std::move(w), l.attn_dims = std::move(dims), l.eps_a = eps_q, l.eps_b = eps_kv, l.scale = scale;
     layers_.push_back(std::move(l));
   }
@@ -261,6 +292,10 @@ class DecodeStack {
                                     context_lens, l.attn_w, cos_, sin_, interleave_, l.eps_a, l.scale);
         o = l.o(att.view({T, H * D}));
         c += 2;
+      } else if (l.mla && !l.mla_lins.empty()) {
+        TORCH_CHECK(c < caches.size(), "DecodeStack.forward: fewer KV caches than layers");
+        o = mla_lin(l, a, positions, slot_mapping, caches[c], block_tables, context_lens);
+        c += 1;
       } else if (l.mla) {
         TORCH_CHECK(c < caches.size(), "DecodeStack.forward: fewer KV caches than layers");
         o = mla_decode(a, positions, slot_mapping, caches[c], block_tables, context_lens, l.attn_w, l.attn_dims,
@@ -306,6 +341,40 @@ class DecodeStack {
   }
 
  private:
+  // mla_decode (decode_blocks.cpp) with the layer's Lins as its three projections, step for step: MLAttention.forward's
+  // module path on packed linears (a separate q_a / kv_a pair where their rows could not be joined).
+  at::Tensor mla_lin(const Layer& l, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& slot_mapping,
+                     at::Tensor& cache, const at::Tensor& block_tables, const at::Tensor& context_lens) const {
+    const auto& d = l.attn_dims;
+    const int64_t q_lora = d[0], C = d[1], R = d[2], H = d[3], nope = d[4], vd = d[5], T = x.size(0);
+    const auto& lins = l.mla_lins;
+    at::Tensor q_a, ckv, kr;
+    if (lins.size() == 3) {
+      const auto a = lins[0](x);  // [T, q_lora + C + R]
+      q_a = a.slice(1, 0, q_lora), ckv = a.slice(1, q_lora, q_lora + C), kr = a.slice(1, q_lora + C, q_lora + C + R);
+    } else {
+      q_a = lins[0](x);
+      const auto kv = lins[1](x);  // [T, C + R]
+      ckv = kv.slice(1, 0, C), kr = kv.slice(1, C, C + R);
+    }
+    const auto q = lins[lins.size() - 2](rms_norm(q_a, std::nullopt, l.attn_w[0], l.eps_a)[0]).view({T, H, nope + R});
+    const auto c_kv = rms_norm(ckv, std::nullopt, l.attn_w[1], l.eps_b)[0];  // [T, C]
+    const auto q_rope = rope(q.slice(2, nope, nope + R), positions, cos_, sin_, interleave_);  // [T, H, R]
+    const auto k_rope = rope(kr.unsqueeze(1), positions, cos_, sin_, interleave_);
+    const auto slots = checked_slots(slot_mapping, cache, "DecodeStack (MLA)");
+    write_slots(cache, slots, 0, c_kv);  // the cache row is [c_kv | k_rope]
+    write_slots(cache, slots, C, k_rope);
+    auto q_lat = at::empty({T, H, C + R}, x.options());
+    auto q_lat_c = q_lat.slice(2, 0, C);
+    head_gemm_(q.slice(2, 0, nope), l.attn_w[2], q_lat_c);
+    q_lat.slice(2, C, C + R).copy_(q_rope);
+    const auto lat = cache.unsqueeze(2);  // [blocks, block_size, 1, C + R]: one latent "head", values = first C
+    const auto o_lat = paged_decode_attention(q_lat, lat, lat.slice(3, 0, C), block_tables, context_lens, l.scale);
+    auto o = at::empty({T, H, vd}, x.options());
+    head_gemm_(o_lat, l.attn_w[3], o);
+    return lins.back()(o.view({T, H * vd}));
+  }
+
   at::Tensor embed_, final_norm_;
   int64_t embed_qtype_ = -1, embed_rows_ = 0;  // a packed GGUF embedding: its ggml type and rows
   double final_eps_;
@@ -322,6 +391,7 @@ void register_decode_stack(pybind11::module_& m) {
       .def(pybind11::init<at::Tensor, at::Tensor, double, at::Tensor, at::Tensor, bool>())
       .def("add_mla_layer", &DecodeStack::add_mla_layer)
       .def("add_gqa_layer", &DecodeStack::add_gqa_layer)
+      .def("add_mla_layer_lin", &DecodeStack::add_mla_layer_lin)
       .def("add_gqa_layer_lin", &DecodeStack::add_gqa_layer_lin)
       .def("set_gated_mlp", &DecodeStack::set_gated_mlp)
       .def("set_gated_mlp_lin", &DecodeStack::set_gated_mlp_lin)

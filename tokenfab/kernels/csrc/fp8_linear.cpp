@@ -1,0 +1,402 @@
+// Linear layers on FP8 block-scaled weights (DeepSeek-V3 / Kimi-K2 as published) executed packed: the weight stays
+// in its float8_e4m3fn bytes [n, K] with float32 scale_inv [ceil(n / 128), ceil(K / 128)] and is converted in
+// registers.
+//
+// e4m3fn (OCP FP8, "fn": no infinities): sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal
+// (m * 2^-9), S.1111.111 is NaN. Every e4m3 value is exact in bf16 (8 exponent bits, 7 mantissa bits), so a
+// 128-entry table of bf16 bit patterns (the magnitude codes 0..127) looked up by two `vpermt2w` (64 entries each, bit
+// 6 of the code choosing between them) plus the sign bit moved to bit 15 gives the exact bf16 of 32 weights at once.
+//
+// Products x_k q_k of bf16 x and the bf16 e4m3 values are exact in float32; per 128-input block (the scale block)
+// the products are summed in float32 (`vdpbf16ps`) and scaled once by the block's scale_inv:
+//   y[m, n] = sum_kb s[n / 128, kb] * sum_{k in kb} x[m, k] q[n, k]    (+ bias, one rounding to x's dtype)
+// the same real number as sum_k x_k (q_k s) up to float32 rounding. float32 x is split into three bf16 parts
+// (x = h + m + l up to 2^-24 relative), each multiplied exactly, so float32 activations keep float32 accuracy.
+//
+// Paths, by rows M of x (never a full-size copy of the weight):
+// - GEMV (bf16 x with M <= 4 where the CPU has AMX, else M <= 16; float32 x with M <= 16): over weight rows, parallel
+//   over rows: R weight rows x M rows of x per pass (R = 4 at M = 1, 2 at M = 2, else 1; independent accumulator
+//   chains), passes of up to 8 rows of x over a weight row that stays in L1.
+// - AMX (bf16 x with M > 4, AMX-BF16 granted): per 16 weight rows converted once to bf16 A tiles, one TDPBF16PS per
+//   32 inputs and 16-row tile of x, each 128-input block's float32 tile scaled in registers (amx_tiles below).
+// - brgemm (M > 16 without AMX, and float32 x): per 32 weight rows, the thread converts them once into a small
+//   thread-local buffer (bf16 VNNI pairs [K / 2, 32, 2] for bf16 x, float32 [K, 32] for float32 x; the e4m3 values
+//   exactly) and runs oneDNN's brgemm per 128-input block over 64-row tiles of x, scaling each block's [64, 32] sums
+//   by its scale_inv.
+#include "fp8_linear.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TOKENFAB_FP8_AMX 1
+#endif
+
+namespace {
+
+constexpr int64_t BK = kFp8Block;
+constexpr int64_t kGemvMaxRows = 16, kGemvPass = 8, kTileM = 64;
+
+// bf16 bits of the e4m3fn magnitude code c (0..127): e = c >> 3, m = c & 7; e == 0: m 2^-9, else (1 + m / 8) 2^(e - 7);
+// c == 127: NaN. Exact (at most 4 significant bits).
+uint16_t e4m3_magnitude_bf16(int c) {
+  if (c == 0x7F) return 0x7FC0;
+  const int e = c >> 3, m = c & 7;
+  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+#if defined(__AVX512BF16__)
+
+struct Lut {
+  __m512i t[4];  // bf16 of magnitude codes 0..31, 32..63, 64..95, 96..127
+  Lut() {
+    alignas(64) uint16_t v[128];
+    for (int c = 0; c < 128; ++c) v[c] = e4m3_magnitude_bf16(c);
+    for (int i = 0; i < 4; ++i) t[i] = _mm512_load_si512(v + 32 * i);
+  }
+};
+
+// 32 e4m3 bytes -> their 32 exact bf16 values (as u16 lanes, in order).
+inline __m512i e4m3x32(const uint8_t* p, const Lut& L) {
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i lo = _mm512_permutex2var_epi16(L.t[0], w, L.t[1]);  // index bits 0..5: codes 0..63
+  const __m512i hi = _mm512_permutex2var_epi16(L.t[2], w, L.t[3]);  // codes 64..127
+  const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
+  return _mm512_or_si512(mag, _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(int16_t(0x8000))));
+}
+
+inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+template <bool F32OUT>
+inline void store_one(void* y, int64_t idx, float v) {
+  if constexpr (F32OUT) {
+    static_cast<float*>(y)[idx] = v;
+  } else {
+    static_cast<c10::BFloat16*>(y)[idx] = c10::BFloat16(v);  // round to nearest even
+  }
+}
+
+// Weight rows [n0, n0 + R) for M rows of x given as S bf16 parts each (xp [M][S][K]); y [M, ldy].
+template <int R, int M, int S, bool F32OUT>
+void gemv_rows(const uint16_t* xp, int64_t K, const uint8_t* w, const float* sc, int64_t KB, const float* bias,
+               void* y, int64_t ldy, int64_t n0, const Lut& L) {
+  __m512 acc[R][M];
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const int64_t k0 = kb * BK, kl = std::min(BK, K - k0);
+    __m512 c[R][M];
+    for (int r = 0; r < R; ++r)
+      for (int m = 0; m < M; ++m) c[r][m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < kl; j += 32) {
+      __m512i wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = e4m3x32(w + (n0 + r) * K + k0 + j, L);
+      for (int m = 0; m < M; ++m)
+        for (int s = 0; s < S; ++s) {
+          const __m512i xv = _mm512_loadu_si512(xp + (m * S + s) * K + k0 + j);
+          for (int r = 0; r < R; ++r) c[r][m] = _mm512_dpbf16_ps(c[r][m], (__m512bh)xv, (__m512bh)wv[r]);
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(sc[((n0 + r) / BK) * KB + kb]);
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(c[r][m], s, acc[r][m]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) {
+      float v = _mm512_reduce_add_ps(acc[r][m]);
+      if (bias != nullptr) v += bias[n0 + r];
+      store_one<F32OUT>(y, m * ldy + n0 + r, v);
+    }
+}
+
+template <int S, bool F32OUT>
+void gemv_pass(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* w, const float* sc, int64_t KB,
+               const float* bias, void* y, int64_t ldy, int64_t n, const Lut& L) {
+#define TF_ROWS1(MM) gemv_rows<1, MM, S, F32OUT>(xp, K, w, sc, KB, bias, y, ldy, n, L)
+  switch (M) {
+    case 1: TF_ROWS1(1); break;
+    case 2: TF_ROWS1(2); break;
+    case 3: TF_ROWS1(3); break;
+    case 4: TF_ROWS1(4); break;
+    case 5: TF_ROWS1(5); break;
+    case 6: TF_ROWS1(6); break;
+    case 7: TF_ROWS1(7); break;
+    default: TF_ROWS1(8); break;
+  }
+#undef TF_ROWS1
+}
+
+// M <= 16 rows of x, weight rows [r0, r1): R rows at a time where M <= 2, else one row in passes of 8 rows of x.
+template <int S, bool F32OUT>
+void gemv(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* w, const float* sc, int64_t KB,
+          const float* bias, void* y, int64_t ldy, int64_t r0, int64_t r1, const Lut& L) {
+  int64_t n = r0;
+  if (M == 1)
+    for (; n + 4 <= r1; n += 4) gemv_rows<4, 1, S, F32OUT>(xp, K, w, sc, KB, bias, y, ldy, n, L);
+  if (M == 2)
+    for (; n + 2 <= r1; n += 2) gemv_rows<2, 2, S, F32OUT>(xp, K, w, sc, KB, bias, y, ldy, n, L);
+  for (; n < r1; ++n)
+    for (int64_t m0 = 0; m0 < M; m0 += kGemvPass) {
+      void* ym = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m0 * ldy)
+                        : static_cast<void*>(static_cast<c10::BFloat16*>(y) + m0 * ldy);
+      gemv_pass<S, F32OUT>(xp + m0 * S * K, std::min(kGemvPass, M - m0), K, w, sc, KB, bias, ym, ldy, n, L);
+    }
+}
+
+// Rows [32 nb, 32 nb + 32) of the weight (rows past n are zero) -> bf16 VNNI pairs (uint32 [K / 2][32]: pair k / 2 of
+// row j at [k / 2][j]) or float32 [K][32], the exact e4m3 values.
+template <bool F32W>
+void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* buf, const Lut& L) {
+  const __m512i pair_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(32));
+  const __m512i k_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(32));
+  for (int64_t j = 0; j < 32; ++j) {
+    const int64_t row = nb * 32 + j;
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      const __m512i v = row < N ? e4m3x32(w + row * K + k0, L) : _mm512_setzero_si512();
+      if constexpr (F32W) {
+        float* f = static_cast<float*>(buf) + k0 * 32 + j;
+        _mm512_i32scatter_ps(f, k_idx, bf16_to_f32(_mm512_castsi512_si256(v)), 4);
+        _mm512_i32scatter_ps(f + 16 * 32, k_idx, bf16_to_f32(_mm512_extracti64x4_epi64(v, 1)), 4);
+      } else {
+        uint32_t* p = static_cast<uint32_t*>(buf) + (k0 / 2) * 32 + j;
+        _mm512_i32scatter_epi32(p, pair_idx, v, 4);
+      }
+    }
+  }
+}
+
+template <typename T>
+void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const float* sc, int64_t N,
+          const float* bias, T* y, int64_t ldy, const Lut& L) {
+  constexpr bool F32 = std::is_same_v<T, float>;
+  const int64_t NB = (N + 31) / 32, KB = (K + BK - 1) / BK;
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    std::vector<uint32_t> buf(F32 ? K * 32 : K * 16);
+    std::vector<float> c(kTileM * 32), acc(kTileM * 32);
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      convert_rows32<F32>(w, nb, N, K, buf.data(), L);
+      const float* srow = sc + (nb * 32 / BK) * KB;  // the 32 rows lie in one 128-row scale block
+      const int64_t nvalid = std::min<int64_t>(32, N - nb * 32);
+      for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
+        const int64_t mt = std::min(kTileM, M - m0);
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          const int64_t k0 = kb * BK, kl = std::min(BK, K - k0);
+          if constexpr (F32) {
+            at::native::cpublas::brgemm(mt, 32, kl, lda, 32, 32, false, x + m0 * lda + k0,
+                                        reinterpret_cast<const float*>(buf.data()) + k0 * 32, c.data(), false);
+          } else {
+            at::native::cpublas::brgemm(mt, 32, kl, lda, 32, 32, false,
+                                        reinterpret_cast<const at::BFloat16*>(x + m0 * lda + k0),
+                                        reinterpret_cast<const at::BFloat16*>(buf.data()) + k0 * 32, c.data(), true);
+          }
+          const __m512 s = _mm512_set1_ps(srow[kb]);
+          for (int64_t i = 0; i < mt * 32; i += 16) {
+            const __m512 ci = _mm512_mul_ps(_mm512_loadu_ps(c.data() + i), s);
+            _mm512_storeu_ps(acc.data() + i, kb == 0 ? ci : _mm512_add_ps(_mm512_loadu_ps(acc.data() + i), ci));
+          }
+        }
+        for (int64_t r = 0; r < mt; ++r)
+          for (int64_t j = 0; j < nvalid; ++j) {
+            float v = acc[r * 32 + j];
+            if (bias != nullptr) v += bias[nb * 32 + j];
+            store_one<F32>(y, (m0 + r) * ldy + nb * 32 + j, v);
+          }
+      }
+    }
+    at::native::cpublas::brgemm_release(!F32);
+  });
+}
+
+#if defined(TOKENFAB_FP8_AMX)
+// AMX path for bf16 x with more than kAmxMinRows rows (decode batches and prefill). The weight is the A operand, so
+// its row-major bytes need no transpose: per 16 weight rows, their e4m3 values are converted once into A tiles
+// (bf16 [16 rows, 32 inputs] per 32 inputs, exact). x is laid out once per call as B tiles (bf16 pairs [16 pairs,
+// 16 rows of x, 2], zero-padded to 16 rows). Per 16-row tile of x and 128-input scale block, four TDPBF16PS
+// accumulate the block's exact products in a float32 tile C [16 weight rows, 16 rows of x], scaled once in AVX512
+// registers: acc += s * C, the GEMV's sum per block. The linux kernel hands out AMX tile state only on request.
+constexpr int64_t kAmxMinRows = 4;
+
+bool amx_ready() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void amx_config() {  // tile 0: C [16, 16] fp32, tile 1: A [16, 32] bf16, tile 2: B [16 pairs, 16 x 2] bf16
+  TileConfig c;
+  c.colsb[0] = c.colsb[1] = c.colsb[2] = 64;
+  c.rows[0] = c.rows[1] = c.rows[2] = 16;
+  // fixed tile registers in inline assembly (GCC's AMX intrinsics may insert a ldtilecfg of their own)
+  asm volatile("ldtilecfg %0" ::"m"(c));
+}
+
+// x [M, K] bf16 (row stride lda) -> xb [ceil(M / 16)][K / 32][16 pairs][16 rows][2], rows past M zero.
+void pack_x_tiles(const uint16_t* x, int64_t lda, int64_t M, int64_t K, uint16_t* xb) {
+  const int64_t KC = K / 32;
+  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(16));
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(xb) + (m / 16) * KC * 256 + m % 16;
+      for (int64_t kc = 0; kc < KC; ++kc)
+        _mm512_i32scatter_epi32(dst + kc * 256, idx, _mm512_loadu_si512(x + m * lda + kc * 32), 4);
+    }
+  });
+}
+
+template <bool F32OUT>
+void amx_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* w, const float* sc, int64_t N,
+               const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1, const Lut& L) {
+  const int64_t KB = (K + BK - 1) / BK, KC = K / 32;
+  uint16_t* at = static_cast<uint16_t*>(std::aligned_alloc(64, K * 32));  // A tiles [K / 32][16 rows][32]
+  alignas(64) float ct[16 * 16];
+  amx_config();
+  for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t row = t * 16 + j;
+      for (int64_t kc = 0; kc < KC; ++kc)
+        _mm512_store_si512(at + kc * 512 + j * 32,
+                           row < N ? e4m3x32(w + row * K + kc * 32, L) : _mm512_setzero_si512());
+    }
+    const float* srow = sc + (t * 16 / BK) * KB;  // the 16 rows lie in one 128-row scale block
+    const int64_t n0 = t * 16, nvalid = std::min<int64_t>(16, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+      __m512 acc[16];
+      for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+      const uint16_t* xt = xb + (m0 / 16) * KC * 512;
+      for (int64_t kb = 0; kb < KB; ++kb) {
+        const int64_t kc0 = kb * (BK / 32), kc1 = std::min(KC, kc0 + BK / 32);
+        asm volatile("tilezero %%tmm0" ::: "memory");
+        for (int64_t kc = kc0; kc < kc1; ++kc) {
+          const uint16_t* a = at + kc * 512;
+          const uint16_t* b = xt + kc * 512;
+          const int64_t stride = 64;
+          asm volatile("tileloadd (%0,%1,1), %%tmm1" ::"r"(a), "r"(stride) : "memory");
+          asm volatile("tileloadd (%0,%1,1), %%tmm2" ::"r"(b), "r"(stride) : "memory");
+          asm volatile("tdpbf16ps %%tmm2, %%tmm1, %%tmm0" ::: "memory");
+        }
+        const int64_t stride = 64;
+        asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(ct), "r"(stride) : "memory");
+        const __m512 s = _mm512_set1_ps(srow[kb]);
+        for (int r = 0; r < 16; ++r) acc[r] = _mm512_fmadd_ps(_mm512_load_ps(ct + 16 * r), s, acc[r]);
+      }
+      const int64_t mt = std::min<int64_t>(16, M - m0);
+      alignas(64) float out[16 * 16];  // acc[j] lane i = y[m0 + i, n0 + j]
+      for (int r = 0; r < 16; ++r) _mm512_store_ps(out + 16 * r, acc[r]);
+      for (int64_t i = 0; i < mt; ++i)
+        for (int64_t j = 0; j < nvalid; ++j) {
+          float v = out[16 * j + i];
+          if (bias != nullptr) v += bias[n0 + j];
+          store_one<F32OUT>(y, (m0 + i) * ldy + n0 + j, v);
+        }
+    }
+  }
+  std::free(at);
+  asm volatile("tilerelease" ::: "memory");
+  // oneDNN's brgemm tracks the tile configuration it loaded per thread: forget it, so its next call loads its own
+  at::native::cpublas::brgemm_release(true);
+}
+#endif  // TOKENFAB_FP8_AMX
+
+#endif  // __AVX512BF16__
+
+}  // namespace
+
+at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_inv,
+                            const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "fp8_block_linear: x must be bfloat16 or float32, got ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous() && w.size(1) == K && K % 32 == 0 &&
+              w.size(0) > 0, "fp8_block_linear: weight ", w.sizes(), " does not hold rows of ", K,
+              " inputs (uint8 e4m3 bytes [n, K], K a multiple of 32)");
+  const int64_t N = w.size(0), KB = (K + BK - 1) / BK;
+  TORCH_CHECK(scale_inv.scalar_type() == at::kFloat && scale_inv.is_contiguous() && scale_inv.dim() == 2 &&
+              scale_inv.size(0) == (N + BK - 1) / BK && scale_inv.size(1) == KB,
+              "fp8_block_linear: scale_inv ", scale_inv.sizes(), " is not float32 [ceil(n / 128), ceil(K / 128)]");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  auto y = at::empty(shape, x.options());
+  auto x2 = x.reshape({-1, K});
+  if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
+  const int64_t M = x2.size(0);
+  if (M == 0) return y;
+  at::Tensor bf;
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "fp8_block_linear: bias has ", bias->numel(), " values for ", N, " outputs");
+    bf = bias->to(at::kFloat).contiguous();
+    bp = bf.data_ptr<float>();
+  }
+#if defined(__AVX512BF16__)
+  static const Lut lut;
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const auto* wp = w.data_ptr<uint8_t>();
+  const float* sp = scale_inv.data_ptr<float>();
+#if defined(TOKENFAB_FP8_AMX)
+  if (!f32 && M > kAmxMinRows && amx_ready()) {
+    auto xt = at::zeros({(M + 15) / 16 * 16 * K}, x.options());  // x as B tiles (rows past M zero)
+    auto* xb = reinterpret_cast<uint16_t*>(xt.data_ptr());
+    pack_x_tiles(reinterpret_cast<const uint16_t*>(x2.data_ptr()), x2.stride(0), M, K, xb);
+    at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
+      amx_tiles<false>(xb, M, K, wp, sp, N, bp, y.data_ptr(), N, t0, t1, lut);
+    });
+    return y;
+  }
+#endif
+  if (M > kGemvMaxRows) {
+    if (f32) gemm<float>(x2.data_ptr<float>(), M, x2.stride(0), K, wp, sp, N, bp, y.data_ptr<float>(), N, lut);
+    else gemm<uint16_t>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0), K, wp, sp, N, bp,
+                        reinterpret_cast<uint16_t*>(y.data_ptr()), N, lut);
+    return y;
+  }
+  at::Tensor parts;
+  if (f32) {
+    const auto h = x2.to(at::kBFloat16), r = x2 - h.to(at::kFloat), mid = r.to(at::kBFloat16);
+    const auto lo = (r - mid.to(at::kFloat)).to(at::kBFloat16);
+    parts = at::stack({h, mid, lo}, 1).contiguous();  // [M, 3, K]
+  } else {
+    parts = x2.contiguous();
+  }
+  const auto* xp = reinterpret_cast<const uint16_t*>(parts.data_ptr());
+  void* yp = y.data_ptr();
+  const int64_t grain = M == 1 ? 16 : 4;  // rows per task (the R = 4 passes need whole groups of 4)
+  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
+    if (f32) gemv<3, true>(xp, M, K, wp, sp, KB, bp, yp, N, r0, r1, lut);
+    else gemv<1, false>(xp, M, K, wp, sp, KB, bp, yp, N, r0, r1, lut);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "fp8_block_linear needs AVX512-BF16 (has_bf16_dot is False): use the PyTorch path");
+  return y;
+#endif
+}
+
+void register_fp8_linear(pybind11::module_& m) {
+  m.def("fp8_block_linear", &fp8_block_linear,
+        "x W^T (+ b) over FP8 e4m3 block-scaled weights as published (CPU, AVX512-BF16)", pybind11::arg("x"),
+        pybind11::arg("w"), pybind11::arg("scale_inv"), pybind11::arg("bias") = pybind11::none());
+}

@@ -1,0 +1,100 @@
+"""Checkpoint tensors of an FP8 block-scaled checkpoint (DeepSeek-V3 / Kimi-K2 as published) as the model loads them.
+
+Each quantized Linear is stored as ``<name>.weight`` float8_e4m3fn [out, in] and ``<name>.weight_scale_inv`` float32
+[ceil(out / 128), ceil(in / 128)]. :class:`Fp8CheckpointWeights` pairs them into one
+:class:`~tokenfab.quant.fp8_block_weight.Fp8BlockWeight` under ``<name>.weight``, which ``CausalLM.load_weights``
+hands to the Linear (kept packed). Two kinds are dequantized once here instead, by the same formula, to float32
+(the model's ``copy_`` rounds them once to its dtype):
+
+* routed experts (``.mlp.experts.<e>.{gate,up,down}_proj``): they live in the stacked bf16 expert tensors of
+  ``RoutedExperts`` and its grouped kernels, which have no FP8 form yet;
+* MLA's ``kv_b_proj``: the absorbed decode splits it per head into W_UK / W_UV (``MLAttention.fuse``), as vLLM
+  dequantizes it for the same reason.
+
+Everything else (embeddings, norms, the router ``mlp.gate``, lm_head) is read as published (bf16 / float32).
+"""
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from tokenfab.errors import WeightLoadError
+from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
+
+logger = logging.getLogger("tokenfab")
+
+_SCALE = ".weight_scale_inv"
+_DEQUANTIZED = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$|\.self_attn\.kv_b_proj\.weight$")
+
+
+def is_dequantized_at_load(name: str) -> bool:
+    """True for the FP8 weights this loader dequantizes (routed experts, kv_b_proj) instead of keeping packed."""
+    return _DEQUANTIZED.search(name) is not None
+
+
+class Fp8CheckpointWeights:
+    """Wraps a ``(name, tensor)`` iterable (:class:`~tokenfab.loader.safetensors_loader.CheckpointWeights`): yields
+    ``(<name>.weight, Fp8BlockWeight)`` for each weight / weight_scale_inv pair (whatever their order or shard),
+    float32 dequantized tensors for :func:`is_dequantized_at_load` names, every other tensor unchanged.
+
+    Raises (when iterated):
+        WeightLoadError: a float8 weight without its weight_scale_inv or the reverse, or a pair whose shapes do not
+            match (naming the tensors).
+    """
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        self.weights = weights
+        self.packed = self.dequantized = 0  # parameters kept packed / dequantized once, counted while iterating
+
+    def file_of(self, name: str) -> str | None:
+        """The file that held ``name`` (or its ``weight_scale_inv``), when the wrapped iterable knows it."""
+        f = getattr(self.weights, "file_of", None)
+        return None if f is None else (f(name) or f(name + "_scale_inv"))
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor | Fp8BlockWeight]]:
+        self.packed = self.dequantized = 0
+        weights: dict[str, torch.Tensor] = {}  # "<name>.weight" -> float8 tensor awaiting its scale
+        scales: dict[str, torch.Tensor] = {}   # "<name>.weight" -> scale awaiting its weight
+        for name, t in self.weights:
+            if name.endswith(_SCALE):
+                key = name[: -len("_scale_inv")]
+                if key in weights:
+                    yield key, self._pair(key, weights.pop(key), t)
+                else:
+                    scales[key] = t
+            elif t.dtype != torch.float8_e4m3fn and t.dtype.is_floating_point and t.element_size() == 1:
+                raise WeightLoadError(f"FP8 checkpoint: {self._where(name)} is {str(t.dtype).removeprefix('torch.')}; "
+                                      "tokenfab reads float8_e4m3fn weights (quantization_config fmt 'e4m3').")
+            elif t.dtype == torch.float8_e4m3fn:
+                if name in scales:
+                    yield name, self._pair(name, t, scales.pop(name))
+                else:
+                    weights[name] = t
+            else:
+                yield name, t
+        if weights or scales:
+            lone = [f"{n} (no {n}_scale_inv)" for n in weights] + [f"{n}_scale_inv (no float8 {n})" for n in scales]
+            raise WeightLoadError(f"FP8 checkpoint: {len(lone)} weight(s) without their pair: "
+                                  + ", ".join(lone[:10]) + (" ..." if len(lone) > 10 else ""))
+        if self.packed or self.dequantized:
+            logger.info("FP8 checkpoint: %d parameters kept packed (float8_e4m3fn + block scales); %d dequantized "
+                        "once at load (routed experts into the stacked expert tensors, MLA kv_b_proj for the "
+                        "absorbed decode)", self.packed, self.dequantized)
+
+    def _where(self, name: str) -> str:
+        f = self.file_of(name)
+        return f"{name} (in {f})" if f else name
+
+    def _pair(self, name: str, weight: torch.Tensor, scale: torch.Tensor):
+        try:  # own copies: safetensors' tensors may view its file mapping, which would stay resident as file pages
+            w = Fp8BlockWeight(weight.clone(), scale.clone(), name)
+        except ValueError as e:
+            raise WeightLoadError(f"FP8 checkpoint: {e}") from None
+        if is_dequantized_at_load(name):
+            self.dequantized += weight.numel()
+            return w.dequantize()
+        self.packed += weight.numel()
+        return w

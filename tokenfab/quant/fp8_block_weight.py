@@ -1,0 +1,115 @@
+"""A Linear weight in FP8 block-scaled form (DeepSeek-V3 / Kimi-K2 as published), kept packed and multiplied packed.
+
+Stored as published: ``weight`` float8_e4m3fn [out, in] (1 byte per parameter) and ``weight_scale_inv`` float32
+[ceil(out / 128), ceil(in / 128)], the real weight being
+
+    W[r, c] = float32(weight[r, c]) * weight_scale_inv[r // 128, c // 128]
+
+(DeepSeek-V3 ``inference/kernel.py`` ``weight_dequant``; vLLM / SGLang block FP8 the same; edge blocks are partial when
+out or in is not a multiple of 128). The product is one float32 rounding of an exact e4m3 value times the scale.
+
+Fast path: ``cpu_kernels.fp8_block_linear`` (kernels/csrc/fp8_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
+decode GEMV converting e4m3 to bf16 in registers (every e4m3 value is exact in bf16); with AMX, bf16 x of more than 4
+rows converts 16 weight rows at a time into AMX tiles; otherwise more than 16 rows convert 32 weight rows at a time
+into a thread-local buffer for oneDNN's brgemm. All sum x q exactly per 128 inputs in float32 and scale each block's
+sum once: y = sum_kb s[n, kb] * sum_{k in kb} x_k q_k, the same real number as
+sum_k x_k W[n, k] up to float32 rounding. Needs in_features a multiple of 32. Reference / fallback (no kernels, no
+AVX512-BF16, another device, in_features not a multiple of 32, or ``TOKENFAB_CPU_LINEAR=torch``): dequantize 1024 rows
+at a time by the formula and ``F.linear`` in float32, so no full-size float copy of the weight is ever made.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tokenfab.kernels import cpu_kernels
+from tokenfab.quant.fp8_config import FP8_BLOCK
+from tokenfab.quant.packed_weight import PackedWeight
+
+_REFERENCE_ROWS = 1024  # rows dequantized at a time by the PyTorch path (a multiple of the 128-row block)
+BLOCK = FP8_BLOCK[0]
+
+
+def scale_shape(out_features: int, in_features: int) -> tuple[int, int]:
+    """Shape of ``weight_scale_inv`` for W [out_features, in_features]: (ceil(out / 128), ceil(in / 128))."""
+    return -(-out_features // BLOCK), -(-in_features // BLOCK)
+
+
+class Fp8BlockWeight(PackedWeight):
+    """W [out_features, in_features] as float8_e4m3fn ``weight`` and float32 ``scale_inv`` per 128 x 128 block.
+
+    Args:
+        weight: float8_e4m3fn [out, in] (the checkpoint's ``<name>.weight``).
+        scale_inv: float32 [ceil(out / 128), ceil(in / 128)] (``<name>.weight_scale_inv``).
+        name: the checkpoint name, for error messages.
+
+    Raises:
+        ValueError: wrong dtypes or a scale shape that does not match the weight's (naming ``name``).
+    """
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight"):
+        if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
+            raise ValueError(f"{name}: FP8 block weight must be a 2-D float8_e4m3fn tensor, got "
+                             f"{str(weight.dtype).removeprefix('torch.')} {tuple(weight.shape)}")
+        out_features, in_features = weight.shape
+        want = scale_shape(out_features, in_features)
+        if scale_inv.dim() != 2 or tuple(scale_inv.shape) != want or not scale_inv.is_floating_point():
+            raise ValueError(f"{name}_scale_inv: expected a float32 [{want[0]}, {want[1]}] (ceil(out / 128), "
+                             f"ceil(in / 128)) for weight [{out_features}, {in_features}], got "
+                             f"{str(scale_inv.dtype).removeprefix('torch.')} {tuple(scale_inv.shape)}")
+        super().__init__(out_features, in_features)
+        self.register_buffer("weight", weight.contiguous(), persistent=False)
+        self.register_buffer("scale_inv", scale_inv.to(torch.float32).contiguous(), persistent=False)
+        self._kernel = False
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() + 4 * self.scale_inv.numel()
+
+    def dequantize_rows(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of W by the published formula: float32 [end - start, in_features]."""
+        q = self.weight[start:end].to(torch.float32)
+        b0, b1 = start // BLOCK, -(-end // BLOCK)
+        s = self.scale_inv[b0:b1].repeat_interleave(BLOCK, 0)[start - b0 * BLOCK:end - b0 * BLOCK]
+        return q * s.repeat_interleave(BLOCK, 1)[:, :self.in_features]
+
+    def prepare(self) -> None:
+        """Use the C++ kernel when it runs here: CPU tensors, in_features a multiple of 32, built kernels with
+        AVX512-BF16 and a CPU linear backend other than ``torch`` (``TOKENFAB_CPU_LINEAR``)."""
+        from tokenfab.layers.linear import cpu_linear_backend
+        self._kernel = (self.weight.device.type == "cpu" and self.in_features % 32 == 0
+                        and cpu_linear_backend() != "torch" and cpu_kernels.fp8_block_linear_applies())
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu":
+            return cpu_kernels.fp8_block_linear(x, self.weight, self.scale_inv, bias)
+        return self.reference_linear(x, bias)
+
+    def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The plain-PyTorch path: float32 ``F.linear`` over 1024 dequantized rows at a time, + bias in float32,
+        one rounding to x's dtype."""
+        xf = x.float()
+        ys = [F.linear(xf, self.dequantize_rows(s, min(s + _REFERENCE_ROWS, self.out_features)).to(x.device))
+              for s in range(0, self.out_features, _REFERENCE_ROWS)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
+
+    @classmethod
+    def concat(cls, weights: Sequence[PackedWeight]) -> Fp8BlockWeight | None:
+        """Rows of several FP8 weights with the same in_features joined (q_a|kv_a, gate|up) when every weight but
+        the last has a whole number of 128-row blocks (so the scale rows stay aligned); None otherwise."""
+        first = weights[0]
+        if not all(isinstance(w, Fp8BlockWeight) and w.in_features == first.in_features for w in weights):
+            return None
+        if any(w.out_features % BLOCK for w in weights[:-1]):
+            return None
+        out = cls(torch.cat([w.weight for w in weights]), torch.cat([w.scale_inv for w in weights]))
+        out._kernel = first._kernel
+        return out
+
+    def extra_repr(self) -> str:
+        return "fp8 e4m3 block 128x128, " + super().extra_repr()
