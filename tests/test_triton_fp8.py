@@ -67,3 +67,28 @@ def test_mismatched_scales_refused(interpret):
     w = torch.zeros(200, 200, dtype=torch.uint8)
     with pytest.raises(ValueError, match="128 x 128"):
         fp8_block_linear(torch.zeros(1, 200), w, torch.ones(1, 2))
+
+
+def test_fp8_block_weight_takes_the_triton_kernel_where_it_applies(interpret, monkeypatch):
+    """Fp8BlockWeight.linear: with the CPU kernel off and Triton applying (the interpreter here, GPU tensors in
+    serving) the product comes from kernels/triton_fp8_linear.py and equals the formula's within the float32 bound;
+    with TOKENFAB_TRITON=0 the reference path runs instead."""
+    from tokenfab.kernels import triton_fp8_linear
+    from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
+    g = torch.Generator().manual_seed(3)
+    w8 = torch.randint(0, 256, (150, 200), generator=g, dtype=torch.int64).to(torch.uint8)
+    w8[(w8 & 0x7F) == 0x7F] = 0x38
+    s = torch.rand(2, 2, generator=g) * 1e-2 + 1e-3
+    w = Fp8BlockWeight(w8.view(torch.float8_e4m3fn), s)
+    w.prepare()
+    x = torch.randn(3, 200, generator=g)
+    calls = []
+    real = triton_fp8_linear.fp8_block_linear
+    monkeypatch.setattr(triton_fp8_linear, "fp8_block_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    y = w.linear(x, None)
+    want, bound = formula(x, w8, s, None)
+    assert calls and ((y.double() - want).abs() <= (2 * 200 + 8) * U * bound).all()
+    monkeypatch.setenv("TOKENFAB_TRITON", "0")
+    w.linear(x, None)
+    assert len(calls) == 1

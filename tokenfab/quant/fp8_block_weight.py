@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels import cpu_kernels, triton_support
 from tokenfab.quant.fp8_config import FP8_BLOCK
 from tokenfab.quant.packed_weight import PackedWeight
 
@@ -85,6 +85,9 @@ class Fp8BlockWeight(PackedWeight):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu":
             return cpu_kernels.fp8_block_linear(x, self.weight, self.scale_inv, bias)
+        if triton_support.applies(x):  # CUDA/ROCm (tests: the interpreter): kernels/triton_fp8_linear.py
+            from tokenfab.kernels import triton_fp8_linear
+            return triton_fp8_linear.fp8_block_linear(x, self.weight, self.scale_inv, bias)
         return self.reference_linear(x, bias)
 
     def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
