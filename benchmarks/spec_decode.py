@@ -11,7 +11,11 @@ Two parts, one Markdown result (benchmarks/results/<date>-spec-decode-<label>.md
    and 16: acceptance rate (accepted / draft tokens), mean acceptance length (1 + accepted / drafts), mean TPOT
    ((finish - first token) / (output tokens - 1) per request) and output tok/s (output tokens / wall time).
 
-Usage: ``python benchmarks/spec_decode.py [--parts verify,workload] [--k 4] [--label ngram]``.
+``--method draft_model [--draft PATH]`` runs the workloads with a draft model instead (default draft: the real default
+model's own Q4_1 GGUF file, served packed, beside its dequantized bf16 copy as the target).
+
+Usage: ``python benchmarks/spec_decode.py [--parts verify,workload] [--k 4] [--method ngram|draft_model]
+[--repeats R]``.
 """
 from __future__ import annotations
 
@@ -157,9 +161,12 @@ def verify_part(model, steps):
     return lines
 
 
-def run_workload(model, prompts, sp, conc, spec):
+def run_workload(model, prompts, sp, conc, spec, llm=None):
+    """One timed ``generate`` of ``prompts`` (after a one-prompt warm-up); ``llm`` reused when given.
+    Returns (metrics dict, output token lists)."""
     from tokenfab import LLM
-    llm = LLM(model, progress=False, max_num_seqs=conc, max_model_len=2048, speculative_config=spec)
+    if llm is None:
+        llm = LLM(model, progress=False, max_num_seqs=conc, max_model_len=2048, speculative_config=spec)
     llm.generate(prompts[:1], sp)  # warm-up
     eng = llm.llm_engine
     st0 = dict(eng.get_stats())
@@ -179,26 +186,42 @@ def run_workload(model, prompts, sp, conc, spec):
         dt = st.get("spec_decode_num_draft_tokens", 0) - st0.get("spec_decode_num_draft_tokens", 0)
         dr = st.get("spec_decode_num_drafts", 0) - st0.get("spec_decode_num_drafts", 0)
         ac = st.get("spec_decode_num_accepted_tokens", 0) - st0.get("spec_decode_num_accepted_tokens", 0)
-        res.update(rate=(ac / dt if dt else 0.0), length=(1 + ac / dr if dr else 1.0), drafts=dr)
+        res.update(rate=(ac / dt if dt else 0.0), length=(1 + ac / dr if dr else 1.0), drafts=dr, draft_tokens=dt,
+                   accepted=ac)
     return res, [o.outputs[0].token_ids for o in outs]
 
 
-def workload_part(model, k, max_tokens, spec_extra):
-    from tokenfab import SamplingParams
+def spec_description(spec, spec_extra) -> str:
+    """The workload table's first sentence: which proposer, k and settings."""
+    k = spec["num_speculative_tokens"]
+    if spec["method"] == "ngram":
+        head = f"ngram, k = {k}, prompt_lookup_max {spec['prompt_lookup_max']}, prompt_lookup_min " \
+               f"{spec['prompt_lookup_min']}"
+    else:
+        head = f"draft_model `{os.path.basename(spec['model'])}`, k = {k}"
+    return f"{head}, other settings default ({spec_extra or 'switch-off rule defaults'})"
+
+
+def workload_part(model, spec, max_tokens, spec_extra, repeats=1, json_rows=None):
+    """The workload table: for each concurrency one LLM without and one with ``spec`` (built once, reused by
+    every workload and temperature); each cell runs no-spec and spec alternately ``repeats`` times and reports
+    the medians (TPOT, tok/s) and the summed acceptance counters."""
+    from tokenfab import LLM, SamplingParams
     from tokenfab.engine.model_loader import load_tokenizer
     tok = load_tokenizer(model)
-    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
-            **spec_extra}
-    lines = ["## Workloads", "", f"ngram, k = {k}, prompt_lookup_max 4, prompt_lookup_min 1, other settings default "
-             f"({spec_extra or 'switch-off rule defaults'}); max_tokens {max_tokens}. Concurrency c = max_num_seqs, "
-             "all requests submitted at once (offline LLM.generate); c = 1 runs 4 requests one after another, "
-             "c = 16 runs 16.", "",
+    lines = ["## Workloads", "", f"{spec_description(spec, spec_extra)}; max_tokens {max_tokens}. Concurrency "
+             "c = max_num_seqs, all requests submitted at once (offline LLM.generate); c = 1 runs 4 requests one "
+             f"after another, c = 16 runs 16. Each cell: no-spec and spec runs alternated {repeats} time(s), "
+             "medians quoted.", "",
              "| workload | T | c | acceptance rate | acceptance length | TPOT ms (no spec) | TPOT ms (spec) | "
              "TPOT ratio | out tok/s (no spec) | out tok/s (spec) | same tokens |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for wl in ("grounded", "random"):
-        for temp in (0.0, 1.0):
-            for conc in (1, 16):
+    cells = {}
+    for conc in (1, 16):
+        llms = [LLM(model, progress=False, max_num_seqs=conc, max_model_len=2048, speculative_config=s)
+                for s in (None, spec)]
+        for wl in ("grounded", "random"):
+            for temp in (0.0, 1.0):
                 n = 4 if conc == 1 else 16
                 if wl == "grounded":
                     prompts = grounded_prompts(tok, n)
@@ -206,12 +229,40 @@ def workload_part(model, k, max_tokens, spec_extra):
                 else:
                     prompts = random_prompts(len(tok), n, 256)
                     sp = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True)
-                base, bt = run_workload(model, prompts, sp, conc, None)
-                spc, st = run_workload(model, prompts, sp, conc, spec)
-                same = "yes" if bt == st else ("-" if temp > 0 else "NO")
-                lines.append(f"| {wl} | {temp:g} | {conc} | {100 * spc['rate']:.1f}% | {spc['length']:.2f} | "
-                             f"{base['tpot_ms']:.2f} | {spc['tpot_ms']:.2f} | {spc['tpot_ms'] / base['tpot_ms']:.2f} | "
-                             f"{base['tok_s']:.1f} | {spc['tok_s']:.1f} | {same} |")
+                runs = [[], []]
+                for _ in range(repeats):
+                    for i in (0, 1):
+                        runs[i].append(run_workload(model, prompts, sp, conc, (None, spec)[i], llm=llms[i]))
+                cells[(wl, temp, conc)] = runs
+                print(f"{wl} T={temp:g} c={conc}: " + "; ".join(
+                    f"{'spec' if i else 'base'} tpot {[round(r[0]['tpot_ms'], 1) for r in runs[i]]}" for i in (0, 1)),
+                    flush=True)
+        del llms
+    for wl in ("grounded", "random"):
+        for temp in (0.0, 1.0):
+            for conc in (1, 16):
+                runs = cells[(wl, temp, conc)]
+                med = [{key: statistics.median(r[0][key] for r in runs[i]) for key in ("tpot_ms", "tok_s")}
+                       for i in (0, 1)]
+                ac = sum(r[0]["accepted"] for r in runs[1])
+                dt = sum(r[0]["draft_tokens"] for r in runs[1])
+                dr = sum(r[0]["drafts"] for r in runs[1])
+                rate, length = (ac / dt if dt else 0.0), (1 + ac / dr if dr else 1.0)
+                same_all = all(b[1] == s[1] for b, s in zip(runs[0], runs[1]))
+                same = "yes" if same_all else ("-" if temp > 0 else "NO")
+                ratio = med[1]["tpot_ms"] / med[0]["tpot_ms"]
+                lines.append(f"| {wl} | {temp:g} | {conc} | {100 * rate:.1f}% | {length:.2f} | "
+                             f"{med[0]['tpot_ms']:.2f} | {med[1]['tpot_ms']:.2f} | {ratio:.2f} | "
+                             f"{med[0]['tok_s']:.1f} | {med[1]['tok_s']:.1f} | {same} |")
+                if json_rows is not None:
+                    json_rows.append({"workload": wl, "temperature": temp, "concurrency": conc,
+                                      "acceptance_rate": rate, "acceptance_length": length, "drafts": dr,
+                                      "draft_tokens": dt, "accepted_tokens": ac,
+                                      "tpot_ms_no_spec": [r[0]["tpot_ms"] for r in runs[0]],
+                                      "tpot_ms_spec": [r[0]["tpot_ms"] for r in runs[1]],
+                                      "tok_s_no_spec": [r[0]["tok_s"] for r in runs[0]],
+                                      "tok_s_spec": [r[0]["tok_s"] for r in runs[1]],
+                                      "tpot_ratio": ratio, "same_tokens": same_all if temp == 0 else None})
                 print(lines[-1], flush=True)
     return lines
 
@@ -223,7 +274,11 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--spec-extra", default="{}", help="extra speculative_config fields as JSON")
-    ap.add_argument("--label", default="ngram")
+    ap.add_argument("--label", default=None, help="result name label (default: the method)")
+    ap.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
+    ap.add_argument("--draft", default=None, help="draft_model: checkpoint folder or .gguf file (default: the "
+                    "real default model's Q4_1 GGUF, served packed)")
+    ap.add_argument("--repeats", type=int, default=1, help="workload: no-spec / spec runs alternated per cell")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
     import json
@@ -232,22 +287,37 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from tokenfab.default_model import default_model_path
+    from tokenfab.default_model import default_model_path, real_model_gguf
     model = default_model_path()
+    label = args.label or ("ngram" if args.method == "ngram" else "draft-model")
+    spec_extra = json.loads(args.spec_extra)
+    if args.method == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    else:
+        spec = {"method": "draft_model", "num_speculative_tokens": args.k, "model": args.draft or real_model_gguf()}
+    spec.update(spec_extra)
     parts = args.parts.split(",")
     lines = [f"# Speculative decoding on {os.path.basename(model)} (bf16, CPU)", "",
              f"Measured {time.strftime('%Y-%m-%d')} on this project's 2-core VM (torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; the VM was shared with other jobs, so absolute times are noisy: "
              "compare rows measured side by side).", "",
              f"Command: `python benchmarks/spec_decode.py --parts {args.parts} --k {args.k} --steps {args.steps} "
-             f"--max-tokens {args.max_tokens} --spec-extra '{args.spec_extra}' --label {args.label} --threads {args.threads}`",
+             f"--max-tokens {args.max_tokens} --spec-extra '{args.spec_extra}' --label {label} --threads {args.threads}"
+             + (f" --method {args.method}" + (f" --draft {args.draft}" if args.draft else "") if args.method != "ngram"
+                else "") + (f" --repeats {args.repeats}" if args.repeats != 1 else "") + "`",
              ""]
+    json_rows: list = []
     if "verify" in parts:
         lines += verify_part(model, args.steps) + [""]
     if "workload" in parts:
-        lines += workload_part(model, args.k, args.max_tokens, json.loads(args.spec_extra)) + [""]
-    write_markdown(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                   f"{time.strftime('%Y-%m-%d')}-spec-decode-{args.label}.md", lines)
+        lines += workload_part(model, spec, args.max_tokens, spec_extra, args.repeats, json_rows) + [""]
+    path = write_markdown(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                          f"{time.strftime('%Y-%m-%d')}-spec-decode-{label}.md", lines)
+    if json_rows:
+        with open(path[:-3] + ".json", "w") as f:
+            json.dump({"command": lines[4], "model": model, "speculative_config": spec, "workload": json_rows}, f,
+                      indent=1)
+        print(f"wrote {path[:-3]}.json")
 
 
 if __name__ == "__main__":
