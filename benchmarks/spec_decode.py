@@ -1,6 +1,6 @@
 """Speculative decoding on the real default model (SmolLM2-135M-Instruct, bf16, CPU), offline ``LLM`` timing.
 
-Two parts, one Markdown result (benchmarks/results/<date>-spec-decode-<label>.md):
+Three parts, one Markdown result (benchmarks/results/<date>-spec-decode-<label>.md):
 
 1. ``verify``: wall time of one engine step verifying k = 0, 1, 3, 7 drafts per row at batch 1 and 16 (random
    draft tokens from a stub proposer, so every step verifies exactly k; k = 0 is the plain decode step, the fused
@@ -10,11 +10,13 @@ Two parts, one Markdown result (benchmarks/results/<date>-spec-decode-<label>.md
    the random workload (random token prompts, ignore_eos), at temperature 0 and 1.0, concurrency 1 (max_num_seqs 1)
    and 16: acceptance rate (accepted / draft tokens), mean acceptance length (1 + accepted / drafts), mean TPOT
    ((finish - first token) / (output tokens - 1) per request) and output tok/s (output tokens / wall time).
+3. ``depth``: the acceptance ceiling of truncated-depth drafts (first N layers + final norm + tied head), in
+   transformers float32: how often their argmax equals the full model's greedy token.
 
 ``--method draft_model [--draft PATH]`` runs the workloads with a draft model instead (default draft: the real default
 model's own Q4_1 GGUF file, served packed, beside its dequantized bf16 copy as the target).
 
-Usage: ``python benchmarks/spec_decode.py [--parts verify,workload] [--k 4] [--method ngram|draft_model]
+Usage: ``python benchmarks/spec_decode.py [--parts verify,workload,depth] [--k 4] [--method ngram|draft_model]
 [--repeats R]``.
 """
 from __future__ import annotations
@@ -267,6 +269,37 @@ def workload_part(model, spec, max_tokens, spec_extra, repeats=1, json_rows=None
     return lines
 
 
+def depth_part(model, max_tokens, depths=(4, 8, 12, 16, 20, 24, 28)):
+    """Acceptance ceiling of a truncated-depth draft (the first N of the model's layers, its final norm and tied
+    head; self-speculative layer skipping): transformers in float32 generates greedily from each prompt, then
+    the fraction of positions where argmax(head(norm(h_N))) equals the full model's greedy token, i.e. the
+    per-token acceptance probability at T = 0 of such a draft running on the target's accepted context."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model)
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    L_total = lm.config.num_hidden_layers
+    lines = ["## Truncated-depth drafts (acceptance ceiling at T = 0)", "",
+             f"First N of {L_total} layers + final norm + tied head, float32, {max_tokens} greedy tokens per prompt "
+             "(4 grounded, 2 random): fraction of positions where the truncated model's argmax equals the full "
+             "model's token.", "", "| N layers | grounded | random |", "|---|---|---|"]
+    res = {}
+    for name, ps in (("grounded", grounded_prompts(tok, 4)), ("random", random_prompts(len(tok), 2, 256))):
+        for p in ps:
+            ids = torch.tensor([p["prompt_token_ids"]])
+            with torch.no_grad():
+                out = lm.generate(ids, max_new_tokens=max_tokens, do_sample=False)
+                L = ids.shape[1]
+                hs = lm(out, output_hidden_states=True).hidden_states
+                for n in depths:
+                    pred = lm.lm_head(lm.model.norm(hs[n][0, L - 1:-1])).argmax(-1)
+                    res.setdefault((name, n), []).append((pred == out[0, L:]).float().mean().item())
+    for n in depths:
+        lines.append(f"| {n} | {100 * statistics.mean(res[('grounded', n)]):.1f}% | "
+                     f"{100 * statistics.mean(res[('random', n)]):.1f}% |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="verify,workload")
@@ -309,6 +342,8 @@ def main():
     json_rows: list = []
     if "verify" in parts:
         lines += verify_part(model, args.steps) + [""]
+    if "depth" in parts:
+        lines += depth_part(model, args.max_tokens) + [""]
     if "workload" in parts:
         lines += workload_part(model, spec, args.max_tokens, spec_extra, args.repeats, json_rows) + [""]
     path = write_markdown(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
