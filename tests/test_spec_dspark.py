@@ -318,7 +318,8 @@ def k3_target(tmp_path_factory, tokenizer_dir):
 @pytest.mark.parametrize("stream", ["partial_sum", "attn_res_mixture"])
 def test_k3_tap_streams_match_naive(k3_target, stream):
     """KimiK3ForConditionalGeneration.tap_hidden after every layer (a forward hook on each decoder layer, fp32
-    engine) equals the naive float64 K3's partial sum / next-layer mix within 1e-4; the two streams differ."""
+    engine) equals the naive float64 K3's partial sum / next-layer mix within 1e-4 of the stream's largest value;
+    the two streams differ."""
     from tokenfab import LLM, SamplingParams
     path, ref, tc = k3_target
     llm = LLM(path, dtype="float32", device="cpu", progress=False)
@@ -340,8 +341,9 @@ def test_k3_tap_streams_match_naive(k3_target, stream):
     want = naive_k3_streams(ref, tc, prompt)
     for i, (ps, mix) in enumerate(want):
         w = ps if stream == "partial_sum" else mix
-        assert (got[i].double() - w).abs().max() < 1e-4, i
-    assert (want[1][0] - want[1][1]).abs().max() > 1e-2  # the streams are different features
+        err, scale = (got[i].double() - w).abs().max().item(), w.abs().max().item()
+        assert err < 1e-4 * scale, i  # fp32 engine (chunked KDA) vs float64, relative to the stream's magnitude
+    assert (want[1][0] - want[1][1]).abs().max() > 0.1 * want[1][0].abs().max()  # the streams are different features
 
 
 # ---- end to end on a tiny K3 target --------------------------------------------------------------------------------
