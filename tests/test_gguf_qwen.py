@@ -164,3 +164,26 @@ def test_bf16_decode_stack_runs_kquant_gguf(tiny_model, tokenizer_dir, tmp_path)
     llm.llm_engine.runner.cpu_decode_stack = None
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert fused == plain
+
+
+def test_deepseek2_gguf_is_refused_by_name(tmp_path):
+    """deepseek2 (DeepSeek-V3 / Kimi-K2 MLA + MoE) GGUF files are not read: one line naming the architecture and
+    the supported ones, from the packed loader and the dequantizing reader alike."""
+    path = str(tmp_path / "ds.gguf")
+    w = gguf.GGUFWriter(path, "deepseek2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    from tokenfab.errors import UnsupportedError, WeightLoadError
+    from tokenfab.loader.gguf_packed import packed_unsupported_reason
+    from tokenfab.loader.gguf_to_hf import ensure_converted
+    reason = packed_unsupported_reason(path)
+    assert "architecture 'deepseek2'" in reason and "supported: llama, qwen2, qwen3" in reason
+    assert "\n" not in reason
+    with pytest.raises(WeightLoadError, match="architecture 'deepseek2'"):
+        list(iterate_gguf_weights(path, progress=False))
+    with pytest.raises(UnsupportedError, match="architecture 'deepseek2'.*supported: llama, qwen2, qwen3"):
+        ensure_converted(path, quiet=True)
