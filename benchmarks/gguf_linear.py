@@ -1,7 +1,13 @@
-"""Packed GGUF linears (Q8_0, Q4_0, Q4_1; kernels/csrc/gguf_linear.cpp) against tokenfab's bf16 VNNI linear
-(kernels/csrc/vnni_linear.cpp) at the same shapes, side by side.
+"""Packed GGUF linears (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; kernels/csrc/gguf_linear.cpp) against tokenfab's bf16
+VNNI linear (kernels/csrc/vnni_linear.cpp) at the same shapes, side by side.
 
     .venv/bin/python benchmarks/gguf_linear.py [--rows 1,4,64,512] [--reps 5] [--mb 128]
+    .venv/bin/python benchmarks/gguf_linear.py --formats bf16,Q4_1,Q4_K,Q6_K --shapes kquant --rows 1,8 \
+        --name gguf-kquants
+
+``--shapes kquant``: K a multiple of 256 (the K-quants' super-block): SmolLM2-like [960, 512], [3072, 512],
+[576, 1536] (SmolLM2-135M's own K = 576 is not; llama.cpp stores such tensors in other types) and the 4096-wide
+model's [4096, 4096], [11008, 4096].
 
 Every format gets enough distinct weights of each shape (``--mb`` MB of its own bytes) that a pass streams them
 from memory, as a decode step streams its layers; the formats run the same input, alternated pass by pass, best
@@ -29,6 +35,7 @@ from benchmarks.results_file import unused_stem  # noqa: E402
 
 # [N, K]: SmolLM2-135M's fused q|k|v, o_proj, gate|up, down; a 4096-wide model's square and MLP-up projections
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 4096), (11008, 4096)]
+KQUANT_SHAPES = [(960, 512), (3072, 512), (576, 1536), (4096, 4096), (11008, 4096)]
 FORMATS = ("bf16", "Q8_0", "Q4_0", "Q4_1")
 
 
@@ -36,20 +43,22 @@ def random_rows(name: str, n: int, k: int, rng: np.random.Generator) -> torch.Te
     """GGUF rows of random quants with small finite fp16 scales (what the kernel reads; values do not matter)."""
     from tokenfab.quant.gguf_blocks import BLOCK_TYPES
     bt = BLOCK_TYPES[name]
-    raw = rng.integers(0, 256, size=(n, k // 32, bt.block_bytes), dtype=np.uint8)
+    kb = k // bt.block_size
+    raw = rng.integers(0, 256, size=(n, kb, bt.block_bytes), dtype=np.uint8)
     ns = 2 if bt.has_min else 1
-    raw[..., :2 * ns] = (rng.standard_normal((n, k // 32, ns)) * 0.01).astype(np.float16).view(np.uint8)
+    off = 208 if name == "Q6_K" else 0  # Q6_K's fp16 d is its last field
+    raw[..., off:off + 2 * ns] = (rng.standard_normal((n, kb, ns)) * 0.01).astype(np.float16).view(np.uint8)
     return torch.from_numpy(raw.reshape(n, -1))
 
 
-def time_shape(n: int, k: int, rows: int, reps: int, mb: float) -> dict:
+def time_shape(n: int, k: int, rows: int, reps: int, mb: float, formats=FORMATS) -> dict:
     """Best seconds per call of every format for weight [n, k] and ``rows`` input rows, and bytes per weight."""
     from tokenfab.kernels import cpu_kernels
     from tokenfab.quant.gguf_weight import GGUFWeight
     rng = np.random.default_rng(0)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     runs, nbytes = {}, {}
-    for fmt in FORMATS:
+    for fmt in formats:
         if fmt == "bf16":
             count = max(2, int(mb * 1e6 // (n * k * 2))) if rows <= 4 else 2
             ws = [cpu_kernels.pack_linear_weight(torch.randn(n, k, dtype=torch.bfloat16)) for _ in range(count)]
@@ -64,7 +73,7 @@ def time_shape(n: int, k: int, rows: int, reps: int, mb: float) -> dict:
             runs[fmt] = (lambda ws: lambda i: ws[i].linear(x, None))(ws)
             nbytes[fmt] = one.nbytes
         runs[fmt] = (runs[fmt], count)
-    best = {f: float("inf") for f in FORMATS}
+    best = {f: float("inf") for f in formats}
     for _ in range(reps):
         for f, (fn, count) in runs.items():
             fn(0)
@@ -81,7 +90,14 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="passes per format (best is kept; default 5)")
     ap.add_argument("--mb", type=float, default=128, help="MB of distinct weights per format and shape (GEMV)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="bf16 first, then GGUF block types")
+    ap.add_argument("--shapes", default="default", choices=["default", "kquant"], help="weight shapes (see above)")
+    ap.add_argument("--name", default="gguf-linear", help="result file stem after the date")
     args = ap.parse_args()
+    formats = tuple(args.formats.split(","))
+    if formats[0] != "bf16":
+        ap.error("--formats must start with bf16 (the ratios' base)")
+    shapes = KQUANT_SHAPES if args.shapes == "kquant" else SHAPES
     from tokenfab.kernels import cpu_kernels
     if not (cpu_kernels.has_bf16_dot() and cpu_kernels.gguf_linear_applies()):
         print("the packed GGUF and VNNI linears need the CPU kernels built with AVX512-BF16: "
@@ -90,7 +106,7 @@ def main() -> int:
     threads = torch.get_num_threads()
     bw = copy_bandwidth()
     rows_list = [int(r) for r in args.rows.split(",")]
-    results = [time_shape(n, k, rows, args.reps, args.mb) for rows in rows_list for n, k in SHAPES]
+    results = [time_shape(n, k, rows, args.reps, args.mb, formats) for rows in rows_list for n, k in shapes]
     date = dt.date.today().isoformat()
     meta = {"date": date, "command": " ".join(["benchmarks/gguf_linear.py"] + sys.argv[1:]), "threads": threads,
             "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
@@ -100,20 +116,20 @@ def main() -> int:
              f"{bw / 1e9:.1f} GB/s (read+write).", "",
              "Rows <= 4: GB/s of weight bytes read per call (packed bytes for GGUF) and the time relative to bf16 "
              "(×bf16 < 1: faster). More rows: GFLOP/s and ×bf16 time.", ""]
-    head = "| rows | weight [N, K] | " + " | ".join(f"{f} µs | {f}" for f in FORMATS) + " | " + " | ".join(
-        f"{f} ×bf16" for f in FORMATS[1:]) + " |"
-    lines += [head, "|" + "---:|" * (2 + 2 * len(FORMATS) + len(FORMATS) - 1)]
+    head = "| rows | weight [N, K] | " + " | ".join(f"{f} µs | {f}" for f in formats) + " | " + " | ".join(
+        f"{f} ×bf16" for f in formats[1:]) + " |"
+    lines += [head, "|" + "---:|" * (2 + 2 * len(formats) + len(formats) - 1)]
     for r in results:
         n, k, rows, s = r["n"], r["k"], r["rows"], r["seconds"]
         cells = []
-        for f in FORMATS:
+        for f in formats:
             rate = (f"{r['bytes'][f] / s[f] / 1e9:.1f} GB/s" if rows <= 4 else
                     f"{2 * rows * n * k / s[f] / 1e9:.0f} GFLOP/s")
             cells.append(f"{s[f] * 1e6:.1f} | {rate}")
-        ratios = [f"{s[f] / s['bf16']:.2f}" for f in FORMATS[1:]]
+        ratios = [f"{s[f] / s['bf16']:.2f}" for f in formats[1:]]
         lines.append(f"| {rows} | {n} x {k} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     os.makedirs(args.out, exist_ok=True)
-    base = unused_stem(os.path.join(args.out, f"{date}-gguf-linear"))
+    base = unused_stem(os.path.join(args.out, f"{date}-{args.name}"))
     with open(base + ".json", "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
     with open(base + ".md", "w") as f:

@@ -94,8 +94,8 @@ def test_tiles_round_trip_and_keep_the_byte_count(name):
 
 
 def test_unsupported_type_and_bad_rows_are_refused():
-    with pytest.raises(ValueError, match="Q6_K.*packed types: Q8_0, Q4_0, Q4_1"):
-        gguf_blocks.block_type("Q6_K")
+    with pytest.raises(ValueError, match="Q2_K.*packed types: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K"):
+        gguf_blocks.block_type("Q2_K")
     with pytest.raises(ValueError, match="multiple of 32"):
         GGUFWeight.from_rows(torch.zeros(4, 34, dtype=torch.uint8), "Q8_0", 48)
 

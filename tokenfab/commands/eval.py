@@ -31,7 +31,11 @@ def register(subparsers) -> None:
         formatter_class=_DefaultsFormatter)
     k.add_argument("model", nargs="?", default=None, metavar="MODEL",
                    help="checkpoint folder (default: the embedded default model)")
-    k.add_argument("--reference", default="transformers", choices=["transformers"], help="reference implementation")
+    k.add_argument("--reference", default="transformers", choices=["transformers", "dequantized"],
+                   help="reference: transformers on --reference-model, or 'dequantized': transformers on MODEL's own "
+                        "weights dequantized to float32 (MODEL a .gguf file served packed)")
+    k.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer folder for tokenfab (a .gguf file without tokenizer metadata)")
     k.add_argument("--reference-model", default=None, metavar="DIR",
                    help="checkpoint folder the reference reads (default: MODEL)")
     k.add_argument("--dataset", default=None, metavar="FILE.jsonl",
@@ -150,7 +154,7 @@ def run_kl_command(args) -> int:
                     reference_device=args.reference_device, decode_steps=args.decode_steps,
                     temperature=args.temperature, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                     max_model_len=args.max_model_len, device=args.device, enforce_eager=args.enforce_eager,
-                    progress=not args.no_progress, command=_command_line())
+                    progress=not args.no_progress, command=_command_line(), tokenizer=args.tokenizer)
     print_table(result)
     jp, mp = write_kl_outputs(result, args.out)
     print(f"wrote {jp} and {mp}")

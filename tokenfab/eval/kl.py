@@ -188,13 +188,19 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
            reference_device: str = "cpu", decode_steps: int = 16, temperature: float = 1.0, seed: int = 0,
            tensor_parallel_size: int = 1, max_model_len: int | None = None, device: str = "auto",
            enforce_eager: bool = False, progress: bool = True, out_dir: str | None = None,
-           command: str | None = None) -> dict:
+           command: str | None = None, tokenizer: str | None = None) -> dict:
     """Compare tokenfab with the transformers reference on held-out rows (see the module docstring).
 
     Args:
-        model: tokenfab's checkpoint folder (None: the embedded default model).
+        model: tokenfab's checkpoint folder or a ``.gguf`` file, served packed (None: the embedded default model).
         reference_model: the folder the reference reads (default: ``model``); tests point tokenfab at a copy with a
             corrupted config.json and the reference at the original.
+        reference: "transformers" (transformers on ``reference_model``) or "dequantized": transformers on the same
+            weights dequantized to float32 (a GGUF MODEL: the float32 folder of
+            :func:`tokenfab.loader.gguf_to_hf.ensure_converted`, values from gguf's own dequantize), so the KL
+            measures the packed kernels and activation dtype, not a different checkpoint. transformers, not
+            tokenfab with packing off, because it is an independent implementation that reads plain weights.
+        tokenizer: tokenizer folder for tokenfab (a GGUF file without tokenizer metadata).
         decode_steps: K generated tokens per row and decode run, scored at K - 1 decode positions (0: prefill only).
         temperature: the sampled decode run's temperature (seeded with ``seed + row``); 0 skips that run.
         enforce_eager: no decode CUDA graphs (GPU only): scores the eager decode path instead of the replayed one.
@@ -210,8 +216,10 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
     from tokenfab.eval.reference import TransformersReference
     from tokenfab.sampling_params import SamplingParams
 
-    if reference != "transformers":
-        raise usage_error(f"--reference: only 'transformers' is supported, got '{reference}'.")
+    from tokenfab.loader.gguf_to_hf import ensure_converted, is_gguf_path
+
+    if reference not in ("transformers", "dequantized"):
+        raise usage_error(f"--reference: 'transformers' or 'dequantized', got '{reference}'.")
     if decode_steps < 0:
         raise usage_error(f"--decode-steps must be >= 0, got {decode_steps}.")
     if temperature < 0:
@@ -219,8 +227,21 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
     if model is None:
         from tokenfab.default_model import ensure_default_model
         model = ensure_default_model()
-    if not os.path.isfile(os.path.join(model, "config.json")):
+    gguf_model = is_gguf_path(model)
+    if gguf_model and not os.path.isfile(model):
+        raise FileNotFoundError(f"MODEL: GGUF file '{model}' does not exist.")
+    if not gguf_model and not os.path.isfile(os.path.join(model, "config.json")):
         raise FileNotFoundError(f"MODEL: no config.json in '{model}'.")
+    if reference == "dequantized":
+        if not gguf_model:
+            raise usage_error("--reference dequantized: MODEL must be a packed checkpoint (a .gguf file); for a plain "
+                              "folder use --reference transformers.")
+        if reference_model is not None:
+            raise usage_error("--reference dequantized builds its own reference folder; drop --reference-model.")
+        reference_model = ensure_converted(model, quiet=not progress, dtype="float32")
+    elif gguf_model and reference_model is None:
+        raise usage_error("MODEL is a .gguf file: use --reference dequantized (the same weights dequantized) or "
+                          "give --reference-model DIR.")
     reference_model = reference_model or model
 
     t0 = time.perf_counter()
@@ -229,6 +250,8 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
     if max_model_len is not None:
         llm_kw["max_model_len"] = max_model_len
     llm_kw["tensor_parallel_size"] = tensor_parallel_size  # passed through; the engine decides what it supports
+    if tokenizer is not None:
+        llm_kw["tokenizer"] = tokenizer
     llm = LLM(model, progress=False, **llm_kw)
     V = llm.llm_engine.model_config.vocab_size
     mml = llm.llm_engine.max_model_len

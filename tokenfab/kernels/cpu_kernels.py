@@ -468,13 +468,15 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
     """y = x W^T (+ bias) with W [n, K] in a GGUF block type, packed as tiles (tokenfab.quant.gguf_blocks).
 
     Args:
-        x: [..., K] bf16 or float32 (last dim contiguous), K a multiple of 32.
-        tiles: uint8 [ceil(n / 16), K / 32, 16 * block bytes] from ``gguf_blocks.pack_tiles``.
-        ggml_type: 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0). n: output features. bias: [n] (any float dtype) or None.
+        x: [..., K] bf16 or float32 (last dim contiguous), K a multiple of 32 (256 for the K-quants).
+        tiles: uint8 [ceil(n / 16), K / 32 (K / 256), 16 * block bytes] from ``gguf_blocks.pack_tiles``.
+        ggml_type: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K). n: output features. bias: [n]
+            (any float dtype) or None.
 
     Returns:
         [..., n] in x's dtype: per 32-input block the exact products of x and the integer quants summed in float32,
-        scaled by the block's d (+ m * the block sum of x for Q4_1), + bias, one rounding per output. Float32 x is
+        scaled by the block's d (+ m * the block sum of x for Q4_1; K-quants: d * sc - dmin * m * the sub-block sum
+        of x, Q6_K a scale per 16 inputs), + bias, one rounding per output. The K-quants never take the AMX path. Float32 x is
         split into three bf16 parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the packed
         bytes once (decode); more rows dequantize 32 weight rows at a time into a thread-local buffer for oneDNN's
         brgemm (prefill); on CPUs with AMX, bf16 x of more than 4 rows runs one AMX tile product per GGUF block

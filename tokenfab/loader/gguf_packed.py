@@ -1,18 +1,18 @@
-"""Read a llama-architecture GGUF file (llama.cpp's format, parsed with the ``gguf`` package) with its quantized
+"""Read a llama / qwen2 / qwen3 GGUF file (llama.cpp's format, parsed with the ``gguf`` package) with its quantized
 linears kept packed: ``LLM(model="path/file.gguf")``.
 
 * Config: the ``llama.*`` metadata becomes a config.json-shaped dict (:func:`gguf_config`); the tokenizer and chat
   template come from the file (transformers' GGUF tokenizer loader) unless a tokenizer folder is given.
 * Names: :func:`hf_name` maps llama.cpp tensor names to the Hugging Face names the models load by.
 * Values: the linears (q, k, v, o, gate, up, down), the token embedding and an untied output in a packed block
-  type (Q8_0, Q4_0, Q4_1) become :class:`~tokenfab.quant.gguf_weight.GGUFWeight` objects (their bytes, regrouped,
+  type (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) become :class:`~tokenfab.quant.gguf_weight.GGUFWeight` objects (their bytes, regrouped,
   never a float copy; the embedding is looked up row by row from them and a tied LM head multiplies them,
   ``CausalLM.load_weights``); every other tensor (norms, an embedding in another type) is read as float32
   (quantized ones dequantized), the model casting it to its dtype. A linear in another quantized type is refused
   by name.
 * llama.cpp's converter permutes q and k rows per head for its rotary layout (``LlamaModel.permute`` in
-  convert_hf_to_gguf.py); the permutation is over output rows and GGUF blocks run along the input dimension, so it
-  is undone on the packed rows (:func:`unpermute_rows`).
+  convert_hf_to_gguf.py; llama only, not qwen2 / qwen3); the permutation is over output rows and GGUF blocks run
+  along the input dimension, so it is undone on the packed rows (:func:`unpermute_rows`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ _BLOCK_NAMES = {  # llama.cpp's per-layer names -> transformers' LlamaDecoderLay
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PACKED_TOP = {"token_embd.weight", "output.weight"}  # kept packed when in a packed block type (PackedEmbedding)
@@ -119,9 +119,12 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
     from tokenfab.quant import gguf_blocks
     from tokenfab.quant.gguf_weight import GGUFWeight
 
+    from tokenfab.loader.gguf_reader import permutes_qk, zero_o_biases
+
     r = open_gguf(path)
     cfg = gguf_config(path)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    permuted = permutes_qk(r)  # llama only; qwen2 / qwen3 rows are in Hugging Face order
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     for t in tqdm(r.tensors, desc="Loading GGUF", unit="tensor", disable=not progress, leave=False):
         name = hf_name(t.name)
@@ -129,6 +132,8 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
             continue
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
         n_head = heads if kind == "attn_q" else kv_heads if kind == "attn_k" else None
+        if not permuted or not t.name.endswith(".weight"):
+            n_head = None
         shape = [int(s) for s in reversed(t.shape)]  # GGUF lists ne0 (the input dim) first
         qtype = t.tensor_type
         if kind in _LINEARS and t.name.endswith(".weight") and qtype not in plain:
@@ -144,8 +149,8 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
             rows = torch.from_numpy(np.array(t.data)).reshape(shape[0], -1)
             yield name, GGUFWeight.from_rows(rows, qtype.name, shape[1])
             continue
-        if qtype in plain:
-            values = torch.from_numpy(np.array(t.data, dtype=np.float32)).reshape(shape)
+        if qtype in plain:  # BF16 data arrives as uint16 bit patterns: gguf's dequantize widens each kind exactly
+            values = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, qtype), dtype=np.float32)).reshape(shape)
         elif qtype.name in gguf_blocks.BLOCK_TYPES:
             values = gguf_blocks.dequantize_rows(torch.from_numpy(np.array(t.data)).reshape(shape[0], -1),
                                                  gguf_blocks.block_type(qtype.name)).reshape(shape)
@@ -157,6 +162,8 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
         if n_head is not None:
             values = unpermute_rows(values, n_head)
         yield name, values
+    for name, zeros in zero_o_biases(cfg):
+        yield name, torch.from_numpy(zeros)
 
 
 def load_gguf_tokenizer(path: str):

@@ -12,8 +12,12 @@ block-quantized (Q4_1, Q8_0, ...). This module turns them into what a Hugging Fa
   (pairs ``(x[2i], x[2i+1])``) that ggml's RoPE rotates: for each head, the rows ``[h0 | h1]`` (the two halves,
   ``d/2`` rows each) become ``h0[0], h1[0], h0[1], h1[1], ...``. :func:`unpermute_qk` undoes it.
 
-Only the ``llama`` architecture is converted (Llama, SmolLM, Mistral-style dense models); others raise
-:class:`tokenfab.errors.UnsupportedError` naming the architecture. ``gguf`` is imported lazily.
+Architectures: ``llama`` (Llama, SmolLM, Mistral-style dense models), ``qwen2`` (Llama blocks with q/k/v biases:
+read as a Llama config with ``attention_bias`` and a zero o_proj bias, the same function) and ``qwen3`` (per-head
+q/k RMSNorm, ``attn_q_norm`` / ``attn_k_norm``: ``Qwen3ForCausalLM``). llama.cpp permutes q/k rows for ``llama``
+only: its Qwen2 / Qwen3 converters keep Hugging Face's row order (ggml rotates them NEOX-style), as transformers'
+GGUF loader assumes (its q/k reverse permutation is registered for "llama" alone). Others (deepseek2 among them)
+raise :class:`tokenfab.errors.UnsupportedError` naming the architecture. ``gguf`` is imported lazily.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ import numpy as np
 
 from tokenfab.errors import UnsupportedError, WeightLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+PERMUTED_QK_ARCHITECTURES = ("llama",)  # llama.cpp's converter reorders q/k rows for these only
 
 # llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
 _LAYER_NAMES = {
@@ -37,6 +42,11 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",  # qwen2
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -85,7 +95,8 @@ def architecture(meta: dict) -> str:
 
 
 def hf_config(meta: dict, tensor_names: set[str]) -> dict:
-    """A transformers-5 ``config.json`` dict for ``LlamaForCausalLM`` from GGUF metadata.
+    """A transformers-5 ``config.json`` dict for ``LlamaForCausalLM`` (llama, qwen2: ``attention_bias`` true) or
+    ``Qwen3ForCausalLM`` (qwen3) from GGUF metadata.
 
     ``tensor_names``: the GGUF tensor names (``output.weight`` absent means tied input/output embeddings).
     RoPE: ``{arch}.rope.freq_base`` (default 10000) and, when present, ``{arch}.rope.scaling.type`` ``linear``
@@ -128,7 +139,8 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
         raise UnsupportedError("GGUF file holds 'rope_freqs.weight' (llama3-style RoPE scaling), which is not "
                                "supported; use a model without it or its Hugging Face checkpoint.")
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": ["Qwen3ForCausalLM" if arch == "qwen3" else "LlamaForCausalLM"],
+        "model_type": "qwen3" if arch == "qwen3" else "llama",
         "hidden_size": hidden, "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")), "num_attention_heads": heads,
         "num_key_value_heads": kv_heads, "head_dim": head_dim, "hidden_act": "silu",
@@ -136,7 +148,7 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
         "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_parameters": rope, "vocab_size": vocab,
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "attention_bias": arch == "qwen2", "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
         "use_cache": True, "dtype": "bfloat16",
     }
     for key in ("bos", "eos", "padding"):
@@ -186,16 +198,32 @@ def dequantize(tensor) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32).reshape(shape)
 
 
+def permutes_qk(reader) -> bool:
+    """True when the file's architecture is one whose q/k rows llama.cpp's converter permuted (llama)."""
+    return reader.fields["general.architecture"].contents() in PERMUTED_QK_ARCHITECTURES
+
+
+def zero_o_biases(cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """qwen2 read as a Llama config with ``attention_bias``: the o_proj biases Qwen2 does not have, as zeros (so
+    the Llama layer computes exactly Qwen2's function)."""
+    if cfg.get("attention_bias") and cfg["model_type"] == "llama":
+        for i in range(cfg["num_hidden_layers"]):
+            yield f"model.layers.{i}.self_attn.o_proj.bias", np.zeros(cfg["hidden_size"], dtype=np.float32)
+
+
 def iter_hf_tensors(reader, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
-    """Yield ``(hf_name, float32 array)`` for every tensor of ``reader``, q/k rows un-permuted.
+    """Yield ``(hf_name, float32 array)`` for every tensor of ``reader``, q/k rows un-permuted (llama), then
+    qwen2's zero o_proj biases (:func:`zero_o_biases`).
 
     ``cfg``: the dict from :func:`hf_config` (head counts). Arrays are fresh (not views of the memory map).
     """
+    permuted = permutes_qk(reader)
     for t in reader.tensors:
         name = hf_name(t.name)
         w = dequantize(t)
-        if name.endswith("self_attn.q_proj.weight"):
+        if permuted and name.endswith("self_attn.q_proj.weight"):
             w = unpermute_qk(w, cfg["num_attention_heads"])
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif permuted and name.endswith("self_attn.k_proj.weight"):
             w = unpermute_qk(w, cfg["num_key_value_heads"])
         yield name, np.array(w, dtype=np.float32, copy=True)
+    yield from zero_o_biases(cfg)

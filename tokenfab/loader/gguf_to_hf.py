@@ -44,12 +44,15 @@ def cache_key(path: str) -> str:
     return h.hexdigest()[:12]
 
 
-def cached_folder(path: str) -> str:
-    """Where :func:`ensure_converted` keeps ``path``'s checkpoint: ``<cache>/models/gguf/<stem>-<key>``."""
+def cached_folder(path: str, dtype: str = "bfloat16") -> str:
+    """Where :func:`ensure_converted` keeps ``path``'s checkpoint: ``<cache>/models/gguf/<stem>-<key>`` (bfloat16),
+    ``<stem>-<key>-float32`` for the float32 copy (the exact dequantized values: ``eval kl --reference
+    dequantized``)."""
     from tokenfab.cache_paths import cache_dir
 
     stem = os.path.basename(path)[:-len(".gguf")] if is_gguf_path(path) else os.path.basename(path)
-    return os.path.join(cache_dir(), "models", "gguf", f"{stem}-{cache_key(path)}")
+    suffix = "" if dtype == "bfloat16" else f"-{dtype}"
+    return os.path.join(cache_dir(), "models", "gguf", f"{stem}-{cache_key(path)}{suffix}")
 
 
 def hf_state_dict(path: str, dtype=None) -> dict:
@@ -77,8 +80,9 @@ def gguf_config(path: str) -> dict:
     return hf_config(metadata(reader), {t.name for t in reader.tensors})
 
 
-def write_checkpoint(path: str, out_dir: str) -> None:
-    """Write the Hugging Face folder of GGUF file ``path`` into the existing empty folder ``out_dir``.
+def write_checkpoint(path: str, out_dir: str, dtype: str = "bfloat16") -> None:
+    """Write the Hugging Face folder of GGUF file ``path`` into the existing empty folder ``out_dir``, its tensors
+    stored in ``dtype`` ("bfloat16", or "float32": gguf's dequantized values unrounded).
 
     Raises the errors of :mod:`tokenfab.loader.gguf_reader` (UnsupportedError, WeightLoadError) for files it
     cannot convert.
@@ -92,7 +96,9 @@ def write_checkpoint(path: str, out_dir: str) -> None:
     reader = open_gguf(path)
     meta = metadata(reader)
     cfg = hf_config(meta, {t.name for t in reader.tensors})
-    tensors = {name: torch.from_numpy(arr).to(torch.bfloat16) for name, arr in iter_hf_tensors(reader, cfg)}
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
+    tensors = {name: torch.from_numpy(arr).to(getattr(torch, dtype)) for name, arr in iter_hf_tensors(reader, cfg)}
     del reader
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -107,12 +113,13 @@ def write_checkpoint(path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, "gguf_source.json"), "w") as f:
         json.dump({"source": os.path.abspath(path), "size": os.path.getsize(path), "key": cache_key(path),
                    "converter_version": CONVERTER_VERSION, "general.name": meta.get("general.name"),
-                   "general.file_type": meta.get("general.file_type"), "stored_dtype": "bfloat16"}, f, indent=2)
+                   "general.file_type": meta.get("general.file_type"), "stored_dtype": dtype}, f, indent=2)
 
 
-def ensure_converted(path: str, quiet: bool = False) -> str:
-    """The cached Hugging Face folder of GGUF file ``path``, converting it first when absent (~10 s for 135M
-    parameters on 2 cores). Written to a temporary folder and renamed into place.
+def ensure_converted(path: str, quiet: bool = False, dtype: str = "bfloat16") -> str:
+    """The cached Hugging Face folder of GGUF file ``path`` (tensors in ``dtype``: "bfloat16" or "float32"),
+    converting it first when absent (~10 s for 135M parameters on 2 cores). Written to a temporary folder and
+    renamed into place.
 
     Raises:
         FileNotFoundError: no file at ``path``.
@@ -120,16 +127,16 @@ def ensure_converted(path: str, quiet: bool = False) -> str:
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file '{path}' does not exist.")
-    final = cached_folder(path)
+    final = cached_folder(path, dtype)
     if os.path.isfile(os.path.join(final, "config.json")):
         return final
     if not quiet:
-        print(f"[tokenfab] dequantizing {os.path.basename(path)} to bfloat16 into {final} (first use only) ...",
+        print(f"[tokenfab] dequantizing {os.path.basename(path)} to {dtype} into {final} (first use only) ...",
               flush=True)
     os.makedirs(os.path.dirname(final), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
     try:
-        write_checkpoint(path, tmp)
+        write_checkpoint(path, tmp, dtype)
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished first: keep its folder

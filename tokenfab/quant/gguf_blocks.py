@@ -1,4 +1,4 @@
-"""GGUF block types Q8_0, Q4_0 and Q4_1: their bytes as published, their values, and tokenfab's tile layout.
+"""GGUF block types Q8_0, Q4_0 and Q4_1 (and the K-quants Q4_K, Q5_K, Q6_K of gguf_kquants.py): their bytes as published, their values, and tokenfab's tile layout.
 
 A GGUF weight W [n, K] (K a multiple of 32) is stored row by row, each row K / 32 blocks of 32 consecutive inputs
 (ggml's ``block_q8_0`` / ``block_q4_0`` / ``block_q4_1``, llama.cpp ``ggml-common.h``; gguf-py ``gguf/quants.py``):
@@ -21,17 +21,21 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenfab.quant import gguf_kquants
+
 BLOCK = 32   # weights per GGUF block along the input dimension
 TILE = 16    # output rows per tile of the packed layout
 
 
 @dataclass(frozen=True)
 class BlockType:
-    """One GGUF block type: name, ggml type id, bytes per 32-weight block in the file, whether it has a minimum."""
+    """One GGUF block type: name, ggml type id, bytes per block in the file, whether it has a minimum, weights per
+    block (32, or 256 for the K-quants of :mod:`tokenfab.quant.gguf_kquants`)."""
     name: str
     ggml_type: int
     block_bytes: int
     has_min: bool
+    block_size: int = BLOCK  # weights per block along the input dimension (256 for the K-quants' super-blocks)
 
     @property
     def quant_bytes(self) -> int:
@@ -47,8 +51,11 @@ class BlockType:
 Q8_0 = BlockType("Q8_0", 8, 34, False)
 Q4_0 = BlockType("Q4_0", 2, 18, False)
 Q4_1 = BlockType("Q4_1", 3, 20, True)
-BLOCK_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1)}
-BY_GGML_TYPE = {t.ggml_type: t for t in (Q8_0, Q4_0, Q4_1)}
+Q4_K = BlockType("Q4_K", 12, 144, True, 256)
+Q5_K = BlockType("Q5_K", 13, 176, True, 256)
+Q6_K = BlockType("Q6_K", 14, 210, False, 256)
+BLOCK_TYPES = {t.name: t for t in (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)}
+BY_GGML_TYPE = {t.ggml_type: t for t in BLOCK_TYPES.values()}
 
 
 def block_type(name_or_id) -> BlockType:
@@ -81,7 +88,10 @@ def _fields(raw: torch.Tensor, bt: BlockType) -> tuple[torch.Tensor, torch.Tenso
 
 
 def dequantize_rows(raw: torch.Tensor, bt: BlockType) -> torch.Tensor:
-    """GGUF rows raw [n, K / 32 * block_bytes] uint8 -> W [n, K] float32 (the values of the module docstring)."""
+    """GGUF rows raw [n, K / 32 * block_bytes] uint8 -> W [n, K] float32 (the values of the module docstring;
+    K-quants: :func:`tokenfab.quant.gguf_kquants.dequantize_rows`)."""
+    if bt.block_size != BLOCK:
+        return gguf_kquants.dequantize_rows(raw, bt.name)
     d, m, q = _fields(raw, bt)
     d = d.float().unsqueeze(-1)
     if bt is Q8_0:
@@ -98,8 +108,11 @@ def pack_tiles(raw: torch.Tensor, bt: BlockType) -> torch.Tensor:
 
     Tile-block (t, kb): fp16 d of rows 16t..16t+15, then (Q4_1) their fp16 m, then the quants: for Q4 four groups of
     32 little-endian u16 words, word 2j + e of group L holding in nibble s the quant of row j at k = 8L + 2s + e; for
-    Q8_0 sixteen pairs of 32 bytes, byte 2j + e of pair p the quant of row j at k = 2p + e.
+    Q8_0 sixteen pairs of 32 bytes, byte 2j + e of pair p the quant of row j at k = 2p + e. K-quants: tiles
+    [ceil(n / 16), K / 256, 16 * block_bytes] (:func:`tokenfab.quant.gguf_kquants.pack_tiles`).
     """
+    if bt.block_size != BLOCK:
+        return gguf_kquants.pack_tiles(raw, bt.name)
     n = raw.shape[0]
     nt = -(-n // TILE)
     raw = torch.nn.functional.pad(raw, (0, 0, 0, nt * TILE - n))  # zero blocks: value 0 for every type
@@ -124,6 +137,8 @@ def pack_tiles(raw: torch.Tensor, bt: BlockType) -> torch.Tensor:
 def unpack_tiles(tiles: torch.Tensor, bt: BlockType, n: int, t0: int = 0, t1: int | None = None) -> torch.Tensor:
     """Tiles [t0, t1) of :func:`pack_tiles`'s output -> the GGUF rows they hold, raw [rows, K / 32 * block_bytes]
     uint8 (rows past ``n`` dropped): the exact inverse of :func:`pack_tiles`."""
+    if bt.block_size != BLOCK:
+        return gguf_kquants.unpack_tiles(tiles, bt.name, n, t0, t1)
     t1 = tiles.shape[0] if t1 is None else t1
     tl = tiles[t0:t1]
     nt, kb = tl.shape[0], tl.shape[1]

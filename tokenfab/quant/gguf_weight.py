@@ -1,4 +1,4 @@
-"""A Linear weight in a GGUF block type (Q8_0, Q4_0, Q4_1), kept packed and multiplied packed.
+"""A Linear weight in a GGUF block type (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), kept packed and multiplied packed.
 
 Fast path: ``cpu_kernels.gguf_linear`` (kernels/csrc/gguf_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
 decode GEMV that unpacks nibbles and scales in registers and a prefill GEMM that dequantizes 32 weight rows at a
@@ -26,12 +26,12 @@ class GGUFWeight(PackedWeight):
     """W [out_features, in_features] in GGUF block type ``block`` as tiles (:func:`gguf_blocks.pack_tiles`).
 
     Build with :meth:`from_rows` from the file's bytes. ``tiles`` is a uint8 buffer
-    [ceil(out / 16), in / 32, 16 * block_bytes].
+    [ceil(out / 16), in / block_size, 16 * block_bytes] (block_size 32, or 256 for K-quants).
     """
 
     def __init__(self, tiles: torch.Tensor, block: BlockType, out_features: int, in_features: int):
         super().__init__(out_features, in_features)
-        if tiles.dtype != torch.uint8 or tiles.shape != (-(-out_features // TILE), in_features // gguf_blocks.BLOCK,
+        if tiles.dtype != torch.uint8 or tiles.shape != (-(-out_features // TILE), in_features // block.block_size,
                                                          block.tile_block_bytes):
             raise ValueError(f"GGUFWeight: tiles {tuple(tiles.shape)} {tiles.dtype} do not hold a {block.name} weight "
                              f"[{out_features}, {in_features}]")
@@ -45,12 +45,14 @@ class GGUFWeight(PackedWeight):
         output features).
 
         Raises:
-            ValueError: ``in_features`` not a multiple of 32, or raw's row length not matching it.
+            ValueError: ``in_features`` not a multiple of the block size (32; 256 for K-quants), or raw's row
+                length not matching it.
         """
         bt = block if isinstance(block, BlockType) else gguf_blocks.block_type(block)
-        if in_features % gguf_blocks.BLOCK or raw.dim() != 2 or raw.shape[1] != in_features // 32 * bt.block_bytes:
+        bs = bt.block_size
+        if in_features % bs or raw.dim() != 2 or raw.shape[1] != in_features // bs * bt.block_bytes:
             raise ValueError(f"GGUF {bt.name} rows {tuple(raw.shape)} do not hold {in_features} inputs per row "
-                             f"(in_features must be a multiple of 32, {bt.block_bytes} bytes per 32)")
+                             f"(in_features must be a multiple of {bs}, {bt.block_bytes} bytes per {bs})")
         return cls(gguf_blocks.pack_tiles(raw, bt), bt, raw.shape[0], in_features)
 
     @property

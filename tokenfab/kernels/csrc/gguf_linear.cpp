@@ -1,4 +1,4 @@
-// Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) executed packed: the weight stays in its
+// Linear layers on GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, and the K-quants Q4_K, Q5_K, Q6_K) executed packed: the weight stays in its
 // quantized bytes and is unpacked and scaled in registers.
 //
 // Layout (built by tokenfab/quant/gguf_blocks.py, same byte count as the GGUF file): W [n, K] becomes tiles of 16
@@ -39,7 +39,7 @@
 
 namespace {
 
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // ggml type ids
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;  // ggml type ids
 constexpr int64_t TN = kGgufTileN, QK = kGgufBlockK;
 constexpr int64_t kGemvRows = 4;      // rows of x one GEMV pass multiplies (accumulators held in registers)
 constexpr int64_t kGemvMaxRows = 16;
@@ -51,10 +51,27 @@ int64_t tile_block_bytes(int64_t qt) {
     case kQ4_0: return 2 * TN + TN * QK / 2;      // 288
     case kQ4_1: return 4 * TN + TN * QK / 2;      // 320
     case kQ8_0: return 2 * TN + TN * QK;          // 544
-    default: TORCH_CHECK(false, "gguf_linear: ggml type ", qt, " is not packed by tokenfab (Q4_0, Q4_1, Q8_0)");
+    case kQ4_K: return TN * 144;                  // 2304 (tokenfab/quant/gguf_kquants.py)
+    case kQ5_K: return TN * 176;                  // 2816
+    case kQ6_K: return TN * 210;                  // 3360
+    default: TORCH_CHECK(false, "gguf_linear: ggml type ", qt, " is not packed by tokenfab (Q4_0, Q4_1, Q8_0, Q4_K, "
+                         "Q5_K, Q6_K)");
   }
   return 0;
 }
+
+// K-quants: 256-value super-blocks of 8 sub-blocks of 32; their tile-blocks (gguf_kquants.py) hold, for 16 rows:
+//   Q4_K: d [16] fp16 @0, dmin [16] fp16 @32, the 12 scale bytes as [12][16] @64, 8 x 256 nibble bytes @256;
+//   Q5_K: as Q4_K, with 8 x 64 bytes of bit-4 words @256 (word 2j + e bit u: row j, k = 2u + e), nibbles @768;
+//   Q6_K: d [16] fp16 @0, int8 scales [16][16] @32, 8 x 128 bytes of bits-4..5 words @288 (group H word 2j + e
+//         bits 2u..2u+1: row j, k = 2 (8H + u) + e), nibbles @1312.
+// Each sub-block's nibbles are the 256-byte Q4 layout above, so the GEMV operand of pair 4L + s is built as for Q4
+// with the high bits merged in (one vpternlogd) before the vpermw / vpermt2w table lookup.
+constexpr bool is_kquant(int qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
+constexpr bool has_min(int qt) { return qt == kQ4_1 || qt == kQ4_K || qt == kQ5_K; }
+constexpr int64_t block_k(int qt) { return is_kquant(qt) ? 256 : QK; }
+constexpr int64_t kq_lo_off(int qt) { return qt == kQ4_K ? 256 : qt == kQ5_K ? 768 : 1312; }
+constexpr int64_t kq_hi_off(int qt) { return qt == kQ5_K ? 256 : 288; }
 
 #if defined(__AVX512BF16__)
 
@@ -99,6 +116,151 @@ inline void store_tile(void* y, __m512 v, const float* bias, int64_t nvalid) {
     _mm512_mask_storeu_ps(static_cast<float*>(y), mk, v);
   } else {
     _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y), mk, (__m256i)_mm512_cvtneps_pbh(v));
+  }
+}
+
+// ---- K-quants (Q4_K, Q5_K, Q6_K) ----
+
+// Table for the K-quants' quant values as exact bf16 integers: Q4_K nibble i & 15, Q5_K i (5 bits: 0..31), Q6_K
+// entries 32 h + i of the two-table lookup = 32 h + i - 32.
+inline __m512i kq_table(int qt, int half) {
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = qt == kQ4_K ? static_cast<float>(i & 15)
+                    : qt == kQ5_K ? static_cast<float>(i) : static_cast<float>(32 * half + i - 32);
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    t[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  return _mm512_load_si512(t);
+}
+
+// Words shifted so that bits [sh, sh + w) land at bit 4 (negative sh: shifted left).
+inline __m512i shift_to4(__m512i v, int sh) {
+  return sh >= 4 ? _mm512_srli_epi16(v, sh - 4) : _mm512_slli_epi16(v, 4 - sh);
+}
+
+// The bf16 operand of pair pp = 4L + s (0..15) of sub-block j of a K-quant tile-block b: lane 2r + e the quant of
+// row r at k = 2 pp + e, as an exact bf16 integer (Q6_K: q - 32).
+template <int QT>
+inline __m512i kq_operand(const uint8_t* b, int j, int L, int s, __m512i t0, __m512i t1) {
+  const __m512i lo = _mm512_srli_epi16(_mm512_loadu_si512(b + kq_lo_off(QT) + 256 * j + 64 * L), 4 * s);
+  if constexpr (QT == kQ4_K) {
+    return _mm512_permutexvar_epi16(lo, t0);  // index bits 0..4: the nibble and a bit the table ignores
+  } else if constexpr (QT == kQ5_K) {
+    const int pp = 4 * L + s;
+    const __m512i h = shift_to4(_mm512_loadu_si512(b + kq_hi_off(QT) + 64 * j), pp);
+    const __m512i idx = _mm512_ternarylogic_epi32(_mm512_set1_epi16(0x000F), lo, h, 0xCA);  // lo bits 0..3, h bit 4
+    return _mm512_permutexvar_epi16(idx, t0);
+  } else {
+    const int H = L / 2, u = 4 * (L % 2) + s;
+    const __m512i h = shift_to4(_mm512_loadu_si512(b + kq_hi_off(QT) + 128 * j + 64 * H), 2 * u);
+    const __m512i idx = _mm512_ternarylogic_epi32(_mm512_set1_epi16(0x000F), lo, h, 0xCA);  // bits 4..5 from h
+    return _mm512_permutex2var_epi16(t0, idx, t1);
+  }
+}
+
+// Sub-block j's scale and minimum of the 16 rows of a Q4_K / Q5_K tile-block (6-bit fields, ggml's get_scale_min_k4)
+// as float32 d * sc and dmin * m (exact products).
+inline void kq_scale_min(const uint8_t* b, int j, __m512& ds, __m512& dm) {
+  const auto sb = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 + 16 * i)); };
+  __m128i sc, mn;
+  if (j < 4) {
+    sc = _mm_and_si128(sb(j), _mm_set1_epi8(0x3F));
+    mn = _mm_and_si128(sb(j + 4), _mm_set1_epi8(0x3F));
+  } else {
+    const __m128i md = sb(j + 4);
+    sc = _mm_or_si128(_mm_and_si128(md, _mm_set1_epi8(0x0F)),
+                      _mm_and_si128(_mm_srli_epi16(sb(j - 4), 2), _mm_set1_epi8(0x30)));
+    mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(md, 4), _mm_set1_epi8(0x0F)),
+                      _mm_and_si128(_mm_srli_epi16(sb(j), 2), _mm_set1_epi8(0x30)));
+  }
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
+  ds = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
+  dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
+}
+
+// Q6_K: scale i (0..15, one per 16 values) of the 16 rows times d, float32 (exact).
+inline __m512 q6_scale(const uint8_t* b, int i) {
+  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + 16 * i));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
+}
+
+// The K-quant GEMV over tiles [t0, t1), as gemv_tiles: per sub-block the exact bf16 products x_k q_k summed in four
+// float32 chains, then scaled once: y += (d sc) * sum - (dmin m) * (sum of the sub-block's x) for Q4_K / Q5_K; for
+// Q6_K, chains 0-1 hold k 0..15 and chains 2-3 k 16..31 of the sub-block, each half scaled by its own d * scale.
+template <int QT, int M, int S, bool F32OUT>
+void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                  void* y, int64_t ldy, int64_t t0, int64_t t1) {
+  const int64_t KB = K / 256, TB = tile_block_bytes(QT), KB32 = K / QK;
+  const __m512i tab0 = kq_table(QT, 0), tab1 = kq_table(QT, 1);
+  for (int64_t t = t0; t < t1; ++t) {
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const uint8_t* b = w + (t * KB + kb) * TB;
+      for (int j = 0; j < 8; ++j) {
+        const uint16_t* xk = xp + kb * 256 + 32 * j;
+        __m512 c[4][M];
+        for (int i = 0; i < 4; ++i)
+          for (int m = 0; m < M; ++m) c[i][m] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int L = 0; L < 4; ++L) {
+#pragma GCC unroll 4
+          for (int s4 = 0; s4 < 4; ++s4) {
+            const __m512i op = kq_operand<QT>(b, j, L, s4, tab0, tab1);
+            const int ch = QT == kQ6_K ? 2 * (L / 2) + (s4 & 1) : s4;
+            const int p = 4 * L + s4;
+            for (int m = 0; m < M; ++m)
+              for (int s = 0; s < S; ++s)
+                c[ch][m] = _mm512_dpbf16_ps(c[ch][m], (__m512bh)bcast_pair(xk + (m * S + s) * K + 2 * p), (__m512bh)op);
+          }
+        }
+        if constexpr (QT == kQ6_K) {
+          const __m512 s0 = q6_scale(b, 2 * j), s1 = q6_scale(b, 2 * j + 1);
+          for (int m = 0; m < M; ++m) {
+            acc[m] = _mm512_fmadd_ps(_mm512_add_ps(c[0][m], c[1][m]), s0, acc[m]);
+            acc[m] = _mm512_fmadd_ps(_mm512_add_ps(c[2][m], c[3][m]), s1, acc[m]);
+          }
+        } else {
+          __m512 ds, dm;
+          kq_scale_min(b, j, ds, dm);
+          for (int m = 0; m < M; ++m) {
+            const __m512 sum = _mm512_add_ps(_mm512_add_ps(c[0][m], c[1][m]), _mm512_add_ps(c[2][m], c[3][m]));
+            acc[m] = _mm512_fmadd_ps(sum, ds, acc[m]);
+            acc[m] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xsum[m * KB32 + kb * 8 + j]), acc[m]);
+          }
+        }
+      }
+    }
+    const int64_t n0 = t * TN, nvalid = std::min<int64_t>(TN, N - n0);
+    const float* bb = bias == nullptr ? nullptr : bias + n0;
+    for (int m = 0; m < M; ++m) {
+      void* yr = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m * ldy + n0)
+                        : static_cast<void*>(static_cast<uint16_t*>(y) + m * ldy + n0);
+      store_tile<F32OUT>(yr, acc[m], bb, nvalid);
+    }
+  }
+}
+
+// Float32 values of pair p (0..127) of a K-quant tile-block, in two halves as pair_values: Q4_K / Q5_K
+// (d sc) q - dmin m (one rounding: (d sc) q is exact), Q6_K (d scale) (q - 32), as gguf's dequantize computes them.
+template <int QT>
+inline void pair_values_k(const uint8_t* b, int p, __m512i t0, __m512i t1, __m512 v[2]) {
+  const int j = p / 16, pp = p % 16;
+  const __m512i op = kq_operand<QT>(b, j, pp / 4, pp % 4, t0, t1);
+  const __m512 q[2] = {bf16_to_f32(_mm512_castsi512_si256(op)), bf16_to_f32(_mm512_extracti64x4_epi64(op, 1))};
+  __m512 ds, dm = _mm512_setzero_ps();
+  if constexpr (QT == kQ6_K) ds = q6_scale(b, p / 8);
+  else kq_scale_min(b, j, ds, dm);
+  for (int h = 0; h < 2; ++h) {
+    const __m512i idx = _mm512_set_epi32(8 * h + 7, 8 * h + 7, 8 * h + 6, 8 * h + 6, 8 * h + 5, 8 * h + 5, 8 * h + 4,
+                                         8 * h + 4, 8 * h + 3, 8 * h + 3, 8 * h + 2, 8 * h + 2, 8 * h + 1, 8 * h + 1,
+                                         8 * h, 8 * h);
+    const __m512 dh = _mm512_permutexvar_ps(idx, ds);
+    v[h] = QT == kQ6_K ? _mm512_mul_ps(q[h], dh) : _mm512_fmsub_ps(q[h], dh, _mm512_permutexvar_ps(idx, dm));
   }
 }
 
@@ -169,11 +331,20 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
 template <int QT, int S, bool F32OUT>
 void gemv_rows4(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                 const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
-  switch (M) {
-    case 1: gemv_tiles<QT, 1, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-    case 2: gemv_tiles<QT, 2, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-    case 3: gemv_tiles<QT, 3, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-    default: gemv_tiles<QT, 4, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+  if constexpr (is_kquant(QT)) {
+    switch (M) {
+      case 1: gemv_k_tiles<QT, 1, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+      case 2: gemv_k_tiles<QT, 2, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+      case 3: gemv_k_tiles<QT, 3, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+      default: gemv_k_tiles<QT, 4, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    }
+  } else {
+    switch (M) {
+      case 1: gemv_tiles<QT, 1, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+      case 2: gemv_tiles<QT, 2, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+      case 3: gemv_tiles<QT, 3, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+      default: gemv_tiles<QT, 4, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    }
   }
 }
 
@@ -202,6 +373,9 @@ void gemv(int qt, const uint16_t* xp, const float* xsum, int64_t M, int64_t K, c
   at::parallel_for(0, (N + TN - 1) / TN, 1, [&](int64_t t0, int64_t t1) {
     if (qt == kQ4_0) gemv_rows<kQ4_0, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
     else if (qt == kQ4_1) gemv_rows<kQ4_1, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+    else if (qt == kQ4_K) gemv_rows<kQ4_K, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+    else if (qt == kQ5_K) gemv_rows<kQ5_K, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+    else if (qt == kQ6_K) gemv_rows<kQ6_K, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
     else gemv_rows<kQ8_0, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
   });
 }
@@ -231,25 +405,29 @@ inline void pair_values(const uint8_t* b, int p, __m512i table, __m512 v[2]) {
   }
 }
 
+
 // Tile t of the weight (16 rows; rows past the weight's last tile are zero) -> columns [col0, col0 + 16) of a
 // 32-column block buffer: three bf16 VNNI parts [K / 2, 32, 2] whose sum is the float32 weight exactly (bf16 x), or
 // one float32 [K, 32] buffer (float32 x).
 template <int QT, bool F32W>
 void dequant_tile(const uint8_t* w, int64_t t, int64_t NT, int64_t K, int64_t col0, void* buf) {
-  const int64_t KB = K / QK, TB = tile_block_bytes(QT);
-  const __m512i table = QT == kQ8_0 ? _mm512_setzero_si512() : nibble_table(QT);
+  constexpr int PAIRS = static_cast<int>(block_k(QT) / 2);
+  const int64_t KB = K / block_k(QT), TB = tile_block_bytes(QT);
+  const __m512i table = QT == kQ8_0 ? _mm512_setzero_si512() : is_kquant(QT) ? kq_table(QT, 0) : nibble_table(QT);
+  const __m512i table1 = is_kquant(QT) ? kq_table(QT, 1) : _mm512_setzero_si512();
   const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* b = w + (t * KB + kb) * TB;
-    for (int p = 0; p < 16; ++p) {
+    for (int p = 0; p < PAIRS; ++p) {
       __m512 v[2];
       if (t < NT) {
-        pair_values<QT>(b, p, table, v);
+        if constexpr (is_kquant(QT)) pair_values_k<QT>(b, p, table, table1, v);
+        else pair_values<QT>(b, p, table, v);
       } else {
         v[0] = v[1] = _mm512_setzero_ps();
       }
-      const int64_t kp = kb * 16 + p;
+      const int64_t kp = kb * PAIRS + p;
       if constexpr (F32W) {
         float* f = static_cast<float*>(buf);
         _mm512_storeu_ps(f + (2 * kp) * 32 + col0, _mm512_permutex2var_ps(v[0], even, v[1]));
@@ -277,6 +455,9 @@ void dequant_block32(int qt, const uint8_t* w, int64_t nb, int64_t NT, int64_t K
     const int64_t t = 2 * nb + half;
     if (qt == kQ4_0) dequant_tile<kQ4_0, F32W>(w, t, NT, K, 16 * half, buf);
     else if (qt == kQ4_1) dequant_tile<kQ4_1, F32W>(w, t, NT, K, 16 * half, buf);
+    else if (qt == kQ4_K) dequant_tile<kQ4_K, F32W>(w, t, NT, K, 16 * half, buf);
+    else if (qt == kQ5_K) dequant_tile<kQ5_K, F32W>(w, t, NT, K, 16 * half, buf);
+    else if (qt == kQ6_K) dequant_tile<kQ6_K, F32W>(w, t, NT, K, 16 * half, buf);
     else dequant_tile<kQ8_0, F32W>(w, t, NT, K, 16 * half, buf);
   }
 }
@@ -439,7 +620,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
               "gguf_linear: x must be bfloat16 or float32, got ", x.scalar_type());
   const int64_t K = x.size(-1);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == TB &&
-              w.size(1) * QK == K && w.size(0) == (n + TN - 1) / TN && n > 0,
+              w.size(1) * block_k(static_cast<int>(qtype)) == K && w.size(0) == (n + TN - 1) / TN && n > 0,
               "gguf_linear: weight ", w.sizes(), " does not hold ", n, " rows of ", K, " inputs of ggml type ", qtype);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
@@ -459,7 +640,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto* wp = w.data_ptr<uint8_t>();
 #if defined(TOKENFAB_GGUF_AMX)
-  if (!f32 && M > kGemvRows && M <= kAmxMaxRows && amx_ready()) {
+  if (!f32 && M > kGemvRows && M <= kAmxMaxRows && !is_kquant(static_cast<int>(qtype)) && amx_ready()) {
     const int64_t KB = K / QK, lda = x2.stride(0);
     const auto* xb = reinterpret_cast<const c10::BFloat16*>(x2.data_ptr());
     std::vector<float> xsum(qtype == kQ4_1 ? ((M + 15) / 16 * 16) * KB : 0, 0.f);
@@ -491,7 +672,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
     parts = x2.contiguous();
   }
   std::vector<float> xsum;
-  if (qtype == kQ4_1) {
+  if (has_min(static_cast<int>(qtype))) {  // float32 sums of x per 32 inputs (the minimum's factor)
     const int64_t KB = K / QK;
     xsum.assign(M * KB, 0.f);
     for (int64_t m = 0; m < M; ++m)
@@ -518,6 +699,48 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 #endif
 }
 
+// Row j of one K-quant tile (KB tile-blocks at b) dequantized into r [KB * 256], as gguf's dequantize computes it:
+// float32 (d sc) q - dmin m (Q4_K, Q5_K; (d sc) q is exact, so one rounding) or (d scale) (q - 32) (Q6_K).
+static void kq_embedding_row(int qt, const uint8_t* b0, int64_t KB, int64_t j, float* r) {
+  const int64_t TB = tile_block_bytes(qt), lo_off = kq_lo_off(qt), hi_off = kq_hi_off(qt);
+  auto word = [](const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return static_cast<int>(v); };
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* b = b0 + kb * TB;
+    c10::Half dh;
+    std::memcpy(&dh, b + 2 * j, 2);
+    const float d = static_cast<float>(dh);
+    float dmin = 0.f;
+    if (qt != kQ6_K) {
+      std::memcpy(&dh, b + 32 + 2 * j, 2);
+      dmin = static_cast<float>(dh);
+    }
+    for (int sub = 0; sub < 8; ++sub) {
+      float ds = 0.f, dm = 0.f;
+      if (qt != kQ6_K) {
+        const auto sb = [&](int i) { return static_cast<int>(b[64 + 16 * i + j]); };
+        const int sc = sub < 4 ? sb(sub) & 63 : (sb(sub + 4) & 15) | ((sb(sub - 4) >> 6) << 4);
+        const int mn = sub < 4 ? sb(sub + 4) & 63 : (sb(sub + 4) >> 4) | ((sb(sub) >> 6) << 4);
+        ds = d * static_cast<float>(sc);
+        dm = dmin * static_cast<float>(mn);
+      }
+      for (int kk = 0; kk < 32; ++kk) {
+        const int pair = kk / 2, e = kk % 2, L = pair / 4, s = pair % 4;
+        int q = (word(b + lo_off + 256 * sub + 64 * L + 2 * (2 * j + e)) >> (4 * s)) & 15;
+        float v;
+        if (qt == kQ6_K) {
+          q |= ((word(b + hi_off + 128 * sub + 64 * (pair / 8) + 2 * (2 * j + e)) >> (2 * (pair % 8))) & 3) << 4;
+          const float dsc = d * static_cast<float>(static_cast<int8_t>(b[32 + 16 * (2 * sub + kk / 16) + j]));
+          v = dsc * static_cast<float>(q - 32);
+        } else {
+          if (qt == kQ5_K) q |= ((word(b + hi_off + 64 * sub + 2 * (2 * j + e)) >> pair) & 1) << 4;
+          v = ds * static_cast<float>(q) - dm;  // ds q is exact: fused or not, one rounding
+        }
+        r[kb * 256 + 32 * sub + kk] = v;
+      }
+    }
+  }
+}
+
 at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const at::Tensor& ids,
                           bool bf16_out) {
   const int64_t TB = tile_block_bytes(qtype);
@@ -526,7 +749,7 @@ at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const a
               "gguf_embedding: weight ", w.sizes(), " does not hold ", n, " rows of ggml type ", qtype);
   TORCH_CHECK(ids.scalar_type() == at::kLong, "gguf_embedding: int64 ids expected, got ", ids.scalar_type());
   const auto dtype = bf16_out ? at::kBFloat16 : at::kFloat;
-  const int64_t KB = w.size(1), K = KB * QK;
+  const int64_t KB = w.size(1), K = KB * block_k(static_cast<int>(qtype));
   const auto idc = ids.contiguous();
   const int64_t T = idc.numel();
   std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
@@ -541,7 +764,10 @@ at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const a
     std::vector<float> row(K);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = ip[i] / TN, j = ip[i] % TN;
-      for (int64_t kb = 0; kb < KB; ++kb) {
+      if (is_kquant(static_cast<int>(qtype))) {
+        kq_embedding_row(static_cast<int>(qtype), wp + t * KB * TB, KB, j, row.data());
+      }
+      for (int64_t kb = 0; !is_kquant(static_cast<int>(qtype)) && kb < KB; ++kb) {
         const uint8_t* b = wp + (t * KB + kb) * TB;
         c10::Half dh, mh;
         std::memcpy(&dh, b + 2 * j, 2);
@@ -577,9 +803,9 @@ at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const a
 }
 
 void register_gguf_linear(pybind11::module_& m) {
-  m.def("gguf_linear", &gguf_linear, "x W^T (+ b) over packed GGUF Q4_0 / Q4_1 / Q8_0 tiles (CPU, AVX512-BF16)",
+  m.def("gguf_linear", &gguf_linear, "x W^T (+ b) over packed GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K tiles (CPU, AVX512-BF16)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none());
-  m.def("gguf_embedding", &gguf_embedding, "rows ids of a packed GGUF Q4_0 / Q4_1 / Q8_0 weight, dequantized (CPU)",
+  m.def("gguf_embedding", &gguf_embedding, "rows ids of a packed GGUF Q4_0 / Q4_1 / Q8_0 / K-quant weight, dequantized (CPU)",
         pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"), pybind11::arg("ids"), pybind11::arg("bf16_out"));
 }
