@@ -93,3 +93,16 @@ def test_packed_model_through_the_triton_kernel(interpret, monkeypatch, tiny_mod
     assert calls, "the Triton kernel never ran"
     assert [o.outputs[0].token_ids for o in outs["packed"]] == [o.outputs[0].token_ids for o in outs["reference"]]
     assert max_prompt_logprob_gap(outs["reference"], outs["packed"], "Triton GGUF") < 1e-4
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_kquant_weights_take_the_reference_path_where_triton_applies(interpret, monkeypatch, name):
+    """The Triton kernel reads Q8_0 / Q4_0 / Q4_1 only: a K-quant weight on a Triton device (the interpreter here,
+    CPU kernel off) multiplies through the dequantizing reference path, within the K-quant tests' float32 bound."""
+    from test_gguf_kquants import check_close as kcheck, random_kblocks
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
+    raw = random_kblocks(name, 20, 512)
+    w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, 512)
+    w.prepare()
+    x = torch.randn(3, 512)
+    kcheck(w.linear(x, None), x, raw, name, None)

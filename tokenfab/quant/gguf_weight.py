@@ -5,7 +5,7 @@ decode GEMV that unpacks nibbles and scales in registers and a prefill GEMM that
 time into a thread-local buffer for oneDNN's brgemm. Reference / fallback (no kernels, no AVX512-BF16, another
 device, or ``TOKENFAB_CPU_LINEAR=torch``): dequantize 1024 rows at a time and ``F.linear`` in float32, so no
 full-size float copy of the weight is ever made either way. On CUDA/ROCm the Triton kernel
-(kernels/triton_gguf_linear.py) reads the same tiles.
+(kernels/triton_gguf_linear.py) reads the same tiles for Q8_0 / Q4_0 / Q4_1 (K-quants take the reference path there).
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_blocks import TILE, BlockType
 from tokenfab.quant.packed_weight import PackedWeight
 
+_TRITON_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types kernels/triton_gguf_linear.py reads (K-quants: reference)
 _REFERENCE_ROWS = 1024  # rows dequantized at a time by the PyTorch path
 
 
@@ -78,7 +79,7 @@ class GGUFWeight(PackedWeight):
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._kernel and x.dtype in (torch.bfloat16, torch.float32):
             return cpu_kernels.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias)
-        if triton_support.applies(x):  # CUDA/ROCm (tests: the interpreter): the same tiles, kernels/triton_gguf_linear
+        if self.block.name in _TRITON_TYPES and triton_support.applies(x):  # CUDA/ROCm: kernels/triton_gguf_linear
             from tokenfab.kernels import triton_gguf_linear
             return triton_gguf_linear.gguf_linear(x, self.tiles, self.block, self.out_features, bias)
         return self.reference_linear(x, bias)
