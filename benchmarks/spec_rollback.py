@@ -161,10 +161,7 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[0, 1, 3, 7])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: least disturbed by a "
-                    "loaded machine)")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
     if 0 not in a.ks:
         a.ks = [0] + a.ks
     torch.manual_seed(0)

@@ -31,7 +31,7 @@ Not chosen (measured in benchmarks/results/2026-12-01-spec-rollback.md):
   128 x 128 float32 = 2 MiB per layer, about 16 MiB per row per layer), versus 1x here. Its step time saves the
   replay but pays 1 + k full state writes per row and layer instead of at most k recurrence steps on rejected
   rows only. Measured on a hidden-512 Kimi Linear (3 KDA layers of 8 x 64): kept per row for k = 7, 709 KiB
-  here against 3,504 KiB of snapshots; per layer, materializing the snapshots took 1.1x to 8x the replay's
+  here against 3,504 KiB of snapshots; per layer, materializing the snapshots took 1.2x to 1.9x the replay's
   worst case (kept = k), batch 1 and 16, k = 1, 3, 7.
 * chunked kernels emitting intermediate states: the same memory as snapshots, and a kernel change.
 """
