@@ -204,7 +204,7 @@ def spec_description(spec, spec_extra) -> str:
     return f"{head}, other settings default ({spec_extra or 'switch-off rule defaults'})"
 
 
-def workload_part(model, spec, max_tokens, spec_extra, repeats=1, json_rows=None):
+def workload_part(model, spec, max_tokens, spec_extra, repeats=1, json_rows=None, concs=(1, 16)):
     """The workload table: for each concurrency one LLM without and one with ``spec`` (built once, reused by
     every workload and temperature); each cell runs no-spec and spec alternately ``repeats`` times and reports
     the medians (TPOT, tok/s) and the summed acceptance counters."""
@@ -219,7 +219,7 @@ def workload_part(model, spec, max_tokens, spec_extra, repeats=1, json_rows=None
              "TPOT ratio | out tok/s (no spec) | out tok/s (spec) | same tokens |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     cells = {}
-    for conc in (1, 16):
+    for conc in concs:
         llms = [LLM(model, progress=False, max_num_seqs=conc, max_model_len=2048, speculative_config=s)
                 for s in (None, spec)]
         for wl in ("grounded", "random"):
@@ -242,7 +242,7 @@ def workload_part(model, spec, max_tokens, spec_extra, repeats=1, json_rows=None
         del llms
     for wl in ("grounded", "random"):
         for temp in (0.0, 1.0):
-            for conc in (1, 16):
+            for conc in concs:
                 runs = cells[(wl, temp, conc)]
                 med = [{key: statistics.median(r[0][key] for r in runs[i]) for key in ("tpot_ms", "tok_s")}
                        for i in (0, 1)]
@@ -311,6 +311,7 @@ def main():
     ap.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
     ap.add_argument("--draft", default=None, help="draft_model: checkpoint folder or .gguf file (default: the "
                     "real default model's Q4_1 GGUF, served packed)")
+    ap.add_argument("--concurrency", default="1,16", help="workload: comma list of concurrencies")
     ap.add_argument("--repeats", type=int, default=1, help="workload: no-spec / spec runs alternated per cell")
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
@@ -337,7 +338,8 @@ def main():
              f"Command: `python benchmarks/spec_decode.py --parts {args.parts} --k {args.k} --steps {args.steps} "
              f"--max-tokens {args.max_tokens} --spec-extra '{args.spec_extra}' --label {label} --threads {args.threads}"
              + (f" --method {args.method}" + (f" --draft {args.draft}" if args.draft else "") if args.method != "ngram"
-                else "") + (f" --repeats {args.repeats}" if args.repeats != 1 else "") + "`",
+                else "") + (f" --repeats {args.repeats}" if args.repeats != 1 else "")
+             + (f" --concurrency {args.concurrency}" if args.concurrency != "1,16" else "") + "`",
              ""]
     json_rows: list = []
     if "verify" in parts:
@@ -345,7 +347,8 @@ def main():
     if "depth" in parts:
         lines += depth_part(model, args.max_tokens) + [""]
     if "workload" in parts:
-        lines += workload_part(model, spec, args.max_tokens, spec_extra, args.repeats, json_rows) + [""]
+        lines += workload_part(model, spec, args.max_tokens, spec_extra, args.repeats, json_rows,
+                               tuple(int(c) for c in args.concurrency.split(","))) + [""]
     path = write_markdown(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                           f"{time.strftime('%Y-%m-%d')}-spec-decode-{label}.md", lines)
     if json_rows:
