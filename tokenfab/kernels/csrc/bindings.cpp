@@ -6,6 +6,7 @@
 #include "cpu_kernels.h"
 #include "decode_stack.h"
 #include "gguf_linear.h"
+#include "packed_experts.h"
 #include "vnni_linear.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -35,4 +36,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rowwise_linear_f32", &rowwise_linear_f32, "float32 x w^T with one fixed-order dot per output (CPU)");
   register_decode_stack(m);
   register_gguf_linear(m);
+  register_packed_experts(m);
 }

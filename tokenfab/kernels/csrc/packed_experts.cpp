@@ -1,0 +1,233 @@
+// Grouped linears over routed-expert weights kept packed in their published formats (INT4 group-quantized and
+// MXFP4, both compressed-tensors layouts): the weights are unpacked and scaled in registers, never copied out.
+//
+// Both formats store a row of W [n, K] as K / 2 bytes, byte b holding value 2b in its low nibble and 2b + 1 in its
+// high one (int4: the little-endian int32 words of pack_to_int32, value k at bits 4 (k % 8) of word k / 8), with one
+// scale per 32 values. A 64-value chunk of a row is 32 bytes: widened to 32 16-bit lanes, `& 15` gives the even
+// values' nibbles and `>> 4` the odd ones', and one 32-entry `vpermw` table each turns them into exact bf16 values
+// (int4: nibble - 8; MXFP4: the E2M1 value). x is rearranged once per call to match (per 64-chunk its 32 even
+// values, then its 32 odd ones), so two `vdpbf16ps` give 16 float32 lanes of pair sums, lanes 0-7 from the chunk's
+// first scale group and 8-15 from its second; one FMA with the two scales broadcast to their halves accumulates
+// sum_k x_k (q_k s_g) as sum_g s_g sum_k x_k q_k: bf16 x bf16 products are exact in float32, so the only roundings
+// are float32 sums (the reference dequantizes to float32 and runs a float32 matmul: the same real number).
+// float32 x is split into three bf16 parts (x = h + m + l to 2^-24 relative), each multiplied exactly.
+//
+// Work: (segment, block of 16 output rows) items over all segments in one parallel region; per row the scales are
+// decoded once, then tiles of up to 4 tokens reuse each unpacked chunk (decode: 1-8 tokens per expert).
+#include "packed_experts.h"
+
+#include "cpu_common.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+using tokenfab_cpu::f_to_bf16;
+
+namespace {
+
+constexpr int64_t kGroup = 32;     // values per scale
+constexpr int64_t kChunk = 64;     // values per inner step (two scale groups)
+constexpr int64_t kRowBlock = 16;  // output rows per work item
+constexpr int kTokTile = 4;        // tokens per register tile
+
+#if defined(__AVX512BF16__)
+
+// vpermw table: entry i (i < 16) = bf16 bits of the format's value of nibble i.
+__m512i value_table(int64_t fmt) {
+  static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = fmt == kExpertsInt4Group ? static_cast<float>((i & 15) - 8) : e2m1[i & 15];
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers and E2M1 values fit bf16
+  }
+  return _mm512_load_si512(t);
+}
+
+// The row's scales as float32 (ngroups values, then one 0 so a half chunk reads a zero second scale).
+inline void row_scales(int64_t fmt, int scale_kind, const void* s, int64_t ng, float* out) {
+  if (fmt == kExpertsMxfp4) {
+    const auto* p = static_cast<const uint8_t*>(s);
+    for (int64_t g = 0; g < ng; ++g)
+      out[g] = p[g] == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, static_cast<int>(p[g]) - 127);
+  } else {
+    const auto* p = static_cast<const uint16_t*>(s);
+    for (int64_t g = 0; g < ng; ++g) {
+      if (scale_kind == 0) {  // bf16
+        const uint32_t bits = static_cast<uint32_t>(p[g]) << 16;
+        std::memcpy(out + g, &bits, 4);
+      } else {  // fp16
+        out[g] = _cvtsh_ss(p[g]);
+      }
+    }
+  }
+  out[ng] = 0.f;
+}
+
+// One output row for TB tokens (S bf16 parts each): xp rows of [S][Kp] uint16 (rearranged, zero-padded).
+template <int S, int TB>
+inline void row_tile(const uint8_t* wrow, const float* sc, int64_t K, const uint16_t* const* xt, int64_t Kp,
+                     __m512i table, float* sums) {
+  __m512 acc[TB];
+  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi16(15);
+  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const int64_t nfull = K / kChunk;
+  const bool half = (K % kChunk) != 0;
+  for (int64_t c = 0; c < nfull + (half ? 1 : 0); ++c) {
+    const __m256i bytes = c < nfull ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + c * 32))
+                                    : _mm256_maskz_loadu_epi8(0xFFFFu, wrow + c * 32);
+    const __m512i v = _mm512_cvtepu8_epi16(bytes);
+    const __m512bh wlo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
+    const __m512bh whi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+    double pair;
+    std::memcpy(&pair, sc + 2 * c, sizeof(double));
+    const __m512 sv = _mm512_permutexvar_ps(pick, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+    for (int t = 0; t < TB; ++t) {
+      __m512 d = _mm512_setzero_ps();
+      for (int s = 0; s < S; ++s) {
+        const uint16_t* xc = xt[t] + s * Kp + c * kChunk;
+        d = _mm512_dpbf16_ps(d, wlo, (__m512bh)_mm512_loadu_si512(xc));
+        d = _mm512_dpbf16_ps(d, whi, (__m512bh)_mm512_loadu_si512(xc + 32));
+      }
+      acc[t] = _mm512_fmadd_ps(d, sv, acc[t]);
+    }
+  }
+  for (int t = 0; t < TB; ++t) sums[t] = _mm512_reduce_add_ps(acc[t]);
+}
+
+template <int S>
+void rows_for_tokens(const uint8_t* wrow, const float* sc, int64_t K, const uint16_t* xp, int64_t Kp, int64_t t0,
+                     int64_t t1, __m512i table, float* out, int64_t ldo) {
+  // out[(t - t0) * ldo] = row . x_t for t in [t0, t1)
+  for (int64_t t = t0; t < t1; t += kTokTile) {
+    const int nt = static_cast<int>(std::min<int64_t>(kTokTile, t1 - t));
+    const uint16_t* xt[kTokTile];
+    for (int i = 0; i < nt; ++i) xt[i] = xp + (t + i) * S * Kp;
+    float sums[kTokTile];
+    switch (nt) {
+      case 4: row_tile<S, 4>(wrow, sc, K, xt, Kp, table, sums); break;
+      case 3: row_tile<S, 3>(wrow, sc, K, xt, Kp, table, sums); break;
+      case 2: row_tile<S, 2>(wrow, sc, K, xt, Kp, table, sums); break;
+      default: row_tile<S, 1>(wrow, sc, K, xt, Kp, table, sums); break;
+    }
+    for (int i = 0; i < nt; ++i) out[(t - t0 + i) * ldo] = sums[i];
+  }
+}
+
+// x [N, K] -> [N][S][Kp] bf16 parts, per 64-chunk the even values then the odd ones, zero past K.
+template <typename T, int S>
+std::vector<uint16_t> rearrange(const T* x, int64_t N, int64_t K, int64_t Kp) {
+  std::vector<uint16_t> xp(static_cast<size_t>(N * S * Kp), 0);
+  at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t c = k / kChunk, j = k % kChunk;
+        const int64_t dst = c * kChunk + (j % 2) * 32 + j / 2;
+        if constexpr (S == 1) {
+          uint16_t bits;
+          std::memcpy(&bits, x + r * K + k, 2);
+          xp[r * Kp + dst] = bits;
+        } else {
+          float rest = static_cast<float>(x[r * K + k]);
+          for (int s = 0; s < S; ++s) {
+            const uint16_t h = f_to_bf16(rest);
+            xp[(r * S + s) * Kp + dst] = h;
+            rest -= tokenfab_cpu::bf16_to_f(h);
+          }
+        }
+      }
+    }
+  });
+  return xp;
+}
+
+#endif  // __AVX512BF16__
+
+}  // namespace
+
+at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Tensor& packed, const at::Tensor& scale,
+                                 const at::Tensor& experts, const at::Tensor& offsets) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(fmt == kExpertsInt4Group || fmt == kExpertsMxfp4, "packed_experts_linear: unknown format ", fmt);
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "packed_experts_linear: x [N, K] bf16 or float32 expected");
+  TORCH_CHECK(packed.dim() == 3 && scale.dim() == 3 && packed.is_contiguous() && scale.is_contiguous(),
+              "packed_experts_linear: contiguous packed [E, n, .] and scale [E, n, K / 32] expected");
+  const int64_t N = x.size(0), K = x.size(1), E = packed.size(0), n = packed.size(1);
+  TORCH_CHECK(K % kGroup == 0 && scale.size(0) == E && scale.size(1) == n && scale.size(2) == K / kGroup,
+              "packed_experts_linear: scale shape does not match K = ", K);
+  int scale_kind = 0;
+  if (fmt == kExpertsInt4Group) {
+    TORCH_CHECK(packed.scalar_type() == at::kInt && packed.size(2) * 8 == K,
+                "packed_experts_linear: int4 packed must be int32 [E, n, K / 8]");
+    TORCH_CHECK(scale.scalar_type() == at::kBFloat16 || scale.scalar_type() == at::kHalf,
+                "packed_experts_linear: int4 scales must be bf16 or fp16");
+    scale_kind = scale.scalar_type() == at::kHalf ? 1 : 0;
+  } else {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) * 2 == K && scale.scalar_type() == at::kByte,
+                "packed_experts_linear: mxfp4 packed must be uint8 [E, n, K / 2] with uint8 scales");
+  }
+  const auto ex = experts.to(at::kLong).contiguous();
+  const auto of = offsets.to(at::kLong).contiguous();
+  const int64_t A = ex.numel();
+  TORCH_CHECK(of.numel() == A + 1, "packed_experts_linear: offsets must hold len(experts) + 1 values");
+  const int64_t* ep = ex.data_ptr<int64_t>();
+  const int64_t* op = of.data_ptr<int64_t>();
+  TORCH_CHECK(A == 0 || (op[0] == 0 && op[A] == N), "packed_experts_linear: offsets must run from 0 to N");
+  for (int64_t a = 0; a < A; ++a)
+    TORCH_CHECK(ep[a] >= 0 && ep[a] < E && op[a + 1] >= op[a], "packed_experts_linear: bad expert id or offsets");
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const auto xc = x.contiguous();
+  const int64_t Kp = (K + kChunk - 1) / kChunk * kChunk, ng = K / kGroup;
+  const std::vector<uint16_t> xp = f32 ? rearrange<float, 3>(xc.data_ptr<float>(), N, K, Kp)
+                                       : rearrange<c10::BFloat16, 1>(xc.data_ptr<c10::BFloat16>(), N, K, Kp);
+  auto y = at::empty({N, n}, x.options());
+  const auto* wbase = static_cast<const uint8_t*>(packed.data_ptr());
+  const auto* sbase = static_cast<const uint8_t*>(scale.data_ptr());
+  const int64_t row_bytes = K / 2, srow_bytes = ng * scale.element_size();
+  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
+  const __m512i table = value_table(fmt);
+  float* yf = f32 ? y.data_ptr<float>() : nullptr;
+  auto* yb = f32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, A * blocks, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> sc(static_cast<size_t>(ng + 2));
+    std::vector<float> tmp;
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t a = it / blocks, r0 = (it % blocks) * kRowBlock, r1 = std::min(n, r0 + kRowBlock);
+      const int64_t t0 = op[a], t1 = op[a + 1];
+      if (t1 == t0) continue;
+      tmp.resize(static_cast<size_t>(t1 - t0));
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t row = ep[a] * n + r;
+        row_scales(fmt, scale_kind, sbase + row * srow_bytes, ng, sc.data());
+        if (f32)
+          rows_for_tokens<3>(wbase + row * row_bytes, sc.data(), K, xp.data(), Kp, t0, t1, table, tmp.data(), 1);
+        else
+          rows_for_tokens<1>(wbase + row * row_bytes, sc.data(), K, xp.data(), Kp, t0, t1, table, tmp.data(), 1);
+        for (int64_t t = t0; t < t1; ++t) {
+          if (f32) yf[t * n + r] = tmp[t - t0];
+          else yb[t * n + r] = f_to_bf16(tmp[t - t0]);
+        }
+      }
+    }
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "packed_experts_linear needs AVX512-BF16 (use the PyTorch path)");
+  return x;
+#endif
+}
+
+void register_packed_experts(pybind11::module_& m) {
+  m.def("packed_experts_linear", &packed_experts_linear,
+        "grouped x W_e^T over routed experts kept packed (int4 group / MXFP4; CPU, AVX512-BF16)", py::arg("x"),
+        py::arg("fmt"), py::arg("packed"), py::arg("scale"), py::arg("experts"), py::arg("offsets"));
+}
