@@ -3,8 +3,9 @@
 //
 // Both formats store a row of W [n, K] as K / 2 bytes, byte b holding value 2b in its low nibble and 2b + 1 in its
 // high one (int4: the little-endian int32 words of pack_to_int32, value k at bits 4 (k % 8) of word k / 8), with one
-// scale per 32 values. A 64-value chunk of a row is 32 bytes: widened to 32 16-bit lanes, `& 15` gives the even
-// values' nibbles and `>> 4` the odd ones', and one 32-entry `vpermw` table each turns them into exact bf16 values
+// scale per 32 values. A 64-value chunk of a row is 32 bytes: widened to 32 16-bit lanes, the lanes (low nibble, as
+// vpermw reads index bits 0-4 of a table that repeats) and the lanes `>> 4` index a 32-entry `vpermw` table that
+// turns them into exact bf16 values
 // (int4: nibble - 8; MXFP4: the E2M1 value). x is rearranged once per call to match (per 64-chunk its 32 even
 // values, then its 32 odd ones), so two `vdpbf16ps` give 16 float32 lanes of pair sums, lanes 0-7 from the chunk's
 // first scale group and 8-15 from its second; one FMA with the two scales broadcast to their halves accumulates
@@ -12,8 +13,9 @@
 // are float32 sums (the reference dequantizes to float32 and runs a float32 matmul: the same real number).
 // float32 x is split into three bf16 parts (x = h + m + l to 2^-24 relative), each multiplied exactly.
 //
-// Work: (segment, block of 16 output rows) items over all segments in one parallel region; per row the scales are
-// decoded once, then tiles of up to 4 tokens reuse each unpacked chunk (decode: 1-8 tokens per expert).
+// Work: (segment, block of 16 output rows) items over all segments in one parallel region; per block the scales are
+// decoded once, then tiles of up to 4 tokens reuse each unpacked chunk and groups of 4 (1-2 tokens) or 2 rows share
+// each x chunk load (decode: 1-8 tokens per expert).
 #include "packed_experts.h"
 
 #include "cpu_common.h"
@@ -37,7 +39,8 @@ constexpr int kTokTile = 4;        // tokens per register tile
 
 #if defined(__AVX512BF16__)
 
-// vpermw table: entry i (i < 16) = bf16 bits of the format's value of nibble i.
+// vpermw table: entry i = bf16 bits of the format's value of nibble i & 15 (entries 16-31 repeat 0-15, so a
+// widened byte indexes its low nibble's value directly: vpermw reads only index bits 0-4).
 __m512i value_table(int64_t fmt) {
   static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                  -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
@@ -51,74 +54,98 @@ __m512i value_table(int64_t fmt) {
   return _mm512_load_si512(t);
 }
 
-// The row's scales as float32 (ngroups values, then one 0 so a half chunk reads a zero second scale).
+// The row's scales as float32 (ngroups values, then zeros: a half chunk reads a zero second scale, and the chunk's
+// 16-float load of its two scales stays inside the row's padded slot of ng + 16). E8M0 s is
+// 2^(s - 127) built from its bits (s = 0: the float32 subnormal 2^-127; s = 255: NaN).
 inline void row_scales(int64_t fmt, int scale_kind, const void* s, int64_t ng, float* out) {
+  auto* o = reinterpret_cast<uint32_t*>(out);
   if (fmt == kExpertsMxfp4) {
     const auto* p = static_cast<const uint8_t*>(s);
-    for (int64_t g = 0; g < ng; ++g)
-      out[g] = p[g] == 255 ? std::numeric_limits<float>::quiet_NaN() : std::ldexp(1.0f, static_cast<int>(p[g]) - 127);
-  } else {
-    const auto* p = static_cast<const uint16_t*>(s);
     for (int64_t g = 0; g < ng; ++g) {
-      if (scale_kind == 0) {  // bf16
-        const uint32_t bits = static_cast<uint32_t>(p[g]) << 16;
-        std::memcpy(out + g, &bits, 4);
-      } else {  // fp16
-        out[g] = _cvtsh_ss(p[g]);
-      }
+      const uint32_t e = p[g];
+      o[g] = e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23;
     }
+  } else if (scale_kind == 0) {  // bf16
+    const auto* p = static_cast<const uint16_t*>(s);
+    for (int64_t g = 0; g < ng; ++g) o[g] = static_cast<uint32_t>(p[g]) << 16;
+  } else {  // fp16
+    const auto* p = static_cast<const uint16_t*>(s);
+    for (int64_t g = 0; g < ng; ++g) out[g] = _cvtsh_ss(p[g]);
   }
-  out[ng] = 0.f;
+  for (int i = 0; i < 16; ++i) out[ng + i] = 0.f;
 }
 
-// One output row for TB tokens (S bf16 parts each): xp rows of [S][Kp] uint16 (rearranged, zero-padded).
-template <int S, int TB>
-inline void row_tile(const uint8_t* wrow, const float* sc, int64_t K, const uint16_t* const* xt, int64_t Kp,
-                     __m512i table, float* sums) {
-  __m512 acc[TB];
-  for (int t = 0; t < TB; ++t) acc[t] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi16(15);
+// R output rows for TB tokens (S bf16 parts each; xt: each token's rearranged [S][Kp] row): sums[r * TB + t].
+// Every unpacked chunk is used by all TB tokens and every x chunk load by all R rows.
+template <int S, int TB, int R>
+inline void rows_tile(const uint8_t* const* wrow, const float* const* sc, int64_t K, const uint16_t* const* xt,
+                      int64_t Kp, __m512i table, float* sums) {
+  __m512 acc[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
   const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const int64_t nfull = K / kChunk;
-  const bool half = (K % kChunk) != 0;
-  for (int64_t c = 0; c < nfull + (half ? 1 : 0); ++c) {
-    const __m256i bytes = c < nfull ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow + c * 32))
-                                    : _mm256_maskz_loadu_epi8(0xFFFFu, wrow + c * 32);
-    const __m512i v = _mm512_cvtepu8_epi16(bytes);
-    const __m512bh wlo = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, low), table);
-    const __m512bh whi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
-    double pair;
-    std::memcpy(&pair, sc + 2 * c, sizeof(double));
-    const __m512 sv = _mm512_permutexvar_ps(pick, _mm512_castpd_ps(_mm512_set1_pd(pair)));
+  const int64_t nchunks = nfull + ((K % kChunk) != 0 ? 1 : 0);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    __m512bh wlo[R], whi[R];
+    __m512 sv[R];
+    for (int r = 0; r < R; ++r) {
+      const __m256i bytes = c < nfull ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[r] + c * 32))
+                                      : _mm256_maskz_loadu_epi8(0xFFFFu, wrow[r] + c * 32);
+      const __m512i v = _mm512_cvtepu8_epi16(bytes);
+      wlo[r] = (__m512bh)_mm512_permutexvar_epi16(v, table);  // vpermw reads index bits 0-4: the table repeats
+      whi[r] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+      sv[r] = _mm512_permutexvar_ps(pick, _mm512_loadu_ps(sc[r] + 2 * c));  // the chunk's 2 scales, 8 lanes each
+    }
     for (int t = 0; t < TB; ++t) {
-      __m512 d = _mm512_setzero_ps();
+      __m512 d[R];
+      for (int r = 0; r < R; ++r) d[r] = _mm512_setzero_ps();
       for (int s = 0; s < S; ++s) {
         const uint16_t* xc = xt[t] + s * Kp + c * kChunk;
-        d = _mm512_dpbf16_ps(d, wlo, (__m512bh)_mm512_loadu_si512(xc));
-        d = _mm512_dpbf16_ps(d, whi, (__m512bh)_mm512_loadu_si512(xc + 32));
+        const __m512bh xlo = (__m512bh)_mm512_loadu_si512(xc), xhi = (__m512bh)_mm512_loadu_si512(xc + 32);
+        for (int r = 0; r < R; ++r) {
+          d[r] = _mm512_dpbf16_ps(d[r], wlo[r], xlo);
+          d[r] = _mm512_dpbf16_ps(d[r], whi[r], xhi);
+        }
       }
-      acc[t] = _mm512_fmadd_ps(d, sv, acc[t]);
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(d[r], sv[r], acc[r][t]);
     }
   }
-  for (int t = 0; t < TB; ++t) sums[t] = _mm512_reduce_add_ps(acc[t]);
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) sums[r * TB + t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
+// Rows [r0, r1) of one expert (row pointers w + r * row_bytes, scales sc + (r - r0) * sld) for tokens [t0, t1):
+// out[(t - t0) * ldo + (r - r0)].
 template <int S>
-void rows_for_tokens(const uint8_t* wrow, const float* sc, int64_t K, const uint16_t* xp, int64_t Kp, int64_t t0,
-                     int64_t t1, __m512i table, float* out, int64_t ldo) {
-  // out[(t - t0) * ldo] = row . x_t for t in [t0, t1)
+void block_rows(const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t r0, int64_t r1,
+                int64_t K, const uint16_t* xp, int64_t Kp, int64_t t0, int64_t t1, __m512i table, float* out,
+                int64_t ldo) {
   for (int64_t t = t0; t < t1; t += kTokTile) {
     const int nt = static_cast<int>(std::min<int64_t>(kTokTile, t1 - t));
     const uint16_t* xt[kTokTile];
     for (int i = 0; i < nt; ++i) xt[i] = xp + (t + i) * S * Kp;
-    float sums[kTokTile];
-    switch (nt) {
-      case 4: row_tile<S, 4>(wrow, sc, K, xt, Kp, table, sums); break;
-      case 3: row_tile<S, 3>(wrow, sc, K, xt, Kp, table, sums); break;
-      case 2: row_tile<S, 2>(wrow, sc, K, xt, Kp, table, sums); break;
-      default: row_tile<S, 1>(wrow, sc, K, xt, Kp, table, sums); break;
+    const int R = nt <= 2 ? 4 : 2;
+    for (int64_t r = r0; r < r1;) {
+      const int nr = r1 - r >= R ? R : 1;
+      const uint8_t* wr[4];
+      const float* sr[4];
+      for (int i = 0; i < nr; ++i) wr[i] = w + (r + i) * row_bytes, sr[i] = sc + (r - r0 + i) * sld;
+      float sums[16];
+#define TF_ROWS(TB, RR) rows_tile<S, TB, RR>(wr, sr, K, xt, Kp, table, sums)
+      if (nr == 1) {
+        switch (nt) { case 4: TF_ROWS(4, 1); break; case 3: TF_ROWS(3, 1); break;
+                      case 2: TF_ROWS(2, 1); break; default: TF_ROWS(1, 1); }
+      } else if (nr == 4) {
+        if (nt == 2) TF_ROWS(2, 4); else TF_ROWS(1, 4);
+      } else {
+        if (nt == 4) TF_ROWS(4, 2); else TF_ROWS(3, 2);
+      }
+#undef TF_ROWS
+      for (int i = 0; i < nr; ++i)
+        for (int j = 0; j < nt; ++j) out[(t - t0 + j) * ldo + (r - r0 + i)] = sums[i * nt + j];
+      r += nr;
     }
-    for (int i = 0; i < nt; ++i) out[(t - t0 + i) * ldo] = sums[i];
   }
 }
 
@@ -198,24 +225,26 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
   float* yf = f32 ? y.data_ptr<float>() : nullptr;
   auto* yb = f32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
   at::parallel_for(0, A * blocks, 1, [&](int64_t b, int64_t e) {
-    std::vector<float> sc(static_cast<size_t>(ng + 2));
+    const int64_t sld = ng + 16;
+    std::vector<float> sc(static_cast<size_t>(kRowBlock * sld));
     std::vector<float> tmp;
     for (int64_t it = b; it < e; ++it) {
       const int64_t a = it / blocks, r0 = (it % blocks) * kRowBlock, r1 = std::min(n, r0 + kRowBlock);
       const int64_t t0 = op[a], t1 = op[a + 1];
       if (t1 == t0) continue;
-      tmp.resize(static_cast<size_t>(t1 - t0));
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t row = ep[a] * n + r;
-        row_scales(fmt, scale_kind, sbase + row * srow_bytes, ng, sc.data());
-        if (f32)
-          rows_for_tokens<3>(wbase + row * row_bytes, sc.data(), K, xp.data(), Kp, t0, t1, table, tmp.data(), 1);
-        else
-          rows_for_tokens<1>(wbase + row * row_bytes, sc.data(), K, xp.data(), Kp, t0, t1, table, tmp.data(), 1);
-        for (int64_t t = t0; t < t1; ++t) {
-          if (f32) yf[t * n + r] = tmp[t - t0];
-          else yb[t * n + r] = f_to_bf16(tmp[t - t0]);
-        }
+      const int64_t rows = r1 - r0;
+      tmp.resize(static_cast<size_t>((t1 - t0) * rows));
+      for (int64_t r = r0; r < r1; ++r)
+        row_scales(fmt, scale_kind, sbase + (ep[a] * n + r) * srow_bytes, ng, sc.data() + (r - r0) * sld);
+      const uint8_t* w = wbase + ep[a] * n * row_bytes;
+      if (f32)
+        block_rows<3>(w, row_bytes, sc.data(), sld, r0, r1, K, xp.data(), Kp, t0, t1, table, tmp.data(), rows);
+      else
+        block_rows<1>(w, row_bytes, sc.data(), sld, r0, r1, K, xp.data(), Kp, t0, t1, table, tmp.data(), rows);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* src = tmp.data() + (t - t0) * rows;
+        if (f32) std::memcpy(yf + t * n + r0, src, rows * sizeof(float));
+        else for (int64_t r = 0; r < rows; ++r) yb[t * n + r0 + r] = f_to_bf16(src[r]);
       }
     }
   });
