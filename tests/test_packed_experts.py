@@ -153,11 +153,12 @@ def _stack(fmt, E, n, K, g):
 @pytest.mark.parametrize("K", [96, 128])
 def test_grouped_kernel_matches_float64(fmt, dtype, K, monkeypatch):
     g = torch.Generator().manual_seed(3)
-    st = _stack(fmt, 4, 42, K, g)  # 42 rows: blocks of 16 and a 10-row block (row groups of 4 / 2 and single rows)
-    experts, counts = [0, 2, 3], [1, 6, 7]  # token tiles of 1, 4 + 2 and 4 + 3
+    st = _stack(fmt, 4, 42, K, g)  # 42 rows: a 32-row block and a 10-row one (row groups of 4 / 2, single rows)
+    # token tiles of 1, 4 + 2 and 4 + 3 (register GEMV); 70 tokens: the prefill path (brgemm, tiles of 64 + 6)
+    experts, counts = [0, 2, 3, 1], [1, 6, 7, 70]
     x = torch.randn(sum(counts), K, generator=g).to(dtype)
     want = torch.cat([x[b:b + n].double() @ st.dequantize_expert(e).double().t()
-                      for e, n, b in zip(experts, counts, (0, 1, 7))])
+                      for e, n, b in zip(experts, counts, (0, 1, 7, 14))])
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "torch")  # the path CPUs without AVX512-BF16 take
     st.prepare()

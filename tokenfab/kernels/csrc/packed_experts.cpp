@@ -13,7 +13,10 @@
 // are float32 sums (the reference dequantizes to float32 and runs a float32 matmul: the same real number).
 // float32 x is split into three bf16 parts (x = h + m + l to 2^-24 relative), each multiplied exactly.
 //
-// Work: (segment, block of 16 output rows) items over all segments in one parallel region; per block the scales are
+// Prefill (a segment of more than 16 tokens): the item's 32 rows are dequantized once into a thread-local float32
+// buffer (bf16 x: split into exact bf16 parts, two for INT4, one for MXFP4) for oneDNN's brgemm over 64-token tiles;
+// never a copy larger than 32 rows.
+// Work: (segment, block of 32 output rows) items over all segments in one parallel region; per block the scales are
 // decoded once, then tiles of up to 4 tokens reuse each unpacked chunk and groups of 4 (1-2 tokens) or 2 rows share
 // each x chunk load (decode: 1-8 tokens per expert).
 #include "packed_experts.h"
@@ -21,6 +24,7 @@
 #include "cpu_common.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <immintrin.h>
 
 #include <cmath>
@@ -34,8 +38,10 @@ namespace {
 
 constexpr int64_t kGroup = 32;     // values per scale
 constexpr int64_t kChunk = 64;     // values per inner step (two scale groups)
-constexpr int64_t kRowBlock = 16;  // output rows per work item
+constexpr int64_t kRowBlock = 32;  // output rows per work item (one brgemm column tile)
 constexpr int kTokTile = 4;        // tokens per register tile
+constexpr int64_t kGemmMinTokens = 16;  // a segment with more tokens dequantizes its row tiles for brgemm
+constexpr int64_t kGemmTileM = 64;      // tokens per brgemm call
 
 #if defined(__AVX512BF16__)
 
@@ -149,6 +155,46 @@ void block_rows(const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sl
   }
 }
 
+// Prefill: rows [0, nr) (nr <= 32) of a row block dequantized into wf [K][32] float32 (row j in column j, zero
+// columns past nr), the values the reference computes (code value * scale, exact in float32).
+void dequant_block(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
+                   int64_t K, float* wf) {
+  static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  float lut[16];
+  for (int i = 0; i < 16; ++i) lut[i] = fmt == kExpertsInt4Group ? static_cast<float>(i - 8) : e2m1[i];
+  for (int64_t j = 0; j < kRowBlock; ++j) {
+    if (j >= nr) {
+      for (int64_t k = 0; k < K; ++k) wf[k * kRowBlock + j] = 0.f;
+      continue;
+    }
+    const uint8_t* b = w + j * row_bytes;
+    const float* s = sc + j * sld;
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint8_t byte = b[k / 2];
+      const float g = s[k / kGroup];
+      wf[k * kRowBlock + j] = lut[byte & 15] * g;
+      wf[(k + 1) * kRowBlock + j] = lut[byte >> 4] * g;
+    }
+  }
+}
+
+// wf [K][32] float32 -> P bf16 parts in brgemm's VNNI layout [K / 2][32][2] each, summing exactly to wf: INT4
+// values (q - 8) s have at most 11 (bf16 s) or 14 (fp16 s) significant bits, so two parts hold them; MXFP4 values
+// (E2M1 times a power of two) are bf16 values already, one part.
+void split_parts(const float* wf, int64_t K, int P, uint16_t* parts) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t j = 0; j < kRowBlock; ++j) {
+      float rest = wf[k * kRowBlock + j];
+      const int64_t off = (k / 2) * 2 * kRowBlock + j * 2 + (k & 1);
+      for (int p = 0; p < P; ++p) {
+        const uint16_t h = f_to_bf16(rest);
+        parts[p * K * kRowBlock + off] = h;
+        rest -= tokenfab_cpu::bf16_to_f(h);
+      }
+    }
+}
+
 // x [N, K] -> [N][S][Kp] bf16 parts, per 64-chunk the even values then the odd ones, zero past K.
 template <typename T, int S>
 std::vector<uint16_t> rearrange(const T* x, int64_t N, int64_t K, int64_t Kp) {
@@ -227,16 +273,48 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
   at::parallel_for(0, A * blocks, 1, [&](int64_t b, int64_t e) {
     const int64_t sld = ng + 16;
     std::vector<float> sc(static_cast<size_t>(kRowBlock * sld));
-    std::vector<float> tmp;
+    std::vector<float> tmp, wf, cbuf;
+    std::vector<uint16_t> parts;
+    bool used_brgemm = false;
     for (int64_t it = b; it < e; ++it) {
       const int64_t a = it / blocks, r0 = (it % blocks) * kRowBlock, r1 = std::min(n, r0 + kRowBlock);
       const int64_t t0 = op[a], t1 = op[a + 1];
       if (t1 == t0) continue;
       const int64_t rows = r1 - r0;
-      tmp.resize(static_cast<size_t>((t1 - t0) * rows));
       for (int64_t r = r0; r < r1; ++r)
         row_scales(fmt, scale_kind, sbase + (ep[a] * n + r) * srow_bytes, ng, sc.data() + (r - r0) * sld);
       const uint8_t* w = wbase + ep[a] * n * row_bytes;
+      if (t1 - t0 > kGemmMinTokens) {  // prefill: this row block dequantized once, brgemm over 64-token tiles
+        wf.resize(static_cast<size_t>(K * kRowBlock));
+        cbuf.resize(static_cast<size_t>(kGemmTileM * kRowBlock));
+        dequant_block(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wf.data());
+        const int P = fmt == kExpertsInt4Group ? 2 : 1;
+        if (!f32) {
+          parts.resize(static_cast<size_t>(P * K * kRowBlock));
+          split_parts(wf.data(), K, P, parts.data());
+        }
+        used_brgemm = true;
+        for (int64_t m0 = t0; m0 < t1; m0 += kGemmTileM) {
+          const int64_t mt = std::min(kGemmTileM, t1 - m0);
+          if (f32) {
+            at::native::cpublas::brgemm(mt, kRowBlock, K, K, kRowBlock, kRowBlock, false, xc.data_ptr<float>() + m0 * K,
+                                        wf.data(), cbuf.data(), false);
+          } else {
+            const auto* xb = xc.data_ptr<at::BFloat16>() + m0 * K;
+            const auto* pb = reinterpret_cast<const at::BFloat16*>(parts.data());
+            for (int p = P - 1; p >= 0; --p)  // smallest part first
+              at::native::cpublas::brgemm(mt, kRowBlock, K, K, kRowBlock, kRowBlock, p != P - 1, xb,
+                                          pb + p * K * kRowBlock, cbuf.data(), true);
+          }
+          for (int64_t t = 0; t < mt; ++t) {
+            const float* src = cbuf.data() + t * kRowBlock;
+            if (f32) std::memcpy(yf + (m0 + t) * n + r0, src, rows * sizeof(float));
+            else for (int64_t r = 0; r < rows; ++r) yb[(m0 + t) * n + r0 + r] = f_to_bf16(src[r]);
+          }
+        }
+        continue;
+      }
+      tmp.resize(static_cast<size_t>((t1 - t0) * rows));
       if (f32)
         block_rows<3>(w, row_bytes, sc.data(), sld, r0, r1, K, xp.data(), Kp, t0, t1, table, tmp.data(), rows);
       else
@@ -247,6 +325,7 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
         else for (int64_t r = 0; r < rows; ++r) yb[t * n + r0 + r] = f_to_bf16(src[r]);
       }
     }
+    if (used_brgemm) at::native::cpublas::brgemm_release(!f32);
   });
   return y;
 #else
