@@ -96,16 +96,30 @@ class CausalLM(nn.Module):
         from tokenfab.quant.compressed_tensors import parse_compressed_tensors
         return parse_compressed_tensors(qc)
 
+    unpacked_experts = False  # set before load_weights when host experts are requested (engine/model_loader.py)
+    dequantizes_experts_at_load = False  # a model whose loader can dequantize its packed experts instead
+
     def use_packed_experts(self) -> None:
         """Before loading: every RoutedExperts whose expert Linears the checkpoint's scheme quantizes (targeted,
         not in ``ignore``) keeps them packed (:meth:`RoutedExperts.use_packed`); ignored ones stay bf16.
 
+        With ``unpacked_experts`` (host experts requested) a model that ``dequantizes_experts_at_load`` (Kimi's
+        MXFP4) loads them dequantized instead, as the host/device split needs.
+
         Raises:
             WeightLoadError: a layer whose experts are partly ignored (one format per layer's stack).
+            UnsupportedError: host experts requested for packed experts this model cannot dequantize at load.
         """
         scheme = self.expert_quantization()
         if scheme is None:
             return
+        if self.unpacked_experts:  # host experts requested: the host/device split moves bf16 stacks only
+            if self.dequantizes_experts_at_load:
+                return
+            from tokenfab.errors import UnsupportedError
+            raise UnsupportedError(f"host experts (host_experts / --host-experts, num_device_experts) need bf16 "
+                                   f"routed experts, and this checkpoint's are {scheme.format} (kept packed); leave "
+                                   "them unset for this checkpoint.")
         for name, mod in self.named_modules():
             if not isinstance(mod, RoutedExperts) or mod.q13 is not None or mod.w13 is None:
                 continue

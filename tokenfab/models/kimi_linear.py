@@ -387,6 +387,8 @@ class KimiLinearForCausalLM(CausalLM):
                                   "A_log must hold at least num_heads entries; only the first num_heads are real).")
         return flat[: mod.total_heads][mod.h0:mod.h1].float()
 
+    dequantizes_experts_at_load = True  # _map_weights dequantizes MXFP4 experts that are not kept packed
+
     def expert_quantization(self):
         """The checkpoint's MXFP4 scheme (config.json's quantization_config, top level or under text_config) when
         config_kimi found MXFP4 routed experts, else None: those experts are then kept packed."""
