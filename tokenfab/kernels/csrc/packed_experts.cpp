@@ -13,7 +13,7 @@
 // are float32 sums (the reference dequantizes to float32 and runs a float32 matmul: the same real number).
 // float32 x is split into three bf16 parts (x = h + m + l to 2^-24 relative), each multiplied exactly.
 //
-// Prefill (a segment of more than 16 tokens): the item's 32 rows are dequantized once into a thread-local float32
+// Prefill (a segment of more than 8 (MXFP4) / 12 (INT4) tokens): the item's 32 rows are dequantized once into a thread-local float32
 // buffer (bf16 x: split into exact bf16 parts, two for INT4, one for MXFP4) for oneDNN's brgemm over 64-token tiles;
 // never a copy larger than 32 rows.
 // Work: (segment, block of 32 output rows) items over all segments in one parallel region; per block the scales are
@@ -40,10 +40,14 @@ constexpr int64_t kGroup = 32;     // values per scale
 constexpr int64_t kChunk = 64;     // values per inner step (two scale groups)
 constexpr int64_t kRowBlock = 32;  // output rows per work item (one brgemm column tile)
 constexpr int kTokTile = 4;        // tokens per register tile
-constexpr int64_t kGemmMinTokens = 16;  // a segment with more tokens dequantizes its row tiles for brgemm
+// A segment with more tokens than this dequantizes its row blocks for brgemm (measured crossover against the
+// register path, single thread, H 7168: MXFP4 ~7 tokens; INT4, two bf16 parts, ~12).
+constexpr int64_t kGemmMinTokensMxfp4 = 8, kGemmMinTokensInt4 = 12;
 constexpr int64_t kGemmTileM = 64;      // tokens per brgemm call
 
 #if defined(__AVX512BF16__)
+
+inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 // vpermw table: entry i = bf16 bits of the format's value of nibble i & 15 (entries 16-31 repeat 0-15, so a
 // widened byte indexes its low nibble's value directly: vpermw reads only index bits 0-4).
@@ -179,20 +183,49 @@ void dequant_block(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float
   }
 }
 
-// wf [K][32] float32 -> P bf16 parts in brgemm's VNNI layout [K / 2][32][2] each, summing exactly to wf: INT4
-// values (q - 8) s have at most 11 (bf16 s) or 14 (fp16 s) significant bits, so two parts hold them; MXFP4 values
-// (E2M1 times a power of two) are bf16 values already, one part.
-void split_parts(const float* wf, int64_t K, int P, uint16_t* parts) {
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t j = 0; j < kRowBlock; ++j) {
-      float rest = wf[k * kRowBlock + j];
-      const int64_t off = (k / 2) * 2 * kRowBlock + j * 2 + (k & 1);
-      for (int p = 0; p < P; ++p) {
-        const uint16_t h = f_to_bf16(rest);
-        parts[p * K * kRowBlock + off] = h;
-        rest -= tokenfab_cpu::bf16_to_f(h);
+// bf16 x prefill: rows [0, nr) of a row block into P bf16 parts in brgemm's VNNI layout [K / 2][32][2] each (zero
+// rows past nr), summing exactly to the float32 values: INT4 values (q - 8) s have at most 11 (bf16 s) or 14 (fp16
+// s) significant bits, so two parts hold them; MXFP4 values (E2M1 times a power of two) are bf16 values, one part.
+void dequant_parts_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
+                        int64_t K, int P, uint16_t* parts) {
+  // 16 rows at a time: one gather reads 4 bytes (4 value pairs) of each row, one gather a scale group of each row,
+  // and every pair gives the 16 rows' words of one layout row [pair][j0 .. j0 + 15] (contiguous stores).
+  static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  alignas(64) float lut[16];
+  for (int i = 0; i < 16; ++i) lut[i] = fmt == kExpertsInt4Group ? static_cast<float>(i - 8) : e2m1[i];
+  const __m512 lutf = _mm512_load_ps(lut);
+  auto* words = reinterpret_cast<int32_t*>(parts);
+  const int64_t KW = K / 2 * kRowBlock, ng = K / kGroup;  // words per part
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t j0 = 0; j0 < kRowBlock; j0 += 16) {
+    const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(16, nr - j0));
+    const __mmask16 valid = nv >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nv) - 1u);
+    const __m512i rows = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j0)));
+    const __m512i roff = _mm512_mullo_epi32(rows, _mm512_set1_epi32(static_cast<int>(row_bytes)));
+    const __m512i soff = _mm512_mullo_epi32(rows, _mm512_set1_epi32(static_cast<int>(sld)));
+    for (int64_t g = 0; g < ng; ++g) {
+      const __m512 sv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid,
+                                                 _mm512_add_epi32(soff, _mm512_set1_epi32(static_cast<int>(g))), sc, 4);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i wd = _mm512_mask_i32gather_epi32(
+            _mm512_setzero_si512(), valid, _mm512_add_epi32(roff, _mm512_set1_epi32(static_cast<int>(16 * g + 4 * q))),
+            w, 1);
+        for (int bb = 0; bb < 4; ++bb) {  // byte bb: pair 16 g + 4 q + bb (vpermps reads index bits 0-3)
+          __m512 fe = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb), lutf), sv);
+          __m512 fo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb + 4), lutf), sv);
+          int32_t* dst = words + (16 * g + 4 * q + bb) * kRowBlock + j0;
+          for (int p = 0; p < P; ++p) {
+            const __m256i be = (__m256i)_mm512_cvtneps_pbh(fe), bo = (__m256i)_mm512_cvtneps_pbh(fo);
+            _mm512_storeu_si512(dst + p * KW, _mm512_or_si512(_mm512_cvtepu16_epi32(be),
+                                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(bo), 16)));
+            fe = _mm512_sub_ps(fe, bf16_to_f32(be));  // exact: what the rounding dropped
+            fo = _mm512_sub_ps(fo, bf16_to_f32(bo));
+          }
+        }
       }
     }
+  }
 }
 
 // x [N, K] -> [N][S][Kp] bf16 parts, per 64-chunk the even values then the odd ones, zero past K.
@@ -284,14 +317,15 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
       for (int64_t r = r0; r < r1; ++r)
         row_scales(fmt, scale_kind, sbase + (ep[a] * n + r) * srow_bytes, ng, sc.data() + (r - r0) * sld);
       const uint8_t* w = wbase + ep[a] * n * row_bytes;
-      if (t1 - t0 > kGemmMinTokens) {  // prefill: this row block dequantized once, brgemm over 64-token tiles
-        wf.resize(static_cast<size_t>(K * kRowBlock));
+      if (t1 - t0 > (fmt == kExpertsMxfp4 ? kGemmMinTokensMxfp4 : kGemmMinTokensInt4)) {  // prefill: this row block dequantized once, brgemm over 64-token tiles
         cbuf.resize(static_cast<size_t>(kGemmTileM * kRowBlock));
-        dequant_block(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wf.data());
         const int P = fmt == kExpertsInt4Group ? 2 : 1;
-        if (!f32) {
+        if (f32) {
+          wf.resize(static_cast<size_t>(K * kRowBlock));
+          dequant_block(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wf.data());
+        } else {
           parts.resize(static_cast<size_t>(P * K * kRowBlock));
-          split_parts(wf.data(), K, P, parts.data());
+          dequant_parts_vnni(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, P, parts.data());
         }
         used_brgemm = true;
         for (int64_t m0 = t0; m0 < t1; m0 += kGemmTileM) {
