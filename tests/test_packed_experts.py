@@ -344,3 +344,15 @@ def test_k3_mxfp4_kept_packed_matches_dequantized(k3_pair):
     worst = _compare(q_outs, ref_outs, prompts)
     print(f"\nK3 MXFP4 packed vs dequantized float32: max |Δ prompt logprob| = {worst:.2e}")
     assert worst < 1e-4
+
+
+def test_other_quant_methods_left_to_their_loaders():
+    """quantization_config of another method (DeepSeek-V3's fp8) is not parsed here: no packed experts, no error."""
+    from types import SimpleNamespace
+
+    from tokenfab.models.base import CausalLM
+    fake = SimpleNamespace(cfg=SimpleNamespace(raw={"quantization_config": {"quant_method": "fp8",
+                                                                            "weight_block_size": [128, 128]}}))
+    assert CausalLM.expert_quantization(fake) is None
+    fake.cfg.raw["quantization_config"] = INT4_QC
+    assert CausalLM.expert_quantization(fake).format == "int4_group"

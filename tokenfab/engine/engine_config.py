@@ -21,8 +21,8 @@ DEFAULT_MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs pe
 
 # quantization= values tokenfab runs, as config.json's quantization_config.quant_method names them.
 SUPPORTED_QUANTIZATION = {
-    "compressed-tensors": "MXFP4 routed experts of Kimi checkpoints (format mxfp4-pack-quantized), dequantized to "
-                          "the engine dtype at load",
+    "compressed-tensors": "routed experts kept packed: MXFP4 (format mxfp4-pack-quantized, Kimi K3) and INT4 "
+                          "group-32 (format pack-quantized, Kimi K2-Thinking / DeepSeek-V3 layout)",
     "gguf": "a .gguf file, dequantized once to a cached bf16 folder (loader/gguf_to_hf.py)",
 }
 # generation_config.json keys that become default SamplingParams fields (vLLM's list; max_new_tokens -> max_tokens).

@@ -85,13 +85,14 @@ class CausalLM(nn.Module):
 
     def expert_quantization(self):
         """The checkpoint's compressed-tensors scheme (:class:`~tokenfab.quant.compressed_tensors.
-        CompressedTensorsScheme`) from config.json's ``quantization_config``, or None when it has none.
+        CompressedTensorsScheme`) from config.json's ``quantization_config``, or None when it has none or another
+        quant_method (e.g. fp8, read by its own loader).
 
         Raises:
-            ConfigError: a quantization_config field tokenfab does not run (named).
+            ConfigError: a compressed-tensors field tokenfab does not run (named).
         """
         qc = (self.cfg.raw or {}).get("quantization_config")
-        if not qc:
+        if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
             return None
         from tokenfab.quant.compressed_tensors import parse_compressed_tensors
         return parse_compressed_tensors(qc)

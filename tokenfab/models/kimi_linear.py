@@ -24,7 +24,8 @@ as transcribed in public ports, e.g. sglang/vLLM ``kimi_k3`` models: ``SituAndMu
   if i % S == 0 the prefix closes as a block and a new prefix starts; prefix += attn(input_layernorm(h));
   h = mix with the mlp_res pair; prefix += mlp(post_attention_layernorm(h)). The embedding is the first block
   (layer 0 closes it). After the last layer: norm(mix with output_attn_res pair).
-* MXFP4 routed experts (tokenfab/layers/mxfp4.py), dequantised at load time to the engine dtype.
+* MXFP4 routed experts (tokenfab/layers/mxfp4.py) kept packed (tokenfab/quant/mxfp4_experts.py); dequantised at
+  load time to the engine dtype only when host experts are requested (the host/device split moves bf16 stacks).
 
 Checkpoint names: published (``block_sparse_moe``, ``experts.{e}.w1/w2/w3``, ``q/k/v_conv1d``) and transformers 5
 runtime names (``mlp``, fused ``experts.gate_up_proj``/``down_proj``, ``conv1d``, ``forget_gate.*``) both load.
