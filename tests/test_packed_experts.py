@@ -356,3 +356,16 @@ def test_other_quant_methods_left_to_their_loaders():
     assert CausalLM.expert_quantization(fake) is None
     fake.cfg.raw["quantization_config"] = INT4_QC
     assert CausalLM.expert_quantization(fake).format == "int4_group"
+
+
+def test_deferred_expert_storage_reserves_nothing_until_packed_or_allocated():
+    """The loader builds experts on the meta device; packing replaces them, materialize() allocates the rest."""
+    from tokenfab.layers.moe import RoutedExperts, deferred_expert_storage
+    with deferred_expert_storage():
+        a, b = RoutedExperts(4, 64, 32), RoutedExperts(4, 64, 32)
+    assert a.w13.is_meta and b.w2.is_meta
+    a.use_packed("mxfp4")
+    b.materialize()
+    assert a.w13 is None and a.q13.packed.shape == (4, 64, 32) and a.q2.scale.shape == (4, 64, 1)
+    assert not b.w13.is_meta and b.w13.shape == (4, 64, 64)
+    assert not RoutedExperts(2, 64, 32).w13.is_meta  # outside the context: allocated as before

@@ -69,12 +69,14 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
     cls = get_model_class(mc)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    from tokenfab.layers.moe import deferred_expert_storage  # experts packed or allocated by load_weights
     try:
         if tp is None:
-            model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
+            with deferred_expert_storage():
+                model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
         else:
             from tokenfab.parallel.distributed import building_with
-            with building_with(tp):
+            with building_with(tp), deferred_expert_storage():
                 model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
     finally:
         torch.set_default_dtype(prev)

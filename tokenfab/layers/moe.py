@@ -5,6 +5,9 @@ Routing formulas follow transformers' ``DeepseekV3TopkRouter`` and ``Qwen3MoeTop
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from torch import nn
 
@@ -74,6 +77,20 @@ class SoftmaxTopKRouter(nn.Module):
 
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_expert_storage():
+    """Inside this context, RoutedExperts are built with their w13 / w2 on the meta device (no memory): the loader
+    then keeps them packed (:meth:`RoutedExperts.use_packed`) or allocates them (:meth:`RoutedExperts.materialize`)
+    before any weight is read, so a packed checkpoint never reserves its experts' bf16 size."""
+    prev = getattr(_DEFERRED, "on", False)
+    _DEFERRED.on = True
+    try:
+        yield
+    finally:
+        _DEFERRED.on = prev
 
 
 class RoutedExperts(nn.Module):
@@ -95,8 +112,9 @@ class RoutedExperts(nn.Module):
         self.start, self.end = expert_range or (0, num_experts)
         n = self.end - self.start
         self.num_experts, self.intermediate = num_experts, intermediate
-        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate), requires_grad=False)
+        dev = "meta" if getattr(_DEFERRED, "on", False) else None  # see deferred_expert_storage()
+        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden, device=dev), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate, device=dev), requires_grad=False)
         self.use_grouped_mm = _HAS_GROUPED_MM
         self.fused_dispatch = True  # packed CPU experts: the dispatch in one kernel call (False: the Python loop)
         self._p13: list[torch.Tensor] | None = None  # per-expert packed weights (CPU bf16), see fuse()
@@ -116,6 +134,12 @@ class RoutedExperts(nn.Module):
         n, I, H = self.end - self.start, self.intermediate, self.w13.shape[2]
         self.w13 = self.w2 = None
         self.q13, self.q2 = cls(n, 2 * I, H), cls(n, H, I)
+
+    def materialize(self) -> None:
+        """Allocate w13 / w2 (uninitialized, CPU, their dtype) when they were built on the meta device."""
+        if self.w13 is not None and self.w13.is_meta:
+            self.w13 = nn.Parameter(torch.empty(self.w13.shape, dtype=self.w13.dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(self.w2.shape, dtype=self.w2.dtype), requires_grad=False)
 
     def fuse(self) -> None:
         """After loading, on CPU in bf16: pack each expert's weights (:func:`~tokenfab.layers.linear.pack_weight`)

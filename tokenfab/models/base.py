@@ -112,8 +112,13 @@ class CausalLM(nn.Module):
             UnsupportedError: host experts requested for packed experts this model cannot dequantize at load.
         """
         scheme = self.expert_quantization()
-        if scheme is None:
-            return
+        if scheme is not None:
+            self._pack_experts(scheme)
+        for m in self.modules():  # built on the meta device (moe.deferred_expert_storage) and not packed
+            if isinstance(m, RoutedExperts):
+                m.materialize()
+
+    def _pack_experts(self, scheme) -> None:
         if self.unpacked_experts:  # host experts requested: the host/device split moves bf16 stacks only
             if self.dequantizes_experts_at_load:
                 return
