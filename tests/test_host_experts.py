@@ -92,9 +92,12 @@ def test_three_ranks_match(ckpt, family, share):
     assert_same(reference(family, path), run(path, 3, host_experts=share), f"{family} {share} N=3")
 
 
-def test_kimi_k3_situ_latent_experts(tmp_path_factory, tokenizer_dir):
-    """Kimi K3's SiTU experts in the latent space, summed in float32 (its own expert math through ``act``)."""
+def test_kimi_k3_situ_latent_experts(tmp_path_factory, tokenizer_dir, monkeypatch):
+    """Kimi K3's SiTU experts in the latent space, summed in float32 (its own expert math through ``act``). Without
+    host experts the MXFP4 experts stay packed; their PyTorch path (float32 matmuls on the dequantized rows) is the
+    bit-exact reference for the split, which loads them dequantized."""
     from test_kimi_k3 import TEXT, k3_tensors, write_k3
+    monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "torch")
     stored, _ = k3_tensors(TEXT)
     path = write_k3(str(tmp_path_factory.mktemp("k3_host")), tokenizer_dir, tensors=stored)
     ref = run(path, 1)

@@ -55,8 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "code).")
     g.add_argument("--quantization", "-q", default=None,
                    help="auto / unset: the checkpoint's own format. A method name must match config.json's "
-                        "quantization_config.quant_method and be one tokenfab runs (compressed-tensors: Kimi's "
-                        "MXFP4 experts); tokenfab does not quantize on the fly.")
+                        "quantization_config.quant_method and be one tokenfab runs (compressed-tensors: routed "
+                        "experts in MXFP4 or INT4 group-32, kept packed); tokenfab does not quantize on the fly.")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="Reuse the KV blocks of prompt prefixes seen before (hash-addressed blocks, LRU eviction; "
                         "hybrid KDA models restore recurrent-state snapshots). Default off "

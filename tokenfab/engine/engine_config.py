@@ -21,11 +21,13 @@ DEFAULT_MAX_LOGPROBS = 20  # vLLM's default cap on logprobs / prompt_logprobs pe
 
 # quantization= values tokenfab runs, as config.json's quantization_config.quant_method names them.
 SUPPORTED_QUANTIZATION = {
-    "compressed-tensors": "MXFP4 routed experts of Kimi checkpoints (format mxfp4-pack-quantized), dequantized to "
-                          "the engine dtype at load",
+    "compressed-tensors": "routed experts kept packed: MXFP4 (format mxfp4-pack-quantized, Kimi K3) and INT4 "
+                          "group-32 (format pack-quantized, Kimi K2-Thinking / DeepSeek-V3 layout)",
     "fp8": "FP8 block-scaled weights (DeepSeek-V3 / Kimi-K2 as published, weight_block_size [128, 128]), kept packed "
            "(routed experts and MLA kv_b_proj dequantized to the engine dtype at load)",
-    "gguf": "a .gguf file, dequantized once to a cached bf16 folder (loader/gguf_to_hf.py)",
+    "gguf": "a .gguf file: llama / qwen2 / qwen3 with F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K tensors "
+            "kept packed (loader/gguf_packed.py); other files dequantized once to a cached bf16 folder "
+            "(loader/gguf_to_hf.py)",
 }
 # generation_config.json keys that become default SamplingParams fields (vLLM's list; max_new_tokens -> max_tokens).
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

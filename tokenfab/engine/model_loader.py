@@ -73,15 +73,19 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
     cls = get_model_class(mc)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    from tokenfab.layers.moe import deferred_expert_storage  # experts packed or allocated by load_weights
     try:
         if tp is None:
-            model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
+            with deferred_expert_storage():
+                model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
         else:
             from tokenfab.parallel.distributed import building_with
-            with building_with(tp):
+            with building_with(tp), deferred_expert_storage():
                 model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
     finally:
         torch.set_default_dtype(prev)
+    if getattr(config, "host_experts", None) is not None or getattr(config, "num_device_experts", None) is not None:
+        model.unpacked_experts = True  # the host/device expert split moves bf16 stacks (models/base.py)
     if gguf_file:  # quantized linears stay packed (tokenfab.quant.gguf_weight)
         skipped = model.load_weights(iterate_gguf_weights(config.model, progress=progress))
     elif tp is None:

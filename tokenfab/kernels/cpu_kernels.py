@@ -520,6 +520,32 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     return load().fp8_block_linear(x, weight.view(torch.uint8), scale_inv, bias)
 
 
+def packed_experts_applies() -> bool:
+    """True when :func:`packed_experts_linear` runs: built kernels with AVX512-BF16 dot products."""
+    m = load()
+    return bool(m is not None and m.has_bf16_dot and hasattr(m, "packed_experts_linear"))
+
+
+def packed_experts_linear(x: torch.Tensor, fmt: int, packed: torch.Tensor, scale: torch.Tensor,
+                          experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Grouped y = x W_e^T over a stack of routed experts kept packed (kernels/csrc/packed_experts.cpp).
+
+    Args:
+        x: [N, K] bf16 or float32, rows sorted by expert. fmt: 0 = INT4 group-32 (packed int32 [E, n, K / 8],
+            scale bf16 / fp16 [E, n, K / 32]), 1 = MXFP4 (packed uint8 [E, n, K / 2], scale uint8 E8M0).
+        experts: int64 [A] local expert ids; offsets: int64 [A + 1], rows offsets[a]:offsets[a+1] use experts[a].
+
+    Returns:
+        [N, n] in x's dtype: per 32 values the exact products of x and the integer / E2M1 codes summed in float32
+        and scaled once, float32 x split into three bf16 parts; one rounding per output.
+
+    Raises:
+        RuntimeError: shapes / dtypes outside the above, or kernels without AVX512-BF16 (check
+            :func:`packed_experts_applies` first).
+    """
+    return load().packed_experts_linear(x, int(fmt), packed, scale, experts, offsets)
+
+
 class batch_invariant:
     """Context manager: the calling thread's kernels run in batch-invariant mode inside it (``on=True``), restored
     on exit; ``on=False`` changes nothing.

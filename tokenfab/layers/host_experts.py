@@ -308,7 +308,7 @@ def install(model, placement, threads: int | None = None, device: torch.device |
 
     Raises:
         UnsupportedError: experts with their own forward but no ``act`` of their own (math the split cannot
-            reproduce).
+            reproduce), or routed experts kept packed (tokenfab.quant.packed_experts).
     """
     from tokenfab.errors import UnsupportedError
     from tokenfab.layers.moe import RoutedExperts
@@ -317,6 +317,11 @@ def install(model, placement, threads: int | None = None, device: torch.device |
         if type(m).forward is not RoutedExperts.forward and type(m).act is RoutedExperts.act:
             raise UnsupportedError(f"host experts: layer {i}'s {type(m).__name__} (its own expert math) has no host "
                                    "path yet; leave host_experts / --host-experts unset for this model.")
+        if getattr(m, "q13", None) is not None:
+            raise UnsupportedError(f"host experts: layer {i}'s routed experts are kept packed "
+                                   f"({m.q13.format_name}, from the checkpoint's quantization_config) and the "
+                                   "host/device split moves bf16 expert stacks only; leave host_experts / "
+                                   "--host-experts and num_device_experts unset for this checkpoint.")
     worker = HostExpertWorker(threads or default_host_threads(device or torch.device("cpu")))
     stats = HostExpertStats()
     first = min(mods) if mods else None

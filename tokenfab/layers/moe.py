@@ -5,6 +5,9 @@ Routing formulas follow transformers' ``DeepseekV3TopkRouter`` and ``Qwen3MoeTop
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from torch import nn
 
@@ -74,6 +77,20 @@ class SoftmaxTopKRouter(nn.Module):
 
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+_DEFERRED = threading.local()
+
+
+@contextlib.contextmanager
+def deferred_expert_storage():
+    """Inside this context, RoutedExperts are built with their w13 / w2 on the meta device (no memory): the loader
+    then keeps them packed (:meth:`RoutedExperts.use_packed`) or allocates them (:meth:`RoutedExperts.materialize`)
+    before any weight is read, so a packed checkpoint never reserves its experts' bf16 size."""
+    prev = getattr(_DEFERRED, "on", False)
+    _DEFERRED.on = True
+    try:
+        yield
+    finally:
+        _DEFERRED.on = prev
 
 
 class RoutedExperts(nn.Module):
@@ -84,6 +101,10 @@ class RoutedExperts(nn.Module):
     each active expert once over its tokens (the fallback and the reference in tests). Results are weighted and
     summed back with index_add. ``expert_range`` [start, end) lets a rank own a subset (expert parallel): pairs
     routed elsewhere contribute zero here and are summed by the all-reduce.
+
+    Packed experts (a compressed-tensors checkpoint, :meth:`use_packed`): ``q13`` / ``q2`` are
+    :class:`~tokenfab.quant.packed_experts.PackedExperts` stacks with the same rows and ``w13`` / ``w2`` are None;
+    :meth:`packed_forward` then runs each projection as one grouped linear over the sorted pairs.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, expert_range: tuple[int, int] | None = None):
@@ -91,20 +112,43 @@ class RoutedExperts(nn.Module):
         self.start, self.end = expert_range or (0, num_experts)
         n = self.end - self.start
         self.num_experts, self.intermediate = num_experts, intermediate
-        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate), requires_grad=False)
+        dev = "meta" if getattr(_DEFERRED, "on", False) else None  # see deferred_expert_storage()
+        self.w13 = nn.Parameter(torch.empty(n, 2 * intermediate, hidden, device=dev), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(n, hidden, intermediate, device=dev), requires_grad=False)
         self.use_grouped_mm = _HAS_GROUPED_MM
         self.fused_dispatch = True  # packed CPU experts: the dispatch in one kernel call (False: the Python loop)
         self._p13: list[torch.Tensor] | None = None  # per-expert packed weights (CPU bf16), see fuse()
         self._p2: list[torch.Tensor] | None = None
         # host-offloaded experts (layers/host_experts.py): None, or the split that computes this layer instead
         self.host = None
+        self.q13 = self.q2 = None  # packed expert stacks (tokenfab/quant/packed_experts.py), see use_packed()
         self.route_counter = None  # engine/expert_popularity.py: counts routed pairs per expert when recording
+
+    def use_packed(self, fmt: str) -> None:
+        """Keep this layer's experts packed in format ``fmt`` (a key of
+        :data:`tokenfab.quant.packed_experts.FORMATS`): ``q13`` [E, 2I, hidden] and ``q2`` [E, hidden, I] replace
+        ``w13`` / ``w2`` (freed before any weight is loaded), filled by the loader from the checkpoint's per-expert
+        ``weight_packed`` / ``weight_scale`` tensors."""
+        from tokenfab.quant.packed_experts import expert_format
+        cls = expert_format(fmt)
+        n, I, H = self.end - self.start, self.intermediate, self.w13.shape[2]
+        self.w13 = self.w2 = None
+        self.q13, self.q2 = cls(n, 2 * I, H), cls(n, H, I)
+
+    def materialize(self) -> None:
+        """Allocate w13 / w2 (uninitialized, CPU, their dtype) when they were built on the meta device."""
+        if self.w13 is not None and self.w13.is_meta:
+            self.w13 = nn.Parameter(torch.empty(self.w13.shape, dtype=self.w13.dtype), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(self.w2.shape, dtype=self.w2.dtype), requires_grad=False)
 
     def fuse(self) -> None:
         """After loading, on CPU in bf16: pack each expert's weights (:func:`~tokenfab.layers.linear.pack_weight`)
         and run a loop over the active experts (measured 1.2-3x faster than torch._grouped_mm's CPU path at decode
-        sizes with oneDNN packing, benchmarks/NOTES.md)."""
+        sizes with oneDNN packing, benchmarks/NOTES.md). Packed experts choose their kernel instead."""
+        if self.q13 is not None:
+            self.q13.prepare()
+            self.q2.prepare()
+            return
         if type(self).forward is not RoutedExperts.forward:  # a subclass with its own math reads w13/w2 itself
             return
         if self.w13 is not None and self.w13.shape[0] and can_pack(self.w13[0]):
@@ -130,6 +174,8 @@ class RoutedExperts(nn.Module):
             self.route_counter.record(ids)
         if self.host is not None:  # part of the experts in host memory: the split runs both sides, same sum order
             return self.host.forward(self, x, weights, ids)
+        if self.q13 is not None:
+            return self.packed_forward(x, weights, ids)
         if self._p13 is not None and self.fused_dispatch and cpu_kernels.available_for(x):  # same math in C++
             return cpu_kernels.moe_experts_packed(x, weights, ids, self._p13, self._p2, self.start)
         if self.w13 is not None and triton_support.applies(x):  # CUDA/ROCm: grouped GEMMs in Triton, graph-safe
@@ -168,4 +214,26 @@ class RoutedExperts(nn.Module):
                     h[b:b + n] = silu_and_mul(xs[b:b + n] @ self.w13[e].t()) @ self.w2[e].t()
                     b += n
         out.index_add_(0, token_of, (h * w_sorted[:, None]).to(out.dtype))
+        return out
+
+    def packed_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed sum over packed experts (``q13`` / ``q2``): pairs sorted by expert (stable), one grouped
+        linear per projection over all active experts, :meth:`act` in between, each row times its float32 routing
+        weight rounded to the output dtype and summed with index_add (float32 output when ``accumulate_fp32``,
+        else x's dtype). x [T, hidden]; weights, ids [T, k] -> [T, hidden]."""
+        k = ids.shape[1]
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)[self.start:self.end]
+        lo = int((flat_ids < self.start).sum()) if self.start else 0
+        out = torch.zeros_like(x, dtype=torch.float32 if self.accumulate_fp32 else x.dtype)
+        active = [(e, n) for e, n in enumerate(counts.tolist()) if n]
+        if not active:
+            return out
+        experts, cnts = [e for e, _ in active], [n for _, n in active]
+        order = order[lo:lo + sum(cnts)]
+        token_of = order // k
+        w_sorted = weights.reshape(-1)[order]
+        h = self.q2.grouped_linear(self.act(self.q13.grouped_linear(x[token_of], experts, cnts)), experts, cnts)
+        out.index_add_(0, token_of, (h.to(w_sorted.dtype) * w_sorted[:, None]).to(out.dtype))
         return out

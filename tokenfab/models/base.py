@@ -25,6 +25,9 @@ from tokenfab.parallel.parallel_layers import ParallelLMHead, VocabParallelEmbed
 from tokenfab.quant.packed_weight import PackedWeight
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PACKED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                            r"(weight_packed|weight_scale|weight_shape)$")
+_PACKED_PARTS = ("weight_packed", "weight_scale")
 _FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -80,6 +83,61 @@ class CausalLM(nn.Module):
         """Checkpoint tensors we deliberately do not load (e.g. MTP layers); see subclasses."""
         return name.endswith("rotary_emb.inv_freq")
 
+    def expert_quantization(self):
+        """The checkpoint's compressed-tensors scheme (:class:`~tokenfab.quant.compressed_tensors.
+        CompressedTensorsScheme`) from config.json's ``quantization_config``, or None when it has none or another
+        quant_method (e.g. fp8, read by its own loader).
+
+        Raises:
+            ConfigError: a compressed-tensors field tokenfab does not run (named).
+        """
+        qc = (self.cfg.raw or {}).get("quantization_config")
+        if not isinstance(qc, dict) or qc.get("quant_method") != "compressed-tensors":
+            return None
+        from tokenfab.quant.compressed_tensors import parse_compressed_tensors
+        return parse_compressed_tensors(qc)
+
+    unpacked_experts = False  # set before load_weights when host experts are requested (engine/model_loader.py)
+    dequantizes_experts_at_load = False  # a model whose loader can dequantize its packed experts instead
+
+    def use_packed_experts(self) -> None:
+        """Before loading: every RoutedExperts whose expert Linears the checkpoint's scheme quantizes (targeted,
+        not in ``ignore``) keeps them packed (:meth:`RoutedExperts.use_packed`); ignored ones stay bf16.
+
+        With ``unpacked_experts`` (host experts requested) a model that ``dequantizes_experts_at_load`` (Kimi's
+        MXFP4) loads them dequantized instead, as the host/device split needs.
+
+        Raises:
+            WeightLoadError: a layer whose experts are partly ignored (one format per layer's stack).
+            UnsupportedError: host experts requested for packed experts this model cannot dequantize at load.
+        """
+        scheme = self.expert_quantization()
+        if scheme is not None:
+            self._pack_experts(scheme)
+        for m in self.modules():  # built on the meta device (moe.deferred_expert_storage) and not packed
+            if isinstance(m, RoutedExperts):
+                m.materialize()
+
+    def _pack_experts(self, scheme) -> None:
+        if self.unpacked_experts:  # host experts requested: the host/device split moves bf16 stacks only
+            if self.dequantizes_experts_at_load:
+                return
+            from tokenfab.errors import UnsupportedError
+            raise UnsupportedError(f"host experts (host_experts / --host-experts, num_device_experts) need bf16 "
+                                   f"routed experts, and this checkpoint's are {scheme.format} (kept packed); leave "
+                                   "them unset for this checkpoint.")
+        for name, mod in self.named_modules():
+            if not isinstance(mod, RoutedExperts) or mod.q13 is not None or mod.w13 is None:
+                continue
+            quantized = {scheme.quantizes(f"{name}.{e}.{p}") for e in range(mod.start, mod.end)
+                         for p in ("gate_proj", "up_proj", "down_proj")}
+            if quantized == {True, False}:
+                raise WeightLoadError(f"{name}: quantization_config.ignore names some of this layer's routed expert "
+                                      "Linears but not all; tokenfab keeps a layer's experts in one format (ignore "
+                                      "all of them or none).")
+            if quantized == {True}:
+                mod.use_packed(scheme.format)
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
         """Copy checkpoint tensors into parameters by name.
@@ -93,12 +151,13 @@ class CausalLM(nn.Module):
         Returns the names skipped on purpose. Raises WeightLoadError listing missing weights, unexpected weights
         and shape mismatches.
         """
+        self.use_packed_experts()
         params = dict(self.named_parameters())
         linears = {n: m for n, m in self.named_modules() if isinstance(m, Linear)}
         expert_mods = {n: m for n, m in self.named_modules() if isinstance(m, RoutedExperts)}
         loaded: set[str] = set()
         expert_loaded: dict[str, set] = {n: set() for n in expert_mods}
-        unexpected, skipped, bad_shape, bad_dtype = [], [], [], []
+        unexpected, skipped, bad_shape, bad_dtype, packed_elsewhere = [], [], [], [], []
         file_of = getattr(weights, "file_of", None)  # CheckpointWeights names each tensor's file
 
         def where(name: str) -> str:
@@ -109,9 +168,32 @@ class CausalLM(nn.Module):
             if self.is_skipped_weight(name):
                 skipped.append(name)
                 continue
+            m = _PACKED_EXPERT.match(name)
+            if m and m.group(1) in expert_mods:  # a routed expert kept packed (tokenfab/quant/packed_experts.py)
+                mod, e, proj, part = expert_mods[m.group(1)], int(m.group(2)), m.group(3), m.group(4)
+                if mod.q13 is None:
+                    bad_dtype.append(f"{where(name)}: a packed (quantized) expert tensor, but config.json's "
+                                     "quantization_config does not quantize this layer's experts (absent or "
+                                     "in its ignore list)")
+                    continue
+                if mod.start <= e < mod.end:
+                    q, row0 = (mod.q2, 0) if proj == "down_proj" else (mod.q13, mod.intermediate * (proj == "up_proj"))
+                    try:
+                        q.load_part(e - mod.start, row0, part, t, where(name))
+                    except WeightLoadError as err:
+                        bad_shape.append(str(err))
+                        continue
+                if part != "weight_shape":
+                    expert_loaded[m.group(1)].add((e, proj, part))
+                continue
             m = _EXPERT.match(name)
             if m and m.group(1) in expert_mods:
                 mod, e, proj = expert_mods[m.group(1)], int(m.group(2)), m.group(3)
+                if mod.q13 is not None:
+                    bad_dtype.append(f"{where(name)}: an unquantized expert weight, but config.json's "
+                                     "quantization_config quantizes this layer's experts (weight_packed / "
+                                     "weight_scale expected; list them in its ignore to load them unquantized)")
+                    continue
                 if mod.start <= e < mod.end:
                     I = mod.intermediate
                     dst = {"gate_proj": mod.w13[e - mod.start, :I], "up_proj": mod.w13[e - mod.start, I:],
@@ -125,6 +207,10 @@ class CausalLM(nn.Module):
             m = _FUSED_EXPERT.match(name)
             if m and m.group(1) in expert_mods:
                 mod = expert_mods[m.group(1)]
+                if mod.q13 is not None:
+                    bad_dtype.append(f"{where(name)}: an unquantized expert stack, but config.json's "
+                                     "quantization_config quantizes this layer's experts")
+                    continue
                 dst = mod.w13 if m.group(2) == "gate_up_proj" else mod.w2
                 src = t[mod.start:mod.end] if t.shape[0] == mod.num_experts else t  # else: already this rank's slice
                 if dst.shape != src.shape:
@@ -162,6 +248,9 @@ class CausalLM(nn.Module):
                     loaded.add(name)
                 continue
             p = params.get(name)
+            if p is None and name.endswith((".weight_packed", ".weight_scale", ".weight_shape")):
+                packed_elsewhere.append(name)
+                continue
             if p is None:
                 unexpected.append(name)
                 continue
@@ -183,11 +272,21 @@ class CausalLM(nn.Module):
             loaded.add("lm_head.weight")
         missing = [n for n in params if n not in loaded and not any(n.startswith(e + ".") for e in expert_mods)]
         for prefix, mod in expert_mods.items():
+            if mod.q13 is not None:
+                need = {(e, p, part) for e in range(mod.start, mod.end) for p in ("gate_proj", "up_proj", "down_proj")
+                        for part in _PACKED_PARTS}
+                missing += [f"{prefix}.{e}.{p}.{part}" for e, p, part in sorted(need - expert_loaded[prefix])]
+                continue
             need = {(e, p) for e in range(mod.start, mod.end) for p in ("gate_proj", "up_proj", "down_proj")}
             missing += [f"{prefix}.{e}.{p}.weight" for e, p in sorted(need - expert_loaded[prefix])]
         misfit = {e.split(" ", 1)[0].rstrip(":") for e in bad_shape + bad_dtype}  # present, reported below
         missing = [n for n in missing if n not in misfit]
         problems = []
+        if packed_elsewhere:
+            problems.append(f"packed (quantized) tensors outside the routed experts ({len(packed_elsewhere)}): "
+                            + ", ".join(packed_elsewhere[:10]) + (" ..." if len(packed_elsewhere) > 10 else "")
+                            + "; tokenfab runs compressed-tensors int4 / MXFP4 for routed experts only (the "
+                            "checkpoint's quantization_config.ignore must list the other Linears)")
         if missing:
             problems.append(f"missing weights ({len(missing)}): {', '.join(missing[:20])}"
                             + (" ..." if len(missing) > 20 else ""))

@@ -24,7 +24,8 @@ as transcribed in public ports, e.g. sglang/vLLM ``kimi_k3`` models: ``SituAndMu
   if i % S == 0 the prefix closes as a block and a new prefix starts; prefix += attn(input_layernorm(h));
   h = mix with the mlp_res pair; prefix += mlp(post_attention_layernorm(h)). The embedding is the first block
   (layer 0 closes it). After the last layer: norm(mix with output_attn_res pair).
-* MXFP4 routed experts (tokenfab/layers/mxfp4.py), dequantised at load time to the engine dtype.
+* MXFP4 routed experts (tokenfab/layers/mxfp4.py) kept packed (tokenfab/quant/mxfp4_experts.py); dequantised at
+  load time to the engine dtype only when host experts are requested (the host/device split moves bf16 stacks).
 
 Checkpoint names: published (``block_sparse_moe``, ``experts.{e}.w1/w2/w3``, ``q/k/v_conv1d``) and transformers 5
 runtime names (``mlp``, fused ``experts.gate_up_proj``/``down_proj``, ``conv1d``, ``forget_gate.*``) both load.
@@ -121,6 +122,8 @@ class SituRoutedExperts(RoutedExperts):
             self.route_counter.record(ids)
         if self.host is not None:  # host-offloaded experts (layers/host_experts.py): same pairs, same sum order
             return self.host.forward(self, x, weights, ids)
+        if self.q13 is not None:  # packed experts (MXFP4): the same pairs and sums, grouped linears
+            return self.packed_forward(x, weights, ids)
         T, k = ids.shape
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -324,6 +327,7 @@ class KimiLinearForCausalLM(CausalLM):
                if isinstance(l.self_attn, KimiDeltaAttention)}
         pending: dict[str, dict[str, torch.Tensor]] = {}
         dtype = self.model.norm.weight.dtype
+        experts_of = {n: m for n, m in self.named_modules() if isinstance(m, RoutedExperts)}
         for name, t in weights:
             if prefix:
                 if not name.startswith(prefix):
@@ -356,6 +360,10 @@ class KimiLinearForCausalLM(CausalLM):
                 if not self.cfg.mxfp4_experts:
                     raise WeightLoadError(f"{prefix}{name}: MXFP4 tensor but config.json has no compressed-tensors "
                                           "quantization_config (format mxfp4-pack-quantized).")
+                mod = experts_of.get(base.rsplit(".", 2)[0])
+                if mod is not None and mod.q13 is not None:  # kept packed (tokenfab/quant/mxfp4_experts.py)
+                    yield name, t
+                    continue
                 if part == "weight_shape":
                     continue
                 d = pending.setdefault(base, {})
@@ -380,8 +388,21 @@ class KimiLinearForCausalLM(CausalLM):
                                   "A_log must hold at least num_heads entries; only the first num_heads are real).")
         return flat[: mod.total_heads][mod.h0:mod.h1].float()
 
+    dequantizes_experts_at_load = True  # _map_weights dequantizes MXFP4 experts that are not kept packed
+
+    def expert_quantization(self):
+        """The checkpoint's MXFP4 scheme (config.json's quantization_config, top level or under text_config) when
+        config_kimi found MXFP4 routed experts, else None: those experts are then kept packed."""
+        if not self.cfg.mxfp4_experts:
+            return None
+        from tokenfab.quant.compressed_tensors import parse_compressed_tensors
+        raw = self.cfg.raw or {}
+        return parse_compressed_tensors(raw.get("quantization_config")
+                                        or (raw.get("text_config") or {}).get("quantization_config"))
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        self.use_packed_experts()  # before _map_weights runs: it passes packed experts' tensors through
         return super().load_weights(self._map_weights(weights))
 
 

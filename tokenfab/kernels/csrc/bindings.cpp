@@ -7,6 +7,7 @@
 #include "decode_stack.h"
 #include "fp8_linear.h"
 #include "gguf_linear.h"
+#include "packed_experts.h"
 #include "vnni_linear.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -37,4 +38,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_decode_stack(m);
   register_gguf_linear(m);
   register_fp8_linear(m);
+  register_packed_experts(m);
 }

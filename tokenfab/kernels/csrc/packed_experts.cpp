@@ -1,0 +1,375 @@
+// Grouped linears over routed-expert weights kept packed in their published formats (INT4 group-quantized and
+// MXFP4, both compressed-tensors layouts): the weights are unpacked and scaled in registers, never copied out.
+//
+// Both formats store a row of W [n, K] as K / 2 bytes, byte b holding value 2b in its low nibble and 2b + 1 in its
+// high one (int4: the little-endian int32 words of pack_to_int32, value k at bits 4 (k % 8) of word k / 8), with one
+// scale per 32 values. A 64-value chunk of a row is 32 bytes: widened to 32 16-bit lanes, the lanes (low nibble, as
+// vpermw reads index bits 0-4 of a table that repeats) and the lanes `>> 4` index a 32-entry `vpermw` table that
+// turns them into exact bf16 values
+// (int4: nibble - 8; MXFP4: the E2M1 value). x is rearranged once per call to match (per 64-chunk its 32 even
+// values, then its 32 odd ones), so two `vdpbf16ps` give 16 float32 lanes of pair sums, lanes 0-7 from the chunk's
+// first scale group and 8-15 from its second; one FMA with the two scales broadcast to their halves accumulates
+// sum_k x_k (q_k s_g) as sum_g s_g sum_k x_k q_k: bf16 x bf16 products are exact in float32, so the only roundings
+// are float32 sums (the reference dequantizes to float32 and runs a float32 matmul: the same real number).
+// float32 x is split into three bf16 parts (x = h + m + l to 2^-24 relative), each multiplied exactly.
+//
+// Prefill (a segment of more than 8 (MXFP4) / 12 (INT4) tokens): the item's 32 rows are dequantized once into a thread-local float32
+// buffer (bf16 x: split into exact bf16 parts, two for INT4, one for MXFP4) for oneDNN's brgemm over 64-token tiles;
+// never a copy larger than 32 rows.
+// Work: (segment, block of 32 output rows) items over all segments in one parallel region; per block the scales are
+// decoded once, then tiles of up to 4 tokens reuse each unpacked chunk and groups of 4 (1-2 tokens) or 2 rows share
+// each x chunk load (decode: 1-8 tokens per expert).
+#include "packed_experts.h"
+
+#include "cpu_common.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+using tokenfab_cpu::f_to_bf16;
+
+namespace {
+
+constexpr int64_t kGroup = 32;     // values per scale
+constexpr int64_t kChunk = 64;     // values per inner step (two scale groups)
+constexpr int64_t kRowBlock = 32;  // output rows per work item (one brgemm column tile)
+constexpr int kTokTile = 4;        // tokens per register tile
+// A segment with more tokens than this dequantizes its row blocks for brgemm (measured crossover against the
+// register path, single thread, H 7168: MXFP4 ~7 tokens; INT4, two bf16 parts, ~12).
+constexpr int64_t kGemmMinTokensMxfp4 = 8, kGemmMinTokensInt4 = 12;
+constexpr int64_t kGemmTileM = 64;      // tokens per brgemm call
+
+#if defined(__AVX512BF16__)
+
+inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// vpermw table: entry i = bf16 bits of the format's value of nibble i & 15 (entries 16-31 repeat 0-15, so a
+// widened byte indexes its low nibble's value directly: vpermw reads only index bits 0-4).
+__m512i value_table(int64_t fmt) {
+  static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  alignas(64) uint16_t t[32];
+  for (int i = 0; i < 32; ++i) {
+    const float v = fmt == kExpertsInt4Group ? static_cast<float>((i & 15) - 8) : e2m1[i & 15];
+    uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers and E2M1 values fit bf16
+  }
+  return _mm512_load_si512(t);
+}
+
+// The row's scales as float32 (ngroups values, then zeros: a half chunk reads a zero second scale, and the chunk's
+// 16-float load of its two scales stays inside the row's padded slot of ng + 16). E8M0 s is
+// 2^(s - 127) built from its bits (s = 0: the float32 subnormal 2^-127; s = 255: NaN).
+inline void row_scales(int64_t fmt, int scale_kind, const void* s, int64_t ng, float* out) {
+  auto* o = reinterpret_cast<uint32_t*>(out);
+  if (fmt == kExpertsMxfp4) {
+    const auto* p = static_cast<const uint8_t*>(s);
+    for (int64_t g = 0; g < ng; ++g) {
+      const uint32_t e = p[g];
+      o[g] = e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23;
+    }
+  } else if (scale_kind == 0) {  // bf16
+    const auto* p = static_cast<const uint16_t*>(s);
+    for (int64_t g = 0; g < ng; ++g) o[g] = static_cast<uint32_t>(p[g]) << 16;
+  } else {  // fp16
+    const auto* p = static_cast<const uint16_t*>(s);
+    for (int64_t g = 0; g < ng; ++g) out[g] = _cvtsh_ss(p[g]);
+  }
+  for (int i = 0; i < 16; ++i) out[ng + i] = 0.f;
+}
+
+// R output rows for TB tokens (S bf16 parts each; xt: each token's rearranged [S][Kp] row): sums[r * TB + t].
+// Every unpacked chunk is used by all TB tokens and every x chunk load by all R rows.
+template <int S, int TB, int R>
+inline void rows_tile(const uint8_t* const* wrow, const float* const* sc, int64_t K, const uint16_t* const* xt,
+                      int64_t Kp, __m512i table, float* sums) {
+  __m512 acc[R][TB];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) acc[r][t] = _mm512_setzero_ps();
+  const __m512i pick = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const int64_t nfull = K / kChunk;
+  const int64_t nchunks = nfull + ((K % kChunk) != 0 ? 1 : 0);
+  for (int64_t c = 0; c < nchunks; ++c) {
+    __m512bh wlo[R], whi[R];
+    __m512 sv[R];
+    for (int r = 0; r < R; ++r) {
+      const __m256i bytes = c < nfull ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[r] + c * 32))
+                                      : _mm256_maskz_loadu_epi8(0xFFFFu, wrow[r] + c * 32);
+      const __m512i v = _mm512_cvtepu8_epi16(bytes);
+      wlo[r] = (__m512bh)_mm512_permutexvar_epi16(v, table);  // vpermw reads index bits 0-4: the table repeats
+      whi[r] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table);
+      sv[r] = _mm512_permutexvar_ps(pick, _mm512_loadu_ps(sc[r] + 2 * c));  // the chunk's 2 scales, 8 lanes each
+    }
+    for (int t = 0; t < TB; ++t) {
+      __m512 d[R];
+      for (int r = 0; r < R; ++r) d[r] = _mm512_setzero_ps();
+      for (int s = 0; s < S; ++s) {
+        const uint16_t* xc = xt[t] + s * Kp + c * kChunk;
+        const __m512bh xlo = (__m512bh)_mm512_loadu_si512(xc), xhi = (__m512bh)_mm512_loadu_si512(xc + 32);
+        for (int r = 0; r < R; ++r) {
+          d[r] = _mm512_dpbf16_ps(d[r], wlo[r], xlo);
+          d[r] = _mm512_dpbf16_ps(d[r], whi[r], xhi);
+        }
+      }
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_fmadd_ps(d[r], sv[r], acc[r][t]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < TB; ++t) sums[r * TB + t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+// Rows [r0, r1) of one expert (row pointers w + r * row_bytes, scales sc + (r - r0) * sld) for tokens [t0, t1):
+// out[(t - t0) * ldo + (r - r0)].
+template <int S>
+void block_rows(const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t r0, int64_t r1,
+                int64_t K, const uint16_t* xp, int64_t Kp, int64_t t0, int64_t t1, __m512i table, float* out,
+                int64_t ldo) {
+  for (int64_t t = t0; t < t1; t += kTokTile) {
+    const int nt = static_cast<int>(std::min<int64_t>(kTokTile, t1 - t));
+    const uint16_t* xt[kTokTile];
+    for (int i = 0; i < nt; ++i) xt[i] = xp + (t + i) * S * Kp;
+    const int R = nt <= 2 ? 4 : 2;
+    for (int64_t r = r0; r < r1;) {
+      const int nr = r1 - r >= R ? R : 1;
+      const uint8_t* wr[4];
+      const float* sr[4];
+      for (int i = 0; i < nr; ++i) wr[i] = w + (r + i) * row_bytes, sr[i] = sc + (r - r0 + i) * sld;
+      float sums[16];
+#define TF_ROWS(TB, RR) rows_tile<S, TB, RR>(wr, sr, K, xt, Kp, table, sums)
+      if (nr == 1) {
+        switch (nt) { case 4: TF_ROWS(4, 1); break; case 3: TF_ROWS(3, 1); break;
+                      case 2: TF_ROWS(2, 1); break; default: TF_ROWS(1, 1); }
+      } else if (nr == 4) {
+        if (nt == 2) TF_ROWS(2, 4); else TF_ROWS(1, 4);
+      } else {
+        if (nt == 4) TF_ROWS(4, 2); else TF_ROWS(3, 2);
+      }
+#undef TF_ROWS
+      for (int i = 0; i < nr; ++i)
+        for (int j = 0; j < nt; ++j) out[(t - t0 + j) * ldo + (r - r0 + i)] = sums[i * nt + j];
+      r += nr;
+    }
+  }
+}
+
+// Prefill: rows [0, nr) (nr <= 32) of a row block dequantized into wf [K][32] float32 (row j in column j, zero
+// columns past nr), the values the reference computes (code value * scale, exact in float32).
+void dequant_block(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
+                   int64_t K, float* wf) {
+  static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  float lut[16];
+  for (int i = 0; i < 16; ++i) lut[i] = fmt == kExpertsInt4Group ? static_cast<float>(i - 8) : e2m1[i];
+  for (int64_t j = 0; j < kRowBlock; ++j) {
+    if (j >= nr) {
+      for (int64_t k = 0; k < K; ++k) wf[k * kRowBlock + j] = 0.f;
+      continue;
+    }
+    const uint8_t* b = w + j * row_bytes;
+    const float* s = sc + j * sld;
+    for (int64_t k = 0; k < K; k += 2) {
+      const uint8_t byte = b[k / 2];
+      const float g = s[k / kGroup];
+      wf[k * kRowBlock + j] = lut[byte & 15] * g;
+      wf[(k + 1) * kRowBlock + j] = lut[byte >> 4] * g;
+    }
+  }
+}
+
+// bf16 x prefill: rows [0, nr) of a row block into P bf16 parts in brgemm's VNNI layout [K / 2][32][2] each (zero
+// rows past nr), summing exactly to the float32 values: INT4 values (q - 8) s have at most 11 (bf16 s) or 14 (fp16
+// s) significant bits, so two parts hold them; MXFP4 values (E2M1 times a power of two) are bf16 values, one part.
+void dequant_parts_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
+                        int64_t K, int P, uint16_t* parts) {
+  // 16 rows at a time: one gather reads 4 bytes (4 value pairs) of each row, one gather a scale group of each row,
+  // and every pair gives the 16 rows' words of one layout row [pair][j0 .. j0 + 15] (contiguous stores).
+  static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
+                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+  alignas(64) float lut[16];
+  for (int i = 0; i < 16; ++i) lut[i] = fmt == kExpertsInt4Group ? static_cast<float>(i - 8) : e2m1[i];
+  const __m512 lutf = _mm512_load_ps(lut);
+  auto* words = reinterpret_cast<int32_t*>(parts);
+  const int64_t KW = K / 2 * kRowBlock, ng = K / kGroup;  // words per part
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t j0 = 0; j0 < kRowBlock; j0 += 16) {
+    const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(16, nr - j0));
+    const __mmask16 valid = nv >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nv) - 1u);
+    const __m512i rows = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j0)));
+    const __m512i roff = _mm512_mullo_epi32(rows, _mm512_set1_epi32(static_cast<int>(row_bytes)));
+    const __m512i soff = _mm512_mullo_epi32(rows, _mm512_set1_epi32(static_cast<int>(sld)));
+    for (int64_t g = 0; g < ng; ++g) {
+      const __m512 sv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid,
+                                                 _mm512_add_epi32(soff, _mm512_set1_epi32(static_cast<int>(g))), sc, 4);
+      for (int q = 0; q < 4; ++q) {
+        const __m512i wd = _mm512_mask_i32gather_epi32(
+            _mm512_setzero_si512(), valid, _mm512_add_epi32(roff, _mm512_set1_epi32(static_cast<int>(16 * g + 4 * q))),
+            w, 1);
+        for (int bb = 0; bb < 4; ++bb) {  // byte bb: pair 16 g + 4 q + bb (vpermps reads index bits 0-3)
+          __m512 fe = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb), lutf), sv);
+          __m512 fo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb + 4), lutf), sv);
+          int32_t* dst = words + (16 * g + 4 * q + bb) * kRowBlock + j0;
+          for (int p = 0; p < P; ++p) {
+            const __m256i be = (__m256i)_mm512_cvtneps_pbh(fe), bo = (__m256i)_mm512_cvtneps_pbh(fo);
+            _mm512_storeu_si512(dst + p * KW, _mm512_or_si512(_mm512_cvtepu16_epi32(be),
+                                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(bo), 16)));
+            fe = _mm512_sub_ps(fe, bf16_to_f32(be));  // exact: what the rounding dropped
+            fo = _mm512_sub_ps(fo, bf16_to_f32(bo));
+          }
+        }
+      }
+    }
+  }
+}
+
+// x [N, K] -> [N][S][Kp] bf16 parts, per 64-chunk the even values then the odd ones, zero past K.
+template <typename T, int S>
+std::vector<uint16_t> rearrange(const T* x, int64_t N, int64_t K, int64_t Kp) {
+  std::vector<uint16_t> xp(static_cast<size_t>(N * S * Kp), 0);
+  at::parallel_for(0, N, 1, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t c = k / kChunk, j = k % kChunk;
+        const int64_t dst = c * kChunk + (j % 2) * 32 + j / 2;
+        if constexpr (S == 1) {
+          uint16_t bits;
+          std::memcpy(&bits, x + r * K + k, 2);
+          xp[r * Kp + dst] = bits;
+        } else {
+          float rest = static_cast<float>(x[r * K + k]);
+          for (int s = 0; s < S; ++s) {
+            const uint16_t h = f_to_bf16(rest);
+            xp[(r * S + s) * Kp + dst] = h;
+            rest -= tokenfab_cpu::bf16_to_f(h);
+          }
+        }
+      }
+    }
+  });
+  return xp;
+}
+
+#endif  // __AVX512BF16__
+
+}  // namespace
+
+at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Tensor& packed, const at::Tensor& scale,
+                                 const at::Tensor& experts, const at::Tensor& offsets) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(fmt == kExpertsInt4Group || fmt == kExpertsMxfp4, "packed_experts_linear: unknown format ", fmt);
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "packed_experts_linear: x [N, K] bf16 or float32 expected");
+  TORCH_CHECK(packed.dim() == 3 && scale.dim() == 3 && packed.is_contiguous() && scale.is_contiguous(),
+              "packed_experts_linear: contiguous packed [E, n, .] and scale [E, n, K / 32] expected");
+  const int64_t N = x.size(0), K = x.size(1), E = packed.size(0), n = packed.size(1);
+  TORCH_CHECK(K % kGroup == 0 && scale.size(0) == E && scale.size(1) == n && scale.size(2) == K / kGroup,
+              "packed_experts_linear: scale shape does not match K = ", K);
+  int scale_kind = 0;
+  if (fmt == kExpertsInt4Group) {
+    TORCH_CHECK(packed.scalar_type() == at::kInt && packed.size(2) * 8 == K,
+                "packed_experts_linear: int4 packed must be int32 [E, n, K / 8]");
+    TORCH_CHECK(scale.scalar_type() == at::kBFloat16 || scale.scalar_type() == at::kHalf,
+                "packed_experts_linear: int4 scales must be bf16 or fp16");
+    scale_kind = scale.scalar_type() == at::kHalf ? 1 : 0;
+  } else {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) * 2 == K && scale.scalar_type() == at::kByte,
+                "packed_experts_linear: mxfp4 packed must be uint8 [E, n, K / 2] with uint8 scales");
+  }
+  const auto ex = experts.to(at::kLong).contiguous();
+  const auto of = offsets.to(at::kLong).contiguous();
+  const int64_t A = ex.numel();
+  TORCH_CHECK(of.numel() == A + 1, "packed_experts_linear: offsets must hold len(experts) + 1 values");
+  const int64_t* ep = ex.data_ptr<int64_t>();
+  const int64_t* op = of.data_ptr<int64_t>();
+  TORCH_CHECK(A == 0 || (op[0] == 0 && op[A] == N), "packed_experts_linear: offsets must run from 0 to N");
+  for (int64_t a = 0; a < A; ++a)
+    TORCH_CHECK(ep[a] >= 0 && ep[a] < E && op[a + 1] >= op[a], "packed_experts_linear: bad expert id or offsets");
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const auto xc = x.contiguous();
+  const int64_t Kp = (K + kChunk - 1) / kChunk * kChunk, ng = K / kGroup;
+  const std::vector<uint16_t> xp = f32 ? rearrange<float, 3>(xc.data_ptr<float>(), N, K, Kp)
+                                       : rearrange<c10::BFloat16, 1>(xc.data_ptr<c10::BFloat16>(), N, K, Kp);
+  auto y = at::empty({N, n}, x.options());
+  const auto* wbase = static_cast<const uint8_t*>(packed.data_ptr());
+  const auto* sbase = static_cast<const uint8_t*>(scale.data_ptr());
+  const int64_t row_bytes = K / 2, srow_bytes = ng * scale.element_size();
+  const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
+  const __m512i table = value_table(fmt);
+  float* yf = f32 ? y.data_ptr<float>() : nullptr;
+  auto* yb = f32 ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr());
+  at::parallel_for(0, A * blocks, 1, [&](int64_t b, int64_t e) {
+    const int64_t sld = ng + 16;
+    std::vector<float> sc(static_cast<size_t>(kRowBlock * sld));
+    std::vector<float> tmp, wf, cbuf;
+    std::vector<uint16_t> parts;
+    bool used_brgemm = false;
+    for (int64_t it = b; it < e; ++it) {
+      const int64_t a = it / blocks, r0 = (it % blocks) * kRowBlock, r1 = std::min(n, r0 + kRowBlock);
+      const int64_t t0 = op[a], t1 = op[a + 1];
+      if (t1 == t0) continue;
+      const int64_t rows = r1 - r0;
+      for (int64_t r = r0; r < r1; ++r)
+        row_scales(fmt, scale_kind, sbase + (ep[a] * n + r) * srow_bytes, ng, sc.data() + (r - r0) * sld);
+      const uint8_t* w = wbase + ep[a] * n * row_bytes;
+      if (t1 - t0 > (fmt == kExpertsMxfp4 ? kGemmMinTokensMxfp4 : kGemmMinTokensInt4)) {  // prefill: this row block dequantized once, brgemm over 64-token tiles
+        cbuf.resize(static_cast<size_t>(kGemmTileM * kRowBlock));
+        const int P = fmt == kExpertsInt4Group ? 2 : 1;
+        if (f32) {
+          wf.resize(static_cast<size_t>(K * kRowBlock));
+          dequant_block(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wf.data());
+        } else {
+          parts.resize(static_cast<size_t>(P * K * kRowBlock));
+          dequant_parts_vnni(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, P, parts.data());
+        }
+        used_brgemm = true;
+        for (int64_t m0 = t0; m0 < t1; m0 += kGemmTileM) {
+          const int64_t mt = std::min(kGemmTileM, t1 - m0);
+          if (f32) {
+            at::native::cpublas::brgemm(mt, kRowBlock, K, K, kRowBlock, kRowBlock, false, xc.data_ptr<float>() + m0 * K,
+                                        wf.data(), cbuf.data(), false);
+          } else {
+            const auto* xb = xc.data_ptr<at::BFloat16>() + m0 * K;
+            const auto* pb = reinterpret_cast<const at::BFloat16*>(parts.data());
+            for (int p = P - 1; p >= 0; --p)  // smallest part first
+              at::native::cpublas::brgemm(mt, kRowBlock, K, K, kRowBlock, kRowBlock, p != P - 1, xb,
+                                          pb + p * K * kRowBlock, cbuf.data(), true);
+          }
+          for (int64_t t = 0; t < mt; ++t) {
+            const float* src = cbuf.data() + t * kRowBlock;
+            if (f32) std::memcpy(yf + (m0 + t) * n + r0, src, rows * sizeof(float));
+            else for (int64_t r = 0; r < rows; ++r) yb[(m0 + t) * n + r0 + r] = f_to_bf16(src[r]);
+          }
+        }
+        continue;
+      }
+      tmp.resize(static_cast<size_t>((t1 - t0) * rows));
+      if (f32)
+        block_rows<3>(w, row_bytes, sc.data(), sld, r0, r1, K, xp.data(), Kp, t0, t1, table, tmp.data(), rows);
+      else
+        block_rows<1>(w, row_bytes, sc.data(), sld, r0, r1, K, xp.data(), Kp, t0, t1, table, tmp.data(), rows);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* src = tmp.data() + (t - t0) * rows;
+        if (f32) std::memcpy(yf + t * n + r0, src, rows * sizeof(float));
+        else for (int64_t r = 0; r < rows; ++r) yb[t * n + r0 + r] = f_to_bf16(src[r]);
+      }
+    }
+    if (used_brgemm) at::native::cpublas::brgemm_release(!f32);
+  });
+  return y;
+#else
+  TORCH_CHECK(false, "packed_experts_linear needs AVX512-BF16 (use the PyTorch path)");
+  return x;
+#endif
+}
+
+void register_packed_experts(pybind11::module_& m) {
+  m.def("packed_experts_linear", &packed_experts_linear,
+        "grouped x W_e^T over routed experts kept packed (int4 group / MXFP4; CPU, AVX512-BF16)", py::arg("x"),
+        py::arg("fmt"), py::arg("packed"), py::arg("scale"), py::arg("experts"), py::arg("offsets"));
+}

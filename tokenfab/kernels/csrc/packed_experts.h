@@ -1,0 +1,22 @@
+// Grouped linears over routed-expert weights kept in their published packed formats (packed_experts.cpp).
+#pragma once
+#include <torch/extension.h>
+
+// Format ids (tokenfab/quant/packed_experts.py names them).
+constexpr int64_t kExpertsInt4Group = 0;  // compressed-tensors pack-quantized, 4-bit symmetric, group 32
+constexpr int64_t kExpertsMxfp4 = 1;      // compressed-tensors mxfp4-pack-quantized (E2M1 + E8M0 per 32)
+
+// y[offsets[a]:offsets[a+1]] = x[offsets[a]:offsets[a+1]] W_{experts[a]}^T for every segment a, W_e [n, K] of a
+// stack of E experts in format ``fmt``:
+//   int4:  packed int32 [E, n, K / 8] (value k of a row at bits 4 (k % 8) of word k / 8, stored as q + 8),
+//          scale bf16 or fp16 [E, n, K / 32]; W = (nibble - 8) * scale.
+//   mxfp4: packed uint8 [E, n, K / 2] (even k in the low nibble), scale uint8 [E, n, K / 32] (E8M0);
+//          W = E2M1(nibble) * 2^(scale - 127) (NaN for scale 255).
+// x [N, K] bf16 or float32 (rows contiguous), experts int64 [A] local ids, offsets int64 [A + 1] (offsets[0] = 0,
+// non-decreasing, offsets[A] = N). Returns y [N, n] in x's dtype: float32 accumulation of exact products (bf16 x as
+// is, float32 x split into three bf16 parts), one rounding per output. Needs AVX512-BF16 (raises otherwise).
+at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Tensor& packed, const at::Tensor& scale,
+                                 const at::Tensor& experts, const at::Tensor& offsets);
+
+// Adds packed_experts_linear to the extension module.
+void register_packed_experts(pybind11::module_& m);

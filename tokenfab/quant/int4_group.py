@@ -1,0 +1,67 @@
+"""INT4 group-quantized expert weights as compressed-tensors ``pack-quantized`` stores them (4-bit symmetric int,
+strategy group, group_size 32; Kimi K2-Thinking's routed experts), kept packed.
+
+A Linear weight W [out, in] is stored as
+* ``weight_packed`` int32 [out, in / 8]: value k of a row at bits 4 (k % 8) .. 4 (k % 8) + 3 of word k / 8, as the
+  unsigned nibble q + 8 of the signed value q in [-8, 7];
+* ``weight_scale`` bf16 or fp16 [out, in / 32]: one scale per 32 consecutive values of a row;
+* ``weight_shape`` int [2]: [out, in].
+W[o, k] = (nibble - 8) * scale[o, k // 32], computed exactly in float32. Source: compressed-tensors
+``pack_to_int32`` / ``unpack_from_int32`` (offset 1 << (num_bits - 1), element i at bit i * num_bits) and the
+symmetric ``dequantize`` (x_q * scale, no zero point).
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenfab.errors import WeightLoadError
+from tokenfab.quant.packed_experts import PackedExperts
+
+GROUP = 32
+
+
+def dequantize_int4_group(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """packed int32 [..., n / 8] and scale (bf16 / fp16 / fp32) [..., n / 32] -> float32 [..., n]."""
+    n = packed.shape[-1] * 8
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    q = ((packed.unsqueeze(-1) >> shifts) & 15).reshape(*packed.shape[:-1], n) - 8
+    w = q.to(torch.float32).view(*packed.shape[:-1], n // GROUP, GROUP) * scale.to(torch.float32).unsqueeze(-1)
+    return w.reshape(*packed.shape[:-1], n)
+
+
+class Int4GroupExperts(PackedExperts):
+    """E experts' W [out, in] in INT4 group-32 (buffers ``packed`` int32 [E, out, in / 8], ``scale`` [E, out,
+    in / 32] in the checkpoint's scale dtype: bf16 unless the first scale loaded is fp16)."""
+
+    format_name = "int4_group"
+    kernel_format = 0  # kExpertsInt4Group in kernels/csrc/packed_experts.h
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int, scale_dtype=torch.bfloat16):
+        super().__init__(num_experts, out_features, in_features)
+        if in_features % GROUP:
+            raise ValueError(f"INT4 group-{GROUP} experts need in_features divisible by {GROUP}, got {in_features}")
+        self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features // 8, dtype=torch.int32),
+                             persistent=False)
+        self.register_buffer("scale", torch.zeros(num_experts, out_features, in_features // GROUP,
+                                                  dtype=scale_dtype), persistent=False)
+        self._scale_seen = False
+
+    def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+        if part == "weight_packed":
+            if t.dtype != torch.int32 or t.shape[1] * 8 != self.in_features:
+                raise WeightLoadError(f"{name}: weight_packed {tuple(t.shape)} {t.dtype} is not int32 "
+                                      f"[{rows}, {self.in_features // 8}] (8 nibbles per int32, pack-quantized).")
+            return t
+        if t.dtype not in (torch.bfloat16, torch.float16) or t.shape[1] * GROUP != self.in_features:
+            raise WeightLoadError(f"{name}: weight_scale {tuple(t.shape)} {t.dtype} is not bf16 / fp16 "
+                                  f"[{rows}, {self.in_features // GROUP}] (one scale per {GROUP} values).")
+        if t.dtype != self.scale.dtype:
+            if self._scale_seen:
+                raise WeightLoadError(f"{name}: weight_scale is {t.dtype} but earlier scales of this layer were "
+                                      f"{self.scale.dtype}; one scale dtype per checkpoint is supported.")
+            self.scale = torch.zeros(self.scale.shape, dtype=t.dtype, device=self.scale.device)
+        self._scale_seen = True
+        return t
+
+    def dequantize_packed(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize_int4_group(packed, scale)

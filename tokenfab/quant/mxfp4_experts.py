@@ -1,0 +1,44 @@
+"""MXFP4 expert weights (compressed-tensors ``mxfp4-pack-quantized``; Kimi K3's routed experts), kept packed.
+
+Layout and values: :mod:`tokenfab.layers.mxfp4` (uint8 ``weight_packed`` [out, in / 2], even column in the low
+nibble; uint8 E8M0 ``weight_scale`` [out, in / 32], 2^(s - 127)); W = E2M1(code) * 2^(s - 127).
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenfab.errors import WeightLoadError
+from tokenfab.layers.mxfp4 import MXFP4_GROUP, dequantize_mxfp4
+from tokenfab.quant.packed_experts import PackedExperts
+
+
+class Mxfp4Experts(PackedExperts):
+    """E experts' W [out, in] in MXFP4 (buffers ``packed`` uint8 [E, out, in / 2], ``scale`` uint8 [E, out,
+    in / 32])."""
+
+    format_name = "mxfp4"
+    kernel_format = 1  # kExpertsMxfp4 in kernels/csrc/packed_experts.h
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int):
+        super().__init__(num_experts, out_features, in_features)
+        if in_features % MXFP4_GROUP:
+            raise ValueError(f"MXFP4 experts need in_features divisible by {MXFP4_GROUP}, got {in_features}")
+        self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features // 2, dtype=torch.uint8),
+                             persistent=False)
+        self.register_buffer("scale", torch.zeros(num_experts, out_features, in_features // MXFP4_GROUP,
+                                                  dtype=torch.uint8), persistent=False)
+
+    def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+        if part == "weight_packed":
+            if t.dtype != torch.uint8 or t.shape[1] * 2 != self.in_features:
+                raise WeightLoadError(f"{name}: weight_packed {tuple(t.shape)} {t.dtype} is not uint8 "
+                                      f"[{rows}, {self.in_features // 2}] (two E2M1 codes per byte, MXFP4).")
+            return t
+        e8m0 = getattr(torch, "float8_e8m0fnu", None)
+        if t.dtype not in (torch.uint8, e8m0) or t.shape[1] * MXFP4_GROUP != self.in_features:
+            raise WeightLoadError(f"{name}: weight_scale {tuple(t.shape)} {t.dtype} is not uint8 (E8M0) "
+                                  f"[{rows}, {self.in_features // MXFP4_GROUP}] (one scale per {MXFP4_GROUP}).")
+        return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+    def dequantize_packed(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize_mxfp4(packed, scale, torch.float32)

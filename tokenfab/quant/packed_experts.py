@@ -1,0 +1,160 @@
+"""The packed-experts seam: a stack of routed-expert weights kept in a compressed format and multiplied packed.
+
+:class:`~tokenfab.layers.moe.RoutedExperts` holds either bf16 / fp32 stacks (``w13`` [E, 2I, H], ``w2`` [E, H, I])
+or two :class:`PackedExperts` (``q13`` for gate|up, ``q2`` for down) with the same row layout. A format subclass
+owns its bytes as buffers (so ``model.to(device)`` moves them), fills them from the checkpoint's per-expert
+tensors (:meth:`PackedExperts.load_part`), and computes the grouped linear over tokens sorted by expert
+(:meth:`PackedExperts.grouped_linear`): the C++ kernel (kernels/csrc/packed_experts.cpp, AVX512-BF16) where it
+runs, else the PyTorch reference, which dequantizes one expert's rows at a time (``_REFERENCE_ROWS``) to float32
+and multiplies in float32, so no full-size float copy of a stack is made on either path. Formats:
+:mod:`tokenfab.quant.int4_group` (compressed-tensors pack-quantized) and :mod:`tokenfab.quant.mxfp4_experts`
+(compressed-tensors mxfp4-pack-quantized); another (e.g. FP8 block-scaled experts) adds a subclass and an entry
+in :data:`FORMATS`.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenfab.errors import WeightLoadError
+from tokenfab.kernels import cpu_kernels
+
+_REFERENCE_ROWS = 1024  # rows of one expert dequantized at a time by the PyTorch path
+FORMATS = {"int4_group": "tokenfab.quant.int4_group:Int4GroupExperts",
+           "mxfp4": "tokenfab.quant.mxfp4_experts:Mxfp4Experts"}
+
+
+def expert_format(name: str) -> type[PackedExperts]:
+    """The :class:`PackedExperts` subclass of format ``name`` (a key of :data:`FORMATS`).
+
+    Raises:
+        ValueError: an unknown format name (lists the known ones).
+    """
+    if name not in FORMATS:
+        raise ValueError(f"unknown packed expert format '{name}' (known: {', '.join(FORMATS)})")
+    import importlib
+    mod, cls = FORMATS[name].split(":")
+    return getattr(importlib.import_module(mod), cls)
+
+
+def kernel_disabled() -> bool:
+    """``TOKENFAB_PACKED_EXPERTS=torch`` forces the PyTorch reference path (tests use it to run the path a CPU
+    without AVX512-BF16 takes)."""
+    return os.environ.get("TOKENFAB_PACKED_EXPERTS", "").lower() == "torch"
+
+
+class PackedExperts(nn.Module):
+    """E expert weights W_e [out_features, in_features] in one packed format.
+
+    Subclasses set :attr:`format_name` and :attr:`kernel_format` (the C++ format id, or None), create the buffers
+    ``packed`` and ``scale`` (first dim E, second out_features) and implement :meth:`dequantize_packed` and
+    :meth:`check_part`.
+    """
+
+    format_name = "?"
+    kernel_format: int | None = None
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int):
+        super().__init__()
+        self.num_experts, self.out_features, self.in_features = int(num_experts), int(out_features), int(in_features)
+        self._kernel = False
+
+    # ---- storage ----------------------------------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        """Bytes resident for the whole stack (packed values and scales)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+        """Validate checkpoint tensor ``t`` (``part`` = weight_packed / weight_scale) for ``rows`` rows of one
+        expert and return it as this stack's buffer dtype. Raises WeightLoadError naming ``name``."""
+        raise NotImplementedError
+
+    def load_part(self, e: int, row0: int, part: str, t: torch.Tensor, name: str) -> None:
+        """Copy one checkpoint tensor of expert ``e`` (local index) into rows [row0, row0 + rows) of the stack.
+
+        ``part``: ``weight_packed`` or ``weight_scale`` (copied), ``weight_shape`` (checked: [rows, in_features]).
+        The row count comes from the tensor (weight_shape: its first entry).
+
+        Raises:
+            WeightLoadError: wrong dtype, shape or weight_shape, named with ``name``.
+        """
+        if part == "weight_shape":
+            shape = [int(v) for v in t.reshape(-1).tolist()]
+            if len(shape) != 2 or shape[1] != self.in_features or not 0 < shape[0] <= self.out_features - row0:
+                raise WeightLoadError(f"{name}: weight_shape {shape} does not fit this model's expert weight "
+                                      f"[{self.out_features - row0 if row0 else self.out_features}, "
+                                      f"{self.in_features}] (the shapes come from config.json).")
+            return
+        if part not in ("weight_packed", "weight_scale"):
+            raise WeightLoadError(f"{name}: '{part}' is not a tensor of the {self.format_name} format "
+                                  "(weight_packed, weight_scale, weight_shape)")
+        rows = t.shape[0] if t.dim() == 2 else -1
+        if rows <= 0 or row0 + rows > self.out_features:
+            raise WeightLoadError(f"{name}: {part} {tuple(t.shape)} does not fit rows [{row0}, "
+                                  f"{self.out_features}) of an expert weight [{self.out_features}, "
+                                  f"{self.in_features}].")
+        t = self.check_part(part, t, rows, name)
+        dst = getattr(self, "packed" if part == "weight_packed" else "scale")
+        dst[e, row0:row0 + rows].copy_(t)
+
+    # ---- math -------------------------------------------------------------------------------------------------
+    def dequantize_packed(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """Rows of this format's buffers (packed [r, .], scale [r, in / 32]) -> float32 [r, in_features], exactly
+        as the format defines them."""
+        raise NotImplementedError
+
+    def dequantize_rows(self, e: int, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of expert ``e`` (local index) as float32 [end - start, in_features]."""
+        return self.dequantize_packed(self.packed[e, start:end], self.scale[e, start:end])
+
+    def dequantize_expert(self, e: int) -> torch.Tensor:
+        """All of W_e as float32 [out_features, in_features] (tests and references; one expert's full copy)."""
+        return self.dequantize_rows(e, 0, self.out_features)
+
+    def prepare(self) -> None:
+        """Use the C++ kernel when it runs here (CPU buffers, built kernels with AVX512-BF16, not disabled by
+        ``TOKENFAB_PACKED_EXPERTS=torch``); called once after loading."""
+        self._kernel = (self.kernel_format is not None and self.packed.device.type == "cpu" and not kernel_disabled()
+                        and cpu_kernels.packed_experts_applies())
+
+    def grouped_linear(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+        """Rows of ``x`` grouped by expert times their expert's W^T.
+
+        Args:
+            x: [N, in_features] bf16 or float32, rows sorted by expert: the first counts[0] rows go to local
+                expert experts[0], the next counts[1] to experts[1], ... (sum(counts) = N).
+            experts, counts: local expert ids and their row counts (same length).
+
+        Returns:
+            [N, out_features] in x's dtype: float32 accumulation of exact products, one rounding per output.
+        """
+        if self._kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu":
+            offs = [0]
+            for n in counts:
+                offs.append(offs[-1] + n)
+            return cpu_kernels.packed_experts_linear(x, self.kernel_format, self.packed, self.scale,
+                                                     torch.tensor(experts, dtype=torch.int64),
+                                                     torch.tensor(offs, dtype=torch.int64))
+        return self.reference_grouped_linear(x, experts, counts)
+
+    def reference_grouped_linear(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
+        """The PyTorch path of :meth:`grouped_linear`: per expert, float32 ``F.linear`` over 1024 dequantized rows
+        at a time, one rounding to x's dtype."""
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        b = 0
+        for e, n in zip(experts, counts):
+            if n:
+                xf = x[b:b + n].float()
+                for s in range(0, self.out_features, _REFERENCE_ROWS):
+                    t = min(s + _REFERENCE_ROWS, self.out_features)
+                    y[b:b + n, s:t] = F.linear(xf, self.dequantize_rows(e, s, t).to(x.device)).to(x.dtype)
+                b += n
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"{self.format_name}, experts={self.num_experts}, out_features={self.out_features}, "
+                f"in_features={self.in_features}, nbytes={self.nbytes}")
