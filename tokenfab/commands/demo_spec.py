@@ -1,8 +1,9 @@
 """``tokenfab demo --speculative-config '{...}'``: the demo's workload with and without speculation, side by side.
 
-For each temperature (0 and 1.0 by default) the same requests run through two offline engines on the same model,
-one plain and one with the given ``speculative_config`` (parsed and validated by
-:func:`tokenfab.spec_decode.config.parse_speculative_config`, so a bad field is refused before any model loads).
+For each temperature (0 and 1.0 by default) the same requests run through two offline engines on the same model
+(both built first, their runs alternating), one plain and one with the given ``speculative_config`` (parsed and
+validated by :func:`tokenfab.spec_decode.config.parse_speculative_config`, so a bad field is refused before any
+model loads).
 Per engine and temperature: mean TPOT ((finish - first token) / (output tokens - 1) per request, averaged over
 requests, ms), output tok/s (output tokens / wall time of the ``generate`` call), and with speculation vLLM's
 acceptance figures from the engine's counters over that run: acceptance rate = accepted / draft tokens, mean
@@ -92,18 +93,15 @@ def compare(model: str, spec, temperatures, *, num_prompts: int, input_len: int,
     kw = dict(progress=False, max_num_seqs=max_concurrency, max_model_len=max_len, dtype=dtype, device=device,
               seed=seed, **(llm_kwargs or {}))
     plain = LLM(model, **kw)
+    specd = LLM(model, speculative_config=cfg, **kw)
     vocab = plain.llm_engine.model_config.vocab_size
     prompts = random_workload(vocab, num_prompts, input_len, seed)
     results = {t: {} for t in temperatures}
-    for t in temperatures:
+    for t in temperatures:  # plain and speculative runs alternate, so a change in machine load hits both
         sp = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True)
         results[t]["plain"] = timed_run(plain, prompts, sp)
-    del plain
-    specd = LLM(model, speculative_config=cfg, **kw)
-    for t in temperatures:
-        sp = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True)
         results[t]["spec"] = timed_run(specd, prompts, sp)
-    del specd
+    del plain, specd
     rows = []
     for t in temperatures:
         p, s = results[t]["plain"], results[t]["spec"]
