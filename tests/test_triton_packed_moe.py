@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_packed_experts import _compare, _run, deepseek_int4, k3_pair  # noqa: F401  (fixtures used below)
 from tokenfab.kernels import triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
@@ -80,3 +81,22 @@ def test_shapes_and_formats_refused(interpret):
         fused_moe_packed(torch.zeros(1, 64), "nvfp4", p13, s13, p2, s2, w, ids, silu_and_mul)
     with pytest.raises(ValueError, match="do not match hidden 96"):
         fused_moe_packed(torch.zeros(1, 96), "mxfp4", p13, s13, p2, s2, w, ids, silu_and_mul)
+
+
+@pytest.mark.parametrize("model", ["deepseek_int4", "k3_mxfp4"])
+def test_engine_with_packed_experts_through_triton(interpret, monkeypatch, request, model):
+    """Whole packed checkpoints (tests/test_packed_experts.py's tiny INT4 DeepSeek-V3 and MXFP4 Kimi K3) with every
+    Triton kernel interpreted and the routed experts in kernels/triton_packed_moe.py (K3: its SiTU activation and
+    float32 latent sum): greedy tokens equal the dequantized float32 model's and prompt logprobs within 1e-4."""
+    from tokenfab.kernels import triton_packed_moe
+    pair = request.getfixturevalue("deepseek_int4" if model == "deepseek_int4" else "k3_pair")
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 512, (n,), generator=g).tolist() for n in (11, 5)]
+    calls = []
+    real = triton_packed_moe.fused_moe_packed
+    monkeypatch.setattr(triton_packed_moe, "fused_moe_packed", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    _, q_outs = _run(pair[0], prompts)
+    monkeypatch.setenv("TOKENFAB_TRITON", "0")
+    _, ref_outs = _run(pair[1], prompts)
+    assert calls and set(calls) == {"int4_group" if model == "deepseek_int4" else "mxfp4"}
+    assert _compare(q_outs, ref_outs, prompts) < 1e-4

@@ -101,7 +101,8 @@ def _launch(a, packed, scale, fmt, out, sorted_pairs, expert_of_block, num_post,
 
 
 def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Tensor, p2: torch.Tensor,
-                     s2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act, start: int = 0) -> torch.Tensor:
+                     s2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act, start: int = 0,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """sum over a token's k routed experts (those in [start, start + E_local)) of weight * expert(x), the experts'
     weights read packed.
 
@@ -111,10 +112,11 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
         p13, s13: gate|up rows, packed [E_local, 2I, ...] and scales [E_local, 2I, hidden / 32].
         p2, s2: down rows, packed [E_local, hidden, ...] and scales [E_local, hidden, I / 32].
         weights: [T, k] float32 routing weights; ids: [T, k] int64 global expert ids.
-        act: SiLU-GLU, [P, 2I] -> [P, I].
+        act: the experts' gated activation, [P, 2I] -> [P, I] (SiLU-GLU; K3's SiTU).
+        out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
 
     Returns:
-        [T, hidden] in x's dtype (pairs routed to other ranks contribute zero; the k-sum is in float32).
+        [T, hidden] (pairs routed to other ranks contribute zero; the k-sum is in float32).
 
     Raises:
         ValueError: an unknown format, or packed / scale shapes that do not match x and each other.
@@ -144,4 +146,4 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
     out_pairs = torch.zeros(M, hidden, dtype=torch.float32, device=x.device)
     _launch(h, p2, s2, f, out_pairs, sorted_pairs, expert_of_block, num_post, topw, hidden, inter, M, tiles_m, 1,
             True)
-    return out_pairs.view(T, k, hidden).sum(1).to(x.dtype)
+    return out_pairs.view(T, k, hidden).sum(1).to(out_dtype or x.dtype)

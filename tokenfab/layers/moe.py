@@ -220,7 +220,13 @@ class RoutedExperts(nn.Module):
         """The routed sum over packed experts (``q13`` / ``q2``): pairs sorted by expert (stable), one grouped
         linear per projection over all active experts, :meth:`act` in between, each row times its float32 routing
         weight rounded to the output dtype and summed with index_add (float32 output when ``accumulate_fp32``,
-        else x's dtype). x [T, hidden]; weights, ids [T, k] -> [T, hidden]."""
+        else x's dtype). x [T, hidden]; weights, ids [T, k] -> [T, hidden]. On CUDA/ROCm the whole sum is one
+        Triton launch per projection with the weights decoded in registers (kernels/triton_packed_moe.py)."""
+        if triton_support.applies(x) and self.q13.format_name in ("int4_group", "mxfp4"):
+            from tokenfab.kernels import triton_packed_moe  # imports triton: only when it applies
+            return triton_packed_moe.fused_moe_packed(
+                x, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed, self.q2.scale, weights,
+                ids, self.act, self.start, torch.float32 if self.accumulate_fp32 else None)
         k = ids.shape[1]
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
