@@ -71,6 +71,14 @@ class DeepseekMTP(nn.Module):
         own_head / own_embed: per MTP layer, whether the checkpoint stores ``shared_head.head`` / ``embed_tokens``.
     """
 
+    # what CausalLM.load_weights calls besides parameters and modules: the packed-experts preparation (an MTP layer's
+    # routed experts follow the checkpoint's compressed-tensors scheme like the target's)
+    expert_quantization = CausalLM.expert_quantization
+    use_packed_experts = CausalLM.use_packed_experts
+    _pack_experts = CausalLM._pack_experts
+    unpacked_experts = False
+    dequantizes_experts_at_load = False
+
     def __init__(self, target: DeepseekV3ForCausalLM, moe: list[bool], own_head: list[bool], own_embed: list[bool]):
         super().__init__()
         self.cfg = copy.copy(target.cfg)
