@@ -48,6 +48,7 @@ class SpeculativeConfig:
             always draft k). See policy.py.
         verify_step_overhead: fixed extra cost of a speculative step relative to a plain step's fixed cost (>= 0).
         random_row_cost: extra cost per row at temperature > 0 in a speculative step, same unit (>= 0).
+        timed_switch_off: also speculate at a batch size only while it pays there by the clock (step_timing.py).
     """
 
     method: str
@@ -62,6 +63,7 @@ class SpeculativeConfig:
     verify_token_cost: float = 0.035
     verify_step_overhead: float = 0.1
     random_row_cost: float = 0.02
+    timed_switch_off: bool = True
     dspark_tap: str | None = None  # dspark: "partial_sum" | "attn_res_mixture" (None: the checkpoint's; dspark_config.py)
 
     def to_dict(self) -> dict:
@@ -77,6 +79,13 @@ def _int(d: dict, name: str, lo: int, hi: int | None = None, default=None):
     if v < lo or (hi is not None and v > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise EngineConfigError(f"speculative_config.{name} must be {rng}, got {v}.")
+    return v
+
+
+def _bool(d: dict, name: str, default: bool) -> bool:
+    v = d.get(name, default)
+    if not isinstance(v, bool):
+        raise EngineConfigError(f"speculative_config.{name} must be true or false, got {v!r}.")
     return v
 
 
@@ -115,8 +124,9 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         elif d.get("model") is not None:
             method = "draft_model"
         else:
-            raise EngineConfigError("speculative_config.method is missing; use 'ngram' or 'draft_model' (with "
-                                    "'model': a checkpoint folder).")
+            raise EngineConfigError("speculative_config.method is missing; use 'ngram', 'draft_model' (with "
+                                    "'model': a checkpoint folder or .gguf file), 'mtp' or 'dspark' (with 'model': "
+                                    "the drafter's folder).")
     if d.get("model") == "[ngram]":
         d.pop("model")
     if not isinstance(method, str):
@@ -125,12 +135,13 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         method = d["method"] = "mtp"
     if method in NOT_YET:
         raise UnsupportedError(f"speculative_config.method '{method}' is not implemented yet in tokenfab; use "
-                               "'ngram' or 'draft_model'.")
+                               "'ngram', 'draft_model', 'mtp' or 'dspark'.")
     if method not in METHODS:
-        raise EngineConfigError(f"speculative_config.method '{method}' is unknown; use 'ngram' or 'draft_model'.")
+        raise EngineConfigError(f"speculative_config.method '{method}' is unknown; use 'ngram', 'draft_model', "
+                                "'mtp' or 'dspark'.")
     common = {"method", "num_speculative_tokens", "disable_by_batch_size", "min_acceptance_rate",
               "probe_interval", "acceptance_ema_decay", "verify_token_cost", "verify_step_overhead",
-              "random_row_cost"}
+              "random_row_cost", "timed_switch_off"}
     allowed = common | ({"prompt_lookup_max", "prompt_lookup_min"} if method == "ngram" else {"model"})
     if method == "mtp":  # the target checkpoint's own MTP layers (models/deepseek_mtp.py): no model field
         allowed = common
@@ -152,7 +163,8 @@ def parse_speculative_config(value) -> SpeculativeConfig | None:
         acceptance_ema_decay=_float(d, "acceptance_ema_decay", 0.0, 0.999, 0.7),
         verify_token_cost=_float(d, "verify_token_cost", 0.0, 1e6, 0.035),
         verify_step_overhead=_float(d, "verify_step_overhead", 0.0, 1e6, 0.1),
-        random_row_cost=_float(d, "random_row_cost", 0.0, 1e6, 0.02))
+        random_row_cost=_float(d, "random_row_cost", 0.0, 1e6, 0.02),
+        timed_switch_off=_bool(d, "timed_switch_off", True))
     if method == "dspark":
         path = d.get("model")
         if not isinstance(path, str) or not os.path.isfile(os.path.join(path, "config.json")):

@@ -22,6 +22,10 @@ tokens, so it raises throughput when a^j > c1 B / (c0 + c1 B) = r B / (1 + r B) 
    draft one token and the step speculates regardless of rule 3, so a turns back up when the text becomes
    predictable. With verify_token_cost = verify_step_overhead = random_row_cost = 0 every row drafts k, always.
 5. A step where no row has a draft (no n-gram match) is a plain decode step.
+6. The clock (spec_decode/step_timing.py, ``timed_switch_off``, on by default outside the always-draft mode): this
+   model leaves out the proposer's own work, so per batch-size bucket the decoder also compares measured seconds per
+   row-token of speculative steps with plain decode steps and runs plain (with backing-off probes) where
+   speculation has not been paying.
 
 At batch 1 the threshold is ~0.03 (speculation almost always pays); at batch 16 ~0.36 (a = 0.43 drafts one
 token, a = 0.67 two, a = 0.1 none). The rules depend on the rows' histories, B and the step count: a seeded

@@ -24,6 +24,7 @@ Metrics (engine stats, vLLM's counters): ``spec_decode_num_drafts`` (rows verifi
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -36,6 +37,7 @@ from tokenfab.spec_decode.config import SpeculativeConfig
 from tokenfab.spec_decode.fused_verify import fused_verify_logits
 from tokenfab.spec_decode.policy import SpecPolicy
 from tokenfab.spec_decode.proposer import Proposer
+from tokenfab.spec_decode.step_timing import StepTiming
 from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, rejection_sample
 
 logger = logging.getLogger("tokenfab")
@@ -91,6 +93,10 @@ class SpecDecoder:
                              "spec_decode_num_accepted_tokens_per_pos": [0] * self.k})
         self._plain_now = False
         self.num_fused_steps = 0  # verification steps run through the fused CPU decode stack (fused_verify.py)
+        always = (cfg.verify_token_cost == 0.0 and cfg.verify_step_overhead == 0.0 and cfg.random_row_cost == 0.0
+                  and cfg.min_acceptance_rate == 0.0)  # the always-draft mode stays clock-independent
+        self.timing = StepTiming(cfg.probe_interval) if cfg.timed_switch_off and not always else None
+        self._t0 = None
 
     def active(self) -> bool:
         """False while the engine runs a plain step on this decoder's behalf."""
@@ -106,10 +112,18 @@ class SpecDecoder:
 
     def _plain(self):
         self._plain_now = True
+        sch = self.engine.scheduler
+        timed = (self.timing is not None and not sch.waiting and sch.running
+                 and all(s.num_tokens - s.num_computed_tokens == 1 for s in sch.running))  # a decode-only step
+        B = len(sch.running)
+        t0 = time.perf_counter()
         try:
-            return self.engine.step()
+            out = self.engine.step()
         finally:
             self._plain_now = False
+        if timed:
+            self.timing.record_plain(B, time.perf_counter() - t0)
+        return out
 
     # ------------------------------------------------------------------------------------------------ the step
     def step(self):
@@ -120,6 +134,9 @@ class SpecDecoder:
         cand = [s for s in sch.running if s.num_tokens - s.num_computed_tokens == 1 and row_supports_speculation(s)]
         if not cand:
             return self._plain()
+        if self.timing is not None and self.timing.wants_plain(len(sch.running)):  # step_timing.py: by the clock
+            return self._plain()
+        t_start, B_start, tok_start = time.perf_counter(), len(sch.running), eng.stats["generation_tokens_total"]
         lengths = np.fromiter((s.num_tokens for s in cand), dtype=np.int64, count=len(cand))
         big = np.iinfo(np.int64).max // 4
         left = np.fromiter((s.params.max_tokens - s.num_output_tokens if s.params.max_tokens is not None else big
@@ -169,7 +186,6 @@ class SpecDecoder:
             self.proposer.on_verified(seqs, np.zeros(len(seqs), dtype=np.int64))
             return []
         batch.spec_lens = spec_lens if spec_lens.any() else None
-        import time
         now = time.monotonic()
         for s in batch.admitted:
             if s.first_scheduled_time is None:
@@ -194,6 +210,9 @@ class SpecDecoder:
         verify = np.ones(len(batch.seqs), dtype=bool) if fused else spec_lens > 0
         outputs = self._accept(batch, out, spec_lens, verify, seqs, prop, drafted)
         self.observe()
+        if self.timing is not None:
+            self.timing.record_spec(B_start, time.perf_counter() - t_start,
+                                    eng.stats["generation_tokens_total"] - tok_start)
         return outputs
 
     def _can_fuse(self, batch: ScheduledBatch, spec_lens: np.ndarray) -> bool:

@@ -1,0 +1,95 @@
+"""The measured switch-off (spec_decode/step_timing.py): the on/off decision on hand-worked timings, and through
+the engine a drafter that costs more than it saves (it sleeps) being switched off by the clock while a free one is
+not, with the tokens unchanged either way (greedy)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from tokenfab import LLM, SamplingParams
+from tokenfab.spec_decode.proposer import Proposal, Proposer
+from tokenfab.spec_decode.step_timing import MAX_PROBE_INTERVAL, PLAIN_SAMPLE_INTERVAL, StepTiming, bucket
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(b) for b in (0, 1, 2, 3, 4, 5, 16, 17)] == [1, 1, 2, 4, 4, 8, 16, 32]
+
+
+def test_decisions_hand_worked():
+    t = StepTiming(probe_interval=2)
+    assert t.wants_plain(16)            # nothing measured at this bucket yet: a plain sample first
+    t.record_plain(16, 0.100)
+    assert not t.wants_plain(16)        # no speculative measurement yet: speculate
+    t.record_spec(16, 0.300, 32)        # 0.3 s for 2 tokens per row: 0.15 s per row-token > 0.1 * 1.05: off
+    assert t.is_off(16)
+    assert t.wants_plain(16)            # off ...
+    assert not t.wants_plain(16)        # ... the 2nd step is a probe
+    t.record_spec(16, 0.300, 32)        # the probe confirms: the interval doubles to 4
+    assert [t.wants_plain(16) for _ in range(4)] == [True, True, True, False]
+    t.record_spec(16, 0.100, 64)        # 0.025 s per row-token: EMA 0.7 * 0.15 + 0.3 * 0.025 = 0.1125: still off
+    assert t.spec[16] == pytest.approx(0.7 * 0.15 + 0.3 * 0.025) and t.is_off(16)
+    for _ in range(3):                  # more paying probes bring it back on, and the interval back to 2
+        while t.wants_plain(16):
+            pass
+        t.record_spec(16, 0.100, 64)
+    assert not t.is_off(16) and t._interval[16] == 2
+    assert not t.is_off(4) and t.wants_plain(4)  # buckets are independent
+
+
+def test_probe_interval_backs_off_to_its_cap_and_plain_samples_recur():
+    t = StepTiming(probe_interval=8)
+    t.record_plain(1, 0.01)
+    for _ in range(12):
+        t.record_spec(1, 1.0, 1)
+    assert t._interval[1] == MAX_PROBE_INTERVAL
+    t2 = StepTiming(probe_interval=8)
+    t2.record_plain(2, 0.01)
+    t2.record_spec(2, 0.001, 10)  # paying: speculate, but sample a plain step every PLAIN_SAMPLE_INTERVAL steps
+    plain = [t2.wants_plain(2) for _ in range(PLAIN_SAMPLE_INTERVAL + 1)]
+    assert plain == [False] * PLAIN_SAMPLE_INTERVAL + [True]
+
+
+class SlowProposer(Proposer):
+    """Drafts the true greedy continuation (all accepted) but sleeps ``delay`` seconds per proposal."""
+
+    def __init__(self, k, truth, delay):
+        self.num_speculative_tokens, self.truth, self.delay = k, truth, delay
+
+    def propose(self, seqs, rows, token_ids, lengths, max_lens):
+        time.sleep(self.delay)
+        d = np.zeros((len(seqs), self.num_speculative_tokens), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            cont = self.truth[tuple(s.token_ids[:s.num_prompt_tokens])]
+            o = s.num_output_tokens
+            nxt = cont[o:o + self.num_speculative_tokens]
+            d[i, :len(nxt)] = nxt
+        return Proposal(d, np.minimum(self.num_speculative_tokens, max_lens).astype(np.int64))
+
+
+def _run(path, delay, timed):
+    prompts = [[11, 23, 37, 41, 53, 67, 79] * 2, [5, 9, 300, 42, 7]]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain = LLM(path, dtype="float32", progress=False).generate([{"prompt_token_ids": p} for p in prompts], sp)
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
+    llm = LLM(path, dtype="float32", progress=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "timed_switch_off": timed})
+    llm.llm_engine.spec.proposer = SlowProposer(3, truth, delay)
+    out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
+    return llm.llm_engine.get_stats()["spec_decode_num_drafts"]
+
+
+def test_engine_switches_a_drafter_off_when_it_costs_more_than_it_saves(tiny_model):
+    """A drafter whose every proposal sleeps 0.25 s (far more than the tiny model's plain steps) speculates in a
+    handful of steps (the first measurement and the backing-off probes: at most half the rows-with-drafts count it
+    gets without the clock, where it speculates every step); a free drafter
+    (no sleep, every draft accepted) keeps speculating."""
+    path = tiny_model("llama")
+    slow_timed = _run(path, 0.25, True)
+    slow_untimed = _run(path, 0.25, False)
+    free_timed = _run(path, 0.0, True)
+    print(f"\nspeculative steps: slow drafter {slow_timed} timed, {slow_untimed} untimed; free {free_timed}")
+    assert slow_untimed >= 15 and 2 * slow_timed <= slow_untimed, (slow_timed, slow_untimed)
+    assert free_timed >= 10
