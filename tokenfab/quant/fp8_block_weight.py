@@ -22,13 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from tokenfab.kernels import cpu_kernels, triton_support
 from tokenfab.quant.fp8_config import FP8_BLOCK
 from tokenfab.quant.packed_weight import PackedWeight
 
-_REFERENCE_ROWS = 1024  # rows dequantized at a time by the PyTorch path (a multiple of the 128-row block)
 BLOCK = FP8_BLOCK[0]
 
 
@@ -89,17 +87,6 @@ class Fp8BlockWeight(PackedWeight):
             from tokenfab.kernels import triton_fp8_linear
             return triton_fp8_linear.fp8_block_linear(x, self.weight, self.scale_inv, bias)
         return self.reference_linear(x, bias)
-
-    def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The plain-PyTorch path: float32 ``F.linear`` over 1024 dequantized rows at a time, + bias in float32,
-        one rounding to x's dtype."""
-        xf = x.float()
-        ys = [F.linear(xf, self.dequantize_rows(s, min(s + _REFERENCE_ROWS, self.out_features)).to(x.device))
-              for s in range(0, self.out_features, _REFERENCE_ROWS)]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
 
     @classmethod
     def concat(cls, weights: Sequence[PackedWeight]) -> Fp8BlockWeight | None:

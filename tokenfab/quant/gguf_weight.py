@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from tokenfab.kernels import cpu_kernels, triton_support
 from tokenfab.quant import gguf_blocks
@@ -20,7 +19,6 @@ from tokenfab.quant.gguf_blocks import TILE, BlockType
 from tokenfab.quant.packed_weight import PackedWeight
 
 _TRITON_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types kernels/triton_gguf_linear.py reads (K-quants: reference)
-_REFERENCE_ROWS = 1024  # rows dequantized at a time by the PyTorch path
 
 
 class GGUFWeight(PackedWeight):
@@ -97,17 +95,6 @@ class GGUFWeight(PackedWeight):
         raw = gguf_blocks.unpack_tiles(self.tiles[flat // TILE], self.block, flat.numel() * TILE)
         raw = raw.reshape(flat.numel(), TILE, -1)[torch.arange(flat.numel(), device=flat.device), flat % TILE]
         return gguf_blocks.dequantize_rows(raw, self.block).to(dtype).reshape(*ids.shape, self.in_features)
-
-    def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """The plain-PyTorch path: float32 ``F.linear`` over 1024 dequantized rows at a time, + bias in float32,
-        one rounding to x's dtype."""
-        xf = x.float()
-        ys = [F.linear(xf, self.dequantize_rows(s, min(s + _REFERENCE_ROWS, self.out_features)).to(x.device))
-              for s in range(0, self.out_features, _REFERENCE_ROWS)]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype)
 
     @classmethod
     def concat(cls, weights: Sequence[PackedWeight]) -> GGUFWeight | None:

@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+REFERENCE_ROWS = 1024  # rows dequantized at a time by the PyTorch path (a multiple of FP8's 128-row blocks)
 
 
 class PackedWeight(nn.Module):
@@ -32,6 +35,17 @@ class PackedWeight(nn.Module):
         """y = x W^T (+ bias): x [..., in_features] -> [..., out_features] in x's dtype (float32 accumulation, one
         rounding per output)."""
         raise NotImplementedError
+
+    def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The plain-PyTorch path every format has: float32 ``F.linear`` over REFERENCE_ROWS dequantized rows at a
+        time (never a full-size float copy), + bias in float32, one rounding to x's dtype."""
+        xf = x.float()
+        ys = [F.linear(xf, self.dequantize_rows(s, min(s + REFERENCE_ROWS, self.out_features)).to(x.device))
+              for s in range(0, self.out_features, REFERENCE_ROWS)]
+        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype)
 
     def dequantize_rows(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of W as float32 [end - start, in_features], exactly as the format defines them."""
