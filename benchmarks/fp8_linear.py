@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.results_file import unused_stem  # noqa: E402
+from benchmarks.results_file import write_results  # noqa: E402
 
 SHAPES = [(2048, 7168), (7168, 2048)]
 FORMATS = ("bf16", "fp8")
@@ -183,14 +183,7 @@ def main() -> int:
                      f"{rss['fp8']['weight_bytes'] / rss['bf16']['weight_bytes']:.2f}. RSS is read after gc and "
                      "malloc_trim; the growth also holds the engine's own buffers (kernels' scratch, tokenizer, step "
                      "state), the same in both.")
-    os.makedirs(args.out, exist_ok=True)
-    base = unused_stem(os.path.join(args.out, f"{date}-fp8-linear"))
-    with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results, "rss": rss}, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {base}.md")
+    write_results(args.out, f"{date}-fp8-linear", {"meta": meta, "results": results, "rss": rss}, lines)
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import sys
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
-from benchmarks.results_file import unused_stem  # noqa: E402
+from benchmarks.results_file import write_results  # noqa: E402
 
 # [N, K]: SmolLM2-135M's fused q|k|v, o_proj, gate|up, down; a 4096-wide model's square and MLP-up projections
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 4096), (11008, 4096)]
@@ -128,14 +127,7 @@ def main() -> int:
             cells.append(f"{s[f] * 1e6:.1f} | {rate}")
         ratios = [f"{s[f] / s['bf16']:.2f}" for f in formats[1:]]
         lines.append(f"| {rows} | {n} x {k} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-    os.makedirs(args.out, exist_ok=True)
-    base = unused_stem(os.path.join(args.out, f"{date}-{args.name}"))
-    with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {base}.md")
+    write_results(args.out, f"{date}-{args.name}", {"meta": meta, "results": results}, lines)
     return 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import sys
@@ -22,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
-from benchmarks.results_file import unused_stem  # noqa: E402
+from benchmarks.results_file import write_results  # noqa: E402
 
 # [N, K] of the default model's linears (embedded DeepSeek-V3-architecture model, benchmarks/peers models): fused
 # q_a|kv_a, q_b, o_proj, a routed / shared expert's gate_up and down, the dense layer's gate_up and down, lm_head
@@ -102,14 +101,7 @@ def main() -> int:
         sel = [r for r in results if r["rows"] == rows]
         tf, od = sum(r["tokenfab_s"] for r in sel), sum(r["onednn_s"] for r in sel)
         lines.append(f"| {rows} | all {len(sel)} shapes, summed | {tf * 1e6:.1f} | {od * 1e6:.1f} | {tf / od:.2f} | | | |")
-    os.makedirs(args.out, exist_ok=True)
-    base = unused_stem(os.path.join(args.out, f"{date}-linear-kernels"))
-    with open(base + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {base}.md")
+    write_results(args.out, f"{date}-linear-kernels", {"meta": meta, "results": results}, lines)
     return 0
 
 

@@ -23,3 +23,19 @@ def write_markdown(folder: str, name: str, lines: list[str]) -> str:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def write_results(folder: str, stem: str, payload: dict, lines: list[str]) -> str:
+    """Write ``payload`` to ``<folder>/<stem>.json`` and ``lines`` (Markdown, one per line) to ``<stem>.md`` (both
+    with one time suffix when either exists, :func:`unused_stem`), creating the folder; print the table and the path,
+    return the path without extension."""
+    import json
+    os.makedirs(folder, exist_ok=True)
+    base = unused_stem(os.path.join(folder, stem))
+    with open(base + ".json", "w") as f:
+        json.dump(payload, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"wrote {base}.md")
+    return base
