@@ -548,3 +548,35 @@ def test_greedy_identical_chunked_prefill_and_preemption(k3_target, k3_drafter):
     st = eng.get_stats()
     assert st["num_preemptions"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
     assert sum(after_preemption) > 0
+
+
+def test_prefix_cache_hit_rows_draft_as_computed(k3_target, k3_drafter):
+    """A request whose first 16 tokens hit the prefix cache (two blocks another request computed, K3 state
+    snapshot at 16) drafts, from the context rows that request wrote into the shared blocks: its proposals (lengths
+    and drafts) equal those of the same request on an engine without prefix caching, where it computes every
+    position itself, and its greedy output is unchanged. (Without the recorded block contents it never drafted.)"""
+    from tokenfab import LLM, SamplingParams
+    path, _, _ = k3_target
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(5, 500, (20,), generator=g).tolist()
+    b = a[:16] + torch.randint(5, 500, (7,), generator=g).tolist()
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    spec = dict(ALWAYS, method="dspark", model=k3_drafter[0], num_speculative_tokens=3)
+    kw = dict(dtype="float32", progress=False, block_size=8)
+
+    def b_run(caching: bool):
+        llm = LLM(path, enable_prefix_caching=caching, speculative_config=spec, **kw)
+        if caching:
+            llm.generate([{"prompt_token_ids": a}], sp, use_tqdm=False)
+        log = _counting(llm)
+        out = llm.generate([{"prompt_token_ids": b}], sp, use_tqdm=False)[0].outputs[0].token_ids
+        props = [(int(L[0]), d[0, : int(n[0])].tolist()) for _, L, d, n in log]
+        return llm, out, props
+
+    llm, out, props = b_run(True)
+    assert llm.llm_engine.block_manager.prefix_cache.hits >= 16
+    _, want_out, want_props = b_run(False)
+    assert sum(len(d) for _, d in props) > 0  # it drafted
+    assert props == want_props
+    plain = LLM(path, **kw).generate([{"prompt_token_ids": b}], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert out == want_out == plain

@@ -3,6 +3,8 @@
 weights."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -299,7 +301,7 @@ def test_mtp_distribution_unchanged_at_temperature_one(mtp_model):
         assert tv < TV_TOL, (pos, tv)
 
 
-def test_mtp_refusals_name_the_cause(mtp_model, tiny_model):
+def test_mtp_refusals_name_the_cause(mtp_model, tiny_model, tmp_path):
     from tokenfab.errors import EngineConfigError
     from tokenfab.spec_decode.config import parse_speculative_config
     with pytest.raises(EngineConfigError, match="no next-token-prediction layers"):
@@ -309,12 +311,36 @@ def test_mtp_refusals_name_the_cause(mtp_model, tiny_model):
     with pytest.raises(EngineConfigError, match="unknown field 'model' for method 'mtp'"):
         parse_speculative_config({"method": "mtp", "num_speculative_tokens": 1, "model": "x"})
     assert parse_speculative_config({"method": "deepseek_mtp", "num_speculative_tokens": 2}).method == "mtp"
+    # tensor parallel (tests/test_tp_spec_mtp_dspark.py runs it): the MTP layers run on rank 0 with full copies of
+    # the target's embedding / head read from the checkpoint (target_vocab.py); still refused: a table stored
+    # quantized, and one that is not what rank 0's shard was loaded from (rank 0 of a 10-row vocabulary: rows 0..3)
     from types import SimpleNamespace
 
-    from tokenfab.errors import UnsupportedError
-    from tokenfab.spec_decode.mtp_proposer import MTPProposer
-    with pytest.raises(UnsupportedError, match="'mtp' with tensor_parallel_size > 1 is not supported"):
-        MTPProposer(1, SimpleNamespace(tp_group=object()))  # refused before anything is loaded
+    from safetensors.torch import save_file
+
+    from tokenfab.errors import UnsupportedError, WeightLoadError
+    from tokenfab.spec_decode.target_vocab import TargetVocab
+    g = torch.Generator().manual_seed(0)
+    emb, head = torch.randn(10, 4, generator=g), torch.randn(10, 4, generator=g)
+
+    def engine(folder, tensors, head_shard):
+        os.makedirs(folder)
+        save_file(tensors, os.path.join(folder, "model.safetensors"))
+        emb_shard = SimpleNamespace(weight=emb[:4].clone(), v0=0, v1=4)
+        target = SimpleNamespace(cfg=SimpleNamespace(tie_word_embeddings=False), lm_head=head_shard,
+                                 model=SimpleNamespace(embed_tokens=emb_shard))
+        return SimpleNamespace(runner=SimpleNamespace(model=target), config=SimpleNamespace(model=folder))
+
+    ok = {"model.embed_tokens.weight": emb, "lm_head.weight": head}
+    tv = TargetVocab(engine(str(tmp_path / "ok"), ok, SimpleNamespace(weight=head[:4].clone(), v0=0, v1=4)))
+    x = torch.randn(3, 4, generator=g)
+    assert torch.allclose(tv.logits(x), x @ head.T) and torch.equal(tv.embed(torch.tensor([9, 0])), emb[[9, 0]])
+    assert tv.nbytes == 2 * 10 * 4 * 4
+    with pytest.raises(WeightLoadError, match="'lm_head.weight' .* is not what rank 0's shard"):
+        TargetVocab(engine(str(tmp_path / "other"), ok, SimpleNamespace(weight=head[4:8].clone(), v0=0, v1=4)))
+    with pytest.raises(UnsupportedError, match="'lm_head.weight_scale_inv', a quantized embedding / LM head"):
+        TargetVocab(engine(str(tmp_path / "fp8"), dict(ok, **{"lm_head.weight_scale_inv": torch.ones(1, 1)}),
+                           SimpleNamespace(weight=head[:4].clone(), v0=0, v1=4)))
 
 
 def test_perfect_mtp_drafter_gets_every_draft_accepted(mtp_model, tmp_path):

@@ -8,6 +8,9 @@ and (L + i) % ``moe_layer_freq`` == 0, else the dense MLP), ``shared_head.norm``
 ``shared_head.head`` [vocab, hidden] and ``embed_tokens`` [vocab, hidden]. When the checkpoint omits the head or
 the embedding, the target's are used (the DeepSeek-V3 report: embedding and output head shared with the main
 model; SGLang always uses the target's, vLLM loads the copies the checkpoint stores: here a stored copy is used).
+Under tensor parallel the MTP layers run unsharded on rank 0 (built outside the target's TP context) and the
+target's vocab-parallel embedding / head, collectives that pair up only inside a target step, are replaced by full
+copies (``vocab``: tokenfab/spec_decode/target_vocab.py) where a layer has no copy of its own.
 
 Forward of layer i at position t (vLLM ``deepseek_mtp.py``, SGLang ``deepseek_nextn.py``)::
 
@@ -66,9 +69,11 @@ class DeepseekMTP(nn.Module):
     (unless the checkpoint stores its own). Build with :func:`load_mtp`.
 
     Args:
-        target: the loaded :class:`DeepseekV3ForCausalLM` (one device).
+        target: the loaded :class:`DeepseekV3ForCausalLM` (one device, or rank 0's shard under tensor parallel).
         moe: per MTP layer, whether its block has the MoE.
         own_head / own_embed: per MTP layer, whether the checkpoint stores ``shared_head.head`` / ``embed_tokens``.
+        vocab: an object with ``embed(ids)`` / ``logits(hidden)`` used instead of the target's embedding / head by
+            layers without their own (tensor parallel: full copies on rank 0), or None (the target's).
     """
 
     # what CausalLM.load_weights calls besides parameters and modules: the packed-experts preparation (an MTP layer's
@@ -79,7 +84,8 @@ class DeepseekMTP(nn.Module):
     unpacked_experts = False
     dequantizes_experts_at_load = False
 
-    def __init__(self, target: DeepseekV3ForCausalLM, moe: list[bool], own_head: list[bool], own_embed: list[bool]):
+    def __init__(self, target: DeepseekV3ForCausalLM, moe: list[bool], own_head: list[bool], own_embed: list[bool],
+                 vocab=None):
         super().__init__()
         self.cfg = copy.copy(target.cfg)
         self.cfg.tie_word_embeddings = False  # the base loader must not tie a head this module does not have
@@ -90,6 +96,7 @@ class DeepseekMTP(nn.Module):
         self.model.embed_tokens = None  # the target's (not a submodule: not loaded, not moved)
         self.lm_head = None
         self._target = (target,)  # a tuple keeps it out of this module's parameters
+        self._vocab = (vocab,)
 
     def is_skipped_weight(self, name: str) -> bool:
         """As the target skips them: rotary caches, and DeepSeek's zero-width shared MLP at n_shared_experts 0."""
@@ -110,6 +117,8 @@ class DeepseekMTP(nn.Module):
         """[T] int64 -> [T, hidden]: layer i's embedding (its own, else the target's)."""
         layer = self.model.layers[i]
         emb = getattr(layer, "embed_tokens", None)
+        if emb is None and self._vocab[0] is not None:
+            return self._vocab[0].embed(input_ids)
         return (emb if emb is not None else self._target[0].model.embed_tokens)(input_ids)
 
     def forward(self, i: int, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,
@@ -129,6 +138,8 @@ class DeepseekMTP(nn.Module):
         sh = self.model.layers[i].shared_head
         x = sh.norm(hidden)
         head = getattr(sh, "head", None)
+        if head is None and self._vocab[0] is not None:
+            return self._vocab[0].logits(x)
         return head(x).float() if head is not None else self._target[0].compute_logits(x)
 
 
@@ -149,19 +160,23 @@ def mtp_layer_names(path: str, num_hidden_layers: int, n: int) -> dict[int, set[
 
 
 @torch.no_grad()
-def load_mtp(path: str, target, device: torch.device, dtype: torch.dtype) -> DeepseekMTP:
+def load_mtp(path: str, target, device: torch.device, dtype: torch.dtype, vocab=None) -> DeepseekMTP:
     """Build the MTP layers of the checkpoint folder ``path`` for ``target`` and load their weights.
+
+    ``vocab(embed: bool, head: bool)``: called under tensor parallel (``target.tp`` set) when some layer lacks its
+    own embedding / head, returns the full copies those layers use instead of the target's shards (see
+    :class:`DeepseekMTP`); the layers themselves are built unsharded.
 
     Raises:
         EngineConfigError: ``target`` is not a DeepSeek-V3 / Kimi-K2 model, or the checkpoint has no MTP layers
             (``num_nextn_predict_layers`` 0, or config.json names some but no ``model.layers.{L}.*`` tensor exists;
             published DeepSeek-V3 / R1 checkpoints have one), or a layer lacks enorm / hnorm / eh_proj /
-            shared_head.norm.
+            shared_head.norm, or a tensor-parallel target without ``vocab`` where a layer needs the target's.
         WeightLoadError: a block weight is missing, unexpected or misshapen (named).
     """
     from tokenfab.loader.safetensors_loader import iterate_weights
 
-    if not isinstance(target, DeepseekV3ForCausalLM) or target.tp is not None:
+    if not isinstance(target, DeepseekV3ForCausalLM):
         raise EngineConfigError(f"speculative_config.method 'mtp' needs a DeepSeek-V3 / Kimi-K2 checkpoint with "
                                 f"next-token-prediction layers; the model is {type(target).__name__}. Use 'ngram' "
                                 "or 'draft_model'.")
@@ -191,10 +206,16 @@ def load_mtp(path: str, target, device: torch.device, dtype: torch.dtype) -> Dee
     moe = [has_experts and L + i >= k_dense and (L + i) % freq == 0 for i in range(n)]
     own_head = ["shared_head.head.weight" in names[i] for i in range(n)]
     own_embed = ["embed_tokens.weight" in names[i] for i in range(n)]
+    full = None
+    if target.tp is not None and not (all(own_head) and all(own_embed)):  # the target's tables are shards
+        if vocab is None:
+            raise EngineConfigError("speculative_config.method 'mtp' on a tensor-parallel target needs full copies "
+                                    "of the target's embedding / LM head (load_mtp's vocab).")
+        full = vocab(not all(own_embed), not all(own_head))
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        mtp = DeepseekMTP(target, moe, own_head, own_embed).requires_grad_(False)
+        mtp = DeepseekMTP(target, moe, own_head, own_embed, full).requires_grad_(False)
     finally:
         torch.set_default_dtype(prev)
 

@@ -9,12 +9,34 @@ Context: the proposer asks the target for the hidden states after ``target_layer
 (:meth:`observe`), projects the context tokens' taps (fc + hidden_norm) and writes each MLA draft layer's key rows
 ``[c | rope(k_pe)]`` into its own paged cache, addressed by the target's block table (same block geometry as the
 target's pool), so every context position is projected once. A sequence drafts only when every position before its
-anchor has been observed since its last preemption (prefix-cache hits and failed steps rerun in parts leave gaps:
-such a sequence decodes plainly).
+anchor has context rows: observed since its last preemption, or found in the caches after a prefix-cache hit (see
+below; failed steps rerun in parts leave gaps: such a sequence decodes plainly).
 
 Which tapped stream a K3 target gives (partial block sum or attention-residual mixture): ``speculative_config.
 dspark_tap``, else the checkpoint's ``aux_hidden_stream``, else ``"partial_sum"`` (spec_decode/dspark_config.py).
 The confidence head is not used: each proposal drafts min(k, what max_tokens leaves) tokens.
+
+Tensor parallel: the drafter runs unsharded on rank 0, the engine's process, between target steps (the workers take
+no part). The taps it reads there are complete: forward hooks on rank 0's decoder layers see the replicated residual
+stream (each layer all-reduces its attention and MLP outputs; K3's partial block sum is that stream and its
+attention-residual mixture is computed from it with replicated weights), and under tensor parallel every target
+step with taps is a module step. KDA state roll back after verification runs on every rank (the runner broadcasts
+it). The target's embedding and LM head are vocab-parallel shards (their forward is a collective), so the drafter
+uses full copies read from the checkpoint on rank 0 (:class:`~tokenfab.spec_decode.target_vocab.TargetVocab`).
+Extra memory on rank 0: the drafter (as at one device) plus V x H per table, embedding and head (Kimi K3 bf16:
+2 x 2.35 GB), plus the drafter's context-row caches (as at one device).
+
+Prefix-cache hits: the target computes no taps for a hit's cached positions, but the drafter's context rows live in
+its own caches at the target's slots, so the rows the earlier request wrote into a cached block are still there.
+They are the right rows exactly when they were written for the block's current content (rows at a position are a
+function of the tokens up to it), so per block the proposer records the prefix-cache hash (engine/prefix_cache.py:
+fixed by the block's tokens and every token before them) of the content whose rows it wrote in full: any write
+into a block clears its record, and it is recorded again once all its rows are written for one sequence's tokens.
+A sequence whose first observed position follows a hit starts with the longest run of leading hit blocks whose
+record is the block's hash; it drafts when that run is the whole hit. Not covered (such a sequence decodes
+plainly): a hit block whose rows the drafter never wrote in full, e.g. the block of a request's last computed
+position when the request finished in that step (finished requests are not written), or one a failed step
+computed.
 """
 from __future__ import annotations
 
@@ -23,7 +45,7 @@ import torch
 
 from tokenfab.engine.sampler import inverse_cdf_sample
 from tokenfab.engine.sequence import SequenceStatus
-from tokenfab.errors import EngineConfigError, UnsupportedError
+from tokenfab.errors import EngineConfigError
 from tokenfab.spec_decode.dspark_config import check_against_target, load_dspark_config, resolve_tap
 from tokenfab.spec_decode.proposer import HiddenRequest, Proposal, Proposer
 from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, target_probs
@@ -78,16 +100,14 @@ class DSparkProposer(Proposer):
 
     Raises:
         EngineConfigError: k above the block's drafts, or a drafter that does not fit the target (named field).
-        UnsupportedError: tensor parallel (not supported yet).
+        UnsupportedError / WeightLoadError: tensor parallel with a quantized or missing target embedding / LM head
+            (target_vocab.py).
         WeightLoadError: missing / unexpected / mis-shaped drafter tensors.
     """
 
     def __init__(self, path: str, k: int, engine, tap: str | None = None):
         from tokenfab.models.dspark_drafter import DSparkDrafter, load_dspark_weights
 
-        if engine.tp_group is not None:  # the drafter would run rank 0's slice of the vocab-parallel embedding
-            raise UnsupportedError("speculative_config method 'dspark' under tensor parallel is not supported yet; "
-                                   "use tensor_parallel_size 1 or another method.")
         cfg = load_dspark_config(path)
         check_against_target(cfg, engine.model_config)
         if k > cfg.num_drafts:
@@ -99,7 +119,13 @@ class DSparkProposer(Proposer):
         target = engine.runner.model
         if getattr(target.cfg, "attn_res_block_size", None) is None:
             self.tap = "partial_sum"  # no attention residuals: both streams are the layer output
-        self.drafter = DSparkDrafter(cfg, target.model.embed_tokens, target.compute_logits)
+        embed, head = target.model.embed_tokens, target.compute_logits
+        self.vocab = None
+        if engine.tp_group is not None:  # the target's tables are shards whose forward is a collective
+            from tokenfab.spec_decode.target_vocab import TargetVocab
+            self.vocab = TargetVocab(engine)
+            embed, head = self.vocab.embed, self.vocab.logits
+        self.drafter = DSparkDrafter(cfg, embed, head)
         self.skipped_weights = load_dspark_weights(self.drafter, path, engine.dtype)
         self.drafter.to(engine.device)
         self.bm = engine.block_manager
@@ -111,6 +137,11 @@ class DSparkProposer(Proposer):
         self.generator = engine.generator
         self.device = engine.device
         self._valid: dict[int, list[int]] = {}  # seq_id -> [num_preemptions, context positions written from 0]
+        # prefix caching: per block, the prefix-cache hash of the content whose context rows are all written there
+        # (valid where _rows_ok; see the module docstring)
+        self.pc = self.bm.prefix_cache
+        self._rows_hash: list[bytes | None] = [None] * self.bm.num_blocks
+        self._rows_ok = np.zeros(self.bm.num_blocks, dtype=bool)
 
     # ---- the target-hidden-state seam ---------------------------------------------------------------------
     def hidden_request(self) -> HiddenRequest:
@@ -143,6 +174,9 @@ class DSparkProposer(Proposer):
         pos_t = torch.from_numpy(p).to(self.device)
         for cache, rows in zip(self.caches, self.drafter.context_rows(h, pos_t)):
             cache.view(-1, cache.shape[-1]).index_copy_(0, slots, rows.to(cache.dtype))
+        bs = self.bm.block_size
+        if self.pc is not None:  # blocks written here hold rows of this content now: recorded again below if whole
+            self._rows_ok[self.bm.block_tables[captured.rows[r], p // bs]] = False
         lo = np.full(len(seqs), np.iinfo(np.int64).max, dtype=np.int64)
         hi = np.full(len(seqs), -1, dtype=np.int64)
         np.minimum.at(lo, r, p)
@@ -151,11 +185,36 @@ class DSparkProposer(Proposer):
             s = seqs[b]
             st = self._valid.get(s.seq_id)
             if st is None or st[0] != s.num_preemptions:
-                st = self._valid[s.seq_id] = [s.num_preemptions, 0]
+                st = self._valid[s.seq_id] = [s.num_preemptions, self._cached_rows(s, int(lo[b]))]
             if lo[b] <= st[1]:
                 st[1] = max(st[1], int(hi[b]) + 1)
+                if self.pc is not None:
+                    self._record_blocks(s, int(lo[b]) // bs, st[1] // bs)
         if len(self._valid) > 4 * max(1, self.bm.block_tables.shape[0]):
             self._valid = {s.seq_id: self._valid[s.seq_id] for s in seqs if s.seq_id in self._valid}
+
+    def _cached_rows(self, seq, first: int) -> int:
+        """Context positions of ``seq`` whose rows are already in the caches when its first observed position is
+        ``first``: after a prefix-cache hit, the leading hit blocks whose rows were written in full for the content
+        they hold (recorded hash == the block's hash); else 0."""
+        bs = self.bm.block_size
+        if self.pc is None or first <= 0 or first % bs:
+            return 0
+        hs, bt = seq.block_hashes, seq.block_table
+        n = 0
+        while n < min(first // bs, len(hs), len(bt)) and self._rows_ok[bt[n]] and self._rows_hash[bt[n]] == hs[n]:
+            n += 1
+        return n * bs
+
+    def _record_blocks(self, seq, start: int, end: int) -> None:
+        """Blocks ``start .. end - 1`` of ``seq`` have every context row written for ``seq``'s tokens: record the
+        prefix-cache hash of their content."""
+        if end <= start:
+            return
+        hs = self.pc.hashes(seq, end)
+        for i in range(start, end):
+            b = seq.block_table[i]
+            self._rows_hash[b], self._rows_ok[b] = hs[i], True
 
     # ---- proposing ------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -23,7 +23,16 @@ at the chained positions it drafts). Tokens: argmax for greedy rows,
 else a draw from q (the row's temperature / top-k / top-p; the draft-model proposer's ``_draw``) with the row's seeded
 generator. Nothing to roll back after verification: the next :meth:`observe` writes the accepted positions.
 
-Tensor parallel: refused (the MTP block would need the target's shards and a step protocol of its own).
+Tensor parallel: the MTP layers run unsharded on rank 0, the engine's process, between target steps; the workers
+take no part (no step message of its own). Their inputs there are complete: the captured final hidden states are
+the full [T, H] tensors (every decoder layer all-reduces, so the stream after the final norm is replicated on every
+rank; verification under tensor parallel always takes the module path, never the fused CPU decode stack). The
+target's embedding and LM head are vocab-parallel shards whose forward is a collective, so layers without their own
+copy use full copies read from the checkpoint on rank 0 (:class:`~tokenfab.spec_decode.target_vocab.TargetVocab`).
+Extra memory on rank 0: the MTP layers' full weights (as at one device; DeepSeek-V3's one layer is ~14 B parameters,
+its own embedding and head copies included, so no TargetVocab is loaded for it), plus, for a checkpoint whose MTP
+layers share the target's tables, V x H per shared table (DeepSeek-V3 bf16: 1.85 GB each), plus the MTP KV pool
+(as at one device: num_kv_blocks x block_size x (kv_lora_rank + qk_rope_head_dim) per MTP layer).
 """
 from __future__ import annotations
 
@@ -31,7 +40,6 @@ import numpy as np
 import torch
 
 from tokenfab.engine.sequence import SequenceStatus
-from tokenfab.errors import UnsupportedError
 from tokenfab.layers.attention_metadata import AttentionMetadata
 from tokenfab.spec_decode.draft_model_proposer import DraftModelProposer
 from tokenfab.spec_decode.proposer import CapturedHidden, HiddenRequest, Proposal, Proposer
@@ -46,8 +54,9 @@ class MTPProposer(Proposer):
         engine: the target LLMEngine (its checkpoint folder, model, block manager, runner and generator).
 
     Raises:
-        UnsupportedError: tensor_parallel_size > 1.
         EngineConfigError: not a DeepSeek-V3 / Kimi-K2 checkpoint, or one without MTP layers (models/deepseek_mtp.py).
+        UnsupportedError / WeightLoadError: tensor parallel with a quantized or missing target embedding / LM head
+            where an MTP layer needs it (target_vocab.py).
     """
 
     _draw = DraftModelProposer._draw  # one draft per row from logits [N, V]: argmax or a draw from q (needs generator)
@@ -56,13 +65,12 @@ class MTPProposer(Proposer):
         from tokenfab.engine.model_runner import ModelRunner
         from tokenfab.models.deepseek_mtp import load_mtp
 
-        if engine.tp_group is not None:
-            raise UnsupportedError("speculative_config.method 'mtp' with tensor_parallel_size > 1 is not supported "
-                                   "yet (the MTP layer does not run sharded); use tensor_parallel_size=1, or method "
-                                   "'ngram'.")
+        from tokenfab.spec_decode.target_vocab import TargetVocab
+
         self.num_speculative_tokens = k
         runner = engine.runner
-        self.mtp = load_mtp(engine.config.model, runner.model, runner.device, engine.dtype)
+        self.mtp = load_mtp(engine.config.model, runner.model, runner.device, engine.dtype,
+                            vocab=lambda embed, head: TargetVocab(engine, embed, head))
         self.bm = engine.block_manager
         self.block_size = self.bm.block_size
         self.device = runner.device
