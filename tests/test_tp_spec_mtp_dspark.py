@@ -33,35 +33,41 @@ _CACHE: dict = {}
 
 def _run(path: str, n: int, prompts, spec=None, oracle_from=None):
     """(tokens, stats, proposals) of ``prompts`` on ``n`` ranks; proposals {(prompt length, length): drafts}.
-    ``oracle_from``: outputs of a plain run whose continuations replace every proposal's drafts (_Oracle)."""
+    ``oracle_from``: outputs of a plain run; the same engine then generates ``prompts`` again with every proposal's
+    drafts replaced by those continuations (_Oracle), and a second (tokens, stats of that run alone) is returned."""
     llm = LLM(path, tensor_parallel_size=n, speculative_config=spec, **ENGINE_KW)
     eng = llm.llm_engine
     props: dict = {}
     try:
-        if spec is not None:
-            prop = eng.spec.proposer
-            inner = prop.propose
-            if oracle_from is not None:
-                full = {}
-                orig_add = eng.add_request
+        if spec is None:
+            return _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)), eng.get_stats(), props
+        prop = eng.spec.proposer
+        inner = orig = prop.propose
 
-                def add(rid, *a, **kw):  # this engine's request ids -> the plain run's continuations, in order
-                    o = oracle_from[len(full)]
-                    full[rid] = o.prompt_token_ids + o.outputs[0].token_ids
-                    return orig_add(rid, *a, **kw)
+        def propose(seqs, rows, token_ids, lengths, max_lens):
+            out = inner(seqs, rows, token_ids, lengths, max_lens)
+            for s, L, d, c in zip(seqs, lengths, out.draft_ids, out.draft_lens):
+                props[(s.num_prompt_tokens, int(L))] = d[: int(c)].tolist()
+            return out
 
-                eng.add_request = add
-                inner = _Oracle(prop, full)
+        prop.propose = propose
+        res = (_tokens(llm.generate(prompts, GREEDY, use_tqdm=False)), dict(eng.get_stats()), props)
+        if oracle_from is None:
+            return res
+        full, orig_add = {}, eng.add_request
 
-            def propose(seqs, rows, token_ids, lengths, max_lens):
-                out = inner(seqs, rows, token_ids, lengths, max_lens)
-                for s, L, d, c in zip(seqs, lengths, out.draft_ids, out.draft_lens):
-                    props[(s.num_prompt_tokens, int(L))] = d[: int(c)].tolist()
-                return out
+        def add(rid, *a, **kw):  # this run's request ids -> the plain run's continuations, in prompt order
+            o = oracle_from[len(full)]
+            full[rid] = o.prompt_token_ids + o.outputs[0].token_ids
+            return orig_add(rid, *a, **kw)
 
-            prop.propose = propose
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        return _tokens(outs), eng.get_stats(), props, outs
+        eng.add_request = add
+        oracle = _Oracle(prop, full)
+        oracle.orig, inner, props = orig, oracle, {}  # the drafter's own propose underneath
+        toks = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        st = eng.get_stats()
+        return res, (toks, {k: st[k] - res[1][k] for k in ("spec_decode_num_draft_tokens",
+                                                          "spec_decode_num_accepted_tokens")})
     finally:
         eng.shutdown()
 
@@ -89,13 +95,13 @@ def test_tp_mtp_greedy_identical_and_drafts_as_one_device(mtp_paths, n):
     path, perfect = mtp_paths
     base = _cached(("mtp", path), lambda: _run(path, 1, _prompts())[0])
     one = _cached(("mtp-spec", path), lambda: _run(path, 1, _prompts(), MTP))
-    toks, st, props, _ = _run(path, n, _prompts(), MTP)
+    toks, st, props = _run(path, n, _prompts(), MTP)
     assert toks == base
     assert st["spec_decode_num_draft_tokens"] > 0
     assert props == one[2]  # every proposal (length and drafts) as on one device
     assert st["spec_decode_num_accepted_tokens"] == one[1]["spec_decode_num_accepted_tokens"]
     pbase = _cached(("mtp", perfect), lambda: _run(perfect, 1, _prompts())[0])
-    toks, st, _, _ = _run(perfect, n, _prompts(), MTP)
+    toks, st, _ = _run(perfect, n, _prompts(), MTP)
     assert toks == pbase
     assert st["spec_decode_num_draft_tokens"] > 0
     assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
@@ -124,13 +130,13 @@ def test_tp_dspark_greedy_identical_and_drafts_as_one_device(k3_pair, n, tap):
     rolled back on every rank after each verification."""
     path, drafter = k3_pair
     spec = dict(ALWAYS, method="dspark", model=drafter, num_speculative_tokens=3, dspark_tap=tap)
-    base, _, _, base_outs = _cached(("k3", path), lambda: _run(path, 1, _k3_prompts()))
+    base_outs = _cached(("k3", path), lambda: LLM(path, **ENGINE_KW).generate(_k3_prompts(), GREEDY, use_tqdm=False))
+    base = _tokens(base_outs)
     one = _cached(("k3-spec", tap), lambda: _run(path, 1, _k3_prompts(), spec))
-    toks, st, props, _ = _run(path, n, _k3_prompts(), spec)
+    (toks, st, props), (otoks, ost) = _run(path, n, _k3_prompts(), spec, oracle_from=base_outs)
     assert toks == base
     assert st["spec_decode_num_draft_tokens"] > 0
     assert props == one[2]
-    toks, st, _, _ = _run(path, n, _k3_prompts(), spec, oracle_from=base_outs)
-    assert toks == base
-    assert st["spec_decode_num_draft_tokens"] > 0
-    assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
+    assert otoks == base  # the same engine, every draft the known continuation
+    assert ost["spec_decode_num_draft_tokens"] > 0
+    assert ost["spec_decode_num_accepted_tokens"] == ost["spec_decode_num_draft_tokens"]
