@@ -70,6 +70,38 @@ def test_matches_float64_routed_sum(interpret, fmt, scale_dtype, T, E, k, start,
     assert ((got.double() - want).abs().max() / scale) < 1e-5
 
 
+def make_fp8(E: int, parts: int, part_rows: int, K: int, g: torch.Generator):
+    """Random FP8 block-scaled stack (every e4m3 byte but the NaN codes; parts of ``part_rows`` rows, each with its own
+    128 x 128 blocks, the last partial) and its float64 weights by the formula fp8 * scale_inv[block]."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    packed = codes[torch.randint(len(codes), (E, parts * part_rows, K), generator=g)]
+    sb, kb = -(-part_rows // 128), -(-K // 128)
+    scale = torch.rand(E, parts * sb, kb, generator=g) * 0.01 + 1e-3
+    r = torch.arange(parts * part_rows)
+    brow = (r // part_rows) * sb + (r % part_rows) // 128
+    w = packed.view(torch.float8_e4m3fn).double() * scale.double()[:, brow][:, :, torch.arange(K) // 128]
+    return packed, scale, w
+
+
+@pytest.mark.parametrize("T,E,k,start,num_local", [(1, 4, 2, 0, 4), (6, 8, 3, 2, 4)])
+def test_fp8_block_matches_float64_routed_sum(interpret, T, E, k, start, num_local):
+    """FP8 block-scaled experts (hidden 160, intermediate 136: partial blocks in both parts and both dims)."""
+    from tokenfab.kernels.triton_packed_moe import fused_moe_packed
+    from tokenfab.layers.activation import silu_and_mul
+    H, I = 160, 136
+    g = torch.Generator().manual_seed(T * 5 + E)
+    p13, s13, w13 = make_fp8(num_local, 2, I, H, g)
+    p2, s2, w2 = make_fp8(num_local, 1, H, I, g)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    got = fused_moe_packed(x, "fp8_block", p13, s13, p2, s2, weights, ids, silu_and_mul, start)
+    want = reference(x, w13, w2, weights, ids, start)
+    assert got.dtype == torch.float32 and got.shape == (T, H)
+    scale = want.abs().max().clamp_min(1e-30)
+    assert ((got.double() - want).abs().max() / scale) < 1e-5
+
+
 def test_shapes_and_formats_refused(interpret):
     from tokenfab.kernels.triton_packed_moe import fused_moe_packed
     from tokenfab.layers.activation import silu_and_mul

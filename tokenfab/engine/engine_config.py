@@ -435,11 +435,12 @@ def device_memory_bytes(device: torch.device) -> int:
 def model_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a loaded model holds: parameters and the packed copies kept as plain tensor
     attributes (engine/hugepages.py's module_tensors), each storage counted once; buffers (RoPE tables) are not
-    weights and are left out, except the compressed bytes a PackedWeight holds as buffers (GGUF tiles, FP8 bytes and
-    scales)."""
+    weights and are left out, except the compressed bytes a PackedWeight or a PackedExperts stack holds as buffers
+    (GGUF tiles, FP8 bytes and scales, packed routed experts)."""
     from tokenfab.engine.hugepages import module_tensors
+    from tokenfab.quant.packed_experts import PackedExperts
     from tokenfab.quant.packed_weight import PackedWeight
-    packed = {id(b) for m in model.modules() if isinstance(m, PackedWeight) for b in m.buffers()}
+    packed = {id(b) for m in model.modules() if isinstance(m, (PackedWeight, PackedExperts)) for b in m.buffers()}
     buffers = {id(b) for b in model.buffers()} - packed
     seen: dict[tuple, int] = {}
     for t in module_tensors(model):
