@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_fp8_block_weight import fp8_pair  # noqa: F401  (a fixture used below)
 from test_packed_experts import _compare, _run, deepseek_int4, k3_pair  # noqa: F401  (fixtures used below)
 from tokenfab.kernels import triton_support
 
@@ -115,13 +116,15 @@ def test_shapes_and_formats_refused(interpret):
         fused_moe_packed(torch.zeros(1, 96), "mxfp4", p13, s13, p2, s2, w, ids, silu_and_mul)
 
 
-@pytest.mark.parametrize("model", ["deepseek_int4", "k3_mxfp4"])
+@pytest.mark.parametrize("model", ["deepseek_int4", "k3_mxfp4", "deepseek_fp8"])
 def test_engine_with_packed_experts_through_triton(interpret, monkeypatch, request, model):
-    """Whole packed checkpoints (tests/test_packed_experts.py's tiny INT4 DeepSeek-V3 and MXFP4 Kimi K3) with every
+    """Whole packed checkpoints (tests/test_packed_experts.py's tiny INT4 DeepSeek-V3 and MXFP4 Kimi K3,
+    tests/test_fp8_block_weight.py's tiny FP8 block-scaled DeepSeek-V3) with every
     Triton kernel interpreted and the routed experts in kernels/triton_packed_moe.py (K3: its SiTU activation and
     float32 latent sum): greedy tokens equal the dequantized float32 model's and prompt logprobs within 1e-4."""
     from tokenfab.kernels import triton_packed_moe
-    pair = request.getfixturevalue("deepseek_int4" if model == "deepseek_int4" else "k3_pair")
+    pair = request.getfixturevalue({"deepseek_int4": "deepseek_int4", "k3_mxfp4": "k3_pair",
+                                    "deepseek_fp8": "fp8_pair"}[model])
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(5, 512, (n,), generator=g).tolist() for n in (11, 5)]
     calls = []
@@ -130,5 +133,6 @@ def test_engine_with_packed_experts_through_triton(interpret, monkeypatch, reque
     _, q_outs = _run(pair[0], prompts)
     monkeypatch.setenv("TOKENFAB_TRITON", "0")
     _, ref_outs = _run(pair[1], prompts)
-    assert calls and set(calls) == {"int4_group" if model == "deepseek_int4" else "mxfp4"}
+    assert calls and set(calls) == {{"deepseek_int4": "int4_group", "k3_mxfp4": "mxfp4",
+                                     "deepseek_fp8": "fp8_block"}[model]}
     assert _compare(q_outs, ref_outs, prompts) < 1e-4
