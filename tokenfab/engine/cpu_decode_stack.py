@@ -10,8 +10,8 @@ AttentionMetadata, which the stack does not read.
 
 Covered: single-device models made of ``DecoderLayer``s whose attention runs as one fused block (MLA or
 grouped-query) and whose MLP is a packed SiLU-GLU, DeepSeek-V3's MoE (sigmoid group-limited router, packed routed
-experts, optional shared expert; or its routed experts kept packed on their C++ kernel, RoutedExperts.q13 / q2:
-FP8 block-scaled, INT4 group-32, MXFP4) or Qwen3-MoE's (softmax top-k router, packed routed experts). Grouped-query layers,
+experts, optional shared expert; or its routed experts kept packed on their C++ kernel, RoutedExperts.q13 /
+q2: FP8 block-scaled, INT4 group-32, MXFP4) or Qwen3-MoE's (softmax top-k router, packed routed experts). Grouped-query layers,
 dense SiLU-GLUs, the embedding and the LM head may also hold GGUF weights kept packed
 (:class:`~tokenfab.quant.gguf_weight.GGUFWeight` on its C++ kernel): a ``.gguf`` file served packed runs the same
 one-call step, its linears multiplied by ``gguf_linear`` from C++ (q|k|v and gate|up joined when their block types

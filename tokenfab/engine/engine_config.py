@@ -24,7 +24,8 @@ SUPPORTED_QUANTIZATION = {
     "compressed-tensors": "routed experts kept packed: MXFP4 (format mxfp4-pack-quantized, Kimi K3) and INT4 "
                           "group-32 (format pack-quantized, Kimi K2-Thinking / DeepSeek-V3 layout)",
     "fp8": "FP8 block-scaled weights (DeepSeek-V3 / Kimi-K2 as published, weight_block_size [128, 128]), kept packed "
-           "(routed experts and MLA kv_b_proj dequantized to the engine dtype at load)",
+           "(routed experts included; MLA kv_b_proj dequantized to the engine dtype at load, and the routed experts "
+           "too when host experts are requested)",
     "gguf": "a .gguf file: llama / qwen2 / qwen3 with F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K tensors "
             "kept packed (loader/gguf_packed.py); other files dequantized once to a cached bf16 folder "
             "(loader/gguf_to_hf.py)",

@@ -102,7 +102,7 @@ class RoutedExperts(nn.Module):
     summed back with index_add. ``expert_range`` [start, end) lets a rank own a subset (expert parallel): pairs
     routed elsewhere contribute zero here and are summed by the all-reduce.
 
-    Packed experts (a compressed-tensors checkpoint, :meth:`use_packed`): ``q13`` / ``q2`` are
+    Packed experts (a compressed-tensors or FP8 block-scaled checkpoint, :meth:`use_packed`): ``q13`` / ``q2`` are
     :class:`~tokenfab.quant.packed_experts.PackedExperts` stacks with the same rows and ``w13`` / ``w2`` are None;
     :meth:`packed_forward` then runs each projection as one grouped linear over the sorted pairs.
     """

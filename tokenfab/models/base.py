@@ -198,7 +198,8 @@ class CausalLM(nn.Module):
                 mod, e, proj = expert_mods[m.group(1)], int(m.group(2)), m.group(3)
                 if mod.q13 is not None:
                     if mod.start <= e < mod.end:
-                        q, row0 = (mod.q2, 0) if proj == "down_proj" else (mod.q13, mod.intermediate * (proj == "up_proj"))
+                        q, row0 = ((mod.q2, 0) if proj == "down_proj"
+                                   else (mod.q13, mod.intermediate * (proj == "up_proj")))
                         try:
                             q.load_part(e - mod.start, row0, "weight", t, where(name))
                         except WeightLoadError as err:
