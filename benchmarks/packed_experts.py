@@ -1,9 +1,10 @@
-"""Routed experts kept packed (INT4 group-32, MXFP4; kernels/csrc/packed_experts.cpp) against tokenfab's bf16 routed
-experts (VNNI-packed, cpu_kernels.moe_experts_packed) on DeepSeek-V3-like expert shapes, side by side; and the
+"""Routed experts kept packed (INT4 group-32, MXFP4: kernels/csrc/packed_experts.cpp; FP8 block-scaled as DeepSeek-V3
+publishes them: fp8_linear.cpp's fp8_experts_linear) against tokenfab's bf16 routed experts (VNNI-packed,
+cpu_kernels.moe_experts_packed) on DeepSeek-V3-like expert shapes, side by side; and the
 resident memory of a small Kimi K3 checkpoint with MXFP4 experts loaded packed vs the same weights dequantized.
 
     .venv/bin/python benchmarks/packed_experts.py [--experts 4] [--tokens 1,8,64] [--reps 7] [--mb 900] [--threads N]
-        [--no-rss]
+        [--no-rss] [--formats bf16,int4_group,mxfp4,fp8_block] [--tag NAME]
 
 Part 1: one MoE layer's routed experts (hidden 7168, intermediate 2048, ``--experts`` experts, every token routed
 to all of them, so each expert gets 1, 8 or 64 tokens: decode GEMVs, and the prefill path at 64), computed by RoutedExperts.forward for each format. Every
@@ -13,7 +14,7 @@ Reported: ms per layer, GB/s of the format's resident bytes read, and the time r
 Part 2: process RSS after ``LLM(...)`` of a K3-shaped checkpoint (latent 1024, intermediate 512, 32 experts, 4
 layers) with MXFP4 routed experts (kept packed) and of the same weights with the experts stored dequantized
 (bf16 in memory), each in a fresh process; the packed expert bytes are reported beside them.
-Writes <out>/<date>-packed-experts.{json,md} (default benchmarks/results).
+Writes <out>/<date>-packed-experts[-<tag>].{json,md} (default benchmarks/results).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.results_file import unused_stem  # noqa: E402
 
 H, I = 7168, 2048
-FORMATS = ("bf16", "int4_group", "mxfp4")
+FORMATS = ("bf16", "int4_group", "mxfp4", "fp8_block")
 
 
 def make_layer(fmt: str, E: int, g: torch.Generator):
@@ -56,6 +57,9 @@ def make_layer(fmt: str, E: int, g: torch.Generator):
             if fmt == "int4_group":
                 q.packed.random_(-2**31, 2**31 - 1, generator=g)
                 q.scale.fill_(0.01)
+            elif fmt == "fp8_block":  # positive finite e4m3 codes (0x00-0x7D), block scales
+                q.packed.random_(0, 0x7E, generator=g)
+                q.scale.fill_(1e-3)
             else:
                 q.packed.random_(0, 256, generator=g)
                 q.scale.fill_(120)
@@ -64,9 +68,10 @@ def make_layer(fmt: str, E: int, g: torch.Generator):
     return m, nbytes
 
 
-def bench_experts(E: int, token_counts: list[int], reps: int, mb: float) -> list[dict]:
+def bench_experts(E: int, token_counts: list[int], reps: int, mb: float, formats=FORMATS) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     layers, nbytes = {}, {}
+    FORMATS = formats  # noqa: N806  (the formats run, "bf16" first: the ratios are to it)
     for fmt in FORMATS:
         one, nb = make_layer(fmt, E, g)
         count = max(2, int(mb * 1e6 // nb))
@@ -175,14 +180,22 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=900.0)
     ap.add_argument("--no-rss", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="formats run side by side (bf16 always included)")
+    ap.add_argument("--tag", default="", help="suffix of the result files' name")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     a = ap.parse_args()
+    formats = ("bf16",) + tuple(f for f in a.formats.split(",") if f and f != "bf16")
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        sys.exit(f"--formats: unknown {', '.join(bad)} (known: {', '.join(FORMATS)})")
     if a.threads:
         torch.set_num_threads(a.threads)
     from tokenfab.kernels import cpu_kernels
     if not cpu_kernels.packed_experts_applies():
         sys.exit(f"packed expert kernels not available here ({cpu_kernels.load_error() or 'no AVX512-BF16'})")
-    rows = bench_experts(a.experts, [int(t) for t in a.tokens.split(",")], a.reps, a.mb)
+    if "fp8_block" in formats and not cpu_kernels.fp8_experts_applies():
+        sys.exit("FP8 expert kernels not available here (fp8_experts_linear)")
+    rows = bench_experts(a.experts, [int(t) for t in a.tokens.split(",")], a.reps, a.mb, formats)
     rss = []
     if not a.no_rss:
         import tempfile
@@ -190,7 +203,8 @@ def main() -> None:
             rss = bench_rss(root)
     cmd = "python benchmarks/packed_experts.py " + " ".join(sys.argv[1:])
     os.makedirs(a.out, exist_ok=True)
-    stem = unused_stem(os.path.join(a.out, f"{dt.date.today().isoformat()}-packed-experts"))
+    stem = unused_stem(os.path.join(a.out, f"{dt.date.today().isoformat()}-packed-experts"
+                                           + (f"-{a.tag}" if a.tag else "")))
     meta = {"command": cmd.strip(), "cpu": platform.processor() or platform.machine(),
             "threads": torch.get_num_threads(), "hidden": H, "intermediate": I}
     with open(stem + ".json", "w") as f:

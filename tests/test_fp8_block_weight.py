@@ -164,8 +164,11 @@ def test_tiny_fp8_model_matches_dequantized_twin(fp8_pair, monkeypatch, backend)
             attn, moe = model.model.layers[0].self_attn, model.model.layers[1].mlp
             packed = [m for m in model.modules() if isinstance(m, Fp8BlockWeight)]
             # layer 0: q_a|kv_a (joined or not), q_b, o_proj, dense gate|up / down; layer 1: the same attention and
-            # the shared expert; kv_b_proj and the routed experts are plain (dequantized at load)
+            # the shared expert; kv_b_proj is plain (dequantized at load); the routed experts stay FP8 in their
+            # stacks (tests/test_fp8_block_experts.py)
             assert attn.kv_b_proj.qweight is None and attn.kv_b_proj.weight is not None
+            assert moe.experts.w13 is None and moe.experts.q13.format_name == "fp8_block"
+            assert moe.experts.q13._kernel == (cpu_kernels.fp8_experts_applies() and backend != "torch")
             assert attn.o_proj.qweight is not None and moe.shared_experts.down_proj.qweight is not None
             assert len(packed) >= 2 * 4 + 2 + 2
             assert attn.o_proj.qweight._kernel == (cpu_kernels.fp8_block_linear_applies() and backend != "torch")
@@ -258,8 +261,10 @@ def test_fp8_decode_stack_is_bit_identical_to_the_module_path(tiny_model, tmp_pa
     attn = runner.model.model.layers[0].self_attn
     assert (getattr(attn, "qkv_a_proj", None) is not None) == (q_lora == 128)
     assert isinstance(attn.o_proj.qweight, Fp8BlockWeight)
+    experts = runner.model.model.layers[1].mlp.experts
+    assert experts.w13 is None and experts.q13.format_name == "fp8_block" and experts.q13._kernel
     stack = runner.cpu_decode_stack
-    assert stack is not None  # the FP8 model's decode stays fused
+    assert stack is not None  # the FP8 model's decode stays fused, its routed experts packed
     prompts = [[5, 17, 33, 200, 7, 9, 11, 300, 41], [9, 4, 300] * 10, list(range(3, 20))]
     sizes = []
     real = CpuDecodeStack.run

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_fp8_block_weight import fp8_pair  # noqa: F401  (a fixture used below)
 from test_packed_experts import _compare, _run, deepseek_int4, k3_pair  # noqa: F401  (fixtures used below)
 from tokenfab.kernels import triton_support
 
@@ -70,6 +71,38 @@ def test_matches_float64_routed_sum(interpret, fmt, scale_dtype, T, E, k, start,
     assert ((got.double() - want).abs().max() / scale) < 1e-5
 
 
+def make_fp8(E: int, parts: int, part_rows: int, K: int, g: torch.Generator):
+    """Random FP8 block-scaled stack (every e4m3 byte but the NaN codes; parts of ``part_rows`` rows, each with its own
+    128 x 128 blocks, the last partial) and its float64 weights by the formula fp8 * scale_inv[block]."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    packed = codes[torch.randint(len(codes), (E, parts * part_rows, K), generator=g)]
+    sb, kb = -(-part_rows // 128), -(-K // 128)
+    scale = torch.rand(E, parts * sb, kb, generator=g) * 0.01 + 1e-3
+    r = torch.arange(parts * part_rows)
+    brow = (r // part_rows) * sb + (r % part_rows) // 128
+    w = packed.view(torch.float8_e4m3fn).double() * scale.double()[:, brow][:, :, torch.arange(K) // 128]
+    return packed, scale, w
+
+
+@pytest.mark.parametrize("T,E,k,start,num_local", [(1, 4, 2, 0, 4), (6, 8, 3, 2, 4)])
+def test_fp8_block_matches_float64_routed_sum(interpret, T, E, k, start, num_local):
+    """FP8 block-scaled experts (hidden 160, intermediate 136: partial blocks in both parts and both dims)."""
+    from tokenfab.kernels.triton_packed_moe import fused_moe_packed
+    from tokenfab.layers.activation import silu_and_mul
+    H, I = 160, 136
+    g = torch.Generator().manual_seed(T * 5 + E)
+    p13, s13, w13 = make_fp8(num_local, 2, I, H, g)
+    p2, s2, w2 = make_fp8(num_local, 1, H, I, g)
+    x = torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    got = fused_moe_packed(x, "fp8_block", p13, s13, p2, s2, weights, ids, silu_and_mul, start)
+    want = reference(x, w13, w2, weights, ids, start)
+    assert got.dtype == torch.float32 and got.shape == (T, H)
+    scale = want.abs().max().clamp_min(1e-30)
+    assert ((got.double() - want).abs().max() / scale) < 1e-5
+
+
 def test_shapes_and_formats_refused(interpret):
     from tokenfab.kernels.triton_packed_moe import fused_moe_packed
     from tokenfab.layers.activation import silu_and_mul
@@ -83,13 +116,15 @@ def test_shapes_and_formats_refused(interpret):
         fused_moe_packed(torch.zeros(1, 96), "mxfp4", p13, s13, p2, s2, w, ids, silu_and_mul)
 
 
-@pytest.mark.parametrize("model", ["deepseek_int4", "k3_mxfp4"])
+@pytest.mark.parametrize("model", ["deepseek_int4", "k3_mxfp4", "deepseek_fp8"])
 def test_engine_with_packed_experts_through_triton(interpret, monkeypatch, request, model):
-    """Whole packed checkpoints (tests/test_packed_experts.py's tiny INT4 DeepSeek-V3 and MXFP4 Kimi K3) with every
+    """Whole packed checkpoints (tests/test_packed_experts.py's tiny INT4 DeepSeek-V3 and MXFP4 Kimi K3,
+    tests/test_fp8_block_weight.py's tiny FP8 block-scaled DeepSeek-V3) with every
     Triton kernel interpreted and the routed experts in kernels/triton_packed_moe.py (K3: its SiTU activation and
     float32 latent sum): greedy tokens equal the dequantized float32 model's and prompt logprobs within 1e-4."""
     from tokenfab.kernels import triton_packed_moe
-    pair = request.getfixturevalue("deepseek_int4" if model == "deepseek_int4" else "k3_pair")
+    pair = request.getfixturevalue({"deepseek_int4": "deepseek_int4", "k3_mxfp4": "k3_pair",
+                                    "deepseek_fp8": "fp8_pair"}[model])
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(5, 512, (n,), generator=g).tolist() for n in (11, 5)]
     calls = []
@@ -98,5 +133,6 @@ def test_engine_with_packed_experts_through_triton(interpret, monkeypatch, reque
     _, q_outs = _run(pair[0], prompts)
     monkeypatch.setenv("TOKENFAB_TRITON", "0")
     _, ref_outs = _run(pair[1], prompts)
-    assert calls and set(calls) == {"int4_group" if model == "deepseek_int4" else "mxfp4"}
+    assert calls and set(calls) == {{"deepseek_int4": "int4_group", "k3_mxfp4": "mxfp4",
+                                     "deepseek_fp8": "fp8_block"}[model]}
     assert _compare(q_outs, ref_outs, prompts) < 1e-4

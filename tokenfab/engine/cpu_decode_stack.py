@@ -10,7 +10,8 @@ AttentionMetadata, which the stack does not read.
 
 Covered: single-device models made of ``DecoderLayer``s whose attention runs as one fused block (MLA or
 grouped-query) and whose MLP is a packed SiLU-GLU, DeepSeek-V3's MoE (sigmoid group-limited router, packed routed
-experts, optional shared expert) or Qwen3-MoE's (softmax top-k router, packed routed experts). Grouped-query layers,
+experts, optional shared expert; or its routed experts kept packed on their C++ kernel, RoutedExperts.q13 /
+q2: FP8 block-scaled, INT4 group-32, MXFP4) or Qwen3-MoE's (softmax top-k router, packed routed experts). Grouped-query layers,
 dense SiLU-GLUs, the embedding and the LM head may also hold GGUF weights kept packed
 (:class:`~tokenfab.quant.gguf_weight.GGUFWeight` on its C++ kernel): a ``.gguf`` file served packed runs the same
 one-call step, its linears multiplied by ``gguf_linear`` from C++ (q|k|v and gate|up joined when their block types
@@ -233,6 +234,16 @@ def _add_mlp(stack, mlp: nn.Module) -> bool:
     if type(mlp) is not DeepseekV3MoE:
         return False
     gate, experts = mlp.gate, mlp.experts
+    if (type(gate) is SigmoidGroupRouter and type(experts) is RoutedExperts and experts.q13 is not None
+            and gate.weight.dtype == torch.float32 and experts.q13._kernel and experts.q2._kernel):
+        # routed experts kept packed on their C++ kernel (e.g. FP8 block-scaled): RoutedExperts.packed_forward's ops
+        q13, q2 = experts.q13, experts.q2
+        stack.set_moe_packed(gate.weight, gate.e_score_correction_bias, gate.n_group, gate.topk_group, gate.top_k,
+                             bool(gate.norm_topk_prob), float(gate.scaling), int(q13.kernel_format), q13.packed,
+                             q13.scale, int(getattr(q13, "part_rows", q13.out_features)), q2.packed, q2.scale,
+                             int(getattr(q2, "part_rows", q2.out_features)), experts.start, experts.num_experts)
+        return mlp.shared_experts is None or (type(mlp.shared_experts) is GatedMLP
+                                              and _set_gated(stack, mlp.shared_experts))
     if (type(gate) is not SigmoidGroupRouter or type(experts) is not RoutedExperts or experts._p13 is None
             or not experts.fused_dispatch or gate.weight.dtype != torch.float32):
         return False

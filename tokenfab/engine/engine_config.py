@@ -24,7 +24,8 @@ SUPPORTED_QUANTIZATION = {
     "compressed-tensors": "routed experts kept packed: MXFP4 (format mxfp4-pack-quantized, Kimi K3) and INT4 "
                           "group-32 (format pack-quantized, Kimi K2-Thinking / DeepSeek-V3 layout)",
     "fp8": "FP8 block-scaled weights (DeepSeek-V3 / Kimi-K2 as published, weight_block_size [128, 128]), kept packed "
-           "(routed experts and MLA kv_b_proj dequantized to the engine dtype at load)",
+           "(routed experts included; MLA kv_b_proj dequantized to the engine dtype at load, and the routed experts "
+           "too when host experts are requested)",
     "gguf": "a .gguf file: llama / qwen2 / qwen3 with F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K tensors "
             "kept packed (loader/gguf_packed.py); other files dequantized once to a cached bf16 folder "
             "(loader/gguf_to_hf.py)",
@@ -435,11 +436,12 @@ def device_memory_bytes(device: torch.device) -> int:
 def model_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the weights a loaded model holds: parameters and the packed copies kept as plain tensor
     attributes (engine/hugepages.py's module_tensors), each storage counted once; buffers (RoPE tables) are not
-    weights and are left out, except the compressed bytes a PackedWeight holds as buffers (GGUF tiles, FP8 bytes and
-    scales)."""
+    weights and are left out, except the compressed bytes a PackedWeight or a PackedExperts stack holds as buffers
+    (GGUF tiles, FP8 bytes and scales, packed routed experts)."""
     from tokenfab.engine.hugepages import module_tensors
+    from tokenfab.quant.packed_experts import PackedExperts
     from tokenfab.quant.packed_weight import PackedWeight
-    packed = {id(b) for m in model.modules() if isinstance(m, PackedWeight) for b in m.buffers()}
+    packed = {id(b) for m in model.modules() if isinstance(m, (PackedWeight, PackedExperts)) for b in m.buffers()}
     buffers = {id(b) for b in model.buffers()} - packed
     seen: dict[tuple, int] = {}
     for t in module_tensors(model):

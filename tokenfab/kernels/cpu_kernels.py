@@ -520,6 +520,31 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     return load().fp8_block_linear(x, weight.view(torch.uint8), scale_inv, bias)
 
 
+def fp8_experts_applies() -> bool:
+    """True when :func:`fp8_experts_linear` runs: built kernels with AVX512-BF16 dot products."""
+    m = load()
+    return bool(m is not None and m.has_bf16_dot and hasattr(m, "fp8_experts_linear"))
+
+
+def fp8_experts_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, experts: torch.Tensor,
+                       offsets: torch.Tensor, part_rows: int) -> torch.Tensor:
+    """Grouped y = x W_e^T over a stack of routed experts kept as FP8 block-scaled bytes (kernels/csrc/fp8_linear.cpp).
+
+    Args:
+        x: [N, K] bf16 or float32, rows grouped by expert; K a multiple of 32.
+        packed: uint8 [E, n, K] e4m3 bytes; scale: float32 [E, (n / part_rows) * ceil(part_rows / 128),
+            ceil(K / 128)], each part of ``part_rows`` rows with its own 128-row blocks
+            (tokenfab/quant/fp8_block_experts.py).
+        experts: int64 [A] local expert ids; offsets: int64 [A + 1], rows [offsets[a], offsets[a + 1]) of x go to
+            experts[a].
+
+    Returns:
+        [N, n] in x's dtype. Raises RuntimeError on shape mismatches or without AVX512-BF16 (check
+        :func:`fp8_experts_applies` first).
+    """
+    return load().fp8_experts_linear(x, packed, scale, experts, offsets, int(part_rows))
+
+
 def packed_experts_applies() -> bool:
     """True when :func:`packed_experts_linear` runs: built kernels with AVX512-BF16 dot products."""
     m = load()

@@ -102,7 +102,7 @@ class RoutedExperts(nn.Module):
     summed back with index_add. ``expert_range`` [start, end) lets a rank own a subset (expert parallel): pairs
     routed elsewhere contribute zero here and are summed by the all-reduce.
 
-    Packed experts (a compressed-tensors checkpoint, :meth:`use_packed`): ``q13`` / ``q2`` are
+    Packed experts (a compressed-tensors or FP8 block-scaled checkpoint, :meth:`use_packed`): ``q13`` / ``q2`` are
     :class:`~tokenfab.quant.packed_experts.PackedExperts` stacks with the same rows and ``w13`` / ``w2`` are None;
     :meth:`packed_forward` then runs each projection as one grouped linear over the sorted pairs.
     """
@@ -128,12 +128,12 @@ class RoutedExperts(nn.Module):
         """Keep this layer's experts packed in format ``fmt`` (a key of
         :data:`tokenfab.quant.packed_experts.FORMATS`): ``q13`` [E, 2I, hidden] and ``q2`` [E, hidden, I] replace
         ``w13`` / ``w2`` (freed before any weight is loaded), filled by the loader from the checkpoint's per-expert
-        ``weight_packed`` / ``weight_scale`` tensors."""
+        tensors (``weight_packed`` / ``weight_scale``; FP8: ``weight`` + ``weight_scale_inv`` paired)."""
         from tokenfab.quant.packed_experts import expert_format
         cls = expert_format(fmt)
         n, I, H = self.end - self.start, self.intermediate, self.w13.shape[2]
         self.w13 = self.w2 = None
-        self.q13, self.q2 = cls(n, 2 * I, H), cls(n, H, I)
+        self.q13, self.q2 = cls.for_parts(n, [I, I], H), cls.for_parts(n, [H], I)
 
     def materialize(self) -> None:
         """Allocate w13 / w2 (uninitialized, CPU, their dtype) when they were built on the meta device."""
@@ -222,7 +222,7 @@ class RoutedExperts(nn.Module):
         weight rounded to the output dtype and summed with index_add (float32 output when ``accumulate_fp32``,
         else x's dtype). x [T, hidden]; weights, ids [T, k] -> [T, hidden]. On CUDA/ROCm the whole sum is one
         Triton launch per projection with the weights decoded in registers (kernels/triton_packed_moe.py)."""
-        if triton_support.applies(x) and self.q13.format_name in ("int4_group", "mxfp4"):
+        if triton_support.applies(x) and self.q13.format_name in ("int4_group", "mxfp4", "fp8_block"):
             from tokenfab.kernels import triton_packed_moe  # imports triton: only when it applies
             return triton_packed_moe.fused_moe_packed(
                 x, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed, self.q2.scale, weights,

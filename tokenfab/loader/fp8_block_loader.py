@@ -3,13 +3,11 @@
 Each quantized Linear is stored as ``<name>.weight`` float8_e4m3fn [out, in] and ``<name>.weight_scale_inv`` float32
 [ceil(out / 128), ceil(in / 128)]. :class:`Fp8CheckpointWeights` pairs them into one
 :class:`~tokenfab.quant.fp8_block_weight.Fp8BlockWeight` under ``<name>.weight``, which ``CausalLM.load_weights``
-hands to the Linear (kept packed). Two kinds are dequantized once here instead, by the same formula, to float32
-(the model's ``copy_`` rounds them once to its dtype):
-
-* routed experts (``.mlp.experts.<e>.{gate,up,down}_proj``): they live in the stacked bf16 expert tensors of
-  ``RoutedExperts`` and its grouped kernels, which have no FP8 form yet;
-* MLA's ``kv_b_proj``: the absorbed decode splits it per head into W_UK / W_UV (``MLAttention.fuse``), as vLLM
-  dequantizes it for the same reason.
+hands to the Linear (kept packed), or, for a routed expert (``.mlp.experts.<e>.{gate,up,down}_proj``), copies into
+its layer's packed FP8 expert stack (tokenfab/quant/fp8_block_experts.py; dequantized there into the bf16 stacks
+only when host experts are requested). One kind is dequantized once here instead, by the same formula, to float32
+(the model's ``copy_`` rounds it once to its dtype): MLA's ``kv_b_proj``, which the absorbed decode splits per head
+into W_UK / W_UV (``MLAttention.fuse``), as vLLM dequantizes it for the same reason.
 
 Everything else (embeddings, norms, the router ``mlp.gate``, lm_head) is read as published (bf16 / float32).
 """
@@ -27,11 +25,11 @@ from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
 logger = logging.getLogger("tokenfab")
 
 _SCALE = ".weight_scale_inv"
-_DEQUANTIZED = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$|\.self_attn\.kv_b_proj\.weight$")
+_DEQUANTIZED = re.compile(r"\.self_attn\.kv_b_proj\.weight$")
 
 
 def is_dequantized_at_load(name: str) -> bool:
-    """True for the FP8 weights this loader dequantizes (routed experts, kv_b_proj) instead of keeping packed."""
+    """True for the FP8 weights this loader dequantizes (MLA kv_b_proj) instead of keeping packed."""
     return _DEQUANTIZED.search(name) is not None
 
 
@@ -80,9 +78,9 @@ class Fp8CheckpointWeights:
             raise WeightLoadError(f"FP8 checkpoint: {len(lone)} weight(s) without their pair: "
                                   + ", ".join(lone[:10]) + (" ..." if len(lone) > 10 else ""))
         if self.packed or self.dequantized:
-            logger.info("FP8 checkpoint: %d parameters kept packed (float8_e4m3fn + block scales); %d dequantized "
-                        "once at load (routed experts into the stacked expert tensors, MLA kv_b_proj for the "
-                        "absorbed decode)", self.packed, self.dequantized)
+            logger.info("FP8 checkpoint: %d parameters kept packed (float8_e4m3fn + block scales, routed experts "
+                        "included); %d dequantized once at load (MLA kv_b_proj for the absorbed decode)",
+                        self.packed, self.dequantized)
 
     def _where(self, name: str) -> str:
         f = self.file_of(name)

@@ -27,7 +27,6 @@ from tokenfab.quant.packed_weight import PackedWeight
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _PACKED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
                             r"(weight_packed|weight_scale|weight_shape)$")
-_PACKED_PARTS = ("weight_packed", "weight_scale")
 _FUSED_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -107,6 +106,10 @@ class CausalLM(nn.Module):
         With ``unpacked_experts`` (host experts requested) a model that ``dequantizes_experts_at_load`` (Kimi's
         MXFP4) loads them dequantized instead, as the host/device split needs.
 
+        An FP8 block-scaled checkpoint (``cfg.fp8_block_size``, DeepSeek-V3 / Kimi-K2 as published: every routed
+        expert Linear FP8) keeps every layer's routed experts packed (tokenfab/quant/fp8_block_experts.py), or with
+        ``unpacked_experts`` dequantizes them into the bf16 stacks as they load.
+
         Raises:
             WeightLoadError: a layer whose experts are partly ignored (one format per layer's stack).
             UnsupportedError: host experts requested for packed experts this model cannot dequantize at load.
@@ -114,6 +117,10 @@ class CausalLM(nn.Module):
         scheme = self.expert_quantization()
         if scheme is not None:
             self._pack_experts(scheme)
+        elif getattr(self.cfg, "fp8_block_size", None) is not None and not self.unpacked_experts:
+            for mod in self.modules():  # FP8 block-scaled (DeepSeek-V3 / Kimi-K2): every routed expert is FP8
+                if isinstance(mod, RoutedExperts) and mod.q13 is None and mod.w13 is not None:
+                    mod.use_packed("fp8_block")  # host experts requested: dequantized by load_weights instead
         for m in self.modules():  # built on the meta device (moe.deferred_expert_storage) and not packed
             if isinstance(m, RoutedExperts):
                 m.materialize()
@@ -187,12 +194,27 @@ class CausalLM(nn.Module):
                     expert_loaded[m.group(1)].add((e, proj, part))
                 continue
             m = _EXPERT.match(name)
+            if m and m.group(1) in expert_mods and isinstance(t, PackedWeight):  # FP8 expert Linear (paired)
+                mod, e, proj = expert_mods[m.group(1)], int(m.group(2)), m.group(3)
+                if mod.q13 is not None:
+                    if mod.start <= e < mod.end:
+                        q, row0 = ((mod.q2, 0) if proj == "down_proj"
+                                   else (mod.q13, mod.intermediate * (proj == "up_proj")))
+                        try:
+                            q.load_part(e - mod.start, row0, "weight", t, where(name))
+                        except WeightLoadError as err:
+                            bad_shape.append(str(err))
+                            continue
+                    expert_loaded[m.group(1)].add((e, proj, "weight"))
+                    continue
+                t = t.dequantize()  # bf16 stacks (host experts): the published formula in float32, one rounding
             if m and m.group(1) in expert_mods:
                 mod, e, proj = expert_mods[m.group(1)], int(m.group(2)), m.group(3)
                 if mod.q13 is not None:
                     bad_dtype.append(f"{where(name)}: an unquantized expert weight, but config.json's "
-                                     "quantization_config quantizes this layer's experts (weight_packed / "
-                                     "weight_scale expected; list them in its ignore to load them unquantized)")
+                                     f"quantization_config quantizes this layer's experts ({mod.q13.format_name}: "
+                                     f"{' / '.join(mod.q13.checkpoint_parts)} expected; for compressed-tensors, "
+                                     "list them in its ignore to load them unquantized)")
                     continue
                 if mod.start <= e < mod.end:
                     I = mod.intermediate
@@ -274,7 +296,7 @@ class CausalLM(nn.Module):
         for prefix, mod in expert_mods.items():
             if mod.q13 is not None:
                 need = {(e, p, part) for e in range(mod.start, mod.end) for p in ("gate_proj", "up_proj", "down_proj")
-                        for part in _PACKED_PARTS}
+                        for part in mod.q13.checkpoint_parts}
                 missing += [f"{prefix}.{e}.{p}.{part}" for e, p, part in sorted(need - expert_loaded[prefix])]
                 continue
             need = {(e, p) for e in range(mod.start, mod.end) for p in ("gate_proj", "up_proj", "down_proj")}

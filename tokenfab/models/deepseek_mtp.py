@@ -227,7 +227,11 @@ def load_mtp(path: str, target, device: torch.device, dtype: torch.dtype, vocab=
         for name, t in iterate_weights(path, progress=False, want=is_mtp):
             yield f"model.layers.{layer_index(name) - L}.{name.split('.', 3)[3]}", t
 
-    CausalLM.load_weights(mtp, renamed())  # the base loader: needs cfg, tp, parameters, modules only
+    weights = renamed()
+    if getattr(target.cfg, "fp8_block_size", None) is not None:  # FP8 block-scaled: pairs kept packed, as the target
+        from tokenfab.loader.fp8_block_loader import Fp8CheckpointWeights
+        weights = Fp8CheckpointWeights(weights)
+    CausalLM.load_weights(mtp, weights)  # the base loader: needs cfg, tp, parameters, modules only
     mtp.to(device).eval()
     CausalLM.post_load(mtp)  # fusions: absorbed MLA weights, gate|up, packed CPU linears, expert packing
     return mtp

@@ -8,7 +8,8 @@ tensors (:meth:`PackedExperts.load_part`), and computes the grouped linear over 
 runs, else the PyTorch reference, which dequantizes one expert's rows at a time (``_REFERENCE_ROWS``) to float32
 and multiplies in float32, so no full-size float copy of a stack is made on either path. Formats:
 :mod:`tokenfab.quant.int4_group` (compressed-tensors pack-quantized) and :mod:`tokenfab.quant.mxfp4_experts`
-(compressed-tensors mxfp4-pack-quantized); another (e.g. FP8 block-scaled experts) adds a subclass and an entry
+(compressed-tensors mxfp4-pack-quantized) on packed_experts.cpp, and :mod:`tokenfab.quant.fp8_block_experts`
+(DeepSeek-V3 / Kimi-K2 FP8 block-scaled, on fp8_linear.cpp's grouped kernel); another adds a subclass and an entry
 in :data:`FORMATS`.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ from tokenfab.kernels import cpu_kernels
 
 _REFERENCE_ROWS = 1024  # rows of one expert dequantized at a time by the PyTorch path
 FORMATS = {"int4_group": "tokenfab.quant.int4_group:Int4GroupExperts",
-           "mxfp4": "tokenfab.quant.mxfp4_experts:Mxfp4Experts"}
+           "mxfp4": "tokenfab.quant.mxfp4_experts:Mxfp4Experts",
+           "fp8_block": "tokenfab.quant.fp8_block_experts:Fp8BlockExperts"}
 
 
 def expert_format(name: str) -> type[PackedExperts]:
@@ -56,11 +58,18 @@ class PackedExperts(nn.Module):
 
     format_name = "?"
     kernel_format: int | None = None
+    checkpoint_parts = ("weight_packed", "weight_scale")  # tensors each expert Linear must provide (the loader)
 
     def __init__(self, num_experts: int, out_features: int, in_features: int):
         super().__init__()
         self.num_experts, self.out_features, self.in_features = int(num_experts), int(out_features), int(in_features)
         self._kernel = False
+
+    @classmethod
+    def for_parts(cls, num_experts: int, part_rows: list[int], in_features: int) -> PackedExperts:
+        """A stack whose rows are the checkpoint Linears ``part_rows`` one after another (gate|up: [I, I]; down:
+        [H]); formats whose scales are per row need no more than the sum (FP8 block scales keep parts apart)."""
+        return cls(num_experts, sum(part_rows), in_features)
 
     # ---- storage ----------------------------------------------------------------------------------------------
     @property
@@ -136,10 +145,14 @@ class PackedExperts(nn.Module):
             offs = [0]
             for n in counts:
                 offs.append(offs[-1] + n)
-            return cpu_kernels.packed_experts_linear(x, self.kernel_format, self.packed, self.scale,
-                                                     torch.tensor(experts, dtype=torch.int64),
-                                                     torch.tensor(offs, dtype=torch.int64))
+            return self.kernel_linear(x, torch.tensor(experts, dtype=torch.int64),
+                                      torch.tensor(offs, dtype=torch.int64))
         return self.reference_grouped_linear(x, experts, counts)
+
+    def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The C++ grouped linear (:meth:`grouped_linear` when ``_kernel``): experts int64 [A] local ids, offsets
+        int64 [A + 1] row offsets into x."""
+        return cpu_kernels.packed_experts_linear(x, self.kernel_format, self.packed, self.scale, experts, offsets)
 
     def reference_grouped_linear(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """The PyTorch path of :meth:`grouped_linear`: per expert, float32 ``F.linear`` over 1024 dequantized rows

@@ -26,6 +26,7 @@
 #include "decode_stack.h"
 #include "fp8_linear.h"
 #include "gguf_linear.h"
+#include "packed_experts.h"
 #include "vnni_linear.h"
 
 #include <string>
@@ -99,7 +100,20 @@ struct Layer {
   bool norm_topk = false;
   double routed_scale = 1.0;
   std::vector<at::Tensor> p13, p2;
+  // routed experts kept packed (set_moe_packed): a PackedExperts format id (packed_experts.h; 2 = FP8 block-scaled,
+  // fp8_experts_linear), gate|up and down stacks with their scales and row parts, local experts, all experts
+  int64_t packed_fmt = -1, part13 = 0, part2 = 0, num_local = 0, num_experts = 0;
+  at::Tensor q13, s13, q2, s2;
 };
+
+constexpr int64_t kExpertsFp8Block = 2;  // tokenfab/quant/fp8_block_experts.py's kernel_format
+
+// One grouped linear over a packed expert stack (PackedExperts.kernel_linear).
+at::Tensor packed_grouped(int64_t fmt, const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t part,
+                          const at::Tensor& experts, const at::Tensor& offsets) {
+  return fmt == kExpertsFp8Block ? fp8_experts_linear(x, q, s, experts, offsets, part)
+                                 : packed_experts_linear(x, fmt, q, s, experts, offsets);
+}
 
 // slot_mapping of one decode token per sequence, as ModelRunner._slots computes it: block_tables[t, pos / bs] * bs +
 // pos % bs (positions [T], block_tables [T, nblk] int64).
@@ -228,6 +242,23 @@ class DecodeStack {
     l.routed_scale = routed_scale, l.p13 = std::move(p13), l.p2 = std::move(p2), l.expert_start = start;
   }
 
+  // The last added layer's DeepSeek-V3 MoE with its routed experts kept packed (RoutedExperts.q13 / q2, format
+  // ``fmt``, PackedExperts.kernel_format): the router as set_moe, then RoutedExperts.packed_forward's ops in its order.
+  void set_moe_packed(at::Tensor router_w, at::Tensor router_bias, int64_t n_group, int64_t topk_group, int64_t top_k,
+                      bool norm_topk, double routed_scale, int64_t fmt, at::Tensor q13, at::Tensor s13, int64_t part13,
+                      at::Tensor q2, at::Tensor s2, int64_t part2, int64_t start, int64_t num_experts) {
+    TORCH_CHECK(!layers_.empty(), "DecodeStack.set_moe_packed: add a layer first");
+    TORCH_CHECK(router_w.scalar_type() == at::kFloat && q13.dim() == 3 && q2.dim() == 3 && q13.size(0) == q2.size(0),
+                "DecodeStack.set_moe_packed: float32 router weight and gate_up / down stacks of one expert count");
+    Layer& l = layers_.back();
+    l.moe = true;
+    l.router_w = std::move(router_w), l.router_bias = std::move(router_bias);
+    l.n_group = n_group, l.topk_group = topk_group, l.top_k = top_k, l.norm_topk = norm_topk;
+    l.routed_scale = routed_scale, l.expert_start = start, l.num_local = q13.size(0), l.num_experts = num_experts;
+    l.packed_fmt = fmt, l.q13 = std::move(q13), l.s13 = std::move(s13), l.part13 = part13;
+    l.q2 = std::move(q2), l.s2 = std::move(s2), l.part2 = part2;
+  }
+
   // The last added layer's Qwen3-MoE block: router weight [E, hidden] (the activations' dtype), top_k, whether the
   // chosen probabilities are renormalized, and one packed gate_up / down weight per local expert.
   void set_moe_softmax(at::Tensor router_w, int64_t top_k, bool norm_topk, std::vector<at::Tensor> p13,
@@ -326,11 +357,16 @@ class DecodeStack {
                                               l.topk_group, l.top_k, l.norm_topk, l.routed_scale);
         // a bias-free shared expert runs inside the routed experts' two parallel regions (routed + shared rounded
         // as before); one with biases runs after them
-        const bool fused = l.mlp.gate_up.defined() && l.mlp.gate_up.vnni() && l.mlp.down.vnni() && !l.mlp.has_bias();
-        m = moe_experts_packed(x, route[0], route[1], l.p13, l.p2, l.expert_start,
-                               fused ? c10::optional<at::Tensor>(l.mlp.gate_up.w) : std::nullopt,
-                               fused ? c10::optional<at::Tensor>(l.mlp.down.w) : std::nullopt);
-        if (l.mlp.defined() && !fused) m = m + l.mlp(x);
+        if (l.packed_fmt >= 0) {  // routed experts kept packed, then the shared expert as DeepseekV3MoE adds it
+          m = packed_moe(l, x, route[0], route[1]);
+          if (l.mlp.defined()) m = m + l.mlp(x);
+        } else {
+          const bool fused = l.mlp.gate_up.defined() && l.mlp.gate_up.vnni() && l.mlp.down.vnni() && !l.mlp.has_bias();
+          m = moe_experts_packed(x, route[0], route[1], l.p13, l.p2, l.expert_start,
+                                 fused ? c10::optional<at::Tensor>(l.mlp.gate_up.w) : std::nullopt,
+                                 fused ? c10::optional<at::Tensor>(l.mlp.down.w) : std::nullopt);
+          if (l.mlp.defined() && !fused) m = m + l.mlp(x);
+        }
       } else {
         m = l.mlp(x);
       }
@@ -375,6 +411,31 @@ class DecodeStack {
     return lins.back()(o.view({T, H * vd}));
   }
 
+  // RoutedExperts.packed_forward, op for op (the same ATen kernels on the same tensors, so bit-identical): pairs
+  // sorted by expert (stable), one grouped linear per projection over the active local experts, silu_and_mul in
+  // between, each row times its float32 routing weight rounded to x's dtype and summed with index_add.
+  at::Tensor packed_moe(const Layer& l, const at::Tensor& x, const at::Tensor& weights, const at::Tensor& ids) const {
+    const int64_t k = ids.size(1), start = l.expert_start;
+    const auto flat = ids.reshape({-1});
+    auto order = at::argsort(flat, true, 0, false);
+    const auto counts = at::bincount(flat, {}, l.num_experts).slice(0, start, start + l.num_local).contiguous();
+    const int64_t lo = start ? (flat < start).sum().item<int64_t>() : 0;
+    auto out = at::zeros_like(x);
+    const int64_t* cp = counts.data_ptr<int64_t>();
+    std::vector<int64_t> ex, offs{0};
+    for (int64_t e = 0; e < l.num_local; ++e)
+      if (cp[e]) ex.push_back(e), offs.push_back(offs.back() + cp[e]);
+    if (ex.empty()) return out;
+    order = order.slice(0, lo, lo + offs.back());
+    const auto token_of = at::floor_divide(order, k);
+    const auto w_sorted = weights.reshape({-1}).index({order});
+    const auto et = at::tensor(ex, at::kLong), ot = at::tensor(offs, at::kLong);
+    const auto h13 = packed_grouped(l.packed_fmt, x.index({token_of}), l.q13, l.s13, l.part13, et, ot);
+    const auto h = packed_grouped(l.packed_fmt, silu_and_mul(h13), l.q2, l.s2, l.part2, et, ot);
+    out.index_add_(0, token_of, (h.to(w_sorted.scalar_type()) * w_sorted.unsqueeze(1)).to(out.scalar_type()));
+    return out;
+  }
+
   at::Tensor embed_, final_norm_;
   int64_t embed_qtype_ = -1, embed_rows_ = 0;  // a packed GGUF embedding: its ggml type and rows
   double final_eps_;
@@ -399,6 +460,7 @@ void register_decode_stack(pybind11::module_& m) {
       .def("set_lm_head_lin", &DecodeStack::set_lm_head_lin)
       .def("set_moe", &DecodeStack::set_moe)
       .def("set_moe_softmax", &DecodeStack::set_moe_softmax)
+      .def("set_moe_packed", &DecodeStack::set_moe_packed)
       .def("set_lm_head", &DecodeStack::set_lm_head)
       .def("num_layers", &DecodeStack::num_layers)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>())

@@ -395,8 +395,115 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
 #endif
 }
 
+at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                              const at::Tensor& experts, const at::Tensor& offsets, int64_t part_rows) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "fp8_experts_linear: x [N, K] bf16 or float32 expected");
+  const int64_t N = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == K && K % 32 == 0,
+              "fp8_experts_linear: weight ", w.sizes(), " is not uint8 e4m3 bytes [E, n, K] with K = ", K,
+              " a multiple of 32");
+  const int64_t E = w.size(0), n = w.size(1), KB = (K + BK - 1) / BK;
+  TORCH_CHECK(part_rows > 0 && n % part_rows == 0, "fp8_experts_linear: part_rows ", part_rows, " does not divide n ",
+              n);
+  const int64_t parts = n / part_rows, SB = (part_rows + BK - 1) / BK;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == E &&
+              scale.size(1) == parts * SB && scale.size(2) == KB,
+              "fp8_experts_linear: scale ", scale.sizes(), " is not float32 [E, parts * ceil(part_rows / 128), "
+              "ceil(K / 128)]");
+  const auto ex = experts.to(at::kLong).contiguous();
+  const auto of = offsets.to(at::kLong).contiguous();
+  const int64_t A = ex.numel();
+  TORCH_CHECK(of.numel() == A + 1, "fp8_experts_linear: offsets must hold len(experts) + 1 values");
+  const int64_t* ep = ex.data_ptr<int64_t>();
+  const int64_t* op = of.data_ptr<int64_t>();
+  TORCH_CHECK(A == 0 || (op[0] == 0 && op[A] == N), "fp8_experts_linear: offsets must run from 0 to N");
+  for (int64_t a = 0; a < A; ++a)
+    TORCH_CHECK(ep[a] >= 0 && ep[a] < E && op[a + 1] >= op[a], "fp8_experts_linear: bad expert id or offsets");
+  auto y = at::empty({N, n}, x.options());
+  if (N == 0 || A == 0) return y;
+#if defined(__AVX512BF16__)
+  static const Lut lut;
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const auto xc = x.contiguous();
+  const auto* wbase = w.data_ptr<uint8_t>();
+  const float* sbase = scale.data_ptr<float>();
+  auto wpart = [&](int64_t a, int64_t p) { return wbase + (ep[a] * n + p * part_rows) * K; };
+  auto spart = [&](int64_t a, int64_t p) { return sbase + (ep[a] * parts * SB + p * SB) * KB; };
+  auto ypart = [&](int64_t t0, int64_t p) -> void* {
+    return f32 ? static_cast<void*>(y.data_ptr<float>() + t0 * n + p * part_rows)
+               : static_cast<void*>(reinterpret_cast<uint16_t*>(y.data_ptr()) + t0 * n + p * part_rows);
+  };
+  std::vector<int64_t> small, large;  // segments for the GEMV (one parallel region) and the GEMM paths
+#if defined(TOKENFAB_FP8_AMX)
+  const bool amx = !f32 && amx_ready();
+#else
+  const bool amx = false;
+#endif
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t M = op[a + 1] - op[a];
+    if (M == 0) continue;
+    (M > (amx ? 4 : kGemvMaxRows) ? large : small).push_back(a);  // as fp8_block_linear (kAmxMinRows)
+  }
+  if (!small.empty()) {
+    at::Tensor xs;
+    if (f32) {  // three bf16 parts per row, as fp8_block_linear's GEMV: [N, 3, K]
+      const auto h = xc.to(at::kBFloat16), r = xc - h.to(at::kFloat), mid = r.to(at::kBFloat16);
+      xs = at::stack({h, mid, (r - mid.to(at::kFloat)).to(at::kBFloat16)}, 1).contiguous();
+    } else {
+      xs = xc;
+    }
+    const auto* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
+    constexpr int64_t kRows = 16;  // weight rows per work item (whole groups of 4 for the M = 1 passes)
+    const int64_t chunks = (part_rows + kRows - 1) / kRows, per = parts * chunks;
+    at::parallel_for(0, static_cast<int64_t>(small.size()) * per, 1, [&](int64_t b, int64_t e) {
+      for (int64_t it = b; it < e; ++it) {
+        const int64_t a = small[it / per], p = (it % per) / chunks, c = it % chunks;
+        const int64_t t0 = op[a], M = op[a + 1] - t0, r0 = c * kRows, r1 = std::min(part_rows, r0 + kRows);
+        if (f32) gemv<3, true>(xp + t0 * 3 * K, M, K, wpart(a, p), spart(a, p), KB, nullptr, ypart(t0, p), n, r0, r1, lut);
+        else gemv<1, false>(xp + t0 * K, M, K, wpart(a, p), spart(a, p), KB, nullptr, ypart(t0, p), n, r0, r1, lut);
+      }
+    });
+  }
+  for (const int64_t a : large) {
+    const int64_t t0 = op[a], M = op[a + 1] - t0;
+#if defined(TOKENFAB_FP8_AMX)
+    if (amx) {  // this expert's rows of x as B tiles once, then each part's 16-row weight tiles in parallel
+      auto xt = at::zeros({(M + 15) / 16 * 16 * K}, x.options());
+      auto* xb = reinterpret_cast<uint16_t*>(xt.data_ptr());
+      pack_x_tiles(reinterpret_cast<const uint16_t*>(xc.data_ptr()) + t0 * K, K, M, K, xb);
+      const int64_t tiles = (part_rows + 15) / 16;
+      at::parallel_for(0, parts * tiles, 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t p = b0 / tiles; p * tiles < b1; ++p) {
+          const int64_t lo = std::max(b0, p * tiles) - p * tiles, hi = std::min(b1, (p + 1) * tiles) - p * tiles;
+          amx_tiles<false>(xb, M, K, wpart(a, p), spart(a, p), part_rows, nullptr, ypart(t0, p), n, lo, hi, lut);
+        }
+      });
+      continue;
+    }
+#endif
+    for (int64_t p = 0; p < parts; ++p) {
+      if (f32)
+        gemm<float>(xc.data_ptr<float>() + t0 * K, M, K, K, wpart(a, p), spart(a, p), part_rows, nullptr,
+                    static_cast<float*>(ypart(t0, p)), n, lut);
+      else
+        gemm<uint16_t>(reinterpret_cast<const uint16_t*>(xc.data_ptr()) + t0 * K, M, K, K, wpart(a, p), spart(a, p),
+                       part_rows, nullptr, static_cast<uint16_t*>(ypart(t0, p)), n, lut);
+    }
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "fp8_experts_linear needs AVX512-BF16 (has_bf16_dot is False): use the PyTorch path");
+  return y;
+#endif
+}
+
 void register_fp8_linear(pybind11::module_& m) {
   m.def("fp8_block_linear", &fp8_block_linear,
         "x W^T (+ b) over FP8 e4m3 block-scaled weights as published (CPU, AVX512-BF16)", pybind11::arg("x"),
         pybind11::arg("w"), pybind11::arg("scale_inv"), pybind11::arg("bias") = pybind11::none());
+  m.def("fp8_experts_linear", &fp8_experts_linear,
+        "grouped x W_e^T over routed experts kept as FP8 e4m3 block-scaled bytes (CPU, AVX512-BF16)",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("experts"),
+        pybind11::arg("offsets"), pybind11::arg("part_rows"));
 }

@@ -11,5 +11,16 @@ constexpr int64_t kFp8Block = 128;
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_inv,
                             const c10::optional<at::Tensor>& bias);
 
-// Adds fp8_block_linear to the extension module.
+// The grouped form over a stack of E routed experts kept packed (tokenfab/quant/fp8_block_experts.py): for every
+// segment a, y[offsets[a]:offsets[a+1]] = x[offsets[a]:offsets[a+1]] W_{experts[a]}^T. w uint8 [E, n, K] (e4m3 bytes);
+// an expert's n rows are n / part_rows parts of part_rows rows (gate | up: two parts of I rows; down: one part), each
+// with its own 128-row scale blocks as the checkpoint stores gate_proj and up_proj apart, so a part's last block may
+// be partial: scale float32 [E, (n / part_rows) * ceil(part_rows / 128), ceil(K / 128)], row r of part p scaled by
+// block row p * ceil(part_rows / 128) + r / 128. x [N, K] bf16 or float32 (K a multiple of 32), experts int64 [A]
+// local ids, offsets int64 [A + 1] from 0 to N. Returns y [N, n] in x's dtype (the kernels of fp8_block_linear per
+// segment and part: GEMV for up to 16 rows, AMX / brgemm above). Needs AVX512-BF16 (raises otherwise).
+at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                              const at::Tensor& experts, const at::Tensor& offsets, int64_t part_rows);
+
+// Adds fp8_block_linear and fp8_experts_linear to the extension module.
 void register_fp8_linear(pybind11::module_& m);

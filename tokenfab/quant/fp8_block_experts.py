@@ -1,0 +1,110 @@
+"""FP8 block-scaled expert weights (DeepSeek-V3 / Kimi-K2 as published: ``weight`` float8_e4m3fn [out, in] and
+``weight_scale_inv`` float32 [ceil(out / 128), ceil(in / 128)] per expert Linear), kept packed.
+
+Each expert Linear's real weight is, as for every FP8 Linear of these checkpoints (:mod:`tokenfab.quant.
+fp8_block_weight`; DeepSeek-V3 ``inference/kernel.py`` ``weight_dequant``)::
+
+    W[r, c] = float32(weight[r, c]) * weight_scale_inv[r // 128, c // 128]
+
+with partial edge blocks where out or in is not a multiple of 128. A stack keeps the bytes as stored, ``packed``
+uint8 [E, out, in] (the e4m3 bits), and the scales of its row parts side by side: gate|up rows are two parts of I
+rows, each with its own ceil(I / 128) block rows (gate_proj and up_proj are stored and scaled apart, so with I not a
+multiple of 128 a block never mixes their rows), down rows one part. ``scale`` float32 [E, parts * ceil(part_rows /
+128), ceil(in / 128)]: row r of part p uses block row p * ceil(part_rows / 128) + (r - p * part_rows) // 128. The
+resident bytes are exactly the checkpoint's (1 per parameter + 4 per block), what ``tokenfab plan`` counts.
+
+Kernel: ``cpu_kernels.fp8_experts_linear`` (kernels/csrc/fp8_linear.cpp, AVX512-BF16: the e4m3 bytes converted to
+exact bf16 in registers, per 128-input block float32 sums scaled once), which needs in_features a multiple of 32;
+else the PyTorch reference of :class:`~tokenfab.quant.packed_experts.PackedExperts` (the formula above, 1024 rows at
+a time). Published shapes (hidden 7168, moe_intermediate 2048) have no partial blocks; tokenfab handles them anyway.
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenfab.errors import WeightLoadError
+from tokenfab.kernels import cpu_kernels
+from tokenfab.quant.fp8_block_weight import BLOCK, Fp8BlockWeight
+from tokenfab.quant.packed_experts import PackedExperts, kernel_disabled
+
+
+class Fp8BlockExperts(PackedExperts):
+    """E experts' W [out_features, in_features] as e4m3 bytes ``packed`` uint8 [E, out, in] and float32 ``scale``
+    [E, parts * ceil(part_rows / 128), ceil(in / 128)] (``parts`` = out_features / part_rows).
+
+    Args:
+        num_experts, out_features, in_features: the stack's shape.
+        part_rows: rows of each separately scaled part (gate|up: the intermediate size; default: out_features).
+
+    Raises:
+        ValueError: part_rows that does not divide out_features.
+    """
+
+    format_name = "fp8_block"
+    kernel_format = 2  # runs cpu_kernels.fp8_experts_linear, not packed_experts_linear
+    checkpoint_parts = ("weight",)  # <expert>.{gate,up,down}_proj.weight (+ weight_scale_inv, paired by the loader)
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int, part_rows: int | None = None):
+        super().__init__(num_experts, out_features, in_features)
+        self.part_rows = int(part_rows or out_features)
+        if self.part_rows <= 0 or out_features % self.part_rows:
+            raise ValueError(f"FP8 expert stack: part_rows {part_rows} does not divide out_features {out_features}")
+        self.parts = out_features // self.part_rows
+        self.block_rows = -(-self.part_rows // BLOCK)  # scale rows per part
+        self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features, dtype=torch.uint8),
+                             persistent=False)
+        self.register_buffer("scale", torch.zeros(num_experts, self.parts * self.block_rows,
+                                                  -(-in_features // BLOCK), dtype=torch.float32), persistent=False)
+
+    @classmethod
+    def for_parts(cls, num_experts: int, part_rows: list[int], in_features: int) -> Fp8BlockExperts:
+        """A stack whose rows are ``part_rows`` parts scaled apart (all the same size: gate|up [I, I])."""
+        if len(set(part_rows)) != 1:
+            raise ValueError(f"FP8 expert stack: parts of different sizes {part_rows}")
+        return cls(num_experts, sum(part_rows), in_features, part_rows[0])
+
+    def load_part(self, e: int, row0: int, part: str, t, name: str) -> None:
+        """Copy one expert Linear's FP8 weight (an :class:`~tokenfab.quant.fp8_block_weight.Fp8BlockWeight` from
+        the FP8 loader, ``part`` "weight") into rows [row0, row0 + part_rows) of local expert ``e`` and its scales
+        into that part's block rows.
+
+        Raises:
+            WeightLoadError: not an FP8 block weight, or a shape that is not [part_rows, in_features] at a part
+                boundary (named with ``name``).
+        """
+        if part != "weight" or not isinstance(t, Fp8BlockWeight):
+            raise WeightLoadError(f"{name}: expected a float8_e4m3fn weight with its weight_scale_inv (FP8 "
+                                  f"block-scaled experts), got {type(t).__name__} for '{part}'")
+        if (t.out_features, t.in_features) != (self.part_rows, self.in_features) or row0 % self.part_rows:
+            raise WeightLoadError(f"{name}: checkpoint {(t.out_features, t.in_features)} vs model "
+                                  f"{(self.part_rows, self.in_features)} (the shapes come from config.json)")
+        p = row0 // self.part_rows
+        self.packed[e, row0:row0 + self.part_rows].copy_(t.weight.view(torch.uint8))
+        self.scale[e, p * self.block_rows:(p + 1) * self.block_rows].copy_(t.scale_inv)
+
+    def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+        raise WeightLoadError(f"{name}: '{part}' is not a tensor of FP8 block-scaled experts (weight, "
+                              "weight_scale_inv)")
+
+    def dequantize_rows(self, e: int, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of expert ``e`` by the published formula, each part's rows with that part's scales:
+        float32 [end - start, in_features]."""
+        r = torch.arange(start, end, device=self.packed.device)
+        brow = (r // self.part_rows) * self.block_rows + (r % self.part_rows) // BLOCK
+        bcol = torch.arange(self.in_features, device=self.packed.device) // BLOCK
+        q = self.packed[e, start:end].view(torch.float8_e4m3fn).to(torch.float32)
+        return q * self.scale[e][brow[:, None], bcol[None, :]]
+
+    def prepare(self) -> None:
+        """Use ``fp8_experts_linear`` when it runs here: CPU buffers, in_features a multiple of 32, built kernels
+        with AVX512-BF16, not disabled by ``TOKENFAB_PACKED_EXPERTS=torch`` nor by ``TOKENFAB_CPU_LINEAR=torch``
+        (which sends the FP8 checkpoint's other Linears to the PyTorch path too)."""
+        from tokenfab.layers.linear import cpu_linear_backend
+        self._kernel = (self.packed.device.type == "cpu" and self.in_features % 32 == 0 and not kernel_disabled()
+                        and cpu_linear_backend() != "torch" and cpu_kernels.fp8_experts_applies())
+
+    def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return cpu_kernels.fp8_experts_linear(x, self.packed, self.scale, experts, offsets, self.part_rows)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, part_rows={self.part_rows}, e4m3 block 128x128"
