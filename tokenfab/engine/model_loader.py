@@ -63,10 +63,6 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
         raise FileNotFoundError(f"model folder '{config.model}' does not exist (pass a Hugging Face checkpoint "
                                 "folder with config.json and *.safetensors).")
     mc = load_config(config.model)
-    if mc.fp8_block_size is not None and tp is not None:
-        raise ValueError("tensor_parallel_size > 1 (--tensor-parallel-size) is not supported for FP8 block-scaled "
-                         "checkpoints yet (their weights stay packed and the shard slicing does not cut them on "
-                         "128-blocks); use tensor_parallel_size=1.")
     device = device if device is not None else resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     max_len = config.max_model_len or mc.max_position_embeddings
@@ -100,7 +96,11 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
             raise (e if msg.startswith(config.model) else WeightLoadError(f"{config.model}: {msg}")) from None
     else:
         from tokenfab.parallel.sharded_loading import iterate_rank_weights
-        skipped = model.load_weights(iterate_rank_weights(config.model, tp.plan, tp.rank))
+        weights = iterate_rank_weights(config.model, tp.plan, tp.rank)
+        if mc.fp8_block_size is not None:  # this rank's FP8 rows / columns, padded where they start inside a block
+            from tokenfab.loader.fp8_block_loader import Fp8CheckpointWeights
+            weights = Fp8CheckpointWeights(weights, plan=tp.plan, rank=tp.rank)
+        skipped = model.load_weights(weights)
     if skipped:
         logger.info("skipped %d checkpoint tensors not used by tokenfab yet (e.g. MTP layers): %s%s",
                     len(skipped), ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")

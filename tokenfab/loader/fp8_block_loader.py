@@ -10,6 +10,12 @@ only when host experts are requested). One kind is dequantized once here instead
 into W_UK / W_UV (``MLAttention.fuse``), as vLLM dequantizes it for the same reason.
 
 Everything else (embeddings, norms, the router ``mlp.gate``, lm_head) is read as published (bf16 / float32).
+
+Under tensor parallel the wrapped iterable yields this rank's slices (tokenfab/parallel/sharded_loading.py: the e4m3
+rows / columns of its range and the scale blocks they overlap); given the :class:`~tokenfab.parallel.shard_plan.
+ShardPlan`, a shard that starts inside a 128-block (or is empty) becomes an
+:class:`~tokenfab.quant.fp8_block_shard.Fp8BlockShard`, which carries that offset. Whole experts (expert parallel)
+and replicated weights are read whole.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from tokenfab.errors import WeightLoadError
-from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
+from tokenfab.quant.fp8_block_shard import Fp8BlockShard
+from tokenfab.quant.fp8_block_weight import BLOCK, Fp8BlockWeight
 
 logger = logging.getLogger("tokenfab")
 
@@ -38,13 +45,19 @@ class Fp8CheckpointWeights:
     ``(<name>.weight, Fp8BlockWeight)`` for each weight / weight_scale_inv pair (whatever their order or shard),
     float32 dequantized tensors for :func:`is_dequantized_at_load` names, every other tensor unchanged.
 
+    ``plan`` / ``rank`` (tensor parallel): the ShardPlan whose ``rank`` slices ``weights`` holds; each split weight's
+    offset inside its first 128-block is ``plan.element_range(name, rank)``'s start modulo 128.
+
     Raises (when iterated):
         WeightLoadError: a float8 weight without its weight_scale_inv or the reverse, or a pair whose shapes do not
             match (naming the tensors).
     """
 
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]]):
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], plan=None, rank: int = 0):
         self.weights = weights
+        # tensor parallel: ``weights`` holds this rank's slices (parallel/sharded_loading.py) and ``plan`` (a
+        # ShardPlan) says where each starts; a shard starting inside a 128-block becomes an Fp8BlockShard
+        self.plan, self.rank = plan, rank
         self.packed = self.dequantized = 0  # parameters kept packed / dequantized once, counted while iterating
 
     def file_of(self, name: str) -> str | None:
@@ -87,8 +100,12 @@ class Fp8CheckpointWeights:
         return f"{name} (in {f})" if f else name
 
     def _pair(self, name: str, weight: torch.Tensor, scale: torch.Tensor):
+        offsets = self._shard_offsets(name)
         try:  # own copies: safetensors' tensors may view its file mapping, which would stay resident as file pages
-            w = Fp8BlockWeight(weight.clone(), scale.clone(), name)
+            if offsets is not None:
+                w = Fp8BlockShard(weight.clone(), scale.clone(), *offsets, name=name)
+            else:
+                w = Fp8BlockWeight(weight.clone(), scale.clone(), name)
         except ValueError as e:
             raise WeightLoadError(f"FP8 checkpoint: {e}") from None
         if is_dequantized_at_load(name):
@@ -96,3 +113,16 @@ class Fp8CheckpointWeights:
             return w.dequantize()
         self.packed += weight.numel()
         return w
+
+    def _shard_offsets(self, name: str) -> tuple[int, int] | None:
+        """(row_offset, col_offset) of this rank's shard of ``name`` inside its first 128-block when the shard
+        starts inside a block or is empty (an Fp8BlockShard), None for a whole weight or a block-aligned shard."""
+        rng = None if self.plan is None else self.plan.element_range(name, self.rank)
+        if rng is None:
+            return None
+        dim, start, end = rng
+        if end <= start:
+            return 0, 0  # no rows / columns here (a rank beyond the number of heads)
+        if start % BLOCK == 0:
+            return None
+        return (start % BLOCK, 0) if dim == 0 else (0, start % BLOCK)

@@ -55,7 +55,8 @@ the latent only for its own requests) is not modelled.
 FP8 block scales (``weight_scale_inv`` ``[ceil(out/128), ceil(in/128)]``) and packed INT4 tensors
 (``weight_packed`` ``[out, in/8]`` int32, ``weight_scale`` ``[out, in/group]``) are cut along the same dim as their
 weight: a rank takes every block or group that overlaps its element range, so a block straddling two ranks is held
-by both (see :meth:`ShardPlan.shard_tensor`).
+by both (see :meth:`ShardPlan.shard_tensor`). An FP8 shard whose range starts inside a block is kept packed with
+that offset (:meth:`ShardPlan.element_range`, tokenfab/quant/fp8_block_shard.py).
 """
 from __future__ import annotations
 
@@ -321,6 +322,17 @@ class ShardPlan:
                 return ("attn_o", "replicated", None, None, 0) if is_bias else \
                     ("attn_o", "split", 1, "heads", self.o_head_width)
         return "other", "replicated", None, None, 0
+
+    def element_range(self, name: str, rank: int) -> tuple[int, int, int] | None:
+        """``(dim, start, end)``: the elements ``[start, end)`` along dim ``dim`` of checkpoint tensor ``name``
+        (unpacked coordinates: rows / columns of the weight matrix, not scale blocks) that ``rank`` holds, or None
+        when the tensor is not split (replicated, whole experts, skipped). The FP8 loader reads a shard's offset
+        inside its first 128-block from it (``start % 128``; tokenfab/quant/fp8_block_shard.py)."""
+        _, kind, dim, field_name, width = self.tensor_rule(name)
+        if kind != "split":
+            return None
+        s, e = getattr(self, field_name)[rank]
+        return dim, s * width, e * width
 
     def shard_tensor(self, name: str, shape: Iterable[int], rank: int) -> TensorShard:
         """What ``rank`` holds of checkpoint tensor ``name`` whose stored shape is ``shape``.

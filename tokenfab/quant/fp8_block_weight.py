@@ -91,9 +91,10 @@ class Fp8BlockWeight(PackedWeight):
     @classmethod
     def concat(cls, weights: Sequence[PackedWeight]) -> Fp8BlockWeight | None:
         """Rows of several FP8 weights with the same in_features joined (q_a|kv_a, gate|up) when every weight but
-        the last has a whole number of 128-row blocks (so the scale rows stay aligned); None otherwise."""
+        the last has a whole number of 128-row blocks (so the scale rows stay aligned); None otherwise (also for
+        tensor-parallel shards stored padded, :class:`~tokenfab.quant.fp8_block_shard.Fp8BlockShard`)."""
         first = weights[0]
-        if not all(isinstance(w, Fp8BlockWeight) and w.in_features == first.in_features for w in weights):
+        if not all(type(w) is Fp8BlockWeight and w.in_features == first.in_features for w in weights):
             return None
         if any(w.out_features % BLOCK for w in weights[:-1]):
             return None
