@@ -206,66 +206,69 @@ def spec_description(spec, spec_extra) -> str:
 
 def workload_part(model, spec, max_tokens, spec_extra, repeats=1, json_rows=None, concs=(1, 16)):
     """The workload table: for each concurrency one LLM without and one with ``spec`` (built once, reused by
-    every workload and temperature); each cell runs no-spec and spec alternately ``repeats`` times and reports
-    the medians (TPOT, tok/s) and the summed acceptance counters."""
+    every workload, temperature and output length); each cell runs no-spec and spec alternately ``repeats`` times
+    and reports the medians (TPOT, tok/s) and the summed acceptance counters. ``max_tokens``: an int or a tuple of
+    output lengths (cells per length)."""
+    mts = tuple(max_tokens) if isinstance(max_tokens, (tuple, list)) else (max_tokens,)
     from tokenfab import LLM, SamplingParams
     from tokenfab.engine.model_loader import load_tokenizer
     tok = load_tokenizer(model)
-    lines = ["## Workloads", "", f"{spec_description(spec, spec_extra)}; max_tokens {max_tokens}. Concurrency "
+    lines = ["## Workloads", "", f"{spec_description(spec, spec_extra)}; max_tokens "
+             f"{', '.join(str(m) for m in mts)}. Concurrency "
              "c = max_num_seqs, all requests submitted at once (offline LLM.generate); c = 1 runs 4 requests one "
              f"after another, c = 16 runs 16. Each cell: no-spec and spec runs alternated {repeats} time(s), "
              "medians quoted.", "",
-             "| workload | T | c | acceptance rate | acceptance length | TPOT ms (no spec) | TPOT ms (spec) | "
-             "TPOT ratio | out tok/s (no spec) | out tok/s (spec) | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| workload | T | c | max tokens | acceptance rate | acceptance length | TPOT ms (no spec) | "
+             "TPOT ms (spec) | TPOT ratio | out tok/s (no spec) | out tok/s (spec) | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cells = {}
     for conc in concs:
         llms = [LLM(model, progress=False, max_num_seqs=conc, max_model_len=2048, speculative_config=s)
                 for s in (None, spec)]
         for wl in ("grounded", "random"):
             for temp in (0.0, 1.0):
-                n = 4 if conc == 1 else 16
-                if wl == "grounded":
-                    prompts = grounded_prompts(tok, n)
-                    sp = SamplingParams(temperature=temp, max_tokens=max_tokens, seed=None)
-                else:
-                    prompts = random_prompts(len(tok), n, 256)
-                    sp = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True)
-                runs = [[], []]
-                for _ in range(repeats):
-                    for i in (0, 1):
-                        runs[i].append(run_workload(model, prompts, sp, conc, (None, spec)[i], llm=llms[i]))
-                cells[(wl, temp, conc)] = runs
-                print(f"{wl} T={temp:g} c={conc}: " + "; ".join(
-                    f"{'spec' if i else 'base'} tpot {[round(r[0]['tpot_ms'], 1) for r in runs[i]]}" for i in (0, 1)),
-                    flush=True)
+                for mt in mts:
+                    n = 4 if conc == 1 else 16
+                    if wl == "grounded":
+                        prompts = grounded_prompts(tok, n)
+                        sp = SamplingParams(temperature=temp, max_tokens=mt, seed=None)
+                    else:
+                        prompts = random_prompts(len(tok), n, 256)
+                        sp = SamplingParams(temperature=temp, max_tokens=mt, ignore_eos=True)
+                    runs = [[], []]
+                    for _ in range(repeats):
+                        for i in (0, 1):
+                            runs[i].append(run_workload(model, prompts, sp, conc, (None, spec)[i], llm=llms[i]))
+                    cells[(wl, temp, conc, mt)] = runs
+                    print(f"{wl} T={temp:g} c={conc} max_tokens={mt}: " + "; ".join(
+                        f"{'spec' if i else 'base'} tpot {[round(r[0]['tpot_ms'], 1) for r in runs[i]]}"
+                        for i in (0, 1)), flush=True)
         del llms
-    for wl in ("grounded", "random"):
-        for temp in (0.0, 1.0):
-            for conc in concs:
-                runs = cells[(wl, temp, conc)]
-                med = [{key: statistics.median(r[0][key] for r in runs[i]) for key in ("tpot_ms", "tok_s")}
-                       for i in (0, 1)]
-                ac = sum(r[0]["accepted"] for r in runs[1])
-                dt = sum(r[0]["draft_tokens"] for r in runs[1])
-                dr = sum(r[0]["drafts"] for r in runs[1])
-                rate, length = (ac / dt if dt else 0.0), (1 + ac / dr if dr else 1.0)
-                same_all = all(b[1] == s[1] for b, s in zip(runs[0], runs[1]))
-                same = "yes" if same_all else ("-" if temp > 0 else "NO")
-                ratio = med[1]["tpot_ms"] / med[0]["tpot_ms"]
-                lines.append(f"| {wl} | {temp:g} | {conc} | {100 * rate:.1f}% | {length:.2f} | "
-                             f"{med[0]['tpot_ms']:.2f} | {med[1]['tpot_ms']:.2f} | {ratio:.2f} | "
-                             f"{med[0]['tok_s']:.1f} | {med[1]['tok_s']:.1f} | {same} |")
-                if json_rows is not None:
-                    json_rows.append({"workload": wl, "temperature": temp, "concurrency": conc,
-                                      "acceptance_rate": rate, "acceptance_length": length, "drafts": dr,
-                                      "draft_tokens": dt, "accepted_tokens": ac,
-                                      "tpot_ms_no_spec": [r[0]["tpot_ms"] for r in runs[0]],
-                                      "tpot_ms_spec": [r[0]["tpot_ms"] for r in runs[1]],
-                                      "tok_s_no_spec": [r[0]["tok_s"] for r in runs[0]],
-                                      "tok_s_spec": [r[0]["tok_s"] for r in runs[1]],
-                                      "tpot_ratio": ratio, "same_tokens": same_all if temp == 0 else None})
-                print(lines[-1], flush=True)
+    for wl, temp, conc, mt in ((w, t, c, m) for w in ("grounded", "random") for t in (0.0, 1.0) for c in concs
+                               for m in mts):
+        runs = cells[(wl, temp, conc, mt)]
+        med = [{key: statistics.median(r[0][key] for r in runs[i]) for key in ("tpot_ms", "tok_s")}
+               for i in (0, 1)]
+        ac = sum(r[0]["accepted"] for r in runs[1])
+        dt = sum(r[0]["draft_tokens"] for r in runs[1])
+        dr = sum(r[0]["drafts"] for r in runs[1])
+        rate, length = (ac / dt if dt else 0.0), (1 + ac / dr if dr else 1.0)
+        same_all = all(b[1] == s[1] for b, s in zip(runs[0], runs[1]))
+        same = "yes" if same_all else ("-" if temp > 0 else "NO")
+        ratio = med[1]["tpot_ms"] / med[0]["tpot_ms"]
+        lines.append(f"| {wl} | {temp:g} | {conc} | {mt} | {100 * rate:.1f}% | {length:.2f} | "
+                     f"{med[0]['tpot_ms']:.2f} | {med[1]['tpot_ms']:.2f} | {ratio:.2f} | "
+                     f"{med[0]['tok_s']:.1f} | {med[1]['tok_s']:.1f} | {same} |")
+        if json_rows is not None:
+            json_rows.append({"workload": wl, "temperature": temp, "concurrency": conc, "max_tokens": mt,
+                              "acceptance_rate": rate, "acceptance_length": length, "drafts": dr,
+                              "draft_tokens": dt, "accepted_tokens": ac,
+                              "tpot_ms_no_spec": [r[0]["tpot_ms"] for r in runs[0]],
+                              "tpot_ms_spec": [r[0]["tpot_ms"] for r in runs[1]],
+                              "tok_s_no_spec": [r[0]["tok_s"] for r in runs[0]],
+                              "tok_s_spec": [r[0]["tok_s"] for r in runs[1]],
+                              "tpot_ratio": ratio, "same_tokens": same_all if temp == 0 else None})
+        print(lines[-1], flush=True)
     return lines
 
 
@@ -305,7 +308,7 @@ def main():
     ap.add_argument("--parts", default="verify,workload")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", default="128", help="output length, or a comma list (workload: cells per length)")
     ap.add_argument("--spec-extra", default="{}", help="extra speculative_config fields as JSON")
     ap.add_argument("--label", default=None, help="result name label (default: the method)")
     ap.add_argument("--method", default="ngram", choices=("ngram", "draft_model"))
@@ -345,9 +348,10 @@ def main():
     if "verify" in parts:
         lines += verify_part(model, args.steps) + [""]
     if "depth" in parts:
-        lines += depth_part(model, args.max_tokens) + [""]
+        lines += depth_part(model, int(args.max_tokens.split(",")[0])) + [""]
     if "workload" in parts:
-        lines += workload_part(model, spec, args.max_tokens, spec_extra, args.repeats, json_rows,
+        lines += workload_part(model, spec, tuple(int(m) for m in args.max_tokens.split(",")), spec_extra,
+                               args.repeats, json_rows,
                                tuple(int(c) for c in args.concurrency.split(","))) + [""]
     path = write_markdown(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                           f"{time.strftime('%Y-%m-%d')}-spec-decode-{label}.md", lines)

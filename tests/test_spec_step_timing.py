@@ -93,3 +93,42 @@ def test_engine_switches_a_drafter_off_when_it_costs_more_than_it_saves(tiny_mod
     print(f"\nspeculative steps: slow drafter {slow_timed} timed, {slow_untimed} untimed; free {free_timed}")
     assert slow_untimed >= 15 and 2 * slow_timed <= slow_untimed, (slow_timed, slow_untimed)
     assert free_timed >= 10
+
+
+class CostedProposer(SlowProposer):
+    """The true continuation (every draft accepted), declaring each drafting forward to cost ``f`` plain steps."""
+
+    def __init__(self, k, truth, f):
+        super().__init__(k, truth, 0.0)
+        self.f = f
+
+    def drafting_cost(self, seqs, lengths, batch_size, plain_step_s):
+        from tokenfab.spec_decode.drafting_cost import DraftingCost
+        return DraftingCost(self.f, np.zeros(len(seqs)))
+
+
+def test_engine_cost_rule_switches_a_costly_drafter_off_at_batch_16_not_at_1(tiny_model):
+    """Rule 3 with the proposer's cost through the engine (clock off, so the rule alone decides): every draft
+    accepted (a = 1), each forward f = 0.8 plain steps, r = 0.035, o = 0.1. Depth kk nets kk (1 / (1 + r B) - f)
+    - o / (1 + r B): at B = 1 4 x 0.1662 - 0.0966 = 0.568 > 0 (speculates, depth 4); at B = 16 1 / 1.56 = 0.641
+    < 0.8, a loss at every depth, so no step speculates, probes (every 2nd step) included. Without the cost the
+    same batch of 16 speculates. Tokens equal plain decoding's throughout."""
+    path = tiny_model("llama")
+    prompts = [[11 + i, 23, 37, 41, 53, 67, 79, 83] for i in range(16)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(path, dtype="float32", progress=False, max_num_seqs=16).generate(
+        [{"prompt_token_ids": p} for p in prompts], sp)
+    truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "timed_switch_off": False, "probe_interval": 2}
+
+    def drafts(n, f):
+        llm = LLM(path, dtype="float32", progress=False, max_num_seqs=n, speculative_config=spec)
+        llm.llm_engine.spec.proposer = (CostedProposer(4, truth, f) if f is not None else
+                                        SlowProposer(4, truth, 0.0))
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts[:n]], sp)
+        assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain[:n]]
+        return llm.llm_engine.get_stats()["spec_decode_num_drafts"]
+
+    assert drafts(16, 0.8) == 0
+    assert drafts(16, None) > 0
+    assert drafts(1, 0.8) > 0

@@ -7,19 +7,26 @@ reserves the verification blocks (1 + k tokens) before :meth:`propose`, which wr
 
 Per sequence the proposer remembers how many leading positions of the draft pool are valid. A proposal first
 catches the draft up to the sequence (the prompt on the first proposal, then the tokens accepted since the last
-one; one forward over all rows, chunks as in chunked prefill), then runs k - 1 one-token decode steps (the fused
-CPU decode stack where the draft allows). Drafts are the draft's argmax for greedy rows and a draw from q (its
+one; one forward over all rows, chunks as in chunked prefill), then runs kk - 1 one-token decode steps (the fused
+CPU decode stack where the draft allows; kk: the longest draft cap this step, at most k). Drafts are the draft's argmax for greedy rows and a draw from q (its
 distribution after the row's temperature / top-k / top-p) otherwise, with the row's seeded generator when it has
 one. After verification the valid prefix becomes min(written, tokens before the first rejected draft); a
 preempted sequence (its blocks were freed) starts over from 0.
+
+Its cost for the cost rule (:meth:`DraftModelProposer.drafting_cost`, spec_decode/drafting_cost.py): the forwards
+(prior: the draft/target weight-bytes ratio; then each proposal's measured seconds) and every row's catch-up beyond
+the steady 1-2 tokens.
 """
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
 
 from tokenfab.errors import EngineConfigError, UnsupportedError
 from tokenfab.engine.sampler import inverse_cdf_sample
+from tokenfab.spec_decode.drafting_cost import DraftCostModel, DraftingCost, checkpoint_bytes
 from tokenfab.spec_decode.proposer import Proposal, Proposer
 from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, target_probs
 
@@ -78,6 +85,10 @@ class DraftModelProposer(Proposer):
         self.vocab_size = tgt.vocab_size
         self.generator = engine.generator
         self._valid: dict[int, list[int]] = {}  # seq_id -> [num_preemptions, valid prefix, written, length]
+        spec_cfg = getattr(engine.config, "speculative_config", None)
+        r = getattr(spec_cfg, "verify_token_cost", 0.035)
+        tgt_bytes = checkpoint_bytes(resolve_model(engine.config.model, quiet=True))
+        self.cost_model = DraftCostModel(checkpoint_bytes(path) / tgt_bytes if tgt_bytes > 0 else 1.0, r)
 
     def preallocates_kv(self) -> bool:
         return True
@@ -90,13 +101,30 @@ class DraftModelProposer(Proposer):
         tok = inverse_cdf_sample(q, draw_uniforms(seqs, 1, self.generator)[1])
         return torch.where(st.greedy, logits.argmax(dim=-1), tok), q
 
-    def propose(self, seqs, rows, token_ids, lengths, max_lens) -> Proposal:
-        N, k = len(seqs), self.num_speculative_tokens
-        valid = np.empty(N, dtype=np.int64)
+    def _valid_prefix(self, seqs, lengths) -> np.ndarray:
+        """[N] int64: how many leading positions of each row's draft K/V are valid (< its length)."""
+        valid = np.empty(len(seqs), dtype=np.int64)
         for i, s in enumerate(seqs):
             st = self._valid.get(s.seq_id)
             valid[i] = st[1] if st is not None and st[0] == s.num_preemptions else 0
-        valid = np.minimum(valid, lengths - 1)
+        return np.minimum(valid, lengths - 1)
+
+    def drafting_cost(self, seqs, lengths, batch_size, plain_step_s) -> DraftingCost:
+        """The draft's forwards (prior: the weight-bytes ratio; then measured) and each row's catch-up beyond 2
+        tokens (its prompt the first time it drafts, the plain steps' tokens since), drafting_cost.py."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        greedy = all(s.params.temperature < 1e-5 for s in seqs)
+        extra = np.maximum(lengths - self._valid_prefix(seqs, lengths) - 2, 0)
+        return self.cost_model.estimate(len(seqs), batch_size, greedy, extra, plain_step_s)
+
+    def last_catch_up_s(self) -> float:
+        return self.cost_model.last_catch_up_s
+
+    def propose(self, seqs, rows, token_ids, lengths, max_lens) -> Proposal:
+        N, k = len(seqs), self.num_speculative_tokens
+        kk = int(np.clip(np.max(max_lens), 1, k)) if N else 1  # drafting forwards: as many as the longest cap
+        t_first = time.perf_counter()
+        valid = self._valid_prefix(seqs, lengths)
         num_new = lengths - valid
         order = np.argsort(num_new != 1, kind="stable")  # one-token rows first (the runner's decode group)
         inv = np.empty(N, dtype=np.int64)
@@ -136,18 +164,19 @@ class DraftModelProposer(Proposer):
                                          (T, starts, req_idx, positions))[inv]
             if greedy:
                 tok_next = logits.argmax(dim=-1)
+        t_rest = time.perf_counter()
         bt = self.bm.block_tables[rows]
         drafts = torch.zeros(N, k, dtype=torch.int64)
         q_all = None
         ones = np.ones(N, dtype=np.int64)
-        for j in range(k):
+        for j in range(kk):
             tok, q = (tok_next, None) if greedy else self._draw(logits, seqs, st)
             drafts[:, j] = tok
             if q is not None:
                 if q_all is None:
                     q_all = torch.zeros(N, k, q.shape[-1], dtype=torch.float32)
                 q_all[:, j] = q
-            if j == k - 1:
+            if j == kk - 1:
                 break
             if greedy:
                 with torch.inference_mode():
@@ -155,11 +184,13 @@ class DraftModelProposer(Proposer):
                                                 lengths + j + 1, *_zeros(N))
             else:
                 logits = self.runner.forward(N, ones, lengths + j, bt, tok.numpy(), np.arange(N))
+        t_end = time.perf_counter()
+        self.cost_model.record(N, bool(st.greedy.all()), T, t_rest - t_first, t_end - t_rest, kk)
         for i, s in enumerate(seqs):
-            self._valid[s.seq_id] = [s.num_preemptions, int(lengths[i]), int(lengths[i] + k - 1), int(lengths[i])]
+            self._valid[s.seq_id] = [s.num_preemptions, int(lengths[i]), int(lengths[i] + kk - 1), int(lengths[i])]
         if len(self._valid) > 4 * max(1, self.runner.token_ids.shape[0]):
             self._valid = {s.seq_id: self._valid[s.seq_id] for s in seqs}
-        n = np.minimum(k, np.maximum(max_lens, 0)).astype(np.int64)
+        n = np.minimum(kk, np.maximum(max_lens, 0)).astype(np.int64)
         return Proposal(drafts.numpy(), n, q_all)
 
     def on_verified(self, seqs, num_accepted) -> None:

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from tokenfab.spec_decode.drafting_cost import DraftingCost
 
 
 @dataclass
@@ -120,3 +124,19 @@ class Proposer:
     def preallocates_kv(self) -> bool:
         """True when proposing writes KV rows (a draft model): the caller reserves the verification blocks first."""
         return False
+
+    def drafting_cost(self, seqs, lengths: np.ndarray, batch_size: int,
+                      plain_step_s: float | None) -> DraftingCost | None:
+        """This proposer's own cost of drafting for ``seqs`` (token counts ``lengths`` [N] int64) in a step of
+        ``batch_size`` running rows, in units of the target's plain step there
+        (:class:`~tokenfab.spec_decode.drafting_cost.DraftingCost`), for the cost rule (policy.py, rule 3);
+        ``plain_step_s``: the target's measured seconds per plain step at this batch size, or None (no
+        measurement, or ``timed_switch_off`` false: use a prior). None (the default): free or not modelled
+        (n-gram lookup; MTP and DSpark, whose work the clock of step_timing.py covers)."""
+        return None
+
+    def last_catch_up_s(self) -> float:
+        """Seconds the last :meth:`propose` spent on catch-ups beyond the steady 1-2 tokens per row (a draft model
+        prefilling a prompt): a one-time cost the cost rule charges (``DraftingCost.catch_up``), so the clock
+        (step_timing.py) leaves it out of the speculative step's time per row-token. 0 by default."""
+        return 0.0

@@ -37,7 +37,7 @@ from tokenfab.spec_decode.config import SpeculativeConfig
 from tokenfab.spec_decode.fused_verify import fused_verify_logits
 from tokenfab.spec_decode.policy import SpecPolicy
 from tokenfab.spec_decode.proposer import Proposer
-from tokenfab.spec_decode.step_timing import StepTiming
+from tokenfab.spec_decode.step_timing import StepTiming, bucket
 from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, rejection_sample
 
 logger = logging.getLogger("tokenfab")
@@ -113,15 +113,16 @@ class SpecDecoder:
     def _plain(self):
         self._plain_now = True
         sch = self.engine.scheduler
-        timed = (self.timing is not None and not sch.waiting and sch.running
-                 and all(s.num_tokens - s.num_computed_tokens == 1 for s in sch.running))  # a decode-only step
+        timed = (self.timing is not None and len(sch.running) > 0
+                 and all(s.num_tokens - s.num_computed_tokens == 1 for s in sch.running))
         B = len(sch.running)
+        before = {id(s) for s in sch.running} if timed else None
         t0 = time.perf_counter()
         try:
             out = self.engine.step()
         finally:
             self._plain_now = False
-        if timed:
+        if timed and all(id(s) in before for s in sch.running):  # a decode-only step: no request was admitted
             self.timing.record_plain(B, time.perf_counter() - t0)
         return out
 
@@ -142,7 +143,12 @@ class SpecDecoder:
         left = np.fromiter((s.params.max_tokens - s.num_output_tokens if s.params.max_tokens is not None else big
                             for s in cand), dtype=np.int64, count=len(cand))
         max_lens = np.minimum(np.minimum(left - 1, eng.max_model_len - lengths - 1), self.k)
-        max_lens = np.minimum(max_lens, self.policy.draft_caps(cand, len(sch.running)))  # policy.py
+        B = len(sch.running)  # the proposer's own cost in plain steps (drafting_cost.py), measured with the clock
+        cost_fn = getattr(self.proposer, "drafting_cost", None)  # duck-typed proposers without it are free
+        cost = None if cost_fn is None else cost_fn(cand, lengths, B, None if self.timing is None
+                                                    else self.timing.plain.get(bucket(B)))
+        remaining = np.minimum(left, eng.max_model_len - lengths)
+        max_lens = np.minimum(max_lens, self.policy.draft_caps(cand, B, cost, remaining))  # policy.py
         allow = max_lens > 0
         if not allow.any():
             return self._plain()
@@ -210,8 +216,10 @@ class SpecDecoder:
         verify = np.ones(len(batch.seqs), dtype=bool) if fused else spec_lens > 0
         outputs = self._accept(batch, out, spec_lens, verify, seqs, prop, drafted)
         self.observe()
-        if self.timing is not None:
-            self.timing.record_spec(B_start, time.perf_counter() - t_start,
+        if self.timing is not None:  # a draft's one-time catch-up is the cost rule's to charge (policy.py rule 3)
+            catch_fn = getattr(self.proposer, "last_catch_up_s", None)
+            catch = catch_fn() if catch_fn is not None else 0.0
+            self.timing.record_spec(B_start, time.perf_counter() - t_start - catch,
                                     eng.stats["generation_tokens_total"] - tok_start)
         return outputs
 

@@ -1,14 +1,17 @@
 """The measured switch-off: speculate at a batch size only while it has been paying there, by the clock.
 
-The cost rule of :mod:`tokenfab.spec_decode.policy` models the verification's cost but not the proposer's own work
-(a draft model's k batched forwards, an MTP layer, a DSpark pass), which on a CPU can be several plain steps at batch
-16 (benchmarks/results/2026-12-01-spec-decode-draft-model.md). So the speculative step also keeps, per batch-size
+The cost rule of :mod:`tokenfab.spec_decode.policy` models the verification's cost and the cost a proposer declares
+(a draft model's forwards and catch-ups, spec_decode/drafting_cost.py), but not the work of the others (an MTP
+layer, a DSpark pass), and a declared cost can be off (a draft's forwards can cost several plain steps at batch 16,
+benchmarks/results/2026-12-01-spec-decode-draft-model.md). So the speculative step also keeps, per batch-size
 bucket (1, 2, 4, 8, ...: the running sequences rounded up to a power of two), two exponential moving averages of
 wall time:
 
 * ``plain``: seconds of a plain decode step (one token per row);
 * ``spec``: seconds of a speculative step (propose + verify + accept) per token emitted per row, i.e. the step's
-  time x rows / tokens emitted: what one "row-token" cost, comparable to ``plain``.
+  time x rows / tokens emitted: what one "row-token" cost, comparable to ``plain``. The proposer's one-time
+  catch-up (``Proposer.last_catch_up_s``: a draft model prefilling a prompt) is left out: the cost rule charges it,
+  spread over the row's remaining steps, and counted here it would switch a bucket off for the steps after it.
 
 A bucket whose ``spec`` exceeds ``plain`` x (1 + ``MARGIN``) is off: its steps run plain, except a probe every
 ``interval`` steps that speculates to refresh ``spec``; each probe that confirms the bucket off doubles the interval
