@@ -517,8 +517,11 @@ def test_draft_cost_model_prior_and_measured():
     f = 0.7 * 0.02 + 0.3 * 0.03
     assert m.forward_s[(16, True)] == pytest.approx(f)
     assert m.token_s == pytest.approx((2.0 - f) / (4800 - 16))
+    assert m.last_catch_up_s == pytest.approx(2.0 - f)  # what the clock leaves out of that step's time
     c = m.estimate(16, 16, True, np.array([100.0] * 16), 0.05)
     assert c.catch_up[0] == pytest.approx(100 * (2.0 - f) / 4784 / 0.05)
+    m.record(16, True, 16, 0.02, 0.06, 4)
+    assert m.last_catch_up_s == 0.0
     with pytest.raises(ValueError, match="ratio"):
         DraftCostModel(0.0, 0.035)
 

@@ -132,3 +132,24 @@ def test_engine_cost_rule_switches_a_costly_drafter_off_at_batch_16_not_at_1(tin
     assert drafts(16, 0.8) == 0
     assert drafts(16, None) > 0
     assert drafts(1, 0.8) > 0
+
+
+def test_plain_steps_are_timed_while_requests_wait_for_a_free_row(tiny_model):
+    """With max_num_seqs 1 and a queue, the running request's plain decode steps admit nothing, so the clock times
+    them (it used to skip every step while a request waited, leaving the bucket unmeasured, hence plain, for the
+    whole of every queued request); the step that admits the next request is not timed."""
+    path = tiny_model("llama")
+    llm = LLM(path, dtype="float32", progress=False, max_num_seqs=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    eng = llm.llm_engine
+    seen = []
+    orig = eng.spec.timing.record_plain
+
+    def rec(b, s):
+        seen.append((b, len(eng.scheduler.waiting), [x.num_output_tokens for x in eng.scheduler.running]))
+        orig(b, s)
+    eng.spec.timing.record_plain = rec
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [5, 9, 300, 42, 7]}, {"prompt_token_ids": [11, 23, 37, 41]}], sp)
+    assert any(w == 1 for _, w, _ in seen)  # timed while the second request waited
+    assert all(b == 1 and all(n > 1 for n in outs) for b, _, outs in seen)  # never the admitting (prefill) step
