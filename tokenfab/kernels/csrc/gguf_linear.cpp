@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -45,6 +46,25 @@ constexpr int64_t kGemvRows = 4;      // rows of x one GEMV pass multiplies (acc
 constexpr int64_t kGemvMaxRows = 16;
 constexpr int64_t kAmxMaxRows = 1 << 30;  // bf16 x with more than kGemvRows rows: the AMX path where the CPU has it  // up to this many rows (decode batches): GEMV passes of 4 rows per tile
 constexpr int64_t kTileM = 64;
+
+// Software prefetch of the GEMV's weight stream: each tile-block's bytes are requested this far ahead of their use
+// (TOKENFAB_GGUF_PREFETCH bytes, read once; 0 turns it off). At batch 1 the GEMV is about as costly in unpack
+// instructions as in memory time, and without it the two barely overlap: the hardware prefetchers run too little
+// ahead of a 2-core stream that spends ~50 cycles on each 320-byte block (benchmarks/results/
+// 2026-12-02-smollm2-q4_1-decode-floor.md).
+constexpr int64_t kDefaultPrefetch = 2048;
+int64_t prefetch_distance() {
+  static const int64_t d = [] {
+    const char* e = std::getenv("TOKENFAB_GGUF_PREFETCH");
+    return e == nullptr || *e == 0 ? kDefaultPrefetch : std::max<int64_t>(0, std::atoll(e));
+  }();
+  return d;
+}
+
+// Requests the TB bytes at p into L1 (lines already present cost one load slot each).
+inline void prefetch_block(const uint8_t* p, int64_t TB) {
+  for (int64_t i = 0; i < TB; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
 
 int64_t tile_block_bytes(int64_t qt) {
   switch (qt) {
@@ -194,13 +214,14 @@ inline __m512 q6_scale(const uint8_t* b, int i) {
 template <int QT, int M, int S, bool F32OUT>
 void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                   void* y, int64_t ldy, int64_t t0, int64_t t1) {
-  const int64_t KB = K / 256, TB = tile_block_bytes(QT), KB32 = K / QK;
+  const int64_t KB = K / 256, TB = tile_block_bytes(QT), KB32 = K / QK, pf = prefetch_distance();
   const __m512i tab0 = kq_table(QT, 0), tab1 = kq_table(QT, 1);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* b = w + (t * KB + kb) * TB;
+      if (pf > 0) prefetch_block(b + pf, TB);
       for (int j = 0; j < 8; ++j) {
         const uint16_t* xk = xp + kb * 256 + 32 * j;
         __m512 c[4][M];
@@ -270,13 +291,14 @@ inline void pair_values_k(const uint8_t* b, int p, __m512i t0, __m512i t1, __m51
 template <int QT, int M, int S, bool F32OUT>
 void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                 void* y, int64_t ldy, int64_t t0, int64_t t1) {
-  const int64_t KB = K / QK, TB = tile_block_bytes(QT);
+  const int64_t KB = K / QK, TB = tile_block_bytes(QT), pf = prefetch_distance();
   const __m512i table = nibble_table(QT);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* b = w + (t * KB + kb) * TB;
+      if (pf > 0) prefetch_block(b + pf, TB);
       const uint16_t* xk = xp + kb * QK;
       __m512 c0[M], c1[M], c2[M], c3[M];
       for (int m = 0; m < M; ++m) c0[m] = c1[m] = c2[m] = c3[m] = _mm512_setzero_ps();
