@@ -13,7 +13,7 @@
 // scaled once: y += d * sum_k x_k q_k (+ m * sum_k x_k for Q4_1), the same real number as sum_k x_k (d q_k + m).
 //
 // M <= 16 rows (decode batches): a GEMV over tiles, parallel over tiles, in passes of up to 4 rows per tile (the
-// tile's bytes come from memory once). bf16 x is used as is; float32 x is split into three bf16 parts (x = h + m + l
+// tile's bytes come from memory once, software-prefetched ahead: prefetch_distance below). bf16 x is used as is; float32 x is split into three bf16 parts (x = h + m + l
 // up to 2^-24 relative), each multiplied exactly, so float32 activations keep float32 accuracy. M > 16 (prefill): per 32-column block, the thread dequantizes its 32 weight rows once into a small
 // thread-local buffer (float32 values d q + m, exactly as gguf's dequantize computes them) and runs oneDNN's brgemm
 // micro-kernel over all row tiles of x: bf16 x against the weight split into three bf16 parts (w = h + m + l exactly),
@@ -28,6 +28,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <vector>
@@ -48,16 +49,21 @@ constexpr int64_t kAmxMaxRows = 1 << 30;  // bf16 x with more than kGemvRows row
 constexpr int64_t kTileM = 64;
 
 // Software prefetch of the GEMV's weight stream: each tile-block's bytes are requested this far ahead of their use
-// (TOKENFAB_GGUF_PREFETCH bytes, read once; 0 turns it off). At batch 1 the GEMV is about as costly in unpack
-// instructions as in memory time, and without it the two barely overlap: the hardware prefetchers run too little
-// ahead of a 2-core stream that spends ~50 cycles on each 320-byte block (benchmarks/results/
-// 2026-12-02-smollm2-q4_1-decode-floor.md).
+// (TOKENFAB_GGUF_PREFETCH bytes, read at the first call, or gguf_prefetch(bytes) from Python; 0 turns it off). At
+// batch 1 the GEMV's unpack-and-dot instructions take about as long as the memory reads (Q4_1 from L2: 13-18 GB/s
+// per core; a plain read stream from DRAM: ~14 GB/s on one core), and without the prefetch the two barely overlap:
+// in a decode step one thread ran the Q4_1 GEMV at ~8 GB/s, about the rate of doing one after the other. With it,
+// the batch-1 SmolLM2 Q4_1 step is 25-35% faster (benchmarks/gguf_prefetch_ab.py, results/
+// 2026-12-02-smollm2-q4_1-decode-floor.md). Only requests change: the arithmetic, so every output bit, is the same.
 constexpr int64_t kDefaultPrefetch = 2048;
+std::atomic<int64_t> g_prefetch{-1};  // -1: not read yet
 int64_t prefetch_distance() {
-  static const int64_t d = [] {
+  int64_t d = g_prefetch.load(std::memory_order_relaxed);
+  if (d < 0) {
     const char* e = std::getenv("TOKENFAB_GGUF_PREFETCH");
-    return e == nullptr || *e == 0 ? kDefaultPrefetch : std::max<int64_t>(0, std::atoll(e));
-  }();
+    d = e == nullptr || *e == 0 ? kDefaultPrefetch : std::max<int64_t>(0, std::atoll(e));
+    g_prefetch.store(d, std::memory_order_relaxed);
+  }
   return d;
 }
 
@@ -825,6 +831,14 @@ at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const a
 }
 
 void register_gguf_linear(pybind11::module_& m) {
+  m.def("gguf_prefetch", [](int64_t bytes) {
+          const int64_t before = prefetch_distance();
+          if (bytes >= 0) g_prefetch.store(bytes, std::memory_order_relaxed);
+          return before;
+        },
+        "the GEMV's software prefetch distance in bytes (TOKENFAB_GGUF_PREFETCH, default 2048): returns the current "
+        "value and sets ``bytes`` when >= 0 (0: off; the arithmetic and so the results are the same either way)",
+        pybind11::arg("bytes") = -1);
   m.def("gguf_linear", &gguf_linear, "x W^T (+ b) over packed GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K tiles (CPU, AVX512-BF16)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none());
