@@ -53,7 +53,7 @@ constexpr int64_t kTileM = 64;
 // batch 1 the GEMV's unpack-and-dot instructions take about as long as the memory reads (Q4_1 from L2: 13-18 GB/s
 // per core; a plain read stream from DRAM: ~14 GB/s on one core), and without the prefetch the two barely overlap:
 // in a decode step one thread ran the Q4_1 GEMV at ~8 GB/s, about the rate of doing one after the other. With it,
-// the batch-1 SmolLM2 Q4_1 step is 25-35% faster (benchmarks/gguf_prefetch_ab.py, results/
+// the batch-1 SmolLM2 Q4_1 step took 18-26% less time on one thread (benchmarks/gguf_prefetch_ab.py, results/
 // 2026-12-02-smollm2-q4_1-decode-floor.md). Only requests change: the arithmetic, so every output bit, is the same.
 constexpr int64_t kDefaultPrefetch = 2048;
 std::atomic<int64_t> g_prefetch{-1};  // -1: not read yet
