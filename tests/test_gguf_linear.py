@@ -189,3 +189,28 @@ def test_concat_refuses_mixed_block_types():
     a = GGUFWeight.from_rows(torch.from_numpy(random_blocks("Q4_0", 16, 32)), "Q4_0", 32)
     b = GGUFWeight.from_rows(torch.from_numpy(random_blocks("Q8_0", 16, 32)), "Q8_0", 32)
     assert GGUFWeight.concat([a, b]) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", TYPES)
+def test_gemv_prefetch_distance_changes_no_output_bit(name):
+    """The GEMV's software prefetch (cpu_kernels gguf_prefetch, TOKENFAB_GGUF_PREFETCH) only requests bytes early:
+    off, short or past the weight's end, every output is the same bits, within the exact product's bound."""
+    ext = cpu_kernels.load()
+    n, k = 72, 256
+    raw = quantized(name, n, k, seed=11)
+    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
+    w.prepare()
+    x = torch.randn(3, k).to(torch.bfloat16)
+    before = ext.gguf_prefetch()
+    try:
+        outs = {}
+        for d in (0, 64, 2048, 1 << 20):  # 1 MiB: every prefetch lands past the weight's bytes
+            assert ext.gguf_prefetch(d) >= 0 and ext.gguf_prefetch() == d
+            outs[d] = [w.linear(x[:1], None), w.linear(x, None), w.linear(x.float(), None)]
+    finally:
+        ext.gguf_prefetch(before)
+    for d, ys in outs.items():
+        for y, y0 in zip(ys, outs[0]):
+            assert torch.equal(y, y0), d
+    check_close(outs[2048][1], x, raw, name, None)

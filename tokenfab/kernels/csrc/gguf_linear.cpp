@@ -13,7 +13,7 @@
 // scaled once: y += d * sum_k x_k q_k (+ m * sum_k x_k for Q4_1), the same real number as sum_k x_k (d q_k + m).
 //
 // M <= 16 rows (decode batches): a GEMV over tiles, parallel over tiles, in passes of up to 4 rows per tile (the
-// tile's bytes come from memory once). bf16 x is used as is; float32 x is split into three bf16 parts (x = h + m + l
+// tile's bytes come from memory once, software-prefetched ahead: prefetch_distance below). bf16 x is used as is; float32 x is split into three bf16 parts (x = h + m + l
 // up to 2^-24 relative), each multiplied exactly, so float32 activations keep float32 accuracy. M > 16 (prefill): per 32-column block, the thread dequantizes its 32 weight rows once into a small
 // thread-local buffer (float32 values d q + m, exactly as gguf's dequantize computes them) and runs oneDNN's brgemm
 // micro-kernel over all row tiles of x: bf16 x against the weight split into three bf16 parts (w = h + m + l exactly),
@@ -28,6 +28,8 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -45,6 +47,30 @@ constexpr int64_t kGemvRows = 4;      // rows of x one GEMV pass multiplies (acc
 constexpr int64_t kGemvMaxRows = 16;
 constexpr int64_t kAmxMaxRows = 1 << 30;  // bf16 x with more than kGemvRows rows: the AMX path where the CPU has it  // up to this many rows (decode batches): GEMV passes of 4 rows per tile
 constexpr int64_t kTileM = 64;
+
+// Software prefetch of the GEMV's weight stream: each tile-block's bytes are requested this far ahead of their use
+// (TOKENFAB_GGUF_PREFETCH bytes, read at the first call, or gguf_prefetch(bytes) from Python; 0 turns it off). At
+// batch 1 the GEMV's unpack-and-dot instructions take about as long as the memory reads (Q4_1 from L2: 13-18 GB/s
+// per core; a plain read stream from DRAM: ~14 GB/s on one core), and without the prefetch the two barely overlap:
+// in a decode step one thread ran the Q4_1 GEMV at ~8 GB/s, about the rate of doing one after the other. With it,
+// the batch-1 SmolLM2 Q4_1 step took 18-26% less time on one thread (benchmarks/gguf_prefetch_ab.py, results/
+// 2026-12-02-smollm2-q4_1-decode-floor.md). Only requests change: the arithmetic, so every output bit, is the same.
+constexpr int64_t kDefaultPrefetch = 2048;
+std::atomic<int64_t> g_prefetch{-1};  // -1: not read yet
+int64_t prefetch_distance() {
+  int64_t d = g_prefetch.load(std::memory_order_relaxed);
+  if (d < 0) {
+    const char* e = std::getenv("TOKENFAB_GGUF_PREFETCH");
+    d = e == nullptr || *e == 0 ? kDefaultPrefetch : std::max<int64_t>(0, std::atoll(e));
+    g_prefetch.store(d, std::memory_order_relaxed);
+  }
+  return d;
+}
+
+// Requests the TB bytes at p into L1 (lines already present cost one load slot each).
+inline void prefetch_block(const uint8_t* p, int64_t TB) {
+  for (int64_t i = 0; i < TB; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
 
 int64_t tile_block_bytes(int64_t qt) {
   switch (qt) {
@@ -194,13 +220,14 @@ inline __m512 q6_scale(const uint8_t* b, int i) {
 template <int QT, int M, int S, bool F32OUT>
 void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                   void* y, int64_t ldy, int64_t t0, int64_t t1) {
-  const int64_t KB = K / 256, TB = tile_block_bytes(QT), KB32 = K / QK;
+  const int64_t KB = K / 256, TB = tile_block_bytes(QT), KB32 = K / QK, pf = prefetch_distance();
   const __m512i tab0 = kq_table(QT, 0), tab1 = kq_table(QT, 1);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* b = w + (t * KB + kb) * TB;
+      if (pf > 0) prefetch_block(b + pf, TB);
       for (int j = 0; j < 8; ++j) {
         const uint16_t* xk = xp + kb * 256 + 32 * j;
         __m512 c[4][M];
@@ -270,13 +297,14 @@ inline void pair_values_k(const uint8_t* b, int p, __m512i t0, __m512i t1, __m51
 template <int QT, int M, int S, bool F32OUT>
 void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                 void* y, int64_t ldy, int64_t t0, int64_t t1) {
-  const int64_t KB = K / QK, TB = tile_block_bytes(QT);
+  const int64_t KB = K / QK, TB = tile_block_bytes(QT), pf = prefetch_distance();
   const __m512i table = nibble_table(QT);
   for (int64_t t = t0; t < t1; ++t) {
     __m512 acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* b = w + (t * KB + kb) * TB;
+      if (pf > 0) prefetch_block(b + pf, TB);
       const uint16_t* xk = xp + kb * QK;
       __m512 c0[M], c1[M], c2[M], c3[M];
       for (int m = 0; m < M; ++m) c0[m] = c1[m] = c2[m] = c3[m] = _mm512_setzero_ps();
@@ -803,6 +831,14 @@ at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const a
 }
 
 void register_gguf_linear(pybind11::module_& m) {
+  m.def("gguf_prefetch", [](int64_t bytes) {
+          const int64_t before = prefetch_distance();
+          if (bytes >= 0) g_prefetch.store(bytes, std::memory_order_relaxed);
+          return before;
+        },
+        "the GEMV's software prefetch distance in bytes (TOKENFAB_GGUF_PREFETCH, default 2048): returns the current "
+        "value and sets ``bytes`` when >= 0 (0: off; the arithmetic and so the results are the same either way)",
+        pybind11::arg("bytes") = -1);
   m.def("gguf_linear", &gguf_linear, "x W^T (+ b) over packed GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K tiles (CPU, AVX512-BF16)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none());
