@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from decode_stack_ab import generate_through
 from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
 from tokenfab.kernels import cpu_kernels
 
@@ -20,24 +21,7 @@ def make_llm(path, **kw):
 
 
 def generate(llm, prompts, use_stack: bool, monkeypatch):
-    from tokenfab import SamplingParams
-    runner = llm.llm_engine.runner
-    stack = runner.cpu_decode_stack
-    assert stack is not None  # the stack covers this model
-    sizes = []
-    real_run = CpuDecodeStack.run
-
-    def counted(self, input_ids, *a):
-        sizes.append(len(input_ids))
-        return real_run(self, input_ids, *a)
-
-    monkeypatch.setattr(CpuDecodeStack, "run", counted)
-    runner.cpu_decode_stack = stack if use_stack else None
-    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    runner.cpu_decode_stack = stack
-    monkeypatch.setattr(CpuDecodeStack, "run", real_run)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], sizes
+    return generate_through(llm, prompts, use_stack, monkeypatch)
 
 
 @pytest.mark.parametrize("family,overrides", [

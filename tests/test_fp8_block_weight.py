@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from conftest import max_prompt_logprob_gap
+from decode_stack_ab import generate_through
 from tokenfab.kernels import cpu_kernels
 from tokenfab.model_config import ConfigError
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
@@ -249,8 +250,7 @@ def test_fp8_decode_stack_is_bit_identical_to_the_module_path(tiny_model, tmp_pa
     """bf16 decode of the FP8 model through the fused C++ stack (MLA and MLP projections as FP8 Lins) against the
     module path on the same packed weights: same tokens and logprobs over steps that read the cache rows the stack
     wrote. q_lora 128 lets q_a|kv_a join (whole 128-row blocks), 64 keeps them apart."""
-    from tokenfab import LLM, SamplingParams
-    from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
+    from tokenfab import LLM
     fp8 = write_fp8_checkpoint(tiny_model("deepseek_v3", **dict(TINY, q_lora_rank=q_lora)), str(tmp_path / "fp8"))
     llm = LLM(fp8, dtype="bfloat16", max_model_len=256, block_size=8, max_num_batched_tokens=40, progress=False)
     runner = llm.llm_engine.runner
@@ -262,24 +262,9 @@ def test_fp8_decode_stack_is_bit_identical_to_the_module_path(tiny_model, tmp_pa
     stack = runner.cpu_decode_stack
     assert stack is not None  # the FP8 model's decode stays fused, its routed experts packed
     prompts = [[5, 17, 33, 200, 7, 9, 11, 300, 41], [9, 4, 300] * 10, list(range(3, 20))]
-    sizes = []
-    real = CpuDecodeStack.run
-
-    def counted(self, input_ids, *a):
-        sizes.append(len(input_ids))
-        return real(self, input_ids, *a)
-
-    def run(use_stack: bool):
-        runner.cpu_decode_stack = stack if use_stack else None
-        sp = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        runner.cpu_decode_stack = stack
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-
-    monkeypatch.setattr(CpuDecodeStack, "run", counted)
-    want = run(False)
+    want, sizes = generate_through(llm, prompts, False, monkeypatch, max_tokens=10)
     assert not sizes
-    got = run(True)
+    got, sizes = generate_through(llm, prompts, True, monkeypatch, max_tokens=10)
     assert sizes and max(sizes) == 3  # the 3-sequence decode steps ran through the stack
     assert got == want
 

@@ -14,6 +14,8 @@ import shutil
 import pytest
 import torch
 
+from decode_stack_ab import generate_through
+
 from tokenfab import LLM, SamplingParams
 from tokenfab.errors import UnsupportedError, WeightLoadError
 from tokenfab.kernels import cpu_kernels
@@ -375,25 +377,13 @@ def test_deferred_expert_storage_reserves_nothing_until_packed_or_allocated():
 def test_decode_stack_runs_packed_experts_bit_identical(deepseek_int4, monkeypatch):
     """bf16 decode of the INT4 model through the fused C++ stack (layer 1's experts packed: set_moe_packed, the same
     ops as RoutedExperts.packed_forward; layer 2's bf16) against the module path: same tokens and logprobs."""
-    from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
     q_dir, _ = deepseek_int4
     llm = LLM(q_dir, dtype="bfloat16", device="cpu", progress=False, max_model_len=128)
     runner = llm.llm_engine.runner
     assert runner.model.model.layers[1].mlp.experts.q13._kernel
     stack = runner.cpu_decode_stack
     assert stack is not None
-    sizes = []
-    real = CpuDecodeStack.run
-    monkeypatch.setattr(CpuDecodeStack, "run", lambda self, ids, *a: sizes.append(len(ids)) or real(self, ids, *a))
-
-    def run(use_stack: bool):
-        runner.cpu_decode_stack = stack if use_stack else None
-        sp = SamplingParams(max_tokens=8, temperature=0.0, logprobs=2, ignore_eos=True)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
-        runner.cpu_decode_stack = stack
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-
-    want = run(False)
+    want, sizes = generate_through(llm, PROMPTS, False, monkeypatch, max_tokens=8)
     assert not sizes
-    got = run(True)
+    got, sizes = generate_through(llm, PROMPTS, True, monkeypatch, max_tokens=8)
     assert sizes and got == want
