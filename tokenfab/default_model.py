@@ -56,7 +56,9 @@ def describe() -> str:
 
 
 def ensure_default_model(path: str | None = None, quiet: bool = False) -> str:
-    """Return the default model's folder, writing it first if absent (about 10 s on 2 cores, ~200 MB).
+    """Return the embedded random-weight DeepSeek-V3-shaped model's folder (``DEFAULT_MODEL_NAME``), writing it first
+    if absent (about 10 s on 2 cores, ~200 MB). This is the fallback and the DeepSeek-V3 benchmark shape, not what
+    ``LLM()`` serves by default when SmolLM2 is installed: that is :func:`default_model_path`.
 
     The write goes to a temporary folder renamed into place, so a crash never leaves half a checkpoint.
     """
