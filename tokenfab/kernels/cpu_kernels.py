@@ -8,7 +8,7 @@ from the block table (no gathered copy of the context), the causal softmax of pr
 attention of a decode-only step (MLA and grouped-query) and sampling without top-k / top-p.
 
 The extension is built with ``torch.utils.cpp_extension.load`` (needs a C++ compiler; ninja comes with tokenfab's
-dependencies; ~1 min on 2 cores once, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>``, override
+dependencies; a few minutes on 2 cores once (9-13 minutes when other jobs share them), then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>``, override
 with ``TOKENFAB_KERNEL_CACHE``).
 ``TOKENFAB_CPU_KERNELS=0`` disables them; a failed build logs one warning and every caller keeps its PyTorch path.
 Only CPU tensors take these paths; CUDA/ROCm use their own.
@@ -166,7 +166,7 @@ def _build(build_dir: str):
         if fresh and cxx_path is None:
             return None, f"no C++ compiler: '{cxx}' not found (install g++ or set CXX)"
         if fresh:
-            print("[tokenfab] building the fused CPU kernels (once per machine, ~1 min on 2 cores) ...",
+            print("[tokenfab] building the fused CPU kernels (once per machine: a few minutes on 2 cores, longer when they are busy) ...",
                   file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         torch_log = logging.getLogger("torch.utils.cpp_extension")
