@@ -138,6 +138,7 @@ def test_demo_answers_through_the_server(smol, tmp_path):
     assert rc == 0
     answers = json.load(open(out / "answers.json"))
     assert answers["model"] == REAL_MODEL_NAME
+    assert json.load(open(out / REAL_MODEL_NAME / "answers.json")) == answers  # written when they arrived
     check_answers([a["answer"] for a in answers["answers"]])
     assert all(a["finish_reason"] == "stop" for a in answers["answers"])
     r = json.load(open(out / REAL_MODEL_NAME / "result-temperature-0.json"))

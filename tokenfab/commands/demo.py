@@ -10,7 +10,8 @@ What it does without ``--model``:
    serve`` (random dataset, ``ignore_eos``) in the shape of the published 8K-in / 1K-out runs scaled to this machine
    (64 prompts, at most 16 in flight, 512 tokens in / 128 out);
    each benchmark runs once at temperature 0 and once at 1.0, printing both result blocks;
-3. writes a run folder (default ``runs/demo-<timestamp>/``): ``answers.json`` / ``answers.md``, ``summary.md``
+3. writes a run folder (default ``runs/demo-<timestamp>/``): ``answers.json`` / ``answers.md`` (also in the model's
+   block folder as soon as they arrive), ``summary.md``
    (answers and every result table), ``config.json`` (resolved settings and commands of every block),
    ``environment.json``, and one sub-folder per model with its raw result JSONs, ``summary.md``, ``config.json``,
    ``server.log`` and, when :mod:`tokenfab.cost.report` is installed, the cost report under ``report/``;
@@ -257,6 +258,20 @@ def plan_models(requested: str, real_available: bool) -> tuple[list[str], list[s
     return models, notes
 
 
+def write_answers(folder: str, served: str, answers: list[dict]) -> str:
+    """Write ``answers.json`` and ``answers.md`` (the real model's greedy answers) into ``folder``; returns the
+    Markdown (level-2 heading)."""
+    import json
+
+    amd = answers_markdown(answers, served)
+    with open(os.path.join(folder, "answers.json"), "w") as f:
+        json.dump({"model": served, "max_tokens": ANSWER_MAX_TOKENS, "temperature": 0, "answers": answers}, f,
+                  indent=2)
+    with open(os.path.join(folder, "answers.md"), "w") as f:
+        f.write(amd.replace("## ", "# ", 1))
+    return amd
+
+
 def _run_block(args: argparse.Namespace, *, model: str, served: str, describe_line: str, out: str, env: dict,
                workload: dict, temps: list[float], chat_prompts=(), title: str = "tokenfab demo",
                level: int = 1) -> dict:
@@ -306,6 +321,7 @@ def _run_block(args: argparse.Namespace, *, model: str, served: str, describe_li
         print(f"[demo] server ready at {base_url} after {cfg['server_start_s']:.1f} s", flush=True)
         if chat_prompts:
             answers = ask_chat(base_url, served, chat_prompts)
+            write_answers(out, served, answers)  # on disk now: an interrupted demo keeps them
             print("\n" + answers_markdown(answers, served, level=level + 1), flush=True)
         # One short untimed request: first-call costs (kernels, allocator) stay out of the measurement.
         httpx.post(base_url + "/v1/completions", json={"prompt": "warm up", "max_tokens": 4, "ignore_eos": True},
@@ -473,13 +489,7 @@ def run_demo(args: argparse.Namespace) -> int:
     parts = ["# tokenfab demo", ""] + [f"Note: {n}." for n in notes] + ([""] if notes else [])
     if answers:
         served = next(b["cfg"]["served_model_name"] for b in blocks if b["answers"])
-        amd = answers_markdown(answers, served)
-        with open(os.path.join(out, "answers.json"), "w") as f:
-            json.dump({"model": served, "max_tokens": ANSWER_MAX_TOKENS, "temperature": 0, "answers": answers}, f,
-                      indent=2)
-        with open(os.path.join(out, "answers.md"), "w") as f:
-            f.write(amd.replace("## ", "# ", 1))
-        parts.append(amd)
+        parts.append(write_answers(out, served, answers))
     parts += [b["markdown"] for b in blocks] + [f"Total demo wall time: {wall:.1f} s.", ""]
     with open(os.path.join(out, "summary.md"), "w") as f:
         f.write("\n".join(parts))
