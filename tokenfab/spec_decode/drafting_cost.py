@@ -16,7 +16,7 @@ Both are fractions of one plain decode step of the target at the step's batch si
   costs rho (1 + r n) in units of the target's fixed cost, and a plain step 1 + r B: so ``forward`` =
   rho (1 + r N) / (1 + r B) and one catch-up token rho r / (1 + r B). SmolLM2-135M as target (bf16, 269 MB)
   with its own Q4_1 GGUF as draft (98 MB): rho = 0.37.
-* measured: exponential moving averages (weight ``EMA_DECAY`` on the old value) of the draft's seconds per forward
+* measured: exponential moving averages (step_timing.ema: weight ``EMA_DECAY`` on the old value) of the draft's seconds per forward
   (per bucket of N, a power of two as step_timing.bucket, and whether every row is greedy: the greedy draft draws
   inside the fused stack's call) and of its seconds per catch-up token (from catch-up forwards over more than 2N
   tokens), divided by the target's measured seconds per plain step at B (``StepTiming.plain``).
@@ -28,9 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenfab.spec_decode.step_timing import bucket
-
-EMA_DECAY = 0.7
+from tokenfab.spec_decode.step_timing import bucket, ema
 
 
 @dataclass
@@ -78,10 +76,6 @@ class DraftCostModel:
         self.token_s: float | None = None
         self.last_catch_up_s = 0.0  # the last recorded proposal's catch-up seconds beyond its forwards
 
-    @staticmethod
-    def _ema(old: float | None, v: float) -> float:
-        return v if old is None else EMA_DECAY * old + (1.0 - EMA_DECAY) * v
-
     def record(self, n_rows: int, greedy: bool, catch_up_tokens: int, first_s: float, rest_s: float,
                forwards: int) -> None:
         """One proposal: ``n_rows`` rows, ``forwards`` drafting forwards, the first over ``catch_up_tokens`` tokens
@@ -90,14 +84,14 @@ class DraftCostModel:
         key = (bucket(n_rows), bool(greedy))
         self.last_catch_up_s = 0.0
         if catch_up_tokens <= 2 * n_rows:
-            self.forward_s[key] = self._ema(self.forward_s.get(key), (first_s + rest_s) / max(forwards, 1))
+            self.forward_s[key] = ema(self.forward_s.get(key), (first_s + rest_s) / max(forwards, 1))
             return
         if forwards > 1:
-            self.forward_s[key] = self._ema(self.forward_s.get(key), rest_s / (forwards - 1))
+            self.forward_s[key] = ema(self.forward_s.get(key), rest_s / (forwards - 1))
         f = self.forward_s.get(key)
         extra = catch_up_tokens - n_rows
         per_tok = max(first_s - f, 0.0) / extra if f is not None else first_s / catch_up_tokens
-        self.token_s = self._ema(self.token_s, per_tok)
+        self.token_s = ema(self.token_s, per_tok)
         self.last_catch_up_s = per_tok * extra
 
     def estimate(self, n_rows: int, batch_size: int, greedy: bool, catch_up_tokens: np.ndarray,

@@ -29,6 +29,12 @@ MAX_PROBE_INTERVAL = 512
 PLAIN_SAMPLE_INTERVAL = 32
 
 
+def ema(old: float | None, v: float) -> float:
+    """The exponential moving average after observing ``v``: ``v`` itself first, then weight ``EMA_DECAY`` on
+    ``old``."""
+    return v if old is None else EMA_DECAY * old + (1.0 - EMA_DECAY) * v
+
+
 def bucket(batch_size: int) -> int:
     """The running-sequence count rounded up to a power of two (>= 1)."""
     return 1 << max(int(batch_size) - 1, 0).bit_length()
@@ -51,8 +57,7 @@ class StepTiming:
 
     @staticmethod
     def _ema(table: dict[int, float], b: int, v: float) -> None:
-        old = table.get(b)
-        table[b] = v if old is None else EMA_DECAY * old + (1.0 - EMA_DECAY) * v
+        table[b] = ema(table.get(b), v)
 
     def record_plain(self, batch_size: int, seconds: float) -> None:
         """A plain decode step of ``batch_size`` rows took ``seconds``."""
