@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tokenfab.kernels import cpu_kernels, triton_support
+from tokenfab.kernels import cpu_kernels
 from tokenfab.quant.fp8_block_weight import BLOCK, Fp8BlockWeight, scale_shape
 from tokenfab.quant.packed_weight import PackedWeight
 
@@ -97,17 +97,12 @@ class Fp8BlockShard(Fp8BlockWeight):
         if self.out_features == 0 or self.in_features == 0:  # an empty shard: x W^T is zeros (+ bias)
             y = x.new_zeros(*x.shape[:-1], self.out_features, dtype=torch.float32)
             return (y if bias is None else y + bias.float()).to(x.dtype)
-        kernel = self._kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
-        if not (kernel or triton_support.applies(x)):
+        if not self._kernel_applies(x):
             return self.reference_linear(x, bias)
         ro, co = self.row_offset, self.col_offset
         xp = F.pad(x, (co, self.weight.shape[1] - co - self.in_features))
         bp = F.pad(bias, (ro, 0)) if bias is not None and ro else bias
-        if kernel:
-            y = cpu_kernels.fp8_block_linear(xp, self.weight, self.scale_inv, bp)
-        else:  # CUDA/ROCm (tests: the interpreter): kernels/triton_fp8_linear.py
-            from tokenfab.kernels import triton_fp8_linear
-            y = triton_fp8_linear.fp8_block_linear(xp, self.weight, self.scale_inv, bp)
+        y = self._kernel_linear(xp, bp)  # on the padded matrix
         return y[..., ro:].contiguous() if ro else y
 
     @classmethod

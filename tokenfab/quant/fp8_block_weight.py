@@ -80,12 +80,24 @@ class Fp8BlockWeight(PackedWeight):
         self._kernel = (self.weight.device.type == "cpu" and self.in_features % 32 == 0
                         and cpu_linear_backend() != "torch" and cpu_kernels.fp8_block_linear_applies())
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu":
+    def _cpu_kernel_applies(self, x: torch.Tensor) -> bool:
+        return self._kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+
+    def _kernel_applies(self, x: torch.Tensor) -> bool:
+        """A kernel (C++ on CPU, Triton on CUDA/ROCm) computes ``x W^T`` here; else the PyTorch reference does."""
+        return self._cpu_kernel_applies(x) or triton_support.applies(x)
+
+    def _kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x [.., K] @ weight^T`` on the stored e4m3 matrix and scales by the kernel that applies (K = the stored
+        matrix's columns; call only where :meth:`_kernel_applies`)."""
+        if self._cpu_kernel_applies(x):
             return cpu_kernels.fp8_block_linear(x, self.weight, self.scale_inv, bias)
-        if triton_support.applies(x):  # CUDA/ROCm (tests: the interpreter): kernels/triton_fp8_linear.py
-            from tokenfab.kernels import triton_fp8_linear
-            return triton_fp8_linear.fp8_block_linear(x, self.weight, self.scale_inv, bias)
+        from tokenfab.kernels import triton_fp8_linear  # CUDA/ROCm (tests: the interpreter)
+        return triton_fp8_linear.fp8_block_linear(x, self.weight, self.scale_inv, bias)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._kernel_applies(x):
+            return self._kernel_linear(x, bias)
         return self.reference_linear(x, bias)
 
     @classmethod
