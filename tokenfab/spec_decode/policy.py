@@ -46,7 +46,7 @@ token, a = 0.67 two, a = 0.1 none). A draft model with f = 0.37 (SmolLM2-135M's 
 weight-bytes prior) at a = 0.9 nets 1.38 plain steps per step at batch 1 with k = 4 (1.14 while spreading its
 300-token prompt's catch-up over 64 tokens to go), and at batch 16 loses at every depth while its rows' 300-token
 prompts are still to catch up with 64 tokens to go (best net -1.07, and -1.02 at a = 1: probes there are plain
-steps too); tests/test_spec_decode.py::test_policy_charges_the_proposers_cost_hand_worked works these cases.
+steps too); tests/test_spec_policy.py::test_policy_charges_the_proposers_cost_hand_worked works these cases.
 The rules depend on the rows' histories, B, the step count and, with ``timed_switch_off`` (rule 6 and the
 proposer's measured cost), the clock: a seeded request reproduces its tokens when it runs in the same workload
 (the same batch mates) with ``timed_switch_off: false`` (the proposer's cost is then its prior), and always when the
