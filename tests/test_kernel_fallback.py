@@ -54,12 +54,12 @@ def test_stale_build_lock_is_removed(tmp_path):
     load waits on it forever. A copy of this checkout's built folder with such a file still loads (no rebuild)."""
     import shutil
     import pytest
-    from tokenfab.kernels import cpu_kernels
+    from tokenfab.kernels import cpu_kernels, cpu_kernels_build
     if cpu_kernels.load() is None:
         pytest.skip(f"kernels not built here: {cpu_kernels.load_error()}")
-    src = cpu_kernels._build_dir()
+    src = cpu_kernels_build._build_dir()
     env = dict(os.environ, TOKENFAB_KERNEL_CACHE=str(tmp_path / "kc"))
-    r = subprocess.run([sys.executable, "-c", "from tokenfab.kernels import cpu_kernels; print(cpu_kernels._build_dir())"],
+    r = subprocess.run([sys.executable, "-c", "from tokenfab.kernels import cpu_kernels_build as b; print(b._build_dir())"],
                        capture_output=True, text=True, env=env, timeout=120)
     dst = r.stdout.strip().splitlines()[-1]
     assert dst.startswith(str(tmp_path)) and os.path.basename(dst) == os.path.basename(src)
