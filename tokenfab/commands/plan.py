@@ -46,7 +46,8 @@ def run(args) -> int:
     import json
 
     from tokenfab.planner.memory_planner import (parse_count, parse_device_counts, parse_size, plan_device_sweep,
-                                                 plan_memory, render_plan, render_sweep, sweep_rows)
+                                                 plan_memory)
+    from tokenfab.planner.plan_report import render_plan, render_sweep, sweep_rows
 
     mem = parse_size(args.device_memory, "--device-memory")
     kw = dict(max_model_len=parse_count(args.max_model_len, "--max-model-len"),

@@ -16,11 +16,9 @@ from tokenfab.planner.memory_planner import (
     plan_device_sweep,
     plan_memory,
     read_safetensors_header,
-    render_plan,
-    render_sweep,
     state_bytes_per_rank,
-    sweep_rows,
 )
+from tokenfab.planner.plan_report import render_plan, render_sweep, sweep_rows
 
 __all__ = ["MemoryPlan", "RankPlan", "WeightEstimate", "PlanError", "estimate_weight_bytes", "kv_pool_tokens",
            "kv_bytes_per_token_per_rank", "kv_dtype_bytes", "min_devices_that_fit", "plan_memory", "render_plan",
