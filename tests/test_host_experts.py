@@ -12,6 +12,7 @@ import os
 import random
 
 import pytest
+import torch
 
 from conftest import tp_generate
 from test_kimi_linear import make_kimi_linear
@@ -77,9 +78,15 @@ def assert_same(ref, got, label: str, tol: float = 1e-5) -> float:
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "kimi_linear"])
 @pytest.mark.parametrize("share", ["0%", "50%", "100%"])
 def test_one_rank_identical_to_no_offload(ckpt, family, share):
+    """The split sums the same pairs in the same order, so with the host worker on as many threads as the device
+    side (this machine's CPU on both: the same GEMM calls) it is bit-identical in float32 on every CPU family. At
+    the default worker size (half the threads) a float32 GEMM may split its sums differently (seen on AMD EPYC:
+    up to ~5e-7 in a prompt logprob), so there only the tolerance holds."""
     path = ckpt(family)
-    worst = assert_same(reference(family, path), run(path, 1, host_experts=share), f"{family} {share}")
-    assert worst == 0.0  # the split sums the same pairs in the same order: bit-identical in float32
+    same_threads = run(path, 1, host_experts=share, host_expert_threads=torch.get_num_threads())
+    worst = assert_same(reference(family, path), same_threads, f"{family} {share}")
+    assert worst == 0.0
+    assert_same(reference(family, path), run(path, 1, host_experts=share), f"{family} {share} default threads")
 
 
 @pytest.mark.slow
@@ -102,7 +109,8 @@ def test_kimi_k3_situ_latent_experts(tmp_path_factory, tokenizer_dir, monkeypatc
     path = write_k3(str(tmp_path_factory.mktemp("k3_host")), tokenizer_dir, tensors=stored)
     ref = run(path, 1)
     for share in ("50%", "100%"):
-        assert assert_same(ref, run(path, 1, host_experts=share), f"kimi_k3 {share}") == 0.0
+        same_threads = run(path, 1, host_experts=share, host_expert_threads=torch.get_num_threads())
+        assert assert_same(ref, same_threads, f"kimi_k3 {share}") == 0.0
 
 
 def test_accounting_counts_each_pair_on_its_side(ckpt, tmp_path):

@@ -1,4 +1,8 @@
 """tokenfab: an LLM inference and serving engine (paged KV cache, continuous batching, MLA + MoE models)."""
+from tokenfab.kernels.cpu_isa import apply_library_caps as _apply_cpu_isa_caps
+
+_apply_cpu_isa_caps()  # TOKENFAB_CPU_ISA caps oneDNN and ATen before either reads its setting
+
 from tokenfab.outputs import CompletionOutput, RequestOutput
 from tokenfab.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 

@@ -113,9 +113,10 @@ class LLMEngine:
         """Load the model and size the KV pool as ``config`` says (see EngineConfig)."""
         from tokenfab.config import load_config
         config.check_max_model_len(load_config(config.model))  # settings errors before any weight is read
-        from tokenfab.kernels import triton_support
+        from tokenfab.kernels import cpu_isa, triton_support
         from tokenfab.layers.linear import cpu_linear_backend
-        cpu_linear_backend()  # TOKENFAB_CPU_LINEAR / TOKENFAB_TRITON typos, also before loading
+        cpu_linear_backend()  # TOKENFAB_CPU_LINEAR / TOKENFAB_CPU_ISA / TOKENFAB_TRITON typos, also before loading
+        cpu_isa.selected_level()
         triton_support.check_env()
         if config.tensor_parallel_size != 1:
             from tokenfab.parallel.launcher import load_tensor_parallel

@@ -103,7 +103,6 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         if batch_invariant:  # refused by name before anything is moved or built (batch_invariance.py)
             check_model(model, device, graph_mode)
-            model.pack_tied_lm_head()  # the LM head on the packed linear too (an untied one is packed already)
         self.hugepage_bytes = 0  # CPU: weights and the KV pool moved into 2 MiB pages (hugepages.py)
         if device.type == "cpu":
             kv = [t for c in self.kv_caches for t in (c if isinstance(c, (list, tuple)) else (c,))]

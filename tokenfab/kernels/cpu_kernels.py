@@ -28,9 +28,10 @@ def available_for(x: torch.Tensor) -> bool:
 
 
 def has_bf16_dot() -> bool:
-    """True when the built kernels use AVX512-BF16 dot products (``vdpbf16ps``) for bf16 decode attention."""
+    """True when the built kernels use AVX512-BF16 dot products (``vdpbf16ps``): built with them and not capped
+    below ``avx512_bf16`` by ``TOKENFAB_CPU_ISA`` (:mod:`tokenfab.kernels.cpu_isa`)."""
     m = load()
-    return bool(m is not None and m.has_bf16_dot)
+    return bool(m is not None and m.has_bf16_dot and m.isa_cap() >= 1)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -193,15 +194,18 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return load().pack_linear_weight(weight.detach())
 
 
-def vnni_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def vnni_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+                out_f32: bool = False) -> torch.Tensor:
     """y = x W^T (+ bias) over :func:`pack_linear_weight` of W [n, K].
 
     Args:
         x: [..., K] bf16 (last dim contiguous; 2-D row strides are kept).
         packed: the packed weight. n: output features (W's rows). bias: [n] (any float dtype) or None.
+        out_f32: return the float32 accumulator itself (+ bias), unrounded: the LM head's logits.
 
     Returns:
-        [..., n] bf16: float32 accumulation, + bias in float32, one rounding to nearest even per output. Up to 4
+        [..., n] bf16 (float32 with ``out_f32``): float32 accumulation, + bias in float32, one rounding to nearest
+        even per output. Up to 4
         rows run a GEMV that streams each weight block once for all rows (decode); more rows run oneDNN's brgemm
         micro-kernel on 64 x 32 tiles (prefill). benchmarks/linear_kernels.py measures both against oneDNN's
         packed inner product.
@@ -209,7 +213,7 @@ def vnni_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tenso
     Raises:
         RuntimeError: x not bf16, or x's last dim / ``n`` not matching ``packed``.
     """
-    return load().vnni_linear(x, packed, int(n), bias)
+    return load().vnni_linear(x, packed, int(n), bias, bool(out_f32))
 
 
 def mla_decode(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, cache: torch.Tensor,
@@ -288,21 +292,21 @@ def gqa_decode(x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Ten
 def gguf_linear_applies() -> bool:
     """True when :func:`gguf_linear` runs: built kernels with AVX512-BF16 dot products."""
     m = load()
-    return bool(m is not None and m.has_bf16_dot and hasattr(m, "gguf_linear"))
+    return bool(m is not None and has_bf16_dot() and hasattr(m, "gguf_linear"))
 
 
 def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, out_f32: bool = False) -> torch.Tensor:
     """y = x W^T (+ bias) with W [n, K] in a GGUF block type, packed as tiles (tokenfab.quant.gguf_blocks).
 
     Args:
         x: [..., K] bf16 or float32 (last dim contiguous), K a multiple of 32 (256 for the K-quants).
         tiles: uint8 [ceil(n / 16), K / 32 (K / 256), 16 * block bytes] from ``gguf_blocks.pack_tiles``.
         ggml_type: 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K), 13 (Q5_K) or 14 (Q6_K). n: output features. bias: [n]
-            (any float dtype) or None.
+            (any float dtype) or None. out_f32: float32 outputs (the accumulator, unrounded) for bf16 x too.
 
     Returns:
-        [..., n] in x's dtype: per 32-input block the exact products of x and the integer quants summed in float32,
+        [..., n] in x's dtype (float32 with ``out_f32``): per 32-input block the exact products of x and the integer quants summed in float32,
         scaled by the block's d (+ m * the block sum of x for Q4_1; K-quants: d * sc - dmin * m * the sub-block sum
         of x, Q6_K a scale per 16 inputs), + bias, one rounding per output. The K-quants never take the AMX path. Float32 x is
         split into three bf16 parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the packed
@@ -314,13 +318,13 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
         RuntimeError: shapes or dtypes outside the above, or kernels without AVX512-BF16 (check
             :func:`gguf_linear_applies` first).
     """
-    return load().gguf_linear(x, tiles, int(ggml_type), int(n), bias)
+    return load().gguf_linear(x, tiles, int(ggml_type), int(n), bias, bool(out_f32))
 
 
 def fp8_block_linear_applies() -> bool:
     """True when :func:`fp8_block_linear` runs: built kernels with AVX512-BF16 dot products."""
     m = load()
-    return bool(m is not None and m.has_bf16_dot and hasattr(m, "fp8_block_linear"))
+    return bool(m is not None and has_bf16_dot() and hasattr(m, "fp8_block_linear"))
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -351,7 +355,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
 def fp8_experts_applies() -> bool:
     """True when :func:`fp8_experts_linear` runs: built kernels with AVX512-BF16 dot products."""
     m = load()
-    return bool(m is not None and m.has_bf16_dot and hasattr(m, "fp8_experts_linear"))
+    return bool(m is not None and has_bf16_dot() and hasattr(m, "fp8_experts_linear"))
 
 
 def fp8_experts_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, experts: torch.Tensor,
@@ -376,7 +380,7 @@ def fp8_experts_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
 def packed_experts_applies() -> bool:
     """True when :func:`packed_experts_linear` runs: built kernels with AVX512-BF16 dot products."""
     m = load()
-    return bool(m is not None and m.has_bf16_dot and hasattr(m, "packed_experts_linear"))
+    return bool(m is not None and has_bf16_dot() and hasattr(m, "packed_experts_linear"))
 
 
 def packed_experts_linear(x: torch.Tensor, fmt: int, packed: torch.Tensor, scale: torch.Tensor,

@@ -73,6 +73,9 @@ def load():
                 log.info("[tokenfab] fused CPU kernels unavailable (%s; remove %s to retry)", _error, failed)
             else:
                 _module, _error = _build(build_dir)
+                if _module is not None:
+                    from tokenfab.kernels import cpu_isa
+                    _module.set_isa_cap(cpu_isa.level_index())  # TOKENFAB_CPU_ISA (raises on a bad value)
                 if _module is not None and previous is not None:
                     try:
                         os.remove(failed)  # an earlier failure with another compiler

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels import cpu_isa, cpu_kernels
 from tokenfab.quant.packed_weight import PackedWeight
 
 
@@ -47,9 +47,12 @@ def cpu_linear_backend() -> str:
 
 
 def _onednn_ok(weight: torch.Tensor) -> bool:
+    """oneDNN's packed bf16 linear runs here: it needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT, which a CPU of the
+    ``avx2`` level (``TOKENFAB_CPU_ISA``, kernels/cpu_isa.py) lacks; such a CPU keeps plain ``F.linear``."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise") and cpu_isa.selected_level() != "avx2"
+            and bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)()))
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -76,6 +79,48 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if not packed.is_mkldnn:
         return cpu_kernels.vnni_linear(x, packed, out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+LOGITS_CHUNK_ROWS = 1024  # weight rows converted to float32 at a time by matmul_f32's CPU path (L2-sized chunks)
+
+
+def matmul_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias) -> [..., N] float32, never rounded to bf16 on the way: the float32 sum of
+    the exact products of bf16 values (what a bf16 GEMM accumulates before its final rounding).
+
+    Used for logits (CausalLM.compute_logits and every LM head), where a bf16 rounding of the output could make two
+    tokens tie (a bf16 logit near 20 has a step of 0.125). Float32 operands: ``F.linear``. CUDA/ROCm: the GEMM's
+    float32 output (``torch.mm(..., out_dtype=torch.float32)``, cuBLAS/hipBLASLt) where this torch has it. Elsewhere
+    (CPU bf16 without tokenfab's VNNI kernels: oneDNN or torch backends, ``TOKENFAB_CPU_ISA=avx2``): ``weight`` is
+    converted LOGITS_CHUNK_ROWS rows at a time (no float32 copy of the whole matrix is kept).
+    """
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.linear(x, weight, bias)
+    if x.device.type == "cuda" and x.dtype == weight.dtype:
+        try:
+            y = torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32)
+            y = y.reshape(*x.shape[:-1], weight.shape[0])
+            return y + bias.float() if bias is not None else y
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
+    xf = x.float()
+    n = weight.shape[0]
+    ys = [F.linear(xf, weight[s:s + LOGITS_CHUNK_ROWS].float()) for s in range(0, n, LOGITS_CHUNK_ROWS)]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+    return y + bias.float() if bias is not None else y
+
+
+def packed_linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [..., in] bf16 -> [..., n] float32 over tokenfab's VNNI-packed weight (:func:`pack_weight` with the
+    ``tokenfab`` backend): the kernel's float32 accumulator, unrounded (the LM head's logits).
+
+    Raises:
+        ValueError: ``packed`` is oneDNN's opaque layout, which has no float32 output (keep the plain weight and use
+            :func:`matmul_f32`).
+    """
+    if packed.is_mkldnn:
+        raise ValueError("packed_linear_f32 needs tokenfab's VNNI-packed weight, not oneDNN's")
+    return cpu_kernels.vnni_linear(x, packed, n, None, out_f32=True)
 
 
 class Linear(nn.Module):
@@ -159,6 +204,17 @@ class Linear(nn.Module):
         """The packed weight when it is tokenfab's VNNI blocks (what the fused C++ blocks take), else None."""
         p = self._packed
         return p if p is not None and not p.is_mkldnn else None
+
+    def forward_f32(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] float32 from the accumulator, never rounded to bf16 (an LM head's logits)."""
+        if self.qweight is not None:
+            return self.qweight.linear_f32(x, self.bias)
+        if self._packed is not None and not self._packed.is_mkldnn:
+            y = packed_linear_f32(x, self._packed, self.out_features)
+            return y + self.bias.float() if self.bias is not None else y
+        if self._packed is not None:  # oneDNN's blocked layout has no float32 output
+            return packed_linear(x, self._packed, self.bias, self.out_features).float()
+        return matmul_f32(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:

@@ -16,7 +16,8 @@ from torch import nn
 from tokenfab.config import ModelConfig
 from tokenfab.errors import WeightLoadError
 from tokenfab.layers.attention_metadata import AttentionMetadata
-from tokenfab.layers.linear import Linear, can_pack, pack_weight, packed_linear
+from tokenfab.kernels import cpu_kernels
+from tokenfab.layers.linear import Linear, cpu_linear_backend, matmul_f32, pack_weight, packed_linear_f32
 from tokenfab.layers.moe import RoutedExperts
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.layers.packed_embedding import PackedEmbedding
@@ -63,15 +64,19 @@ class CausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32 (under tensor parallel: on rank 0; other ranks get an
-        empty tensor)."""
+        """hidden [N, hidden] -> logits [N, vocab] float32 straight from the LM head's float32 accumulator (never
+        rounded to bf16, so rounding cannot make two tokens tie: DESIGN.md), on every path: a compressed head
+        (GGUF), tokenfab's VNNI-packed head, or :func:`~tokenfab.layers.linear.matmul_f32` (oneDNN / torch
+        backends, float32 models, GPUs). Under tensor parallel: on rank 0; other ranks get an empty tensor."""
         qweight = getattr(self, "_lm_head_qweight", None)  # a compressed head (GGUF), see load_weights
         if qweight is not None:
-            return qweight.linear(hidden, None).float()
+            return qweight.linear_f32(hidden)
         packed = getattr(self, "_lm_head_packed", None)
         if packed is not None:
-            return packed_linear(hidden, packed, None, self._lm_head_rows).float()
-        return self.lm_head(hidden).float()
+            return packed_linear_f32(hidden, packed, self._lm_head_rows)
+        if isinstance(self.lm_head, nn.Linear):
+            return matmul_f32(hidden, self.lm_head.weight)
+        return self.lm_head(hidden)  # ParallelLMHead: float32 local logits gathered to rank 0
 
     def make_kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> list:
         """Allocate the paged KV pool, one entry per layer."""
@@ -335,21 +340,21 @@ class CausalLM(nn.Module):
             self.model.embed_tokens.qweight.prepare()
         if getattr(self, "_lm_head_qweight", None) is not None:
             self._lm_head_qweight.prepare()
-        lm = self.lm_head
-        if (isinstance(lm, nn.Linear) and not self.cfg.tie_word_embeddings and lm.weight is not None
-                and can_pack(lm.weight)):
-            self._lm_head_packed, self._lm_head_rows = pack_weight(lm.weight), lm.weight.shape[0]
-            lm.weight = None
+        self.pack_lm_head()
 
-    def pack_tied_lm_head(self) -> None:
-        """Give a tied LM head (the embedding matrix) a packed copy for the CPU kernels, as :meth:`post_load` packs
-        an untied one, so :meth:`compute_logits` and the fused decode stack run it on the same linear kernel; the
-        embedding keeps its own weight (vocab x hidden bf16 more memory). No-op when a packed head exists or the
-        weight cannot be packed. Batch-invariant mode calls it (engine/model_runner.py)."""
+    def pack_lm_head(self) -> None:
+        """Give the LM head, tied or not, tokenfab's VNNI-packed copy when that kernel runs here (CPU bf16 with
+        AVX512-BF16, ``TOKENFAB_CPU_LINEAR=tokenfab``), so :meth:`compute_logits` and the fused decode stack store its
+        float32 accumulator as the logits. An untied head's plain weight is freed; a tied one stays the embedding's
+        (the packed copy costs vocab x hidden bf16 more memory). Other backends keep the plain weight, which
+        :func:`~tokenfab.layers.linear.matmul_f32` multiplies in float32 (oneDNN's packed layout has no float32
+        output). No-op when a packed head exists."""
         lm = self.lm_head
-        if (getattr(self, "_lm_head_packed", None) is None and isinstance(lm, nn.Linear)
-                and lm.weight is not None and can_pack(lm.weight)):
+        if (getattr(self, "_lm_head_packed", None) is None and isinstance(lm, nn.Linear) and lm.weight is not None
+                and cpu_linear_backend() == "tokenfab" and cpu_kernels.vnni_linear_applies(lm.weight)):
             self._lm_head_packed, self._lm_head_rows = pack_weight(lm.weight), lm.weight.shape[0]
+            if not self.cfg.tie_word_embeddings:
+                lm.weight = None
 
 
 def layer_index(name: str) -> int | None:

@@ -140,7 +140,7 @@ class DeepseekMTP(nn.Module):
         head = getattr(sh, "head", None)
         if head is None and self._vocab[0] is not None:
             return self._vocab[0].logits(x)
-        return head(x).float() if head is not None else self._target[0].compute_logits(x)
+        return head.forward_f32(x) if head is not None else self._target[0].compute_logits(x)
 
 
 def mtp_layer_names(path: str, num_hidden_layers: int, n: int) -> dict[int, set[str]]:

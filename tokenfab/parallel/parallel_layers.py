@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab.layers.linear import matmul_f32
 from tokenfab.parallel.distributed import TPContext
 
 
@@ -53,5 +54,5 @@ class ParallelLMHead(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.v1 - self.v0, hidden), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight).float()
+        local = matmul_f32(hidden, self.weight)  # float32 from the accumulator, as compute_logits
         return self.tp.gather_rows_to_rank0(local, self.vocab_size)

@@ -82,6 +82,14 @@ class GGUFWeight(PackedWeight):
             return triton_gguf_linear.gguf_linear(x, self.tiles, self.block, self.out_features, bias)
         return self.reference_linear(x, bias)
 
+    def linear_f32(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """As :meth:`linear`, float32 outputs from the kernel's accumulator (the LM head of a GGUF file)."""
+        if self._kernel and x.dtype in (torch.bfloat16, torch.float32):
+            return cpu_kernels.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias, out_f32=True)
+        if x.dtype == torch.float32:
+            return self.linear(x, bias)
+        return self.reference_linear(x, bias, out_dtype=torch.float32)
+
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` dequantized: ``cpu_kernels.gguf_embedding`` where the kernels are built (CPU tiles,
         bf16 / float32), else the tiles holding them unpacked and dequantized in PyTorch: the same values (gguf's

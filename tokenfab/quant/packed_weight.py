@@ -36,16 +36,22 @@ class PackedWeight(nn.Module):
         rounding per output)."""
         raise NotImplementedError
 
-    def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear_f32(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """y = x W^T (+ bias) as float32, never rounded to x's dtype (an LM head's logits). This default runs
+        :meth:`reference_linear` unrounded; formats whose kernels can store their float32 accumulator override it."""
+        return self.reference_linear(x, bias, out_dtype=torch.float32)
+
+    def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None,
+                         out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The plain-PyTorch path every format has: float32 ``F.linear`` over REFERENCE_ROWS dequantized rows at a
-        time (never a full-size float copy), + bias in float32, one rounding to x's dtype."""
+        time (never a full-size float copy), + bias in float32, one rounding to ``out_dtype`` (default x's dtype)."""
         xf = x.float()
         ys = [F.linear(xf, self.dequantize_rows(s, min(s + REFERENCE_ROWS, self.out_features)).to(x.device))
               for s in range(0, self.out_features, REFERENCE_ROWS)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         if bias is not None:
             y = y + bias.float()
-        return y.to(x.dtype)
+        return y.to(out_dtype or x.dtype)
 
     def dequantize_rows(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of W as float32 [end - start, in_features], exactly as the format defines them."""

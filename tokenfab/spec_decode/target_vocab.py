@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfab.errors import UnsupportedError, WeightLoadError
+from tokenfab.layers.linear import matmul_f32
 
 _SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_packed", ".qweight")
 
@@ -92,5 +93,6 @@ class TargetVocab:
         return F.embedding(input_ids, self.embed_weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V] float32: ``hidden @ lm_head.T`` as the target's compute_logits (no collective)."""
-        return F.linear(hidden.to(self.head_weight.dtype), self.head_weight).float()
+        """[N, H] -> [N, V] float32 from the float32 accumulator: ``hidden @ lm_head.T`` as the target's
+        compute_logits (no collective)."""
+        return matmul_f32(hidden.to(self.head_weight.dtype), self.head_weight)

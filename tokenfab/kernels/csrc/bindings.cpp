@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "batch_invariant.h"
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
 #include "decode_stack.h"
 #include "fp8_linear.h"
@@ -17,6 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("has_bf16_dot") = false;
 #endif
+  m.def("set_isa_cap", [](int level) { tokenfab_cpu::isa_cap().store(level); },
+        "cap the instruction sets the kernels use: 0 avx2, 1 avx512_bf16, 2 amx (TOKENFAB_CPU_ISA)");
+  m.def("isa_cap", [] { return tokenfab_cpu::isa_cap().load(); }, "the kernels' instruction-set cap");
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with a residual add (CPU)");
   m.def("silu_and_mul", &silu_and_mul, "SiLU-GLU (CPU)");
   m.def("rope", &rope, "rotary embedding (CPU)");
@@ -26,7 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights"), py::arg("ids"), py::arg("p13"), py::arg("p2"), py::arg("start"),
         py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none());
   m.def("pack_linear_weight", &pack_linear_weight, "bf16 weight [N, K] -> VNNI blocks [N/32, K/2, 32, 2] (CPU)");
-  m.def("vnni_linear", &vnni_linear, "x W^T (+ b) over VNNI-blocked weights (CPU, bf16)");
+  m.def("vnni_linear", &vnni_linear, "x W^T (+ b) over VNNI-blocked weights (CPU, bf16; float32 out with out_f32)",
+        py::arg("x"), py::arg("wp"), py::arg("n"), py::arg("bias") = py::none(), py::arg("out_f32") = false);
   m.def("vnni_linear_group", &vnni_linear_group, "several bias-free vnni_linear calls, GEMVs in one parallel region");
   m.def("sample_plain", &sample_plain, "temperature sampling by inverse CDF, no top-k / top-p (CPU)");
   m.def("gqa_decode", &gqa_decode, "grouped-query attention decode block, x -> o_proj output (CPU, bf16)");

@@ -53,6 +53,11 @@ struct Lin {
     if (qtype == kFp8LinQtype) return fp8_block_linear(x, w, *scale, bias);
     return qtype < 0 ? vnni_linear(x, w, rows, bias) : gguf_linear(x, w, qtype, rows, bias);
   }
+  // float32 outputs straight from the accumulator (the LM head's logits, as CausalLM.compute_logits gives them)
+  at::Tensor f32(const at::Tensor& x) const {
+    if (qtype == kFp8LinQtype) return fp8_block_linear(x.to(at::kFloat), w, *scale, bias);
+    return qtype < 0 ? vnni_linear(x, w, rows, bias, true) : gguf_linear(x, w, qtype, rows, bias, true);
+  }
 };
 
 // (weight, qtype, rows, bias[, scale]) from Python (engine/cpu_decode_stack.py's _lin_spec; the scale for FP8 only).
@@ -288,7 +293,7 @@ class DecodeStack {
                             const at::Tensor& context_lens, const at::Tensor& temps, const at::Tensor& u) const {
     TORCH_CHECK(lm_head_.defined(), "DecodeStack.forward_sample: set_lm_head first");
     const auto h = forward(input_ids, positions, slot_mapping, std::move(caches), block_tables, context_lens);
-    return sample_plain(lm_head_(h).to(at::kFloat), temps, u);
+    return sample_plain(lm_head_.f32(h), temps, u);
   }
 
   // input_ids, positions, slot_mapping [T] int64 (or an empty slot_mapping: computed here from positions and

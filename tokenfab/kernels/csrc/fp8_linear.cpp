@@ -27,6 +27,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
+#include "cpu_isa.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -232,6 +234,7 @@ void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const
 constexpr int64_t kAmxMinRows = 4;
 
 bool amx_ready() {
+  if (!tokenfab_cpu::amx_allowed()) return false;  // TOKENFAB_CPU_ISA below amx
   static const bool ok = [] {
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;

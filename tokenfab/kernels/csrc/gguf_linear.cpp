@@ -25,6 +25,8 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
+#include "cpu_isa.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
@@ -534,6 +536,7 @@ void gemm(int qt, const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* 
 // the AMX B tile), then the block's sum is scaled in AVX512 registers: acc += d * C (+ m * the block sum of x for
 // Q4_1), as the GEMV does. The linux kernel hands out AMX tile state only on request (arch_prctl).
 bool amx_ready() {
+  if (!tokenfab_cpu::amx_allowed()) return false;  // TOKENFAB_CPU_ISA below amx
   static const bool ok = [] {
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
@@ -642,7 +645,7 @@ void amx_gemm(int qt, const uint16_t* x, int64_t lda, const float* xsum, int64_t
 }  // namespace
 
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n,
-                       const c10::optional<at::Tensor>& bias) {
+                       const c10::optional<at::Tensor>& bias, bool out_f32) {
   const int64_t TB = tile_block_bytes(qtype);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "gguf_linear: x must be bfloat16 or float32, got ", x.scalar_type());
@@ -652,7 +655,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
               "gguf_linear: weight ", w.sizes(), " does not hold ", n, " rows of ", K, " inputs of ggml type ", qtype);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  auto y = at::empty(shape, x.options());
+  auto y = at::empty(shape, out_f32 ? x.options().dtype(at::kFloat) : x.options());
   auto x2 = x.reshape({-1, K});
   if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
   const int64_t M = x2.size(0);
@@ -668,7 +671,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto* wp = w.data_ptr<uint8_t>();
 #if defined(TOKENFAB_GGUF_AMX)
-  if (!f32 && M > kGemvRows && M <= kAmxMaxRows && !is_kquant(static_cast<int>(qtype)) && amx_ready()) {
+  if (!f32 && !out_f32 && M > kGemvRows && M <= kAmxMaxRows && !is_kquant(static_cast<int>(qtype)) &&
+      amx_ready()) {
     const int64_t KB = K / QK, lda = x2.stride(0);
     const auto* xb = reinterpret_cast<const c10::BFloat16*>(x2.data_ptr());
     std::vector<float> xsum(qtype == kQ4_1 ? ((M + 15) / 16 * 16) * KB : 0, 0.f);
@@ -684,7 +688,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
   }
 #endif
   if (M > kGemvMaxRows) {
-    if (f32) gemm<float>(static_cast<int>(qtype), x2.data_ptr<float>(), M, x2.stride(0), K, wp, n, bp,
+    if (!f32 && out_f32) {  // bf16 x, float32 out: every bf16 value is exact in float32, so the float32 GEMM
+      const auto xf = x2.to(at::kFloat);  // sums the same products
+      gemm<float>(static_cast<int>(qtype), xf.data_ptr<float>(), M, K, K, wp, n, bp, y.data_ptr<float>(), n);
+    } else if (f32) gemm<float>(static_cast<int>(qtype), x2.data_ptr<float>(), M, x2.stride(0), K, wp, n, bp,
                          y.data_ptr<float>(), n);
     else gemm<uint16_t>(static_cast<int>(qtype), reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0),
                         K, wp, n, bp, reinterpret_cast<uint16_t*>(y.data_ptr()), n);
@@ -719,6 +726,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
   const float* sp = xsum.empty() ? nullptr : xsum.data();
   const auto* xp = reinterpret_cast<const uint16_t*>(parts.data_ptr());
   if (f32) gemv<3, true>(static_cast<int>(qtype), xp, sp, M, K, wp, n, bp, y.data_ptr(), n);
+  else if (out_f32) gemv<1, true>(static_cast<int>(qtype), xp, sp, M, K, wp, n, bp, y.data_ptr(), n);
   else gemv<1, false>(static_cast<int>(qtype), xp, sp, M, K, wp, n, bp, y.data_ptr(), n);
   return y;
 #else
@@ -841,7 +849,7 @@ void register_gguf_linear(pybind11::module_& m) {
         pybind11::arg("bytes") = -1);
   m.def("gguf_linear", &gguf_linear, "x W^T (+ b) over packed GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K tiles (CPU, AVX512-BF16)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"),
-        pybind11::arg("bias") = pybind11::none());
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_f32") = false);
   m.def("gguf_embedding", &gguf_embedding, "rows ids of a packed GGUF Q4_0 / Q4_1 / Q8_0 / K-quant weight, dequantized (CPU)",
         pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"), pybind11::arg("ids"), pybind11::arg("bf16_out"));
 }

@@ -11,6 +11,7 @@
 // blocking, and the block's values are accumulated. Float32 throughout. Work items: (sequence, chunk of heads);
 // heads are split only when there are fewer sequences than threads. The next block is prefetched while one is
 // being computed (blocks are scattered in the pool, so the hardware prefetcher cannot follow them).
+#include "cpu_isa.h"
 #include "cpu_kernels.h"
 #include "paged_attention.h"
 
@@ -200,7 +201,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto cl = context_lens.to(at::kLong).contiguous();
   auto out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options());
 #if defined(__AVX512BF16__)
-  if (q.scalar_type() == at::kBFloat16 && q.size(2) % 32 == 0 && v_cache.size(3) % 32 == 0) {
+  if (tokenfab_cpu::bf16_dot_allowed() && q.scalar_type() == at::kBFloat16 && q.size(2) % 32 == 0 &&
+      v_cache.size(3) % 32 == 0) {
     decode_attention_bf16(q, k_cache, v_cache, bt, cl, scale, out);
     return out;
   }

@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -34,30 +35,39 @@ constexpr int64_t kGemvRows = 4;  // M <= this: the GEMV; above: brgemm tiles
 constexpr int64_t kTileM = 64;
 
 #if defined(__AVX512BF16__)
-// Outputs [n0, n0 + nvalid) of one row from two 16-lane float32 accumulators: + bias, round to bf16, store.
-inline void store_block(uint16_t* y, __m512 lo, __m512 hi, const float* bias, int64_t nvalid) {
+// Outputs [n0, n0 + nvalid) of one row from two 16-lane float32 accumulators: + bias, then stored as float32
+// (F32OUT: the accumulator's value, e.g. the LM head's logits) or rounded to bf16 (nearest even).
+template <bool F32OUT = false>
+inline void store_block(void* yv, __m512 lo, __m512 hi, const float* bias, int64_t nvalid) {
+  const __mmask16 ml = nvalid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nvalid) - 1u);
+  const __mmask16 mh = nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : static_cast<__mmask16>((1u << (nvalid - 16)) - 1u);
   if (bias != nullptr) {
-    const __mmask16 ml = nvalid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nvalid) - 1u);
-    const __mmask16 mh = nvalid >= 32 ? 0xFFFF : nvalid <= 16 ? 0 : static_cast<__mmask16>((1u << (nvalid - 16)) - 1u);
     lo = _mm512_add_ps(lo, _mm512_maskz_loadu_ps(ml, bias));
     hi = _mm512_add_ps(hi, _mm512_maskz_loadu_ps(mh, bias + 16));
   }
+  if constexpr (F32OUT) {
+    float* y = static_cast<float*>(yv);
+    _mm512_mask_storeu_ps(y, ml, lo);
+    _mm512_mask_storeu_ps(y + 16, mh, hi);
+    return;
+  }
+  uint16_t* y = static_cast<uint16_t*>(yv);
   const __m256i l = (__m256i)_mm512_cvtneps_pbh(lo), h = (__m256i)_mm512_cvtneps_pbh(hi);
   if (nvalid >= 32) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), l);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16), h);
   } else {
-    const __mmask16 ml = nvalid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nvalid) - 1u);
     _mm256_mask_storeu_epi16(y, ml, l);
-    if (nvalid > 16) _mm256_mask_storeu_epi16(y + 16, static_cast<__mmask16>((1u << (nvalid - 16)) - 1u), h);
+    if (nvalid > 16) _mm256_mask_storeu_epi16(y + 16, mh, h);
   }
 }
 
 // Blocks [b0, b1) for M rows of x (row stride lda): per block 2 x 16 outputs, with the even and odd k pairs in
 // separate accumulators (two independent dependency chains per output vector), summed at the end.
-template <int M>
+template <int M, bool F32OUT = false>
 void gemv_blocks(const uint16_t* x, int64_t lda, int64_t K, const uint16_t* wp, int64_t N, const float* bias,
-                 uint16_t* y, int64_t ldy, int64_t b0, int64_t b1) {
+                 void* y, int64_t ldy, int64_t b0, int64_t b1) {
+  using OutT = std::conditional_t<F32OUT, float, uint16_t>;
   const int64_t KP = K / 2;
   for (int64_t b = b0; b < b1; ++b) {
     const uint16_t* w = wp + b * K * BN;
@@ -95,26 +105,28 @@ void gemv_blocks(const uint16_t* x, int64_t lda, int64_t K, const uint16_t* wp, 
     const int64_t nvalid = std::min<int64_t>(BN, N - b * BN);
     const float* bb = bias == nullptr ? nullptr : bias + b * BN;
     for (int m = 0; m < M; ++m)
-      store_block(y + m * ldy + b * BN, _mm512_add_ps(acc[m][0][0], acc[m][0][1]),
+      store_block<F32OUT>(static_cast<OutT*>(y) + m * ldy + b * BN, _mm512_add_ps(acc[m][0][0], acc[m][0][1]),
                   _mm512_add_ps(acc[m][1][0], acc[m][1][1]), bb, nvalid);
   }
 }
 
-// gemv_blocks for M (1..kGemvRows) rows chosen at run time.
+// gemv_blocks for M (1..kGemvRows) rows chosen at run time; y bf16, or float32 with F32OUT.
+template <bool F32OUT = false>
 void gemv_rows(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* wp, int64_t N,
-               const float* bias, uint16_t* y, int64_t ldy, int64_t b0, int64_t b1) {
+               const float* bias, void* y, int64_t ldy, int64_t b0, int64_t b1) {
   switch (M) {
-    case 1: gemv_blocks<1>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
-    case 2: gemv_blocks<2>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
-    case 3: gemv_blocks<3>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
-    default: gemv_blocks<4>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+    case 1: gemv_blocks<1, F32OUT>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+    case 2: gemv_blocks<2, F32OUT>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+    case 3: gemv_blocks<3, F32OUT>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
+    default: gemv_blocks<4, F32OUT>(x, lda, K, wp, N, bias, y, ldy, b0, b1); break;
   }
 }
 
+template <bool F32OUT>
 void gemv(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* wp, int64_t N, const float* bias,
-          uint16_t* y, int64_t ldy) {
+          void* y, int64_t ldy) {
   at::parallel_for(0, (N + BN - 1) / BN, 1, [&](int64_t b0, int64_t b1) {
-    gemv_rows(x, M, lda, K, wp, N, bias, y, ldy, b0, b1);
+    gemv_rows<F32OUT>(x, M, lda, K, wp, N, bias, y, ldy, b0, b1);
   });
 }
 
@@ -122,8 +134,10 @@ void gemv(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* 
 
 // M > kGemvRows: tiles of kTileM rows x one 32-wide block through oneDNN's brgemm micro-kernel; the row tile is the
 // outer index, so a thread keeps one tile of x (64 x K) in cache while it walks the weight blocks.
+template <bool F32OUT>
 void gemm(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* wp, int64_t N, const float* bias,
-          uint16_t* y, int64_t ldy) {
+          void* y, int64_t ldy) {
+  using OutT = std::conditional_t<F32OUT, float, uint16_t>;
   const int64_t NB = (N + BN - 1) / BN, MB = (M + kTileM - 1) / kTileM;
   const auto* xb = reinterpret_cast<const at::BFloat16*>(x);
   const auto* wb = reinterpret_cast<const at::BFloat16*>(wp);
@@ -135,14 +149,19 @@ void gemm(const uint16_t* x, int64_t M, int64_t lda, int64_t K, const uint16_t* 
       at::native::cpublas::brgemm(mt, BN, K, lda, BN, BN, false, xb + m0 * lda, wb + nb * K * BN, c.data(), true);
       const float* bb = bias == nullptr ? nullptr : bias + nb * BN;
       for (int64_t r = 0; r < mt; ++r) {
-        uint16_t* yr = y + (m0 + r) * ldy + nb * BN;
+        OutT* yr = static_cast<OutT*>(y) + (m0 + r) * ldy + nb * BN;
         const float* cr = c.data() + r * BN;
 #if defined(__AVX512BF16__)
-        store_block(yr, _mm512_loadu_ps(cr), _mm512_loadu_ps(cr + 16), bb, nvalid);
+        store_block<F32OUT>(yr, _mm512_loadu_ps(cr), _mm512_loadu_ps(cr + 16), bb, nvalid);
 #else
         for (int64_t j = 0; j < nvalid; ++j) {
-          const c10::BFloat16 h(bb == nullptr ? cr[j] : cr[j] + bb[j]);  // round to nearest even
-          std::memcpy(yr + j, &h, 2);
+          const float v = bb == nullptr ? cr[j] : cr[j] + bb[j];
+          if constexpr (F32OUT) {
+            yr[j] = v;
+          } else {
+            const c10::BFloat16 h(v);  // round to nearest even
+            std::memcpy(yr + j, &h, 2);
+          }
         }
 #endif
       }
@@ -174,7 +193,7 @@ struct LinearOperands {
 inline std::string item_label(int64_t item) { return item >= 0 ? " item " + std::to_string(item) : std::string(); }
 
 LinearOperands linear_operands(const at::Tensor& x, const at::Tensor& wp, int64_t n, const char* who,
-                               int64_t item = -1) {
+                               int64_t item = -1, bool out_f32 = false) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 4 &&
               wp.size(2) == BN && wp.size(3) == 2 && wp.is_contiguous(),
               who, item_label(item), ": bf16 x [..., K] and a weight from pack_linear_weight expected");
@@ -186,16 +205,16 @@ LinearOperands linear_operands(const at::Tensor& x, const at::Tensor& wp, int64_
   if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
-  return {x2, at::empty(shape, x.options()), x2.size(0), K};
+  return {x2, at::empty(shape, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16)), x2.size(0), K};
 }
 
 inline const uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
-inline uint16_t* u16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
 }  // namespace
 
-at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias) {
-  auto io = linear_operands(x, wp, n, "vnni_linear");
+at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias,
+                       bool out_f32) {
+  auto io = linear_operands(x, wp, n, "vnni_linear", -1, out_f32);
   if (io.M == 0) return io.y;
   at::Tensor bf;
   const float* bp = nullptr;
@@ -206,11 +225,13 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
   }
 #if defined(__AVX512BF16__)
   if (io.M <= kGemvRows && !tokenfab_cpu::batch_invariant()) {  // batch-invariant mode: brgemm tiles for every M
-    gemv(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, u16_mut(io.y), n);
+    if (out_f32) gemv<true>(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, io.y.data_ptr(), n);
+    else gemv<false>(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, io.y.data_ptr(), n);
     return io.y;
   }
 #endif
-  gemm(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, u16_mut(io.y), n);
+  if (out_f32) gemm<true>(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, io.y.data_ptr(), n);
+  else gemm<false>(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, io.y.data_ptr(), n);
   return io.y;
 }
 
@@ -227,7 +248,7 @@ std::vector<at::Tensor> vnni_linear_group(const std::vector<at::Tensor>& xs, con
     const int64_t K = xs[j].size(-1), M = K == 0 ? 0 : xs[j].numel() / K;
     // not a GEMV (or batch-invariant mode, where every M runs brgemm tiles): its own call, before the group runs
     if (M > kGemvRows || M == 0 || tokenfab_cpu::batch_invariant()) {
-      ys[j] = vnni_linear(xs[j], wps[j], ns[j], std::nullopt);
+      ys[j] = vnni_linear(xs[j], wps[j], ns[j], std::nullopt, false);
       continue;
     }
     auto io = linear_operands(xs[j], wps[j], ns[j], "vnni_linear_group:", static_cast<int64_t>(j));
@@ -242,12 +263,12 @@ std::vector<at::Tensor> vnni_linear_group(const std::vector<at::Tensor>& xs, con
     for (int64_t b = begin; b < end; ++j) {  // this thread's blocks, item by item
       auto& o = gemvs[j];
       const int64_t b0 = b - first_block[j], b1 = std::min(end, first_block[j + 1]) - first_block[j];
-      gemv_rows(u16(o.x2), o.M, o.x2.stride(0), o.K, w[j], n[j], nullptr, u16_mut(o.y), n[j], b0, b1);
+      gemv_rows<false>(u16(o.x2), o.M, o.x2.stride(0), o.K, w[j], n[j], nullptr, o.y.data_ptr(), n[j], b0, b1);
       b = first_block[j] + b1;
     }
   });
 #else
-  for (size_t j = 0; j < J; ++j) ys[j] = vnni_linear(xs[j], wps[j], ns[j], std::nullopt);
+  for (size_t j = 0; j < J; ++j) ys[j] = vnni_linear(xs[j], wps[j], ns[j], std::nullopt, false);
 #endif
   return ys;
 }

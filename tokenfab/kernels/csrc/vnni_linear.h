@@ -11,8 +11,10 @@ constexpr int64_t kVnniBlockN = 32;
 at::Tensor pack_linear_weight(const at::Tensor& w);
 
 // y = x W^T (+ bias): x [..., K] bf16 (last dim contiguous), wp from pack_linear_weight of W [n, K], bias [n] or
-// none (any float dtype) -> y [..., n] bf16. Float32 accumulation, one rounding to bf16 per output.
-at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias);
+// none (any float dtype) -> y [..., n] bf16, one rounding per output of its float32 accumulator; with out_f32 the
+// accumulator itself, float32 (the LM head's logits: no bf16 rounding that could tie two tokens).
+at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, const c10::optional<at::Tensor>& bias,
+                       bool out_f32 = false);
 
 // Several linears of few rows each (decode: experts, a shared expert) in one parallel region: ys[i] = xs[i] W_i^T
 // for wps[i] from pack_linear_weight of W_i [ns[i], K_i], no bias; the same values as one vnni_linear per item. The

@@ -1,0 +1,78 @@
+"""TOKENFAB_CPU_ISA: which CPU path the kernels take, capped by what the CPU has (kernels/cpu_isa.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfab.errors import EngineConfigError
+from tokenfab.kernels import cpu_isa, cpu_kernels
+
+XEON = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
+EPYC = {"avx2", "avx512f", "avx512_bf16"}
+OLD = {"avx2", "fma"}
+
+
+def test_machine_level_from_flags():
+    assert cpu_isa.machine_level(XEON) == "amx"
+    assert cpu_isa.machine_level(EPYC) == "avx512_bf16"
+    assert cpu_isa.machine_level(OLD) == "avx2"
+    assert cpu_isa.machine_level({"amx_tile", "amx_bf16"}) == "avx2"  # AMX without AVX512-BF16 is not a level
+
+
+@pytest.mark.parametrize("value,flags,want", [("native", XEON, "amx"), ("", EPYC, "avx512_bf16"),
+                                              ("avx512_bf16", XEON, "avx512_bf16"), ("AVX2", XEON, "avx2"),
+                                              ("avx2", EPYC, "avx2"), ("avx2", OLD, "avx2")])
+def test_selected_level(monkeypatch, value, flags, want):
+    monkeypatch.setenv(cpu_isa.ENV, value)
+    assert cpu_isa.selected_level(flags) == want
+
+
+def test_a_level_above_the_cpu_or_a_typo_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv(cpu_isa.ENV, "amx")
+    with pytest.raises(EngineConfigError, match=r"TOKENFAB_CPU_ISA=amx needs a CPU with AMX.*avx512_bf16"):
+        cpu_isa.selected_level(EPYC)
+    monkeypatch.setenv(cpu_isa.ENV, "avx512")
+    with pytest.raises(EngineConfigError, match=r"'avx512' is not a CPU path; use native or one of avx2, "):
+        cpu_isa.selected_level(EPYC)
+
+
+def test_library_caps_follow_the_level_and_never_override_the_user(monkeypatch):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.setenv(cpu_isa.ENV, "avx2")
+    cpu_isa.apply_library_caps()
+    import os
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX2" and os.environ["ATEN_CPU_CAPABILITY"] == "avx2"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
+    cpu_isa.apply_library_caps()
+    assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="the fused CPU kernels are not built here")
+def test_the_kernels_cap_switches_the_bf16_dot_paths_off():
+    """Capped at avx2, no caller is offered an AVX512-BF16 kernel, and paged decode attention takes its float32
+    path: a bf16 result equal to the PyTorch reference's arithmetic in float32 (products rounded to bf16 no more)."""
+    m = cpu_kernels.load()
+    before = m.isa_cap()
+    try:
+        m.set_isa_cap(cpu_isa.LEVELS.index("avx2"))
+        assert not cpu_kernels.has_bf16_dot()
+        assert not cpu_kernels.gguf_linear_applies() and not cpu_kernels.fp8_block_linear_applies()
+        assert not cpu_kernels.vnni_linear_applies(torch.zeros(32, 64, dtype=torch.bfloat16))
+        g = torch.Generator().manual_seed(3)
+        q = torch.randn(2, 4, 64, generator=g).bfloat16()
+        k = torch.randn(3, 16, 2, 64, generator=g).bfloat16()
+        v = torch.randn(3, 16, 2, 64, generator=g).bfloat16()
+        bt = torch.tensor([[0, 1], [2, 0]])
+        cl = torch.tensor([20, 9])
+        out = cpu_kernels.paged_decode_attention(q, k, v, bt, cl, 0.125)
+        for b in range(2):
+            keys = torch.cat([k[i] for i in bt[b]])[:cl[b]].float()  # [L, 2, 64]
+            vals = torch.cat([v[i] for i in bt[b]])[:cl[b]].float()
+            kh = keys.repeat_interleave(2, dim=1).transpose(0, 1)  # [4, L, 64]
+            p = torch.softmax(0.125 * q[b].float().unsqueeze(1) @ kh.transpose(1, 2), -1)
+            ref = (p @ vals.repeat_interleave(2, dim=1).transpose(0, 1)).squeeze(1)
+            torch.testing.assert_close(out[b].float(), ref, atol=1e-2, rtol=1e-2)
+    finally:
+        m.set_isa_cap(before)
+    assert cpu_kernels.has_bf16_dot() == bool(m.has_bf16_dot and before >= 1)
