@@ -37,6 +37,7 @@ def test_a_level_above_the_cpu_or_a_typo_is_refused_by_name(monkeypatch):
 
 
 def test_library_caps_follow_the_level_and_never_override_the_user(monkeypatch):
+    monkeypatch.setattr(cpu_isa, "machine_level", lambda flags=None: "amx")  # as on a Xeon, whatever runs this
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
     monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
     monkeypatch.setenv(cpu_isa.ENV, "avx2")
@@ -46,6 +47,10 @@ def test_library_caps_follow_the_level_and_never_override_the_user(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE")
     cpu_isa.apply_library_caps()
     assert os.environ["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE"
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setenv(cpu_isa.ENV, "native")  # the CPU's own path: no cap
+    cpu_isa.apply_library_caps()
+    assert "ONEDNN_MAX_CPU_ISA" not in os.environ
 
 
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="the fused CPU kernels are not built here")

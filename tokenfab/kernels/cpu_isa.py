@@ -82,11 +82,13 @@ def level_index(level: str | None = None) -> int:
 
 def apply_library_caps() -> None:
     """Cap oneDNN (``ONEDNN_MAX_CPU_ISA``) and PyTorch's vectorized kernels (``ATEN_CPU_CAPABILITY``) at the
-    selected level, unless the user set them. Called on ``import tokenfab``; an invalid ``TOKENFAB_CPU_ISA`` is left
+    selected level when it is below this CPU's, unless the user set them. Called on ``import tokenfab``; an invalid ``TOKENFAB_CPU_ISA`` is left
     for :func:`selected_level` to report where the kernels load."""
     try:
         level = selected_level()
     except Exception:  # reported with its fix when the kernels load (EngineConfigError)
+        return
+    if level == machine_level():  # this CPU's own path: nothing to cap
         return
     if level in _ONEDNN_CAP:
         os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_CAP[level])
