@@ -2,11 +2,11 @@
 serve CPU budget 2048 (2 steps), interleaved, 2 rounds, thread CPU time of the engine steps (one thread). Read by
 benchmarks/results/2026-12-02-prefill-vs-peers-profile.md.
 
-    .venv/bin/python benchmarks/prefill_chunk_ab.py bf16|gguf
+    .venv/bin/python benchmarks/experiments/prefill_chunk_ab.py bf16|gguf
 """
 import time, sys, json, torch
 torch.set_num_threads(1)
-sys.path.insert(0, __import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__import__("os").path.abspath(__file__)), ".."))
 from prefill_vs_peers_profile import build, prompts
 from tokenfab import SamplingParams
 kind = sys.argv[1] if len(sys.argv) > 1 else "bf16"

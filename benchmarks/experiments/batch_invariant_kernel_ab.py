@@ -2,7 +2,7 @@
 at decode shapes, for the checkout on PYTHONPATH and its kernel build. Run it alternately for two checkouts:
 
     for i in 1 2 3; do for t in A B; do PYTHONPATH=$t TOKENFAB_KERNEL_CACHE=<its cache> python \
-        benchmarks/batch_invariant_kernel_ab.py; done; done
+        benchmarks/experiments/batch_invariant_kernel_ab.py; done; done
 
 Prints one JSON line {"NxK@M": microseconds}.
 """

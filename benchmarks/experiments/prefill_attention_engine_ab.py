@@ -5,7 +5,7 @@ sequence of the group is a whole prompt from position 0 of the same length (else
 rounds, thread CPU time of ``engine.step()`` (one thread); also checks that each variant samples the same first
 tokens (greedy). Read by benchmarks/results/2026-12-02-prefill-vs-peers-profile.md.
 
-    .venv/bin/python benchmarks/prefill_attention_engine_ab.py bf16|gguf [rounds]
+    .venv/bin/python benchmarks/experiments/prefill_attention_engine_ab.py bf16|gguf [rounds]
 """
 import json
 import os
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 torch.set_num_threads(1)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from prefill_vs_peers_profile import build, prompts  # noqa: E402
 
 from tokenfab import SamplingParams  # noqa: E402

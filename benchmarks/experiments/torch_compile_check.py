@@ -1,9 +1,9 @@
 """Does torch.compile help tokenfab's CPU decode step? One engine per run, batch 1, 512 context tokens, the median
 of 60 decode steps after 8 warm-up steps (which include compilation).
 
-    .venv/bin/python benchmarks/torch_compile_check.py eager
-    TOKENFAB_CPU_LINEAR=torch TOKENFAB_CPU_KERNELS=0 .venv/bin/python benchmarks/torch_compile_check.py eager
-    FREEZE=1 TOKENFAB_CPU_LINEAR=torch TOKENFAB_CPU_KERNELS=0 .venv/bin/python benchmarks/torch_compile_check.py compile
+    .venv/bin/python benchmarks/experiments/torch_compile_check.py eager
+    TOKENFAB_CPU_LINEAR=torch TOKENFAB_CPU_KERNELS=0 .venv/bin/python benchmarks/experiments/torch_compile_check.py eager
+    FREEZE=1 TOKENFAB_CPU_LINEAR=torch TOKENFAB_CPU_KERNELS=0 .venv/bin/python benchmarks/experiments/torch_compile_check.py compile
 
 "compile" wraps the model's forward in ``torch.compile(dynamic=True)`` (Inductor; ``FREEZE=1`` sets
 ``torch._inductor.config.freezing`` so Inductor packs the weights itself). With tokenfab's own packed linears

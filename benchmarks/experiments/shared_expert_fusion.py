@@ -1,7 +1,7 @@
 """Shared expert fused into the routed-expert dispatch (one more "expert" with weight 1 per token) against the
 separate shared MLP plus an add, on one DeepSeek-V3 MoE layer of the embedded default model (bf16, CPU).
 
-    .venv/bin/python benchmarks/shared_expert_fusion.py
+    .venv/bin/python benchmarks/experiments/shared_expert_fusion.py
 
 Prints the max output difference and the median time per layer call of both, alternated 15 x 50 calls, at T = 1,
 4, 16 tokens. Result and decision: benchmarks/NOTES.md entry 28.

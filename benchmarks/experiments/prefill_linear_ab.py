@@ -2,7 +2,7 @@
 kernels vs the packed Q4_1 kernel vs dequantize-to-bf16 (C++ gguf_embedding over every row) + the bf16 GEMM, on random
 Q4_1 weights of the model's shapes. Read by benchmarks/results/2026-12-02-prefill-vs-peers-profile.md.
 
-    .venv/bin/python benchmarks/prefill_linear_ab.py OUT.json
+    .venv/bin/python benchmarks/experiments/prefill_linear_ab.py OUT.json
 """
 import time, torch, json, sys
 import torch.nn.functional as F

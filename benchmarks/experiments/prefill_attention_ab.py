@@ -2,7 +2,7 @@
 tokenfab's fused path, its SDPA-with-block-mask path, one SDPA flash call), the fused path's parts, and the glue ops.
 Read by benchmarks/results/2026-12-02-prefill-vs-peers-profile.md.
 
-    .venv/bin/python benchmarks/prefill_attention_ab.py OUT.json
+    .venv/bin/python benchmarks/experiments/prefill_attention_ab.py OUT.json
 """
 import time, types, torch, json, sys
 import torch.nn.functional as F

@@ -5,7 +5,7 @@
   ``cpu_kernels.gqa_decode`` for Llama / Qwen3);
 - ``modules``: the modules with attention in Python-level ops.
 
-    .venv/bin/python benchmarks/decode_blocks.py [--model DIR] [--batch 1,4,16] [--context 512]
+    .venv/bin/python benchmarks/experiments/decode_blocks.py [--model DIR] [--batch 1,4,16] [--context 512]
 
 Decode steps cycle through the three in runs of ``--steps``, ``--rounds`` times; median step time each. All three
 give bit-identical outputs (tests/test_decode_blocks.py, tests/test_decode_stack.py), so only the time differs; the
@@ -23,7 +23,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from benchmarks.results_file import write_markdown  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default 512)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per block (default 20)")
     ap.add_argument("--rounds", type=int, default=5, help="on/off blocks per batch size (default 5)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "results"), help="output folder")
     args = ap.parse_args()
     from tokenfab import LLM, SamplingParams
     from tokenfab.default_model import ensure_default_model
@@ -91,7 +91,7 @@ def main() -> int:
     date = dt.date.today().isoformat()
     name = os.path.basename(os.path.normpath(args.model or "default"))
     lines = [f"# Decode paths: whole stack, attention blocks, modules; {name} ({date})", "",
-             f"Command: `benchmarks/decode_blocks.py {' '.join(sys.argv[1:])}`; {torch.get_num_threads()} threads, "
+             f"Command: `benchmarks/experiments/decode_blocks.py {' '.join(sys.argv[1:])}`; {torch.get_num_threads()} threads, "
              f"context {args.context}, {args.rounds} rounds of {args.steps} steps per path, paths cycled.", "",
              "| batch | stack ms/step | blocks ms/step | modules ms/step | stack / blocks | blocks / modules |",
              "|---:|---:|---:|---:|---:|---:|"]

@@ -1,7 +1,7 @@
 """A 2,048-token prefill step of the embedded default model (8 prompts x 256 tokens, the serve budget): median
 step time, then torch-profiler and cProfile tables of 3 more. Read by benchmarks/NOTES.md entry 30.
 
-    .venv/bin/python benchmarks/prefill_profile.py [--prompts 8] [--prompt-len 256]
+    .venv/bin/python benchmarks/experiments/prefill_profile.py [--prompts 8] [--prompt-len 256]
 """
 from __future__ import annotations
 
