@@ -2,7 +2,7 @@
 
 The suite itself runs on this CPU's best path (``TOKENFAB_CPU_ISA=native``). Another CPU family takes another
 path (an AMD EPYC has no AMX, an older CPU no AVX512-BF16), and each rounds bf16 work in its own order, so the
-tests that compare tokenfab with transformers and the real default model's answers run again here, in a child
+tests that compare tokenfab with transformers and the real default model's demo answers run again here, in a child
 pytest per lower level (``TOKENFAB_CPU_ISA`` is read once per process: oneDNN and ATen take their caps at start),
 and once with the fused kernels off (``TOKENFAB_CPU_KERNELS=0``: the PyTorch paths every machine has).
 """
@@ -17,7 +17,10 @@ import pytest
 from tokenfab.kernels import cpu_isa
 
 CHILD = "TOKENFAB_CPU_PATHS_CHILD"  # set in the child runs, so they do not recurse
-FILES = ["tests/test_engine_exact.py", "tests/test_bf16.py", "tests/test_real_model.py", "tests/test_logits_f32.py"]
+# bf16 paths are where CPU families part (float32 runs no AVX512-BF16 or AMX kernel), so of the real model's tests
+# the bf16 demo answers through the server run here; its float32 token-exact test runs once, in the main suite.
+FILES = ["tests/test_engine_exact.py", "tests/test_bf16.py", "tests/test_logits_f32.py",
+         "tests/test_real_model.py::test_demo_answers_through_the_server"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

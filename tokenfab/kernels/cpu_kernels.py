@@ -8,8 +8,8 @@ from the block table (no gathered copy of the context), the causal softmax of pr
 attention of a decode-only step (MLA and grouped-query) and sampling without top-k / top-p.
 
 The extension is built with ``torch.utils.cpp_extension.load`` by :mod:`tokenfab.kernels.cpu_kernels_build`
-(needs a C++ compiler; ninja comes with tokenfab's dependencies; a few minutes on 2 cores once, 9-13 minutes when
-other jobs share them, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>-<digest>``, override
+(needs a C++ compiler; ninja comes with tokenfab's dependencies; about 2 minutes once on a quiet 2-core machine,
+longer when other jobs share the cores, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>-<digest>``, override
 with ``TOKENFAB_KERNEL_CACHE``); :func:`load` / :func:`load_error` come from there.
 ``TOKENFAB_CPU_KERNELS=0`` disables them; a failed build logs one warning and every caller keeps its PyTorch path.
 Only CPU tensors take these paths; CUDA/ROCm use their own.
