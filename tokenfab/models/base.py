@@ -340,7 +340,7 @@ class CausalLM(nn.Module):
             self.model.embed_tokens.qweight.prepare()
         if getattr(self, "_lm_head_qweight", None) is not None:
             self._lm_head_qweight.prepare()
-        self.pack_lm_head()
+        CausalLM.pack_lm_head(self)  # also for modules that borrow post_load (models/deepseek_mtp.py)
 
     def pack_lm_head(self) -> None:
         """Give the LM head, tied or not, tokenfab's VNNI-packed copy when that kernel runs here (CPU bf16 with
