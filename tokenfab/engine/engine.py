@@ -66,9 +66,11 @@ class LLMEngine:
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer
         self.device, self.dtype = loaded.device, loaded.dtype
-        if self.device.type == "cpu":  # build (once per machine) or load the fused CPU kernels now, not mid-request
-            from tokenfab.kernels import cpu_kernels
-            cpu_kernels.load()
+        from tokenfab.kernels import cpu_kernels_build
+        host_experts = (getattr(config, "host_experts", None) is not None
+                        or getattr(config, "num_device_experts", None) is not None)
+        if cpu_kernels_build.wanted(self.device, host_experts):  # build (once per machine) or load the fused CPU
+            cpu_kernels_build.load()  # kernels now, not mid-request; a GPU engine without host experts never does
         self.max_model_len = config.max_model_len
         bs = config.block_size
         self.block_manager = BlockManager(config.num_kv_blocks, bs, config.max_num_seqs, config.max_model_len)

@@ -122,6 +122,7 @@ class ModelRunner:
         self.sampler = sampler
         if sampler is not None:
             sampler.batch_invariant = batch_invariant  # each row drawn by its own kind of draw, whatever its mates
+            sampler.use_cpu_kernels = device.type == "cpu"  # a GPU engine's logits draw in PyTorch: no kernel build
         if sampler is not None:  # penalties, min_p, logit_bias, allowed_token_ids, bad_words by row (logits_state.py)
             sampler.processors = LogitsProcessorState(max_num_seqs, model.cfg.vocab_size, self.token_ids)
         self.eos_ids: list[int] = []

@@ -93,6 +93,9 @@ class Sampler:
         # batch-invariant mode (the model runner sets it): rows without top-k / top-p are always drawn by sample_plain
         # and the others by the sorted path, so a row's draw does not depend on which kinds of rows share its batch
         self.batch_invariant = False
+        # the C++ draw (cpu_kernels.sample_plain) for plain rows; the model runner sets it to whether its device is the
+        # CPU: a GPU engine samples its (CPU-side) logits in PyTorch and never builds the CPU kernels for it
+        self.use_cpu_kernels = True
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
         """One uniform in [0, 1) per row: unseeded rows from one call on the engine's RNG, seeded rows from the
@@ -166,9 +169,11 @@ class Sampler:
                 # min_p after temperature T is min_p ** T before it (apply_min_p), so the draw below stays fused
                 temps = torch.tensor([t if t >= 1e-5 else 1.0 for t in temp_list], dtype=torch.float32)
                 logits = apply_min_p(logits, proc.min_p.pow(temps))
-        plain_ok = logits.dtype == torch.float32 and cpu_kernels.available_for(logits)
         plain = [_unrestricted(p, V) for p in params]
-        if all(t < 1e-5 for t in temp_list):
+        greedy = all(t < 1e-5 for t in temp_list)
+        plain_ok = (not greedy and self.use_cpu_kernels and logits.dtype == torch.float32
+                    and cpu_kernels.available_for(logits))  # asked after greedy: an argmax needs no kernels
+        if greedy:
             token_ids = logits.argmax(dim=-1)
         elif plain_ok and all(plain):
             temps = torch.tensor(temp_list, dtype=torch.float32)  # one pass per row in C++
