@@ -154,7 +154,7 @@ def test_bit_identical_alone_in_any_batch_and_any_chunking(tiny_model, family):
 def _chosen_logprobs(llm: LLM, reqs, i: int) -> list[float]:
     """Logprobs of the tokens request ``i`` of ``reqs`` generated (run as one batch)."""
     c = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)[i].outputs[0]
-    return [d[t] for d, t in zip(c.logprobs, c.token_ids)]
+    return [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
 
 
 def test_default_mode_is_not_batch_invariant(tiny_model):

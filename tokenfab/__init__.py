@@ -1,4 +1,5 @@
 """tokenfab: an LLM inference and serving engine (paged KV cache, continuous batching, MLA + MoE models)."""
+from tokenfab.logprobs import Logprob
 from tokenfab.outputs import CompletionOutput, RequestOutput
 from tokenfab.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
@@ -13,4 +14,4 @@ def __getattr__(name):  # lazy: importing tokenfab must not pull torch for the C
 
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
-           "CompletionOutput", "__version__"]
+           "CompletionOutput", "Logprob", "__version__"]

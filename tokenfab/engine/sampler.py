@@ -24,13 +24,15 @@ from tokenfab.kernels import cpu_kernels
 
 @dataclass
 class SamplerOutput:
-    """token_ids [N] int64; logprobs [N] float32 of the chosen tokens; top_ids / top_logprobs [N, K] (K = the largest
-    ``logprobs`` asked for in the batch; None when no row asked)."""
+    """token_ids [N] int64; logprobs [N] float32 of the chosen tokens and ranks [N] int64 (their vocabulary ranks,
+    :func:`token_logprobs`); top_ids / top_logprobs [N, K] (K = the largest ``logprobs`` asked for in the batch;
+    None when no row asked)."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    ranks: torch.Tensor | None = None
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -71,6 +73,19 @@ def top_logprobs(logp: torch.Tensor, k: int, ties_by_id: bool = False) -> tuple[
         return logp.topk(k, dim=-1)
     vals, ids = logp.sort(dim=-1, descending=True, stable=True)
     return vals[:, :k], ids[:, :k]
+
+
+def token_logprobs(logp: torch.Tensor, token_ids: torch.Tensor, k: int, ties_by_id: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """What a row's logprobs output needs from its log-probabilities ``logp`` [N, V]: (the logprob of each row's
+    ``token_ids`` entry [N], its rank [N] int64, top ids [N, k], top values [N, k]; the top two None when k is 0).
+
+    The rank is vLLM's: how many of the row's V logprobs are at least the token's own (itself included), 1 for the
+    most likely token. ``ties_by_id``: as :func:`top_logprobs`."""
+    chosen = logp.gather(1, token_ids.unsqueeze(1))
+    ranks = (logp >= chosen).sum(dim=-1)
+    top_vals, top_ids = top_logprobs(logp, k, ties_by_id) if k > 0 else (None, None)
+    return chosen.squeeze(1), ranks, top_ids, top_vals
 
 
 def _unrestricted(params, vocab_size: int) -> bool:
@@ -192,10 +207,5 @@ class Sampler:
         if not want:
             return SamplerOutput(token_ids, None, None, None)
         logp = torch.log_softmax(raw_logits, dim=-1)
-        chosen = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        k = max(want)
-        if k > 0:
-            top_vals, top_ids = top_logprobs(logp, k, self.batch_invariant)
-        else:
-            top_vals = top_ids = None
-        return SamplerOutput(token_ids, chosen, top_ids, top_vals)
+        chosen, ranks, top_ids, top_vals = token_logprobs(logp, token_ids, max(want), self.batch_invariant)
+        return SamplerOutput(token_ids, chosen, top_ids, top_vals, ranks)
