@@ -99,8 +99,7 @@ def child_tokenfab(a) -> dict:
                        use_tqdm=False)[0]
     wall = time.perf_counter() - t
     peak = _status_kib("VmHWM")
-    vals = (out.prompt_logprobs[i][p[i]] for i in range(1, a.n))
-    lp = np.array([getattr(v, "logprob", v) for v in vals], dtype=np.float32)
+    lp = np.array([out.prompt_logprobs[i][p[i]].logprob for i in range(1, a.n)], dtype=np.float32)
     np.save(a.npy, lp)
     cfg = llm.llm_engine.config
     mp = plan_memory(a.ckpt, 1, 1 << 40, max_model_len=max_len, kv_cache_dtype="float32", activation_reserve=0)

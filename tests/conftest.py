@@ -80,5 +80,5 @@ def max_prompt_logprob_gap(ref, got, label: str) -> float:
         assert len(g.prompt_logprobs) == len(r.prompt_logprobs)
         for a, b in zip(r.prompt_logprobs[1:], g.prompt_logprobs[1:]):
             assert a.keys() == b.keys()
-            worst = max(worst, max(abs(a[k] - b[k]) for k in a))
+            worst = max(worst, max(abs(a[k].logprob - b[k].logprob) for k in a))
     return worst

@@ -318,12 +318,22 @@ def test_vllm_flags_reach_the_result(fake_server, tokenizer_dir, tmp_path, monke
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     assert result["goodput_slos_ms"] == {"ttft": 10000.0, "tpot": 10000.0}
     path = result["result_path"]
-    assert os.path.basename(path).startswith("mylabel-inf") and os.path.dirname(path) == str(tmp_path)
     saved = json.load(open(path))
+    # named after the served model, as clients call it, not after the folder the server reads (its root)
+    assert os.path.basename(path) == f"mylabel-infqps-concurrency2-fake-model-{saved['date']}.json"
+    assert os.path.dirname(path) == str(tmp_path)
     assert saved["label"] == "mylabel" and saved["tp"] == "1" and saved["hw"] == "cpu"
     for key in ("input_lens", "output_lens", "start_times", "ttfts", "itls", "generated_texts", "errors"):
         assert key not in saved, key                        # vLLM keeps them only with --save-detailed
     assert "latencies" in saved and saved["backend"] == "vllm"
+
+
+def test_result_filename_names_the_model_as_given():
+    from tokenfab.bench.serve import result_filename
+    args = build_parser().parse_args(["--max-concurrency", "4", "--model", "org/Some-Model"])
+    assert result_filename(args, "served", "D") == "openai-infqps-concurrency4-Some-Model-D.json"
+    args = build_parser().parse_args(["--request-rate", "2", "--label", "x"])  # no --model: the served name
+    assert result_filename(args, "SmolLM2-135M-Instruct", "D") == "x-2.0qps-SmolLM2-135M-Instruct-D.json"
 
 
 def test_save_detailed_and_append(fake_server, tokenizer_dir, tmp_path):

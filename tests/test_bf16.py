@@ -27,7 +27,7 @@ def test_bf16_kl_against_fp32_reference(tiny_model, family):
         for i in range(1, len(p)):
             d = o.prompt_logprobs[i]
             ours = torch.full((512,), float("-inf"))
-            ours[list(d.keys())] = torch.tensor(list(d.values()))
+            ours[list(d.keys())] = torch.tensor([e.logprob for e in d.values()])
             r = ref_lp[i - 1]
             kls.append(float((r.exp() * (r - ours)).sum()))
     mean_kl, max_kl = sum(kls) / len(kls), max(kls)
@@ -57,8 +57,8 @@ def test_bf16_hybrid_models_run_and_stay_close_to_fp32(tmp_path, tokenizer_dir, 
     kls = []
     for a, b in zip(runs["float32"].prompt_logprobs[1:], runs["bfloat16"].prompt_logprobs[1:]):
         common = [t for t in a if t in b]
-        pa = torch.tensor([a[t] for t in common]).exp()
-        kls.append(float((pa * (torch.tensor([a[t] for t in common]) - torch.tensor([b[t] for t in common]))).sum()))
+        la, lb = (torch.tensor([d[t].logprob for t in common]) for d in (a, b))
+        kls.append(float((la.exp() * (la - lb)).sum()))
     mean_kl = sum(kls) / len(kls)
     print(f"\n{kind}: bf16 vs fp32 (top-20 restricted) KL mean {mean_kl:.2e}")
     assert abs(mean_kl) < 5e-2

@@ -38,10 +38,10 @@ def check_family(path: str, prompts: list[list[int]], **engine_kw):
         # prompt logprobs: position i predicted from logits at i-1
         assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == len(p)
         for i in range(1, len(p)):
-            worst = max(worst, abs(o.prompt_logprobs[i][p[i]] - lp[i - 1, p[i]].item()))
+            worst = max(worst, abs(o.prompt_logprobs[i][p[i]].logprob - lp[i - 1, p[i]].item()))
         # decode-path logprobs of the generated tokens
         for j, tok in enumerate(expected):
-            worst = max(worst, abs(o.outputs[0].logprobs[j][tok] - lp[len(p) + j - 1, tok].item()))
+            worst = max(worst, abs(o.outputs[0].logprobs[j][tok].logprob - lp[len(p) + j - 1, tok].item()))
     return llm, worst
 
 

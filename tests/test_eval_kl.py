@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tokenfab import Logprob
 from tokenfab.eval.kl import (dense_from_logprob_dicts, kl_divergence, load_rows, run_kl, summarize,
                               top1_agreement)
 from tokenfab.testing.tiny_checkpoints import FAMILIES, make_tiny_checkpoint
@@ -52,11 +53,11 @@ def test_kl_infinite_when_test_gives_zero_mass():
 
 
 def test_dense_from_dicts_and_partial_dict_error():
-    d = [{2: math.log(0.5), 0: math.log(0.25), 1: math.log(0.25)}]
+    d = [{2: Logprob(math.log(0.5)), 0: Logprob(math.log(0.25)), 1: Logprob(math.log(0.25))}]  # as the engine
     dense = dense_from_logprob_dicts(d, 3)
     assert torch.allclose(dense.exp(), torch.tensor([[0.25, 0.25, 0.5]], dtype=torch.float64))
     with pytest.raises(ValueError, match="full vocabulary"):
-        dense_from_logprob_dicts([{0: 0.0}], 3)
+        dense_from_logprob_dicts([{0: Logprob(0.0)}], 3)
 
 
 def test_summarize_counts():

@@ -70,7 +70,7 @@ def assert_same(ref, got, label: str, tol: float = 1e-5) -> float:
         assert g.outputs[0].token_ids == r.outputs[0].token_ids, f"{label}: greedy tokens differ"
         for a, b in zip(r.prompt_logprobs[1:], g.prompt_logprobs[1:]):
             assert a.keys() == b.keys()
-            worst = max(worst, max(abs(a[k] - b[k]) for k in a))
+            worst = max(worst, max(abs(a[k].logprob - b[k].logprob) for k in a))
     assert worst <= tol, f"{label}: max |d prompt logprob| = {worst}"
     return worst
 

@@ -94,10 +94,10 @@ def run_and_compare(llm: LLM, ref, prompts: list[list[int]], gen: int = GEN) -> 
         full = p + toks
         lp = reference_logprobs(ref, full)
         for i in range(1, len(p)):
-            worst = max(worst, abs(o.prompt_logprobs[i][p[i]] - lp[i - 1, p[i]].item()))
+            worst = max(worst, abs(o.prompt_logprobs[i][p[i]].logprob - lp[i - 1, p[i]].item()))
         for j, d in enumerate(o.outputs[0].logprobs):
             pos = len(p) + j
-            worst = max(worst, abs(d[full[pos]] - lp[pos - 1, full[pos]].item()))
+            worst = max(worst, abs(d[full[pos]].logprob - lp[pos - 1, full[pos]].item()))
     return worst
 
 

@@ -65,8 +65,7 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def _prompt_logprobs(out, prompt) -> np.ndarray:
-    vals = (out.prompt_logprobs[i][prompt[i]] for i in range(1, len(prompt)))
-    return np.array([getattr(v, "logprob", v) for v in vals])
+    return np.array([out.prompt_logprobs[i][prompt[i]].logprob for i in range(1, len(prompt))])
 
 
 def _reference_logprobs(path, prompt) -> tuple[np.ndarray, int]:

@@ -257,7 +257,7 @@ def _compare(a_outs, b_outs, prompts):
     worst = 0.0
     for p, a, b in zip(prompts, a_outs, b_outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        worst = max(worst, max(abs(a.prompt_logprobs[i][p[i]] - b.prompt_logprobs[i][p[i]])
+        worst = max(worst, max(abs(a.prompt_logprobs[i][p[i]].logprob - b.prompt_logprobs[i][p[i]].logprob)
                                for i in range(1, len(p))))
     return worst
 

@@ -281,7 +281,7 @@ def test_yarn_positions_past_the_original_window_exact_with_cached_blocks(tiny_m
     full = prompt + out.token_ids
     lp = reference_logprobs(ref, full)
     assert out.token_ids == lp[len(prompt) - 1:-1].argmax(-1).tolist()
-    worst = max(abs(d[full[len(prompt) + j]] - lp[len(prompt) + j - 1, full[len(prompt) + j]].item())
+    worst = max(abs(d[full[len(prompt) + j]].logprob - lp[len(prompt) + j - 1, full[len(prompt) + j]].item())
                 for j, d in enumerate(out.logprobs))
     assert worst < 1e-4, worst
 

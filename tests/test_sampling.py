@@ -128,7 +128,7 @@ def test_logprobs_top_k_and_max_model_len(llm, ref):
     d = o.logprobs[0]
     assert set(d) == set(top.indices.tolist())  # greedy token is the top-1, so 5 entries
     for t, v in zip(top.indices.tolist(), top.values.tolist()):
-        assert abs(d[t] - v) < 1e-4
+        assert abs(d[t].logprob - v) < 1e-4
     long_prompt = [5] * 120
     o = llm.generate([{"prompt_token_ids": long_prompt}], SamplingParams(max_tokens=50, ignore_eos=True))[0]
     assert len(o.outputs[0].token_ids) == 128 - 120 and o.outputs[0].finish_reason == "length"

@@ -15,6 +15,7 @@ from server_fixtures import (  # noqa: F401
     server_model_dir,
     start_test_server,
 )
+from tokenfab import Logprob
 
 
 @pytest.fixture(scope="module")
@@ -287,10 +288,14 @@ def test_completion_top_logprobs_keep_the_chosen_token(server):
     fffd = [i for i in range(len(tok)) if tok.decode([i]) == "\ufffd"]
     assert len(fffd) >= 3
     a, b, c = fffd[:3]
-    lp = serving.completion_logprobs([a], [{a: -3.0, b: -1.0, c: -2.0, 7: -0.5}], 0)
+
+    def lps(d):  # the engine's {token_id: Logprob}
+        return {t: Logprob(v) for t, v in d.items()}
+
+    lp = serving.completion_logprobs([a], [lps({a: -3.0, b: -1.0, c: -2.0, 7: -0.5})], 0)
     assert lp["token_logprobs"] == [-3.0]
     top = lp["top_logprobs"][0]
     assert top["\ufffd"] == -3.0 and top[tok.decode([7])] == -0.5 and len(top) == 2
     assert list(top.values()) == sorted(top.values(), reverse=True)
-    lp = serving.completion_logprobs([7], [{7: -0.5, b: -1.0, c: -2.0}], 0)
+    lp = serving.completion_logprobs([7], [lps({7: -0.5, b: -1.0, c: -2.0})], 0)
     assert lp["top_logprobs"][0] == {tok.decode([7]): -0.5, "\ufffd": -1.0}

@@ -353,7 +353,7 @@ def test_rows_with_logprobs_are_speculated_with_the_same_logprobs(tiny_model):
         assert len(a.outputs[0].logprobs) == len(b.outputs[0].logprobs) == 12
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert set(x) == set(y)
-            assert all(abs(x[t] - y[t]) < 1e-5 for t in x)
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-5 for t in x)
     assert out[2].outputs[0].logprobs is None
 
 

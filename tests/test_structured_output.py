@@ -150,7 +150,7 @@ def test_greedy_choice_is_the_best_scoring_choice(llama):
                       use_tqdm=False)[0].outputs[0].logprobs[0]
     full = llm.generate([{"prompt_token_ids": prompt + [ta[0]]}, {"prompt_token_ids": prompt + [tb[0]]}],
                         SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    la, lb = full[0].prompt_logprobs[-1][ta[0]], full[1].prompt_logprobs[-1][tb[0]]
+    la, lb = full[0].prompt_logprobs[-1][ta[0]].logprob, full[1].prompt_logprobs[-1][tb[0]].logprob
     assert got == (a if la > lb else b), (got, la, lb, lp)
 
 

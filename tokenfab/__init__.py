@@ -3,6 +3,7 @@ from tokenfab.kernels.cpu_isa import apply_library_caps as _apply_cpu_isa_caps
 
 _apply_cpu_isa_caps()  # TOKENFAB_CPU_ISA caps oneDNN and ATen before either reads its setting
 
+from tokenfab.logprobs import Logprob
 from tokenfab.outputs import CompletionOutput, RequestOutput
 from tokenfab.sampling_params import GuidedDecodingParams, SamplingParams, StructuredOutputsParams
 
@@ -17,4 +18,4 @@ def __getattr__(name):  # lazy: importing tokenfab must not pull torch for the C
 
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "GuidedDecodingParams", "RequestOutput",
-           "CompletionOutput", "__version__"]
+           "CompletionOutput", "Logprob", "__version__"]

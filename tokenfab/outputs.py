@@ -3,15 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# One position's logprobs: {token_id: logprob} holding the chosen token and the top-k alternatives.
-Logprobs = dict[int, float]
+from tokenfab.logprobs import Logprob
+
+# One position's logprobs: {token_id: Logprob} holding the chosen token and the top-k alternatives (vLLM's shape).
+Logprobs = dict[int, Logprob]
 
 
 @dataclass
 class CompletionOutput:
     """One generated sequence.
 
-    ``token_ids``: generated token ids; ``logprobs``: one dict per generated token (None unless asked for);
+    ``token_ids``: generated token ids; ``logprobs``: one ``{token_id: Logprob}`` dict per generated token, the
+    sampled token and the top ``SamplingParams.logprobs`` alternatives (None unless asked for; tokenfab/logprobs.py);
     ``finish_reason``: "stop" (EOS, stop string or stop token), "length" (max_tokens or max_model_len), "abort",
     "error" (the engine failed this request, see ``RequestOutput.error``), or None while running.
     """
@@ -44,7 +47,7 @@ class RequestOutput:
     """The state of one request after an engine step (or at the end of ``LLM.generate``).
 
     ``prompt_logprobs`` has one entry per prompt position: None for position 0 (nothing predicts it), then a
-    {token_id: logprob} dict holding the actual prompt token and the top alternatives.
+    ``{token_id: Logprob}`` dict holding the actual prompt token and the top alternatives (tokenfab/logprobs.py).
     """
 
     request_id: str

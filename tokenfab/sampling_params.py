@@ -25,8 +25,9 @@ class SamplingParams:
         stop_token_ids: extra token ids that end generation (besides the model's EOS).
         ignore_eos: keep generating after EOS (benchmarks).
         logprobs: number of top logprobs to return per generated token (the sampled token's logprob is always
-            included); None returns none.
-        prompt_logprobs: number of top logprobs per prompt position; None returns none.
+            included), each a ``{token_id: Logprob}`` dict (tokenfab/logprobs.py); None returns none.
+        prompt_logprobs: number of top logprobs per prompt position (the prompt token's always included); None
+            returns none.
         presence_penalty: in [-2, 2]; subtracted once from the logit of every token already in the output.
         frequency_penalty: in [-2, 2]; subtracted from a token's logit once per occurrence in the output.
         repetition_penalty: > 0 (1 disables); tokens in the prompt or the output get logit / r where the logit is

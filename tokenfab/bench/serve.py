@@ -259,13 +259,17 @@ def format_result(result: dict[str, Any], metric_names: list[str], percentiles: 
     return "\n".join(lines)
 
 
-def result_filename(args: argparse.Namespace, model_id: str, date: str) -> str:
-    """vLLM's default name ``{label}-{rate}qps[-concurrencyN]-{model basename}-{date}.json`` (label: ``--label``,
-    else ``--backend``), or ``--result-filename``; inside ``--result-dir`` when given."""
+def result_filename(args: argparse.Namespace, model_name: str, date: str) -> str:
+    """vLLM's default name ``{label}-{rate}qps[-concurrencyN]-{model}-{date}.json`` (label: ``--label``, else
+    ``--backend``), or ``--result-filename``; inside ``--result-dir`` when given.
+
+    ``{model}`` is the last path part of ``--model`` when given, else of ``model_name``, the served model name (the
+    first ``/v1/models`` id, or ``--served-model-name``): the name clients use, never the folder the server reads
+    (``/v1/models`` root: for a GGUF file or the default model, a cache folder)."""
     conc = f"-concurrency{args.max_concurrency}" if args.max_concurrency is not None else ""
     label = getattr(args, "label", None) or args.backend
-    name = args.result_filename or (
-        f"{label}-{args.request_rate}qps{conc}-{os.path.basename(model_id.rstrip('/'))}-{date}.json")
+    model = (getattr(args, "model", None) or model_name).rstrip("/").split("/")[-1]
+    name = args.result_filename or f"{label}-{args.request_rate}qps{conc}-{model}-{date}.json"
     if args.result_dir:
         os.makedirs(args.result_dir, exist_ok=True)
         name = os.path.join(args.result_dir, name)
@@ -518,7 +522,7 @@ def run_bench_serve(args: argparse.Namespace) -> dict[str, Any]:
             result.pop(key, None)
 
     if args.save_result or args.append_result:
-        path = result_filename(args, model_id, date)
+        path = result_filename(args, model_name, date)
         with open(path, "a" if args.append_result else "w") as f:
             if args.append_result:  # one JSON object per line, as vLLM appends
                 if f.tell() != 0:

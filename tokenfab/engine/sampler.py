@@ -24,13 +24,15 @@ from tokenfab.kernels import cpu_kernels
 
 @dataclass
 class SamplerOutput:
-    """token_ids [N] int64; logprobs [N] float32 of the chosen tokens; top_ids / top_logprobs [N, K] (K = the largest
-    ``logprobs`` asked for in the batch; None when no row asked)."""
+    """token_ids [N] int64; logprobs [N] float32 of the chosen tokens and ranks [N] int64 (their vocabulary ranks,
+    :func:`token_logprobs`); top_ids / top_logprobs [N, K] (K = the largest ``logprobs`` asked for in the batch;
+    None when no row asked)."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor | None
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
+    ranks: torch.Tensor | None = None
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -73,6 +75,19 @@ def top_logprobs(logp: torch.Tensor, k: int, ties_by_id: bool = False) -> tuple[
     return vals[:, :k], ids[:, :k]
 
 
+def token_logprobs(logp: torch.Tensor, token_ids: torch.Tensor, k: int, ties_by_id: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """What a row's logprobs output needs from its log-probabilities ``logp`` [N, V]: (the logprob of each row's
+    ``token_ids`` entry [N], its rank [N] int64, top ids [N, k], top values [N, k]; the top two None when k is 0).
+
+    The rank is vLLM's: how many of the row's V logprobs are at least the token's own (itself included), 1 for the
+    most likely token. ``ties_by_id``: as :func:`top_logprobs`."""
+    chosen = logp.gather(1, token_ids.unsqueeze(1))
+    ranks = (logp >= chosen).sum(dim=-1)
+    top_vals, top_ids = top_logprobs(logp, k, ties_by_id) if k > 0 else (None, None)
+    return chosen.squeeze(1), ranks, top_ids, top_vals
+
+
 def _unrestricted(params, vocab_size: int) -> bool:
     """True when a row draws from its whole vocabulary: no top-k below it, no top-p below 1 (sample_plain's rows)."""
     return (params.top_k <= 0 or params.top_k >= vocab_size) and params.top_p >= 1.0
@@ -93,6 +108,9 @@ class Sampler:
         # batch-invariant mode (the model runner sets it): rows without top-k / top-p are always drawn by sample_plain
         # and the others by the sorted path, so a row's draw does not depend on which kinds of rows share its batch
         self.batch_invariant = False
+        # the C++ draw (cpu_kernels.sample_plain) for plain rows; the model runner sets it to whether its device is the
+        # CPU: a GPU engine samples its (CPU-side) logits in PyTorch and never builds the CPU kernels for it
+        self.use_cpu_kernels = True
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
         """One uniform in [0, 1) per row: unseeded rows from one call on the engine's RNG, seeded rows from the
@@ -166,9 +184,11 @@ class Sampler:
                 # min_p after temperature T is min_p ** T before it (apply_min_p), so the draw below stays fused
                 temps = torch.tensor([t if t >= 1e-5 else 1.0 for t in temp_list], dtype=torch.float32)
                 logits = apply_min_p(logits, proc.min_p.pow(temps))
-        plain_ok = logits.dtype == torch.float32 and cpu_kernels.available_for(logits)
         plain = [_unrestricted(p, V) for p in params]
-        if all(t < 1e-5 for t in temp_list):
+        greedy = all(t < 1e-5 for t in temp_list)
+        plain_ok = (not greedy and self.use_cpu_kernels and logits.dtype == torch.float32
+                    and cpu_kernels.available_for(logits))  # asked after greedy: an argmax needs no kernels
+        if greedy:
             token_ids = logits.argmax(dim=-1)
         elif plain_ok and all(plain):
             temps = torch.tensor(temp_list, dtype=torch.float32)  # one pass per row in C++
@@ -187,10 +207,5 @@ class Sampler:
         if not want:
             return SamplerOutput(token_ids, None, None, None)
         logp = torch.log_softmax(raw_logits, dim=-1)
-        chosen = logp.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-        k = max(want)
-        if k > 0:
-            top_vals, top_ids = top_logprobs(logp, k, self.batch_invariant)
-        else:
-            top_vals = top_ids = None
-        return SamplerOutput(token_ids, chosen, top_ids, top_vals)
+        chosen, ranks, top_ids, top_vals = token_logprobs(logp, token_ids, max(want), self.batch_invariant)
+        return SamplerOutput(token_ids, chosen, top_ids, top_vals, ranks)

@@ -5,6 +5,7 @@ import enum
 
 import torch
 
+from tokenfab.logprobs import Logprob
 from tokenfab.sampling_params import SamplingParams
 
 
@@ -45,9 +46,9 @@ class Sequence:
         self.arrival_time = arrival_time
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.output_logprobs: list[dict[int, float]] = []
+        self.output_logprobs: list[dict[int, Logprob]] = []  # tokenfab/logprobs.py
         self.cumulative_logprob = 0.0
-        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None

@@ -19,10 +19,12 @@ Paths:
   The reference is run teacher-forced on prompt + generated tokens in one forward.
 
 tokenfab's full distribution is read with ``prompt_logprobs=vocab_size`` / ``logprobs=vocab_size``: the engine
-returns one ``{token_id: logprob}`` dict per position, so the cost is O(positions x vocab) Python objects: about
-1 us and ~100 bytes per (position, token) entry on one CPU core (measured: ~1.2 s for 135 positions x 8192 tokens),
-fine for vocabularies of a few thousand but too heavy for 100k+ vocabularies (2048 positions x 160k = 330M entries:
-minutes and tens of GB per row). Those need a full-distribution hook in the engine (dense log-softmax rows).
+returns one ``{token_id: Logprob}`` dict per position (vLLM's shape, tokenfab/logprobs.py), so the cost is
+O(positions x vocab) Python objects: ~120-150 bytes per (position, token) entry and, measured on a 2-core VM at load
+10, 3.9 s for 135 positions x 8192 tokens (1.4 s with the float dicts before Logprob objects, same run; ~1.2 s when
+quiet), fine for vocabularies of a few thousand but too heavy for 100k+ vocabularies (2048 positions x 160k = 330M
+entries: many minutes and tens of GB per row). Those need a full-distribution hook in the engine (dense log-softmax
+rows).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ import numpy as np
 import torch
 
 from tokenfab.eval import usage_error
+from tokenfab.logprobs import Logprob
 
 PATHS = ("prefill", "decode_greedy", "decode_sampled")
 
@@ -73,8 +76,8 @@ def top1_agreement(ref_logprobs: torch.Tensor, test_logprobs: torch.Tensor) -> t
     return ref_logprobs.argmax(dim=-1) == test_logprobs.argmax(dim=-1)
 
 
-def dense_from_logprob_dicts(dicts: Sequence[dict[int, float]], vocab_size: int) -> torch.Tensor:
-    """Engine logprob dicts (one ``{token_id: logprob}`` per position, as in RequestOutput) -> float64 [N, V].
+def dense_from_logprob_dicts(dicts: Sequence[dict[int, Logprob]], vocab_size: int) -> torch.Tensor:
+    """Engine logprob dicts (one ``{token_id: Logprob}`` per position, as in RequestOutput) -> float64 [N, V].
 
     Raises:
         ValueError: a dict does not hold the whole vocabulary (the run was not asked for ``vocab_size`` logprobs).
@@ -86,7 +89,7 @@ def dense_from_logprob_dicts(dicts: Sequence[dict[int, float]], vocab_size: int)
             raise usage_error(f"position {i} has {n} logprobs, not the full vocabulary ({vocab_size}); request "
                              f"logprobs / prompt_logprobs = vocab_size.")
         keys = np.fromiter(d.keys(), dtype=np.int64, count=vocab_size)
-        vals = np.fromiter(d.values(), dtype=np.float64, count=vocab_size)
+        vals = np.fromiter((e.logprob for e in d.values()), dtype=np.float64, count=vocab_size)
         out[i, torch.from_numpy(keys)] = torch.from_numpy(vals)
     return out
 

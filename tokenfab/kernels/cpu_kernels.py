@@ -12,7 +12,8 @@ The extension is built with ``torch.utils.cpp_extension.load`` by :mod:`tokenfab
 longer when other jobs share the cores, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>-<digest>``, override
 with ``TOKENFAB_KERNEL_CACHE``); :func:`load` / :func:`load_error` come from there.
 ``TOKENFAB_CPU_KERNELS=0`` disables them; a failed build logs one warning and every caller keeps its PyTorch path.
-Only CPU tensors take these paths; CUDA/ROCm use their own.
+Only CPU tensors take these paths; CUDA/ROCm use their own, and an engine there builds these kernels only when
+routed experts run on the host (:func:`~tokenfab.kernels.cpu_kernels_build.wanted`).
 """
 from __future__ import annotations
 

@@ -53,6 +53,14 @@ def _sources() -> list[str]:
     return [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith((".cpp", ".h"))]
 
 
+def wanted(device: torch.device | str, host_experts: bool = False) -> bool:
+    """True when an engine on ``device`` runs the fused CPU kernels, so that it builds (or loads) them at start, not
+    mid-request: a CPU device, or routed experts computed on the host (``host_experts`` / ``num_device_experts``)
+    beside an accelerator. On CUDA/ROCm with every expert on the device no CPU path runs them, and nothing builds
+    them (the build costs minutes on a fresh machine)."""
+    return torch.device(device).type == "cpu" or bool(host_experts)
+
+
 def load():
     """The compiled extension module, or None when disabled or the build failed (reason in :func:`load_error`)."""
     global _module, _tried, _error

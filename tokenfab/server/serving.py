@@ -10,6 +10,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from tokenfab.engine.scheduling_policy import check_priority
+from tokenfab.logprobs import Logprob
 from tokenfab.outputs import RequestOutput
 from tokenfab.request_validation import check_token_ids
 from tokenfab.sampling_params import SamplingParams
@@ -197,7 +198,7 @@ class OpenAIServing:
         return text, ids
 
     # ------------------------------------------------------------------------------------------- logprobs
-    def completion_logprobs(self, token_ids: list[int], lps: list[dict], offset0: int) -> dict:
+    def completion_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], offset0: int) -> dict:
         """OpenAI completions shape: tokens, token_logprobs, top_logprobs (dict per position, text -> logprob, most
         likely first), text_offset.
 
@@ -206,7 +207,8 @@ class OpenAIServing:
         its own logprob (= ``token_logprobs``), and among other ids with one text the most likely one is kept."""
         tokens, token_lps, tops, offsets = [], [], [], []
         off = offset0
-        for tid, d in zip(token_ids, lps):
+        for tid, entries in zip(token_ids, lps):
+            d = {t: e.logprob for t, e in entries.items()}  # the engine's {token_id: Logprob}
             s = self.token_text(tid)
             tokens.append(s)
             lp = d.get(tid)
@@ -219,7 +221,8 @@ class OpenAIServing:
             off += len(s)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
-    def echo_logprobs(self, prompt_ids: list[int], prompt_lps: list, token_ids: list[int], lps: list[dict]) -> dict:
+    def echo_logprobs(self, prompt_ids: list[int], prompt_lps: list, token_ids: list[int],
+                      lps: list[dict[int, Logprob]]) -> dict:
         """Completions logprobs of echo + logprobs: the prompt's positions (from the engine's prompt_logprobs)
         followed by the generated ones, as OpenAI's legacy API and vLLM return them. Position 0 has nothing that
         predicts it: its ``token_logprobs`` and ``top_logprobs`` entries are None. Logprobs are natural-log
@@ -232,10 +235,11 @@ class OpenAIServing:
                 "top_logprobs": [None] + head["top_logprobs"] + tail["top_logprobs"],
                 "text_offset": [0] + head["text_offset"] + tail["text_offset"]}
 
-    def chat_logprobs(self, token_ids: list[int], lps: list[dict], k: int) -> dict:
+    def chat_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], k: int) -> dict:
         """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
         content = []
-        for tid, d in zip(token_ids, lps):
+        for tid, entries in zip(token_ids, lps):
+            d = {t: e.logprob for t, e in entries.items()}  # the engine's {token_id: Logprob}
             s = self.token_text(tid)
             top = sorted(d.items(), key=lambda kv: -kv[1])[:k] if k else []
             content.append({"token": s, "logprob": d.get(tid), "bytes": list(s.encode("utf-8")),

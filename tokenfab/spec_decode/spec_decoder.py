@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from tokenfab.engine.model_runner import StepOutput
-from tokenfab.engine.sampler import SamplerOutput, top_logprobs
+from tokenfab.engine.sampler import SamplerOutput, token_logprobs
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.sequence import SequenceStatus
 from tokenfab.spec_decode.config import SpeculativeConfig
@@ -318,9 +318,9 @@ class SpecDecoder:
             so = SamplerOutput(tok_j, None, None, None)
             if want_lp:  # the emitted token's logprob and the top ones at its position, from the raw logits
                 logp = torch.log_softmax(raw[torch.from_numpy(lv), j], dim=-1)
-                top = top_logprobs(logp, max(want_lp), eng.runner.batch_invariant) if max(want_lp) > 0 else None
-                so = SamplerOutput(tok_j, logp.gather(1, tok_j.unsqueeze(1)).squeeze(1),
-                                   None if top is None else top[1], None if top is None else top[0])
+                chosen, ranks, top_ids, top_vals = token_logprobs(logp, tok_j, max(want_lp),
+                                                                  eng.runner.batch_invariant)
+                so = SamplerOutput(tok_j, chosen, top_ids, top_vals, ranks)
             for o in eng._process(sub, StepOutput(np.arange(len(lv)), so, None)):
                 outputs[o.request_id] = o
         self._trim(spec_seqs)
