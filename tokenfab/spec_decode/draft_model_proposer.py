@@ -8,11 +8,12 @@ reserves the verification blocks (1 + k tokens) before :meth:`propose`, which wr
 Per sequence the proposer remembers how many leading positions of the draft pool are valid. A proposal first
 catches the draft up to the sequence (the prompt on the first proposal, then the tokens accepted since the last
 one; one forward over all rows, chunks as in chunked prefill), then runs kk - 1 one-token decode steps (the fused
-CPU decode stack where the draft allows; kk: the longest draft cap this step, at most k). Drafts are the draft's argmax for greedy rows and a draw from q (its
-distribution after the row's temperature / top-k / top-p) otherwise; a seeded row's draft j takes the uniform its
-own stream holds for that position, read without consuming it (rejection_sampler.DraftUniforms), so drafting never
-moves a seeded stream. After verification the valid prefix becomes min(written, tokens before the first rejected draft); a
-preempted sequence (its blocks were freed) starts over from 0.
+CPU decode stack where the draft allows; kk: the longest draft cap this step, at most k). Drafts are the draft's
+argmax for greedy rows and a draw from q (its distribution after the row's temperature / top-k / top-p) otherwise;
+a seeded row's draft j takes the uniform its own stream holds for that position, read without consuming it
+(rejection_sampler.DraftUniforms), so drafting never moves a seeded stream. After verification the valid prefix
+becomes min(written, tokens before the first rejected draft); a preempted sequence (its blocks were freed) starts
+over from 0.
 
 Its cost for the cost rule (:meth:`DraftModelProposer.drafting_cost`, spec_decode/drafting_cost.py): the forwards
 (prior: the draft/target weight-bytes ratio; then each proposal's measured seconds) and every row's catch-up beyond

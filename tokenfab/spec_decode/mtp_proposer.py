@@ -19,10 +19,10 @@ k - 1 one-token forwards over all rows, writing K/V at positions L - 1 .. L + k 
 (those of rejected drafts are overwritten later). With n > 1 every layer sees the same inputs at every position:
 the context from the target's hidden states in :meth:`observe`, each chained position from the drafting layer's
 previous output (n forwards per chained draft), so each layer's K/V is complete (vLLM writes layer i's K/V only
-at the chained positions it drafts). Tokens: argmax for greedy rows,
-else a draw from q (the row's temperature / top-k / top-p; the draft-model proposer's ``_draw``); a seeded row's
-draft j takes the uniform its own stream holds for that position without consuming it
-(rejection_sampler.DraftUniforms). Nothing to roll back after verification: the next :meth:`observe` writes the accepted positions.
+at the chained positions it drafts). Tokens: argmax for greedy rows, else a draw from q (the row's temperature /
+top-k / top-p; the draft-model proposer's ``_draw``); a seeded row's draft j takes the uniform its own stream holds
+for that position without consuming it (rejection_sampler.DraftUniforms). Nothing to roll back after verification:
+the next :meth:`observe` writes the accepted positions.
 
 Tensor parallel: the MTP layers run unsharded on rank 0, the engine's process, between target steps; the workers
 take no part (no step message of its own). Their inputs there are complete: the captured final hidden states are
