@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -29,6 +30,38 @@ def test_unknown_architecture(tiny_model, tmp_path, capsys):
     rc = main(["generate", path, "--prompt", "hi"])
     err = capsys.readouterr().err
     assert rc == 2 and "MambaForCausalLM" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+@pytest.mark.parametrize("file", ["config.json", "generation_config.json"])
+def test_malformed_json_is_one_line_naming_file_and_position(tiny_model, tmp_path, capsys, command, file):
+    """A config.json / generation_config.json that is not valid JSON (a trailing comma, line 3): an error naming
+    the file, line and column; the CLI prints that one line (exit status 2), no JSONDecodeError traceback."""
+    path = copy_ckpt(tiny_model("llama"), tmp_path / "m")
+    with open(os.path.join(path, file), "w") as f:
+        f.write('{\n  "model_type": "llama",\n}\n')
+    where = os.path.join(path, file)
+    with pytest.raises(ValueError, match=f"{re.escape(where)}: not valid JSON at line 3, column 1"):
+        LLM(path, progress=False)
+    rc = main([command, path] + (["--prompt", "hi"] if command == "generate" else ["--port", "0"]))
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{where}: not valid JSON at line 3, column 1" in err
+    assert "Traceback" not in err and "JSONDecodeError" not in err
+
+
+def test_missing_architectures_lists_every_supported_family(tmp_path):
+    """{"model_type": "llama"} without architectures: refused naming the field and the fix for that model_type,
+    with every architecture the registry holds (the Kimi families included: models/architectures.py)."""
+    from tokenfab.models.architectures import ARCHITECTURES
+    from tokenfab.models.registry import get_model_class
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ConfigError, match=r"field 'architectures' is missing.*\[.LlamaForCausalLM.\]") as e:
+        LLM(str(tmp_path), progress=False)
+    assert all(name in str(e.value) for name in ARCHITECTURES)
+    assert {"KimiLinearForCausalLM", "KimiK3ForConditionalGeneration"} <= set(ARCHITECTURES)
+    for a in ARCHITECTURES.values():  # every row builds: its class exists under the name it gives
+        cls = get_model_class(type("Cfg", (), {"family": a.family})())
+        assert cls.__name__ == a.cls
 
 
 def test_missing_and_unexpected_weight(tiny_model, tmp_path):

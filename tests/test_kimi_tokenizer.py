@@ -320,3 +320,58 @@ def test_bench_client_reads_the_kimi_folder(kimi_dir):
     for r in reqs:
         ids = tok.encode(r.prompt)
         assert r.prompt_len == len(ids) == 48 and not special & set(ids)
+
+
+def write_kimi_json_dir(root: str, tokenizer_dir: str, remote_tokenizer: bool) -> str:
+    """A tiny kimi_k2 checkpoint with a ``tokenizer.json`` (no tiktoken.model) and config.json as Kimi-K2 publishes
+    it: transformers 4.x ``rope_scaling`` (YaRN) with ``rope_theta`` at top level, ``auto_map`` to the checkpoint's
+    own configuration / modeling code. With ``remote_tokenizer`` tokenizer_config.json's ``auto_map`` also points at
+    a tokenization_kimi.py (which must never run)."""
+    from tokenfab.testing.tiny_checkpoints import make_tiny_checkpoint
+    path = make_tiny_checkpoint(os.path.join(root, "ckpt"), "deepseek_v3", vocab_size=512, tokenizer_dir=tokenizer_dir)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    rp = dict(cfg.pop("rope_parameters"))
+    theta = rp.pop("rope_theta")
+    rp["type"] = rp.pop("rope_type")
+    cfg.update(model_type="kimi_k2", rope_scaling=rp, rope_theta=theta,
+               auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                         "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if remote_tokenizer:
+        with open(os.path.join(path, "tokenizer_config.json")) as f:
+            tc = json.load(f)
+        tc.update(tokenizer_class="TikTokenTokenizer",
+                  auto_map={"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]})
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump(tc, f)
+    with open(os.path.join(path, "tokenization_kimi.py"), "w") as f:
+        f.write("import pathlib\npathlib.Path(__file__).with_name('REMOTE_CODE_RAN').touch()\n"
+                "raise RuntimeError('the checkpoint tokenizer code must not run')\n")
+    return path
+
+
+@pytest.mark.parametrize("remote_tokenizer", [False, True], ids=["plain", "auto_map"])
+def test_kimi_k2_with_tokenizer_json_loads_it_without_remote_code(tmp_path, tokenizer_dir, remote_tokenizer):
+    """The engine, the bench client and the model loader read the folder's tokenizer.json (the same ids as the
+    tokenizer it was written from, its chat template and special tokens) without transformers' AutoConfig, which
+    cannot build a kimi_k2 config (before: AttributeError 'PreTrainedConfig' object has no attribute
+    'max_position_embeddings'), and without running the folder's code (tokenizer_config.json's auto_map: before,
+    a request for trust_remote_code); a text prompt generates."""
+    from transformers import AutoTokenizer
+
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.bench.serve import load_tokenizer as bench_tokenizer
+    from tokenfab.engine.model_loader import load_tokenizer
+    kimi_json_dir = write_kimi_json_dir(str(tmp_path), tokenizer_dir, remote_tokenizer)
+    ref = AutoTokenizer.from_pretrained(tokenizer_dir)
+    text = "Hello world, the engine serves"
+    for tok in (load_tokenizer(kimi_json_dir), bench_tokenizer(kimi_json_dir)):
+        assert not isinstance(tok, TiktokenTokenizer)
+        assert tok.encode(text) == ref.encode(text) and tok.get_vocab() == ref.get_vocab()
+        assert (tok.eos_token, tok.bos_token) == (ref.eos_token, ref.bos_token) and tok.chat_template
+    llm = LLM(model=kimi_json_dir, dtype="float32", max_model_len=128, progress=False)
+    out = llm.generate(text, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ref.encode(text) and len(out.outputs[0].token_ids) == 4
+    assert not os.path.exists(os.path.join(kimi_json_dir, "REMOTE_CODE_RAN"))

@@ -16,23 +16,15 @@ from typing import Any
 
 from tokenfab.config_kimi import KIMI_ARCHITECTURES, KIMI_MODEL_TYPES, parse_kimi_config
 from tokenfab.model_config import ConfigError, ModelConfig, RopeConfig, eos_token_ids, yarn_get_mscale
+from tokenfab.models.architectures import ARCHITECTURES, architecture_for_model_type, supported_architectures_text
 
 __all__ = ["ConfigError", "ModelConfig", "RopeConfig", "yarn_get_mscale", "parse_config", "load_config",
-           "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "SUPPORTED_ACTIVATIONS"]
+           "SUPPORTED_ARCHITECTURES", "SUPPORTED_ROPE_TYPES", "SUPPORTED_ACTIVATIONS", "read_json_file"]
 
-SUPPORTED_ARCHITECTURES = {
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-    "LlamaForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-}
+# architectures config.py parses (the hybrid Kimi families go to config_kimi.py), from models/architectures.py's table
+SUPPORTED_ARCHITECTURES = {a.name: a.family for a in ARCHITECTURES.values() if not a.hybrid}
 # model_type values accepted for each family (kimi_k2 is a DeepSeek-V3 architecture with its own model_type).
-_MODEL_TYPES = {
-    "deepseek_v3": {"deepseek_v3", "kimi_k2"},
-    "llama": {"llama"},
-    "qwen3": {"qwen3"},
-    "qwen3_moe": {"qwen3_moe"},
-}
+_MODEL_TYPES = {a.family: set(a.model_types) for a in ARCHITECTURES.values() if not a.hybrid}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")
 
@@ -104,10 +96,16 @@ def parse_config(cfg: dict, gen_cfg: dict | None = None) -> ModelConfig:
     if any(a in KIMI_ARCHITECTURES for a in archs) or (not archs and cfg.get("model_type") in KIMI_MODEL_TYPES):
         return parse_kimi_config(cfg, gen_cfg)  # Kimi Linear / Kimi K3 (hybrid KDA + MLA): tokenfab/config_kimi.py
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None and not archs:
+        mt = cfg.get("model_type")
+        guess = architecture_for_model_type(mt)
+        fix = (f'add "architectures": ["{guess.name}"] (the architecture of model_type \'{mt}\')' if guess is not None
+               else 'add "architectures": [...] naming one of the supported')
+        raise ConfigError(f"config.json: field 'architectures' is missing (tokenfab builds the model class it names); "
+                          f"{fix}. Supported: {supported_architectures_text()}.")
     if arch is None:
-        got = archs[0] if archs else "(none)"
-        raise ConfigError(f"config.json: architecture '{got}' (field 'architectures') is not supported; supported: "
-                          f"{', '.join(SUPPORTED_ARCHITECTURES)}.")
+        raise ConfigError(f"config.json: architecture '{archs[0]}' (field 'architectures') is not supported; "
+                          f"supported: {supported_architectures_text()}.")
     family = SUPPORTED_ARCHITECTURES[arch]
     model_type = cfg.get("model_type", family)
     if model_type not in _MODEL_TYPES[family]:
@@ -202,7 +200,8 @@ def load_config(model_dir: str) -> ModelConfig:
 
     Raises:
         FileNotFoundError: the folder or its config.json does not exist.
-        ConfigError: see :func:`parse_config`.
+        ConfigError: config.json or generation_config.json is not valid JSON (:func:`read_json_file`), or see
+            :func:`parse_config`.
     """
     if model_dir.lower().endswith(".gguf"):  # a llama.cpp file: its metadata is the config
         from tokenfab.loader.gguf_packed import gguf_config
@@ -214,11 +213,29 @@ def load_config(model_dir: str) -> ModelConfig:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no config.json at '{model_dir}': pass a Hugging Face checkpoint folder or a "
                                 "config.json file.")
-    with open(path) as f:
-        cfg = json.load(f)
+    cfg = read_json_file(path)
     gen = None
     gpath = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(gpath):
-        with open(gpath) as f:
-            gen = json.load(f)
+        gen = read_json_file(gpath)
     return parse_config(cfg, gen)
+
+
+def read_json_file(path: str) -> dict:
+    """The JSON object in the file ``path`` (a checkpoint's config.json, generation_config.json).
+
+    Raises:
+        ConfigError: the file is not valid JSON (naming the file, line, column and what the parser expected there)
+            or its top level is not an object.
+    """
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}. Fix the file "
+                          "(or restore it from the checkpoint's source).") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level is a JSON {type(data).__name__}, not an object ({{...}}); fix the "
+                          "file (or restore it from the checkpoint's source).")
+    return data

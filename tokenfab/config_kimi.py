@@ -29,9 +29,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenfab.model_config import ConfigError, ModelConfig, RopeConfig, eos_token_ids
+from tokenfab.models.architectures import ARCHITECTURES
 
-KIMI_ARCHITECTURES = {"KimiLinearForCausalLM": "kimi_linear", "KimiK3ForConditionalGeneration": "kimi_k3"}
-KIMI_MODEL_TYPES = {"kimi_linear", "kimi_k3"}
+# the hybrid families of models/architectures.py's table: architecture -> family, and their own model_type values
+KIMI_ARCHITECTURES = {a.name: a.family for a in ARCHITECTURES.values() if a.hybrid}
+KIMI_MODEL_TYPES = {a.model_types[0] for a in ARCHITECTURES.values() if a.hybrid}
 
 
 @dataclass
@@ -166,7 +168,7 @@ def parse_kimi_config(cfg: dict, gen_cfg: dict | None = None) -> KimiConfig:
     arch = next((a for a in archs if a in KIMI_ARCHITECTURES), None)
     mt = cfg.get("model_type")
     if arch is None:
-        arch = {"kimi_linear": "KimiLinearForCausalLM", "kimi_k3": "KimiK3ForConditionalGeneration"}.get(mt)
+        arch = next((a.name for a in ARCHITECTURES.values() if a.hybrid and a.model_types[0] == mt), None)
         if arch is None:
             raise ConfigError(f"config.json: architecture {archs} / model_type '{mt}' is not a Kimi Linear / K3 model.")
     family = KIMI_ARCHITECTURES[arch]

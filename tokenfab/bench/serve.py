@@ -80,6 +80,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, tokenizer_mode: s
     try:
         from transformers import AutoTokenizer
 
+        from tokenfab.tokenizers.hf_folder import load_tokenizer_json, reads_tokenizer_json_directly
+        if os.path.isdir(path) and reads_tokenizer_json_directly(path, trust_remote_code):  # kimi_k2 & co
+            return load_tokenizer_json(path, local_files_only=True)
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code,
                                              use_fast=tokenizer_mode != "slow")
     except Exception as e:

@@ -317,11 +317,13 @@ class EngineConfig:
         path = os.path.join(folder, "generation_config.json")
         if not os.path.isfile(path):
             return {}
+        from tokenfab.config import read_json_file
         try:
-            with open(path) as f:
-                raw = json.load(f)
-        except (OSError, ValueError) as e:
+            raw = read_json_file(path)
+        except OSError as e:
             raise EngineConfigError(f"generation_config: cannot read {path}: {e}") from None
+        except ValueError as e:  # not valid JSON: the file, line and column
+            raise EngineConfigError(f"generation_config: {e}") from None
         from tokenfab.sampling_params import SamplingParams
         known = {f.name for f in fields(SamplingParams)}
         out = {dst: raw[src] for src, dst in GENERATION_CONFIG_FIELDS.items()

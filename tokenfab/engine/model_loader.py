@@ -32,13 +32,19 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
 
     A folder with ``tiktoken.model`` and no ``tokenizer.json`` (Kimi-K2 / Kimi Linear as published) gets
     tokenfab's :class:`~tokenfab.tokenizers.tiktoken_tokenizer.TiktokenTokenizer`: the checkpoint's own tokenizer
-    code (``auto_map``, ``trust_remote_code``) is never run."""
+    code (``auto_map``, ``trust_remote_code``) is never run. A folder with a ``tokenizer.json`` whose model_type
+    transformers does not register (``kimi_k2`` and the other Kimi families), or whose tokenizer_config.json maps
+    to the checkpoint's own code, loads that file as a fast tokenizer without transformers' AutoConfig
+    (tokenfab/tokenizers/hf_folder.py), unless ``trust_remote_code``."""
+    from tokenfab.tokenizers.hf_folder import load_tokenizer_json, reads_tokenizer_json_directly
     from tokenfab.tokenizers.tiktoken_tokenizer import TiktokenTokenizer, is_tiktoken_folder
     if is_tiktoken_folder(path):
         return TiktokenTokenizer.from_pretrained(path)
     if not any(os.path.isfile(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                                 "tokenizer.model")):
         return None
+    if reads_tokenizer_json_directly(path, trust_remote_code):
+        return load_tokenizer_json(path)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 

@@ -15,7 +15,8 @@ Under tensor parallel the wrapped iterable yields this rank's slices (tokenfab/p
 rows / columns of its range and the scale blocks they overlap); given the :class:`~tokenfab.parallel.shard_plan.
 ShardPlan`, a shard that starts inside a 128-block (or is empty) becomes an
 :class:`~tokenfab.quant.fp8_block_shard.Fp8BlockShard`, which carries that offset. Whole experts (expert parallel)
-and replicated weights are read whole.
+and replicated weights are read whole. Tensors the rank does not read at all (the MTP layers, ``NOT_READ``
+placeholders) pass through unpaired for the model to report as skipped.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from tokenfab.errors import WeightLoadError
+from tokenfab.parallel.sharded_loading import NOT_READ
 from tokenfab.quant.fp8_block_shard import Fp8BlockShard
 from tokenfab.quant.fp8_block_weight import BLOCK, Fp8BlockWeight
 
@@ -70,7 +72,9 @@ class Fp8CheckpointWeights:
         weights: dict[str, torch.Tensor] = {}  # "<name>.weight" -> float8 tensor awaiting its scale
         scales: dict[str, torch.Tensor] = {}   # "<name>.weight" -> scale awaiting its weight
         for name, t in self.weights:
-            if name.endswith(_SCALE):
+            if t is NOT_READ:  # a tensor this rank does not read (MTP layers under tensor parallel): no pair to make
+                yield name, t
+            elif name.endswith(_SCALE):
                 key = name[: -len("_scale_inv")]
                 if key in weights:
                     yield key, self._pair(key, weights.pop(key), t)

@@ -123,12 +123,19 @@ class CausalLM(nn.Module):
         if scheme is not None:
             self._pack_experts(scheme)
         elif getattr(self.cfg, "fp8_block_size", None) is not None and not self.unpacked_experts:
-            for mod in self.modules():  # FP8 block-scaled (DeepSeek-V3 / Kimi-K2): every routed expert is FP8
-                if isinstance(mod, RoutedExperts) and mod.q13 is None and mod.w13 is not None:
+            for name, mod in self.named_modules():  # FP8 block-scaled (DeepSeek-V3 / Kimi-K2): routed experts FP8
+                if (isinstance(mod, RoutedExperts) and mod.q13 is None and mod.w13 is not None
+                        and self.fp8_experts_in_checkpoint(name)):
                     mod.use_packed("fp8_block")  # host experts requested: dequantized by load_weights instead
         for m in self.modules():  # built on the meta device (moe.deferred_expert_storage) and not packed
             if isinstance(m, RoutedExperts):
                 m.materialize()
+
+    def fp8_experts_in_checkpoint(self, name: str) -> bool:
+        """In an FP8 block-scaled checkpoint, whether the routed experts of module ``name`` are stored FP8 (kept
+        packed) rather than unquantized (loaded into bf16 stacks). True for every layer of a published model; a
+        drafter whose layers may be stored either way (models/deepseek_mtp.py) answers per layer."""
+        return True
 
     def _pack_experts(self, scheme) -> None:
         if self.unpacked_experts:  # host experts requested: the host/device split moves bf16 stacks only
@@ -170,6 +177,7 @@ class CausalLM(nn.Module):
         loaded: set[str] = set()
         expert_loaded: dict[str, set] = {n: set() for n in expert_mods}
         unexpected, skipped, bad_shape, bad_dtype, packed_elsewhere = [], [], [], [], []
+        refused_stacks: set[str] = set()  # RoutedExperts prefixes whose unquantized stacks were refused
         file_of = getattr(weights, "file_of", None)  # CheckpointWeights names each tensor's file
 
         def where(name: str) -> str:
@@ -237,6 +245,7 @@ class CausalLM(nn.Module):
                 if mod.q13 is not None:
                     bad_dtype.append(f"{where(name)}: an unquantized expert stack, but config.json's "
                                      "quantization_config quantizes this layer's experts")
+                    refused_stacks.add(m.group(1))  # its experts are present, in the wrong format: not missing
                     continue
                 dst = mod.w13 if m.group(2) == "gate_up_proj" else mod.w2
                 src = t[mod.start:mod.end] if t.shape[0] == mod.num_experts else t  # else: already this rank's slice
@@ -307,7 +316,7 @@ class CausalLM(nn.Module):
             need = {(e, p) for e in range(mod.start, mod.end) for p in ("gate_proj", "up_proj", "down_proj")}
             missing += [f"{prefix}.{e}.{p}.weight" for e, p in sorted(need - expert_loaded[prefix])]
         misfit = {e.split(" ", 1)[0].rstrip(":") for e in bad_shape + bad_dtype}  # present, reported below
-        missing = [n for n in missing if n not in misfit]
+        missing = [n for n in missing if n not in misfit and not any(n.startswith(p + ".") for p in refused_stacks)]
         problems = []
         if packed_elsewhere:
             problems.append(f"packed (quantized) tensors outside the routed experts ({len(packed_elsewhere)}): "

@@ -22,12 +22,16 @@ with ``h_t`` the target's final post-norm hidden state at t (what its LM head re
 drafts, the MTP layer's own output ``y`` at t (before ``shared_head.norm``). vLLM also zeroes the embedding at
 position 0; SGLang and the training formulation do not, nor does tokenfab. The block's weights load through
 :meth:`CausalLM.load_weights` (expert stacking, shape checks) and get the same fusions (:meth:`CausalLM.post_load`).
+In an FP8 block-scaled checkpoint the MTP layer's Linears are FP8 as published (the routed experts kept packed, as
+the target's) or unquantized: each layer's routed experts take the format its own tensors are stored in
+(:meth:`DeepseekMTP.fp8_experts_in_checkpoint`).
 """
 from __future__ import annotations
 
 import copy
 import json
 import os
+import re
 
 import torch
 from torch import nn
@@ -41,6 +45,9 @@ from tokenfab.layers.norm import RMSNorm
 from tokenfab.models.base import CausalLM, layer_index
 from tokenfab.models.deepseek_v3 import DeepseekV3ForCausalLM, DeepseekV3MoE
 from tokenfab.models.llama import DecoderLayer
+
+
+_FP8_EXPERT = re.compile(r"^mlp\.experts\.\d+\.(gate|up|down)_proj\.weight_scale_inv$")
 
 
 class MTPLayer(DecoderLayer):
@@ -85,8 +92,9 @@ class DeepseekMTP(nn.Module):
     dequantizes_experts_at_load = False
 
     def __init__(self, target: DeepseekV3ForCausalLM, moe: list[bool], own_head: list[bool], own_embed: list[bool],
-                 vocab=None):
+                 vocab=None, fp8_experts: list[bool] | None = None):
         super().__init__()
+        self._fp8_experts = fp8_experts if fp8_experts is not None else [True] * len(moe)
         self.cfg = copy.copy(target.cfg)
         self.cfg.tie_word_embeddings = False  # the base loader must not tie a head this module does not have
         self.tp = None
@@ -97,6 +105,12 @@ class DeepseekMTP(nn.Module):
         self.lm_head = None
         self._target = (target,)  # a tuple keeps it out of this module's parameters
         self._vocab = (vocab,)
+
+    def fp8_experts_in_checkpoint(self, name: str) -> bool:
+        """Whether MTP layer ``model.layers.{i}.mlp.experts``'s routed experts are stored FP8 (``fp8_experts[i]``):
+        an FP8 checkpoint may ship its MTP layer FP8 (DeepSeek-V3 as published) or unquantized."""
+        i = layer_index(name)
+        return i is None or self._fp8_experts[i]
 
     def is_skipped_weight(self, name: str) -> bool:
         """As the target skips them: rotary caches, and DeepSeek's zero-width shared MLP at n_shared_experts 0."""
@@ -206,6 +220,9 @@ def load_mtp(path: str, target, device: torch.device, dtype: torch.dtype, vocab=
     moe = [has_experts and L + i >= k_dense and (L + i) % freq == 0 for i in range(n)]
     own_head = ["shared_head.head.weight" in names[i] for i in range(n)]
     own_embed = ["embed_tokens.weight" in names[i] for i in range(n)]
+    # an FP8 checkpoint's MTP layer: routed experts FP8 as published (weight_scale_inv pairs, kept packed) or
+    # unquantized (per expert or stacked: bf16 stacks); each layer's own tensors decide
+    fp8_experts = [any(_FP8_EXPERT.match(x) for x in names[i]) for i in range(n)]
     full = None
     if target.tp is not None and not (all(own_head) and all(own_embed)):  # the target's tables are shards
         if vocab is None:
@@ -215,7 +232,7 @@ def load_mtp(path: str, target, device: torch.device, dtype: torch.dtype, vocab=
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        mtp = DeepseekMTP(target, moe, own_head, own_embed, full).requires_grad_(False)
+        mtp = DeepseekMTP(target, moe, own_head, own_embed, full, fp8_experts).requires_grad_(False)
     finally:
         torch.set_default_dtype(prev)
 

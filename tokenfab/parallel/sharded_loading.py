@@ -20,6 +20,11 @@ _ROW_PARALLEL_BIAS = (".o_proj.bias", ".down_proj.bias")
 # Tests only: a rank listed here raises during load (exercises the launcher's error path).
 FAIL_ENV = "TOKENFAB_TEST_FAIL_LOAD_RANK"
 
+# Yielded (this very object) for a tensor no rank reads (MTP layers): the model reports its name as skipped, and
+# wrappers of the iterable pass it through as it is (an FP8 weight_scale_inv without its float8 weight is not a
+# lone half of a pair: loader/fp8_block_loader.py).
+NOT_READ = torch.empty(0)
+
 
 def iterate_rank_weights(model_dir: str, plan: ShardPlan, rank: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` with the part of each checkpoint tensor that ``rank`` holds.
@@ -39,7 +44,7 @@ def iterate_rank_weights(model_dir: str, plan: ShardPlan, rank: int) -> Iterator
                 sh = plan.shard_tensor(name, shape, rank)
                 if not sh.owned:
                     if sh.tensor_class == "mtp":
-                        yield name, torch.empty(0)  # the model reports it as skipped; nothing read
+                        yield name, NOT_READ  # the model reports it as skipped; nothing read
                     continue
                 if sh.dim is None:
                     t = h.get_tensor(name)

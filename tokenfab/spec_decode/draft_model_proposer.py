@@ -8,10 +8,12 @@ reserves the verification blocks (1 + k tokens) before :meth:`propose`, which wr
 Per sequence the proposer remembers how many leading positions of the draft pool are valid. A proposal first
 catches the draft up to the sequence (the prompt on the first proposal, then the tokens accepted since the last
 one; one forward over all rows, chunks as in chunked prefill), then runs kk - 1 one-token decode steps (the fused
-CPU decode stack where the draft allows; kk: the longest draft cap this step, at most k). Drafts are the draft's argmax for greedy rows and a draw from q (its
-distribution after the row's temperature / top-k / top-p) otherwise, with the row's seeded generator when it has
-one. After verification the valid prefix becomes min(written, tokens before the first rejected draft); a
-preempted sequence (its blocks were freed) starts over from 0.
+CPU decode stack where the draft allows; kk: the longest draft cap this step, at most k). Drafts are the draft's
+argmax for greedy rows and a draw from q (its distribution after the row's temperature / top-k / top-p) otherwise;
+a seeded row's draft j takes the uniform its own stream holds for that position, read without consuming it
+(rejection_sampler.DraftUniforms), so drafting never moves a seeded stream. After verification the valid prefix
+becomes min(written, tokens before the first rejected draft); a preempted sequence (its blocks were freed) starts
+over from 0.
 
 Its cost for the cost rule (:meth:`DraftModelProposer.drafting_cost`, spec_decode/drafting_cost.py): the forwards
 (prior: the draft/target weight-bytes ratio; then each proposal's measured seconds) and every row's catch-up beyond
@@ -28,7 +30,7 @@ from tokenfab.errors import EngineConfigError, UnsupportedError
 from tokenfab.engine.sampler import inverse_cdf_sample
 from tokenfab.spec_decode.drafting_cost import DraftCostModel, DraftingCost, checkpoint_bytes
 from tokenfab.spec_decode.proposer import Proposal, Proposer
-from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, target_probs
+from tokenfab.spec_decode.rejection_sampler import DraftUniforms, SamplingTensors, target_probs
 
 
 class DraftModelProposer(Proposer):
@@ -93,12 +95,17 @@ class DraftModelProposer(Proposer):
     def preallocates_kv(self) -> bool:
         return True
 
-    def _draw(self, logits: torch.Tensor, seqs, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft token per row from draft logits [N, V] float32, and q [N, V] (None when all rows are greedy)."""
+    @staticmethod
+    def _draw(logits: torch.Tensor, st: SamplingTensors, uniforms: DraftUniforms,
+              j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft ``j`` (0-based) of every row from draft logits [N, V] float32: argmax for greedy rows, else the
+        inverse-CDF draw from q (the row's temperature / top-k / top-p) at ``uniforms(j)`` (a seeded row: the
+        uniform its own stream holds for that position, not consumed; rejection_sampler.DraftUniforms). Returns
+        (tokens [N] int64, q [N, V] float32 or None when all rows are greedy)."""
         if bool(st.greedy.all()):
             return logits.argmax(dim=-1), None
         q = target_probs(logits.unsqueeze(1), st).squeeze(1)
-        tok = inverse_cdf_sample(q, draw_uniforms(seqs, 1, self.generator)[1])
+        tok = inverse_cdf_sample(q, uniforms(j))
         return torch.where(st.greedy, logits.argmax(dim=-1), tok), q
 
     def _valid_prefix(self, seqs, lengths) -> np.ndarray:
@@ -169,8 +176,9 @@ class DraftModelProposer(Proposer):
         drafts = torch.zeros(N, k, dtype=torch.int64)
         q_all = None
         ones = np.ones(N, dtype=np.int64)
+        uniforms = None if greedy else DraftUniforms(seqs, self.generator, kk)
         for j in range(kk):
-            tok, q = (tok_next, None) if greedy else self._draw(logits, seqs, st)
+            tok, q = (tok_next, None) if greedy else self._draw(logits, st, uniforms, j)
             drafts[:, j] = tok
             if q is not None:
                 if q_all is None:

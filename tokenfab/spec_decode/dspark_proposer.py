@@ -48,7 +48,7 @@ from tokenfab.engine.sequence import SequenceStatus
 from tokenfab.errors import EngineConfigError
 from tokenfab.spec_decode.dspark_config import check_against_target, load_dspark_config, resolve_tap
 from tokenfab.spec_decode.proposer import HiddenRequest, Proposal, Proposer
-from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, target_probs
+from tokenfab.spec_decode.rejection_sampler import DraftUniforms, SamplingTensors, target_probs
 
 
 def sample_in_order(base: torch.Tensor, anchor: torch.Tensor, bias_fn, st: SamplingTensors, seqs,
@@ -61,7 +61,8 @@ def sample_in_order(base: torch.Tensor, anchor: torch.Tensor, bias_fn, st: Sampl
         bias_fn: prev ids [B] -> [B, V] float32 bias, or a function returning None (no Markov head).
         st: the rows' sampling settings; greedy rows take argmax(base_j + bias(prev)), others draw from
             q_j = target_probs(base_j + bias(prev)) (temperature / top-k / top-p, as the verifier applies to p).
-        seqs: the B sequences (per-request seeded generators for the draws); generator: the engine's.
+        seqs: the B sequences (a seeded row's draft j takes the uniform its own stream holds for that position,
+            read without consuming it: rejection_sampler.DraftUniforms); generator: the engine's.
 
     Returns:
         (drafts [B, m] int64, q [B, m, V] float32 or None when every row is greedy).
@@ -71,6 +72,7 @@ def sample_in_order(base: torch.Tensor, anchor: torch.Tensor, bias_fn, st: Sampl
     q_all = None
     greedy = bool(st.greedy.all())
     prev = anchor
+    uniforms = None if greedy else DraftUniforms(seqs, generator, m)
     for j in range(m):
         bias = bias_fn(prev)
         logits = base[:, j] if bias is None else base[:, j] + bias
@@ -78,8 +80,7 @@ def sample_in_order(base: torch.Tensor, anchor: torch.Tensor, bias_fn, st: Sampl
             tok = logits.argmax(dim=-1)
         else:
             q = target_probs(logits.unsqueeze(1), st).squeeze(1)
-            tok = torch.where(st.greedy, logits.argmax(dim=-1), inverse_cdf_sample(q, draw_uniforms(seqs, 1,
-                                                                                                   generator)[1]))
+            tok = torch.where(st.greedy, logits.argmax(dim=-1), inverse_cdf_sample(q, uniforms(j)))
             if q_all is None:
                 q_all = torch.zeros(B, m, V, dtype=torch.float32)
             q_all[:, j] = q

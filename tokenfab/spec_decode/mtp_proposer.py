@@ -19,9 +19,10 @@ k - 1 one-token forwards over all rows, writing K/V at positions L - 1 .. L + k 
 (those of rejected drafts are overwritten later). With n > 1 every layer sees the same inputs at every position:
 the context from the target's hidden states in :meth:`observe`, each chained position from the drafting layer's
 previous output (n forwards per chained draft), so each layer's K/V is complete (vLLM writes layer i's K/V only
-at the chained positions it drafts). Tokens: argmax for greedy rows,
-else a draw from q (the row's temperature / top-k / top-p; the draft-model proposer's ``_draw``) with the row's seeded
-generator. Nothing to roll back after verification: the next :meth:`observe` writes the accepted positions.
+at the chained positions it drafts). Tokens: argmax for greedy rows, else a draw from q (the row's temperature /
+top-k / top-p; the draft-model proposer's ``_draw``); a seeded row's draft j takes the uniform its own stream holds
+for that position without consuming it (rejection_sampler.DraftUniforms). Nothing to roll back after verification:
+the next :meth:`observe` writes the accepted positions.
 
 Tensor parallel: the MTP layers run unsharded on rank 0, the engine's process, between target steps; the workers
 take no part (no step message of its own). Their inputs there are complete: the captured final hidden states are
@@ -43,7 +44,7 @@ from tokenfab.engine.sequence import SequenceStatus
 from tokenfab.layers.attention_metadata import AttentionMetadata
 from tokenfab.spec_decode.draft_model_proposer import DraftModelProposer
 from tokenfab.spec_decode.proposer import CapturedHidden, HiddenRequest, Proposal, Proposer
-from tokenfab.spec_decode.rejection_sampler import SamplingTensors
+from tokenfab.spec_decode.rejection_sampler import DraftUniforms, SamplingTensors
 
 
 class MTPProposer(Proposer):
@@ -59,7 +60,7 @@ class MTPProposer(Proposer):
             where an MTP layer needs it (target_vocab.py).
     """
 
-    _draw = DraftModelProposer._draw  # one draft per row from logits [N, V]: argmax or a draw from q (needs generator)
+    _draw = staticmethod(DraftModelProposer._draw)  # one draft per row from logits [N, V]: argmax or a draw from q
 
     def __init__(self, k: int, engine):
         from tokenfab.engine.model_runner import ModelRunner
@@ -157,8 +158,9 @@ class MTPProposer(Proposer):
         logits = self.mtp.compute_logits(0, h).cpu()
         ones = np.ones(M, dtype=np.int64)
         q_all = None
+        uniforms = None if bool(st.greedy.all()) else DraftUniforms(sub, self.generator, k)
         for j in range(k):
-            tok, q = self._draw(logits, sub, st)
+            tok, q = self._draw(logits, st, uniforms, j)
             drafts[idx, j] = tok.numpy()
             if q is not None:
                 if q_all is None:

@@ -6,11 +6,22 @@ the k + 1 verified positions, after the request's temperature, top-k and top-p, 
 * greedy rows (temperature 0): accept d_j while d_j == argmax(target logits_j); the token after the accepted run
   is the target's argmax there (the first mismatch, or the bonus position k + 1): exactly the tokens plain greedy
   decoding gives.
-* random rows: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) (uniform u_j: accept when
+* random rows without a seed: accept d_j with probability min(1, p_j(d_j) / q_j(d_j)) (uniform u_j: accept when
   u_j * q_j(d_j) < p_j(d_j)); at the first rejection j draw from normalize(max(0, p_j - q_j)); when all k are
   accepted draw a bonus token from p_{k+1}. Each emitted token is then distributed exactly as p (the theorem of
   both papers). One-hot proposals (n-gram lookup) have q_j(d_j) = 1, so the acceptance probability is p_j(d_j) and
   the recovery distribution is p_j with d_j removed.
+* random rows with a per-request seed (``match_rows``): sampled-match verification. With u_1..u_{k+1} the next
+  k + 1 uniforms of the row's own generator (``u_match``; plain decoding draws the token at verified position j
+  from exactly u_j), the target's token there is the inverse-CDF draw from p_j at u_j; d_j is accepted while it
+  equals that token, and the token after the accepted run is the target's draw there. Every emitted token is then
+  exactly the token plain decoding gives from the same stream, one uniform per emitted token
+  (:meth:`VerifyUniforms.advance` moves the stream by the tokens emitted), so a seeded request's tokens do not
+  depend on how many drafts it got, its batch mates, preemption or the proposer: the seeded contract holds under
+  speculation. Drafters draw a seeded row's d_j from q_j at the same u_j, read ahead without advancing the stream
+  (:class:`DraftUniforms`): inverse-CDF coupling, so d_j is accepted with probability
+  sum_x |[F_p(x-1), F_p(x)) cap [F_q(x-1), F_q(x))| (1 when q = p; p_j(d_j) for one-hot proposals, as above),
+  a little below the sum_x min(p, q) of the rule above when q differs from p.
 
 Everything is batched over rows and positions (one softmax over [N * (k + 1), V], gathers, a cumulative product
 for the accepted prefix, one inverse-CDF draw per row); no Python loop over rows or positions.
@@ -99,7 +110,8 @@ class VerifyResult:
 
 def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: torch.Tensor,
                      draft_probs: torch.Tensor | None, st: SamplingTensors, u_accept: torch.Tensor,
-                     u_final: torch.Tensor) -> VerifyResult:
+                     u_final: torch.Tensor, match_rows: torch.Tensor | None = None,
+                     u_match: torch.Tensor | None = None) -> VerifyResult:
     """Verify drafts of N rows in one batched pass.
 
     Args:
@@ -110,6 +122,8 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: 
         draft_probs: [N, k, V] float32 q each draft was drawn from, or None (one-hot proposals).
         st: the rows' sampling settings (:class:`SamplingTensors`).
         u_accept: [N, k] uniforms in [0, 1) for the acceptance tests; u_final: [N] for the last token's draw.
+        match_rows: [N] bool, rows verified by sampled match (seeded random rows, module docstring), or None.
+        u_match: [N, k + 1] their uniforms, position j's in column j (read for ``match_rows`` only).
 
     Returns:
         :class:`VerifyResult`.
@@ -135,6 +149,13 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: 
         q_d = None if draft_probs is None else draft_probs[:, :k].gather(-1, d.unsqueeze(-1)).squeeze(-1)
         acc_rand = u_accept[:, :k] < acceptance_probs(p_d, q_d)
         acc = torch.where(st.greedy[:, None], acc, acc_rand) if any_greedy else acc_rand
+    mi = sampled_m = None
+    if match_rows is not None and not all_greedy and bool((match_rows & ~st.greedy).any()):
+        mi = (match_rows & ~st.greedy).nonzero().squeeze(1)
+        p_mi = p[mi] if p is not None else x[mi].softmax(dim=-1)  # [M, K1, V], the plain sampler's distribution
+        sampled_m = inverse_cdf_sample(p_mi.reshape(-1, V), u_match[mi, :K1].reshape(-1)).view(len(mi), K1)
+        acc = acc.clone()
+        acc[mi] = d[mi] == sampled_m[:, :k]
     acc = acc & valid
     m = acc.to(torch.int64).cumprod(dim=1).sum(dim=1) if k else torch.zeros(N, dtype=torch.int64)
     final = argmax[r, m] if any_greedy else None
@@ -151,23 +172,87 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: 
         q_m = torch.where(rejected[:, None], q_m, torch.zeros_like(q_m))
         sampled = inverse_cdf_sample(recovery_probs(p_m, q_m), u_final)
         final = torch.where(st.greedy, final, sampled) if any_greedy else sampled
+        if mi is not None:
+            final = final.clone()
+            final[mi] = sampled_m[torch.arange(len(mi)), m[mi]]
     tokens = torch.cat([d, torch.zeros(N, 1, dtype=torch.int64)], dim=1)
     tokens[r, m] = final
     return VerifyResult(tokens, m)
 
 
-def draw_uniforms(seqs, n: int, generator: torch.Generator, draft_lens=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniforms in [0, 1) for verification: (u_accept [N, n - 1], u_final [N]). Unseeded rows take theirs from one
-    call on the engine's ``generator``; a row with a per-request seed takes ``draft_lens[i] + 1`` values from its
-    own generator (its acceptance tests, then its final draw; all n when ``draft_lens`` is None), so a seeded
-    row's stream depends on its own drafts only, never on its batch mates."""
-    u = torch.rand(len(seqs), n, generator=generator)
-    u_final = u[:, n - 1].clone()
-    u_acc = u[:, : n - 1].clone()
-    for i, s in enumerate(seqs):
-        if s.generator is not None:
-            c = n - 1 if draft_lens is None else int(draft_lens[i])
-            v = torch.rand(c + 1, generator=s.generator)
-            u_acc[i, :c] = v[:c]
-            u_final[i] = v[c]
-    return u_acc, u_final
+def peek_uniforms(generator: torch.Generator, n: int) -> torch.Tensor:
+    """The next ``n`` uniforms in [0, 1) of ``generator`` (float32 [n]), read from a copy of its state: the
+    generator itself does not advance (``torch.rand`` on a CPU generator gives the same values in one call of n as
+    in n calls of one, so these are the values its next draws give whatever their sizes)."""
+    g = torch.Generator()
+    g.set_state(generator.get_state())
+    return torch.rand(n, generator=g)
+
+
+def _seeded(s) -> bool:
+    return getattr(s, "generator", None) is not None
+
+
+class DraftUniforms:
+    """Uniforms for drawing drafts, one per row per draft position (``__call__(j)`` -> [N] for draft j).
+
+    Unseeded rows take theirs from the engine's ``generator`` (one call per position). A seeded row's draft j takes
+    the j-th uniform ahead in its own generator's stream, read without advancing it (:func:`peek_uniforms`): the
+    uniform the plain sampler, and the verifier's sampled-match rule, use for the token at that position (module
+    docstring). Drafting therefore never moves a seeded stream, whether or not the step then runs.
+
+    Args:
+        seqs: the N sequences drafted for (``.generator``: their seeded RNG or None).
+        generator: the engine's RNG.
+        k: the most draft positions asked for.
+    """
+
+    def __init__(self, seqs, generator: torch.Generator | None, k: int):
+        self.n = len(seqs)
+        self.generator = generator
+        self.ahead = {i: peek_uniforms(s.generator, k) for i, s in enumerate(seqs) if _seeded(s)}
+
+    def __call__(self, j: int) -> torch.Tensor:
+        """[N] float32 uniforms for draft position ``j`` (0-based)."""
+        u = torch.rand(self.n, generator=self.generator)
+        for i, a in self.ahead.items():
+            u[i] = a[j]
+        return u
+
+
+@dataclass
+class VerifyUniforms:
+    """Uniforms for one verification (:func:`rejection_sample`'s ``u_accept``, ``u_final``, ``match_rows``,
+    ``u_match``; build with :meth:`draw`), and the seeded streams to advance once the tokens are known
+    (:meth:`advance`)."""
+
+    u_accept: torch.Tensor
+    u_final: torch.Tensor
+    match_rows: torch.Tensor | None
+    u_match: torch.Tensor | None
+
+    @staticmethod
+    def draw(seqs, n: int, generator: torch.Generator, draft_lens=None) -> "VerifyUniforms":
+        """For N rows verifying up to ``n - 1`` drafts: unseeded rows take (u_accept [N, n - 1], u_final [N]) from
+        one call on the engine's ``generator``; a seeded row (its own generator) is a match row whose
+        ``draft_lens[i] + 1`` uniforms (all n when ``draft_lens`` is None) are its stream's next values, read
+        without advancing it: :meth:`advance` moves it by the tokens the row emits."""
+        u = torch.rand(len(seqs), n, generator=generator)
+        seeded = [i for i, s in enumerate(seqs) if _seeded(s)]
+        match = u_match = None
+        if seeded:
+            match = torch.zeros(len(seqs), dtype=torch.bool)
+            match[seeded] = True
+            u_match = torch.zeros(len(seqs), n)
+            for i in seeded:
+                c = n if draft_lens is None else int(draft_lens[i]) + 1
+                u_match[i, :c] = peek_uniforms(seqs[i].generator, c)
+        return VerifyUniforms(u[:, : n - 1].clone(), u[:, n - 1].clone(), match, u_match)
+
+    def advance(self, seqs, num_emitted) -> None:
+        """Move each seeded row's generator past the ``num_emitted[i]`` uniforms its emitted tokens used (one per
+        token, as plain decoding draws), so its stream stands where plain decoding would leave it."""
+        if self.match_rows is None:
+            return
+        for i in self.match_rows.nonzero().squeeze(1).tolist():
+            torch.rand(int(num_emitted[i]), generator=seqs[i].generator)

@@ -38,7 +38,7 @@ from tokenfab.spec_decode.fused_verify import fused_verify_logits
 from tokenfab.spec_decode.policy import SpecPolicy
 from tokenfab.spec_decode.proposer import Proposer
 from tokenfab.spec_decode.step_timing import StepTiming, bucket
-from tokenfab.spec_decode.rejection_sampler import SamplingTensors, draw_uniforms, rejection_sample
+from tokenfab.spec_decode.rejection_sampler import SamplingTensors, VerifyUniforms, rejection_sample
 
 logger = logging.getLogger("tokenfab")
 
@@ -291,10 +291,12 @@ class SpecDecoder:
             logits = procs.apply_verify(logits, batch.rows[si], batch.num_computed[si] + 1, draft_ids.numpy(),
                                         st.temperatures)
         if bool(st.greedy.all()):
-            u_acc, u_fin = torch.zeros(len(si), K1 - 1), torch.zeros(len(si))
-        else:
-            u_acc, u_fin = draw_uniforms(spec_seqs, K1, eng.generator, k_eff)
-        res = rejection_sample(logits, draft_ids, torch.from_numpy(k_eff), q, st, u_acc, u_fin)
+            u = VerifyUniforms(torch.zeros(len(si), K1 - 1), torch.zeros(len(si)), None, None)
+        else:  # seeded rows: sampled match on their own streams, advanced by the tokens emitted (rejection_sampler)
+            u = VerifyUniforms.draw(spec_seqs, K1, eng.generator, k_eff)
+        res = rejection_sample(logits, draft_ids, torch.from_numpy(k_eff), q, st, u.u_accept, u.u_final,
+                               u.match_rows, u.u_match)
+        u.advance(spec_seqs, res.num_emitted)
         acc = res.num_accepted.numpy()
         toks = res.token_ids.numpy()
         if eng.runner.has_state:  # KDA state: back to the last accepted token (engine/state_rollback.py)

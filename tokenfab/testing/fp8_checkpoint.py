@@ -5,7 +5,9 @@ block as DeepSeek's ``fp8_cast`` inverse: ``scale_inv = amax(|W_block|) / 448`` 
 1 for an all-zero block) and ``weight = (W / scale_inv).to(float8_e4m3fn)`` (round to nearest even), stored as
 ``<name>.weight`` float8_e4m3fn [out, in] and ``<name>.weight_scale_inv`` float32 [ceil(out / 128), ceil(in / 128)];
 edge blocks are partial. Embeddings, norms, the router (``mlp.gate``, ``e_score_correction_bias``) and lm_head stay
-as they are. config.json gains DeepSeek-V3's ``quantization_config``.
+as they are. config.json gains DeepSeek-V3's ``quantization_config``. Routed experts stored stacked (transformers'
+``mlp.experts.gate_up_proj`` / ``down_proj``, as tiny_checkpoints.add_mtp_layers writes an MTP layer) are written
+per expert first, as DeepSeek-V3 publishes every layer's, its MTP layer's included.
 
 :func:`write_fp8_checkpoint` can also write the *dequantized twin*: the same config without quantization_config and
 every quantized weight replaced by ``weight.float() * scale_inv`` (the published formula) in float32, i.e. the real
@@ -48,6 +50,29 @@ def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (wf / full).to(torch.float8_e4m3fn), scale
 
 
+_STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$")
+
+
+def _published_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with transformers' stacked routed experts (``mlp.experts.gate_up_proj`` [E, 2I, H],
+    ``mlp.experts.down_proj`` [E, H, I], e.g. the MTP layers of tiny_checkpoints.add_mtp_layers) split into the
+    published per-expert Linears ``mlp.experts.<e>.{gate,up,down}_proj.weight``, which DeepSeek-V3 ships in FP8."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        m = _STACKED.match(name)
+        if m is None or t.dim() != 3:
+            out[name] = t
+            continue
+        for e in range(t.shape[0]):
+            if m.group(2) == "down_proj":
+                out[f"{m.group(1)}{e}.down_proj.weight"] = t[e].contiguous()
+            else:
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{m.group(1)}{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{m.group(1)}{e}.up_proj.weight"] = up.contiguous()
+    return out
+
+
 def _read(folder: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
     out: dict[str, torch.Tensor] = {}
@@ -74,7 +99,7 @@ def write_fp8_checkpoint(src_dir: str, out_dir: str, twin_dir: str | None = None
     if os.path.isfile(os.path.join(out_dir, "config.json")) and (
             twin_dir is None or os.path.isfile(os.path.join(twin_dir, "config.json"))):
         return out_dir
-    tensors = _read(src_dir)
+    tensors = _published_experts(_read(src_dir))
     fp8: dict[str, torch.Tensor] = {}
     twin: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
