@@ -57,7 +57,7 @@ def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str |
         return "eager"
     if device.type != "cuda" or getattr(model, "tp", None) is not None:
         return None
-    from tokenfab.kernels import triton_support
+    from tokenfab.kernels.gpu import support as triton_support
     return "cuda" if triton_support.applies(torch.empty(0, device=device)) else None
 
 

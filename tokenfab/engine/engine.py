@@ -67,8 +67,8 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.device, self.dtype = loaded.device, loaded.dtype
         if self.device.type == "cpu":  # build (once per machine) or load the fused CPU kernels now, not mid-request
-            from tokenfab.kernels import cpu_kernels
-            cpu_kernels.load()
+            from tokenfab.kernels.cpu import ops as cpu_ops
+            cpu_ops.load()
         self.max_model_len = config.max_model_len
         bs = config.block_size
         self.block_manager = BlockManager(config.num_kv_blocks, bs, config.max_num_seqs, config.max_model_len)
@@ -113,7 +113,8 @@ class LLMEngine:
         """Load the model and size the KV pool as ``config`` says (see EngineConfig)."""
         from tokenfab.config import load_config
         config.check_max_model_len(load_config(config.model))  # settings errors before any weight is read
-        from tokenfab.kernels import cpu_isa, triton_support
+        from tokenfab.kernels.cpu import isa as cpu_isa
+        from tokenfab.kernels.gpu import support as triton_support
         from tokenfab.layers.linear import cpu_linear_backend
         cpu_linear_backend()  # TOKENFAB_CPU_LINEAR / TOKENFAB_CPU_ISA / TOKENFAB_TRITON typos, also before loading
         cpu_isa.selected_level()

@@ -11,7 +11,8 @@ import threading
 import torch
 from torch import nn
 
-from tokenfab.kernels import cpu_kernels, triton_support
+from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.gpu import support as triton_support
 from tokenfab.layers.activation import silu_and_mul
 from tokenfab.layers.linear import can_pack, pack_weight, packed_linear
 
@@ -37,8 +38,8 @@ class SigmoidGroupRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
-        if cpu_kernels.available_for(x):  # the same selection in one pass per token after the router GEMM
-            return cpu_kernels.sigmoid_group_topk(torch.nn.functional.linear(x.float(), self.weight),
+        if cpu_ops.available_for(x):  # the same selection in one pass per token after the router GEMM
+            return cpu_ops.sigmoid_group_topk(torch.nn.functional.linear(x.float(), self.weight),
                                                   self.e_score_correction_bias, self.n_group, self.topk_group,
                                                   self.top_k, self.norm_topk_prob, self.scaling)
         scores = torch.nn.functional.linear(x.float(), self.weight).sigmoid()
@@ -176,10 +177,10 @@ class RoutedExperts(nn.Module):
             return self.host.forward(self, x, weights, ids)
         if self.q13 is not None:
             return self.packed_forward(x, weights, ids)
-        if self._p13 is not None and self.fused_dispatch and cpu_kernels.available_for(x):  # same math in C++
-            return cpu_kernels.moe_experts_packed(x, weights, ids, self._p13, self._p2, self.start)
+        if self._p13 is not None and self.fused_dispatch and cpu_ops.available_for(x):  # same math in C++
+            return cpu_ops.moe_experts_packed(x, weights, ids, self._p13, self._p2, self.start)
         if self.w13 is not None and triton_support.applies(x):  # CUDA/ROCm: grouped GEMMs in Triton, graph-safe
-            from tokenfab.kernels import triton_moe  # imports triton: only when it applies
+            from tokenfab.kernels.gpu import moe as triton_moe  # imports triton: only when it applies
             return triton_moe.fused_moe(x, self.w13, self.w2, weights, ids, silu_and_mul, self.start)
         k = ids.shape[1]
         flat_ids = ids.reshape(-1)
@@ -221,9 +222,9 @@ class RoutedExperts(nn.Module):
         linear per projection over all active experts, :meth:`act` in between, each row times its float32 routing
         weight rounded to the output dtype and summed with index_add (float32 output when ``accumulate_fp32``,
         else x's dtype). x [T, hidden]; weights, ids [T, k] -> [T, hidden]. On CUDA/ROCm the whole sum is one
-        Triton launch per projection with the weights decoded in registers (kernels/triton_packed_moe.py)."""
+        Triton launch per projection with the weights decoded in registers (kernels/gpu/packed_moe.py)."""
         if triton_support.applies(x) and self.q13.format_name in ("int4_group", "mxfp4", "fp8_block"):
-            from tokenfab.kernels import triton_packed_moe  # imports triton: only when it applies
+            from tokenfab.kernels.gpu import packed_moe as triton_packed_moe  # imports triton: only when it applies
             return triton_packed_moe.fused_moe_packed(
                 x, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed, self.q2.scale, weights,
                 ids, self.act, self.start, torch.float32 if self.accumulate_fp32 else None)

@@ -1,5 +1,5 @@
 // The instruction sets the fused CPU kernels may use at run time: the build targets this CPU (-march=native), and
-// TOKENFAB_CPU_ISA (tokenfab/kernels/cpu_isa.py) may cap it lower, so that any machine runs the path a CPU without
+// TOKENFAB_CPU_ISA (tokenfab/kernels/cpu/isa.py) may cap it lower, so that any machine runs the path a CPU without
 // AMX, or without AVX512-BF16, would take. Python sets the cap once after loading the extension (set_isa_cap).
 #pragma once
 #include <atomic>

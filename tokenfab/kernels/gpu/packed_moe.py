@@ -1,7 +1,7 @@
 """Fused routed experts over packed expert weights in Triton (CUDA/ROCm): INT4 group-32, MXFP4 and FP8 block-scaled.
 
-The same grouped-GEMM design as :mod:`tokenfab.kernels.triton_moe` ((token, slot) pairs sorted by expert and padded
-per expert to the tile height by :func:`~tokenfab.kernels.triton_moe.align_pairs`; one launch per projection, the
+The same grouped-GEMM design as :mod:`tokenfab.kernels.gpu.moe` ((token, slot) pairs sorted by expert and padded
+per expert to the tile height by :func:`~tokenfab.kernels.gpu.moe.align_pairs`; one launch per projection, the
 second multiplying by the routing weights), with the weight tile decoded in registers from the packed bytes as the
 checkpoints store them (compressed-tensors layouts; tokenfab/quant/int4_group.py and mxfp4_experts.py):
 
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenfab.kernels.triton_moe import _tiles, align_pairs
+from tokenfab.kernels.gpu.moe import _tiles, align_pairs
 
 INT4_GROUP, MXFP4, FP8_BLOCK = 0, 1, 2
 _FORMATS = {"int4_group": INT4_GROUP, "mxfp4": MXFP4, "fp8_block": FP8_BLOCK}
