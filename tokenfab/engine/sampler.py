@@ -19,7 +19,7 @@ import torch
 from tokenfab.engine.logits_processors import apply_min_p
 from tokenfab.engine.logits_state import LogitsProcessorState
 from tokenfab.engine.sequence import Sequence
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels import dispatch
 
 
 @dataclass
@@ -166,20 +166,20 @@ class Sampler:
                 # min_p after temperature T is min_p ** T before it (apply_min_p), so the draw below stays fused
                 temps = torch.tensor([t if t >= 1e-5 else 1.0 for t in temp_list], dtype=torch.float32)
                 logits = apply_min_p(logits, proc.min_p.pow(temps))
-        plain_ok = logits.dtype == torch.float32 and cpu_ops.available_for(logits)
+        plain_ok = dispatch.sample_plain_applies(logits)
         plain = [_unrestricted(p, V) for p in params]
         if all(t < 1e-5 for t in temp_list):
             token_ids = logits.argmax(dim=-1)
         elif plain_ok and all(plain):
             temps = torch.tensor(temp_list, dtype=torch.float32)  # one pass per row in C++
-            token_ids = cpu_ops.sample_plain(logits, temps, self._uniforms(seqs))
+            token_ids = dispatch.sample_plain(logits, temps, self._uniforms(seqs))
         elif plain_ok and self.batch_invariant and any(plain):  # each kind of row by its own draw
             u = self._uniforms(seqs)
             pm = torch.tensor(plain)
             pi, ri = pm.nonzero().squeeze(1), (~pm).nonzero().squeeze(1)
             token_ids = torch.empty(N, dtype=torch.int64)
-            token_ids[pi] = cpu_ops.sample_plain(logits[pi], torch.tensor(temp_list, dtype=torch.float32)[pi],
-                                                     u[pi])
+            token_ids[pi] = dispatch.sample_plain(logits[pi], torch.tensor(temp_list, dtype=torch.float32)[pi],
+                                                  u[pi])
             token_ids[ri] = self._sorted_draw(logits[ri], [params[i] for i in ri.tolist()], u[ri])
         else:
             token_ids = self._sorted_draw(logits, params, self._uniforms(seqs))

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from tokenfab.kernels.cpu import ops as cpu_ops
-from tokenfab.kernels.gpu import support as triton_support
+from tokenfab.kernels import dispatch
 from tokenfab.quant.fp8_config import FP8_BLOCK
 from tokenfab.quant.packed_weight import PackedWeight
 
@@ -81,20 +81,14 @@ class Fp8BlockWeight(PackedWeight):
         self._kernel = (self.weight.device.type == "cpu" and self.in_features % 32 == 0
                         and cpu_linear_backend() != "torch" and cpu_ops.fp8_block_linear_applies())
 
-    def _cpu_kernel_applies(self, x: torch.Tensor) -> bool:
-        return self._kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
-
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """A kernel (C++ on CPU, Triton on CUDA/ROCm) computes ``x W^T`` here; else the PyTorch reference does."""
-        return self._cpu_kernel_applies(x) or triton_support.applies(x)
+        return dispatch.fp8_block_linear_applies(x, self._kernel)
 
     def _kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [.., K] @ weight^T`` on the stored e4m3 matrix and scales by the kernel that applies (K = the stored
         matrix's columns; call only where :meth:`_kernel_applies`)."""
-        if self._cpu_kernel_applies(x):
-            return cpu_ops.fp8_block_linear(x, self.weight, self.scale_inv, bias)
-        from tokenfab.kernels.gpu import fp8_linear as triton_fp8_linear  # CUDA/ROCm (tests: the interpreter)
-        return triton_fp8_linear.fp8_block_linear(x, self.weight, self.scale_inv, bias)
+        return dispatch.fp8_block_linear(x, self.weight, self.scale_inv, bias, self._kernel)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._kernel_applies(x):

@@ -14,12 +14,10 @@ from collections.abc import Sequence
 import torch
 
 from tokenfab.kernels.cpu import ops as cpu_ops
-from tokenfab.kernels.gpu import support as triton_support
+from tokenfab.kernels import dispatch
 from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_blocks import TILE, BlockType
 from tokenfab.quant.packed_weight import PackedWeight
-
-_TRITON_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types kernels/gpu/gguf_linear.py reads (K-quants: reference)
 
 
 class GGUFWeight(PackedWeight):
@@ -76,12 +74,8 @@ class GGUFWeight(PackedWeight):
                         and cpu_ops.gguf_linear_applies())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._kernel and x.dtype in (torch.bfloat16, torch.float32):
-            return cpu_ops.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias)
-        if self.block.name in _TRITON_TYPES and triton_support.applies(x):  # CUDA/ROCm: kernels/gpu/gguf_linear
-            from tokenfab.kernels.gpu import gguf_linear as triton_gguf_linear
-            return triton_gguf_linear.gguf_linear(x, self.tiles, self.block, self.out_features, bias)
-        return self.reference_linear(x, bias)
+        y = dispatch.gguf_linear(x, self.tiles, self.block, self.out_features, bias, self._kernel)
+        return y if y is not None else self.reference_linear(x, bias)
 
     def linear_f32(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`linear`, float32 outputs from the kernel's accumulator (the LM head of a GGUF file)."""

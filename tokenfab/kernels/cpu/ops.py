@@ -12,7 +12,8 @@ The extension is built with ``torch.utils.cpp_extension.load`` by :mod:`tokenfab
 other jobs share them, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>-<digest>``, override
 with ``TOKENFAB_KERNEL_CACHE``); :func:`load` / :func:`load_error` come from there.
 ``TOKENFAB_CPU_KERNELS=0`` disables them; a failed build logs one warning and every caller keeps its PyTorch path.
-Only CPU tensors take these paths; CUDA/ROCm use their own.
+Only CPU tensors take these paths; CUDA/ROCm use kernels/gpu/. Layers reach both through
+:mod:`tokenfab.kernels.dispatch`.
 """
 from __future__ import annotations
 
@@ -360,7 +361,8 @@ def fp8_experts_applies() -> bool:
 
 def fp8_experts_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, experts: torch.Tensor,
                        offsets: torch.Tensor, part_rows: int) -> torch.Tensor:
-    """Grouped y = x W_e^T over a stack of routed experts kept as FP8 block-scaled bytes (kernels/cpu/csrc/fp8_linear.cpp).
+    """Grouped y = x W_e^T over a stack of routed experts kept as FP8 block-scaled bytes
+    (kernels/cpu/csrc/fp8_linear.cpp).
 
     Args:
         x: [N, K] bf16 or float32, rows grouped by expert; K a multiple of 32.
