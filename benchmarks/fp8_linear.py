@@ -1,6 +1,6 @@
-"""FP8 block-scaled linears (DeepSeek-V3 layout; kernels/cpu/csrc/fp8_linear.cpp) against tokenfab's bf16 VNNI linear
-(kernels/cpu/csrc/vnni_linear.cpp) at the same shapes, side by side, and the resident memory of an FP8 checkpoint against
-its bf16 twin.
+"""FP8 block-scaled linears (DeepSeek-V3 layout; kernels/cpu/csrc/fp8_linear.cpp) against tokenfab's bf16 VNNI
+linear (kernels/cpu/csrc/vnni_linear.cpp) at the same shapes, side by side, and the resident memory of an FP8
+checkpoint against its bf16 twin.
 
     .venv/bin/python benchmarks/fp8_linear.py [--rows 1,8,64] [--reps 5] [--mb 128] [--no-rss]
 

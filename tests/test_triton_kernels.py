@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenfab.kernels.gpu import support as triton_support  # conftest.py chose the interpreter before triton was imported
+# conftest.py chose the interpreter before triton was imported
+from tokenfab.kernels.gpu import support as triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
