@@ -6,7 +6,7 @@ For each batch size B: B sequences with ``--context`` prompt tokens are prefille
 timed. Reported per step: wall time of ``LLMEngine.step()``, time inside the model forward (+ logits), their
 difference (engine overhead: scheduling, tensor building, sampling, output processing), and for B = 1 the floor.
 Where a CPU step runs forward, LM head and the draw in one C++ call (``CpuDecodeStack.run_sample``), that call is
-the forward here: it includes the draw (~30 us at batch 1, ``cpu_kernels.sample_plain``), not the sampler's
+the forward here: it includes the draw (~30 us at batch 1, ``cpu_ops.sample_plain``), not the sampler's
 Python, which runs before it and counts as overhead.
 
     floor = (bytes of weights a decode step must read + KV bytes read) / measured copy bandwidth

@@ -1,6 +1,6 @@
-"""FP8 block-scaled linears (DeepSeek-V3 layout; kernels/csrc/fp8_linear.cpp) against tokenfab's bf16 VNNI linear
-(kernels/csrc/vnni_linear.cpp) at the same shapes, side by side, and the resident memory of an FP8 checkpoint against
-its bf16 twin.
+"""FP8 block-scaled linears (DeepSeek-V3 layout; kernels/cpu/csrc/fp8_linear.cpp) against tokenfab's bf16 VNNI
+linear (kernels/cpu/csrc/vnni_linear.cpp) at the same shapes, side by side, and the resident memory of an FP8
+checkpoint against its bf16 twin.
 
     .venv/bin/python benchmarks/fp8_linear.py [--rows 1,8,64] [--reps 5] [--mb 128] [--no-rss]
 
@@ -48,7 +48,7 @@ def random_fp8(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.
 
 def time_shape(n: int, k: int, rows: int, reps: int, mb: float, clock=time.perf_counter) -> dict:
     """Best seconds per call of each format for weight [n, k] and ``rows`` input rows, and bytes per call."""
-    from tokenfab.kernels import cpu_kernels
+    from tokenfab.kernels.cpu import ops as cpu_ops
     from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
@@ -58,8 +58,8 @@ def time_shape(n: int, k: int, rows: int, reps: int, mb: float, clock=time.perf_
         per = n * k * 2 if fmt == "bf16" else Fp8BlockWeight(*base).nbytes
         count = max(2, int(mb * 1e6 // per)) if rows <= 16 else 2
         if fmt == "bf16":
-            ws = [cpu_kernels.pack_linear_weight(torch.randn(n, k, generator=g).bfloat16()) for _ in range(count)]
-            runs[fmt] = ((lambda ws: lambda i: cpu_kernels.vnni_linear(x, ws[i], n))(ws), count)
+            ws = [cpu_ops.pack_linear_weight(torch.randn(n, k, generator=g).bfloat16()) for _ in range(count)]
+            runs[fmt] = ((lambda ws: lambda i: cpu_ops.vnni_linear(x, ws[i], n))(ws), count)
         else:
             ws = [Fp8BlockWeight(*(base if i == 0 else (base[0].clone(), base[1].clone()))) for i in range(count)]
             for w in ws:
@@ -89,7 +89,7 @@ def rss(field="VmRSS"):
 from tokenfab import LLM
 from tokenfab.engine.engine_config import model_weight_bytes
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
-import tokenfab.kernels.cpu_kernels as ck; ck.load()
+import tokenfab.kernels.cpu.ops as ck; ck.load()
 before, anon0 = rss(), rss("RssAnon")
 llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=256, kv_cache_memory=1 << 20, progress=False)
 after, anon1 = rss(), rss("RssAnon")
@@ -134,10 +134,10 @@ def main() -> int:
     ap.add_argument("--no-rss", action="store_true", help="skip the resident-memory comparison")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
     args = ap.parse_args()
-    from tokenfab.kernels import cpu_kernels
-    if not cpu_kernels.fp8_block_linear_applies():
+    from tokenfab.kernels.cpu import ops as cpu_ops
+    if not cpu_ops.fp8_block_linear_applies():
         print("the FP8 and VNNI linears need the CPU kernels built with AVX512-BF16: "
-              f"{cpu_kernels.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
+              f"{cpu_ops.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)

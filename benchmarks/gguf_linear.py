@@ -1,5 +1,5 @@
-"""Packed GGUF linears (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; kernels/csrc/gguf_linear.cpp) against tokenfab's bf16
-VNNI linear (kernels/csrc/vnni_linear.cpp) at the same shapes, side by side.
+"""Packed GGUF linears (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K; kernels/cpu/csrc/gguf_linear.cpp) against tokenfab's bf16
+VNNI linear (kernels/cpu/csrc/vnni_linear.cpp) at the same shapes, side by side.
 
     .venv/bin/python benchmarks/gguf_linear.py [--rows 1,4,64,512] [--reps 5] [--mb 128]
     .venv/bin/python benchmarks/gguf_linear.py --formats bf16,Q4_1,Q4_K,Q6_K --shapes kquant --rows 1,8 \
@@ -52,7 +52,7 @@ def random_rows(name: str, n: int, k: int, rng: np.random.Generator) -> torch.Te
 
 def time_shape(n: int, k: int, rows: int, reps: int, mb: float, formats=FORMATS) -> dict:
     """Best seconds per call of every format for weight [n, k] and ``rows`` input rows, and bytes per weight."""
-    from tokenfab.kernels import cpu_kernels
+    from tokenfab.kernels.cpu import ops as cpu_ops
     from tokenfab.quant.gguf_weight import GGUFWeight
     rng = np.random.default_rng(0)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
@@ -60,8 +60,8 @@ def time_shape(n: int, k: int, rows: int, reps: int, mb: float, formats=FORMATS)
     for fmt in formats:
         if fmt == "bf16":
             count = max(2, int(mb * 1e6 // (n * k * 2))) if rows <= 4 else 2
-            ws = [cpu_kernels.pack_linear_weight(torch.randn(n, k, dtype=torch.bfloat16)) for _ in range(count)]
-            runs[fmt] = (lambda ws: lambda i: cpu_kernels.vnni_linear(x, ws[i], n))(ws)
+            ws = [cpu_ops.pack_linear_weight(torch.randn(n, k, dtype=torch.bfloat16)) for _ in range(count)]
+            runs[fmt] = (lambda ws: lambda i: cpu_ops.vnni_linear(x, ws[i], n))(ws)
             nbytes[fmt] = n * k * 2
         else:
             one = GGUFWeight.from_rows(random_rows(fmt, n, k, rng), fmt, k)
@@ -97,10 +97,10 @@ def main() -> int:
     if formats[0] != "bf16":
         ap.error("--formats must start with bf16 (the ratios' base)")
     shapes = KQUANT_SHAPES if args.shapes == "kquant" else SHAPES
-    from tokenfab.kernels import cpu_kernels
-    if not (cpu_kernels.has_bf16_dot() and cpu_kernels.gguf_linear_applies()):
+    from tokenfab.kernels.cpu import ops as cpu_ops
+    if not (cpu_ops.has_bf16_dot() and cpu_ops.gguf_linear_applies()):
         print("the packed GGUF and VNNI linears need the CPU kernels built with AVX512-BF16: "
-              f"{cpu_kernels.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
+              f"{cpu_ops.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
         return 2
     threads = torch.get_num_threads()
     bw = copy_bandwidth()

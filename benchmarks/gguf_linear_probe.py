@@ -4,7 +4,7 @@ side-by-side run (many distinct weights streamed from memory, prefill rows too).
 import torch, time, numpy as np, sys
 sys.path.insert(0, __import__("os").path.join(__import__("os").path.dirname(__file__), ".."))
 from benchmarks.gguf_linear import random_rows
-from tokenfab.kernels import cpu_kernels as ck
+from tokenfab.kernels.cpu import ops as ck
 from tokenfab.quant.gguf_weight import GGUFWeight
 torch.set_num_threads(int(sys.argv[1]))
 rng = np.random.default_rng(0)

@@ -3,16 +3,16 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
 
     python benchmarks/gpu_kernels.py [--device cuda] [--out DIR] [--quick]
 
-1. Paged decode attention (kernels/triton_decode_attention.py) in bf16 at DeepSeek-V3's MLA shape (128 heads over
+1. Paged decode attention (kernels/gpu/decode_attention.py) in bf16 at DeepSeek-V3's MLA shape (128 heads over
    one latent "head" of 512 + 64) and a Llama GQA shape (32 query / 8 KV heads of 128), batch 1 / 16 / 64 at 4,096
    context tokens: max error against the gathered float32 reference, microseconds per call, and the fraction of the
    copy bandwidth reached (bytes = KV rows read once + q + output).
-2. Fused MoE (kernels/triton_moe.py) at DeepSeek-V3 expert shapes (hidden 7168, intermediate 2048, 8 of 64 local
+2. Fused MoE (kernels/gpu/moe.py) at DeepSeek-V3 expert shapes (hidden 7168, intermediate 2048, 8 of 64 local
    experts): error against RoutedExperts' PyTorch loop, time per call and bandwidth over the distinct experts hit.
-3. Packed GGUF Q4_1 / Q8_0 linears (kernels/triton_gguf_linear.py) at 4096 x 4096, 1 and 16 rows: error against
+3. Packed GGUF Q4_1 / Q8_0 linears (kernels/gpu/gguf_linear.py) at 4096 x 4096, 1 and 16 rows: error against
    GGUFWeight's dequantizing PyTorch path, time, and bandwidth over the packed bytes; the same for the FP8
-   block-scaled linear (kernels/triton_fp8_linear.py) against its dequantized weight, and the fused MoE over INT4
-   group-32 and MXFP4 stacks (kernels/triton_packed_moe.py) against the bf16 fused MoE on the dequantized weights.
+   block-scaled linear (kernels/gpu/fp8_linear.py) against its dequantized weight, and the fused MoE over INT4
+   group-32 and MXFP4 stacks (kernels/gpu/packed_moe.py) against the bf16 fused MoE on the dequantized weights.
 4. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
    identical token ids expected.
 
@@ -56,7 +56,7 @@ def _time_us(fn, dev: torch.device, reps: int) -> float:
 
 
 def check_attention(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
-    from tokenfab.kernels.triton_decode_attention import paged_decode_attention
+    from tokenfab.kernels.gpu.decode_attention import paged_decode_attention
     shapes = [("mla", 128, 1, 576, 512), ("gqa", 32, 8, 128, 128)]
     batches, ctx, page = [1, 16, 64], 4096, 16
     if quick:
@@ -87,7 +87,7 @@ def check_attention(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]
 
 
 def check_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
-    from tokenfab.kernels.triton_moe import fused_moe
+    from tokenfab.kernels.gpu.moe import fused_moe
     from tokenfab.layers.activation import silu_and_mul
     from tokenfab.layers.moe import RoutedExperts
     E, k, hidden, inter = (64, 8, 7168, 2048) if not quick else (8, 2, 32, 16)
@@ -121,12 +121,12 @@ def check_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
 
 
 def check_gguf(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
-    """The packed GGUF GEMV/GEMM (kernels/triton_gguf_linear.py) at a 4096 x 4096 weight (quick: 48 x 96) in Q4_1 and
+    """The packed GGUF GEMV/GEMM (kernels/gpu/gguf_linear.py) at a 4096 x 4096 weight (quick: 48 x 96) in Q4_1 and
     Q8_0, 1 and 16 activation rows: error against GGUFWeight's dequantize-and-F.linear path, time, bandwidth over the
     packed bytes."""
     import gguf
     import numpy as np
-    from tokenfab.kernels.triton_gguf_linear import gguf_linear
+    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
     from tokenfab.quant.gguf_weight import GGUFWeight
     n, k = (4096, 4096) if not quick else (48, 96)
     rows = []
@@ -147,9 +147,9 @@ def check_gguf(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
 
 
 def check_fp8(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
-    """The FP8 block-scaled linear (kernels/triton_fp8_linear.py) at 4096 x 4096 (quick: 200 x 200, partial blocks),
+    """The FP8 block-scaled linear (kernels/gpu/fp8_linear.py) at 4096 x 4096 (quick: 200 x 200, partial blocks),
     1 and 16 rows: error against the dequantized weight's float32 product, time, bandwidth over the FP8 bytes."""
-    from tokenfab.kernels.triton_fp8_linear import fp8_block_linear
+    from tokenfab.kernels.gpu.fp8_linear import fp8_block_linear
     n, k = (4096, 4096) if not quick else (200, 200)
     g = torch.Generator(device=dev).manual_seed(0)
     w = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.float8_e4m3fn)
@@ -170,11 +170,11 @@ def check_fp8(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
 
 
 def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
-    """The fused MoE over INT4 group-32 and MXFP4 stacks (kernels/triton_packed_moe.py) at DeepSeek-V3's expert
+    """The fused MoE over INT4 group-32 and MXFP4 stacks (kernels/gpu/packed_moe.py) at DeepSeek-V3's expert
     shape: error against the bf16 fused MoE on the same (dequantized) weights, time, bandwidth over the packed bytes
     of the experts hit."""
-    from tokenfab.kernels.triton_moe import fused_moe
-    from tokenfab.kernels.triton_packed_moe import fused_moe_packed
+    from tokenfab.kernels.gpu.moe import fused_moe
+    from tokenfab.kernels.gpu.packed_moe import fused_moe_packed
     from tokenfab.layers.activation import silu_and_mul
     E, k, hidden, inter = (64, 8, 7168, 2048) if not quick else (8, 2, 64, 32)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -256,7 +256,7 @@ def main() -> int:
         print("gpu_kernels.py: no CUDA/ROCm device is visible to this torch; on CPU use the dry run in the "
               "docstring (--device cpu --quick with TRITON_INTERPRET=1 TOKENFAB_TRITON=interpret).", file=sys.stderr)
         return 2
-    from tokenfab.kernels import triton_support
+    from tokenfab.kernels.gpu import support as triton_support
     if not triton_support.applies(torch.empty(0, device=dev)):
         print(f"gpu_kernels.py: the Triton kernels do not run on {dev} here (triton missing, TOKENFAB_TRITON=0, or "
               "on CPU without TRITON_INTERPRET=1 TOKENFAB_TRITON=interpret).", file=sys.stderr)

@@ -11,7 +11,7 @@ import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 # Triton kernels run here only in Triton's interpreter (tests/test_triton_kernels.py), which must be chosen before
-# triton is first imported; it changes nothing else (kernels/triton_support.py keeps CPU serving off Triton).
+# triton is first imported; it changes nothing else (kernels/gpu/support.py keeps CPU serving off Triton).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

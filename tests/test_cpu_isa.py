@@ -1,11 +1,12 @@
-"""TOKENFAB_CPU_ISA: which CPU path the kernels take, capped by what the CPU has (kernels/cpu_isa.py)."""
+"""TOKENFAB_CPU_ISA: which CPU path the kernels take, capped by what the CPU has (kernels/cpu/isa.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tokenfab.errors import EngineConfigError
-from tokenfab.kernels import cpu_isa, cpu_kernels
+from tokenfab.kernels.cpu import isa as cpu_isa
+from tokenfab.kernels.cpu import ops as cpu_ops
 
 XEON = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
 EPYC = {"avx2", "avx512f", "avx512_bf16"}
@@ -53,24 +54,24 @@ def test_library_caps_follow_the_level_and_never_override_the_user(monkeypatch):
     assert "ONEDNN_MAX_CPU_ISA" not in os.environ
 
 
-@pytest.mark.skipif(cpu_kernels.load() is None, reason="the fused CPU kernels are not built here")
+@pytest.mark.skipif(cpu_ops.load() is None, reason="the fused CPU kernels are not built here")
 def test_the_kernels_cap_switches_the_bf16_dot_paths_off():
     """Capped at avx2, no caller is offered an AVX512-BF16 kernel, and paged decode attention takes its float32
     path: a bf16 result equal to the PyTorch reference's arithmetic in float32 (products rounded to bf16 no more)."""
-    m = cpu_kernels.load()
+    m = cpu_ops.load()
     before = m.isa_cap()
     try:
         m.set_isa_cap(cpu_isa.LEVELS.index("avx2"))
-        assert not cpu_kernels.has_bf16_dot()
-        assert not cpu_kernels.gguf_linear_applies() and not cpu_kernels.fp8_block_linear_applies()
-        assert not cpu_kernels.vnni_linear_applies(torch.zeros(32, 64, dtype=torch.bfloat16))
+        assert not cpu_ops.has_bf16_dot()
+        assert not cpu_ops.gguf_linear_applies() and not cpu_ops.fp8_block_linear_applies()
+        assert not cpu_ops.vnni_linear_applies(torch.zeros(32, 64, dtype=torch.bfloat16))
         g = torch.Generator().manual_seed(3)
         q = torch.randn(2, 4, 64, generator=g).bfloat16()
         k = torch.randn(3, 16, 2, 64, generator=g).bfloat16()
         v = torch.randn(3, 16, 2, 64, generator=g).bfloat16()
         bt = torch.tensor([[0, 1], [2, 0]])
         cl = torch.tensor([20, 9])
-        out = cpu_kernels.paged_decode_attention(q, k, v, bt, cl, 0.125)
+        out = cpu_ops.paged_decode_attention(q, k, v, bt, cl, 0.125)
         for b in range(2):
             keys = torch.cat([k[i] for i in bt[b]])[:cl[b]].float()  # [L, 2, 64]
             vals = torch.cat([v[i] for i in bt[b]])[:cl[b]].float()
@@ -80,4 +81,4 @@ def test_the_kernels_cap_switches_the_bf16_dot_paths_off():
             torch.testing.assert_close(out[b].float(), ref, atol=1e-2, rtol=1e-2)
     finally:
         m.set_isa_cap(before)
-    assert cpu_kernels.has_bf16_dot() == bool(m.has_bf16_dot and before >= 1)
+    assert cpu_ops.has_bf16_dot() == bool(m.has_bf16_dot and before >= 1)

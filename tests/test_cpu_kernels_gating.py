@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tokenfab import SamplingParams
-from tokenfab.kernels import cpu_kernels, cpu_kernels_build
+from tokenfab.kernels.cpu import build as cpu_kernels_build
+from tokenfab.kernels.cpu import ops as cpu_kernels
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The exactness and real-model tests on every other CPU path this machine can take (kernels/cpu_isa.py).
+"""The exactness and real-model tests on every other CPU path this machine can take (kernels/cpu/isa.py).
 
 The suite itself runs on this CPU's best path (``TOKENFAB_CPU_ISA=native``). Another CPU family takes another
 path (an AMD EPYC has no AMX, an older CPU no AVX512-BF16), and each rounds bf16 work in its own order, so the
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tokenfab.kernels import cpu_isa
+from tokenfab.kernels.cpu import isa as cpu_isa
 
 CHILD = "TOKENFAB_CPU_PATHS_CHILD"  # set in the child runs, so they do not recurse
 # bf16 paths are where CPU families part (float32 runs no AVX512-BF16 or AMX kernel), so of the real model's tests

@@ -57,7 +57,7 @@ def test_padded_decode_token_exact(monkeypatch, tiny_model, family):
 
 def test_padded_decode_with_triton_kernels(monkeypatch, tiny_model):
     """The combination a GPU runs under graphs: padded buffers + Triton attention and MoE (interpreted)."""
-    from tokenfab.kernels import triton_support
+    from tokenfab.kernels.gpu import support as triton_support
     if not triton_support.triton_importable():
         pytest.skip("triton is not installed")
     from test_engine_exact import check_family, make_prompts

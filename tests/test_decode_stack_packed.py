@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels.cpu import ops as cpu_ops
 
 gguf = pytest.importorskip("gguf")
 
 from test_gguf_packed_loader import write_gguf  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
+pytestmark = pytest.mark.skipif(not cpu_ops.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
 
 ALL_Q4_1_EMB_Q8 = {**{k: "Q4_1" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                                            "ffn_down")}, "token_embd": "Q8_0", "output": "Q8_0"}
@@ -102,7 +102,7 @@ def test_packed_embedding_rows_match_gguf_dequantize(monkeypatch, qtype, dtype):
     assert torch.equal(got, ref[ids])
     with pytest.raises(RuntimeError, match="outside"):
         packed.embedding(torch.tensor([n]), dtype)
-    monkeypatch.setattr(cpu_kernels, "load", lambda: None)  # without built kernels: the PyTorch lookup
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)  # without built kernels: the PyTorch lookup
     assert torch.equal(packed.embedding(ids, dtype), ref[ids])
     with pytest.raises(IndexError, match="ids must lie"):
         packed.embedding(torch.tensor([n]), dtype)

@@ -14,11 +14,11 @@ from conftest import max_prompt_logprob_gap
 from test_fp8_block_weight import formula, fp8_pair, random_fp8  # noqa: F401  (fp8_pair: a fixture)
 from tokenfab import LLM, SamplingParams
 from tokenfab.errors import WeightLoadError
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.quant.fp8_block_experts import Fp8BlockExperts
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
 
-kernel = pytest.mark.skipif(not cpu_kernels.fp8_experts_applies(),
+kernel = pytest.mark.skipif(not cpu_ops.fp8_experts_applies(),
                             reason="fused CPU kernels with AVX512-BF16 not available")
 
 
@@ -61,7 +61,7 @@ def test_grouped_linear_matches_float64(dtype, path, monkeypatch):
     """Segments of 1, 2, 3, 5, 16, 17 and 70 tokens: the GEMV, AMX (bf16, more than 4 rows) and brgemm paths."""
     if path == "torch":
         monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "torch")
-    elif not cpu_kernels.fp8_experts_applies():
+    elif not cpu_ops.fp8_experts_applies():
         pytest.skip("fused CPU kernels with AVX512-BF16 not available")
     st, W = gate_up_stack(8, 72, 160, seed=11)
     st.prepare()
@@ -156,7 +156,7 @@ def test_tiny_fp8_model_experts_packed_match_dequantized_twin(fp8_pair, path, mo
     model = llm.llm_engine.runner.model
     mods = [l.mlp.experts for l in model.model.layers if hasattr(l.mlp, "experts")]
     assert mods and all(isinstance(m.q13, Fp8BlockExperts) and m.w13 is None and m._p13 is None for m in mods)
-    assert mods[0].q13._kernel == (path == "kernel" and cpu_kernels.fp8_experts_applies())
+    assert mods[0].q13._kernel == (path == "kernel" and cpu_ops.fp8_experts_applies())
     assert not any(".experts." in n for n, _ in model.named_parameters())
     del llm
     _, ref = _generate(twin, PROMPTS)

@@ -14,14 +14,14 @@ import torch
 
 from conftest import max_prompt_logprob_gap
 from decode_stack_ab import generate_through
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.model_config import ConfigError
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
 from tokenfab.testing.fp8_checkpoint import quantize_fp8_block, write_fp8_checkpoint
 
 # in / out dims not multiples of 128 (partial blocks): hidden 160, intermediate 224, o_proj in 96, kv_a out 48
 TINY = dict(hidden_size=160, intermediate_size=224, q_lora_rank=64)
-kernel = pytest.mark.skipif(not cpu_kernels.fp8_block_linear_applies(),
+kernel = pytest.mark.skipif(not cpu_ops.fp8_block_linear_applies(),
                             reason="fused CPU kernels with AVX512-BF16 not available")
 
 
@@ -83,7 +83,7 @@ def test_kernel_matches_reference(n, k, m, dtype):
     W = formula(q, s)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
     bias = torch.randn(n)
-    y = cpu_kernels.fp8_block_linear(x, q, s, bias)
+    y = cpu_ops.fp8_block_linear(x, q, s, bias)
     ref = torch.nn.functional.linear(x.float(), W) + bias  # w.reference_linear before its one rounding
     assert y.dtype == dtype and y.shape == (m, n)
     tol = fp32_bound(x, W) + bias.abs() * 2 ** -23
@@ -100,9 +100,9 @@ def test_kernel_decodes_every_e4m3_code_exactly(m):
     table and block scaling are checked bit for bit against the formula (subnormals, signed zeros, partial blocks)."""
     q, s = random_fp8(200, 160, seed=3)
     eye = torch.eye(160)
-    y = torch.cat([cpu_kernels.fp8_block_linear(eye[i:i + m], q, s) for i in range(0, 160, m)])
+    y = torch.cat([cpu_ops.fp8_block_linear(eye[i:i + m], q, s) for i in range(0, 160, m)])
     assert torch.equal(y, formula(q, s).T)
-    yb = torch.cat([cpu_kernels.fp8_block_linear(eye[i:i + m].bfloat16(), q, s) for i in range(0, 160, m)])
+    yb = torch.cat([cpu_ops.fp8_block_linear(eye[i:i + m].bfloat16(), q, s) for i in range(0, 160, m)])
     assert torch.equal(yb, formula(q, s).T.bfloat16())
 
 
@@ -113,7 +113,7 @@ def test_kernel_nan_codes_give_nan():
     qb[7, 3], qb[100, 40] = 0x7F, 0xFF
     x = torch.randn(3, 64)
     for xm in (x, x.repeat(8, 1)):  # GEMV and GEMM
-        y = cpu_kernels.fp8_block_linear(xm, qb.view(torch.float8_e4m3fn), s)
+        y = cpu_ops.fp8_block_linear(xm, qb.view(torch.float8_e4m3fn), s)
         nan_cols = y.isnan().all(0)
         assert nan_cols[7] and nan_cols[100] and nan_cols.sum() == 2
 
@@ -169,10 +169,10 @@ def test_tiny_fp8_model_matches_dequantized_twin(fp8_pair, monkeypatch, backend)
             # stacks (tests/test_fp8_block_experts.py)
             assert attn.kv_b_proj.qweight is None and attn.kv_b_proj.weight is not None
             assert moe.experts.w13 is None and moe.experts.q13.format_name == "fp8_block"
-            assert moe.experts.q13._kernel == (cpu_kernels.fp8_experts_applies() and backend != "torch")
+            assert moe.experts.q13._kernel == (cpu_ops.fp8_experts_applies() and backend != "torch")
             assert attn.o_proj.qweight is not None and moe.shared_experts.down_proj.qweight is not None
             assert len(packed) >= 2 * 4 + 2 + 2
-            assert attn.o_proj.qweight._kernel == (cpu_kernels.fp8_block_linear_applies() and backend != "torch")
+            assert attn.o_proj.qweight._kernel == (cpu_ops.fp8_block_linear_applies() and backend != "torch")
             del llm
     gap = max_prompt_logprob_gap(outs["reference"], outs["packed"], "packed FP8")
     assert gap < 1e-4

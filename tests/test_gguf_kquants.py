@@ -1,4 +1,4 @@
-"""GGUF K-quants Q4_K, Q5_K and Q6_K kept packed (tokenfab/quant/gguf_kquants.py, kernels/csrc/gguf_linear.cpp):
+"""GGUF K-quants Q4_K, Q5_K and Q6_K kept packed (tokenfab/quant/gguf_kquants.py, kernels/cpu/csrc/gguf_linear.cpp):
 dequantization bit-identical to gguf-py's ``gguf.quants.dequantize``, the tile layout an exact inverse, and the
 kernel's products against the float64 product with gguf's dequantized weight.
 
@@ -18,14 +18,14 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from tokenfab.kernels import cpu_kernels  # noqa: E402
+from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
 from tokenfab.quant import gguf_blocks, gguf_kquants  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
 
 KTYPES = ("Q4_K", "Q5_K", "Q6_K")
 U = 2.0 ** -24
 
-needs_kernel = pytest.mark.skipif(not cpu_kernels.gguf_linear_applies(),
+needs_kernel = pytest.mark.skipif(not cpu_ops.gguf_linear_applies(),
                                   reason="gguf_linear needs the CPU kernels with AVX512-BF16")
 
 

@@ -18,7 +18,7 @@ from decode_stack_ab import generate_through
 
 from tokenfab import LLM, SamplingParams
 from tokenfab.errors import UnsupportedError, WeightLoadError
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.model_config import ConfigError
 from tokenfab.quant.compressed_tensors import parse_compressed_tensors
 from tokenfab.quant.int4_group import Int4GroupExperts, dequantize_int4_group
@@ -169,7 +169,7 @@ def test_grouped_kernel_matches_float64(fmt, dtype, K, monkeypatch):
     assert ref.dtype == dtype and ((ref.double() - want).abs() <= tol * (want.abs() + 1)).all()
     monkeypatch.delenv("TOKENFAB_PACKED_EXPERTS")
     st.prepare()
-    if not cpu_kernels.packed_experts_applies():
+    if not cpu_ops.packed_experts_applies():
         pytest.skip("kernels without AVX512-BF16: the reference path above is what runs")
     assert st._kernel
     got = st.grouped_linear(x, experts, counts)
@@ -274,7 +274,7 @@ def test_deepseek_int4_matches_dequantized(deepseek_int4, path_kind, monkeypatch
     model = llm.llm_engine.runner.model
     packed = model.model.layers[1].mlp.experts
     assert packed.w13 is None and packed.q13.packed.dtype == torch.int32 and packed.q2.scale.dtype == torch.bfloat16
-    assert packed.q13._kernel == (path_kind == "kernel" and cpu_kernels.packed_experts_applies())
+    assert packed.q13._kernel == (path_kind == "kernel" and cpu_ops.packed_experts_applies())
     assert model.model.layers[2].mlp.experts.q13 is None  # ignored by quantization_config: unquantized
     _, ref_outs = _run(ref_dir, PROMPTS)
     worst = _compare(q_outs, ref_outs, PROMPTS)
@@ -373,7 +373,7 @@ def test_deferred_expert_storage_reserves_nothing_until_packed_or_allocated():
     assert not RoutedExperts(2, 64, 32).w13.is_meta  # outside the context: allocated as before
 
 
-@pytest.mark.skipif(not cpu_kernels.packed_experts_applies(), reason="kernels without AVX512-BF16")
+@pytest.mark.skipif(not cpu_ops.packed_experts_applies(), reason="kernels without AVX512-BF16")
 def test_decode_stack_runs_packed_experts_bit_identical(deepseek_int4, monkeypatch):
     """bf16 decode of the INT4 model through the fused C++ stack (layer 1's experts packed: set_moe_packed, the same
     ops as RoutedExperts.packed_forward; layer 2's bf16) against the module path: same tokens and logprobs."""

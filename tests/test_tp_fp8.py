@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from conftest import max_prompt_logprob_gap, tp_generate
 from test_fp8_block_weight import formula, fp32_bound, kernel, random_fp8
 from tokenfab.errors import WeightLoadError
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.loader.fp8_block_loader import Fp8CheckpointWeights
 from tokenfab.quant.fp8_block_shard import Fp8BlockShard
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
@@ -197,7 +197,7 @@ def test_built_ranks_hold_padded_shards(fp8_tp):
     assert isinstance(down, Fp8BlockShard) and (down.col_offset, down.in_features) == (72, 100)
     assert isinstance(qb, Fp8BlockShard) and (qb.row_offset, qb.out_features) == (96, 32)
     assert isinstance(layer1.mlp.shared_experts.gate_proj.qweight, Fp8BlockShard)
-    assert down._kernel == qb._kernel == cpu_kernels.fp8_block_linear_applies()  # the kernel runs on the padding
+    assert down._kernel == qb._kernel == cpu_ops.fp8_block_linear_applies()  # the kernel runs on the padding
 
 
 def test_misfit_scale_is_refused_naming_the_tensor(fp8_tp):

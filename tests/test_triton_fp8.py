@@ -1,4 +1,4 @@
-"""The Triton FP8 block-scaled linear (kernels/triton_fp8_linear.py) in Triton's interpreter on CPU: its E4M3FN
+"""The Triton FP8 block-scaled linear (kernels/gpu/fp8_linear.py) in Triton's interpreter on CPU: its E4M3FN
 decoding against torch's own float8_e4m3fn conversion for all 256 codes, and its products against the published
 formula W = weight * weight_scale_inv[n // 128, k // 128] written out here, in float64, with partial edge blocks."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenfab.kernels import triton_support
+from tokenfab.kernels.gpu import support as triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 U = 2.0 ** -24
@@ -21,7 +21,7 @@ def interpret(monkeypatch):
 def test_every_e4m3fn_code_decodes_as_torch_does(interpret):
     """Row n of the weight holds code n at input 0 (zeros elsewhere), x = e_0 and scale 1: y[0, n] is code n's
     value; NaN codes (0x7f, 0xff) give NaN, -0 gives -0."""
-    from tokenfab.kernels.triton_fp8_linear import fp8_block_linear
+    from tokenfab.kernels.gpu.fp8_linear import fp8_block_linear
     codes = torch.arange(256, dtype=torch.uint8)
     w = torch.zeros(256, 128, dtype=torch.uint8)
     w[:, 0] = codes
@@ -48,7 +48,7 @@ def formula(x: torch.Tensor, w8: torch.Tensor, s: torch.Tensor, bias) -> tuple[t
 
 @pytest.mark.parametrize("M,N,K", [(1, 200, 200), (5, 128, 256), (40, 70, 130)])
 def test_products_match_the_formula(interpret, M, N, K):
-    from tokenfab.kernels.triton_fp8_linear import fp8_block_linear
+    from tokenfab.kernels.gpu.fp8_linear import fp8_block_linear
     g = torch.Generator().manual_seed(M)
     w8 = torch.randint(0, 256, (N, K), generator=g, dtype=torch.int64).to(torch.uint8)
     w8[(w8 & 0x7F) == 0x7F] = 0x3C  # no NaN codes in the products (decoding of NaN: the test above)
@@ -63,7 +63,7 @@ def test_products_match_the_formula(interpret, M, N, K):
 
 
 def test_mismatched_scales_refused(interpret):
-    from tokenfab.kernels.triton_fp8_linear import fp8_block_linear
+    from tokenfab.kernels.gpu.fp8_linear import fp8_block_linear
     w = torch.zeros(200, 200, dtype=torch.uint8)
     with pytest.raises(ValueError, match="128 x 128"):
         fp8_block_linear(torch.zeros(1, 200), w, torch.ones(1, 2))
@@ -71,9 +71,9 @@ def test_mismatched_scales_refused(interpret):
 
 def test_fp8_block_weight_takes_the_triton_kernel_where_it_applies(interpret, monkeypatch):
     """Fp8BlockWeight.linear: with the CPU kernel off and Triton applying (the interpreter here, GPU tensors in
-    serving) the product comes from kernels/triton_fp8_linear.py and equals the formula's within the float32 bound;
+    serving) the product comes from kernels/gpu/fp8_linear.py and equals the formula's within the float32 bound;
     with TOKENFAB_TRITON=0 the reference path runs instead."""
-    from tokenfab.kernels import triton_fp8_linear
+    from tokenfab.kernels.gpu import fp8_linear as triton_fp8_linear
     from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
     g = torch.Generator().manual_seed(3)

@@ -1,4 +1,4 @@
-"""The Triton GGUF Q8_0 / Q4_0 / Q4_1 kernel (kernels/triton_gguf_linear.py) in Triton's interpreter on CPU: it reads
+"""The Triton GGUF Q8_0 / Q4_0 / Q4_1 kernel (kernels/gpu/gguf_linear.py) in Triton's interpreter on CPU: it reads
 the same packed tiles as the CPU kernels, and its products are checked against the float64 product of gguf-py's own
 dequantized weights within the float32 accumulation bound that tests/test_gguf_linear.py derives (the interpreter
 has no bfloat16, so float32 activations; on a GPU the same code loads bf16). GGUFWeight.linear takes it wherever
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_gguf_linear import TYPES, check_close, quantized, random_blocks
-from tokenfab.kernels import triton_support
+from tokenfab.kernels.gpu import support as triton_support
 from tokenfab.quant.gguf_weight import GGUFWeight
 
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
@@ -27,7 +27,7 @@ def interpret(monkeypatch):
 @pytest.mark.parametrize("rows,out_features,source", [(1, 48, "quantize"), (5, 40, "random"), (23, 33, "quantize"),
                                                        (70, 16, "random")])
 def test_kernel_matches_exact_product(interpret, name, rows, out_features, source):
-    from tokenfab.kernels.triton_gguf_linear import gguf_linear
+    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
     K = 96
     raw = (quantized if source == "quantize" else random_blocks)(name, out_features, K, seed=rows)
     w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, K)
@@ -43,7 +43,7 @@ def test_linear_dispatches_to_triton_only_where_it_applies(interpret, monkeypatc
     """GGUFWeight.linear: the Triton kernel where triton_support.applies and the CPU kernel does not (GPU tiles; here
     the interpreter with the CPU kernel off), else the reference path. Shown by making the Triton entry point raise:
     it is reached in interpret mode and never with TOKENFAB_TRITON=0."""
-    from tokenfab.kernels import triton_gguf_linear
+    from tokenfab.kernels.gpu import gguf_linear as triton_gguf_linear
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
     raw = quantized("Q4_1", 32, 64)
     w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), "Q4_1", 64)
@@ -61,7 +61,7 @@ def test_linear_dispatches_to_triton_only_where_it_applies(interpret, monkeypatc
 
 
 def test_refuses_block_types_and_mismatched_tiles(interpret):
-    from tokenfab.kernels.triton_gguf_linear import gguf_linear
+    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
     raw = quantized("Q8_0", 16, 64)
     w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), "Q8_0", 64)
     with pytest.raises(ValueError, match=r"\[16, 96\]"):
@@ -75,7 +75,7 @@ def test_packed_model_through_the_triton_kernel(interpret, monkeypatch, tiny_mod
     from test_gguf_packed_loader import MIXED, reference_folder, write_gguf
     from conftest import max_prompt_logprob_gap
     from tokenfab import LLM, SamplingParams
-    from tokenfab.kernels import triton_gguf_linear
+    from tokenfab.kernels.gpu import gguf_linear as triton_gguf_linear
     ckpt = tiny_model("llama")
     path = str(tmp_path / "tiny.gguf")
     ref = reference_folder(ckpt, str(tmp_path / "ref"), write_gguf(ckpt, path, MIXED))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenfab.kernels import triton_support  # conftest.py chose the interpreter before triton was imported
+# conftest.py chose the interpreter before triton was imported
+from tokenfab.kernels.gpu import support as triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
@@ -40,7 +41,7 @@ def reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
                          ids=["gqa", "mha-page8", "mla-latent", "mla-3-head-blocks"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_attention_matches_reference(interpret, H, Hk, D, Dv, page, num_splits):
-    from tokenfab.kernels.triton_decode_attention import paged_decode_attention
+    from tokenfab.kernels.gpu.decode_attention import paged_decode_attention
     g = torch.Generator().manual_seed(H * 100 + D + page)
     num_blocks, B = 40, 4
     k_cache = torch.randn(num_blocks, page, Hk, D, generator=g)
@@ -57,7 +58,7 @@ def test_decode_attention_matches_reference(interpret, H, Hk, D, Dv, page, num_s
 
 
 def test_decode_attention_rejects_mismatched_dtypes(interpret):
-    from tokenfab.kernels.triton_decode_attention import paged_decode_attention
+    from tokenfab.kernels.gpu.decode_attention import paged_decode_attention
     k = torch.zeros(2, 8, 1, 16)
     with pytest.raises(ValueError, match="cast q to the cache dtype"):
         paged_decode_attention(torch.zeros(1, 2, 16, dtype=torch.float64), k, k, torch.zeros(1, 1, dtype=torch.int64),
@@ -68,7 +69,7 @@ def test_align_pairs_hand_worked(interpret):
     """ids [[2, 0], [2, 1], [5, 2]] over local experts [0, 3) with tiles of 2 rows. Pairs (token*k + slot):
     expert 0 <- pair 1; expert 1 <- pair 3; expert 2 <- pairs 0, 2, 5; pair 4 (expert 5) lives on another rank.
     Padded runs: 2 + 2 + 4 = 8 rows; the worst case is 6 + 3 * 1 = 9 -> 10 rows, 5 tiles."""
-    from tokenfab.kernels.triton_moe import align_pairs
+    from tokenfab.kernels.gpu.moe import align_pairs
     ids = torch.tensor([[2, 0], [2, 1], [5, 2]])
     sorted_pairs, expert_of_block, num_post = align_pairs(ids, start=0, num_local=3, block_m=2)
     pad = 6
@@ -92,7 +93,7 @@ def _experts(T, E, k, hidden, inter, start, num_local, seed):
                          ids=["one-token", "decode", "expert-parallel-slice", "prefill-tiles-of-64"])
 def test_fused_moe_matches_routed_experts(interpret, T, E, k, start, num_local):
     """Against RoutedExperts' PyTorch loop (each active expert once over its tokens, index_add back)."""
-    from tokenfab.kernels.triton_moe import fused_moe
+    from tokenfab.kernels.gpu.moe import fused_moe
     from tokenfab.layers.activation import silu_and_mul
     from tokenfab.layers.moe import RoutedExperts
     x, w13, w2, weights, ids = _experts(T, E, k, 32, 24, start, num_local, seed=T + start)
@@ -127,7 +128,8 @@ def test_engine_with_triton_kernels_token_exact(interpret, tiny_model, family):
     """The whole engine with the Triton decode attention and fused MoE (interpreted) against transformers:
     greedy tokens identical, prompt and decode logprobs within 1e-4 (tests/test_engine_exact.py's check)."""
     from test_engine_exact import check_family, make_prompts
-    from tokenfab.kernels import triton_decode_attention, triton_moe
+    from tokenfab.kernels.gpu import decode_attention as triton_decode_attention
+    from tokenfab.kernels.gpu import moe as triton_moe
     calls = {"attention": 0, "moe": 0}
     attn, moe = triton_decode_attention.paged_decode_attention, triton_moe.fused_moe
 

@@ -1,4 +1,4 @@
-"""The Triton fused MoE over packed expert weights (kernels/triton_packed_moe.py) in Triton's interpreter on CPU,
+"""The Triton fused MoE over packed expert weights (kernels/gpu/packed_moe.py) in Triton's interpreter on CPU,
 against the routed-expert sum computed here in float64 from the formats' formulas (INT4 group-32: (nibble - 8) *
 scale, nibble k in bits 4 (k % 8) of int32 word k / 8; MXFP4: the E2M1 table times 2^(e8m0 - 127), column 2c in the
 low nibble), with experts routed to another rank contributing nothing."""
@@ -9,7 +9,7 @@ import torch
 
 from test_fp8_block_weight import fp8_pair  # noqa: F401  (a fixture used below)
 from test_packed_experts import _compare, _run, deepseek_int4, k3_pair  # noqa: F401  (fixtures used below)
-from tokenfab.kernels import triton_support
+from tokenfab.kernels.gpu import support as triton_support
 
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
@@ -55,7 +55,7 @@ def reference(x, w13, w2, weights, ids, start):
                                               ("mxfp4", torch.uint8)])
 @pytest.mark.parametrize("T,E,k,start,num_local", [(1, 4, 2, 0, 4), (6, 8, 3, 2, 4)])
 def test_matches_float64_routed_sum(interpret, fmt, scale_dtype, T, E, k, start, num_local):
-    from tokenfab.kernels.triton_packed_moe import fused_moe_packed
+    from tokenfab.kernels.gpu.packed_moe import fused_moe_packed
     from tokenfab.layers.activation import silu_and_mul
     H, I = 64, 32
     g = torch.Generator().manual_seed(T * 7 + E)
@@ -87,7 +87,7 @@ def make_fp8(E: int, parts: int, part_rows: int, K: int, g: torch.Generator):
 @pytest.mark.parametrize("T,E,k,start,num_local", [(1, 4, 2, 0, 4), (6, 8, 3, 2, 4)])
 def test_fp8_block_matches_float64_routed_sum(interpret, T, E, k, start, num_local):
     """FP8 block-scaled experts (hidden 160, intermediate 136: partial blocks in both parts and both dims)."""
-    from tokenfab.kernels.triton_packed_moe import fused_moe_packed
+    from tokenfab.kernels.gpu.packed_moe import fused_moe_packed
     from tokenfab.layers.activation import silu_and_mul
     H, I = 160, 136
     g = torch.Generator().manual_seed(T * 5 + E)
@@ -104,7 +104,7 @@ def test_fp8_block_matches_float64_routed_sum(interpret, T, E, k, start, num_loc
 
 
 def test_shapes_and_formats_refused(interpret):
-    from tokenfab.kernels.triton_packed_moe import fused_moe_packed
+    from tokenfab.kernels.gpu.packed_moe import fused_moe_packed
     from tokenfab.layers.activation import silu_and_mul
     g = torch.Generator().manual_seed(0)
     p13, s13, _ = make("mxfp4", 2, 64, 64, g, torch.uint8)
@@ -120,9 +120,9 @@ def test_shapes_and_formats_refused(interpret):
 def test_engine_with_packed_experts_through_triton(interpret, monkeypatch, request, model):
     """Whole packed checkpoints (tests/test_packed_experts.py's tiny INT4 DeepSeek-V3 and MXFP4 Kimi K3,
     tests/test_fp8_block_weight.py's tiny FP8 block-scaled DeepSeek-V3) with every
-    Triton kernel interpreted and the routed experts in kernels/triton_packed_moe.py (K3: its SiTU activation and
+    Triton kernel interpreted and the routed experts in kernels/gpu/packed_moe.py (K3: its SiTU activation and
     float32 latent sum): greedy tokens equal the dequantized float32 model's and prompt logprobs within 1e-4."""
-    from tokenfab.kernels import triton_packed_moe
+    from tokenfab.kernels.gpu import packed_moe as triton_packed_moe
     pair = request.getfixturevalue({"deepseek_int4": "deepseek_int4", "k3_mxfp4": "k3_pair",
                                     "deepseek_fp8": "fp8_pair"}[model])
     g = torch.Generator().manual_seed(5)

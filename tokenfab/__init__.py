@@ -1,5 +1,5 @@
 """tokenfab: an LLM inference and serving engine (paged KV cache, continuous batching, MLA + MoE models)."""
-from tokenfab.kernels.cpu_isa import apply_library_caps as _apply_cpu_isa_caps
+from tokenfab.kernels.cpu.isa import apply_library_caps as _apply_cpu_isa_caps
 
 _apply_cpu_isa_caps()  # TOKENFAB_CPU_ISA caps oneDNN and ATen before either reads its setting
 

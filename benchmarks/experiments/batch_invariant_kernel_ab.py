@@ -8,7 +8,7 @@ Prints one JSON line {"NxK@M": microseconds}.
 """
 import torch, time, json, sys
 torch.set_num_threads(1)
-from tokenfab.kernels import cpu_kernels as c
+from tokenfab.kernels.cpu import ops as c
 assert c.load() is not None, c.load_error()
 torch.manual_seed(0)
 out = {}

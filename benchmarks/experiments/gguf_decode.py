@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/experiments/gguf_decode.py [--gguf PATH] [--tokens 128] [--reps 3]
 
 Rows: the GGUF file loaded packed (``LLM(model="file.gguf")``, its linears in their GGUF block types through
-kernels/csrc/gguf_linear.cpp, module path), and the file dequantized to a bf16 checkpoint folder
+kernels/cpu/csrc/gguf_linear.cpp, module path), and the file dequantized to a bf16 checkpoint folder
 (``gguf_packed.save_dequantized``) run twice: on the module path (the C++ decode stack switched off, so only the
 linears differ) and as tokenfab runs it by default (the fused C++ decode stack). Embedding and the tied LM head are
 bf16 in every row. Decode tok/s = (tokens - 1) / (time of a ``tokens``-token greedy generation - time of a 1-token

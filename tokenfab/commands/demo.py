@@ -445,8 +445,8 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"[demo] {n}", flush=True)
     from tokenfab.engine.engine_config import resolve_device
     if resolve_device(args.device).type == "cpu":  # build the fused CPU kernels here, on the console, not in the server
-        from tokenfab.kernels import cpu_kernels
-        cpu_kernels.load()
+        from tokenfab.kernels.cpu import ops as cpu_ops
+        cpu_ops.load()
 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = os.path.abspath(args.out or os.path.join("runs", f"demo-{stamp}"))

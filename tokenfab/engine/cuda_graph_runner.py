@@ -9,7 +9,7 @@ Padding rows write their K/V to a spare block of the pool that the block manager
 (``pad_block``), attend over that one row (context length 1), and their outputs are dropped.
 
 The forward must not sync with the host or change shapes with data while captured: it runs with the Triton decode
-attention and fused MoE (kernels/triton_*.py), so graphs are used only where those apply. ``mode="eager"`` runs
+attention and fused MoE (kernels/gpu/*.py), so graphs are used only where those apply. ``mode="eager"`` runs
 the same padded static-buffer path without capture, on any device: tests check it token for token against
 transformers on CPU, which covers the padding and buffer logic that capture would freeze.
 """
@@ -57,7 +57,7 @@ def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str |
         return "eager"
     if device.type != "cuda" or getattr(model, "tp", None) is not None:
         return None
-    from tokenfab.kernels import triton_support
+    from tokenfab.kernels.gpu import support as triton_support
     return "cuda" if triton_support.applies(torch.empty(0, device=device)) else None
 
 

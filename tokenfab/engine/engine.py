@@ -68,11 +68,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.token_texts = TokenTexts(self.tokenizer)  # Logprob.decoded_token, decoded once per id
         self.device, self.dtype = loaded.device, loaded.dtype
-        from tokenfab.kernels import cpu_kernels_build
+        from tokenfab.kernels.cpu import build as cpu_build
         host_experts = (getattr(config, "host_experts", None) is not None
                         or getattr(config, "num_device_experts", None) is not None)
-        if cpu_kernels_build.wanted(self.device, host_experts):  # build (once per machine) or load the fused CPU
-            cpu_kernels_build.load()  # kernels now, not mid-request; a GPU engine without host experts never does
+        if cpu_build.wanted(self.device, host_experts):  # build (once per machine) or load the fused CPU kernels
+            cpu_build.load()  # now, not mid-request; a GPU engine without host experts never does
         self.max_model_len = config.max_model_len
         bs = config.block_size
         self.block_manager = BlockManager(config.num_kv_blocks, bs, config.max_num_seqs, config.max_model_len)
@@ -117,7 +117,8 @@ class LLMEngine:
         """Load the model and size the KV pool as ``config`` says (see EngineConfig)."""
         from tokenfab.config import load_config
         config.check_max_model_len(load_config(config.model))  # settings errors before any weight is read
-        from tokenfab.kernels import cpu_isa, triton_support
+        from tokenfab.kernels.cpu import isa as cpu_isa
+        from tokenfab.kernels.gpu import support as triton_support
         from tokenfab.layers.linear import cpu_linear_backend
         cpu_linear_backend()  # TOKENFAB_CPU_LINEAR / TOKENFAB_CPU_ISA / TOKENFAB_TRITON typos, also before loading
         cpu_isa.selected_level()

@@ -27,7 +27,8 @@ from tokenfab.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.state_cache import KDAStateCache
 from tokenfab.engine.state_rollback import clear_pending, roll_back
-from tokenfab.kernels import cpu_kernels, triton_support
+from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.gpu import support as triton_support
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import cpu_linear_backend
 from tokenfab.spec_decode.proposer import CapturedHidden, HiddenRequest
@@ -75,7 +76,7 @@ class ModelRunner:
         enforce_eager: never replay decode steps from CUDA graphs (vLLM's flag; graphs apply on CUDA/ROCm only).
         batch_invariant: every step, prefill and decode alike, runs through the fused CPU decode stack with each
             token as a one-query row over its own context, in the kernels' batch-invariant mode
-            (``cpu_kernels.batch_invariant``), so a token's values do not depend on its batch or chunk
+            (``cpu_ops.batch_invariant``), so a token's values do not depend on its batch or chunk
             (docs/batch_invariance.md).
 
     Raises:
@@ -283,7 +284,7 @@ class ModelRunner:
         """Run one forward pass for ``batch`` and sample where sequences reached their last known token (in the
         kernels' batch-invariant mode when the runner was built with ``batch_invariant``)."""
         self.captured = None
-        with cpu_kernels.batch_invariant(self.batch_invariant):
+        with cpu_ops.batch_invariant(self.batch_invariant):
             return self._execute_step(batch)
 
     def _execute_step(self, batch: ScheduledBatch) -> StepOutput:

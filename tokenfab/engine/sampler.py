@@ -19,7 +19,7 @@ import torch
 from tokenfab.engine.logits_processors import apply_min_p
 from tokenfab.engine.logits_state import LogitsProcessorState
 from tokenfab.engine.sequence import Sequence
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels import dispatch
 
 
 @dataclass
@@ -123,7 +123,7 @@ class Sampler:
 
     def plain_inputs(self, seqs: list[Sequence], vocab_size: int, rows: np.ndarray | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(temperatures [N] float32, uniforms [N]) for :func:`~tokenfab.kernels.cpu_kernels.sample_plain` when
+        """(temperatures [N] float32, uniforms [N]) for :func:`~tokenfab.kernels.cpu.ops.sample_plain` when
         every row is plain (no logprobs asked, no top-k / top-p), else None. The uniforms are the ones
         :meth:`__call__` would draw for these rows (none from any generator when all rows are greedy), so drawing
         them here, before the forward, leaves every RNG stream where ``__call__`` would. Lets a caller run the LM
@@ -186,20 +186,20 @@ class Sampler:
                 logits = apply_min_p(logits, proc.min_p.pow(temps))
         plain = [_unrestricted(p, V) for p in params]
         greedy = all(t < 1e-5 for t in temp_list)
-        plain_ok = (not greedy and self.use_cpu_kernels and logits.dtype == torch.float32
-                    and cpu_kernels.available_for(logits))  # asked after greedy: an argmax needs no kernels
+        plain_ok = (not greedy and self.use_cpu_kernels
+                    and dispatch.sample_plain_applies(logits))  # asked after greedy: an argmax needs no kernels
         if greedy:
             token_ids = logits.argmax(dim=-1)
         elif plain_ok and all(plain):
             temps = torch.tensor(temp_list, dtype=torch.float32)  # one pass per row in C++
-            token_ids = cpu_kernels.sample_plain(logits, temps, self._uniforms(seqs))
+            token_ids = dispatch.sample_plain(logits, temps, self._uniforms(seqs))
         elif plain_ok and self.batch_invariant and any(plain):  # each kind of row by its own draw
             u = self._uniforms(seqs)
             pm = torch.tensor(plain)
             pi, ri = pm.nonzero().squeeze(1), (~pm).nonzero().squeeze(1)
             token_ids = torch.empty(N, dtype=torch.int64)
-            token_ids[pi] = cpu_kernels.sample_plain(logits[pi], torch.tensor(temp_list, dtype=torch.float32)[pi],
-                                                     u[pi])
+            token_ids[pi] = dispatch.sample_plain(logits[pi], torch.tensor(temp_list, dtype=torch.float32)[pi],
+                                                  u[pi])
             token_ids[ri] = self._sorted_draw(logits[ri], [params[i] for i in ri.tolist()], u[ri])
         else:
             token_ids = self._sorted_draw(logits, params, self._uniforms(seqs))

@@ -1,1 +1,2 @@
-"""Fused kernels for the hot path: ``cpu_kernels`` (C++ built on first use, PyTorch fallback)."""
+"""Kernels, a room per device: ``cpu/`` (C++ sources, their build, the Python wrappers, the ISA setting) and ``gpu/``
+(Triton). Layers reach them through :mod:`tokenfab.kernels.dispatch`, one seam per op family."""

@@ -2,7 +2,7 @@
 
 On CPU in bfloat16, weights are repacked once after loading, by the backend ``TOKENFAB_CPU_LINEAR`` names:
 
-* ``tokenfab`` (default): tokenfab's VNNI blocks (``kernels/csrc/vnni_linear.cpp``) when the CPU kernels are built
+* ``tokenfab`` (default): tokenfab's VNNI blocks (``kernels/cpu/csrc/vnni_linear.cpp``) when the CPU kernels are built
   with AVX512-BF16, else ``onednn``. Decode-sized inputs (<= 4 rows) run a GEMV that streams the weight at
   22-40 GB/s on the 2-core VM, 0.49-0.78x the time of oneDNN's packed inner product; larger inputs run oneDNN's
   brgemm micro-kernel on the same copy, level with oneDNN at prefill shapes (benchmarks/NOTES.md entry 32).
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenfab.kernels import cpu_isa, cpu_kernels
+from tokenfab.kernels.cpu import isa as cpu_isa
+from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.quant.packed_weight import PackedWeight
 
 
@@ -48,7 +49,7 @@ def cpu_linear_backend() -> str:
 
 def _onednn_ok(weight: torch.Tensor) -> bool:
     """oneDNN's packed bf16 linear runs here: it needs AVX512 (BW/VL/DQ) or AVX-NE-CONVERT, which a CPU of the
-    ``avx2`` level (``TOKENFAB_CPU_ISA``, kernels/cpu_isa.py) lacks; such a CPU keeps plain ``F.linear``."""
+    ``avx2`` level (``TOKENFAB_CPU_ISA``, kernels/cpu/isa.py) lacks; such a CPU keeps plain ``F.linear``."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and hasattr(torch.ops.mkldnn, "_linear_pointwise") and cpu_isa.selected_level() != "avx2"
@@ -60,7 +61,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     backend = cpu_linear_backend()
     if backend == "torch" or weight.device.type != "cpu":
         return False
-    if backend == "tokenfab" and cpu_kernels.vnni_linear_applies(weight):
+    if backend == "tokenfab" and cpu_ops.vnni_linear_applies(weight):
         return True
     return _onednn_ok(weight)
 
@@ -68,8 +69,8 @@ def can_pack(weight: torch.Tensor) -> bool:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] bf16 -> the packed copy :func:`packed_linear` runs: tokenfab's VNNI blocks
     [ceil(out / 32), in / 2, 32, 2] (backend ``tokenfab`` where it applies) or oneDNN's opaque blocked tensor."""
-    if cpu_linear_backend() == "tokenfab" and cpu_kernels.vnni_linear_applies(weight):
-        return cpu_kernels.pack_linear_weight(weight.contiguous())
+    if cpu_linear_backend() == "tokenfab" and cpu_ops.vnni_linear_applies(weight):
+        return cpu_ops.pack_linear_weight(weight.contiguous())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
@@ -77,7 +78,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """x [..., in] bf16 -> [..., out_features] with a weight packed by :func:`pack_weight` (float32 accumulation,
     one rounding to bf16 per output, either backend)."""
     if not packed.is_mkldnn:
-        return cpu_kernels.vnni_linear(x, packed, out_features, bias)
+        return cpu_ops.vnni_linear(x, packed, out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -120,7 +121,7 @@ def packed_linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Te
     """
     if packed.is_mkldnn:
         raise ValueError("packed_linear_f32 needs tokenfab's VNNI-packed weight, not oneDNN's")
-    return cpu_kernels.vnni_linear(x, packed, n, None, out_f32=True)
+    return cpu_ops.vnni_linear(x, packed, n, None, out_f32=True)
 
 
 class Linear(nn.Module):

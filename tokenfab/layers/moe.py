@@ -11,7 +11,7 @@ import threading
 import torch
 from torch import nn
 
-from tokenfab.kernels import cpu_kernels, triton_support
+from tokenfab.kernels import dispatch
 from tokenfab.layers.activation import silu_and_mul
 from tokenfab.layers.linear import can_pack, pack_weight, packed_linear
 
@@ -37,10 +37,10 @@ class SigmoidGroupRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
-        if cpu_kernels.available_for(x):  # the same selection in one pass per token after the router GEMM
-            return cpu_kernels.sigmoid_group_topk(torch.nn.functional.linear(x.float(), self.weight),
-                                                  self.e_score_correction_bias, self.n_group, self.topk_group,
-                                                  self.top_k, self.norm_topk_prob, self.scaling)
+        out = dispatch.sigmoid_group_topk(x, self.weight, self.e_score_correction_bias, self.n_group,
+                                          self.topk_group, self.top_k, self.norm_topk_prob, self.scaling)
+        if out is not None:  # CPU: the same selection in one pass per token after the router GEMM
+            return out
         scores = torch.nn.functional.linear(x.float(), self.weight).sigmoid()
         choice = scores + self.e_score_correction_bias
         if self.n_group > 1:
@@ -168,6 +168,15 @@ class RoutedExperts(nn.Module):
         e = xs.element_size()
         return all((d * e) % 16 == 0 for d in (xs.shape[1], self.intermediate))
 
+    def _pairs_by_expert(self, ids: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor, int]:
+        """(k, order, counts, lo) for ids [T, k]: the flat (token, slot) pairs sorted by expert id (stable), the pair
+        count of each of this rank's experts, and where this rank's first pair stands in ``order``."""
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.num_experts)[self.start:self.end]
+        lo = int((flat_ids < self.start).sum()) if self.start else 0
+        return ids.shape[1], order, counts, lo
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum over this rank's experts of weight * expert(x)."""
         if self.route_counter is not None:
@@ -176,16 +185,11 @@ class RoutedExperts(nn.Module):
             return self.host.forward(self, x, weights, ids)
         if self.q13 is not None:
             return self.packed_forward(x, weights, ids)
-        if self._p13 is not None and self.fused_dispatch and cpu_kernels.available_for(x):  # same math in C++
-            return cpu_kernels.moe_experts_packed(x, weights, ids, self._p13, self._p2, self.start)
-        if self.w13 is not None and triton_support.applies(x):  # CUDA/ROCm: grouped GEMMs in Triton, graph-safe
-            from tokenfab.kernels import triton_moe  # imports triton: only when it applies
-            return triton_moe.fused_moe(x, self.w13, self.w2, weights, ids, silu_and_mul, self.start)
-        k = ids.shape[1]
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)[self.start:self.end]
-        lo = int((flat_ids < self.start).sum()) if self.start else 0
+        out = dispatch.routed_experts(x, weights, ids, self.start, silu_and_mul, self.w13, self.w2,
+                                      self._p13 if self.fused_dispatch else None, self._p2)
+        if out is not None:  # CPU: the same math in C++; CUDA/ROCm: grouped GEMMs in Triton, graph-safe
+            return out
+        k, order, counts, lo = self._pairs_by_expert(ids)
         hi = lo + int(counts.sum())
         out = torch.zeros_like(x)
         if hi == lo:
@@ -221,17 +225,13 @@ class RoutedExperts(nn.Module):
         linear per projection over all active experts, :meth:`act` in between, each row times its float32 routing
         weight rounded to the output dtype and summed with index_add (float32 output when ``accumulate_fp32``,
         else x's dtype). x [T, hidden]; weights, ids [T, k] -> [T, hidden]. On CUDA/ROCm the whole sum is one
-        Triton launch per projection with the weights decoded in registers (kernels/triton_packed_moe.py)."""
-        if triton_support.applies(x) and self.q13.format_name in ("int4_group", "mxfp4", "fp8_block"):
-            from tokenfab.kernels import triton_packed_moe  # imports triton: only when it applies
-            return triton_packed_moe.fused_moe_packed(
-                x, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed, self.q2.scale, weights,
-                ids, self.act, self.start, torch.float32 if self.accumulate_fp32 else None)
-        k = ids.shape[1]
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.num_experts)[self.start:self.end]
-        lo = int((flat_ids < self.start).sum()) if self.start else 0
+        Triton launch per projection with the weights decoded in registers (kernels/gpu/packed_moe.py)."""
+        out = dispatch.routed_experts_packed(x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale,
+                                             self.q2.packed, self.q2.scale, self.act, self.start,
+                                             torch.float32 if self.accumulate_fp32 else None)
+        if out is not None:
+            return out
+        k, order, counts, lo = self._pairs_by_expert(ids)
         out = torch.zeros_like(x, dtype=torch.float32 if self.accumulate_fp32 else x.dtype)
         active = [(e, n) for e, n in enumerate(counts.tolist()) if n]
         if not active:

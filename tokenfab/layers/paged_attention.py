@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tokenfab.kernels import cpu_kernels, triton_support
+from tokenfab.kernels import dispatch
 from tokenfab.layers import long_context_attention
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 
@@ -74,30 +74,15 @@ def run_groups(meta: AttentionMetadata, q: torch.Tensor, out_dim: int,
 
 def fused_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: AttentionGroup,
                  scale: float) -> torch.Tensor | None:
-    """Decode attention straight from the paged pool with the fused CPU kernel (kernels/cpu_kernels.py), or None
-    when it does not apply (not CPU, another dtype, kernels unavailable) and the caller should gather instead.
+    """Decode attention straight from the paged pool (:func:`tokenfab.kernels.dispatch.paged_decode_attention`:
+    the Triton kernel on CUDA/ROCm, the C++ kernel on CPU), or None when no kernel applies (another dtype, kernels
+    unavailable, long MLA contexts without AVX512-BF16) and the caller should gather instead.
 
     q [B, H, D]; k_cache [num_blocks, block_size, Hk, D]; v_cache [num_blocks, block_size, Hk, Dv] (strided views
-    allowed). Returns [B, H, Dv] in q's dtype. On CUDA/ROCm the Triton kernel (kernels/triton_decode_attention.py)
-    runs instead when ``triton`` imports.
+    allowed). Returns [B, H, Dv] in q's dtype.
     """
-    if k_cache.dtype == q.dtype and v_cache.dtype == q.dtype and triton_support.applies(q):
-        from tokenfab.kernels import triton_decode_attention  # imports triton: only when it applies
-        return triton_decode_attention.paged_decode_attention(q, k_cache, v_cache, group.block_tables,
-                                                              group.context_lens, scale, group.max_context)
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype or not cpu_kernels.available_for(q):
-        return None
-    if (v_cache.data_ptr() == k_cache.data_ptr() and q.shape[0] * group.max_context > FUSED_LATENT_MAX_TOKENS
-            and not (q.dtype == torch.bfloat16 and cpu_kernels.has_bf16_dot())):
-        return None  # MLA with many context tokens on float32 FMAs: the gathered path's bf16 GEMMs are faster
-    return cpu_kernels.paged_decode_attention(q, k_cache, v_cache, group.block_tables, group.context_lens, scale)
-
-
-# Without AVX512-BF16 in the kernels, MLA decode (one latent pool as keys and values) takes the fused kernel only up
-# to this many context tokens summed over the batch: beyond it the gathered path's bf16 GEMMs beat the kernel's
-# float32 FMAs (measured on the benchmark shapes, benchmarks/NOTES.md). With AVX512-BF16, and for grouped-query
-# attention, the kernel is faster at every measured shape.
-FUSED_LATENT_MAX_TOKENS = 1024
+    return dispatch.paged_decode_attention(q, k_cache, v_cache, group.block_tables, group.context_lens,
+                                           group.max_context, scale)
 
 
 def causal_mask(group: AttentionGroup) -> torch.Tensor:
@@ -140,7 +125,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
     B, H, Q, D = q.shape
     Hk, L, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if Q > 1:
-        if k.dtype == q.dtype and v.dtype == q.dtype and cpu_kernels.available_for(q):
+        if dispatch.causal_softmax_applies(q, k, v):
             return _prefill_attention_fused(q, k, v, group, scale)
         return _prefill_attention(q, k, v, group, scale)
     mask = additive_mask(group, q.dtype)  # [B, 1, 1, L]
@@ -203,7 +188,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group:
 def _prefill_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup,
                              scale: float) -> torch.Tensor:
     """CPU prefill attention in query blocks with two bf16 GEMMs and the fused causal softmax
-    (kernels/cpu_kernels.py) in between: the query heads of each KV head are stacked as rows of one GEMM (no
+    (kernels.dispatch.causal_softmax_) in between: the query heads of each KV head are stacked as rows of one GEMM (no
     repeated K/V), and the float32 conversion, scale, mask and softmax passes of the eager path become one.
     Measured against SDPA's CPU flash kernel with a block mask in benchmarks/NOTES.md.
 
@@ -217,7 +202,7 @@ def _prefill_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     for q0, q1, kend in _query_blocks(group, Q):
         qb = q[:, :, q0:q1].reshape(B, Hk, G * (q1 - q0), D)  # row g * Qb + i: head g of the group, query i
         s = torch.matmul(qb, k[:, :, :kend].transpose(-1, -2))  # [B, Hk, G * Qb, kend]
-        cpu_kernels.causal_softmax_(s, group.query_pos[:, q0:q1], q1 - q0, scale)
+        dispatch.causal_softmax_(s, group.query_pos[:, q0:q1], q1 - q0, scale)
         out[:, :, q0:q1] = torch.matmul(s, v[:, :, :kend]).view(B, H, q1 - q0, Dv)
     return out
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from tokenfab.config import RopeConfig
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels import dispatch
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -101,10 +101,9 @@ class RotaryEmbedding(nn.Module):
 
         cos/sin are cast to q's dtype first, as transformers does (``cos.to(dtype=x.dtype)``).
         """
-        if (q.dtype == k.dtype and self.cos.dtype == torch.float32 and q.stride(-1) == 1 and k.stride(-1) == 1
-                and cpu_kernels.available_for(q)):  # one fused pass per tensor (kernels/cpu_kernels.py)
-            return (cpu_kernels.rope(q, positions, self.cos, self.sin, self.interleave),
-                    cpu_kernels.rope(k, positions, self.cos, self.sin, self.interleave))
+        out = dispatch.rope(positions, q, k, self.cos, self.sin, self.interleave)  # CPU: one fused pass per tensor
+        if out is not None:
+            return out
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tokenfab.config import ModelConfig
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.layers.attention_metadata import AttentionMetadata
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.mlp import GatedMLP
@@ -51,7 +51,7 @@ class LlamaAttention(nn.Module):
     def fuse(self) -> None:
         """After loading: q_proj, k_proj and v_proj read the same x, so they become one GEMM over their concatenated
         rows (``qkv_proj``, as vLLM's QKVParallelLinear; each output column is the same dot product as before). Then
-        decide whether :func:`~tokenfab.kernels.cpu_kernels.gqa_decode` can run decode-only batches: tokenfab's VNNI
+        decide whether :func:`~tokenfab.kernels.cpu.ops.gqa_decode` can run decode-only batches: tokenfab's VNNI
         linears (CPU bf16 with AVX512-BF16), full-width float32 RoPE tables."""
         if self.qkv_proj is None and self.num_heads:
             self.qkv_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj])
@@ -61,7 +61,7 @@ class LlamaAttention(nn.Module):
                           and getattr(self.rotary, "cos", None) is not None and self.rotary.cos.dtype == torch.float32)
 
     def decode_block_args(self) -> tuple[list, list, list[int], float] | None:
-        """(weights, biases, dims, eps) of :func:`~tokenfab.kernels.cpu_kernels.gqa_decode` for this layer (with the
+        """(weights, biases, dims, eps) of :func:`~tokenfab.kernels.cpu.ops.gqa_decode` for this layer (with the
         rotary tables and ``scale``, all it needs besides the step's tensors), or None where the block does not
         apply (see :meth:`fuse`)."""
         if not self._block_ok:
@@ -78,7 +78,7 @@ class LlamaAttention(nn.Module):
         if self._block_ok and self.decode_block and meta.cpu_decode_block(x, cache[0]):
             dec = meta.decode
             w, biases, dims, eps = self.decode_block_args()
-            return cpu_kernels.gqa_decode(x, positions, meta.slot_mapping, cache[0], cache[1], dec.block_tables,
+            return cpu_ops.gqa_decode(x, positions, meta.slot_mapping, cache[0], cache[1], dec.block_tables,
                                           dec.context_lens, w, biases, dims, self.rotary.cos, self.rotary.sin,
                                           self.rotary.interleave, eps, self.scale)
         if self.qkv_proj is not None:

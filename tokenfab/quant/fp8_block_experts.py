@@ -13,7 +13,7 @@ multiple of 128 a block never mixes their rows), down rows one part. ``scale`` f
 128), ceil(in / 128)]: row r of part p uses block row p * ceil(part_rows / 128) + (r - p * part_rows) // 128. The
 resident bytes are exactly the checkpoint's (1 per parameter + 4 per block), what ``tokenfab plan`` counts.
 
-Kernel: ``cpu_kernels.fp8_experts_linear`` (kernels/csrc/fp8_linear.cpp, AVX512-BF16: the e4m3 bytes converted to
+Kernel: ``cpu_ops.fp8_experts_linear`` (kernels/cpu/csrc/fp8_linear.cpp, AVX512-BF16: the e4m3 bytes converted to
 exact bf16 in registers, per 128-input block float32 sums scaled once), which needs in_features a multiple of 32;
 else the PyTorch reference of :class:`~tokenfab.quant.packed_experts.PackedExperts` (the formula above, 1024 rows at
 a time). Published shapes (hidden 7168, moe_intermediate 2048) have no partial blocks; tokenfab handles them anyway.
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from tokenfab.errors import WeightLoadError
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.quant.fp8_block_weight import BLOCK, Fp8BlockWeight
 from tokenfab.quant.packed_experts import PackedExperts, kernel_disabled
 
@@ -41,7 +41,7 @@ class Fp8BlockExperts(PackedExperts):
     """
 
     format_name = "fp8_block"
-    kernel_format = 2  # runs cpu_kernels.fp8_experts_linear, not packed_experts_linear
+    kernel_format = 2  # runs cpu_ops.fp8_experts_linear, not packed_experts_linear
     checkpoint_parts = ("weight",)  # <expert>.{gate,up,down}_proj.weight (+ weight_scale_inv, paired by the loader)
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, part_rows: int | None = None):
@@ -101,10 +101,10 @@ class Fp8BlockExperts(PackedExperts):
         (which sends the FP8 checkpoint's other Linears to the PyTorch path too)."""
         from tokenfab.layers.linear import cpu_linear_backend
         self._kernel = (self.packed.device.type == "cpu" and self.in_features % 32 == 0 and not kernel_disabled()
-                        and cpu_linear_backend() != "torch" and cpu_kernels.fp8_experts_applies())
+                        and cpu_linear_backend() != "torch" and cpu_ops.fp8_experts_applies())
 
     def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return cpu_kernels.fp8_experts_linear(x, self.packed, self.scale, experts, offsets, self.part_rows)
+        return cpu_ops.fp8_experts_linear(x, self.packed, self.scale, experts, offsets, self.part_rows)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, part_rows={self.part_rows}, e4m3 block 128x128"

@@ -10,7 +10,7 @@ it (:meth:`ShardPlan.shard_tensor`; a block cut by two ranks is held by both), s
 
     W[r0 + i, c0 + j] = float32(q[i, j]) * scale_inv[(i + o) // 128, (j + p) // 128]
 
-The kernels (kernels/csrc/fp8_linear.cpp, kernels/triton_fp8_linear.py) index blocks from the weight's row and
+The kernels (kernels/cpu/csrc/fp8_linear.cpp, kernels/gpu/fp8_linear.py) index blocks from the weight's row and
 column 0, so the shard is stored padded to the block grid: ``o`` rows of zeros before its first row, ``p`` columns of
 zeros before its first column and zero columns after its last up to a multiple of 32 (the CPU kernel's input step;
 never past the next 128-multiple, so the scale grid is unchanged). :meth:`linear` pads x with the same zero columns
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.quant.fp8_block_weight import BLOCK, Fp8BlockWeight, scale_shape
 from tokenfab.quant.packed_weight import PackedWeight
 
@@ -91,7 +91,7 @@ class Fp8BlockShard(Fp8BlockWeight):
         no rows or columns runs no kernel)."""
         from tokenfab.layers.linear import cpu_linear_backend
         self._kernel = (self.weight.device.type == "cpu" and self.out_features > 0 and self.in_features > 0
-                        and cpu_linear_backend() != "torch" and cpu_kernels.fp8_block_linear_applies())
+                        and cpu_linear_backend() != "torch" and cpu_ops.fp8_block_linear_applies())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.out_features == 0 or self.in_features == 0:  # an empty shard: x W^T is zeros (+ bias)

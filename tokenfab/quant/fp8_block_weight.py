@@ -8,7 +8,7 @@ Stored as published: ``weight`` float8_e4m3fn [out, in] (1 byte per parameter) a
 (DeepSeek-V3 ``inference/kernel.py`` ``weight_dequant``; vLLM / SGLang block FP8 the same; edge blocks are partial when
 out or in is not a multiple of 128). The product is one float32 rounding of an exact e4m3 value times the scale.
 
-Fast path: ``cpu_kernels.fp8_block_linear`` (kernels/csrc/fp8_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
+Fast path: ``cpu_ops.fp8_block_linear`` (kernels/cpu/csrc/fp8_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
 decode GEMV converting e4m3 to bf16 in registers (every e4m3 value is exact in bf16); with AMX, bf16 x of more than 4
 rows converts 16 weight rows at a time into AMX tiles; otherwise more than 16 rows convert 32 weight rows at a time
 into a thread-local buffer for oneDNN's brgemm. All sum x q exactly per 128 inputs in float32 and scale each block's
@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenfab.kernels import cpu_kernels, triton_support
+from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels import dispatch
 from tokenfab.quant.fp8_config import FP8_BLOCK
 from tokenfab.quant.packed_weight import PackedWeight
 
@@ -78,22 +79,16 @@ class Fp8BlockWeight(PackedWeight):
         AVX512-BF16 and a CPU linear backend other than ``torch`` (``TOKENFAB_CPU_LINEAR``)."""
         from tokenfab.layers.linear import cpu_linear_backend
         self._kernel = (self.weight.device.type == "cpu" and self.in_features % 32 == 0
-                        and cpu_linear_backend() != "torch" and cpu_kernels.fp8_block_linear_applies())
-
-    def _cpu_kernel_applies(self, x: torch.Tensor) -> bool:
-        return self._kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+                        and cpu_linear_backend() != "torch" and cpu_ops.fp8_block_linear_applies())
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """A kernel (C++ on CPU, Triton on CUDA/ROCm) computes ``x W^T`` here; else the PyTorch reference does."""
-        return self._cpu_kernel_applies(x) or triton_support.applies(x)
+        return dispatch.fp8_block_linear_applies(x, self._kernel)
 
     def _kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [.., K] @ weight^T`` on the stored e4m3 matrix and scales by the kernel that applies (K = the stored
         matrix's columns; call only where :meth:`_kernel_applies`)."""
-        if self._cpu_kernel_applies(x):
-            return cpu_kernels.fp8_block_linear(x, self.weight, self.scale_inv, bias)
-        from tokenfab.kernels import triton_fp8_linear  # CUDA/ROCm (tests: the interpreter)
-        return triton_fp8_linear.fp8_block_linear(x, self.weight, self.scale_inv, bias)
+        return dispatch.fp8_block_linear(x, self.weight, self.scale_inv, bias, self._kernel)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._kernel_applies(x):

@@ -10,7 +10,7 @@ A GGUF weight W [n, K] (K a multiple of 32) is stored row by row, each row K / 3
 Nibbles: byte j (0..15) of a block holds element j in its low nibble and element j + 16 in its high nibble.
 The values are computed in float32 as gguf's ``dequantize`` does (d * q is exact in float32, so Q4_1 rounds once).
 
-For the CPU kernels (kernels/csrc/gguf_linear.cpp) the rows are regrouped at load into tiles of 16 output rows
+For the CPU kernels (kernels/cpu/csrc/gguf_linear.cpp) the rows are regrouped at load into tiles of 16 output rows
 (:func:`pack_tiles`): tile t is K / 32 tile-blocks, each holding the 16 rows' d (then m) as fp16 and their quants
 in the order one ``vdpbf16ps`` operand needs them (see the .cpp header). The byte count per weight is the GGUF
 one (rows past n padded to a multiple of 16 with zero blocks).

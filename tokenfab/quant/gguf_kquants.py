@@ -16,7 +16,7 @@ A K-quant row is a run of 256-value super-blocks along the input dimension (llam
 Products d * sc and dmin * m are exact in float32 (an 11-bit mantissa times an integer below 2^8), so the float32
 values here and gguf's numpy ones are the same bits (the tests compare them with ``gguf.quants.dequantize``).
 
-Tile layout for the CPU kernels (kernels/csrc/gguf_linear.cpp): rows are regrouped into tiles of 16 output rows;
+Tile layout for the CPU kernels (kernels/cpu/csrc/gguf_linear.cpp): rows are regrouped into tiles of 16 output rows;
 a tile is K / 256 tile-blocks, one per super-block, each holding the 16 rows' fields with the rows innermost:
 
 * Q4_K (2304 bytes): d [16] fp16 | dmin [16] fp16 | the 12 scale bytes as [12][16] (byte b of all 16 rows

@@ -1,11 +1,11 @@
 """A Linear weight in a GGUF block type (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), kept packed and multiplied packed.
 
-Fast path: ``cpu_kernels.gguf_linear`` (kernels/csrc/gguf_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
+Fast path: ``cpu_ops.gguf_linear`` (kernels/cpu/csrc/gguf_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
 decode GEMV that unpacks nibbles and scales in registers and a prefill GEMM that dequantizes 32 weight rows at a
 time into a thread-local buffer for oneDNN's brgemm. Reference / fallback (no kernels, no AVX512-BF16, another
 device, or ``TOKENFAB_CPU_LINEAR=torch``): dequantize 1024 rows at a time and ``F.linear`` in float32, so no
 full-size float copy of the weight is ever made either way. On CUDA/ROCm the Triton kernel
-(kernels/triton_gguf_linear.py) reads the same tiles for Q8_0 / Q4_0 / Q4_1 (K-quants take the reference path there).
+(kernels/gpu/gguf_linear.py) reads the same tiles for Q8_0 / Q4_0 / Q4_1 (K-quants take the reference path there).
 """
 from __future__ import annotations
 
@@ -13,12 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenfab.kernels import cpu_kernels, triton_support
+from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels import dispatch
 from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_blocks import TILE, BlockType
 from tokenfab.quant.packed_weight import PackedWeight
-
-_TRITON_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types kernels/triton_gguf_linear.py reads (K-quants: reference)
 
 
 class GGUFWeight(PackedWeight):
@@ -72,31 +71,27 @@ class GGUFWeight(PackedWeight):
         other than ``torch`` (``TOKENFAB_CPU_LINEAR``)."""
         from tokenfab.layers.linear import cpu_linear_backend
         self._kernel = (self.tiles.device.type == "cpu" and cpu_linear_backend() != "torch"
-                        and cpu_kernels.gguf_linear_applies())
+                        and cpu_ops.gguf_linear_applies())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self._kernel and x.dtype in (torch.bfloat16, torch.float32):
-            return cpu_kernels.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias)
-        if self.block.name in _TRITON_TYPES and triton_support.applies(x):  # CUDA/ROCm: kernels/triton_gguf_linear
-            from tokenfab.kernels import triton_gguf_linear
-            return triton_gguf_linear.gguf_linear(x, self.tiles, self.block, self.out_features, bias)
-        return self.reference_linear(x, bias)
+        y = dispatch.gguf_linear(x, self.tiles, self.block, self.out_features, bias, self._kernel)
+        return y if y is not None else self.reference_linear(x, bias)
 
     def linear_f32(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`linear`, float32 outputs from the kernel's accumulator (the LM head of a GGUF file)."""
         if self._kernel and x.dtype in (torch.bfloat16, torch.float32):
-            return cpu_kernels.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias, out_f32=True)
+            return cpu_ops.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias, out_f32=True)
         if x.dtype == torch.float32:
             return self.linear(x, bias)
         return self.reference_linear(x, bias, out_dtype=torch.float32)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` dequantized: ``cpu_kernels.gguf_embedding`` where the kernels are built (CPU tiles,
+        """Rows ``ids`` dequantized: ``cpu_ops.gguf_embedding`` where the kernels are built (CPU tiles,
         bf16 / float32), else the tiles holding them unpacked and dequantized in PyTorch: the same values (gguf's
         float32 ones, one rounding to ``dtype``)."""
         if (self.tiles.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
-                and cpu_kernels.load() is not None and hasattr(cpu_kernels.load(), "gguf_embedding")):
-            return cpu_kernels.gguf_embedding(self.tiles, self.block.ggml_type, self.out_features, ids.long(), dtype)
+                and cpu_ops.load() is not None and hasattr(cpu_ops.load(), "gguf_embedding")):
+            return cpu_ops.gguf_embedding(self.tiles, self.block.ggml_type, self.out_features, ids.long(), dtype)
         flat = ids.reshape(-1).long()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
             raise IndexError(f"embedding ids must lie in [0, {self.out_features})")

@@ -34,7 +34,7 @@ class Int4GroupExperts(PackedExperts):
     in / 32] in the checkpoint's scale dtype: bf16 unless the first scale loaded is fp16)."""
 
     format_name = "int4_group"
-    kernel_format = 0  # kExpertsInt4Group in kernels/csrc/packed_experts.h
+    kernel_format = 0  # kExpertsInt4Group in kernels/cpu/csrc/packed_experts.h
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, scale_dtype=torch.bfloat16):
         super().__init__(num_experts, out_features, in_features)

@@ -4,7 +4,7 @@
 or two :class:`PackedExperts` (``q13`` for gate|up, ``q2`` for down) with the same row layout. A format subclass
 owns its bytes as buffers (so ``model.to(device)`` moves them), fills them from the checkpoint's per-expert
 tensors (:meth:`PackedExperts.load_part`), and computes the grouped linear over tokens sorted by expert
-(:meth:`PackedExperts.grouped_linear`): the C++ kernel (kernels/csrc/packed_experts.cpp, AVX512-BF16) where it
+(:meth:`PackedExperts.grouped_linear`): the C++ kernel (kernels/cpu/csrc/packed_experts.cpp, AVX512-BF16) where it
 runs, else the PyTorch reference, which dequantizes one expert's rows at a time (``_REFERENCE_ROWS``) to float32
 and multiplies in float32, so no full-size float copy of a stack is made on either path. Formats:
 :mod:`tokenfab.quant.int4_group` (compressed-tensors pack-quantized) and :mod:`tokenfab.quant.mxfp4_experts`
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.errors import WeightLoadError
-from tokenfab.kernels import cpu_kernels
+from tokenfab.kernels.cpu import ops as cpu_ops
 
 _REFERENCE_ROWS = 1024  # rows of one expert dequantized at a time by the PyTorch path
 FORMATS = {"int4_group": "tokenfab.quant.int4_group:Int4GroupExperts",
@@ -128,7 +128,7 @@ class PackedExperts(nn.Module):
         """Use the C++ kernel when it runs here (CPU buffers, built kernels with AVX512-BF16, not disabled by
         ``TOKENFAB_PACKED_EXPERTS=torch``); called once after loading."""
         self._kernel = (self.kernel_format is not None and self.packed.device.type == "cpu" and not kernel_disabled()
-                        and cpu_kernels.packed_experts_applies())
+                        and cpu_ops.packed_experts_applies())
 
     def grouped_linear(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """Rows of ``x`` grouped by expert times their expert's W^T.
@@ -152,7 +152,7 @@ class PackedExperts(nn.Module):
     def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The C++ grouped linear (:meth:`grouped_linear` when ``_kernel``): experts int64 [A] local ids, offsets
         int64 [A + 1] row offsets into x."""
-        return cpu_kernels.packed_experts_linear(x, self.kernel_format, self.packed, self.scale, experts, offsets)
+        return cpu_ops.packed_experts_linear(x, self.kernel_format, self.packed, self.scale, experts, offsets)
 
     def reference_grouped_linear(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """The PyTorch path of :meth:`grouped_linear`: per expert, float32 ``F.linear`` over 1024 dequantized rows

@@ -4,7 +4,7 @@
 // The kernels (one concept per file: paged_attention*.cpp, norms_activations.cpp, rotary.cpp, prefill_softmax.cpp,
 // head_gemm.cpp, cache_writes.cpp, decode_blocks.cpp, moe.cpp, sampling.cpp; entry points in cpu_kernels.h, Python
 // bindings in bindings.cpp) each replace a chain of small eager-PyTorch ops on the decode hot path
-// (benchmarks/NOTES.md). They are built on first use by tokenfab/kernels/cpu_kernels.py (torch.utils.cpp_extension,
+// (benchmarks/NOTES.md). They are built on first use by tokenfab/kernels/cpu/build.py (torch.utils.cpp_extension,
 // -O3 -march=native) and checked against the PyTorch paths in tests/test_cpu_kernels.py. Elementwise kernels round
 // intermediates to the activation dtype in the same order as the PyTorch code they replace (transformers' reference
 // order), so bf16 results match those paths bit for bit up to the order of the RMSNorm sum.

@@ -7,13 +7,14 @@ from the block table (no gathered copy of the context), the causal softmax of pr
 (optionally with the residual add), SiLU-GLU and rotary embedding, bf16 linears on VNNI-blocked weights, the
 attention of a decode-only step (MLA and grouped-query) and sampling without top-k / top-p.
 
-The extension is built with ``torch.utils.cpp_extension.load`` by :mod:`tokenfab.kernels.cpu_kernels_build`
+The extension is built with ``torch.utils.cpp_extension.load`` by :mod:`tokenfab.kernels.cpu.build`
 (needs a C++ compiler; ninja comes with tokenfab's dependencies; about 2 minutes once on a quiet 2-core machine,
-longer when other jobs share the cores, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>-<digest>``, override
-with ``TOKENFAB_KERNEL_CACHE``); :func:`load` / :func:`load_error` come from there.
+longer when other jobs share the cores, then cached under ``~/.cache/tokenfab/kernels/<torch version>-<cpu>-<digest>``,
+override with ``TOKENFAB_KERNEL_CACHE``); :func:`load` / :func:`load_error` come from there.
 ``TOKENFAB_CPU_KERNELS=0`` disables them; a failed build logs one warning and every caller keeps its PyTorch path.
-Only CPU tensors take these paths; CUDA/ROCm use their own, and an engine there builds these kernels only when
-routed experts run on the host (:func:`~tokenfab.kernels.cpu_kernels_build.wanted`).
+Only CPU tensors take these paths; CUDA/ROCm use kernels/gpu/, and an engine there builds these kernels only when
+routed experts run on the host (:func:`~tokenfab.kernels.cpu.build.wanted`). Layers reach both through
+:mod:`tokenfab.kernels.dispatch`.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import threading
 
 import torch
 
-from tokenfab.kernels.cpu_kernels_build import load, load_error
+from tokenfab.kernels.cpu.build import load, load_error
 
 def available_for(x: torch.Tensor) -> bool:
     """True when the fused kernels apply to ``x``: a CPU tensor in float32 or bfloat16 and a built extension."""
@@ -30,7 +31,7 @@ def available_for(x: torch.Tensor) -> bool:
 
 def has_bf16_dot() -> bool:
     """True when the built kernels use AVX512-BF16 dot products (``vdpbf16ps``): built with them and not capped
-    below ``avx512_bf16`` by ``TOKENFAB_CPU_ISA`` (:mod:`tokenfab.kernels.cpu_isa`)."""
+    below ``avx512_bf16`` by ``TOKENFAB_CPU_ISA`` (:mod:`tokenfab.kernels.cpu.isa`)."""
     m = load()
     return bool(m is not None and m.has_bf16_dot and m.isa_cap() >= 1)
 
@@ -361,7 +362,8 @@ def fp8_experts_applies() -> bool:
 
 def fp8_experts_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, experts: torch.Tensor,
                        offsets: torch.Tensor, part_rows: int) -> torch.Tensor:
-    """Grouped y = x W_e^T over a stack of routed experts kept as FP8 block-scaled bytes (kernels/csrc/fp8_linear.cpp).
+    """Grouped y = x W_e^T over a stack of routed experts kept as FP8 block-scaled bytes
+    (kernels/cpu/csrc/fp8_linear.cpp).
 
     Args:
         x: [N, K] bf16 or float32, rows grouped by expert; K a multiple of 32.
@@ -386,7 +388,7 @@ def packed_experts_applies() -> bool:
 
 def packed_experts_linear(x: torch.Tensor, fmt: int, packed: torch.Tensor, scale: torch.Tensor,
                           experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Grouped y = x W_e^T over a stack of routed experts kept packed (kernels/csrc/packed_experts.cpp).
+    """Grouped y = x W_e^T over a stack of routed experts kept packed (kernels/cpu/csrc/packed_experts.cpp).
 
     Args:
         x: [N, K] bf16 or float32, rows sorted by expert. fmt: 0 = INT4 group-32 (packed int32 [E, n, K / 8],

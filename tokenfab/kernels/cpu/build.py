@@ -1,4 +1,4 @@
-"""Building and loading tokenfab's fused CPU kernels (the extension behind :mod:`tokenfab.kernels.cpu_kernels`).
+"""Building and loading tokenfab's fused CPU kernels (the extension behind :mod:`tokenfab.kernels.cpu.ops`).
 
 ``torch.utils.cpp_extension.load`` compiles every ``.cpp`` in csrc/ once per checkout, CPU kind and torch version
 into ``~/.cache/tokenfab/kernels/<torch version>-<cpu>-<digest of the checkout path and sources>`` (override with
@@ -82,7 +82,7 @@ def load():
             else:
                 _module, _error = _build(build_dir)
                 if _module is not None:
-                    from tokenfab.kernels import cpu_isa
+                    from tokenfab.kernels.cpu import isa as cpu_isa
                     _module.set_isa_cap(cpu_isa.level_index())  # TOKENFAB_CPU_ISA (raises on a bad value)
                 if _module is not None and previous is not None:
                     try:

@@ -1,4 +1,4 @@
-// The whole decoder stack of a decode-only CPU bf16 step in one call (tokenfab/models/decode_stack.py builds it).
+// The whole decoder stack of a decode-only CPU bf16 step in one call (tokenfab/engine/cpu_decode_stack.py builds it).
 //
 // A batch-1 decode step of the default DeepSeek model runs ~50 kernel calls that together take ~2.2-2.5 ms; the
 // Python between them (module calls, the router's float cast, adds, argument lists) took another ~0.8 ms

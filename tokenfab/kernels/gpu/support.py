@@ -1,4 +1,4 @@
-"""When the Triton kernels (kernels/triton_decode_attention.py, kernels/triton_moe.py) run.
+"""When the Triton kernels (kernels/gpu/decode_attention.py, kernels/gpu/moe.py) run.
 
 On CUDA/ROCm tensors they replace the eager PyTorch paths when the ``triton`` package imports. On CPU they never
 run in serving; tests run them through Triton's interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is

@@ -21,11 +21,53 @@ import triton
 import triton.language as tl
 
 
+DENSE = -1  # _moe_gemm's FMT for plain weights; the packed formats are packed_moe.py's 0, 1, 2
+
+
 @triton.jit
-def _moe_gemm(A, W, C, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
-              N, K, num_pairs, s_am, s_we, s_wn, s_wk, s_cm,
-              A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+def _decode_tile(P, S, e, n, kk, mask, s_pe, s_pn, s_se, s_sn, PART, FMT: tl.constexpr, SCALE_BF16: tl.constexpr):
+    """W[e, n, kk] float32 for a [BLOCK_K, BLOCK_N] tile (kk rows, n columns) of a packed stack (FMT: packed_moe.py's
+    INT4_GROUP, MXFP4, FP8_BLOCK; the layouts in its docstring)."""
+    if FMT == 2:  # e4m3 bits; normal values as (1 + m / 8) * 2^(e - 7) with 2^(e - 7) built from its float32 bits
+        byte = tl.load(P + e * s_pe + n[None, :] * s_pn + kk[:, None], mask=mask, other=0).to(tl.int32)
+        ex = (byte >> 3) & 15
+        man = (byte & 7).to(tl.float32)
+        pow2 = ((tl.maximum(ex, 1) + 120) << 23).to(tl.float32, bitcast=True)
+        mag = tl.where(ex == 0, man * 0.001953125, (1.0 + man * 0.125) * pow2)
+        mag = tl.where((byte & 0x7F) == 0x7F, float("nan"), mag)
+        val = tl.where((byte & 0x80) != 0, -mag, mag)
+        brow = (n // PART) * ((PART + 127) // 128) + (n % PART) // 128
+        sc = tl.load(S + e * s_se + brow[None, :] * s_sn + kk[:, None] // 128, mask=mask, other=0.0)
+        return val * sc
+    g = kk[:, None] // 32
+    if SCALE_BF16:
+        bits = tl.load(S + e * s_se + n[None, :] * s_sn + g, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        sc = (bits << 16).to(tl.float32, bitcast=True)
+    elif FMT == 1:
+        s8 = tl.load(S + e * s_se + n[None, :] * s_sn + g, mask=mask, other=127).to(tl.int32)
+        sc = tl.where(s8 == 0, 5.877471754111438e-39, (s8 << 23).to(tl.float32, bitcast=True))  # 2^-127: subnormal
+        sc = tl.where(s8 == 255, float("nan"), sc)
+    else:
+        sc = tl.load(S + e * s_se + n[None, :] * s_sn + g, mask=mask, other=0.0).to(tl.float32)
+    if FMT == 0:
+        word = tl.load(P + e * s_pe + n[None, :] * s_pn + kk[:, None] // 8, mask=mask, other=0)
+        nib = (word >> (4 * (kk[:, None] % 8))) & 0xF
+        return (nib - 8).to(tl.float32) * sc
+    byte = tl.load(P + e * s_pe + n[None, :] * s_pn + kk[:, None] // 2, mask=mask, other=0).to(tl.int32)
+    code = (byte >> (4 * (kk[:, None] % 2))) & 0xF
+    ex = (code >> 1) & 3
+    man = (code & 1).to(tl.float32)
+    mag = tl.where(ex == 0, 0.5 * man, (1.0 + 0.5 * man) * (1 << tl.maximum(ex - 1, 0)).to(tl.float32))
+    return tl.where((code >> 3) == 1, -mag, mag) * sc
+
+
+@triton.jit
+def _moe_gemm(A, W, S, C, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
+              N, K, num_pairs, s_am, s_we, s_wn, s_wk, s_se, s_sn, s_cm, PART,
+              A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] output tile of the grouped GEMM: FMT = DENSE (-1) reads W [E, N, K] at its strides
+    (S unused); FMT 0 / 1 / 2 decodes packed W with its scales S in registers (:func:`_decode_tile`)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     bm = pid // num_n
@@ -46,9 +88,14 @@ def _moe_gemm(A, W, C, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
         kk = k0 + tl.arange(0, BLOCK_K)
         kmask = kk < K
         a = tl.load(A + a_row[:, None] * s_am + kk[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(W + e * s_we + n[None, :] * s_wn + kk[:, None] * s_wk, mask=kmask[:, None] & nmask[None, :],
-                    other=0.0)
-        acc += tl.dot(a, w, input_precision="ieee")
+        if FMT < 0:
+            w = tl.load(W + e * s_we + n[None, :] * s_wn + kk[:, None] * s_wk, mask=kmask[:, None] & nmask[None, :],
+                        other=0.0)
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            w = _decode_tile(W, S, e, n, kk, kmask[:, None] & nmask[None, :], s_we, s_wn, s_se, s_sn, PART, FMT,
+                             SCALE_BF16)
+            acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
     if MUL_WEIGHT:
         acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0)[:, None]
     tl.store(C + pair.to(tl.int64)[:, None] * s_cm + n[None, :], acc.to(C.dtype.element_ty),
@@ -109,26 +156,46 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     Returns:
         [T, hidden] in x's dtype (pairs routed to other ranks contribute zero; the k-sum is in float32).
     """
+    return routed_sum(x, weights, ids, DENSE, w13, None, w2, None, act, start)
+
+
+def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: int, w13: torch.Tensor,
+               s13: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None, act, start: int = 0,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The fused-MoE flow of :func:`fused_moe` (``fmt`` DENSE, no scales) and ``packed_moe.fused_moe_packed``
+    (``fmt`` 0 / 1 / 2 with scales s13 / s2): pairs aligned by expert, the gate|up GEMM, ``act``, the down GEMM times
+    the routing weights, the k-sum in float32, cast to ``out_dtype`` (default x's)."""
     T, hidden = x.shape
     k = ids.shape[1]
-    num_local, two_i, _ = w13.shape
+    num_local, two_i = w13.shape[0], w13.shape[1]
     inter = two_i // 2
     M = T * k
-    block_m, bn1, bk1 = _tiles(M, two_i, hidden)
+    block_m = _tiles(M, two_i, hidden)[0]
     sorted_pairs, expert_of_block, num_post = align_pairs(ids, start, num_local, block_m)
-    tiles_m = sorted_pairs.numel() // block_m
-    topw = weights.reshape(-1).float().contiguous()
+    pairs = (sorted_pairs, expert_of_block, num_post, weights.reshape(-1).float().contiguous(), M)
     x = x.contiguous()
     h13 = torch.empty(M, two_i, dtype=x.dtype, device=x.device)
-    _moe_gemm[(tiles_m * triton.cdiv(two_i, bn1),)](
-        x, w13, h13, sorted_pairs, expert_of_block, num_post, topw,
-        two_i, hidden, M, x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h13.stride(0),
-        A_ROW_DIV=k, MUL_WEIGHT=False, BLOCK_M=block_m, BLOCK_N=bn1, BLOCK_K=bk1)
+    _launch(x, w13, s13, fmt, h13, pairs, two_i, hidden, k, False, inter)
     h = act(h13)  # rows of pairs routed elsewhere hold garbage; the second GEMM never reads them
     out_pairs = torch.zeros(M, hidden, dtype=torch.float32, device=x.device)
-    _, bn2, bk2 = _tiles(M, hidden, inter)
-    _moe_gemm[(tiles_m * triton.cdiv(hidden, bn2),)](
-        h, w2, out_pairs, sorted_pairs, expert_of_block, num_post, topw,
-        hidden, inter, M, h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out_pairs.stride(0),
-        A_ROW_DIV=1, MUL_WEIGHT=True, BLOCK_M=block_m, BLOCK_N=bn2, BLOCK_K=bk2)
-    return out_pairs.view(T, k, hidden).sum(1).to(x.dtype)
+    _launch(h, w2, s2, fmt, out_pairs, pairs, hidden, inter, 1, True, hidden)
+    return out_pairs.view(T, k, hidden).sum(1).to(out_dtype or x.dtype)
+
+
+def _launch(a, w, scale, fmt, out, pairs, N, K, a_row_div, mul_weight, part):
+    """One :func:`_moe_gemm` launch over all tiles: out[pair] = a[pair // a_row_div] @ W_e^T (times the pair's
+    routing weight when ``mul_weight``); ``part`` is the FP8 stacks' rows per block part (unused otherwise)."""
+    sorted_pairs, expert_of_block, num_post, topw, M = pairs
+    block_m, bn, bk = _tiles(M, N, K)
+    tiles_m = sorted_pairs.numel() // block_m
+    if scale is None:  # dense: W [E, N, K] at its strides, no scales
+        s, bf16, s_we, s_wn, s_wk, s_se, s_sn = w, False, w.stride(0), w.stride(1), w.stride(2), 0, 0
+    else:
+        bf16 = scale.dtype == torch.bfloat16
+        s = scale.view(torch.int16) if bf16 else scale
+        s_we, s_wn, s_wk, s_se, s_sn = w.stride(0), w.stride(1), 1, s.stride(0), s.stride(1)
+    _moe_gemm[(tiles_m * triton.cdiv(N, bn),)](
+        a, w, s, out, sorted_pairs, expert_of_block, num_post, topw,
+        N, K, M, a.stride(0), s_we, s_wn, s_wk, s_se, s_sn, out.stride(0), part,
+        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, BLOCK_M=block_m, BLOCK_N=bn,
+        BLOCK_K=bk)

@@ -1,0 +1,189 @@
+"""The one seam between the layers and the kernels: per op family, the kernel that runs these tensors here.
+
+A layer asks for an op ("rms_norm", "rope", "paged_decode_attention", ...) with its tensors; the function here picks
+the CPU kernel (:mod:`tokenfab.kernels.cpu.ops`, C++), the GPU kernel (:mod:`tokenfab.kernels.gpu`, Triton) or none,
+by device, dtype, layout and the settings (``TOKENFAB_CPU_KERNELS``, ``TOKENFAB_CPU_ISA``, ``TOKENFAB_TRITON``), and
+returns the kernel's result, or None when no kernel applies: the layer then runs its PyTorch reference (the math
+the kernels are tested against, kept in the layer). The GPU modules import ``triton``, so they are imported only
+when a GPU kernel applies.
+
+========================== ================================= ====================================================
+op family                  CPU kernel (C++)                  GPU kernel (Triton)
+========================== ================================= ====================================================
+rms_norm                   rms_norm (+ residual add)         -
+silu_and_mul               silu_and_mul                      -
+rope                       rope                              -
+paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
+causal_softmax_ (prefill)  causal_softmax_                   -
+sigmoid_group_topk         sigmoid_group_topk                -
+routed_experts             moe_experts_packed                gpu/moe.py (dense stacks)
+routed_experts_packed      -                                 gpu/packed_moe.py (INT4 / MXFP4 / FP8 stacks)
+sample_plain               sample_plain                      -
+========================== ================================= ====================================================
+
+The CPU-only fused paths (the decode blocks and decode stack, the VNNI / GGUF / FP8 / packed-expert linears chosen
+once per weight at load) call :mod:`tokenfab.kernels.cpu.ops` directly.
+"""
+from __future__ import annotations
+
+import torch
+
+from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.gpu import support as gpu_support
+
+# Without AVX512-BF16 in the kernels, MLA decode (one latent pool as keys and values) takes the fused CPU kernel only
+# up to this many context tokens summed over the batch: beyond it the gathered path's bf16 GEMMs beat the kernel's
+# float32 FMAs (measured on the benchmark shapes, benchmarks/NOTES.md). With AVX512-BF16, and for grouped-query
+# attention, the kernel is faster at every measured shape.
+FUSED_LATENT_MAX_TOKENS = 1024
+
+PACKED_MOE_FORMATS = ("int4_group", "mxfp4", "fp8_block")  # the stacks gpu/packed_moe.py reads
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm of x [..., hidden] (with ``residual``: (norm(x + residual), x + residual), x 2-D) by the CPU kernel,
+    or None (another device or dtype, a strided last dim, kernels not built)."""
+    if residual is not None:
+        if (x.dim() == 2 and x.dtype == weight.dtype == residual.dtype and x.stride(-1) == 1
+                and residual.stride(-1) == 1 and cpu_ops.available_for(x)):
+            return cpu_ops.rms_norm(x, weight, eps, residual=residual)
+        return None
+    if x.dtype == weight.dtype and x.shape[-1] == weight.shape[0] and cpu_ops.available_for(x):
+        return cpu_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    return None
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up [N, 2I] ([gate | up], contiguous last dim) by the CPU kernel, or None."""
+    if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and cpu_ops.available_for(gate_up):
+        return cpu_ops.silu_and_mul(gate_up)
+    return None
+
+
+def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         interleave: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rotary embedding of q [T, Hq, dim] and k [T, Hk, dim] at positions [T] from float32 tables cos / sin
+    [P, dim / 2] by the CPU kernel (one pass per tensor), or None."""
+    if (q.dtype == k.dtype and cos.dtype == torch.float32 and q.stride(-1) == 1 and k.stride(-1) == 1
+            and cpu_ops.available_for(q)):
+        return (cpu_ops.rope(q, positions, cos, sin, interleave), cpu_ops.rope(k, positions, cos, sin, interleave))
+    return None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, max_context: int, scale: float) -> torch.Tensor | None:
+    """Decode attention q [B, H, D] straight from the paged pool (k_cache / v_cache [blocks, block_size, Hk, D / Dv],
+    strided views allowed; MLA passes one latent pool as both): the Triton kernel on CUDA/ROCm, the C++ kernel on
+    CPU, or None (mixed dtypes, no kernel, or MLA with more than FUSED_LATENT_MAX_TOKENS context tokens on float32
+    FMAs): the caller gathers the context instead. Returns [B, H, Dv] in q's dtype."""
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return None
+    if gpu_support.applies(q):
+        from tokenfab.kernels.gpu import decode_attention  # imports triton: only when it applies
+        return decode_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                                       max_context)
+    if not cpu_ops.available_for(q):
+        return None
+    if (v_cache.data_ptr() == k_cache.data_ptr() and q.shape[0] * max_context > FUSED_LATENT_MAX_TOKENS
+            and not (q.dtype == torch.bfloat16 and cpu_ops.has_bf16_dot())):
+        return None  # MLA with many context tokens on float32 FMAs: the gathered path's bf16 GEMMs are faster
+    return cpu_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def causal_softmax_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when prefill attention of q / k / v should run its two GEMMs around :func:`causal_softmax_` (CPU kernel:
+    one dtype, kernels built); else the caller's SDPA / float32-softmax path."""
+    return k.dtype == q.dtype and v.dtype == q.dtype and cpu_ops.available_for(q)
+
+
+def causal_softmax_(scores: torch.Tensor, query_pos: torch.Tensor, q_len: int, scale: float) -> torch.Tensor:
+    """In place: the causal softmax of scores [B, Hx, R, L] (:func:`tokenfab.kernels.cpu.ops.causal_softmax_`; call
+    where :func:`causal_softmax_applies`). Returns ``scores``."""
+    return cpu_ops.causal_softmax_(scores, query_pos, q_len, scale)
+
+
+def sigmoid_group_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
+                       top_k: int, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DeepSeek-V3 / Kimi-K2 routing of x [T, hidden] with the router weight [E, hidden] float32: the router GEMM in
+    float32, then the CPU kernel's selection in one pass per token -> (weights [T, top_k] float32, ids [T, top_k]
+    int64), or None."""
+    if cpu_ops.available_for(x):
+        return cpu_ops.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group, topk_group,
+                                          top_k, norm, scale)
+    return None
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, start: int, act,
+                   w13: torch.Tensor | None = None, w2: torch.Tensor | None = None,
+                   packed13: list[torch.Tensor] | None = None,
+                   packed2: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+    """The routed SiLU-GLU experts' weighted sum for x [T, hidden], weights / ids [T, k] (experts from ``start``):
+    the C++ dispatch over per-expert packed weights ``packed13`` / ``packed2`` on CPU (pass None to keep the Python
+    loop), the Triton grouped GEMMs over the stacks ``w13`` [E, 2I, hidden] / ``w2`` [E, hidden, I] on CUDA/ROCm
+    (``act``: the activation between them), or None."""
+    if packed13 is not None and cpu_ops.available_for(x):
+        return cpu_ops.moe_experts_packed(x, weights, ids, packed13, packed2, start)
+    if w13 is not None and gpu_support.applies(x):  # grouped GEMMs in Triton, CUDA-graph safe
+        from tokenfab.kernels.gpu import moe  # imports triton: only when it applies
+        return moe.fused_moe(x, w13, w2, weights, ids, act, start)
+    return None
+
+
+def routed_experts_packed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: str, p13: torch.Tensor,
+                          s13: torch.Tensor, p2: torch.Tensor, s2: torch.Tensor, act, start: int,
+                          out_dtype: torch.dtype | None) -> torch.Tensor | None:
+    """The routed experts' weighted sum over stacks kept packed (``fmt`` one of PACKED_MOE_FORMATS; arguments as
+    :func:`tokenfab.kernels.gpu.packed_moe.fused_moe_packed`): one Triton launch per projection on CUDA/ROCm with the
+    weights decoded in registers, or None (on CPU the stacks' grouped linears pick their kernels themselves)."""
+    if gpu_support.applies(x) and fmt in PACKED_MOE_FORMATS:
+        from tokenfab.kernels.gpu import packed_moe  # imports triton: only when it applies
+        return packed_moe.fused_moe_packed(x, fmt, p13, s13, p2, s2, weights, ids, act, start, out_dtype)
+    return None
+
+
+def sample_plain_applies(logits: torch.Tensor) -> bool:
+    """True when :func:`sample_plain` runs for float32 ``logits`` [N, V] here (CPU kernel built)."""
+    return logits.dtype == torch.float32 and cpu_ops.available_for(logits)
+
+
+def sample_plain(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row without top-k / top-p (:func:`tokenfab.kernels.cpu.ops.sample_plain`; call where
+    :func:`sample_plain_applies`)."""
+    return cpu_ops.sample_plain(logits, temps, u)
+
+
+GGUF_GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types gpu/gguf_linear.py reads (K-quants: the reference)
+
+
+def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block, n: int, bias: torch.Tensor | None,
+                cpu_kernel: bool) -> torch.Tensor | None:
+    """y = x W^T (+ bias) for a GGUF weight W [n, K] packed as tiles of ``block`` (tokenfab.quant.gguf_blocks): the
+    C++ kernel where the weight chose it at load (``cpu_kernel``, GGUFWeight.prepare) for bf16 / float32 x, the
+    Triton kernel on CUDA/ROCm for GGUF_GPU_TYPES, or None."""
+    if cpu_kernel and x.dtype in (torch.bfloat16, torch.float32):
+        return cpu_ops.gguf_linear(x, tiles, block.ggml_type, n, bias)
+    if block.name in GGUF_GPU_TYPES and gpu_support.applies(x):
+        from tokenfab.kernels.gpu import gguf_linear as gpu_gguf_linear  # imports triton: only when it applies
+        return gpu_gguf_linear.gguf_linear(x, tiles, block, n, bias)
+    return None
+
+
+def _fp8_cpu(x: torch.Tensor, cpu_kernel: bool) -> bool:
+    return cpu_kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
+
+
+def fp8_block_linear_applies(x: torch.Tensor, cpu_kernel: bool) -> bool:
+    """True when a kernel computes an FP8 block-scaled ``x W^T`` here: the C++ kernel where the weight chose it at
+    load (``cpu_kernel``, Fp8BlockWeight.prepare) for bf16 / float32 CPU x, or the Triton kernel on CUDA/ROCm."""
+    return _fp8_cpu(x, cpu_kernel) or gpu_support.applies(x)
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
+                     cpu_kernel: bool) -> torch.Tensor:
+    """``x [.., K] @ weight^T`` (+ bias) on the e4m3 matrix and its 128 x 128 block scales by the kernel of
+    :func:`fp8_block_linear_applies` (call only where it is True)."""
+    if _fp8_cpu(x, cpu_kernel):
+        return cpu_ops.fp8_block_linear(x, weight, scale_inv, bias)
+    from tokenfab.kernels.gpu import fp8_linear  # CUDA/ROCm (tests: the interpreter)
+    return fp8_linear.fp8_block_linear(x, weight, scale_inv, bias)

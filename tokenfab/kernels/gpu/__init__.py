@@ -1,0 +1,1 @@
+"""tokenfab's GPU kernels (Triton): support.py says whether they run; one file per kernel family."""
