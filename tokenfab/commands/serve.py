@@ -124,6 +124,10 @@ def register(subparsers) -> None:
     p.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (info logs each HTTP request). Default warning.")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="Streamed responses get a chunk every N generated tokens (the first token and the end at "
+                        "once), as vLLM's flag; 1 (default): one chunk per engine step. Chunks merge only when a "
+                        "client reads slower than the engine produces.")
     p.add_argument("--disable-log-requests", action="store_true",
                    help="Do not log each request (by default one INFO line per request: id, prompt, sampling "
                         "params, prompt token ids, as vLLM).")

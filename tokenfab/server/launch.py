@@ -212,6 +212,10 @@ def run_server(args: argparse.Namespace) -> int:
             chat_template = load_chat_template(args.chat_template)
         except ValueError as e:
             raise EngineConfigError(f"--chat-template: {e}") from None
+    stream_interval = getattr(args, "stream_interval", 1)
+    if stream_interval < 1:
+        from tokenfab.errors import EngineConfigError
+        raise EngineConfigError(f"--stream-interval must be >= 1 (tokens per streamed chunk), got {stream_interval}.")
     parser = getattr(args, "tool_call_parser", None)
     if getattr(args, "enable_auto_tool_choice", False) and parser is None:
         from tokenfab.errors import EngineConfigError
@@ -226,7 +230,7 @@ def run_server(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         threads = set_server_threads(getattr(args, "num_threads", None), config)
         t0 = time.perf_counter()
-        async_llm = AsyncLLM.from_config(config, progress=True)
+        async_llm = AsyncLLM.from_config(config, progress=True, stream_interval=stream_interval)
     except BaseException:
         sock.close()
         raise
