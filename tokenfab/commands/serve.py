@@ -123,10 +123,18 @@ def register(subparsers) -> None:
     p.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (info logs each HTTP request). Default warning.")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="Streamed responses get a chunk every N generated tokens (the first token and the end at "
+                        "once), as vLLM's flag; 1 (default): one chunk per engine step. Chunks merge only when a "
+                        "client reads slower than the engine produces.")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="Log each request (vLLM's flag): id, prompt length and the sampling parameters that differ "
+                        "from the defaults at INFO, every field bounded; the prompt text and token ids at DEBUG only "
+                        "(TOKENFAB_LOGGING_LEVEL=DEBUG). Default: nothing per request.")
     p.add_argument("--disable-log-requests", action="store_true",
-                   help="Do not log each request (by default one INFO line per request: id, prompt, sampling "
-                        "params, prompt token ids, as vLLM).")
+                   help="Accepted for vLLM compatibility; requests are not logged unless --enable-log-requests.")
     p.add_argument("--max-log-len", type=int, default=None,
-                   help="Characters of prompt / entries of prompt token ids kept in request log lines. Default: all.")
+                   help="Characters (or token ids) kept of every field of a request log line. Default: 100 per "
+                        "parameter, the whole prompt in the DEBUG line.")
     add_engine_args(p)
     p.set_defaults(func=_run)

@@ -177,9 +177,9 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
         if serving.tokenizer is None:
             raise OpenAIError(400, "this model has no tokenizer (no tokenizer files in its folder).", param="prompt")
         if req.messages is not None:
-            _, ids = serving.chat_prompt(req.messages, req.add_generation_prompt)
+            _, ids = await serving.chat_prompt(req.messages, req.add_generation_prompt, check_length=False)
         elif req.prompt is not None:
-            ids = list(serving.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"])
+            ids = await serving.tokenize(req.prompt, req.add_special_tokens, field=None)
         else:
             raise OpenAIError(400, "give either prompt or messages.", param="prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": async_llm.max_model_len}
@@ -202,7 +202,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
             raise OpenAIError(400, "suffix is not supported.", param="suffix")
         if req.best_of not in (None, req.n):
             raise OpenAIError(400, "best_of other than n is not supported.", param="best_of")
-        prompts = serving.completion_prompts(req)
+        prompts = await serving.completion_prompts(req)
         if len(prompts) > 1 or (req.echo and req.logprobs is not None):
             return await _completions_all(req, raw, prompts)
         prompt, ids = prompts[0]
@@ -335,8 +335,8 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
             constraint = tool_constraint(tools, tool_choice)
         except ValueError as e:
             raise bad_request(e) from None
-        chat_text, ids = serving.chat_prompt(req.messages, req.add_generation_prompt, req.continue_final_message,
-                                             req.chat_template_kwargs, tools)
+        chat_text, ids = await serving.chat_prompt(req.messages, req.add_generation_prompt,
+                                                   req.continue_final_message, req.chat_template_kwargs, tools)
         policy.fill_defaults(req, len(ids))
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         want = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -3,7 +3,17 @@
 One background thread owns the :class:`~tokenfab.engine.engine.LLMEngine` (it builds it, see
 :meth:`AsyncLLM.from_config`) and runs its step loop. Handlers never
 touch the engine: they put commands (add / abort) on a thread-safe queue and read :class:`RequestOutput` objects
-from a per-request :class:`asyncio.Queue`, filled from the engine thread with ``loop.call_soon_threadsafe``.
+from a per-request :class:`_Stream` on the server's event loop.
+
+Delivery (streaming as vLLM does it): after each step the engine thread hands the step's outputs to each event
+loop in one ``call_soon_threadsafe`` batch, and a stream yields one output per step (``stream_interval`` N: every
+N tokens, the first token and the end at once). Outputs are cumulative, so a handler that has not read the
+previous one yet gets them merged. The engine thread does not wait for the handlers, except when the previous
+step's batch is still unflushed when the next one is ready: then it waits (the GIL released, at most
+``flush_timeout`` seconds) until the loop has run it. Without that, an engine thread that holds the GIL for most
+of its step (a GPU engine's host work) leaves the event loop ~one switch interval (5 ms) per socket write (the
+"convoy effect", bpo-7946), and 16 streams got ~15 tokens a chunk (issue 33); with it the loop writes every
+stream's chunk in one go and the engine stalls only for that.
 
 Failure isolation:
 
@@ -24,7 +34,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import AsyncIterator, Callable
 
 from tokenfab.outputs import RequestOutput
@@ -41,20 +51,48 @@ class EngineStepError(RuntimeError):
     """An engine step failed while this request was running (HTTP 500); other requests are unaffected."""
 
 
-@dataclass
 class _Stream:
-    """Per-request delivery channel: an asyncio queue on the server's loop."""
+    """Per-request delivery channel on the server's event loop: the latest cumulative output, not yet read.
 
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    finished: bool = False
+    The engine thread fills it through :meth:`put` (one item) or :meth:`AsyncLLM._deliver` (a step's batch, run on
+    the loop); the handler reads it with :meth:`get`. An unread output is replaced by a newer one (outputs are
+    cumulative, nothing is lost); an exception replaces any output and stays.
+    """
+
+    __slots__ = ("loop", "item", "waiter", "sent_tokens")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.item: RequestOutput | BaseException | None = None
+        self.waiter: asyncio.Future | None = None
+        self.sent_tokens = 0  # engine thread: tokens of the last output handed over (stream_interval)
+
+    def push(self, item: RequestOutput | BaseException) -> None:
+        """Store ``item`` for the reader (event-loop thread only)."""
+        if isinstance(self.item, BaseException):
+            return
+        self.item = item
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Deliver from any thread (thread-safe)."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self.push, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+    async def get(self) -> RequestOutput | BaseException:
+        """The next item (waits for one)."""
+        while self.item is None:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        item, self.item = self.item, None
+        return item
 
 
 def _snapshot(out: RequestOutput) -> RequestOutput:
@@ -73,18 +111,32 @@ class AsyncLLM:
         on_step: optional callback ``(outputs, stats, step_seconds)`` called on the engine thread after every
             step (metrics); exceptions in it are logged and ignored.
         on_finish: optional callback ``(RequestOutput)`` for every finished request (engine thread).
+        stream_interval: hand a running request's output to its handler every this many new tokens (the first
+            token and the end always at once); 1 (default): after every step, as vLLM's ``--stream-interval``.
+        flush_timeout: longest wait (seconds) of the engine thread for the event loop to take the previous step's
+            outputs before it hands over the next ones (see the module docstring).
 
     Use :meth:`start` once, ``async for out in generate(...)`` per request, :meth:`shutdown` at the end.
     """
 
-    def __init__(self, engine, on_step: Callable | None = None, on_finish: Callable | None = None):
+    def __init__(self, engine, on_step: Callable | None = None, on_finish: Callable | None = None,
+                 stream_interval: int = 1, flush_timeout: float = 0.05):
+        if int(stream_interval) < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}.")
         self.engine = engine
+        self.stream_interval = int(stream_interval)
+        self.flush_timeout = float(flush_timeout)
         self.tokenizer = self._private_tokenizer(engine.tokenizer)
         self.max_model_len: int = engine.max_model_len
         self.model_config = engine.model_config
         self.on_step = on_step
         self.on_finish = on_finish
         self._cmds: queue.Queue = queue.Queue()
+        self._cmds_lock = threading.Lock()  # add commands vs the engine thread closing (no add left unanswered)
+        self._closed = False
+        self._flush_cond = threading.Condition()
+        self._pending: dict = {}  # event loop -> batches handed to it that it has not run yet
+        self._stalled: set = set()  # loops that missed a flush_timeout: not waited for until they catch up
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
         self._thread: threading.Thread | None = None
         self._go: threading.Event | None = None  # set by start() when from_config already made the engine thread
@@ -135,8 +187,11 @@ class AsyncLLM:
                 ready.set()
             go.wait()
             owner = built.get("owner")
-            if owner is not None and not owner._stopping.is_set():
-                owner._loop()
+            if owner is not None:
+                if owner._stopping.is_set():
+                    owner._close(EngineShutdownError("the server is shutting down; the request was not finished."))
+                else:
+                    owner._loop()
 
         thread = threading.Thread(target=engine_thread, name="tokenfab-engine", daemon=True)
         thread.start()
@@ -211,8 +266,9 @@ class AsyncLLM:
         """Submit a request and yield its cumulative RequestOutputs until it finishes (``priority``: the
         engine's add_request's, lower runs earlier under scheduling_policy "priority").
 
-        Several engine steps may be merged into one yielded output when the consumer is slower than the engine
-        (outputs are cumulative, so nothing is lost). If the consumer stops early (client disconnect, cancellation)
+        One output per engine step that gave the request tokens (every ``stream_interval`` tokens); several
+        steps are merged into one yielded output only when the consumer is slower than the engine (outputs are
+        cumulative, so nothing is lost). If the consumer stops early (client disconnect, cancellation)
         the request is aborted and its KV blocks freed.
 
         Raises:
@@ -222,24 +278,16 @@ class AsyncLLM:
         """
         if not self.is_running:
             raise EngineShutdownError("the server is shutting down; no new requests are accepted.")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._cmds.put(("add", request_id, prompt, prompt_token_ids, params, time.monotonic(), stream, priority))
+        stream = _Stream(asyncio.get_running_loop())
+        with self._cmds_lock:
+            if self._closed:
+                raise EngineShutdownError("the server is shutting down; no new requests are accepted.")
+            self._cmds.put(("add", request_id, prompt, prompt_token_ids, params, time.monotonic(), stream, priority))
         finished = False
         self.num_in_flight += 1
         try:
             while True:
-                try:
-                    item = await asyncio.wait_for(stream.queue.get(), timeout=2.0)
-                except asyncio.TimeoutError:
-                    if self._thread is None or not self._thread.is_alive():  # added after the loop's last drain
-                        finished = True
-                        raise EngineShutdownError("the server is shutting down; the request was not finished.")
-                    continue
-                while not stream.queue.empty():  # coalesce: only the latest cumulative output matters
-                    nxt = stream.queue.get_nowait()
-                    if isinstance(item, BaseException):
-                        break
-                    item = nxt
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -341,47 +389,100 @@ class AsyncLLM:
                     self._publish_stats()
                     continue
                 dt = time.perf_counter() - t0
-                delivered = []
-                for out in outputs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        continue
-                    snap = _snapshot(out)
-                    delivered.append(snap)
-                    if out.finished:
-                        self._streams.pop(out.request_id, None)
-                        if self.on_finish is not None:
-                            try:
-                                self.on_finish(snap)
-                            except Exception:
-                                logger.exception("on_finish callback failed")
-                    if out.error is not None:  # the engine failed this request alone
-                        stream.put(EngineStepError(f"the engine failed while running this request: {out.error}"))
-                        continue
-                    stream.put(snap)
                 self._publish_stats()
+                self._hand_over(outputs)
                 if self.on_step is not None:
                     try:
-                        self.on_step(delivered, self.get_stats(), dt)
+                        self.on_step([o for o in outputs if o.request_id in self._streams or o.finished],
+                                     self.get_stats(), dt)
                     except Exception:
                         logger.exception("on_step callback failed")
         except BaseException as e:  # pragma: no cover - a bug in the loop itself
             self.dead_error = e
             logger.exception("engine loop died")
         finally:
-            err = EngineShutdownError("the server is shutting down; the request was not finished.")
-            for rid, stream in list(self._streams.items()):
+            self._close(EngineShutdownError("the server is shutting down; the request was not finished."))
+
+    def _hand_over(self, outputs: list[RequestOutput]) -> None:
+        """Give a step's outputs to their streams: one batch per event loop (one wake-up per step, not one per
+        request), after waiting (bounded by ``flush_timeout``) for the previous batch to be taken."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        interval = self.stream_interval
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if interval > 1 and not out.finished and out.error is None and stream.sent_tokens:
+                ntok = sum(len(o.token_ids) for o in out.outputs)
+                if ntok - stream.sent_tokens < interval:
+                    continue
+            snap = _snapshot(out)
+            if interval > 1:
+                stream.sent_tokens = sum(len(o.token_ids) for o in snap.outputs) or stream.sent_tokens
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                if self.on_finish is not None:
+                    try:
+                        self.on_finish(snap)
+                    except Exception:
+                        logger.exception("on_finish callback failed")
+            item = snap if out.error is None else EngineStepError(  # the engine failed this request alone
+                f"the engine failed while running this request: {out.error}")
+            batches.setdefault(stream.loop, []).append((stream, item))
+        if not batches:
+            return
+        with self._flush_cond:
+            pending, stalled = self._pending, self._stalled
+            if pending:
+                deadline = time.monotonic() + self.flush_timeout
+                while any(n > 0 and lp not in stalled for lp, n in pending.items()):
+                    left = deadline - time.monotonic()  # waiting releases the GIL: the loop writes its chunks now
+                    if left <= 0 or not self._flush_cond.wait(left):
+                        stalled.update(lp for lp, n in pending.items() if n > 0)  # busy elsewhere: merge, go on
+                        break
+            for loop, items in batches.items():
                 try:
-                    eng.abort_request(rid)
-                except Exception:
-                    pass
-                stream.put(err)
-            self._streams.clear()
-            while True:  # requests queued but never added
-                try:
-                    cmd = self._cmds.get_nowait()
-                except queue.Empty:
-                    break
-                if cmd[0] == "add":
-                    cmd[-1].put(err)
-            self._publish_stats()
+                    loop.call_soon_threadsafe(self._deliver, loop, items)
+                except RuntimeError:  # the loop is closed: nobody is listening any more
+                    continue
+                pending[loop] = pending.get(loop, 0) + 1
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
+        """On the event loop: store a step's outputs in their streams; once the woken handlers have run (the
+        callback queued after theirs), mark the batch taken."""
+        for stream, item in items:
+            stream.push(item)
+        loop.call_soon(self._mark_flushed, loop)
+
+    def _mark_flushed(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._flush_cond:
+            n = self._pending.get(loop, 0) - 1
+            if n > 0:
+                self._pending[loop] = n
+            else:
+                self._pending.pop(loop, None)
+                self._stalled.discard(loop)
+            self._flush_cond.notify_all()
+
+    def _close(self, err: BaseException) -> None:
+        """The engine thread is ending: fail every in-flight and queued request with ``err``; later adds raise."""
+        with self._cmds_lock:
+            self._closed = True
+        for rid, stream in list(self._streams.items()):
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                pass
+            stream.put(err)
+        self._streams.clear()
+        while True:  # requests queued but never added
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                cmd[6].put(err)
+        with self._flush_cond:
+            self._pending.clear()
+            self._flush_cond.notify_all()
+        self._publish_stats()

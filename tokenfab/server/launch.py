@@ -170,14 +170,26 @@ def set_server_threads(num_threads: int | None, config) -> tuple[int, int] | Non
 
 
 def _log_requests_to_stdout() -> None:
-    """Send the ``tokenfab.requests`` INFO lines (one per request) to stdout, once."""
+    """Send the ``tokenfab.requests`` lines to stdout, once: INFO (id, lengths, parameters), or DEBUG as well (the
+    prompts) when ``TOKENFAB_LOGGING_LEVEL=DEBUG``.
+
+    Raises:
+        EngineConfigError: TOKENFAB_LOGGING_LEVEL is not a logging level name.
+    """
     import logging
+    import os
+
+    from tokenfab.errors import EngineConfigError
+    name = os.environ.get("TOKENFAB_LOGGING_LEVEL", "INFO").upper()
+    level = logging.getLevelName(name)
+    if not isinstance(level, int):
+        raise EngineConfigError(f"TOKENFAB_LOGGING_LEVEL must be DEBUG, INFO, WARNING or ERROR, got {name!r}.")
     if not any(getattr(h, "_tokenfab_requests", False) for h in request_logger.handlers):
         handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("INFO %(asctime)s [requests] %(message)s", "%m-%d %H:%M:%S"))
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [requests] %(message)s", "%m-%d %H:%M:%S"))
         handler._tokenfab_requests = True
         request_logger.addHandler(handler)
-    request_logger.setLevel(logging.INFO)
+    request_logger.setLevel(level)
     request_logger.propagate = False
 
 
@@ -212,6 +224,13 @@ def run_server(args: argparse.Namespace) -> int:
             chat_template = load_chat_template(args.chat_template)
         except ValueError as e:
             raise EngineConfigError(f"--chat-template: {e}") from None
+    log_requests = bool(getattr(args, "enable_log_requests", False))  # --disable-log-requests: accepted, no-op
+    if log_requests:
+        _log_requests_to_stdout()
+    stream_interval = getattr(args, "stream_interval", 1)
+    if stream_interval < 1:
+        from tokenfab.errors import EngineConfigError
+        raise EngineConfigError(f"--stream-interval must be >= 1 (tokens per streamed chunk), got {stream_interval}.")
     parser = getattr(args, "tool_call_parser", None)
     if getattr(args, "enable_auto_tool_choice", False) and parser is None:
         from tokenfab.errors import EngineConfigError
@@ -226,7 +245,7 @@ def run_server(args: argparse.Namespace) -> int:
         config = engine_config_from_args(args)
         threads = set_server_threads(getattr(args, "num_threads", None), config)
         t0 = time.perf_counter()
-        async_llm = AsyncLLM.from_config(config, progress=True)
+        async_llm = AsyncLLM.from_config(config, progress=True, stream_interval=stream_interval)
     except BaseException:
         sock.close()
         raise
@@ -242,9 +261,6 @@ def run_server(args: argparse.Namespace) -> int:
     if not name:  # the default model: its short name, not a cache path
         from tokenfab.default_model import default_model_name
         name = default_model_name()
-    log_requests = not getattr(args, "disable_log_requests", False)
-    if log_requests:
-        _log_requests_to_stdout()
     policy = RequestPolicy.from_async_llm(async_llm, log_requests, getattr(args, "max_log_len", None))
     app = build_app(async_llm, name, config.model, chat_template=chat_template, api_key=api_key, policy=policy,
                     tool_call_parser=tool_call_parser)

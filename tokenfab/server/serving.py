@@ -1,10 +1,15 @@
 """Request handling shared by the OpenAI endpoints: model and token checks, prompt building (completion and chat),
 SamplingParams from a request, logprobs shapes, collecting a non-streamed result. The routes live in api_server.py.
+
+Prompts are tokenized (and chat templates rendered) on one worker thread, never on the event loop, so a long prompt
+does not stall other streams; before that, a prompt whose length in characters cannot fit ``max_model_len`` tokens
+is refused at once (server/prompt_bound.py), without tokenizing it.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -15,6 +20,7 @@ from tokenfab.outputs import RequestOutput
 from tokenfab.request_validation import check_token_ids
 from tokenfab.sampling_params import SamplingParams
 from tokenfab.server.async_engine import AsyncLLM
+from tokenfab.server.prompt_bound import PromptCharBound, prompt_char_bound
 from tokenfab.server.protocol import CompletionRequest, OpenAIError
 from tokenfab.server.structured_request import request_structured_outputs
 from tokenfab.server.tool_calls import message_tool_fields
@@ -48,6 +54,40 @@ class OpenAIServing:
         self.engine = engine
         if engine is not None and hasattr(engine, "use_grammar_tokenizer"):
             engine.use_grammar_tokenizer(self.tokenizer)  # structured outputs compile on the handlers' copy
+        # One worker: the tokenizer is used by one thread at a time (vLLM does the same); the bound is its first job.
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenfab-tokenize")
+        self._bound_future = self._tokenize_pool.submit(prompt_char_bound, self.tokenizer)
+
+    async def _off_loop(self, fn, *args):
+        """Run ``fn(*args)`` on the tokenizer's worker thread."""
+        return await asyncio.wrap_future(self._tokenize_pool.submit(fn, *args))
+
+    async def char_bound(self) -> PromptCharBound | None:
+        """The tokenizer's :class:`PromptCharBound` (computed once on the worker at start-up; None: no safe bound)."""
+        try:
+            return await asyncio.wrap_future(self._bound_future)
+        except Exception:  # an odd tokenizer: tokenize everything
+            return None
+
+    async def check_prompt_chars(self, text: str, field: str = "prompt") -> None:
+        """400 naming ``field`` when ``text`` certainly needs more than ``max_model_len`` tokens, from its length in
+        characters alone (never refuses a prompt that would fit: server/prompt_bound.py)."""
+        bound = await self.char_bound()
+        if bound is not None and bound.exceeds(text, self.max_model_len):
+            raise OpenAIError(400, f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                                   f"{field} has {len(text)} characters: more than {bound.char_limit(self.max_model_len)}"
+                                   f" (at most {bound.token_chars} characters per token of this tokenizer) cannot fit;"
+                                   f" shorten the {field}.", param=field)
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True, field: str | None = "prompt") -> list[int]:
+        """Token ids of ``text`` computed on the worker thread; with ``field``, a text that cannot fit
+        ``max_model_len`` tokens is refused first (:meth:`check_prompt_chars`)."""
+        if field is not None:
+            await self.check_prompt_chars(text, field)
+        return await self._off_loop(self._encode, text, add_special_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     # ------------------------------------------------------------------------------------------------- checks
     def check_model(self, model: str | None) -> None:
@@ -133,7 +173,8 @@ class OpenAIServing:
         return s
 
     # ---------------------------------------------------------------------------------------------- prompts
-    def completion_prompt(self, req: CompletionRequest) -> tuple[str | None, list[int]]:
+    async def completion_prompt(self, req: CompletionRequest) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a request's single prompt; a text is tokenized off the event loop."""
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
             if len(p) != 1:
@@ -145,32 +186,43 @@ class OpenAIServing:
                 raise OpenAIError(400, "prompt is empty.", param="prompt")
             if self.tokenizer is None:
                 raise OpenAIError(400, "this model has no tokenizer: send prompt as token ids.", param="prompt")
-            ids = list(self.tokenizer(p, add_special_tokens=True)["input_ids"])
-            return p, ids
+            return p, await self.tokenize(p, True)
         ids = [int(t) for t in p]
         self.check_ids(ids)
         return None, ids
 
-    def completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    async def completion_prompts(self, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
         """Every prompt of a request as (text or None, token ids): a list of texts or of token-id lists is several
         prompts (OpenAI's and vLLM's batch form, which lm-eval sends); each is checked as a single prompt is,
         and a bad one is named by its index (``prompt[2]``)."""
         p = req.prompt
         if not (isinstance(p, list) and p and isinstance(p[0], (str, list))):
-            return [self.completion_prompt(req)]
+            return [await self.completion_prompt(req)]
         out = []
         for i, x in enumerate(p):
             try:
-                out.append(self.completion_prompt(req.model_copy(update={"prompt": [x]})))
+                out.append(await self.completion_prompt(req.model_copy(update={"prompt": [x]})))
             except OpenAIError as e:
                 raise OpenAIError(e.status, f"prompt[{i}]: {e.message}", e.type, f"prompt[{i}]") from None
         return out
 
-    def chat_prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
-                    kwargs: dict | None = None, tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    async def chat_prompt(self, messages, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                          kwargs: dict | None = None, tools: list[dict] | None = None,
+                          check_length: bool = True) -> tuple[str, list[int]]:
         """(prompt text, token ids) of a conversation through the chat template; ``tools`` (checked) go to the
         template, and assistant ``tool_calls`` / tool ``tool_call_id`` fields of messages are passed on (JSON-string
-        arguments parsed into objects, as templates expect)."""
+        arguments parsed into objects, as templates expect). The template is rendered and the text tokenized on
+        the worker thread; with ``check_length``, a rendered text that cannot fit ``max_model_len`` tokens is
+        refused before tokenizing (400 naming ``messages``)."""
+        text = await self._off_loop(self._render_chat, messages, add_generation_prompt, continue_final_message,
+                                    kwargs, tools)
+        ids = await self.tokenize(text, False, "messages" if check_length else None)
+        if not ids:
+            raise OpenAIError(400, "messages: the chat template produced an empty prompt.", param="messages")
+        return text, ids
+
+    def _render_chat(self, messages, add_generation_prompt: bool, continue_final_message: bool,
+                     kwargs: dict | None, tools: list[dict] | None) -> str:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise OpenAIError(400, "this model has no chat template (tokenizer_config.json chat_template); use "
@@ -192,10 +244,7 @@ class OpenAIServing:
         except Exception as e:
             raise OpenAIError(400, f"messages: the chat template failed: {type(e).__name__}: {e}",
                               param="messages") from None
-        ids = list(tok(text, add_special_tokens=False)["input_ids"])
-        if not ids:
-            raise OpenAIError(400, "messages: the chat template produced an empty prompt.", param="messages")
-        return text, ids
+        return text
 
     # ------------------------------------------------------------------------------------------- logprobs
     def completion_logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]], offset0: int) -> dict:
