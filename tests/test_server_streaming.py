@@ -9,59 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import types
 
 import httpx
 import pytest
 
-from tokenfab.outputs import CompletionOutput, RequestMetrics, RequestOutput
-
-
-class ScriptedEngine:
-    """The LLMEngine surface AsyncLLM and the routes use; a step sleeps ``step_s`` (GIL released, like a device)
-    and appends one token to every request."""
-
-    def __init__(self, step_s: float = 0.0002, vocab_size: int = 64):
-        self.step_s = step_s
-        self.tokenizer = None
-        self.max_model_len = 4096
-        self.model_config = types.SimpleNamespace(vocab_size=vocab_size)
-        self.scheduler = types.SimpleNamespace(running=[])
-        self.reqs: dict = {}
-        self.steps = 0
-
-    def get_stats(self) -> dict:
-        return {}
-
-    def health_error(self):
-        return None
-
-    def shutdown(self) -> None:
-        pass
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.reqs)
-
-    def add_request(self, rid, prompt, ids, params, arrival_time=None, priority=0) -> None:
-        self.reqs[rid] = (list(ids), params, [], RequestMetrics(arrival_time=arrival_time or time.monotonic()))
-
-    def abort_request(self, rid):
-        self.reqs.pop(rid, None)
-        return None
-
-    def step(self) -> list[RequestOutput]:
-        time.sleep(self.step_s)
-        self.steps += 1
-        outs = []
-        for rid, (ids, params, toks, m) in list(self.reqs.items()):
-            toks.append(7)
-            done = len(toks) >= params.max_tokens
-            o = CompletionOutput(index=0, text="x" * len(toks), token_ids=list(toks),
-                                 finish_reason="length" if done else None)
-            outs.append(RequestOutput(rid, None, ids, [o], finished=done, metrics=m))
-            if done:
-                del self.reqs[rid]
-        return outs
+from tokenfab.testing.scripted_engine import ScriptedEngine
 
 
 def _serve(engine, **kw):
