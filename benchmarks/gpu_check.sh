@@ -2,7 +2,8 @@
 # One prepared GPU check (NVIDIA/AMD), under 10 minutes: fidelity against transformers on the GPU (KL and top-1,
 # prefill and decode paths, float32 and bfloat16, embedded default model; decode runs the Triton kernels under CUDA
 # graphs), the Triton kernels against the PyTorch paths and the copy bandwidth (benchmarks/gpu_kernels.py), and
-# decode step time against the measured HBM copy bandwidth with CUDA graphs and with --enforce-eager side by side. Uses the machine's own torch/transformers (PYTHONPATH=., no install). Writes into $OUT (the
+# decode step time against the measured HBM copy bandwidth with CUDA graphs and with --enforce-eager side by side, and
+# streaming smoothness (median ITL vs median TPOT of tokenfab serve at concurrency 16, benchmarks/streaming_itl.py). Uses the machine's own torch/transformers (PYTHONPATH=., no install). Writes into $OUT (the
 # device tool's output folder) or benchmarks/results/gpu.
 #   bash benchmarks/gpu_check.sh
 set -uo pipefail
@@ -34,7 +35,9 @@ fail() { echo "$1 FAILED rc=$2" | tee -a "$FAILED"; }
     || fail "decode_floor (graphs)" $?
   timeout 75 $PY benchmarks/decode_floor.py --device cuda --batch 1,16,64 --steps 30 --out "$OUT" --label eager \
     --enforce-eager || fail "decode_floor (eager)" $?
+  timeout 120 $PY benchmarks/streaming_itl.py --server-timeout 100 --out "$OUT" --label gpu \
+    || fail streaming_itl $?
 } 2>&1 | tee "$OUT/gpu_check.log"
-# step timeouts sum to 510 s; exit status 1 when any step failed (listed in $OUT/failed_steps)
+# step timeouts sum to 630 s; exit status 1 when any step failed (listed in $OUT/failed_steps)
 if [ -s "$FAILED" ]; then echo "gpu_check.sh: $(wc -l < "$FAILED") step(s) failed:"; cat "$FAILED"; exit 1; fi
 echo "gpu_check.sh: all steps passed"
