@@ -39,8 +39,9 @@ def test_a_level_above_the_cpu_or_a_typo_is_refused_by_name(monkeypatch):
 
 def test_library_caps_follow_the_level_and_never_override_the_user(monkeypatch):
     monkeypatch.setattr(cpu_isa, "machine_level", lambda flags=None: "amx")  # as on a Xeon, whatever runs this
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
-    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    for cap in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):  # setenv first: monkeypatch then restores the
+        monkeypatch.setenv(cap, "unset-by-test")  # variable's absence, so no cap leaks into later tests' children
+        monkeypatch.delenv(cap)
     monkeypatch.setenv(cpu_isa.ENV, "avx2")
     cpu_isa.apply_library_caps()
     import os
