@@ -59,7 +59,7 @@ def time_decode(engine, prompts: list[list[int]], params, steps: int, warmup: in
 def time_sampler(engine, prompts: list[list[int]], params, reps: int = 50) -> float:
     """Median time (ms) of one Sampler call on random logits [batch, vocab] for rows admitted with ``params`` (each
     with a 32-token output history)."""
-    from tokenfab.engine.logits_processors import bad_words_token_ids
+    from tokenfab.request_validation import bad_words_token_ids
     from tokenfab.engine.logits_state import LogitsProcessorState
     from tokenfab.engine.sampler import Sampler
     from tokenfab.engine.sequence import Sequence

@@ -8,7 +8,8 @@ dmin * m times the float32 sum of that sub-block's x, Q4_K/Q5_K): every term of 
 most 3K + 64 float32 roundings of relative size u = 2^-24 (as for Q4_1, tests/test_gguf_linear.py), so with
 S = sum_k |x_k| (|d sc q_k| + |dmin m|) (+ |bias|) the float32 result is within (3K + 64) u S of the exact
 product; a bf16 output adds one rounding, <= 2^-8 |y|. A wrong nibble, high-bit, scale or row order moves outputs
-by O(S), far outside this.
+by O(S), far outside this. bf16 x of more than 16 rows (prefill) multiplies the weight rounded once to bf16 (the
+dequantized bf16 twin's): checked under the same bound against the product with that weight (``bf16_weight``).
 """
 from __future__ import annotations
 
@@ -77,13 +78,16 @@ def test_kquant_rows_must_be_whole_super_blocks():
         GGUFWeight.from_rows(torch.zeros(4, 144, dtype=torch.uint8), "Q4_K", 128)
 
 
-def exact(x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def exact(x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None,
+          bf16_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(float64 x W^T + b with W = gguf's dequantize of ``raw``, the bound's S): S from |W| + |dmin m| per element,
-    the minimum unpacked by gguf's own ``Q4_K.get_scale_min``."""
-    w = gguf_values(raw, name).double()
+    the minimum unpacked by gguf's own ``Q4_K.get_scale_min``; ``bf16_weight``: W rounded once to bf16 (the
+    dequantized bf16 twin) and S = |x| |W|."""
+    w = gguf_values(raw, name)
+    w = (w.to(torch.bfloat16) if bf16_weight else w).double()
     n, k = w.shape
     extra = torch.zeros_like(w)
-    if name != "Q6_K":
+    if name != "Q6_K" and not bf16_weight:
         blocks = raw.reshape(-1, gguf_kquants.SUPER_BYTES[name])
         _, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
         dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)
@@ -96,8 +100,9 @@ def exact(x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None
     return y, s
 
 
-def check_close(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None) -> None:
-    ye, s = exact(x, raw, name, bias)
+def check_close(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None,
+                bf16_weight: bool = False) -> None:
+    ye, s = exact(x, raw, name, bias, bf16_weight)
     y64 = y.double().reshape(ye.shape)
     tol = (3 * x.shape[-1] + 64) * U * s + (2.0 ** -8 * ye.abs() if y.dtype == torch.bfloat16 else 0)
     bad = (y64 - ye).abs() > tol
@@ -119,7 +124,11 @@ def test_kernel_matches_exact_product(name, rows, dtype):
     x = torch.randn(rows, k).to(dtype)
     y = w.linear(x, bias)
     assert y.dtype == dtype and y.shape == (rows, n)
-    check_close(y, x, raw, name, bias)
+    prefill_bf16 = dtype == torch.bfloat16 and rows > 16  # the dequantizing brgemm on bf16-rounded weights
+    check_close(y, x, raw, name, bias, bf16_weight=prefill_bf16)
+    y32 = w.linear_f32(x, bias)
+    assert y32.dtype == torch.float32
+    check_close(y32, x, raw, name, bias, bf16_weight=prefill_bf16)
     check_close(w.reference_linear(x, bias), x, raw, name, bias)  # and the PyTorch path under the same bound
     # a wrong order would fail; so would a kernel left at zero: outputs are O(S), not O(tol)
     assert (y.double() - exact(x, raw, name, bias)[0]).abs().max() < 0.05 * y.double().abs().max()

@@ -3,11 +3,15 @@ kernel's products against the float64 product with the dequantized weight.
 
 Tolerance (float32 accumulation): the kernel forms, per output, sum over blocks of d * (sum_k x_k q_k) (+ m * sum_k
 x_k): products of bf16 values are exact, each float32 addition rounds with relative error u = 2^-24, and no sum has
-more than 3K + 64 terms (the GEMV: <= 48 per chain and block, K / 32 block scalings; the brgemm path: K products
-for each of the weight's three bf16 parts; float32 x adds its own split error <= u |x|). So with
+more than 3K + 64 terms (the GEMV: <= 48 per chain and block, K / 32 block scalings; the brgemm path: K products;
+float32 x adds its own split error <= u |x|). So with
 S = sum_k |x_k| (|d_k q_k| + |m_k|) (+ |bias|) the float32 result is within (3K + 64) u S of the exact one (the
 classical gamma_n = n u / (1 - n u) bound), and a bf16 output adds one rounding to 8 significant bits, <= 2^-8 |y|. A wrong nibble, pair or
 scale order moves outputs by O(S), far outside this.
+
+bf16 x of more than 16 rows (prefill) multiplies the weight rounded once to bf16 (the dequantized bf16 twin's
+weight, brgemm as bf16 GEMMs run): those outputs are checked under the same bound against the product with that
+rounded weight (``bf16_weight``), and their float32 outputs (``linear_f32``) without the bf16 output rounding.
 """
 from __future__ import annotations
 
@@ -45,10 +49,11 @@ def random_blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-def exact(x: torch.Tensor, raw: np.ndarray, name: str,
-          bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def exact(x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None,
+          bf16_weight: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(float64 x W^T + b, the bound's S) from the GGUF rows ``raw`` the weight was built from (not from the packed
-    tiles): W = gguf's own dequantize, |d q| and |m| from the block fields."""
+    tiles): W = gguf's own dequantize, |d q| and |m| from the block fields; ``bf16_weight``: W rounded once to bf16
+    (the dequantized bf16 twin) and S = |x| |W|."""
     bt = gguf_blocks.block_type(name)
     d, m, q = gguf_blocks._fields(torch.from_numpy(raw), bt)
     n = raw.shape[0]
@@ -58,6 +63,9 @@ def exact(x: torch.Tensor, raw: np.ndarray, name: str,
           else torch.zeros_like(dq))
     w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])))
     assert torch.equal(w.double(), dq + mm)  # the fields agree with gguf's values
+    if bf16_weight:
+        dq, mm = w.to(torch.bfloat16).double(), torch.zeros_like(dq)
+        w = dq
     x64 = x.double().reshape(-1, dq.shape[1])
     y = x64 @ w.double().T
     s = x64.abs() @ (dq.abs() + mm.abs()).T
@@ -66,8 +74,9 @@ def exact(x: torch.Tensor, raw: np.ndarray, name: str,
     return y, s
 
 
-def check_close(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None) -> None:
-    ye, s = exact(x, raw, name, bias)
+def check_close(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None,
+                bf16_weight: bool = False) -> None:
+    ye, s = exact(x, raw, name, bias, bf16_weight)
     y64 = y.double().reshape(ye.shape)
     tol = (3 * x.shape[-1] + 64) * U * s + (2.0 ** -8 * ye.abs() if y.dtype == torch.bfloat16 else 0)
     bad = (y64 - ye).abs() > tol
@@ -115,7 +124,11 @@ def test_kernel_matches_exact_product(name, rows, dtype):
     x = torch.randn(rows, k).to(dtype)
     y = w.linear(x, bias)
     assert y.dtype == dtype and y.shape == (rows, n)
-    check_close(y, x, raw, name, bias)
+    prefill_bf16 = dtype == torch.bfloat16 and rows > 16  # the dequantizing brgemm on bf16-rounded weights
+    check_close(y, x, raw, name, bias, bf16_weight=prefill_bf16)
+    y32 = w.linear_f32(x, bias)
+    assert y32.dtype == torch.float32
+    check_close(y32, x, raw, name, bias, bf16_weight=prefill_bf16)
     check_close(w.reference_linear(x, bias), x, raw, name, bias)  # and the PyTorch path under the same bound
     # the float32 reference F.linear(x, dequant(W)) is within the same bound of the exact product
     ref_w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])))
@@ -133,7 +146,7 @@ def test_kernel_on_random_blocks_and_3d_input(name):
         x = torch.randn(shape).to(torch.bfloat16)
         y = w.linear(x, None)
         assert y.shape == (*shape[:-1], 50)
-        check_close(y, x, raw, name, None)
+        check_close(y, x, raw, name, None, bf16_weight=x.numel() // 64 > 16)  # 18 rows: the prefill path
 
 
 def test_reference_path_when_the_kernel_does_not_apply(monkeypatch):

@@ -79,9 +79,12 @@ def test_gguf_linear_out_f32(name, rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(7)).bfloat16()
     y32 = w.linear_f32(x)
     deq = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])))
+    if rows > 16:  # prefill: bf16 x times the weight rounded once to bf16 (the dequantized bf16 twin's weight)
+        deq = deq.bfloat16().float()
     assert_f32_accumulator(y32, x, deq, 3 * k + 64)  # the bound of tests/test_gguf_linear.py
-    if rows <= 16:  # the GEMV: the bf16 output is this accumulator rounded once
-        assert torch.equal(y32.bfloat16(), w.linear(x, None))
+    from tokenfab.kernels.cpu import isa
+    if rows <= 4 or rows > 16 or isa.selected_level() != "amx":  # (5..16 bf16 rows take AMX tiles there)
+        assert torch.equal(y32.bfloat16(), w.linear(x, None))  # the bf16 output is this accumulator rounded once
 
 
 def _head_logits(tiny_model, monkeypatch, backend: str):

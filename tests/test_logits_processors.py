@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tokenfab.engine.logits_processors import (allowed_token_mask, apply_allowed_token_ids, apply_bad_words,
-                                               apply_logit_bias, apply_min_p, apply_penalties, apply_penalties_at,
-                                               bad_words_token_ids)
+                                               apply_logit_bias, apply_min_p, apply_penalties, apply_penalties_at)
 from tokenfab.engine.logits_state import LogitsProcessorState
 from tokenfab.engine.sequence import Sequence
+from tokenfab.request_validation import bad_words_token_ids
 from tokenfab.sampling_params import SamplingParams
 
 INF = float("inf")

@@ -11,7 +11,7 @@ import torch
 from conftest import load_reference
 from test_logits_processors import ref_bad_words, ref_penalties
 from tokenfab import LLM, SamplingParams
-from tokenfab.engine.logits_processors import bad_words_token_ids
+from tokenfab.request_validation import bad_words_token_ids
 
 PROMPTS = [[7, 81, 19, 300, 42, 5, 77], [12, 400, 3, 3, 91], [250, 17, 17, 17, 64, 9, 120, 33, 200]]
 N_NEW = 14

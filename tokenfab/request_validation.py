@@ -5,7 +5,10 @@ Offline, :class:`~tokenfab.sampling_params.SamplingParams` runs :func:`check_sam
 ``LLMEngine.add_request`` accepts it, which also checks the prompt with :func:`check_prompt_text` and
 :func:`check_token_ids`. The HTTP server's protocol models check JSON types (strict integers for token ids, finite
 numbers, :func:`find_lone_surrogate` on every string) and then build the same SamplingParams and call the same
-functions, so a field is checked by the same code with the same message whichever way it arrives.
+functions, so a field is checked by the same code with the same message whichever way it arrives. The
+logits-processor fields (penalties, min_p, logit_bias, allowed_token_ids, bad_words) are checked here too
+(:func:`check_processor_params`, :func:`check_processor_params_for_model`, :func:`bad_words_token_ids`), below the
+engine and the sampler that apply them (``tokenfab/engine/logits_processors.py``).
 
 Every failure raises :class:`~tokenfab.errors.InvalidRequestError` (a ValueError) whose ``param`` names the field
 and whose message says what is allowed; the server returns it as a 400 in OpenAI's error JSON.
@@ -189,3 +192,78 @@ def check_sampling_params_for_model(p, vocab_size: int) -> None:
         if v is not None and v > vocab_size:
             raise InvalidRequestError(f"{field} must be at most the vocabulary size ({vocab_size}), got {v}.",
                                       field)
+
+
+def bad_words_token_ids(bad_words: list[str], tokenizer) -> list[list[int]]:
+    """Token id sequences to forbid for ``bad_words``, vLLM's way: each word (leading spaces stripped) is encoded
+    without special tokens as is, and again after one leading space; the spaced form is kept only when it starts
+    with a different token and has the same length (a word-initial variant, e.g. "Ġword").
+
+    Raises:
+        InvalidRequestError (a ValueError): a word encodes to no tokens, or there is no tokenizer.
+    """
+    if tokenizer is None:
+        raise InvalidRequestError("bad_words needs a tokenizer; this engine has none (use allowed_token_ids or "
+                                  "logit_bias).", "bad_words")
+    out: list[list[int]] = []
+    for word in bad_words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise InvalidRequestError(f"bad_words: {word!r} encodes to no tokens; remove it.", "bad_words")
+        out.append([int(t) for t in plain])
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append([int(t) for t in spaced])
+    return out
+
+
+def check_processor_params(p) -> None:
+    """Check (and normalize) the logits-processor fields of a SamplingParams ``p``; no model needed. Ranges are
+    vLLM's / OpenAI's: presence and frequency penalties in [-2, 2], repetition_penalty > 0, min_p in [0, 1],
+    logit_bias values in [-100, 100] keyed by integer token ids, allowed_token_ids a non-empty list of ids,
+    bad_words a list of strings (one string becomes a list of one).
+
+    Raises:
+        InvalidRequestError (a ValueError): the field at fault, by name.
+    """
+    check_float("presence_penalty", p.presence_penalty, -2.0, 2.0)
+    check_float("frequency_penalty", p.frequency_penalty, -2.0, 2.0)
+    check_float("repetition_penalty", p.repetition_penalty, 0.0, math.inf, lo_open=True)
+    check_float("min_p", p.min_p, 0.0, 1.0)
+    if p.logit_bias is not None:
+        if not isinstance(p.logit_bias, dict):
+            raise InvalidRequestError(f"logit_bias must be a dict of token id -> bias, got {p.logit_bias!r}.",
+                                      "logit_bias")
+        for t, v in p.logit_bias.items():
+            check_int("logit_bias", t, lo=0, what="keyed by token ids (integers >= 0)")
+            check_float("logit_bias", v, -100.0, 100.0)
+    if p.allowed_token_ids is not None:
+        if isinstance(p.allowed_token_ids, tuple):
+            p.allowed_token_ids = list(p.allowed_token_ids)
+        if not isinstance(p.allowed_token_ids, list) or not p.allowed_token_ids:
+            raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of token ids (or None), got "
+                                      f"{p.allowed_token_ids!r}.", "allowed_token_ids")
+        for t in p.allowed_token_ids:
+            check_int("allowed_token_ids", t, lo=0, what="a list of token ids >= 0")
+    if isinstance(p.bad_words, str):
+        p.bad_words = [p.bad_words]
+    if p.bad_words is not None and (not isinstance(p.bad_words, (list, tuple))
+                                    or not all(isinstance(w, str) and w.strip() for w in p.bad_words)):
+        raise InvalidRequestError(f"bad_words must be a list of non-blank strings, got {p.bad_words!r}.",
+                                  "bad_words")
+
+
+def check_processor_params_for_model(p, vocab_size: int, bad_words_ids: list[list[int]] = ()) -> None:
+    """Check the token ids of ``p`` (``logit_bias`` keys, ``allowed_token_ids``) and of its encoded bad words
+    (:func:`bad_words_token_ids`) against [0, vocab_size).
+
+    Raises:
+        InvalidRequestError (a ValueError): naming the field and the vocabulary size.
+    """
+    for field, ids in (("logit_bias", list(p.logit_bias or {})),
+                       ("allowed_token_ids", list(p.allowed_token_ids or [])),
+                       ("bad_words", [t for w in bad_words_ids for t in w])):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError(f"{field}: token ids must be in [0, {vocab_size}) (vocab_size); got "
+                                      f"{bad[:5]}.", field)

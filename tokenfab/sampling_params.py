@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenfab.engine.logits_processors import check_processor_params, check_processor_params_for_model
+from tokenfab.request_validation import check_processor_params, check_processor_params_for_model
 from tokenfab.errors import InvalidRequestError
 from tokenfab.request_validation import check_sampling_params, check_sampling_params_for_model
 from tokenfab.structured_output.params import GuidedDecodingParams, StructuredOutputsParams, as_structured_outputs

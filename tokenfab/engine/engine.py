@@ -21,7 +21,7 @@ import torch
 from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.detokenizer import IncrementalDetokenizer
 from tokenfab.engine.engine_config import EngineConfig
-from tokenfab.engine.logits_processors import bad_words_token_ids, check_processor_params_for_model
+from tokenfab.request_validation import bad_words_token_ids, check_processor_params_for_model
 from tokenfab.engine.model_loader import LoadedModel, load_model
 from tokenfab.engine.model_runner import ModelRunner, StepOutput
 from tokenfab.engine.sampler import Sampler

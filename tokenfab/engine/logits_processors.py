@@ -8,17 +8,12 @@ the sampler (vLLM v1's: ``vllm/v1/sample/sampler.py``), all on float32 logits:
 2. :func:`apply_penalties` (repetition, frequency, presence) on those logits, before temperature;
 3. greedy rows take the argmax here; random rows divide by temperature, then :func:`apply_min_p`, then top-k / top-p.
 
-:func:`check_processor_params`, :func:`bad_words_token_ids` and :func:`check_processor_params_for_model` prepare a
-request once, when it is built or added (never per step).
+The request's processor fields are checked once, when it is built or added (never per step), by
+:mod:`tokenfab.request_validation` with every other field.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-
-from tokenfab.errors import InvalidRequestError
-from tokenfab.request_validation import check_float, check_int
 
 NEG_INF = float("-inf")
 
@@ -111,78 +106,3 @@ def apply_bad_words(logits: torch.Tensor, row: torch.Tensor, last_token: torch.T
     match = ((prefix == history) | (prefix < 0)).all(dim=1)
     logits[row[match], last_token[match]] = NEG_INF
     return logits
-
-
-def bad_words_token_ids(bad_words: list[str], tokenizer) -> list[list[int]]:
-    """Token id sequences to forbid for ``bad_words``, vLLM's way: each word (leading spaces stripped) is encoded
-    without special tokens as is, and again after one leading space; the spaced form is kept only when it starts
-    with a different token and has the same length (a word-initial variant, e.g. "Ġword").
-
-    Raises:
-        InvalidRequestError (a ValueError): a word encodes to no tokens, or there is no tokenizer.
-    """
-    if tokenizer is None:
-        raise InvalidRequestError("bad_words needs a tokenizer; this engine has none (use allowed_token_ids or "
-                                  "logit_bias).", "bad_words")
-    out: list[list[int]] = []
-    for word in bad_words:
-        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
-        if not plain:
-            raise InvalidRequestError(f"bad_words: {word!r} encodes to no tokens; remove it.", "bad_words")
-        out.append([int(t) for t in plain])
-        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            out.append([int(t) for t in spaced])
-    return out
-
-
-def check_processor_params(p) -> None:
-    """Check (and normalize) the logits-processor fields of a SamplingParams ``p``; no model needed. Ranges are
-    vLLM's / OpenAI's: presence and frequency penalties in [-2, 2], repetition_penalty > 0, min_p in [0, 1],
-    logit_bias values in [-100, 100] keyed by integer token ids, allowed_token_ids a non-empty list of ids,
-    bad_words a list of strings (one string becomes a list of one).
-
-    Raises:
-        InvalidRequestError (a ValueError): the field at fault, by name.
-    """
-    check_float("presence_penalty", p.presence_penalty, -2.0, 2.0)
-    check_float("frequency_penalty", p.frequency_penalty, -2.0, 2.0)
-    check_float("repetition_penalty", p.repetition_penalty, 0.0, math.inf, lo_open=True)
-    check_float("min_p", p.min_p, 0.0, 1.0)
-    if p.logit_bias is not None:
-        if not isinstance(p.logit_bias, dict):
-            raise InvalidRequestError(f"logit_bias must be a dict of token id -> bias, got {p.logit_bias!r}.",
-                                      "logit_bias")
-        for t, v in p.logit_bias.items():
-            check_int("logit_bias", t, lo=0, what="keyed by token ids (integers >= 0)")
-            check_float("logit_bias", v, -100.0, 100.0)
-    if p.allowed_token_ids is not None:
-        if isinstance(p.allowed_token_ids, tuple):
-            p.allowed_token_ids = list(p.allowed_token_ids)
-        if not isinstance(p.allowed_token_ids, list) or not p.allowed_token_ids:
-            raise InvalidRequestError(f"allowed_token_ids must be a non-empty list of token ids (or None), got "
-                                      f"{p.allowed_token_ids!r}.", "allowed_token_ids")
-        for t in p.allowed_token_ids:
-            check_int("allowed_token_ids", t, lo=0, what="a list of token ids >= 0")
-    if isinstance(p.bad_words, str):
-        p.bad_words = [p.bad_words]
-    if p.bad_words is not None and (not isinstance(p.bad_words, (list, tuple))
-                                    or not all(isinstance(w, str) and w.strip() for w in p.bad_words)):
-        raise InvalidRequestError(f"bad_words must be a list of non-blank strings, got {p.bad_words!r}.",
-                                  "bad_words")
-
-
-def check_processor_params_for_model(p, vocab_size: int, bad_words_ids: list[list[int]] = ()) -> None:
-    """Check the token ids of ``p`` (``logit_bias`` keys, ``allowed_token_ids``) and of its encoded bad words
-    (:func:`bad_words_token_ids`) against [0, vocab_size).
-
-    Raises:
-        InvalidRequestError (a ValueError): naming the field and the vocabulary size.
-    """
-    for field, ids in (("logit_bias", list(p.logit_bias or {})),
-                       ("allowed_token_ids", list(p.allowed_token_ids or [])),
-                       ("bad_words", [t for w in bad_words_ids for t in w])):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(f"{field}: token ids must be in [0, {vocab_size}) (vocab_size); got "
-                                      f"{bad[:5]}.", field)

@@ -75,7 +75,7 @@ def _block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return block_attention_reference(q, k, v, mask, scale)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, a: int, b: int, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+def merge_partial(out: torch.Tensor, lse: torch.Tensor, a: int, b: int, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
     """Fold a partial result (o_b [B, H, b-a, Dv], lse_b [B, H, b-a]) into queries a..b-1 of the running
     normalized output ``out`` [B, H, Q, Dv] (float32) and log-sum-exp ``lse`` [B, H, Q], in place."""
     la = lse[:, :, a:b]
@@ -135,12 +135,12 @@ def blocked_prefill_attention(q: torch.Tensor, group: AttentionGroup, key_block:
             mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
             o_b, lse_b = _block_attention(q[:, :, a:b], k, v, mask.unsqueeze(1), scale)
             lse_b = torch.where((qp >= k0).unsqueeze(1), lse_b, torch.full_like(lse_b, float("-inf")))
-            _merge(out, lse, a, b, o_b, lse_b)
+            merge_partial(out, lse, a, b, o_b, lse_b)
         # every query from `full` on sees the whole block: no mask; one call where the flash kernel tiles it,
         # else (the plain-PyTorch path materializes its scores) in sub-blocks of PARTIAL_QUERY_BLOCK queries
         step = Q if _flash_applies(q, v) else PARTIAL_QUERY_BLOCK
         for a in range(full, Q, step):
             b = min(Q, a + step)
             o_b, lse_b = _block_attention(q[:, :, a:b], k, v, None, scale)
-            _merge(out, lse, a, b, o_b, lse_b)
+            merge_partial(out, lse, a, b, o_b, lse_b)
     return out[..., :out_dim].to(q.dtype)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfab.kernels import dispatch
-from tokenfab.layers import long_context_attention
+from tokenfab.layers import flash_prefill, long_context_attention
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 
 
@@ -115,7 +115,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
     Returns:
         [B, H, Q, Dv] in q's dtype.
 
-    Prefill (Q > 1), in causal query blocks: on CPU two GEMMs with the fused causal softmax between them; elsewhere
+    Prefill (Q > 1): on CPU PyTorch's flash kernel (:mod:`tokenfab.layers.flash_prefill`; where it does not apply,
+    two GEMMs per causal query block with the fused causal softmax between them); elsewhere, in causal query blocks,
     SDPA with each block's additive mask when Dv == D, and for MLA's expanded prefill (Dv != D) explicit matmuls with a
     float32 softmax (SDPA with zero-padded values was faster but raised the bf16 KL against the fp32 reference 50x
     on the tiny DeepSeek test model, tests/test_bf16.py). Decode (Q = 1; the gathered path, used when
@@ -125,6 +126,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
     B, H, Q, D = q.shape
     Hk, L, Dv = k.shape[1], k.shape[2], v.shape[-1]
     if Q > 1:
+        if flash_prefill.applies(q, k, v):
+            return flash_prefill.flash_prefill_attention(q, k, v, group, scale)
         if dispatch.causal_softmax_applies(q, k, v):
             return _prefill_attention_fused(q, k, v, group, scale)
         return _prefill_attention(q, k, v, group, scale)

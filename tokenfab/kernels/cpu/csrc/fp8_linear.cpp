@@ -37,11 +37,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define TOKENFAB_FP8_AMX 1
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
@@ -224,7 +220,7 @@ void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const
   });
 }
 
-#if defined(TOKENFAB_FP8_AMX)
+#if defined(TOKENFAB_AMX)
 // AMX path for bf16 x with more than kAmxMinRows rows (decode batches and prefill). The weight is the A operand, so
 // its row-major bytes need no transpose: per 16 weight rows, their e4m3 values are converted once into A tiles
 // (bf16 [16 rows, 32 inputs] per 32 inputs, exact). x is laid out once per call as B tiles (bf16 pairs [16 pairs,
@@ -232,29 +228,6 @@ void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const
 // accumulate the block's exact products in a float32 tile C [16 weight rows, 16 rows of x], scaled once in AVX512
 // registers: acc += s * C, the GEMV's sum per block. The linux kernel hands out AMX tile state only on request.
 constexpr int64_t kAmxMinRows = 4;
-
-bool amx_ready() {
-  if (!tokenfab_cpu::amx_allowed()) return false;  // TOKENFAB_CPU_ISA below amx
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void amx_config() {  // tile 0: C [16, 16] fp32, tile 1: A [16, 32] bf16, tile 2: B [16 pairs, 16 x 2] bf16
-  TileConfig c;
-  c.colsb[0] = c.colsb[1] = c.colsb[2] = 64;
-  c.rows[0] = c.rows[1] = c.rows[2] = 16;
-  // fixed tile registers in inline assembly (GCC's AMX intrinsics may insert a ldtilecfg of their own)
-  asm volatile("ldtilecfg %0" ::"m"(c));
-}
 
 // x [M, K] bf16 (row stride lda) -> xb [ceil(M / 16)][K / 32][16 pairs][16 rows][2], rows past M zero.
 void pack_x_tiles(const uint16_t* x, int64_t lda, int64_t M, int64_t K, uint16_t* xb) {
@@ -276,7 +249,7 @@ void amx_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* w, const
   const int64_t KB = (K + BK - 1) / BK, KC = K / 32;
   uint16_t* at = static_cast<uint16_t*>(std::aligned_alloc(64, K * 32));  // A tiles [K / 32][16 rows][32]
   alignas(64) float ct[16 * 16];
-  amx_config();
+  tokenfab_cpu::amx_load_config(16, 16, 16);  // C [16, 16] fp32, A [16, 32] bf16, B [16 pairs, 16 x 2] bf16
   for (int64_t t = t0; t < t1; ++t) {
     for (int64_t j = 0; j < 16; ++j) {
       const int64_t row = t * 16 + j;
@@ -322,7 +295,7 @@ void amx_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* w, const
   // oneDNN's brgemm tracks the tile configuration it loaded per thread: forget it, so its next call loads its own
   at::native::cpublas::brgemm_release(true);
 }
-#endif  // TOKENFAB_FP8_AMX
+#endif  // TOKENFAB_AMX
 
 #endif  // __AVX512BF16__
 
@@ -359,8 +332,8 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto* wp = w.data_ptr<uint8_t>();
   const float* sp = scale_inv.data_ptr<float>();
-#if defined(TOKENFAB_FP8_AMX)
-  if (!f32 && M > kAmxMinRows && amx_ready()) {
+#if defined(TOKENFAB_AMX)
+  if (!f32 && M > kAmxMinRows && tokenfab_cpu::amx_ready()) {
     auto xt = at::zeros({(M + 15) / 16 * 16 * K}, x.options());  // x as B tiles (rows past M zero)
     auto* xb = reinterpret_cast<uint16_t*>(xt.data_ptr());
     pack_x_tiles(reinterpret_cast<const uint16_t*>(x2.data_ptr()), x2.stride(0), M, K, xb);
@@ -438,8 +411,8 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
                : static_cast<void*>(reinterpret_cast<uint16_t*>(y.data_ptr()) + t0 * n + p * part_rows);
   };
   std::vector<int64_t> small, large;  // segments for the GEMV (one parallel region) and the GEMM paths
-#if defined(TOKENFAB_FP8_AMX)
-  const bool amx = !f32 && amx_ready();
+#if defined(TOKENFAB_AMX)
+  const bool amx = !f32 && tokenfab_cpu::amx_ready();
 #else
   const bool amx = false;
 #endif
@@ -470,7 +443,7 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
   }
   for (const int64_t a : large) {
     const int64_t t0 = op[a], M = op[a + 1] - t0;
-#if defined(TOKENFAB_FP8_AMX)
+#if defined(TOKENFAB_AMX)
     if (amx) {  // this expert's rows of x as B tiles once, then each part's 16-row weight tiles in parallel
       auto xt = at::zeros({(M + 15) / 16 * 16 * K}, x.options());
       auto* xb = reinterpret_cast<uint16_t*>(xt.data_ptr());

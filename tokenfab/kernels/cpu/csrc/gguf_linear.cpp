@@ -13,14 +13,15 @@
 // scaled once: y += d * sum_k x_k q_k (+ m * sum_k x_k for Q4_1), the same real number as sum_k x_k (d q_k + m).
 //
 // M <= 16 rows (decode batches): a GEMV over tiles, parallel over tiles, in passes of up to 4 rows per tile (the
-// tile's bytes come from memory once, software-prefetched ahead: prefetch_distance below). bf16 x is used as is; float32 x is split into three bf16 parts (x = h + m + l
-// up to 2^-24 relative), each multiplied exactly, so float32 activations keep float32 accuracy. M > 16 (prefill): per 32-column block, the thread dequantizes its 32 weight rows once into a small
-// thread-local buffer (float32 values d q + m, exactly as gguf's dequantize computes them) and runs oneDNN's brgemm
-// micro-kernel over all row tiles of x: bf16 x against the weight split into three bf16 parts (w = h + m + l exactly),
-// float32 x against the float32 values. Never a full-size copy of the weight.
-// With AMX (AMX-BF16, granted by the kernel), bf16 x of more than 4 rows instead runs one TDPBF16PS per GGUF block
-// and 16-row tile of x on the block's integer quants, each block's sum scaled in registers (amx_tiles below): about
-// 2x the GEMV passes' speed at 16 rows, and 1.8x the dequantizing GEMM's at 64.
+// tile's bytes come from memory once, software-prefetched ahead: prefetch_distance below). bf16 x is used as is;
+// float32 x is split into three bf16 parts (x = h + m + l up to 2^-24 relative), each multiplied exactly, so float32
+// activations keep float32 accuracy. With AMX (AMX-BF16, granted by the kernel), bf16 x of 5..16 rows instead runs
+// one TDPBF16PS per GGUF block and 16-row tile of x on the block's integer quants, each block's sum scaled in
+// registers (amx_tiles below): about 2x the GEMV passes' speed at 16 rows.
+// M > 16 (prefill): per 32-column block, the thread dequantizes its 32 weight rows once into a thread-local buffer
+// that stays in cache and runs oneDNN's brgemm micro-kernel (the bf16 GEMM's) over all row tiles of x: bf16 x
+// against the weight rounded once to bf16 (as the dequantized bf16 twin holds it), float32 x against the float32
+// values d q + m (exactly as gguf's dequantize computes them). Never a full-size copy of the weight.
 #include "gguf_linear.h"
 
 #include <ATen/Parallel.h>
@@ -33,21 +34,18 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define TOKENFAB_GGUF_AMX 1
-#endif
+#include "amx_tiles.h"
 
 namespace {
 
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;  // ggml type ids
 constexpr int64_t TN = kGgufTileN, QK = kGgufBlockK;
 constexpr int64_t kGemvRows = 4;      // rows of x one GEMV pass multiplies (accumulators held in registers)
-constexpr int64_t kGemvMaxRows = 16;
-constexpr int64_t kAmxMaxRows = 1 << 30;  // bf16 x with more than kGemvRows rows: the AMX path where the CPU has it  // up to this many rows (decode batches): GEMV passes of 4 rows per tile
+constexpr int64_t kGemvMaxRows = 16;  // up to this many rows (decode batches) the GEMV passes or AMX tiles; more:
+                                      // prefill, the dequantizing brgemm (gemm below)
 constexpr int64_t kTileM = 64;
 
 // Software prefetch of the GEMV's weight stream: each tile-block's bytes are requested this far ahead of their use
@@ -437,8 +435,8 @@ inline void pair_values(const uint8_t* b, int p, __m512i table, __m512 v[2]) {
 
 
 // Tile t of the weight (16 rows; rows past the weight's last tile are zero) -> columns [col0, col0 + 16) of a
-// 32-column block buffer: three bf16 VNNI parts [K / 2, 32, 2] whose sum is the float32 weight exactly (bf16 x), or
-// one float32 [K, 32] buffer (float32 x).
+// 32-column block buffer: bf16 VNNI pairs [K / 2, 32, 2] holding each float32 value rounded once to bf16 (round to
+// nearest even: the weight the dequantized bf16 twin holds; bf16 x), or float32 [K, 32] (float32 x, exact).
 template <int QT, bool F32W>
 void dequant_tile(const uint8_t* w, int64_t t, int64_t NT, int64_t K, int64_t col0, void* buf) {
   constexpr int PAIRS = static_cast<int>(block_k(QT) / 2);
@@ -464,16 +462,9 @@ void dequant_tile(const uint8_t* w, int64_t t, int64_t NT, int64_t K, int64_t co
         _mm512_storeu_ps(f + (2 * kp + 1) * 32 + col0, _mm512_permutex2var_ps(v[0], odd, v[1]));
       } else {
         uint16_t* part = static_cast<uint16_t*>(buf);
-        for (int h = 0; h < 2; ++h) {
-          const int64_t off = kp * 64 + (col0 + 8 * h) * 2;
-          const __m256i hi = (__m256i)_mm512_cvtneps_pbh(v[h]);
-          const __m512 r = _mm512_sub_ps(v[h], bf16_to_f32(hi));  // exact: the bits rounding dropped
-          const __m256i mid = (__m256i)_mm512_cvtneps_pbh(r);
-          const __m256i lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(r, bf16_to_f32(mid)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + off), hi);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + K * 32 + off), mid);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + 2 * K * 32 + off), lo);
-        }
+        for (int h = 0; h < 2; ++h)  // lanes already in VNNI order (row 8h + i / 2, k = 2p + i % 2)
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(part + kp * 64 + (col0 + 8 * h) * 2),
+                              (__m256i)_mm512_cvtneps_pbh(v[h]));
       }
     }
   }
@@ -492,17 +483,22 @@ void dequant_block32(int qt, const uint8_t* w, int64_t nb, int64_t NT, int64_t K
   }
 }
 
-// M > kGemvMaxRows: per 32-column block, dequantize once, then brgemm over 64-row tiles of x.
-template <typename T>
-void gemm(int qt, const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, int64_t N, const float* bias,
-          T* y, int64_t ldy) {
-  constexpr bool F32 = std::is_same_v<T, float>;
+// Prefill (M > kGemvMaxRows): per 32-column block, dequantize once into a thread-local buffer that stays in cache
+// (bf16 [K, 32]: K * 64 bytes), then one brgemm over each 64-row tile of x: the bf16 GEMM's micro-kernel (AMX or
+// AVX512-BF16, as oneDNN picks under TOKENFAB_CPU_ISA) plus a dequantization of N * K values per call. bf16 x
+// multiplies the bf16-rounded weight (the dequantized bf16 twin's products); float32 x the float32 weight (exact).
+// TX: uint16_t (bf16) or float; F32OUT: float32 outputs (else x's dtype).
+template <typename TX, bool F32OUT>
+void gemm(int qt, const TX* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+          void* y, int64_t ldy) {
+  constexpr bool F32 = std::is_same_v<TX, float>;
+  using TY = std::conditional_t<F32OUT, float, TX>;
   const int64_t NT = (N + TN - 1) / TN, NB = (N + 31) / 32;
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
-    std::vector<uint16_t> parts(F32 ? 0 : 3 * K * 32);
+    std::vector<uint16_t> wb(F32 ? 0 : K * 32);
     std::vector<float> wf(F32 ? K * 32 : 0), c(kTileM * 32);
     for (int64_t nb = nb0; nb < nb1; ++nb) {
-      dequant_block32<F32>(qt, w, nb, NT, K, F32 ? static_cast<void*>(wf.data()) : static_cast<void*>(parts.data()));
+      dequant_block32<F32>(qt, w, nb, NT, K, F32 ? static_cast<void*>(wf.data()) : static_cast<void*>(wb.data()));
       const int64_t nvalid = std::min<int64_t>(32, N - nb * 32);
       const float* bb = bias == nullptr ? nullptr : bias + nb * 32;
       for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
@@ -510,18 +506,16 @@ void gemm(int qt, const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* 
         if constexpr (F32) {
           at::native::cpublas::brgemm(mt, 32, K, lda, 32, 32, false, x + m0 * lda, wf.data(), c.data(), false);
         } else {
-          const auto* xb = reinterpret_cast<const at::BFloat16*>(x + m0 * lda);
-          const auto* pb = reinterpret_cast<const at::BFloat16*>(parts.data());
-          at::native::cpublas::brgemm(mt, 32, K, lda, 32, 32, false, xb, pb + 2 * K * 32, c.data(), true);
-          at::native::cpublas::brgemm(mt, 32, K, lda, 32, 32, true, xb, pb + K * 32, c.data(), true);
-          at::native::cpublas::brgemm(mt, 32, K, lda, 32, 32, true, xb, pb, c.data(), true);
+          at::native::cpublas::brgemm(mt, 32, K, lda, 32, 32, false,
+                                      reinterpret_cast<const at::BFloat16*>(x + m0 * lda),
+                                      reinterpret_cast<const at::BFloat16*>(wb.data()), c.data(), true);
         }
         for (int64_t r = 0; r < mt; ++r) {
-          T* yr = y + (m0 + r) * ldy + nb * 32;
+          TY* yr = static_cast<TY*>(y) + (m0 + r) * ldy + nb * 32;
           const float* cr = c.data() + r * 32;
-          store_tile<F32>(yr, _mm512_loadu_ps(cr), bb, nvalid);
-          if (nvalid > 16) store_tile<F32>(yr + 16, _mm512_loadu_ps(cr + 16), bb == nullptr ? nullptr : bb + 16,
-                                           nvalid - 16);
+          store_tile<std::is_same_v<TY, float>>(yr, _mm512_loadu_ps(cr), bb, nvalid);
+          if (nvalid > 16) store_tile<std::is_same_v<TY, float>>(yr + 16, _mm512_loadu_ps(cr + 16),
+                                                                 bb == nullptr ? nullptr : bb + 16, nvalid - 16);
         }
       }
     }
@@ -529,37 +523,12 @@ void gemm(int qt, const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* 
   });
 }
 
-#if defined(TOKENFAB_GGUF_AMX)
+#if defined(TOKENFAB_AMX)
 // AMX path for bf16 x with more than 4 rows (decode batches, prefill): per tile of 16 weight rows and 16-row tile of
 // x, per GGUF block, one TDPBF16PS multiplies x [16 m, 32 k] by the block's integer quants [32 k, 16 n] (each an
 // exact bf16, laid out by the same vpermw / int8 conversion as the GEMV's operands: a tile-block's pair p is row p of
 // the AMX B tile), then the block's sum is scaled in AVX512 registers: acc += d * C (+ m * the block sum of x for
 // Q4_1), as the GEMV does. The linux kernel hands out AMX tile state only on request (arch_prctl).
-bool amx_ready() {
-  if (!tokenfab_cpu::amx_allowed()) return false;  // TOKENFAB_CPU_ISA below amx
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-inline void amx_config(int64_t mt) {  // tile 0: C [mt, 16] fp32, tile 1: A [mt, 32] bf16, tile 2: B [16 pairs, 32]
-  TileConfig c;
-  c.colsb[0] = c.colsb[1] = c.colsb[2] = 64;
-  c.rows[0] = c.rows[1] = static_cast<uint8_t>(mt);
-  c.rows[2] = 16;
-  // inline assembly with fixed tile registers: GCC's AMX intrinsics let its tile-register pass insert a ldtilecfg of
-  // its own (a partly uninitialized one: #GP) into this function
-  asm volatile("ldtilecfg %0" ::"m"(c));
-}
-
 inline void amx_block(const uint16_t* a, int64_t lda_bytes, const uint16_t* b, float* c) {  // C = A B (one block)
   const int64_t b_stride = 64, c_stride = 64;
   asm volatile("tilezero %%tmm0" ::: "memory");
@@ -581,7 +550,7 @@ void amx_tiles(const uint16_t* x, int64_t lda, const float* xsum, int64_t M, int
     for (int64_t m0 = 0; m0 < M; m0 += 16) {
       const int64_t mt = std::min<int64_t>(16, M - m0);
       if (mt != configured) {
-        amx_config(mt);
+        tokenfab_cpu::amx_load_config(mt, mt, 16);  // C [mt, 16] fp32, A [mt, 32] bf16, B [16 pairs, 32]
         configured = mt;
       }
       __m512 acc[16];
@@ -638,7 +607,7 @@ void amx_gemm(int qt, const uint16_t* x, int64_t lda, const float* xsum, int64_t
     else amx_tiles<kQ8_0, false>(x, lda, xsum, M, K, w, N, bias, y, ldy, t0, t1);
   });
 }
-#endif  // TOKENFAB_GGUF_AMX
+#endif  // TOKENFAB_AMX
 
 #endif  // __AVX512BF16__
 
@@ -670,9 +639,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 #if defined(__AVX512BF16__)
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto* wp = w.data_ptr<uint8_t>();
-#if defined(TOKENFAB_GGUF_AMX)
-  if (!f32 && !out_f32 && M > kGemvRows && M <= kAmxMaxRows && !is_kquant(static_cast<int>(qtype)) &&
-      amx_ready()) {
+#if defined(TOKENFAB_AMX)
+  if (!f32 && !out_f32 && M > kGemvRows && M <= kGemvMaxRows && !is_kquant(static_cast<int>(qtype)) &&
+      tokenfab_cpu::amx_ready()) {
     const int64_t KB = K / QK, lda = x2.stride(0);
     const auto* xb = reinterpret_cast<const c10::BFloat16*>(x2.data_ptr());
     std::vector<float> xsum(qtype == kQ4_1 ? ((M + 15) / 16 * 16) * KB : 0, 0.f);
@@ -688,13 +657,13 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
   }
 #endif
   if (M > kGemvMaxRows) {
-    if (!f32 && out_f32) {  // bf16 x, float32 out: every bf16 value is exact in float32, so the float32 GEMM
-      const auto xf = x2.to(at::kFloat);  // sums the same products
-      gemm<float>(static_cast<int>(qtype), xf.data_ptr<float>(), M, K, K, wp, n, bp, y.data_ptr<float>(), n);
-    } else if (f32) gemm<float>(static_cast<int>(qtype), x2.data_ptr<float>(), M, x2.stride(0), K, wp, n, bp,
-                         y.data_ptr<float>(), n);
-    else gemm<uint16_t>(static_cast<int>(qtype), reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0),
-                        K, wp, n, bp, reinterpret_cast<uint16_t*>(y.data_ptr()), n);
+    const int q = static_cast<int>(qtype);
+    void* yp = y.data_ptr();
+    if (f32) gemm<float, true>(q, x2.data_ptr<float>(), M, x2.stride(0), K, wp, n, bp, yp, n);
+    else if (out_f32) gemm<uint16_t, true>(q, reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0), K,
+                                            wp, n, bp, yp, n);
+    else gemm<uint16_t, false>(q, reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0), K, wp, n, bp,
+                               yp, n);
     return y;
   }
   // The GEMV's operands: x as [M][S][K] bf16 parts (float32 rows split in three) and Q4_1's float32 block sums.

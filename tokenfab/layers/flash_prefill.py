@@ -1,0 +1,108 @@
+"""CPU prefill attention at flash speed: online softmax over key tiles, the causal mask never materialized.
+
+PyTorch's CPU flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``: tiles of queries and keys, an
+online softmax in float32, tiles above the causal diagonal skipped, grouped-query heads read in place) does the
+work; this module maps a prefill group onto it. A group's sequence b has its queries at positions
+``start_b .. start_b + n_b - 1`` (query index i at ``start_b + i``; padding rows at the end) over keys
+``0 .. start_b + n_b - 1``:
+
+* every ``start_b`` is 0 (whole prompts, the common case): one causal call. The kernel's causal mask is aligned at
+  the top left (query i sees keys 0..i), which is position order here; a padding query sees keys past its
+  sequence's end and its output is discarded.
+* otherwise (a chunk after earlier chunks or a prefix-cache hit): two calls merged by their log-sum-exp, as
+  FlashAttention's split-KV and vLLM's ``merge_attn_states`` do: the prefix keys ``0 .. start_b - 1``, which every
+  query of the chunk sees (one key-padding row [B, 1, 1, P] where the starts differ, no mask where they agree), and
+  the chunk's own keys (positions ``start_b + j``), causal from the top left again.
+
+Values narrower than the keys (MLA): where the values are the keys' first columns (the absorbed form's latent rows)
+the keys serve as values and the output is cut; otherwise the values are zero-padded to the key width (the kernel
+wants one width). Taken where it is measured faster than the GEMM + fused-softmax path (:func:`applies`).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tokenfab.kernels.cpu import isa as cpu_isa
+from tokenfab.layers.attention_metadata import AttentionGroup
+from tokenfab.layers.long_context_attention import merge_partial
+
+
+@functools.lru_cache(maxsize=1)
+def _amx() -> bool:
+    return cpu_isa.selected_level() == "amx"
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True where the CPU flash kernel is the fastest prefill attention: CPU tensors of one dtype, float32 or
+    bfloat16, values no wider than the keys, on the AMX path (``TOKENFAB_CPU_ISA``). Measured one thread, SmolLM2's
+    shapes: on a Xeon with AMX one flash call took 0.21-0.31x the GEMM + fused-softmax path's time for a 1,024-token
+    prompt (benchmarks/results/2026-12-02-prefill-vs-peers-profile.md); on an AMD EPYC without AMX, 1.20-1.79x it
+    (benchmarks/results/2026-12-05-prefill-attention.md), so there the fused path stays."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
+            and v.dtype == q.dtype and v.shape[-1] <= q.shape[-1] and _amx())
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                         scale=scale)
+    return o, lse
+
+
+def _starts(group: AttentionGroup) -> list[int]:
+    """Each sequence's first query position (one host read per step, cached on the group)."""
+    s = group.__dict__.get("_flash_starts")
+    if s is None:
+        s = group.query_pos[:, 0].clamp(min=0).tolist()
+        group.__dict__["_flash_starts"] = s
+    return s
+
+
+def flash_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: AttentionGroup,
+                            scale: float) -> torch.Tensor:
+    """Causal prefill attention of a group (call where :func:`applies`).
+
+    Args:
+        q: [B, H, Q, D] queries (Q = the group's q_len).
+        k: [B, Hk, L, D] the group's gathered context (L >= every sequence's context; H a multiple of Hk).
+        v: [B, Hk, L, Dv], Dv <= D.
+        group: the prefill group (``query_pos`` [B, Q], -1 for padding).
+        scale: softmax scale.
+
+    Returns:
+        [B, H, Q, Dv] in q's dtype (padding rows hold values to discard).
+    """
+    B, H, Q, D = q.shape
+    Dv = v.shape[-1]
+    if Dv < D:
+        same = v.data_ptr() == k.data_ptr() and v.stride() == k.stride() and v.shape[:-1] == k.shape[:-1]
+        v = k if same else torch.nn.functional.pad(v, (0, D - Dv))
+    starts = _starts(group)
+    P = max(starts)
+    if P == 0:
+        o, _ = _flash(q, k[:, :, :Q], v[:, :, :Q], True, None, scale)
+        return o[..., :Dv] if Dv < D else o
+    # the chunk's own keys: positions start_b + j, gathered in query order (padding rows read position 0)
+    pos = group.query_pos.clamp(min=0)  # [B, Q]
+    rows = torch.arange(B, device=q.device).unsqueeze(1)
+    kc = k.transpose(1, 2)[rows, pos].transpose(1, 2)  # [B, Hk, Q, D]
+    vc = v.transpose(1, 2)[rows, pos].transpose(1, 2)
+    o_chunk, lse_chunk = _flash(q, kc, vc, True, None, scale)
+    if min(starts) == P:  # every sequence has the same prefix length: no mask
+        o_pre, lse_pre = _flash(q, k[:, :, :P], v[:, :, :P], False, None, scale)
+    else:  # key j < start_b visible to every query of sequence b: a [B, 1, 1, P] key-padding row
+        st = torch.tensor(starts, device=q.device)
+        visible = torch.arange(P, device=q.device).view(1, -1) < st.view(-1, 1)
+        mask = torch.zeros(B, 1, 1, P, dtype=q.dtype, device=q.device).masked_fill_(~visible.view(B, 1, 1, P),
+                                                                                     float("-inf"))
+        o_pre, lse_pre = _flash(q, k[:, :, :P], v[:, :, :P], False, mask, scale)
+        none = (st == 0).view(B, 1, 1)  # sequences without a prefix: their prefix call saw no key
+        lse_pre = lse_pre.masked_fill(none, float("-inf"))
+        o_pre = o_pre.masked_fill(none.unsqueeze(-1), 0.0)
+    out = o_pre.float()
+    lse = lse_pre.float()
+    merge_partial(out, lse, 0, Q, o_chunk, lse_chunk.float())
+    out = out[..., :Dv] if Dv < D else out
+    return out.to(q.dtype)
