@@ -165,16 +165,18 @@ def naive_gated_mla(x, W, pre, tc):
     return o @ W[pre + "o_proj.weight"].T
 
 
-def naive_k3_logits(W, tc, tokens):
-    """Full K3 text model, float64, no cache: logits [n, vocab]."""
+def naive_k3_trace(W, tc, tokens):
+    """Full K3 text model, float64, no cache: (per layer i, the input mix h layer i computes from the blocks; per
+    layer i, the partial-block sum after it; the output attention-residual mix before the final norm)."""
     eps, S = tc["rms_norm_eps"], tc["attn_res_block_size"]
     kda = {i - 1 for i in tc["linear_attn_config"]["kda_layers"]}
     m = "model."
-    prefix, blocks = W[m + "embed_tokens.weight"][tokens], []
+    prefix, blocks, mixes, sums = W[m + "embed_tokens.weight"][tokens], [], [], []
     for i in range(tc["num_hidden_layers"]):
         L = f"{m}layers.{i}."
         h = naive_mix(prefix, blocks, W[L + "self_attention_res_proj.weight"], W[L + "self_attention_res_norm.weight"],
                       eps) if blocks else prefix
+        mixes.append(h)
         cur = prefix
         if i % S == 0:
             blocks, cur = blocks + [prefix], None
@@ -190,8 +192,15 @@ def naive_k3_logits(W, tc, tokens):
         else:
             mo = naive_latent_moe(h, W, L + "block_sparse_moe.", tc)
         prefix = cur + mo
+        sums.append(prefix)
     h = naive_mix(prefix, blocks, W[m + "output_attn_res_proj.weight"], W[m + "output_attn_res_norm.weight"], eps)
-    return naive_rms(h, W[m + "norm.weight"], eps) @ W["lm_head.weight"].T
+    return mixes, sums, h
+
+
+def naive_k3_logits(W, tc, tokens):
+    """Full K3 text model, float64, no cache: logits [n, vocab]."""
+    h = naive_k3_trace(W, tc, tokens)[2]
+    return naive_rms(h, W["model.norm.weight"], tc["rms_norm_eps"]) @ W["lm_head.weight"].T
 
 
 # ---- the tiny K3-layout checkpoint ----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from test_kimi_k3 import naive_kda, naive_rms
+from test_kimi_k3 import naive_k3_trace, naive_kda, naive_rms
 from tokenfab.errors import EngineConfigError, UnsupportedError, WeightLoadError
 from tokenfab.spec_decode.dspark_config import parse_dspark_config, resolve_tap
 from tokenfab.testing.tiny_dspark import KDA, MLA, dspark_config, write_tiny_dspark
@@ -275,37 +275,8 @@ def test_weight_errors_are_named(tmp_path):
 def naive_k3_streams(W, tc, tokens):
     """Per layer i of the naive float64 K3 (tests/test_kimi_k3.py's formulas): (partial-block sum after layer i,
     the attention-residual mix layer i + 1 computes from it; after the last layer the output mix)."""
-    from test_kimi_k3 import naive_gated_mla, naive_latent_moe, naive_mix, naive_situ
-    eps, S = tc["rms_norm_eps"], tc["attn_res_block_size"]
-    kda = {i - 1 for i in tc["linear_attn_config"]["kda_layers"]}
-    m = "model."
-    prefix, blocks, out = W[m + "embed_tokens.weight"][tokens], [], []
-    n_layers = tc["num_hidden_layers"]
-    for i in range(n_layers):
-        L = f"{m}layers.{i}."
-        h = naive_mix(prefix, blocks, W[L + "self_attention_res_proj.weight"], W[L + "self_attention_res_norm.weight"],
-                      eps) if blocks else prefix
-        if i:
-            out[-1] = (out[-1][0], h)
-        cur = prefix
-        if i % S == 0:
-            blocks, cur = blocks + [prefix], None
-        hn = naive_rms(h, W[L + "input_layernorm.weight"], eps)
-        a = naive_kda(hn, W, L + "self_attn.", tc) if i in kda else naive_gated_mla(hn, W, L + "self_attn.", tc)
-        cur = a if cur is None else cur + a
-        h = naive_rms(naive_mix(cur, blocks, W[L + "mlp_res_proj.weight"], W[L + "mlp_res_norm.weight"], eps),
-                      W[L + "post_attention_layernorm.weight"], eps)
-        if i < tc["first_k_dense_replace"]:
-            b, lb = tc["activation_situ_beta"], tc["activation_situ_linear_beta"]
-            mo = naive_situ(h @ W[L + "mlp.gate_proj.weight"].T, h @ W[L + "mlp.up_proj.weight"].T, b, lb) @ \
-                W[L + "mlp.down_proj.weight"].T
-        else:
-            mo = naive_latent_moe(h, W, L + "block_sparse_moe.", tc)
-        prefix = cur + mo
-        out.append((prefix, None))
-    last = naive_mix(prefix, blocks, W[m + "output_attn_res_proj.weight"], W[m + "output_attn_res_norm.weight"], eps)
-    out[-1] = (out[-1][0], last)
-    return out
+    mixes, sums, last = naive_k3_trace(W, tc, tokens)
+    return list(zip(sums, mixes[1:] + [last]))
 
 
 @pytest.fixture(scope="module")
