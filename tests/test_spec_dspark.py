@@ -199,13 +199,20 @@ def test_published_layouts_parse():
         resolve_tap(c, "mix")
 
 
-def _drop(d, dotted):
+_DROP = object()
+
+
+def _edit(d, dotted, value=_DROP):
+    """A deep copy of config ``d`` with the field at the dotted path set to ``value`` (left out: deleted)."""
     d = copy.deepcopy(d)
     *head, last = dotted.split(".")
     cur = d
     for h in head:
         cur = cur[h]
-    del cur[last]
+    if value is _DROP:
+        del cur[last]
+    else:
+        cur[last] = value
     return d
 
 
@@ -217,38 +224,21 @@ def _drop(d, dotted):
 ])
 def test_missing_field_is_named(mk, field):
     with pytest.raises(EngineConfigError, match=f"'{field}' is missing"):
-        parse_dspark_config(_drop(mk(), field))
+        parse_dspark_config(_edit(mk(), field))
 
 
-def test_bad_fields_are_named():
-    bad = _sf()
-    bad["dflash_config"]["target_layer_ids"] = [11, 93]
-    with pytest.raises(EngineConfigError, match="target_layer_ids.*93-layer target"):
-        parse_dspark_config(bad)
-    bad = _sp()
-    bad["speculators_model_type"] = "dflash"
-    with pytest.raises(EngineConfigError, match="speculators_model_type"):
-        parse_dspark_config(bad)
-    bad = _sf()
-    bad["architectures"] = ["Qwen3ForCausalLM"]
-    with pytest.raises(EngineConfigError, match="architectures"):
-        parse_dspark_config(bad)
-    bad = _sf()
-    bad["dflash_config"]["markov_head_type"] = "gated"
-    with pytest.raises(UnsupportedError, match="markov_head_type"):
-        parse_dspark_config(bad)
-    bad = _sp()
-    bad["draft_vocab_size"] = 32
-    with pytest.raises(UnsupportedError, match="draft_vocab_size"):
-        parse_dspark_config(bad)
-    bad = _sf()
-    bad["block_size"] = "7"
-    with pytest.raises(EngineConfigError, match="'block_size' must be an integer"):
-        parse_dspark_config(bad)
-    bad = _sf()
-    bad["dflash_config"]["aux_hidden_stream"] = "residual"
-    with pytest.raises(EngineConfigError, match="aux_hidden_stream"):
-        parse_dspark_config(bad)
+@pytest.mark.parametrize("mk, field, value, error, match", [
+    (_sf, "dflash_config.target_layer_ids", [11, 93], EngineConfigError, "target_layer_ids.*93-layer target"),
+    (_sp, "speculators_model_type", "dflash", EngineConfigError, "speculators_model_type"),
+    (_sf, "architectures", ["Qwen3ForCausalLM"], EngineConfigError, "architectures"),
+    (_sf, "dflash_config.markov_head_type", "gated", UnsupportedError, "markov_head_type"),
+    (_sp, "draft_vocab_size", 32, UnsupportedError, "draft_vocab_size"),
+    (_sf, "block_size", "7", EngineConfigError, "'block_size' must be an integer"),
+    (_sf, "dflash_config.aux_hidden_stream", "residual", EngineConfigError, "aux_hidden_stream"),
+])
+def test_bad_fields_are_named(mk, field, value, error, match):
+    with pytest.raises(error, match=match):
+        parse_dspark_config(_edit(mk(), field, value))
 
 
 def test_weight_errors_are_named(tmp_path):
