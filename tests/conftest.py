@@ -35,6 +35,12 @@ def tiny_model(tmp_path_factory, tokenizer_dir):
     return make
 
 
+@pytest.fixture(scope="session")
+def llama_ref(tiny_model):
+    """transformers' model (float32) on the default tiny llama checkpoint, loaded once per session."""
+    return load_reference(tiny_model("llama"))
+
+
 def load_reference(path: str, dtype=torch.float32):
     """transformers' model on the same files: eager attention and experts, explicit dtype (DESIGN.md)."""
     from transformers import AutoModelForCausalLM
