@@ -33,17 +33,12 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from results_file import write_markdown  # noqa: E402
 
-TEXT = dict(
-    vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=8,
-    num_attention_heads=2, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    num_experts=8, num_experts_per_token=2, num_shared_experts=1, routed_scaling_factor=2.0, moe_renormalize=True,
-    num_expert_group=1, topk_group=1, first_k_dense_replace=1, routed_expert_hidden_size=64, latent_moe_use_norm=True,
-    hidden_act="situ", activation_situ_beta=1.5, activation_situ_linear_beta=2.0, attn_res_block_size=4,
-    mla_use_nope=True, mla_use_output_gate=True, model_max_length=4096, rms_norm_eps=1e-5, model_type="kimi_linear",
-    moe_router_activation_func="sigmoid", bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-    linear_attn_config={"kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8], "num_heads": 2, "head_dim": 32,
-                        "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
-)
+from tokenfab.testing.tiny_k3 import k3_text_config  # noqa: E402
+
+TEXT = k3_text_config(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=8,
+                      kv_lora_rank=32, q_lora_rank=48, num_experts=8, routed_expert_hidden_size=64,
+                      attn_res_block_size=4, model_max_length=4096, kda_layers=(1, 2, 3, 5, 6, 7),
+                      full_attn_layers=(4, 8), kda_head_dim=32)
 TAPS = (1, 3, 5, 7)
 ALWAYS = {"verify_token_cost": 0.0, "verify_step_overhead": 0.0, "random_row_cost": 0.0}
 

@@ -35,6 +35,28 @@ def tiny_model(tmp_path_factory, tokenizer_dir):
     return make
 
 
+@pytest.fixture(scope="session")
+def llama_ref(tiny_model):
+    """transformers' model (float32) on the default tiny llama checkpoint, loaded once per session."""
+    return load_reference(tiny_model("llama"))
+
+
+@pytest.fixture
+def mid_prefill_preemptions(monkeypatch):
+    """A list that gets, for every preemption the Scheduler makes during the test, whether the sequence was in the
+    middle of its prefill (some prompt tokens computed, not all)."""
+    from tokenfab.engine.scheduler import Scheduler
+    seen = []
+    orig = Scheduler._preempt
+
+    def spy(self, seq):
+        seen.append(0 < seq.num_computed_tokens < seq.num_prompt_tokens)
+        orig(self, seq)
+
+    monkeypatch.setattr(Scheduler, "_preempt", spy)
+    return seen
+
+
 def load_reference(path: str, dtype=torch.float32):
     """transformers' model on the same files: eager attention and experts, explicit dtype (DESIGN.md)."""
     from transformers import AutoModelForCausalLM

@@ -4,9 +4,14 @@ Import the fixtures into a test module with ``from server_fixtures import *``. E
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -64,6 +69,37 @@ def start_test_server(model_dir: str, name: str = SERVED_NAME, **engine_kw):
     llm.start()
     app = build_app(llm, name, model_dir)
     return ServerHandle(app, llm)
+
+
+@contextlib.contextmanager
+def serve_subprocess(args: list[str], log_path, env: dict):
+    """``python -m tokenfab.cli serve ARGS --port PORT`` on a free 127.0.0.1 port in its own process (stdout and
+    stderr to ``log_path``); yields the base URL once /health answers 200 (the log in the assertion message if the
+    process exits or 180 s pass first), and terminates the process afterwards."""
+    import httpx
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    log = open(log_path, "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tokenfab.cli", "serve", *args, "--port", str(port)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.time() < deadline, open(log_path).read()
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
 
 
 def metric_value(text: str, name: str) -> float:

@@ -6,16 +6,8 @@ import json
 import pytest
 
 from tokenfab.cli import main
-from tokenfab.cost.model import (
-    Price,
-    PriceSet,
-    annual_electricity_usd,
-    compute_cost,
-    electricity_usd_per_mtok,
-    rental_usd_per_mtok,
-    tok_s_per_kw,
-    usd,
-)
+from tokenfab.cost.model import (Price, PriceSet, annual_electricity_usd, compute_cost, electricity_usd_per_mtok,
+                                 rental_usd_per_mtok, tok_s_per_kw, usd)
 from tokenfab.cost.scenarios import ScenarioError, load_scenarios
 
 

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
 from tokenfab.kernels.cpu import ops as cpu_ops
 
 gguf = pytest.importorskip("gguf")
 
+from decode_stack_ab import stack_switched  # noqa: E402
 from test_gguf_packed_loader import write_gguf  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not cpu_ops.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
@@ -30,26 +30,12 @@ ALL_Q4_0 = {k: "Q4_0" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ff
 
 def generate(llm, prompts, use_stack: bool, monkeypatch):
     from tokenfab import SamplingParams
-    runner = llm.llm_engine.runner
-    stack = runner.cpu_decode_stack
-    sizes = []
-    real = CpuDecodeStack.run_sample
-
-    def counted(self, input_ids, *a):
-        sizes.append(len(input_ids))
-        return real(self, input_ids, *a)
-
-    monkeypatch.setattr(CpuDecodeStack, "run_sample", counted)
-    runner.cpu_decode_stack = stack if use_stack else None
-    try:
+    with stack_switched(llm, use_stack, monkeypatch, method="run_sample") as sizes:
         greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         # plain sampled rows (no logprobs) take run_sample: the LM head and the draw inside the C++ call
         sampled = SamplingParams(max_tokens=10, temperature=0.8, seed=7, ignore_eos=True)
         drawn = llm.generate([{"prompt_token_ids": p} for p in prompts], sampled, use_tqdm=False)
-    finally:
-        runner.cpu_decode_stack = stack
-        monkeypatch.setattr(CpuDecodeStack, "run_sample", real)
     return ([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs],
             [o.outputs[0].token_ids for o in drawn], sizes)
 

@@ -221,7 +221,8 @@ def test_fp8_mtp_layer_experts_packed_drafts_match_dequantized_twin(tmp_path, to
     """A tiny FP8 DeepSeek-V3 with an MTP layer (its block FP8 too, as published): the MTP layer (which borrows the
     CausalLM loader) keeps its routed experts packed, and every proposal's draft tokens and logits equal the
     dequantized twin's (logits within 1e-4, fp32)."""
-    from test_spec_mtp import MTP, _prompts, _record_proposals
+    from spec_helpers import spec_prompts
+    from test_spec_mtp import MTP, _record_proposals
 
     from tokenfab.testing.fp8_checkpoint import write_fp8_checkpoint
     from tokenfab.testing.tiny_checkpoints import add_mtp_layers, make_tiny_checkpoint
@@ -250,7 +251,7 @@ def test_fp8_mtp_layer_experts_packed_drafts_match_dequantized_twin(tmp_path, to
     for key, path in (("fp8", fp8), ("twin", twin)):
         llm = LLM(path, dtype="float32", progress=False, speculative_config=MTP, max_num_batched_tokens=32)
         events = _record_proposals(llm)
-        outs = llm.generate(_prompts(3), sp, use_tqdm=False)
+        outs = llm.generate(spec_prompts(3), sp, use_tqdm=False)
         if key == "fp8":
             experts = llm.llm_engine.spec.proposer.mtp.model.layers[0].mlp.experts
             assert isinstance(experts.q13, Fp8BlockExperts) and experts.w13 is None

@@ -21,13 +21,13 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+from gguf_helpers import assert_within_bound, check_kernel_product  # noqa: E402
 from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
 from tokenfab.layers.linear import Linear  # noqa: E402
 from tokenfab.quant import gguf_blocks  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1")
-U = 2.0 ** -24
 
 needs_kernel = pytest.mark.skipif(not cpu_ops.gguf_linear_applies(),
                                   reason="gguf_linear needs the CPU kernels with AVX512-BF16")
@@ -76,11 +76,7 @@ def exact(x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None
 
 def check_close(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None,
                 bf16_weight: bool = False) -> None:
-    ye, s = exact(x, raw, name, bias, bf16_weight)
-    y64 = y.double().reshape(ye.shape)
-    tol = (3 * x.shape[-1] + 64) * U * s + (2.0 ** -8 * ye.abs() if y.dtype == torch.bfloat16 else 0)
-    bad = (y64 - ye).abs() > tol
-    assert not bad.any(), f"{int(bad.sum())} outputs off: max err {(y64 - ye).abs().max():.3g}, tol {tol.max():.3g}"
+    assert_within_bound(y, x, *exact(x, raw, name, bias, bf16_weight))
 
 
 @pytest.mark.parametrize("name", TYPES)
@@ -114,22 +110,9 @@ def test_unsupported_type_and_bad_rows_are_refused():
 @pytest.mark.parametrize("rows", [1, 3, 4, 8, 16, 17, 33, 64])  # 5..16: GEMV passes or AMX; 17+: prefill
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_matches_exact_product(name, rows, dtype):
-    torch.manual_seed(rows)
     n, k = 40, 160  # n: not a multiple of the 16-row tile nor of the 32-column prefill block
     raw = quantized(name, n, k, seed=rows)
-    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
-    w.prepare()
-    assert w._kernel
-    bias = torch.randn(n) if rows in (3, 17) else None
-    x = torch.randn(rows, k).to(dtype)
-    y = w.linear(x, bias)
-    assert y.dtype == dtype and y.shape == (rows, n)
-    prefill_bf16 = dtype == torch.bfloat16 and rows > 16  # the dequantizing brgemm on bf16-rounded weights
-    check_close(y, x, raw, name, bias, bf16_weight=prefill_bf16)
-    y32 = w.linear_f32(x, bias)
-    assert y32.dtype == torch.float32
-    check_close(y32, x, raw, name, bias, bf16_weight=prefill_bf16)
-    check_close(w.reference_linear(x, bias), x, raw, name, bias)  # and the PyTorch path under the same bound
+    x, _, bias = check_kernel_product(raw, name, k, rows, dtype, check_close)
     # the float32 reference F.linear(x, dequant(W)) is within the same bound of the exact product
     ref_w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[name])))
     check_close(torch.nn.functional.linear(x.float(), ref_w, None if bias is None else bias.float()),

@@ -14,6 +14,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from conftest import max_prompt_logprob_gap  # noqa: E402
+from gguf_helpers import (add_model_header, finish_gguf, generate_packed_and_reference, gguf_name,  # noqa: E402
+                          reference_folder)
 from tokenfab import LLM, SamplingParams  # noqa: E402
 from tokenfab.default_model import real_model_gguf  # noqa: E402
 from tokenfab.loader.gguf_packed import hf_name, iterate_gguf_weights, unpermute_rows  # noqa: E402
@@ -62,34 +64,11 @@ def write_gguf(ckpt: str, out: str, types: dict[str, str]) -> dict[str, np.ndarr
     assert sd is not None
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w = gguf.GGUFWriter(out, "llama")
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    add_model_header(w, cfg, rope_dimension_count=True)
     ref = {}
     for name, t in sd.items():
         a = t.float().numpy()
-        if name == "model.embed_tokens.weight":
-            gname, kind = "token_embd.weight", "token_embd"
-        elif name == "model.norm.weight":
-            gname, kind = "output_norm.weight", None
-        elif name == "lm_head.weight":
-            gname, kind = "output.weight", "output"
-        else:
-            layer, rest = name[len("model.layers."):].split(".", 1)
-            mod, kind_suffix = rest.rsplit(".", 1)
-            kind = HF_TO_GGUF[mod]
-            gname = f"blk.{layer}.{kind}.{kind_suffix}"
+        gname, kind = gguf_name(name, HF_TO_GGUF)
         qt = types.get(kind) if kind is not None else None
         if qt is None:
             ref[name] = a
@@ -105,22 +84,8 @@ def write_gguf(ckpt: str, out: str, types: dict[str, str]) -> dict[str, np.ndarr
             w.add_tensor(gname, np.ascontiguousarray(stored))
         else:
             w.add_tensor(gname, np.ascontiguousarray(stored), raw_dtype=gguf.GGMLQuantizationType[qt])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return ref
-
-
-def reference_folder(ckpt: str, out: str, ref: dict[str, np.ndarray]) -> str:
-    """The checkpoint folder with the dequantized weights (config and tokenizer copied)."""
-    import shutil
-
-    from safetensors.torch import save_file
-    shutil.copytree(ckpt, out)
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in ref.items()},
-              os.path.join(out, "model.safetensors"))
-    return out
 
 
 MIXED = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1", "ffn_gate": "Q4_1",
@@ -138,15 +103,14 @@ def test_tiny_gguf_packed_matches_dequantized_model(tiny_model, tokenizer_dir, t
     assert len(packed) == 2 * 7 + (2 if "token_embd" in types else 0)
     prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 200, 7], [9, 4, 300], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])]
     sp = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, prompt_logprobs=0)
-    outs = {}
-    for key, model in (("packed", path), ("reference", ref)):
-        llm = LLM(model, dtype="float32", tokenizer=tokenizer_dir, max_model_len=128, progress=False)
-        outs[key] = llm.generate(prompts, sp, use_tqdm=False)
-        if key == "packed":
-            runner = llm.llm_engine.runner
-            qkv = runner.model.model.layers[0].self_attn.qkv_proj
-            assert (qkv is not None) == (types is ALL_Q4_1)  # q|k|v joined only when they share a block type
-            assert runner.cpu_decode_stack is None  # float32: the module path (bf16: test_decode_stack_packed.py)
+
+    def check_packed(llm):
+        runner = llm.llm_engine.runner
+        qkv = runner.model.model.layers[0].self_attn.qkv_proj
+        assert (qkv is not None) == (types is ALL_Q4_1)  # q|k|v joined only when they share a block type
+        assert runner.cpu_decode_stack is None  # float32: the module path (bf16: test_decode_stack_packed.py)
+
+    outs = generate_packed_and_reference(path, ref, tokenizer_dir, prompts, sp, check_packed)
     gap = max_prompt_logprob_gap(outs["reference"], outs["packed"], "packed GGUF")
     assert gap < 1e-4
 
@@ -155,10 +119,7 @@ def test_gguf_refuses_other_architectures_by_name(tmp_path):
     path = str(tmp_path / "x.gguf")
     w = gguf.GGUFWriter(path, "gpt2")
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     from tokenfab.errors import UnsupportedError, WeightLoadError
     from tokenfab.loader.gguf_packed import packed_unsupported_reason
     assert "architecture 'gpt2'" in packed_unsupported_reason(path)

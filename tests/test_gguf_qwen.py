@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -20,6 +19,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from conftest import max_prompt_logprob_gap  # noqa: E402
+from gguf_helpers import (add_model_header, finish_gguf, generate_packed_and_reference, gguf_name,  # noqa: E402
+                          reference_folder)
 from test_gguf_kquants import random_kblocks  # noqa: E402
 from tokenfab import LLM, SamplingParams  # noqa: E402
 from tokenfab.loader.gguf_packed import iterate_gguf_weights  # noqa: E402
@@ -44,36 +45,14 @@ def write_qwen_gguf(ckpt: str, out: str, arch: str, bf16_kind: str = "attn_outpu
     cfg = json.load(open(os.path.join(ckpt, "config.json")))
     sd = load_file(os.path.join(ckpt, "model.safetensors"))
     w = gguf.GGUFWriter(out, arch)
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
+    add_model_header(w, cfg)
     ref = {}
     for i, (name, t) in enumerate(sorted(sd.items())):
         a = t.float().numpy()
-        if name == "model.embed_tokens.weight":
-            gname, kind = "token_embd.weight", "token_embd"
-        elif name == "model.norm.weight":
-            gname, kind = "output_norm.weight", None
-        elif name == "lm_head.weight":
-            gname, kind = "output.weight", "output"
-        else:
-            layer, rest = name[len("model.layers."):].split(".", 1)
-            mod, suffix = rest.rsplit(".", 1)
-            if mod == "self_attn.o_proj" and suffix == "bias":
-                ref[name] = np.zeros_like(a)  # Qwen2 has no o_proj bias: not in the file
-                continue
-            kind = GG[mod] if suffix == "weight" else None
-            gname = f"blk.{layer}.{GG[mod]}.{suffix}"
+        if name.endswith(".self_attn.o_proj.bias"):
+            ref[name] = np.zeros_like(a)  # Qwen2 has no o_proj bias: not in the file
+            continue
+        gname, kind = gguf_name(name, GG)
         qt = TYPES.get(kind) if kind is not None else None
         if kind == bf16_kind:
             qt = "BF16"
@@ -91,19 +70,8 @@ def write_qwen_gguf(ckpt: str, out: str, arch: str, bf16_kind: str = "attn_outpu
             raw = random_kblocks(qt, a.shape[0], a.shape[1], seed=i, scale=SCALE[qt])
             ref[name] = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qt])
             w.add_tensor(gname, raw, raw_dtype=gguf.GGMLQuantizationType[qt])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return ref
-
-
-def reference_folder(ckpt: str, out: str, ref: dict[str, np.ndarray]) -> str:
-    from safetensors.torch import save_file
-    shutil.copytree(ckpt, out)
-    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in ref.items()},
-              os.path.join(out, "model.safetensors"))
-    return out
 
 
 def tiny_qwen(tiny_model, arch: str) -> str:
@@ -127,14 +95,13 @@ def test_qwen_kquant_gguf_packed_matches_dequantized_model(tiny_model, tokenizer
     assert len(packed) == 2 * 5 + 1 + (arch == "qwen3")  # q k v gate down per layer, embedding, untied head
     sp = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12, prompt_logprobs=0)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    outs = {}
-    for key, model in (("packed", path), ("reference", ref)):
-        llm = LLM(model, dtype="float32", tokenizer=tokenizer_dir, max_model_len=128, progress=False)
-        outs[key] = llm.generate(prompts, sp, use_tqdm=False)
-        if key == "packed":
-            attn = llm.llm_engine.runner.model.model.layers[0].self_attn
-            assert attn.qk_norm == (arch == "qwen3")
-            assert attn.q_proj.qweight is not None or attn.qkv_proj.qweight is not None
+
+    def check_packed(llm):
+        attn = llm.llm_engine.runner.model.model.layers[0].self_attn
+        assert attn.qk_norm == (arch == "qwen3")
+        assert attn.q_proj.qweight is not None or attn.qkv_proj.qweight is not None
+
+    outs = generate_packed_and_reference(path, ref, tokenizer_dir, prompts, sp, check_packed)
     gap = max_prompt_logprob_gap(outs["reference"], outs["packed"], f"packed {arch} GGUF")
     assert gap < 1e-4
     # and transformers' GGUF loader on the same file (it dequantizes with gguf-py): the same greedy tokens
@@ -173,10 +140,7 @@ def test_deepseek2_gguf_is_refused_by_name(tmp_path):
     w = gguf.GGUFWriter(path, "deepseek2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     from tokenfab.errors import UnsupportedError, WeightLoadError
     from tokenfab.loader.gguf_packed import packed_unsupported_reason
     from tokenfab.loader.gguf_to_hf import ensure_converted

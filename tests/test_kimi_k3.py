@@ -19,19 +19,10 @@ import torch
 from tokenfab import LLM, SamplingParams
 from tokenfab.config import ConfigError, parse_config
 from tokenfab.errors import WeightLoadError
+from tokenfab.testing.tiny_k3 import k3_text_config
 
 P = "language_model."
-TEXT = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
-    num_attention_heads=2, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    num_experts=4, num_experts_per_token=2, num_shared_experts=1, routed_scaling_factor=2.0, moe_renormalize=True,
-    num_expert_group=1, topk_group=1, first_k_dense_replace=1, routed_expert_hidden_size=32, latent_moe_use_norm=True,
-    hidden_act="situ", activation_situ_beta=1.5, activation_situ_linear_beta=2.0, attn_res_block_size=2,
-    mla_use_nope=True, mla_use_output_gate=True, model_max_length=512, rms_norm_eps=1e-5, model_type="kimi_linear",
-    moe_router_activation_func="sigmoid", bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
-    linear_attn_config={"kda_layers": [1, 3, 4], "full_attn_layers": [2], "num_heads": 2, "head_dim": 16,
-                        "short_conv_kernel_size": 4, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
-)
+TEXT = k3_text_config()  # hidden 64, 4 layers: KDA 1, 3, 4 and MLA 2 (1-indexed), attention-residual blocks of 2
 QUANT = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
          "config_groups": {"group_0": {"format": "mxfp4-pack-quantized", "targets": ["Linear"]}},
          "ignore": ["re:.*shared_experts.*", "re:.*self_attn.*", "lm_head"]}
@@ -165,16 +156,18 @@ def naive_gated_mla(x, W, pre, tc):
     return o @ W[pre + "o_proj.weight"].T
 
 
-def naive_k3_logits(W, tc, tokens):
-    """Full K3 text model, float64, no cache: logits [n, vocab]."""
+def naive_k3_trace(W, tc, tokens):
+    """Full K3 text model, float64, no cache: (per layer i, the input mix h layer i computes from the blocks; per
+    layer i, the partial-block sum after it; the output attention-residual mix before the final norm)."""
     eps, S = tc["rms_norm_eps"], tc["attn_res_block_size"]
     kda = {i - 1 for i in tc["linear_attn_config"]["kda_layers"]}
     m = "model."
-    prefix, blocks = W[m + "embed_tokens.weight"][tokens], []
+    prefix, blocks, mixes, sums = W[m + "embed_tokens.weight"][tokens], [], [], []
     for i in range(tc["num_hidden_layers"]):
         L = f"{m}layers.{i}."
         h = naive_mix(prefix, blocks, W[L + "self_attention_res_proj.weight"], W[L + "self_attention_res_norm.weight"],
                       eps) if blocks else prefix
+        mixes.append(h)
         cur = prefix
         if i % S == 0:
             blocks, cur = blocks + [prefix], None
@@ -190,8 +183,15 @@ def naive_k3_logits(W, tc, tokens):
         else:
             mo = naive_latent_moe(h, W, L + "block_sparse_moe.", tc)
         prefix = cur + mo
+        sums.append(prefix)
     h = naive_mix(prefix, blocks, W[m + "output_attn_res_proj.weight"], W[m + "output_attn_res_norm.weight"], eps)
-    return naive_rms(h, W[m + "norm.weight"], eps) @ W["lm_head.weight"].T
+    return mixes, sums, h
+
+
+def naive_k3_logits(W, tc, tokens):
+    """Full K3 text model, float64, no cache: logits [n, vocab]."""
+    h = naive_k3_trace(W, tc, tokens)[2]
+    return naive_rms(h, W["model.norm.weight"], tc["rms_norm_eps"]) @ W["lm_head.weight"].T
 
 
 # ---- the tiny K3-layout checkpoint ----------------------------------------------------------------------------

@@ -118,25 +118,15 @@ def test_single_step_prefill_and_chunk_boundaries(kl_path, kl_ref):
     assert worst < 1e-4
 
 
-def test_preemption_mid_kda_prefill(kl_path, kl_ref, monkeypatch):
+def test_preemption_mid_kda_prefill(kl_path, kl_ref, mid_prefill_preemptions):
     """A pool of 14 blocks x 8 tokens for four ~50-token prompts with 32-token prefill chunks: sequences are
     preempted (recompute) while still in prefill; their KDA state must restart from zero and tokens not change."""
-    from tokenfab.engine.scheduler import Scheduler
-
-    mid_prefill = []
-    orig = Scheduler._preempt
-
-    def spy(self, seq):
-        mid_prefill.append(0 < seq.num_computed_tokens < seq.num_prompt_tokens)
-        orig(self, seq)
-
-    monkeypatch.setattr(Scheduler, "_preempt", spy)
     llm = LLM(kl_path, dtype="float32", device="cpu", max_num_batched_tokens=32, max_num_seqs=4, block_size=8,
               num_kv_blocks=14, max_model_len=96, progress=False)
     worst = run_and_compare(llm, kl_ref, make_prompts(3, [50, 47, 52, 45]), gen=12)
     MEASURED["preemption"] = worst
     assert llm.llm_engine.scheduler.num_preemptions > 0
-    assert any(mid_prefill), "no sequence was preempted in the middle of its prefill"
+    assert any(mid_prefill_preemptions), "no sequence was preempted in the middle of its prefill"
     assert worst < 1e-4
     assert llm.llm_engine.block_manager.num_free_blocks == 14
 

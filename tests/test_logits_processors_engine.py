@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from conftest import load_reference
 from test_logits_processors import ref_bad_words, ref_penalties
 from tokenfab import LLM, SamplingParams
 from tokenfab.request_validation import bad_words_token_ids
@@ -20,11 +19,6 @@ N_NEW = 14
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     return LLM(tiny_model("llama"), dtype="float32", max_model_len=128, max_num_seqs=16, progress=False)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_model):
-    return load_reference(tiny_model("llama"))
 
 
 def reference_generate(model, prompt: list[int], p: SamplingParams, bad_ids: list[list[int]], n: int) -> list[int]:
@@ -48,7 +42,7 @@ def _greedy(**kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True, **kw)
 
 
-def test_each_parameter_matches_reference_in_one_batch(llm, ref):
+def test_each_parameter_matches_reference_in_one_batch(llm, llama_ref):
     plain = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(),
                                                           use_tqdm=False)]
     tok = llm.get_tokenizer()
@@ -65,7 +59,7 @@ def test_each_parameter_matches_reference_in_one_batch(llm, ref):
     for i, (kw, o) in enumerate(zip(cases, outs)):
         prompt = PROMPTS[i % len(PROMPTS)]
         bad = bad_words_token_ids(params[i].bad_words, tok) if params[i].bad_words else []
-        want = reference_generate(ref, prompt, params[i], bad, N_NEW)
+        want = reference_generate(llama_ref, prompt, params[i], bad, N_NEW)
         got = o.outputs[0].token_ids
         assert got == want, f"{kw}: {got} != reference {want}"
         if kw:  # the parameter changed something, so the comparison can fail
@@ -74,7 +68,7 @@ def test_each_parameter_matches_reference_in_one_batch(llm, ref):
             assert got == plain[i % len(PROMPTS)]
 
 
-def test_penalties_survive_preemption(tiny_model, ref):
+def test_penalties_survive_preemption(tiny_model, llama_ref):
     # a KV pool of 6 blocks of 16 tokens for 4 sequences of ~40 tokens: sequences are preempted and re-admitted,
     # which rebuilds their output counts from the token lists
     small = LLM(tiny_model("llama"), dtype="float32", max_model_len=64, max_num_seqs=4, num_kv_blocks=6,
@@ -84,15 +78,15 @@ def test_penalties_survive_preemption(tiny_model, ref):
     outs = small.generate([{"prompt_token_ids": q} for q in PROMPTS + PROMPTS[:1]], p, use_tqdm=False)
     assert small.llm_engine.scheduler.num_preemptions > 0
     for q, o in zip(PROMPTS + PROMPTS[:1], outs):
-        assert o.outputs[0].token_ids == reference_generate(ref, q, p, [], 30)
+        assert o.outputs[0].token_ids == reference_generate(llama_ref, q, p, [], 30)
 
 
-def test_min_p_keeps_samples_inside_the_reference_set(llm, ref):
+def test_min_p_keeps_samples_inside_the_reference_set(llm, llama_ref):
     T, min_p, steps = 0.8, 0.3, 3
 
     def allowed(tokens: list[int]) -> set[int]:
         with torch.no_grad():
-            probs = torch.softmax(ref(torch.tensor([tokens])).logits[0, -1].float() / T, dim=-1)
+            probs = torch.softmax(llama_ref(torch.tensor([tokens])).logits[0, -1].float() / T, dim=-1)
         return set(torch.nonzero(probs >= min_p * probs.max()).flatten().tolist())
 
     prompt = PROMPTS[0]

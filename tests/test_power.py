@@ -31,6 +31,28 @@ class Clock:
         return self.t
 
 
+def started_monitor(backend, t0: float = 0.0) -> tuple[PowerMonitor, Clock]:
+    """A PowerMonitor on ``backend`` (2 s interval) started at time ``t0`` without its thread."""
+    clock = Clock(t0)
+    mon = PowerMonitor(backend, 2.0, clock=clock)
+    mon.start(thread=False)
+    return mon, clock
+
+
+def sample_then_stop(mon: PowerMonitor, clock: Clock, fake=None) -> None:
+    """From the start time t0: a sample at t0 + 2 s, the stop at t0 + 4 s; a fake library's readings advance with
+    them (``fake.step`` 1, then 2)."""
+    t0 = clock.t
+    clock.t = t0 + 2.0
+    if fake is not None:
+        fake.step = 1
+    mon.sample()
+    clock.t = t0 + 4.0
+    if fake is not None:
+        fake.step = 2
+    mon.stop()
+
+
 @pytest.fixture
 def no_hw(monkeypatch, tmp_path):
     """A machine with nothing: no pynvml, no amdsmi, no amd-smi, no powercap."""
@@ -145,15 +167,10 @@ def test_nvml_energy_counter(monkeypatch):
                      power_mw=[[300_000, 300_000, 400_000], [500_000, 500_000, 500_000]])
     monkeypatch.setitem(sys.modules, "pynvml", nv)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    clock = Clock(0.0)
-    mon = PowerMonitor(NvmlBackend(), 2.0, clock=clock)
-    mon.start(thread=False)
+    mon, clock = started_monitor(NvmlBackend(), 0.0)
     assert mon.method == "energy counter"
     assert mon.caps_w == [700.0, 700.0]                      # 700,000 mW
-    clock.t, nv.step = 2.0, 1
-    mon.sample()
-    clock.t, nv.step = 4.0, 2
-    mon.stop()
+    sample_then_stop(mon, clock, nv)                          # t = 2 s, 4 s
     assert nv.calls == ["init", "shutdown"]
     w = mon.window()
     # gpu0: (2,400,000 - 1,000,000) mJ = 1400 J / 4 s = 350 W; gpu1: 2000 J / 4 s = 500 W; total 0.85 kW
@@ -166,14 +183,9 @@ def test_nvml_energy_counter(monkeypatch):
 def test_nvml_sampled_power_trapezoid(monkeypatch):
     nv = fake_pynvml(energy_mj=None, power_mw=[[300_000, 400_000, 200_000]], counter=False)
     monkeypatch.setitem(sys.modules, "pynvml", nv)
-    clock = Clock(10.0)
-    mon = PowerMonitor(NvmlBackend([0]), 2.0, clock=clock)
-    mon.start(thread=False)
+    mon, clock = started_monitor(NvmlBackend([0]), 10.0)
     assert mon.method == "sampled power (trapezoid)"
-    clock.t, nv.step = 12.0, 1
-    mon.sample()
-    clock.t, nv.step = 14.0, 2
-    mon.stop()
+    sample_then_stop(mon, clock, nv)                          # t = 12 s, 14 s
     # trapezoid: (300 + 400)/2 * 2 + (400 + 200)/2 * 2 = 700 + 600 = 1300 J over 4 s = 325 W
     w = mon.window()
     assert w["energy_j"] == pytest.approx(1300.0)
@@ -219,14 +231,9 @@ def test_amdsmi_energy_counter(monkeypatch, key):
     amd = fake_amdsmi([5_000, 605_000, 1_205_000], 1000.0, 300, 750_000_000, key=key)
     monkeypatch.setitem(sys.modules, "amdsmi", amd)
     monkeypatch.delenv("HIP_VISIBLE_DEVICES", raising=False)
-    clock = Clock(0.0)
-    mon = PowerMonitor(AmdSmiBackend(), 2.0, clock=clock)
-    mon.start(thread=False)
+    mon, clock = started_monitor(AmdSmiBackend(), 0.0)
     assert mon.caps_w == [750.0]                              # 750,000,000 µW
-    clock.t, amd.step = 2.0, 1
-    mon.sample()
-    clock.t, amd.step = 4.0, 2
-    mon.stop()
+    sample_then_stop(mon, clock, amd)                         # t = 2 s, 4 s
     # (1,205,000 - 5,000) counts x 1000 µJ = 1.2e9 µJ = 1200 J over 4 s = 300 W
     w = mon.window()
     assert w["energy_j"] == pytest.approx(1200.0)
@@ -244,13 +251,8 @@ def test_amd_smi_cli_fallback():
     def runner(cmd):
         seen.append(cmd[1])
         return metric if cmd[1] == "metric" else static
-    clock = Clock(0.0)
-    mon = PowerMonitor(AmdSmiCliBackend([0], runner=runner), 2.0, clock=clock)
-    mon.start(thread=False)
-    clock.t = 2.0
-    mon.sample()
-    clock.t = 4.0
-    mon.stop()
+    mon, clock = started_monitor(AmdSmiCliBackend([0], runner=runner), 0.0)
+    sample_then_stop(mon, clock)                              # t = 2 s, 4 s
     assert mon.caps_w == [750.0]
     # constant 250 W for 4 s = 1000 J
     assert mon.window()["energy_j"] == pytest.approx(1000.0)

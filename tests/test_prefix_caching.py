@@ -236,18 +236,10 @@ def test_kda_abort_mid_prefill_restores_no_stale_state(kl_path):
     assert run_checked(on, [p], sp) == run_checked(off, [p], sp)  # and once more, now with its own snapshots
 
 
-def test_kda_preemption_mid_prefill_with_prefix_caching(kl_path, monkeypatch):
+def test_kda_preemption_mid_prefill_with_prefix_caching(kl_path, mid_prefill_preemptions):
     """Kimi Linear with a pool of 14 blocks x 8 for four ~50-token prompts sharing 24 tokens, 32-token chunks:
     sequences are preempted in the middle of their prefill while others restore snapshots; tokens equal those
     without prefix caching, invariants hold after every step."""
-    mid_prefill = []
-    orig = Scheduler._preempt
-
-    def spy(self, seq):
-        mid_prefill.append(0 < seq.num_computed_tokens < seq.num_prompt_tokens)
-        orig(self, seq)
-
-    monkeypatch.setattr(Scheduler, "_preempt", spy)
     kw = dict(max_num_batched_tokens=32, max_num_seqs=4, block_size=8, num_kv_blocks=14, max_model_len=96)
     off, on = engines(kl_path, **kw)
     pre = rand_tokens(11, 24)
@@ -255,7 +247,7 @@ def test_kda_preemption_mid_prefill_with_prefix_caching(kl_path, monkeypatch):
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     run_checked(on, [pre + [5]], SamplingParams(max_tokens=1))  # snapshot at 24 (the prompt's last full block)
     assert run_checked(on, prompts, sp) == run_checked(off, prompts, sp)
-    assert on.llm_engine.scheduler.num_preemptions > 0 and any(mid_prefill)
+    assert on.llm_engine.scheduler.num_preemptions > 0 and any(mid_prefill_preemptions)
     assert on.llm_engine.block_manager.prefix_cache.snapshots.num_restored > 0
 
 

@@ -8,18 +8,12 @@ import random
 import pytest
 import torch
 
-from conftest import load_reference
 from tokenfab import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_model):
     return LLM(tiny_model("llama"), dtype="float32", max_model_len=128, max_num_seqs=256, progress=False)
-
-
-@pytest.fixture(scope="module")
-def ref(tiny_model):
-    return load_reference(tiny_model("llama"))
 
 
 PROMPT = [7, 81, 19, 300, 42, 5, 77]
@@ -60,13 +54,13 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor, bins: int = 12) -> fl
 
 
 @pytest.mark.parametrize("seeded", [True, False])
-def test_sampled_distribution_matches_softmax(llm, ref, seeded):
+def test_sampled_distribution_matches_softmax(llm, llama_ref, seeded):
     """4,000 first-token samples at T = 0.8 against softmax(logits / 0.8) of the reference: Pearson chi-square
     with 12 degrees of freedom must stay below 32.9 (p = 0.001). The same samples scored against T = 1.0 must fail
     the test, so it can tell temperatures apart. Seeded rows (a uniform from the request's RNG) and unseeded rows
     (uniforms from the engine's RNG) are both checked; both go through the inverse-CDF draw."""
     with torch.no_grad():
-        logits = ref(torch.tensor([PROMPT])).logits[0, -1].float()
+        logits = llama_ref(torch.tensor([PROMPT])).logits[0, -1].float()
     counts = _first_token_counts(llm, SamplingParams(temperature=0.8), 4000, seeded=seeded)
     stat = _chi_square(counts, torch.softmax(logits / 0.8, -1))
     wrong = _chi_square(counts, torch.softmax(logits / 1.0, -1))
@@ -75,9 +69,9 @@ def test_sampled_distribution_matches_softmax(llm, ref, seeded):
     assert wrong > 32.9
 
 
-def test_top_k_top_p_restrict_support(llm, ref):
+def test_top_k_top_p_restrict_support(llm, llama_ref):
     with torch.no_grad():
-        logits = ref(torch.tensor([PROMPT])).logits[0, -1].float()
+        logits = llama_ref(torch.tensor([PROMPT])).logits[0, -1].float()
     order = logits.argsort(descending=True)
     counts = _first_token_counts(llm, SamplingParams(temperature=1.0, top_k=3), 800)
     assert set(torch.nonzero(counts).flatten().tolist()) <= set(order[:3].tolist())
@@ -119,11 +113,11 @@ def test_stop_string_eos_stop_token_and_max_tokens(llm):
         eng.eos_token_ids = saved
 
 
-def test_logprobs_top_k_and_max_model_len(llm, ref):
+def test_logprobs_top_k_and_max_model_len(llm, llama_ref):
     o = llm.generate([{"prompt_token_ids": PROMPT}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
                                                                    logprobs=5))[0].outputs[0]
     with torch.no_grad():
-        lp = torch.log_softmax(ref(torch.tensor([PROMPT])).logits[0, -1].float(), -1)
+        lp = torch.log_softmax(llama_ref(torch.tensor([PROMPT])).logits[0, -1].float(), -1)
     top = lp.topk(5)
     d = o.logprobs[0]
     assert set(d) == set(top.indices.tolist())  # greedy token is the top-1, so 5 entries

@@ -1,7 +1,8 @@
 """Scheduling policies (tokenfab/engine/scheduling_policy.py): fcfs schedules exactly what the scheduler scheduled
-before the policy seam, fair interleaves prefills and never skips a decode, priority orders and preempts by
-(priority, arrival), no request starves under any policy (a hypothesis property, block-manager invariants checked
-every step), and greedy outputs are the same under all three policies (tiny float32 model, offline and served).
+before the policy seam (its schedule recorded in tests/data/), fair interleaves prefills and never skips a decode,
+priority orders and preempts by (priority, arrival), no request starves under any policy (a hypothesis property,
+block-manager invariants checked every step), and greedy outputs are the same under all three policies (tiny float32
+model, offline and served).
 
 The scheduler tests drive :class:`Scheduler` without a model: each step applies the batch as the engine does
 (``num_computed_tokens += num_new``; a sequence whose tokens are all computed gets one new token; it finishes at
@@ -9,10 +10,11 @@ The scheduler tests drive :class:`Scheduler` without a model: each step applies 
 """
 from __future__ import annotations
 
+import json
+import os
 from collections import deque
 
 import httpx
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -24,80 +26,6 @@ from tokenfab.engine.scheduling_policy import (FairPolicy, PriorityPolicy, Sched
                                                make_policy)
 from tokenfab.engine.sequence import Sequence, SequenceStatus
 from tokenfab.sampling_params import SamplingParams
-
-
-# ---- the scheduler before the policy seam (commit afb1844), kept verbatim in behaviour as the fcfs oracle -------
-class ReferenceScheduler:
-    """The pre-seam algorithm: running in admission order, each takes min(remaining, budget); preempt the last
-    admitted; admit waiting in queue order while budget, rows and blocks allow; preempted to the queue front."""
-
-    def __init__(self, bm: BlockManager, max_num_seqs: int, budget: int):
-        self.bm, self.max_num_batched_tokens = bm, budget
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-        self.free_rows: deque[int] = deque(range(max_num_seqs))
-
-    def add(self, seq):
-        self.waiting.append(seq)
-
-    def finish(self, seq, reason):
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        self.running.remove(seq)
-        self._release(seq)
-
-    def _release(self, seq):
-        self.bm.free(seq)
-        if seq.row >= 0:
-            self.free_rows.append(seq.row)
-            seq.row = -1
-
-    def _preempt(self, seq):
-        self.running.remove(seq)
-        self._release(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
-
-    def schedule(self):
-        budget = self.max_num_batched_tokens
-        decodes, prefills, preempted, admitted = [], [], [], []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.bm.can_allocate(seq, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                break
-            self.bm.allocate(seq, n)
-            (decodes if seq.num_tokens - seq.num_computed_tokens == 1 else prefills).append((seq, n))
-            budget -= n
-            i += 1
-        while self.waiting and budget > 0 and not preempted and self.free_rows:
-            seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.bm.can_allocate(seq, n):
-                break
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            seq.row = self.free_rows.popleft()
-            self.running.append(seq)
-            admitted.append(seq)
-            self.bm.allocate(seq, n)
-            (decodes if seq.num_tokens - seq.num_computed_tokens == 1 else prefills).append((seq, n))
-            budget -= n
-        pairs = decodes + prefills
-        seqs = [s for s, _ in pairs]
-        return ScheduledBatch(seqs=seqs, num_decodes=len(decodes),
-                              rows=np.array([s.row for s in seqs], dtype=np.int64),
-                              num_new=np.array([n for _, n in pairs], dtype=np.int64),
-                              num_computed=np.array([s.num_computed_tokens for s in seqs], dtype=np.int64),
-                              admitted=admitted, preempted=preempted)
 
 
 # ---- a model-free driver ---------------------------------------------------------------------------------------
@@ -181,21 +109,26 @@ SCRIPT = [(0, 70, 5, 0), (0, 33, 9, 0), (1, 120, 3, 0), (2, 5, 12, 0), (2, 64, 4
           (4, 17, 2, 0), (5, 90, 8, 0), (9, 40, 20, 0), (9, 1, 5, 0), (10, 150, 10, 0), (15, 31, 31, 0)]
 
 
+# the schedule the scheduler before the policy seam (commit afb1844) made for SCRIPT, step by step (block tables
+# included), recorded once from that algorithm (kept in this file as ReferenceScheduler up to commit a7ab763)
+FCFS_BEFORE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fcfs_schedule_afb1844.json")
+
+
 @pytest.mark.parametrize("num_blocks,max_num_seqs,budget", [(200, 4, 48), (14, 3, 40), (16, 6, 64), (64, 8, 7)])
 def test_fcfs_schedules_exactly_what_the_scheduler_did_before(num_blocks, max_num_seqs, budget):
     bs = 16
-    new_s, new_bm = make(make_policy("fcfs"), num_blocks, bs, max_num_seqs, budget)
-    ref_bm = BlockManager(num_blocks, bs, max_num_seqs, 512)
-    ref_s = ReferenceScheduler(ref_bm, max_num_seqs, budget)
-    a, b = Sim(new_s, new_bm, SCRIPT, bs), Sim(ref_s, ref_bm, SCRIPT, bs)
+    with open(FCFS_BEFORE) as f:
+        want = json.load(f)[f"{num_blocks},{max_num_seqs},{budget}"]
+    sched, bm = make(make_policy("fcfs"), num_blocks, bs, max_num_seqs, budget)
+    sim = Sim(sched, bm, SCRIPT, bs)
     preempted = 0
-    while not (a.done() and b.done()):
-        x, y = a.step(), b.step()
-        assert snapshot(x) == snapshot(y), f"step {a.step_no - 1}"
-        assert [s.block_table for s in x.seqs] == [s.block_table for s in y.seqs]
+    for i, step in enumerate(want["steps"]):
+        x = sim.step()
+        assert list(snapshot(x)) == step[:-1], f"step {i}"
+        assert [s.block_table for s in x.seqs] == step[-1], f"step {i}"
         preempted += len(x.preempted)
-        assert a.step_no < 2000
-    assert a.finished_at == b.finished_at
+    assert sim.done(), f"requests left after the {len(want['steps'])} steps the scheduler took before"
+    assert {str(k): v for k, v in sim.finished_at.items()} == want["finished_at"]
     if num_blocks <= 16:
         assert preempted > 0  # the tight pools exercise preemption too
 

@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from server_fixtures import *  # noqa: F401,F403
+from server_fixtures import serve_subprocess
 
 from tokenfab.sampling_params import SamplingParams
 from tokenfab.server.request_policy import RequestPolicy
@@ -72,34 +69,14 @@ def test_no_request_log_by_default(caplog):
 def test_serve_enable_log_requests_end_to_end(server_model_dir, tmp_path):
     """`tokenfab serve --enable-log-requests --disable-log-requests --max-log-len 30` in its own process: one bounded
     INFO line per request on stdout, without the prompt text."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    log = open(tmp_path / "serve.log", "w+")
     env = dict(os.environ, VLLM_API_KEY="", TOKENFAB_API_KEY="", TOKENFAB_CPU_KERNELS="0")
     env.pop("TOKENFAB_LOGGING_LEVEL", None)
-    proc = subprocess.Popen([sys.executable, "-m", "tokenfab.cli", "serve", server_model_dir, "--port", str(port),
-                             "--device", "cpu", "--dtype", "float32", "--max-model-len", "128", "--num-threads", "1",
-                             "--enable-log-requests", "--disable-log-requests", "--max-log-len", "30"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, open(tmp_path / "serve.log").read()
-            time.sleep(0.3)
+    with serve_subprocess([server_model_dir, "--device", "cpu", "--dtype", "float32", "--max-model-len", "128",
+                           "--num-threads", "1", "--enable-log-requests", "--disable-log-requests", "--max-log-len",
+                           "30"], tmp_path / "serve.log", env) as base:
         r = httpx.post(base + "/v1/completions", timeout=60, json={
             "prompt": "zebra orchid " * 8, "max_tokens": 2, "logit_bias": {str(i): 0.5 for i in range(512)}})
         assert r.status_code == 200, r.text
-    finally:
-        proc.terminate()
-        proc.wait(30)
     lines = [x for x in open(tmp_path / "serve.log").read().splitlines() if "[requests]" in x]
     assert len(lines) == 1 and "Received request cmpl-" in lines[0], lines
     assert "zebra" not in lines[0] and "logit_bias=<512 entries>" in lines[0] and len(lines[0]) < 400, lines[0]

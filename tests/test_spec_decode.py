@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from server_fixtures import SERVED_NAME, server_model_dir  # noqa: F401
+from spec_helpers import NGRAM, RandomProposer, spec_prompts, token_hist, token_ids
 from tokenfab import LLM, SamplingParams
 from tokenfab.errors import EngineConfigError, UnsupportedError
 from tokenfab.spec_decode.config import parse_speculative_config
@@ -18,21 +19,6 @@ from tokenfab.spec_decode.ngram_proposer import ngram_lookup
 from tokenfab.spec_decode.proposer import Proposal, Proposer
 from tokenfab.spec_decode.rejection_sampler import (SamplingTensors, acceptance_probs, recovery_probs,
                                                     rejection_sample, target_probs)
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-         "verify_token_cost": 0.0, "verify_step_overhead": 0.0,
-         "random_row_cost": 0.0}  # always draft k (the cost rule is tested on its own)
-
-
-def _prompts(n=4):
-    """Mixed lengths, with repeats so n-gram lookup finds matches."""
-    base = [11, 23, 37, 41, 53, 67, 79, 83, 97, 101, 113, 127]
-    return [{"prompt_token_ids": (base[: 3 + i] * 8)[: 7 + 9 * i]} for i in range(n)]
-
-
-def _tokens(outs):
-    return [o.outputs[0].token_ids for o in outs]
-
 
 # ------------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("cfg, match", [
@@ -166,9 +152,9 @@ def _llm(path, spec=None, **kw):
 def test_greedy_identical_with_ngram(tiny_model, family):
     path = tiny_model(family)
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    base = _tokens(_llm(path).generate(_prompts(), sp))
+    base = token_ids(_llm(path).generate(spec_prompts(), sp))
     llm = _llm(path, NGRAM)
-    assert _tokens(llm.generate(_prompts(), sp)) == base
+    assert token_ids(llm.generate(spec_prompts(), sp)) == base
     st = llm.llm_engine.get_stats()
     assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
     bm = llm.llm_engine.block_manager
@@ -180,12 +166,12 @@ def test_greedy_identical_with_draft_model(tiny_model, family):
     path = tiny_model(family)
     bad = tiny_model("llama", seed=7, num_hidden_layers=1)  # same vocabulary, unrelated weights
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    base = _tokens(_llm(path).generate(_prompts(3), sp))
+    base = token_ids(_llm(path).generate(spec_prompts(3), sp))
     for draft, full in ((bad, False), (path, True)):
         llm = _llm(path, {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
                           "verify_token_cost": 0.0, "verify_step_overhead": 0.0,
          "random_row_cost": 0.0}, max_model_len=512)
-        assert _tokens(llm.generate(_prompts(3), sp)) == base
+        assert token_ids(llm.generate(spec_prompts(3), sp)) == base
         st = llm.llm_engine.get_stats()
         assert st["spec_decode_num_drafts"] > 0
         if full:  # the target as its own draft: every draft accepted
@@ -195,17 +181,17 @@ def test_greedy_identical_with_draft_model(tiny_model, family):
 def test_greedy_identical_under_preemption(tiny_model):
     path = tiny_model("llama")
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = _prompts(4)
-    base = _tokens(_llm(path).generate(prompts, sp))
+    prompts = spec_prompts(4)
+    base = token_ids(_llm(path).generate(prompts, sp))
     llm = _llm(path, NGRAM, num_kv_blocks=9, max_model_len=128)
-    assert _tokens(llm.generate(prompts, sp)) == base
+    assert token_ids(llm.generate(prompts, sp)) == base
     st = llm.llm_engine.get_stats()
     assert st["num_preemptions"] > 0 and st["spec_decode_num_drafts"] > 0
     llm = _llm(path, {"method": "draft_model", "model": path, "num_speculative_tokens": 2,
                                 "verify_token_cost": 0.0, "verify_step_overhead": 0.0,
          "random_row_cost": 0.0}, num_kv_blocks=9,
                max_model_len=128)
-    assert _tokens(llm.generate(prompts, sp)) == base
+    assert token_ids(llm.generate(prompts, sp)) == base
     assert llm.llm_engine.get_stats()["num_preemptions"] > 0
 
 
@@ -239,13 +225,13 @@ def test_acceptance_counters_exact_on_scripted_proposer(tiny_model):
     path = tiny_model("llama")
     max_tokens = 14
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = _prompts(3)
-    base = _tokens(_llm(path).generate(prompts, sp))
+    prompts = spec_prompts(3)
+    base = token_ids(_llm(path).generate(prompts, sp))
     llm = _llm(path, NGRAM)
     eng = llm.llm_engine
     expected = {len(p["prompt_token_ids"]): b for p, b in zip(prompts, base)}
     eng.spec.proposer = ScriptedProposer(expected, eng.model_config.vocab_size)
-    assert _tokens(llm.generate(prompts, sp)) == base
+    assert token_ids(llm.generate(prompts, sp)) == base
     drafts = draft_tokens = accepted = 0
     per_pos = [0, 0, 0]
     for _ in prompts:  # hand simulation: 1 token from the prefill, then verification steps
@@ -267,25 +253,6 @@ def test_acceptance_counters_exact_on_scripted_proposer(tiny_model):
 
 
 # --------------------------------------------------------------------------- distributions at temperature > 0
-class RandomProposer(Proposer):
-    """A bad drafter: uniformly random tokens (one-hot proposals)."""
-
-    def __init__(self, k, V, seed=0):
-        self.num_speculative_tokens, self.V = k, V
-        self.rng = np.random.default_rng(seed)
-
-    def propose(self, seqs, rows, token_ids, lengths, max_lens):
-        d = self.rng.integers(0, self.V, size=(len(seqs), self.num_speculative_tokens))
-        return Proposal(d.astype(np.int64), np.minimum(self.num_speculative_tokens, max_lens).astype(np.int64))
-
-
-def _token_hist(outs, pos, V):
-    h = np.zeros(V)
-    for o in outs:
-        h[o.outputs[0].token_ids[pos]] += 1
-    return h / h.sum()
-
-
 N_SAMPLES = 1200
 # top-k 2 at temperature 1: output token 2 takes <= 4 values, token 3 <= 8. Two independent samples of 1,200 from
 # one law over 8 values have E[TV] ~ 0.05 (sd ~ 0.015); a verifier that keeps rejected random drafts gives TV ~ 1.
@@ -320,7 +287,7 @@ def test_distribution_unchanged_at_temperature_one(tiny_model, drafter):
     elif drafter == "random_tokens":
         assert st["spec_decode_num_accepted_tokens"] < 0.05 * N_SAMPLES
     for pos in (1, 2):
-        tv = 0.5 * np.abs(_token_hist(base, pos, V) - _token_hist(spec, pos, V)).sum()
+        tv = 0.5 * np.abs(token_hist(base, pos, V) - token_hist(spec, pos, V)).sum()
         assert tv < TV_TOL, (drafter, pos, tv)
 
 
@@ -328,10 +295,10 @@ def test_seeded_request_reproducible_whatever_its_batch(tiny_model):
     path = tiny_model("llama")
     llm = _llm(path, NGRAM)
     sp = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
-    p = _prompts(4)
-    alone = _tokens(llm.generate([p[2]], sp))[0]
+    p = spec_prompts(4)
+    alone = token_ids(llm.generate([p[2]], sp))[0]
     mates = [SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True)] * 3
-    together = _tokens(llm.generate(p, [mates[0], mates[1], sp, mates[2]]))[2]
+    together = token_ids(llm.generate(p, [mates[0], mates[1], sp, mates[2]]))[2]
     assert together == alone
     assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
 
@@ -344,10 +311,10 @@ def test_rows_with_logprobs_are_speculated_with_the_same_logprobs(tiny_model):
     sps = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1, repetition_penalty=1.3),
            SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
-    base = _llm(path).generate(_prompts(3), sps)
+    base = _llm(path).generate(spec_prompts(3), sps)
     llm = _llm(path, NGRAM)
-    out = llm.generate(_prompts(3), sps)
-    assert _tokens(out) == _tokens(base)
+    out = llm.generate(spec_prompts(3), sps)
+    assert token_ids(out) == token_ids(base)
     assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
     for a, b in zip(out[:2], base[:2]):
         assert len(a.outputs[0].logprobs) == len(b.outputs[0].logprobs) == 12
@@ -397,11 +364,11 @@ def test_bf16_greedy_identical_through_fused_decode_stack(tiny_model, family):
     greedy tokens equal plain decoding's."""
     path = tiny_model(family, dtype="bfloat16")
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    base = _tokens(LLM(path, dtype="bfloat16", progress=False, max_model_len=512).generate(_prompts(), sp))
+    base = token_ids(LLM(path, dtype="bfloat16", progress=False, max_model_len=512).generate(spec_prompts(), sp))
     llm = LLM(path, dtype="bfloat16", progress=False, max_model_len=512, speculative_config=NGRAM)
     if llm.llm_engine.runner.cpu_decode_stack is None:
         pytest.skip("no fused CPU decode stack on this machine (needs the C++ kernels and AVX512-BF16)")
-    assert _tokens(llm.generate(_prompts(), sp)) == base
+    assert token_ids(llm.generate(spec_prompts(), sp)) == base
     assert llm.llm_engine.spec.num_fused_steps > 0
     assert llm.llm_engine.get_stats()["spec_decode_num_accepted_tokens"] > 0
 
@@ -413,11 +380,11 @@ def test_draft_model_as_large_as_its_target_never_pays(tiny_model):
     mode drafts)."""
     path = tiny_model("llama")
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    base = _tokens(_llm(path).generate(_prompts(2), sp))
+    base = token_ids(_llm(path).generate(spec_prompts(2), sp))
     llm = _llm(path, {"method": "draft_model", "model": path, "num_speculative_tokens": 3, "timed_switch_off": False,
                       "probe_interval": 2}, max_num_seqs=1, max_model_len=512)
     assert llm.llm_engine.spec.proposer.cost_model.ratio == pytest.approx(1.0)
-    assert _tokens(llm.generate(_prompts(2), sp)) == base
+    assert token_ids(llm.generate(spec_prompts(2), sp)) == base
     assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] == 0
 
 
@@ -438,11 +405,11 @@ def test_greedy_identical_with_processors_on_speculated_rows(tiny_model):
     the tokens of plain decoding: position j of a verification applies the processors with drafts 1..j counted as
     output (a penalty that ignored them would change tokens: repeated prompts make drafts repeat tokens)."""
     path = tiny_model("llama")
-    prompts = _prompts(6)
+    prompts = spec_prompts(6)
     sps = [_processor_params(i) for i in range(6)]
-    base = _tokens(_llm(path).generate(prompts, sps))
+    base = token_ids(_llm(path).generate(prompts, sps))
     llm = _llm(path, NGRAM)
-    assert _tokens(llm.generate(prompts, sps)) == base
+    assert token_ids(llm.generate(prompts, sps)) == base
     st = llm.llm_engine.get_stats()
     assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
 
@@ -504,7 +471,7 @@ def test_distribution_unchanged_with_penalties_at_temperature_one(tiny_model, dr
     if drafter == "target_as_draft":  # q lacks the penalties, so not all accepted, but most
         assert 0.3 * N_SAMPLES < st["spec_decode_num_accepted_tokens"] < N_SAMPLES
     for pos in (1, 2):
-        tv = 0.5 * np.abs(_token_hist(base, pos, 512) - _token_hist(spec, pos, 512)).sum()
+        tv = 0.5 * np.abs(token_hist(base, pos, 512) - token_hist(spec, pos, 512)).sum()
         assert tv < TV_TOL, (pos, tv)
 
 
@@ -513,15 +480,15 @@ def test_min_tokens_rows_are_speculated_with_stop_tokens_masked(tiny_model):
     min_tokens are verified with EOS and stop tokens masked at exactly the positions still below it, giving the
     tokens of plain decoding (which stop at the first later occurrence, or run to max_tokens)."""
     path = tiny_model("llama")
-    prompts = _prompts(3)
-    free = _tokens(_llm(path).generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))
+    prompts = spec_prompts(3)
+    free = token_ids(_llm(path).generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))
     sps = [SamplingParams(temperature=0, max_tokens=24, min_tokens=9, stop_token_ids=[t[2]]) for t in free]
     base = _llm(path).generate(prompts, sps)
     llm = _llm(path, NGRAM)
     llm.llm_engine.spec.proposer = RandomProposer(3, 512)  # drafts every step: every row goes through verification
     out = llm.generate(prompts, sps)
-    assert _tokens(out) == _tokens(base)
-    assert all(len(t) >= 9 for t in _tokens(out))
+    assert token_ids(out) == token_ids(base)
+    assert all(len(t) >= 9 for t in token_ids(out))
     assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
 
 
@@ -533,7 +500,7 @@ def test_bf16_draft_model_runs_through_fused_decode_stack(tiny_model, temperatur
     decoding's; at T = 1 q = p, so every draft is accepted with probability min(1, p/q) = 1 as well."""
     path = tiny_model("llama", dtype="bfloat16")
     sp = SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=3)
-    base = _tokens(LLM(path, dtype="bfloat16", progress=False, max_model_len=512).generate(_prompts(), sp))
+    base = token_ids(LLM(path, dtype="bfloat16", progress=False, max_model_len=512).generate(spec_prompts(), sp))
     llm = LLM(path, dtype="bfloat16", progress=False, max_model_len=512,
               speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3,
                                   "verify_token_cost": 0.0, "verify_step_overhead": 0.0, "random_row_cost": 0.0})
@@ -549,7 +516,7 @@ def test_bf16_draft_model_runs_through_fused_decode_stack(tiny_model, temperatur
             calls[_name] += 1
             return _orig(*a)
         setattr(stack, name, spy)
-    out = _tokens(llm.generate(_prompts(), sp))
+    out = token_ids(llm.generate(spec_prompts(), sp))
     st = llm.llm_engine.get_stats()
     assert st["spec_decode_num_drafts"] > 0
     if temperature == 0:

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from test_kimi_k3 import naive_kda, naive_rms
+from test_kimi_k3 import naive_k3_trace, naive_kda, naive_rms
 from tokenfab.errors import EngineConfigError, UnsupportedError, WeightLoadError
 from tokenfab.spec_decode.dspark_config import parse_dspark_config, resolve_tap
 from tokenfab.testing.tiny_dspark import KDA, MLA, dspark_config, write_tiny_dspark
@@ -199,13 +199,20 @@ def test_published_layouts_parse():
         resolve_tap(c, "mix")
 
 
-def _drop(d, dotted):
+_DROP = object()
+
+
+def _edit(d, dotted, value=_DROP):
+    """A deep copy of config ``d`` with the field at the dotted path set to ``value`` (left out: deleted)."""
     d = copy.deepcopy(d)
     *head, last = dotted.split(".")
     cur = d
     for h in head:
         cur = cur[h]
-    del cur[last]
+    if value is _DROP:
+        del cur[last]
+    else:
+        cur[last] = value
     return d
 
 
@@ -217,38 +224,21 @@ def _drop(d, dotted):
 ])
 def test_missing_field_is_named(mk, field):
     with pytest.raises(EngineConfigError, match=f"'{field}' is missing"):
-        parse_dspark_config(_drop(mk(), field))
+        parse_dspark_config(_edit(mk(), field))
 
 
-def test_bad_fields_are_named():
-    bad = _sf()
-    bad["dflash_config"]["target_layer_ids"] = [11, 93]
-    with pytest.raises(EngineConfigError, match="target_layer_ids.*93-layer target"):
-        parse_dspark_config(bad)
-    bad = _sp()
-    bad["speculators_model_type"] = "dflash"
-    with pytest.raises(EngineConfigError, match="speculators_model_type"):
-        parse_dspark_config(bad)
-    bad = _sf()
-    bad["architectures"] = ["Qwen3ForCausalLM"]
-    with pytest.raises(EngineConfigError, match="architectures"):
-        parse_dspark_config(bad)
-    bad = _sf()
-    bad["dflash_config"]["markov_head_type"] = "gated"
-    with pytest.raises(UnsupportedError, match="markov_head_type"):
-        parse_dspark_config(bad)
-    bad = _sp()
-    bad["draft_vocab_size"] = 32
-    with pytest.raises(UnsupportedError, match="draft_vocab_size"):
-        parse_dspark_config(bad)
-    bad = _sf()
-    bad["block_size"] = "7"
-    with pytest.raises(EngineConfigError, match="'block_size' must be an integer"):
-        parse_dspark_config(bad)
-    bad = _sf()
-    bad["dflash_config"]["aux_hidden_stream"] = "residual"
-    with pytest.raises(EngineConfigError, match="aux_hidden_stream"):
-        parse_dspark_config(bad)
+@pytest.mark.parametrize("mk, field, value, error, match", [
+    (_sf, "dflash_config.target_layer_ids", [11, 93], EngineConfigError, "target_layer_ids.*93-layer target"),
+    (_sp, "speculators_model_type", "dflash", EngineConfigError, "speculators_model_type"),
+    (_sf, "architectures", ["Qwen3ForCausalLM"], EngineConfigError, "architectures"),
+    (_sf, "dflash_config.markov_head_type", "gated", UnsupportedError, "markov_head_type"),
+    (_sp, "draft_vocab_size", 32, UnsupportedError, "draft_vocab_size"),
+    (_sf, "block_size", "7", EngineConfigError, "'block_size' must be an integer"),
+    (_sf, "dflash_config.aux_hidden_stream", "residual", EngineConfigError, "aux_hidden_stream"),
+])
+def test_bad_fields_are_named(mk, field, value, error, match):
+    with pytest.raises(error, match=match):
+        parse_dspark_config(_edit(mk(), field, value))
 
 
 def test_weight_errors_are_named(tmp_path):
@@ -275,37 +265,8 @@ def test_weight_errors_are_named(tmp_path):
 def naive_k3_streams(W, tc, tokens):
     """Per layer i of the naive float64 K3 (tests/test_kimi_k3.py's formulas): (partial-block sum after layer i,
     the attention-residual mix layer i + 1 computes from it; after the last layer the output mix)."""
-    from test_kimi_k3 import naive_gated_mla, naive_latent_moe, naive_mix, naive_situ
-    eps, S = tc["rms_norm_eps"], tc["attn_res_block_size"]
-    kda = {i - 1 for i in tc["linear_attn_config"]["kda_layers"]}
-    m = "model."
-    prefix, blocks, out = W[m + "embed_tokens.weight"][tokens], [], []
-    n_layers = tc["num_hidden_layers"]
-    for i in range(n_layers):
-        L = f"{m}layers.{i}."
-        h = naive_mix(prefix, blocks, W[L + "self_attention_res_proj.weight"], W[L + "self_attention_res_norm.weight"],
-                      eps) if blocks else prefix
-        if i:
-            out[-1] = (out[-1][0], h)
-        cur = prefix
-        if i % S == 0:
-            blocks, cur = blocks + [prefix], None
-        hn = naive_rms(h, W[L + "input_layernorm.weight"], eps)
-        a = naive_kda(hn, W, L + "self_attn.", tc) if i in kda else naive_gated_mla(hn, W, L + "self_attn.", tc)
-        cur = a if cur is None else cur + a
-        h = naive_rms(naive_mix(cur, blocks, W[L + "mlp_res_proj.weight"], W[L + "mlp_res_norm.weight"], eps),
-                      W[L + "post_attention_layernorm.weight"], eps)
-        if i < tc["first_k_dense_replace"]:
-            b, lb = tc["activation_situ_beta"], tc["activation_situ_linear_beta"]
-            mo = naive_situ(h @ W[L + "mlp.gate_proj.weight"].T, h @ W[L + "mlp.up_proj.weight"].T, b, lb) @ \
-                W[L + "mlp.down_proj.weight"].T
-        else:
-            mo = naive_latent_moe(h, W, L + "block_sparse_moe.", tc)
-        prefix = cur + mo
-        out.append((prefix, None))
-    last = naive_mix(prefix, blocks, W[m + "output_attn_res_proj.weight"], W[m + "output_attn_res_norm.weight"], eps)
-    out[-1] = (out[-1][0], last)
-    return out
+    mixes, sums, last = naive_k3_trace(W, tc, tokens)
+    return list(zip(sums, mixes[1:] + [last]))
 
 
 @pytest.fixture(scope="module")

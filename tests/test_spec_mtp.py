@@ -10,21 +10,10 @@ import pytest
 import torch
 
 from conftest import load_reference
+from spec_helpers import NGRAM, spec_prompts, token_hist, token_ids
 from tokenfab import LLM, SamplingParams
 from tokenfab.spec_decode.ngram_proposer import NgramProposer
 from tokenfab.spec_decode.proposer import HiddenRequest
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-         "verify_token_cost": 0.0, "verify_step_overhead": 0.0, "random_row_cost": 0.0}
-
-
-def _prompts(n=4):
-    base = [11, 23, 37, 41, 53, 67, 79, 83, 97, 101, 113, 127]
-    return [{"prompt_token_ids": (base[: 3 + i] * 8)[: 7 + 9 * i]} for i in range(n)]
-
-
-def _tokens(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 class RecordingProposer(NgramProposer):
@@ -66,7 +55,7 @@ def test_seam_shows_every_final_context_hidden_state(tiny_model, family, dtype, 
     llm = LLM(path, dtype=dtype, progress=False, speculative_config=NGRAM, max_num_batched_tokens=32)
     rec = RecordingProposer(layer_ids)
     llm.llm_engine.spec = type(llm.llm_engine.spec)(llm.llm_engine, llm.llm_engine.spec.cfg, rec)
-    outs = llm.generate(_prompts(), sp)
+    outs = llm.generate(spec_prompts(), sp)
     st = llm.llm_engine.get_stats()
     assert st["spec_decode_num_drafts"] > 0
     assert st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]  # some were rejected
@@ -221,7 +210,7 @@ def test_mtp_drafts_match_hand_written_reference(mtp_model, n, own):
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     llm = LLM(path, dtype="float32", progress=False, speculative_config=MTP, max_num_batched_tokens=32)
     events = _record_proposals(llm)
-    outs = llm.generate(_prompts(3), sp)
+    outs = llm.generate(spec_prompts(3), sp)
     assert events
     toks = {o.request_id: list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs}
     by_seq = {s: t for s, t in zip(sorted({e[0] for e in events}), [toks[o.request_id] for o in outs])}
@@ -256,9 +245,9 @@ def test_greedy_identical_with_mtp(mtp_model, dtype, preempt):
     sp = SamplingParams(temperature=0, max_tokens=40 if preempt else 20, ignore_eos=True)
     kw = (dict(num_kv_blocks=9, max_model_len=128) if preempt
           else dict(max_model_len=512) if dtype == "bfloat16" else dict(max_num_batched_tokens=32))
-    base = _tokens(LLM(path, dtype=dtype, progress=False, **kw).generate(_prompts(), sp))
+    base = token_ids(LLM(path, dtype=dtype, progress=False, **kw).generate(spec_prompts(), sp))
     llm = LLM(path, dtype=dtype, progress=False, speculative_config=MTP, **kw)
-    assert _tokens(llm.generate(_prompts(), sp)) == base
+    assert token_ids(llm.generate(spec_prompts(), sp)) == base
     st = llm.llm_engine.get_stats()
     assert st["spec_decode_num_drafts"] > 0
     if dtype == "bfloat16" and llm.llm_engine.runner.cpu_decode_stack is not None:
@@ -271,13 +260,6 @@ def test_greedy_identical_with_mtp(mtp_model, dtype, preempt):
 
 N_SAMPLES = 1200
 TV_TOL = 0.12  # as tests/test_spec_decode.py: top-k 2, <= 8 values, E[TV] ~ 0.05 between two samples of 1,200
-
-
-def _token_hist(outs, pos, V):
-    h = np.zeros(V)
-    for o in outs:
-        h[o.outputs[0].token_ids[pos]] += 1
-    return h / h.sum()
 
 
 def test_mtp_distribution_unchanged_at_temperature_one(mtp_model):
@@ -297,7 +279,7 @@ def test_mtp_distribution_unchanged_at_temperature_one(mtp_model):
     st = llm.llm_engine.get_stats()
     assert st["spec_decode_num_draft_tokens"] == N_SAMPLES  # one draft each (max_tokens leaves room for one)
     for pos in (1, 2):
-        tv = 0.5 * np.abs(_token_hist(base, pos, V) - _token_hist(spec, pos, V)).sum()
+        tv = 0.5 * np.abs(token_hist(base, pos, V) - token_hist(spec, pos, V)).sum()
         assert tv < TV_TOL, (pos, tv)
 
 
@@ -349,9 +331,9 @@ def test_perfect_mtp_drafter_gets_every_draft_accepted(mtp_model, tmp_path):
     from tokenfab.testing.tiny_checkpoints import perfect_mtp_pair
     path = perfect_mtp_pair(mtp_model(1), str(tmp_path / "perfect"))
     sp = SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)
-    base = _tokens(LLM(path, dtype="float32", progress=False).generate(_prompts(3), sp))
+    base = token_ids(LLM(path, dtype="float32", progress=False).generate(spec_prompts(3), sp))
     llm = LLM(path, dtype="float32", progress=False, speculative_config=MTP)
-    assert _tokens(llm.generate(_prompts(3), sp)) == base
+    assert token_ids(llm.generate(spec_prompts(3), sp)) == base
     st = llm.llm_engine.get_stats()
     # per request: 1 token from the prefill, then 3 verification steps of 3 drafts + 1 bonus (13 = 1 + 3 * 4)
     assert st["spec_decode_num_drafts"] == 3 * 3 and st["spec_decode_num_draft_tokens"] == 3 * 3 * 3

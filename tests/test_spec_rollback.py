@@ -14,13 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from spec_helpers import NGRAM, RandomProposer, spec_prompts, token_hist, token_ids
 from test_kimi_linear import make_kimi_linear
 from tokenfab import LLM, SamplingParams
 from tokenfab.spec_decode.proposer import Proposal, Proposer
-
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-         "verify_token_cost": 0.0, "verify_step_overhead": 0.0, "random_row_cost": 0.0}  # always draft k
-
 
 @pytest.fixture(scope="module")
 def kl_path(tmp_path_factory, tokenizer_dir):
@@ -30,16 +27,6 @@ def kl_path(tmp_path_factory, tokenizer_dir):
 def _llm(path, spec=None, **kw):
     kw.setdefault("max_model_len", 256)
     return LLM(path, dtype="float32", device="cpu", progress=False, speculative_config=spec, **kw)
-
-
-def _prompts(n=4):
-    """Mixed lengths (7 .. 34 tokens) with repeats, so n-gram lookup finds (mostly wrong) matches."""
-    base = [11, 23, 37, 41, 53, 67, 79, 83, 97, 101, 113, 127]
-    return [{"prompt_token_ids": (base[: 3 + i] * 8)[: 7 + 9 * i]} for i in range(n)]
-
-
-def _tokens(outs):
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def _count_rollbacks(llm):
@@ -61,8 +48,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def kl_greedy(kl_path):
-    """Greedy tokens of _prompts() without speculation."""
-    return _tokens(_llm(kl_path).generate(_prompts(), GREEDY, use_tqdm=False))
+    """Greedy tokens of spec_prompts() without speculation."""
+    return token_ids(_llm(kl_path).generate(spec_prompts(), GREEDY, use_tqdm=False))
 
 
 class OracleProposer(Proposer):
@@ -89,14 +76,14 @@ def test_greedy_identical_with_ngram_kimi_linear(kl_path, kl_greedy):
     0..3 drafts), four prompts of 7..34 tokens in one batch."""
     llm = _llm(kl_path, NGRAM)
     rolled = _count_rollbacks(llm)
-    assert _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == kl_greedy
+    assert token_ids(llm.generate(spec_prompts(), GREEDY, use_tqdm=False)) == kl_greedy
     st = llm.llm_engine.get_stats()
     assert st["spec_decode_num_drafts"] > 0 and rolled[0] > 0
     eng = llm.llm_engine
-    expected = {len(p["prompt_token_ids"]): b for p, b in zip(_prompts(), kl_greedy)}
+    expected = {len(p["prompt_token_ids"]): b for p, b in zip(spec_prompts(), kl_greedy)}
     eng.spec.proposer = OracleProposer(expected, eng.model_config.vocab_size)
     before = dict(st)
-    assert _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == kl_greedy
+    assert token_ids(llm.generate(spec_prompts(), GREEDY, use_tqdm=False)) == kl_greedy
     st = eng.get_stats()
     per_pos = [a - b for a, b in zip(st["spec_decode_num_accepted_tokens_per_pos"],
                                      before["spec_decode_num_accepted_tokens_per_pos"])]
@@ -110,9 +97,9 @@ def test_greedy_identical_under_preemption_kimi_linear(kl_path, kl_greedy):
     recomputed from zero) between verification steps."""
     llm = _llm(kl_path, NGRAM, num_kv_blocks=7, max_model_len=96)
     eng = llm.llm_engine
-    expected = {len(p["prompt_token_ids"]): b for p, b in zip(_prompts(), kl_greedy)}
+    expected = {len(p["prompt_token_ids"]): b for p, b in zip(spec_prompts(), kl_greedy)}
     eng.spec.proposer = OracleProposer(expected, eng.model_config.vocab_size)
-    assert _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)) == kl_greedy
+    assert token_ids(llm.generate(spec_prompts(), GREEDY, use_tqdm=False)) == kl_greedy
     st = eng.get_stats()
     assert st["num_preemptions"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
 
@@ -152,9 +139,9 @@ def test_state_after_scripted_rejection_equals_plain_run(kl_path, wrong):
     recovered token): every KDA layer's conv and recurrent state equals the plain engine's after the same tokens
     (1 + wrong + 1 outputs, the last not yet run). Without the roll back the state is the one after all four
     verified tokens, which differs."""
-    prompt = _prompts()[2]["prompt_token_ids"]
+    prompt = spec_prompts()[2]["prompt_token_ids"]
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    expected = _tokens(_llm(kl_path).generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False))[0]
+    expected = token_ids(_llm(kl_path).generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False))[0]
 
     def spec_engine(roll_back: bool):
         llm = _llm(kl_path, NGRAM, max_num_seqs=2)
@@ -185,7 +172,7 @@ def test_state_after_scripted_rejection_equals_plain_run(kl_path, wrong):
 def test_roll_back_to_zero_restores_the_state_before_the_step_and_refuses_bad_counts(kl_path):
     """kept = 0 (the failed-step path) gives back, exactly, the state read before the verification forward; kept
     above the tokens a row ran is a ValueError naming the counts (and changes nothing)."""
-    prompt = _prompts()[1]["prompt_token_ids"]
+    prompt = spec_prompts()[1]["prompt_token_ids"]
     eng = _llm(kl_path, NGRAM, max_num_seqs=2).llm_engine
     eng.spec.proposer = ScriptedProposer([5] * 40, eng.model_config.vocab_size, wrong=0)
     _run_steps(eng, prompt, 1)  # the prefill
@@ -206,30 +193,11 @@ def test_roll_back_to_zero_restores_the_state_before_the_step_and_refuses_bad_co
         assert torch.equal(c, c0) and torch.equal(r, r0)
 
 
-class RandomProposer(Proposer):
-    """A bad drafter: uniformly random tokens (one-hot proposals)."""
-
-    def __init__(self, k, V, seed=0):
-        self.num_speculative_tokens, self.V = k, V
-        self.rng = np.random.default_rng(seed)
-
-    def propose(self, seqs, rows, token_ids, lengths, max_lens):
-        d = self.rng.integers(0, self.V, size=(len(seqs), self.num_speculative_tokens))
-        return Proposal(d.astype(np.int64), np.minimum(self.num_speculative_tokens, max_lens).astype(np.int64))
-
-
 N_SAMPLES = 500
 # top-k 2 at temperature 1: output token 2 takes <= 2 values, token 3 <= 4, token 4 <= 8. Two independent samples
 # of 500 from one law over 8 values have E[TV] ~ 0.07 (sd ~ 0.02); a verifier that keeps rejected drafts, or a
 # state left after them, moves token 3 or 4 to other values.
 TV_TOL = 0.16
-
-
-def _token_hist(outs, pos, V):
-    h = np.zeros(V)
-    for o in outs:
-        h[o.outputs[0].token_ids[pos]] += 1
-    return h / h.sum()
 
 
 def test_distribution_unchanged_at_temperature_one_kimi_linear(kl_path):
@@ -253,5 +221,5 @@ def test_distribution_unchanged_at_temperature_one_kimi_linear(kl_path):
     assert st["spec_decode_num_accepted_tokens"] < 0.05 * st["spec_decode_num_draft_tokens"]
     assert rolled[0] >= 3 * N_SAMPLES  # three KDA layers per rejected row
     for pos in (1, 2, 3):
-        tv = 0.5 * np.abs(_token_hist(base, pos, V) - _token_hist(spec, pos, V)).sum()
+        tv = 0.5 * np.abs(token_hist(base, pos, V) - token_hist(spec, pos, V)).sum()
         assert tv < TV_TOL, (pos, tv)

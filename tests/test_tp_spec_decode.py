@@ -14,8 +14,9 @@ import os
 
 import pytest
 
+from spec_helpers import NGRAM, spec_prompts, token_ids
 from test_kimi_linear import make_kimi_linear
-from test_spec_rollback import NGRAM, OracleProposer, _prompts, _tokens
+from test_spec_rollback import OracleProposer
 from tokenfab import LLM, SamplingParams
 
 os.environ.setdefault("TOKENFAB_TP_TIMEOUT", "120")  # a broken test fails instead of hanging
@@ -28,12 +29,12 @@ _BASE: dict[str, list] = {}
 
 
 def _generate(path: str, n: int, spec=None, proposer=None):
-    """(tokens, engine stats) of _prompts() on ``n`` ranks; ``proposer(engine)`` replaces the drafter."""
+    """(tokens, engine stats) of spec_prompts() on ``n`` ranks; ``proposer(engine)`` replaces the drafter."""
     llm = LLM(path, tensor_parallel_size=n, speculative_config=spec, **ENGINE_KW)
     try:
         if proposer is not None:
             llm.llm_engine.spec.proposer = proposer(llm.llm_engine)
-        return _tokens(llm.generate(_prompts(), GREEDY, use_tqdm=False)), llm.llm_engine.get_stats()
+        return token_ids(llm.generate(spec_prompts(), GREEDY, use_tqdm=False)), llm.llm_engine.get_stats()
     finally:
         llm.llm_engine.shutdown()
 
@@ -61,7 +62,7 @@ def test_tp_greedy_identical_with_ngram_and_draft_model(tiny_model, n):
 def test_tp2_kimi_linear_greedy_identical_with_state_roll_back(tmp_path, tokenizer_dir):
     path = make_kimi_linear(str(tmp_path / "kl5"), tokenizer_dir, seed=11, linear_num_heads=5)
     base = _base("kimi_linear", path)
-    expected = {len(p["prompt_token_ids"]): b for p, b in zip(_prompts(), base)}
+    expected = {len(p["prompt_token_ids"]): b for p, b in zip(spec_prompts(), base)}
     toks, st = _generate(path, 2, NGRAM)
     assert toks == base and st["spec_decode_num_drafts"] > 0
     toks, st = _generate(path, 2, NGRAM, lambda eng: OracleProposer(expected, eng.model_config.vocab_size))

@@ -19,8 +19,9 @@ import os
 
 import pytest
 
+from spec_helpers import spec_prompts, token_ids
 from test_spec_dspark import ALWAYS, K3_5MLA, _k3_prompts, _Oracle
-from test_spec_mtp import MTP, _prompts, _tokens
+from test_spec_mtp import MTP
 from tokenfab import LLM, SamplingParams
 
 os.environ.setdefault("TOKENFAB_TP_TIMEOUT", "120")  # a broken test fails instead of hanging
@@ -40,7 +41,7 @@ def _run(path: str, n: int, prompts, spec=None, oracle_from=None):
     props: dict = {}
     try:
         if spec is None:
-            return _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)), eng.get_stats(), props
+            return token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)), eng.get_stats(), props
         prop = eng.spec.proposer
         inner = orig = prop.propose
 
@@ -51,7 +52,7 @@ def _run(path: str, n: int, prompts, spec=None, oracle_from=None):
             return out
 
         prop.propose = propose
-        res = (_tokens(llm.generate(prompts, GREEDY, use_tqdm=False)), dict(eng.get_stats()), props)
+        res = (token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)), dict(eng.get_stats()), props)
         if oracle_from is None:
             return res
         full, orig_add = {}, eng.add_request
@@ -64,7 +65,7 @@ def _run(path: str, n: int, prompts, spec=None, oracle_from=None):
         eng.add_request = add
         oracle = _Oracle(prop, full)
         oracle.orig, inner, props = orig, oracle, {}  # the drafter's own propose underneath
-        toks = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+        toks = token_ids(llm.generate(prompts, GREEDY, use_tqdm=False))
         st = eng.get_stats()
         return res, (toks, {k: st[k] - res[1][k] for k in ("spec_decode_num_draft_tokens",
                                                           "spec_decode_num_accepted_tokens")})
@@ -93,15 +94,15 @@ def mtp_paths(tmp_path_factory, tokenizer_dir):
 @pytest.mark.parametrize("n", [2, 3])
 def test_tp_mtp_greedy_identical_and_drafts_as_one_device(mtp_paths, n):
     path, perfect = mtp_paths
-    base = _cached(("mtp", path), lambda: _run(path, 1, _prompts())[0])
-    one = _cached(("mtp-spec", path), lambda: _run(path, 1, _prompts(), MTP))
-    toks, st, props = _run(path, n, _prompts(), MTP)
+    base = _cached(("mtp", path), lambda: _run(path, 1, spec_prompts())[0])
+    one = _cached(("mtp-spec", path), lambda: _run(path, 1, spec_prompts(), MTP))
+    toks, st, props = _run(path, n, spec_prompts(), MTP)
     assert toks == base
     assert st["spec_decode_num_draft_tokens"] > 0
     assert props == one[2]  # every proposal (length and drafts) as on one device
     assert st["spec_decode_num_accepted_tokens"] == one[1]["spec_decode_num_accepted_tokens"]
-    pbase = _cached(("mtp", perfect), lambda: _run(perfect, 1, _prompts())[0])
-    toks, st, _ = _run(perfect, n, _prompts(), MTP)
+    pbase = _cached(("mtp", perfect), lambda: _run(perfect, 1, spec_prompts())[0])
+    toks, st, _ = _run(perfect, n, spec_prompts(), MTP)
     assert toks == pbase
     assert st["spec_decode_num_draft_tokens"] > 0
     assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
@@ -131,7 +132,7 @@ def test_tp_dspark_greedy_identical_and_drafts_as_one_device(k3_pair, n, tap):
     path, drafter = k3_pair
     spec = dict(ALWAYS, method="dspark", model=drafter, num_speculative_tokens=3, dspark_tap=tap)
     base_outs = _cached(("k3", path), lambda: LLM(path, **ENGINE_KW).generate(_k3_prompts(), GREEDY, use_tqdm=False))
-    base = _tokens(base_outs)
+    base = token_ids(base_outs)
     one = _cached(("k3-spec", tap), lambda: _run(path, 1, _k3_prompts(), spec))
     (toks, st, props), (otoks, ost) = _run(path, n, _k3_prompts(), spec, oracle_from=base_outs)
     assert toks == base

@@ -10,14 +10,12 @@ import math
 import os
 import shutil
 import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from server_fixtures import *  # noqa: F401,F403
+from server_fixtures import serve_subprocess
 
 from tokenfab.errors import EngineConfigError, UnsupportedError
 
@@ -456,28 +454,11 @@ def test_serve_end_to_end_with_api_key_and_template(server_model_dir, tmp_path):
     applied, and no request log line by default (vLLM's: --enable-log-requests turns it on)."""
     tpl = tmp_path / "t.jinja"
     tpl.write_text(TEMPLATE)
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    log = open(tmp_path / "serve.log", "w+")
     # PyTorch paths (no fused-kernel build inside this process when the cache is cold): wiring, not speed
     env = dict(os.environ, VLLM_API_KEY="", TOKENFAB_API_KEY="", TOKENFAB_CPU_KERNELS="0")
-    proc = subprocess.Popen([sys.executable, "-m", "tokenfab.cli", "serve", "--model", server_model_dir, "--port",
-                             str(port), "--device", "cpu", "--dtype", "float32", "--max-model-len", "128",
-                             "--api-key", "k1", "--chat-template", str(tpl), "--num-threads", "1"],
-                            stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.time() < deadline, open(tmp_path / "serve.log").read()
-            time.sleep(0.3)
+    with serve_subprocess(["--model", server_model_dir, "--device", "cpu", "--dtype", "float32", "--max-model-len",
+                           "128", "--api-key", "k1", "--chat-template", str(tpl), "--num-threads", "1"],
+                          tmp_path / "serve.log", env) as base:
         msgs = [{"role": "user", "content": "hello"}]
         assert httpx.post(base + "/v1/chat/completions", json={"messages": msgs}).status_code == 401
         r = httpx.post(base + "/v1/chat/completions", json={"messages": msgs, "max_tokens": 2},
@@ -487,9 +468,6 @@ def test_serve_end_to_end_with_api_key_and_template(server_model_dir, tmp_path):
         from transformers import AutoTokenizer
         hf = AutoTokenizer.from_pretrained(server_model_dir)
         assert hf.decode(toks) == "[user] hello\n[assistant] " and len(toks) == r.json()["usage"]["prompt_tokens"]
-    finally:
-        proc.terminate()
-        proc.wait(30)
     out = open(tmp_path / "serve.log").read()
     assert "Received request" not in out and "hello" not in out, out
     assert "API key required" in out

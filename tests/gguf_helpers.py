@@ -1,0 +1,115 @@
+"""Shared pieces of the GGUF tests: the model header and closing of a ``gguf.GGUFWriter`` file, the folder of
+dequantized reference weights, the packed-versus-reference generation run, and the kernel products against their
+float64 bound (test_gguf_linear.py, test_gguf_kquants.py).
+
+Import with ``from gguf_helpers import ...`` (tests/ is on the path).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import torch
+
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+def add_model_header(w, cfg: dict, rope_dimension_count: bool = False) -> None:
+    """The hyperparameters of Hugging Face config ``cfg`` as llama.cpp's converter writes them (llama adds the rope
+    dimension count)."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    if rope_dimension_count:
+        w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+
+
+GGUF_TOP_LEVEL = {"model.embed_tokens.weight": ("token_embd.weight", "token_embd"),
+                  "model.norm.weight": ("output_norm.weight", None), "lm_head.weight": ("output.weight", "output")}
+
+
+def gguf_name(name: str, modules: dict[str, str]) -> tuple[str, str | None]:
+    """(GGUF name, kind) of Hugging Face tensor ``name``: ``modules`` maps a layer's module path to its GGUF name
+    (``self_attn.q_proj`` -> ``attn_q``); the kind, the key into a quant-types table, is that name for a layer's
+    weights, ``token_embd`` / ``output`` for the embedding and LM head, None for biases and the final norm."""
+    if name in GGUF_TOP_LEVEL:
+        return GGUF_TOP_LEVEL[name]
+    layer, rest = name[len("model.layers."):].split(".", 1)
+    mod, suffix = rest.rsplit(".", 1)
+    return f"blk.{layer}.{modules[mod]}.{suffix}", modules[mod] if suffix == "weight" else None
+
+
+def finish_gguf(w) -> None:
+    """Write the header, key-values and tensors of ``w`` and close the file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def reference_folder(ckpt: str, out: str, ref: dict[str, np.ndarray]) -> str:
+    """The checkpoint folder with the dequantized weights (config and tokenizer copied)."""
+    from safetensors.torch import save_file
+    shutil.copytree(ckpt, out)
+    save_file({k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in ref.items()},
+              os.path.join(out, "model.safetensors"))
+    return out
+
+
+def generate_packed_and_reference(path: str, ref: str, tokenizer_dir: str, prompts, sp, check_packed=None) -> dict:
+    """Outputs of the GGUF file ``path`` (packed) and of the reference folder ``ref``, each served in float32:
+    ``{"packed": ..., "reference": ...}``; ``check_packed(llm)`` runs on the packed engine after its generation."""
+    from tokenfab import LLM
+    outs = {}
+    for key, model in (("packed", path), ("reference", ref)):
+        llm = LLM(model, dtype="float32", tokenizer=tokenizer_dir, max_model_len=128, progress=False)
+        outs[key] = llm.generate(prompts, sp, use_tqdm=False)
+        if key == "packed" and check_packed is not None:
+            check_packed(llm)
+    return outs
+
+
+def assert_within_bound(y: torch.Tensor, x: torch.Tensor, ye: torch.Tensor, s: torch.Tensor) -> None:
+    """``y`` (a product over ``x``'s last dimension K) within (3K + 64) u S of the exact float64 ``ye``, plus one
+    bf16 rounding of |ye| for a bf16 ``y`` (the bound derived in test_gguf_linear.py's docstring)."""
+    y64 = y.double().reshape(ye.shape)
+    tol = (3 * x.shape[-1] + 64) * U * s + (2.0 ** -8 * ye.abs() if y.dtype == torch.bfloat16 else 0)
+    bad = (y64 - ye).abs() > tol
+    assert not bad.any(), f"{int(bad.sum())} outputs off: max err {(y64 - ye).abs().max():.3g}, tol {tol.max():.3g}"
+
+
+def check_kernel_product(raw: np.ndarray, name: str, k: int, rows: int, dtype: torch.dtype, check_close):
+    """A ``GGUFWeight`` of GGUF rows ``raw`` ([n, bytes], type ``name``, ``k`` inputs) run by its kernel on ``rows``
+    random rows of ``dtype`` (a random bias for 3 and 17 rows, torch seeded by ``rows``): output dtype and shape,
+    then ``check_close`` on the kernel's product (bf16 and float32 outputs) and on the PyTorch reference path's.
+    bf16 x of more than 16 rows (prefill) multiplies the weight rounded once to bf16, the dequantized bf16 twin's:
+    those products are checked against that weight (``check_close(..., bf16_weight=True)``). Returns (x, y,
+    bias)."""
+    from tokenfab.quant.gguf_weight import GGUFWeight
+    torch.manual_seed(rows)
+    n = raw.shape[0]
+    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
+    w.prepare()
+    assert w._kernel
+    bias = torch.randn(n) if rows in (3, 17) else None
+    x = torch.randn(rows, k).to(dtype)
+    y = w.linear(x, bias)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    prefill_bf16 = dtype == torch.bfloat16 and rows > 16  # the dequantizing brgemm on bf16-rounded weights
+    check_close(y, x, raw, name, bias, bf16_weight=prefill_bf16)
+    y32 = w.linear_f32(x, bias)
+    assert y32.dtype == torch.float32 and y32.shape == (rows, n)
+    check_close(y32, x, raw, name, bias, bf16_weight=prefill_bf16)
+    check_close(w.reference_linear(x, bias), x, raw, name, bias)  # and the PyTorch path under the same bound
+    return x, y, bias
