@@ -80,6 +80,11 @@ def generate_packed_and_reference(path: str, ref: str, tokenizer_dir: str, promp
     return outs
 
 
+def with_bias(y: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y + bias, s + |bias|) in float64 for an exact product y and its bound's S; unchanged without a bias."""
+    return (y, s) if bias is None else (y + bias.double(), s + bias.double().abs())
+
+
 def assert_within_bound(y: torch.Tensor, x: torch.Tensor, ye: torch.Tensor, s: torch.Tensor) -> None:
     """``y`` (a product over ``x``'s last dimension K) within (3K + 64) u S of the exact float64 ``ye``, plus one
     bf16 rounding of |ye| for a bf16 ``y`` (the bound derived in test_gguf_linear.py's docstring)."""

@@ -70,11 +70,15 @@ def test_grouped_linear_matches_float64(dtype, path, monkeypatch):
     x = torch.randn(sum(counts), 160, generator=torch.Generator().manual_seed(1)).to(dtype)
     y = st.grouped_linear(x, experts, counts)
     assert y.dtype == dtype and y.shape == (sum(counts), 144)
+    from tokenfab.kernels.cpu import isa
     b = 0
     for e, n in zip(experts, counts):
         xs = x[b:b + n]
-        ref = xs.double() @ W[e].double().T
-        tol = fp32_bound(xs, W[e]) + (ref.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0)
+        we = W[e]
+        if path == "kernel" and dtype == torch.bfloat16 and n > 16 and isa.selected_level() != "amx":
+            we = we.bfloat16().float()  # brgemm without AMX: the weight rounded once to bf16 (the bf16 twin's)
+        ref = xs.double() @ we.double().T
+        tol = fp32_bound(xs, we) + (ref.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0)
         assert ((y[b:b + n].double() - ref).abs() <= tol).all(), (e, n, (y[b:b + n].double() - ref).abs().max())
         b += n
 

@@ -19,7 +19,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_helpers import assert_within_bound, check_kernel_product  # noqa: E402
+from gguf_helpers import assert_within_bound, check_kernel_product, with_bias  # noqa: E402
 from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
 from tokenfab.quant import gguf_blocks, gguf_kquants  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
@@ -94,10 +94,7 @@ def exact(x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None
         dm = torch.from_numpy(dmin * mn.astype(np.float64)).reshape(n, k // 32, 1).expand(n, k // 32, 32)
         extra = dm.reshape(n, k).abs()
     x64 = x.double().reshape(-1, k)
-    y, s = x64 @ w.T, x64.abs() @ (w.abs() + 2 * extra).T  # |d sc q| <= |w| + |dmin m|
-    if bias is not None:
-        y, s = y + bias.double(), s + bias.double().abs()
-    return y, s
+    return with_bias(x64 @ w.T, x64.abs() @ (w.abs() + 2 * extra).T, bias)  # |d sc q| <= |w| + |dmin m|
 
 
 def check_close(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None,

@@ -21,7 +21,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_helpers import assert_within_bound, check_kernel_product  # noqa: E402
+from gguf_helpers import assert_within_bound, check_kernel_product, with_bias  # noqa: E402
 from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
 from tokenfab.layers.linear import Linear  # noqa: E402
 from tokenfab.quant import gguf_blocks  # noqa: E402
@@ -67,11 +67,7 @@ def exact(x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None
         dq, mm = w.to(torch.bfloat16).double(), torch.zeros_like(dq)
         w = dq
     x64 = x.double().reshape(-1, dq.shape[1])
-    y = x64 @ w.double().T
-    s = x64.abs() @ (dq.abs() + mm.abs()).T
-    if bias is not None:
-        y, s = y + bias.double(), s + bias.double().abs()
-    return y, s
+    return with_bias(x64 @ w.double().T, x64.abs() @ (dq.abs() + mm.abs()).T, bias)
 
 
 def check_close(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, name: str, bias: torch.Tensor | None,

@@ -176,6 +176,11 @@ def test_grouped_kernel_matches_float64(fmt, dtype, K, monkeypatch):
     assert got.dtype == dtype and ((got.double() - want).abs() <= tol * (want.abs() + 1)).all()
     if dtype == torch.float32:
         assert (got - ref).abs().max() < 1e-4
+    else:  # the 70-token segment (prefill, brgemm) multiplies the weight rounded once to bf16: the bf16 twin's
+        xs, wt = x[14:].double(), st.dequantize_expert(1).bfloat16().double()
+        twin = xs @ wt.t()
+        bound = 2 * K * 2.0 ** -24 * (xs.abs() @ wt.abs().t()) + 2.0 ** -8 * twin.abs()
+        assert ((got[14:].double() - twin).abs() <= bound).all()
 
 
 # ---- tiny DeepSeek-V3 with INT4 routed experts in the published layout ------------------------------------------

@@ -20,14 +20,16 @@
 // - AMX (bf16 x with M > 4, AMX-BF16 granted): per 16 weight rows converted once to bf16 A tiles, one TDPBF16PS per
 //   32 inputs and 16-row tile of x, each 128-input block's float32 tile scaled in registers (amx_tiles below).
 // - brgemm (M > 16 without AMX, and float32 x): per 32 weight rows, the thread converts them once into a small
-//   thread-local buffer (bf16 VNNI pairs [K / 2, 32, 2] for bf16 x, float32 [K, 32] for float32 x; the e4m3 values
-//   exactly) and runs oneDNN's brgemm per 128-input block over 64-row tiles of x, scaling each block's [64, 32] sums
-//   by its scale_inv.
+//   thread-local buffer that stays in cache and runs oneDNN's brgemm over 64-row tiles of x. bf16 x: bf16 VNNI pairs
+//   [K / 2, 32, 2] of each value times its scale_inv, rounded once to bf16 (the dequantized bf16 twin's weight), in
+//   one brgemm over all of K, as a bf16 GEMM runs. float32 x: the exact e4m3 values as float32 [K, 32], one brgemm
+//   per 128-input block, each block's [64, 32] sums scaled by its scale_inv.
 #include "fp8_linear.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include "cpu_isa.h"
+#include "linear_io.h"
 
 #include <immintrin.h>
 
@@ -154,10 +156,11 @@ void gemv(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* w, const floa
     }
 }
 
-// Rows [32 nb, 32 nb + 32) of the weight (rows past n are zero) -> bf16 VNNI pairs (uint32 [K / 2][32]: pair k / 2 of
-// row j at [k / 2][j]) or float32 [K][32], the exact e4m3 values.
+// Rows [32 nb, 32 nb + 32) of the weight (rows past n are zero) -> float32 [K][32], the exact e4m3 values (F32W), or
+// bf16 VNNI pairs (uint32 [K / 2][32]: pair k / 2 of row j at [k / 2][j]) of each value times its block's scale_inv
+// (srow: the 32 rows' scales per 128-input block), rounded once to bf16: the dequantized bf16 twin's weight.
 template <bool F32W>
-void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* buf, const Lut& L) {
+void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* buf, const Lut& L, const float* srow) {
   const __m512i pair_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                               _mm512_set1_epi32(32));
   const __m512i k_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -171,8 +174,11 @@ void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* bu
         _mm512_i32scatter_ps(f, k_idx, bf16_to_f32(_mm512_castsi512_si256(v)), 4);
         _mm512_i32scatter_ps(f + 16 * 32, k_idx, bf16_to_f32(_mm512_extracti64x4_epi64(v, 1)), 4);
       } else {
+        const __m512 s = _mm512_set1_ps(srow[k0 / BK]);
+        const __m512 lo = _mm512_mul_ps(bf16_to_f32(_mm512_castsi512_si256(v)), s);
+        const __m512 hi = _mm512_mul_ps(bf16_to_f32(_mm512_extracti64x4_epi64(v, 1)), s);
         uint32_t* p = static_cast<uint32_t*>(buf) + (k0 / 2) * 32 + j;
-        _mm512_i32scatter_epi32(p, pair_idx, v, 4);
+        _mm512_i32scatter_epi32(p, pair_idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo), 4);
       }
     }
   }
@@ -187,26 +193,26 @@ void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const
     std::vector<uint32_t> buf(F32 ? K * 32 : K * 16);
     std::vector<float> c(kTileM * 32), acc(kTileM * 32);
     for (int64_t nb = nb0; nb < nb1; ++nb) {
-      convert_rows32<F32>(w, nb, N, K, buf.data(), L);
       const float* srow = sc + (nb * 32 / BK) * KB;  // the 32 rows lie in one 128-row scale block
+      convert_rows32<F32>(w, nb, N, K, buf.data(), L, srow);
       const int64_t nvalid = std::min<int64_t>(32, N - nb * 32);
       for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
         const int64_t mt = std::min(kTileM, M - m0);
-        for (int64_t kb = 0; kb < KB; ++kb) {
-          const int64_t k0 = kb * BK, kl = std::min(BK, K - k0);
-          if constexpr (F32) {
+        if constexpr (F32) {  // exact e4m3 values: per 128-input block, scaled once
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            const int64_t k0 = kb * BK, kl = std::min(BK, K - k0);
             at::native::cpublas::brgemm(mt, 32, kl, lda, 32, 32, false, x + m0 * lda + k0,
                                         reinterpret_cast<const float*>(buf.data()) + k0 * 32, c.data(), false);
-          } else {
-            at::native::cpublas::brgemm(mt, 32, kl, lda, 32, 32, false,
-                                        reinterpret_cast<const at::BFloat16*>(x + m0 * lda + k0),
-                                        reinterpret_cast<const at::BFloat16*>(buf.data()) + k0 * 32, c.data(), true);
+            const __m512 s = _mm512_set1_ps(srow[kb]);
+            for (int64_t i = 0; i < mt * 32; i += 16) {
+              const __m512 ci = _mm512_mul_ps(_mm512_loadu_ps(c.data() + i), s);
+              _mm512_storeu_ps(acc.data() + i, kb == 0 ? ci : _mm512_add_ps(_mm512_loadu_ps(acc.data() + i), ci));
+            }
           }
-          const __m512 s = _mm512_set1_ps(srow[kb]);
-          for (int64_t i = 0; i < mt * 32; i += 16) {
-            const __m512 ci = _mm512_mul_ps(_mm512_loadu_ps(c.data() + i), s);
-            _mm512_storeu_ps(acc.data() + i, kb == 0 ? ci : _mm512_add_ps(_mm512_loadu_ps(acc.data() + i), ci));
-          }
+        } else {  // scaled bf16 weights: one brgemm over all of K, as the bf16 GEMM
+          at::native::cpublas::brgemm(mt, 32, K, lda, 32, 32, false,
+                                      reinterpret_cast<const at::BFloat16*>(x + m0 * lda),
+                                      reinterpret_cast<const at::BFloat16*>(buf.data()), acc.data(), true);
         }
         for (int64_t r = 0; r < mt; ++r)
           for (int64_t j = 0; j < nvalid; ++j) {
@@ -313,20 +319,12 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
   TORCH_CHECK(scale_inv.scalar_type() == at::kFloat && scale_inv.is_contiguous() && scale_inv.dim() == 2 &&
               scale_inv.size(0) == (N + BK - 1) / BK && scale_inv.size(1) == KB,
               "fp8_block_linear: scale_inv ", scale_inv.sizes(), " is not float32 [ceil(n / 128), ceil(K / 128)]");
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  auto y = at::empty(shape, x.options());
-  auto x2 = x.reshape({-1, K});
-  if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
-  const int64_t M = x2.size(0);
+  auto rows = tokenfab_cpu::linear_rows(x, K, N, x.scalar_type());
+  at::Tensor x2 = rows.x2, y = rows.y;
+  const int64_t M = rows.M;
   if (M == 0) return y;
   at::Tensor bf;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == N, "fp8_block_linear: bias has ", bias->numel(), " values for ", N, " outputs");
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
+  const float* bp = tokenfab_cpu::float_bias(bias, N, "fp8_block_linear", bf);
 #if defined(__AVX512BF16__)
   static const Lut lut;
   const bool f32 = x.scalar_type() == at::kFloat;
@@ -349,14 +347,7 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
                         reinterpret_cast<uint16_t*>(y.data_ptr()), N, lut);
     return y;
   }
-  at::Tensor parts;
-  if (f32) {
-    const auto h = x2.to(at::kBFloat16), r = x2 - h.to(at::kFloat), mid = r.to(at::kBFloat16);
-    const auto lo = (r - mid.to(at::kFloat)).to(at::kBFloat16);
-    parts = at::stack({h, mid, lo}, 1).contiguous();  // [M, 3, K]
-  } else {
-    parts = x2.contiguous();
-  }
+  const at::Tensor parts = tokenfab_cpu::bf16_parts(x2);  // [M, 3, K] for float32 x, else [M, K]
   const auto* xp = reinterpret_cast<const uint16_t*>(parts.data_ptr());
   void* yp = y.data_ptr();
   const int64_t grain = M == 1 ? 16 : 4;  // rows per task (the R = 4 passes need whole groups of 4)
@@ -387,15 +378,10 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
               scale.size(1) == parts * SB && scale.size(2) == KB,
               "fp8_experts_linear: scale ", scale.sizes(), " is not float32 [E, parts * ceil(part_rows / 128), "
               "ceil(K / 128)]");
-  const auto ex = experts.to(at::kLong).contiguous();
-  const auto of = offsets.to(at::kLong).contiguous();
-  const int64_t A = ex.numel();
-  TORCH_CHECK(of.numel() == A + 1, "fp8_experts_linear: offsets must hold len(experts) + 1 values");
-  const int64_t* ep = ex.data_ptr<int64_t>();
-  const int64_t* op = of.data_ptr<int64_t>();
-  TORCH_CHECK(A == 0 || (op[0] == 0 && op[A] == N), "fp8_experts_linear: offsets must run from 0 to N");
-  for (int64_t a = 0; a < A; ++a)
-    TORCH_CHECK(ep[a] >= 0 && ep[a] < E && op[a + 1] >= op[a], "fp8_experts_linear: bad expert id or offsets");
+  const auto seg = tokenfab_cpu::expert_segments(experts, offsets, E, N, "fp8_experts_linear");
+  const int64_t A = seg.A;
+  const int64_t* ep = seg.ep();
+  const int64_t* op = seg.op();
   auto y = at::empty({N, n}, x.options());
   if (N == 0 || A == 0) return y;
 #if defined(__AVX512BF16__)

@@ -27,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
 #include "cpu_isa.h"
+#include "linear_io.h"
 
 #include <immintrin.h>
 
@@ -38,11 +39,12 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "gguf_tiles.h"
 
 namespace {
 
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;  // ggml type ids
-constexpr int64_t TN = kGgufTileN, QK = kGgufBlockK;
+using namespace tokenfab_gguf;
+
 constexpr int64_t kGemvRows = 4;      // rows of x one GEMV pass multiplies (accumulators held in registers)
 constexpr int64_t kGemvMaxRows = 16;  // up to this many rows (decode batches) the GEMV passes or AMX tiles; more:
                                       // prefill, the dequantizing brgemm (gemm below)
@@ -72,148 +74,7 @@ inline void prefetch_block(const uint8_t* p, int64_t TB) {
   for (int64_t i = 0; i < TB; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 
-int64_t tile_block_bytes(int64_t qt) {
-  switch (qt) {
-    case kQ4_0: return 2 * TN + TN * QK / 2;      // 288
-    case kQ4_1: return 4 * TN + TN * QK / 2;      // 320
-    case kQ8_0: return 2 * TN + TN * QK;          // 544
-    case kQ4_K: return TN * 144;                  // 2304 (tokenfab/quant/gguf_kquants.py)
-    case kQ5_K: return TN * 176;                  // 2816
-    case kQ6_K: return TN * 210;                  // 3360
-    default: TORCH_CHECK(false, "gguf_linear: ggml type ", qt, " is not packed by tokenfab (Q4_0, Q4_1, Q8_0, Q4_K, "
-                         "Q5_K, Q6_K)");
-  }
-  return 0;
-}
-
-// K-quants: 256-value super-blocks of 8 sub-blocks of 32; their tile-blocks (gguf_kquants.py) hold, for 16 rows:
-//   Q4_K: d [16] fp16 @0, dmin [16] fp16 @32, the 12 scale bytes as [12][16] @64, 8 x 256 nibble bytes @256;
-//   Q5_K: as Q4_K, with 8 x 64 bytes of bit-4 words @256 (word 2j + e bit u: row j, k = 2u + e), nibbles @768;
-//   Q6_K: d [16] fp16 @0, int8 scales [16][16] @32, 8 x 128 bytes of bits-4..5 words @288 (group H word 2j + e
-//         bits 2u..2u+1: row j, k = 2 (8H + u) + e), nibbles @1312.
-// Each sub-block's nibbles are the 256-byte Q4 layout above, so the GEMV operand of pair 4L + s is built as for Q4
-// with the high bits merged in (one vpternlogd) before the vpermw / vpermt2w table lookup.
-constexpr bool is_kquant(int qt) { return qt == kQ4_K || qt == kQ5_K || qt == kQ6_K; }
-constexpr bool has_min(int qt) { return qt == kQ4_1 || qt == kQ4_K || qt == kQ5_K; }
-constexpr int64_t block_k(int qt) { return is_kquant(qt) ? 256 : QK; }
-constexpr int64_t kq_lo_off(int qt) { return qt == kQ4_K ? 256 : qt == kQ5_K ? 768 : 1312; }
-constexpr int64_t kq_hi_off(int qt) { return qt == kQ5_K ? 256 : 288; }
-
 #if defined(__AVX512BF16__)
-
-// 32-entry table for vpermw: entry i is bf16(value of nibble i & 15), Q4_0's q - 8 or Q4_1's q.
-inline __m512i nibble_table(int qt) {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    const float v = static_cast<float>((i & 15) - (qt == kQ4_0 ? 8 : 0));
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    t[i] = static_cast<uint16_t>(bits >> 16);  // small integers are exact in bf16
-  }
-  return _mm512_load_si512(t);
-}
-
-inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-// Q8_0 pair operand: 32 int8 quants -> their fp32 values in two halves (lane i of half h: row 8h + i / 2, k = i % 2).
-inline void q8_halves(const int8_t* q, __m512& lo, __m512& hi) {
-  lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))));
-  hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))));
-}
-
-// Nibble s (0..3) of every word of a quant group -> the bf16 operand of pair 4L + s.
-template <int S>
-inline __m512i q4_operand(__m512i words, __m512i table) {
-  return _mm512_permutexvar_epi16(S == 0 ? words : _mm512_srli_epi16(words, 4 * S), table);
-}
-
-inline __m512i bcast_pair(const uint16_t* x) {
-  uint32_t p;
-  std::memcpy(&p, x, 4);
-  return _mm512_set1_epi32(static_cast<int>(p));
-}
-
-// One tile-row store: 16 outputs from a float32 accumulator, + bias, as bf16 (round to nearest even) or float32.
-template <bool F32OUT>
-inline void store_tile(void* y, __m512 v, const float* bias, int64_t nvalid) {
-  const __mmask16 mk = nvalid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nvalid) - 1u);
-  if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mk, bias));
-  if constexpr (F32OUT) {
-    _mm512_mask_storeu_ps(static_cast<float*>(y), mk, v);
-  } else {
-    _mm256_mask_storeu_epi16(static_cast<uint16_t*>(y), mk, (__m256i)_mm512_cvtneps_pbh(v));
-  }
-}
-
-// ---- K-quants (Q4_K, Q5_K, Q6_K) ----
-
-// Table for the K-quants' quant values as exact bf16 integers: Q4_K nibble i & 15, Q5_K i (5 bits: 0..31), Q6_K
-// entries 32 h + i of the two-table lookup = 32 h + i - 32.
-inline __m512i kq_table(int qt, int half) {
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    const float v = qt == kQ4_K ? static_cast<float>(i & 15)
-                    : qt == kQ5_K ? static_cast<float>(i) : static_cast<float>(32 * half + i - 32);
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    t[i] = static_cast<uint16_t>(bits >> 16);
-  }
-  return _mm512_load_si512(t);
-}
-
-// Words shifted so that bits [sh, sh + w) land at bit 4 (negative sh: shifted left).
-inline __m512i shift_to4(__m512i v, int sh) {
-  return sh >= 4 ? _mm512_srli_epi16(v, sh - 4) : _mm512_slli_epi16(v, 4 - sh);
-}
-
-// The bf16 operand of pair pp = 4L + s (0..15) of sub-block j of a K-quant tile-block b: lane 2r + e the quant of
-// row r at k = 2 pp + e, as an exact bf16 integer (Q6_K: q - 32).
-template <int QT>
-inline __m512i kq_operand(const uint8_t* b, int j, int L, int s, __m512i t0, __m512i t1) {
-  const __m512i lo = _mm512_srli_epi16(_mm512_loadu_si512(b + kq_lo_off(QT) + 256 * j + 64 * L), 4 * s);
-  if constexpr (QT == kQ4_K) {
-    return _mm512_permutexvar_epi16(lo, t0);  // index bits 0..4: the nibble and a bit the table ignores
-  } else if constexpr (QT == kQ5_K) {
-    const int pp = 4 * L + s;
-    const __m512i h = shift_to4(_mm512_loadu_si512(b + kq_hi_off(QT) + 64 * j), pp);
-    const __m512i idx = _mm512_ternarylogic_epi32(_mm512_set1_epi16(0x000F), lo, h, 0xCA);  // lo bits 0..3, h bit 4
-    return _mm512_permutexvar_epi16(idx, t0);
-  } else {
-    const int H = L / 2, u = 4 * (L % 2) + s;
-    const __m512i h = shift_to4(_mm512_loadu_si512(b + kq_hi_off(QT) + 128 * j + 64 * H), 2 * u);
-    const __m512i idx = _mm512_ternarylogic_epi32(_mm512_set1_epi16(0x000F), lo, h, 0xCA);  // bits 4..5 from h
-    return _mm512_permutex2var_epi16(t0, idx, t1);
-  }
-}
-
-// Sub-block j's scale and minimum of the 16 rows of a Q4_K / Q5_K tile-block (6-bit fields, ggml's get_scale_min_k4)
-// as float32 d * sc and dmin * m (exact products).
-inline void kq_scale_min(const uint8_t* b, int j, __m512& ds, __m512& dm) {
-  const auto sb = [&](int i) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 + 16 * i)); };
-  __m128i sc, mn;
-  if (j < 4) {
-    sc = _mm_and_si128(sb(j), _mm_set1_epi8(0x3F));
-    mn = _mm_and_si128(sb(j + 4), _mm_set1_epi8(0x3F));
-  } else {
-    const __m128i md = sb(j + 4);
-    sc = _mm_or_si128(_mm_and_si128(md, _mm_set1_epi8(0x0F)),
-                      _mm_and_si128(_mm_srli_epi16(sb(j - 4), 2), _mm_set1_epi8(0x30)));
-    mn = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(md, 4), _mm_set1_epi8(0x0F)),
-                      _mm_and_si128(_mm_srli_epi16(sb(j), 2), _mm_set1_epi8(0x30)));
-  }
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-  const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 32)));
-  ds = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
-  dm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn)));
-}
-
-// Q6_K: scale i (0..15, one per 16 values) of the 16 rows times d, float32 (exact).
-inline __m512 q6_scale(const uint8_t* b, int i) {
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 32 + 16 * i));
-  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)));
-}
-
 // The K-quant GEMV over tiles [t0, t1), as gemv_tiles: per sub-block the exact bf16 products x_k q_k summed in four
 // float32 chains, then scaled once: y += (d sc) * sum - (dmin m) * (sum of the sub-block's x) for Q4_K / Q5_K; for
 // Q6_K, chains 0-1 hold k 0..15 and chains 2-3 k 16..31 of the sub-block, each half scaled by its own d * scale.
@@ -269,25 +130,6 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
                         : static_cast<void*>(static_cast<uint16_t*>(y) + m * ldy + n0);
       store_tile<F32OUT>(yr, acc[m], bb, nvalid);
     }
-  }
-}
-
-// Float32 values of pair p (0..127) of a K-quant tile-block, in two halves as pair_values: Q4_K / Q5_K
-// (d sc) q - dmin m (one rounding: (d sc) q is exact), Q6_K (d scale) (q - 32), as gguf's dequantize computes them.
-template <int QT>
-inline void pair_values_k(const uint8_t* b, int p, __m512i t0, __m512i t1, __m512 v[2]) {
-  const int j = p / 16, pp = p % 16;
-  const __m512i op = kq_operand<QT>(b, j, pp / 4, pp % 4, t0, t1);
-  const __m512 q[2] = {bf16_to_f32(_mm512_castsi512_si256(op)), bf16_to_f32(_mm512_extracti64x4_epi64(op, 1))};
-  __m512 ds, dm = _mm512_setzero_ps();
-  if constexpr (QT == kQ6_K) ds = q6_scale(b, p / 8);
-  else kq_scale_min(b, j, ds, dm);
-  for (int h = 0; h < 2; ++h) {
-    const __m512i idx = _mm512_set_epi32(8 * h + 7, 8 * h + 7, 8 * h + 6, 8 * h + 6, 8 * h + 5, 8 * h + 5, 8 * h + 4,
-                                         8 * h + 4, 8 * h + 3, 8 * h + 3, 8 * h + 2, 8 * h + 2, 8 * h + 1, 8 * h + 1,
-                                         8 * h, 8 * h);
-    const __m512 dh = _mm512_permutexvar_ps(idx, ds);
-    v[h] = QT == kQ6_K ? _mm512_mul_ps(q[h], dh) : _mm512_fmsub_ps(q[h], dh, _mm512_permutexvar_ps(idx, dm));
   }
 }
 
@@ -407,32 +249,6 @@ void gemv(int qt, const uint16_t* xp, const float* xsum, int64_t M, int64_t K, c
     else gemv_rows<kQ8_0, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
   });
 }
-
-// Float32 weight values (d q, or d q + m for Q4_1: q d is exact in float32, so one rounding, as gguf computes them)
-// of pair p of one tile-block, in two halves (lane i of half h: row 8h + i / 2 of the tile, k = 2p + i % 2).
-template <int QT>
-inline void pair_values(const uint8_t* b, int p, __m512i table, __m512 v[2]) {
-  __m512 q[2];
-  if constexpr (QT == kQ8_0) {
-    q8_halves(reinterpret_cast<const int8_t*>(b + 2 * TN) + 32 * p, q[0], q[1]);
-  } else {
-    const __m512i wd = _mm512_loadu_si512(b + (QT == kQ4_1 ? 4 : 2) * TN + 64 * (p / 4));
-    const __m512i op = _mm512_permutexvar_epi16(_mm512_srli_epi16(wd, 4 * (p % 4)), table);
-    q[0] = bf16_to_f32(_mm512_castsi512_si256(op));
-    q[1] = bf16_to_f32(_mm512_extracti64x4_epi64(op, 1));
-  }
-  const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
-  const __m512 mn = QT == kQ4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * TN)))
-                                : _mm512_setzero_ps();
-  for (int h = 0; h < 2; ++h) {
-    const __m512i idx = _mm512_set_epi32(8 * h + 7, 8 * h + 7, 8 * h + 6, 8 * h + 6, 8 * h + 5, 8 * h + 5, 8 * h + 4,
-                                         8 * h + 4, 8 * h + 3, 8 * h + 3, 8 * h + 2, 8 * h + 2, 8 * h + 1, 8 * h + 1,
-                                         8 * h, 8 * h);
-    const __m512 dh = _mm512_permutexvar_ps(idx, d);
-    v[h] = QT == kQ4_1 ? _mm512_fmadd_ps(q[h], dh, _mm512_permutexvar_ps(idx, mn)) : _mm512_mul_ps(q[h], dh);
-  }
-}
-
 
 // Tile t of the weight (16 rows; rows past the weight's last tile are zero) -> columns [col0, col0 + 16) of a
 // 32-column block buffer: bf16 VNNI pairs [K / 2, 32, 2] holding each float32 value rounded once to bf16 (round to
@@ -622,20 +438,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == TB &&
               w.size(1) * block_k(static_cast<int>(qtype)) == K && w.size(0) == (n + TN - 1) / TN && n > 0,
               "gguf_linear: weight ", w.sizes(), " does not hold ", n, " rows of ", K, " inputs of ggml type ", qtype);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  auto y = at::empty(shape, out_f32 ? x.options().dtype(at::kFloat) : x.options());
-  auto x2 = x.reshape({-1, K});
-  if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
-  const int64_t M = x2.size(0);
+  auto rows = tokenfab_cpu::linear_rows(x, K, n, out_f32 ? at::kFloat : x.scalar_type());
+  at::Tensor x2 = rows.x2, y = rows.y;
+  const int64_t M = rows.M;
   if (M == 0) return y;
   at::Tensor bf;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "gguf_linear: bias has ", bias->numel(), " values for ", n, " outputs");
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
+  const float* bp = tokenfab_cpu::float_bias(bias, n, "gguf_linear", bf);
 #if defined(__AVX512BF16__)
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto* wp = w.data_ptr<uint8_t>();
@@ -667,14 +475,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
     return y;
   }
   // The GEMV's operands: x as [M][S][K] bf16 parts (float32 rows split in three) and Q4_1's float32 block sums.
-  at::Tensor parts;
-  if (f32) {
-    const auto h = x2.to(at::kBFloat16), r = x2 - h.to(at::kFloat), mid = r.to(at::kBFloat16);
-    const auto lo = (r - mid.to(at::kFloat)).to(at::kBFloat16);
-    parts = at::stack({h, mid, lo}, 1).contiguous();  // [M, 3, K]
-  } else {
-    parts = x2.contiguous();
-  }
+  const at::Tensor parts = tokenfab_cpu::bf16_parts(x2);  // [M, 3, K] for float32 x, else [M, K]
   std::vector<float> xsum;
   if (has_min(static_cast<int>(qtype))) {  // float32 sums of x per 32 inputs (the minimum's factor)
     const int64_t KB = K / QK;
@@ -702,109 +503,6 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
   TORCH_CHECK(false, "gguf_linear needs AVX512-BF16 (has_bf16_dot is False): use the PyTorch path");
   return y;
 #endif
-}
-
-// Row j of one K-quant tile (KB tile-blocks at b) dequantized into r [KB * 256], as gguf's dequantize computes it:
-// float32 (d sc) q - dmin m (Q4_K, Q5_K; (d sc) q is exact, so one rounding) or (d scale) (q - 32) (Q6_K).
-static void kq_embedding_row(int qt, const uint8_t* b0, int64_t KB, int64_t j, float* r) {
-  const int64_t TB = tile_block_bytes(qt), lo_off = kq_lo_off(qt), hi_off = kq_hi_off(qt);
-  auto word = [](const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return static_cast<int>(v); };
-  for (int64_t kb = 0; kb < KB; ++kb) {
-    const uint8_t* b = b0 + kb * TB;
-    c10::Half dh;
-    std::memcpy(&dh, b + 2 * j, 2);
-    const float d = static_cast<float>(dh);
-    float dmin = 0.f;
-    if (qt != kQ6_K) {
-      std::memcpy(&dh, b + 32 + 2 * j, 2);
-      dmin = static_cast<float>(dh);
-    }
-    for (int sub = 0; sub < 8; ++sub) {
-      float ds = 0.f, dm = 0.f;
-      if (qt != kQ6_K) {
-        const auto sb = [&](int i) { return static_cast<int>(b[64 + 16 * i + j]); };
-        const int sc = sub < 4 ? sb(sub) & 63 : (sb(sub + 4) & 15) | ((sb(sub - 4) >> 6) << 4);
-        const int mn = sub < 4 ? sb(sub + 4) & 63 : (sb(sub + 4) >> 4) | ((sb(sub) >> 6) << 4);
-        ds = d * static_cast<float>(sc);
-        dm = dmin * static_cast<float>(mn);
-      }
-      for (int kk = 0; kk < 32; ++kk) {
-        const int pair = kk / 2, e = kk % 2, L = pair / 4, s = pair % 4;
-        int q = (word(b + lo_off + 256 * sub + 64 * L + 2 * (2 * j + e)) >> (4 * s)) & 15;
-        float v;
-        if (qt == kQ6_K) {
-          q |= ((word(b + hi_off + 128 * sub + 64 * (pair / 8) + 2 * (2 * j + e)) >> (2 * (pair % 8))) & 3) << 4;
-          const float dsc = d * static_cast<float>(static_cast<int8_t>(b[32 + 16 * (2 * sub + kk / 16) + j]));
-          v = dsc * static_cast<float>(q - 32);
-        } else {
-          if (qt == kQ5_K) q |= ((word(b + hi_off + 64 * sub + 2 * (2 * j + e)) >> pair) & 1) << 4;
-          v = ds * static_cast<float>(q) - dm;  // ds q is exact: fused or not, one rounding
-        }
-        r[kb * 256 + 32 * sub + kk] = v;
-      }
-    }
-  }
-}
-
-at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const at::Tensor& ids,
-                          bool bf16_out) {
-  const int64_t TB = tile_block_bytes(qtype);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == TB &&
-              w.size(0) == (n + TN - 1) / TN && n > 0,
-              "gguf_embedding: weight ", w.sizes(), " does not hold ", n, " rows of ggml type ", qtype);
-  TORCH_CHECK(ids.scalar_type() == at::kLong, "gguf_embedding: int64 ids expected, got ", ids.scalar_type());
-  const auto dtype = bf16_out ? at::kBFloat16 : at::kFloat;
-  const int64_t KB = w.size(1), K = KB * block_k(static_cast<int>(qtype));
-  const auto idc = ids.contiguous();
-  const int64_t T = idc.numel();
-  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(K);
-  auto y = at::empty(shape, ids.options().dtype(dtype));
-  const int64_t* ip = idc.data_ptr<int64_t>();
-  for (int64_t i = 0; i < T; ++i)
-    TORCH_CHECK(ip[i] >= 0 && ip[i] < n, "gguf_embedding: id ", ip[i], " is outside the ", n, " rows");
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t qoff = (qtype == kQ4_1 ? 4 : 2) * TN;
-  at::parallel_for(0, T, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> row(K);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = ip[i] / TN, j = ip[i] % TN;
-      if (is_kquant(static_cast<int>(qtype))) {
-        kq_embedding_row(static_cast<int>(qtype), wp + t * KB * TB, KB, j, row.data());
-      }
-      for (int64_t kb = 0; !is_kquant(static_cast<int>(qtype)) && kb < KB; ++kb) {
-        const uint8_t* b = wp + (t * KB + kb) * TB;
-        c10::Half dh, mh;
-        std::memcpy(&dh, b + 2 * j, 2);
-        const float d = static_cast<float>(dh);
-        float mn = 0.f;
-        if (qtype == kQ4_1) {
-          std::memcpy(&mh, b + 2 * TN + 2 * j, 2);
-          mn = static_cast<float>(mh);
-        }
-        float* r = row.data() + kb * QK;
-        for (int64_t k = 0; k < QK; ++k) {
-          const int64_t pair = k / 2, e = k % 2;
-          if (qtype == kQ8_0) {
-            r[k] = d * static_cast<float>(static_cast<int8_t>(b[qoff + pair * 32 + 2 * j + e]));
-          } else {  // word 2j + e of group pair / 4 holds the quant in nibble pair % 4
-            uint16_t word;
-            std::memcpy(&word, b + qoff + 64 * (pair / 4) + 2 * (2 * j + e), 2);
-            const int q = (word >> (4 * (pair % 4))) & 15;
-            // q d is exact in float32 (a 4-bit integer times an fp16), so q d + m rounds once, as gguf computes it
-            r[k] = qtype == kQ4_1 ? static_cast<float>(q) * d + mn : d * static_cast<float>(q - 8);
-          }
-        }
-      }
-      if (dtype == at::kFloat) {
-        std::memcpy(y.data_ptr<float>() + i * K, row.data(), K * sizeof(float));
-      } else {
-        auto* yr = y.data_ptr<at::BFloat16>() + i * K;
-        for (int64_t k = 0; k < K; ++k) yr[k] = at::BFloat16(row[k]);  // round to nearest even, as Tensor.to
-      }
-    }
-  });
-  return y;
 }
 
 void register_gguf_linear(pybind11::module_& m) {

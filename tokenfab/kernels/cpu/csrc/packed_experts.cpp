@@ -13,15 +13,17 @@
 // are float32 sums (the reference dequantizes to float32 and runs a float32 matmul: the same real number).
 // float32 x is split into three bf16 parts (x = h + m + l to 2^-24 relative), each multiplied exactly.
 //
-// Prefill (a segment of more than 8 (MXFP4) / 12 (INT4) tokens): the item's 32 rows are dequantized once into a thread-local float32
-// buffer (bf16 x: split into exact bf16 parts, two for INT4, one for MXFP4) for oneDNN's brgemm over 64-token tiles;
-// never a copy larger than 32 rows.
+// Prefill (a segment of more than 8 tokens): the item's 32 rows are dequantized once into a thread-local buffer for
+// oneDNN's brgemm over 64-token tiles (the bf16 GEMM's micro-kernel), never a copy larger than 32 rows: float32
+// values for float32 x; for bf16 x the values rounded once to bf16 (MXFP4 values are bf16 values already; INT4's
+// (q - 8) s is rounded as the dequantized bf16 twin holds it).
 // Work: (segment, block of 32 output rows) items over all segments in one parallel region; per block the scales are
 // decoded once, then tiles of up to 4 tokens reuse each unpacked chunk and groups of 4 (1-2 tokens) or 2 rows share
 // each x chunk load (decode: 1-8 tokens per expert).
 #include "packed_experts.h"
 
 #include "cpu_common.h"
+#include "linear_io.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -41,8 +43,8 @@ constexpr int64_t kChunk = 64;     // values per inner step (two scale groups)
 constexpr int64_t kRowBlock = 32;  // output rows per work item (one brgemm column tile)
 constexpr int kTokTile = 4;        // tokens per register tile
 // A segment with more tokens than this dequantizes its row blocks for brgemm (measured crossover against the
-// register path, single thread, H 7168: MXFP4 ~7 tokens; INT4, two bf16 parts, ~12).
-constexpr int64_t kGemmMinTokensMxfp4 = 8, kGemmMinTokensInt4 = 12;
+// register path, single thread, H 7168: ~7 tokens with one bf16 part).
+constexpr int64_t kGemmMinTokens = 8;
 constexpr int64_t kGemmTileM = 64;      // tokens per brgemm call
 
 #if defined(__AVX512BF16__)
@@ -184,8 +186,9 @@ void dequant_block(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float
 }
 
 // bf16 x prefill: rows [0, nr) of a row block into P bf16 parts in brgemm's VNNI layout [K / 2][32][2] each (zero
-// rows past nr), summing exactly to the float32 values: INT4 values (q - 8) s have at most 11 (bf16 s) or 14 (fp16
-// s) significant bits, so two parts hold them; MXFP4 values (E2M1 times a power of two) are bf16 values, one part.
+// rows past nr), the parts summing to the float32 values as far as P bf16 values hold them (P = 1: each value rounded
+// once to bf16; MXFP4 values, E2M1 times a power of two, are bf16 values; INT4 values (q - 8) s have up to 11 (bf16
+// s) or 14 (fp16 s) significant bits, which two parts would hold exactly).
 void dequant_parts_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
                         int64_t K, int P, uint16_t* parts) {
   // 16 rows at a time: one gather reads 4 bytes (4 value pairs) of each row, one gather a scale group of each row,
@@ -281,15 +284,10 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
     TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) * 2 == K && scale.scalar_type() == at::kByte,
                 "packed_experts_linear: mxfp4 packed must be uint8 [E, n, K / 2] with uint8 scales");
   }
-  const auto ex = experts.to(at::kLong).contiguous();
-  const auto of = offsets.to(at::kLong).contiguous();
-  const int64_t A = ex.numel();
-  TORCH_CHECK(of.numel() == A + 1, "packed_experts_linear: offsets must hold len(experts) + 1 values");
-  const int64_t* ep = ex.data_ptr<int64_t>();
-  const int64_t* op = of.data_ptr<int64_t>();
-  TORCH_CHECK(A == 0 || (op[0] == 0 && op[A] == N), "packed_experts_linear: offsets must run from 0 to N");
-  for (int64_t a = 0; a < A; ++a)
-    TORCH_CHECK(ep[a] >= 0 && ep[a] < E && op[a + 1] >= op[a], "packed_experts_linear: bad expert id or offsets");
+  const auto seg = tokenfab_cpu::expert_segments(experts, offsets, E, N, "packed_experts_linear");
+  const int64_t A = seg.A;
+  const int64_t* ep = seg.ep();
+  const int64_t* op = seg.op();
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto xc = x.contiguous();
   const int64_t Kp = (K + kChunk - 1) / kChunk * kChunk, ng = K / kGroup;
@@ -317,9 +315,9 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
       for (int64_t r = r0; r < r1; ++r)
         row_scales(fmt, scale_kind, sbase + (ep[a] * n + r) * srow_bytes, ng, sc.data() + (r - r0) * sld);
       const uint8_t* w = wbase + ep[a] * n * row_bytes;
-      if (t1 - t0 > (fmt == kExpertsMxfp4 ? kGemmMinTokensMxfp4 : kGemmMinTokensInt4)) {  // prefill: this row block dequantized once, brgemm over 64-token tiles
+      if (t1 - t0 > kGemmMinTokens) {  // prefill: this row block dequantized once, brgemm over 64-token tiles
         cbuf.resize(static_cast<size_t>(kGemmTileM * kRowBlock));
-        const int P = fmt == kExpertsInt4Group ? 2 : 1;
+        constexpr int P = 1;  // one bf16 part: the weight rounded once to bf16
         if (f32) {
           wf.resize(static_cast<size_t>(K * kRowBlock));
           dequant_block(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wf.data());

@@ -17,6 +17,7 @@
 
 #include "batch_invariant.h"
 
+#include "linear_io.h"
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -201,11 +202,8 @@ LinearOperands linear_operands(const at::Tensor& x, const at::Tensor& wp, int64_
   TORCH_CHECK(wp.size(1) * 2 == K && n > 0 && (n + BN - 1) / BN == wp.size(0),
               who, item_label(item), ": x's last dim ", K, " or n ", n, " does not match the packed weight ",
               wp.sizes());
-  auto x2 = x.reshape({-1, K});
-  if (x2.stride(1) != 1 || (x2.size(0) > 1 && x2.stride(0) < K)) x2 = x2.contiguous();
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
-  return {x2, at::empty(shape, x.options().dtype(out_f32 ? at::kFloat : at::kBFloat16)), x2.size(0), K};
+  auto rows = tokenfab_cpu::linear_rows(x, K, n, out_f32 ? at::kFloat : at::kBFloat16);
+  return {rows.x2, rows.y, rows.M, K};
 }
 
 inline const uint16_t* u16(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
@@ -217,12 +215,7 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n, con
   auto io = linear_operands(x, wp, n, "vnni_linear", -1, out_f32);
   if (io.M == 0) return io.y;
   at::Tensor bf;
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "vnni_linear: bias has ", bias->numel(), " values for ", n, " outputs");
-    bf = bias->to(at::kFloat).contiguous();
-    bp = bf.data_ptr<float>();
-  }
+  const float* bp = tokenfab_cpu::float_bias(bias, n, "vnni_linear", bf);
 #if defined(__AVX512BF16__)
   if (io.M <= kGemvRows && !tokenfab_cpu::batch_invariant()) {  // batch-invariant mode: brgemm tiles for every M
     if (out_f32) gemv<true>(u16(io.x2), io.M, io.x2.stride(0), io.K, u16(wp), n, bp, io.y.data_ptr(), n);
