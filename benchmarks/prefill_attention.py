@@ -1,8 +1,9 @@
-"""CPU prefill attention at SmolLM2-135M's shapes (9 query / 3 KV heads of 64, bf16): the flash path
-(tokenfab/layers/flash_prefill.py: PyTorch's CPU flash kernel, causal from the top left, a prefix merged by
-log-sum-exp) against the GEMM + fused causal softmax path (layers/paged_attention.py::_prefill_attention_fused),
-interleaved, one thread, thread CPU time (best of the rounds), GFLOP/s of exact causal attention (4 d per
-query-key pair a query sees). This machine's CPU path decides which one ``flash_prefill.applies`` takes.
+"""CPU prefill attention at SmolLM2-135M's shapes (9 query / 3 KV heads of 64, bf16), three paths side by side:
+tokenfab's flash kernel (kernels/cpu/csrc/flash_prefill.cpp), PyTorch's CPU flash kernel as
+tokenfab/layers/flash_prefill.py maps a group onto it (causal from the top left, a prefix merged by log-sum-exp),
+and the GEMM + fused causal softmax path (layers/paged_attention.py::_prefill_attention_fused); interleaved, one
+thread, thread CPU time (best of the rounds), GFLOP/s of exact causal attention (4 d per query-key pair a query
+sees). The results decide which path ``flash_prefill.applies`` takes on each CPU path.
 
     .venv/bin/python benchmarks/prefill_attention.py [--rounds 5] [--name prefill-attention]
 
@@ -48,7 +49,17 @@ def main() -> None:
     torch.set_num_threads(1)
     from tokenfab.kernels.cpu import isa
     from tokenfab.layers import flash_prefill, paged_attention
-    paths = {"flash": flash_prefill.flash_prefill_attention, "fused": paged_attention._prefill_attention_fused}
+    from tokenfab.kernels import dispatch
+
+    def torch_flash(q, k, v, g, scale):
+        saved = flash_prefill._amx
+        flash_prefill._amx = lambda: True  # the PyTorch-kernel branch, whatever this CPU's path
+        try:
+            return flash_prefill.flash_prefill_attention(q, k, v, g, scale)
+        finally:
+            flash_prefill._amx = saved
+    paths = {"tokenfab": lambda q, k, v, g, s: dispatch.flash_prefill_attention(q, k, v, g.query_pos, s),
+             "pytorch": torch_flash, "fused": paged_attention._prefill_attention_fused}
     rows, payload = [], {"date": dt.date.today().isoformat(), "cpu_path": isa.selected_level(), "cases": {}}
     for label, seqs in CASES:
         g0 = group(seqs)
@@ -64,15 +75,16 @@ def main() -> None:
                 t = time.thread_time()
                 fn(q, k, v, g, 0.125)
                 times[p].append(time.thread_time() - t)
-        f, u = min(times["flash"]), min(times["fused"])
+        best = {p: min(ts) for p, ts in times.items()}
         payload["cases"][label] = {"seqs": seqs, "flop": flop, "seconds": times}
-        rows.append(f"| {label} | {f * 1e3:.1f} ({flop / f / 1e9:.0f}) | {u * 1e3:.1f} ({flop / u / 1e9:.0f}) | "
-                    f"{f / u:.2f} |")
-    lines = [f"# CPU prefill attention: flash vs GEMM + fused causal softmax ({payload['date']})", "",
+        rows.append(f"| {label} | " + " | ".join(f"{best[p] * 1e3:.1f} ({flop / best[p] / 1e9:.0f})" for p in paths)
+                    + f" | {best['tokenfab'] / best['fused']:.2f} | {best['pytorch'] / best['fused']:.2f} |")
+    lines = [f"# CPU prefill attention: flash kernels vs GEMM + fused causal softmax ({payload['date']})", "",
              f"Command: `benchmarks/prefill_attention.py --rounds {args.rounds}`; one thread, thread CPU time, best "
              f"of {args.rounds} interleaved rounds; CPU path `{payload['cpu_path']}` (TOKENFAB_CPU_ISA); torch "
              f"{torch.__version__}. SmolLM2-135M shapes: 9 query / 3 KV heads of 64, bf16.", "",
-             "| case | flash ms (GFLOP/s) | fused ms (GFLOP/s) | flash time ×fused |", "|---|---:|---:|---:|"] + rows
+             "| case | tokenfab flash ms (GFLOP/s) | PyTorch flash ms (GFLOP/s) | fused ms (GFLOP/s) | tokenfab ×fused "
+             "| PyTorch ×fused |", "|---|---:|---:|---:|---:|---:|"] + rows
     write_results(args.out, f"{payload['date']}-{args.name}", payload, lines)
 
 

@@ -15,6 +15,7 @@ silu_and_mul               silu_and_mul                      -
 rope                       rope                              -
 paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
 causal_softmax_ (prefill)  causal_softmax_                   -
+flash_prefill_attention    flash_prefill_attention (bf16)    -
 sigmoid_group_topk         sigmoid_group_topk                -
 routed_experts             moe_experts_packed                gpu/moe.py (dense stacks)
 routed_experts_packed      -                                 gpu/packed_moe.py (INT4 / MXFP4 / FP8 stacks)
@@ -95,6 +96,22 @@ def causal_softmax_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     """True when prefill attention of q / k / v should run its two GEMMs around :func:`causal_softmax_` (CPU kernel:
     one dtype, kernels built); else the caller's SDPA / float32-softmax path."""
     return k.dtype == q.dtype and v.dtype == q.dtype and cpu_ops.available_for(q)
+
+
+def flash_prefill_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """True when the CPU flash prefill kernel runs q / k / v: bf16 CPU tensors with contiguous last dimensions, D
+    even, values Dv <= D, AVX512-BF16 dot products allowed by the ISA setting."""
+    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and cpu_ops.available_for(q) and cpu_ops.has_bf16_dot()
+            and q.shape[-1] % 2 == 0 and v.shape[-1] <= q.shape[-1]
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and hasattr(cpu_ops.load(), "flash_prefill_attention"))
+
+
+def flash_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Causal prefill attention in flash form (:func:`tokenfab.kernels.cpu.ops.flash_prefill_attention`; call where
+    :func:`flash_prefill_applies`): q [B, H, Q, D], k [B, Hk, L, D], v [B, Hk, L, Dv] -> [B, H, Q, Dv] bf16."""
+    return cpu_ops.flash_prefill_attention(q, k, v, query_pos, scale)
 
 
 def causal_softmax_(scores: torch.Tensor, query_pos: torch.Tensor, q_len: int, scale: float) -> torch.Tensor:

@@ -1,8 +1,15 @@
 """CPU prefill attention at flash speed: online softmax over key tiles, the causal mask never materialized.
 
-PyTorch's CPU flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``: tiles of queries and keys, an
-online softmax in float32, tiles above the causal diagonal skipped, grouped-query heads read in place) does the
-work; this module maps a prefill group onto it. A group's sequence b has its queries at positions
+Two kernels, by CPU path (``TOKENFAB_CPU_ISA``), each where it measured fastest:
+
+* AVX512-BF16 without AMX, bf16: tokenfab's own (``kernels/cpu/csrc/flash_prefill.cpp`` through
+  :func:`tokenfab.kernels.dispatch.flash_prefill_attention`): per tile of 64 query rows (the grouped query heads of a
+  KV head stacked), blocks of 64 keys scored and applied by two brgemms, the mask only on diagonal blocks, key
+  blocks past the tile's last visible key skipped. It reads each query's own position, so chunks after cached keys
+  need nothing more.
+* AMX (and float32 there): PyTorch's CPU flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``: tiles
+  of queries and keys, an online softmax in float32, tiles above the causal diagonal skipped, grouped-query heads
+  read in place), which this module maps a prefill group onto. A group's sequence b has its queries at positions
 ``start_b .. start_b + n_b - 1`` (query index i at ``start_b + i``; padding rows at the end) over keys
 ``0 .. start_b + n_b - 1``:
 
@@ -24,6 +31,7 @@ import functools
 
 import torch
 
+from tokenfab.kernels import dispatch
 from tokenfab.kernels.cpu import isa as cpu_isa
 from tokenfab.layers.attention_metadata import AttentionGroup
 from tokenfab.layers.long_context_attention import merge_partial
@@ -35,13 +43,17 @@ def _amx() -> bool:
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True where the CPU flash kernel is the fastest prefill attention: CPU tensors of one dtype, float32 or
-    bfloat16, values no wider than the keys, on the AMX path (``TOKENFAB_CPU_ISA``). Measured one thread, SmolLM2's
-    shapes: on a Xeon with AMX one flash call took 0.21-0.31x the GEMM + fused-softmax path's time for a 1,024-token
-    prompt (benchmarks/results/2026-12-02-prefill-vs-peers-profile.md); on an AMD EPYC without AMX, 1.20-1.79x it
-    (benchmarks/results/2026-12-05-prefill-attention.md), so there the fused path stays."""
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
-            and v.dtype == q.dtype and v.shape[-1] <= q.shape[-1] and _amx())
+    """True where a flash kernel is the fastest prefill attention: CPU tensors of one dtype, float32 or bfloat16,
+    values no wider than the keys, and on the AMX path (PyTorch's kernel) or, without AMX, bf16 that tokenfab's kernel
+    runs. Measured one thread, SmolLM2's shapes: on a Xeon with AMX PyTorch's flash call took 0.21-0.31x the GEMM +
+    fused-softmax path's time for a 1,024-token prompt (benchmarks/results/2026-12-02-prefill-vs-peers-profile.md);
+    on an AMD EPYC without AMX it took 1.16-1.98x, and tokenfab's kernel 0.47-0.82x
+    (benchmarks/results/2026-12-05-prefill-attention.md). Elsewhere (float32 without AMX, AVX2) the fused path
+    stays."""
+    if not (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
+            and v.dtype == q.dtype and v.shape[-1] <= q.shape[-1]):
+        return False
+    return _amx() or dispatch.flash_prefill_applies(q, k, v)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None,
@@ -74,6 +86,8 @@ def flash_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     Returns:
         [B, H, Q, Dv] in q's dtype (padding rows hold values to discard).
     """
+    if not _amx() and dispatch.flash_prefill_applies(q, k, v):
+        return dispatch.flash_prefill_attention(q, k, v, group.query_pos, scale)
     B, H, Q, D = q.shape
     Dv = v.shape[-1]
     if Dv < D:

@@ -92,6 +92,16 @@ def causal_softmax_(scores: torch.Tensor, query_pos: torch.Tensor, q_len: int, s
     return scores
 
 
+def flash_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Causal prefill attention (csrc/flash_prefill.cpp): q [B, H, Q, D], k [B, Hk, L, D], v [B, Hk, L, Dv], all
+    bf16 with a contiguous last dimension, H a multiple of Hk, D even; query i of sequence b sits at position
+    ``query_pos[b, i]`` (int64 [B, Q], -1 for padding, which sees key 0 only) and sees keys j <= it. Online softmax
+    in float32 over blocks of 64 keys, probabilities rounded to bf16 for the PV product, float32 accumulation.
+    Returns [B, H, Q, Dv] bf16. Raises RuntimeError on other shapes or dtypes."""
+    return load().flash_prefill_attention(q, k, v, query_pos, float(scale))
+
+
 def pack_head_weights(w: torch.Tensor) -> torch.Tensor:
     """Per-head weights w [G, K, N] (K even) -> the VNNI pair layout [G, K / 2, Np, 2] of :func:`head_gemm_`, N
     zero-padded to Np, the next multiple of 16."""

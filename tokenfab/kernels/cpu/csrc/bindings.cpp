@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "SiLU-GLU (CPU)");
   m.def("rope", &rope, "rotary embedding (CPU)");
   m.def("causal_softmax_", &causal_softmax_, "in-place causal softmax of prefill scores (CPU)");
+  m.def("flash_prefill_attention", &flash_prefill_attention,
+        "causal prefill attention, online softmax over key blocks, two brgemms per block (CPU, bf16)");
   m.def("sigmoid_group_topk", &sigmoid_group_topk, "DeepSeek-V3 sigmoid group-limited top-k routing (CPU)");
   m.def("moe_experts_packed", &moe_experts_packed, "routed experts over packed weights (CPU, bf16)", py::arg("x"),
         py::arg("weights"), py::arg("ids"), py::arg("p13"), py::arg("p2"), py::arg("start"),

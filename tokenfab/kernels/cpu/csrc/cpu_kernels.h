@@ -16,6 +16,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // In-place causal softmax of prefill scores s [B, Hx, R, L] at query positions query_pos [B, >= q_len].
 void causal_softmax_(at::Tensor& s, const at::Tensor& query_pos, int64_t q_len, double scale);
 
+// ---- flash_prefill.cpp
+// Causal prefill attention of bf16 q [B, H, Q, D] over k [B, Hk, L, D], v [B, Hk, L, Dv] (last dims contiguous, D
+// even) at query positions query_pos [B, Q] (-1 padding): online softmax over key blocks, [B, H, Q, Dv] bf16.
+at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& query_pos, double scale);
+
 // ---- norms_activations.cpp
 // RMSNorm of x [N, hidden]; with residual: {norm(x + residual), x + residual}, else {norm(x)}.
 std::vector<at::Tensor> rms_norm(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
