@@ -38,12 +38,7 @@ class Int4GroupExperts(PackedExperts):
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, scale_dtype=torch.bfloat16):
         super().__init__(num_experts, out_features, in_features)
-        if in_features % GROUP:
-            raise ValueError(f"INT4 group-{GROUP} experts need in_features divisible by {GROUP}, got {in_features}")
-        self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features // 8, dtype=torch.int32),
-                             persistent=False)
-        self.register_buffer("scale", torch.zeros(num_experts, out_features, in_features // GROUP,
-                                                  dtype=scale_dtype), persistent=False)
+        self.register_group_buffers(f"INT4 group-{GROUP}", 8, torch.int32, GROUP, scale_dtype)
         self._scale_seen = False
 
     def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:

@@ -21,12 +21,7 @@ class Mxfp4Experts(PackedExperts):
 
     def __init__(self, num_experts: int, out_features: int, in_features: int):
         super().__init__(num_experts, out_features, in_features)
-        if in_features % MXFP4_GROUP:
-            raise ValueError(f"MXFP4 experts need in_features divisible by {MXFP4_GROUP}, got {in_features}")
-        self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features // 2, dtype=torch.uint8),
-                             persistent=False)
-        self.register_buffer("scale", torch.zeros(num_experts, out_features, in_features // MXFP4_GROUP,
-                                                  dtype=torch.uint8), persistent=False)
+        self.register_group_buffers("MXFP4", 2, torch.uint8, MXFP4_GROUP, torch.uint8)
 
     def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
         if part == "weight_packed":
