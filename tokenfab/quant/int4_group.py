@@ -43,13 +43,10 @@ class Int4GroupExperts(PackedExperts):
 
     def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
         if part == "weight_packed":
-            if t.dtype != torch.int32 or t.shape[1] * 8 != self.in_features:
-                raise WeightLoadError(f"{name}: weight_packed {tuple(t.shape)} {t.dtype} is not int32 "
-                                      f"[{rows}, {self.in_features // 8}] (8 nibbles per int32, pack-quantized).")
+            self.check_columns(t, rows, name, part, (torch.int32,), 8, "int32", "8 nibbles per int32, pack-quantized")
             return t
-        if t.dtype not in (torch.bfloat16, torch.float16) or t.shape[1] * GROUP != self.in_features:
-            raise WeightLoadError(f"{name}: weight_scale {tuple(t.shape)} {t.dtype} is not bf16 / fp16 "
-                                  f"[{rows}, {self.in_features // GROUP}] (one scale per {GROUP} values).")
+        self.check_columns(t, rows, name, "weight_scale", (torch.bfloat16, torch.float16), GROUP, "bf16 / fp16",
+                           f"one scale per {GROUP} values")
         if t.dtype != self.scale.dtype:
             if self._scale_seen:
                 raise WeightLoadError(f"{name}: weight_scale is {t.dtype} but earlier scales of this layer were "

@@ -89,6 +89,14 @@ class PackedExperts(nn.Module):
                              persistent=False)
         self.register_buffer("scale", torch.zeros(e, out_f, in_f // group, dtype=scale_dtype), persistent=False)
 
+    def check_columns(self, t: torch.Tensor, rows: int, name: str, part: str, dtypes: tuple, per_column: int,
+                      dtype_text: str, note: str) -> None:
+        """Raise WeightLoadError (naming ``name``, ``part``, the expected ``dtype_text`` [rows, in / per_column] and
+        ``note``) unless ``t``'s dtype is one of ``dtypes`` and each column holds ``per_column`` input values."""
+        if t.dtype not in dtypes or t.shape[1] * per_column != self.in_features:
+            raise WeightLoadError(f"{name}: {part} {tuple(t.shape)} {t.dtype} is not {dtype_text} "
+                                  f"[{rows}, {self.in_features // per_column}] ({note}).")
+
     def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
         """Validate checkpoint tensor ``t`` (``part`` = weight_packed / weight_scale) for ``rows`` rows of one
         expert and return it as this stack's buffer dtype. Raises WeightLoadError naming ``name``."""
