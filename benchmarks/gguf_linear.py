@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
-from benchmarks.linear_bench import kernels_ready, run_meta, time_rate_cells  # noqa: E402
+from benchmarks.linear_bench import bandwidth_header, kernels_ready, run_meta, time_rate_cells  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
 
 # [N, K]: SmolLM2-135M's fused q|k|v, o_proj, gate|up, down; a 4096-wide model's square and MLP-up projections
@@ -107,9 +107,7 @@ def main() -> int:
     results = [time_shape(n, k, rows, args.reps, args.mb, formats) for rows in rows_list for n, k in shapes]
     date = dt.date.today().isoformat()
     meta = run_meta(date, "benchmarks/gguf_linear.py", threads, copy_bandwidth=bw)
-    lines = [f"# Packed GGUF linears vs the bf16 VNNI linear ({date})", "",
-             f"Command: `{meta['command']}`; {threads} threads; torch {torch.__version__}; copy bandwidth "
-             f"{bw / 1e9:.1f} GB/s (read+write).", "",
+    lines = bandwidth_header("Packed GGUF linears vs the bf16 VNNI linear", meta) + [
              "Rows <= 4: GB/s of weight bytes read per call (packed bytes for GGUF) and the time relative to bf16 "
              "(×bf16 < 1: faster). More rows: GFLOP/s and ×bf16 time.", ""]
     head = "| rows | weight [N, K] | " + " | ".join(f"{f} µs | {f}" for f in formats) + " | " + " | ".join(

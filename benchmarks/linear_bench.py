@@ -31,6 +31,14 @@ def run_meta(date: str, script: str, threads: int, *, clock: str | None = None,
     return meta
 
 
+def bandwidth_header(title: str, meta: dict) -> list[str]:
+    """The Markdown head of a run with a measured copy bandwidth: ``# <title> (<date>)``, then the command, threads,
+    torch version and copy bandwidth of ``meta`` (:func:`run_meta` with ``copy_bandwidth``)."""
+    return [f"# {title} ({meta['date']})", "",
+            f"Command: `{meta['command']}`; {meta['threads']} threads; torch {meta['torch']}; copy bandwidth "
+            f"{meta['copy_bandwidth_gbs']:.1f} GB/s (read+write).", ""]
+
+
 def time_rate_cells(r: dict, formats, gemv_rows: int) -> list[str]:
     """One ``µs | rate`` table cell per format of result ``r`` (``n``, ``k``, ``rows``, ``seconds`` and ``bytes``
     per format): GB/s of weight bytes read at most ``gemv_rows`` rows, GFLOP/s above."""

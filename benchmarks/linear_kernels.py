@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
-from benchmarks.linear_bench import kernels_ready, run_meta  # noqa: E402
+from benchmarks.linear_bench import bandwidth_header, kernels_ready, run_meta  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
 
 # [N, K] of the default model's linears (embedded DeepSeek-V3-architecture model, benchmarks/peers models): fused
@@ -77,9 +77,7 @@ def main() -> int:
             results.append(time_pair(n, k, rows, args.reps))
     date = dt.date.today().isoformat()
     meta = run_meta(date, "benchmarks/linear_kernels.py", threads, copy_bandwidth=bw)
-    lines = [f"# tokenfab VNNI linear vs oneDNN packed linear ({date})", "",
-             f"Command: `{meta['command']}`; {threads} threads; torch {torch.__version__}; copy bandwidth "
-             f"{bw / 1e9:.1f} GB/s (read+write).", "",
+    lines = bandwidth_header("tokenfab VNNI linear vs oneDNN packed linear", meta) + [
              "Rows <= 4: GB/s of weight read per call (memory-bound); more rows: GFLOP/s. Ratio = tokenfab time / "
              "oneDNN time (< 1: tokenfab faster).", "",
              "| rows | weight [N, K] | tokenfab µs | oneDNN µs | ratio | tokenfab | oneDNN | max abs diff |",
