@@ -1,5 +1,5 @@
 """Timing engine decode steps for the offline benchmarks (shared by logits_processors_overhead.py,
-batch_invariant.py and structured_output_overhead.py).
+batch_invariant.py, structured_output_overhead.py, spec_decode.py, spec_dspark.py and experiments/decode_profile.py).
 
 Requests are added straight to an ``LLMEngine`` and stepped until each sequence sampled its first token, so the
 timed steps are decode steps of exactly those sequences.
@@ -27,6 +27,14 @@ def median_decode_ms(engine, prompts: list[list[int]], params, steps: int, warmu
     """Median wall time (ms) of ``steps`` decode steps of ``len(prompts)`` sequences with ``params`` (after
     ``warmup`` untimed ones); the requests are aborted afterwards."""
     ids = start_requests(engine, prompts, params)
+    times = step_seconds(engine, steps, warmup)
+    for rid in ids:
+        engine.abort_request(rid)
+    return 1e3 * statistics.median(times)
+
+
+def step_seconds(engine, steps: int, warmup: int = 0) -> list[float]:
+    """Wall seconds (perf_counter) of each of ``steps`` engine steps, after ``warmup`` untimed ones."""
     for _ in range(warmup):
         engine.step()
     times = []
@@ -34,6 +42,4 @@ def median_decode_ms(engine, prompts: list[list[int]], params, steps: int, warmu
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    for rid in ids:
-        engine.abort_request(rid)
-    return 1e3 * statistics.median(times)
+    return times

@@ -35,7 +35,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_file import unused_stem  # noqa: E402
+from results_file import unused_stem, write_lines  # noqa: E402
 
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "total_token_throughput",
         "output_throughput", "duration")
@@ -127,8 +127,7 @@ def run_replay(args) -> int:
         short = "" if r["median_short_ttft_steps"] is None else f"{r['median_short_ttft_steps']:g}"
         lines.append(f"| {r['input_len']} | {r['shape']} | {r['variant']} | {r['steps']} | "
                      f"{r['median_ttft_steps']:g} | {r['max_ttft_steps']} | {short} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_lines(stem + ".md", lines)
     print("\n".join(lines))
     print(f"wrote {stem}.md and {stem}.json")
     return 0
@@ -278,8 +277,7 @@ def write_results(args, labels: list[str], runs: list[dict], describe: str, pool
     for x in runs:
         lines.append(f"| {x['round']} | {x['variant']} | {x['median_ttft_ms']:.0f} | {x['p99_ttft_ms']:.0f} | "
                      f"{x['median_tpot_ms']:.1f} | {x['total_token_throughput']:.0f} | {x['duration']:.1f} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_lines(stem + ".md", lines)
     print(f"wrote {stem}.md and {stem}.json", flush=True)
 
 

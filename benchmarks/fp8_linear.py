@@ -22,7 +22,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.linear_bench import kernels_ready, run_meta, time_rate_cells  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
 
 SHAPES = [(2048, 7168), (7168, 2048)]
@@ -135,9 +135,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
     args = ap.parse_args()
     from tokenfab.kernels.cpu import ops as cpu_ops
-    if not cpu_ops.fp8_block_linear_applies():
-        print("the FP8 and VNNI linears need the CPU kernels built with AVX512-BF16: "
-              f"{cpu_ops.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
+    if not kernels_ready(cpu_ops.fp8_block_linear_applies(), "the FP8 and VNNI linears need"):
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -149,9 +147,7 @@ def main() -> int:
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     results = [time_shape(n, k, rows, args.reps, args.mb, clock) for rows in rows_list for n, k in SHAPES]
     date = dt.date.today().isoformat()
-    meta = {"date": date, "command": " ".join(["benchmarks/fp8_linear.py"] + sys.argv[1:]), "threads": threads,
-            "clock": args.clock,
-            "torch": torch.__version__, "cpu": platform.processor() or platform.machine()}
+    meta = run_meta(date, "benchmarks/fp8_linear.py", threads, clock=args.clock)
     lines = [f"# FP8 block-scaled linears vs the bf16 VNNI linear ({date})", "",
              f"Command: `{meta['command']}`; {threads} threads; torch {torch.__version__}; clock {args.clock}. Both "
              "formats alternated pass by pass in one run, best of the passes; the machine is shared, so read the "
@@ -159,11 +155,7 @@ def main() -> int:
              "| rows | weight [N, K] | bf16 µs | bf16 | fp8 µs | fp8 | fp8 time ×bf16 |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         n, k, rows, s = r["n"], r["k"], r["rows"], r["seconds"]
-        cells = []
-        for f in FORMATS:
-            rate = (f"{r['bytes'][f] / s[f] / 1e9:.1f} GB/s" if rows <= 16 else
-                    f"{2 * rows * n * k / s[f] / 1e9:.0f} GFLOP/s")
-            cells.append(f"{s[f] * 1e6:.1f} | {rate}")
+        cells = time_rate_cells(r, FORMATS, 16)
         lines.append(f"| {rows} | {n} x {k} | " + " | ".join(cells) + f" | {s['fp8'] / s['bf16']:.2f} |")
     rss = None
     if not args.no_rss:

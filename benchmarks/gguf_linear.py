@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import sys
 import time
 
@@ -30,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
+from benchmarks.linear_bench import bandwidth_header, kernels_ready, run_meta, time_rate_cells  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
 
 # [N, K]: SmolLM2-135M's fused q|k|v, o_proj, gate|up, down; a 4096-wide model's square and MLP-up projections
@@ -98,21 +98,16 @@ def main() -> int:
         ap.error("--formats must start with bf16 (the ratios' base)")
     shapes = KQUANT_SHAPES if args.shapes == "kquant" else SHAPES
     from tokenfab.kernels.cpu import ops as cpu_ops
-    if not (cpu_ops.has_bf16_dot() and cpu_ops.gguf_linear_applies()):
-        print("the packed GGUF and VNNI linears need the CPU kernels built with AVX512-BF16: "
-              f"{cpu_ops.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
+    if not kernels_ready(cpu_ops.has_bf16_dot() and cpu_ops.gguf_linear_applies(),
+                         "the packed GGUF and VNNI linears need"):
         return 2
     threads = torch.get_num_threads()
     bw = copy_bandwidth()
     rows_list = [int(r) for r in args.rows.split(",")]
     results = [time_shape(n, k, rows, args.reps, args.mb, formats) for rows in rows_list for n, k in shapes]
     date = dt.date.today().isoformat()
-    meta = {"date": date, "command": " ".join(["benchmarks/gguf_linear.py"] + sys.argv[1:]), "threads": threads,
-            "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-            "copy_bandwidth_gbs": bw / 1e9}
-    lines = [f"# Packed GGUF linears vs the bf16 VNNI linear ({date})", "",
-             f"Command: `{meta['command']}`; {threads} threads; torch {torch.__version__}; copy bandwidth "
-             f"{bw / 1e9:.1f} GB/s (read+write).", "",
+    meta = run_meta(date, "benchmarks/gguf_linear.py", threads, copy_bandwidth=bw)
+    lines = bandwidth_header("Packed GGUF linears vs the bf16 VNNI linear", meta) + [
              "Rows <= 4: GB/s of weight bytes read per call (packed bytes for GGUF) and the time relative to bf16 "
              "(×bf16 < 1: faster). More rows: GFLOP/s and ×bf16 time.", ""]
     head = "| rows | weight [N, K] | " + " | ".join(f"{f} µs | {f}" for f in formats) + " | " + " | ".join(
@@ -120,11 +115,7 @@ def main() -> int:
     lines += [head, "|" + "---:|" * (2 + 2 * len(formats) + len(formats) - 1)]
     for r in results:
         n, k, rows, s = r["n"], r["k"], r["rows"], r["seconds"]
-        cells = []
-        for f in formats:
-            rate = (f"{r['bytes'][f] / s[f] / 1e9:.1f} GB/s" if rows <= 4 else
-                    f"{2 * rows * n * k / s[f] / 1e9:.0f} GFLOP/s")
-            cells.append(f"{s[f] * 1e6:.1f} | {rate}")
+        cells = time_rate_cells(r, formats, 4)
         ratios = [f"{s[f] / s['bf16']:.2f}" for f in formats[1:]]
         lines.append(f"| {rows} | {n} x {k} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     write_results(args.out, f"{date}-{args.name}", {"meta": meta, "results": results}, lines)

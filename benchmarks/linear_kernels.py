@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import sys
 import time
 
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
+from benchmarks.linear_bench import bandwidth_header, kernels_ready, run_meta  # noqa: E402
 from benchmarks.results_file import write_results  # noqa: E402
 
 # [N, K] of the default model's linears (embedded DeepSeek-V3-architecture model, benchmarks/peers models): fused
@@ -61,9 +61,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
     args = ap.parse_args()
     from tokenfab.kernels.cpu import ops as cpu_ops
-    if not cpu_ops.has_bf16_dot():
-        print("tokenfab's VNNI linear needs the CPU kernels built with AVX512-BF16: "
-              f"{cpu_ops.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
+    if not kernels_ready(cpu_ops.has_bf16_dot(), "tokenfab's VNNI linear needs"):
         return 2
     threads = torch.get_num_threads()
     bw = copy_bandwidth()
@@ -78,12 +76,8 @@ def main() -> int:
         for n, k in SHAPES:
             results.append(time_pair(n, k, rows, args.reps))
     date = dt.date.today().isoformat()
-    meta = {"date": date, "command": " ".join(["benchmarks/linear_kernels.py"] + sys.argv[1:]), "threads": threads,
-            "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-            "copy_bandwidth_gbs": bw / 1e9}
-    lines = [f"# tokenfab VNNI linear vs oneDNN packed linear ({date})", "",
-             f"Command: `{meta['command']}`; {threads} threads; torch {torch.__version__}; copy bandwidth "
-             f"{bw / 1e9:.1f} GB/s (read+write).", "",
+    meta = run_meta(date, "benchmarks/linear_kernels.py", threads, copy_bandwidth=bw)
+    lines = bandwidth_header("tokenfab VNNI linear vs oneDNN packed linear", meta) + [
              "Rows <= 4: GB/s of weight read per call (memory-bound); more rows: GFLOP/s. Ratio = tokenfab time / "
              "oneDNN time (< 1: tokenfab faster).", "",
              "| rows | weight [N, K] | tokenfab µs | oneDNN µs | ratio | tokenfab | oneDNN | max abs diff |",

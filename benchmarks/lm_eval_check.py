@@ -46,41 +46,16 @@ GEN_ITEMS = [
 ]
 
 
-def write_tasks(root: str) -> str:
-    """The two tasks (YAML + JSONL) under ``root``; returns the --include_path folder."""
-    os.makedirs(root, exist_ok=True)
-    mc, gen = os.path.join(root, "mc.jsonl"), os.path.join(root, "gen.jsonl")
-    with open(mc, "w") as f:
-        for q, ch, a in MC_ITEMS:
-            f.write(json.dumps({"question": q, "choices": ch, "answer": a}) + "\n")
-    with open(gen, "w") as f:
-        for q, a in GEN_ITEMS:
-            f.write(json.dumps({"question": q, "answer": a}) + "\n")
-    with open(os.path.join(root, "tokenfab_mc.yaml"), "w") as f:
-        f.write(f"""task: tokenfab_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {mc}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
+# The tasks' YAML after their common head (task, the JSONL data file, test split, output_type).
+_MC_YAML = """doc_to_text: "{{question}}"
 doc_to_choice: choices
 doc_to_target: answer
 metric_list:
   - metric: acc
   - metric: acc_norm
-""")
-    with open(os.path.join(root, "tokenfab_gen.yaml"), "w") as f:
-        f.write(f"""task: tokenfab_gen
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {gen}
-test_split: test
-output_type: generate_until
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_target: "{{{{answer}}}}"
+"""
+_GEN_YAML = """doc_to_text: "Question: {{question}}\\nAnswer:"
+doc_to_target: "{{answer}}"
 generation_kwargs:
   until: ["\\n", "Question:"]
   max_gen_toks: 16
@@ -97,7 +72,24 @@ metric_list:
     higher_is_better: true
     ignore_case: true
     ignore_punctuation: true
-""")
+"""
+
+
+def write_tasks(root: str) -> str:
+    """The two tasks (YAML + JSONL) under ``root``; returns the --include_path folder."""
+    os.makedirs(root, exist_ok=True)
+    mc, gen = os.path.join(root, "mc.jsonl"), os.path.join(root, "gen.jsonl")
+    with open(mc, "w") as f:
+        for q, ch, a in MC_ITEMS:
+            f.write(json.dumps({"question": q, "choices": ch, "answer": a}) + "\n")
+    with open(gen, "w") as f:
+        for q, a in GEN_ITEMS:
+            f.write(json.dumps({"question": q, "answer": a}) + "\n")
+    for name, data, output_type, rest in (("tokenfab_mc", mc, "multiple_choice", _MC_YAML),
+                                          ("tokenfab_gen", gen, "generate_until", _GEN_YAML)):
+        with open(os.path.join(root, name + ".yaml"), "w") as f:
+            f.write(f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
+                    f"test_split: test\noutput_type: {output_type}\n" + rest)
     return root
 
 

@@ -30,7 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.results_file import unused_stem  # noqa: E402
+from benchmarks.results_file import unused_stem, write_lines  # noqa: E402
 
 H, I = 7168, 2048
 FORMATS = ("bf16", "int4_group", "mxfp4", "fp8_block")
@@ -224,8 +224,7 @@ def main() -> None:
         for r in rss:
             lines.append(f"| {r['variant']} | {r['rss_delta'] / 2**20:.1f} | {r['packed_expert_bytes'] / 2**20:.1f} | "
                          f"{r['bf16_expert_bytes'] / 2**20:.1f} | {r['model_bytes'] / 2**20:.1f} |")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_lines(stem + ".md", lines)
     print("wrote", stem + ".md")
 
 

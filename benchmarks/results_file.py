@@ -14,13 +14,18 @@ def unused_stem(stem: str, exts: tuple[str, ...] = (".md", ".json")) -> str:
     return stem
 
 
+def write_lines(path: str, lines: list[str]) -> None:
+    """Write ``lines`` to ``path``, one a line (Markdown tables and notes), replacing the file."""
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def write_markdown(folder: str, name: str, lines: list[str]) -> str:
     """Write ``lines`` (one Markdown line each) to ``<folder>/<name>`` (``name`` ending in .md; with a time suffix
     when that file exists, :func:`unused_stem`), creating the folder; print and return the path."""
     os.makedirs(folder, exist_ok=True)
     path = unused_stem(os.path.join(folder, name[:-3]), (".md",)) + ".md"
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_lines(path, lines)
     print(f"wrote {path}")
     return path
 
@@ -34,8 +39,7 @@ def write_results(folder: str, stem: str, payload: dict, lines: list[str]) -> st
     base = unused_stem(os.path.join(folder, stem))
     with open(base + ".json", "w") as f:
         json.dump(payload, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_lines(base + ".md", lines)
     print("\n".join(lines))
     print(f"wrote {base}.md")
     return base

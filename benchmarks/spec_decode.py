@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_steps import step_seconds  # noqa: E402
 from results_file import write_markdown  # noqa: E402
 
 CODE = [
@@ -141,13 +142,7 @@ def verify_part(model, steps):
             while any(s.num_computed_tokens < s.num_prompt_tokens for s in eng.scheduler.running) or \
                     eng.scheduler.waiting:
                 eng.step()
-            for _ in range(3):
-                eng.step()
-            ts = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                eng.step()
-                ts.append(time.perf_counter() - t0)
+            ts = step_seconds(eng, steps, warmup=3)
             for rid in list(eng.requests):
                 eng.abort_request(rid)
             rows.append((k, bs, statistics.median(ts) * 1e3))

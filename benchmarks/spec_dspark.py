@@ -31,6 +31,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from engine_steps import step_seconds  # noqa: E402
 from results_file import write_markdown  # noqa: E402
 
 from tokenfab.testing.tiny_k3 import k3_text_config  # noqa: E402
@@ -117,11 +118,7 @@ def main():
         st0 = dict(eng.get_stats())
         out0 = sum(s.num_output_tokens for r in eng.requests.values() for s in r.seqs)
         t_prop.clear()
-        ts = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            eng.step()
-            ts.append(time.perf_counter() - t0)
+        ts = step_seconds(eng, args.steps)
         out1 = sum(s.num_output_tokens for r in eng.requests.values() for s in r.seqs)
         st1 = eng.get_stats()
         for rid in list(eng.requests):

@@ -12,7 +12,8 @@ import os
 import pytest
 
 from tokenfab.cli import main
-from tokenfab.planner.memory_planner import PlanError, parse_device_counts, plan_device_sweep, plan_memory
+from tokenfab.planner.memory_planner import plan_device_sweep, plan_memory
+from tokenfab.planner.plan_inputs import PlanError, parse_device_counts
 from tokenfab.planner.plan_report import sweep_rows
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "configs", "kimi-k3-shape.json")

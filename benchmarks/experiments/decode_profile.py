@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
+from benchmarks.engine_steps import step_seconds  # noqa: E402
 from benchmarks.results_file import write_markdown  # noqa: E402
 
 
@@ -60,13 +61,7 @@ def main() -> int:
     eng = llm.llm_engine
     eng.add_request("p", None, [(7 * j) % 4000 + 5 for j in range(args.context)],
                     SamplingParams(max_tokens=3 * args.steps + 50, ignore_eos=True))
-    for _ in range(5):
-        eng.step()
-    walls = []
-    for _ in range(args.steps):
-        t = time.perf_counter()
-        eng.step()
-        walls.append(time.perf_counter() - t)
+    walls = step_seconds(eng, args.steps, warmup=5)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
             eng.step()

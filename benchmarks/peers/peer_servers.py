@@ -55,23 +55,14 @@ class Server:
         log(f"{self.engine}: ready after {self.start_s:.0f} s")
 
     def wait_ready(self, timeout: float) -> None:
-        import httpx
+        from tokenfab.server.readiness import wait_until_ready
 
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.engine} server exited with {self.proc.returncode} while starting; "
-                                   f"log {self.logfile}:\n{tail(self.logfile)}")
-            try:
-                h = httpx.get(self.base_url + "/health", timeout=5.0, trust_env=False)
-                m = httpx.get(self.base_url + "/v1/models", timeout=5.0, trust_env=False)
-                if h.status_code == 200 and m.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(2.0)
-        raise RuntimeError(f"{self.engine} server not ready after {timeout:.0f} s; log {self.logfile}:\n"
-                           f"{tail(self.logfile)}")
+        wait_until_ready(
+            self.proc, self.base_url, timeout, paths=("/health", "/v1/models"), request_timeout=5.0, poll_s=2.0,
+            exited=lambda: RuntimeError(f"{self.engine} server exited with {self.proc.returncode} while starting; "
+                                        f"log {self.logfile}:\n{tail(self.logfile)}"),
+            not_ready=lambda: RuntimeError(f"{self.engine} server not ready after {timeout:.0f} s; log "
+                                           f"{self.logfile}:\n{tail(self.logfile)}"))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

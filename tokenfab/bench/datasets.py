@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenfab.bench import BenchError
+from tokenfab.jsonl import iter_jsonl
 
 DATASET_NAMES = ("random", "sharegpt", "custom", "prefix_repetition")
 FILE_DATASETS = ("sharegpt", "custom")  # need --dataset-path
@@ -390,14 +391,9 @@ def sample_custom_requests(
                          f"got {output_len}.")
     rows: list[tuple[int, dict]] = []
     with open(dataset_path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BenchError(f"--dataset-path {dataset_path!r} line {lineno} is not JSON ({e.msg}); a custom "
-                                 "dataset is JSONL: one {\"prompt\": ...} object per line.") from None
+        for lineno, item in iter_jsonl(f, lambda lineno, e: BenchError(
+                f"--dataset-path {dataset_path!r} line {lineno} is not JSON ({e.msg}); a custom dataset is JSONL: "
+                "one {\"prompt\": ...} object per line.")):
             if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
                 raise BenchError(f"--dataset-path {dataset_path!r} line {lineno} has no string \"prompt\" field.")
             rows.append((lineno, item))

@@ -159,22 +159,13 @@ class _ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float) -> None:
-        import time
+        from tokenfab.server.readiness import wait_until_ready
 
-        import httpx
-
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise DemoError(f"the server exited with code {self.proc.returncode} before it was ready; "
-                                   f"see {self.log_path}:\n{self.tail()}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=2.0, trust_env=False).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise DemoError(f"the server was not ready after {timeout:.0f} s; see {self.log_path}")
+        wait_until_ready(
+            self.proc, self.base_url, timeout,
+            exited=lambda: DemoError(f"the server exited with code {self.proc.returncode} before it was ready; "
+                                     f"see {self.log_path}:\n{self.tail()}"),
+            not_ready=lambda: DemoError(f"the server was not ready after {timeout:.0f} s; see {self.log_path}"))
 
     def tail(self, n: int = 15) -> str:
         try:

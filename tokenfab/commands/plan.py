@@ -45,8 +45,8 @@ def run(args) -> int:
     """Run ``tokenfab plan``; returns 0 when the request fits (a sweep: on some device count), 1 when not."""
     import json
 
-    from tokenfab.planner.memory_planner import (parse_count, parse_device_counts, parse_size, plan_device_sweep,
-                                                 plan_memory)
+    from tokenfab.planner.memory_planner import plan_device_sweep, plan_memory
+    from tokenfab.planner.plan_inputs import parse_count, parse_device_counts, parse_size
     from tokenfab.planner.plan_report import render_plan, render_sweep, sweep_rows
 
     mem = parse_size(args.device_memory, "--device-memory")

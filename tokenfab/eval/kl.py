@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from tokenfab.eval import usage_error
+from tokenfab.jsonl import iter_jsonl
 from tokenfab.logprobs import Logprob
 
 PATHS = ("prefill", "decode_greedy", "decode_sampled")
@@ -147,13 +148,7 @@ def load_rows(dataset: str | None, tokenizer, vocab_size: int, random_rows: int 
             raise FileNotFoundError(f"--dataset: no such file '{dataset}'.")
         rows = []
         with open(dataset) as f:
-            for ln, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise usage_error(f"--dataset {dataset}:{ln}: not JSON ({e}).") from None
+            for ln, obj in iter_jsonl(f, lambda ln, e: usage_error(f"--dataset {dataset}:{ln}: not JSON ({e}).")):
                 if "prompt_token_ids" in obj:
                     ids = [int(t) for t in obj["prompt_token_ids"]]
                 elif "text" in obj:

@@ -170,21 +170,16 @@ class Linear(nn.Module):
                 return None
             fused = cls(first.in_features, q.out_features, False)
             fused.set_qweight(q)
-            if has_bias:
-                fused.bias = nn.Parameter(torch.cat([l.bias for l in linears]), requires_grad=False)
-            fused.fuse()
-            for l in linears:
-                l.qweight = l.bias = None
-            return fused
-        if any(l.weight is None for l in linears):
+        elif any(l.weight is None for l in linears):
             return None
-        fused = cls(first.in_features, sum(l.out_features for l in linears), has_bias, dtype=first.weight.dtype)
-        fused.weight = nn.Parameter(torch.cat([l.weight for l in linears]), requires_grad=False)
+        else:
+            fused = cls(first.in_features, sum(l.out_features for l in linears), has_bias, dtype=first.weight.dtype)
+            fused.weight = nn.Parameter(torch.cat([l.weight for l in linears]), requires_grad=False)
         if has_bias:
             fused.bias = nn.Parameter(torch.cat([l.bias for l in linears]), requires_grad=False)
         fused.fuse()
-        for l in linears:
-            l.weight = l.bias = None
+        for l in linears:  # a compressed source's weight is None already (set_qweight), a plain one's qweight too
+            l.weight = l.qweight = l.bias = None
         return fused
 
     def fuse(self) -> None:

@@ -243,28 +243,31 @@ def _terminate(procs) -> None:
             p.join(timeout=5)
 
 
+def _note_load_message(msg, loaded: set[int]) -> bool:
+    """One worker message while loading: raise TensorParallelError on 'error'; on 'loaded' add the rank, return True."""
+    kind, rank, text = msg
+    if kind == "error":
+        raise TensorParallelError(f"tensor-parallel rank {rank} failed while loading:\n{text}", rank, text)
+    if kind == "loaded":
+        loaded.add(rank)
+        return True
+    return False
+
+
 def _wait_loaded(procs, msg_queue, n_workers: int, timeout_s: float) -> None:
     """Block until every worker reported 'loaded'; raise TensorParallelError on an error, a death or the deadline."""
     loaded: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while len(loaded) < n_workers:
         try:
-            kind, rank, text = msg_queue.get(timeout=0.2)
-            if kind == "error":
-                raise TensorParallelError(f"tensor-parallel rank {rank} failed while loading:\n{text}", rank, text)
-            if kind == "loaded":
-                loaded.add(rank)
+            _note_load_message(msg_queue.get(timeout=0.2), loaded)
             continue
         except queue_mod.Empty:
             pass
         for rank, p in enumerate(procs, start=1):
             if p.exitcode is not None and rank not in loaded:
                 try:  # its traceback may still be in flight
-                    kind, r, text = msg_queue.get(timeout=2.0)
-                    if kind == "error":
-                        raise TensorParallelError(f"tensor-parallel rank {r} failed while loading:\n{text}", r, text)
-                    if kind == "loaded":
-                        loaded.add(r)
+                    if _note_load_message(msg_queue.get(timeout=2.0), loaded):
                         continue
                 except queue_mod.Empty:
                     pass

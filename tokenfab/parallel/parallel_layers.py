@@ -17,12 +17,8 @@ from tokenfab.layers.linear import matmul_f32
 from tokenfab.parallel.distributed import TPContext
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Embedding rows ``[v0, v1)`` of the vocabulary on this rank; ids outside give zeros, then an all-reduce.
-
-    ``weight`` [v1 - v0, hidden] (checkpoint name unchanged: ``model.embed_tokens.weight``, sliced on dim 0).
-    input_ids [T] int64 -> [T, hidden], identical on every rank.
-    """
+class _VocabRows(nn.Module):
+    """Rows ``[v0, v1)`` of a vocabulary-by-hidden weight on this rank: ``weight`` [v1 - v0, hidden]."""
 
     def __init__(self, vocab_size: int, hidden: int, tp: TPContext):
         super().__init__()
@@ -30,6 +26,14 @@ class VocabParallelEmbedding(nn.Module):
         self.v0, self.v1 = tp.r("vocab")
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(self.v1 - self.v0, hidden), requires_grad=False)
+
+
+class VocabParallelEmbedding(_VocabRows):
+    """Embedding rows ``[v0, v1)`` of the vocabulary on this rank; ids outside give zeros, then an all-reduce.
+
+    ``weight`` [v1 - v0, hidden] (checkpoint name unchanged: ``model.embed_tokens.weight``, sliced on dim 0).
+    input_ids [T] int64 -> [T, hidden], identical on every rank.
+    """
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.v0
@@ -40,18 +44,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(h)
 
 
-class ParallelLMHead(nn.Module):
+class ParallelLMHead(_VocabRows):
     """lm_head rows ``[v0, v1)``: local logits [N, v1 - v0], gathered to rank 0 as [N, vocab].
 
     Other ranks get an empty tensor back (only rank 0 samples). ``weight`` [v1 - v0, hidden].
     """
-
-    def __init__(self, vocab_size: int, hidden: int, tp: TPContext):
-        super().__init__()
-        self.tp = tp
-        self.v0, self.v1 = tp.r("vocab")
-        self.vocab_size = vocab_size
-        self.weight = nn.Parameter(torch.empty(self.v1 - self.v0, hidden), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         local = matmul_f32(hidden, self.weight)  # float32 from the accumulator, as compute_logits

@@ -1,7 +1,6 @@
 """Memory planning: weights per rank, KV bytes per token, the largest KV pool that fits (``tokenfab plan``)."""
 from tokenfab.planner.memory_planner import (
     MemoryPlan,
-    PlanError,
     RankPlan,
     WeightEstimate,
     checkpoint_tensors,
@@ -10,14 +9,12 @@ from tokenfab.planner.memory_planner import (
     kv_dtype_bytes,
     kv_pool_tokens,
     min_devices_that_fit,
-    parse_count,
-    parse_reserve,
-    parse_size,
     plan_device_sweep,
     plan_memory,
     read_safetensors_header,
     state_bytes_per_rank,
 )
+from tokenfab.planner.plan_inputs import PlanError, parse_count, parse_reserve, parse_size
 from tokenfab.planner.plan_report import render_plan, render_sweep, sweep_rows
 
 __all__ = ["MemoryPlan", "RankPlan", "WeightEstimate", "PlanError", "estimate_weight_bytes", "kv_pool_tokens",

@@ -38,23 +38,15 @@ class Int4GroupExperts(PackedExperts):
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, scale_dtype=torch.bfloat16):
         super().__init__(num_experts, out_features, in_features)
-        if in_features % GROUP:
-            raise ValueError(f"INT4 group-{GROUP} experts need in_features divisible by {GROUP}, got {in_features}")
-        self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features // 8, dtype=torch.int32),
-                             persistent=False)
-        self.register_buffer("scale", torch.zeros(num_experts, out_features, in_features // GROUP,
-                                                  dtype=scale_dtype), persistent=False)
+        self.register_group_buffers(f"INT4 group-{GROUP}", 8, torch.int32, GROUP, scale_dtype)
         self._scale_seen = False
 
     def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
         if part == "weight_packed":
-            if t.dtype != torch.int32 or t.shape[1] * 8 != self.in_features:
-                raise WeightLoadError(f"{name}: weight_packed {tuple(t.shape)} {t.dtype} is not int32 "
-                                      f"[{rows}, {self.in_features // 8}] (8 nibbles per int32, pack-quantized).")
+            self.check_columns(t, rows, name, part, (torch.int32,), 8, "int32", "8 nibbles per int32, pack-quantized")
             return t
-        if t.dtype not in (torch.bfloat16, torch.float16) or t.shape[1] * GROUP != self.in_features:
-            raise WeightLoadError(f"{name}: weight_scale {tuple(t.shape)} {t.dtype} is not bf16 / fp16 "
-                                  f"[{rows}, {self.in_features // GROUP}] (one scale per {GROUP} values).")
+        self.check_columns(t, rows, name, "weight_scale", (torch.bfloat16, torch.float16), GROUP, "bf16 / fp16",
+                           f"one scale per {GROUP} values")
         if t.dtype != self.scale.dtype:
             if self._scale_seen:
                 raise WeightLoadError(f"{name}: weight_scale is {t.dtype} but earlier scales of this layer were "

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from tokenfab.errors import WeightLoadError
 from tokenfab.layers.mxfp4 import MXFP4_GROUP, dequantize_mxfp4
 from tokenfab.quant.packed_experts import PackedExperts
 
@@ -21,23 +20,15 @@ class Mxfp4Experts(PackedExperts):
 
     def __init__(self, num_experts: int, out_features: int, in_features: int):
         super().__init__(num_experts, out_features, in_features)
-        if in_features % MXFP4_GROUP:
-            raise ValueError(f"MXFP4 experts need in_features divisible by {MXFP4_GROUP}, got {in_features}")
-        self.register_buffer("packed", torch.zeros(num_experts, out_features, in_features // 2, dtype=torch.uint8),
-                             persistent=False)
-        self.register_buffer("scale", torch.zeros(num_experts, out_features, in_features // MXFP4_GROUP,
-                                                  dtype=torch.uint8), persistent=False)
+        self.register_group_buffers("MXFP4", 2, torch.uint8, MXFP4_GROUP, torch.uint8)
 
     def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
         if part == "weight_packed":
-            if t.dtype != torch.uint8 or t.shape[1] * 2 != self.in_features:
-                raise WeightLoadError(f"{name}: weight_packed {tuple(t.shape)} {t.dtype} is not uint8 "
-                                      f"[{rows}, {self.in_features // 2}] (two E2M1 codes per byte, MXFP4).")
+            self.check_columns(t, rows, name, part, (torch.uint8,), 2, "uint8", "two E2M1 codes per byte, MXFP4")
             return t
         e8m0 = getattr(torch, "float8_e8m0fnu", None)
-        if t.dtype not in (torch.uint8, e8m0) or t.shape[1] * MXFP4_GROUP != self.in_features:
-            raise WeightLoadError(f"{name}: weight_scale {tuple(t.shape)} {t.dtype} is not uint8 (E8M0) "
-                                  f"[{rows}, {self.in_features // MXFP4_GROUP}] (one scale per {MXFP4_GROUP}).")
+        self.check_columns(t, rows, name, "weight_scale", (torch.uint8, e8m0), MXFP4_GROUP, "uint8 (E8M0)",
+                           f"one scale per {MXFP4_GROUP}")
         return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
     def dequantize_packed(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -77,6 +77,26 @@ class PackedExperts(nn.Module):
         """Bytes resident for the whole stack (packed values and scales)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
+    def register_group_buffers(self, label: str, per_element: int, packed_dtype: torch.dtype, group: int,
+                               scale_dtype: torch.dtype) -> None:
+        """Register zeroed non-persistent buffers ``packed`` [E, out, in / per_element] of ``packed_dtype`` and
+        ``scale`` [E, out, in / group] of ``scale_dtype``. Raises ValueError (``label`` naming the format) unless
+        in_features is a multiple of ``group``."""
+        e, out_f, in_f = self.num_experts, self.out_features, self.in_features
+        if in_f % group:
+            raise ValueError(f"{label} experts need in_features divisible by {group}, got {in_f}")
+        self.register_buffer("packed", torch.zeros(e, out_f, in_f // per_element, dtype=packed_dtype),
+                             persistent=False)
+        self.register_buffer("scale", torch.zeros(e, out_f, in_f // group, dtype=scale_dtype), persistent=False)
+
+    def check_columns(self, t: torch.Tensor, rows: int, name: str, part: str, dtypes: tuple, per_column: int,
+                      dtype_text: str, note: str) -> None:
+        """Raise WeightLoadError (naming ``name``, ``part``, the expected ``dtype_text`` [rows, in / per_column] and
+        ``note``) unless ``t``'s dtype is one of ``dtypes`` and each column holds ``per_column`` input values."""
+        if t.dtype not in dtypes or t.shape[1] * per_column != self.in_features:
+            raise WeightLoadError(f"{name}: {part} {tuple(t.shape)} {t.dtype} is not {dtype_text} "
+                                  f"[{rows}, {self.in_features // per_column}] ({note}).")
+
     def check_part(self, part: str, t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
         """Validate checkpoint tensor ``t`` (``part`` = weight_packed / weight_scale) for ``rows`` rows of one
         expert and return it as this stack's buffer dtype. Raises WeightLoadError naming ``name``."""

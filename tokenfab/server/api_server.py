@@ -214,22 +214,14 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
         policy.admit(rid, prompt, ids, params)
         created = int(time.time())
         model = req.model or served_model_name
-        echo_text = ""
-        if req.echo:
-            echo_text = prompt if prompt is not None else (  # no tokenizer: token ids only, the text stays empty
-                serving.tokenizer.decode(ids) if serving.tokenizer is not None else "")
+        echo_text = _echo_text(prompt, ids) if req.echo else ""
         gen = async_llm.generate(rid, prompt, ids, params, priority)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream_completion(gen, rid, created, model, req.n, echo_text, include_usage,
                                                         req.logprobs is not None, _hold(params)),
                                      media_type="text/event-stream")
-        try:
-            out = await serving.collect(gen, raw)
-        except OpenAIError:
-            raise
-        except Exception as e:
-            raise _map_exception(e) from None
+        out = await _collect(gen, raw)
         choices = []
         for o in out.outputs:
             lp = serving.completion_logprobs(o.token_ids, o.logprobs, 0) if req.logprobs is not None else None
@@ -237,6 +229,21 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
                             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
         return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
                 "usage": serving.usage(out)}
+
+    def _echo_text(prompt, ids) -> str:
+        """The prompt text an echo request gets back (no tokenizer: token ids only, the text stays empty)."""
+        if prompt is not None:
+            return prompt
+        return serving.tokenizer.decode(ids) if serving.tokenizer is not None else ""
+
+    async def _collect(gen, raw: Request):
+        """Run a non-streamed request to its end; engine exceptions become the matching OpenAIError."""
+        try:
+            return await serving.collect(gen, raw)
+        except OpenAIError:
+            raise
+        except Exception as e:
+            raise _map_exception(e) from None
 
     async def _completions_all(req: CompletionRequest, raw: Request, prompts: list) -> dict:
         """A non-streamed completion of several prompts, or of one with echo + logprobs (lm-eval's
@@ -267,10 +274,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
                 raise _map_exception(r) from None
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         for pi, ((rid, prompt, ids, params), out) in enumerate(zip(runs, results)):
-            echo_text = ""
-            if req.echo:
-                echo_text = prompt if prompt is not None else (
-                    serving.tokenizer.decode(ids) if serving.tokenizer is not None else "")
+            echo_text = _echo_text(prompt, ids) if req.echo else ""
             for o in out.outputs:
                 lp = None
                 if scoring:
@@ -355,12 +359,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(_stream_chat(gen, rid, created, model, req.n, include_usage, k, _hold(params),
                                                   tool_choice), media_type="text/event-stream")
-        try:
-            out = await serving.collect(gen, raw)
-        except OpenAIError:
-            raise
-        except Exception as e:
-            raise _map_exception(e) from None
+        out = await _collect(gen, raw)
         choices = []
         for o in out.outputs:
             lp = serving.chat_logprobs(o.token_ids, o.logprobs, k) if k is not None else None

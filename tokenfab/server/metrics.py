@@ -48,52 +48,47 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = reg = CollectorRegistry()
         L = ["model_name"]
-        self.running = Gauge("vllm:num_requests_running", "Number of sequences in model execution batches.", L,
-                             registry=reg)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Number of sequences waiting to be processed.", L,
-                             registry=reg)
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", L,
-                              registry=reg)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", L, registry=reg)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", L,
-                                         registry=reg)
-        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", L,
-                                   registry=reg)
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               L + ["finished_reason"], registry=reg)
-        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", L,
-                                   registry=reg)
-        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", L,
-                                         registry=reg)
-        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", L,
-                                     registry=reg)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries",
-                                      "Prefix cache queries, in terms of number of queried tokens.", L, registry=reg)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                                   L, registry=reg)
-        self.spec_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                    "Accepted tokens per draft position.", L + ["position"], registry=reg)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              L, buckets=_LATENCY_BUCKETS, registry=reg)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds",
-                              "Histogram of time per output token in seconds.", L, buckets=_ITL_BUCKETS,
-                              registry=reg)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", L,
-                             buckets=_ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             L, buckets=_LATENCY_BUCKETS, registry=reg)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.", L,
-                                    buckets=_LATENCY_BUCKETS, registry=reg)
-        self.req_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens per request.",
-                                           L, buckets=_TOKEN_BUCKETS, registry=reg)
-        self.req_gen_tokens = Histogram("vllm:request_generation_tokens",
-                                        "Number of generation tokens per request.", L, buckets=_TOKEN_BUCKETS,
-                                        registry=reg)
-        self.aborted = Counter("tokenfab:num_aborted_requests", "Requests aborted before finishing (client gone).",
-                               L, registry=reg)
-        self.step_failures = Counter("tokenfab:num_engine_step_failures", "Engine steps that raised an error.", L,
-                                     registry=reg)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, L, registry=reg)
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(name, doc, L + list(labels), registry=reg)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, L, buckets=buckets, registry=reg)
+
+        self.running = gauge("vllm:num_requests_running", "Number of sequences in model execution batches.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Number of sequences waiting to be processed.")
+        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.")
+        self.success = counter("vllm:request_success", "Count of successfully processed requests.", "finished_reason")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.prefix_queries = counter("vllm:prefix_cache_queries",
+                                      "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.spec_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", "position")
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              _LATENCY_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                              _ITL_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             _LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", _LATENCY_BUCKETS)
+        self.req_prompt_tokens = histogram("vllm:request_prompt_tokens", "Number of prefill tokens per request.",
+                                           _TOKEN_BUCKETS)
+        self.req_gen_tokens = histogram("vllm:request_generation_tokens", "Number of generation tokens per request.",
+                                        _TOKEN_BUCKETS)
+        self.aborted = counter("tokenfab:num_aborted_requests", "Requests aborted before finishing (client gone).")
+        self.step_failures = counter("tokenfab:num_engine_step_failures", "Engine steps that raised an error.")
         for m in (self.aborted, self.step_failures, self.prompt_tokens, self.generation_tokens, self.preemptions, self.spec_drafts,
                   self.spec_draft_tokens, self.spec_accepted, self.prefix_queries, self.prefix_hits):
             m.labels(model_name).inc(0)

@@ -143,35 +143,32 @@ def _opt(d: dict, name: str, where: str, kind, default, lo: int | None = None):
     return _typed(d, name, where, kind, lo)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# kind -> (does a value have it, what the error says it must be, conversion of an accepted value or None)
+_KINDS = {
+    bool: (lambda v: isinstance(v, bool), "true or false", None),
+    int: (_is_int, "an integer", None),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number", float),
+    str: (lambda v: isinstance(v, str), "a string", None),
+    list: (lambda v: isinstance(v, list) and bool(v) and all(_is_int(x) for x in v),
+           "a non-empty list of integers", list),
+    dict: (lambda v: isinstance(v, dict), "an object", None),
+}
+
+
 def _typed(d: dict, name: str, where: str, kind, lo):
     v = d[name]
-    if kind is bool:
-        if not isinstance(v, bool):
-            raise _fail(where + name, f"must be true or false, got {v!r}.")
-        return v
-    if kind is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise _fail(where + name, f"must be an integer, got {v!r}.")
-        if lo is not None and v < lo:
-            raise _fail(where + name, f"must be >= {lo}, got {v}.")
-        return v
-    if kind is float:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise _fail(where + name, f"must be a number, got {v!r}.")
-        return float(v)
-    if kind is str:
-        if not isinstance(v, str):
-            raise _fail(where + name, f"must be a string, got {v!r}.")
-        return v
-    if kind is list:
-        if not isinstance(v, list) or not v or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
-            raise _fail(where + name, f"must be a non-empty list of integers, got {v!r}.")
-        return list(v)
-    if kind is dict:
-        if not isinstance(v, dict):
-            raise _fail(where + name, f"must be an object, got {v!r}.")
-        return v
-    raise AssertionError(kind)
+    if kind not in _KINDS:
+        raise AssertionError(kind)
+    ok, what, convert = _KINDS[kind]
+    if not ok(v):
+        raise _fail(where + name, f"must be {what}, got {v!r}.")
+    if kind is int and lo is not None and v < lo:
+        raise _fail(where + name, f"must be >= {lo}, got {v}.")
+    return convert(v) if convert is not None else v
 
 
 def _layer_types(d: dict, where: str, n: int, default: list[str] | None) -> list[str]:

@@ -146,6 +146,12 @@ def _as_id_list(token_ids: Any) -> list[int]:
     return [int(t) for t in token_ids]
 
 
+def _special_token_id(attr: str) -> property:
+    """A read-only property: the id of the special token named by attribute ``attr`` (``bos_token`` ...), or None."""
+    return property(lambda self: self._id(getattr(self, attr)),
+                    doc=f"The id of ``{attr}``, or None when the tokenizer has none.")
+
+
 class TiktokenTokenizer:
     """Byte-level BPE over ``tiktoken`` with Kimi's special-token layout and pre-tokenizer.
 
@@ -445,21 +451,10 @@ class TiktokenTokenizer:
     def _id(self, tok: str | None) -> int | None:
         return None if tok is None else self._specials[tok]
 
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._id(self.bos_token)
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._id(self.eos_token)
-
-    @property
-    def unk_token_id(self) -> int | None:
-        return self._id(self.unk_token)
-
-    @property
-    def pad_token_id(self) -> int | None:
-        return self._id(self.pad_token)
+    bos_token_id = _special_token_id("bos_token")
+    eos_token_id = _special_token_id("eos_token")
+    unk_token_id = _special_token_id("unk_token")
+    pad_token_id = _special_token_id("pad_token")
 
     @property
     def special_tokens_map(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import json
 import os
 
 from tokenfab.eval import usage_error
+from tokenfab.jsonl import iter_jsonl
 
 
 def read_rows(path: str, flag: str) -> list[dict]:
@@ -30,15 +31,10 @@ def read_rows(path: str, flag: str) -> list[dict]:
             if not isinstance(data, list):
                 raise usage_error(f"{flag}: {path} must hold a JSON list of rows (or use JSONL).")
             return data
-        rows = []
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise usage_error(f"{flag}: {path} line {i} is not JSON ({e.msg}).") from None
-        return rows
+        def bad_line(i, e):
+            return usage_error(f"{flag}: {path} line {i} is not JSON ({e.msg}).")
+
+        return [row for _, row in iter_jsonl(f, bad_line)]
 
 
 def require_fields(rows: list[dict], fields: tuple[str, ...], path: str, flag: str) -> None:

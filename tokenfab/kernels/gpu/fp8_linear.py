@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenfab.kernels.gpu.support import launch_linear
+
 FP8_BLOCK = 128
 
 
@@ -78,16 +80,13 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         raise ValueError(f"FP8 weight {tuple(weight.shape)} with weight_scale_inv {tuple(scale_inv.shape)} does not "
                          f"match inputs of width {x.shape[-1]} (one float32 scale per 128 x 128 block expected)")
     w8 = (weight.view(torch.uint8) if weight.dtype != torch.uint8 else weight).contiguous()
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K).contiguous()
-    M = x2.shape[0]
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return y.reshape(*lead, N)
-    s = scale_inv.float().contiguous()
-    block_m = 16 if M <= 16 else 32 if M <= 64 else 64
-    block_n, block_k = 64, 64
-    _fp8_gemm[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
-        x2, w8, s, y, bias if bias is not None else y, M, N, K, x2.stride(0), w8.stride(0), s.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
-    return y.reshape(*lead, N)
+
+    def launch(x2: torch.Tensor, y: torch.Tensor, block_m: int) -> None:
+        M = x2.shape[0]
+        s = scale_inv.float().contiguous()
+        block_n, block_k = 64, 64
+        _fp8_gemm[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+            x2, w8, s, y, bias if bias is not None else y, M, N, K, x2.stride(0), w8.stride(0), s.stride(0),
+            y.stride(0), HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+
+    return launch_linear(x, N, launch)

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenfab.kernels.gpu.support import launch_linear
 from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_blocks import TILE, BlockType
 
@@ -86,15 +87,12 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_feat
     K = x.shape[-1]
     if kb * gguf_blocks.BLOCK != K or tbb != block.tile_block_bytes or nt * TILE < out_features:
         raise ValueError(f"GGUF {block.name} tiles {tuple(tiles.shape)} do not hold a [{out_features}, {K}] weight")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, K).contiguous()
-    M = x2.shape[0]
-    y = torch.empty(M, out_features, dtype=x.dtype, device=x.device)
-    if M == 0:
-        return y.reshape(*lead, out_features)
-    flat = tiles.reshape(-1)
-    block_m = 16 if M <= 16 else 32 if M <= 64 else 64
-    _gguf_gemm[(nt, triton.cdiv(M, block_m))](
-        x2, flat, flat.view(torch.float16), y, bias if bias is not None else y, M, out_features, kb,
-        x2.stride(0), y.stride(0), TBB=tbb, KIND=_KIND[block.name], HAS_BIAS=bias is not None, BLOCK_M=block_m)
-    return y.reshape(*lead, out_features)
+
+    def launch(x2: torch.Tensor, y: torch.Tensor, block_m: int) -> None:
+        M = x2.shape[0]
+        flat = tiles.reshape(-1)
+        _gguf_gemm[(nt, triton.cdiv(M, block_m))](
+            x2, flat, flat.view(torch.float16), y, bias if bias is not None else y, M, out_features, kb,
+            x2.stride(0), y.stride(0), TBB=tbb, KIND=_KIND[block.name], HAS_BIAS=bias is not None, BLOCK_M=block_m)
+
+    return launch_linear(x, out_features, launch)

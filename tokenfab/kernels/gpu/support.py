@@ -3,7 +3,8 @@
 On CUDA/ROCm tensors they replace the eager PyTorch paths when the ``triton`` package imports. On CPU they never
 run in serving; tests run them through Triton's interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is
 imported, plus ``TOKENFAB_TRITON=interpret``) against the PyTorch paths, which stay the reference and the fallback.
-``TOKENFAB_TRITON=0`` turns them off everywhere.
+``TOKENFAB_TRITON=0`` turns them off everywhere. :func:`launch_linear` is the row scaffolding the Triton linears
+(kernels/gpu/fp8_linear.py, kernels/gpu/gguf_linear.py) share.
 """
 from __future__ import annotations
 
@@ -47,3 +48,16 @@ def applies(x: torch.Tensor) -> bool:
     if x.device.type == "cuda":  # ROCm builds of torch report "cuda" too
         return triton_importable()
     return x.device.type == "cpu" and interpreting() and triton_importable()
+
+
+def launch_linear(x: torch.Tensor, out_features: int, launch) -> torch.Tensor:
+    """The row scaffolding of the Triton linears: x [..., K] flattened to contiguous rows x2 [M, K], an output
+    y [M, out_features] in x's dtype on x's device, ``launch(x2, y, block_m)`` filling y (not called when M == 0;
+    ``block_m``: 16 rows up to M = 16, 32 up to 64, else 64), and y returned as [..., out_features]."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    M = x2.shape[0]
+    y = torch.empty(M, out_features, dtype=x.dtype, device=x.device)
+    if M:
+        launch(x2, y, 16 if M <= 16 else 32 if M <= 64 else 64)
+    return y.reshape(*lead, out_features)
