@@ -94,6 +94,17 @@ def test_float32_fidelity_prefill_and_decode(tiny_models, family, tmp_path):
     assert os.path.isfile(tmp_path / "kl.json") and "| prefill |" in (tmp_path / "kl.md").read_text()
 
 
+def test_no_model_means_the_default_model(tiny_models, monkeypatch):
+    """MODEL omitted: the default model of every command (default_model_path: SmolLM2 when installed), not the
+    embedded random one."""
+    import tokenfab.default_model as dm
+    monkeypatch.setattr(dm, "default_model_path", lambda quiet=False: tiny_models["llama"])
+    monkeypatch.setattr(dm, "ensure_default_model", lambda *a, **k: pytest.fail("the embedded model was used"))
+    res = run_kl(None, random_rows=1, row_len=12, decode_steps=0, dtype="float32", max_model_len=64,
+                 progress=False)
+    assert res["model"] == os.path.abspath(tiny_models["llama"])
+
+
 # ---- fault detection -------------------------------------------------------------------------------------------
 def _corrupt_copy(src: str, dst: str, **rope_updates) -> str:
     shutil.copytree(src, dst)

