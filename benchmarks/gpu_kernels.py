@@ -13,7 +13,9 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
    GGUFWeight's dequantizing PyTorch path, time, and bandwidth over the packed bytes; the same for the FP8
    block-scaled linear (kernels/gpu/fp8_linear.py) against its dequantized weight, and the fused MoE over INT4
    group-32 and MXFP4 stacks (kernels/gpu/packed_moe.py) against the bf16 fused MoE on the dequantized weights.
-4. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
+4. RMSNorm with the residual add and SiLU-GLU (kernels/gpu/norm_activation.py) at 16 and 2,048 rows (hidden 4096,
+   intermediate 11008): error against the layers' PyTorch math, time, bandwidth over the bytes read and written.
+5. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
    identical token ids expected.
 
 A dry run of this script on CPU (tiny shapes, float32, Triton's interpreter; its times mean nothing; the "graphs"
@@ -169,6 +171,41 @@ def check_fp8(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
     return rows
 
 
+def check_norm_activation(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
+    """RMSNorm with the residual add and SiLU-GLU (kernels/gpu/norm_activation.py) at a decode batch of 16 rows
+    and a prefill chunk of 2,048 (hidden 4096, intermediate 11008; quick: 5 x 96): error relative to the largest
+    output of the layers' PyTorch paths, time, bandwidth over the bytes read and written."""
+    from tokenfab.kernels.gpu.norm_activation import rms_norm, silu_and_mul
+    hidden, inter = (4096, 11008) if not quick else (96, 80)
+    g = torch.Generator(device=dev).manual_seed(0)
+    w = torch.randn(hidden, device=dev, generator=g).to(dtype)
+    rows = []
+    for M in ((16, 2048) if not quick else (5,)):
+        x = torch.randn(M, hidden, device=dev, generator=g).to(dtype)
+        r = torch.randn(M, hidden, device=dev, generator=g).to(dtype)
+        y, h = rms_norm(x, w, 1e-6, r)
+        hw = r + x
+        hf = hw.float()
+        want = w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        err = max(((y.float() - want.float()).abs().max() / want.float().abs().max()).item(),
+                  ((h.float() - hw.float()).abs().max() / hw.float().abs().max()).item())
+        us = _time_us(lambda: rms_norm(x, w, 1e-6, r), dev, reps)
+        nbytes = 4 * x.numel() * x.element_size()
+        rows.append({"kernel": "RMSNorm + residual add", "shape": f"M={M} hidden={hidden}", "max_err": err, "us": us,
+                     "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+        gu = torch.randn(M, 2 * inter, device=dev, generator=g).to(dtype)
+        got = silu_and_mul(gu)
+        want = torch.nn.functional.silu(gu[:, :inter]) * gu[:, inter:]
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        us = _time_us(lambda: silu_and_mul(gu), dev, reps)
+        nbytes = 3 * M * inter * gu.element_size()
+        rows.append({"kernel": "SiLU-GLU", "shape": f"M={M} I={inter}", "max_err": err, "us": us,
+                     "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
     """The fused MoE over INT4 group-32 and MXFP4 stacks (kernels/gpu/packed_moe.py) at DeepSeek-V3's expert
     shape: error against the bf16 fused MoE on the same (dequantized) weights, time, bandwidth over the packed bytes
@@ -267,7 +304,8 @@ def main() -> int:
     print(json.dumps({"copy_bandwidth_GBps": bw / 1e9}), flush=True)
     rows = (check_attention(dev, dtype, args.quick, bw, args.reps) + check_moe(dev, dtype, args.quick, bw, args.reps)
             + check_gguf(dev, dtype, args.quick, bw, args.reps) + check_fp8(dev, dtype, args.quick, bw, args.reps)
-            + check_packed_moe(dev, dtype, args.quick, bw, args.reps))
+            + check_packed_moe(dev, dtype, args.quick, bw, args.reps)
+            + check_norm_activation(dev, dtype, args.quick, bw, args.reps))
     graph = check_graph_tokens(args.device, args.quick)
     os.makedirs(args.out, exist_ok=True)
     env_vars = " ".join(f"{k}={os.environ[k]}" for k in ("TRITON_INTERPRET", "TOKENFAB_TRITON",

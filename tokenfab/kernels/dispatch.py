@@ -10,8 +10,8 @@ when a GPU kernel applies.
 ========================== ================================= ====================================================
 op family                  CPU kernel (C++)                  GPU kernel (Triton)
 ========================== ================================= ====================================================
-rms_norm                   rms_norm (+ residual add)         -
-silu_and_mul               silu_and_mul                      -
+rms_norm                   rms_norm (+ residual add)         gpu/norm_activation.py (+ residual add)
+silu_and_mul               silu_and_mul                      gpu/norm_activation.py
 rope                       rope                              -
 paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
 causal_softmax_ (prefill)  causal_softmax_                   -
@@ -41,10 +41,22 @@ FUSED_LATENT_MAX_TOKENS = 1024
 PACKED_MOE_FORMATS = ("int4_group", "mxfp4", "fp8_block")  # the stacks gpu/packed_moe.py reads
 
 
+def _gpu(x: torch.Tensor) -> bool:
+    """A CUDA / ROCm tensor the Triton kernels take (``TOKENFAB_TRITON``); CPU tensors keep the C++ kernels."""
+    return x.device.type != "cpu" and gpu_support.applies(x)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """RMSNorm of x [..., hidden] (with ``residual``: (norm(x + residual), x + residual), x 2-D) by the CPU kernel,
-    or None (another device or dtype, a strided last dim, kernels not built)."""
+    """RMSNorm of x [..., hidden] (with ``residual``: (norm(x + residual), x + residual), x 2-D) by the CPU kernel
+    or, on a GPU, the Triton kernel; or None (another dtype, a strided last dim, kernels not built or off)."""
+    if _gpu(x) and x.dtype == weight.dtype and x.shape[-1] == weight.shape[0] and x.stride(-1) == 1:
+        from tokenfab.kernels.gpu import norm_activation
+        if residual is None:
+            return norm_activation.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+        if x.dim() == 2 and residual.dtype == x.dtype and residual.stride(-1) == 1:
+            return norm_activation.rms_norm(x, weight, eps, residual)
+        return None
     if residual is not None:
         if (x.dim() == 2 and x.dtype == weight.dtype == residual.dtype and x.stride(-1) == 1
                 and residual.stride(-1) == 1 and cpu_ops.available_for(x)):
@@ -56,7 +68,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up for gate_up [N, 2I] ([gate | up], contiguous last dim) by the CPU kernel, or None."""
+    """silu(gate) * up for gate_up [N, 2I] ([gate | up], contiguous last dim) by the CPU kernel or, on a GPU, the
+    Triton kernel; or None."""
+    if _gpu(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        from tokenfab.kernels.gpu import norm_activation
+        return norm_activation.silu_and_mul(gate_up)
     if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and cpu_ops.available_for(gate_up):
         return cpu_ops.silu_and_mul(gate_up)
     return None
