@@ -13,8 +13,9 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
    GGUFWeight's dequantizing PyTorch path, time, and bandwidth over the packed bytes; the same for the FP8
    block-scaled linear (kernels/gpu/fp8_linear.py) against its dequantized weight, and the fused MoE over INT4
    group-32 and MXFP4 stacks (kernels/gpu/packed_moe.py) against the bf16 fused MoE on the dequantized weights.
-4. RMSNorm with the residual add and SiLU-GLU (kernels/gpu/norm_activation.py) at 16 and 2,048 rows (hidden 4096,
-   intermediate 11008): error against the layers' PyTorch math, time, bandwidth over the bytes read and written.
+4. RMSNorm with the residual add, SiLU-GLU and RoPE (kernels/gpu/norm_activation.py) at 16 and 2,048 rows (hidden
+   4096, intermediate 11008, 32 heads of 128): error against the layers' PyTorch math, time, bandwidth over the
+   bytes read and written.
 5. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
    identical token ids expected.
 
@@ -175,7 +176,7 @@ def check_norm_activation(dev, dtype, quick: bool, bw: float, reps: int) -> list
     """RMSNorm with the residual add and SiLU-GLU (kernels/gpu/norm_activation.py) at a decode batch of 16 rows
     and a prefill chunk of 2,048 (hidden 4096, intermediate 11008; quick: 5 x 96): error relative to the largest
     output of the layers' PyTorch paths, time, bandwidth over the bytes read and written."""
-    from tokenfab.kernels.gpu.norm_activation import rms_norm, silu_and_mul
+    from tokenfab.kernels.gpu.norm_activation import rms_norm, rope, silu_and_mul
     hidden, inter = (4096, 11008) if not quick else (96, 80)
     g = torch.Generator(device=dev).manual_seed(0)
     w = torch.randn(hidden, device=dev, generator=g).to(dtype)
@@ -201,6 +202,22 @@ def check_norm_activation(dev, dtype, quick: bool, bw: float, reps: int) -> list
         us = _time_us(lambda: silu_and_mul(gu), dev, reps)
         nbytes = 3 * M * inter * gu.element_size()
         rows.append({"kernel": "SiLU-GLU", "shape": f"M={M} I={inter}", "max_err": err, "us": us,
+                     "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+        heads, dim = (32, 128) if not quick else (3, 16)
+        q = torch.randn(M, heads, dim, device=dev, generator=g).to(dtype)
+        pos = torch.randint(0, 4096, (M,), device=dev, generator=g)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, device=dev).float() / dim))
+        ang = torch.outer(torch.arange(4096, device=dev).float(), inv)
+        cos, sin = ang.cos(), ang.sin()
+        got = rope(q, pos, cos, sin, False)
+        c, s = cos[pos].unsqueeze(1).to(dtype), sin[pos].unsqueeze(1).to(dtype)
+        q1, q2 = q.chunk(2, dim=-1)
+        want = torch.cat([q1 * c - q2 * s, q2 * c + q1 * s], dim=-1)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        us = _time_us(lambda: rope(q, pos, cos, sin, False), dev, reps)
+        nbytes = 2 * q.numel() * q.element_size()
+        rows.append({"kernel": "RoPE", "shape": f"M={M} heads={heads} dim={dim}", "max_err": err, "us": us,
                      "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
         print(json.dumps(rows[-1]), flush=True)
     return rows

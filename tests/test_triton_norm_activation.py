@@ -79,3 +79,34 @@ def test_seam_keeps_cpu_tensors_on_the_cpu_path(interpret):
     tensors to the C++ kernels (or the reference), never to Triton."""
     x = torch.randn(2, 64)
     assert not dispatch._gpu(x)
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 24])  # 24: a half of 12, not a power of two
+def test_rope_matches_the_layer(interpret, monkeypatch, interleave, dtype, dim):
+    from tokenfab.kernels.gpu.norm_activation import rope
+    from tokenfab.layers.rotary import RotaryEmbedding
+    from tokenfab.model_config import RopeConfig
+    rot = RotaryEmbedding(RopeConfig(dim=dim, theta=10000.0, interleave=interleave), 256, 256)
+    g = torch.Generator().manual_seed(dim)
+    q = (torch.randn(7, 6, dim, generator=g) * 2).to(dtype)
+    k = (torch.randn(7, 2, dim, generator=g) * 2).to(dtype)
+    positions = torch.tensor([0, 1, 5, 17, 100, 200, 255])
+    got = (rope(q, positions, rot.cos, rot.sin, interleave), rope(k, positions, rot.cos, rot.sin, interleave))
+    monkeypatch.setattr(dispatch, "rope", lambda *a, **kw: None)
+    want = rot(positions, q, k)
+    if dtype == torch.float32:
+        for a, b in zip(got, want):
+            assert_matches(a, b)
+        return
+    # bf16: three roundings per output (two products, their sum), each within a bf16 ulp of |x1 c| + |x2 s| here
+    # and in the reference: the difference is within 6 ulps of that magnitude (the outputs may cancel to ~0)
+    c = rot.cos[positions].unsqueeze(1).to(dtype).float()
+    s = rot.sin[positions].unsqueeze(1).to(dtype).float()
+    for x, a, b in zip((q, k), got, want):
+        x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else x.float().chunk(2, dim=-1)
+        x1, x2 = x1.float().abs(), x2.float().abs()
+        mag = torch.cat([x1 * c.abs() + x2 * s.abs(), x2 * c.abs() + x1 * s.abs()], dim=-1)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert ((a.float() - b.float()).abs() <= 6 * 2.0 ** -7 * mag + 1e-6).all()

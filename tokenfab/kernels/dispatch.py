@@ -12,7 +12,7 @@ op family                  CPU kernel (C++)                  GPU kernel (Triton)
 ========================== ================================= ====================================================
 rms_norm                   rms_norm (+ residual add)         gpu/norm_activation.py (+ residual add)
 silu_and_mul               silu_and_mul                      gpu/norm_activation.py
-rope                       rope                              -
+rope                       rope                              gpu/norm_activation.py
 paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
 causal_softmax_ (prefill)  causal_softmax_                   -
 flash_prefill_attention    flash_prefill_attention (bf16)    -
@@ -81,7 +81,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
          interleave: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Rotary embedding of q [T, Hq, dim] and k [T, Hk, dim] at positions [T] from float32 tables cos / sin
-    [P, dim / 2] by the CPU kernel (one pass per tensor), or None."""
+    [P, dim / 2] by the CPU kernel or, on a GPU, the Triton kernel (one pass per tensor), or None."""
+    if (_gpu(q) and q.dtype == k.dtype and cos.dtype == torch.float32 and q.stride(-1) == 1 and k.stride(-1) == 1
+            and q.shape[-1] % 2 == 0):
+        from tokenfab.kernels.gpu import norm_activation
+        return (norm_activation.rope(q, positions, cos, sin, interleave),
+                norm_activation.rope(k, positions, cos, sin, interleave))
     if (q.dtype == k.dtype and cos.dtype == torch.float32 and q.stride(-1) == 1 and k.stride(-1) == 1
             and cpu_ops.available_for(q)):
         return (cpu_ops.rope(q, positions, cos, sin, interleave), cpu_ops.rope(k, positions, cos, sin, interleave))

@@ -1,9 +1,10 @@
 """Triton kernels for the elementwise glue between the GEMMs on GPUs: RMSNorm with the residual add fused in
-(vLLM's ``fused_add_rms_norm``, out of place) and SiLU-GLU. Each replaces a chain of eager PyTorch ops (a norm alone
+(vLLM's ``fused_add_rms_norm``, out of place), SiLU-GLU and RoPE (both layouts). Each replaces a chain of eager PyTorch ops (a norm alone
 is a mean, an rsqrt and three multiplies; with its residual add, a separate add pass), one read and one write of
 the activations instead of several.
 
-Both round as the PyTorch reference paths they replace (layers/norm.py, layers/activation.py) do, in x's dtype:
+They round as the PyTorch reference paths they replace (layers/norm.py, layers/activation.py, layers/rotary.py) do,
+in x's dtype (RoPE: each product and the sum or difference rounded, cos / sin rounded first):
 RMSNorm: h = x (+ residual, rounded to x's dtype), y = w * round(h * rsqrt(mean(h^2) + eps)) with float32
 statistics; SiLU-GLU: round(round(silu(gate)) * up). Checked against those paths in Triton's interpreter on CPU
 (tests/test_triton_norm_activation.py); GPU timings come from ``benchmarks/gpu_check.sh``.
@@ -71,4 +72,44 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if n and inter:
         _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, y, inter, gate_up.stride(0), y.stride(0),
                                                                BLOCK=block, num_warps=4)
+    return y
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, y_ptr, n_heads, half, stride_xt, stride_xh, stride_c,
+                 INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < half
+    base = x_ptr + t * stride_xt + h * stride_xh
+    if INTERLEAVE:  # pairs (2i, 2i + 1), written back as halves (DeepSeek-V3's layout)
+        x1 = tl.load(base + 2 * offs, mask=mask, other=0.0)
+        x2 = tl.load(base + 2 * offs + 1, mask=mask, other=0.0)
+    else:  # halves (rotate_half)
+        x1 = tl.load(base + offs, mask=mask, other=0.0)
+        x2 = tl.load(base + half + offs, mask=mask, other=0.0)
+    p = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + p * stride_c + offs, mask=mask, other=0.0).to(x1.dtype).to(tl.float32)
+    s = tl.load(sin_ptr + p * stride_c + offs, mask=mask, other=0.0).to(x1.dtype).to(tl.float32)
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    # each product and sum rounded to x's dtype, as the eager x1 * cos - x2 * sin in that dtype is
+    r1 = ((a1 * c).to(x1.dtype).to(tl.float32) - (a2 * s).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+    r2 = ((a2 * c).to(x1.dtype).to(tl.float32) + (a1 * s).to(x1.dtype).to(tl.float32)).to(x1.dtype)
+    out = y_ptr + (t * n_heads + h) * 2 * half
+    tl.store(out + offs, r1, mask=mask)
+    tl.store(out + half + offs, r2, mask=mask)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         interleave: bool) -> torch.Tensor:
+    """Rotary embedding of x [T, heads, dim] (unit stride along dim) at positions [T] (int64) from float32 tables
+    cos / sin [P, dim / 2] (rounded to x's dtype first, as transformers does) -> a new contiguous [T, heads, dim] of
+    x's dtype. ``interleave``: pairs (2i, 2i + 1) rotated and written as halves (DeepSeek-V3); else halves."""
+    T, H, D = x.shape
+    y = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
+    if T and H:
+        _rope_kernel[(T, H)](x, positions, cos, sin, y, H, D // 2, x.stride(0), x.stride(1), cos.stride(0),
+                             INTERLEAVE=interleave, BLOCK=triton.next_power_of_2(max(1, D // 2)), num_warps=1)
     return y
