@@ -14,8 +14,8 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
    block-scaled linear (kernels/gpu/fp8_linear.py) against its dequantized weight, and the fused MoE over INT4
    group-32 and MXFP4 stacks (kernels/gpu/packed_moe.py) against the bf16 fused MoE on the dequantized weights.
 4. RMSNorm with the residual add, SiLU-GLU and RoPE (kernels/gpu/norm_activation.py) at 16 and 2,048 rows (hidden
-   4096, intermediate 11008, 32 heads of 128): error against the layers' PyTorch math, time, bandwidth over the
-   bytes read and written.
+   4096, intermediate 11008, 32 heads of 128), and DeepSeek-V3's router selection (kernels/gpu/router.py): error
+   against the layers' PyTorch math, time, bandwidth over the bytes read and written.
 5. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
    identical token ids expected.
 
@@ -220,7 +220,37 @@ def check_norm_activation(dev, dtype, quick: bool, bw: float, reps: int) -> list
         rows.append({"kernel": "RoPE", "shape": f"M={M} heads={heads} dim={dim}", "max_err": err, "us": us,
                      "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
         print(json.dumps(rows[-1]), flush=True)
+        rows.append(check_router(dev, M, g, reps, bw))
+        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def check_router(dev, M: int, g, reps: int, bw: float) -> dict:
+    """DeepSeek-V3's router selection (kernels/gpu/router.py: 256 experts in 8 groups, 4 kept, top 8) after the
+    router GEMM against SigmoidGroupRouter's PyTorch path: the max weight error over tokens whose expert sets agree
+    (1.0 where any set differs), time of the selection alone."""
+    from tokenfab.kernels import dispatch
+    from tokenfab.kernels.gpu.router import sigmoid_group_topk
+    from tokenfab.layers.moe import SigmoidGroupRouter
+    r = SigmoidGroupRouter(64, 256, 8, 8, 4, True, 2.5).to(dev)
+    r.weight.data = torch.randn(256, 64, device=dev, generator=g)
+    r.e_score_correction_bias.data = torch.randn(256, device=dev, generator=g) * 0.1
+    x = torch.randn(M, 64, device=dev, generator=g)
+    logits = torch.nn.functional.linear(x, r.weight)
+    w, ids = sigmoid_group_topk(logits, r.e_score_correction_bias, 8, 4, 8, True, 2.5)
+    saved = dispatch.sigmoid_group_topk
+    dispatch.sigmoid_group_topk = lambda *a, **k: None
+    try:
+        w_ref, ids_ref = r(x)
+    finally:
+        dispatch.sigmoid_group_topk = saved
+    o, o_ref = ids.argsort(1), ids_ref.argsort(1)
+    same = torch.equal(ids.gather(1, o), ids_ref.gather(1, o_ref))
+    err = (w.gather(1, o) - w_ref.gather(1, o_ref)).abs().max().item() if same else 1.0
+    us = _time_us(lambda: sigmoid_group_topk(logits, r.e_score_correction_bias, 8, 4, 8, True, 2.5), dev, reps)
+    nbytes = logits.numel() * 4 + M * 8 * 12
+    return {"kernel": "router selection (256 experts, 8 groups)", "shape": f"T={M}", "max_err": err, "us": us,
+            "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw}
 
 
 def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:

@@ -16,7 +16,7 @@ rope                       rope                              gpu/norm_activation
 paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
 causal_softmax_ (prefill)  causal_softmax_                   -
 flash_prefill_attention    flash_prefill_attention (bf16)    -
-sigmoid_group_topk         sigmoid_group_topk                -
+sigmoid_group_topk         sigmoid_group_topk                gpu/router.py (power-of-two shapes)
 routed_experts             moe_experts_packed                gpu/moe.py (dense stacks)
 routed_experts_packed      -                                 gpu/packed_moe.py (INT4 / MXFP4 / FP8 stacks)
 sample_plain               sample_plain                      -
@@ -145,7 +145,13 @@ def sigmoid_group_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        top_k: int, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """DeepSeek-V3 / Kimi-K2 routing of x [T, hidden] with the router weight [E, hidden] float32: the router GEMM in
     float32, then the CPU kernel's selection in one pass per token -> (weights [T, top_k] float32, ids [T, top_k]
-    int64), or None."""
+    int64), or None. On a GPU the Triton kernel does the selection (ids in descending choice score)."""
+    if _gpu(x):
+        from tokenfab.kernels.gpu import router
+        if router.applies(weight.shape[0], n_group, top_k):
+            return router.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group,
+                                             topk_group, top_k, norm, scale)
+        return None
     if cpu_ops.available_for(x):
         return cpu_ops.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group, topk_group,
                                           top_k, norm, scale)

@@ -1,0 +1,43 @@
+"""The Triton router selection (kernels/gpu/router.py) in Triton's interpreter on CPU against SigmoidGroupRouter's
+PyTorch path (layers/moe.py, the kernel seam switched off): the same expert set per token (random logits have no
+ties), and the same weights per expert to float32 rounding (unbiased sigmoid scores, renormalized, scaled).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfab.kernels import dispatch
+from tokenfab.kernels.gpu import support as triton_support
+from tokenfab.layers.moe import SigmoidGroupRouter
+
+pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
+
+
+@pytest.mark.parametrize("E,n_group,topk_group,top_k", [(256, 8, 4, 8), (64, 1, 1, 8), (16, 4, 2, 4), (8, 4, 3, 2)])
+@pytest.mark.parametrize("norm", [True, False])
+def test_selection_matches_the_router(monkeypatch, E, n_group, topk_group, top_k, norm):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
+    from tokenfab.kernels.gpu import router
+    assert router.applies(E, n_group, top_k)
+    g = torch.Generator().manual_seed(E + top_k)
+    r = SigmoidGroupRouter(32, E, top_k, n_group, topk_group, norm, 2.5)
+    r.weight.data = torch.randn(E, 32, generator=g)
+    r.e_score_correction_bias.data = torch.randn(E, generator=g) * 0.1
+    x = torch.randn(9, 32, generator=g)
+    w, ids = router.sigmoid_group_topk(torch.nn.functional.linear(x, r.weight), r.e_score_correction_bias,
+                                       n_group, topk_group, top_k, norm, 2.5)
+    monkeypatch.setattr(dispatch, "sigmoid_group_topk", lambda *a, **k: None)
+    w_ref, ids_ref = r(x)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (9, top_k)
+    order, order_ref = ids.argsort(dim=1), ids_ref.argsort(dim=1)
+    assert torch.equal(ids.gather(1, order), ids_ref.gather(1, order_ref))  # the same experts
+    torch.testing.assert_close(w.gather(1, order), w_ref.gather(1, order_ref), rtol=1e-6, atol=1e-7)
+
+
+def test_shapes_outside_the_kernel_stay_on_the_reference_path():
+    from tokenfab.kernels.gpu import router
+    assert not router.applies(384, 1, 6)  # top_k not a power of two
+    assert not router.applies(96, 8, 8)   # expert count not a power of two
+    assert not router.applies(8, 8, 2)    # groups of one expert (no best two)
