@@ -148,6 +148,21 @@ def test_cli_reports_bad_flag_in_one_line(tmp_path):
     assert p.returncode != 0 and "--gsm8k-file: no file at" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_default_tasks_are_those_with_data_here(tmp_path):
+    """No --tasks: humaneval (its problems ship with the package), plus gsm8k / mmlu_pro when their files are given
+    or --data-dir holds their test splits."""
+    from tokenfab.cli import build_parser
+    from tokenfab.commands.eval import available_tasks
+    parse = build_parser().parse_args
+    assert parse(["eval", "tasks"]).tasks is None
+    assert available_tasks(parse(["eval", "tasks"])) == "humaneval"
+    assert available_tasks(parse(["eval", "tasks", "--gsm8k-file", "x.jsonl"])) == "gsm8k,humaneval"
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "test.jsonl").write_text("{}\n")
+    (tmp_path / "mmlu_pro_test.jsonl").write_text("{}\n")
+    assert available_tasks(parse(["eval", "tasks", "--data-dir", str(tmp_path)])) == "gsm8k,humaneval,mmlu_pro"
+
+
 # ---- HumanEval and the sandbox -----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def problems():

