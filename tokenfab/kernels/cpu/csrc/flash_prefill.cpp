@@ -17,7 +17,6 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -60,7 +59,7 @@ void pack_block(const uint16_t* k, int64_t ksl, const uint16_t* v, int64_t vsl, 
 }
 
 void flash_tile(const Tile& t, const uint16_t* q, const int64_t qs[4], const uint32_t* kpack, const uint32_t* vpack,
-                int64_t NKB, const int64_t* qpos, int64_t Q, int64_t L, int64_t D, int64_t Dv, int64_t G, float scale,
+                const int64_t* qpos, int64_t Q, int64_t L, int64_t D, int64_t Dv, int64_t G, float scale,
                 uint16_t* out, const int64_t os[4], std::vector<uint16_t>& a, std::vector<float>& s,
                 std::vector<uint16_t>& p, std::vector<float>& o, std::vector<float>& m, std::vector<float>& l,
                 std::vector<int64_t>& pos) {
@@ -189,7 +188,7 @@ at::Tensor flash_prefill_attention(const at::Tensor& q, const at::Tensor& k, con
     for (int64_t ti = t0; ti < t1; ++ti) {
       const Tile& t = tiles[ti];
       const int64_t bh = t.b * Hk + t.hk;
-      flash_tile(t, qd, qs, kpack.data() + bh * NKB * kw, vpack.data() + bh * NKB * vw, NKB, pp, Q, L, D, Dv, G,
+      flash_tile(t, qd, qs, kpack.data() + bh * NKB * kw, vpack.data() + bh * NKB * vw, pp, Q, L, D, Dv, G,
                  fscale, od, os, a, s, p, o, m, l, pos);
     }
     at::native::cpublas::brgemm_release(true);

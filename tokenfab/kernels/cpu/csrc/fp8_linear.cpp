@@ -191,7 +191,7 @@ void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const
   const int64_t NB = (N + 31) / 32, KB = (K + BK - 1) / BK;
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
     std::vector<uint32_t> buf(F32 ? K * 32 : K * 16);
-    std::vector<float> c(kTileM * 32), acc(kTileM * 32);
+    std::vector<float> c(F32 ? kTileM * 32 : 0), acc(kTileM * 32);  // c: one block's sums (float32 x only)
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const float* srow = sc + (nb * 32 / BK) * KB;  // the 32 rows lie in one 128-row scale block
       convert_rows32<F32>(w, nb, N, K, buf.data(), L, srow);

@@ -49,8 +49,6 @@ constexpr int64_t kGemmTileM = 64;      // tokens per brgemm call
 
 #if defined(__AVX512BF16__)
 
-inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
 // vpermw table: entry i = bf16 bits of the format's value of nibble i & 15 (entries 16-31 repeat 0-15, so a
 // widened byte indexes its low nibble's value directly: vpermw reads only index bits 0-4).
 __m512i value_table(int64_t fmt) {
@@ -185,12 +183,11 @@ void dequant_block(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float
   }
 }
 
-// bf16 x prefill: rows [0, nr) of a row block into P bf16 parts in brgemm's VNNI layout [K / 2][32][2] each (zero
-// rows past nr), the parts summing to the float32 values as far as P bf16 values hold them (P = 1: each value rounded
-// once to bf16; MXFP4 values, E2M1 times a power of two, are bf16 values; INT4 values (q - 8) s have up to 11 (bf16
-// s) or 14 (fp16 s) significant bits, which two parts would hold exactly).
-void dequant_parts_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
-                        int64_t K, int P, uint16_t* parts) {
+// bf16 x prefill: rows [0, nr) of a row block in brgemm's VNNI layout [K / 2][32][2] (zero rows past nr), each
+// float32 value rounded once to bf16 as the dequantized bf16 twin holds it (MXFP4 values, E2M1 times a power of two,
+// are bf16 values already; INT4's (q - 8) s keeps 8 of its up to 11 (bf16 s) or 14 (fp16 s) significant bits).
+void dequant_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
+                  int64_t K, uint16_t* out) {
   // 16 rows at a time: one gather reads 4 bytes (4 value pairs) of each row, one gather a scale group of each row,
   // and every pair gives the 16 rows' words of one layout row [pair][j0 .. j0 + 15] (contiguous stores).
   static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
@@ -198,8 +195,8 @@ void dequant_parts_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const 
   alignas(64) float lut[16];
   for (int i = 0; i < 16; ++i) lut[i] = fmt == kExpertsInt4Group ? static_cast<float>(i - 8) : e2m1[i];
   const __m512 lutf = _mm512_load_ps(lut);
-  auto* words = reinterpret_cast<int32_t*>(parts);
-  const int64_t KW = K / 2 * kRowBlock, ng = K / kGroup;  // words per part
+  auto* words = reinterpret_cast<int32_t*>(out);
+  const int64_t ng = K / kGroup;
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t j0 = 0; j0 < kRowBlock; j0 += 16) {
     const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(16, nr - j0));
@@ -215,16 +212,12 @@ void dequant_parts_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const 
             _mm512_setzero_si512(), valid, _mm512_add_epi32(roff, _mm512_set1_epi32(static_cast<int>(16 * g + 4 * q))),
             w, 1);
         for (int bb = 0; bb < 4; ++bb) {  // byte bb: pair 16 g + 4 q + bb (vpermps reads index bits 0-3)
-          __m512 fe = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb), lutf), sv);
-          __m512 fo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb + 4), lutf), sv);
-          int32_t* dst = words + (16 * g + 4 * q + bb) * kRowBlock + j0;
-          for (int p = 0; p < P; ++p) {
-            const __m256i be = (__m256i)_mm512_cvtneps_pbh(fe), bo = (__m256i)_mm512_cvtneps_pbh(fo);
-            _mm512_storeu_si512(dst + p * KW, _mm512_or_si512(_mm512_cvtepu16_epi32(be),
-                                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(bo), 16)));
-            fe = _mm512_sub_ps(fe, bf16_to_f32(be));  // exact: what the rounding dropped
-            fo = _mm512_sub_ps(fo, bf16_to_f32(bo));
-          }
+          const __m512 fe = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb), lutf), sv);
+          const __m512 fo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb + 4), lutf), sv);
+          const __m256i be = (__m256i)_mm512_cvtneps_pbh(fe), bo = (__m256i)_mm512_cvtneps_pbh(fo);
+          _mm512_storeu_si512(words + (16 * g + 4 * q + bb) * kRowBlock + j0,
+                              _mm512_or_si512(_mm512_cvtepu16_epi32(be),
+                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(bo), 16)));
         }
       }
     }
@@ -305,7 +298,7 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
     const int64_t sld = ng + 16;
     std::vector<float> sc(static_cast<size_t>(kRowBlock * sld));
     std::vector<float> tmp, wf, cbuf;
-    std::vector<uint16_t> parts;
+    std::vector<uint16_t> wb;
     bool used_brgemm = false;
     for (int64_t it = b; it < e; ++it) {
       const int64_t a = it / blocks, r0 = (it % blocks) * kRowBlock, r1 = std::min(n, r0 + kRowBlock);
@@ -317,13 +310,12 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
       const uint8_t* w = wbase + ep[a] * n * row_bytes;
       if (t1 - t0 > kGemmMinTokens) {  // prefill: this row block dequantized once, brgemm over 64-token tiles
         cbuf.resize(static_cast<size_t>(kGemmTileM * kRowBlock));
-        constexpr int P = 1;  // one bf16 part: the weight rounded once to bf16
         if (f32) {
           wf.resize(static_cast<size_t>(K * kRowBlock));
           dequant_block(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wf.data());
         } else {
-          parts.resize(static_cast<size_t>(P * K * kRowBlock));
-          dequant_parts_vnni(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, P, parts.data());
+          wb.resize(static_cast<size_t>(K * kRowBlock));
+          dequant_vnni(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wb.data());
         }
         used_brgemm = true;
         for (int64_t m0 = t0; m0 < t1; m0 += kGemmTileM) {
@@ -332,11 +324,9 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
             at::native::cpublas::brgemm(mt, kRowBlock, K, K, kRowBlock, kRowBlock, false, xc.data_ptr<float>() + m0 * K,
                                         wf.data(), cbuf.data(), false);
           } else {
-            const auto* xb = xc.data_ptr<at::BFloat16>() + m0 * K;
-            const auto* pb = reinterpret_cast<const at::BFloat16*>(parts.data());
-            for (int p = P - 1; p >= 0; --p)  // smallest part first
-              at::native::cpublas::brgemm(mt, kRowBlock, K, K, kRowBlock, kRowBlock, p != P - 1, xb,
-                                          pb + p * K * kRowBlock, cbuf.data(), true);
+            at::native::cpublas::brgemm(mt, kRowBlock, K, K, kRowBlock, kRowBlock, false,
+                                        xc.data_ptr<at::BFloat16>() + m0 * K,
+                                        reinterpret_cast<const at::BFloat16*>(wb.data()), cbuf.data(), true);
           }
           for (int64_t t = 0; t < mt; ++t) {
             const float* src = cbuf.data() + t * kRowBlock;
