@@ -1,10 +1,13 @@
 """Prefill of a packed checkpoint against its bf16 twin (the same weights dequantized), side by side in one process:
 the real default model (SmolLM2-135M-Instruct) as its packed Q4_1 GGUF, with its prefill rate against this
-machine's measured bf16 GEMM peak; or (``--model fp8``) the embedded DeepSeek-V3-architecture model written in the
-published FP8 block-scaled layout (tokenfab.testing.fp8_checkpoint; its routed experts and kv_b_proj are dequantized
-at load, the other linears stay FP8).
+machine's measured bf16 GEMM peak; or the embedded DeepSeek-V3-architecture model (~100M, 16 routed experts top-2
++ 1 shared) written in a published packed layout: ``--model fp8``, DeepSeek-V3's FP8 block-scaled linears
+(tokenfab.testing.fp8_checkpoint; its routed experts and kv_b_proj are dequantized at load, the other linears stay
+FP8); ``--model int4`` / ``--model mxfp4``, its routed experts in compressed-tensors INT4 group-32 (Kimi K2-Thinking)
+or MXFP4 (Kimi K3), kept packed (tokenfab.testing.packed_experts_checkpoint). The bf16 twin holds the same real
+weights.
 
-    .venv/bin/python benchmarks/prefill_packed.py [--model smollm2|fp8] [--lengths 512,4096] [--rounds 3]
+    .venv/bin/python benchmarks/prefill_packed.py [--model smollm2|fp8|int4|mxfp4] [--lengths 512,4096] [--rounds 3]
         [--threads 2] [--attention flash,fused] [--name prefill-packed]
 
 Per prompt length, each engine prefills one fresh prompt (its own tokens: no prefix cache hit) under the serve
@@ -77,7 +80,7 @@ def prefill_seconds(llm, n: int, salt: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2", choices=["smollm2", "fp8"], help="the packed checkpoint (see above)")
+    ap.add_argument("--model", default="smollm2", choices=["smollm2", "fp8", "int4", "mxfp4"], help="the packed checkpoint (see above)")
     ap.add_argument("--lengths", default="512,4096", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--rounds", type=int, default=3, help="rounds per length (engines alternated; default 3)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
@@ -101,11 +104,18 @@ def main() -> None:
     else:
         from tokenfab.cache_paths import cache_dir
         from tokenfab.default_model import ensure_default_model
-        from tokenfab.testing.fp8_checkpoint import write_fp8_checkpoint
-        root = os.path.join(cache_dir(), "bench", "deepseek_v3-fp8")
+        root = os.path.join(cache_dir(), "bench", f"deepseek_v3-{args.model}")
         twin = os.path.join(root, "twin")
-        packed = write_fp8_checkpoint(ensure_default_model(quiet=True), os.path.join(root, "fp8"), twin)
-        label, title = "FP8", "embedded DeepSeek-V3 (~100M) FP8 block-scaled"
+        if args.model == "fp8":
+            from tokenfab.testing.fp8_checkpoint import write_fp8_checkpoint
+            packed = write_fp8_checkpoint(ensure_default_model(quiet=True), os.path.join(root, "fp8"), twin)
+            label, title = "FP8", "embedded DeepSeek-V3 (~100M) FP8 block-scaled"
+        else:
+            from tokenfab.testing.packed_experts_checkpoint import write_packed_experts_checkpoint
+            packed = write_packed_experts_checkpoint(ensure_default_model(quiet=True),
+                                                     os.path.join(root, args.model), args.model, twin)
+            label = args.model.upper()
+            title = f"embedded DeepSeek-V3 (~100M) with {label} routed experts"
     kw = dict(tokenizer=twin, dtype="bfloat16", max_model_len=max_len, max_num_seqs=4,
               max_num_batched_tokens=BUDGET, progress=False)
     engines = {"bf16": LLM(twin, **kw), label: LLM(packed, **kw)}

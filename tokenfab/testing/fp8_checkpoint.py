@@ -53,7 +53,7 @@ def quantize_fp8_block(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 _STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)$")
 
 
-def _published_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def published_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` with transformers' stacked routed experts (``mlp.experts.gate_up_proj`` [E, 2I, H],
     ``mlp.experts.down_proj`` [E, H, I], e.g. the MTP layers of tiny_checkpoints.add_mtp_layers) split into the
     published per-expert Linears ``mlp.experts.<e>.{gate,up,down}_proj.weight``, which DeepSeek-V3 ships in FP8."""
@@ -73,7 +73,8 @@ def _published_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def _read(folder: str) -> dict[str, torch.Tensor]:
+def read_tensors(folder: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``folder`` (sorted by file name), by name."""
     from safetensors.torch import load_file
     out: dict[str, torch.Tensor] = {}
     for f in sorted(os.listdir(folder)):
@@ -82,7 +83,9 @@ def _read(folder: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def _copy_side_files(src: str, dst: str) -> dict:
+def copy_side_files(src: str, dst: str) -> dict:
+    """Copy ``src``'s files other than weights, config.json and the shard index into ``dst`` (created); return
+    ``src``'s config.json as a dict (the caller writes its own)."""
     os.makedirs(dst, exist_ok=True)
     for f in os.listdir(src):
         if not f.endswith(".safetensors") and f not in ("config.json", "model.safetensors.index.json"):
@@ -99,7 +102,7 @@ def write_fp8_checkpoint(src_dir: str, out_dir: str, twin_dir: str | None = None
     if os.path.isfile(os.path.join(out_dir, "config.json")) and (
             twin_dir is None or os.path.isfile(os.path.join(twin_dir, "config.json"))):
         return out_dir
-    tensors = _published_experts(_read(src_dir))
+    tensors = published_experts(read_tensors(src_dir))
     fp8: dict[str, torch.Tensor] = {}
     twin: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -110,12 +113,12 @@ def write_fp8_checkpoint(src_dir: str, out_dir: str, twin_dir: str | None = None
             twin[name] = q.float() * full
         else:
             fp8[name] = twin[name] = t.contiguous()
-    cfg = _copy_side_files(src_dir, out_dir)
+    cfg = copy_side_files(src_dir, out_dir)
     save_file(fp8, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
         json.dump(dict(cfg, quantization_config=QUANTIZATION_CONFIG), fh, indent=2)
     if twin_dir is not None:
-        _copy_side_files(src_dir, twin_dir)
+        copy_side_files(src_dir, twin_dir)
         save_file(twin, os.path.join(twin_dir, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(twin_dir, "config.json"), "w") as fh:
             json.dump(dict(cfg, torch_dtype="float32", dtype="float32"), fh, indent=2)
