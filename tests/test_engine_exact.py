@@ -108,3 +108,19 @@ def test_llama_gqa_tied_embeddings(tiny_model):
     path = tiny_model("llama", tie_word_embeddings=True, num_key_value_heads=1)
     _, worst = check_family(path, make_prompts(7, [16, 3]))
     assert worst < 1e-4
+
+
+def test_max_model_len_past_max_position_embeddings_opt_in(tiny_model, monkeypatch):
+    """vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN (or TOKENFAB_ALLOW_LONG_MAX_MODEL_LEN): max_model_len may exceed the
+    model's max_position_embeddings, and prompts running past it still match transformers (plain RoPE computed for
+    any position); without it the engine refuses and names the variable."""
+    from tokenfab.errors import EngineConfigError
+    path = tiny_model("llama", max_position_embeddings=32)
+    prompts = make_prompts(11, [40, 29])  # the first prompt alone runs past position 32
+    for name in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "TOKENFAB_ALLOW_LONG_MAX_MODEL_LEN"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(EngineConfigError, match="max_position_embeddings 32.*TOKENFAB_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        LLM(path, dtype="float32", max_model_len=64, progress=False)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    _, worst = check_family(path, prompts, max_model_len=64)
+    assert worst < 1e-4

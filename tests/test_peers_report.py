@@ -117,6 +117,8 @@ def test_parse_args_smoke_defaults(rp):
     assert b.hf_batches == [1, 4, 16] and b.vllm_client_conc == {4}
     with pytest.raises(SystemExit):
         rp.parse_args(["--workloads", "2000x100"])
+    c = rp.parse_args(["--workloads", "8192x1024", "--max-model-len", "9216", "--drift"])
+    assert c.max_model_len == 9216 and c.drift and c.workload_list == ["8192x1024"]
 
 
 def test_results_never_overwrite_an_earlier_run(tmp_path, rp):
@@ -131,3 +133,19 @@ def test_results_never_overwrite_an_earlier_run(tmp_path, rp):
     first = write_markdown(str(tmp_path), "r.md", ["first"])
     second = write_markdown(str(tmp_path), "r.md", ["second"])
     assert first != second and open(first).read() == "first\n" and open(second).read() == "second\n"
+
+
+def test_drift_and_pivot(rp):
+    """A re-measured first cell gives end / start per engine and stays out of the grid's tables; the pivot table
+    holds one row per cell with each engine's tok/s, TPOT and TTFT."""
+    recs = [_rec("tokenfab", "tokenfab", 1000, 200, 50, 10), _rec("vllm", "tokenfab", 500, 100, 100, 5),
+            dict(_rec("tokenfab", "tokenfab", 900, 180, 60, 10), repeat=True),
+            dict(_rec("vllm", "tokenfab", 500, 100, 110, 5), repeat=True)]
+    d = {r["engine"]: r for r in rp.drift_rows(recs)}
+    assert d["tokenfab"]["total_tok_s"] == pytest.approx(0.9) and d["tokenfab"]["median_ttft_ms"] == 1.2
+    assert d["vllm"]["total_tok_s"] == 1.0 and d["vllm"]["median_ttft_ms"] == pytest.approx(1.1)
+    assert len(rp.ratio_rows(rp.measured(recs))) == 1
+    pv = rp.pivot_table(recs)
+    assert len(pv) == 3 and "| 1,000, 10.0 ms, 50 ms | 500, 5.0 ms, 100 ms |" in pv[2]
+    md = rp.render_markdown({"title": "T", "records": recs})
+    assert "## Drift" in md and "| 0.90× | 1.20× |" in md and md.count("| 2.00× |") >= 1

@@ -190,6 +190,56 @@ def summary_lines(records: Iterable[dict[str, Any]], base: str = BASE_ENGINE) ->
     return out
 
 
+def measured(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The grid's records: without the drift re-measurements (``repeat``: True)."""
+    return [r for r in records if not r.get("repeat")]
+
+
+def drift_rows(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per re-measured record (``repeat``: True, the run's first cell measured again at its end with fresh prompts
+    of the same shape): engine, client, and end ÷ start of total tok/s and median TTFT (1.0: no drift; total tok/s
+    below 1 or TTFT above 1: the machine got slower during the run)."""
+    records = [r for r in records if r.get("metrics") and not r.get("error")]
+    first = {(*_cell_key(r), r["engine"], r.get("client")): r for r in records if not r.get("repeat")}
+    rows = []
+    for r in records:
+        if not r.get("repeat"):
+            continue
+        base = first.get((*_cell_key(r), r["engine"], r.get("client")))
+        if base is None:
+            continue
+        rows.append({"engine": r["engine"], "client": r.get("client"), "workload": r["workload"],
+                     "concurrency": int(r["concurrency"]),
+                     "total_tok_s": ratio(r["metrics"].get("total_tok_s"), base["metrics"].get("total_tok_s")),
+                     "median_ttft_ms": ratio(r["metrics"].get("median_ttft_ms"),
+                                             base["metrics"].get("median_ttft_ms"))})
+    return rows
+
+
+def pivot_table(records: Iterable[dict[str, Any]], client: str = "tokenfab") -> list[str]:
+    """Markdown lines: one row per cell (model, in/out, concurrency), one column per engine holding "total tok/s,
+    median TPOT ms, median TTFT ms" as measured by ``client`` (the compact form quoted in README)."""
+    recs = [r for r in measured(records) if r.get("client") == client]
+    engines = sorted({r["engine"] for r in recs}, key=_engine_rank)
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in sort_records(recs):
+        cells.setdefault(_cell_key(r), {})[r["engine"]] = r
+    lines = ["| model | in/out, concurrency | " + " | ".join(ENGINE_LABELS.get(e, e) for e in engines) + " |",
+             "|---|---|" + "---|" * len(engines)]
+    for (model, (i, o), conc), by_engine in cells.items():
+        vals = []
+        for e in engines:
+            r = by_engine.get(e)
+            m = (r or {}).get("metrics")
+            if not m or r.get("error"):
+                vals.append("error" if r else "—")
+            else:
+                vals.append(f"{fmt(m.get('total_tok_s'), 0)}, {fmt(m.get('median_tpot_ms'), 1)} ms, "
+                            f"{fmt(m.get('median_ttft_ms'), 0)} ms")
+        lines.append(f"| {model} | {i}/{o}, {conc} | " + " | ".join(vals) + " |")
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The whole Markdown report from the JSON report that ``run_peers.py`` writes."""
     records = report.get("records", [])
@@ -227,11 +277,26 @@ def render_markdown(report: dict[str, Any]) -> str:
                  if (report.get("settings") or {}).get("hf_num_prompts") else "")
               + "; TTFT = time to the first decoding step of its batch, TPOT = the rest of the batch's time per "
               "further token).", ""]
+    drift = drift_rows(records)
+    records = measured(records)
+    lines += ["Per cell and engine: total tok/s, median TPOT, median TTFT (the `tokenfab bench serve` client).", ""]
+    lines += pivot_table(records) + [""]
     lines += results_table(records) + [""]
     lines += ["## tokenfab ÷ peer", "",
               "Each ratio divides tokenfab's figure by the peer's in the same cell and with the same client.", ""]
     lines += ratios_table(records) + [""]
     lines += summary_lines(records) + [""]
+    if drift:
+        lines += ["## Drift", "",
+                  "The run's first cell measured again at its end, fresh prompts of the same shape, every engine: "
+                  "end ÷ start (1.00: no drift; tok/s below 1 or TTFT above 1: the machine was slower at the end).",
+                  "", "| engine | client | cell | total tok/s end ÷ start | median TTFT end ÷ start |",
+                  "|---|---|---|---:|---:|"]
+        for d in drift:
+            i, o = parse_workload(d["workload"])
+            lines.append(f"| {ENGINE_LABELS.get(d['engine'], d['engine'])} | {d['client']} | {i}/{o}, "
+                         f"{d['concurrency']} | {fmt_ratio(d['total_tok_s'])} | {fmt_ratio(d['median_ttft_ms'])} |")
+        lines.append("")
     cmds = report.get("commands") or {}
     if cmds:
         lines += ["## Commands", "", "```"]
@@ -239,7 +304,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"# {k}")
             lines.append(c)
         lines += ["```", ""]
-    failures = [r for r in records if r.get("error")] + (report.get("failures") or [])
+    failures = [r for r in report.get("records", []) if r.get("error")] + (report.get("failures") or [])
     if failures:
         lines += ["## Failures", ""]
         for f in failures:

@@ -4,6 +4,7 @@ llama-server) and the subprocess lifecycle (own process group, free loopback por
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
@@ -112,9 +113,23 @@ def _on_signal(signum, frame):
     raise SystemExit(128 + signum)
 
 
+def past_trained_context(model: dict, max_model_len: int) -> bool:
+    """True when ``max_model_len`` exceeds the max_position_embeddings of the model's HF folder (config.json)."""
+    try:
+        with open(os.path.join(model["path"], "config.json")) as f:
+            return max_model_len > int(json.load(f).get("max_position_embeddings") or max_model_len)
+    except (OSError, ValueError):
+        return False
+
+
 def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str, threads: int | None = None,
-               tokenfab_threads: int | None = None, llamacpp_no_repack: bool = False) -> Server:
+               tokenfab_threads: int | None = None, llamacpp_no_repack: bool = False,
+               max_model_len: int = MAX_MODEL_LEN) -> Server:
+    """The server of ``engine`` for ``model`` (not started) with ``max_model_len`` tokens per sequence and
+    MAX_SEQS sequences; past the model's trained context, tokenfab and vLLM get VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
+    (llama-server only warns)."""
     port = free_port()
+    long_ok = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if past_trained_context(model, max_model_len) else {}
     path = model["path"]
     lg = os.path.join(logdir, f"server-{engine}-{model_name}.log")
     if engine in ("tokenfab", "tokenfab_bf16"):
@@ -122,24 +137,24 @@ def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str,
         served = model.get("tokenfab_model", path) if engine == "tokenfab" else path
         cmd = [os.path.join(REPO, ".venv", "bin", "tokenfab"), "serve", served, "--host", "127.0.0.1", "--port",
                str(port), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len",
-               str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_SEQS)]
+               str(max_model_len), "--max-num-seqs", str(MAX_SEQS)]
         if served != path:
             cmd += ["--tokenizer", path]  # the client's tokenizer (the file's own, saved with the bf16 folder)
         if tokenfab_threads:
             cmd += ["--num-threads", str(tokenfab_threads)]
         if not os.path.isfile(cmd[0]):
             cmd = [sys.executable, "-m", "tokenfab.cli", *cmd[1:]]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **long_ok)
         return Server(engine, cmd, port, env, lg, [])
     if engine == "vllm":
         cmd = [p.vllm_bin, "serve", path, "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
-               SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs",
+               SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--max-num-seqs",
                str(MAX_SEQS)]
-        return Server(engine, cmd, port, clean_env(VLLM_CPU_KVCACHE_SPACE="2"), lg, [])
+        return Server(engine, cmd, port, clean_env(VLLM_CPU_KVCACHE_SPACE="2", **long_ok), lg, [])
     if engine == "llamacpp":
         gguf = model["gguf"]
         cmd = [p.llama_server, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "-a", SERVED_NAME,
-               "-np", str(MAX_SEQS), "-c", str(MAX_SEQS * MAX_MODEL_LEN), "--repeat-penalty", "1.0"]
+               "-np", str(MAX_SEQS), "-c", str(MAX_SEQS * max_model_len), "--repeat-penalty", "1.0"]
         if threads:
             cmd += ["-t", str(threads), "-tb", str(threads)]
         if llamacpp_no_repack:

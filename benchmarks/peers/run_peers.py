@@ -40,8 +40,8 @@ from benchmarks.results_file import unused_stem  # noqa: E402
 from peer_prepare import (REPO, LLAMA_CPP_PYTHON_VERSION, Paths, clean_env, convert_gguf, log,  # noqa: E402
                           prepare_llamacpp, prepare_models, prepare_vllm, run_logged)
 from peer_report import fmt, parse_workload, render_markdown, summarize_bench  # noqa: E402
-from peer_servers import (MAX_MODEL_LEN, MAX_SEQS, SERVED_NAME, Server, _on_signal, server_for,  # noqa: E402
-                          stop_all)
+from peer_servers import (MAX_MODEL_LEN, MAX_SEQS, SERVED_NAME, Server, _on_signal,  # noqa: E402
+                          past_trained_context, server_for, stop_all)
 
 THIS = os.path.abspath(__file__)
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tokenfab", "peers")
@@ -59,6 +59,7 @@ def cell_seed(workload_index: int, conc: int) -> int:
 
 
 WARMUP_SEED = 7
+DRIFT_SEED_OFFSET = 500  # the drift re-measurement's prompts: the first cell's shape, never its prompts
 
 
 def tokenfab_client_cmd(server: Server, model_path: str, inp: int, out: int, n: int, conc: int,
@@ -250,6 +251,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--workloads", default="256x64,1024x128", help="INxOUT token lengths, comma-separated.")
     ap.add_argument("--concurrency", default="1,4,16", help="Client max concurrency values, comma-separated.")
     ap.add_argument("--num-prompts", type=int, default=32, help="Prompts per cell. Default 32.")
+    ap.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN,
+                    help=f"Tokens per sequence every server is started with (llama-server: -c = {MAX_SEQS} x this). "
+                         f"Default {MAX_MODEL_LEN}. Past the model's max_position_embeddings, tokenfab and vLLM are "
+                         "started with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (the report says so).")
+    ap.add_argument("--drift", action="store_true",
+                    help="At the end of each model's cells, measure its first cell again on every server (fresh "
+                         "prompts of the same shape) and report end / start: the machine's drift during the run.")
     ap.add_argument("--clients", default="tokenfab,vllm",
                     help="Benchmark clients: tokenfab (tokenfab bench serve) and/or vllm (vllm bench serve).")
     ap.add_argument("--vllm-client-concurrency", default="4",
@@ -314,8 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             i, o = parse_workload(w)
         except ValueError as e:
             ap.error(str(e))
-        if i + o > MAX_MODEL_LEN:
-            ap.error(f"--workloads {w}: input + output must be <= {MAX_MODEL_LEN}")
+        if i + o > args.max_model_len:
+            ap.error(f"--workloads {w}: input + output must be <= --max-model-len ({args.max_model_len})")
     args.conc_list = [int(c) for c in _csv(args.concurrency)]
     if any(c < 1 or c > MAX_SEQS for c in args.conc_list):
         ap.error(f"--concurrency values must be in 1..{MAX_SEQS}")
@@ -403,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
             "vllm_client_concurrency": sorted(args.vllm_client_conc),
             "vllm_client_workloads": sorted(args.vllm_client_wl), "hf_batches": args.hf_batches,
             "hf_num_prompts": min(args.hf_num_prompts, args.num_prompts), "hf_eager": args.hf_eager,
-            "pause_idle_servers": not args.no_pause_idle, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_SEQS,
+            "pause_idle_servers": not args.no_pause_idle, "max_model_len": args.max_model_len, "max_num_seqs": MAX_SEQS,
+            "drift": args.drift,
             "temperature": 0, "ignore_eos": True, "dataset": "random",
             "seeds": "1000 * (workload index + 1) + concurrency, per cell (same for every engine); warm-up 7",
             "llamacpp_threads": args.llamacpp_threads, "llamacpp_no_repack": args.llamacpp_no_repack,
@@ -464,7 +473,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                      and not model.get("tokenfab_model")):
                     continue
                 s = server_for(eng, p, model_name, model, rundir, args.llamacpp_threads, args.tokenfab_threads,
-                               args.llamacpp_no_repack)
+                               args.llamacpp_no_repack, args.max_model_len)
+                if past_trained_context(model, args.max_model_len) and eng != "llamacpp":
+                    note = (f"--max-model-len {args.max_model_len} is past {model_name}'s max_position_embeddings: "
+                            "tokenfab and vLLM ran with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, llama-server with its "
+                            "context warning.")
+                    if note not in report["notes"]:
+                        report["notes"].append(note)
                 try:
                     s.start(args.server_timeout)
                     report["commands"][f"{eng} server ({model_name})"] = shlex.join(s.cmd)
@@ -507,6 +522,21 @@ def main(argv: list[str] | None = None) -> int:
                         finally:
                             if not args.no_pause_idle:
                                 s.pause()
+            if args.drift and servers:  # the first cell again, every engine, fresh prompts: the run's drift
+                inp, out = parse_workload(args.workload_list[0])
+                conc = args.conc_list[0]
+                for s in servers:
+                    s.resume()
+                    try:
+                        rec = _measure(s, "tokenfab", p, model_name, model, args.workload_list[0], inp, out, conc,
+                                       args, rundir, client_env, cell_seed(0, conc) + DRIFT_SEED_OFFSET,
+                                       "-repeat")
+                        rec["repeat"] = True
+                        report["records"].append(rec)
+                        _save(report, args, out_base, t_run)
+                    finally:
+                        if not args.no_pause_idle:
+                            s.pause()
             for s in servers:
                 s.stop()
     finally:
@@ -519,10 +549,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure(s: Server, client: str, p: Paths, model_name: str, model: dict, wl: str, inp: int, out: int, conc: int,
-             args, rundir: str, client_env: dict, seed: int) -> dict:
+             args, rundir: str, client_env: dict, seed: int, tag: str = "") -> dict:
     rec = {"model": model_name, "workload": wl, "concurrency": conc, "engine": s.engine, "client": client,
            "metrics": None, "error": None, "loadavg_before": os.getloadavg()[0]}
-    fname = f"{s.engine}-{client}-{model_name}-{wl}-c{conc}.json"
+    fname = f"{s.engine}-{client}-{model_name}-{wl}-c{conc}{tag}.json"
     if client == "tokenfab":
         cmd = tokenfab_client_cmd(s, model["path"], inp, out, args.num_prompts, conc, rundir, fname, seed)
         env = client_env

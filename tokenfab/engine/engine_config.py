@@ -36,6 +36,15 @@ GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top
 
 logger = logging.getLogger("tokenfab")
 
+# vLLM's opt-in to a max_model_len above the model's max_position_embeddings, and tokenfab's own name for it
+ALLOW_LONG_ENV = ("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "TOKENFAB_ALLOW_LONG_MAX_MODEL_LEN")
+
+
+def allow_long_max_model_len() -> bool:
+    """True when either variable of ``ALLOW_LONG_ENV`` is "1" or "true" (any case): max_model_len may then exceed
+    the model's max_position_embeddings (RoPE tables are sized by max_model_len; the model was not trained there)."""
+    return any(os.environ.get(n, "").strip().lower() in ("1", "true") for n in ALLOW_LONG_ENV)
+
 
 class UnknownArgumentError(EngineConfigError, TypeError):
     """An engine keyword argument tokenfab does not know (both a ValueError and a TypeError, so code catching
@@ -356,8 +365,14 @@ class EngineConfig:
         if self.max_model_len < 1:
             raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}.")
         if self.max_model_len > mc.max_position_embeddings:
+            if allow_long_max_model_len():
+                logger.warning("max_model_len %d exceeds the model's max_position_embeddings %d (allowed by %s=1): "
+                               "positions past it are outside what the model was trained on.", self.max_model_len,
+                               mc.max_position_embeddings, " / ".join(ALLOW_LONG_ENV))
+                return
             raise EngineConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                                    f"{mc.max_position_embeddings}; lower max_model_len.")
+                                    f"{mc.max_position_embeddings}; lower max_model_len (or set "
+                                    f"{ALLOW_LONG_ENV[1]}=1 to run past it anyway, e.g. for a benchmark).")
 
     def finalize(self, mc: ModelConfig, dtype: torch.dtype, model: torch.nn.Module | None = None) -> None:
         """Fill max_model_len and num_kv_blocks from the model.
