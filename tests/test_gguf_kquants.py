@@ -125,3 +125,20 @@ def test_kernel_float32_agrees_with_reference_path_closely(name):
     x = torch.randn(2, 768)
     check_close(w.linear(x, None), x, raw, name, None)
     check_close(w.reference_linear(x, None), x, raw, name, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", KTYPES)
+def test_batched_gemv_rows_equal_single_row_bits(name):
+    """5..16 rows share one unpacking of each weight tile (the GEMV passes' operand buffer; K-quants take no AMX
+    path): every row's output is bit for bit that row's single-row GEMV, within the exact product's bound."""
+    n, k = 40, 512
+    raw = random_kblocks(name, n, k, seed=23)
+    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
+    w.prepare()
+    for dtype in (torch.bfloat16, torch.float32):
+        for rows in (5, 9, 16):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            y = w.linear(x, None)
+            assert torch.equal(y, torch.cat([w.linear(x[i:i + 1], None) for i in range(rows)])), (dtype, rows)
+            check_close(y, x, raw, name, None)

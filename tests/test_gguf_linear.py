@@ -206,3 +206,24 @@ def test_gemv_prefetch_distance_changes_no_output_bit(name):
         for y, y0 in zip(ys, outs[0]):
             assert torch.equal(y, y0), d
     check_close(outs[2048][1], x, raw, name, None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", TYPES)
+def test_batched_gemv_rows_equal_single_row_bits(name):
+    """Decode batches of 5..16 rows share one unpacking of each weight tile (the operand buffer of the GEMV passes):
+    every row's output is bit for bit that row's single-row GEMV. Float32 x always takes the GEMV; bf16 x does
+    except on an AMX path (its 5..16 rows run AMX tiles)."""
+    from tokenfab.kernels.cpu import isa
+    n, k = 72, 320  # n: a partial last tile
+    raw = quantized(name, n, k, seed=21)
+    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
+    w.prepare()
+    dtypes = [torch.float32] + ([torch.bfloat16] if isa.selected_level() != "amx" else [])
+    for dtype in dtypes:
+        for rows in (5, 8, 13, 16):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            y = w.linear(x, None)
+            alone = torch.cat([w.linear(x[i:i + 1], None) for i in range(rows)])
+            assert torch.equal(y, alone), (dtype, rows)
+            check_close(y, x, raw, name, None)

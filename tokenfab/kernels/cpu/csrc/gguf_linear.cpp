@@ -12,7 +12,8 @@
 // bf16 integer. Per block and row the products sum_k x_k q_k (exact bf16 products, float32 accumulation) are
 // scaled once: y += d * sum_k x_k q_k (+ m * sum_k x_k for Q4_1), the same real number as sum_k x_k (d q_k + m).
 //
-// M <= 16 rows (decode batches): a GEMV over tiles, parallel over tiles, in passes of up to 4 rows per tile (the
+// M <= 16 rows (decode batches): a GEMV over tiles, parallel over tiles, in passes of up to 4 rows per tile (5..16
+// rows: the tile unpacked once into a cache-resident operand buffer the passes share; the
 // tile's bytes come from memory once, software-prefetched ahead: prefetch_distance below). bf16 x is used as is;
 // float32 x is split into three bf16 parts (x = h + m + l up to 2^-24 relative), each multiplied exactly, so float32
 // activations keep float32 accuracy. With AMX (AMX-BF16, granted by the kernel), bf16 x of 5..16 rows instead runs
@@ -78,9 +79,9 @@ inline void prefetch_block(const uint8_t* p, int64_t TB) {
 // The K-quant GEMV over tiles [t0, t1), as gemv_tiles: per sub-block the exact bf16 products x_k q_k summed in four
 // float32 chains, then scaled once: y += (d sc) * sum - (dmin m) * (sum of the sub-block's x) for Q4_K / Q5_K; for
 // Q6_K, chains 0-1 hold k 0..15 and chains 2-3 k 16..31 of the sub-block, each half scaled by its own d * scale.
-template <int QT, int M, int S, bool F32OUT>
+template <int QT, int M, int S, bool F32OUT, bool BUF = false>
 void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
-                  void* y, int64_t ldy, int64_t t0, int64_t t1) {
+                  void* y, int64_t ldy, int64_t t0, int64_t t1, const __m512i* ops = nullptr) {
   const int64_t KB = K / 256, TB = tile_block_bytes(QT), KB32 = K / QK, pf = prefetch_distance();
   const __m512i tab0 = kq_table(QT, 0), tab1 = kq_table(QT, 1);
   for (int64_t t = t0; t < t1; ++t) {
@@ -88,7 +89,7 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* b = w + (t * KB + kb) * TB;
-      if (pf > 0) prefetch_block(b + pf, TB);
+      if (!BUF && pf > 0) prefetch_block(b + pf, TB);
       for (int j = 0; j < 8; ++j) {
         const uint16_t* xk = xp + kb * 256 + 32 * j;
         __m512 c[4][M];
@@ -98,7 +99,8 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
         for (int L = 0; L < 4; ++L) {
 #pragma GCC unroll 4
           for (int s4 = 0; s4 < 4; ++s4) {
-            const __m512i op = kq_operand<QT>(b, j, L, s4, tab0, tab1);
+            const __m512i op = BUF ? _mm512_load_si512(ops + kb * 128 + 16 * j + 4 * L + s4)
+                                   : kq_operand<QT>(b, j, L, s4, tab0, tab1);
             const int ch = QT == kQ6_K ? 2 * (L / 2) + (s4 & 1) : s4;
             const int p = 4 * L + s4;
             for (int m = 0; m < M; ++m)
@@ -136,9 +138,9 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
 // Tiles [t0, t1) for M rows of x given as S bf16 parts each (xp [M][S][K], the parts of a row summing to it), with
 // xsum [M][K / 32] the float32 block sums of x (Q4_1 only). Four accumulator chains per row and block (one
 // vdpbf16ps chain of 16 would wait on its latency at M = 1).
-template <int QT, int M, int S, bool F32OUT>
+template <int QT, int M, int S, bool F32OUT, bool BUF = false>
 void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
-                void* y, int64_t ldy, int64_t t0, int64_t t1) {
+                void* y, int64_t ldy, int64_t t0, int64_t t1, const __m512i* ops = nullptr) {
   const int64_t KB = K / QK, TB = tile_block_bytes(QT), pf = prefetch_distance();
   const __m512i table = nibble_table(QT);
   for (int64_t t = t0; t < t1; ++t) {
@@ -146,7 +148,7 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
     for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* b = w + (t * KB + kb) * TB;
-      if (pf > 0) prefetch_block(b + pf, TB);
+      if (!BUF && pf > 0) prefetch_block(b + pf, TB);
       const uint16_t* xk = xp + kb * QK;
       __m512 c0[M], c1[M], c2[M], c3[M];
       for (int m = 0; m < M; ++m) c0[m] = c1[m] = c2[m] = c3[m] = _mm512_setzero_ps();
@@ -155,7 +157,16 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
           for (int s = 0; s < S; ++s)
             c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)bcast_pair(xk + (m * S + s) * K + 2 * p), (__m512bh)op);
       };
-      if constexpr (QT == kQ8_0) {
+      if constexpr (BUF) {  // the operands unpack_tile wrote, in the same order and chains as below
+        const __m512i* o = ops + kb * 16;
+#pragma GCC unroll 4
+        for (int L = 0; L < 4; ++L) {
+          step(4 * L, _mm512_load_si512(o + 4 * L), c0);
+          step(4 * L + 1, _mm512_load_si512(o + 4 * L + 1), c1);
+          step(4 * L + 2, _mm512_load_si512(o + 4 * L + 2), c2);
+          step(4 * L + 3, _mm512_load_si512(o + 4 * L + 3), c3);
+        }
+      } else if constexpr (QT == kQ8_0) {
         const int8_t* q = reinterpret_cast<const int8_t*>(b + 2 * TN);
 #pragma GCC unroll 16
         for (int p = 0; p < 16; ++p) {
@@ -198,28 +209,80 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
   }
 }
 
-template <int QT, int S, bool F32OUT>
+template <int QT, int S, bool F32OUT, bool BUF = false>
 void gemv_rows4(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-                const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
+                const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1, const __m512i* ops = nullptr) {
   if constexpr (is_kquant(QT)) {
     switch (M) {
-      case 1: gemv_k_tiles<QT, 1, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-      case 2: gemv_k_tiles<QT, 2, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-      case 3: gemv_k_tiles<QT, 3, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-      default: gemv_k_tiles<QT, 4, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+      case 1: gemv_k_tiles<QT, 1, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      case 2: gemv_k_tiles<QT, 2, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      case 3: gemv_k_tiles<QT, 3, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      default: gemv_k_tiles<QT, 4, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
     }
   } else {
     switch (M) {
-      case 1: gemv_tiles<QT, 1, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-      case 2: gemv_tiles<QT, 2, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-      case 3: gemv_tiles<QT, 3, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-      default: gemv_tiles<QT, 4, S, F32OUT>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+      case 1: gemv_tiles<QT, 1, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      case 2: gemv_tiles<QT, 2, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      case 3: gemv_tiles<QT, 3, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      default: gemv_tiles<QT, 4, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
     }
   }
 }
 
-// M <= kGemvMaxRows rows: per tile, GEMV passes over groups of up to 4 rows of x, so the tile's bytes are read from
-// memory once (later passes find them in L1) and each output is the same sum as a single-pass GEMV would give.
+// Every vdpbf16ps operand of tile t (K / 2 of them, 64 bytes each: per GGUF block its 16 pairs, for a K-quant
+// super-block its 8 x 16) into ops, in the order the GEMV passes consume them; the weight bytes stream in once,
+// software-prefetched as in the single pass.
+template <int QT>
+void unpack_tile(const uint8_t* w, int64_t t, int64_t K, __m512i* ops) {
+  const int64_t TB = tile_block_bytes(QT), pf = prefetch_distance();
+  if constexpr (is_kquant(QT)) {
+    const int64_t KB = K / 256;
+    const __m512i tab0 = kq_table(QT, 0), tab1 = kq_table(QT, 1);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const uint8_t* b = w + (t * KB + kb) * TB;
+      if (pf > 0) prefetch_block(b + pf, TB);
+      for (int j = 0; j < 8; ++j)
+#pragma GCC unroll 4
+        for (int L = 0; L < 4; ++L)
+#pragma GCC unroll 4
+          for (int s4 = 0; s4 < 4; ++s4)
+            _mm512_store_si512(ops + kb * 128 + 16 * j + 4 * L + s4, kq_operand<QT>(b, j, L, s4, tab0, tab1));
+    }
+  } else {
+    const int64_t KB = K / QK;
+    const __m512i table = nibble_table(QT);
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const uint8_t* b = w + (t * KB + kb) * TB;
+      if (pf > 0) prefetch_block(b + pf, TB);
+      __m512i* o = ops + kb * 16;
+      if constexpr (QT == kQ8_0) {
+        const int8_t* q = reinterpret_cast<const int8_t*>(b + 2 * TN);
+#pragma GCC unroll 16
+        for (int p = 0; p < 16; ++p) {
+          __m512 lo, hi;
+          q8_halves(q + 32 * p, lo, hi);
+          _mm512_store_si512(o + p, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+      } else {
+        const uint8_t* q = b + (QT == kQ4_1 ? 4 : 2) * TN;
+#pragma GCC unroll 4
+        for (int L = 0; L < 4; ++L) {
+          const __m512i wd = _mm512_loadu_si512(q + 64 * L);
+          _mm512_store_si512(o + 4 * L, q4_operand<0>(wd, table));
+          _mm512_store_si512(o + 4 * L + 1, q4_operand<1>(wd, table));
+          _mm512_store_si512(o + 4 * L + 2, q4_operand<2>(wd, table));
+          _mm512_store_si512(o + 4 * L + 3, q4_operand<3>(wd, table));
+        }
+      }
+    }
+  }
+}
+
+// M <= kGemvMaxRows rows. Up to 4: one GEMV pass per tile. 5..16: per tile, its operands are unpacked once into a
+// thread-local buffer (unpack_tile: K / 2 x 64 bytes, in L1 / L2) and the passes over groups of up to 4 rows of x
+// read them from there, so the unpacking (3-5 instructions per operand, against 4 vdpbf16ps) is paid once per tile
+// instead of once per pass. Each pass runs the same chains in the same order as the unpacking pass: every output
+// is bit for bit the sum a single-pass GEMV of its row alone gives.
 template <int QT, int S, bool F32OUT>
 void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
@@ -227,14 +290,18 @@ void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, cons
     gemv_rows4<QT, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
     return;
   }
+  thread_local std::vector<__m512i> buf;
+  if (static_cast<int64_t>(buf.size()) < K / 2) buf.resize(K / 2);
   const int64_t KB = K / QK;
-  for (int64_t t = t0; t < t1; ++t)
+  for (int64_t t = t0; t < t1; ++t) {
+    unpack_tile<QT>(w, t, K, buf.data());
     for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {
       void* ym = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m0 * ldy)
                         : static_cast<void*>(static_cast<uint16_t*>(y) + m0 * ldy);
-      gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xsum == nullptr ? nullptr : xsum + m0 * KB,
-                                std::min(kGemvRows, M - m0), K, w, N, bias, ym, ldy, t, t + 1);
+      gemv_rows4<QT, S, F32OUT, true>(xp + m0 * S * K, xsum == nullptr ? nullptr : xsum + m0 * KB,
+                                      std::min(kGemvRows, M - m0), K, w, N, bias, ym, ldy, t, t + 1, buf.data());
     }
+  }
 }
 
 template <int S, bool F32OUT>
