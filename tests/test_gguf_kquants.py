@@ -130,8 +130,9 @@ def test_kernel_float32_agrees_with_reference_path_closely(name):
 @needs_kernel
 @pytest.mark.parametrize("name", KTYPES)
 def test_batched_gemv_rows_equal_single_row_bits(name):
-    """5..16 rows share one unpacking of each weight tile (the GEMV passes' operand buffer; K-quants take no AMX
-    path): every row's output is bit for bit that row's single-row GEMV, within the exact product's bound."""
+    """5..16 rows (K-quants take no AMX path): Q5_K / Q6_K passes share one unpacking of each weight tile (the
+    operand buffer), Q4_K passes unpack again; either way every row's output is bit for bit that row's single-row
+    GEMV, within the exact product's bound."""
     n, k = 40, 512
     raw = random_kblocks(name, n, k, seed=23)
     w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)

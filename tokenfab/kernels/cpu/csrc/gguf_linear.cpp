@@ -138,9 +138,14 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
 // Tiles [t0, t1) for M rows of x given as S bf16 parts each (xp [M][S][K], the parts of a row summing to it), with
 // xsum [M][K / 32] the float32 block sums of x (Q4_1 only). Four accumulator chains per row and block (one
 // vdpbf16ps chain of 16 would wait on its latency at M = 1).
-template <int QT, int M, int S, bool F32OUT, bool BUF = false>
+//
+// CHAINS = 1 (Q4_0 / Q4_1 passes of 5..8 rows): one chain per row, the M rows' chains independent enough to hide the
+// vdpbf16ps latency; it saves the three adds per row and block that four chains cost (at 4 rows of 16 products per
+// block, a quarter of the work beside the products).
+template <int QT, int M, int S, bool F32OUT, bool BUF = false, int CHAINS = 4>
 void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                 void* y, int64_t ldy, int64_t t0, int64_t t1, const __m512i* ops = nullptr) {
+  static_assert(CHAINS == 1 || CHAINS == 4, "one or four accumulator chains per row");
   const int64_t KB = K / QK, TB = tile_block_bytes(QT), pf = prefetch_distance();
   const __m512i table = nibble_table(QT);
   for (int64_t t = t0; t < t1; ++t) {
@@ -153,6 +158,7 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
       __m512 c0[M], c1[M], c2[M], c3[M];
       for (int m = 0; m < M; ++m) c0[m] = c1[m] = c2[m] = c3[m] = _mm512_setzero_ps();
       auto step = [&](int p, __m512i op, __m512* c) {
+        if constexpr (CHAINS == 1) c = c0;
         for (int m = 0; m < M; ++m)
           for (int s = 0; s < S; ++s)
             c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)bcast_pair(xk + (m * S + s) * K + 2 * p), (__m512bh)op);
@@ -193,7 +199,8 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
       for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_fmadd_ps(_mm512_add_ps(_mm512_add_ps(c0[m], c1[m]), _mm512_add_ps(c2[m], c3[m])), d, acc[m]);
+        acc[m] = _mm512_fmadd_ps(CHAINS == 1 ? c0[m] : _mm512_add_ps(_mm512_add_ps(c0[m], c1[m]),
+                                                                     _mm512_add_ps(c2[m], c3[m])), d, acc[m]);
       if constexpr (QT == kQ4_1) {
         const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * TN)));
         for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * KB + kb]), acc[m]);
@@ -278,11 +285,29 @@ void unpack_tile(const uint8_t* w, int64_t t, int64_t K, __m512i* ops) {
   }
 }
 
-// M <= kGemvMaxRows rows. Up to 4: one GEMV pass per tile. 5..16: per tile, its operands are unpacked once into a
-// thread-local buffer (unpack_tile: K / 2 x 64 bytes, in L1 / L2) and the passes over groups of up to 4 rows of x
-// read them from there, so the unpacking (3-5 instructions per operand, against 4 vdpbf16ps) is paid once per tile
-// instead of once per pass. Each pass runs the same chains in the same order as the unpacking pass: every output
-// is bit for bit the sum a single-pass GEMV of its row alone gives.
+// Q4_0 / Q4_1 passes of 5..8 rows, one accumulator chain per row (gemv_tiles, CHAINS = 1).
+template <int QT, int S, bool F32OUT>
+void gemv_rows8(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
+  switch (M) {
+    case 5: gemv_tiles<QT, 5, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    case 6: gemv_tiles<QT, 6, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    case 7: gemv_tiles<QT, 7, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    default: gemv_tiles<QT, 8, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+  }
+}
+
+constexpr int64_t kGemvBufferMaxK = 2048;  // operand buffer of a tile: K / 2 x 64 bytes, at most 64 KiB (L1 / L2)
+
+// M <= kGemvMaxRows rows. Up to 4: one GEMV pass per tile (four chains per row).
+// 5..16, Q4_0 / Q4_1 (an operand costs a shift and a table lookup): per tile, passes of up to 8 rows with one
+// chain per row (the tile's bytes come from memory once; the second pass finds them in L1).
+// 5..16, Q8_0, Q5_K and Q6_K with K <= kGemvBufferMaxK (an operand costs 4-6 instructions, against 4
+// vdpbf16ps): per tile, its operands are unpacked once into a thread-local buffer (unpack_tile) that passes of up
+// to 4 rows read, with the same chains in the same order as the unpacking pass: every output is bit for bit the sum
+// a single-pass GEMV of its row alone gives. Q4_K (cheap to unpack) and larger K (the buffer would leave L2's fast
+// reach): passes of up to 4 rows that unpack again, the same sums (measured: benchmarks/gguf_linear.py,
+// results/2026-12-05-gguf-gemv-rows.md).
 template <int QT, int S, bool F32OUT>
 void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
@@ -290,17 +315,40 @@ void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, cons
     gemv_rows4<QT, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
     return;
   }
+  const int64_t KB = K / QK;
+  auto rows_at = [&](int64_t m0) {
+    return F32OUT ? static_cast<void*>(static_cast<float*>(y) + m0 * ldy)
+                  : static_cast<void*>(static_cast<uint16_t*>(y) + m0 * ldy);
+  };
+  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
+    if (M <= 2 * kGemvRows) {
+      gemv_rows8<QT, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+      return;
+    }
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = 0; m0 < M; m0 += 2 * kGemvRows) {
+        const int64_t mr = std::min(2 * kGemvRows, M - m0);
+        const float* xs = xsum == nullptr ? nullptr : xsum + m0 * KB;
+        if (mr > kGemvRows) gemv_rows8<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
+        else gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
+      }
+    return;
+  }
+  if (QT == kQ4_K || K > kGemvBufferMaxK) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t m0 = 0; m0 < M; m0 += kGemvRows)
+        gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xsum == nullptr ? nullptr : xsum + m0 * KB,
+                                  std::min(kGemvRows, M - m0), K, w, N, bias, rows_at(m0), ldy, t, t + 1);
+    return;
+  }
   thread_local std::vector<__m512i> buf;
   if (static_cast<int64_t>(buf.size()) < K / 2) buf.resize(K / 2);
-  const int64_t KB = K / QK;
   for (int64_t t = t0; t < t1; ++t) {
     unpack_tile<QT>(w, t, K, buf.data());
-    for (int64_t m0 = 0; m0 < M; m0 += kGemvRows) {
-      void* ym = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m0 * ldy)
-                        : static_cast<void*>(static_cast<uint16_t*>(y) + m0 * ldy);
+    for (int64_t m0 = 0; m0 < M; m0 += kGemvRows)
       gemv_rows4<QT, S, F32OUT, true>(xp + m0 * S * K, xsum == nullptr ? nullptr : xsum + m0 * KB,
-                                      std::min(kGemvRows, M - m0), K, w, N, bias, ym, ldy, t, t + 1, buf.data());
-    }
+                                      std::min(kGemvRows, M - m0), K, w, N, bias, rows_at(m0), ldy, t, t + 1,
+                                      buf.data());
   }
 }
 
