@@ -141,6 +141,21 @@ def kimi_linear_path(tmp_path_factory, tokenizer_dir):
     return make_kimi_linear(str(tmp_path_factory.mktemp("graphs_kimi_linear")), tokenizer_dir, seed=3)
 
 
+@pytest.fixture(scope="module")
+def hybrid_path(kimi_linear_path, tmp_path_factory, tokenizer_dir):
+    """Factory: "kimi_linear" or "k3" (the tiny Kimi K3 of tests/test_kimi_k3.py: KDA + gated MLA, MXFP4
+    experts, attention residuals) -> checkpoint folder."""
+    paths = {"kimi_linear": kimi_linear_path}
+
+    def make(name: str) -> str:
+        if name not in paths:
+            from test_kimi_k3 import TEXT, k3_tensors, write_k3
+            stored, _ = k3_tensors(TEXT, seed=5)
+            paths[name] = write_k3(str(tmp_path_factory.mktemp("graphs_k3")), tokenizer_dir, tensors=stored)
+        return paths[name]
+    return make
+
+
 def _generate(path: str, prompts, max_tokens, **engine_kw):
     from tokenfab import LLM, SamplingParams
     kw = dict(dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=32, block_size=8,
@@ -159,15 +174,18 @@ def _assert_same_outputs(ref, got, label: str, tol: float = 1e-4) -> None:
             assert abs(a[t].logprob - b[t].logprob) < tol, f"{label}: request {i}: logprob differs"
 
 
-def test_padded_decode_kda_hybrid_state_slots(monkeypatch, kimi_linear_path):
-    """Kimi Linear (KDA + MLA): decode steps of 3..7 sequences padded into the size-4 / size-8 buffers, with rows
+@pytest.mark.parametrize("model", ["kimi_linear", "k3"])
+def test_padded_decode_kda_hybrid_state_slots(monkeypatch, hybrid_path, model):
+    """Kimi Linear / Kimi K3 (KDA + MLA): decode steps of 3..7 sequences padded into the size-4 / size-8 buffers, with rows
     freed and reused by new requests mid-run, equal the engine without graphs token for token; afterwards every
     real slot's conv and recurrent state equals the no-graph run's, and only the spare slot holds padding rows'
-    state."""
+    state (float32: the padded batch's GEMMs may round a few ulps differently; a padding row in a real slot moves
+    its state by O(0.1))."""
     from test_engine_exact import make_prompts
     prompts = make_prompts(3, KDA_PROMPT_LENGTHS)
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
-    ref_llm, ref = _generate(kimi_linear_path, prompts, KDA_MAX_TOKENS)
+    path = hybrid_path(model)
+    ref_llm, ref = _generate(path, prompts, KDA_MAX_TOKENS)
     assert ref_llm.llm_engine.runner.decode_graphs is None
 
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
@@ -179,8 +197,8 @@ def test_padded_decode_kda_hybrid_state_slots(monkeypatch, kimi_linear_path):
         return orig(self, input_ids, *args, **kw)
 
     monkeypatch.setattr(DecodeGraphRunner, "run", spy)
-    llm, got = _generate(kimi_linear_path, prompts, KDA_MAX_TOKENS)
-    _assert_same_outputs(ref, got, "Kimi Linear, padded decode")
+    llm, got = _generate(path, prompts, KDA_MAX_TOKENS)
+    _assert_same_outputs(ref, got, f"{model}, padded decode")
     runner = llm.llm_engine.runner
     graphs = runner.decode_graphs
     assert graphs.replays == len(batch_sizes) > 0
@@ -189,8 +207,8 @@ def test_padded_decode_kda_hybrid_state_slots(monkeypatch, kimi_linear_path):
     assert spare == 8 and runner.state_caches
     for c_ref, c in zip(ref_llm.llm_engine.runner.state_caches, runner.state_caches):
         assert c.num_slots == c_ref.num_slots + 1 == spare + 1
-        torch.testing.assert_close(c.recurrent[:spare], c_ref.recurrent, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(c.conv[:spare], c_ref.conv, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(c.recurrent[:spare], c_ref.recurrent, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c.conv[:spare], c_ref.conv, rtol=1e-4, atol=1e-4)
         assert c.recurrent[spare].abs().sum() > 0 and c.conv[spare].abs().sum() > 0  # the padding rows' slot
 
 
@@ -220,3 +238,44 @@ def test_padded_decode_tensor_parallel(monkeypatch, tiny_model, kimi_linear_path
     got, replays = _tp_generate(path, n, prompts, max_tokens)
     assert replays > 0
     _assert_same_outputs(ref, got, f"{family} TP={n}, padded decode")
+
+
+def test_padded_decode_tensor_parallel_with_layer_taps(monkeypatch, tmp_path_factory, tokenizer_dir):
+    """DSpark on Kimi K3 over 2 ranks: the drafter reads layer taps (forward hooks) on rank 0, so rank 0 runs every
+    step through the modules; the workers must too (the step header's modules flag), or their decode-only steps
+    would take the padded buffers and their all-reduces would not pair with rank 0's. The default drafting policy
+    soon stops drafting for this random drafter, so plain decode steps of 3 sequences (padded to 4) follow. Tokens
+    equal one rank without speculation or graphs."""
+    from test_spec_dspark import K3_5MLA, _k3_prompts
+    from test_tp_spec_mtp_dspark import ENGINE_KW, GREEDY
+    from test_kimi_k3 import TEXT, k3_tensors, write_k3
+    from tokenfab import LLM
+    from tokenfab.testing.tiny_dspark import write_tiny_dspark
+    root = tmp_path_factory.mktemp("graphs_dspark")
+    text = dict(TEXT, num_attention_heads=3, num_experts=6, intermediate_size=97,
+                linear_attn_config=dict(TEXT["linear_attn_config"], num_heads=3))
+    target = write_k3(str(root / "k3"), tokenizer_dir, text=text, tensors=k3_tensors(text, seed=2)[0])
+    drafter, _, _ = write_tiny_dspark(str(root / "drafter"), "specforge", K3_5MLA, block_size=4,
+                                      target_layer_ids=(0, 2), target_num_layers=text["num_hidden_layers"], seed=3)
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
+    base = [o.outputs[0].token_ids for o in LLM(target, **ENGINE_KW).generate(_k3_prompts(), GREEDY, use_tqdm=False)]
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
+    sent = []
+    from tokenfab.parallel.worker import StepChannel
+    orig = StepChannel.send_step
+
+    def spy(self, d, num_new, *args, modules=False, **kw):
+        sent.append((d == len(num_new) and len(num_new) not in (1, 2, 4), modules))  # (a padded size?, modules)
+        return orig(self, d, num_new, *args, modules=modules, **kw)
+
+    monkeypatch.setattr(StepChannel, "send_step", spy)
+    spec = dict(method="dspark", model=drafter, num_speculative_tokens=3, dspark_tap="partial_sum")
+    llm = LLM(target, tensor_parallel_size=2, speculative_config=spec, **ENGINE_KW)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(_k3_prompts(), GREEDY, use_tqdm=False)]
+        assert llm.llm_engine.runner.decode_graphs is not None
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == base
+    assert any(padded for padded, _ in sent)  # a decode-only step the padded buffers would have served
+    assert all(m for _, m in sent)  # every step: the workers were told to run the modules
