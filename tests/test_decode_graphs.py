@@ -238,6 +238,10 @@ def test_padded_decode_tensor_parallel(monkeypatch, tiny_model, kimi_linear_path
     got, replays = _tp_generate(path, n, prompts, max_tokens)
     assert replays > 0
     _assert_same_outputs(ref, got, f"{family} TP={n}, padded decode")
+    if family == "deepseek_v3":  # enforce_eager reaches the workers too: no rank pads while rank 0 does not
+        got, replays = _tp_generate(path, n, prompts, max_tokens, enforce_eager=True)
+        assert replays is None
+        _assert_same_outputs(ref, got, f"{family} TP={n}, enforce_eager")
 
 
 def test_padded_decode_tensor_parallel_with_layer_taps(monkeypatch, tmp_path_factory, tokenizer_dir):

@@ -133,7 +133,8 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture(self, progress: bool = False) -> None:
         """Capture every size, largest first so smaller graphs reuse its memory pool. Buffers hold padding rows
-        only, so warm-up and capture write K/V to the pad block alone."""
+        only, so warm-up and capture write K/V to the pad block alone and KDA states to the spare slot alone (the
+        state caches must exist before this is called: ModelRunner builds them first)."""
         if self.mode != "cuda":
             return
         from tqdm import tqdm

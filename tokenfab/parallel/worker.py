@@ -154,14 +154,16 @@ def build_rank(config, rank: int, world_size: int, device: torch.device | None =
 
 
 def make_runner(config, loaded):
-    """A ModelRunner (no sampler) over this rank's shard with the engine's KV-pool size."""
+    """A ModelRunner (no sampler) over this rank's shard with the engine's KV-pool size and decode-graph choice
+    (``enforce_eager`` as rank 0's: a rank replaying padded graphs beside one that does not would run its
+    collectives over a different token count)."""
     from tokenfab.engine.block_manager import BlockManager
     from tokenfab.engine.model_runner import ModelRunner
 
     config.finalize(loaded.model_config, loaded.dtype)
     bm = BlockManager(config.num_kv_blocks, config.block_size, config.max_num_seqs, config.max_model_len)
     return ModelRunner(loaded.model, bm, config.max_num_seqs, config.max_model_len, loaded.device, loaded.dtype,
-                       None)
+                       None, enforce_eager=config.enforce_eager)
 
 
 @torch.inference_mode()
