@@ -222,7 +222,7 @@ def _tp_generate(path: str, n: int, prompts, max_tokens, **engine_kw):
         llm.llm_engine.shutdown()
 
 
-@pytest.mark.parametrize("family,n", [("deepseek_v3", 2), ("kimi_linear", 2)])
+@pytest.mark.parametrize("family,n", [("deepseek_v3", 2), ("kimi_linear", 2), ("qwen3", 3)])
 def test_padded_decode_tensor_parallel(monkeypatch, tiny_model, kimi_linear_path, family, n):
     """Tensor parallel over gloo with the padded path on every rank: 5 requests (then fewer as they finish) into
     the size-8 buffers; every rank must pad alike or its all-reduces would not pair up. Tokens and logprobs equal
