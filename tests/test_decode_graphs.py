@@ -1,11 +1,18 @@
 """The decode graph runner's padded static-buffer path (engine/cuda_graph_runner.py) without capture, on CPU:
-the same buffers, padding rows and pad block a captured CUDA graph replays, checked token for token against
-transformers. Capture itself needs a GPU (benchmarks/gpu_check.sh)."""
+the same buffers, padding rows, pad block and spare state slot a captured CUDA graph replays, checked token for
+token against transformers (dense, DeepSeek) or against the engine with graphs off (Kimi Linear hybrids, tensor
+parallel over gloo). Capture itself needs a GPU (benchmarks/gpu_check.sh)."""
 from __future__ import annotations
 
-import pytest
+import os
 
-from tokenfab.engine.cuda_graph_runner import capture_sizes, decode_graph_mode
+import numpy as np
+import pytest
+import torch
+
+from tokenfab.engine.cuda_graph_runner import DecodeGraphRunner, capture_sizes, collectives_graph_safe, decode_graph_mode
+
+os.environ.setdefault("TOKENFAB_TP_TIMEOUT", "120")  # a broken test fails instead of hanging
 
 
 def test_capture_sizes():
@@ -16,8 +23,6 @@ def test_capture_sizes():
 
 
 def test_mode_choice(monkeypatch):
-    import torch
-
     class Dense:
         tp = None
 
@@ -25,14 +30,24 @@ def test_mode_choice(monkeypatch):
         def make_state_cache(self):
             pass
 
+    class Sharded(Dense):
+        tp = object()
+
+    class HostExperts(Dense):
+        host_expert_stats = object()
+
     cpu = torch.device("cpu")
     monkeypatch.delenv("TOKENFAB_DECODE_GRAPHS", raising=False)
     assert decode_graph_mode(cpu, Dense(), enforce_eager=False) is None  # no graphs on CPU
+    assert decode_graph_mode(cpu, Hybrid(), enforce_eager=False) is None
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
     assert decode_graph_mode(cpu, Dense(), enforce_eager=False) == "eager"
     assert decode_graph_mode(cpu, Dense(), enforce_eager=True) is None  # the user's flag wins
-    assert decode_graph_mode(cpu, Hybrid(), enforce_eager=False) is None  # KDA state rows live outside the graph
+    assert decode_graph_mode(cpu, Hybrid(), enforce_eager=False) == "eager"  # KDA state through the spare slot
+    assert decode_graph_mode(cpu, Sharded(), enforce_eager=False) == "eager"  # every rank pads alike
+    assert decode_graph_mode(cpu, HostExperts(), enforce_eager=False) is None  # per-step host work
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
+    assert decode_graph_mode(cpu, Hybrid(), enforce_eager=False) is None
     assert decode_graph_mode(cpu, Dense(), enforce_eager=False) is None
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "off")  # a typo must not silently mean "auto"
     with pytest.raises(Exception, match="TOKENFAB_DECODE_GRAPHS='off'.*use 0"):
@@ -67,3 +82,204 @@ def test_padded_decode_with_triton_kernels(monkeypatch, tiny_model):
     llm, worst = check_family(tiny_model("deepseek_v3"), make_prompts(6, [9, 25, 4]))
     assert llm.llm_engine.runner.decode_graphs.replays > 0
     assert worst < 1e-4
+
+
+def test_collectives_graph_safe(monkeypatch):
+    """CUDA capture under tensor parallel only over NCCL (its kernels are capturable; gloo's are host calls)."""
+    import torch.distributed as dist
+
+    class Dense:
+        tp = None
+
+    class Sharded:
+        tp = object()
+
+    assert collectives_graph_safe(Dense())
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert not collectives_graph_safe(Sharded())
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    for backend, safe in (("nccl", True), ("gloo", False)):
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, b=backend: b)
+        assert collectives_graph_safe(Sharded()) is safe
+
+
+def test_runner_state_rows_padding():
+    """The static state-row buffer: real rows first, the spare slot in every padding row; rows naming the spare
+    slot (or none, for a hybrid model) are refused."""
+    seen = []
+
+    def model(ids, pos, kv, meta):
+        seen.append((meta.state_rows.clone(), pos.clone(), meta.slot_mapping.clone()))
+        return torch.zeros(len(ids), 4)
+
+    r = DecodeGraphRunner(model, [], pad_block=6, block_size=4, max_blocks=3, sizes=[1, 2, 4, 8],
+                          device=torch.device("cpu"), mode="eager", state_slot=8)
+    a = lambda *v: np.array(v, dtype=np.int64)
+    out = r.run(a(5, 6, 7, 8, 9), a(3, 1, 4, 1, 5), a(3, 5, 8, 13, 21), np.zeros((5, 2), np.int64),
+                a(4, 2, 5, 2, 6), state_rows=a(7, 0, 3, 2, 5))
+    assert out.shape == (5, 4)
+    rows, pos, slots = seen[-1]
+    assert rows.tolist() == [7, 0, 3, 2, 5, 8, 8, 8]  # 5 real rows into the size-8 buffers
+    assert pos.tolist()[5:] == [0, 0, 0] and slots.tolist()[5:] == [24, 24, 24]  # fresh state, pad block
+    r.run(a(1), a(2), a(3), np.zeros((1, 1), np.int64), a(3), state_rows=a(4))
+    assert seen[-1][0].tolist() == [4]
+    r.run(a(1, 2, 3), a(2, 2, 2), a(3, 4, 5), np.zeros((3, 1), np.int64), a(3, 3, 3), state_rows=a(1, 6, 0))
+    assert seen[-1][0].tolist() == [1, 6, 0, 8]  # stale rows of the larger step are overwritten by the spare
+    with pytest.raises(ValueError, match="state rows"):
+        r.run(a(1), a(2), a(3), np.zeros((1, 1), np.int64), a(3))
+    with pytest.raises(ValueError, match=r"state rows must lie in \[0, 8\)"):
+        r.run(a(1, 2), a(2, 2), a(3, 4), np.zeros((2, 1), np.int64), a(3, 3), state_rows=a(1, 8))
+
+
+KDA_PROMPT_LENGTHS = [30, 3, 12, 7, 19, 25, 5, 9, 14, 4, 22]  # 11 requests through 8 rows: rows are reused
+KDA_MAX_TOKENS = [4, 9, 6, 12, 3, 10, 7, 5, 11, 8, 6]  # unequal: sequences finish and are replaced mid-run
+
+
+@pytest.fixture(scope="module")
+def kimi_linear_path(tmp_path_factory, tokenizer_dir):
+    from test_kimi_linear import make_kimi_linear
+    return make_kimi_linear(str(tmp_path_factory.mktemp("graphs_kimi_linear")), tokenizer_dir, seed=3)
+
+
+@pytest.fixture(scope="module")
+def hybrid_path(kimi_linear_path, tmp_path_factory, tokenizer_dir):
+    """Factory: "kimi_linear" or "k3" (the tiny Kimi K3 of tests/test_kimi_k3.py: KDA + gated MLA, MXFP4
+    experts, attention residuals) -> checkpoint folder."""
+    paths = {"kimi_linear": kimi_linear_path}
+
+    def make(name: str) -> str:
+        if name not in paths:
+            from test_kimi_k3 import TEXT, k3_tensors, write_k3
+            stored, _ = k3_tensors(TEXT, seed=5)
+            paths[name] = write_k3(str(tmp_path_factory.mktemp("graphs_k3")), tokenizer_dir, tensors=stored)
+        return paths[name]
+    return make
+
+
+def _generate(path: str, prompts, max_tokens, **engine_kw):
+    from tokenfab import LLM, SamplingParams
+    kw = dict(dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=32, block_size=8,
+              max_num_seqs=8, progress=False)
+    kw.update(engine_kw)
+    llm = LLM(path, **kw)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in max_tokens]
+    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def _assert_same_outputs(ref, got, label: str, tol: float = 1e-4) -> None:
+    """Same greedy tokens and sampled-token logprobs within ``tol``."""
+    for i, (r, g) in enumerate(zip(ref, got)):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids, f"{label}: request {i}: tokens differ"
+        for a, b, t in zip(r.outputs[0].logprobs, g.outputs[0].logprobs, r.outputs[0].token_ids):
+            assert abs(a[t].logprob - b[t].logprob) < tol, f"{label}: request {i}: logprob differs"
+
+
+@pytest.mark.parametrize("model", ["kimi_linear", "k3"])
+def test_padded_decode_kda_hybrid_state_slots(monkeypatch, hybrid_path, model):
+    """Kimi Linear / Kimi K3 (KDA + MLA): decode steps of 3..7 sequences padded into the size-4 / size-8 buffers, with rows
+    freed and reused by new requests mid-run, equal the engine without graphs token for token; afterwards every
+    real slot's conv and recurrent state equals the no-graph run's, and only the spare slot holds padding rows'
+    state (float32: the padded batch's GEMMs may round a few ulps differently; a padding row in a real slot moves
+    its state by O(0.1))."""
+    from test_engine_exact import make_prompts
+    prompts = make_prompts(3, KDA_PROMPT_LENGTHS)
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
+    path = hybrid_path(model)
+    ref_llm, ref = _generate(path, prompts, KDA_MAX_TOKENS)
+    assert ref_llm.llm_engine.runner.decode_graphs is None
+
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
+    batch_sizes = []
+    orig = DecodeGraphRunner.run
+
+    def spy(self, input_ids, *args, **kw):
+        batch_sizes.append(len(input_ids))
+        return orig(self, input_ids, *args, **kw)
+
+    monkeypatch.setattr(DecodeGraphRunner, "run", spy)
+    llm, got = _generate(path, prompts, KDA_MAX_TOKENS)
+    _assert_same_outputs(ref, got, f"{model}, padded decode")
+    runner = llm.llm_engine.runner
+    graphs = runner.decode_graphs
+    assert graphs.replays == len(batch_sizes) > 0
+    assert set(batch_sizes) - {1, 2, 4, 8}, f"no padded step ran: {batch_sizes}"
+    spare = graphs.state_slot
+    assert spare == 8 and runner.state_caches
+    for c_ref, c in zip(ref_llm.llm_engine.runner.state_caches, runner.state_caches):
+        assert c.num_slots == c_ref.num_slots + 1 == spare + 1
+        torch.testing.assert_close(c.recurrent[:spare], c_ref.recurrent, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c.conv[:spare], c_ref.conv, rtol=1e-4, atol=1e-4)
+        assert c.recurrent[spare].abs().sum() > 0 and c.conv[spare].abs().sum() > 0  # the padding rows' slot
+
+
+def _tp_generate(path: str, n: int, prompts, max_tokens, **engine_kw):
+    """Greedy outputs on ``n`` ranks and the decode-graph replays rank 0 ran (None: graphs off)."""
+    llm, outs = _generate(path, prompts, max_tokens, tensor_parallel_size=n, **engine_kw)
+    try:
+        graphs = llm.llm_engine.runner.decode_graphs
+        return outs, None if graphs is None else graphs.replays
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("family,n", [("deepseek_v3", 2), ("kimi_linear", 2), ("qwen3", 3)])
+def test_padded_decode_tensor_parallel(monkeypatch, tiny_model, kimi_linear_path, family, n):
+    """Tensor parallel over gloo with the padded path on every rank: 5 requests (then fewer as they finish) into
+    the size-8 buffers; every rank must pad alike or its all-reduces would not pair up. Tokens and logprobs equal
+    the single-rank engine without graphs."""
+    from test_engine_exact import make_prompts
+    path = kimi_linear_path if family == "kimi_linear" else tiny_model(family)
+    prompts = make_prompts(5, [30, 3, 12, 7, 19])
+    max_tokens = [6, 3, 7, 5, 4]
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
+    ref, replays = _tp_generate(path, 1, prompts, max_tokens)
+    assert replays is None
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
+    got, replays = _tp_generate(path, n, prompts, max_tokens)
+    assert replays > 0
+    _assert_same_outputs(ref, got, f"{family} TP={n}, padded decode")
+    if family == "deepseek_v3":  # enforce_eager reaches the workers too: no rank pads while rank 0 does not
+        got, replays = _tp_generate(path, n, prompts, max_tokens, enforce_eager=True)
+        assert replays is None
+        _assert_same_outputs(ref, got, f"{family} TP={n}, enforce_eager")
+
+
+def test_padded_decode_tensor_parallel_with_layer_taps(monkeypatch, tmp_path_factory, tokenizer_dir):
+    """DSpark on Kimi K3 over 2 ranks: the drafter reads layer taps (forward hooks) on rank 0, so rank 0 runs every
+    step through the modules; the workers must too (the step header's modules flag), or their decode-only steps
+    would take the padded buffers and their all-reduces would not pair with rank 0's. The default drafting policy
+    soon stops drafting for this random drafter, so plain decode steps of 3 sequences (padded to 4) follow. Tokens
+    equal one rank without speculation or graphs."""
+    from test_spec_dspark import K3_5MLA, _k3_prompts
+    from test_tp_spec_mtp_dspark import ENGINE_KW, GREEDY
+    from test_kimi_k3 import TEXT, k3_tensors, write_k3
+    from tokenfab import LLM
+    from tokenfab.testing.tiny_dspark import write_tiny_dspark
+    root = tmp_path_factory.mktemp("graphs_dspark")
+    text = dict(TEXT, num_attention_heads=3, num_experts=6, intermediate_size=97,
+                linear_attn_config=dict(TEXT["linear_attn_config"], num_heads=3))
+    target = write_k3(str(root / "k3"), tokenizer_dir, text=text, tensors=k3_tensors(text, seed=2)[0])
+    drafter, _, _ = write_tiny_dspark(str(root / "drafter"), "specforge", K3_5MLA, block_size=4,
+                                      target_layer_ids=(0, 2), target_num_layers=text["num_hidden_layers"], seed=3)
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
+    base = [o.outputs[0].token_ids for o in LLM(target, **ENGINE_KW).generate(_k3_prompts(), GREEDY, use_tqdm=False)]
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
+    sent = []
+    from tokenfab.parallel.worker import StepChannel
+    orig = StepChannel.send_step
+
+    def spy(self, d, num_new, *args, modules=False, **kw):
+        sent.append((d == len(num_new) and len(num_new) not in (1, 2, 4), modules))  # (a padded size?, modules)
+        return orig(self, d, num_new, *args, modules=modules, **kw)
+
+    monkeypatch.setattr(StepChannel, "send_step", spy)
+    spec = dict(method="dspark", model=drafter, num_speculative_tokens=3, dspark_tap="partial_sum")
+    llm = LLM(target, tensor_parallel_size=2, speculative_config=spec, **ENGINE_KW)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(_k3_prompts(), GREEDY, use_tqdm=False)]
+        assert llm.llm_engine.runner.decode_graphs is not None
+    finally:
+        llm.llm_engine.shutdown()
+    assert got == base
+    assert any(padded for padded, _ in sent)  # a decode-only step the padded buffers would have served
+    assert all(m for _, m in sent)  # every step: the workers were told to run the modules

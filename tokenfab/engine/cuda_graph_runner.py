@@ -6,7 +6,15 @@ max_num_seqs) is captured into a CUDA graph over static input buffers. A step of
 the first B rows of the buffers, pads the rest and replays the graph of the smallest size >= B.
 
 Padding rows write their K/V to a spare block of the pool that the block manager never hands out
-(``pad_block``), attend over that one row (context length 1), and their outputs are dropped.
+(``pad_block``), attend over that one row (context length 1), and their outputs are dropped. In hybrid models
+with recurrent-state (KDA) layers every row also names its state slot (``state_rows``, the scheduler row): padding
+rows name a spare slot that no sequence ever owns (``state_slot`` = max_num_seqs, the state caches hold one slot
+more), and run at position 0, so they start from a zero state and write only that spare slot. Real rows' slots are
+copied into the same fixed buffer, so a captured graph gathers and scatters the states through it and freezes no
+index.
+
+Tensor parallel: every rank runs the same step arrays (rank 0 broadcasts them, parallel/worker.py) through this
+same code, so every rank pads to the same size with the same rows and the collectives inside the forward pair up.
 
 The forward must not sync with the host or change shapes with data while captured: it runs with the Triton decode
 attention and fused MoE (kernels/gpu/*.py), so graphs are used only where those apply. ``mode="eager"`` runs
@@ -34,13 +42,27 @@ def capture_sizes(max_num_seqs: int, limit: int = 256) -> list[int]:
     return sizes
 
 
+def collectives_graph_safe(model) -> bool:
+    """True when the model's collectives may be captured in a CUDA graph: one rank (none), or tensor parallel over
+    an initialized NCCL/RCCL default group (NCCL kernels are capturable; gloo's host-side collectives are not)."""
+    if getattr(model, "tp", None) is None:
+        return True
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
+
+
 def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str | None:
     """"cuda", "eager" or None (plain eager steps).
 
     ``enforce_eager`` or ``TOKENFAB_DECODE_GRAPHS=0``: never. ``TOKENFAB_DECODE_GRAPHS=eager``: the padded
-    static-buffer path without capture, on any device (tests, dry runs);
-    unset: "cuda" on a CUDA/ROCm device when not ``enforce_eager``, the Triton kernels apply and the model runs on
-    one rank. Never for models with recurrent-state (KDA) layers.
+    static-buffer path without capture, on any device (tests, dry runs), for every model but host experts;
+    unset: "cuda" on a CUDA/ROCm device when not ``enforce_eager`` and the Triton kernels apply, for dense, MoE and
+    hybrid (KDA) models, on one rank or under tensor parallel over NCCL (:func:`collectives_graph_safe`). Never with
+    host experts (per-step host work).
+
+    Unmeasured on a GPU so far: capture of the KDA layers' state gather/scatter and of the NCCL all-reduces inside
+    the graph (the padded path they replay is checked on CPU: tests/test_decode_graphs.py); the first lent GPU must
+    run benchmarks/gpu_check.sh on a Kimi K3 shape and under TP before these are trusted for speed.
 
     Raises:
         EngineConfigError: another value of ``TOKENFAB_DECODE_GRAPHS``.
@@ -49,13 +71,13 @@ def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str |
     if env not in ("", "1", "0", "eager"):
         raise EngineConfigError(f"TOKENFAB_DECODE_GRAPHS='{env}' is not understood; use 0 (off), eager (padded "
                                 "buffers without capture) or leave it unset (CUDA graphs where they apply).")
-    if enforce_eager or env == "0" or hasattr(model, "make_state_cache"):  # KDA state slots: by scheduler row
+    if enforce_eager or env == "0":
         return None
     if getattr(model, "host_expert_stats", None) is not None:  # host experts: per-step host work, no capture
         return None
     if env == "eager":
         return "eager"
-    if device.type != "cuda" or getattr(model, "tp", None) is not None:
+    if device.type != "cuda" or not collectives_graph_safe(model):
         return None
     from tokenfab.kernels.gpu import support as triton_support
     return "cuda" if triton_support.applies(torch.empty(0, device=device)) else None
@@ -66,16 +88,21 @@ class DecodeGraphRunner:
 
     Args:
         model: the CausalLM (``model(input_ids, positions, kv_caches, meta) -> hidden [T, hidden]``).
-        kv_caches: the pool, allocated with one more block than the block manager owns.
+        kv_caches: the pool, allocated with one more block than the block manager owns (hybrid models: the KDA
+            layers' entries are their state caches, allocated with one more slot than max_num_seqs; the list may
+            receive them after this runner is built, it is read at each step).
         pad_block: that spare block's id.
         block_size: tokens per block; max_blocks: width of the block-table buffer (blocks per sequence).
         sizes: capture sizes (ascending); mode: "cuda" (capture) or "eager".
+        state_slot: hybrid (KDA) models: the spare recurrent-state slot padding rows read and write (max_num_seqs,
+            never a scheduler row); None for models without recurrent state.
     """
 
     def __init__(self, model, kv_caches: list, pad_block: int, block_size: int, max_blocks: int,
-                 sizes: list[int], device: torch.device, mode: str):
+                 sizes: list[int], device: torch.device, mode: str, state_slot: int | None = None):
         self.model, self.kv_caches, self.mode = model, kv_caches, mode
         self.pad_block, self.block_size, self.max_blocks = pad_block, block_size, max_blocks
+        self.state_slot = state_slot
         self.sizes = sorted(sizes)
         n = self.sizes[-1]
         i64 = dict(dtype=torch.int64, device=device)
@@ -85,6 +112,9 @@ class DecodeGraphRunner:
         self.block_tables = torch.full((n, max_blocks), pad_block, **i64)
         self.context_lens = torch.ones(n, **i64)
         self.token_index = torch.arange(n, **i64).view(n, 1)
+        # [n] int64 recurrent-state slot per row (hybrid models only): real rows' scheduler rows, padding rows the
+        # spare slot; the KDA layers gather and scatter their states through this buffer alone
+        self.state_rows = None if state_slot is None else torch.full((n,), state_slot, **i64)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps served from the buffers (tests and stats)
 
@@ -97,12 +127,14 @@ class DecodeGraphRunner:
                                block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs], q_len=1,
                                max_context=self.max_blocks * self.block_size, flat_range=(0, bs))
         return AttentionMetadata(slot_mapping=self.slot_mapping[:bs], decode=group, prefill=None, num_tokens=bs,
-                                 block_size=self.block_size)
+                                 block_size=self.block_size,
+                                 state_rows=None if self.state_rows is None else self.state_rows[:bs])
 
     @torch.inference_mode()
     def capture(self, progress: bool = False) -> None:
         """Capture every size, largest first so smaller graphs reuse its memory pool. Buffers hold padding rows
-        only, so warm-up and capture write K/V to the pad block alone."""
+        only, so warm-up and capture write K/V to the pad block alone and KDA states to the spare slot alone (the
+        state caches must exist before this is called: ModelRunner builds them first)."""
         if self.mode != "cuda":
             return
         from tqdm import tqdm
@@ -120,20 +152,35 @@ class DecodeGraphRunner:
         torch.cuda.synchronize()
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, block_tables: np.ndarray,
-            context_lens: np.ndarray) -> torch.Tensor:
+            context_lens: np.ndarray, state_rows: np.ndarray | None = None) -> torch.Tensor:
         """One decode-only step of B <= max_batch sequences (int64 numpy inputs: [B] ids, positions, slots,
-        context lengths after this step's write; [B, >= blocks in use] block tables) -> hidden [B, hidden].
+        context lengths after this step's write; [B, >= blocks in use] block tables; ``state_rows`` [B] the
+        sequences' scheduler rows = recurrent-state slots, hybrid models only) -> hidden [B, hidden].
 
         Only the block-table columns in use are copied: attention reads no column past a row's context length,
-        so older columns may keep stale ids. Padding rows get the pad block in column 0 and context length 1."""
+        so older columns may keep stale ids. Padding rows get token 0 at position 0, the pad block in column 0,
+        context length 1 and (hybrid models) the spare state slot: position 0 makes the KDA layers start them
+        from a zero state, so they read nothing a sequence wrote, and they write only the spare slot.
+
+        Raises:
+            ValueError: a hybrid model's step without ``state_rows``, or rows that name the spare slot or lie
+                outside the state caches (a padding row would then share a slot with a real one).
+        """
         B = len(input_ids)
         bs = next(s for s in self.sizes if s >= B)
         width = min(block_tables.shape[1], self.max_blocks)
         nb = self.input_ids.device.type == "cuda"
-        for buf, rows, pad_value in ((self.input_ids, input_ids, 0), (self.positions, positions, 0),
-                                     (self.slot_mapping, slot_mapping, self.pad_block * self.block_size),
-                                     (self.context_lens, context_lens, 1)):
-            buf[:B].copy_(torch.from_numpy(rows), non_blocking=nb)
+        bufs = [(self.input_ids, input_ids, 0), (self.positions, positions, 0),
+                (self.slot_mapping, slot_mapping, self.pad_block * self.block_size), (self.context_lens, context_lens, 1)]
+        if self.state_rows is not None:
+            if state_rows is None:
+                raise ValueError("decode graphs of a hybrid (KDA) model need the step's state rows (scheduler rows).")
+            if B and not (0 <= int(state_rows.min()) and int(state_rows.max()) < self.state_slot):
+                raise ValueError(f"state rows must lie in [0, {self.state_slot}) (slot {self.state_slot} is the "
+                                 f"padding rows' spare slot); got {state_rows.min()}..{state_rows.max()}.")
+            bufs.append((self.state_rows, state_rows, self.state_slot))
+        for buf, rows, pad_value in bufs:
+            buf[:B].copy_(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)), non_blocking=nb)
             buf[B:bs].fill_(pad_value)
         self.block_tables[:B, :width].copy_(torch.from_numpy(block_tables[:, :width]), non_blocking=nb)
         self.block_tables[B:bs, 0].fill_(self.pad_block)

@@ -94,14 +94,18 @@ class ModelRunner:
         triton_support.check_env()
         cpu_linear_backend()  # a typo in TOKENFAB_CPU_LINEAR is an error here, not a silent default
         graph_mode = decode_graph_mode(device, model, enforce_eager)
-        # decode graphs pad batches into a spare block the block manager never hands out (cuda_graph_runner.py)
+        self.has_state = hasattr(model, "make_state_cache")
+        # decode graphs pad batches into a spare block the block manager never hands out, and (hybrid models) a
+        # spare recurrent-state slot, max_num_seqs, that no scheduler row names (cuda_graph_runner.py)
         num_blocks = block_manager.num_blocks + (graph_mode is not None)
         self.kv_caches = model.make_kv_cache(num_blocks, self.block_size, dtype, device)
+        if self.has_state:  # hybrid models: per-request KDA state slots by row (state_cache.py)
+            model.make_state_cache(self.kv_caches, max_num_seqs + (graph_mode is not None), dtype, device)
         self.decode_graphs: DecodeGraphRunner | None = None
         if graph_mode is not None:
             self.decode_graphs = DecodeGraphRunner(model, self.kv_caches, block_manager.num_blocks, self.block_size,
                                                    block_manager.max_blocks_per_seq, capture_sizes(max_num_seqs),
-                                                   device, graph_mode)
+                                                   device, graph_mode, max_num_seqs if self.has_state else None)
             self.decode_graphs.capture()
         self.batch_invariant = batch_invariant
         if batch_invariant:  # refused by name before anything is moved or built (batch_invariance.py)
@@ -110,9 +114,6 @@ class ModelRunner:
         if device.type == "cpu":
             kv = [t for c in self.kv_caches for t in (c if isinstance(c, (list, tuple)) else (c,))]
             self.hugepage_bytes = move_to_hugepages(module_tensors(model) + kv)
-        self.has_state = hasattr(model, "make_state_cache")
-        if self.has_state:  # hybrid models: per-request KDA state slots by row (state_cache.py)
-            model.make_state_cache(self.kv_caches, max_num_seqs, dtype, device)
         self.state_caches = [c for c in self.kv_caches if isinstance(c, KDAStateCache)]
         # decode-only CPU bf16 steps: the whole decoder stack in one C++ call where the model allows (None: modules)
         self.cpu_decode_stack: CpuDecodeStack | None = None
@@ -193,7 +194,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray, input_ids: np.ndarray,
                 logit_idx: np.ndarray, derived: tuple | None = None,
-                rows: np.ndarray | None = None, keep: np.ndarray | None = None) -> torch.Tensor | None:
+                rows: np.ndarray | None = None, keep: np.ndarray | None = None,
+                modules: bool = False) -> torch.Tensor | None:
         """Run the model on one step's flat batch; logits [len(logit_idx), vocab] float32 on CPU, or None.
 
         Args (int64 numpy): ``d`` decode sequences (first in the batch); ``num_new`` / ``num_computed`` [B] tokens
@@ -202,7 +204,9 @@ class ModelRunner:
         when the caller has them. Tensor-parallel workers call this with the arrays rank 0 broadcast. ``rows`` [B]:
         scheduler rows, the recurrent-state slots of hybrid (KDA) models; required by those models only. ``keep``
         [B] bool: speculative verification rows whose KDA state :meth:`roll_back_state` may roll back after this
-        step (hybrid models; None: no row).
+        step (hybrid models; None: no row). ``modules``: run through the model's modules even where the decode
+        graphs or the fused CPU stack would apply (tensor-parallel workers, when rank 0 taps layer outputs: every
+        rank must pad its batch alike, :meth:`uses_modules`).
         """
         B = len(num_new)
         if derived is None:
@@ -216,14 +220,15 @@ class ModelRunner:
         if self.state_caches:
             clear_pending(self.state_caches)
         graphs = self.decode_graphs
-        taps = self.capture is not None and bool(self.capture.layer_ids)
+        taps = self.uses_modules()
         if taps:  # layer outputs come from forward hooks: the module path below
             self._tap_out = [None] * len(self.capture.layer_ids)
-        if self.batch_invariant and not taps:  # every token one query row over its own context: no group or chunk
+        plain = not (taps or modules)  # the padded graph buffers or the fused stack may serve this step
+        if self.batch_invariant and plain:  # every token one query row over its own context: no group or chunk
             hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt[req_idx], positions + 1)
-        elif not taps and graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: cuda_graph_runner.py
-            hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1)
-        elif not taps and self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: cpu_decode_stack.py
+        elif plain and graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: cuda_graph_runner.py
+            hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1, rows)
+        elif plain and self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: cpu_decode_stack.py
             hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt, num_computed + 1)
         else:
             meta = AttentionMetadata(
@@ -243,6 +248,11 @@ class ModelRunner:
         if not (d == B and len(logit_idx) == B):  # decode-only steps want every row, in order
             hidden = hidden[torch.from_numpy(logit_idx).to(self.device)]
         return self.model.compute_logits(hidden).cpu()
+
+    def uses_modules(self) -> bool:
+        """True when this runner's steps must run through the model's modules (layer taps for a drafter are
+        forward hooks, which neither a replayed graph nor the fused CPU stack runs)."""
+        return self.capture is not None and bool(self.capture.layer_ids)
 
     def keep_captured(self, seqs, rows: np.ndarray, req_idx: np.ndarray, positions: np.ndarray) -> None:
         """``self.captured`` from the last forward's hidden states and its batch (``seqs`` [B], ``rows`` [B],
@@ -330,7 +340,8 @@ class ModelRunner:
             logit_idx = np.concatenate([logit_idx, spec_tok])
         if self.tp_channel is not None:  # tensor parallel: the workers run the same forward (tokenfab/parallel)
             self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx,
-                                      rows if self.has_state else None, keep)  # hybrid models: the KDA state slots
+                                      rows if self.has_state else None, keep,  # hybrid models: the KDA state slots
+                                      modules=self.uses_modules())  # every rank pads (or not) alike
         logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
                               rows=rows, keep=keep)
         if self.capture is not None:

@@ -12,6 +12,10 @@ so requests sharing a batch never touch each other's state. A slot is reset (zer
 position 0, which covers admission and re-admission after preemption (recompute from scratch); a freed row needs no
 clearing because the next sequence in it starts at position 0. Chunked prefill carries the state across steps
 because the slot persists while the sequence runs.
+
+With decode graphs (engine/cuda_graph_runner.py) the caches hold one slot more, ``max_num_seqs``, which no
+scheduler row names: the padding rows of a padded decode batch run at position 0 (a zero state, nothing read) and
+write their state there, never into a real sequence's slot.
 """
 from __future__ import annotations
 

@@ -305,7 +305,8 @@ class KimiLinearForCausalLM(CausalLM):
                 for t in self.cfg.layer_types]
 
     def make_state_cache(self, kv_caches: list, num_slots: int, dtype: torch.dtype, device) -> None:
-        """Put a KDA state cache of ``num_slots`` (= max_num_seqs) slots in each KDA layer's entry."""
+        """Put a KDA state cache of ``num_slots`` slots (max_num_seqs, plus the padding rows' spare slot when decode
+        graphs are on: engine/cuda_graph_runner.py) in each KDA layer's entry."""
         for i, layer in enumerate(self.model.layers):
             if self.cfg.layer_types[i] == "kda":
                 kv_caches[i] = layer.self_attn.make_state_cache(num_slots, dtype, device)

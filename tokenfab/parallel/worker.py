@@ -6,9 +6,11 @@ its shard of the forward and samples. Each worker receives the same arrays, runs
 
 Wire format of one step (gloo broadcasts of int64 CPU tensors from rank 0):
 
-* header [8]: ``kind`` (1 = step, 0 = stop, 2 = state roll back), ``B`` sequences, ``d`` decodes, ``T`` tokens,
+* header [9]: ``kind`` (1 = step, 0 = stop, 2 = state roll back), ``B`` sequences, ``d`` decodes, ``T`` tokens,
   ``nblk`` block-table columns sent, ``L`` logit rows, ``R`` (1 when the scheduler rows follow, else 0), ``K`` (1
-  when the verification-row flags follow, else 0).
+  when the verification-row flags follow, else 0), ``M`` (1 when rank 0 runs this step through the model's modules
+  because it taps layer outputs: the workers must too, not through the padded decode-graph buffers, or the ranks'
+  collectives would see different token counts).
 * payload [2B + B*nblk + T + L (+ B) (+ B)]: ``num_new`` [B], ``num_computed`` [B], block tables [B, nblk] (only the
   columns this step needs), ``input_ids`` [T], ``logit_idx`` [L], then, when ``R``, the scheduler ``rows`` [B]: the
   per-request recurrent-state slots of hybrid (KDA) models (tokenfab/engine/state_cache.py), then, when ``K``, the
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 STEP, STOP, ROLLBACK = 1, 0, 2
-HEADER = 8
+HEADER = 9
 
 
 class Rollback:
@@ -59,9 +61,10 @@ class StepChannel:
 
     def send_step(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray,
                   input_ids: np.ndarray, logit_idx: np.ndarray, rows: np.ndarray | None = None,
-                  keep: np.ndarray | None = None) -> None:
+                  keep: np.ndarray | None = None, modules: bool = False) -> None:
         """Rank 0: publish a step (shapes as in ModelRunner.forward; bt is cut to the blocks the step needs;
-        ``rows`` [B] the scheduler rows and ``keep`` [B] bool the verification rows, each sent when given)."""
+        ``rows`` [B] the scheduler rows and ``keep`` [B] bool the verification rows, each sent when given;
+        ``modules``: rank 0 runs this step through the modules, not the decode-graph buffers)."""
         B, T, L = len(num_new), len(input_ids), len(logit_idx)
         ctx_max = int((num_computed + num_new).max()) if B else 0
         nblk = min(bt.shape[1], -(-ctx_max // self.block_size)) if B else 0
@@ -71,7 +74,7 @@ class StepChannel:
                                  + ([] if rows is None else [rows.astype(np.int64, copy=False)])
                                  + ([] if keep is None else [keep.astype(np.int64)]))
         buf = self._buf.numpy()
-        buf[:8] = (STEP, B, d, T, nblk, L, 0 if rows is None else 1, 0 if keep is None else 1)
+        buf[:HEADER] = (STEP, B, d, T, nblk, L, 0 if rows is None else 1, 0 if keep is None else 1, int(modules))
         n = len(payload)
         if n <= self.inline:
             buf[HEADER:HEADER + n] = payload
@@ -86,7 +89,7 @@ class StepChannel:
         N = len(rows)
         payload = np.concatenate([rows.astype(np.int64, copy=False), kept.astype(np.int64, copy=False)])
         buf = self._buf.numpy()
-        buf[:8] = (ROLLBACK, N, 0, 0, 0, 0, 0, 0)
+        buf[:HEADER] = (ROLLBACK, N, 0, 0, 0, 0, 0, 0, 0)
         if 2 * N <= self.inline:
             buf[HEADER:HEADER + 2 * N] = payload
             dist.broadcast(self._buf, 0, group=self.group)
@@ -100,10 +103,10 @@ class StepChannel:
         dist.broadcast(self._buf, 0, group=self.group)
 
     def recv(self):
-        """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx, rows, keep), a
-        :class:`Rollback`, or None on stop (``rows`` / ``keep`` None when rank 0 sent none)."""
+        """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx, rows, keep, modules), a
+        :class:`Rollback`, or None on stop (``rows`` / ``keep`` None when rank 0 sent none; ``modules`` bool)."""
         dist.broadcast(self._buf, 0, group=self.group)
-        kind, B, d, T, nblk, L, R, K = self._buf[:8].tolist()
+        kind, B, d, T, nblk, L, R, K, M = self._buf[:HEADER].tolist()
         if kind == STOP:
             return None
         if kind == ROLLBACK:
@@ -129,7 +132,7 @@ class StepChannel:
         logit_idx, o = p[o:o + L], o + L
         rows, o = (p[o:o + B], o + B) if R else (None, o)
         keep = p[o:o + B].astype(bool) if K else None
-        return d, num_new, num_computed, bt, input_ids, logit_idx, rows, keep
+        return d, num_new, num_computed, bt, input_ids, logit_idx, rows, keep, bool(M)
 
     block_size = 1  # set by the launcher to the KV block size
 
@@ -151,14 +154,16 @@ def build_rank(config, rank: int, world_size: int, device: torch.device | None =
 
 
 def make_runner(config, loaded):
-    """A ModelRunner (no sampler) over this rank's shard with the engine's KV-pool size."""
+    """A ModelRunner (no sampler) over this rank's shard with the engine's KV-pool size and decode-graph choice
+    (``enforce_eager`` as rank 0's: a rank replaying padded graphs beside one that does not would run its
+    collectives over a different token count)."""
     from tokenfab.engine.block_manager import BlockManager
     from tokenfab.engine.model_runner import ModelRunner
 
     config.finalize(loaded.model_config, loaded.dtype)
     bm = BlockManager(config.num_kv_blocks, config.block_size, config.max_num_seqs, config.max_model_len)
     return ModelRunner(loaded.model, bm, config.max_num_seqs, config.max_model_len, loaded.device, loaded.dtype,
-                       None)
+                       None, enforce_eager=config.enforce_eager)
 
 
 @torch.inference_mode()
@@ -173,8 +178,8 @@ def serve_steps(runner, channel: StepChannel) -> int:
         if isinstance(step, Rollback):  # after a verification step of a hybrid model
             runner.roll_back_state(step.rows, step.kept)
             continue
-        *arrays, rows, keep = step
-        runner.forward(*arrays, rows=rows, keep=keep)
+        *arrays, rows, keep, modules = step
+        runner.forward(*arrays, rows=rows, keep=keep, modules=modules)
         n += 1
 
 
