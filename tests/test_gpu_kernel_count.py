@@ -1,0 +1,135 @@
+"""How many device kernels one decoder layer launches in a decode step on the GPU code path (issue #30: a dense
+layer at most 10, an MoE layer at most 14, and no host sync).
+
+The engine runs a tiny float32 checkpoint on CPU with the seam taking every GPU choice
+(``TOKENFAB_TRITON=interpret-gpu-path``, Triton's interpreter running the kernels) and the C++ CPU kernels absent, as
+on a GPU machine. tokenfab/testing/kernel_count.py states the counting rule (every Triton launch; every ATen op but
+views, metadata-only ops and bare allocations). Each decoder layer is a scope (forward hooks), counted in the first
+decode-only step; a failure prints the per-kernel breakdown of every layer.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfab.kernels.gpu import support as triton_support
+from tokenfab.testing.kernel_count import KernelCounter, breakdown
+
+pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
+
+DENSE_MAX, MOE_MAX = 10, 14
+
+
+@pytest.fixture
+def gpu_path_on_cpu(monkeypatch):
+    from tokenfab.kernels.cpu import build as cpu_build
+    from tokenfab.kernels.cpu import ops as cpu_ops
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
+    monkeypatch.setattr(cpu_build, "load", lambda: None)  # a GPU machine has no C++ CPU kernels loaded
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+
+
+def count_decode_layers(path: str) -> tuple[dict[str, int], KernelCounter]:
+    """Per-layer kernel counts of the first decode-only step of a short greedy run on ``path``."""
+    from tokenfab import LLM, SamplingParams
+    llm = LLM(path, dtype="float32", max_model_len=64, block_size=8, progress=False)
+    model = llm.llm_engine.runner.model
+    assert llm.llm_engine.runner.cpu_decode_stack is None
+    kc = KernelCounter()
+    state = {"on": False, "done": False}
+
+    def model_pre(_mod, args):
+        meta = args[3]
+        state["on"] = not state["done"] and meta.prefill is None and meta.decode is not None
+
+    def model_post(_mod, _args, _out):
+        if state["on"]:
+            state["on"], state["done"] = False, True
+
+    hooks = [model.register_forward_pre_hook(model_pre), model.register_forward_hook(model_post)]
+    scopes = []
+    for i, layer in enumerate(model.model.layers):
+        def pre(_mod, _args, i=i):
+            if state["on"]:
+                scopes.append(kc.scope(f"layer{i}"))
+                scopes[-1].__enter__()
+
+        def post(_mod, _args, _out, i=i):
+            if state["on"]:
+                scopes.pop().__exit__(None, None, None)
+        hooks += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
+    try:
+        with kc:
+            outs = llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 7]}],
+                                SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert outs[0].outputs[0].finish_reason == "length", outs[0].outputs[0]
+    assert state["done"], "no decode-only step ran"
+    return {name: kc.total(name) for name in kc.counts}, kc
+
+
+def report(kc: KernelCounter) -> str:
+    return "\n".join(f"{name}: {kc.total(name)} kernels\n{breakdown(c)}" for name, c in sorted(kc.counts.items()))
+
+
+@pytest.mark.parametrize("family,limit", [("llama", DENSE_MAX), ("qwen3_moe", MOE_MAX)])
+def test_decode_layer_kernel_count(gpu_path_on_cpu, tiny_model, family, limit):
+    totals, kc = count_decode_layers(tiny_model(family, num_hidden_layers=3))
+    print(report(kc))
+    assert len(totals) == 3
+    assert not kc.syncs, f"host syncs in the decode step: {kc.syncs}\n{report(kc)}"
+    assert max(totals.values()) <= limit, f"{family}: per-layer kernels {totals} > {limit}\n{report(kc)}"
+    launched = {n for c in kc.counts.values() for n in c}
+    assert any(n.startswith("triton:") for n in launched), "the GPU path did not run"
+
+
+def test_counting_rule():
+    """Views and bare allocations are free; copies, fills and casts count; Triton launches count once each."""
+    from tokenfab.testing.kernel_count import launches_kernel
+    a = torch.ops.aten
+    for free in (a.view.default, a.transpose.int, a.slice.Tensor, a.select.int, a.unsqueeze.default,
+                 a.as_strided.default, a.detach.default, a.alias.default, a.t.default, a.empty.memory_format,
+                 a.split.Tensor, a.expand.default, a._unsafe_view.default):
+        assert not launches_kernel(free), free
+    for paid in (a.copy_.default, a._to_copy.default, a.fill_.Scalar, a.index_copy_.default, a.cat.default,
+                 a.add.Tensor, a.mm.default, a.clone.default, a._local_scalar_dense.default):
+        assert launches_kernel(paid), paid
+    kc = KernelCounter()
+    x = torch.randn(4, 6)
+    with kc, kc.scope("s"):
+        y = x.t().contiguous()  # a copy
+        y.view(-1)[1:3].unsqueeze(0)  # views
+        torch.empty(3)
+        x.float()  # already float32: nothing dispatched
+        x.to(torch.float64)
+        float(x[0, 0])  # a host sync
+        x.tolist()  # host reads CPU tensors never dispatch, caught before
+        x.to("cpu")
+    assert kc.counts["s"] == {"aten:clone": 1, "aten:_to_copy": 1, "aten:_local_scalar_dense": 1, "host:tolist": 1,
+                              "host:to(cpu)": 1}, kc.counts
+    assert [n for _, n in kc.syncs] == ["aten:_local_scalar_dense", "host:tolist", "host:to(cpu)"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+def test_gpu_path_engine_token_exact(gpu_path_on_cpu, tiny_model, family):
+    """The whole engine on the GPU code path (fused add + norm across layers, q/k norm + RoPE + cache write, router,
+    alignment and k-sum kernels, all interpreted) against transformers: greedy tokens identical, prompt and decode
+    logprobs within 1e-4 (tests/test_engine_exact.py's check), prefill chunks and decode steps mixed."""
+    from test_engine_exact import check_family, make_prompts
+    from tokenfab.kernels.gpu import rope_cache
+    calls = []
+    orig = rope_cache.qk_rope_cache
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return orig(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rope_cache, "qk_rope_cache", spy)
+        _, worst = check_family(tiny_model(family), make_prompts(3, [21, 4, 9]))
+    assert calls, "the fused RoPE + cache write did not run"
+    assert worst < 1e-4
