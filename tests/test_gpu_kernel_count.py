@@ -1,9 +1,9 @@
 """How many device kernels one decoder layer launches in a decode step on the GPU code path (issue #30: a dense
 layer at most 10, an MoE layer at most 14, and no host sync).
 
-The engine runs a tiny float32 checkpoint on CPU with the seam taking every GPU choice
-(``TOKENFAB_TRITON=interpret-gpu-path``, Triton's interpreter running the kernels) and the C++ CPU kernels absent, as
-on a GPU machine. tokenfab/testing/kernel_count.py states the counting rule (every Triton launch; every ATen op but
+The engine runs a tiny checkpoint (float32 and bfloat16) on CPU with the seam taking every GPU choice
+(``TOKENFAB_TRITON=interpret-gpu-path``, Triton's interpreter running the kernels), the C++ CPU kernels absent and no
+weight repacked for CPU GEMMs (``TOKENFAB_CPU_LINEAR=torch``), as on a GPU machine. tokenfab/testing/kernel_count.py states the counting rule (every Triton launch; every ATen op but
 views, metadata-only ops and bare allocations). Each decoder layer is a scope (forward hooks), counted in the first
 decode-only step; a failure prints the per-kernel breakdown of every layer.
 """
@@ -27,14 +27,15 @@ def gpu_path_on_cpu(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
     monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")  # no CPU repacking of bf16 weights at load (GPU: never)
     monkeypatch.setattr(cpu_build, "load", lambda: None)  # a GPU machine has no C++ CPU kernels loaded
     monkeypatch.setattr(cpu_ops, "load", lambda: None)
 
 
-def count_decode_layers(path: str) -> tuple[dict[str, int], KernelCounter]:
+def count_decode_layers(path: str, dtype: str = "float32") -> tuple[dict[str, int], KernelCounter]:
     """Per-layer kernel counts of the first decode-only step of a short greedy run on ``path``."""
     from tokenfab import LLM, SamplingParams
-    llm = LLM(path, dtype="float32", max_model_len=64, block_size=8, progress=False)
+    llm = LLM(path, dtype=dtype, max_model_len=64, block_size=8, progress=False)
     model = llm.llm_engine.runner.model
     assert llm.llm_engine.runner.cpu_decode_stack is None
     kc = KernelCounter()
@@ -76,9 +77,11 @@ def report(kc: KernelCounter) -> str:
     return "\n".join(f"{name}: {kc.total(name)} kernels\n{breakdown(c)}" for name, c in sorted(kc.counts.items()))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family,limit", [("llama", DENSE_MAX), ("qwen3_moe", MOE_MAX)])
-def test_decode_layer_kernel_count(gpu_path_on_cpu, tiny_model, family, limit):
-    totals, kc = count_decode_layers(tiny_model(family, num_hidden_layers=3))
+def test_decode_layer_kernel_count(gpu_path_on_cpu, tiny_model, family, limit, dtype):
+    """bfloat16 too: a cast anywhere on the way (router weights, the k-sum, a cache write) would show up there."""
+    totals, kc = count_decode_layers(tiny_model(family, num_hidden_layers=3), dtype)
     print(report(kc))
     assert len(totals) == 3
     assert not kc.syncs, f"host syncs in the decode step: {kc.syncs}\n{report(kc)}"
