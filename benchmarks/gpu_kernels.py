@@ -17,7 +17,8 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
    4096, intermediate 11008, 32 heads of 128), and DeepSeek-V3's router selection (kernels/gpu/router.py): error
    against the layers' PyTorch math, time, bandwidth over the bytes read and written.
 5. The fused decode glue of a Qwen3-MoE layer (q/k norm + RoPE + KV-cache write, softmax top-k router, MoE
-   k-sum) at Qwen3-30B-A3B's shapes, 16 and 2,048 tokens: error against the layers' PyTorch math, time, bandwidth.
+   k-sum) at Qwen3-30B-A3B's shapes and MLA's kv norm + RoPE + latent write at DeepSeek-V3's, 16 and 2,048
+   tokens: error against the layers' PyTorch math, time, bandwidth.
 6. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
    identical token ids expected.
 
@@ -233,9 +234,11 @@ def check_decode_glue(dev, dtype, quick: bool, bw: float, reps: int) -> list[dic
     q/k RMSNorm + RoPE + KV-cache write (kernels/gpu/rope_cache.py) against the layers' norm, RoPE and
     write_cache; the softmax top-k router (kernels/gpu/router.py) against SoftmaxTopKRouter's PyTorch path (weight
     error where the expert lists agree, 1.0 where not); the MoE k-sum (kernels/gpu/moe.py::moe_sum) against a
-    float32 sum. Time, and bandwidth over the bytes each must read and write."""
+    float32 sum; MLA's kv norm + RoPE + latent write at DeepSeek-V3's shape (128 heads, nope 128, rope 64, latent
+    512) against the eager norm, rotation and write_cache. Time, and bandwidth over the bytes each must read and
+    write."""
     from tokenfab.kernels.gpu.moe import moe_sum
-    from tokenfab.kernels.gpu.rope_cache import qk_rope_cache
+    from tokenfab.kernels.gpu.rope_cache import mla_rope_cache, qk_rope_cache
     from tokenfab.kernels.gpu.router import softmax_topk
     from tokenfab.layers.paged_attention import write_cache
     H, Hk, D, E, k, hidden = (32, 4, 128, 128, 8, 2048) if not quick else (3, 1, 16, 8, 2, 96)
@@ -269,6 +272,35 @@ def check_decode_glue(dev, dtype, quick: bool, bw: float, reps: int) -> list[dic
         nbytes = 2 * qkv.numel() * qkv.element_size()
         rows.append({"kernel": "q/k norm + RoPE + KV write", "shape": f"M={M} H={H} Hk={Hk} D={D}", "max_err": err,
                      "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+
+        mh, mn, mr, mc = (128, 128, 64, 512) if not quick else (3, 16, 16, 32)  # DeepSeek-V3's MLA
+        mq = torch.randn(M, mh, mn + mr, device=dev, generator=g).to(dtype)
+        ma = torch.randn(M, mc + mr, device=dev, generator=g).to(dtype)
+        mw = torch.randn(mc, device=dev, generator=g).to(dtype)
+        mang = torch.outer(torch.arange(4096, device=dev).float(),
+                           1.0 / (1e4 ** (torch.arange(0, mr, 2, device=dev).float() / mr)))
+        mcos, msin = mang.cos(), mang.sin()
+        lat = torch.zeros(blocks, 16, mc + mr, device=dev, dtype=dtype)
+        got = mla_rope_cache(mq, ma[:, :mc], ma[:, mc:], mw, 1e-6, pos, mcos, msin, False, slots, lat)
+        c, s_ = mcos[pos].to(dtype), msin[pos].to(dtype)
+
+        def rot(x, c, s_):
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1)
+        want_q = torch.cat([mq[..., :mn], rot(mq[..., mn:], c.unsqueeze(1), s_.unsqueeze(1))], dim=-1)
+        cf = ma[:, :mc].float()
+        want_row = torch.cat([mw * (cf * torch.rsqrt(cf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype),
+                              rot(ma[:, mc:], c, s_)], dim=-1)
+        lr = torch.zeros_like(lat)
+        write_cache(lr, slots, want_row)
+        err = max(((got.float() - want_q.float()).abs().max() / want_q.float().abs().max()).item(),
+                  ((lat.float() - lr.float()).abs().max() / lr.float().abs().max()).item())
+        us = _time_us(lambda: mla_rope_cache(mq, ma[:, :mc], ma[:, mc:], mw, 1e-6, pos, mcos, msin, False, slots,
+                                             lat), dev, reps)
+        nbytes = 2 * (mq.numel() + ma.numel()) * mq.element_size()
+        rows.append({"kernel": "MLA kv norm + RoPE + latent write", "shape": f"M={M} H={mh} C={mc} R={mr}",
+                     "max_err": err, "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
         print(json.dumps(rows[-1]), flush=True)
 
         logits = torch.randn(M, E, device=dev, generator=g).to(dtype)

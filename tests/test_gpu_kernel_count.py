@@ -18,6 +18,9 @@ from tokenfab.testing.kernel_count import KernelCounter, breakdown
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 DENSE_MAX, MOE_MAX = 10, 14
+# DeepSeek-V3 (MLA, a shared expert beside the routed ones): not yet at the issue's targets; these bounds only keep
+# today's counts (dense layer 16, MoE layer 24) from growing
+MLA_DENSE_MAX, MLA_MOE_MAX = 16, 24
 
 
 @pytest.fixture
@@ -78,12 +81,18 @@ def report(kc: KernelCounter) -> str:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family,limit", [("llama", DENSE_MAX), ("qwen3_moe", MOE_MAX)])
+@pytest.mark.parametrize("family,limit", [("llama", DENSE_MAX), ("qwen3_moe", MOE_MAX),
+                                          ("deepseek_v3", MLA_MOE_MAX)])
 def test_decode_layer_kernel_count(gpu_path_on_cpu, tiny_model, family, limit, dtype):
     """bfloat16 too: a cast anywhere on the way (router weights, the k-sum, a cache write) would show up there."""
     totals, kc = count_decode_layers(tiny_model(family, num_hidden_layers=3), dtype)
     print(report(kc))
     assert len(totals) == 3
+    if family == "deepseek_v3":  # layer 0 dense (first_k_dense_replace=1), then MoE layers
+        assert totals["layer0"] <= MLA_DENSE_MAX, f"{totals}\n{report(kc)}"
+        assert max(totals["layer1"], totals["layer2"]) <= limit, f"{totals}\n{report(kc)}"
+        assert not kc.syncs, f"host syncs in the decode step: {kc.syncs}\n{report(kc)}"
+        return
     assert not kc.syncs, f"host syncs in the decode step: {kc.syncs}\n{report(kc)}"
     assert max(totals.values()) <= limit, f"{family}: per-layer kernels {totals} > {limit}\n{report(kc)}"
     launched = {n for c in kc.counts.values() for n in c}
@@ -117,22 +126,24 @@ def test_counting_rule():
     assert [n for _, n in kc.syncs] == ["aten:_local_scalar_dense", "host:tolist", "host:to(cpu)"]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_gpu_path_engine_token_exact(gpu_path_on_cpu, tiny_model, family):
-    """The whole engine on the GPU code path (fused add + norm across layers, q/k norm + RoPE + cache write, router,
-    alignment and k-sum kernels, all interpreted) against transformers: greedy tokens identical, prompt and decode
-    logprobs within 1e-4 (tests/test_engine_exact.py's check), prefill chunks and decode steps mixed."""
+    """The whole engine on the GPU code path (fused add + norm across layers, q/k norm + RoPE + cache write or MLA's
+    kv norm + RoPE + latent write, routers, alignment and k-sum kernels, all interpreted) against transformers:
+    greedy tokens identical, prompt and decode logprobs within 1e-4 (tests/test_engine_exact.py's check), prefill
+    chunks and decode steps mixed."""
     from test_engine_exact import check_family, make_prompts
     from tokenfab.kernels.gpu import rope_cache
     calls = []
-    orig = rope_cache.qk_rope_cache
+    name = "mla_rope_cache" if family == "deepseek_v3" else "qk_rope_cache"
+    orig = getattr(rope_cache, name)
 
     def spy(*a, **kw):
         calls.append(1)
         return orig(*a, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rope_cache, "qk_rope_cache", spy)
+        mp.setattr(rope_cache, name, spy)
         _, worst = check_family(tiny_model(family), make_prompts(3, [21, 4, 9]))
     assert calls, "the fused RoPE + cache write did not run"
     assert worst < 1e-4

@@ -103,3 +103,48 @@ def test_qk_rope_cache_strided_cache_and_errors(interpret, monkeypatch):
     torch.testing.assert_close(vc, vr)
     with pytest.raises(ValueError, match="do not fit"):
         qk_rope_cache(q, k, v[..., :6], torch.tensor([1, 2, 3]), rot.cos, rot.sin, False, slots, kc, vc)
+
+
+@pytest.mark.parametrize("H,nope,R,C", [(4, 16, 16, 32), (3, 10, 12, 40), (5, 0, 8, 24)])  # odd widths; no nope
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_rope_cache_matches_the_layer(interpret, monkeypatch, H, nope, R, C, dtype, interleave):
+    """MLA's kv_a_layernorm + RoPE of q_rope and k_rope + [c_kv | k_rope] latent write (layers/mla.py's eager
+    chain) against the fused kernel; cache rows of other slots untouched."""
+    from tokenfab.kernels.gpu.rope_cache import mla_rope_cache
+    from tokenfab.layers.norm import RMSNorm
+    from tokenfab.layers.paged_attention import write_cache
+    from tokenfab.layers.rotary import RotaryEmbedding
+    from tokenfab.model_config import RopeConfig
+    g = torch.Generator().manual_seed(H * 7 + C)
+    rot = RotaryEmbedding(RopeConfig(dim=R, theta=10000.0, interleave=interleave), 256, 256)
+    T = 6
+    q = (torch.randn(T, H, nope + R, generator=g) * 2).to(dtype)
+    a = (torch.randn(T, C + R + 3, generator=g) * 2).to(dtype)  # a fused projection's output: views into it
+    c_kv, k_rope = a[:, :C], a[:, C:C + R]
+    norm = RMSNorm(C, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(C, generator=g))
+    positions = torch.tensor([0, 7, 31, 100, 200, 255])
+    slots = torch.tensor([3, 0, -1, 9, 14, 5])
+    pool = torch.randn(4, 4, C + R, generator=g).to(dtype)
+    cache = pool.clone()
+    got = mla_rope_cache(q, c_kv, k_rope, norm.weight.detach(), 1e-6, positions, rot.cos, rot.sin, interleave,
+                         slots, cache)
+    monkeypatch.setattr(dispatch, "rms_norm", lambda *a, **kw: None)
+    monkeypatch.setattr(dispatch, "rope", lambda *a, **kw: None)
+    with torch.no_grad():
+        q_nope, q_rope = q.split([nope, R], dim=-1)
+        q_rope, kr = rot(positions, q_rope, k_rope.unsqueeze(1))
+        want_q = torch.cat([q_nope, q_rope], dim=-1)
+        ref = pool.clone()
+        keep = slots >= 0
+        write_cache(ref, slots[keep], torch.cat([norm(c_kv), kr.squeeze(1)], dim=-1)[keep])
+    mag = 2 * max(float(q.float().abs().max()), float(a.float().abs().max()),
+                  float(norm.weight.detach().float().abs().max()) * C ** 0.5) + 1e-3
+    close(got, want_q, mag, dtype)
+    close(cache, ref, mag, dtype)
+    assert torch.equal(cache.view(-1, C + R)[1], pool.view(-1, C + R)[1])  # a slot nobody named
+    with pytest.raises(ValueError, match="do not fit"):
+        mla_rope_cache(q, c_kv[:, :C - 2], k_rope, norm.weight.detach(), 1e-6, positions, rot.cos, rot.sin,
+                       interleave, slots, cache)

@@ -14,6 +14,7 @@ rms_norm                   rms_norm (+ residual add)         gpu/norm_activation
 silu_and_mul               silu_and_mul                      gpu/norm_activation.py
 rope                       rope                              gpu/norm_activation.py
 qk_rope_cache              - (the decode block fuses it)     gpu/rope_cache.py (q/k norm + RoPE + KV write)
+mla_rope_cache             - (the decode block fuses it)     gpu/rope_cache.py (kv norm + RoPE + latent write)
 paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
 causal_softmax_ (prefill)  causal_softmax_                   -
 flash_prefill_attention    flash_prefill_attention (bf16)    -
@@ -120,6 +121,25 @@ def qk_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     from tokenfab.kernels.gpu import rope_cache
     return rope_cache.qk_rope_cache(q, k, v, positions, cos, sin, interleave, slot_mapping, k_cache, v_cache,
                                     q_norm, k_norm, eps)
+
+
+def mla_rope_cache(q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, kv_norm: torch.Tensor, eps: float,
+                   positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                   slot_mapping: torch.Tensor, cache: torch.Tensor) -> torch.Tensor | None:
+    """On the GPU path, MLA's kv_a_layernorm, RoPE of q [T, H, nope + R] and k_rope [T, R], and the latent row
+    [norm(c_kv [T, C]) | k_rope] written to ``cache`` [num_blocks, block_size, C + R] at ``slot_mapping``, in one
+    Triton launch (:func:`tokenfab.kernels.gpu.rope_cache.mla_rope_cache`): returns the new q [T, H, nope + R], or
+    None where it does not apply (CPU tensors, mixed dtypes, a cache dtype other than q's, float tables missing,
+    strided last dims): the layer then runs its own norm, RoPE, cat and ``write_cache``."""
+    R = k_rope.shape[-1]
+    if not (_gpu(q) and q.dim() == 3 and c_kv.dim() == 2 and k_rope.dim() == 2
+            and q.dtype == c_kv.dtype == k_rope.dtype == cache.dtype == kv_norm.dtype
+            and cos.dtype == torch.float32 and cos.shape[-1] * 2 == R and R % 2 == 0
+            and q.stride(-1) == c_kv.stride(-1) == k_rope.stride(-1) == cache.stride(-1) == 1):
+        return None
+    from tokenfab.kernels.gpu import rope_cache
+    return rope_cache.mla_rope_cache(q, c_kv, k_rope, kv_norm, eps, positions, cos, sin, interleave, slot_mapping,
+                                     cache)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -3,6 +3,10 @@ RMSNorm (Qwen3's q_norm / k_norm, optional), RoPE on q and k, and the paged KV-c
 step's slots (SGLang's and ROCm vLLM's fused RoPE + cache write). Replaces up to six launches per layer (two norms,
 two RoPE passes, two ``index_copy_``) by one read of q|k|v and one write of q, k and v.
 
+:func:`mla_rope_cache` is MLA's counterpart (DeepSeek-V3 / Kimi): kv_a_layernorm of the latent, RoPE of the
+query's rope part and of the shared rope key, and the [latent | rope key] row written at the token's slot, one
+launch instead of six (norm, two RoPE passes, two cats, ``index_copy_``).
+
 Rounding is the reference paths' (layers/norm.py, layers/rotary.py, layers/paged_attention.py::write_cache), in
 q's dtype: norm y = w * round(x * rsqrt(mean(x^2) + eps)) with float32 statistics, then each RoPE product and the
 sum or difference rounded, cos / sin rounded to q's dtype first. Checked in Triton's interpreter against those
@@ -116,4 +120,96 @@ def qk_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
             cos.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
             v_cache.stride(1), v_cache.stride(2),
             HAS_NORM=has_norm, INTERLEAVE=interleave, BLOCK=triton.next_power_of_2(max(1, D // 2)), num_warps=1)
+    return out
+
+
+@triton.jit
+def _mla_rope_cache_kernel(q_ptr, ckv_ptr, kr_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, w_ptr, qo_ptr, c_ptr,
+                           H, NOPE, C, half, eps, page, s_qt, s_qh, s_ct, s_kt, s_c, s_cb, s_co,
+                           INTERLEAVE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < half
+    if head < H:  # a query head: [q_nope | rotated q_rope] into the new q
+        src = q_ptr + t * s_qt + head * s_qh
+        rbase = src + NOPE
+        dst = qo_ptr + (t * H + head) * (NOPE + 2 * half)
+        n = tl.arange(0, BLOCK_N)
+        tl.store(dst + n, tl.load(src + n, mask=n < NOPE, other=0.0), mask=n < NOPE)
+    else:  # the latent row: normalized c_kv and the rotated shared rope key, at the token's slot
+        rbase = kr_ptr + t * s_kt
+        slot = tl.load(slot_ptr + t)
+        dst = c_ptr + (slot // page) * s_cb + (slot % page) * s_co + C
+    if INTERLEAVE:
+        x1 = tl.load(rbase + 2 * offs, mask=mask, other=0.0)
+        x2 = tl.load(rbase + 2 * offs + 1, mask=mask, other=0.0)
+    else:
+        x1 = tl.load(rbase + offs, mask=mask, other=0.0)
+        x2 = tl.load(rbase + half + offs, mask=mask, other=0.0)
+    dt = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    p = tl.load(pos_ptr + t)
+    c = tl.load(cos_ptr + p * s_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + p * s_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+    r1 = ((a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)).to(dt)
+    r2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    if head < H:
+        tl.store(dst + NOPE + offs, r1, mask=mask)
+        tl.store(dst + NOPE + half + offs, r2, mask=mask)
+    else:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:  # negative slots: not written
+            tl.store(dst + offs, r1.to(c_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + half + offs, r2.to(c_ptr.dtype.element_ty), mask=mask)
+            cc = tl.arange(0, BLOCK_C)
+            cmask = cc < C
+            x = tl.load(ckv_ptr + t * s_ct + cc, mask=cmask, other=0.0)
+            xf = x.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / C + eps)
+            w = tl.load(w_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
+            y = (w * (xf * rstd).to(dt).to(tl.float32)).to(dt)
+            tl.store(dst - C + cc, y.to(c_ptr.dtype.element_ty), mask=cmask)
+
+
+def mla_rope_cache(q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, kv_norm: torch.Tensor, eps: float,
+                   positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                   slot_mapping: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """MLA's glue between its projections and attention in one launch: the query [q_nope | RoPE(q_rope)], and the
+    latent row [RMSNorm(c_kv) | RoPE(k_rope)] written to the pool at each token's slot (layers/mla.py's
+    kv_a_layernorm, rotary, torch.cat and write_cache; the same roundings).
+
+    Args:
+        q: [T, H, nope + R] (unit stride along the last dim), R = the rope width, even.
+        c_kv: [T, C] and k_rope: [T, R] (views of the fused a-projection's output are fine), q's dtype.
+        kv_norm: [C] RMSNorm weight (q's dtype); eps its epsilon.
+        positions: [T] int64; cos, sin: float32 [P, R / 2]; interleave: DeepSeek-V3's pair layout.
+        slot_mapping: [T] int64 flat slots (negative: not written); cache: [num_blocks, block_size, C + R] (unit
+            stride along the last dim; written cast to its dtype).
+
+    Returns:
+        the new contiguous q [T, H, nope + R] with its rope part rotated.
+
+    Raises:
+        ValueError: shapes, dtypes or strides the kernel does not take.
+    """
+    T, H, D = q.shape
+    C, R = c_kv.shape[-1], k_rope.shape[-1]
+    nope = D - R
+    if (R % 2 or nope < 0 or c_kv.shape != (T, C) or k_rope.shape != (T, R) or cos.shape[-1] * 2 != R
+            or c_kv.dtype != q.dtype or k_rope.dtype != q.dtype or kv_norm.shape != (C,)
+            or cache.shape[-1] != C + R or q.stride(-1) != 1 or c_kv.stride(-1) != 1 or k_rope.stride(-1) != 1
+            or cache.stride(-1) != 1):
+        raise ValueError(f"mla_rope_cache: q {tuple(q.shape)}, c_kv {tuple(c_kv.shape)}, k_rope "
+                         f"{tuple(k_rope.shape)}, cos {tuple(cos.shape)}, cache {tuple(cache.shape)} do not fit")
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    if T:
+        _mla_rope_cache_kernel[(T, H + 1)](
+            q, c_kv, k_rope, positions, slot_mapping, cos, sin, kv_norm, out, cache, H, nope, C, R // 2, float(eps),
+            cache.shape[1], q.stride(0), q.stride(1), c_kv.stride(0), k_rope.stride(0), cos.stride(0),
+            cache.stride(0), cache.stride(1), INTERLEAVE=interleave, BLOCK=triton.next_power_of_2(max(1, R // 2)),
+            BLOCK_N=triton.next_power_of_2(max(1, nope)), BLOCK_C=triton.next_power_of_2(C),
+            num_warps=1 if C <= 128 else 4)
     return out
