@@ -147,3 +147,21 @@ def test_gpu_path_engine_token_exact(gpu_path_on_cpu, tiny_model, family):
         _, worst = check_family(tiny_model(family), make_prompts(3, [21, 4, 9]))
     assert calls, "the fused RoPE + cache write did not run"
     assert worst < 1e-4
+
+
+def test_gpu_path_seam(monkeypatch):
+    """Only ``interpret-gpu-path`` (with TRITON_INTERPRET=1) sends CPU tensors down the GPU path; plain
+    ``interpret`` keeps them on the CPU kernels, and the engine accepts both values."""
+    from tokenfab.kernels import dispatch
+    x = torch.zeros(2, 8)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    triton_support.check_env()
+    assert dispatch.gpu_path(x) and triton_support.interpreting() and triton_support.applies(x)
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
+    assert not dispatch.gpu_path(x) and triton_support.applies(x)
+    monkeypatch.setenv("TOKENFAB_TRITON", "0")
+    assert not dispatch.gpu_path(x)
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not dispatch.gpu_path(x)
