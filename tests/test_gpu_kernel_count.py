@@ -81,7 +81,7 @@ def report(kc: KernelCounter) -> str:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family,limit", [("llama", DENSE_MAX), ("qwen3_moe", MOE_MAX),
+@pytest.mark.parametrize("family,limit", [("llama", DENSE_MAX), ("qwen3", DENSE_MAX), ("qwen3_moe", MOE_MAX),
                                           ("deepseek_v3", MLA_MOE_MAX)])
 def test_decode_layer_kernel_count(gpu_path_on_cpu, tiny_model, family, limit, dtype):
     """bfloat16 too: a cast anywhere on the way (router weights, the k-sum, a cache write) would show up there."""
