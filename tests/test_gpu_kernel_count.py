@@ -3,9 +3,12 @@ layer at most 10, an MoE layer at most 14, and no host sync).
 
 The engine runs a tiny checkpoint (float32 and bfloat16) on CPU with the seam taking every GPU choice
 (``TOKENFAB_TRITON=interpret-gpu-path``, Triton's interpreter running the kernels), the C++ CPU kernels absent and no
-weight repacked for CPU GEMMs (``TOKENFAB_CPU_LINEAR=torch``), as on a GPU machine. tokenfab/testing/kernel_count.py states the counting rule (every Triton launch; every ATen op but
-views, metadata-only ops and bare allocations). Each decoder layer is a scope (forward hooks), counted in the first
-decode-only step; a failure prints the per-kernel breakdown of every layer.
+weight repacked for CPU GEMMs (``TOKENFAB_CPU_LINEAR=torch``), as on a GPU machine. tokenfab/testing/kernel_count.py
+states the counting rule (every Triton launch; every ATen op but views, metadata-only ops and bare allocations; host
+reads counted as syncs). Each decoder layer is a scope (forward hooks), counted in the first decode-only step; a
+failure prints the per-kernel breakdown of every layer. Llama and Qwen3 (dense) and Qwen3-MoE hold the issue's
+targets; DeepSeek-V3 (MLA with a shared expert) is held to its current counts. The same path also runs against
+transformers token for token (test_gpu_path_engine_token_exact), so a launch saved by a wrong result cannot pass.
 """
 from __future__ import annotations
 

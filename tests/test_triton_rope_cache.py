@@ -76,7 +76,10 @@ def test_qk_rope_cache_matches_the_layers(interpret, monkeypatch, H, Hk, D, dtyp
     with torch.no_grad():
         want = reference(positions, q, k, v, rot, slots, kr, vr, qn, kn, monkeypatch)
     # magnitudes of the rotated products (the normed inputs are bounded by |w| * sqrt(D))
-    bound = float(max(qn.weight.detach().abs().max(), kn.weight.detach().abs().max())) * D ** 0.5 if norm else float(qkv.abs().max())
+    if norm:
+        bound = float(max(qn.weight.detach().abs().max(), kn.weight.detach().abs().max())) * D ** 0.5
+    else:
+        bound = float(qkv.abs().max())
     mag = 2 * bound + 1e-3
     close(got, want, mag, dtype)
     close(kc, kr, mag, dtype)

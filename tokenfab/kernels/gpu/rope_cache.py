@@ -105,7 +105,8 @@ def qk_rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
     Hk = k.shape[1]
     if (k.shape != (T, Hk, D) or v.shape != (T, Hk, D) or D % 2 or k.dtype != q.dtype or v.dtype != q.dtype
             or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or cos.shape[-1] * 2 != D
-            or (q_norm is None) != (k_norm is None) or k_cache.shape[2:] != (Hk, D) or v_cache.shape[2:] != (Hk, D) or k_cache.shape[1] != v_cache.shape[1]
+            or (q_norm is None) != (k_norm is None) or k_cache.shape[2:] != (Hk, D) or v_cache.shape[2:] != (Hk, D)
+            or k_cache.shape[1] != v_cache.shape[1]
             or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1):
         raise ValueError(f"qk_rope_cache: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, cos "
                          f"{tuple(cos.shape)}, caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} do not fit")

@@ -5,8 +5,9 @@ run in serving; tests run them through Triton's interpreter (``TRITON_INTERPRET=
 imported, plus ``TOKENFAB_TRITON=interpret``) against the PyTorch paths, which stay the reference and the fallback.
 ``TOKENFAB_TRITON=0`` turns them off everywhere. ``TOKENFAB_TRITON=interpret-gpu-path`` (tests only, with
 ``TRITON_INTERPRET=1``) goes further: the seam treats CPU tensors as a GPU's for every op family, so a whole model
-runs the GPU code path in the interpreter (:func:`gpu_path`; tests/test_gpu_kernel_count.py counts its launches). :func:`launch_linear` is the row scaffolding the Triton linears
-(kernels/gpu/fp8_linear.py, kernels/gpu/gguf_linear.py) share.
+runs the GPU code path in the interpreter (:func:`gpu_path`; tests/test_gpu_kernel_count.py counts its launches).
+:func:`launch_linear` is the row scaffolding the Triton linears (kernels/gpu/fp8_linear.py, kernels/gpu/gguf_linear.py)
+share.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def check_env() -> None:
     if mode not in ("1", "0", "interpret", "interpret-gpu-path"):
         from tokenfab.errors import EngineConfigError
         raise EngineConfigError(f"TOKENFAB_TRITON='{mode}' is not understood; use 1 (Triton kernels on GPUs, the "
-                                "default), 0 (off) or interpret / interpret-gpu-path (tests: Triton's interpreter on CPU).")
+                                "default), 0 (off) or interpret / interpret-gpu-path (tests: Triton's interpreter "
+                                "on CPU).")
 
 
 def applies(x: torch.Tensor) -> bool:
