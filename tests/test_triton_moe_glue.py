@@ -79,3 +79,18 @@ def test_softmax_topk_rejects_bad_k(interpret):
     from tokenfab.kernels.gpu.router import softmax_topk
     with pytest.raises(ValueError, match="top_k 9 of 8"):
         softmax_topk(torch.zeros(2, 8), 9, True)
+
+
+def test_fused_moe_same_with_either_alignment(interpret, monkeypatch):
+    """Above ALIGN_FUSED_MAX_PAIRS pairs the tensor-op alignment runs instead: the same sum, bit for bit."""
+    from tokenfab.kernels.gpu import moe
+    from tokenfab.layers.activation import silu_and_mul
+    g = torch.Generator().manual_seed(5)
+    T, E, k, H, I = 6, 5, 2, 32, 24
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.2, torch.randn(E, H, I, generator=g) * 0.2
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g)
+    fused = moe.fused_moe(x, w13, w2, wts, ids, silu_and_mul)
+    monkeypatch.setattr(moe, "ALIGN_FUSED_MAX_PAIRS", 0)
+    assert torch.equal(fused, moe.fused_moe(x, w13, w2, wts, ids, silu_and_mul))

@@ -6,15 +6,17 @@ executed by Triton's interpreter. Counting rule (one entry per launch a GPU woul
 
 - every Triton kernel launch counts 1, under the kernel's name (``triton:<name>``); the ATen ops the interpreter
   itself runs to move arguments in and out of numpy are not counted (they do not exist on a GPU);
-- every ATen op that reaches the dispatcher counts 1 (``aten:<op>``), except ops that only make views or metadata
-  (``OpOverload.is_view``: view, reshape as a view, as_strided, t, transpose, slice, select, split, unsqueeze,
-  expand, detach, alias, ... plus ``_unsafe_view``, ``_reshape_alias``), pure allocations without a fill (empty,
-  empty_strided, empty_like, new_empty, new_empty_strided, resize_, set_), and ops that never reach the dispatcher
-  because they change nothing (``.to`` / ``.float()`` / ``.contiguous()`` on a tensor that already fits return it
-  without dispatching anything). ``_to_copy``, ``copy_``, ``fill_`` / ``zeros`` / ``full``, ``clone``,
-  ``index_copy_``, ``cat`` ... all count;
+- every ATen op that reaches the dispatcher counts 1 (``aten:<op>``), except (a) ops whose schema lets their result
+  alias an input (view, reshape, as_strided, t, transpose, slice, select, split, unsqueeze, expand, detach, alias,
+  ``to``, ``contiguous``, ...) when, in this call, every result does share an input's storage (a view or a no-op:
+  nothing launched); the same op counts when it made new memory (a reshape that copied, a ``to`` that cast),
+  (b) pure allocations without a fill (empty, empty_strided, empty_like, new_empty, new_empty_strided, resize_,
+  set_), and (c) ``_unsafe_view`` / ``_reshape_alias`` (views by construction). In-place and ``out=`` ops always
+  count, and so do ``_to_copy``, ``copy_``, ``fill_`` / ``zeros`` / ``full``, ``clone``, ``index_copy_``, ``cat``
+  ... Under ``torch.inference_mode`` composite ops such as ``linear`` reach the dispatcher whole and count 1 (one
+  GEMM on a GPU, bias fused);
 - a host sync counts 1 and is also listed in ``syncs``: ``.item()`` / ``int()`` / ``bool()`` of a tensor
-  (``aten._local_scalar_dense``), and, caught before dispatch since CPU tensors never dispatch them,
+  (``aten._local_scalar_dense``, or ``aten.item`` under inference mode), and, caught before dispatch since CPU tensors never dispatch them,
   ``.tolist()``, ``.numpy()``, ``.cpu()`` and ``.to(<cpu device>)`` (on a GPU each is a device-to-host copy).
 
 Usage::
@@ -42,9 +44,25 @@ NO_KERNEL = {
 }
 
 
-def launches_kernel(func) -> bool:
-    """Whether the ATen overload ``func`` launches a device kernel under the rule above."""
-    return not (getattr(func, "is_view", False) or func in NO_KERNEL)
+def _storages(tree) -> set[int]:
+    from torch.utils._pytree import tree_leaves
+    return {t.untyped_storage().data_ptr() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)}
+
+
+def may_alias(func) -> bool:
+    """Whether ``func``'s schema lets a result alias an input without writing it (views, reshape, to, ...)."""
+    schema = func._schema
+    return not schema.is_mutable and any(r.alias_info is not None for r in schema.returns)
+
+
+def launches_kernel(func, args=(), kwargs=None, out=None) -> bool:
+    """Whether this call of the ATen overload ``func`` launches a device kernel under the rule above (``out``: its
+    result, needed for the ops of :func:`may_alias`)."""
+    if func in NO_KERNEL:
+        return False
+    if may_alias(func):
+        return not _storages(out) <= _storages((args, kwargs or {}))
+    return True
 
 
 class _Mode(TorchDispatchMode):
@@ -54,12 +72,13 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         c = self.counter
-        if c.depth == 0 and c.scope_name is not None and launches_kernel(func):
+        out = func(*args, **(kwargs or {}))
+        if c.depth == 0 and c.scope_name is not None and launches_kernel(func, args, kwargs, out):
             name = f"aten:{func.overloadpacket.__name__}"
             c.counts.setdefault(c.scope_name, Counter())[name] += 1
-            if func is _aten._local_scalar_dense.default:
+            if func in (_aten._local_scalar_dense.default, _aten.item.default):
                 c.syncs.append((c.scope_name, name))
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 _HOST_READS = {torch.Tensor.tolist: "tolist", torch.Tensor.numpy: "numpy", torch.Tensor.cpu: "cpu"}

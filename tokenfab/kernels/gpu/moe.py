@@ -175,6 +175,11 @@ def _align_kernel(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, 
     tl.store(npost_ptr, tl.sum(padded, axis=0))
 
 
+# align_pairs_fused is one program walking the pairs in chunks: one launch for decode batches, but serial over a
+# long prefill's pairs, where align_pairs' ~20 parallel tensor ops should be faster (neither measured on a GPU yet)
+ALIGN_FUSED_MAX_PAIRS = 4096
+
+
 def align_pairs_fused(ids: torch.Tensor, start: int, num_local: int, block_m: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`align_pairs` in one Triton launch (one program; the same outputs, bit for bit): ids [T, k] int64
@@ -255,7 +260,8 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
     M = T * k
     block_m = _tiles(M, two_i, hidden)[0]
     ids = ids.contiguous()
-    sorted_pairs, expert_of_block, num_post = align_pairs_fused(ids, start, num_local, block_m)
+    align = align_pairs_fused if M <= ALIGN_FUSED_MAX_PAIRS else align_pairs
+    sorted_pairs, expert_of_block, num_post = align(ids, start, num_local, block_m)
     pairs = (sorted_pairs, expert_of_block, num_post, weights.reshape(-1).contiguous(), M)  # read as float32
     x = x.contiguous()
     h13 = torch.empty(M, two_i, dtype=x.dtype, device=x.device)
