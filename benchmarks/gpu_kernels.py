@@ -16,7 +16,10 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
 4. RMSNorm with the residual add, SiLU-GLU and RoPE (kernels/gpu/norm_activation.py) at 16 and 2,048 rows (hidden
    4096, intermediate 11008, 32 heads of 128), and DeepSeek-V3's router selection (kernels/gpu/router.py): error
    against the layers' PyTorch math, time, bandwidth over the bytes read and written.
-5. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
+5. The fused decode glue of a Qwen3-MoE layer (q/k norm + RoPE + KV-cache write, softmax top-k router, MoE
+   k-sum) at Qwen3-30B-A3B's shapes and MLA's kv norm + RoPE + latent write at DeepSeek-V3's, 16 and 2,048
+   tokens: error against the layers' PyTorch math, time, bandwidth.
+6. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
    identical token ids expected.
 
 A dry run of this script on CPU (tiny shapes, float32, Triton's interpreter; its times mean nothing; the "graphs"
@@ -225,6 +228,106 @@ def check_norm_activation(dev, dtype, quick: bool, bw: float, reps: int) -> list
     return rows
 
 
+def check_decode_glue(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
+    """The fused GPU-path glue of a Qwen3-MoE layer at Qwen3-30B-A3B's shapes (32 query / 4 KV heads of 128,
+    128 experts top 8, hidden 2048; quick: 3 / 1 heads of 16, 8 experts top 2, hidden 96) at 16 and 2,048 tokens:
+    q/k RMSNorm + RoPE + KV-cache write (kernels/gpu/rope_cache.py) against the layers' norm, RoPE and
+    write_cache; the softmax top-k router (kernels/gpu/router.py) against SoftmaxTopKRouter's PyTorch path (weight
+    error where the expert lists agree, 1.0 where not); the MoE k-sum (kernels/gpu/moe.py::moe_sum) against a
+    float32 sum; MLA's kv norm + RoPE + latent write at DeepSeek-V3's shape (128 heads, nope 128, rope 64, latent
+    512) against the eager norm, rotation and write_cache. Time, and bandwidth over the bytes each must read and
+    write."""
+    from tokenfab.kernels.gpu.moe import moe_sum
+    from tokenfab.kernels.gpu.rope_cache import mla_rope_cache, qk_rope_cache
+    from tokenfab.kernels.gpu.router import softmax_topk
+    from tokenfab.layers.paged_attention import write_cache
+    H, Hk, D, E, k, hidden = (32, 4, 128, 128, 8, 2048) if not quick else (3, 1, 16, 8, 2, 96)
+    g = torch.Generator(device=dev).manual_seed(1)
+    rows = []
+    for M in ((16, 2048) if not quick else (5,)):
+        qkv = torch.randn(M, (H + 2 * Hk) * D, device=dev, generator=g).to(dtype)
+        q, kk, v = (t.view(M, -1, D) for t in qkv.split([H * D, Hk * D, Hk * D], dim=-1))
+        qn, kn = (torch.randn(D, device=dev, generator=g).to(dtype) for _ in range(2))
+        pos = torch.randint(0, 4096, (M,), device=dev, generator=g)
+        inv = 1.0 / (1e6 ** (torch.arange(0, D, 2, device=dev).float() / D))
+        ang = torch.outer(torch.arange(4096, device=dev).float(), inv)
+        cos, sin = ang.cos(), ang.sin()
+        blocks = -(-M // 16) + 1
+        slots = torch.randperm(blocks * 16, device=dev, generator=g)[:M]
+        kc, vc = (torch.zeros(blocks, 16, Hk, D, device=dev, dtype=dtype) for _ in range(2))
+        got = qk_rope_cache(q, kk, v, pos, cos, sin, False, slots, kc, vc, qn, kn, 1e-6)
+
+        def ref_norm_rope(x, w):
+            xf = x.float()
+            y = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+            c, s = cos[pos].unsqueeze(1).to(dtype), sin[pos].unsqueeze(1).to(dtype)
+            y1, y2 = y.chunk(2, dim=-1)
+            return torch.cat([y1 * c - y2 * s, y2 * c + y1 * s], dim=-1)
+        want_q, want_k = ref_norm_rope(q, qn), ref_norm_rope(kk, kn)
+        kr = torch.zeros_like(kc)
+        write_cache(kr, slots, want_k)
+        err = max(((got.float() - want_q.float()).abs().max() / want_q.float().abs().max()).item(),
+                  ((kc.float() - kr.float()).abs().max() / kr.float().abs().max()).item())
+        us = _time_us(lambda: qk_rope_cache(q, kk, v, pos, cos, sin, False, slots, kc, vc, qn, kn, 1e-6), dev, reps)
+        nbytes = 2 * qkv.numel() * qkv.element_size()
+        rows.append({"kernel": "q/k norm + RoPE + KV write", "shape": f"M={M} H={H} Hk={Hk} D={D}", "max_err": err,
+                     "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+
+        mh, mn, mr, mc = (128, 128, 64, 512) if not quick else (3, 16, 16, 32)  # DeepSeek-V3's MLA
+        mq = torch.randn(M, mh, mn + mr, device=dev, generator=g).to(dtype)
+        ma = torch.randn(M, mc + mr, device=dev, generator=g).to(dtype)
+        mw = torch.randn(mc, device=dev, generator=g).to(dtype)
+        mang = torch.outer(torch.arange(4096, device=dev).float(),
+                           1.0 / (1e4 ** (torch.arange(0, mr, 2, device=dev).float() / mr)))
+        mcos, msin = mang.cos(), mang.sin()
+        lat = torch.zeros(blocks, 16, mc + mr, device=dev, dtype=dtype)
+        got = mla_rope_cache(mq, ma[:, :mc], ma[:, mc:], mw, 1e-6, pos, mcos, msin, False, slots, lat)
+        c, s_ = mcos[pos].to(dtype), msin[pos].to(dtype)
+
+        def rot(x, c, s_):
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat([x1 * c - x2 * s_, x2 * c + x1 * s_], dim=-1)
+        want_q = torch.cat([mq[..., :mn], rot(mq[..., mn:], c.unsqueeze(1), s_.unsqueeze(1))], dim=-1)
+        cf = ma[:, :mc].float()
+        want_row = torch.cat([mw * (cf * torch.rsqrt(cf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype),
+                              rot(ma[:, mc:], c, s_)], dim=-1)
+        lr = torch.zeros_like(lat)
+        write_cache(lr, slots, want_row)
+        err = max(((got.float() - want_q.float()).abs().max() / want_q.float().abs().max()).item(),
+                  ((lat.float() - lr.float()).abs().max() / lr.float().abs().max()).item())
+        us = _time_us(lambda: mla_rope_cache(mq, ma[:, :mc], ma[:, mc:], mw, 1e-6, pos, mcos, msin, False, slots,
+                                             lat), dev, reps)
+        nbytes = 2 * (mq.numel() + ma.numel()) * mq.element_size()
+        rows.append({"kernel": "MLA kv norm + RoPE + latent write", "shape": f"M={M} H={mh} C={mc} R={mr}",
+                     "max_err": err, "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+
+        logits = torch.randn(M, E, device=dev, generator=g).to(dtype)
+        w, ids = softmax_topk(logits, k, True)
+        p_ref = torch.softmax(logits, -1, dtype=torch.float32)
+        w_ref, ids_ref = p_ref.topk(k, dim=-1)
+        w_ref = (w_ref / w_ref.sum(-1, keepdim=True)).to(dtype)
+        err = (w.float() - w_ref.float()).abs().max().item() if torch.equal(ids, ids_ref) else 1.0
+        us = _time_us(lambda: softmax_topk(logits, k, True), dev, reps)
+        nbytes = logits.numel() * logits.element_size() + M * k * (8 + logits.element_size())
+        rows.append({"kernel": f"softmax top-k router ({E} experts)", "shape": f"T={M} k={k}", "max_err": err,
+                     "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+
+        pairs = torch.randn(M * k, hidden, device=dev, generator=g)
+        ids = torch.randint(0, E, (M, k), device=dev, generator=g)
+        got = moe_sum(pairs, ids, 0, E, dtype)
+        want = pairs.view(M, k, hidden).sum(1).to(dtype)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+        us = _time_us(lambda: moe_sum(pairs, ids, 0, E, dtype), dev, reps)
+        nbytes = pairs.numel() * 4 + got.numel() * got.element_size()
+        rows.append({"kernel": "MoE k-sum", "shape": f"T={M} k={k} hidden={hidden}", "max_err": err, "us": us,
+                     "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def check_router(dev, M: int, g, reps: int, bw: float) -> dict:
     """DeepSeek-V3's router selection (kernels/gpu/router.py: 256 experts in 8 groups, 4 kept, top 8) after the
     router GEMM against SigmoidGroupRouter's PyTorch path: the max weight error over tokens whose expert sets agree
@@ -352,7 +455,8 @@ def main() -> int:
     rows = (check_attention(dev, dtype, args.quick, bw, args.reps) + check_moe(dev, dtype, args.quick, bw, args.reps)
             + check_gguf(dev, dtype, args.quick, bw, args.reps) + check_fp8(dev, dtype, args.quick, bw, args.reps)
             + check_packed_moe(dev, dtype, args.quick, bw, args.reps)
-            + check_norm_activation(dev, dtype, args.quick, bw, args.reps))
+            + check_norm_activation(dev, dtype, args.quick, bw, args.reps)
+            + check_decode_glue(dev, dtype, args.quick, bw, args.reps))
     graph = check_graph_tokens(args.device, args.quick)
     os.makedirs(args.out, exist_ok=True)
     env_vars = " ".join(f"{k}={os.environ[k]}" for k in ("TRITON_INTERPRET", "TOKENFAB_TRITON",

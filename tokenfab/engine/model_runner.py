@@ -159,6 +159,8 @@ class ModelRunner:
         tap = getattr(self.model, "tap_hidden", None)  # a layer output that is not one tensor (K3: kimi_linear.py)
         for slot, i in enumerate(request.layer_ids):
             def hook(_mod, _inp, out, slot=slot, i=i):
+                if tap is None and isinstance(out, tuple):  # GPU path: (mlp_out, residual), DecoderLayer.forward
+                    out = out[0] + out[1]
                 self._tap_out[slot] = out if tap is None else tap(i, out, request.tap_stream)
             self._tap_hooks.append(layers[i].register_forward_hook(hook))
 

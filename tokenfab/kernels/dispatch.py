@@ -13,10 +13,13 @@ op family                  CPU kernel (C++)                  GPU kernel (Triton)
 rms_norm                   rms_norm (+ residual add)         gpu/norm_activation.py (+ residual add)
 silu_and_mul               silu_and_mul                      gpu/norm_activation.py
 rope                       rope                              gpu/norm_activation.py
+qk_rope_cache              - (the decode block fuses it)     gpu/rope_cache.py (q/k norm + RoPE + KV write)
+mla_rope_cache             - (the decode block fuses it)     gpu/rope_cache.py (kv norm + RoPE + latent write)
 paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
 causal_softmax_ (prefill)  causal_softmax_                   -
 flash_prefill_attention    flash_prefill_attention (bf16)    -
 sigmoid_group_topk         sigmoid_group_topk                gpu/router.py (power-of-two shapes)
+softmax_topk               -                                 gpu/router.py (Qwen3-MoE's softmax top-k)
 routed_experts             moe_experts_packed                gpu/moe.py (dense stacks)
 routed_experts_packed      -                                 gpu/packed_moe.py (INT4 / MXFP4 / FP8 stacks)
 sample_plain               sample_plain                      -
@@ -42,8 +45,15 @@ PACKED_MOE_FORMATS = ("int4_group", "mxfp4", "fp8_block")  # the stacks gpu/pack
 
 
 def _gpu(x: torch.Tensor) -> bool:
-    """A CUDA / ROCm tensor the Triton kernels take (``TOKENFAB_TRITON``); CPU tensors keep the C++ kernels."""
-    return x.device.type != "cpu" and gpu_support.applies(x)
+    """A CUDA / ROCm tensor the Triton kernels take (``TOKENFAB_TRITON``); CPU tensors keep the C++ kernels, except
+    in tests under ``TOKENFAB_TRITON=interpret-gpu-path`` (:func:`tokenfab.kernels.gpu.support.gpu_path`)."""
+    return gpu_support.gpu_path(x)
+
+
+def gpu_path(x: torch.Tensor) -> bool:
+    """True when the layers run ``x`` on the GPU code path (the fused Triton glue between GEMMs): a CUDA / ROCm
+    tensor with Triton on, or a CPU tensor under ``TOKENFAB_TRITON=interpret-gpu-path`` (tests)."""
+    return gpu_support.gpu_path(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -91,6 +101,45 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
             and cpu_ops.available_for(q)):
         return (cpu_ops.rope(q, positions, cos, sin, interleave), cpu_ops.rope(k, positions, cos, sin, interleave))
     return None
+
+
+def qk_rope_cache(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, interleave: bool, slot_mapping: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                  eps: float = 0.0) -> torch.Tensor | None:
+    """On the GPU path: per-head q / k RMSNorm (optional), RoPE of q [T, H, D] and k [T, Hk, D] and the write of k
+    and v [T, Hk, D] to the paged caches [num_blocks, block_size, Hk, D] at ``slot_mapping`` [T] in one Triton launch
+    (:func:`tokenfab.kernels.gpu.rope_cache.qk_rope_cache`); returns the rotated q [T, H, D] (new, contiguous), or
+    None where it does not apply (CPU tensors, full-width float32 tables missing, mixed dtypes, odd D, a cache dtype
+    other than q's): the caller then runs the norms, RoPE and ``write_cache`` itself."""
+    D = q.shape[-1]
+    if not (_gpu(q) and q.dim() == 3 and k.dtype == q.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and cos.dtype == torch.float32 and cos.shape[-1] * 2 == D and D % 2 == 0
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and k_cache.stride(-1) == v_cache.stride(-1) == 1
+            and (q_norm is None or (q_norm.dtype == q.dtype and k_norm.dtype == q.dtype))):
+        return None
+    from tokenfab.kernels.gpu import rope_cache
+    return rope_cache.qk_rope_cache(q, k, v, positions, cos, sin, interleave, slot_mapping, k_cache, v_cache,
+                                    q_norm, k_norm, eps)
+
+
+def mla_rope_cache(q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, kv_norm: torch.Tensor, eps: float,
+                   positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool,
+                   slot_mapping: torch.Tensor, cache: torch.Tensor) -> torch.Tensor | None:
+    """On the GPU path, MLA's kv_a_layernorm, RoPE of q [T, H, nope + R] and k_rope [T, R], and the latent row
+    [norm(c_kv [T, C]) | k_rope] written to ``cache`` [num_blocks, block_size, C + R] at ``slot_mapping``, in one
+    Triton launch (:func:`tokenfab.kernels.gpu.rope_cache.mla_rope_cache`): returns the new q [T, H, nope + R], or
+    None where it does not apply (CPU tensors, mixed dtypes, a cache dtype other than q's, float tables missing,
+    strided last dims): the layer then runs its own norm, RoPE, cat and ``write_cache``."""
+    R = k_rope.shape[-1]
+    if not (_gpu(q) and q.dim() == 3 and c_kv.dim() == 2 and k_rope.dim() == 2
+            and q.dtype == c_kv.dtype == k_rope.dtype == cache.dtype == kv_norm.dtype
+            and cos.dtype == torch.float32 and cos.shape[-1] * 2 == R and R % 2 == 0
+            and q.stride(-1) == c_kv.stride(-1) == k_rope.stride(-1) == cache.stride(-1) == 1):
+        return None
+    from tokenfab.kernels.gpu import rope_cache
+    return rope_cache.mla_rope_cache(q, c_kv, k_rope, kv_norm, eps, positions, cos, sin, interleave, slot_mapping,
+                                     cache)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -155,6 +204,16 @@ def sigmoid_group_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if cpu_ops.available_for(x):
         return cpu_ops.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group, topk_group,
                                           top_k, norm, scale)
+    return None
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Qwen3-MoE routing after the router GEMM: softmax of logits [T, E] in float32, top-k, renormalized when
+    ``norm`` -> (weights [T, top_k] in logits' dtype, ids [T, top_k] int64), by the Triton kernel on the GPU path
+    (:func:`tokenfab.kernels.gpu.router.softmax_topk`, one launch), or None (the layer's PyTorch path)."""
+    if _gpu(logits) and logits.dim() == 2 and logits.stride(-1) == 1 and 1 <= top_k <= logits.shape[1]:
+        from tokenfab.kernels.gpu import router
+        return router.softmax_topk(logits, top_k, norm)
     return None
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tokenfab.config import ModelConfig
+from tokenfab.kernels import dispatch
 from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import Linear
@@ -222,11 +223,19 @@ class MLAttention(nn.Module):
             q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
             c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
         q = q.view(T, self.num_heads, self.qk_dim)
-        q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_rope, k_rope = self.rotary(positions, q_rope, k_rope.unsqueeze(1))
-        write_cache(cache, meta.slot_mapping, torch.cat([c_kv, k_rope.squeeze(1)], dim=-1))
-        q = torch.cat([q_nope, q_rope], dim=-1)
+        rot = self.rotary
+        qr = None
+        if getattr(rot, "cos", None) is not None:  # GPU path: kv norm, RoPE of q and k, latent write in one kernel
+            qr = dispatch.mla_rope_cache(q, c_kv, k_rope, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                                         positions, rot.cos, rot.sin, rot.interleave, meta.slot_mapping, cache)
+        if qr is not None:
+            q = qr
+        else:
+            q_nope, q_rope = q.split([self.nope, self.rope_dim], dim=-1)
+            c_kv = self.kv_a_layernorm(c_kv)
+            q_rope, k_rope = self.rotary(positions, q_rope, k_rope.unsqueeze(1))
+            write_cache(cache, meta.slot_mapping, torch.cat([c_kv, k_rope.squeeze(1)], dim=-1))
+            q = torch.cat([q_nope, q_rope], dim=-1)
         w_uk, w_uv_t = self._absorbed_weights()
 
         def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,9 @@ class SoftmaxTopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
         logits = torch.nn.functional.linear(x, self.weight)
+        out = dispatch.softmax_topk(logits, self.top_k, self.norm_topk_prob)
+        if out is not None:  # GPU path: softmax, top-k, renormalization and cast in one kernel
+            return out
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         w, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -211,19 +211,22 @@ def _prefill_attention_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def paged_mha(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+              meta: AttentionMetadata, scale: float, kv_written: bool = False) -> torch.Tensor:
     """Multi-head / grouped-query attention with a paged cache.
 
     Args:
         q: [T, H, D]; k, v: [T, Hkv, D] for this step's tokens (k already rotated).
         k_cache, v_cache: [num_blocks, block_size, Hkv, D].
         scale: softmax scale (head_dim^-0.5).
+        kv_written: k and v are already in the caches at ``meta.slot_mapping`` (the fused RoPE + cache write,
+            kernels.dispatch.qk_rope_cache); else they are written here.
 
     Returns:
         [T, H, D] in q's dtype.
     """
-    write_cache(k_cache, meta.slot_mapping, k)
-    write_cache(v_cache, meta.slot_mapping, v)
+    if not kv_written:
+        write_cache(k_cache, meta.slot_mapping, k)
+        write_cache(v_cache, meta.slot_mapping, v)
 
     def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:
         if group.q_len == 1:

@@ -16,6 +16,7 @@ from torch import nn
 from tokenfab.config import ModelConfig
 from tokenfab.errors import WeightLoadError
 from tokenfab.layers.attention_metadata import AttentionMetadata
+from tokenfab.kernels import dispatch
 from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.layers.linear import Linear, cpu_linear_backend, matmul_f32, pack_weight, packed_linear_f32
 from tokenfab.layers.moe import RoutedExperts
@@ -59,8 +60,16 @@ class CausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] int64 -> final hidden states [T, hidden] (after the last norm)."""
         h = self.model.embed_tokens(input_ids)
+        residual = None  # GPU path: the layer output is h + residual, the add left to the next fused add + norm
         for layer, cache in zip(self.model.layers, kv_caches):
+            if getattr(layer, "splits_residual", False) and dispatch.gpu_path(h):
+                h, residual = layer(positions, h, cache, meta, residual=residual, split_residual=True)
+                continue
+            if residual is not None:
+                h, residual = h + residual, None
             h = layer(positions, h, cache, meta)
+        if residual is not None:
+            return self.model.norm(h, residual)[0]
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from tokenfab.config import ModelConfig
+from tokenfab.kernels import dispatch
 from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.layers.attention_metadata import AttentionMetadata
 from tokenfab.layers.linear import Linear
@@ -89,6 +90,16 @@ class LlamaAttention(nn.Module):
             q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
             k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
             v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        if self.rot_dim == self.head_dim and getattr(self.rotary, "cos", None) is not None:  # GPU path: one kernel
+            # for the q / k norms, RoPE and the K / V cache write (dispatch.qk_rope_cache; None elsewhere)
+            rot = self.rotary
+            qr = dispatch.qk_rope_cache(positions, q, k, v, rot.cos, rot.sin, rot.interleave, meta.slot_mapping,
+                                        cache[0], cache[1], self.q_norm.weight if self.qk_norm else None,
+                                        self.k_norm.weight if self.qk_norm else None,
+                                        self.q_norm.eps if self.qk_norm else 0.0)
+            if qr is not None:
+                o = paged_mha(qr, k, v, cache[0], cache[1], meta, self.scale, kv_written=True)
+                return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rot_dim == self.head_dim:
@@ -114,8 +125,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.tp = current_tp()
+        self.splits_residual = self.tp is None  # CausalLM.forward may pass split_residual=True (GPU path)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, cache, meta: AttentionMetadata,
+                residual: torch.Tensor | None = None, split_residual: bool = False):
+        """h [T, hidden] -> h + attn + mlp [T, hidden]. With ``split_residual`` (the GPU path, single device): the
+        layer's input is h + ``residual`` (None: h alone) and it returns (mlp_out, residual) whose sum is the
+        output, so every residual add runs inside a fused add + RMSNorm (the next layer's input norm or the final
+        norm), as vLLM's fused_add_rms_norm: 2 norm kernels and no add kernel per layer. Same rounding as the plain
+        path: each sum is rounded once to h's dtype."""
+        if split_residual and self.tp is None:
+            if residual is None:
+                x, residual = self.input_layernorm(h), h
+            else:
+                x, residual = self.input_layernorm(h, residual)
+            x, residual = self.post_attention_layernorm(self.self_attn(positions, x, cache, meta), residual)
+            return self.mlp(x), residual
+        if residual is not None:
+            h = h + residual
         if self.tp is not None:
             h = h + self.tp.all_reduce(self.self_attn(positions, self.input_layernorm(h), cache, meta))
             return h + self.tp.all_reduce(self.mlp(self.post_attention_layernorm(h)))

@@ -8,9 +8,11 @@ computes one [BLOCK_M, BLOCK_N] output tile: it gathers its pairs' input rows, m
 and scatters the rows back to pair order. The second projection multiplies each row by its routing weight; the
 k slots of a token are then summed in float32.
 
-Both GEMMs ask ``tl.dot`` for ``input_precision="ieee"`` (no TF32 in float32 runs). The alignment is built with
-tensor ops only (no ``.item()``, no data-dependent shapes): the grid covers the worst
-case T*k + E*(BLOCK_M - 1) rows and tiles past the real end return at once, so the launch is CUDA-graph safe.
+Both GEMMs ask ``tl.dot`` for ``input_precision="ieee"`` (no TF32 in float32 runs). The alignment is one
+launch (:func:`align_pairs_fused`, :func:`align_pairs` its tensor-op reference; no ``.item()``, no data-dependent
+shapes): the grid covers the worst case T*k + E*(BLOCK_M - 1) rows and tiles past the real end return at once, so
+the launch is CUDA-graph safe. The k-sum and the cast are one more (:func:`moe_sum`): a decode MoE layer's routed
+experts are 5 launches (align, gate|up GEMM, activation, down GEMM, sum).
 Reference and fallback: ``layers/moe.py::RoutedExperts`` (tests/test_triton_kernels.py runs both in Triton's
 interpreter).
 """
@@ -97,7 +99,7 @@ def _moe_gemm(A, W, S, C, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                              SCALE_BF16)
             acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
     if MUL_WEIGHT:
-        acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0)[:, None]
+        acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
     tl.store(C + pair.to(tl.int64)[:, None] * s_cm + n[None, :], acc.to(C.dtype.element_ty),
              mask=pmask[:, None] & nmask[None, :])
 
@@ -138,6 +140,92 @@ def align_pairs(ids: torch.Tensor, start: int, num_local: int, block_m: int
     return sorted_pairs[:P], expert_of_block, seg_end[-1:].to(torch.int32)
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P, num_tiles,
+                  TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: counts per local expert, padded segment starts, then every pair placed at its expert's
+    segment start plus its rank among that expert's earlier pairs (stable), chunk by chunk; padding rows hold M."""
+    eidx = tl.arange(0, BLOCK_E)
+    counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for c0 in range(0, M, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < M, other=-1) - start
+        e = tl.where((offs < M) & (e >= 0) & (e < num_local), e, -1).to(tl.int32)
+        counts += tl.sum((e[:, None] == eidx[None, :]).to(tl.int32), axis=0)
+    padded = (counts + TILE - 1) // TILE * TILE
+    seg_end = tl.cumsum(padded, axis=0)
+    for r0 in range(0, P, CHUNK):
+        r = r0 + tl.arange(0, CHUNK)
+        tl.store(sorted_ptr + r, tl.zeros((CHUNK,), dtype=tl.int32) + M, mask=r < P)
+    tl.debug_barrier()  # the padding fill lands before the pairs overwrite their rows
+    running = seg_end - padded
+    for c0 in range(0, M, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + offs, mask=offs < M, other=-1) - start
+        e = tl.where((offs < M) & (e >= 0) & (e < num_local), e, -1).to(tl.int32)
+        onehot = (e[:, None] == eidx[None, :]).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0) - 1 + running[None, :]
+        dest = tl.sum(onehot * rank, axis=1)
+        tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=e >= 0)
+        running += tl.sum(onehot, axis=0)
+    for b0 in range(0, num_tiles, CHUNK):
+        b = b0 + tl.arange(0, CHUNK)
+        ex = tl.sum((seg_end[None, :] <= (b * TILE)[:, None]).to(tl.int32), axis=1)
+        tl.store(eob_ptr + b, tl.where(ex < num_local, ex, -1), mask=b < num_tiles)
+    tl.store(npost_ptr, tl.sum(padded, axis=0))
+
+
+# align_pairs_fused is one program walking the pairs in chunks: one launch for decode batches, but serial over a
+# long prefill's pairs, where align_pairs' ~20 parallel tensor ops should be faster (neither measured on a GPU yet)
+ALIGN_FUSED_MAX_PAIRS = 4096
+
+
+def align_pairs_fused(ids: torch.Tensor, start: int, num_local: int, block_m: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`align_pairs` in one Triton launch (one program; the same outputs, bit for bit): ids [T, k] int64
+    (contiguous) -> (sorted_pairs [P] int32, expert_of_block [P / block_m] int32, num_post [1] int32)."""
+    flat = ids.reshape(-1)
+    M, dev = flat.numel(), flat.device
+    P = triton.cdiv(M + num_local * (block_m - 1), block_m) * block_m
+    sorted_pairs = torch.empty(P, dtype=torch.int32, device=dev)
+    expert_of_block = torch.empty(P // block_m, dtype=torch.int32, device=dev)
+    num_post = torch.empty(1, dtype=torch.int32, device=dev)
+    block_e = triton.next_power_of_2(max(num_local, 1))
+    chunk = max(16, min(128, 8192 // block_e))
+    _align_kernel[(1,)](flat, sorted_pairs, expert_of_block, num_post, M, start, num_local, P, P // block_m,
+                        TILE=block_m, CHUNK=chunk, BLOCK_E=block_e, num_warps=4)
+    return sorted_pairs, expert_of_block, num_post
+
+
+@triton.jit
+def _moe_sum_kernel(pairs_ptr, ids_ptr, out_ptr, hidden, start, num_local, s_pm, s_ot,
+                    K: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    cmask = cols < hidden
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        e = tl.zeros((BLOCK,), dtype=tl.int64) + tl.load(ids_ptr + t * K + j) - start
+        here = cmask & (e >= 0) & (e < num_local)  # rows of pairs routed to other ranks were never written
+        acc += tl.load(pairs_ptr + (t * K + j) * s_pm + cols, mask=here, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * s_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: int,
+            out_dtype: torch.dtype) -> torch.Tensor:
+    """The k slots of each token summed in float32 in slot order: out_pairs [T * k, hidden] float32 (rows of pairs
+    whose expert is outside [start, start + num_local) are skipped, whatever they hold), ids [T, k] int64
+    (contiguous) -> new [T, hidden] of ``out_dtype``. One launch (the sum and the cast)."""
+    T, k = ids.shape
+    hidden = out_pairs.shape[1]
+    out = torch.empty(T, hidden, dtype=out_dtype, device=out_pairs.device)
+    block = min(1024, triton.next_power_of_2(max(hidden, 16)))
+    if T:
+        _moe_sum_kernel[(T, triton.cdiv(hidden, block))](out_pairs, ids, out, hidden, start, num_local,
+                                                           out_pairs.stride(0), out.stride(0), K=k, BLOCK=block)
+    return out
+
+
 def _tiles(M: int, N: int, K: int) -> tuple[int, int, int]:
     block_m = 16 if M <= 256 else 64  # decode: few pairs per expert
     return block_m, max(16, min(64, triton.next_power_of_2(N))), max(16, min(64, triton.next_power_of_2(K)))
@@ -149,7 +237,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
 
     Args:
         x: [T, hidden]; w13: [E_local, 2I, hidden] ([gate | up] rows); w2: [E_local, hidden, I];
-        weights: [T, k] float32 routing weights; ids: [T, k] int64 global expert ids.
+        weights: [T, k] routing weights (float32 or x's dtype, read as float32); ids: [T, k] int64 global expert ids.
         act: SiLU-GLU, [P, 2I] -> [P, I] (``layers/activation.py::silu_and_mul``).
         start: first global expert id held in w13/w2.
 
@@ -171,15 +259,17 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
     inter = two_i // 2
     M = T * k
     block_m = _tiles(M, two_i, hidden)[0]
-    sorted_pairs, expert_of_block, num_post = align_pairs(ids, start, num_local, block_m)
-    pairs = (sorted_pairs, expert_of_block, num_post, weights.reshape(-1).float().contiguous(), M)
+    ids = ids.contiguous()
+    align = align_pairs_fused if M <= ALIGN_FUSED_MAX_PAIRS else align_pairs
+    sorted_pairs, expert_of_block, num_post = align(ids, start, num_local, block_m)
+    pairs = (sorted_pairs, expert_of_block, num_post, weights.reshape(-1).contiguous(), M)  # read as float32
     x = x.contiguous()
     h13 = torch.empty(M, two_i, dtype=x.dtype, device=x.device)
     _launch(x, w13, s13, fmt, h13, pairs, two_i, hidden, k, False, inter)
     h = act(h13)  # rows of pairs routed elsewhere hold garbage; the second GEMM never reads them
-    out_pairs = torch.zeros(M, hidden, dtype=torch.float32, device=x.device)
+    out_pairs = torch.empty(M, hidden, dtype=torch.float32, device=x.device)  # idem: moe_sum skips those rows
     _launch(h, w2, s2, fmt, out_pairs, pairs, hidden, inter, 1, True, hidden)
-    return out_pairs.view(T, k, hidden).sum(1).to(out_dtype or x.dtype)
+    return moe_sum(out_pairs, ids, start, num_local, out_dtype or x.dtype)
 
 
 def _launch(a, w, scale, fmt, out, pairs, N, K, a_row_div, mul_weight, part):

@@ -45,7 +45,7 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
             2 ceil(I / 128), ceil(hidden / 128)], gate and up blocks apart).
         p2, s2: down rows, packed [E_local, hidden, ...] and scales [E_local, hidden, I / 32] (FP8: [E_local,
             ceil(hidden / 128), ceil(I / 128)]).
-        weights: [T, k] float32 routing weights; ids: [T, k] int64 global expert ids.
+        weights: [T, k] routing weights (float32 or x's dtype, read as float32); ids: [T, k] int64 global expert ids.
         act: the experts' gated activation, [P, 2I] -> [P, I] (SiLU-GLU; K3's SiTU).
         out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
 

@@ -80,3 +80,56 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, n_group: int, t
                                  TOPK_GROUP=topk_group if n_group > 1 else 1, K=top_k, NORM=bool(norm),
                                  num_warps=1 if E <= 64 else 4)
     return w, ids
+
+
+@triton.jit
+def _softmax_topk_kernel(logit_ptr, w_ptr, id_ptr, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
+                         BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    idx = tl.arange(0, BLOCK_E)
+    emask = idx < E
+    raw = tl.load(logit_ptr + t * stride_l + idx, mask=emask, other=0.0)
+    logits = tl.where(emask, raw.to(tl.float32), float("-inf"))
+    ex = tl.exp(logits - tl.max(logits, axis=0))
+    probs = ex / tl.sum(ex, axis=0)
+    choice = tl.where(emask, probs, -1.0)  # probabilities are >= 0: padding never wins
+    kidx = tl.arange(0, BLOCK_K)
+    ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
+    ws = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for j in tl.static_range(K):
+        e = tl.argmax(choice, axis=0)
+        ids = tl.where(kidx == j, e.to(tl.int64), ids)
+        ws = tl.where(kidx == j, tl.sum(tl.where(idx == e, probs, 0.0), axis=0), ws)
+        choice = tl.where(idx == e, -2.0, choice)
+    if NORM:
+        ws = ws / tl.sum(ws, axis=0)  # padding slots hold 0
+    kmask = kidx < K
+    tl.store(w_ptr + t * K + kidx, ws.to(w_ptr.dtype.element_ty), mask=kmask)
+    tl.store(id_ptr + t * K + kidx, ids, mask=kmask)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's router selection (layers/moe.py ``SoftmaxTopKRouter``) in one launch, one program per token:
+    softmax over the experts in float32, the ``top_k`` largest probabilities by repeated arg-max (descending, ties to
+    the lower index, as sorted ``torch.topk``), renormalized to sum 1 when ``norm``.
+
+    Args:
+        logits: [T, E] router logits (any float dtype, unit stride along E; any E up to 65,536).
+        top_k: experts per token, 1 <= top_k <= E.
+
+    Returns:
+        (weights [T, top_k] in logits' dtype, rounded once from float32; ids [T, top_k] int64).
+
+    Raises:
+        ValueError: top_k outside [1, E] or a strided last dim.
+    """
+    T, E = logits.shape
+    if not 1 <= top_k <= E or logits.stride(-1) != 1:
+        raise ValueError(f"softmax_topk: top_k {top_k} of {E} experts (unit stride needed along E)")
+    w = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T:
+        block_e = triton.next_power_of_2(E)
+        _softmax_topk_kernel[(T,)](logits, w, ids, E, logits.stride(0), K=top_k, NORM=bool(norm), BLOCK_E=block_e,
+                                   BLOCK_K=triton.next_power_of_2(top_k), num_warps=1 if block_e <= 64 else 4)
+    return w, ids

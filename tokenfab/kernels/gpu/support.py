@@ -3,8 +3,11 @@
 On CUDA/ROCm tensors they replace the eager PyTorch paths when the ``triton`` package imports. On CPU they never
 run in serving; tests run them through Triton's interpreter (``TRITON_INTERPRET=1`` set before ``triton`` is
 imported, plus ``TOKENFAB_TRITON=interpret``) against the PyTorch paths, which stay the reference and the fallback.
-``TOKENFAB_TRITON=0`` turns them off everywhere. :func:`launch_linear` is the row scaffolding the Triton linears
-(kernels/gpu/fp8_linear.py, kernels/gpu/gguf_linear.py) share.
+``TOKENFAB_TRITON=0`` turns them off everywhere. ``TOKENFAB_TRITON=interpret-gpu-path`` (tests only, with
+``TRITON_INTERPRET=1``) goes further: the seam treats CPU tensors as a GPU's for every op family, so a whole model
+runs the GPU code path in the interpreter (:func:`gpu_path`; tests/test_gpu_kernel_count.py counts its launches).
+:func:`launch_linear` is the row scaffolding the Triton linears (kernels/gpu/fp8_linear.py, kernels/gpu/gguf_linear.py)
+share.
 """
 from __future__ import annotations
 
@@ -27,17 +30,29 @@ def triton_importable() -> bool:
 
 def interpreting() -> bool:
     """True when Triton kernels are asked to run on CPU tensors in Triton's interpreter (tests only)."""
-    return os.environ.get("TOKENFAB_TRITON") == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"
+    return (os.environ.get("TOKENFAB_TRITON") in ("interpret", "interpret-gpu-path")
+            and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def gpu_path(x: torch.Tensor) -> bool:
+    """Whether the layers should take the GPU code path for ``x``: a CUDA / ROCm tensor with Triton importable
+    (``TOKENFAB_TRITON`` not 0), or, in tests only, a CPU tensor under ``TOKENFAB_TRITON=interpret-gpu-path`` with
+    ``TRITON_INTERPRET=1`` (the same choices a GPU makes, every Triton kernel run by the interpreter). Plain
+    ``interpret`` keeps CPU tensors on the CPU kernels except where a caller asks :func:`applies` itself."""
+    if x.device.type == "cpu":
+        return os.environ.get("TOKENFAB_TRITON") == "interpret-gpu-path" and applies(x)
+    return applies(x)
 
 
 def check_env() -> None:
     """Raise EngineConfigError for a ``TOKENFAB_TRITON`` value other than 1 (default), 0 or interpret (checked once
     when an engine starts, so a typo is not silently read as "on")."""
     mode = os.environ.get("TOKENFAB_TRITON", "1")
-    if mode not in ("1", "0", "interpret"):
+    if mode not in ("1", "0", "interpret", "interpret-gpu-path"):
         from tokenfab.errors import EngineConfigError
         raise EngineConfigError(f"TOKENFAB_TRITON='{mode}' is not understood; use 1 (Triton kernels on GPUs, the "
-                                "default), 0 (off) or interpret (tests: Triton's interpreter on CPU).")
+                                "default), 0 (off) or interpret / interpret-gpu-path (tests: Triton's interpreter "
+                                "on CPU).")
 
 
 def applies(x: torch.Tensor) -> bool:

@@ -1,0 +1,180 @@
+"""How many device kernels one decoder layer launches in a decode step on the GPU code path (issue #30: a dense
+layer at most 10, an MoE layer at most 14, and no host sync).
+
+The engine runs a tiny checkpoint (float32 and bfloat16) on CPU with the seam taking every GPU choice
+(``TOKENFAB_TRITON=interpret-gpu-path``, Triton's interpreter running the kernels), the C++ CPU kernels absent and no
+weight repacked for CPU GEMMs (``TOKENFAB_CPU_LINEAR=torch``), as on a GPU machine. tokenfab/testing/kernel_count.py
+states the counting rule (every Triton launch; every ATen op but views, metadata-only ops and bare allocations; host
+reads counted as syncs). Each decoder layer is a scope (forward hooks), counted in the first decode-only step; a
+failure prints the per-kernel breakdown of every layer. Llama and Qwen3 (dense) and Qwen3-MoE hold the issue's
+targets; DeepSeek-V3 (MLA with a shared expert) is held to its current counts. The same path also runs against
+transformers token for token (test_gpu_path_engine_token_exact), so a launch saved by a wrong result cannot pass.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfab.kernels.gpu import support as triton_support
+from tokenfab.testing.kernel_count import KernelCounter, breakdown
+
+pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
+
+DENSE_MAX, MOE_MAX = 10, 14
+# DeepSeek-V3 (MLA, a shared expert beside the routed ones): not yet at the issue's targets; these bounds only keep
+# today's counts (dense layer 16, MoE layer 24; 25 in bf16, where the router casts x to float32) from growing
+MLA_DENSE_MAX, MLA_MOE_MAX = 16, 25
+
+
+@pytest.fixture
+def gpu_path_on_cpu(monkeypatch):
+    from tokenfab.kernels.cpu import build as cpu_build
+    from tokenfab.kernels.cpu import ops as cpu_ops
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")  # no CPU repacking of bf16 weights at load (GPU: never)
+    monkeypatch.setattr(cpu_build, "load", lambda: None)  # a GPU machine has no C++ CPU kernels loaded
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+
+
+def count_decode_layers(path: str, dtype: str = "float32") -> tuple[dict[str, int], KernelCounter]:
+    """Per-layer kernel counts of the first decode-only step of a short greedy run on ``path``."""
+    from tokenfab import LLM, SamplingParams
+    llm = LLM(path, dtype=dtype, max_model_len=64, block_size=8, progress=False)
+    model = llm.llm_engine.runner.model
+    assert llm.llm_engine.runner.cpu_decode_stack is None
+    kc = KernelCounter()
+    state = {"on": False, "done": False}
+
+    def model_pre(_mod, args):
+        meta = args[3]
+        state["on"] = not state["done"] and meta.prefill is None and meta.decode is not None
+
+    def model_post(_mod, _args, _out):
+        if state["on"]:
+            state["on"], state["done"] = False, True
+
+    hooks = [model.register_forward_pre_hook(model_pre), model.register_forward_hook(model_post)]
+    scopes = []
+    for i, layer in enumerate(model.model.layers):
+        def pre(_mod, _args, i=i):
+            if state["on"]:
+                scopes.append(kc.scope(f"layer{i}"))
+                scopes[-1].__enter__()
+
+        def post(_mod, _args, _out, i=i):
+            if state["on"]:
+                scopes.pop().__exit__(None, None, None)
+        hooks += [layer.register_forward_pre_hook(pre), layer.register_forward_hook(post)]
+    try:
+        with kc:
+            outs = llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 7]}],
+                                SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert outs[0].outputs[0].finish_reason == "length", outs[0].outputs[0]
+    assert state["done"], "no decode-only step ran"
+    return {name: kc.total(name) for name in kc.counts}, kc
+
+
+def report(kc: KernelCounter) -> str:
+    return "\n".join(f"{name}: {kc.total(name)} kernels\n{breakdown(c)}" for name, c in sorted(kc.counts.items()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family,limit", [("llama", DENSE_MAX), ("qwen3", DENSE_MAX), ("qwen3_moe", MOE_MAX),
+                                          ("deepseek_v3", MLA_MOE_MAX)])
+def test_decode_layer_kernel_count(gpu_path_on_cpu, tiny_model, family, limit, dtype):
+    """bfloat16 too: a cast anywhere on the way (router weights, the k-sum, a cache write) would show up there."""
+    totals, kc = count_decode_layers(tiny_model(family, num_hidden_layers=3), dtype)
+    print(report(kc))
+    assert len(totals) == 3
+    if family == "deepseek_v3":  # layer 0 dense (first_k_dense_replace=1), then MoE layers
+        assert totals["layer0"] <= MLA_DENSE_MAX, f"{totals}\n{report(kc)}"
+        assert max(totals["layer1"], totals["layer2"]) <= limit, f"{totals}\n{report(kc)}"
+        assert not kc.syncs, f"host syncs in the decode step: {kc.syncs}\n{report(kc)}"
+        return
+    assert not kc.syncs, f"host syncs in the decode step: {kc.syncs}\n{report(kc)}"
+    assert max(totals.values()) <= limit, f"{family}: per-layer kernels {totals} > {limit}\n{report(kc)}"
+    launched = {n for c in kc.counts.values() for n in c}
+    assert any(n.startswith("triton:") for n in launched), "the GPU path did not run"
+
+
+def test_counting_rule():
+    """Views and no-ops are free, bare allocations too; copies, fills and casts count, also when an aliasing op
+    (reshape, to, contiguous) had to make one, with or without inference mode; in-place ops always count."""
+    from tokenfab.testing.kernel_count import launches_kernel, may_alias
+    a = torch.ops.aten
+    for aliasing in (a.view.default, a.transpose.int, a.slice.Tensor, a.select.int, a.unsqueeze.default,
+                     a.as_strided.default, a.detach.default, a.alias.default, a.t.default, a.split.Tensor,
+                     a.expand.default, a.reshape.default, a.to.dtype, a.contiguous.default):
+        assert may_alias(aliasing), aliasing
+    for op in (a.copy_.default, a._to_copy.default, a.index_copy_.default, a.cat.default, a.add_.Tensor):
+        assert not may_alias(op) and launches_kernel(op), op
+    assert not launches_kernel(a.empty.memory_format) and not launches_kernel(a._unsafe_view.default)
+    x = torch.randn(4, 6)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        kc = KernelCounter()
+        with ctx(), kc, kc.scope("s"):
+            y = x.t().contiguous()  # a copy
+            y.view(-1)[1:3].unsqueeze(0)  # views
+            x.reshape(24)  # a view
+            x.t().reshape(24)  # a copy
+            torch.empty(3)
+            x.float()  # already float32: nothing
+            x.to(torch.bfloat16)  # a cast
+            y.add_(1)  # in place
+            float(x[0, 0])  # a host sync
+            x.tolist()  # host reads CPU tensors never dispatch, caught before
+            x.to("cpu")
+        c = kc.counts["s"]
+        copies = c["aten:clone"] + c["aten:contiguous"] + c["aten:reshape"] + c["aten:_unsafe_view"]
+        casts = c["aten:_to_copy"] + c["aten:to"]
+        assert copies == 2 and casts == 1 and c["aten:add_"] == 1, (ctx, c)
+        item = "aten:item" if ctx is torch.inference_mode else "aten:_local_scalar_dense"
+        assert c[item] == 1 and c["host:tolist"] == 1 and c["host:to(cpu)"] == 1, (ctx, c)
+        assert sum(c.values()) == 7, (ctx, c)
+        assert [n for _, n in kc.syncs] == [item, "host:tolist", "host:to(cpu)"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
+def test_gpu_path_engine_token_exact(gpu_path_on_cpu, tiny_model, family):
+    """The whole engine on the GPU code path (fused add + norm across layers, q/k norm + RoPE + cache write or MLA's
+    kv norm + RoPE + latent write, routers, alignment and k-sum kernels, all interpreted) against transformers:
+    greedy tokens identical, prompt and decode logprobs within 1e-4 (tests/test_engine_exact.py's check), prefill
+    chunks and decode steps mixed."""
+    from test_engine_exact import check_family, make_prompts
+    from tokenfab.kernels.gpu import rope_cache
+    calls = []
+    name = "mla_rope_cache" if family == "deepseek_v3" else "qk_rope_cache"
+    orig = getattr(rope_cache, name)
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return orig(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rope_cache, name, spy)
+        _, worst = check_family(tiny_model(family), make_prompts(3, [21, 4, 9]))
+    assert calls, "the fused RoPE + cache write did not run"
+    assert worst < 1e-4
+
+
+def test_gpu_path_seam(monkeypatch):
+    """Only ``interpret-gpu-path`` (with TRITON_INTERPRET=1) sends CPU tensors down the GPU path; plain
+    ``interpret`` keeps them on the CPU kernels, and the engine accepts both values."""
+    from tokenfab.kernels import dispatch
+    x = torch.zeros(2, 8)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    triton_support.check_env()
+    assert dispatch.gpu_path(x) and triton_support.interpreting() and triton_support.applies(x)
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
+    assert not dispatch.gpu_path(x) and triton_support.applies(x)
+    monkeypatch.setenv("TOKENFAB_TRITON", "0")
+    assert not dispatch.gpu_path(x)
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not dispatch.gpu_path(x)

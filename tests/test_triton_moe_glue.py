@@ -1,0 +1,96 @@
+"""The MoE glue kernels on the GPU path in Triton's interpreter on CPU, against their PyTorch references: the pair
+alignment in one launch (kernels/gpu/moe.py::align_pairs_fused vs align_pairs, bit for bit), the k-sum with the
+cast (moe_sum vs a float32 sum skipping other ranks' pairs) and Qwen3-MoE's softmax top-k router
+(kernels/gpu/router.py::softmax_topk vs layers/moe.py::SoftmaxTopKRouter with the seam off)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfab.kernels import dispatch
+from tokenfab.kernels.gpu import support as triton_support
+
+pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
+
+
+@pytest.mark.parametrize("T,k,E,start,num_local,block_m", [
+    (1, 2, 8, 0, 8, 16), (3, 2, 3, 0, 3, 2), (37, 6, 60, 0, 60, 16), (200, 8, 128, 0, 128, 64),  # 1600 pairs
+    (9, 3, 12, 4, 5, 4),  # expert parallel: experts 4..8 here, the rest on other ranks
+])
+def test_align_pairs_fused_is_the_reference(interpret, T, k, E, start, num_local, block_m):
+    from tokenfab.kernels.gpu.moe import align_pairs, align_pairs_fused
+    g = torch.Generator().manual_seed(T * 31 + E)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    want = align_pairs(ids, start, num_local, block_m)
+    got = align_pairs_fused(ids, start, num_local, block_m)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b), (a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,k,hidden,start,num_local", [(1, 2, 64, 0, 8), (5, 3, 1500, 2, 3), (4, 1, 24, 0, 4)])
+def test_moe_sum_skips_other_ranks(interpret, dtype, T, k, hidden, start, num_local):
+    from tokenfab.kernels.gpu.moe import moe_sum
+    g = torch.Generator().manual_seed(hidden)
+    ids = torch.randint(0, 8, (T, k), generator=g)
+    pairs = torch.randn(T * k, hidden, generator=g)
+    local = ((ids >= start) & (ids < start + num_local)).reshape(-1, 1)
+    pairs_garbage = torch.where(local, pairs, torch.full_like(pairs, float("nan")))  # never-written rows
+    got = moe_sum(pairs_garbage, ids, start, num_local, dtype)
+    want = (pairs * local).view(T, k, hidden).sum(1).to(dtype)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # the interpreter truncates to bf16 where PyTorch rounds: one ulp
+        assert ((got.float() - want.float()).abs() <= 2.0 ** -7 * want.float().abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E,top_k,norm", [(8, 2, True), (60, 4, True), (12, 3, False), (5, 5, True), (128, 8, True)])
+def test_softmax_topk_matches_the_router(interpret, monkeypatch, dtype, E, top_k, norm):
+    from tokenfab.kernels.gpu.router import softmax_topk
+    from tokenfab.layers.moe import SoftmaxTopKRouter
+    g = torch.Generator().manual_seed(E * 10 + top_k)
+    router = SoftmaxTopKRouter(32, E, top_k, norm).to(dtype)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, 32, generator=g))
+    x = torch.randn(7, 32, generator=g).to(dtype)
+    logits = torch.nn.functional.linear(x, router.weight)
+    w, ids = softmax_topk(logits, top_k, norm)
+    monkeypatch.setattr(dispatch, "softmax_topk", lambda *a, **kw: None)
+    w_ref, ids_ref = router(x)
+    assert ids.dtype == torch.int64 and w.dtype == dtype and w.shape == (7, top_k)
+    # sorted descending, as torch.topk; experts whose bf16 logits tie exactly may come in either order
+    probs = torch.softmax(logits, -1, dtype=torch.float32)
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, ids_ref))
+    if dtype == torch.float32:
+        assert torch.equal(ids, ids_ref)
+    tol = 1e-6 if dtype == torch.float32 else 2.0 ** -7
+    assert ((w.float() - w_ref.float()).abs() <= tol * w_ref.float().abs() + 1e-7).all()
+
+
+def test_softmax_topk_rejects_bad_k(interpret):
+    from tokenfab.kernels.gpu.router import softmax_topk
+    with pytest.raises(ValueError, match="top_k 9 of 8"):
+        softmax_topk(torch.zeros(2, 8), 9, True)
+
+
+def test_fused_moe_same_with_either_alignment(interpret, monkeypatch):
+    """Above ALIGN_FUSED_MAX_PAIRS pairs the tensor-op alignment runs instead: the same sum, bit for bit."""
+    from tokenfab.kernels.gpu import moe
+    from tokenfab.layers.activation import silu_and_mul
+    g = torch.Generator().manual_seed(5)
+    T, E, k, H, I = 6, 5, 2, 32, 24
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * 0.2, torch.randn(E, H, I, generator=g) * 0.2
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g)
+    fused = moe.fused_moe(x, w13, w2, wts, ids, silu_and_mul)
+    monkeypatch.setattr(moe, "ALIGN_FUSED_MAX_PAIRS", 0)
+    assert torch.equal(fused, moe.fused_moe(x, w13, w2, wts, ids, silu_and_mul))
