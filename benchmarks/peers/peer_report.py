@@ -279,8 +279,9 @@ def render_markdown(report: dict[str, Any]) -> str:
               "further token).", ""]
     drift = drift_rows(records)
     records = measured(records)
-    lines += ["Per cell and engine: total tok/s, median TPOT, median TTFT (the `tokenfab bench serve` client).", ""]
-    lines += pivot_table(records) + [""]
+    client = ((report.get("settings") or {}).get("clients") or ["tokenfab"])[0]
+    lines += [f"Per cell and engine: total tok/s, median TPOT, median TTFT (the `{client} bench serve` client).", ""]
+    lines += pivot_table(records, client) + [""]
     lines += results_table(records) + [""]
     lines += ["## tokenfab ÷ peer", "",
               "Each ratio divides tokenfab's figure by the peer's in the same cell and with the same client.", ""]

@@ -522,14 +522,14 @@ def main(argv: list[str] | None = None) -> int:
                         finally:
                             if not args.no_pause_idle:
                                 s.pause()
-            if args.drift and servers:  # the first cell again, every engine, fresh prompts: the run's drift
+            if args.drift and servers and args.client_list:  # the first cell again on every engine: the run's drift
                 inp, out = parse_workload(args.workload_list[0])
                 conc = args.conc_list[0]
                 for s in servers:
                     s.resume()
                     try:
-                        rec = _measure(s, "tokenfab", p, model_name, model, args.workload_list[0], inp, out, conc,
-                                       args, rundir, client_env, cell_seed(0, conc) + DRIFT_SEED_OFFSET,
+                        rec = _measure(s, args.client_list[0], p, model_name, model, args.workload_list[0], inp,
+                                       out, conc, args, rundir, client_env, cell_seed(0, conc) + DRIFT_SEED_OFFSET,
                                        "-repeat")
                         rec["repeat"] = True
                         report["records"].append(rec)
