@@ -417,14 +417,17 @@ def main(argv: list[str] | None = None) -> int:
             "seeds": "1000 * (workload index + 1) + concurrency, per cell (same for every engine); warm-up 7",
             "llamacpp_threads": args.llamacpp_threads, "llamacpp_no_repack": args.llamacpp_no_repack,
             "tokenfab_threads": args.tokenfab_threads},
-        "notes": [
-            "Random-weight models: the text is meaningless; compute and memory traffic are real.",
+        "notes": [n for n in (
+            "Random-weight models (deepseek_v3, llama): the text is meaningless; compute and memory traffic are "
+            "real." if set(args.model_list) - {"smollm2"} else None,
+            "SmolLM2-135M-Instruct: real weights." if "smollm2" in args.model_list else None,
             "Engines were measured alternately, cell by cell (engine order rotated each cell); servers not under "
             "test were paused with SIGSTOP." if not args.no_pause_idle else
             "Engines were measured alternately, cell by cell (engine order rotated each cell).",
-            "llama.cpp re-tokenizes the prompt text itself (GGUF pre-tokenizer recorded as gpt-2); token totals "
-            "are the client's tokenizer's: compare its latencies first.",
-        ],
+            "llama.cpp re-tokenizes the prompt text itself (for the random-weight models' GGUF files the "
+            "pre-tokenizer is recorded as gpt-2); token totals are the client's tokenizer's: compare its latencies "
+            "first.",
+        ) if n],
         "models": {k: {"description": v["description"], "path": v["path"], "gguf": v.get("gguf")}
                    for k, v in models.items()},
         "commands": {"this run": shlex.join([os.path.relpath(sys.executable, REPO)
