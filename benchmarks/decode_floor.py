@@ -182,14 +182,19 @@ def _write(stem: str, result: dict) -> None:
 
 def make_llm(args):
     """The LLM for ``args``; with CUDA graphs wanted and their capture failing, an eager engine instead and the
-    error (returned second, else None)."""
+    error (returned second, else None). The KV pool holds every sequence of the largest batch at full length (the
+    engine's default pool, at most 2 GiB, holds only ~18K tokens of a 3B Llama: 17 sequences of 1,024 tokens, so a
+    batch of 64 would run 17 at a time)."""
     from tokenfab import LLM
     from tokenfab.default_model import ensure_default_model
+    from tokenfab.engine.engine_config import EngineConfig
     model_dir = args.model or ensure_default_model()
     extra = 2 * args.steps if args.also_eager else 0
-    kw = dict(max_model_len=args.context + args.steps + extra + max(args.profile_steps, 0) + 24,
-              max_num_seqs=max(64, max(int(b) for b in args.batch.split(","))), progress=False, device=args.device,
-              load_format=args.load_format, seed=args.seed)
+    max_len = args.context + args.steps + extra + max(args.profile_steps, 0) + 24
+    top = max(int(b) for b in args.batch.split(","))
+    bs = EngineConfig.block_size
+    kw = dict(max_model_len=max_len, max_num_seqs=max(64, top), num_kv_blocks=(top + 1) * -(-max_len // bs),
+              block_size=bs, progress=False, device=args.device, load_format=args.load_format, seed=args.seed)
     if args.dtype:
         kw["dtype"] = args.dtype
     try:
@@ -303,11 +308,16 @@ def main() -> int:
             eng.step()
             walls.append(time.perf_counter() - t)
             fwds.append(fwd_time[0])
+        running = len(eng.scheduler.running)  # < B: the pool or max_num_seqs held fewer (the row says so)
+        if running != B:
+            print(f"decode_floor: batch {B} ran {running} sequences per step", flush=True)
         wall, fwd = statistics.median(walls), statistics.median(fwds)
         bw_steps = statistics.median(bws)
-        row = {"batch": B, "mode": mode, "context": args.context, "step_ms": wall * 1e3, "forward_ms": fwd * 1e3,
-               "overhead_ms": (wall - fwd) * 1e3, "overhead_frac": (wall - fwd) / wall, "tokens_per_s": B / wall}
-        read = step_bytes(runner.model, mc, eng.dtype.itemsize, B, kv_start + 1 + args.steps // 2)
+        n = running if 0 < running <= B else B  # the sequences each timed step decoded
+        row = {"batch": B, "running": running, "mode": mode, "context": args.context, "step_ms": wall * 1e3,
+               "forward_ms": fwd * 1e3, "overhead_ms": (wall - fwd) * 1e3, "overhead_frac": (wall - fwd) / wall,
+               "tokens_per_s": n / wall}
+        read = step_bytes(runner.model, mc, eng.dtype.itemsize, n, kv_start + 1 + args.steps // 2)
         row.update(read)
         nbytes = read["bytes_read"]
         row.update({"copy_bandwidth_during_steps_GBps": bw_steps / 1e9, "floor_ms": nbytes / bw_steps * 1e3,

@@ -57,7 +57,8 @@ def llama3b(tiny: bool = False) -> dict:
     if tiny:
         c.update(vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-                 bos_token_id=0, eos_token_id=1)
+                 bos_token_id=0, eos_token_id=1,
+                 rope_scaling=dict(c["rope_scaling"], original_max_position_embeddings=1024))
     return c
 
 

@@ -62,7 +62,8 @@ def case_rows(label: str, result: dict) -> list[list[str]]:
         g, e = modes.get("graphs"), modes.get("eager")
         floor = (g or e).get("floor_ms")
         g_ms, e_ms = (g or {}).get("step_ms"), (e or {}).get("step_ms")
-        cells.append([label, str(batch), _f(g_ms), _f(e_ms), _f(floor, "{:.3f}"),
+        ran = min(r.get("running", batch) for r in modes.values())
+        cells.append([label, str(batch) if ran == batch else f"{batch} (only {ran} ran)", _f(g_ms), _f(e_ms), _f(floor, "{:.3f}"),
                       _f(g_ms / floor if g_ms and floor else None) + ("x" if g_ms and floor else ""),
                       _f(e_ms / floor if e_ms and floor else None) + ("x" if e_ms and floor else ""),
                       _f(e_ms / g_ms if e_ms and g_ms else None) + ("x" if e_ms and g_ms else "")])

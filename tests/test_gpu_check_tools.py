@@ -45,7 +45,8 @@ def test_summary_table_from_hand_made_results(tmp_path, capsys):
     from benchmarks.gpu_summary import main
     rows = [{"batch": 1, "mode": "graphs", "step_ms": 5.0, "floor_ms": 2.0},
             {"batch": 1, "mode": "eager", "step_ms": 25.0, "floor_ms": 2.1},
-            {"batch": 16, "mode": "graphs", "step_ms": 8.0, "floor_ms": 2.5}]
+            {"batch": 16, "mode": "graphs", "step_ms": 8.0, "floor_ms": 2.5},
+            {"batch": 64, "running": 17, "mode": "graphs", "step_ms": 8.1, "floor_ms": 2.6}]
     prof = {"device_ms_per_step": 4.0, "wall_ms_per_step": 28.0, "launches_per_layer": 31.5, "counted": "CUDA kernels",
             "top": [{"name": "gemm_a", "ms_per_step": 1.9}, {"name": "rms", "ms_per_step": 0.3}]}
     json.dump(_result("llama3b", rows, profile=prof), open(tmp_path / "2026-12-05-llama3b-decode-floor.json", "w"))
@@ -61,6 +62,7 @@ def test_summary_table_from_hand_made_results(tmp_path, capsys):
     assert text == (tmp_path / "s.md").read_text()
     assert "| llama3b | 1 | 5.00 | 25.00 | 2.000 | 2.50x | 12.50x | 5.00x |" in text
     assert "| llama3b | 16 | 8.00 | — | 2.500 | 3.20x | — | — |" in text
+    assert "| llama3b | 64 (only 17 ran) | 8.10 |" in text
     assert "| dsv3 | — | no result" in text
     assert "| embedded | 1 | 2.00 | — | 0.500 | 4.00x | — | — |" in text
     assert "| embedded | … | incomplete" in text
