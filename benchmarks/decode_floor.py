@@ -349,9 +349,14 @@ def main() -> int:
             runner.decode_graphs = None  # eager: every kernel launched from the host, as the profile should see
             try:
                 result["profile"] = profile_decode(eng, args.context, args.profile_steps)
+                print(json.dumps({"profile": {k: v for k, v in result["profile"].items() if k != "top"}}),
+                      flush=True)
+            except Exception as e:  # noqa: BLE001 - e.g. no CUPTI: the profile is lost, the batch rows are not
+                result["profile_error"] = f"{type(e).__name__}: {e}"[:500]
+                print(f"decode_floor: profile failed ({result['profile_error']})", flush=True)
+                eng.abort_request("profile-0")  # profile_decode's request, if it is still there
             finally:
                 runner.decode_graphs = graphs
-            print(json.dumps({"profile": {k: v for k, v in result["profile"].items() if k != "top"}}), flush=True)
             _write(stem, result)
     result["complete"] = True
     _write(stem, result)

@@ -108,6 +108,8 @@ def summary_lines(results: dict[str, dict], expect: list[str] | None = None, fai
     notes = [s for s in (profile_line(k, results[k]) for k in order if k in results) if s]
     errs = [f"- {k}: CUDA-graph engine failed, eager only: {results[k]['graphs_error']}" for k in order
             if k in results and results[k].get("graphs_error")]
+    errs += [f"- {k}: profile failed: {results[k]['profile_error']}" for k in order
+             if k in results and results[k].get("profile_error")]
     if notes or errs:
         lines += ["", "Eager profiles and graph failures:"] + notes + errs
     if failed:

@@ -53,7 +53,7 @@ def test_summary_table_from_hand_made_results(tmp_path, capsys):
     old = _result("llama3b", [{"batch": 1, "step_ms": 99.0, "floor_ms": 1.0}], date="2026-12-04T10:00:00")
     json.dump(old, open(tmp_path / "2026-12-04-llama3b-decode-floor.json", "w"))  # older: not shown
     legacy = _result("embedded", [{"batch": 1, "step_ms": 2.0, "floor_ms": 0.5}], complete=False,
-                     graphs_error="RuntimeError: capture failed")
+                     graphs_error="RuntimeError: capture failed", profile_error="RuntimeError: no CUPTI")
     json.dump(legacy, open(tmp_path / "2026-12-05-embedded-decode-floor.json", "w"))
     (tmp_path / "failed").write_text("decode_floor dsv3 FAILED rc=124\n")
     assert main([str(tmp_path), "--expect", "llama3b,dsv3", "--failed", str(tmp_path / "failed"),
@@ -67,6 +67,7 @@ def test_summary_table_from_hand_made_results(tmp_path, capsys):
     assert "| embedded | 1 | 2.00 | — | 0.500 | 4.00x | — | — |" in text
     assert "| embedded | … | incomplete" in text
     assert "31.5 launches per layer" in text and "gemm_a 1.900 ms" in text and "capture failed" in text
+    assert "embedded: profile failed: RuntimeError: no CUPTI" in text
     assert "Failed steps (1): decode_floor dsv3 FAILED rc=124" in text
     assert "99.00" not in text
     assert main([str(tmp_path / "nope")]) == 2
