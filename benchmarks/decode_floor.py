@@ -180,11 +180,26 @@ def _write(stem: str, result: dict) -> None:
         json.dump(result, f, indent=2)
 
 
+def kv_blocks_for_batch(per_token: int, max_num_seqs: int, max_len: int, seqs: int, block_size: int) -> int | None:
+    """KV blocks for ``seqs`` sequences of ``max_len`` tokens when the engine's default pool (the smaller of
+    ``max_num_seqs`` x ``max_len`` tokens and DEFAULT_KV_CACHE_MEMORY bytes, ``per_token`` bytes a token) is
+    smaller; None when the default holds them (or ``per_token`` is unknown, 0)."""
+    from tokenfab.engine.engine_config import DEFAULT_KV_CACHE_MEMORY
+    if per_token <= 0 or min(max_num_seqs * max_len, DEFAULT_KV_CACHE_MEMORY // per_token) >= seqs * max_len:
+        return None
+    return seqs * -(-max_len // block_size)
+
+
 def make_llm(args):
-    """The LLM for ``args``; with CUDA graphs wanted and their capture failing, an eager engine instead and the
-    error (returned second, else None). The KV pool holds every sequence of the largest batch at full length (the
-    engine's default pool, at most 2 GiB, holds only ~18K tokens of a 3B Llama: 17 sequences of 1,024 tokens, so a
-    batch of 64 would run 17 at a time)."""
+    """The LLM for ``args`` and the error of a failed CUDA-graph engine (None when graphs were not wanted or
+    captured): when the capture fails, an eager engine is built instead.
+
+    The KV pool is the engine's default (the smaller of max_num_seqs x max_model_len tokens and 2 GiB) unless that
+    cannot hold every sequence of the largest batch at full length: the 2 GiB cap holds ~18K
+    tokens of the Llama-3.2-3B shape, 17 sequences of 1,024 tokens, so a batch of 64 would run 17 at a time. Then
+    the pool is sized to hold them."""
+    import traceback
+
     from tokenfab import LLM
     from tokenfab.default_model import ensure_default_model
     from tokenfab.engine.engine_config import EngineConfig
@@ -193,14 +208,23 @@ def make_llm(args):
     max_len = args.context + args.steps + extra + max(args.profile_steps, 0) + 24
     top = max(int(b) for b in args.batch.split(","))
     bs = EngineConfig.block_size
-    kw = dict(max_model_len=max_len, max_num_seqs=max(64, top), num_kv_blocks=(top + 1) * -(-max_len // bs),
-              block_size=bs, progress=False, device=args.device, load_format=args.load_format, seed=args.seed)
+    kw = dict(max_model_len=max_len, max_num_seqs=max(64, top), block_size=bs, progress=False, device=args.device,
+              load_format=args.load_format, seed=args.seed)
+    try:
+        from tokenfab.config import load_config
+        per_token = load_config(model_dir).kv_cache_bytes_per_token(4 if args.dtype == "float32" else 2)
+    except Exception:  # noqa: BLE001 - sized by the engine as before (it reports what it cannot read)
+        per_token = 0
+    blocks = kv_blocks_for_batch(per_token, kw["max_num_seqs"], max_len, top, bs)
+    if blocks is not None:
+        kw["num_kv_blocks"] = blocks
     if args.dtype:
         kw["dtype"] = args.dtype
     try:
         return model_dir, LLM(model_dir, enforce_eager=args.enforce_eager, **kw), None
     except Exception as e:  # noqa: BLE001 - a failed CUDA-graph capture: measure eager, report the error
-        if args.enforce_eager or str(args.device) == "cpu" or not torch.cuda.is_available():
+        in_capture = "cuda_graph_runner" in "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        if args.enforce_eager or not in_capture or not torch.cuda.is_available():
             raise
         import gc
         gc.collect()

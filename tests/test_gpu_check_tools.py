@@ -21,6 +21,17 @@ def test_expected_distinct_experts():
     assert experts_hit(0, 0, 4) == 0
 
 
+def test_kv_pool_holds_the_largest_batch():
+    """The engine's default pool (at most 2 GiB) holds 18,724 tokens of the Llama-3.2-3B shape (114,688 bytes a
+    token): 64 sequences of 1,113 tokens need 64 x 70 blocks of 16; a small model keeps the default."""
+    from benchmarks.decode_floor import kv_blocks_for_batch
+    per_token = 28 * 2 * 8 * 128 * 2
+    assert kv_blocks_for_batch(per_token, 64, 1113, 64, 16) == 64 * 70
+    assert kv_blocks_for_batch(per_token, 64, 1113, 16, 16) is None  # 16 x 1,113 tokens fit in 18,724
+    assert kv_blocks_for_batch(6 * 576 * 2, 64, 558, 64, 16) is None
+    assert kv_blocks_for_batch(0, 64, 1113, 64, 16) is None
+
+
 def test_profile_aggregation():
     from benchmarks.decode_profile import summarize_events
     ev = [("ampere_bf16_gemm", 300.0, 8), ("triton_rms_norm", 40.0, 16), ("ampere_bf16_gemm", 100.0, 4),
