@@ -175,9 +175,11 @@ def step_bytes(model, mc, dtype_bytes: int, batch: int, kv_tokens: int) -> dict:
 
 def _write(stem: str, result: dict) -> None:
     """Write ``result`` to ``stem``.json now (also mid-run, ``complete`` False, so a step killed by a timeout
-    leaves the rows it finished)."""
-    with open(stem + ".json", "w") as f:
+    leaves the rows it finished), through a temporary file renamed into place: a kill mid-write leaves the last
+    whole file."""
+    with open(stem + ".json.tmp", "w") as f:
         json.dump(result, f, indent=2)
+    os.replace(stem + ".json.tmp", stem + ".json")
 
 
 def kv_blocks_for_batch(per_token: int, max_num_seqs: int, max_len: int, seqs: int, block_size: int) -> int | None:

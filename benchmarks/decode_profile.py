@@ -5,13 +5,15 @@ the same engine so that every kernel is launched from the host and seen): one re
 prefilled, one decode step warms up, then N decode steps run under ``torch.profiler``. Reported:
 
 * ``device_ms_per_step``: the sum of the kernels' self device time per step (on CPU: the self CPU time of the ops,
-  a dry run whose numbers mean nothing for a GPU);
+  a dry run whose numbers mean nothing for a GPU), and ``device_ms_per_layer`` (over ``num_hidden_layers``; the LM
+  head, embedding and sampling included, so an upper bound of one layer's);
 * ``launches_per_step`` and ``launches_per_layer`` (per step over ``num_hidden_layers``): kernel launches (on CPU:
   leaf ``aten::`` op calls, the ops that would each be a kernel on a GPU);
 * ``top``: the kernels (by name) with the most device time: ms per step, launches per step, share of the total;
 * ``by_kind``: the same split into GEMM / attention / MoE / other (from the kernel names, a heuristic).
 
 :func:`summarize_events` takes plain (name, device us, count) tuples, so the aggregation is tested without a GPU.
+(benchmarks/experiments/decode_profile.py is an older CPU experiment: a profiler table and each GEMV's bandwidth.)
 """
 from __future__ import annotations
 
@@ -59,6 +61,7 @@ def summarize_events(events: list[tuple[str, float, int]], steps: int, num_layer
     return {
         "steps": steps, "num_layers": num_layers,
         "device_ms_per_step": total_us / steps / 1e3,
+        "device_ms_per_layer": total_us / steps / num_layers / 1e3,
         "launches_per_step": launches / steps,
         "launches_per_layer": launches / steps / num_layers,
         "top": [{"name": name[:120], "ms_per_step": us / steps / 1e3, "launches_per_step": count / steps,
@@ -78,8 +81,7 @@ def _device_events(prof, cuda: bool) -> list[tuple[str, float, int]]:
         if cuda:
             if not str(getattr(ev, "device_type", "")).endswith("CUDA"):
                 continue
-            us = getattr(ev, "device_time_total", None)
-            us = ev.cuda_time_total if us is None else us
+            us = ev.time_range.elapsed_us()  # a device event's own span (what device_time_total returns for it)
         else:
             if not ev.name.startswith("aten::") or any(c.name.startswith("aten::") for c in ev.cpu_children):
                 continue
@@ -129,7 +131,8 @@ def profile_markdown(p: dict) -> list[str]:
     lines = [f"Eager decode profile (torch.profiler, batch 1, context {p.get('context')}, {p['steps']} steps, "
              f"{p.get('counted', 'kernels')}): device time {p['device_ms_per_step']:.3f} ms per step of "
              f"{p.get('wall_ms_per_step', float('nan')):.3f} ms wall, {p['launches_per_step']:.0f} launches per "
-             f"step = {p['launches_per_layer']:.1f} per layer over {p['num_layers']} layers. By kind: "
+             f"step = {p.get('device_ms_per_layer', 0.0):.3f} ms and {p['launches_per_layer']:.1f} launches per "
+             f"layer over {p['num_layers']} layers. By kind: "
              + ", ".join(f"{k} {v['ms_per_step']:.3f} ms ({v['launches_per_step']:.0f} launches)"
                          for k, v in p["by_kind"].items()) + ".", "",
              "| kernel | kind | ms / step | launches / step | share |", "|---|---|---|---|---|"]

@@ -62,8 +62,8 @@ fail() { echo "$1 FAILED rc=$2" | tee -a "$FAILED"; }
 # bg NAME SECONDS CMD...: run CMD under a timeout in the background, its output in $OUT/NAME.log (shown after wait)
 bg() { local name=$1 t=$2; shift 2; { timeout "$t" "$@" > "$OUT/$name.log" 2>&1 || fail "$name" $?; } & }
 {
-  timeout 10 nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv 2>/dev/null \
-    || timeout 10 rocm-smi 2>/dev/null || true
+  timeout 10 bash -c "nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv 2>/dev/null \
+    || rocm-smi 2>/dev/null" || true
   BGS="gpu_shapes"
   if [ "$DRY" != 1 ]; then
     for dt in float32 bfloat16; do

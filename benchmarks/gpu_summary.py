@@ -6,9 +6,10 @@ Reads every ``*-decode-floor.json`` in DIR (a run killed by its timeout leaves t
 false); results are grouped by their ``label`` (the case), the newest file of a label winning. One row per (case,
 batch): step time with decode CUDA graphs and eager (rows' ``mode``; results older than the ``mode`` field count as
 graphs when ``decode_graphs`` is true), the batch's memory floor, step / floor for each and eager / graphs. Under
-the table, per case with an eager profile (decode_floor.py ``--profile-steps``): device time per step, kernel
-launches per layer and the three kernels with the most device time. ``--expect``: cases without any result get a
-row saying so; ``--failed``: gpu_check.sh's list of failed steps is repeated under the table.
+the table, per case with an eager profile (decode_floor.py ``--profile-steps``): device time per step and per
+layer, kernel launches per layer and the three kernels with the most device time. ``--expect``: cases without any
+result get a row saying so; ``--failed``: gpu_check.sh's list of failed steps is repeated under the table. A batch
+whose steps decoded fewer sequences than asked (``running``) says so.
 
 Prints the Markdown table (and writes it to ``--out`` when given). Exit status 0, also when results are missing
 (the table says so); 2 when DIR does not exist.
@@ -63,7 +64,8 @@ def case_rows(label: str, result: dict) -> list[list[str]]:
         floor = (g or e).get("floor_ms")
         g_ms, e_ms = (g or {}).get("step_ms"), (e or {}).get("step_ms")
         ran = min(r.get("running", batch) for r in modes.values())
-        cells.append([label, str(batch) if ran == batch else f"{batch} (only {ran} ran)", _f(g_ms), _f(e_ms), _f(floor, "{:.3f}"),
+        cells.append([label, str(batch) if ran == batch else f"{batch} (only {ran} ran)", _f(g_ms), _f(e_ms),
+                      _f(floor, "{:.3f}"),
                       _f(g_ms / floor if g_ms and floor else None) + ("x" if g_ms and floor else ""),
                       _f(e_ms / floor if e_ms and floor else None) + ("x" if e_ms and floor else ""),
                       _f(e_ms / g_ms if e_ms and g_ms else None) + ("x" if e_ms and g_ms else "")])
@@ -76,9 +78,10 @@ def profile_line(label: str, result: dict) -> str | None:
     if not p:
         return None
     top = ", ".join(f"{t['name'][:40]} {t['ms_per_step']:.3f} ms" for t in p.get("top", [])[:3])
+    per_layer = p.get("device_ms_per_layer", p["device_ms_per_step"] / max(p.get("num_layers", 1), 1))
     return (f"- {label}: eager batch 1 device time {p['device_ms_per_step']:.3f} ms of "
-            f"{p.get('wall_ms_per_step', float('nan')):.3f} ms wall per step, {p['launches_per_layer']:.1f} "
-            f"launches per layer ({p.get('counted', 'kernels')}); top: {top}")
+            f"{p.get('wall_ms_per_step', float('nan')):.3f} ms wall per step ({per_layer:.3f} ms and "
+            f"{p['launches_per_layer']:.1f} launches per layer, {p.get('counted', 'kernels')}); top: {top}")
 
 
 def summary_lines(results: dict[str, dict], expect: list[str] | None = None, failed: list[str] | None = None

@@ -126,6 +126,21 @@ def test_load_format_values_and_flags(tiny_model):
         build_parser().parse_args(["serve", llama, "--load-format", "pt"])
 
 
+def test_tensor_parallel_ranks_fill_their_own_shards(tiny_model, tmp_path):
+    """Two gloo ranks load a config-only folder with dummy weights (each fills its shard; the worker reads no
+    weight file, there is none) and decode greedily with finite logprobs, the same tokens twice."""
+    folder = config_only(tiny_model("llama"), str(tmp_path / "llama"))
+    runs = []
+    for _ in range(2):
+        llm = LLM(folder, load_format="dummy", tensor_parallel_size=2, **KW)
+        try:
+            runs.append(greedy_with_logprobs(llm, 4))
+        finally:
+            llm.llm_engine.shutdown()
+    assert runs[0].token_ids == runs[1].token_ids and len(runs[0].token_ids) == 4
+    assert all(math.isfinite(lp.logprob) for step in runs[0].logprobs for lp in step.values())
+
+
 def test_packed_formats_are_refused_by_name(tiny_shapes, tmp_path):
     """MXFP4 routed experts (the published K3 checkpoint's quantization_config) cannot be filled: refused, naming
     load_format."""

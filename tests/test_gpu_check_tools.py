@@ -37,7 +37,7 @@ def test_profile_aggregation():
     ev = [("ampere_bf16_gemm", 300.0, 8), ("triton_rms_norm", 40.0, 16), ("ampere_bf16_gemm", 100.0, 4),
           ("_fused_moe_kernel", 60.0, 2)]
     p = summarize_events(ev, steps=2, num_layers=4, top=2)
-    assert p["device_ms_per_step"] == pytest.approx(0.25)
+    assert p["device_ms_per_step"] == pytest.approx(0.25) and p["device_ms_per_layer"] == pytest.approx(0.0625)
     assert p["launches_per_step"] == 15 and p["launches_per_layer"] == pytest.approx(3.75)
     assert [t["name"] for t in p["top"]] == ["ampere_bf16_gemm", "_fused_moe_kernel"]
     assert p["top"][0]["ms_per_step"] == pytest.approx(0.2) and p["top"][0]["share"] == pytest.approx(0.8)
@@ -45,6 +45,24 @@ def test_profile_aggregation():
         pytest.approx(0.03)
     with pytest.raises(ValueError):
         summarize_events(ev, steps=0, num_layers=4)
+
+
+def test_profile_event_selection():
+    """On CUDA the device events (kernels, memcpy) with their own span; on CPU the leaf aten ops with their self
+    CPU time (an op that calls another aten op is not counted)."""
+    from types import SimpleNamespace as NS
+
+    from benchmarks.decode_profile import _device_events
+
+    def ev(name, dev, us=0.0, children=(), self_cpu=0.0):
+        return NS(name=name, device_type=f"DeviceType.{dev}", time_range=NS(elapsed_us=lambda: us),
+                  cpu_children=list(children), self_cpu_time_total=self_cpu)
+    mm = ev("aten::mm", "CPU", self_cpu=7.0)
+    linear = ev("aten::linear", "CPU", children=[mm], self_cpu=2.0)
+    prof = NS(events=lambda: [linear, mm, ev("cudaLaunchKernel", "CPU", self_cpu=3.0),
+                              ev("nvjet_gemm", "CUDA", 40.0), ev("Memcpy HtoD", "CUDA", 2.0)])
+    assert _device_events(prof, cuda=True) == [("nvjet_gemm", 40.0, 1), ("Memcpy HtoD", 2.0, 1)]
+    assert _device_events(prof, cuda=False) == [("aten::mm", 7.0, 1)]
 
 
 def _result(label, rows, **kw):
@@ -58,7 +76,8 @@ def test_summary_table_from_hand_made_results(tmp_path, capsys):
             {"batch": 1, "mode": "eager", "step_ms": 25.0, "floor_ms": 2.1},
             {"batch": 16, "mode": "graphs", "step_ms": 8.0, "floor_ms": 2.5},
             {"batch": 64, "running": 17, "mode": "graphs", "step_ms": 8.1, "floor_ms": 2.6}]
-    prof = {"device_ms_per_step": 4.0, "wall_ms_per_step": 28.0, "launches_per_layer": 31.5, "counted": "CUDA kernels",
+    prof = {"device_ms_per_step": 4.0, "device_ms_per_layer": 0.5, "wall_ms_per_step": 28.0, "launches_per_layer": 31.5,
+            "counted": "CUDA kernels",
             "top": [{"name": "gemm_a", "ms_per_step": 1.9}, {"name": "rms", "ms_per_step": 0.3}]}
     json.dump(_result("llama3b", rows, profile=prof), open(tmp_path / "2026-12-05-llama3b-decode-floor.json", "w"))
     old = _result("llama3b", [{"batch": 1, "step_ms": 99.0, "floor_ms": 1.0}], date="2026-12-04T10:00:00")
@@ -77,7 +96,7 @@ def test_summary_table_from_hand_made_results(tmp_path, capsys):
     assert "| dsv3 | — | no result" in text
     assert "| embedded | 1 | 2.00 | — | 0.500 | 4.00x | — | — |" in text
     assert "| embedded | … | incomplete" in text
-    assert "31.5 launches per layer" in text and "gemm_a 1.900 ms" in text and "capture failed" in text
+    assert "(0.500 ms and 31.5 launches per layer" in text and "gemm_a 1.900 ms" in text and "capture failed" in text
     assert "embedded: profile failed: RuntimeError: no CUPTI" in text
     assert "Failed steps (1): decode_floor dsv3 FAILED rc=124" in text
     assert "99.00" not in text
