@@ -1,26 +1,40 @@
 """Decode step time against its memory-bandwidth floor, and engine overhead (step wall time minus model forward).
 
     .venv/bin/python benchmarks/decode_floor.py [--model DIR] [--context 512] [--batch 1,4,16] [--steps 30]
+        [--load-format dummy] [--also-eager | --enforce-eager] [--profile-steps N] [--device cuda]
 
 For each batch size B: B sequences with ``--context`` prompt tokens are prefilled, then ``--steps`` decode steps are
 timed. Reported per step: wall time of ``LLMEngine.step()``, time inside the model forward (+ logits), their
-difference (engine overhead: scheduling, tensor building, sampling, output processing), and for B = 1 the floor.
+difference (engine overhead: scheduling, tensor building, sampling, output processing), and the floor.
 Where a CPU step runs forward, LM head and the draw in one C++ call (``CpuDecodeStack.run_sample``), that call is
 the forward here: it includes the draw (~30 us at batch 1, ``cpu_ops.sample_plain``), not the sampler's
 Python, which runs before it and counts as overhead.
 
-    floor = (bytes of weights a decode step must read + KV bytes read) / measured copy bandwidth
+    floor = (bytes of weights a decode step must read + KV (and recurrent-state) bytes read) / copy bandwidth
 
 Bytes read per step: every non-expert weight except the token-embedding table (a step reads one row of it per
-sequence, unless the LM head shares it; counted as such since commit e11ac63 (2026-11-30), before which the whole table was counted), plus the routed experts actually chosen (top_k of n_routed_experts for
-one token; all of them once B * top_k covers the experts — we count the distinct experts hit, measured), plus the
-KV cache rows attended. Copy bandwidth = 2 x bytes / time of ``dst.copy_(src)`` on a 512 MiB tensor (read + write
-traffic; both buffers in 2 MiB pages when the engine put its weights there, the larger of that and 4 KiB pages at
-the start), measured in the same run: best of 5 at the start, and one copy before every 5th timed step. This VM's
-bandwidth swings by up to 25% between back-to-back runs (e.g. 31.7 and 39.9 GB/s), so the floor uses the median of
-the copies taken between the steps it is compared with; the table also gives the ratio at the start-of-run copy
-(best of 5; JSON keys ``floor_best_ms`` / ``ratio_to_best_floor``), which can be higher or lower.
-Writes <--out, default benchmarks/results>/<date>[-<label>]-decode-floor.{json,md}.
+sequence, unless the LM head shares it; counted as such since commit e11ac63 (2026-11-30), before which the whole
+table was counted), plus the routed experts the batch's tokens hit: E x (1 - (1 - k/E)^B) distinct experts per MoE
+layer (:func:`experts_hit`; exactly top_k for one token, all experts once B * top_k far exceeds E; the expectation
+under uniform routing, which random weights give; a trained router's real choice can hit fewer), plus the KV cache
+rows attended and, for KDA layers, each sequence's recurrent state. Copy bandwidth = 2 x bytes / time of
+``dst.copy_(src)`` on a 512 MiB tensor (read + write traffic; both buffers in 2 MiB pages when the engine put its
+weights there, the larger of that and 4 KiB pages at the start), measured in the same run: best of 5 at the start,
+and one copy before every 5th timed step. This VM's bandwidth swings by up to 25% between back-to-back runs (e.g.
+31.7 and 39.9 GB/s), so each floor uses the median of the copies taken between the steps it is compared with; the
+table also gives the ratio at the start-of-run copy (best of 5; JSON keys ``floor_best_ms`` /
+``ratio_to_best_floor``), which can be higher or lower. Before 2026-12-05 only batch 1 had a floor.
+
+``--load-format dummy``: a config-only folder (benchmarks/gpu_shapes.py) with seeded random weights made on the
+device, no weight file read. ``--also-eager``: after each batch's steps with decode CUDA graphs, as many eager steps
+of the same sequences, graphs switched off in the same engine (``mode`` "eager" rows; the graph rows are "graphs",
+which on CPU under ``TOKENFAB_DECODE_GRAPHS=eager`` are the padded buffers without capture). ``--profile-steps N``:
+after batch 1, N eager steps of one sequence under torch.profiler (benchmarks/decode_profile.py: device time, the
+top kernels, launches per layer), in the JSON's ``profile``. When the engine with CUDA graphs cannot be built
+(capture fails), an eager engine is measured instead and ``graphs_error`` says why.
+
+Writes <--out, default benchmarks/results>/<date>[-<label>]-decode-floor.{json,md}; the JSON after every row too
+(``complete`` false until the end, so a run stopped by a timeout leaves what it measured).
 """
 from __future__ import annotations
 
@@ -71,7 +85,9 @@ def weight_bytes(model) -> tuple[int, int, int]:
             if m.w13 is not None:
                 for p in (m.w13, m.w2):
                     expert_params.add(id(p))
-            per_expert = 3 * m.intermediate * model.cfg.hidden_size * 2  # bf16 gate, up, down
+                per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()  # gate, up, down
+            else:  # kept packed: counted as bf16 (gate, up, down) over the stack's own input width
+                per_expert = 3 * m.intermediate * getattr(m, "hidden", model.cfg.hidden_size) * 2
             n_layers_experts += 1
     embed = getattr(model.model.embed_tokens, "weight", None)  # None: kept packed (PackedEmbedding, GGUF)
     packed_embed = getattr(model.model.embed_tokens, "qweight", None)
@@ -122,13 +138,103 @@ def resident_bytes(model, kv_caches) -> dict:
             weights += t.numel() * t.element_size()
     packed = sum(m.nbytes for m in {id(m): m for m in model.modules() if isinstance(m, PackedWeight)}.values())
     flat = [c for entry in kv_caches for c in (entry if isinstance(entry, (list, tuple)) else [entry])]
-    kv = sum(c.numel() * c.element_size() for c in flat)
+    kv = sum(c.numel() * c.element_size() if isinstance(c, torch.Tensor)  # KDA state slots: their tensors
+             else sum(t.numel() * t.element_size() for t in vars(c).values() if isinstance(t, torch.Tensor))
+             for c in flat)
     return {"weight_bytes_resident": weights, "packed_weight_bytes": packed, "kv_pool_bytes": kv}
 
 
 def _cell(v) -> str:
     """A table cell: two decimals, or an em dash where the floor applies to batch 1 only."""
     return "—" if v is None else f"{v:.2f}"
+
+
+def experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected distinct experts ``tokens`` tokens hit in one MoE layer when each picks ``top_k`` of ``num_experts``
+    uniformly (random weights route that way): E * (1 - (1 - k/E)^B). Exactly ``top_k`` for one token, all
+    experts once B * k far exceeds E."""
+    if num_experts <= 0 or top_k <= 0:
+        return 0.0
+    return num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** tokens)
+
+
+def step_bytes(model, mc, dtype_bytes: int, batch: int, kv_tokens: int) -> dict:
+    """Bytes one decode step of ``batch`` sequences with ``kv_tokens`` tokens of context each must read: every
+    non-expert weight once (:func:`weight_bytes`), the routed experts its tokens hit (expected distinct experts per
+    MoE layer, :func:`experts_hit`), the KV rows attended and (hybrid KDA models) each sequence's recurrent state."""
+    dense, per_expert, n_moe = weight_bytes(model)
+    n_exp = getattr(mc, "num_experts", 0) or 0
+    hit = experts_hit(n_exp, mc.num_experts_per_tok, batch) if n_moe else 0.0
+    experts = int(per_expert * hit * n_moe)
+    kv = mc.kv_cache_bytes_per_token(dtype_bytes) * kv_tokens * batch
+    state_fn = getattr(mc, "kda_state_bytes_per_request", None)
+    state = int(state_fn(dtype_bytes)) * batch if callable(state_fn) else 0
+    return {"bytes_read": dense + experts + kv + state, "weight_bytes_dense": dense, "weight_bytes_experts": experts,
+            "experts_hit_per_layer": hit, "kv_bytes": kv, "state_bytes": state}
+
+
+def _write(stem: str, result: dict) -> None:
+    """Write ``result`` to ``stem``.json now (also mid-run, ``complete`` False, so a step killed by a timeout
+    leaves the rows it finished), through a temporary file renamed into place: a kill mid-write leaves the last
+    whole file."""
+    with open(stem + ".json.tmp", "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(stem + ".json.tmp", stem + ".json")
+
+
+def kv_blocks_for_batch(per_token: int, max_num_seqs: int, max_len: int, seqs: int, block_size: int) -> int | None:
+    """KV blocks for ``seqs`` sequences of ``max_len`` tokens when the engine's default pool (the smaller of
+    ``max_num_seqs`` x ``max_len`` tokens and DEFAULT_KV_CACHE_MEMORY bytes, ``per_token`` bytes a token) is
+    smaller; None when the default holds them (or ``per_token`` is unknown, 0)."""
+    from tokenfab.engine.engine_config import DEFAULT_KV_CACHE_MEMORY
+    if per_token <= 0 or min(max_num_seqs * max_len, DEFAULT_KV_CACHE_MEMORY // per_token) >= seqs * max_len:
+        return None
+    return seqs * -(-max_len // block_size)
+
+
+def make_llm(args):
+    """The LLM for ``args`` and the error of a failed CUDA-graph engine (None when graphs were not wanted or
+    captured): when the capture fails, an eager engine is built instead.
+
+    The KV pool is the engine's default (the smaller of max_num_seqs x max_model_len tokens and 2 GiB) unless that
+    cannot hold every sequence of the largest batch at full length: the 2 GiB cap holds ~18K
+    tokens of the Llama-3.2-3B shape, 17 sequences of 1,024 tokens, so a batch of 64 would run 17 at a time. Then
+    the pool is sized to hold them."""
+    import traceback
+
+    from tokenfab import LLM
+    from tokenfab.default_model import ensure_default_model
+    from tokenfab.engine.engine_config import EngineConfig
+    model_dir = args.model or ensure_default_model()
+    extra = 2 * args.steps if args.also_eager else 0
+    max_len = args.context + args.steps + extra + max(args.profile_steps, 0) + 24
+    top = max(int(b) for b in args.batch.split(","))
+    bs = EngineConfig.block_size
+    kw = dict(max_model_len=max_len, max_num_seqs=max(64, top), block_size=bs, progress=False, device=args.device,
+              load_format=args.load_format, seed=args.seed)
+    try:
+        from tokenfab.config import load_config
+        per_token = load_config(model_dir).kv_cache_bytes_per_token(4 if args.dtype == "float32" else 2)
+    except Exception:  # noqa: BLE001 - sized by the engine as before (it reports what it cannot read)
+        per_token = 0
+    blocks = kv_blocks_for_batch(per_token, kw["max_num_seqs"], max_len, top, bs)
+    if blocks is not None:
+        kw["num_kv_blocks"] = blocks
+    if args.dtype:
+        kw["dtype"] = args.dtype
+    try:
+        return model_dir, LLM(model_dir, enforce_eager=args.enforce_eager, **kw), None
+    except Exception as e:  # noqa: BLE001 - a failed CUDA-graph capture: measure eager, report the error
+        in_capture = "cuda_graph_runner" in "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        if args.enforce_eager or not in_capture or not torch.cuda.is_available():
+            raise
+        import gc
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        err = f"{type(e).__name__}: {e}"[:500]
+        print(f"decode_floor: engine with CUDA graphs failed ({err}); measuring eager only", flush=True)
+        return model_dir, LLM(model_dir, enforce_eager=True, **kw), err
 
 
 def main() -> int:
@@ -139,21 +245,31 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size (default: 30)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    ap.add_argument("--dtype", default=None, help="engine dtype (default: the engine's, bfloat16)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (CUDA only)")
+    ap.add_argument("--also-eager", action="store_true",
+                    help="after each batch's steps with decode graphs, time as many eager steps on the same "
+                         "sequences (graphs switched off in the same engine): both modes from one load")
+    ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                    help="auto: the checkpoint's weights; dummy: seeded random weights at config.json's shapes, "
+                         "no weight file read (a config-only folder, benchmarks/gpu_shapes.py)")
+    ap.add_argument("--seed", type=int, default=0, help="engine seed (also the dummy weights') (default: 0)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="after batch 1: this many eager steps of one sequence under torch.profiler, the top "
+                         "kernels by device time and the launches per layer (benchmarks/decode_profile.py); 0: off")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
                     help="folder for the .json and .md results (default: benchmarks/results)")
     ap.add_argument("--label", default=None, help="label in the result file names: <date>-<label>-decode-floor.*")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from tokenfab import LLM, SamplingParams
-    from tokenfab.default_model import ensure_default_model
+    from tokenfab import SamplingParams
 
-    model_dir = args.model or ensure_default_model()
     import transformers  # noqa: F401  (imported by loading anyway: its code is not the model's memory)
     rss_before = rss_bytes()  # interpreter, torch, transformers, tokenfab: before any weight is read
-    llm = LLM(model_dir, max_model_len=args.context + args.steps + 16, max_num_seqs=64, progress=False,
-              device=args.device, enforce_eager=args.enforce_eager)
+    t_load = time.perf_counter()
+    model_dir, llm, graphs_error = make_llm(args)
+    load_s = time.perf_counter() - t_load
     eng = llm.llm_engine
     runner = eng.runner
     import gc
@@ -161,7 +277,7 @@ def main() -> int:
     memory = {"rss_before_load": rss_before, "rss_after_load": rss_bytes(),
               **resident_bytes(runner.model, runner.kv_caches)}
     memory["rss_growth"] = memory["rss_after_load"] - rss_before
-    print(json.dumps({"memory": memory}), flush=True)
+    print(json.dumps({"memory": memory, "load_s": load_s}), flush=True)
     fwd_time = [0.0]
 
     def timed(fn):
@@ -181,16 +297,34 @@ def main() -> int:
     huge = getattr(runner, "hugepage_bytes", 0) > 0  # weights in 2 MiB pages: so are the copy's buffers
     bw_4k = copy_bandwidth(device=str(eng.device))
     bw = max(bw_4k, copy_bandwidth(device=str(eng.device), hugepages=True)) if huge else bw_4k
-    dense, per_expert, n_moe = weight_bytes(runner.model)
     mc = eng.model_config
-    rows = []
-    for B in [int(b) for b in args.batch.split(",")]:
-        sp = SamplingParams(max_tokens=args.steps + 3, ignore_eos=True)
-        for i in range(B):
-            eng.add_request(f"b{B}-{i}", None, [(7 * i + j) % 4000 + 5 for j in range(args.context)], sp)
-        while any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
-            eng.step()
-        eng.step()  # first pure decode step (warm-up)
+    graphs = runner.decode_graphs
+    try:
+        cpu = [l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")][0]
+    except (OSError, IndexError):
+        cpu = platform.processor()
+    result = {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+              "label": args.label, "model": model_dir, "load_format": args.load_format,
+              "model_type": mc.family if hasattr(mc, "family") else None,
+              "num_layers": mc.num_hidden_layers, "dtype": str(eng.dtype), "threads": torch.get_num_threads(),
+              "cpu": cpu, "cores": os.cpu_count(), "copy_bandwidth_GBps": bw / 1e9,
+              "copy_bandwidth_4k_pages_GBps": bw_4k / 1e9, "weights_in_huge_pages": huge, "torch": torch.__version__,
+              "gpu": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else None,
+              "decode_graphs": graphs is not None and graphs.mode == "cuda",
+              "decode_graph_buffers": graphs is not None, "graphs_error": graphs_error, "load_s": load_s,
+              "memory": memory, "rows": [], "profile": None, "complete": False}
+    os.makedirs(args.out, exist_ok=True)
+    label = f"-{args.label}" if args.label else ""
+    stem = unused_stem(os.path.join(args.out, f"{dt.date.today().isoformat()}{label}-decode-floor"))
+    _write(stem, result)
+    rows = result["rows"]
+    modes = [("graphs" if graphs is not None else "eager", graphs)]
+    if args.also_eager and graphs is not None:
+        modes.append(("eager", None))
+
+    def timed_steps(B: int, mode: str, kv_start: int) -> dict:
+        """``args.steps`` timed decode steps of the running batch; one row."""
+        eng.step()  # first pure decode step of this mode (warm-up)
         walls, fwds, bws = [], [], []
         for i in range(args.steps):
             if i % 5 == 0:  # copy bandwidth sampled between the steps it is compared with (one 512 MiB copy)
@@ -200,63 +334,90 @@ def main() -> int:
             eng.step()
             walls.append(time.perf_counter() - t)
             fwds.append(fwd_time[0])
+        running = len(eng.scheduler.running)  # < B: the pool or max_num_seqs held fewer (the row says so)
+        if running != B:
+            print(f"decode_floor: batch {B} ran {running} sequences per step", flush=True)
+        wall, fwd = statistics.median(walls), statistics.median(fwds)
+        bw_steps = statistics.median(bws)
+        n = running if 0 < running <= B else B  # the sequences each timed step decoded
+        row = {"batch": B, "running": running, "mode": mode, "context": args.context, "step_ms": wall * 1e3,
+               "forward_ms": fwd * 1e3, "overhead_ms": (wall - fwd) * 1e3, "overhead_frac": (wall - fwd) / wall,
+               "tokens_per_s": n / wall}
+        read = step_bytes(runner.model, mc, eng.dtype.itemsize, n, kv_start + 1 + args.steps // 2)
+        row.update(read)
+        nbytes = read["bytes_read"]
+        row.update({"copy_bandwidth_during_steps_GBps": bw_steps / 1e9, "floor_ms": nbytes / bw_steps * 1e3,
+                    "ratio_to_floor": wall / (nbytes / bw_steps), "floor_best_ms": nbytes / bw * 1e3,
+                    "ratio_to_best_floor": wall / (nbytes / bw)})
+        return row
+
+    for B in [int(b) for b in args.batch.split(",")]:
+        sp = SamplingParams(max_tokens=len(modes) * (args.steps + 1) + 3, ignore_eos=True)
+        for i in range(B):
+            eng.add_request(f"b{B}-{i}", None, [(7 * i + j) % 4000 + 5 for j in range(args.context)], sp)
+        while any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
+            eng.step()
+        kv_start = args.context
+        for mode, g in modes:
+            runner.decode_graphs = g
+            try:
+                row = timed_steps(B, mode, kv_start)
+            finally:
+                runner.decode_graphs = graphs
+            kv_start += args.steps + 1
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            _write(stem, result)
         while eng.has_unfinished_requests():
             eng.step()
-        wall, fwd = statistics.median(walls), statistics.median(fwds)
-        row = {"batch": B, "context": args.context, "step_ms": wall * 1e3, "forward_ms": fwd * 1e3,
-               "overhead_ms": (wall - fwd) * 1e3, "overhead_frac": (wall - fwd) / wall,
-               "tokens_per_s": B / wall}
-        if B == 1:
-            kv = mc.kv_cache_bytes_per_token(eng.dtype.itemsize) * (args.context + args.steps // 2)
-            experts = per_expert * mc.num_experts_per_tok * n_moe
-            read = dense + experts + kv
-            bw_steps = statistics.median(bws)
-            row.update({"bytes_read": read, "weight_bytes_dense": dense, "weight_bytes_experts": experts,
-                        "kv_bytes": kv, "copy_bandwidth_during_steps_GBps": bw_steps / 1e9,
-                        "floor_ms": read / bw_steps * 1e3, "ratio_to_floor": wall / (read / bw_steps),
-                        "floor_best_ms": read / bw * 1e3, "ratio_to_best_floor": wall / (read / bw)})
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    try:
-        cpu = [l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")][0]
-    except (OSError, IndexError):
-        cpu = platform.processor()
-    result = {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
-              "model": model_dir, "dtype": str(eng.dtype), "threads": torch.get_num_threads(), "cpu": cpu,
-              "cores": os.cpu_count(), "copy_bandwidth_GBps": bw / 1e9, "copy_bandwidth_4k_pages_GBps": bw_4k / 1e9,
-              "weights_in_huge_pages": huge, "torch": torch.__version__,
-              "gpu": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else None,
-              "decode_graphs": runner.decode_graphs is not None and runner.decode_graphs.mode == "cuda",
-              "memory": memory, "rows": rows}
-    os.makedirs(args.out, exist_ok=True)
-    label = f"-{args.label}" if args.label else ""
-    stem = unused_stem(os.path.join(args.out, f"{dt.date.today().isoformat()}{label}-decode-floor"))
-    with open(stem + ".json", "w") as f:
-        json.dump(result, f, indent=2)
+        if B == 1 and args.profile_steps > 0:
+            from benchmarks.decode_profile import profile_decode
+            runner.decode_graphs = None  # eager: every kernel launched from the host, as the profile should see
+            try:
+                result["profile"] = profile_decode(eng, args.context, args.profile_steps)
+                print(json.dumps({"profile": {k: v for k, v in result["profile"].items() if k != "top"}}),
+                      flush=True)
+            except Exception as e:  # noqa: BLE001 - e.g. no CUPTI: the profile is lost, the batch rows are not
+                result["profile_error"] = f"{type(e).__name__}: {e}"[:500]
+                print(f"decode_floor: profile failed ({result['profile_error']})", flush=True)
+                eng.abort_request("profile-0")  # profile_decode's request, if it is still there
+            finally:
+                runner.decode_graphs = graphs
+            _write(stem, result)
+    result["complete"] = True
+    _write(stem, result)
     lines = [f"# Decode step vs memory floor ({result['date']})", "", f"`{result['command']}`", "",
              (f"GPU: {result['gpu']} (decode CUDA graphs {'on' if result['decode_graphs'] else 'off'}), host " if
               result["gpu"] else "") +
              f"CPU: {cpu}, {os.cpu_count()} cores, {result['threads']} torch threads, torch {torch.__version__}, "
              f"dtype {result['dtype']}; copy bandwidth {bw / 1e9:.1f} GB/s (read+write, best of 5 at the start"
              + (f", buffers in 2 MiB pages as the weights are; {bw_4k / 1e9:.1f} GB/s in 4 KiB pages" if huge else "")
-             + "; the floor uses the median of the copies sampled every 5 steps between the batch-1 steps)", "",
-             "| batch | step ms | forward ms | engine overhead | tok/s | copy GB/s during steps | floor ms | step / floor "
-             "| step / floor at the start copy |", "|---|---|---|---|---|---|---|---|---|"]
+             + "; each floor uses the median of the copies sampled every 5 steps between its steps)"
+             + (f". Weights: {args.load_format} (seeded random, no weight file read)" if args.load_format == "dummy"
+                else "") + (f". CUDA-graph engine failed: {graphs_error}" if graphs_error else ""), "",
+             "| batch | mode | step ms | forward ms | engine overhead | tok/s | copy GB/s during steps | floor ms "
+             "| step / floor | step / floor at the start copy |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         bw_s = r.get("copy_bandwidth_during_steps_GBps")
-        lines.append(f"| {r['batch']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} | {r['overhead_frac'] * 100:.1f}% "
-                     f"| {r['tokens_per_s']:.1f} | {_cell(bw_s)} | {_cell(r.get('floor_ms'))} "
-                     f"| {_cell(r.get('ratio_to_floor'))} | {_cell(r.get('ratio_to_best_floor'))} |")
+        lines.append(f"| {r['batch']} | {r['mode']} | {r['step_ms']:.2f} | {r['forward_ms']:.2f} "
+                     f"| {r['overhead_frac'] * 100:.1f}% | {r['tokens_per_s']:.1f} | {_cell(bw_s)} "
+                     f"| {_cell(r.get('floor_ms'))} | {_cell(r.get('ratio_to_floor'))} "
+                     f"| {_cell(r.get('ratio_to_best_floor'))} |")
     mib = 1 << 20
     r0 = rows[0] if rows and rows[0]["batch"] == 1 else None
     lines += ["", f"Bytes read per batch-1 step: {r0['bytes_read'] / mib:.1f} MiB (weights "
-              f"{r0['weight_bytes_dense'] / mib:.1f} MiB, KV {r0['kv_bytes'] / mib:.1f} MiB)." if r0 else "", "",
+              f"{r0['weight_bytes_dense'] / mib:.1f} MiB, experts {r0['weight_bytes_experts'] / mib:.1f} MiB, KV "
+              f"{r0['kv_bytes'] / mib:.1f} MiB, recurrent state {r0['state_bytes'] / mib:.1f} MiB); larger "
+              "batches count the expected distinct experts their tokens hit (uniform routing)." if r0 else "", "",
               "Resident memory (process RSS, VmRSS): "
               f"{memory['rss_before_load'] / mib:.0f} MiB before loading (interpreter, torch, transformers, tokenfab), "
               f"{memory['rss_after_load'] / mib:.0f} MiB after: +{memory['rss_growth'] / mib:.0f} MiB for weights "
               f"{memory['weight_bytes_resident'] / mib:.1f} MiB (of them packed: "
               f"{memory['packed_weight_bytes'] / mib:.1f} MiB) + KV pool {memory['kv_pool_bytes'] / mib:.1f} MiB = "
               f"{(memory['weight_bytes_resident'] + memory['kv_pool_bytes']) / mib:.1f} MiB."]
+    if result["profile"]:
+        from benchmarks.decode_profile import profile_markdown
+        lines += [""] + profile_markdown(result["profile"])
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,43 +1,100 @@
 #!/usr/bin/env bash
 # One prepared GPU check (NVIDIA/AMD), at most 9 minutes: fidelity against transformers on the GPU (KL and top-1,
 # prefill and decode paths, float32 and bfloat16, embedded default model; decode runs the Triton kernels under CUDA
-# graphs), the Triton kernels against the PyTorch paths and the copy bandwidth (benchmarks/gpu_kernels.py), and
-# decode step time against the measured HBM copy bandwidth with CUDA graphs and with --enforce-eager side by side, and
-# streaming smoothness (median ITL vs median TPOT of tokenfab serve at concurrency 16, benchmarks/streaming_itl.py). Uses the machine's own torch/transformers (PYTHONPATH=., no install). Writes into $OUT (the
-# device tool's output folder) or benchmarks/results/gpu.
+# graphs), the Triton kernels against the PyTorch paths and the copy bandwidth (benchmarks/gpu_kernels.py), decode
+# step time against the measured HBM copy bandwidth with CUDA graphs and eager on the embedded model, streaming
+# smoothness (median ITL vs median TPOT of tokenfab serve at concurrency 16, benchmarks/streaming_itl.py), then the
+# decode floor at real model shapes with random weights (benchmarks/gpu_shapes.py folders, --load-format dummy:
+# Llama-3.2-3B, Qwen3-30B-A3B with 6 layers, DeepSeek-V3 with 3 layers, Kimi K3 with 2 layers) at batch 1 / 16 / 64
+# with graphs and eager plus an eager torch.profiler breakdown at batch 1, and last ONE summary table
+# (benchmarks/gpu_summary.py). Uses the machine's own torch/triton/transformers (PYTHONPATH=., no install, no
+# download). Writes into $OUT (the device tool's output folder) or benchmarks/results/gpu.
 #   bash benchmarks/gpu_check.sh
+# GPU_CHECK_DRY_RUN=1 runs the new steps' wiring on CPU (tiny shapes, 3 steps, batch 1 and 2, graph buffers without
+# capture; kl, gpu_kernels and streaming_itl skipped: they have their own CPU dry runs), its times meaningless.
+#
+# Time budget (every step has a timeout; the timeouts, not the expected times, add up to at most 540 s = 9 min):
+#   preflight, versions, embedded model (one py)  45  (the embedded model is written once here: the two kl
+#                                                      runs below would otherwise race to write it)
+#   nvidia-smi / rocm-smi                         10
+#   eval kl float32 | eval kl bfloat16 | shapes   75  (run side by side: accuracy checks, nothing timed; the
+#                                                      shape folders are written on the CPU meanwhile)
+#   gpu_kernels.py                               100
+#   decode_floor embedded (graphs + eager)        45  (eager measured in the same engine, graphs switched off)
+#   streaming_itl.py                              60
+#   decode_floor llama3b / qwen3moe / dsv3 / k3   50 + 45 + 50 + 45 = 190
+#   gpu_summary.py                                 5
+#   total                                        530 s (+ bash and file writes: well under 540 s)
+# The shape runs measure 20 steps per mode and batch at 1,024 context tokens (the embedded model: 512) and profile
+# 5 eager steps; each writes its JSON after every row, so a step stopped by its timeout still leaves its rows for
+# the summary (marked incomplete).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENFAB_CACHE=${TOKENFAB_CACHE:-/tmp/tokenfab-cache}
 PY=${PY:-python3}
-if ! $PY -c "import torch" 2>/dev/null; then
-  echo "gpu_check.sh: '$PY' cannot import torch; set PY to a Python with torch (e.g. PY=.venv/bin/python)." >&2
-  exit 2
+SHAPES=${SHAPES:-/tmp/tokenfab-gpu-shapes}
+CASES="llama3b qwen3moe dsv3 k3"
+DRY=${GPU_CHECK_DRY_RUN:-0}
+DEV=cuda CTX=1024 CTX_EMB=512 STEPS=20 BATCH=1,16,64 TINY=
+if [ "$DRY" = 1 ]; then
+  DEV=cpu CTX=32 CTX_EMB=32 STEPS=3 BATCH=1,2 TINY=--tiny
+  export TOKENFAB_DECODE_GRAPHS=eager  # the padded graph buffers without capture
 fi
-if ! $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_check.sh: torch sees no CUDA/ROCm device here; nothing to check." >&2
-  exit 2
-fi
+timeout 45 $PY -c "
+import sys
+try:
+    import torch, transformers
+except ImportError as e:
+    print(f'gpu_check.sh: cannot import torch/transformers ({e}); set PY to a Python with them.', file=sys.stderr)
+    sys.exit(2)
+print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)
+if not torch.cuda.is_available() and '$DRY' != '1':
+    print('gpu_check.sh: torch sees no CUDA/ROCm device here; nothing to check.', file=sys.stderr)
+    sys.exit(2)
+from tokenfab.default_model import ensure_default_model
+ensure_default_model()
+" || exit 2
 mkdir -p "$OUT"
 FAILED="$OUT/failed_steps"
 : > "$FAILED"
 fail() { echo "$1 FAILED rc=$2" | tee -a "$FAILED"; }
+# bg NAME SECONDS CMD...: run CMD under a timeout in the background, its output in $OUT/NAME.log (shown after wait)
+bg() { local name=$1 t=$2; shift 2; { timeout "$t" "$@" > "$OUT/$name.log" 2>&1 || fail "$name" $?; } & }
 {
-  nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv 2>/dev/null || rocm-smi 2>/dev/null || true
-  $PY -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'transformers', transformers.__version__)"
-  for dt in float32 bfloat16; do
-    timeout 75 $PY -m tokenfab.cli eval kl --device cuda --reference-device cuda --dtype $dt \
-      --random-rows 4 --row-len 256 --decode-steps 16 --out "$OUT/kl-$dt" || fail "eval kl $dt" $?
+  timeout 10 bash -c "nvidia-smi --query-gpu=name,memory.total,power.limit --format=csv 2>/dev/null \
+    || rocm-smi 2>/dev/null" || true
+  BGS="gpu_shapes"
+  if [ "$DRY" != 1 ]; then
+    for dt in float32 bfloat16; do
+      bg "eval-kl-$dt" 75 $PY -m tokenfab.cli eval kl --device cuda --reference-device cuda --dtype $dt \
+        --random-rows 4 --row-len 256 --decode-steps 16 --out "$OUT/kl-$dt"
+      BGS="$BGS eval-kl-$dt"
+    done
+  fi
+  bg gpu_shapes 75 $PY benchmarks/gpu_shapes.py --out "$SHAPES" --k3-experts auto $TINY
+  wait
+  for name in $BGS; do echo "== $name"; tail -n 15 "$OUT/$name.log"; done
+  if [ "$DRY" != 1 ]; then
+    timeout 100 $PY benchmarks/gpu_kernels.py --device cuda --out "$OUT" || fail gpu_kernels $?
+  fi
+  timeout 45 $PY benchmarks/decode_floor.py --device $DEV --context $CTX_EMB --batch $BATCH --steps $STEPS \
+    --also-eager --out "$OUT" --label embedded || fail "decode_floor embedded" $?
+  if [ "$DRY" != 1 ]; then
+    timeout 60 $PY benchmarks/streaming_itl.py --server-timeout 50 --out "$OUT" --label gpu \
+      || fail streaming_itl $?
+  fi
+  declare -A T=([llama3b]=50 [qwen3moe]=45 [dsv3]=50 [k3]=45)
+  for case in $CASES; do
+    if [ ! -f "$SHAPES/$case/config.json" ]; then fail "decode_floor $case (no shape folder)" 1; continue; fi
+    timeout "${T[$case]}" $PY benchmarks/decode_floor.py --model "$SHAPES/$case" --load-format dummy --device $DEV \
+      --context $CTX --batch $BATCH --steps $STEPS --also-eager --profile-steps 5 --out "$OUT" --label "$case" \
+      || fail "decode_floor $case" $?
   done
-  timeout 150 $PY benchmarks/gpu_kernels.py --device cuda --out "$OUT" || fail gpu_kernels $?
-  timeout 75 $PY benchmarks/decode_floor.py --device cuda --batch 1,16,64 --steps 30 --out "$OUT" --label graphs \
-    || fail "decode_floor (graphs)" $?
-  timeout 75 $PY benchmarks/decode_floor.py --device cuda --batch 1,16,64 --steps 30 --out "$OUT" --label eager \
-    --enforce-eager || fail "decode_floor (eager)" $?
-  timeout 90 $PY benchmarks/streaming_itl.py --server-timeout 70 --out "$OUT" --label gpu \
-    || fail streaming_itl $?
 } 2>&1 | tee "$OUT/gpu_check.log"
-# step timeouts sum to 540 s (9 minutes); exit status 1 when any step failed (listed in $OUT/failed_steps)
-if [ -s "$FAILED" ]; then echo "gpu_check.sh: $(wc -l < "$FAILED") step(s) failed:"; cat "$FAILED"; exit 1; fi
-echo "gpu_check.sh: all steps passed"
+# the summary table is the last thing printed: decode floors of every case, graphs vs eager, profiles, failed steps
+timeout 5 $PY benchmarks/gpu_summary.py "$OUT" --expect "embedded,${CASES// /,}" --failed "$FAILED" \
+  --out "$OUT/gpu-summary.md" 2>&1 | tee -a "$OUT/gpu_check.log"
+# exit status 1 when any step failed (listed in $OUT/failed_steps and under the table)
+[ -s "$FAILED" ] && exit 1
+exit 0

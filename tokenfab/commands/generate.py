@@ -25,6 +25,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: the model's max_position_embeddings)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over (default: 1)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="auto (default): the checkpoint's weight files; dummy: only config.json and the tokenizer, "
+                        "every weight random (seeded by --engine-seed) at the config's shapes")
+    p.add_argument("--engine-seed", type=int, default=0, help="engine RNG seed, also the dummy weights' (default: 0)")
     p.set_defaults(func=run)
 
 
@@ -40,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"[tokenfab] no model given: using {default_describe()}", file=sys.stderr)
     prompts = args.prompt or ["The access code for room 4417 is"]
     llm = LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, load_format=args.load_format, seed=args.engine_seed)
     if args.chat:
         tok = llm.get_tokenizer()
         if tok is None or not getattr(tok, "chat_template", None):

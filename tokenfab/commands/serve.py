@@ -39,6 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Ranks for tensor parallel. Default 1.")
     g.add_argument("--enforce-eager", action="store_true",
                    help="Never replay decode steps from CUDA graphs (graphs are used on CUDA/ROCm only).")
+    g.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="auto (default): read the checkpoint's weight files; dummy: read only config.json and the "
+                        "tokenizer and fill every weight with random values seeded by --seed, at the config's real "
+                        "shapes (vLLM's flag; for measuring shapes without checkpoint files).")
     g.add_argument("--batch-invariant", action="store_true",
                    help="Batch-invariant mode: a request's tokens and logprobs are bit-identical whatever else "
                         "runs beside it and however its prompt is chunked (CPU, bfloat16; slower prefill, "

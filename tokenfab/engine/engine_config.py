@@ -108,6 +108,10 @@ class EngineConfig:
         seed: seed of the engine RNG (requests without their own seed).
         tensor_parallel_size: number of ranks (1 = this process).
         enforce_eager: never replay decode steps from CUDA graphs (engine/cuda_graph_runner.py; CUDA/ROCm only).
+        load_format: "auto" (default: read the checkpoint's weight files) or "dummy" (vLLM's name: read only
+            config.json and the tokenizer, and fill every weight on the device with random values seeded by
+            ``seed`` at the config's real shapes: tokenfab/loader/dummy_weights.py; for measuring shapes without
+            checkpoint files; packed formats are refused when loading).
         tokenizer: tokenizer folder (default: the model folder).
         trust_remote_code: let transformers run a tokenizer's own code (e.g. Kimi's tiktoken tokenizer); tokenfab
             never runs a checkpoint's modeling code.
@@ -178,6 +182,7 @@ class EngineConfig:
     host_expert_threads: int | None = None
     record_expert_popularity: str | None = None
     batch_invariant: bool = False
+    load_format: str = "auto"
 
     @classmethod
     def from_kwargs(cls, model: str, where: str = "LLM()", **kwargs) -> "EngineConfig":
@@ -187,6 +192,8 @@ class EngineConfig:
         return cls(model=model, **kwargs)
 
     def __post_init__(self) -> None:
+        from tokenfab.loader.dummy_weights import check_load_format
+        check_load_format(self.load_format)
         if not isinstance(self.enable_prefix_caching, bool):
             raise EngineConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}.")
         u = self.gpu_memory_utilization

@@ -57,8 +57,13 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
     its quantized linears are kept packed (tokenfab.loader.gguf_packed), its tokenizer read from the file unless
     ``config.tokenizer`` names one.
 
+    ``config.load_format``: ``"auto"`` (default) reads the checkpoint's weight files; ``"dummy"`` reads only
+    config.json (and the tokenizer) and fills every parameter on the device with seeded random values
+    (``config.seed``; tokenfab/loader/dummy_weights.py), so a folder without any ``*.safetensors`` loads.
+
     Raises:
         FileNotFoundError / ConfigError / WeightLoadError: see tokenfab.config and models.base.
+        UnsupportedError: ``load_format="dummy"`` for a packed format (GGUF, FP8 block-scaled, packed experts).
     """
     from tokenfab.engine.engine_config import resolve_device, resolve_dtype
 
@@ -86,9 +91,17 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
                 model = cls(mc, max_positions=max_len + 1).requires_grad_(False)
     finally:
         torch.set_default_dtype(prev)
-    if getattr(config, "host_experts", None) is not None or getattr(config, "num_device_experts", None) is not None:
+    host_split = (getattr(config, "host_experts", None) is not None
+                  or getattr(config, "num_device_experts", None) is not None)
+    if host_split:
         model.unpacked_experts = True  # the host/device expert split moves bf16 stacks (models/base.py)
-    if gguf_file:  # quantized linears stay packed (tokenfab.quant.gguf_weight)
+    if getattr(config, "load_format", "auto") == "dummy":  # no weight file read (loader/dummy_weights.py)
+        from tokenfab.loader.dummy_weights import fill_dummy_weights, refuse_packed
+        refuse_packed(model, mc, gguf_file)
+        # filled where they will run; with host experts on the host first, then split below as loaded weights are
+        fill_dummy_weights(model, torch.device("cpu") if host_split else device, seed=getattr(config, "seed", 0))
+        skipped = []
+    elif gguf_file:  # quantized linears stay packed (tokenfab.quant.gguf_weight)
         skipped = model.load_weights(iterate_gguf_weights(config.model, progress=progress))
     elif tp is None:
         try:
@@ -111,7 +124,7 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
         logger.info("skipped %d checkpoint tensors not used by tokenfab yet (e.g. MTP layers): %s%s",
                     len(skipped), ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
     placement = None
-    if getattr(config, "host_experts", None) is not None or getattr(config, "num_device_experts", None) is not None:
+    if host_split:
         from tokenfab.layers import host_experts  # part of the routed experts kept in host memory
         from tokenfab.planner.expert_placement import placement_for_engine
         placement = placement_for_engine(config, mc, 1 if tp is None else tp.world_size)

@@ -16,7 +16,8 @@ class LLM:
     max_model_len, max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks, kv_cache_memory or
     gpu_memory_utilization, seed, device, tensor_parallel_size, enforce_eager, enable_prefix_caching,
     quantization, generation_config, max_logprobs, speculative_config, scheduling_policy, batch_invariant
-    (bit-identical results whatever the batch, docs/batch_invariance.md), plus ``progress`` (tqdm bars).
+    (bit-identical results whatever the batch, docs/batch_invariance.md), load_format ("auto" or "dummy": seeded
+    random weights at the config's shapes, no weight file read), plus ``progress`` (tqdm bars).
 
     Raises:
         UnknownArgumentError (a ValueError and a TypeError): an unknown keyword, naming the nearest supported one;

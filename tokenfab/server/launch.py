@@ -63,7 +63,8 @@ def engine_config_from_args(args: argparse.Namespace):
                         host_expert_threads=getattr(args, "host_expert_threads", None),
                         record_expert_popularity=getattr(args, "record_expert_popularity", None),
                         scheduling_policy=getattr(args, "scheduling_policy", "fcfs"),
-                        batch_invariant=bool(getattr(args, "batch_invariant", False)))
+                        batch_invariant=bool(getattr(args, "batch_invariant", False)),
+                        load_format=getattr(args, "load_format", "auto"))
 
 
 class PortInUseError(OSError):
