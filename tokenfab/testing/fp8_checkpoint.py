@@ -98,7 +98,6 @@ def write_fp8_checkpoint(src_dir: str, out_dir: str, twin_dir: str | None = None
     """Quantize checkpoint ``src_dir`` into ``out_dir`` (published FP8 layout, one model.safetensors); with
     ``twin_dir`` also write the dequantized twin there. Reuses ``out_dir`` when its config.json exists.
     Returns ``out_dir``."""
-    from safetensors.torch import save_file
     if os.path.isfile(os.path.join(out_dir, "config.json")) and (
             twin_dir is None or os.path.isfile(os.path.join(twin_dir, "config.json"))):
         return out_dir
@@ -113,10 +112,19 @@ def write_fp8_checkpoint(src_dir: str, out_dir: str, twin_dir: str | None = None
             twin[name] = q.float() * full
         else:
             fp8[name] = twin[name] = t.contiguous()
+    return write_quantized_pair(src_dir, out_dir, twin_dir, fp8, twin, QUANTIZATION_CONFIG)
+
+
+def write_quantized_pair(src_dir: str, out_dir: str, twin_dir: str | None, packed: dict[str, torch.Tensor],
+                         twin: dict[str, torch.Tensor], quantization_config: dict) -> str:
+    """Write ``packed`` tensors into ``out_dir`` (``src_dir``'s side files, its config.json plus
+    ``quantization_config``) and, with ``twin_dir``, the float32 ``twin`` tensors there (its config.json as float32,
+    no quantization_config); one model.safetensors each. Returns ``out_dir``."""
+    from safetensors.torch import save_file
     cfg = copy_side_files(src_dir, out_dir)
-    save_file(fp8, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    save_file(packed, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump(dict(cfg, quantization_config=QUANTIZATION_CONFIG), fh, indent=2)
+        json.dump(dict(cfg, quantization_config=quantization_config), fh, indent=2)
     if twin_dir is not None:
         copy_side_files(src_dir, twin_dir)
         save_file(twin, os.path.join(twin_dir, "model.safetensors"), metadata={"format": "pt"})

@@ -20,14 +20,13 @@ packed one computes, as plain weights (the reference it is measured and tested a
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 
 import torch
 
 from tokenfab.layers.mxfp4 import E2M1_VALUES
-from tokenfab.testing.fp8_checkpoint import copy_side_files, published_experts, read_tensors
+from tokenfab.testing.fp8_checkpoint import published_experts, read_tensors, write_quantized_pair
 
 GROUP = 32
 FORMATS = ("int4", "mxfp4")
@@ -97,7 +96,6 @@ def write_packed_experts_checkpoint(src_dir: str, out_dir: str, fmt: str, twin_d
     Raises:
         ValueError: an unknown ``fmt``, or a checkpoint without routed experts.
     """
-    from safetensors.torch import save_file
     qc = quantization_config(fmt)
     if os.path.isfile(os.path.join(out_dir, "config.json")) and (
             twin_dir is None or os.path.isfile(os.path.join(twin_dir, "config.json"))):
@@ -116,13 +114,4 @@ def write_packed_experts_checkpoint(src_dir: str, out_dir: str, fmt: str, twin_d
             packed[name] = twin[name] = t.contiguous()
     if len(packed) == len(twin):
         raise ValueError(f"{src_dir}: no routed experts (mlp.experts.<e>.*_proj) to quantize")
-    cfg = copy_side_files(src_dir, out_dir)
-    save_file(packed, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "config.json"), "w") as fh:
-        json.dump(dict(cfg, quantization_config=qc), fh, indent=2)
-    if twin_dir is not None:
-        copy_side_files(src_dir, twin_dir)
-        save_file(twin, os.path.join(twin_dir, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(twin_dir, "config.json"), "w") as fh:
-            json.dump(dict(cfg, torch_dtype="float32", dtype="float32"), fh, indent=2)
-    return out_dir
+    return write_quantized_pair(src_dir, out_dir, twin_dir, packed, twin, qc)
