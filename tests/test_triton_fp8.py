@@ -46,20 +46,60 @@ def formula(x: torch.Tensor, w8: torch.Tensor, s: torch.Tensor, bias) -> tuple[t
     return y, bound
 
 
-@pytest.mark.parametrize("M,N,K", [(1, 200, 200), (5, 128, 256), (40, 70, 130)])
-def test_products_match_the_formula(interpret, M, N, K):
-    from tokenfab.kernels.gpu.fp8_linear import fp8_block_linear
-    g = torch.Generator().manual_seed(M)
+def random_fp8(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random e4m3 codes [N, K] (no NaN codes: their decoding is the test above) and scales [ceil(N/128), ceil(K/128)]."""
+    g = torch.Generator().manual_seed(seed)
     w8 = torch.randint(0, 256, (N, K), generator=g, dtype=torch.int64).to(torch.uint8)
-    w8[(w8 & 0x7F) == 0x7F] = 0x3C  # no NaN codes in the products (decoding of NaN: the test above)
+    w8[(w8 & 0x7F) == 0x7F] = 0x3C
     s = torch.rand(-(-N // 128), -(-K // 128), generator=g) * 1e-2 + 1e-3
-    x = torch.randn(M, K, generator=g)
+    return w8, s
+
+
+@pytest.mark.parametrize("M,N,K,split", [(1, 200, 200, None), (5, 128, 256, None), (40, 70, 130, None),
+                                         (1, 130, 700, 3), (3, 256, 384, 2), (17, 100, 520, 5), (70, 48, 300, 1),
+                                         (70, 136, 1000, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_match_the_formula(interpret, M, N, K, split, dtype):
+    """Odd shapes (partial 128 blocks in N and K, M = 1 .. 70), forced K slices (split-K with the deterministic
+    reduction; a split larger than useful is lowered so no slice is empty) and the chosen split, float32 (IEEE dot:
+    the float32 bound) and bf16 activations (bf16 output: plus one bf16 rounding)."""
+    from tokenfab.kernels.gpu.fp8_linear import fp8_block_linear
+    w8, s = random_fp8(N, K, M + K)
+    g = torch.Generator().manual_seed(M)
+    x = torch.randn(M, K, generator=g).to(dtype)
     bias = torch.randn(N, generator=g) if M % 2 else None
-    y = fp8_block_linear(x, w8.view(torch.float8_e4m3fn), s, bias)
+    y = fp8_block_linear(x, w8.view(torch.float8_e4m3fn), s, bias, split=split)
     want, bound = formula(x, w8, s, bias)
     tol = (2 * K + 8) * U * bound  # float32 products and sums: one rounding each, K terms
-    assert y.dtype == torch.float32 and y.shape == (M, N)
+    if dtype == torch.bfloat16:
+        tol = tol + 2.0 ** -7 * want.abs()  # the output's bf16 rounding (the interpreter may truncate)
+    assert y.dtype == dtype and y.shape == (M, N)
     assert ((y.double() - want).abs() <= tol).all(), (y.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_hardware_conversion_path_matches_the_formula(interpret, monkeypatch, split):
+    """The path GPUs with FP8 conversions take (the weight bitcast to float8e4nv and converted by Triton, not the
+    integer decoding), here in the interpreter: the same products within the float32 bound."""
+    from tokenfab.kernels.gpu import fp8_linear
+    monkeypatch.setattr(fp8_linear, "_native_fp8", lambda device: True)
+    w8, s = random_fp8(150, 300, 7)
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(7))
+    y = fp8_linear.fp8_block_linear(x, w8.view(torch.float8_e4m3fn), s, split=split)
+    want, bound = formula(x, w8, s, None)
+    assert ((y.double() - want).abs() <= (2 * 300 + 8) * U * bound).all()
+
+
+def test_split_results_are_identical_run_to_run(interpret):
+    """Split-K sums the slices in a fixed order: two runs give the same bits, and leading dimensions pass through."""
+    from tokenfab.kernels.gpu.fp8_linear import fp8_block_linear
+    w8, s = random_fp8(64, 640, 1)
+    x = torch.randn(2, 3, 640, generator=torch.Generator().manual_seed(1))
+    a = fp8_block_linear(x, w8, s, split=5)
+    b = fp8_block_linear(x, w8, s, split=5)
+    assert a.shape == (2, 3, 64) and torch.equal(a, b)
+    want, bound = formula(x.reshape(6, 640), w8, s, None)
+    assert ((a.reshape(6, 64).double() - want).abs() <= (2 * 640 + 8) * U * bound).all()
 
 
 def test_mismatched_scales_refused(interpret):

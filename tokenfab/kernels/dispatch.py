@@ -283,10 +283,21 @@ def fp8_block_linear_applies(x: torch.Tensor, cpu_kernel: bool) -> bool:
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
-                     cpu_kernel: bool) -> torch.Tensor:
+                     cpu_kernel: bool, mm_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``x [.., K] @ weight^T`` (+ bias) on the e4m3 matrix and its 128 x 128 block scales by the kernel of
-    :func:`fp8_block_linear_applies` (call only where it is True)."""
+    :func:`fp8_block_linear_applies` (call only where it is True); ``mm_scale``: :func:`fp8_block_prepare`'s."""
     if _fp8_cpu(x, cpu_kernel):
         return cpu_ops.fp8_block_linear(x, weight, scale_inv, bias)
     from tokenfab.kernels.gpu import fp8_linear  # CUDA/ROCm (tests: the interpreter)
-    return fp8_linear.fp8_block_linear(x, weight, scale_inv, bias)
+    return fp8_linear.fp8_block_linear(x, weight, scale_inv, bias, mm_scale=mm_scale)
+
+
+def fp8_block_prepare(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor | None:
+    """At load, for an FP8 block weight [N, K] on a CUDA device where the Triton kernels apply: run the block-scaled
+    scaled_mm probe once per device (kernels/gpu/fp8_scaled_mm.py) and, where it passed and N, K are multiples of
+    128, return the weight scales in scaled_mm's layout; None everywhere else."""
+    N, K = weight.shape
+    if weight.device.type != "cuda" or N % 128 or K % 128 or not gpu_support.applies(weight):
+        return None
+    from tokenfab.kernels.gpu import fp8_scaled_mm
+    return fp8_scaled_mm.weight_scale_layout(scale_inv) if fp8_scaled_mm.scaled_mm_ready(weight.device) else None

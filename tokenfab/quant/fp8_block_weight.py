@@ -62,6 +62,7 @@ class Fp8BlockWeight(PackedWeight):
         self.register_buffer("weight", weight.contiguous(), persistent=False)
         self.register_buffer("scale_inv", scale_inv.to(torch.float32).contiguous(), persistent=False)
         self._kernel = False
+        self._mm_scale: torch.Tensor | None = None  # scale_inv in scaled_mm's layout (GPU, set by prepare)
 
     @property
     def nbytes(self) -> int:
@@ -76,10 +77,13 @@ class Fp8BlockWeight(PackedWeight):
 
     def prepare(self) -> None:
         """Use the C++ kernel when it runs here: CPU tensors, in_features a multiple of 32, built kernels with
-        AVX512-BF16 and a CPU linear backend other than ``torch`` (``TOKENFAB_CPU_LINEAR``)."""
+        AVX512-BF16 and a CPU linear backend other than ``torch`` (``TOKENFAB_CPU_LINEAR``). On a GPU: run the
+        block-scaled scaled_mm probe once per device and, where it passed, keep the scales in its layout
+        (:func:`tokenfab.kernels.dispatch.fp8_block_prepare`)."""
         from tokenfab.layers.linear import cpu_linear_backend
         self._kernel = (self.weight.device.type == "cpu" and self.in_features % 32 == 0
                         and cpu_linear_backend() != "torch" and cpu_ops.fp8_block_linear_applies())
+        self._mm_scale = dispatch.fp8_block_prepare(self.weight, self.scale_inv)
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """A kernel (C++ on CPU, Triton on CUDA/ROCm) computes ``x W^T`` here; else the PyTorch reference does."""
@@ -88,7 +92,8 @@ class Fp8BlockWeight(PackedWeight):
     def _kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [.., K] @ weight^T`` on the stored e4m3 matrix and scales by the kernel that applies (K = the stored
         matrix's columns; call only where :meth:`_kernel_applies`)."""
-        return dispatch.fp8_block_linear(x, self.weight, self.scale_inv, bias, self._kernel)
+        ms = self._mm_scale if self._mm_scale is not None and self._mm_scale.device == x.device else None
+        return dispatch.fp8_block_linear(x, self.weight, self.scale_inv, bias, self._kernel, mm_scale=ms)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._kernel_applies(x):

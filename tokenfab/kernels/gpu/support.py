@@ -7,7 +7,7 @@ imported, plus ``TOKENFAB_TRITON=interpret``) against the PyTorch paths, which s
 ``TRITON_INTERPRET=1``) goes further: the seam treats CPU tensors as a GPU's for every op family, so a whole model
 runs the GPU code path in the interpreter (:func:`gpu_path`; tests/test_gpu_kernel_count.py counts its launches).
 :func:`launch_linear` is the row scaffolding the Triton linears (kernels/gpu/fp8_linear.py, kernels/gpu/gguf_linear.py)
-share.
+share, :func:`autotune_configs` and :func:`quick_bench` their autotuning.
 """
 from __future__ import annotations
 
@@ -76,3 +76,17 @@ def launch_linear(x: torch.Tensor, out_features: int, launch) -> torch.Tensor:
     if M:
         launch(x2, y, 16 if M <= 16 else 32 if M <= 64 else 64)
     return y.reshape(*lead, out_features)
+
+
+def autotune_configs(configs: list) -> list:
+    """The ``triton.autotune`` config space of a kernel: all of ``configs`` on a GPU, only the first in Triton's
+    interpreter (``TRITON_INTERPRET=1``, read when the kernel module is imported), where timing means nothing and a
+    single config skips the benchmarking."""
+    return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else list(configs)
+
+
+def quick_bench(kernel_call, quantiles):
+    """``triton.autotune``'s ``do_bench`` for the linears: 5 ms of warm-up and 20 ms of timed calls per config
+    (Triton's default is 25 / 100 ms), so tuning a new shape costs well under a second per config."""
+    import triton.testing
+    return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
