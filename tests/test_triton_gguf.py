@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from test_gguf_linear import TYPES, check_close, quantized, random_blocks
+from test_gguf_linear import TYPES, check_close, exact, quantized, random_blocks
 from tokenfab.kernels.gpu import support as triton_support
 from tokenfab.quant.gguf_weight import GGUFWeight
 
@@ -37,6 +37,42 @@ def test_kernel_matches_exact_product(interpret, name, rows, out_features, sourc
     y = gguf_linear(x, w.tiles, w.block, out_features, bias)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
     check_close(y, x, raw, name, bias)
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows,out_features,K,split", [(1, 100, 352, 4), (3, 33, 160, 2), (17, 70, 96, 3),
+                                                       (70, 48, 288, None), (1, 40, 544, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_and_bf16_match_exact_product(interpret, name, rows, out_features, K, split, dtype):
+    """Odd shapes (partial tiles, 3 .. 17 blocks of 32), M = 1 .. 70, forced K slices (split-K with the ordered
+    reduction; a split that would leave a slice empty is lowered) and the chosen one, float32 and bf16 activations
+    (bf16 output: the bound plus one bf16 rounding), against gguf-py's values in float64."""
+    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
+    # gguf-py's quantizer (random_blocks' tiny Q4_1 minimums can make gguf's float32 d q + m round, which the
+    # float64 reference's field check refuses; the test above covers random bytes)
+    raw = (random_blocks if name != "Q4_1" else quantized)(name, out_features, K, seed=rows + K)
+    w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, K)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g) if rows % 2 else None
+    y = gguf_linear(x, w.tiles, w.block, out_features, bias, split=split)
+    assert y.shape == (rows, out_features) and y.dtype == dtype
+    ye, bound = exact(x.float(), raw, name, bias)
+    tol = (3 * K + 64) * 2.0 ** -24 * bound  # tests/test_gguf_linear.py's float32 bound
+    if dtype == torch.bfloat16:
+        tol = tol + 2.0 ** -7 * ye.abs()  # one bf16 rounding of the output (the interpreter truncates)
+    assert ((y.double() - ye).abs() <= tol).all(), (y.double() - ye).abs().max()
+
+
+def test_split_results_are_identical_run_to_run(interpret):
+    """The K slices are summed in a fixed order: the same bits on every run, with leading dimensions kept."""
+    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
+    raw = quantized("Q4_1", 40, 320, seed=5)
+    w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), "Q4_1", 320)
+    x = torch.randn(2, 3, 320, generator=torch.Generator().manual_seed(5))
+    a = gguf_linear(x, w.tiles, w.block, 40, split=4)
+    assert a.shape == (2, 3, 40) and torch.equal(a, gguf_linear(x, w.tiles, w.block, 40, split=4))
+    check_close(a.reshape(6, 40), x.reshape(6, 320), raw, "Q4_1", None)
 
 
 def test_linear_dispatches_to_triton_only_where_it_applies(interpret, monkeypatch):

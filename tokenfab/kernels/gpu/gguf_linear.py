@@ -1,12 +1,22 @@
 """y = x W^T for a GGUF Q8_0 / Q4_0 / Q4_1 weight kept packed, in Triton (CUDA/ROCm).
 
 The kernel reads tokenfab's tile layout (:func:`tokenfab.quant.gguf_blocks.pack_tiles`: tiles of 16 output rows,
-each tile-block holding the 16 rows' fp16 scales ``d`` (then Q4_1's minimums ``m``) and their quants for 32 inputs),
-so the same bytes serve the CPU kernels and this one and moving a model to the GPU needs no repacking. One program
-computes a [BLOCK_M, 16] output tile (BLOCK_M activation rows x one weight tile): per 32-input block it loads the
-16 scales, gathers the 16 x 32 quants from the tile-block, dequantizes them in registers to float32 (the values of
-gguf_blocks' module docstring: Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m) and accumulates ``tl.dot`` with
-``input_precision="ieee"`` (no TF32). Nothing but the tile's registers ever holds dequantized weights.
+each tile-block holding the 16 rows' fp16 scales ``d`` (then Q4_1's minimums ``m``) and their quants for 32 inputs;
+tile t's K / 32 tile-blocks are contiguous), so the same bytes serve the CPU kernels and this one and moving a model
+to the GPU needs no repacking.
+
+One program computes a [BLOCK_M, 16 * BLOCK_T] output tile (BLOCK_M activation rows x BLOCK_T weight tiles) over one
+slice of the K / 32 blocks (split-K at small M, kernels/gpu/split_k.py: enough programs that every SM streams
+bytes). Each step of its K loop takes BLOCK_KB consecutive tile-blocks per tile (unrolled), and for each block:
+loads the quants as whole words (Q4: the 32-bit words of the layout, each holding 8 nibbles of one row; Q8_0: the
+16-bit pairs, each holding 2 int8 quants of one row), extracts the integer quants in registers (Q4_0 minus 8), takes
+the 32-wide partial product ``tl.dot(x, q)`` (integers up to 8 bits are exact in bf16 / fp16: tensor cores with
+float32 accumulation; IEEE float32 for float32 activations) and adds it times the 16 rows' scales ``d``, loaded
+once per block; for Q4_1 also ``m`` times the sum of the block's 32 activations, since
+sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k (values of gguf_blocks' module docstring: Q8_0 d * q,
+Q4_0 d * (q - 8), Q4_1 d * q + m). Nothing but registers ever holds dequantized weights. Tile and block counts,
+warps and pipeline stages are autotuned per (M bucket, N, K, split, dtypes) on a GPU; the interpreter runs the
+first config.
 
 Reference and fallback: :meth:`tokenfab.quant.gguf_weight.GGUFWeight.reference_linear` (tests/test_triton_gguf.py
 runs both in Triton's interpreter on CPU).
@@ -17,66 +27,108 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenfab.kernels.gpu.support import launch_linear
+from tokenfab.kernels.gpu import split_k
+from tokenfab.kernels.gpu.support import autotune_configs, interpreting, launch_linear, quick_bench
 from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_blocks import TILE, BlockType
 
 _KIND = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+NOMINAL_BLOCK_T = 2  # tiles per program the split-K choice assumes (autotuning may pick another)
+
+
+def _configs() -> list:
+    """BLOCK_T (tiles of 16 rows per program), BLOCK_KB (tile-blocks per K step), warps, stages."""
+    space = [(2, 2, 4, 4), (1, 4, 4, 4), (2, 4, 4, 3), (4, 2, 4, 4), (4, 4, 8, 3), (1, 8, 4, 3), (2, 1, 4, 6),
+             (8, 2, 8, 3)]
+    return autotune_configs([triton.Config({"BLOCK_T": t, "BLOCK_KB": b}, num_warps=w, num_stages=s)
+                             for t, b, w, s in space])
 
 
 @triton.jit
-def _gguf_gemm(X, T8, T16, Y, BIAS, M, N, KB, s_xm, s_ym,
-               TBB: tl.constexpr, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr):
-    t = tl.program_id(0)
+def _block(X, T32, T16, x_rows, mmask, tile_base, tmask, kb, kb1, j, k, KIND: tl.constexpr, TBB: tl.constexpr,
+           DOT_F32: tl.constexpr):
+    """One tile-block column kb (all tiles of the program): the [BLOCK_M, R] contribution d * (x . q) (+ m sum x),
+    zero when kb >= kb1."""
+    valid = (j * 0 + kb) < kb1  # as vectors: the interpreter cannot mask with a scalar condition
+    base = tile_base + kb * (TBB // 2)  # in 16-bit units: the tile-block's first halfword, per row [R] (even)
+    lmask = tmask & valid
+    d = tl.load(T16 + base + j, mask=lmask, other=0.0).to(tl.float32)
+    if KIND == 0:    # Q8_0: halfword 16 + 16 p + j holds row j's quants at k = 2p (low byte), 2p + 1 (high byte)
+        p = tl.arange(0, 16)
+        h = tl.load(T16 + (base + j)[:, None] + 16 + 16 * p[None, :], mask=lmask[:, None], other=0.0)
+        h = h.to(tl.int16, bitcast=True).to(tl.int32)
+        sl = 24 - 8 * tl.arange(0, 2)  # e = 0: the low byte, e = 1: the high byte, sign-extended
+        q = tl.reshape((h[:, :, None] << sl[None, None, :]) >> 24, (h.shape[0], 32))
+    else:            # Q4: word 8 (Q4_0) or 16 (Q4_1) + 16 L + j holds row j's nibbles at k = 8L + 2s + e
+        L = tl.arange(0, 4)
+        qw = 8 if KIND == 1 else 16
+        wd = tl.load(T32 + (base // 2 + qw + j)[:, None] + 16 * L[None, :], mask=lmask[:, None], other=0)
+        i = tl.arange(0, 8)  # i = 2s + e: bits 16e + 4s
+        sh = 16 * (i % 2) + 4 * (i // 2)
+        q = tl.reshape((wd[:, :, None] >> sh[None, None, :]) & 0xF, (wd.shape[0], 32))
+        if KIND == 1:
+            q = q - 8
+    kk = kb * 32 + k
+    x = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & (kk < kb1 * 32)[None, :], other=0.0)
+    if DOT_F32:  # float32 activations, or the interpreter (whose bf16 dot is not exact)
+        part = tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+    else:
+        part = tl.dot(x, tl.trans(q.to(x.dtype)))
+    part = part * d[None, :]
+    if KIND == 2:
+        mn = tl.load(T16 + base + 16 + j, mask=lmask, other=0.0).to(tl.float32)
+        part += tl.sum(x.to(tl.float32), axis=1)[:, None] * mn[None, :]
+    return part
+
+
+@triton.autotune(configs=_configs(), key=["MB", "N", "KB", "SPLIT"], do_bench=quick_bench)
+@triton.jit
+def _gguf_gemm(X, T32, T16, OUT, BIAS, M, N, NT, KB, s_xm, STEPS, MB, SPLIT,
+               TBB: tl.constexpr, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+               DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KB: tl.constexpr):
+    pt = tl.program_id(0)
     pm = tl.program_id(1)
+    ps = tl.program_id(2)
     m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     mmask = m < M
-    j = tl.arange(0, 16)           # row within the tile
-    k = tl.arange(0, 32)           # input within the block
-    if KIND == 0:                  # Q8_0: pair p = k // 2 of 32 bytes, byte 2j + e (e = k % 2)
-        qoff = 2 * 16
-        qbyte = qoff + (k[None, :] // 2) * 32 + 2 * j[:, None] + (k[None, :] % 2)
-        shift = tl.zeros([16, 32], tl.int32)
-    else:                          # Q4: word 2j + e of group L = k // 8 holds nibble s = (k % 8) // 2
-        qoff = (4 if KIND == 2 else 2) * 16
-        r = k % 8
-        s = r // 2
-        qbyte = qoff + 2 * ((k[None, :] // 8) * 32 + 2 * j[:, None] + (r[None, :] % 2)) + s[None, :] // 2
-        shift = tl.zeros([16, 32], tl.int32) + 4 * (s[None, :] % 2)
-    acc = tl.zeros([BLOCK_M, 16], tl.float32)
-    for kb in range(0, KB):
-        base = (t.to(tl.int64) * KB + kb) * TBB
-        d = tl.load(T16 + base // 2 + j).to(tl.float32)
-        raw = tl.load(T8 + base + qbyte).to(tl.int32)
-        if KIND == 0:
-            q = tl.where(raw >= 128, raw - 256, raw).to(tl.float32)
-            w = d[:, None] * q
-        else:
-            q = ((raw >> shift) & 0xF).to(tl.float32)
-            if KIND == 1:
-                w = d[:, None] * (q - 8.0)
-            else:
-                mn = tl.load(T16 + base // 2 + 16 + j).to(tl.float32)
-                w = d[:, None] * q + mn[:, None]
-        kk = kb * 32 + k
-        x = tl.load(X + m[:, None].to(tl.int64) * s_xm + kk[None, :], mask=mmask[:, None], other=0.0)
-        acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+    r = tl.arange(0, BLOCK_T * 16)
+    t = pt * BLOCK_T + r // 16
+    j = r % 16
+    tmask = t < NT
+    tile_base = t.to(tl.int64) * KB * (TBB // 2)  # first halfword of each row's tile (per row [R])
+    k = tl.arange(0, 32)
+    x_rows = X + m[:, None].to(tl.int64) * s_xm
+    kb0 = ps * STEPS
+    kb1 = tl.minimum(kb0 + STEPS, KB)
+    acc = tl.zeros([BLOCK_M, BLOCK_T * 16], tl.float32)
+    for kbs in range(kb0, kb1, BLOCK_KB):
+        for u in tl.static_range(BLOCK_KB):
+            acc += _block(X, T32, T16, x_rows, mmask, tile_base, tmask, kbs + u, kb1, j, k, KIND, TBB, DOT_F32)
     n = t * 16 + j
     nmask = n < N
-    if HAS_BIAS:
-        acc += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + m[:, None].to(tl.int64) * s_ym + n[None, :], acc.to(Y.dtype.element_ty),
-             mask=mmask[:, None] & nmask[None, :])
+    out = OUT + ps.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
+    if PARTIAL:
+        tl.store(out, acc, mask=mmask[:, None] & nmask[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
+def _block_m(M: int) -> int:
+    """Activation rows per tile: 16 (the smallest tensor-core tile) up to 16 rows, 32 up to 32, else 64."""
+    return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
 def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_features: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
     """x [..., in_features] (float32 / bf16 / fp16) times a packed GGUF weight -> [..., out_features] in x's dtype.
 
     Args:
         tiles: uint8 [ceil(out / 16), in / 32, 16 * block_bytes] (:func:`gguf_blocks.pack_tiles`), on x's device.
         block: Q8_0, Q4_0 or Q4_1.
         bias: [out_features] or None (added in float32 before the one rounding to x's dtype).
+        split: slices of K (tests, benchmarks); None: :func:`split_k.choose_split`.
 
     Raises:
         ValueError: a block type this kernel does not read, or tiles that do not match x's inputs.
@@ -87,12 +139,31 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_feat
     K = x.shape[-1]
     if kb * gguf_blocks.BLOCK != K or tbb != block.tile_block_bytes or nt * TILE < out_features:
         raise ValueError(f"GGUF {block.name} tiles {tuple(tiles.shape)} do not hold a [{out_features}, {K}] weight")
+    flat = tiles.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    t32, t16 = flat.view(torch.int32), flat.view(torch.float16)
+    N = out_features
 
-    def launch(x2: torch.Tensor, y: torch.Tensor, block_m: int) -> None:
+    def launch(x2: torch.Tensor, y: torch.Tensor, _block_m_default: int) -> None:
         M = x2.shape[0]
-        flat = tiles.reshape(-1)
-        _gguf_gemm[(nt, triton.cdiv(M, block_m))](
-            x2, flat, flat.view(torch.float16), y, bias if bias is not None else y, M, out_features, kb,
-            x2.stride(0), y.stride(0), TBB=tbb, KIND=_KIND[block.name], HAS_BIAS=bias is not None, BLOCK_M=block_m)
+        block_m = _block_m(M)
+        s = split
+        if s is None:
+            s = split_k.choose_split(triton.cdiv(nt, NOMINAL_BLOCK_T) * triton.cdiv(M, block_m), kb, x2.device,
+                                     min_steps=8)
+        steps = split_k.steps_per_split(kb, s)
+        s = triton.cdiv(kb, steps)  # no empty slice
+        out = split_k.partial_buffer(s, M, N, x2.device) if s > 1 else y
 
-    return launch_linear(x, out_features, launch)
+        def grid(meta):
+            return triton.cdiv(nt, meta["BLOCK_T"]), triton.cdiv(M, block_m), s
+
+        _gguf_gemm[grid](x2, t32, t16, out, bias if bias is not None else y, M, N, nt, kb, x2.stride(0), steps,
+                         min(triton.next_power_of_2(M), 128), s, TBB=tbb, KIND=_KIND[block.name],
+                         HAS_BIAS=bias is not None, PARTIAL=s > 1,
+                         DOT_F32=x2.dtype == torch.float32 or interpreting(), BLOCK_M=block_m)
+        if s > 1:
+            split_k.reduce_partials(out, y, bias)
+
+    return launch_linear(x, N, launch)
