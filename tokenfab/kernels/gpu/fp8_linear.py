@@ -49,12 +49,21 @@ def _e4m3_to_f32(b):
 
 def _configs() -> list:
     """BLOCK_N (a divisor of 128), warps, stages: narrow tiles with deep pipelines for decode, wide ones for
-    prefill. Eight configs: a new shape costs eight compiles and short benchmarks once per process."""
-    space = [(32, 4, 4), (16, 4, 4), (32, 4, 6), (64, 4, 4), (64, 8, 4), (64, 4, 6), (128, 4, 3), (128, 8, 3)]
+    prefill. Six configs: a new shape costs six compiles and short benchmarks once per process."""
+    space = [(32, 4, 4), (16, 4, 4), (32, 4, 6), (64, 4, 4), (64, 8, 3), (32, 8, 3)]
     return autotune_configs([triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in space])
 
 
-@triton.autotune(configs=_configs(), key=["MB", "N", "K", "SPLIT"], do_bench=quick_bench)
+def _prune(configs: list, named_args: dict, **kwargs) -> list:
+    """At BLOCK_M = 64 only the configs whose registers hold a 64 x 128 activation tile without spilling (compiled
+    for sm_90: 16-wide tiles, or 8 warps)."""
+    if kwargs.get("BLOCK_M", 16) < 64:
+        return configs
+    return [c for c in configs if c.num_warps == 8 or c.kwargs["BLOCK_N"] == 16] or configs[:1]
+
+
+@triton.autotune(configs=_configs(), key=["MB", "N", "K", "SPLIT"], do_bench=quick_bench,
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _fp8_gemm(X, W, S, OUT, BIAS, M, N, K, s_xm, s_wn, s_sn, STEPS, MB, SPLIT,
               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_F32: tl.constexpr,
@@ -126,7 +135,8 @@ def triton_fp8_linear(x2: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tenso
     kb = triton.cdiv(K, FP8_BLOCK)
     block_m = _block_m(M)
     if split is None:
-        split = split_k.choose_split(triton.cdiv(N, NOMINAL_BLOCK_N) * triton.cdiv(M, block_m), kb, x2.device)
+        split = split_k.choose_split(triton.cdiv(N, NOMINAL_BLOCK_N) * triton.cdiv(M, block_m), kb, x2.device,
+                                     max_split=split_k.max_split_for(N * K, M, N))
     steps = split_k.steps_per_split(kb, split)
     split = triton.cdiv(kb, steps)  # no empty slice
     out = split_k.partial_buffer(split, M, N, x2.device) if split > 1 else y

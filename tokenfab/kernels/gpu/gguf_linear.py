@@ -38,8 +38,7 @@ NOMINAL_BLOCK_T = 2  # tiles per program the split-K choice assumes (autotuning 
 
 def _configs() -> list:
     """BLOCK_T (tiles of 16 rows per program), BLOCK_KB (tile-blocks per K step), warps, stages."""
-    space = [(2, 2, 4, 4), (1, 4, 4, 4), (2, 4, 4, 3), (4, 2, 4, 4), (4, 4, 8, 3), (1, 8, 4, 3), (2, 1, 4, 6),
-             (8, 2, 8, 3)]
+    space = [(2, 2, 4, 4), (1, 4, 4, 4), (4, 2, 4, 4), (2, 4, 4, 3), (2, 1, 4, 6), (4, 1, 4, 6)]
     return autotune_configs([triton.Config({"BLOCK_T": t, "BLOCK_KB": b}, num_warps=w, num_stages=s)
                              for t, b, w, s in space])
 
@@ -81,7 +80,15 @@ def _block(X, T32, T16, x_rows, mmask, tile_base, tmask, kb, kb1, j, k, KIND: tl
     return part
 
 
-@triton.autotune(configs=_configs(), key=["MB", "N", "KB", "SPLIT"], do_bench=quick_bench)
+def _prune(configs: list, named_args: dict, **kwargs) -> list:
+    """At BLOCK_M = 64 only the configs of at most 2 tiles (wider ones spill registers on sm_90)."""
+    if kwargs.get("BLOCK_M", 16) < 64:
+        return configs
+    return [c for c in configs if c.kwargs["BLOCK_T"] <= 2] or configs[:1]
+
+
+@triton.autotune(configs=_configs(), key=["MB", "N", "KB", "SPLIT"], do_bench=quick_bench,
+                 prune_configs_by={"early_config_prune": _prune})
 @triton.jit
 def _gguf_gemm(X, T32, T16, OUT, BIAS, M, N, NT, KB, s_xm, STEPS, MB, SPLIT,
                TBB: tl.constexpr, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
@@ -151,7 +158,7 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_feat
         s = split
         if s is None:
             s = split_k.choose_split(triton.cdiv(nt, NOMINAL_BLOCK_T) * triton.cdiv(M, block_m), kb, x2.device,
-                                     min_steps=8)
+                                     min_steps=8, max_split=split_k.max_split_for(tiles.numel(), M, N))
         steps = split_k.steps_per_split(kb, s)
         s = triton.cdiv(kb, steps)  # no empty slice
         out = split_k.partial_buffer(s, M, N, x2.device) if s > 1 else y

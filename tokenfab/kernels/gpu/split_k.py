@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-PROGRAMS_PER_SM = 4  # programs to aim for per SM / CU at small M: enough loads in flight to stream HBM
+PROGRAMS_PER_SM = 8  # programs to aim for per SM / CU at small M: enough loads in flight to stream HBM
 
 
 @functools.lru_cache(maxsize=16)
@@ -35,12 +35,14 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def choose_split(tiles: int, k_steps: int, device: torch.device, min_steps: int = 4) -> int:
+def choose_split(tiles: int, k_steps: int, device: torch.device, min_steps: int = 4,
+                 max_split: int | None = None) -> int:
     """Slices of K for a call with ``tiles`` output tiles and ``k_steps`` iterations of its K loop.
 
     One slice when the tiles alone give every SM two programs; else enough slices for about PROGRAMS_PER_SM
-    programs per SM, each slice keeping at least ``min_steps`` iterations (so its loads can be pipelined), and the
-    count lowered until no slice is empty. Depends only on sizes and the device's SM count (CUDA-graph safe).
+    programs per SM, each slice keeping at least ``min_steps`` iterations (so its loads can be pipelined), at most
+    ``max_split`` (the callers bound the partial buffer's traffic by it), and the count lowered until no slice is
+    empty. Depends only on sizes and the device's SM count (CUDA-graph safe).
 
     Returns:
         split in [1, k_steps], with (split - 1) * ceil(k_steps / split) < k_steps.
@@ -49,9 +51,17 @@ def choose_split(tiles: int, k_steps: int, device: torch.device, min_steps: int 
     if tiles >= 2 * sms or k_steps < 2 * min_steps:
         return 1
     split = min(triton.cdiv(PROGRAMS_PER_SM * sms, max(tiles, 1)), k_steps // min_steps)
+    if max_split is not None:
+        split = min(split, max_split)
     split = max(split, 1)
     per = triton.cdiv(k_steps, split)
     return triton.cdiv(k_steps, per)
+
+
+def max_split_for(weight_bytes: int, M: int, N: int) -> int:
+    """The most slices whose float32 partials (written once and read once, 8 * split * M * N bytes, mostly in L2)
+    stay within half the weight's bytes."""
+    return max(1, weight_bytes // (16 * max(M, 1) * N))
 
 
 def steps_per_split(k_steps: int, split: int) -> int:
