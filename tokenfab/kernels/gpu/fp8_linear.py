@@ -49,8 +49,9 @@ def _e4m3_to_f32(b):
 
 def _configs() -> list:
     """BLOCK_N (a divisor of 128), warps, stages: narrow tiles with deep pipelines for decode, wide ones for
-    prefill. Six configs: a new shape costs six compiles and short benchmarks once per process."""
-    space = [(32, 4, 4), (16, 4, 4), (32, 4, 6), (64, 4, 4), (64, 8, 3), (32, 8, 3)]
+    prefill. Five configs (three at BLOCK_M = 64, :func:`_prune`): a new (M bucket, N, K) costs their short
+    benchmarks once per process, each config compiled once per specialization."""
+    space = [(32, 4, 4), (16, 4, 4), (64, 4, 4), (64, 8, 3), (32, 8, 3)]
     return autotune_configs([triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in space])
 
 

@@ -38,7 +38,7 @@ NOMINAL_BLOCK_T = 2  # tiles per program the split-K choice assumes (autotuning 
 
 def _configs() -> list:
     """BLOCK_T (tiles of 16 rows per program), BLOCK_KB (tile-blocks per K step), warps, stages."""
-    space = [(2, 2, 4, 4), (1, 4, 4, 4), (4, 2, 4, 4), (2, 4, 4, 3), (2, 1, 4, 6), (4, 1, 4, 6)]
+    space = [(2, 2, 4, 4), (1, 4, 4, 4), (4, 2, 4, 4), (2, 1, 4, 6), (4, 1, 4, 6)]
     return autotune_configs([triton.Config({"BLOCK_T": t, "BLOCK_KB": b}, num_warps=w, num_stages=s)
                              for t, b, w, s in space])
 
