@@ -47,7 +47,8 @@ def formula(x: torch.Tensor, w8: torch.Tensor, s: torch.Tensor, bias) -> tuple[t
 
 
 def random_fp8(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random e4m3 codes [N, K] (no NaN codes: their decoding is the test above) and scales [ceil(N/128), ceil(K/128)]."""
+    """Random e4m3 codes [N, K] (no NaN codes: their decoding is the test above) and scales
+    [ceil(N / 128), ceil(K / 128)]."""
     g = torch.Generator().manual_seed(seed)
     w8 = torch.randint(0, 256, (N, K), generator=g, dtype=torch.int64).to(torch.uint8)
     w8[(w8 & 0x7F) == 0x7F] = 0x3C
