@@ -12,6 +12,7 @@ import torch
 
 from test_gguf_linear import TYPES, check_close, exact, quantized, random_blocks
 from tokenfab.kernels.gpu import support as triton_support
+from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_weight import GGUFWeight
 
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
@@ -60,7 +61,14 @@ def test_split_k_and_bf16_match_exact_product(interpret, name, rows, out_feature
     ye, bound = exact(x.float(), raw, name, bias)
     tol = (3 * K + 64) * 2.0 ** -24 * bound  # tests/test_gguf_linear.py's float32 bound
     if dtype == torch.bfloat16:
-        tol = tol + 2.0 ** -7 * ye.abs()  # one bf16 rounding of the output (the interpreter truncates)
+        # bf16 activations: Q4 quants enter the dot as 128 + q and the block's 128 d (and m) times the activation
+        # sum is taken off after (float32 sums of terms up to |x| d 144 + |m|), then one bf16 rounding of the
+        # output (the interpreter truncates)
+        d, m, _ = gguf_blocks._fields(torch.from_numpy(raw), gguf_blocks.block_type(name))
+        wmax = d.double().abs().repeat_interleave(32, 1) * 144
+        if m is not None:
+            wmax = wmax + m.double().abs().repeat_interleave(32, 1)
+        tol = tol + (3 * K + 64) * 2.0 ** -24 * (x.double().abs() @ wmax.T) + 2.0 ** -7 * ye.abs()
     assert ((y.double() - ye).abs() <= tol).all(), (y.double() - ye).abs().max()
 
 

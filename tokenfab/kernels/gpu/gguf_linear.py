@@ -33,6 +33,9 @@ from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_blocks import TILE, BlockType
 
 _KIND = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
+# the bits of 128.0 whose low mantissa bits take a 4-bit quant q as 128 + q (bf16: 7 mantissa bits, spacing 1 at
+# 128; fp16: 10 bits, 0x5800 + 8q); float32 activations use the integers themselves (0)
+_MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x5800}
 NOMINAL_BLOCK_T = 2  # tiles per program the split-K choice assumes (autotuning may pick another)
 
 
@@ -45,38 +48,54 @@ def _configs() -> list:
 
 @triton.jit
 def _block(X, T32, T16, x_rows, mmask, tile_base, tmask, kb, kb1, j, k, KIND: tl.constexpr, TBB: tl.constexpr,
-           DOT_F32: tl.constexpr):
+           DOT_F32: tl.constexpr, MAGIC: tl.constexpr):
     """One tile-block column kb (all tiles of the program): the [BLOCK_M, R] contribution d * (x . q) (+ m sum x),
     zero when kb >= kb1."""
     valid = (j * 0 + kb) < kb1  # as vectors: the interpreter cannot mask with a scalar condition
     base = tile_base + kb * (TBB // 2)  # in 16-bit units: the tile-block's first halfword, per row [R] (even)
     lmask = tmask & valid
+    kk = kb * 32 + k
+    x = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & (kk < kb1 * 32)[None, :], other=0.0)
     d = tl.load(T16 + base + j, mask=lmask, other=0.0).to(tl.float32)
     if KIND == 0:    # Q8_0: halfword 16 + 16 p + j holds row j's quants at k = 2p (low byte), 2p + 1 (high byte)
         p = tl.arange(0, 16)
         h = tl.load(T16 + (base + j)[:, None] + 16 + 16 * p[None, :], mask=lmask[:, None], other=0.0)
         h = h.to(tl.int16, bitcast=True).to(tl.int32)
         sl = 24 - 8 * tl.arange(0, 2)  # e = 0: the low byte, e = 1: the high byte, sign-extended
-        q = tl.reshape((h[:, :, None] << sl[None, None, :]) >> 24, (h.shape[0], 32))
+        w = tl.reshape((h[:, :, None] << sl[None, None, :]) >> 24, (h.shape[0], 32))  # int32, converted below
     else:            # Q4: word 8 (Q4_0) or 16 (Q4_1) + 16 L + j holds row j's nibbles at k = 8L + 2s + e
         L = tl.arange(0, 4)
         qw = 8 if KIND == 1 else 16
         wd = tl.load(T32 + (base // 2 + qw + j)[:, None] + 16 * L[None, :], mask=lmask[:, None], other=0)
         i = tl.arange(0, 8)  # i = 2s + e: bits 16e + 4s
         sh = 16 * (i % 2) + 4 * (i // 2)
-        q = tl.reshape((wd[:, :, None] >> sh[None, None, :]) & 0xF, (wd.shape[0], 32))
-        if KIND == 1:
-            q = q - 8
-    kk = kb * 32 + k
-    x = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & (kk < kb1 * 32)[None, :], other=0.0)
+        nib = tl.reshape((wd[:, :, None] >> sh[None, None, :]) & 0xF, (wd.shape[0], 32))
+        if MAGIC == 0:   # float32 activations: the integers themselves (Q4_0 minus 8)
+            w = (nib - 8 if KIND == 1 else nib).to(tl.float32)
+        else:            # bf16 / fp16: 128 + q written straight into the bits (exact; no int-to-float conversion)
+            if MAGIC == 0x5800:  # fp16: the quant lands 3 bits up (spacing 1/8 between mantissa steps at 128)
+                nib = nib << 3
+            w = (nib | MAGIC).to(tl.int16).to(X.dtype.element_ty, bitcast=True)
     if DOT_F32:  # float32 activations, or the interpreter (whose bf16 dot is not exact)
-        part = tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+        part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     else:
-        part = tl.dot(x, tl.trans(q.to(x.dtype)))
+        part = tl.dot(x, tl.trans(w.to(X.dtype.element_ty)))
     part = part * d[None, :]
-    if KIND == 2:
-        mn = tl.load(T16 + base + 16 + j, mask=lmask, other=0.0).to(tl.float32)
-        part += tl.sum(x.to(tl.float32), axis=1)[:, None] * mn[None, :]
+    if KIND != 0:
+        if MAGIC != 0:   # the sum of the block's activations, from the tensor cores: x . ones
+            ones = tl.full((32, w.shape[0]), 1.0, X.dtype.element_ty)
+            if DOT_F32:
+                xs = tl.dot(x.to(tl.float32), ones.to(tl.float32), input_precision="ieee")
+            else:
+                xs = tl.dot(x, ones)
+            if KIND == 1:    # d (q - 8) = d (128 + q) - 136 d
+                part -= xs * (136.0 * d)[None, :]
+            else:            # d q + m = d (128 + q) + (m - 128 d)
+                mn = tl.load(T16 + base + 16 + j, mask=lmask, other=0.0).to(tl.float32)
+                part += xs * (mn - 128.0 * d)[None, :]
+        elif KIND == 2:
+            mn = tl.load(T16 + base + 16 + j, mask=lmask, other=0.0).to(tl.float32)
+            part += tl.sum(x.to(tl.float32), axis=1)[:, None] * mn[None, :]
     return part
 
 
@@ -92,7 +111,8 @@ def _prune(configs: list, named_args: dict, **kwargs) -> list:
 @triton.jit
 def _gguf_gemm(X, T32, T16, OUT, BIAS, M, N, NT, KB, s_xm, STEPS, MB, SPLIT,
                TBB: tl.constexpr, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-               DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KB: tl.constexpr):
+               DOT_F32: tl.constexpr, MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_KB: tl.constexpr):
     pt = tl.program_id(0)
     pm = tl.program_id(1)
     ps = tl.program_id(2)
@@ -110,7 +130,8 @@ def _gguf_gemm(X, T32, T16, OUT, BIAS, M, N, NT, KB, s_xm, STEPS, MB, SPLIT,
     acc = tl.zeros([BLOCK_M, BLOCK_T * 16], tl.float32)
     for kbs in range(kb0, kb1, BLOCK_KB):
         for u in tl.static_range(BLOCK_KB):
-            acc += _block(X, T32, T16, x_rows, mmask, tile_base, tmask, kbs + u, kb1, j, k, KIND, TBB, DOT_F32)
+            acc += _block(X, T32, T16, x_rows, mmask, tile_base, tmask, kbs + u, kb1, j, k, KIND, TBB, DOT_F32,
+                          MAGIC)
     n = t * 16 + j
     nmask = n < N
     out = OUT + ps.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
@@ -169,7 +190,8 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_feat
         _gguf_gemm[grid](x2, t32, t16, out, bias if bias is not None else y, M, N, nt, kb, x2.stride(0), steps,
                          min(triton.next_power_of_2(M), 128), s, TBB=tbb, KIND=_KIND[block.name],
                          HAS_BIAS=bias is not None, PARTIAL=s > 1,
-                         DOT_F32=x2.dtype == torch.float32 or interpreting(), BLOCK_M=block_m)
+                         DOT_F32=x2.dtype == torch.float32 or interpreting(), MAGIC=_MAGIC.get(x2.dtype, 0),
+                         BLOCK_M=block_m)
         if s > 1:
             split_k.reduce_partials(out, y, bias)
 
