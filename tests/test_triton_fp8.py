@@ -79,13 +79,15 @@ def test_products_match_the_formula(interpret, M, N, K, split, dtype):
 
 
 @pytest.mark.parametrize("split", [1, 2])
-def test_hardware_conversion_path_matches_the_formula(interpret, monkeypatch, split):
+@pytest.mark.parametrize("M", [1, 3])
+def test_hardware_conversion_path_matches_the_formula(interpret, monkeypatch, split, M):
     """The path GPUs with FP8 conversions take (the weight bitcast to float8e4nv and converted by Triton, not the
-    integer decoding), here in the interpreter: the same products within the float32 bound."""
+    integer decoding), here in the interpreter, in the one-row kernel and the tile kernel: the same products within
+    the float32 bound."""
     from tokenfab.kernels.gpu import fp8_linear
     monkeypatch.setattr(fp8_linear, "_native_fp8", lambda device: True)
     w8, s = random_fp8(150, 300, 7)
-    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(7))
+    x = torch.randn(M, 300, generator=torch.Generator().manual_seed(7))
     y = fp8_linear.fp8_block_linear(x, w8.view(torch.float8_e4m3fn), s, split=split)
     want, bound = formula(x, w8, s, None)
     assert ((y.double() - want).abs() <= (2 * 300 + 8) * U * bound).all()

@@ -15,8 +15,11 @@ included). Two paths, chosen per call:
   float32 for float32 activations) and adds it times the block's one scale, loaded once per (row block, k block)
   since BLOCK_N divides 128. E4M3FN is converted by the hardware where Triton has it (NVIDIA SM 8.9+, ROCm) and
   otherwise with integer operations (sign, 4 exponent bits with bias 7, 3 mantissa bits; exponent 0 is subnormal,
-  S.1111.111 is NaN; OCP 8-bit floating point spec, section 4.1). Tile sizes, warps and pipeline stages are
-  autotuned per (M bucket, N, K, split, dtypes) on a GPU; Triton's interpreter runs the first config.
+  S.1111.111 is NaN; OCP 8-bit floating point spec, section 4.1). One activation row (decode at batch 1) takes a
+  CUDA-core variant instead (``_fp8_gemv``: float32 products per thread with the block scale folded into the 128
+  activations, row sums after the K loop; about 3.5 instructions per weight on sm_90 against about 6 through the
+  tensor cores). Tile sizes, warps and pipeline stages are autotuned per (M bucket, N, K, split, dtypes) on a GPU;
+  Triton's interpreter runs the first config.
 
 Reference and fallback: the dequantize-then-``F.linear`` path of the FP8 weight format (tests/test_triton_fp8.py
 runs both in the interpreter, against the formula written out independently).
@@ -48,19 +51,19 @@ def _e4m3_to_f32(b):
 
 
 def _configs() -> list:
-    """BLOCK_N (a divisor of 128), warps, stages: narrow tiles with deep pipelines for decode, wide ones for
-    prefill. Five configs (three at BLOCK_M = 64, :func:`_prune`): a new (M bucket, N, K) costs their short
-    benchmarks once per process, each config compiled once per specialization."""
-    space = [(32, 4, 4), (16, 4, 4), (64, 4, 4), (64, 8, 3), (32, 8, 3)]
+    """BLOCK_N (a divisor of 128), warps, stages of the tile kernel. Four configs (two at BLOCK_M = 64,
+    :func:`_prune`): a new (M bucket, N, K) costs their short benchmarks once per process, each config compiled once
+    per specialization."""
+    space = [(32, 4, 4), (64, 4, 4), (64, 8, 3), (32, 8, 3)]
     return autotune_configs([triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in space])
 
 
 def _prune(configs: list, named_args: dict, **kwargs) -> list:
     """At BLOCK_M = 64 only the configs whose registers hold a 64 x 128 activation tile without spilling (compiled
-    for sm_90: 16-wide tiles, or 8 warps)."""
+    for sm_90: 8 warps)."""
     if kwargs.get("BLOCK_M", 16) < 64:
         return configs
-    return [c for c in configs if c.num_warps == 8 or c.kwargs["BLOCK_N"] == 16] or configs[:1]
+    return [c for c in configs if c.num_warps == 8] or configs[:1]
 
 
 @triton.autotune(configs=_configs(), key=["MB", "N", "K", "SPLIT"], do_bench=quick_bench,
@@ -106,6 +109,49 @@ def _fp8_gemm(X, W, S, OUT, BIAS, M, N, K, s_xm, s_wn, s_sn, STEPS, MB, SPLIT,
         tl.store(out, acc.to(OUT.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
+def _gemv_configs() -> list:
+    """BLOCK_N (a divisor of 128), warps, stages of the one-row kernel."""
+    space = [(32, 4, 4), (64, 4, 3), (64, 8, 4)]
+    return autotune_configs([triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in space])
+
+
+@triton.autotune(configs=_gemv_configs(), key=["N", "K", "SPLIT"], do_bench=quick_bench)
+@triton.jit
+def _fp8_gemv(X, W, S, OUT, BIAS, N, K, s_wn, s_sn, STEPS, SPLIT,
+              HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One activation row (decode at batch 1) on the CUDA cores: each thread keeps float32 products of its
+    [BLOCK_N, 128] elements, the block's scale folded into the 128 activations it multiplies, and the row sums are
+    taken once after the K loop (no tensor-core operand shuffles, no per-block reductions)."""
+    pn = tl.program_id(0)
+    ps = tl.program_id(1)
+    n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    kr = tl.arange(0, 128)
+    nmask = n < N
+    w_rows = W + n[:, None].to(tl.int64) * s_wn
+    s_row = S + ((pn * BLOCK_N) // 128) * s_sn
+    kb0 = ps * STEPS
+    kb1 = tl.minimum(kb0 + STEPS, tl.cdiv(K, 128))
+    acc = tl.zeros([BLOCK_N, 128], tl.float32)
+    for kb in range(kb0, kb1):
+        kk = kb * 128 + kr
+        kmask = kk < K
+        b = tl.load(w_rows + kk[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+        if NATIVE_FP8:
+            w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            w = _e4m3_to_f32(b.to(tl.int32))
+        xs = tl.load(X + kk, mask=kmask, other=0.0).to(tl.float32) * tl.load(s_row + kb)
+        acc += w * xs[None, :]
+    y = tl.sum(acc, axis=1)
+    out = OUT + ps.to(tl.int64) * N + n
+    if PARTIAL:
+        tl.store(out, y, mask=nmask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(out, y.to(OUT.dtype.element_ty), mask=nmask)
+
+
 def _native_fp8(device: torch.device) -> bool:
     """Whether Triton converts float8e4nv on ``device`` itself: NVIDIA compute capability 8.9+ (in hardware) and
     ROCm (Triton's AMD backend: in hardware on CDNA4, emulated before). Elsewhere, and in the interpreter, the
@@ -143,6 +189,14 @@ def triton_fp8_linear(x2: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tenso
     out = split_k.partial_buffer(split, M, N, x2.device) if split > 1 else y
     s = scale_inv if scale_inv.dtype == torch.float32 and scale_inv.is_contiguous() else \
         scale_inv.float().contiguous()
+
+    if M == 1:
+        _fp8_gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split)](
+            x2, w8, s, out, bias if bias is not None else y, N, K, w8.stride(0), s.stride(0), steps, split,
+            HAS_BIAS=bias is not None, PARTIAL=split > 1, NATIVE_FP8=_native_fp8(x2.device))
+        if split > 1:
+            split_k.reduce_partials(out, y, bias)
+        return
 
     def grid(meta):
         return triton.cdiv(N, meta["BLOCK_N"]), triton.cdiv(M, block_m), split

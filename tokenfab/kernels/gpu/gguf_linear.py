@@ -14,9 +14,13 @@ the 32-wide partial product ``tl.dot(x, q)`` (integers up to 8 bits are exact in
 float32 accumulation; IEEE float32 for float32 activations) and adds it times the 16 rows' scales ``d``, loaded
 once per block; for Q4_1 also ``m`` times the sum of the block's 32 activations, since
 sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k (values of gguf_blocks' module docstring: Q8_0 d * q,
-Q4_0 d * (q - 8), Q4_1 d * q + m). Nothing but registers ever holds dequantized weights. Tile and block counts,
-warps and pipeline stages are autotuned per (M bucket, N, K, split, dtypes) on a GPU; the interpreter runs the
-first config.
+Q4_0 d * (q - 8), Q4_1 d * q + m). For bf16 / fp16 activations a 4-bit quant enters the dot as 128 + q, written
+straight into the bits of 128.0 (no int-to-float conversion), and the block's sum of activations (from the tensor
+cores, x . ones) times 128 d is taken off per block. One activation row (decode at batch 1) takes a CUDA-core
+variant (``_gguf_gemv``: quants made float32 by their bits, 2^23 + q minus 2^23, times d plus m, times x, per-thread
+float32 sums reduced once after the K loop). Nothing but registers ever holds dequantized weights. Tile and block
+counts, warps and pipeline stages are autotuned per (M bucket, N, K, split, dtypes) on a GPU; the interpreter runs
+the first config.
 
 Reference and fallback: :meth:`tokenfab.quant.gguf_weight.GGUFWeight.reference_linear` (tests/test_triton_gguf.py
 runs both in Triton's interpreter on CPU).
@@ -41,7 +45,7 @@ NOMINAL_BLOCK_T = 2  # tiles per program the split-K choice assumes (autotuning 
 
 def _configs() -> list:
     """BLOCK_T (tiles of 16 rows per program), BLOCK_KB (tile-blocks per K step), warps, stages."""
-    space = [(2, 2, 4, 4), (1, 4, 4, 4), (4, 2, 4, 4), (2, 1, 4, 6), (4, 1, 4, 6)]
+    space = [(2, 2, 4, 4), (4, 2, 4, 4), (4, 1, 4, 6), (1, 4, 4, 4)]
     return autotune_configs([triton.Config({"BLOCK_T": t, "BLOCK_KB": b}, num_warps=w, num_stages=s)
                              for t, b, w, s in space])
 
@@ -143,6 +147,76 @@ def _gguf_gemm(X, T32, T16, OUT, BIAS, M, N, NT, KB, s_xm, STEPS, MB, SPLIT,
         tl.store(out, acc.to(OUT.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
+def _gemv_configs() -> list:
+    """BLOCK_T, BLOCK_KB, warps, stages of the one-row kernel."""
+    space = [(4, 2, 4, 4), (2, 4, 4, 3), (4, 4, 8, 3)]
+    return autotune_configs([triton.Config({"BLOCK_T": t, "BLOCK_KB": b}, num_warps=w, num_stages=s)
+                             for t, b, w, s in space])
+
+
+@triton.autotune(configs=_gemv_configs(), key=["N", "KB", "SPLIT"], do_bench=quick_bench)
+@triton.jit
+def _gguf_gemv(X, T32, T16, OUT, BIAS, N, NT, KB, STEPS, SPLIT, TBB: tl.constexpr, KIND: tl.constexpr,
+               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_KB: tl.constexpr):
+    """One activation row (decode at batch 1) on the CUDA cores: per K step the quants of BLOCK_KB tile-blocks of
+    each tile become float32 by their bits (2^23 + q, minus 2^23: exact, no int-to-float conversion), times the
+    block's d (plus m; Q4_0: minus 8 d), times the activation, accumulated per thread; row sums once at the end."""
+    pt = tl.program_id(0)
+    ps = tl.program_id(1)
+    r = tl.arange(0, BLOCK_T * 16)
+    t = pt * BLOCK_T + r // 16
+    j = r % 16
+    tmask = t < NT
+    tile_base = t.to(tl.int64) * KB * (TBB // 2) + j * 0  # first halfword of each row's tile
+    b = tl.arange(0, BLOCK_KB)
+    c = tl.arange(0, BLOCK_KB * 32)
+    kb0 = ps * STEPS
+    kb1 = tl.minimum(kb0 + STEPS, KB)
+    acc = tl.zeros([BLOCK_T * 16, BLOCK_KB * 32], tl.float32)
+    for kbs in range(kb0, kb1, BLOCK_KB):
+        kbv = kbs + b                                          # [BKB] tile-block columns of this step
+        bmask = tmask[:, None] & (kbv < kb1)[None, :]          # [R, BKB]
+        base = tile_base[:, None] + kbv[None, :].to(tl.int64) * (TBB // 2)  # [R, BKB] halfwords
+        d = tl.load(T16 + base + j[:, None], mask=bmask, other=0.0).to(tl.float32)
+        if KIND == 0:    # Q8_0: halfword 16 + 16 p + j: row j's quants at k = 2p, 2p + 1
+            p = tl.arange(0, 16)
+            h = tl.load(T16 + (base + j[:, None])[:, :, None] + 16 + 16 * p[None, None, :],
+                        mask=bmask[:, :, None], other=0.0)
+            h = h.to(tl.int16, bitcast=True).to(tl.int32)
+            e = tl.arange(0, 2)
+            u = ((h[:, :, :, None] >> (8 * e)[None, None, None, :]) & 0xFF) ^ 0x80   # q + 128 in 0..255
+            q = (u | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0          # 2^23 + 128
+            w3 = tl.reshape(q, (BLOCK_T * 16, BLOCK_KB, 32)) * d[:, :, None]
+        else:            # Q4: word qw + 16 L + j: row j's nibbles at k = 8L + 2s + e, bits 16e + 4s
+            L = tl.arange(0, 4)
+            qw = 8 if KIND == 1 else 16
+            wd = tl.load(T32 + (base // 2 + qw + j[:, None])[:, :, None] + 16 * L[None, None, :],
+                         mask=bmask[:, :, None], other=0)
+            i = tl.arange(0, 8)
+            sh = 16 * (i % 2) + 4 * (i // 2)
+            nib = (wd[:, :, :, None] >> sh[None, None, None, :]) & 0xF
+            q = (nib | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0          # 2^23
+            q = tl.reshape(q, (BLOCK_T * 16, BLOCK_KB, 32))
+            if KIND == 1:
+                w3 = q * d[:, :, None] - (8.0 * d)[:, :, None]
+            else:
+                mn = tl.load(T16 + base + 16 + j[:, None], mask=bmask, other=0.0).to(tl.float32)
+                w3 = q * d[:, :, None] + mn[:, :, None]
+        kk = kbs * 32 + c
+        x = tl.load(X + kk, mask=kk < kb1 * 32, other=0.0).to(tl.float32)
+        acc += tl.reshape(w3, (BLOCK_T * 16, BLOCK_KB * 32)) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    n = t * 16 + j
+    nmask = n < N
+    out = OUT + ps.to(tl.int64) * N + n
+    if PARTIAL:
+        tl.store(out, y, mask=nmask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(out, y.to(OUT.dtype.element_ty), mask=nmask)
+
+
 def _block_m(M: int) -> int:
     """Activation rows per tile: 16 (the smallest tensor-core tile) up to 16 rows, 32 up to 32, else 64."""
     return 16 if M <= 16 else 32 if M <= 32 else 64
@@ -183,6 +257,14 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_feat
         steps = split_k.steps_per_split(kb, s)
         s = triton.cdiv(kb, steps)  # no empty slice
         out = split_k.partial_buffer(s, M, N, x2.device) if s > 1 else y
+
+        if M == 1:
+            _gguf_gemv[lambda meta: (triton.cdiv(nt, meta["BLOCK_T"]), s)](
+                x2, t32, t16, out, bias if bias is not None else y, N, nt, kb, steps, s, TBB=tbb,
+                KIND=_KIND[block.name], HAS_BIAS=bias is not None, PARTIAL=s > 1)
+            if s > 1:
+                split_k.reduce_partials(out, y, bias)
+            return
 
         def grid(meta):
             return triton.cdiv(nt, meta["BLOCK_T"]), triton.cdiv(M, block_m), s
