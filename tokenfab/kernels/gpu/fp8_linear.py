@@ -51,23 +51,14 @@ def _e4m3_to_f32(b):
 
 
 def _configs() -> list:
-    """BLOCK_N (a divisor of 128), warps, stages of the tile kernel. Four configs (two at BLOCK_M = 64,
-    :func:`_prune`): a new (M bucket, N, K) costs their short benchmarks once per process, each config compiled once
-    per specialization."""
-    space = [(32, 4, 4), (64, 4, 4), (64, 8, 3), (32, 8, 3)]
+    """BLOCK_N (a divisor of 128), warps, stages of the tile kernel (benchmarks/linear_sass.py: none spills on
+    sm_90): a new (M bucket, N, K) costs their short benchmarks once per process, each config compiled once per
+    specialization."""
+    space = [(32, 4, 4), (64, 4, 4), (64, 8, 3)]
     return autotune_configs([triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s) for bn, w, s in space])
 
 
-def _prune(configs: list, named_args: dict, **kwargs) -> list:
-    """At BLOCK_M = 64 only the configs whose registers hold a 64 x 128 activation tile without spilling (compiled
-    for sm_90: 8 warps)."""
-    if kwargs.get("BLOCK_M", 16) < 64:
-        return configs
-    return [c for c in configs if c.num_warps == 8] or configs[:1]
-
-
-@triton.autotune(configs=_configs(), key=["MB", "N", "K", "SPLIT"], do_bench=quick_bench,
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=["MB", "N", "K", "SPLIT"], do_bench=quick_bench)
 @triton.jit
 def _fp8_gemm(X, W, S, OUT, BIAS, M, N, K, s_xm, s_wn, s_sn, STEPS, MB, SPLIT,
               HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_F32: tl.constexpr,

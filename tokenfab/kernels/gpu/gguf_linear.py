@@ -45,16 +45,18 @@ NOMINAL_BLOCK_T = 2  # tiles per program the split-K choice assumes (autotuning 
 
 def _configs() -> list:
     """BLOCK_T (tiles of 16 rows per program), BLOCK_KB (tile-blocks per K step), warps, stages."""
-    space = [(2, 2, 4, 4), (4, 2, 4, 4), (4, 1, 4, 6), (1, 4, 4, 4)]
+    space = [(2, 2, 4, 4), (4, 2, 4, 4), (4, 1, 4, 6), (8, 2, 8, 3)]
     return autotune_configs([triton.Config({"BLOCK_T": t, "BLOCK_KB": b}, num_warps=w, num_stages=s)
                              for t, b, w, s in space])
 
 
 @triton.jit
-def _block(X, T32, T16, x_rows, mmask, tile_base, tmask, kb, kb1, j, k, KIND: tl.constexpr, TBB: tl.constexpr,
-           DOT_F32: tl.constexpr, MAGIC: tl.constexpr):
-    """One tile-block column kb (all tiles of the program): the [BLOCK_M, R] contribution d * (x . q) (+ m sum x),
-    zero when kb >= kb1."""
+def _block(acc, X, T32, T16, x_rows, mmask, tile_base, tmask, kb, kb1, j, k, KIND: tl.constexpr,
+           TBB: tl.constexpr, DOT_F32: tl.constexpr, MAGIC: tl.constexpr, DEQ: tl.constexpr):
+    """acc [BLOCK_M, R] plus one tile-block column kb (all tiles of the program): d * (x . q) (+ m sum x), nothing
+    when kb >= kb1. DEQ: the weights dequantized in registers (float32 d q + m, rounded to the activation dtype)
+    and accumulated by the dot itself: for tiles of 32+ activation rows, where the per-block scaling of the
+    [BLOCK_M, R] partial would cost more than scaling the [R, 32] weights."""
     valid = (j * 0 + kb) < kb1  # as vectors: the interpreter cannot mask with a scalar condition
     base = tile_base + kb * (TBB // 2)  # in 16-bit units: the tile-block's first halfword, per row [R] (even)
     lmask = tmask & valid
@@ -74,12 +76,20 @@ def _block(X, T32, T16, x_rows, mmask, tile_base, tmask, kb, kb1, j, k, KIND: tl
         i = tl.arange(0, 8)  # i = 2s + e: bits 16e + 4s
         sh = 16 * (i % 2) + 4 * (i // 2)
         nib = tl.reshape((wd[:, :, None] >> sh[None, None, :]) & 0xF, (wd.shape[0], 32))
-        if MAGIC == 0:   # float32 activations: the integers themselves (Q4_0 minus 8)
+        if MAGIC == 0 or DEQ:  # float32 activations, or dequantizing: the integers themselves (Q4_0 minus 8)
             w = (nib - 8 if KIND == 1 else nib).to(tl.float32)
         else:            # bf16 / fp16: 128 + q written straight into the bits (exact; no int-to-float conversion)
             if MAGIC == 0x5800:  # fp16: the quant lands 3 bits up (spacing 1/8 between mantissa steps at 128)
                 nib = nib << 3
             w = (nib | MAGIC).to(tl.int16).to(X.dtype.element_ty, bitcast=True)
+    if DEQ:
+        w = w.to(tl.float32) * d[:, None]
+        if KIND == 2:
+            w += tl.load(T16 + base + 16 + j, mask=lmask, other=0.0).to(tl.float32)[:, None]
+        w = w.to(X.dtype.element_ty)
+        if DOT_F32:
+            return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        return tl.dot(x, tl.trans(w), acc)
     if DOT_F32:  # float32 activations, or the interpreter (whose bf16 dot is not exact)
         part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     else:
@@ -100,23 +110,15 @@ def _block(X, T32, T16, x_rows, mmask, tile_base, tmask, kb, kb1, j, k, KIND: tl
         elif KIND == 2:
             mn = tl.load(T16 + base + 16 + j, mask=lmask, other=0.0).to(tl.float32)
             part += tl.sum(x.to(tl.float32), axis=1)[:, None] * mn[None, :]
-    return part
+    return acc + part
 
 
-def _prune(configs: list, named_args: dict, **kwargs) -> list:
-    """At BLOCK_M = 64 only the configs of at most 2 tiles (wider ones spill registers on sm_90)."""
-    if kwargs.get("BLOCK_M", 16) < 64:
-        return configs
-    return [c for c in configs if c.kwargs["BLOCK_T"] <= 2] or configs[:1]
-
-
-@triton.autotune(configs=_configs(), key=["MB", "N", "KB", "SPLIT"], do_bench=quick_bench,
-                 prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(), key=["MB", "N", "KB", "SPLIT"], do_bench=quick_bench)
 @triton.jit
 def _gguf_gemm(X, T32, T16, OUT, BIAS, M, N, NT, KB, s_xm, STEPS, MB, SPLIT,
                TBB: tl.constexpr, KIND: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-               DOT_F32: tl.constexpr, MAGIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr,
-               BLOCK_KB: tl.constexpr):
+               DOT_F32: tl.constexpr, MAGIC: tl.constexpr, DEQ: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_T: tl.constexpr, BLOCK_KB: tl.constexpr):
     pt = tl.program_id(0)
     pm = tl.program_id(1)
     ps = tl.program_id(2)
@@ -134,8 +136,8 @@ def _gguf_gemm(X, T32, T16, OUT, BIAS, M, N, NT, KB, s_xm, STEPS, MB, SPLIT,
     acc = tl.zeros([BLOCK_M, BLOCK_T * 16], tl.float32)
     for kbs in range(kb0, kb1, BLOCK_KB):
         for u in tl.static_range(BLOCK_KB):
-            acc += _block(X, T32, T16, x_rows, mmask, tile_base, tmask, kbs + u, kb1, j, k, KIND, TBB, DOT_F32,
-                          MAGIC)
+            acc = _block(acc, X, T32, T16, x_rows, mmask, tile_base, tmask, kbs + u, kb1, j, k, KIND, TBB,
+                         DOT_F32, MAGIC, DEQ)
     n = t * 16 + j
     nmask = n < N
     out = OUT + ps.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
@@ -273,7 +275,7 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_feat
                          min(triton.next_power_of_2(M), 128), s, TBB=tbb, KIND=_KIND[block.name],
                          HAS_BIAS=bias is not None, PARTIAL=s > 1,
                          DOT_F32=x2.dtype == torch.float32 or interpreting(), MAGIC=_MAGIC.get(x2.dtype, 0),
-                         BLOCK_M=block_m)
+                         DEQ=x2.dtype != torch.float32 and block_m >= 32, BLOCK_M=block_m)
         if s > 1:
             split_k.reduce_partials(out, y, bias)
 

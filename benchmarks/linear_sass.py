@@ -1,0 +1,119 @@
+"""Compile the packed linears' Triton kernels (kernels/gpu/fp8_linear.py, kernels/gpu/gguf_linear.py) for a GPU that is
+not here, and print what the compiler made of each autotune config: registers, spilled bytes, shared memory, and for
+NVIDIA the instructions of the K loop per weight each thread handles (a proxy for the ALU ceiling of a decode GEMV:
+an H100/H200 issues about 3e13 thread-instructions per second, so k instructions per weight cap the kernel at about
+3e13 / k weights per second). No GPU is needed: Triton's own ptxas / cuobjdump (NVIDIA) or its AMD backend
+(ROCm, no SASS statistics) compile from the source.
+
+    python benchmarks/linear_sass.py [--target sm90|gfx942] [--kernels fp8,gguf]
+
+The kernels are compiled as the runtime specializes them for aligned tensors (pointers and the sizes / strides that
+are multiples of 16 marked divisible by 16) with bf16 activations. Times here are compile times, nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # the real compiler, whatever the caller's environment says
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from tokenfab.kernels.gpu import fp8_linear, gguf_linear  # noqa: E402
+
+ALIGNED = {"X", "W", "S", "OUT", "BIAS", "T32", "T16", "N", "K", "s_xm", "s_wn", "s_sn", "NT", "KB"}
+TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
+
+
+def _loop_stats(cubin: bytes) -> tuple[str, str, int, collections.Counter]:
+    """(registers, stack bytes, instructions in the longest loop, their opcode counts) of a cubin."""
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        res = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", f.name], capture_output=True,
+                             text=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True,
+                              text=True).stdout
+    m = re.search(r"REG:(\d+).*?STACK:(\d+)", res)
+    ops = []
+    for line in sass.splitlines():
+        mm = re.match(r"\s+/\*([0-9a-f]{4})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)", line)
+        if mm:
+            ops.append((int(mm.group(1), 16), mm.group(3), line))
+    loops = []
+    for addr, op, line in ops:
+        t = re.search(r"0x([0-9a-f]+)", line.split("BRA")[1]) if op.startswith("BRA") else None
+        if t and int(t.group(1), 16) < addr:
+            loops.append((int(t.group(1), 16), addr))
+    body = collections.Counter()
+    if loops:
+        a, b = max(loops, key=lambda ab: ab[1] - ab[0])
+        body = collections.Counter(op.split(".")[0] for addr, op, _ in ops if a <= addr <= b)
+    return (m.group(1), m.group(2)) if m else ("?", "?"), sum(body.values()), body
+
+
+def _report(label: str, fn, sig: dict, const: dict, cfg, target, weights_per_thread: int) -> None:
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a in ALIGNED}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=target,
+                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    line = f"{label:<34} {str(cfg.kwargs):<34} w{cfg.num_warps} s{cfg.num_stages} smem {k.metadata.shared:>6}"
+    if target.backend == "cuda":
+        (regs, stack), n, body = _loop_stats(k.asm["cubin"])
+        line += (f" regs {regs:>3} stack {stack:>4} loop {n:>4} instr = {n / weights_per_thread:5.1f} per weight | "
+                 + " ".join(f"{op}:{c}" for op, c in body.most_common(6)))
+    print(line, flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="sm90", choices=sorted(TARGETS))
+    ap.add_argument("--kernels", default="fp8,gguf")
+    args = ap.parse_args()
+    target = TARGETS[args.target]
+    want = set(args.kernels.split(","))
+    base = {"X": "*bf16", "OUT": "*fp32", "BIAS": "*bf16", "HAS_BIAS": "constexpr", "PARTIAL": "constexpr"}
+    if "fp8" in want:
+        sig = {**base, "W": "*u8", "S": "*fp32", "N": "i32", "K": "i32", "s_wn": "i32", "s_sn": "i32",
+               "STEPS": "i32", "SPLIT": "i32", "NATIVE_FP8": "constexpr", "BLOCK_N": "constexpr"}
+        for cfg in fp8_linear._fp8_gemv.configs:
+            _report("fp8 one row", fp8_linear._fp8_gemv.fn, sig, {"HAS_BIAS": False, "PARTIAL": True,
+                    "NATIVE_FP8": True, **cfg.kwargs}, cfg, target, cfg.kwargs["BLOCK_N"] * 128 // (
+                    32 * cfg.num_warps))
+        sig = {**sig, "M": "i32", "s_xm": "i32", "MB": "i32", "DOT_F32": "constexpr", "BLOCK_M": "constexpr"}
+        for cfg in fp8_linear._fp8_gemm.configs:
+            for bm in (16, 64):
+                _report(f"fp8 tiles BLOCK_M={bm}", fp8_linear._fp8_gemm.fn, sig, {"HAS_BIAS": False,
+                        "PARTIAL": True, "NATIVE_FP8": True, "DOT_F32": False, "BLOCK_M": bm, **cfg.kwargs}, cfg,
+                        target, cfg.kwargs["BLOCK_N"] * 128 // (32 * cfg.num_warps))
+    if "gguf" in want:
+        sig = {**base, "T32": "*i32", "T16": "*fp16", "N": "i32", "NT": "i32", "KB": "i32", "STEPS": "i32",
+               "SPLIT": "i32", "TBB": "constexpr", "KIND": "constexpr", "BLOCK_T": "constexpr",
+               "BLOCK_KB": "constexpr"}
+        for name, kind in gguf_linear._KIND.items():
+            tbb = {"Q8_0": 544, "Q4_0": 288, "Q4_1": 320}[name]
+            for cfg in gguf_linear._gguf_gemv.configs:
+                per = cfg.kwargs["BLOCK_T"] * 16 * cfg.kwargs["BLOCK_KB"] * 32 // (32 * cfg.num_warps)
+                _report(f"{name} one row", gguf_linear._gguf_gemv.fn, sig, {"HAS_BIAS": False, "PARTIAL": True,
+                        "TBB": tbb, "KIND": kind, **cfg.kwargs}, cfg, target, per)
+            sig2 = {**sig, "M": "i32", "s_xm": "i32", "MB": "i32", "DOT_F32": "constexpr", "MAGIC": "constexpr",
+                    "DEQ": "constexpr", "BLOCK_M": "constexpr"}
+            for cfg in gguf_linear._gguf_gemm.configs:
+                per = cfg.kwargs["BLOCK_T"] * 16 * cfg.kwargs["BLOCK_KB"] * 32 // (32 * cfg.num_warps)
+                for bm in (16, 64):
+                    _report(f"{name} tiles BLOCK_M={bm}", gguf_linear._gguf_gemm.fn, sig2, {"HAS_BIAS": False,
+                            "PARTIAL": True, "TBB": tbb, "KIND": kind, "DOT_F32": False, "MAGIC": 0x4300,
+                            "DEQ": bm >= 32, "BLOCK_M": bm, **cfg.kwargs}, cfg, target, per)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
