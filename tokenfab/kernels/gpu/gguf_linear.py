@@ -16,7 +16,8 @@ once per block; for Q4_1 also ``m`` times the sum of the block's 32 activations,
 sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k (values of gguf_blocks' module docstring: Q8_0 d * q,
 Q4_0 d * (q - 8), Q4_1 d * q + m). For bf16 / fp16 activations a 4-bit quant enters the dot as 128 + q, written
 straight into the bits of 128.0 (no int-to-float conversion), and the block's sum of activations (from the tensor
-cores, x . ones) times 128 d is taken off per block. One activation row (decode at batch 1) takes a CUDA-core
+cores, x . ones) times 128 d is taken off per block; tiles of 32+ activation rows instead dequantize the weights in
+registers (float32 d q + m rounded once to the activation dtype) and let the dot accumulate. One activation row (decode at batch 1) takes a CUDA-core
 variant (``_gguf_gemv``: quants made float32 by their bits, 2^23 + q minus 2^23, times d plus m, times x, per-thread
 float32 sums reduced once after the K loop). Nothing but registers ever holds dequantized weights. Tile and block
 counts, warps and pipeline stages are autotuned per (M bucket, N, K, split, dtypes) on a GPU; the interpreter runs
