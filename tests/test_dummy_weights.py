@@ -141,18 +141,59 @@ def test_tensor_parallel_ranks_fill_their_own_shards(tiny_model, tmp_path):
     assert all(math.isfinite(lp.logprob) for step in runs[0].logprobs for lp in step.values())
 
 
-def test_packed_formats_are_refused_by_name(tiny_shapes, tmp_path):
-    """MXFP4 routed experts (the published K3 checkpoint's quantization_config) cannot be filled: refused, naming
-    load_format."""
-    d = config_only(tiny_shapes["k3"], str(tmp_path / "k3q"))
-    cfg = json.load(open(os.path.join(d, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-                                  "config_groups": {"group_0": {"format": "mxfp4-pack-quantized",
-                                                                "targets": ["Linear"]}},
-                                  "ignore": ["re:.*shared_experts.*", "re:.*self_attn.*", "lm_head"]}
-    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
-    with pytest.raises(UnsupportedError, match="load_format='dummy' fills unquantized"):
-        LLM(d, load_format="dummy", **KW)
+def packed_layout(model) -> dict:
+    """Every packed tensor a load kept, by name: FP8 Linear weights (class, codes' and scales' shapes and dtypes)
+    and packed expert stacks (class, buffers' shapes and dtypes)."""
+    from tokenfab.quant.packed_experts import PackedExperts
+    from tokenfab.quant.packed_weight import PackedWeight
+    return {n: (type(m).__name__, [(b, tuple(t.shape), t.dtype) for b, t in m.named_buffers()])
+            for n, m in model.named_modules() if isinstance(m, (PackedWeight, PackedExperts))}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "mxfp4"])
+def test_packed_dummy_matches_the_real_packed_checkpoint(tiny_model, tmp_path, fmt, monkeypatch):
+    """A config-only copy of a packed checkpoint (DeepSeek-V3 FP8 block-scaled as published; INT4 group-32 / MXFP4
+    routed experts) loads with dummy weights packed exactly as the real load keeps them: the same packed modules
+    with the same buffer shapes and dtypes, the same plain parameters, the same weight bytes (decode_floor's packed
+    floor); the codes decode to finite weights of RMS ~0.02 and greedy decoding gives finite logprobs."""
+    from benchmarks.decode_floor import weight_bytes
+    from tokenfab.testing.fp8_checkpoint import write_fp8_checkpoint
+    from tokenfab.testing.packed_experts_checkpoint import write_packed_experts_checkpoint
+    src = tiny_model("deepseek_v3", num_hidden_layers=2, hidden_size=160, intermediate_size=224, q_lora_rank=64)
+    real_dir = (write_fp8_checkpoint(src, str(tmp_path / "real")) if fmt == "fp8"
+                else write_packed_experts_checkpoint(src, str(tmp_path / "real"), fmt))
+    dummy_dir = config_only(real_dir, str(tmp_path / "dummy"))
+    real = LLM(real_dir, **KW).llm_engine.runner.model
+    no_weight_reads(monkeypatch)
+    llm = LLM(dummy_dir, load_format="dummy", seed=2, **KW)
+    dummy = llm.llm_engine.runner.model
+    layout = packed_layout(dummy)
+    assert layout == packed_layout(real) and layout
+    kinds = {k for k, _ in layout.values()}
+    assert kinds == ({"Fp8BlockWeight", "Fp8BlockExperts"} if fmt == "fp8" else
+                     {"Int4GroupExperts" if fmt == "int4" else "Mxfp4Experts"})
+    assert ({n: (tuple(p.shape), p.dtype) for n, p in real.named_parameters()}
+            == {n: (tuple(p.shape), p.dtype) for n, p in dummy.named_parameters()})
+    assert weight_bytes(real) == weight_bytes(dummy)
+    experts = dummy.model.layers[1].mlp.experts
+    for stack in (experts.q13, experts.q2):
+        w = stack.dequantize_expert(stack.num_experts - 1)
+        assert torch.isfinite(w).all() and 0.012 < w.pow(2).mean().sqrt().item() < 0.035, type(stack).__name__
+    if fmt == "fp8":
+        lin = dummy.model.layers[0].mlp.down_proj.qweight
+        w = lin.dequantize_rows(0, lin.out_features)
+        assert torch.isfinite(w).all() and 0.015 < w.std().item() < 0.025
+    c = greedy_with_logprobs(llm, 4)
+    assert len(c.token_ids) == 4 and all(math.isfinite(lp.logprob) for step in c.logprobs for lp in step.values())
+
+
+def test_packed_dummy_refusals(tiny_shapes, tmp_path):
+    """A GGUF file cannot be filled, nor can host experts be split from packed (MXFP4) experts: refused by name."""
+    with pytest.raises(UnsupportedError, match="load_format='dummy' does not fill GGUF"):
+        from tokenfab.loader.dummy_weights import refuse_packed
+        refuse_packed(None, None, True)
+    with pytest.raises(UnsupportedError, match="host experts"):
+        LLM(tiny_shapes["k3"], load_format="dummy", host_experts=1, **KW)
 
 
 # ---- benchmarks/gpu_shapes.py at the real shapes (meta device: no memory) --------------------------------------
