@@ -26,6 +26,10 @@ Cases (real dimensions; fewer layers where the whole model would not fit one GPU
   experts, SiTU), attention residuals, vocab 163840. The routed experts are MXFP4 as published (896 of them: 16 GB;
   ``load_format="dummy"`` fills them packed, tokenfab/loader/dummy_packed.py).
 
+Beside ``k3``, ``DIR/k3-dspark`` holds a DSpark drafter's config.json at K3's width (:func:`k3_dspark`), for
+``--speculative-config '{"method": "dspark", "model": "DIR/k3-dspark", ...}'`` with ``--load-format dummy``
+(benchmarks/gpu_serve_check.sh).
+
 ``--unquantized``: ``dsv3`` and ``k3`` without their quantization_config (bf16 throughout, the same shapes): the
 dense kernels' side of a packed-vs-bf16 comparison. 896 bf16 K3 experts are 59 GB, so ``--k3-experts auto`` then
 means 896 on a GPU with at least 120 GiB (H200) and 384 (25 GB) on smaller ones; batch 1 reads the same bytes
@@ -134,6 +138,29 @@ def k3(tiny: bool = False, experts: int = 896, quantized: bool = True) -> dict:
     return cfg
 
 
+K3_DSPARK = "k3-dspark"  # the drafter folder write_cases adds beside ``k3``
+
+
+def k3_dspark(tiny: bool = False) -> dict:
+    """A DSpark drafter's config.json (speculators layout) for the ``k3`` case: 5 MLA draft layers at K3's width
+    (hidden 7168, 96 heads, q_lora 1536, kv_lora 512, nope / rope / v 128 / 64 / 128; MLP intermediate 18432 and
+    Markov rank 256 assumed, as SpecForge's 5-MLA drafter's sizes are not published with it), blocks of 8 (7
+    drafts), tapping both target layers, vocab 163840; ``tiny``: the tiny ``k3``'s sizes. Loaded with the target's
+    ``load_format="dummy"`` (spec_decode/dspark_proposer.py fills it too), so no weight file is written."""
+    from tokenfab.testing.tiny_dspark import MLA, dspark_config
+    if tiny:
+        text = k3(tiny=True)["text_config"]
+        return dspark_config("speculators", ["mla"] * 2, hidden=text["hidden_size"],
+                             target_hidden=text["hidden_size"], vocab=text["vocab_size"], target_layer_ids=[0, 1],
+                             target_num_layers=2, block_size=4, mask_token_id=3, intermediate=96, markov_rank=8,
+                             confidence=False, mla=MLA)
+    mla = dict(num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+               qk_rope_head_dim=64, v_head_dim=128)
+    return dspark_config("speculators", ["mla"] * 5, hidden=7168, target_hidden=7168, vocab=163840,
+                         target_layer_ids=[0, 1], target_num_layers=2, block_size=8, mask_token_id=163839,
+                         intermediate=18432, markov_rank=256, confidence=False, mla=mla)
+
+
 def config_for(case: str, tiny: bool = False, k3_experts: int = 896, unquantized: bool = False) -> dict:
     """config.json of ``case`` (one of :data:`CASES`; ``unquantized``: dsv3 / k3 in bf16, module docstring).
 
@@ -152,7 +179,7 @@ def config_for(case: str, tiny: bool = False, k3_experts: int = 896, unquantized
 def write_cases(out: str, cases=CASES, tiny: bool = False, k3_experts: int = 896,
                 unquantized: bool = False) -> dict[str, str]:
     """Write ``out/<case>/config.json`` and the tokenizer for each case (a folder that exists is rewritten);
-    returns {case: folder}.
+    returns {case: folder}, with "k3-dspark" (its drafter's folder) beside k3.
 
     Raises:
         ValueError: an unknown case (before anything is written).
@@ -172,6 +199,12 @@ def write_cases(out: str, cases=CASES, tiny: bool = False, k3_experts: int = 896
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(cfg, f, indent=2)
         folders[case] = d
+    if "k3" in configs:  # the k3 case's DSpark drafter (config only; dummy weights)
+        d = os.path.join(out, K3_DSPARK)
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(k3_dspark(tiny), f, indent=2)
+        folders[K3_DSPARK] = d
     return folders
 
 
@@ -231,7 +264,7 @@ def main() -> int:
         return 2
     for case, d in folders.items():
         line = f"{case}: {d}"
-        if args.count:
+        if args.count and case != K3_DSPARK:
             n, b = count_parameters(d)
             line += f" ({n:,} parameters, {b / 2**30:.2f} GiB in bf16)"
         print(line, flush=True)

@@ -187,6 +187,25 @@ def test_packed_dummy_matches_the_real_packed_checkpoint(tiny_model, tmp_path, f
     assert len(c.token_ids) == 4 and all(math.isfinite(lp.logprob) for step in c.logprobs for lp in step.values())
 
 
+def test_dummy_k3_with_its_dummy_dspark_drafter(tiny_shapes, monkeypatch):
+    """The k3 case (MXFP4 experts packed) with its DSpark drafter folder (config.json only): both filled with dummy
+    weights (no file read), every drafter parameter finite at ~N(0, 0.02), and a greedy run drafts and verifies
+    (the drafter's proposals counted) with finite logprobs."""
+    no_weight_reads(monkeypatch)
+    llm = LLM(tiny_shapes["k3"], load_format="dummy", seed=1,
+              speculative_config={"method": "dspark", "model": tiny_shapes["k3-dspark"],
+                                  "num_speculative_tokens": 3}, **KW)
+    drafter = llm.llm_engine.spec.proposer.drafter
+    for name, p in drafter.named_parameters():
+        assert torch.isfinite(p).all(), name
+        if p.dim() >= 2 and p.numel() >= 256:
+            assert 0.015 < p.float().std().item() < 0.025, name
+    c = greedy_with_logprobs(llm, 8)
+    assert len(c.token_ids) == 8 and all(math.isfinite(lp.logprob) for step in c.logprobs for lp in step.values())
+    st = llm.llm_engine.get_stats()
+    assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_draft_tokens"] >= st["spec_decode_num_drafts"]
+
+
 def test_packed_dummy_refusals(tiny_shapes, tmp_path):
     """A GGUF file cannot be filled, nor can host experts be split from packed (MXFP4) experts: refused by name."""
     with pytest.raises(UnsupportedError, match="load_format='dummy' does not fill GGUF"):
@@ -200,8 +219,12 @@ def test_packed_dummy_refusals(tiny_shapes, tmp_path):
 def test_real_shape_folders_parse_with_the_published_sizes(tmp_path):
     from benchmarks.gpu_shapes import count_parameters, write_cases
     from tokenfab.config import load_config
+    from tokenfab.spec_decode.dspark_config import check_against_target, load_dspark_config
     folders = write_cases(str(tmp_path), k3_experts=384)
+    drafter = load_dspark_config(folders.pop("k3-dspark"))
     mc = {c: load_config(d) for c, d in folders.items()}
+    check_against_target(drafter, mc["k3"])  # the drafter fits the k3 case (vocab, tap width, tapped layers)
+    assert (drafter.layer_types, drafter.num_attention_heads, drafter.kv_lora_rank) == (["mla"] * 5, 96, 512)
     assert (mc["llama3b"].hidden_size, mc["llama3b"].num_hidden_layers, mc["llama3b"].num_key_value_heads,
             mc["llama3b"].tie_word_embeddings) == (3072, 28, 8, True)
     assert (mc["qwen3moe"].num_experts, mc["qwen3moe"].num_experts_per_tok, mc["qwen3moe"].moe_intermediate_size) \
