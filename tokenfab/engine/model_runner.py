@@ -126,6 +126,9 @@ class ModelRunner:
         if sampler is not None:
             sampler.batch_invariant = batch_invariant  # each row drawn by its own kind of draw, whatever its mates
             sampler.use_cpu_kernels = device.type == "cpu"  # a GPU engine's logits draw in PyTorch: no kernel build
+        # GPU engines draw plain rows (greedy / temperature, no logprobs or processors) on the device and copy back
+        # only the sampled ids (Sampler.draw_on_device); the rest, and every CPU engine, sample host logits
+        self.device_draw = sampler is not None and device.type != "cpu"
         if sampler is not None:  # penalties, min_p, logit_bias, allowed_token_ids, bad_words by row (logits_state.py)
             sampler.processors = LogitsProcessorState(max_num_seqs, model.cfg.vocab_size, self.token_ids)
         self.eos_ids: list[int] = []
@@ -197,8 +200,9 @@ class ModelRunner:
     def forward(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray, input_ids: np.ndarray,
                 logit_idx: np.ndarray, derived: tuple | None = None,
                 rows: np.ndarray | None = None, keep: np.ndarray | None = None,
-                modules: bool = False) -> torch.Tensor | None:
-        """Run the model on one step's flat batch; logits [len(logit_idx), vocab] float32 on CPU, or None.
+                modules: bool = False, on_device: bool = False) -> torch.Tensor | None:
+        """Run the model on one step's flat batch; logits [len(logit_idx), vocab] float32 on CPU (``on_device``:
+        left on the model's device), or None.
 
         Args (int64 numpy): ``d`` decode sequences (first in the batch); ``num_new`` / ``num_computed`` [B] tokens
         this step / already in the cache per sequence; ``bt`` [B, >= blocks needed] block tables; ``input_ids`` [T];
@@ -249,7 +253,8 @@ class ModelRunner:
             return None
         if not (d == B and len(logit_idx) == B):  # decode-only steps want every row, in order
             hidden = hidden[torch.from_numpy(logit_idx).to(self.device)]
-        return self.model.compute_logits(hidden).cpu()
+        logits = self.model.compute_logits(hidden)
+        return logits if on_device else logits.cpu()
 
     def uses_modules(self) -> bool:
         """True when this runner's steps must run through the model's modules (layer taps for a drafter are
@@ -345,11 +350,18 @@ class ModelRunner:
                                       rows if self.has_state else None, keep,  # hybrid models: the KDA state slots
                                       modules=self.uses_modules())  # every rank pads (or not) alike
         logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
-                              rows=rows, keep=keep)
+                              rows=rows, keep=keep, on_device=True)
         if self.capture is not None:
             self.keep_captured(seqs, rows, req_idx, positions)
         if logits is None:
             return StepOutput(sampled_index, None, None)
+        if self.device_draw and spec_tok is None and not len(plp_tok) and len(sampled_index):
+            sample_seqs = seqs if d == B else [seqs[i] for i in sampled_index]
+            if not self._min_tokens_rows(sample_seqs):  # plain rows drawn where the logits are: only ids come back
+                out = self.sampler.draw_on_device(logits, sample_seqs, rows[sampled_index])
+                if out is not None:
+                    return StepOutput(sampled_index, out, None, None)
+        logits = logits.cpu()  # everything else (processors, logprobs, verification) reads host logits
         s_logits, p_logits = logits[: len(sample_tok)], logits[len(sample_tok):len(sample_tok) + len(plp_tok)]
         spec_logits = logits[len(sample_tok) + len(plp_tok):] if spec_tok is not None else None
 
