@@ -105,15 +105,15 @@ def test_decode_steps_match_recurrence(interpret, lower_bound, D):
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0])
 def test_prefill_crosses_chunks_then_decodes(interpret, lower_bound):
-    """A padded prefill group of 3 sequences (150 tokens: three 64-token chunks, 70 and 9 tokens; one carried
+    """A padded prefill group of 3 sequences (131 tokens: 64 + 64 + 3, 70 and 9 tokens; one carried
     state, the others fresh) against the chunked form and the recurrence; padding tokens are not read or written;
     then decode steps continue from the kernel's prefill state against the recurrence from the reference state."""
     g = torch.Generator().manual_seed(3 + (lower_bound is None))
-    B, Q, H, D = 3, 150, 2, 8
+    B, Q, H, D = 3, 131, 2, 8
     state = torch.randn(5, H, D, D, generator=g) * 0.3
     qkv, g_raw, dt_bias, a_log, b_raw = raw_inputs(g, B, Q, H, D, lower_bound)
     idx = torch.arange(B * Q).view(B, Q)
-    n = torch.tensor([150, 70, 9])
+    n = torch.tensor([131, 70, 9])
     fresh = torch.tensor([True, False, True])
     rows = torch.tensor([3, 0, 4])
     got_s = state.clone()
@@ -145,3 +145,160 @@ def test_value_block_choice():
     assert value_block(3, 96, 128) == (32, 4)  # 1,152 programs
     assert value_block(64, 2, 12) == (16, 1)  # head dim 12: BK 16
     assert value_block(1, 2, 8) == (8, 1)
+
+
+# ---- the models on the GPU code path ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def hybrid_paths(tmp_path_factory, tokenizer_dir):
+    """The tiny Kimi Linear (softplus gate, low-rank output gate) and Kimi K3 (lower-bound gate, full-rank output
+    gate, MXFP4 experts) checkpoints of tests/test_kimi_linear.py and tests/test_kimi_k3.py."""
+    from test_kimi_k3 import TEXT, k3_tensors, write_k3
+    from test_kimi_linear import make_kimi_linear
+    stored, _ = k3_tensors(TEXT, seed=5)
+    return {"kimi_linear": make_kimi_linear(str(tmp_path_factory.mktemp("kda_kl")), tokenizer_dir, seed=3),
+            "k3": write_k3(str(tmp_path_factory.mktemp("kda_k3")), tokenizer_dir, tensors=stored)}
+
+
+def generate(path: str, prompts, max_tokens: int, **kw):
+    from tokenfab import LLM, SamplingParams
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=16, block_size=8,
+              max_num_seqs=4, progress=False, **kw)
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+@pytest.mark.parametrize("model", ["kimi_linear", "k3"])
+def test_models_on_gpu_path_match_cpu_path(monkeypatch, hybrid_paths, model):
+    """Greedy tokens and logprobs of the whole engine with every GPU-path choice taken (TOKENFAB_TRITON=
+    interpret-gpu-path: the KDA layers through the fused kernel; a 20-token prompt prefilled over two steps while
+    the others decode) and the padded decode-graph buffers (3 sequences in the size-4 buffers, the padding row in
+    the spare state slot 4) equal the CPU path's without graphs; afterwards every real slot holds the same conv and
+    recurrent state and the spare slot the padding row's."""
+    from test_engine_exact import make_prompts
+    from tokenfab.kernels.cpu import build as cpu_build
+    from tokenfab.kernels.cpu import ops as cpu_ops
+    from tokenfab.kernels.gpu import kda
+    prompts = make_prompts(7, [20, 3, 6])
+    monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
+    monkeypatch.setattr(cpu_build, "load", lambda: None)
+    monkeypatch.setattr(cpu_ops, "load", lambda: None)
+    ref_llm, ref = generate(hybrid_paths[model], prompts, 3)
+    calls = []
+    orig = kda.kda_recurrent
+    monkeypatch.setattr(kda, "kda_recurrent", lambda *a, **k: calls.append(tuple(a[0].shape)) or orig(*a, **k))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
+    llm, got = generate(hybrid_paths[model], prompts, 3)
+    assert (4, 1) in {s[:2] for s in calls} and any(s[1] > 1 for s in calls), calls  # padded decode, prefill
+    for i, (r, g) in enumerate(zip(ref, got)):
+        assert g.outputs[0].token_ids == r.outputs[0].token_ids, f"{model}: request {i}: tokens differ"
+        for a, b, t in zip(r.outputs[0].logprobs, g.outputs[0].logprobs, r.outputs[0].token_ids):
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4
+    spare = llm.llm_engine.runner.decode_graphs.state_slot
+    assert spare == 4
+    for c_ref, c in zip(ref_llm.llm_engine.runner.state_caches, llm.llm_engine.runner.state_caches):
+        torch.testing.assert_close(c.recurrent[:spare], c_ref.recurrent, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(c.conv[:spare], c_ref.conv, rtol=1e-4, atol=1e-4)
+        assert c.recurrent[spare].abs().sum() > 0  # the padding row's state went to the spare slot
+
+
+# ---- one layer: the kernel branch, the chunked (fla) branch and speculative rows ---------------------------------
+def make_layer(lower_bound: float | None, full_rank_gate: bool, H: int = 2, D: int = 8, hidden: int = 24):
+    """A KimiDeltaAttention with random weights (conv taps x 4, as tests/test_kimi_linear.py's checkpoint)."""
+    from types import SimpleNamespace
+
+    from tokenfab.layers.kda import KimiDeltaAttention
+    cfg = SimpleNamespace(kda_num_heads=H, kda_head_dim=D, kda_conv_kernel=4, hidden_size=hidden, rms_norm_eps=1e-5,
+                          use_full_rank_gate=full_rank_gate, gate_lower_bound=lower_bound)
+    layer = KimiDeltaAttention(cfg)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * (0.8 if "conv1d" in name else 0.3))
+    return layer
+
+
+def group(token_index: list[list[int]], query_pos: list[list[int]]):
+    from tokenfab.layers.attention_metadata import AttentionGroup
+    ti, qp = torch.tensor(token_index), torch.tensor(query_pos)
+    B, Q = ti.shape
+    return AttentionGroup(ti, qp, torch.zeros(B, 1, dtype=torch.int64), (qp.max(1).values + 1), Q, Q)
+
+
+def two_steps(layer, chunk_stand_in=None):
+    """Step 1: one carried sequence decodes (slot 2) while two fresh ones prefill 70 and 5 tokens (slots 0, 3);
+    step 2: the three decode as speculative rows 0 and 2 (state kept for roll back). Returns the outputs, the
+    caches and the pending entries."""
+    from tokenfab.layers.attention_metadata import AttentionMetadata
+    g = torch.Generator().manual_seed(5)
+    cache = layer.make_state_cache(5, torch.float32, "cpu")
+    cache.recurrent[2] = torch.randn(cache.recurrent[2].shape, generator=g) * 0.3
+    cache.conv[2] = torch.randn(cache.conv[2].shape, generator=g)
+    x1 = torch.randn(76, 24, generator=g)
+    pre = group([list(range(1, 71)), list(range(71, 76)) + [76] * 65],
+                [list(range(70)), list(range(5)) + [-1] * 65])
+    m1 = AttentionMetadata(torch.zeros(76, dtype=torch.int64), group([[0]], [[40]]), pre, 76, 8,
+                           state_rows=torch.tensor([2, 0, 3]))
+    x2 = torch.randn(3, 24, generator=g)
+    m2 = AttentionMetadata(torch.zeros(3, dtype=torch.int64), group([[0], [1], [2]], [[41], [70], [5]]), None, 3, 8,
+                           state_rows=torch.tensor([2, 0, 3]), state_keep=torch.tensor([True, False, True]))
+    with torch.no_grad():
+        outs = [layer(None, x1, cache, m1), layer(None, x2, cache, m2)]
+    return outs, cache
+
+
+@pytest.mark.parametrize("lower_bound,full_rank_gate", [(None, False), (-5.0, True)])
+@pytest.mark.parametrize("prefill", ["kernel", "chunk_reference", "chunk_fla_conventions"])
+def test_layer_gpu_path_matches_pytorch_path(monkeypatch, lower_bound, full_rank_gate, prefill):
+    """The KDA layer on the GPU code path against its PyTorch path (the reference): outputs, conv and recurrent
+    slots and the speculative rows' pending entries. ``chunk_*``: the 70-token prefill group takes the chunked
+    branch (kernels/gpu/kda_chunk.py), with fla's chunk_kda (which does not run in Triton's interpreter) replaced
+    by a stand-in following its documented contract: layers/kda.py's chunked form, or fla's fused_recurrent_kda
+    (it does run in the interpreter) called with the same tensor mapping (skipped without fla-core)."""
+    layer = make_layer(lower_bound, full_rank_gate)
+    want, want_cache = two_steps(layer)
+    from tokenfab.kernels import dispatch
+    from tokenfab.kernels.gpu import kda_chunk
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    chunked = []
+    if prefill != "kernel":
+        if prefill == "chunk_fla_conventions":
+            fla = pytest.importorskip("fla.ops.kda")
+
+            def stand_in(q, k, v, g, beta, s0):
+                chunked.append(q.shape)
+                return fla.fused_recurrent_kda(q, k, v, g, beta, scale=1.0, initial_state=s0.contiguous(),
+                                               output_final_state=True, use_qk_l2norm_in_kernel=False)
+        else:
+            def stand_in(q, k, v, g, beta, s0):
+                chunked.append(q.shape)
+                tr = lambda t: t.transpose(1, 2)
+                o, s = kda_chunked(tr(q), tr(k), tr(v), tr(g), tr(beta), s0)
+                return tr(o), s
+        monkeypatch.setattr(kda_chunk, "chunk_prefill", stand_in)
+        monkeypatch.setattr(dispatch, "kda_chunk_applies", lambda x, tokens: tokens >= dispatch.KDA_CHUNK_MIN_TOKENS)
+    got, got_cache = two_steps(layer)
+    assert chunked == ([] if prefill == "kernel" else [(2, 70, 2, 8)])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+    torch.testing.assert_close(got_cache.recurrent, want_cache.recurrent, **TOL)
+    torch.testing.assert_close(got_cache.conv, want_cache.conv, **TOL)
+    assert len(got_cache.pending) == len(want_cache.pending) == 1
+    for name in ("rows", "num_tokens", "conv_window", "state", "k", "v", "g", "beta"):
+        torch.testing.assert_close(getattr(got_cache.pending[0], name), getattr(want_cache.pending[0], name), **TOL)
+
+
+def test_chunk_path_never_on_cpu(monkeypatch):
+    """The fla branch is chosen only for CUDA / ROCm bf16 / fp16 tensors: CPU tensors (also on the interpreted GPU
+    path) never ask whether fla-core imports."""
+    from tokenfab.kernels import dispatch
+    from tokenfab.kernels.gpu import kda_chunk
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    monkeypatch.setattr(kda_chunk, "importable", lambda: pytest.fail("fla-core looked up for a CPU tensor"))
+    for dtype in (torch.bfloat16, torch.float32):
+        assert not dispatch.kda_chunk_applies(torch.zeros(2, dtype=dtype), 4096)

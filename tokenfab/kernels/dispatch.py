@@ -299,9 +299,8 @@ KDA_CHUNK_MIN_TOKENS = 64  # padded prefill tokens per sequence from which fla's
 
 def kda_recurrent_applies(qkv: torch.Tensor, state: torch.Tensor) -> bool:
     """True when the fused recurrent KDA kernel (:func:`tokenfab.kernels.gpu.kda.kda_recurrent`) runs a KDA layer's
-    groups here: the GPU code path, a float32 contiguous state pool [slots, H, D, D] and a unit-stride qkv."""
-    return (_gpu(qkv) and state.dtype == torch.float32 and state.dim() == 4 and state.is_contiguous()
-            and qkv.stride(-1) == 1)
+    groups here: the GPU code path and a float32 contiguous state pool [slots, H, D, D]."""
+    return _gpu(qkv) and state.dtype == torch.float32 and state.dim() == 4 and state.is_contiguous()
 
 
 def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
@@ -310,10 +309,12 @@ def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor,
                   out: torch.Tensor, scale: float) -> torch.Tensor:
     """The gated delta rule of one padded KDA group in one launch, state slots updated in place and outputs stored
     at their token rows of ``out`` (arguments as :func:`tokenfab.kernels.gpu.kda.kda_recurrent`; call where
-    :func:`kda_recurrent_applies`). Returns ``out``."""
+    :func:`kda_recurrent_applies`). ``qkv`` may be the layer's transposed view of its conv output: made contiguous
+    here, a copy only for prefill groups (a decode group's [B, 1, C] view already is). Returns ``out``."""
     from tokenfab.kernels.gpu import kda  # imports triton: only when it applies
-    return kda.kda_recurrent(qkv, g_raw.contiguous(), dt_bias.contiguous(), a_log.contiguous(), lower_bound,
-                             b_raw.contiguous(), token_index, num_tokens, first_pos, rows, state, out, scale)
+    return kda.kda_recurrent(qkv.contiguous(), g_raw.contiguous(), dt_bias.contiguous(), a_log.contiguous(),
+                             lower_bound, b_raw.contiguous(), token_index, num_tokens, first_pos, rows, state, out,
+                             scale)
 
 
 def kda_chunk_applies(x: torch.Tensor, tokens: int) -> bool:

@@ -120,13 +120,16 @@ def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor,
         ``out``.
 
     Raises:
-        ValueError: a state that is not float32 / contiguous / [slots, H, D, D], or qkv narrower than 3 * H * D.
+        ValueError: a state that is not float32 / contiguous / [slots, H, D, D], a qkv other than [B, Q, 3 * H * D],
+            a strided last dim of qkv / g_raw / b_raw, or a strided ``out``.
     """
     B, Q, width = qkv.shape
     H, D = state.shape[1], state.shape[2]
-    if state.dtype != torch.float32 or not state.is_contiguous() or state.shape[3] != D or width != 3 * H * D:
-        raise ValueError(f"kda_recurrent: state {tuple(state.shape)} {state.dtype} / qkv {tuple(qkv.shape)} do not "
-                         "match [slots, H, D, D] float32 contiguous and [B, Q, 3 * H * D].")
+    if (state.dtype != torch.float32 or not state.is_contiguous() or state.shape[3] != D or width != 3 * H * D
+            or qkv.stride(-1) != 1 or g_raw.stride(-1) != 1 or b_raw.stride(-1) != 1 or not out.is_contiguous()):
+        raise ValueError(f"kda_recurrent: state {tuple(state.shape)} {state.dtype} / qkv {tuple(qkv.shape)} "
+                         f"{qkv.stride()} do not match [slots, H, D, D] float32 contiguous and [B, Q, 3 * H * D] "
+                         "with unit stride along the channels (g_raw, b_raw likewise; out contiguous).")
     if B == 0 or H == 0:
         return out
     bv, warps = value_block(B, H, D)
