@@ -38,8 +38,8 @@ TARGET_PROGRAMS = 1024  # programs a launch should have before a wider value blo
 
 @triton.jit
 def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, idx_ptr, ntok_ptr, pos0_ptr,
-                          rows_ptr, state_ptr, out_ptr, Q, stride_pos0, stride_qkv_b, stride_qkv_t, stride_g, stride_b, stride_o,
-                          scale, lower_bound, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
+                          rows_ptr, state_ptr, out_ptr, Q, stride_pos0, stride_qkv_b, stride_qkv_t, stride_g,
+                          stride_b, stride_o, scale, lower_bound, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -136,7 +136,7 @@ def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor,
     grid = (B, H, triton.cdiv(D, bv))
     _kda_recurrent_kernel[grid](
         qkv, g_raw, dt_bias, a_log, b_raw, token_index.contiguous(), num_tokens, first_pos, rows, state, out, Q,
-        first_pos.stride(0), qkv.stride(0), qkv.stride(1), g_raw.stride(0), b_raw.stride(0), out.stride(0), float(scale),
-        0.0 if lower_bound is None else float(lower_bound), H=H, D=D, BK=triton.next_power_of_2(D), BV=bv,
-        USE_LOWER_BOUND=lower_bound is not None, num_warps=warps)
+        first_pos.stride(0), qkv.stride(0), qkv.stride(1), g_raw.stride(0), b_raw.stride(0), out.stride(0),
+        float(scale), 0.0 if lower_bound is None else float(lower_bound), H=H, D=D, BK=triton.next_power_of_2(D),
+        BV=bv, USE_LOWER_BOUND=lower_bound is not None, num_warps=warps)
     return out
