@@ -1,6 +1,7 @@
 """The fused recurrent KDA kernel (kernels/gpu/kda.py) in Triton's interpreter on CPU against layers/kda.py's
-PyTorch forms (the token-by-token recurrence and the chunked WY form), and the KDA layers of the tiny Kimi Linear
-(softplus gate) and Kimi K3 (lower-bound sigmoid gate) models on the GPU code path against the CPU path.
+PyTorch forms (the token-by-token recurrence and the chunked WY form), and one KDA layer on the GPU code path (the
+kernel branch, the chunked fla-core branch with stand-ins, speculative rows) against its PyTorch path. The whole
+engines on the GPU path: tests/test_kda_gpu_path.py.
 
 The kernel reads the raw gate / beta projections and the conv outputs and does the gate activation, beta sigmoid,
 l2norms, recurrence and output scatter itself, so every test feeds it raw inputs and builds the reference inputs
@@ -145,64 +146,6 @@ def test_value_block_choice():
     assert value_block(3, 96, 128) == (32, 4)  # 1,152 programs
     assert value_block(64, 2, 12) == (16, 1)  # head dim 12: BK 16
     assert value_block(1, 2, 8) == (8, 1)
-
-
-# ---- the models on the GPU code path ------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def hybrid_paths(tmp_path_factory, tokenizer_dir):
-    """The tiny Kimi Linear (softplus gate, low-rank output gate) and Kimi K3 (lower-bound gate, full-rank output
-    gate, MXFP4 experts) checkpoints of tests/test_kimi_linear.py and tests/test_kimi_k3.py."""
-    from test_kimi_k3 import TEXT, k3_tensors, write_k3
-    from test_kimi_linear import make_kimi_linear
-    stored, _ = k3_tensors(TEXT, seed=5)
-    return {"kimi_linear": make_kimi_linear(str(tmp_path_factory.mktemp("kda_kl")), tokenizer_dir, seed=3),
-            "k3": write_k3(str(tmp_path_factory.mktemp("kda_k3")), tokenizer_dir, tensors=stored)}
-
-
-def generate(path: str, prompts, max_tokens: int, **kw):
-    from tokenfab import LLM, SamplingParams
-    llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=16, block_size=8,
-              max_num_seqs=4, progress=False, **kw)
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
-    return llm, llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-
-
-@pytest.mark.parametrize("model", ["kimi_linear", "k3"])
-def test_models_on_gpu_path_match_cpu_path(monkeypatch, hybrid_paths, model):
-    """Greedy tokens and logprobs of the whole engine with every GPU-path choice taken (TOKENFAB_TRITON=
-    interpret-gpu-path: the KDA layers through the fused kernel; a 20-token prompt prefilled over two steps while
-    the others decode) and the padded decode-graph buffers (3 sequences in the size-4 buffers, the padding row in
-    the spare state slot 4) equal the CPU path's without graphs; afterwards every real slot holds the same conv and
-    recurrent state and the spare slot the padding row's."""
-    from test_engine_exact import make_prompts
-    from tokenfab.kernels.cpu import build as cpu_build
-    from tokenfab.kernels.cpu import ops as cpu_ops
-    from tokenfab.kernels.gpu import kda
-    prompts = make_prompts(7, [20, 3, 6])
-    monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
-    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
-    monkeypatch.setattr(cpu_build, "load", lambda: None)
-    monkeypatch.setattr(cpu_ops, "load", lambda: None)
-    ref_llm, ref = generate(hybrid_paths[model], prompts, 3)
-    calls = []
-    orig = kda.kda_recurrent
-    monkeypatch.setattr(kda, "kda_recurrent", lambda *a, **k: calls.append(tuple(a[0].shape)) or orig(*a, **k))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
-    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
-    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
-    llm, got = generate(hybrid_paths[model], prompts, 3)
-    assert (4, 1) in {s[:2] for s in calls} and any(s[1] > 1 for s in calls), calls  # padded decode, prefill
-    for i, (r, g) in enumerate(zip(ref, got)):
-        assert g.outputs[0].token_ids == r.outputs[0].token_ids, f"{model}: request {i}: tokens differ"
-        for a, b, t in zip(r.outputs[0].logprobs, g.outputs[0].logprobs, r.outputs[0].token_ids):
-            assert abs(a[t].logprob - b[t].logprob) < 1e-4
-    spare = llm.llm_engine.runner.decode_graphs.state_slot
-    assert spare == 4
-    for c_ref, c in zip(ref_llm.llm_engine.runner.state_caches, llm.llm_engine.runner.state_caches):
-        torch.testing.assert_close(c.recurrent[:spare], c_ref.recurrent, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(c.conv[:spare], c_ref.conv, rtol=1e-4, atol=1e-4)
-        assert c.recurrent[spare].abs().sum() > 0  # the padding row's state went to the spare slot
 
 
 # ---- one layer: the kernel branch, the chunked (fla) branch and speculative rows ---------------------------------
