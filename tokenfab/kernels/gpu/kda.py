@@ -18,8 +18,8 @@ read or written. Launch shapes depend only on tensor sizes and the host never re
 replay under CUDA graphs; the padding rows of a padded decode batch all name the spare slot (their writes race
 there, which no real sequence reads).
 
-Bytes: a decode step of B sequences reads and writes B * H * D_k * D_v * 4 bytes of state (128 KiB per K3 head of
-128), which dominates the q / k / v / gate inputs. The value block BV is chosen on the host from the sizes (about a
+Bytes: a decode step of B sequences reads B * H * D_k * D_v * 4 bytes of state and writes as many (64 KiB each way
+per K3 head of 128, 6 MiB per sequence and layer at 96 heads), which dominates the q / k / v / gate inputs. The value block BV is chosen on the host from the sizes (about a
 thousand programs, enough to fill 132 SMs or 304 CUs several times over, with at most 32 state elements per thread);
 ``triton.autotune`` is not used because its benchmark runs would advance the in-place state (restoring it would
 copy the whole state pool).
