@@ -48,7 +48,7 @@ from tokenfab.kernels.gpu import support
 LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["NUM_SPLITS", "CTX_BUCKET", "s_bt", "s_mb", "s_mh", "s_ms"])
+@triton.jit(do_not_specialize=["NUM_SPLITS", "CTX_BUCKET", "s_bt"])
 def _split_attention(Q, K, V, BT, CL, MO, MLSE,
                      s_qb, s_qh, s_kn, s_ks, s_kh, s_vn, s_vs, s_vh, s_bt, s_mb, s_mh, s_ms,
                      scale_log2, Hk, G, H, NUM_SPLITS, CTX_BUCKET,
@@ -70,7 +70,12 @@ def _split_attention(Q, K, V, BT, CL, MO, MLSE,
     dkmask = dk < DV
     dvo = dvb * BLOCK_DV + tl.arange(0, BLOCK_DV)  # value dims this program accumulates
     dvmask = dvo < DV
-    q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + dk[None, :], mask=hmask[:, None] & dkmask[None, :], other=0.0)
+    if BLOCK_DK == DV:  # no column masks: a mask that varies along a row stops 16-byte (cp.async) loads
+        dkmask = dk < BLOCK_DK
+        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + dk[None, :], mask=hmask[:, None], other=0.0)
+    else:
+        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + dk[None, :], mask=hmask[:, None] & dkmask[None, :],
+                    other=0.0)
     if DOT_F32:  # the interpreter's dot has no bfloat16: same products, accumulated in float32 as on a GPU
         q = q.to(tl.float32)
     if DR > 0:
@@ -95,7 +100,10 @@ def _split_attention(Q, K, V, BT, CL, MO, MLSE,
         blk = tl.load(BT + b * s_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
         slot = (t % PAGE).to(tl.int64)
         row_k = blk * s_kn + slot * s_ks + hk * s_kh
-        k = tl.load(K + row_k[:, None] + dk[None, :], mask=tmask[:, None] & dkmask[None, :], other=0.0)
+        if BLOCK_DK == DV:
+            k = tl.load(K + row_k[:, None] + dk[None, :], mask=tmask[:, None], other=0.0)
+        else:
+            k = tl.load(K + row_k[:, None] + dk[None, :], mask=tmask[:, None] & dkmask[None, :], other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_H, BLOCK_N] float32
@@ -113,7 +121,10 @@ def _split_attention(Q, K, V, BT, CL, MO, MLSE,
             v = k
         else:
             row_v = blk * s_vn + slot * s_vs + hk * s_vh
-            v = tl.load(V + row_v[:, None] + dvo[None, :], mask=tmask[:, None] & dvmask[None, :], other=0.0)
+            if BLOCK_DK == DV:
+                v = tl.load(V + row_v[:, None] + dvo[None, :], mask=tmask[:, None], other=0.0)
+            else:
+                v = tl.load(V + row_v[:, None] + dvo[None, :], mask=tmask[:, None] & dvmask[None, :], other=0.0)
             if DOT_F32:
                 v = v.to(tl.float32)
         if DOT_F32:
