@@ -136,3 +136,20 @@ def test_num_splits_cost_model(case, want):
     from tokenfab.kernels.gpu.decode_attention import default_num_splits
     batch, kv_heads, group, dv, row_bytes, elem, ctx, sms = case
     assert default_num_splits(batch, kv_heads, group, dv, row_bytes, elem, ctx, sms) == want
+
+
+def test_configs_fitted_to_the_group_and_value_width():
+    """The tuner's prune: head blocks cut to the group rounded up to a power of two (>= 16 rows), value slices to
+    >= 16 dims each, duplicates dropped."""
+    from tokenfab.kernels.gpu.decode_attention import _NARROW_CONFIGS, _WIDE_CONFIGS, _fit_configs
+    mla_tp8 = _fit_configs(_WIDE_CONFIGS, {"G": 16}, BLOCK_DK=512)  # 128 heads over 8 ranks
+    assert {c.kwargs["BLOCK_H"] for c in mla_tp8} == {16}
+    assert len(mla_tp8) == len(_WIDE_CONFIGS)  # 16-token tiles of 16 heads over 8 warps and over 4 stay apart
+    mla = _fit_configs(_WIDE_CONFIGS, {"G": 128}, BLOCK_DK=512)
+    assert [c.kwargs for c in mla] == [c.kwargs for c in _WIDE_CONFIGS]
+    gqa = _fit_configs(_NARROW_CONFIGS, {"G": 4}, BLOCK_DK=128)
+    assert {c.kwargs["BLOCK_H"] for c in gqa} == {16} and len(gqa) == len(_NARROW_CONFIGS)
+    narrow_values = _fit_configs(_WIDE_CONFIGS, {"G": 40}, BLOCK_DK=16)
+    assert {c.kwargs["DV_SPLIT"] for c in narrow_values} == {1}
+    assert len(narrow_values) == len(_WIDE_CONFIGS) - 1  # (64 heads, 2 slices, 32 tokens) became the first
+    assert {c.kwargs["BLOCK_H"] for c in narrow_values} == {64, 16}

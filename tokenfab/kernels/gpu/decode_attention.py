@@ -173,16 +173,17 @@ def _cfg(block_h: int, dv_split: int, block_n: int, warps: int, stages: int) -> 
                          num_stages=stages)
 
 
-# Value dims over 256 (MLA's 512-wide latent): 64 heads per program over 8 warps (two Hopper warpgroups, each
-# owning half the accumulator, as FlashMLA), then the same with the value dims sliced over 2 programs, then the
-# lower-register fallbacks (32 / 16 heads). A 32-token tile of 576 bf16 dims is 36 KB per pipeline stage; the
-# 16-token tiles also fit MI300X's 64 KB of LDS.
-_WIDE_CONFIGS = [_cfg(64, 1, 32, 8, 2), _cfg(64, 1, 32, 8, 3), _cfg(64, 2, 32, 8, 2), _cfg(64, 2, 32, 4, 3),
-                 _cfg(64, 1, 16, 8, 2), _cfg(32, 1, 32, 8, 2), _cfg(16, 1, 32, 4, 2), _cfg(16, 1, 16, 4, 2)]
+# Value dims over 256 (MLA's 512-wide latent). 64 heads per program over 8 warps (two Hopper warpgroups, each
+# owning half of the [64, 512] float32 accumulator, as FlashMLA) with 32- or 16-token tiles; the same with the
+# value dims sliced over 2 programs (fewer registers, the scores computed twice); 16 heads as the fallback.
+# Compiled ahead of time for sm_90 (ptxas) and gfx942: 233-255 registers a thread on sm_90 (the 64-head whole-value
+# tiles spill under 160 bytes), 110-180 KB of shared memory; all fit MI300X's 64 KB of LDS, the 16-token and the
+# value-sliced tiles without scratch.
+_WIDE_CONFIGS = [_cfg(64, 1, 32, 8, 2), _cfg(64, 1, 16, 8, 2), _cfg(64, 2, 32, 8, 2), _cfg(64, 2, 16, 8, 3),
+                 _cfg(16, 1, 16, 4, 2)]
 # Narrow heads (GQA, D <= 256): all query heads of a KV head in one program (at least the 16 rows a dot needs),
-# tiles of 32-128 tokens.
-_NARROW_CONFIGS = [_cfg(64, 1, 32, 4, 2), _cfg(64, 1, 64, 4, 2), _cfg(64, 1, 64, 4, 3), _cfg(64, 1, 128, 4, 2),
-                   _cfg(64, 1, 128, 8, 3)]
+# tiles of 32-128 tokens (72-158 registers on sm_90, several programs per multiprocessor).
+_NARROW_CONFIGS = [_cfg(64, 1, 32, 4, 2), _cfg(64, 1, 64, 4, 2), _cfg(64, 1, 64, 4, 3), _cfg(64, 1, 128, 8, 3)]
 # The one config Triton's interpreter runs (tests may swap it to cover other head blocks and value slices).
 INTERPRETER_CONFIG = {"BLOCK_H": 16, "DV_SPLIT": 1, "BLOCK_N": 16}
 
