@@ -40,7 +40,9 @@ def gathered_reference(q, k_cache, v_cache, block_tables, context_lens, scale):
 SHAPES = [("gqa", 12, 3, 24, 24), ("mla", 20, 1, 48, 40), ("mla-40-heads", 40, 1, 40, 32)]
 # one token; shorter than 7 splits of 16-token tiles; off the page grid; much longer than the rest
 LENS = [1, 5, 37, 300]
-CONFIGS = [{"BLOCK_H": 16, "DV_SPLIT": 1, "BLOCK_N": 16}, {"BLOCK_H": 64, "DV_SPLIT": 2, "BLOCK_N": 32}]
+CONFIGS = [{"BLOCK_H": 16, "DV_SPLIT": 1, "BLOCK_N": 16, "KEYS_AS_ROWS": False},
+           {"BLOCK_H": 64, "DV_SPLIT": 2, "BLOCK_N": 32, "KEYS_AS_ROWS": False},
+           {"BLOCK_H": 64, "DV_SPLIT": 1, "BLOCK_N": 32, "KEYS_AS_ROWS": True}]
 
 
 def make_case(name, H, Hk, D, Dv, page, dtype, seed):
@@ -57,8 +59,10 @@ def make_case(name, H, Hk, D, Dv, page, dtype, seed):
     return q, k_cache, v_cache, block_tables, torch.tensor(LENS)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["16-heads-whole-values", "64-heads-2-value-slices"])
-@pytest.mark.parametrize("num_splits", [1, 3, 7])
+@pytest.mark.parametrize("num_splits,config", [(1, CONFIGS[0]), (3, CONFIGS[0]), (7, CONFIGS[0]), (3, CONFIGS[1]),
+                                               (7, CONFIGS[1]), (1, CONFIGS[2]), (7, CONFIGS[2])],
+                         ids=["1-split", "3-splits", "7-splits", "3-splits-2-value-slices",
+                              "7-splits-2-value-slices", "1-split-keys-as-rows", "7-splits-keys-as-rows"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_float32_matches_gathered_reference(interpret, monkeypatch, shape, num_splits, config):
     from tokenfab.kernels.gpu import decode_attention
@@ -151,5 +155,5 @@ def test_configs_fitted_to_the_group_and_value_width():
     assert {c.kwargs["BLOCK_H"] for c in gqa} == {16} and len(gqa) == len(_NARROW_CONFIGS)
     narrow_values = _fit_configs(_WIDE_CONFIGS, {"G": 40}, BLOCK_DK=16)
     assert {c.kwargs["DV_SPLIT"] for c in narrow_values} == {1}
-    assert len(narrow_values) == len(_WIDE_CONFIGS) - 1  # (64 heads, 2 slices, 32 tokens) became the first
+    assert len(narrow_values) == len(_WIDE_CONFIGS) - 1  # (64 heads, 2 slices, 32 tokens) became the third
     assert {c.kwargs["BLOCK_H"] for c in narrow_values} == {64, 16}

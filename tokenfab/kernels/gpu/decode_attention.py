@@ -54,7 +54,7 @@ def _split_attention(Q, K, V, BT, CL, MO, MLSE,
                      scale_log2, Hk, G, H, NUM_SPLITS, CTX_BUCKET,
                      DV: tl.constexpr, DR: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DR: tl.constexpr,
                      PAGE: tl.constexpr, VALUE_IS_KEY: tl.constexpr, DOT_F32: tl.constexpr,
-                     BLOCK_H: tl.constexpr, DV_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_H: tl.constexpr, DV_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, KEYS_AS_ROWS: tl.constexpr):
     # CTX_BUCKET only keys the tuner (tokens per split, a power of two)
     BLOCK_DV: tl.constexpr = BLOCK_DK // DV_SPLIT
     hb = tl.program_id(0) // DV_SPLIT
@@ -106,12 +106,20 @@ def _split_attention(Q, K, V, BT, CL, MO, MLSE,
             k = tl.load(K + row_k[:, None] + dk[None, :], mask=tmask[:, None] & dkmask[None, :], other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_H, BLOCK_N] float32
+        if KEYS_AS_ROWS:  # scores as [BLOCK_N, BLOCK_H]: see _WIDE_CONFIGS
+            s = tl.dot(k, tl.trans(q), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_H, BLOCK_N] float32
         if DR > 0:
             k_r = tl.load(K + row_k[:, None] + DV + dr[None, :], mask=tmask[:, None] & drmask[None, :], other=0.0)
             if DOT_F32:
                 k_r = k_r.to(tl.float32)
-            s += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+            if KEYS_AS_ROWS:
+                s += tl.dot(k_r, tl.trans(q_r), input_precision="ieee")
+            else:
+                s += tl.dot(q_r, tl.trans(k_r), input_precision="ieee")
+        if KEYS_AS_ROWS:
+            s = tl.trans(s)
         s = tl.where(tmask[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -168,24 +176,27 @@ def _combine(MO, MLSE, O, s_ob, s_oh, H, NUM_SPLITS,
     tl.store(O + b * s_ob + h * s_oh + dv, (acc / tl.sum(den, 0)).to(O.dtype.element_ty), mask=dvmask)
 
 
-def _cfg(block_h: int, dv_split: int, block_n: int, warps: int, stages: int) -> triton.Config:
-    return triton.Config({"BLOCK_H": block_h, "DV_SPLIT": dv_split, "BLOCK_N": block_n}, num_warps=warps,
-                         num_stages=stages)
+def _cfg(block_h: int, dv_split: int, block_n: int, warps: int, stages: int, keys_as_rows: bool = False):
+    return triton.Config({"BLOCK_H": block_h, "DV_SPLIT": dv_split, "BLOCK_N": block_n, "KEYS_AS_ROWS": keys_as_rows},
+                         num_warps=warps, num_stages=stages)
 
 
-# Value dims over 256 (MLA's 512-wide latent). 64 heads per program over 8 warps (two Hopper warpgroups, each
-# owning half of the [64, 512] float32 accumulator, as FlashMLA) with 32- or 16-token tiles; the same with the
-# value dims sliced over 2 programs (fewer registers, the scores computed twice); 16 heads as the fallback.
-# Compiled ahead of time for sm_90 (ptxas) and gfx942: 233-255 registers a thread on sm_90 (the 64-head whole-value
-# tiles spill under 160 bytes), 110-180 KB of shared memory; all fit MI300X's 64 KB of LDS, the 16-token and the
-# value-sliced tiles without scratch.
-_WIDE_CONFIGS = [_cfg(64, 1, 32, 8, 2), _cfg(64, 1, 16, 8, 2), _cfg(64, 2, 32, 8, 2), _cfg(64, 2, 16, 8, 3),
-                 _cfg(16, 1, 16, 4, 2)]
+# Value dims over 256 (MLA's 512-wide latent): 64 heads per program over 8 warps, the [64, 512] float32
+# accumulator split between two Hopper warpgroups (as FlashMLA). Computed as [64 heads, N tokens] the scores are a
+# warpgroup MMA that Triton lays out over both warpgroups along the heads, each computing all 64 rows (the 576-deep
+# product twice); computed as [N tokens, 64 heads] (KEYS_AS_ROWS) the 8 warps split the heads with no repeat
+# (register MMAs) and nothing spills. Then 16-token tiles, the value dims sliced over 2 programs (the scores
+# computed by both), and 16 heads as the fallback. Compiled ahead of time with Triton's own ptxas for sm_90:
+# 202-255 registers a thread (the 64-head whole-value tiles without KEYS_AS_ROWS spill under 100 bytes), 95-180 KB
+# of shared memory; for gfx942 all fit the 64 KB of LDS, the 16-token and non-KEYS_AS_ROWS tiles with little or no
+# scratch.
+_WIDE_CONFIGS = [_cfg(64, 1, 32, 8, 2, True), _cfg(64, 1, 32, 8, 3, True), _cfg(64, 1, 32, 8, 2),
+                 _cfg(64, 1, 16, 8, 2), _cfg(64, 2, 32, 8, 2), _cfg(16, 1, 16, 4, 2)]
 # Narrow heads (GQA, D <= 256): all query heads of a KV head in one program (at least the 16 rows a dot needs),
 # tiles of 32-128 tokens (72-158 registers on sm_90, several programs per multiprocessor).
 _NARROW_CONFIGS = [_cfg(64, 1, 32, 4, 2), _cfg(64, 1, 64, 4, 2), _cfg(64, 1, 64, 4, 3), _cfg(64, 1, 128, 8, 3)]
 # The one config Triton's interpreter runs (tests may swap it to cover other head blocks and value slices).
-INTERPRETER_CONFIG = {"BLOCK_H": 16, "DV_SPLIT": 1, "BLOCK_N": 16}
+INTERPRETER_CONFIG = {"BLOCK_H": 16, "DV_SPLIT": 1, "BLOCK_N": 16, "KEYS_AS_ROWS": False}
 
 
 def _head_rows(block_h: int, group: int) -> int:
