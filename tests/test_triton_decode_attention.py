@@ -45,10 +45,10 @@ CONFIGS = [{"BLOCK_H": 16, "DV_SPLIT": 1, "BLOCK_N": 16, "KEYS_AS_ROWS": False},
            {"BLOCK_H": 64, "DV_SPLIT": 1, "BLOCK_N": 32, "KEYS_AS_ROWS": True}]
 
 
-def make_case(name, H, Hk, D, Dv, page, dtype, seed):
+def make_case(name, H, Hk, D, Dv, page, dtype, seed, lens=LENS):
     g = torch.Generator().manual_seed(seed)
-    B = len(LENS)
-    max_blocks = -(-max(LENS) // page)
+    B = len(lens)
+    max_blocks = -(-max(lens) // page)
     num_blocks = B * max_blocks + 3
     k_cache = torch.randn(num_blocks, page, Hk, D, generator=g).to(dtype)
     v_cache = k_cache[..., :Dv] if name.startswith("mla") else torch.randn(num_blocks, page, Hk, Dv,
@@ -56,7 +56,7 @@ def make_case(name, H, Hk, D, Dv, page, dtype, seed):
     # every sequence its own blocks, scattered over the pool; columns past a context hold other ids
     block_tables = torch.randperm(num_blocks, generator=g)[:B * max_blocks].view(B, max_blocks)
     q = torch.randn(B, H, D, generator=g).to(dtype)
-    return q, k_cache, v_cache, block_tables, torch.tensor(LENS)
+    return q, k_cache, v_cache, block_tables, torch.tensor(lens)
 
 
 @pytest.mark.parametrize("num_splits,config", [(1, CONFIGS[0]), (3, CONFIGS[0]), (7, CONFIGS[0]), (3, CONFIGS[1]),
@@ -91,6 +91,36 @@ def test_bfloat16_within_rounding_bound(interpret, shape, num_splits):
     bound = 3 * 2 ** -9 * v_cache.double().abs().max().item()
     err = (got.double() - want).abs().max().item()
     assert err <= bound, (err, bound)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], ("mla-wide", 20, 1, 304, 288)], ids=["gqa-narrow", "mla-wide"])
+def test_every_tuner_config_through_the_autotuner(interpret, monkeypatch, shape):
+    """The GPU launch path (triton.autotune: key names, config prune, grid from the config) in the interpreter,
+    each config of the shape's list (narrow for GQA, wide for value dims over 256) made the winner in turn by a
+    stand-in timer; its output against the reference."""
+    from tokenfab.kernels.gpu import decode_attention
+    name, H, Hk, D, Dv = shape
+    tuner = decode_attention._wide if Dv > 256 else decode_attention._narrow
+    monkeypatch.setattr(decode_attention.support, "interpreting", lambda: False)
+    q, k_cache, v_cache, bt, cl = make_case(name, H, Hk, D, Dv, page=16, dtype=torch.float32, seed=11,
+                                            lens=[1, 37, 70])
+    want = gathered_reference(q, k_cache, v_cache, bt, cl, 0.3)
+    winners = []
+    for target in range(len(tuner.configs)):
+        calls = []
+
+        def stand_in(kernel_call, quantiles, target=target, calls=calls):  # no timing: config `target` wins
+            calls.append(None)
+            return [0.0 if len(calls) - 1 == target else 1.0] * 3
+
+        monkeypatch.setattr(tuner, "do_bench", stand_in, raising=False)
+        monkeypatch.setattr(tuner, "cache", {})
+        got = decode_attention.paged_decode_attention(q, k_cache, v_cache, bt, cl, 0.3, num_splits=3)
+        if target < len(calls):  # the prune may merge configs: fewer candidates than the list holds
+            best = next(iter(tuner.cache.values()))
+            winners.append((tuple(sorted(best.kwargs.items())), best.num_warps, best.num_stages))
+            torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    assert len(winners) == len(set(winners)) >= 4  # each candidate won once
 
 
 def test_launch_shapes_do_not_depend_on_context_lengths(interpret, monkeypatch):
@@ -155,5 +185,5 @@ def test_configs_fitted_to_the_group_and_value_width():
     assert {c.kwargs["BLOCK_H"] for c in gqa} == {16} and len(gqa) == len(_NARROW_CONFIGS)
     narrow_values = _fit_configs(_WIDE_CONFIGS, {"G": 40}, BLOCK_DK=16)
     assert {c.kwargs["DV_SPLIT"] for c in narrow_values} == {1}
-    assert len(narrow_values) == len(_WIDE_CONFIGS) - 1  # (64 heads, 2 slices, 32 tokens) became the third
+    assert len(narrow_values) == len(_WIDE_CONFIGS) - 1  # (64 heads, 2 slices, 32 tokens) became the second
     assert {c.kwargs["BLOCK_H"] for c in narrow_values} == {64, 16}
