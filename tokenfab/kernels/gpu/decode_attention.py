@@ -8,21 +8,25 @@ online softmax (base 2) over its range and writes the normalized partial output 
 split-KV buffer) and its log-sum-exp (float32). Stage 2 merges the splits per (sequence, query head). With one
 split stage 1 writes the output itself and stage 2 is not launched.
 
-Where the bytes go (one bf16 MLA row = 512 latent + 64 rope dims = 1,152 bytes, read for all 128 query heads):
+Where the bytes and flops go (one bf16 MLA row = 512 latent + 64 rope dims = 1,152 bytes, used by 128 heads):
 
 - Every program that shares a cached row re-reads it; those programs sit next to each other in the launch order
   (the fastest grid axis), so the re-reads hit L2 and HBM sees each row about once. Up to 64 query heads are the
   rows of one ``tl.dot`` (FlashMLA's 64 heads per CTA: with 128 heads each latent row is read by 2 programs, not
   by 8 as with 16-row head blocks); the [64, 512] float32 accumulator spread over 8 warps is 128 registers a
   thread, and configs that slice the 512 value dims over 2 programs (each recomputing the scores) halve that.
-- Each split adds a partial output of H x Dv values written and read back, 256 KB per split for 128 heads in
-  bf16, against 1,152 bytes per context token: :func:`default_num_splits` balances that cost against filling the
-  GPU's multiprocessors (a cost model in its docstring), so MLA at batch 1 x 32K context runs ~60 splits while
-  GQA at batch 64 runs one.
-- ``triton.autotune`` picks head-block height, value slicing, tile length and pipeline depth per (group size,
-  head dims, page size, split count, tokens-per-split bucket) among a few configs (``_WIDE_CONFIGS`` for value
-  dims over 256, ``_NARROW_CONFIGS`` else); a config that does not fit a GPU's shared memory or registers fails to
-  compile and the tuner skips it. Under Triton's interpreter one fixed config (``INTERPRETER_CONFIG``) runs.
+- Each split adds a partial output of H x Dv values written and read back (128 KB each way per split for 128
+  heads in bf16) against 1,152 bytes per context token: :func:`default_num_splits` balances that cost against
+  filling the GPU's multiprocessors (a cost model in its docstring): 66 splits for MLA at batch 1 x 32K on 132
+  SMs, one for MLA or GQA at batch 64 x 4K (then no combine pass).
+- MLA with 128 heads does 128 x (576 + 512) x 2 = 278,528 flops per 1,152-byte row, 242 per byte, about what a
+  Hopper's dense bf16 tensor cores do per byte of HBM bandwidth: at batch 1 as at batch 64 the kernel is bound by
+  the tensor cores as much as by memory (GQA with 4 query heads per KV head does 4 flops per byte: memory only).
+- ``triton.autotune`` picks head-block height, value slicing, score orientation, tile length and pipeline depth
+  per (group size, KV heads, head dims, page size, split count, tokens-per-split bucket) among a few configs
+  (``_WIDE_CONFIGS`` for value dims over 256, ``_NARROW_CONFIGS`` else); a config that does not fit a GPU's shared
+  memory or registers fails to compile and the tuner skips it. Under Triton's interpreter one fixed config
+  (``INTERPRETER_CONFIG``) runs.
 
 The key is split as [first Dv dims | remaining D - Dv dims] so that MLA's 576-wide rows need no padding to 1024;
 when values are the first Dv dims of the key rows (MLA) and one program holds all value dims, the loaded key tile
@@ -31,7 +35,8 @@ against transformers) must not drop to TF32; bf16 operands are unaffected.
 
 CUDA graphs: nothing here syncs with the host and every launch shape depends only on (batch, heads, head dims,
 max_context); the split ranges come from the context lengths on the device. The tuner benchmarks on the first call
-per key, which must happen outside a capture (the graph runner's warm-up calls do). Reference and fallback:
+per key, which must happen outside a capture: the graph runner's warm-up calls do, on its padding rows (contexts
+of one token), so under graphs the pick rests on launch cost more than on streaming. Reference and fallback:
 ``layers/paged_attention.py::attention`` (gathered) and the CPU kernel; tests compare them in Triton's
 interpreter (tests/test_triton_decode_attention.py).
 """
@@ -192,7 +197,7 @@ def _cfg(block_h: int, dv_split: int, block_n: int, warps: int, stages: int, key
 # 16-token and sliced tiles little or nothing, so the tuner has a good candidate on both.
 _WIDE_CONFIGS = [_cfg(64, 1, 32, 8, 2, True), _cfg(64, 1, 32, 8, 2), _cfg(64, 1, 16, 8, 2), _cfg(64, 2, 32, 8, 2),
                  _cfg(16, 1, 16, 4, 2)]
-# Narrow heads (GQA, D <= 256): all query heads of a KV head in one program (at least the 16 rows a dot needs),
+# Value dims up to 256 (GQA): all query heads of a KV head in one program (at least the 16 rows a dot needs),
 # tiles of 32-128 tokens (72-158 registers on sm_90, several programs per multiprocessor).
 _NARROW_CONFIGS = [_cfg(64, 1, 32, 4, 2), _cfg(64, 1, 64, 4, 2), _cfg(64, 1, 64, 4, 3), _cfg(64, 1, 128, 8, 3)]
 # The one config Triton's interpreter runs (tests may swap it to cover other head blocks and value slices).
@@ -221,7 +226,8 @@ def _fit_configs(configs, named_args, **kwargs):
 
 
 def _bench(kernel_call, quantiles):
-    """Short tuner timing (5 ms warm-up, 25 ms of reps): the configs differ by far more than its noise."""
+    """Tuner timing: 5 ms of warm-up and 25 ms of reps per config (L2 flushed between reps, as serving reads each
+    layer's cache cold), so a key tunes in well under a second once its configs are compiled."""
     import triton.testing
     return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
 
@@ -249,7 +255,8 @@ def default_num_splits(batch: int, kv_heads: int, group: int, dv: int, row_bytes
     ``KV * resident * sms / (units * S)`` when the GPU is under-filled. Each split adds its partial output written
     and read back, ``P = 2 * batch * kv_heads * group * dv * elem_bytes``. ``KV * c / S + S * P`` is least at
     ``S = sqrt(KV * c / P)`` (``c = resident * sms / units``), and more splits than fill the GPU (``S > c``) only
-    add partials. Hence ``S = clamp(min(round(c), round(sqrt(KV * c / P))), 1, max_context // 64, 256)``.
+    add partials (where the tensor cores bind, as for MLA with 128 heads, the same count fills them). Hence
+    ``S = clamp(min(round(c), round(sqrt(KV * c / P))), 1, max_context // 64, 256)``.
 
     Args:
         batch, kv_heads, group: sequences, KV heads, query heads per KV head.
