@@ -101,7 +101,7 @@ def test_every_tuner_config_through_the_autotuner(interpret, monkeypatch, shape)
     from tokenfab.kernels.gpu import decode_attention
     name, H, Hk, D, Dv = shape
     tuner = decode_attention._wide if Dv > 256 else decode_attention._narrow
-    monkeypatch.setattr(decode_attention.support, "interpreting", lambda: False)
+    monkeypatch.setattr(decode_attention, "_fixed_config", lambda dtype: None)  # as bf16 on a GPU
     q, k_cache, v_cache, bt, cl = make_case(name, H, Hk, D, Dv, page=16, dtype=torch.float32, seed=11,
                                             lens=[1, 37, 70])
     want = gathered_reference(q, k_cache, v_cache, bt, cl, 0.3)
@@ -187,3 +187,11 @@ def test_configs_fitted_to_the_group_and_value_width():
     assert {c.kwargs["DV_SPLIT"] for c in narrow_values} == {1}
     assert len(narrow_values) == len(_WIDE_CONFIGS) - 1  # (64 heads, 2 slices, 32 tokens) became the second
     assert {c.kwargs["BLOCK_H"] for c in narrow_values} == {64, 16}
+
+
+def test_float32_caches_run_one_untuned_config(monkeypatch):
+    """On a GPU (not interpreting) float32 fidelity runs take FLOAT32_CONFIG, bf16 goes to the tuner."""
+    from tokenfab.kernels.gpu import decode_attention
+    monkeypatch.setattr(decode_attention.support, "interpreting", lambda: False)
+    assert decode_attention._fixed_config(torch.float32) is decode_attention.FLOAT32_CONFIG
+    assert decode_attention._fixed_config(torch.bfloat16) is None

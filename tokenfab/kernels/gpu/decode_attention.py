@@ -26,7 +26,7 @@ Where the bytes and flops go (one bf16 MLA row = 512 latent + 64 rope dims = 1,1
   per (group size, KV heads, head dims, page size, split count, tokens-per-split bucket) among a few configs
   (``_WIDE_CONFIGS`` for value dims over 256, ``_NARROW_CONFIGS`` else); a config that does not fit a GPU's shared
   memory or registers fails to compile and the tuner skips it. Under Triton's interpreter one fixed config
-  (``INTERPRETER_CONFIG``) runs.
+  (``INTERPRETER_CONFIG``) runs, and float32 caches (fidelity runs) take ``FLOAT32_CONFIG`` untuned.
 
 The key is split as [first Dv dims | remaining D - Dv dims] so that MLA's 576-wide rows need no padding to 1024;
 when values are the first Dv dims of the key rows (MLA) and one program holds all value dims, the loaded key tile
@@ -202,6 +202,17 @@ _WIDE_CONFIGS = [_cfg(64, 1, 32, 8, 2, True), _cfg(64, 1, 32, 8, 2), _cfg(64, 1,
 _NARROW_CONFIGS = [_cfg(64, 1, 32, 4, 2), _cfg(64, 1, 64, 4, 2), _cfg(64, 1, 64, 4, 3), _cfg(64, 1, 128, 8, 3)]
 # The one config Triton's interpreter runs (tests may swap it to cover other head blocks and value slices).
 INTERPRETER_CONFIG = {"BLOCK_H": 16, "DV_SPLIT": 1, "BLOCK_N": 16, "KEYS_AS_ROWS": False}
+# float32 caches (fidelity checks, not speed): one small config, untuned (IEEE float32 dots run on FMAs, where the
+# 64-head tiles would only spill), so those runs compile once and pick the same tiles every time.
+FLOAT32_CONFIG = {"BLOCK_H": 16, "DV_SPLIT": 1, "BLOCK_N": 16, "KEYS_AS_ROWS": False}
+
+
+def _fixed_config(dtype: torch.dtype) -> dict | None:
+    """The untuned config for this run: ``INTERPRETER_CONFIG`` under Triton's interpreter, ``FLOAT32_CONFIG`` for
+    float32 caches on a GPU, else None (``triton.autotune`` picks)."""
+    if support.interpreting():
+        return INTERPRETER_CONFIG
+    return FLOAT32_CONFIG if dtype == torch.float32 else None
 
 
 def _head_rows(block_h: int, group: int) -> int:
@@ -338,9 +349,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     def grid(cfg):
         return (triton.cdiv(G, cfg["BLOCK_H"]) * cfg["DV_SPLIT"], num_splits, B * Hk)
 
-    if support.interpreting():
-        fitted = _fit_configs([triton.Config(dict(INTERPRETER_CONFIG))], {"G": G}, BLOCK_DK=block_dk)[0]
-        _split_attention[grid(fitted.kwargs)](*args, **meta, **fitted.kwargs)
+    fixed = _fixed_config(q.dtype)
+    if fixed is not None:
+        fitted = _fit_configs([triton.Config(dict(fixed))], {"G": G}, BLOCK_DK=block_dk)[0]
+        _split_attention[grid(fitted.kwargs)](*args, **meta, **fitted.kwargs, num_warps=4, num_stages=2)
     else:
         (_wide if Dv > 256 else _narrow)[grid](*args, **meta)
     if num_splits > 1:
