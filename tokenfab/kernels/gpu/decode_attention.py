@@ -53,6 +53,17 @@ from tokenfab.kernels.gpu import support
 LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _load_rows(ptrs, row_mask, col_mask, FULL_WIDTH: tl.constexpr):
+    """A [rows, cols] tile, masked by rows only when every column is in range: a mask that varies along a row
+    stops the 16-byte (cp.async) loads."""
+    if FULL_WIDTH:
+        tile = tl.load(ptrs, mask=row_mask[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+    return tile
+
+
 @triton.jit(do_not_specialize=["NUM_SPLITS", "CTX_BUCKET", "s_bt"])
 def _split_attention(Q, K, V, BT, CL, MO, MLSE,
                      s_qb, s_qh, s_kn, s_ks, s_kh, s_vn, s_vs, s_vh, s_bt, s_mb, s_mh, s_ms,
@@ -75,19 +86,13 @@ def _split_attention(Q, K, V, BT, CL, MO, MLSE,
     dkmask = dk < DV
     dvo = dvb * BLOCK_DV + tl.arange(0, BLOCK_DV)  # value dims this program accumulates
     dvmask = dvo < DV
-    if BLOCK_DK == DV:  # no column masks: a mask that varies along a row stops 16-byte (cp.async) loads
-        dkmask = dk < BLOCK_DK
-        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + dk[None, :], mask=hmask[:, None], other=0.0)
-    else:
-        q = tl.load(Q + b * s_qb + heads[:, None] * s_qh + dk[None, :], mask=hmask[:, None] & dkmask[None, :],
-                    other=0.0)
+    q = _load_rows(Q + b * s_qb + heads[:, None] * s_qh + dk[None, :], hmask, dkmask, BLOCK_DK == DV)
     if DOT_F32:  # the interpreter's dot has no bfloat16: same products, accumulated in float32 as on a GPU
         q = q.to(tl.float32)
     if DR > 0:
         dr = tl.arange(0, BLOCK_DR)
         drmask = dr < DR
-        q_r = tl.load(Q + b * s_qb + heads[:, None] * s_qh + DV + dr[None, :], mask=hmask[:, None] & drmask[None, :],
-                      other=0.0)
+        q_r = _load_rows(Q + b * s_qb + heads[:, None] * s_qh + DV + dr[None, :], hmask, drmask, BLOCK_DR == DR)
         if DOT_F32:
             q_r = q_r.to(tl.float32)
 
@@ -105,10 +110,7 @@ def _split_attention(Q, K, V, BT, CL, MO, MLSE,
         blk = tl.load(BT + b * s_bt + t // PAGE, mask=tmask, other=0).to(tl.int64)
         slot = (t % PAGE).to(tl.int64)
         row_k = blk * s_kn + slot * s_ks + hk * s_kh
-        if BLOCK_DK == DV:
-            k = tl.load(K + row_k[:, None] + dk[None, :], mask=tmask[:, None], other=0.0)
-        else:
-            k = tl.load(K + row_k[:, None] + dk[None, :], mask=tmask[:, None] & dkmask[None, :], other=0.0)
+        k = _load_rows(K + row_k[:, None] + dk[None, :], tmask, dkmask, BLOCK_DK == DV)
         if DOT_F32:
             k = k.to(tl.float32)
         if KEYS_AS_ROWS:  # scores as [BLOCK_N, BLOCK_H]: see _WIDE_CONFIGS
@@ -116,7 +118,7 @@ def _split_attention(Q, K, V, BT, CL, MO, MLSE,
         else:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [BLOCK_H, BLOCK_N] float32
         if DR > 0:
-            k_r = tl.load(K + row_k[:, None] + DV + dr[None, :], mask=tmask[:, None] & drmask[None, :], other=0.0)
+            k_r = _load_rows(K + row_k[:, None] + DV + dr[None, :], tmask, drmask, BLOCK_DR == DR)
             if DOT_F32:
                 k_r = k_r.to(tl.float32)
             if KEYS_AS_ROWS:
@@ -134,10 +136,7 @@ def _split_attention(Q, K, V, BT, CL, MO, MLSE,
             v = k
         else:
             row_v = blk * s_vn + slot * s_vs + hk * s_vh
-            if BLOCK_DK == DV:
-                v = tl.load(V + row_v[:, None] + dvo[None, :], mask=tmask[:, None], other=0.0)
-            else:
-                v = tl.load(V + row_v[:, None] + dvo[None, :], mask=tmask[:, None] & dvmask[None, :], other=0.0)
+            v = _load_rows(V + row_v[:, None] + dvo[None, :], tmask, dvmask, BLOCK_DK == DV)
             if DOT_F32:
                 v = v.to(tl.float32)
         if DOT_F32:
