@@ -7,7 +7,7 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
    one latent "head" of 512 + 64) and a Llama GQA shape (32 query / 8 KV heads of 128), batch 1 / 16 / 64 at 4,096
    context tokens and batch 1 at 32,768: max error against the gathered float32 reference, microseconds per call
    (replayed from a CUDA graph over cache copies larger than L2 together), and the fraction of the copy bandwidth
-   reached (bytes = KV rows read once + q + output).
+   reached (bytes = KV rows read once + q + output); each shape names its split count and the tiles chosen.
 2. Fused MoE (kernels/gpu/moe.py) at DeepSeek-V3 expert shapes (hidden 7168, intermediate 2048, 8 of 64 local
    experts): error against RoutedExperts' PyTorch loop, time per call and bandwidth over the distinct experts hit.
 3. Packed GGUF Q4_1 / Q8_0 linears (kernels/gpu/gguf_linear.py) at 4096 x 4096, 1 and 16 rows: error against
@@ -84,7 +84,20 @@ def check_attention(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]
     (32 / 8 heads of 128): batch 1 / 16 / 64 at 4K context and batch 1 at 32K, page 16. Timed from a CUDA graph
     over enough cache copies (>= 256 MB in all, at most 16) that L2 holds none of them; bytes = KV rows read once
     + q + output."""
+    from tokenfab.kernels.gpu import decode_attention as da
     from tokenfab.kernels.gpu.decode_attention import paged_decode_attention
+
+    def launch(name, B, H, Hk, D, Dv, ctx, elem) -> str:
+        """The split count and the tiles the tuner (or the fixed config) chose for the last call."""
+        row_bytes = (D if name == "mla" else D + Dv) * elem
+        splits = da.default_num_splits(B, Hk, H // Hk, Dv, row_bytes, elem, ctx, da.multiprocessors(dev))
+        fixed = da._fixed_config(dtype)
+        if fixed is not None:
+            return f"splits={splits}, fixed " + ", ".join(f"{k}={v}" for k, v in fixed.items())
+        best = (da._wide if Dv > 256 else da._narrow).best_config
+        return (f"splits={splits}, " + ", ".join(f"{k}={v}" for k, v in best.kwargs.items())
+                + f", warps={best.num_warps}, stages={best.num_stages}")
+
     mla, gqa = ("mla", 128, 1, 576, 512), ("gqa", 32, 8, 128, 128)
     cases = [(*shape, B, 4096) for shape in (mla, gqa) for B in (1, 16, 64)] + [(*mla, 1, 32768), (*gqa, 1, 32768)]
     page = 16
@@ -116,8 +129,8 @@ def check_attention(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]
         us = _time_replayed_us(calls, dev, reps)
         nbytes = kv_bytes + 2 * B * H * D * k_cache.element_size()
         rows.append({"kernel": f"decode attention {name}", "shape": f"B={B} H={H} Hk={Hk} D={D} Dv={Dv} "
-                     f"ctx={ctx}", "max_err": err, "us": us, "bytes": nbytes,
-                     "bw_fraction": nbytes / (us * 1e-6) / bw})
+                     f"ctx={ctx} ({launch(name, B, H, Hk, D, Dv, nblk * page, k_cache.element_size())})", "max_err": err,
+                     "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
         print(json.dumps(rows[-1]), flush=True)
         del caches, calls, k_cache, v_cache
     return rows
