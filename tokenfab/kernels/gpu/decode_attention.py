@@ -5,8 +5,8 @@ flash-decoding in two stages (Dao et al., "Flash-Decoding for long-context infer
 FlashInfer and FlashMLA use). Stage 1 splits each sequence's context into ``num_splits`` ranges of whole
 ``BLOCK_N`` tiles; one program per (block of query heads x slice of value dims, split, sequence x KV head) keeps an
 online softmax (base 2) over its range and writes the normalized partial output (q's dtype, as FlashInfer's
-split-KV buffer) and its log-sum-exp (float32). Stage 2 merges the splits per (sequence, query head). With one
-split stage 1 writes the output itself and stage 2 is not launched.
+split-KV buffer) and its log-sum-exp (float32). Stage 2 merges the splits per (sequence, query head, 128 value
+dims). With one split stage 1 writes the output itself and stage 2 is not launched.
 
 Where the bytes and flops go (one bf16 MLA row = 512 latent + 64 rope dims = 1,152 bytes, used by 128 heads):
 
@@ -160,7 +160,7 @@ def _combine(MO, MLSE, O, s_ob, s_oh, H, NUM_SPLITS,
              DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    dv = tl.arange(0, BLOCK_DV)
+    dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # this program's slice of the value dims
     dvmask = dv < DV
     base = (b * H + h) * NUM_SPLITS  # MO [B, H, NUM_SPLITS, DV], MLSE [B, H, NUM_SPLITS]
     mv = tl.full([BLOCK_S], float("-inf"), tl.float32)
@@ -355,6 +355,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         (_wide if Dv > 256 else _narrow)[grid](*args, **meta)
     if num_splits > 1:
-        _combine[(B, H)](mid_o, mid_lse, out, out.stride(0), out.stride(1), H, num_splits,
-                         DV=Dv, BLOCK_DV=block_dk, BLOCK_S=16)
+        block_dv = min(block_dk, 128)  # value slices of 128: 4 programs per MLA head, each 32 splits at a time
+        _combine[(B, H, triton.cdiv(Dv, block_dv))](mid_o, mid_lse, out, out.stride(0), out.stride(1), H, num_splits,
+                                                     DV=Dv, BLOCK_DV=block_dv, BLOCK_S=32)
     return out
