@@ -59,10 +59,10 @@ def make_case(name, H, Hk, D, Dv, page, dtype, seed, lens=LENS):
     return q, k_cache, v_cache, block_tables, torch.tensor(lens)
 
 
-@pytest.mark.parametrize("num_splits,config", [(1, CONFIGS[0]), (3, CONFIGS[0]), (7, CONFIGS[0]), (3, CONFIGS[1]),
-                                               (7, CONFIGS[1]), (1, CONFIGS[2]), (7, CONFIGS[2])],
-                         ids=["1-split", "3-splits", "7-splits", "3-splits-2-value-slices",
-                              "7-splits-2-value-slices", "1-split-keys-as-rows", "7-splits-keys-as-rows"])
+@pytest.mark.parametrize("num_splits,config", [(1, CONFIGS[0]), (3, CONFIGS[0]), (7, CONFIGS[0]), (7, CONFIGS[1]),
+                                               (1, CONFIGS[2]), (7, CONFIGS[2])],
+                         ids=["1-split", "3-splits", "7-splits", "7-splits-2-value-slices", "1-split-keys-as-rows",
+                              "7-splits-keys-as-rows"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_float32_matches_gathered_reference(interpret, monkeypatch, shape, num_splits, config):
     from tokenfab.kernels.gpu import decode_attention
@@ -102,8 +102,7 @@ def test_every_tuner_config_through_the_autotuner(interpret, monkeypatch, shape)
     name, H, Hk, D, Dv = shape
     tuner = decode_attention._wide if Dv > 256 else decode_attention._narrow
     monkeypatch.setattr(decode_attention, "_fixed_config", lambda dtype: None)  # as bf16 on a GPU
-    q, k_cache, v_cache, bt, cl = make_case(name, H, Hk, D, Dv, page=16, dtype=torch.float32, seed=11,
-                                            lens=[1, 37, 70])
+    q, k_cache, v_cache, bt, cl = make_case(name, H, Hk, D, Dv, page=16, dtype=torch.float32, seed=11, lens=[1, 45])
     want = gathered_reference(q, k_cache, v_cache, bt, cl, 0.3)
     winners = []
     for target in range(len(tuner.configs)):
