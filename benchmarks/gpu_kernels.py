@@ -5,8 +5,9 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
 
 1. Paged decode attention (kernels/gpu/decode_attention.py) in bf16 at DeepSeek-V3's MLA shape (128 heads over
    one latent "head" of 512 + 64) and a Llama GQA shape (32 query / 8 KV heads of 128), batch 1 / 16 / 64 at 4,096
-   context tokens: max error against the gathered float32 reference, microseconds per call, and the fraction of the
-   copy bandwidth reached (bytes = KV rows read once + q + output).
+   context tokens and batch 1 at 32,768: max error against the gathered float32 reference, microseconds per call
+   (replayed from a CUDA graph over cache copies larger than L2 together), and the fraction of the copy bandwidth
+   reached (bytes = KV rows read once + q + output); each shape names its split count and the tiles chosen.
 2. Fused MoE (kernels/gpu/moe.py) at DeepSeek-V3 expert shapes (hidden 7168, intermediate 2048, 8 of 64 local
    experts): error against RoutedExperts' PyTorch loop, time per call and bandwidth over the distinct experts hit.
 3. Packed GGUF Q4_1 / Q8_0 linears (kernels/gpu/gguf_linear.py) at 4096 x 4096, 1 and 16 rows: error against
@@ -69,34 +70,77 @@ def _time_us(fn, dev: torch.device, reps: int) -> float:
     return best * 1e6
 
 
+def _time_replayed_us(calls, dev: torch.device, reps: int) -> float:
+    """Microseconds per call of ``calls`` (closures over distinct buffers, together larger than L2, so each call
+    reads its bytes from HBM): captured back to back in one CUDA graph (as decode steps replay them, no launch
+    latency from Python), the best of ``reps`` replays divided by the call count. Off CUDA: :func:`_time_us` of
+    the first call."""
+    if dev.type != "cuda":
+        return _time_us(calls[0], dev, reps)
+    for fn in calls:  # compiles and tunes outside the capture
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    return _time_us(graph.replay, dev, reps) / len(calls)
+
+
 def check_attention(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
+    """Paged decode attention at DeepSeek-V3's MLA shape (128 heads, latent 512 + 64) and a Llama GQA shape
+    (32 / 8 heads of 128): batch 1 / 16 / 64 at 4K context and batch 1 at 32K, page 16. Timed from a CUDA graph
+    over enough cache copies (>= 256 MB in all, at most 16) that L2 holds none of them; bytes = KV rows read once
+    + q + output."""
+    from tokenfab.kernels.gpu import decode_attention as da
     from tokenfab.kernels.gpu.decode_attention import paged_decode_attention
-    shapes = [("mla", 128, 1, 576, 512), ("gqa", 32, 8, 128, 128)]
-    batches, ctx, page = [1, 16, 64], 4096, 16
+
+    def launch(name, B, H, Hk, D, Dv, ctx, elem) -> str:
+        """The split count and the tiles the tuner (or the fixed config) chose for the last call."""
+        row_bytes = (D if name == "mla" else D + Dv) * elem
+        splits = da.default_num_splits(B, Hk, H // Hk, Dv, row_bytes, elem, ctx, da.multiprocessors(dev))
+        fixed = da._fixed_config(dtype)
+        if fixed is not None:
+            return f"splits={splits}, fixed " + ", ".join(f"{k}={v}" for k, v in fixed.items())
+        best = (da._wide if Dv > 256 else da._narrow).best_config
+        return (f"splits={splits}, " + ", ".join(f"{k}={v}" for k, v in best.kwargs.items())
+                + f", warps={best.num_warps}, stages={best.num_stages}")
+
+    mla, gqa = ("mla", 128, 1, 576, 512), ("gqa", 32, 8, 128, 128)
+    cases = [(*shape, B, 4096) for shape in (mla, gqa) for B in (1, 16, 64)] + [(*mla, 1, 32768), (*gqa, 1, 32768)]
+    page = 16
     if quick:
-        shapes, batches, ctx = [("mla", 8, 1, 48, 32), ("gqa", 4, 2, 16, 16)], [1, 3], 40
+        mla, gqa = ("mla", 8, 1, 48, 32), ("gqa", 4, 2, 16, 16)
+        cases = [(*shape, B, 40) for shape in (mla, gqa) for B in (1, 3)] + [(*mla, 1, 200), (*gqa, 1, 200)]
     rows = []
-    for name, H, Hk, D, Dv in shapes:
-        for B in batches:
-            nblk = -(-ctx // page)
+    for name, H, Hk, D, Dv, B, ctx in cases:
+        nblk = -(-ctx // page)
+        kv_bytes = B * ctx * Hk * (D if name == "mla" else D + Dv) * (2 if dtype == torch.bfloat16 else 4)
+        copies = 1 if quick else max(1, min(16, -(-(256 << 20) // kv_bytes)))
+        caches = []
+        for _ in range(copies):
             k_cache = torch.randn(B * nblk + 1, page, Hk, D, device=dev, dtype=dtype)
-            v_cache = k_cache[..., :Dv] if name == "mla" else torch.randn_like(k_cache[..., :Dv])
-            bt = torch.randperm(B * nblk, device=dev).view(B, nblk)
-            cl = torch.full((B,), ctx, device=dev)
-            q = torch.randn(B, H, D, device=dev, dtype=dtype)
-            out = paged_decode_attention(q, k_cache, v_cache, bt, cl, D ** -0.5)
-            kf = k_cache[bt].reshape(B, nblk * page, Hk, D)[:, :ctx].float()  # [B, L, Hk, D]
-            vf = v_cache[bt].reshape(B, nblk * page, Hk, Dv)[:, :ctx].float()
-            qg = q.float().view(B, Hk, H // Hk, D)  # query heads grouped by KV head, no repeated K/V
-            p = (torch.einsum("bkgd,blkd->bkgl", qg, kf) * D ** -0.5).softmax(-1)
-            ref = torch.einsum("bkgl,blkd->bkgd", p, vf).reshape(B, H, Dv)
-            err = (out.float() - ref).abs().max().item()
-            us = _time_us(lambda: paged_decode_attention(q, k_cache, v_cache, bt, cl, D ** -0.5), dev, reps)
-            nbytes = (B * ctx * Hk * (D if name == "mla" else D + Dv) + 2 * B * H * D) * k_cache.element_size()
-            rows.append({"kernel": f"decode attention {name}", "shape": f"B={B} H={H} Hk={Hk} D={D} Dv={Dv} "
-                         f"ctx={ctx}", "max_err": err, "us": us, "bytes": nbytes,
-                         "bw_fraction": nbytes / (us * 1e-6) / bw})
-            print(json.dumps(rows[-1]), flush=True)
+            caches.append((k_cache, k_cache[..., :Dv] if name == "mla" else torch.randn_like(k_cache[..., :Dv])))
+        k_cache, v_cache = caches[0]
+        bt = torch.randperm(B * nblk, device=dev).view(B, nblk)
+        cl = torch.full((B,), ctx, device=dev)
+        q = torch.randn(B, H, D, device=dev, dtype=dtype)
+        out = paged_decode_attention(q, k_cache, v_cache, bt, cl, D ** -0.5)
+        kf = k_cache[bt].reshape(B, nblk * page, Hk, D)[:, :ctx].float()  # [B, L, Hk, D]
+        vf = v_cache[bt].reshape(B, nblk * page, Hk, Dv)[:, :ctx].float()
+        qg = q.float().view(B, Hk, H // Hk, D)  # query heads grouped by KV head, no repeated K/V
+        p = (torch.einsum("bkgd,blkd->bkgl", qg, kf) * D ** -0.5).softmax(-1)
+        ref = torch.einsum("bkgl,blkd->bkgd", p, vf).reshape(B, H, Dv)
+        err = (out.float() - ref).abs().max().item()
+        del kf, vf, p, ref
+        calls = [lambda kc=kc, vc=vc: paged_decode_attention(q, kc, vc, bt, cl, D ** -0.5) for kc, vc in caches]
+        us = _time_replayed_us(calls, dev, reps)
+        nbytes = kv_bytes + 2 * B * H * D * k_cache.element_size()
+        rows.append({"kernel": f"decode attention {name}", "shape": f"B={B} H={H} Hk={Hk} D={D} Dv={Dv} "
+                     f"ctx={ctx} ({launch(name, B, H, Hk, D, Dv, nblk * page, k_cache.element_size())})", "max_err": err,
+                     "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+        del caches, calls, k_cache, v_cache
     return rows
 
 
