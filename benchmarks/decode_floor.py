@@ -77,7 +77,7 @@ def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5, device: str = "cpu", 
 def weight_bytes(model) -> tuple[int, int, int]:
     """(non-expert weight bytes, bytes of one routed expert, number of routed experts per MoE layer summed)."""
     from tokenfab.layers.moe import RoutedExperts
-    expert_params = set()
+    expert_params, stack_buffers = set(), set()
     per_expert = 0
     n_layers_experts = 0
     for m in model.modules():
@@ -86,7 +86,10 @@ def weight_bytes(model) -> tuple[int, int, int]:
                 for p in (m.w13, m.w2):
                     expert_params.add(id(p))
                 per_expert = (m.w13[0].numel() + m.w2[0].numel()) * m.w13.element_size()  # gate, up, down
-            else:  # kept packed: counted as bf16 (gate, up, down) over the stack's own input width
+            elif m.q13 is not None:  # kept packed: the stacks' own bytes (codes and scales) per expert
+                per_expert = (m.q13.nbytes + m.q2.nbytes) // m.q13.num_experts
+                stack_buffers.update(id(b) for b in (*m.q13.buffers(), *m.q2.buffers()))
+            else:  # repacked per expert for the CPU GEMMs (RoutedExperts.fuse): bf16 gate, up, down
                 per_expert = 3 * m.intermediate * getattr(m, "hidden", model.cfg.hidden_size) * 2
             n_layers_experts += 1
     embed = getattr(model.model.embed_tokens, "weight", None)  # None: kept packed (PackedEmbedding, GGUF)
@@ -104,7 +107,8 @@ def weight_bytes(model) -> tuple[int, int, int]:
             dense += m.in_features * m.out_features * 2
     if getattr(model, "_lm_head_packed", None) is not None:
         dense += model.cfg.vocab_size * model.cfg.hidden_size * 2
-    dense += sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "cos" not in n and "sin" not in n)
+    dense += sum(b.numel() * b.element_size() for n, b in model.named_buffers()
+                 if "cos" not in n and "sin" not in n and id(b) not in stack_buffers)
     return dense, per_expert, n_layers_experts
 
 

@@ -5,7 +5,8 @@
 # step time against the measured HBM copy bandwidth with CUDA graphs and eager on the embedded model, streaming
 # smoothness (median ITL vs median TPOT of tokenfab serve at concurrency 16, benchmarks/streaming_itl.py), then the
 # decode floor at real model shapes with random weights (benchmarks/gpu_shapes.py folders, --load-format dummy:
-# Llama-3.2-3B, Qwen3-30B-A3B with 6 layers, DeepSeek-V3 with 3 layers, Kimi K3 with 2 layers) at batch 1 / 16 / 64
+# Llama-3.2-3B, Qwen3-30B-A3B with 6 layers, DeepSeek-V3 FP8 with 3 layers, Kimi K3 with 2 layers and its 896
+# MXFP4 experts, packed as published) at batch 1 / 16 / 64
 # with graphs and eager plus an eager torch.profiler breakdown at batch 1, and last ONE summary table
 # (benchmarks/gpu_summary.py). Uses the machine's own torch/triton/transformers (PYTHONPATH=., no install, no
 # download). Writes into $OUT (the device tool's output folder) or benchmarks/results/gpu.

@@ -141,26 +141,90 @@ def test_tensor_parallel_ranks_fill_their_own_shards(tiny_model, tmp_path):
     assert all(math.isfinite(lp.logprob) for step in runs[0].logprobs for lp in step.values())
 
 
-def test_packed_formats_are_refused_by_name(tiny_shapes, tmp_path):
-    """MXFP4 routed experts (the published K3 checkpoint's quantization_config) cannot be filled: refused, naming
-    load_format."""
-    d = config_only(tiny_shapes["k3"], str(tmp_path / "k3q"))
-    cfg = json.load(open(os.path.join(d, "config.json")))
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
-                                  "config_groups": {"group_0": {"format": "mxfp4-pack-quantized",
-                                                                "targets": ["Linear"]}},
-                                  "ignore": ["re:.*shared_experts.*", "re:.*self_attn.*", "lm_head"]}
-    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
-    with pytest.raises(UnsupportedError, match="load_format='dummy' fills unquantized"):
-        LLM(d, load_format="dummy", **KW)
+def packed_layout(model) -> dict:
+    """Every packed tensor a load kept, by name: FP8 Linear weights (class, codes' and scales' shapes and dtypes)
+    and packed expert stacks (class, buffers' shapes and dtypes)."""
+    from tokenfab.quant.packed_experts import PackedExperts
+    from tokenfab.quant.packed_weight import PackedWeight
+    return {n: (type(m).__name__, [(b, tuple(t.shape), t.dtype) for b, t in m.named_buffers()])
+            for n, m in model.named_modules() if isinstance(m, (PackedWeight, PackedExperts))}
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4", "mxfp4"])
+def test_packed_dummy_matches_the_real_packed_checkpoint(tiny_model, tmp_path, fmt, monkeypatch):
+    """A config-only copy of a packed checkpoint (DeepSeek-V3 FP8 block-scaled as published; INT4 group-32 / MXFP4
+    routed experts) loads with dummy weights packed exactly as the real load keeps them: the same packed modules
+    with the same buffer shapes and dtypes, the same plain parameters, the same weight bytes (decode_floor's packed
+    floor); the codes decode to finite weights of RMS ~0.02 and greedy decoding gives finite logprobs."""
+    from benchmarks.decode_floor import weight_bytes
+    from tokenfab.testing.fp8_checkpoint import write_fp8_checkpoint
+    from tokenfab.testing.packed_experts_checkpoint import write_packed_experts_checkpoint
+    src = tiny_model("deepseek_v3", num_hidden_layers=2, hidden_size=160, intermediate_size=224, q_lora_rank=64)
+    real_dir = (write_fp8_checkpoint(src, str(tmp_path / "real")) if fmt == "fp8"
+                else write_packed_experts_checkpoint(src, str(tmp_path / "real"), fmt))
+    dummy_dir = config_only(real_dir, str(tmp_path / "dummy"))
+    real = LLM(real_dir, **KW).llm_engine.runner.model
+    no_weight_reads(monkeypatch)
+    llm = LLM(dummy_dir, load_format="dummy", seed=2, **KW)
+    dummy = llm.llm_engine.runner.model
+    layout = packed_layout(dummy)
+    assert layout == packed_layout(real) and layout
+    kinds = {k for k, _ in layout.values()}
+    assert kinds == ({"Fp8BlockWeight", "Fp8BlockExperts"} if fmt == "fp8" else
+                     {"Int4GroupExperts" if fmt == "int4" else "Mxfp4Experts"})
+    assert ({n: (tuple(p.shape), p.dtype) for n, p in real.named_parameters()}
+            == {n: (tuple(p.shape), p.dtype) for n, p in dummy.named_parameters()})
+    assert weight_bytes(real) == weight_bytes(dummy)
+    experts = dummy.model.layers[1].mlp.experts
+    for stack in (experts.q13, experts.q2):
+        w = stack.dequantize_expert(stack.num_experts - 1)
+        assert torch.isfinite(w).all() and 0.012 < w.pow(2).mean().sqrt().item() < 0.035, type(stack).__name__
+    if fmt == "fp8":
+        lin = dummy.model.layers[0].mlp.down_proj.qweight
+        w = lin.dequantize_rows(0, lin.out_features)
+        assert torch.isfinite(w).all() and 0.015 < w.std().item() < 0.025
+    c = greedy_with_logprobs(llm, 4)
+    assert len(c.token_ids) == 4 and all(math.isfinite(lp.logprob) for step in c.logprobs for lp in step.values())
+
+
+def test_dummy_k3_with_its_dummy_dspark_drafter(tiny_shapes, monkeypatch):
+    """The k3 case (MXFP4 experts packed) with its DSpark drafter folder (config.json only): both filled with dummy
+    weights (no file read), every drafter parameter finite at ~N(0, 0.02), and a greedy run drafts and verifies
+    (the drafter's proposals counted) with finite logprobs."""
+    no_weight_reads(monkeypatch)
+    llm = LLM(tiny_shapes["k3"], load_format="dummy", seed=1,
+              speculative_config={"method": "dspark", "model": tiny_shapes["k3-dspark"],
+                                  "num_speculative_tokens": 3}, **KW)
+    drafter = llm.llm_engine.spec.proposer.drafter
+    for name, p in drafter.named_parameters():
+        assert torch.isfinite(p).all(), name
+        if p.dim() >= 2 and p.numel() >= 256:
+            assert 0.015 < p.float().std().item() < 0.025, name
+    c = greedy_with_logprobs(llm, 8)
+    assert len(c.token_ids) == 8 and all(math.isfinite(lp.logprob) for step in c.logprobs for lp in step.values())
+    st = llm.llm_engine.get_stats()
+    assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_draft_tokens"] >= st["spec_decode_num_drafts"]
+
+
+def test_packed_dummy_refusals(tiny_shapes, tmp_path):
+    """A GGUF file cannot be filled, nor can host experts be split from packed (MXFP4) experts: refused by name."""
+    with pytest.raises(UnsupportedError, match="load_format='dummy' does not fill GGUF"):
+        from tokenfab.loader.dummy_weights import refuse_packed
+        refuse_packed(None, None, True)
+    with pytest.raises(UnsupportedError, match="host experts"):
+        LLM(tiny_shapes["k3"], load_format="dummy", host_experts=1, **KW)
 
 
 # ---- benchmarks/gpu_shapes.py at the real shapes (meta device: no memory) --------------------------------------
 def test_real_shape_folders_parse_with_the_published_sizes(tmp_path):
     from benchmarks.gpu_shapes import count_parameters, write_cases
     from tokenfab.config import load_config
+    from tokenfab.spec_decode.dspark_config import check_against_target, load_dspark_config
     folders = write_cases(str(tmp_path), k3_experts=384)
+    drafter = load_dspark_config(folders.pop("k3-dspark"))
     mc = {c: load_config(d) for c, d in folders.items()}
+    check_against_target(drafter, mc["k3"])  # the drafter fits the k3 case (vocab, tap width, tapped layers)
+    assert (drafter.layer_types, drafter.num_attention_heads, drafter.kv_lora_rank) == (["mla"] * 5, 96, 512)
     assert (mc["llama3b"].hidden_size, mc["llama3b"].num_hidden_layers, mc["llama3b"].num_key_value_heads,
             mc["llama3b"].tie_word_embeddings) == (3072, 28, 8, True)
     assert (mc["qwen3moe"].num_experts, mc["qwen3moe"].num_experts_per_tok, mc["qwen3moe"].moe_intermediate_size) \

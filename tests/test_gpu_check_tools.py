@@ -101,3 +101,30 @@ def test_summary_table_from_hand_made_results(tmp_path, capsys):
     assert "Failed steps (1): decode_floor dsv3 FAILED rc=124" in text
     assert "99.00" not in text
     assert main([str(tmp_path / "nope")]) == 2
+
+
+def test_serve_check_cells_variants_and_rows():
+    """benchmarks/serve_check.py: cells and variants parsed (bad ones refused by name; a speculative_config JSON kept
+    whole), and a bench result's vLLM keys land in the row and its table line (percent acceptance, summed watts)."""
+    from benchmarks.serve_check import markdown, parse_cells, parse_variant, row_of
+    assert parse_cells("1024/128x1, 8192/1024x16") == [(1024, 128, 1), (8192, 1024, 16)]
+    for bad in ("1024x16", "1024/128", "0/8x1", "a/bx1"):
+        with pytest.raises(ValueError, match="cell"):
+            parse_cells(bad)
+    js = '{"method": "dspark", "model": "/m d", "num_speculative_tokens": 3}'
+    assert parse_variant("dspark=" + js, spec=True) == ("dspark", ["--speculative-config", js])
+    assert parse_variant("eager=--enforce-eager --max-num-batched-tokens 512") == (
+        "eager", ["--enforce-eager", "--max-num-batched-tokens", "512"])
+    assert parse_variant("plain") == ("plain", [])
+    with pytest.raises(ValueError, match="no name"):
+        parse_variant("=--enforce-eager")
+    res = {"completed": 16, "total_token_throughput": 9000.0, "output_throughput": 1000.0, "median_ttft_ms": 250.0,
+           "median_tpot_ms": 12.5, "median_itl_ms": 12.0, "spec_decode_acceptance_rate": 40.0,
+           "spec_decode_acceptance_length": 2.2,
+           "power": {"measured": True, "whole_run": {"avg_w_per_device": [600.0, 100.0], "total_tokens_per_j": 12.9}}}
+    row = row_of("dspark", (1024, 128, 16), res)
+    assert (row["total_tok_s"], row["acceptance_rate"], row["acceptance_length"], row["avg_w"]) == (
+        9000.0, 40.0, 2.2, 700.0)
+    line = markdown({"label": "x", "date": "d", "model": "m", "serve_command": "s", "commit": "c"}, [row])[-1]
+    assert line == ("| dspark | 1024 / 128 | 16 | 16 | 9000.0 | 1000.0 | 250.0 | 12.50 | 12.00 | 40.0 / 2.20 | 700 | "
+                    "12.90 |")

@@ -7,8 +7,9 @@ weight repacked for CPU GEMMs (``TOKENFAB_CPU_LINEAR=torch``), as on a GPU machi
 states the counting rule (every Triton launch; every ATen op but views, metadata-only ops and bare allocations; host
 reads counted as syncs). Each decoder layer is a scope (forward hooks), counted in the first decode-only step; a
 failure prints the per-kernel breakdown of every layer. Llama and Qwen3 (dense) and Qwen3-MoE hold the issue's
-targets; DeepSeek-V3 (MLA with a shared expert) is held to its current counts. The same path also runs against
-transformers token for token (test_gpu_path_engine_token_exact), so a launch saved by a wrong result cannot pass.
+targets; DeepSeek-V3 (MLA with a shared expert) and Kimi Linear's KDA layers are held to their current counts. The
+same path also runs against transformers token for token (test_gpu_path_engine_token_exact; KDA:
+tests/test_kda_gpu_path.py), so a launch saved by a wrong result cannot pass.
 """
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ DENSE_MAX, MOE_MAX = 10, 14
 # DeepSeek-V3 (MLA, a shared expert beside the routed ones): not yet at the issue's targets; these bounds only keep
 # today's counts (dense layer 16, MoE layer 24; 25 in bf16, where the router casts x to float32) from growing
 MLA_DENSE_MAX, MLA_MOE_MAX = 16, 25
+# Kimi Linear's KDA layers (the gated delta rule in one kernel, kernels/gpu/kda.py): today's counts, 41 with a dense
+# MLP and 49 with the MoE block (the short conv, the gated RMSNorm and six small projections are still separate)
+KDA_DENSE_MAX, KDA_MOE_MAX = 41, 49
 
 
 @pytest.fixture
@@ -100,6 +104,18 @@ def test_decode_layer_kernel_count(gpu_path_on_cpu, tiny_model, family, limit, d
     assert max(totals.values()) <= limit, f"{family}: per-layer kernels {totals} > {limit}\n{report(kc)}"
     launched = {n for c in kc.counts.values() for n in c}
     assert any(n.startswith("triton:") for n in launched), "the GPU path did not run"
+
+
+def test_kda_decode_layer_kernel_count(gpu_path_on_cpu, tmp_path, tokenizer_dir):
+    """Kimi Linear (layers: KDA + dense, MLA + MoE, KDA + MoE, KDA + dense, MLA + MoE): the KDA layers' decode step
+    runs the recurrence as one Triton launch, without a host sync, within today's counts."""
+    from test_kimi_linear import make_kimi_linear
+    totals, kc = count_decode_layers(make_kimi_linear(str(tmp_path / "kl"), tokenizer_dir, seed=3))
+    print(report(kc))
+    assert not kc.syncs, f"host syncs in the decode step: {kc.syncs}\n{report(kc)}"
+    for name in ("layer0", "layer2", "layer3"):
+        assert kc.counts[name]["triton:_kda_recurrent_kernel"] == 1, report(kc)
+    assert max(totals["layer0"], totals["layer3"]) <= KDA_DENSE_MAX and totals["layer2"] <= KDA_MOE_MAX, totals
 
 
 def test_counting_rule():

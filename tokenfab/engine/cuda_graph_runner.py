@@ -106,15 +106,26 @@ class DecodeGraphRunner:
         self.sizes = sorted(sizes)
         n = self.sizes[-1]
         i64 = dict(dtype=torch.int64, device=device)
-        self.input_ids = torch.zeros(n, **i64)
-        self.positions = torch.zeros(n, **i64)
-        self.slot_mapping = torch.full((n,), pad_block * block_size, **i64)
-        self.block_tables = torch.full((n, max_blocks), pad_block, **i64)
-        self.context_lens = torch.ones(n, **i64)
+        # Every per-step input lives in one int64 buffer, staged whole in one host buffer (pinned on CUDA) and sent
+        # with one copy per step: [input ids | positions | slots | context lengths | state rows] (n each), then the
+        # block tables [n, max_blocks] row-major. The graphs read the views below, fixed at capture.
+        self._inputs = torch.zeros(5 * n + n * max_blocks, **i64)
+        self._host = torch.zeros(self._inputs.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._host_np = self._host.numpy()
+        self._copied = None  # CUDA event after the last copy: the host buffer is rewritten only once it has landed
+        seg = [self._inputs[i * n:(i + 1) * n] for i in range(5)]
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, rows = seg
+        self.block_tables = self._inputs[5 * n:].view(n, max_blocks)
         self.token_index = torch.arange(n, **i64).view(n, 1)
         # [n] int64 recurrent-state slot per row (hybrid models only): real rows' scheduler rows, padding rows the
         # spare slot; the KDA layers gather and scatter their states through this buffer alone
-        self.state_rows = None if state_slot is None else torch.full((n,), state_slot, **i64)
+        self.state_rows = None if state_slot is None else rows
+        self._pads = (0, 0, pad_block * block_size, 1, state_slot if state_slot is not None else 0)
+        host = self._host_np
+        for i, pad in enumerate(self._pads):
+            host[i * n:(i + 1) * n] = pad
+        host[5 * n:] = pad_block
+        self._inputs.copy_(self._host)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps served from the buffers (tests and stats)
 
@@ -157,8 +168,9 @@ class DecodeGraphRunner:
         context lengths after this step's write; [B, >= blocks in use] block tables; ``state_rows`` [B] the
         sequences' scheduler rows = recurrent-state slots, hybrid models only) -> hidden [B, hidden].
 
-        Only the block-table columns in use are copied: attention reads no column past a row's context length,
-        so older columns may keep stale ids. Padding rows get token 0 at position 0, the pad block in column 0,
+        All inputs go to the device in one copy from one host staging buffer (pinned on CUDA). Only the block-table
+        columns in use are written there: attention reads no column past a row's context length, so older columns
+        may keep stale ids. Padding rows get token 0 at position 0, the pad block in column 0,
         context length 1 and (hybrid models) the spare state slot: position 0 makes the KDA layers start them
         from a zero state, so they read nothing a sequence wrote, and they write only the spare slot.
 
@@ -169,21 +181,31 @@ class DecodeGraphRunner:
         B = len(input_ids)
         bs = next(s for s in self.sizes if s >= B)
         width = min(block_tables.shape[1], self.max_blocks)
-        nb = self.input_ids.device.type == "cuda"
-        bufs = [(self.input_ids, input_ids, 0), (self.positions, positions, 0),
-                (self.slot_mapping, slot_mapping, self.pad_block * self.block_size), (self.context_lens, context_lens, 1)]
+        n = self.max_batch
+        arrays = [input_ids, positions, slot_mapping, context_lens]
         if self.state_rows is not None:
             if state_rows is None:
                 raise ValueError("decode graphs of a hybrid (KDA) model need the step's state rows (scheduler rows).")
             if B and not (0 <= int(state_rows.min()) and int(state_rows.max()) < self.state_slot):
                 raise ValueError(f"state rows must lie in [0, {self.state_slot}) (slot {self.state_slot} is the "
                                  f"padding rows' spare slot); got {state_rows.min()}..{state_rows.max()}.")
-            bufs.append((self.state_rows, state_rows, self.state_slot))
-        for buf, rows, pad_value in bufs:
-            buf[:B].copy_(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)), non_blocking=nb)
-            buf[B:bs].fill_(pad_value)
-        self.block_tables[:B, :width].copy_(torch.from_numpy(block_tables[:, :width]), non_blocking=nb)
-        self.block_tables[B:bs, 0].fill_(self.pad_block)
+            arrays.append(state_rows)
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy has left the host buffer (normally long since)
+        host = self._host_np
+        for i, a in enumerate(arrays):
+            host[i * n:i * n + B] = a
+            host[i * n + B:i * n + bs] = self._pads[i]
+        bt = host[5 * n:].reshape(n, self.max_blocks)
+        bt[:B, :width] = block_tables[:, :width]  # columns past a row's context are never read: stale ones may stay
+        bt[B:bs, 0] = self.pad_block
+        used = 5 * n + bs * self.max_blocks
+        if self._inputs.device.type == "cuda":
+            self._inputs[:used].copy_(self._host[:used], non_blocking=True)  # the step's one host-to-device copy
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._inputs[:used].copy_(self._host[:used])
         self.replays += 1
         if self.mode == "cuda":
             graph, out = self.graphs[bs]

@@ -63,7 +63,7 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
 
     Raises:
         FileNotFoundError / ConfigError / WeightLoadError: see tokenfab.config and models.base.
-        UnsupportedError: ``load_format="dummy"`` for a packed format (GGUF, FP8 block-scaled, packed experts).
+        UnsupportedError: ``load_format="dummy"`` for a GGUF file, or with host experts for a packed format.
     """
     from tokenfab.engine.engine_config import resolve_device, resolve_dtype
 
@@ -96,10 +96,13 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
     if host_split:
         model.unpacked_experts = True  # the host/device expert split moves bf16 stacks (models/base.py)
     if getattr(config, "load_format", "auto") == "dummy":  # no weight file read (loader/dummy_weights.py)
+        from tokenfab.loader.dummy_packed import build_dummy_packed
         from tokenfab.loader.dummy_weights import fill_dummy_weights, refuse_packed
-        refuse_packed(model, mc, gguf_file)
+        refuse_packed(model, mc, gguf_file, host_split)
+        seed = getattr(config, "seed", 0)
+        build_dummy_packed(model, mc, device, seed)  # FP8 Linears, packed expert stacks (as the checkpoint keeps)
         # filled where they will run; with host experts on the host first, then split below as loaded weights are
-        fill_dummy_weights(model, torch.device("cpu") if host_split else device, seed=getattr(config, "seed", 0))
+        fill_dummy_weights(model, torch.device("cpu") if host_split else device, seed=seed)
         skipped = []
     elif gguf_file:  # quantized linears stay packed (tokenfab.quant.gguf_weight)
         skipped = model.load_weights(iterate_gguf_weights(config.model, progress=progress))

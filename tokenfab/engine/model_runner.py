@@ -22,6 +22,7 @@ from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
 from tokenfab.engine.cuda_graph_runner import DecodeGraphRunner, capture_sizes, decode_graph_mode
 from tokenfab.engine.hugepages import module_tensors, move_to_hugepages
+from tokenfab.engine.input_staging import InputStager
 from tokenfab.engine.logits_state import LogitsProcessorState
 from tokenfab.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from tokenfab.engine.scheduler import ScheduledBatch
@@ -123,9 +124,13 @@ class ModelRunner:
             check_stack(self.cpu_decode_stack)
         self.token_ids = np.zeros((max_num_seqs, max_model_len + 1), dtype=np.int64)
         self.sampler = sampler
+        self.stager = InputStager(device)  # the module path's integer inputs: one host-to-device copy per step
         if sampler is not None:
             sampler.batch_invariant = batch_invariant  # each row drawn by its own kind of draw, whatever its mates
             sampler.use_cpu_kernels = device.type == "cpu"  # a GPU engine's logits draw in PyTorch: no kernel build
+        # GPU engines draw plain rows (greedy / temperature, no logprobs or processors) on the device and copy back
+        # only the sampled ids (Sampler.draw_on_device); the rest, and every CPU engine, sample host logits
+        self.device_draw = sampler is not None and device.type != "cpu"
         if sampler is not None:  # penalties, min_p, logit_bias, allowed_token_ids, bad_words by row (logits_state.py)
             sampler.processors = LogitsProcessorState(max_num_seqs, model.cfg.vocab_size, self.token_ids)
         self.eos_ids: list[int] = []
@@ -177,8 +182,10 @@ class ModelRunner:
         if self.sampler is not None and self.sampler.processors is not None:
             self.sampler.processors.admit(seqs)
 
-    def _group(self, rows_bt: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
-               T: int) -> AttentionGroup:
+    def _group_arrays(self, rows_bt: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
+                      T: int) -> tuple[list[np.ndarray], dict]:
+        """An AttentionGroup's int64 arrays (token_index, query_pos, block_tables, context_lens) and its other
+        fields (q_len, max_context, flat_range), for one staged copy (:meth:`_group`, :meth:`forward`)."""
         q_len = int(num_new.max())
         ar = np.arange(q_len)
         valid = ar[None, :] < num_new[:, None]
@@ -186,19 +193,22 @@ class ModelRunner:
         query_pos = np.where(valid, num_computed[:, None] + ar[None, :], -1)
         ctx = num_computed + num_new
         nblk = int((ctx.max() + self.block_size - 1) // self.block_size)
-        dev = self.device
-        return AttentionGroup(
-            token_index=torch.from_numpy(token_index).to(dev), query_pos=torch.from_numpy(query_pos).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(rows_bt[:, :nblk])).to(dev),
-            context_lens=torch.from_numpy(ctx).to(dev), q_len=q_len, max_context=nblk * self.block_size,
-            flat_range=(int(starts[0]), int(starts[0]) + len(num_new) * q_len) if bool(valid.all()) else None)
+        fields = dict(q_len=q_len, max_context=nblk * self.block_size,
+                      flat_range=(int(starts[0]), int(starts[0]) + len(num_new) * q_len) if bool(valid.all()) else None)
+        return [token_index, query_pos, rows_bt[:, :nblk], ctx], fields
+
+    def _group(self, rows_bt: np.ndarray, starts: np.ndarray, num_new: np.ndarray, num_computed: np.ndarray,
+               T: int) -> AttentionGroup:
+        arrays, fields = self._group_arrays(rows_bt, starts, num_new, num_computed, T)
+        return AttentionGroup(*self.stager.stage(arrays), **fields)
 
     @torch.inference_mode()
     def forward(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray, input_ids: np.ndarray,
                 logit_idx: np.ndarray, derived: tuple | None = None,
                 rows: np.ndarray | None = None, keep: np.ndarray | None = None,
-                modules: bool = False) -> torch.Tensor | None:
-        """Run the model on one step's flat batch; logits [len(logit_idx), vocab] float32 on CPU, or None.
+                modules: bool = False, on_device: bool = False) -> torch.Tensor | None:
+        """Run the model on one step's flat batch; logits [len(logit_idx), vocab] float32 on CPU (``on_device``:
+        left on the model's device), or None.
 
         Args (int64 numpy): ``d`` decode sequences (first in the batch); ``num_new`` / ``num_computed`` [B] tokens
         this step / already in the cache per sequence; ``bt`` [B, >= blocks needed] block tables; ``input_ids`` [T];
@@ -226,30 +236,41 @@ class ModelRunner:
         if taps:  # layer outputs come from forward hooks: the module path below
             self._tap_out = [None] * len(self.capture.layer_ids)
         plain = not (taps or modules)  # the padded graph buffers or the fused stack may serve this step
+        logit_sel = None  # the module path's staged logit rows
         if self.batch_invariant and plain:  # every token one query row over its own context: no group or chunk
             hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt[req_idx], positions + 1)
         elif plain and graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: cuda_graph_runner.py
             hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1, rows)
         elif plain and self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: cpu_decode_stack.py
             hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt, num_computed + 1)
-        else:
+        else:  # the module path: every integer input in one staged copy (input_staging.py)
+            groups = [self._group_arrays(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
+                      self._group_arrays(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None]
+            pick = not (d == B and len(logit_idx) == B)  # decode-only steps want every row, in order
+            arrays = [slots, positions, input_ids, logit_idx if pick else logit_idx[:0]]
+            arrays += ([] if rows is None else [rows]) + [a for g in groups if g is not None for a in g[0]]
+            staged = self.stager.stage(arrays)
+            slot_t, pos_t, ids_t, logit_t = staged[:4]
+            rest = staged[4:] if rows is None else staged[5:]
+            made = []
+            for g in groups:
+                made.append(None if g is None else AttentionGroup(*rest[:4], **g[1]))
+                rest = rest[4:] if g is not None else rest
             meta = AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(self.device),
-                decode=self._group(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
-                prefill=self._group(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None,
-                num_tokens=T, block_size=self.block_size,
-                state_rows=None if rows is None else torch.from_numpy(rows).to(self.device),
+                slot_mapping=slot_t, decode=made[0], prefill=made[1], num_tokens=T, block_size=self.block_size,
+                state_rows=None if rows is None else staged[4],
                 state_keep=None if keep is None else torch.from_numpy(keep).to(self.device))
-            pos_t = torch.from_numpy(positions).to(self.device)
-            hidden = self.model(torch.from_numpy(input_ids).to(self.device), pos_t, self.kv_caches, meta)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+            logit_sel = logit_t if pick else None
         if self.capture is not None:
             self._hidden_now = (hidden if self.capture.final else None,
                                 torch.stack(self._tap_out, dim=1) if taps else None)
         if len(logit_idx) == 0:
             return None
         if not (d == B and len(logit_idx) == B):  # decode-only steps want every row, in order
-            hidden = hidden[torch.from_numpy(logit_idx).to(self.device)]
-        return self.model.compute_logits(hidden).cpu()
+            hidden = hidden[logit_sel if logit_sel is not None else torch.from_numpy(logit_idx).to(self.device)]
+        logits = self.model.compute_logits(hidden)
+        return logits if on_device else logits.cpu()
 
     def uses_modules(self) -> bool:
         """True when this runner's steps must run through the model's modules (layer taps for a drafter are
@@ -345,11 +366,18 @@ class ModelRunner:
                                       rows if self.has_state else None, keep,  # hybrid models: the KDA state slots
                                       modules=self.uses_modules())  # every rank pads (or not) alike
         logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
-                              rows=rows, keep=keep)
+                              rows=rows, keep=keep, on_device=True)
         if self.capture is not None:
             self.keep_captured(seqs, rows, req_idx, positions)
         if logits is None:
             return StepOutput(sampled_index, None, None)
+        if self.device_draw and spec_tok is None and not len(plp_tok) and len(sampled_index):
+            sample_seqs = seqs if d == B else [seqs[i] for i in sampled_index]
+            if not self._min_tokens_rows(sample_seqs):  # plain rows drawn where the logits are: only ids come back
+                out = self.sampler.draw_on_device(logits, sample_seqs, rows[sampled_index])
+                if out is not None:
+                    return StepOutput(sampled_index, out, None, None)
+        logits = logits.cpu()  # everything else (processors, logprobs, verification) reads host logits
         s_logits, p_logits = logits[: len(sample_tok)], logits[len(sample_tok):len(sample_tok) + len(plp_tok)]
         spec_logits = logits[len(sample_tok) + len(plp_tok):] if spec_tok is not None else None
 

@@ -53,12 +53,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
 
 
-def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor, cdf_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Sample one index per row of ``probs`` [N, V] (float32, non-negative, rows need not sum to 1) from uniforms
     ``u`` [N] in [0, 1): the first i with cdf[i] > u * cdf[V - 1]. Index i is drawn with probability p_i / sum(p)
     up to float32 rounding of the cumulative sum (CPU ``cumsum`` accumulates in float64, so the cdf is monotonic);
-    a zero-probability index (masked by top-k / top-p) is never drawn. Returns int64 [N]."""
-    cdf = probs.cumsum(dim=-1)
+    a zero-probability index (masked by top-k / top-p) is never drawn. ``cdf_dtype`` float64: the cumulative sum in
+    float64 (on a GPU, whose float32 scan adds in another order, so a zero-probability index could otherwise sit
+    one rounding step above its predecessor). Returns int64 [N] on probs' device."""
+    cdf = probs.cumsum(dim=-1, dtype=cdf_dtype)
     total = cdf[:, -1]
     target = torch.minimum(u.to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
@@ -142,6 +144,26 @@ class Sampler:
         if all(t < 1e-5 for t in temp_list):
             return temps, torch.zeros(len(seqs))
         return temps, self._uniforms(seqs)
+
+    def draw_on_device(self, logits: torch.Tensor, seqs: list[Sequence], rows: np.ndarray) -> SamplerOutput | None:
+        """The draw of a batch whose rows are all plain (:meth:`plain_inputs`: no logprobs, top-k / top-p or logits
+        processors; the caller has checked min_tokens) where ``logits`` [N, V] float32 live (a GPU): greedy rows
+        take their argmax, the others sample logits / temperature by :func:`inverse_cdf_sample` (float64 cdf) from
+        the uniforms :meth:`plain_inputs` draws on the host, exactly those :meth:`__call__` would draw. Only the ids
+        come back to the host: SamplerOutput with token_ids int64 [N] on the CPU. None, drawing nothing and leaving
+        every RNG where it was, when some row is not plain."""
+        plain = self.plain_inputs(seqs, logits.shape[-1], rows)
+        if plain is None:
+            return None
+        temps, u = plain
+        if all(p.params.temperature < 1e-5 for p in seqs):
+            return SamplerOutput(logits.argmax(dim=-1).cpu(), None, None, None)
+        dev = logits.device
+        t = temps.to(dev, non_blocking=True)
+        greedy = t < 1e-5
+        x = logits / torch.where(greedy, torch.ones_like(t), t).unsqueeze(1)
+        ids = inverse_cdf_sample(x.softmax(dim=-1), u.to(dev, non_blocking=True), torch.float64)
+        return SamplerOutput(torch.where(greedy, logits.argmax(dim=-1), ids).cpu(), None, None, None)
 
     @staticmethod
     def _sorted_draw(logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,21 @@ class KDAStateCache:
         rec = torch.where(f.unsqueeze(-1), torch.zeros((), device=f.device), self.recurrent[rows])
         return conv, rec
 
+    def read_conv(self, rows: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """The conv half of :meth:`read`: conv [B, C, K-1] of ``rows``, zeros where ``fresh``."""
+        return torch.where(fresh.view(-1, 1, 1), torch.zeros((), dtype=self.conv.dtype, device=fresh.device),
+                           self.conv[rows])
+
+    def read_recurrent(self, rows: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+        """The recurrent half of :meth:`read`: a copy [B, H, D, D] float32 of ``rows``' states, zeros where
+        ``fresh``."""
+        return torch.where(fresh.view(-1, 1, 1, 1), torch.zeros((), device=fresh.device), self.recurrent[rows])
+
     def write(self, rows: torch.Tensor, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         """Store the states after this step for ``rows`` [B]."""
         self.conv[rows] = conv.to(self.conv.dtype)
         self.recurrent[rows] = recurrent.to(torch.float32)
+
+    def write_conv(self, rows: torch.Tensor, conv: torch.Tensor) -> None:
+        """Store only the conv states of ``rows`` [B] (the fused recurrent kernel writes ``recurrent`` in place)."""
+        self.conv[rows] = conv.to(self.conv.dtype)

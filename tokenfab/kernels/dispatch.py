@@ -23,6 +23,8 @@ softmax_topk               -                                 gpu/router.py (Qwen
 routed_experts             moe_experts_packed                gpu/moe.py (dense stacks)
 routed_experts_packed      -                                 gpu/packed_moe.py (INT4 / MXFP4 / FP8 stacks)
 sample_plain               sample_plain                      -
+kda_recurrent              -                                 gpu/kda.py (fused recurrent gated delta rule)
+kda_chunk (prefill)        -                                 gpu/kda_chunk.py (fla-core's chunk_kda, optional)
 ========================== ================================= ====================================================
 
 The CPU-only fused paths (the decode blocks and decode stack, the VNNI / GGUF / FP8 / packed-expert linears chosen
@@ -301,3 +303,47 @@ def fp8_block_prepare(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Te
         return None
     from tokenfab.kernels.gpu import fp8_scaled_mm
     return fp8_scaled_mm.weight_scale_layout(scale_inv) if fp8_scaled_mm.scaled_mm_ready(weight.device) else None
+
+
+KDA_CHUNK_MIN_TOKENS = 64  # padded prefill tokens per sequence from which fla's chunked form replaces the recurrence
+
+
+def kda_recurrent_applies(qkv: torch.Tensor, state: torch.Tensor) -> bool:
+    """True when the fused recurrent KDA kernel (:func:`tokenfab.kernels.gpu.kda.kda_recurrent`) runs a KDA layer's
+    groups here: the GPU code path and a float32 contiguous state pool [slots, H, D, D]."""
+    return _gpu(qkv) and state.dtype == torch.float32 and state.dim() == 4 and state.is_contiguous()
+
+
+def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
+                  lower_bound: float | None, b_raw: torch.Tensor, token_index: torch.Tensor,
+                  num_tokens: torch.Tensor, first_pos: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
+                  out: torch.Tensor, scale: float) -> torch.Tensor:
+    """The gated delta rule of one padded KDA group in one launch, state slots updated in place and outputs stored
+    at their token rows of ``out`` (arguments as :func:`tokenfab.kernels.gpu.kda.kda_recurrent`; call where
+    :func:`kda_recurrent_applies`). ``qkv`` may be the layer's transposed view of its conv output: made contiguous
+    here, a copy only for prefill groups (a decode group's [B, 1, C] view already is). Returns ``out``."""
+    from tokenfab.kernels.gpu import kda  # imports triton: only when it applies
+    return kda.kda_recurrent(qkv.contiguous(), g_raw.contiguous(), dt_bias.contiguous(), a_log.contiguous(),
+                             lower_bound, b_raw.contiguous(), token_index, num_tokens, first_pos, rows, state, out,
+                             scale)
+
+
+def kda_chunk_applies(x: torch.Tensor, tokens: int) -> bool:
+    """True when a KDA prefill group of ``tokens`` padded tokens per sequence should run fla's chunked kernels
+    (:mod:`tokenfab.kernels.gpu.kda_chunk`): a CUDA / ROCm tensor with Triton on, bfloat16 / float16 activations
+    (float32 engines keep the exact recurrent kernel: fla multiplies float32 tiles in TF32), at least
+    KDA_CHUNK_MIN_TOKENS tokens, and fla-core importable (checked last, so CPU paths never import it)."""
+    if not (x.device.type == "cuda" and gpu_support.applies(x) and x.dtype in (torch.bfloat16, torch.float16)
+            and tokens >= KDA_CHUNK_MIN_TOKENS):
+        return False
+    from tokenfab.kernels.gpu import kda_chunk
+    return kda_chunk.importable()
+
+
+def kda_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              initial_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked KDA prefill by fla-core (:func:`tokenfab.kernels.gpu.kda_chunk.chunk_prefill`; call where
+    :func:`kda_chunk_applies`): q, k, v, g [B, L, H, D], beta [B, L, H], initial_state [B, H, D, D], all float32 ->
+    (o [B, L, H, D], final state [B, H, D, D])."""
+    from tokenfab.kernels.gpu import kda_chunk as chunk
+    return chunk.chunk_prefill(q, k, v, g, beta, initial_state)

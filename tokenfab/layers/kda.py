@@ -20,7 +20,10 @@ FLA ``fla/ops/kda/gate.py``).
 Decode runs the recurrence one token at a time (vectorized over sequences); prefill runs the chunkwise (WY)
 form in chunks of 64 tokens, vectorized over the sequences of the padded prefill group, with bounded memory
 (one chunk's [B, H, C, C, D] decay tensor at a time). Padded positions get q = k = v = 0, beta = 0, g = 0, which
-leaves the state unchanged.
+leaves the state unchanged. These PyTorch forms are the reference; on the GPU code path (kernels/dispatch.py) the
+fused recurrent kernel (kernels/gpu/kda.py: gate activation, beta sigmoid, l2norms and the recurrence in one launch,
+state slots updated in place) runs decode and prefill groups, and fla-core's chunked kernels
+(kernels/gpu/kda_chunk.py, optional) run bfloat16 / float16 prefills of 64 tokens or more where installed.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab.kernels import dispatch
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import Linear
 
@@ -205,18 +209,15 @@ class KimiDeltaAttention(nn.Module):
         if H == 0:  # tensor parallel with more ranks than KDA heads: contributes nothing to the sum
             return x.new_zeros(T, self.o_proj.out_features)
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        gpre = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        g = kda_log_decay(gpre.view(T, H, D), self.A_log, self.lower_bound)
-        beta = self.beta(x)
-        pad1 = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])], 0)  # row T: padding
-        qkv_p, g_p, beta_p = pad1(qkv), pad1(g), pad1(beta)
+        gates = _Gates(self, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x))
+        qkv_p = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[1])], 0)  # row T: padding
         core = x.new_empty(T + 1, H, D)
         d = meta.decode.num_seqs if meta.decode is not None else 0
         keep = meta.state_keep
         for group, rows, kp in ((meta.decode, meta.state_rows[:d], None if keep is None else keep[:d]),
                                 (meta.prefill, meta.state_rows[d:], None if keep is None else keep[d:])):
             if group is not None:
-                core[group.token_index.reshape(-1)] = self._run_group(group, rows, qkv_p, g_p, beta_p, cache, kp)
+                self._run_group(group, rows, qkv_p, gates, cache, core, kp)
         core = core[:T]
         if self.full_rank_gate:
             gate = self.g_proj(x)
@@ -225,29 +226,13 @@ class KimiDeltaAttention(nn.Module):
         out = self.o_norm(core, gate.view(T, H, D)).reshape(T, H * D)
         return self.o_proj(out)
 
-    def _run_group(self, group: AttentionGroup, rows: torch.Tensor, qkv_p: torch.Tensor, g_p: torch.Tensor,
-                   beta_p: torch.Tensor, cache, keep: torch.Tensor | None = None) -> torch.Tensor:
-        """KDA for one group; returns [B * Q, H, D] in the activation dtype (flattened like token_index).
-        ``keep`` [B] bool: rows (speculative verification) whose state before the step and per-token recurrence
-        inputs go to ``cache.pending`` for a later roll back (engine/state_rollback.py)."""
-        idx = group.token_index  # [B, Q]
-        B, Q = idx.shape
-        H, D, K = self.num_heads, self.head_dim, self.kernel
-        valid = group.query_pos >= 0  # [B, Q]
-        fresh = group.query_pos[:, 0] == 0
-        conv_state, S = cache.read(rows, fresh)
-        # depthwise causal conv over [conv state | this step's inputs]; padded inputs are zero rows (after the
-        # valid ones, so they never reach a valid output)
-        xg = qkv_p[idx]  # [B, Q, 3HD]
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
-        full = torch.cat([conv_state.to(xg.dtype), xg.transpose(1, 2)], dim=-1)  # [B, 3HD, K-1+Q]
-        y = F.silu(F.conv1d(full.to(w.dtype), w, groups=w.shape[0])).to(xg.dtype).transpose(1, 2)  # [B, Q, 3HD]
-        if K > 1:
-            n = valid.sum(1)
-            take = (n.view(B, 1) + torch.arange(K - 1, device=n.device).view(1, -1)).unsqueeze(1)
-            new_conv = full.gather(2, take.expand(B, full.shape[1], K - 1))
-        else:
-            new_conv = conv_state
+    def _prep(self, y: torch.Tensor, valid: torch.Tensor, idx: torch.Tensor,
+              gates: "_Gates") -> tuple[torch.Tensor, ...]:
+        """The recurrence inputs of a group in float32, zero at padding: y [B, Q, 3HD] (the conv outputs), valid
+        [B, Q], idx [B, Q] token rows -> q (normalized, scaled), k (normalized), v, g [B, Q, H, D]; beta [B, Q, H]."""
+        B, Q = valid.shape
+        H, D = self.num_heads, self.head_dim
+        g_p, beta_p = gates.padded()
         vm = valid.view(B, Q, 1, 1)
         q, k, v = (t.reshape(B, Q, H, D).float() for t in y.split(H * D, dim=-1))
         q = torch.where(vm, l2norm(q) * D ** -0.5, 0.0)
@@ -255,14 +240,57 @@ class KimiDeltaAttention(nn.Module):
         v = torch.where(vm, v, 0.0)
         g = torch.where(vm, g_p[idx], 0.0)  # [B, Q, H, D]
         beta = torch.where(valid.unsqueeze(-1), beta_p[idx], 0.0)  # [B, Q, H]
+        return q, k, v, g, beta
+
+    def _run_group(self, group: AttentionGroup, rows: torch.Tensor, qkv_p: torch.Tensor, gates: "_Gates", cache,
+                   core: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """KDA for one group: stores its tokens' outputs in ``core`` [T + 1, H, D] (activation dtype) at their
+        token rows and its states in ``cache``. On the GPU path the fused recurrent kernel (kernels/gpu/kda.py) or,
+        for long bfloat16 prefills, fla's chunked kernels (kernels/gpu/kda_chunk.py) run the recurrence; else the
+        PyTorch forms here (the reference). ``keep`` [B] bool: rows (speculative verification) whose state before
+        the step and per-token recurrence inputs go to ``cache.pending`` for a later roll back
+        (engine/state_rollback.py)."""
+        idx = group.token_index  # [B, Q]
+        B, Q = idx.shape
+        H, D, K = self.num_heads, self.head_dim, self.kernel
+        valid = group.query_pos >= 0  # [B, Q]
+        fresh = group.query_pos[:, 0] == 0
+        kernel = dispatch.kda_recurrent_applies(qkv_p, cache.recurrent)
+        chunk = kernel and Q >= KDA_CHUNK and dispatch.kda_chunk_applies(qkv_p, Q)
+        if kernel:
+            conv_state, S = cache.read_conv(rows, fresh), None
+        else:
+            conv_state, S = cache.read(rows, fresh)
+        # depthwise causal conv over [conv state | this step's inputs]; padded inputs are zero rows (after the
+        # valid ones, so they never reach a valid output)
+        xg = qkv_p[idx]  # [B, Q, 3HD]
+        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+        full = torch.cat([conv_state.to(xg.dtype), xg.transpose(1, 2)], dim=-1)  # [B, 3HD, K-1+Q]
+        y = F.silu(F.conv1d(full.to(w.dtype), w, groups=w.shape[0])).to(xg.dtype).transpose(1, 2)  # [B, Q, 3HD]
+        n = valid.sum(1)
+        if K > 1:
+            take = (n.view(B, 1) + torch.arange(K - 1, device=n.device).view(1, -1)).unsqueeze(1)
+            new_conv = full.gather(2, take.expand(B, full.shape[1], K - 1))
+        else:
+            new_conv = conv_state
         if keep is not None and bool(keep.any()):
             from tokenfab.engine.state_cache import PendingStates
             sel = keep.nonzero().squeeze(1)
-            n_tok = valid[sel].sum(1)
+            n_tok = n[sel]
             qk = int(n_tok.max())
-            cache.pending.append(PendingStates(rows[sel], n_tok, full[sel, :, :K - 1 + qk], S[sel], k[sel, :qk],
-                                               v[sel, :qk], g[sel, :qk], beta[sel, :qk]))
-        if Q == 1:
+            _, k, v, g, beta = self._prep(y[sel], valid[sel], idx[sel], gates)
+            S_sel = S[sel] if S is not None else cache.read_recurrent(rows[sel], fresh[sel])
+            cache.pending.append(PendingStates(rows[sel], n_tok, full[sel, :, :K - 1 + qk], S_sel, k[:, :qk],
+                                               v[:, :qk], g[:, :qk], beta[:, :qk]))
+        if kernel and not chunk:  # one launch: gates, l2norms, recurrence, outputs into core, states in place
+            cache.write_conv(rows, new_conv)
+            dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx, n,
+                                   group.query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5)
+            return
+        q, k, v, g, beta = self._prep(y, valid, idx, gates)
+        if chunk:
+            o, S = dispatch.kda_chunk(q, k, v, g, beta, cache.read_recurrent(rows, fresh))
+        elif Q == 1:
             o, S = kda_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
             o = o.unsqueeze(1)
         else:
@@ -272,4 +300,26 @@ class KimiDeltaAttention(nn.Module):
             o, S = kda_chunked(tr(q), tr(k), tr(v), tr(g), tr(beta), S, chunk_size=min(KDA_CHUNK, Q))
             o = tr(o)
         cache.write(rows, new_conv, S)
-        return o.to(qkv_p.dtype).reshape(B * Q, H, D)
+        core[idx.reshape(-1)] = o.to(core.dtype).reshape(B * Q, H, D)
+
+
+class _Gates:
+    """One layer call's gate inputs: ``g_raw`` [T, H * D] = f_b(f_a x) and ``b_raw`` [T, H] = b_proj x in the
+    activation dtype, as the fused kernel reads them; :meth:`padded` computes the float32 log-decay and beta of the
+    PyTorch forms once, on first use."""
+
+    def __init__(self, layer: KimiDeltaAttention, g_raw: torch.Tensor, b_raw: torch.Tensor):
+        self.layer, self.g_raw, self.b_raw = layer, g_raw, b_raw
+        self._padded = None
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g [T + 1, H, D] float32 log-decay, beta [T + 1, H] float32), row T zero (padding)."""
+        if self._padded is None:
+            L = self.layer
+            T = self.g_raw.shape[0]
+            gpre = self.g_raw.float() + L.dt_bias.float()
+            g = kda_log_decay(gpre.view(T, L.num_heads, L.head_dim), L.A_log, L.lower_bound)
+            beta = torch.sigmoid(self.b_raw.float())  # Moonshot: self.b_proj(x).float().sigmoid()
+            pad1 = lambda t: torch.cat([t, t.new_zeros(1, *t.shape[1:])], 0)
+            self._padded = (pad1(g), pad1(beta))
+        return self._padded

@@ -12,6 +12,9 @@ Each tensor is drawn from its own generator seeded from (``seed``, its name), so
 seed, its name, shape, dtype and device (the same on every tensor-parallel rank for a replicated weight, whatever
 order the parameters come in). A tied LM head shares the embedding, as :meth:`CausalLM.load_weights` ties it.
 
+Checkpoints published packed (FP8 block-scaled, compressed-tensors INT4 / MXFP4 experts, Kimi's MXFP4) get their
+packed tensors from :mod:`tokenfab.loader.dummy_packed` first; this module fills what is left.
+
 Used to measure real shapes without checkpoint files (benchmarks/gpu_shapes.py, benchmarks/gpu_check.sh): the
 model's parameters, buffers and KV / memory sizing are those a real checkpoint of the same config.json gives.
 """
@@ -42,24 +45,23 @@ def check_load_format(value) -> str:
     return value
 
 
-def refuse_packed(model, mc, gguf_file: bool) -> None:
-    """Dummy weights fill bf16/fp32 tensors only: refuse the packed checkpoint formats.
+def refuse_packed(model, mc, gguf_file: bool, host_split: bool = False) -> None:
+    """Refuse what dummy weights cannot fill: a GGUF file (its block types are kept as the file stores them), and
+    host experts (host_experts / num_device_experts) for a checkpoint whose routed experts are packed (FP8
+    block-scaled, compressed-tensors INT4 / MXFP4, Kimi's MXFP4: a real load dequantizes them for the split; a
+    dummy load fills them packed, loader/dummy_packed.py).
 
     Raises:
-        UnsupportedError: a GGUF file, an FP8 block-scaled config (``quantization_config`` fp8) or routed experts
-            kept packed (compressed-tensors INT4 / MXFP4, Kimi's MXFP4), naming load_format.
+        UnsupportedError: naming load_format and what to change.
     """
-    what = None
     if gguf_file:
-        what = "a GGUF file (its linears are kept in the file's block types)"
-    elif getattr(mc, "fp8_block_size", None) is not None:
-        what = "an FP8 block-scaled checkpoint (config.json's quantization_config)"
-    elif model.expert_quantization() is not None:
-        what = "routed experts kept packed (config.json's compressed-tensors / MXFP4 quantization_config)"
-    if what is not None:
-        raise UnsupportedError(f"load_format='dummy' fills unquantized (bf16 / fp32) weights only, and this model is "
-                               f"{what}; remove quantization_config from config.json (the same shapes in bf16) or "
-                               "use load_format='auto' with the checkpoint's weight files.")
+        raise UnsupportedError("load_format='dummy' does not fill GGUF files (their linears are kept in the file's "
+                               "block types); use load_format='auto' with the file, or a config-only Hugging Face "
+                               "folder.")
+    if host_split and (getattr(mc, "fp8_block_size", None) is not None or model.expert_quantization() is not None):
+        raise UnsupportedError("load_format='dummy' fills this checkpoint's routed experts packed, and host experts "
+                               "(host_experts / num_device_experts) need bf16 stacks; leave those unset, or remove "
+                               "quantization_config from config.json (the same shapes in bf16).")
 
 
 def _seed_for(seed: int, name: str) -> int:

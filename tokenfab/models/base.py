@@ -128,6 +128,16 @@ class CausalLM(nn.Module):
             WeightLoadError: a layer whose experts are partly ignored (one format per layer's stack).
             UnsupportedError: host experts requested for packed experts this model cannot dequantize at load.
         """
+        self.pack_expert_stacks()
+        for m in self.modules():  # built on the meta device (moe.deferred_expert_storage) and not packed
+            if isinstance(m, RoutedExperts):
+                m.materialize()
+
+    def pack_expert_stacks(self) -> None:
+        """The packing half of :meth:`use_packed_experts`: the RoutedExperts the checkpoint stores packed get their
+        :class:`~tokenfab.quant.packed_experts.PackedExperts` stacks (on the default device: ``load_format="dummy"``
+        builds them on the meta device and fills them on the target device, loader/dummy_packed.py); the others are
+        left as built. Raises as :meth:`use_packed_experts`."""
         scheme = self.expert_quantization()
         if scheme is not None:
             self._pack_experts(scheme)
@@ -136,9 +146,6 @@ class CausalLM(nn.Module):
                 if (isinstance(mod, RoutedExperts) and mod.q13 is None and mod.w13 is not None
                         and self.fp8_experts_in_checkpoint(name)):
                     mod.use_packed("fp8_block")  # host experts requested: dequantized by load_weights instead
-        for m in self.modules():  # built on the meta device (moe.deferred_expert_storage) and not packed
-            if isinstance(m, RoutedExperts):
-                m.materialize()
 
     def fp8_experts_in_checkpoint(self, name: str) -> bool:
         """In an FP8 block-scaled checkpoint, whether the routed experts of module ``name`` are stored FP8 (kept

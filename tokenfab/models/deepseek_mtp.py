@@ -87,6 +87,7 @@ class DeepseekMTP(nn.Module):
     # routed experts follow the checkpoint's compressed-tensors scheme like the target's)
     expert_quantization = CausalLM.expert_quantization
     use_packed_experts = CausalLM.use_packed_experts
+    pack_expert_stacks = CausalLM.pack_expert_stacks
     _pack_experts = CausalLM._pack_experts
     unpacked_experts = False
     dequantizes_experts_at_load = False

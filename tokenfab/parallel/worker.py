@@ -179,7 +179,7 @@ def serve_steps(runner, channel: StepChannel) -> int:
             runner.roll_back_state(step.rows, step.kept)
             continue
         *arrays, rows, keep, modules = step
-        runner.forward(*arrays, rows=rows, keep=keep, modules=modules)
+        runner.forward(*arrays, rows=rows, keep=keep, modules=modules, on_device=True)  # logits unused here
         n += 1
 
 

@@ -104,6 +104,9 @@ class DSparkProposer(Proposer):
         UnsupportedError / WeightLoadError: tensor parallel with a quantized or missing target embedding / LM head
             (target_vocab.py).
         WeightLoadError: missing / unexpected / mis-shaped drafter tensors.
+
+    With the engine's ``load_format="dummy"`` the drafter's folder needs config.json only: its weights are seeded
+    random tensors on the device (loader/dummy_weights.py), as the target's are.
     """
 
     def __init__(self, path: str, k: int, engine, tap: str | None = None):
@@ -127,7 +130,12 @@ class DSparkProposer(Proposer):
             self.vocab = TargetVocab(engine)
             embed, head = self.vocab.embed, self.vocab.logits
         self.drafter = DSparkDrafter(cfg, embed, head)
-        self.skipped_weights = load_dspark_weights(self.drafter, path, engine.dtype)
+        if getattr(engine.config, "load_format", "auto") == "dummy":  # the target's mode: no drafter file read either
+            from tokenfab.loader.dummy_weights import fill_dummy_weights
+            fill_dummy_weights(self.drafter, engine.device, seed=getattr(engine.config, "seed", 0))
+            self.skipped_weights = []
+        else:
+            self.skipped_weights = load_dspark_weights(self.drafter, path, engine.dtype)
         self.drafter.to(engine.device)
         self.bm = engine.block_manager
         bs = self.bm.block_size

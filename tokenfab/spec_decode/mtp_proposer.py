@@ -63,6 +63,7 @@ class MTPProposer(Proposer):
     _draw = staticmethod(DraftModelProposer._draw)  # one draft per row from logits [N, V]: argmax or a draw from q
 
     def __init__(self, k: int, engine):
+        from tokenfab.engine.input_staging import InputStager
         from tokenfab.engine.model_runner import ModelRunner
         from tokenfab.models.deepseek_mtp import load_mtp
 
@@ -77,6 +78,8 @@ class MTPProposer(Proposer):
         self.device = runner.device
         self.kv = self.mtp.make_kv_cache(self.bm.num_blocks, self.block_size, engine.dtype, self.device)
         self._group = ModelRunner._group.__get__(self)  # the runner's attention-group builder (block_size, device)
+        self._group_arrays = ModelRunner._group_arrays.__get__(self)
+        self.stager = InputStager(self.device)
         self.token_ids = runner.token_ids
         rows = runner.token_ids.shape[0]
         self.last_h = torch.zeros(rows, self.mtp.cfg.hidden_size, dtype=engine.dtype, device=self.device)

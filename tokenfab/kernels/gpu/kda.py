@@ -1,0 +1,142 @@
+"""The fused recurrent gated delta rule of Kimi Delta Attention (KDA) in Triton: decode steps and short prefills of
+the KDA layers (tokenfab/layers/kda.py), reading and writing the float32 state slots
+(tokenfab/engine/state_cache.py) in place.
+
+One program per (sequence, head, block of BV value columns) holds the state tile S[:, v0:v0 + BV] ([D_k, BV] float32)
+in registers and walks the sequence's valid tokens in order; per token t (the layer's formulas, all float32):
+
+    q <- q / sqrt(sum q^2 + 1e-6) * scale ;  k <- k / sqrt(sum k^2 + 1e-6)        FLA's l2norm form
+    g  = -exp(A_log) * softplus(g_raw + dt_bias)        (softplus(x) = x for x > 20)
+       or lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))        with a gate lower bound
+    beta = sigmoid(b_raw)
+    S <- diag(exp(g)) S ;  S <- S + k (beta (v - S^T k))^T ;  o = S^T q
+
+so the layer's gate activation, beta sigmoid, q / k normalization, recurrence and output scatter are one launch
+instead of dozens of small PyTorch ops. The state starts at zero for a sequence at position 0 (``fresh``: nothing is
+read) and is written back to its slot after the last valid token; padding tokens (beyond ``num_tokens``) are never
+read or written. Launch shapes depend only on tensor sizes and the host never reads device values, so decode steps
+replay under CUDA graphs; the padding rows of a padded decode batch all name the spare slot (their writes race
+there, which no real sequence reads).
+
+Bytes: a decode step of B sequences reads B * H * D_k * D_v * 4 bytes of state and writes as many (64 KiB each way
+per K3 head of 128, 6 MiB per sequence and layer at 96 heads), which dominates the q / k / v / gate inputs. The value block BV is chosen on the host from the sizes (about a
+thousand programs, enough to fill 132 SMs or 304 CUs several times over, with at most 32 state elements per thread);
+``triton.autotune`` is not used because its benchmark runs would advance the in-place state (restoring it would
+copy the whole state pool).
+
+Checked against layers/kda.py's recurrence and chunked form in Triton's interpreter on CPU
+(tests/test_triton_kda.py); GPU timings come from ``benchmarks/gpu_kernels.py``.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+TARGET_PROGRAMS = 1024  # programs a launch should have before a wider value block is taken
+
+
+@triton.jit
+def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, idx_ptr, ntok_ptr, pos0_ptr,
+                          rows_ptr, state_ptr, out_ptr, Q, stride_pos0, stride_qkv_b, stride_qkv_t, stride_g,
+                          stride_b, stride_o, scale, lower_bound, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
+                          BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    offs_k = tl.arange(0, BK)
+    offs_v = vb * BV + tl.arange(0, BV)
+    mk = offs_k < D
+    mv = offs_v < D
+    m2 = mk[:, None] & mv[None, :]
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    n = tl.load(ntok_ptr + b)
+    pos0 = tl.load(pos0_ptr + b * stride_pos0)  # position 0: a fresh sequence, zero state
+    carried = (offs_k[:, None] * 0 + pos0) != 0
+    s_ptrs = state_ptr + (row * H + h) * (D * D) + offs_k[:, None] * D + offs_v[None, :]
+    S = tl.load(s_ptrs, mask=m2 & carried, other=0.0)  # nothing read for a fresh sequence
+    a = tl.exp(tl.load(a_log_ptr + h))
+    dtb = tl.load(dt_bias_ptr + h * D + offs_k, mask=mk, other=0.0)
+    for t in range(0, n):
+        tok = tl.load(idx_ptr + b * Q + t).to(tl.int64)
+        base = qkv_ptr + b * stride_qkv_b + t * stride_qkv_t + h * D
+        q = tl.load(base + offs_k, mask=mk, other=0.0).to(tl.float32)
+        k = tl.load(base + H * D + offs_k, mask=mk, other=0.0).to(tl.float32)
+        v = tl.load(base + 2 * H * D + offs_v, mask=mv, other=0.0).to(tl.float32)
+        q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
+        k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        gp = tl.load(graw_ptr + tok * stride_g + h * D + offs_k, mask=mk, other=0.0).to(tl.float32) + dtb
+        if USE_LOWER_BOUND:
+            g = lower_bound * (1.0 / (1.0 + tl.exp(-(a * gp))))
+        else:
+            g = -a * tl.where(gp > 20.0, gp, tl.log(1.0 + tl.exp(gp)))
+        braw = tl.load(braw_ptr + tok * stride_b + h).to(tl.float32)
+        beta = 1.0 / (1.0 + tl.exp(-braw))
+        S = S * tl.exp(g)[:, None]
+        kv = tl.sum(S * k[:, None], axis=0)  # [BV] = (S^T k)[v0:v0 + BV]
+        delta = (v - kv) * beta
+        S = S + k[:, None] * delta[None, :]
+        o = tl.sum(S * q[:, None], axis=0)
+        tl.store(out_ptr + tok * stride_o + h * D + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
+    tl.store(s_ptrs, S, mask=m2)
+
+
+def value_block(batch: int, heads: int, head_dim: int) -> tuple[int, int]:
+    """(BV, num_warps) for a launch over ``batch`` sequences x ``heads``: the widest value block of 64 / 32 / 16
+    columns that still gives TARGET_PROGRAMS programs (16 otherwise; at most the padded head dim), with warps for
+    about 32 state elements per thread (1 to 8)."""
+    bk = triton.next_power_of_2(head_dim)
+    bv = 16
+    for cand in (64, 32):
+        if batch * heads * triton.cdiv(head_dim, cand) >= TARGET_PROGRAMS:
+            bv = cand
+            break
+    bv = min(bv, bk)
+    return bv, max(1, min(8, bk * bv // 1024))
+
+
+def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
+                  lower_bound: float | None, b_raw: torch.Tensor, token_index: torch.Tensor,
+                  num_tokens: torch.Tensor, first_pos: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
+                  out: torch.Tensor, scale: float) -> torch.Tensor:
+    """The gated delta rule over a padded group of B sequences, in one launch, state updated in place.
+
+    Args:
+        qkv: [B, Q, 3 * H * D] the short conv's outputs q | k | v (after SiLU; activation dtype, unit stride along
+            the last dim), Q = the group's padded tokens per sequence, valid tokens first.
+        g_raw: [T, H * D] the gate pre-activation without dt_bias (f_b(f_a x); any float dtype, read as float32).
+        dt_bias: [H * D] float32; a_log: [H] float32 (this rank's heads).
+        lower_bound: None for the softplus gate, else the sigmoid gate's lower bound (< 0).
+        b_raw: [T, H] beta logits (b_proj x), sigmoid taken in float32.
+        token_index: [B, Q] int64 row of each token in g_raw / b_raw / out.
+        num_tokens: [B] valid tokens per sequence (int32 or int64); first_pos: [B] integer position of each
+            sequence's first token this step (any stride; 0: a fresh sequence, zero initial state); rows: [B] int64
+            state slots.
+        state: [slots, H, D, D] float32 (S[k, v]), contiguous: read at ``rows`` (unless fresh), written back there.
+        out: [>= T, H, D] contiguous (activation dtype): o of each valid token stored at its token_index row.
+        scale: the query scale (D^-0.5).
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: a state that is not float32 / contiguous / [slots, H, D, D], a qkv other than [B, Q, 3 * H * D],
+            a strided last dim of qkv / g_raw / b_raw, or a strided ``out``.
+    """
+    B, Q, width = qkv.shape
+    H, D = state.shape[1], state.shape[2]
+    if (state.dtype != torch.float32 or not state.is_contiguous() or state.shape[3] != D or width != 3 * H * D
+            or qkv.stride(-1) != 1 or g_raw.stride(-1) != 1 or b_raw.stride(-1) != 1 or not out.is_contiguous()):
+        raise ValueError(f"kda_recurrent: state {tuple(state.shape)} {state.dtype} / qkv {tuple(qkv.shape)} "
+                         f"{qkv.stride()} do not match [slots, H, D, D] float32 contiguous and [B, Q, 3 * H * D] "
+                         "with unit stride along the channels (g_raw, b_raw likewise; out contiguous).")
+    if B == 0 or H == 0:
+        return out
+    bv, warps = value_block(B, H, D)
+    grid = (B, H, triton.cdiv(D, bv))
+    _kda_recurrent_kernel[grid](
+        qkv, g_raw, dt_bias, a_log, b_raw, token_index.contiguous(), num_tokens, first_pos, rows, state, out, Q,
+        first_pos.stride(0), qkv.stride(0), qkv.stride(1), g_raw.stride(0), b_raw.stride(0), out.stride(0),
+        float(scale), 0.0 if lower_bound is None else float(lower_bound), H=H, D=D, BK=triton.next_power_of_2(D),
+        BV=bv, USE_LOWER_BOUND=lower_bound is not None, num_warps=warps)
+    return out
