@@ -1,0 +1,295 @@
+"""The grouped GEMM of the fused routed experts in Triton (CUDA/ROCm): one launch per projection over all experts,
+for plain weight stacks and for INT4 group-32, MXFP4 and FP8 block-scaled stacks decoded in registers
+(kernels/gpu/packed_moe.py's docstring states the layouts).
+
+Work split. The (token, slot) pairs arrive sorted by expert and padded per expert to BLOCK_M rows
+(kernels/gpu/moe.py::align_pairs_fused), so every BLOCK_M-row tile of the sorted list belongs to one expert. One
+program computes the [BLOCK_M, BLOCK_N] output tile of one row tile, over one of SPLIT_K consecutive ranges of the
+K inputs: decode batches hit few experts with a row or two each, so the programs must come from the N and K axes
+for every SM to stream weight bytes. With SPLIT_K > 1 each range writes its own float32 partial, C[s, pair, n],
+and the consumer sums the ranges in order s = 0, 1, ... (moe_sum for the down projection): deterministic, no
+atomics. Program 0 stores SPLIT_K to ``NSPLIT`` (a device int32), so the consumer learns the autotuner's choice
+without a host read. The grid covers min(worst-case tiles, pairs) row tiles (every used tile holds a pair); tiles
+past the used ones return at once, so launch shapes depend on sizes only (CUDA-graph safe).
+
+Weight tiles. Along K (the memory-contiguous axis) a program loads [BLOCK_N, 32 / per] packed words per 32 inputs
+(INT4: 4 int32 words = 16 bytes a row; MXFP4: 16 bytes; FP8: BLOCK_K bytes) and unpacks them in registers with
+shifts and ``tl.interleave`` into [BLOCK_N, 32] codes, decoded exactly (INT4: the nibble OR'd into the mantissa of
+2^23, minus 2^23 + 8; MXFP4: sign, exponent and mantissa bits of E2M1; FP8: of E4M3FN, its subnormals included).
+Each scale is loaded once per (row, group) and applied to the float32 partial product of its group (INT4 / MXFP4:
+32 inputs; FP8: BLOCK_K <= 128 inputs inside one 128-block), so the dot sees the unscaled codes, which are exact
+in bf16 / fp16 (integers -8..7, E2M1 values, E4M3 values): bf16 / fp16 activations run ``tl.dot`` in their own
+dtype on the tensor cores with no weight rounding, float32 activations run it in IEEE float32 (no TF32), so float32
+results are the dequantized twin's to float32 rounding. Plain stacks accumulate ``tl.dot`` over BLOCK_K.
+
+Configs. ``triton.autotune`` picks BLOCK_N, BLOCK_K, SPLIT_K, num_warps and num_stages per (row-tile height, pair
+count bucket, N, K, projection, format, dtypes) from a small list (:data:`CONFIGS`, pruned per call by
+:func:`_prune`): decode tiles (BLOCK_M 16) try narrow N tiles and split-K on the down projection; prefill tiles
+(BLOCK_M 64) try wide tiles without split-K. In Triton's interpreter one fixed config runs (:data:`INTERPRET_CONFIG`;
+tests set others). The shapes follow the public designs of mixed-input MoE GEMMs (vLLM's fused_moe tile configs,
+Marlin's 16-byte weight loads per thread, OpenAI's triton_kernels split-K for MXFP4 MoE at small batch).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenfab.kernels.gpu.support import interpreting
+
+DENSE, INT4_GROUP, MXFP4, FP8_BLOCK = -1, 0, 1, 2
+SPLIT_MAX_PAIRS = 256  # split-K is tried only up to this many pairs (its float32 partials: splits x pairs x N)
+
+
+def _cfg(bn: int, bk: int, split: int, warps: int, stages: int) -> triton.Config:
+    """One autotune config."""
+    return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=stages)
+
+
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Decode (BLOCK_M 16): narrow N tiles so that a few experts
+# still give hundreds of programs, 16-byte packed loads per row and group, deep pipelines; split-K for the down
+# projection. Prefill (BLOCK_M 64): wide tiles, no split.
+DECODE_CONFIGS = [
+    _cfg(64, 128, 1, 4, 4), _cfg(32, 256, 1, 4, 3), _cfg(128, 128, 1, 4, 4), _cfg(64, 256, 1, 8, 3),
+    _cfg(64, 128, 2, 4, 4), _cfg(128, 128, 4, 4, 4), _cfg(32, 128, 4, 4, 4),
+]
+PREFILL_CONFIGS = [_cfg(128, 64, 1, 4, 4), _cfg(128, 128, 1, 8, 3), _cfg(64, 64, 1, 4, 4)]
+CONFIGS = DECODE_CONFIGS + PREFILL_CONFIGS
+# the config Triton's interpreter runs (one: no autotuning there); tests monkeypatch it to reach other splits / tiles
+INTERPRET_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}
+
+
+def _prune(configs, named_args, **kwargs):
+    """Configs for one call: decode row tiles (BLOCK_M 16) keep DECODE_CONFIGS whose SPLIT_K fits the output's
+    slices (``split_max``), prefill tiles PREFILL_CONFIGS; FP8 and plain weights keep BLOCK_K <= 128 (FP8: one
+    128-block per tile)."""
+    pool = DECODE_CONFIGS if kwargs["BLOCK_M"] <= 16 else PREFILL_CONFIGS
+    wide_ok = kwargs["FMT"] in (INT4_GROUP, MXFP4)
+    out = [c for c in configs if any(c is p for p in pool) and c.kwargs["SPLIT_K"] <= named_args["split_max"]
+           and (wide_ok or c.kwargs["BLOCK_K"] <= 128)]
+    return out or [pool[0]]
+
+
+@triton.jit
+def _e8m0(s8):
+    """E8M0 scale bytes (int32) -> float32 2^(s - 127); 0 -> 2^-127 (subnormal), 255 -> NaN."""
+    sc = tl.where(s8 == 0, 5.877471754111438e-39, (s8 << 23).to(tl.float32, bitcast=True))
+    return tl.where(s8 == 255, float("nan"), sc)
+
+
+@triton.jit
+def _e4m3(b):
+    """E4M3FN codes (int32) -> float32, exact: normal (1 + m / 8) 2^(e - 7) from its float32 bits, subnormal
+    m 2^-9, S.1111.111 NaN (OCP 8-bit floating point, 4.1)."""
+    s = (b & 0x80) << 24
+    e = (b >> 3) & 0xF
+    m = b & 7
+    normal = (s | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    # subnormal m 2^-9 without an int-to-float conversion: (1 + m / 8) 2^-6 - 2^-6 (exact)
+    sub = (s | (121 << 23) | (m << 20)).to(tl.float32, bitcast=True) - (s | (121 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, sub, normal)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _e2m1(c):
+    """E2M1 codes 0..15 (int32) -> float32, exact: sign bit 3, exponent bits 1-2 with bias 1, mantissa bit 0
+    (0, 0.5, 1, 1.5, 2, 3, 4, 6); OCP Microscaling Formats v1.0, 5.3.3."""
+    s = (c & 8) << 28
+    mag = c & 7
+    normal = (s | ((mag + 252) << 22)).to(tl.float32, bitcast=True)  # exponent e - 1 + 127, mantissa m << 22
+    return tl.where(mag < 2, tl.where(mag == 1, (s | (126 << 23)).to(tl.float32, bitcast=True), 0.0), normal)
+
+
+@triton.jit
+def _unpack_nibbles(words, PER: tl.constexpr):
+    """[R, C] words holding PER 4-bit codes each, code j in bits 4j..4j+3 -> [R, C * PER] int32 codes in K order."""
+    if PER == 2:
+        w = words.to(tl.int32)
+        codes = tl.interleave(w & 0xF, (w >> 4) & 0xF)
+    else:
+        n0 = words & 0xF
+        n1 = (words >> 4) & 0xF
+        n2 = (words >> 8) & 0xF
+        n3 = (words >> 12) & 0xF
+        n4 = (words >> 16) & 0xF
+        n5 = (words >> 20) & 0xF
+        n6 = (words >> 24) & 0xF
+        n7 = (words >> 28) & 0xF
+        # interleave(a, b) alternates along the last axis: position 4c + 2d + f of a word gets nibble f + 2d + 4c
+        codes = tl.interleave(tl.interleave(tl.interleave(n0, n4), tl.interleave(n2, n6)),
+                              tl.interleave(tl.interleave(n1, n5), tl.interleave(n3, n7)))
+    return codes
+
+
+@triton.jit
+def _packed4_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
+                  SUB: tl.constexpr):
+    """INT4 group-32 (FMT 0) or MXFP4 (FMT 1) inputs kq .. kq + SUB (one group) of expert e's rows n: the unscaled
+    values float32 [BLOCK_N, SUB] and the rows' float32 group scales [BLOCK_N]."""
+    PER: tl.constexpr = 8 if FMT == 0 else 2
+    wi = kq // PER + tl.arange(0, SUB // PER)
+    words = tl.load(W + e * s_we + n[:, None].to(tl.int64) * s_wn + wi[None, :],
+                    mask=nmask[:, None] & (wi < K // PER)[None, :], other=0)
+    code = _unpack_nibbles(words, PER)
+    sp = S + e * s_se + n * s_sn + kq // 32
+    gmask = nmask & ((kq + tl.zeros_like(n)) < K)  # rows that exist, in a group that does
+    if SCALE_BF16:  # bf16 bits widened by a shift: no bf16 arithmetic needed
+        sc = ((tl.load(sp, mask=gmask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    elif FMT == 1:
+        sc = _e8m0(tl.load(sp, mask=gmask, other=127).to(tl.int32))
+    else:
+        sc = tl.load(sp, mask=gmask, other=0.0).to(tl.float32)
+    if FMT == 0:  # 2^23 + nibble from the float32 bits, minus 2^23 + 8: exactly nibble - 8
+        val = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    else:
+        val = _e2m1(code)
+    return val, sc
+
+
+@triton.jit
+def _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB: tl.constexpr):
+    """FP8 block-scaled inputs kq .. kq + SUB (inside one 128-block) of expert e's rows n: the E4M3 values float32
+    [BLOCK_N, SUB] and the rows' float32 block scales [BLOCK_N]."""
+    kk = kq + tl.arange(0, SUB)
+    b = tl.load(W + e * s_we + n[:, None].to(tl.int64) * s_wn + kk[None, :],
+                mask=nmask[:, None] & (kk < K)[None, :], other=0).to(tl.int32)
+    brow = (n // PART) * ((PART + 127) // 128) + (n % PART) // 128
+    gmask = nmask & ((kq + tl.zeros_like(n)) < K)
+    sc = tl.load(S + e * s_se + brow * s_sn + kq // 128, mask=gmask, other=0.0)
+    return _e4m3(b), sc
+
+
+@triton.jit
+def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
+                  N, K, num_pairs, a_row_div, s_am, s_we, s_wn, s_wk, s_se, s_sn, s_cs, s_cm, PART, m_bucket,
+                  split_max, MUL_WEIGHT: tl.constexpr, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
+                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SPLIT_K: tl.constexpr):
+    """C[s, pair, n] = sum over this split's k of A[pair // a_row_div, k] W_e[n, k] (times TOPW[pair] when
+    MUL_WEIGHT) for the [BLOCK_M, BLOCK_N] tile of one row tile; FMT: DENSE (-1) or packed_moe.py's 0 / 1 / 2."""
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(NSPLIT, SPLIT_K)
+    sk = pid % SPLIT_K
+    t = pid // SPLIT_K
+    num_n = tl.cdiv(N, BLOCK_N)
+    bn = t % num_n
+    bm = t // num_n
+    if bm * BLOCK_M >= tl.load(NUM_POST):
+        return
+    e = tl.load(EXPERT_OF_BLOCK + bm).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(SORTED + bm * BLOCK_M + tl.arange(0, BLOCK_M))
+    pmask = pair < num_pairs
+    a_rows = A + (pair // a_row_div).to(tl.int64)[:, None] * s_am
+    n = bn * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = n < N
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = sk * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    SUB: tl.constexpr = 32 if (FMT == 0 or FMT == 1) else BLOCK_K  # inputs per scale group inside a K tile
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        for j in tl.static_range(BLOCK_K // SUB):
+            kq = k0 + j * SUB
+            kk = kq + tl.arange(0, SUB)
+            a = tl.load(a_rows + kk[None, :], mask=pmask[:, None] & (kk < K)[None, :], other=0.0)
+            if FMT < 0:
+                w = tl.load(W + e * s_we + n[:, None].to(tl.int64) * s_wn + kk[None, :] * s_wk,
+                            mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+                if IEEE:
+                    acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+            else:
+                if FMT == 2:
+                    w, sc = _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB)
+                else:
+                    w, sc = _packed4_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, FMT, SCALE_BF16, SUB)
+                if IEEE:
+                    part = tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+                else:  # the codes are exact in bf16 / fp16
+                    part = tl.dot(a, tl.trans(w.to(a.dtype)))
+                acc += part * sc[None, :]
+    if MUL_WEIGHT:
+        acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
+    tl.store(C + sk * s_cs + pair.to(tl.int64)[:, None] * s_cm + n[None, :], acc.to(C.dtype.element_ty),
+             mask=pmask[:, None] & nmask[None, :])
+
+
+def _autotuned():
+    """``_grouped_gemm`` under ``triton.autotune`` with short benchmark runs where this Triton lets us choose them
+    (a GPU check tunes dozens of keys within its time budget)."""
+    kw = {}
+    params = inspect.signature(triton.autotune).parameters
+    if "do_bench" in params:
+        def bench(fn, quantiles=None, **_):
+            return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+        kw["do_bench"] = bench
+    elif "warmup" in params:
+        kw.update(warmup=5, rep=20)
+    return triton.autotune(CONFIGS, key=["m_bucket", "N", "K", "split_max", "MUL_WEIGHT", "FMT", "BLOCK_M"],
+                           prune_configs_by={"early_config_prune": _prune}, **kw)(_grouped_gemm)
+
+
+_TUNED = _autotuned()
+
+
+def block_m_for(num_pairs: int, num_local: int) -> int:
+    """Row-tile height for ``num_pairs`` (token, slot) pairs over ``num_local`` experts: 16 while the experts
+    average at most 16 pairs (decode; the tensor cores' smallest M), else 64."""
+    return 16 if num_pairs <= 16 * max(num_local, 1) else 64
+
+
+def split_slots(num_pairs: int, block_m: int, down: bool) -> int:
+    """How many float32 partial slices the output of one projection needs: the largest SPLIT_K the configs may
+    pick for it (split-K on the decode down projection only, up to SPLIT_MAX_PAIRS pairs; in the interpreter,
+    INTERPRET_CONFIG's)."""
+    if interpreting():
+        return INTERPRET_CONFIG["SPLIT_K"] if down else 1
+    if not down or block_m > 16 or num_pairs > SPLIT_MAX_PAIRS:
+        return 1
+    return max(c.kwargs["SPLIT_K"] for c in DECODE_CONFIGS)
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fmt: int, out: torch.Tensor,
+                 nsplit: torch.Tensor, pairs: tuple, N: int, K: int, a_row_div: int, mul_weight: bool, part: int,
+                 block_m: int) -> None:
+    """One launch over all row tiles: out[s, pair, :N] = partial s of a[pair // a_row_div] @ W_e^T over the K
+    inputs (times the pair's routing weight when ``mul_weight``).
+
+    Args:
+        a: [rows, K] float32 / bf16 / fp16, unit stride along K.
+        w, scale: DENSE: w [E, N, K] at its strides, scale None; packed: as packed_moe.py's docstring (scale of
+            INT4 as bf16 or fp16, MXFP4 uint8, FP8 float32).
+        out: [S, pairs, N] (or [pairs, N] when the caller allows no split: S = 1), rows unit-stride; S >= the
+            largest SPLIT_K the configs may pick (:func:`split_slots`); float32 unless S == 1.
+        nsplit: [1] int32, receives the SPLIT_K used (slices 0 .. SPLIT_K - 1 of ``out`` are written).
+        pairs: (sorted_pairs, expert_of_block, num_post, routing weights [pairs] float32-readable, num_pairs).
+        part: FP8 rows per block part (gate|up: I, down: N); block_m: the row-tile height of the alignment.
+    """
+    sorted_pairs, expert_of_block, num_post, topw, M = pairs
+    tiles_m = min(sorted_pairs.numel() // block_m, M)
+    if scale is None:
+        s, bf16, s_se, s_sn, s_wk = w, False, 0, 0, w.stride(2)
+    else:
+        bf16 = scale.dtype == torch.bfloat16
+        s = scale.view(torch.int16) if bf16 else scale
+        s_se, s_sn, s_wk = s.stride(0), s.stride(1), 1
+    slots = out.shape[0] if out.dim() == 3 else 1
+    s_cs, s_cm = (out.stride(0), out.stride(1)) if out.dim() == 3 else (0, out.stride(0))
+    m_bucket = min(triton.next_power_of_2(max(M, 1)), 4096)
+    args = (a, w, s, out, nsplit, sorted_pairs, expert_of_block, num_post, topw, N, K, M, a_row_div, a.stride(0),
+            w.stride(0), w.stride(1), s_wk, s_se, s_sn, s_cs, s_cm, part, m_bucket, slots)
+    meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=a.dtype == torch.float32, BLOCK_M=block_m)
+    if interpreting():  # one config; splits beyond the output's slices and FP8 / plain K tiles past 128 capped
+        cfg = dict(INTERPRET_CONFIG, SPLIT_K=min(INTERPRET_CONFIG["SPLIT_K"], slots))
+        if fmt not in (INT4_GROUP, MXFP4):
+            cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 128)
+        _grouped_gemm[(tiles_m * triton.cdiv(N, cfg["BLOCK_N"]) * cfg["SPLIT_K"],)](*args, **meta, **cfg)
+        return
+    _TUNED[lambda c: (tiles_m * triton.cdiv(N, c["BLOCK_N"]) * c["SPLIT_K"],)](*args, **meta)
