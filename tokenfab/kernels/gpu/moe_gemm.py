@@ -48,14 +48,12 @@ def _cfg(bn: int, bk: int, split: int, warps: int, stages: int) -> triton.Config
     return triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split}, num_warps=warps, num_stages=stages)
 
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Decode (BLOCK_M 16): narrow N tiles so that a few experts
-# still give hundreds of programs, 16-byte packed loads per row and group, deep pipelines; split-K for the down
-# projection. Prefill (BLOCK_M 64): wide tiles, no split.
-DECODE_CONFIGS = [
-    _cfg(64, 128, 1, 4, 4), _cfg(32, 256, 1, 4, 3), _cfg(128, 128, 1, 4, 4), _cfg(64, 256, 1, 8, 3),
-    _cfg(64, 128, 2, 4, 4), _cfg(128, 128, 4, 4, 4), _cfg(32, 128, 4, 4, 4),
-]
-PREFILL_CONFIGS = [_cfg(128, 64, 1, 4, 4), _cfg(128, 128, 1, 8, 3), _cfg(64, 64, 1, 4, 4)]
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages). Decode (BLOCK_M 16): N tiles of 64 or 32 rows so that a few
+# experts still give hundreds of programs, K tiles of 4-8 scale groups (16 bytes a row per group for the 4-bit
+# formats), deep pipelines; the down projection also tries split-K 2 and 4. Prefill (BLOCK_M 64): wide N tiles, no
+# split. Few configs on purpose: every config is one more compile per format and projection on a GPU's first call.
+DECODE_CONFIGS = [_cfg(64, 128, 1, 4, 4), _cfg(32, 256, 1, 4, 3), _cfg(64, 128, 2, 4, 4), _cfg(32, 128, 4, 4, 4)]
+PREFILL_CONFIGS = [_cfg(128, 64, 1, 4, 4), _cfg(128, 128, 1, 8, 3)]
 CONFIGS = DECODE_CONFIGS + PREFILL_CONFIGS
 # the config Triton's interpreter runs (one: no autotuning there); tests monkeypatch it to reach other splits / tiles
 INTERPRET_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}
@@ -63,10 +61,9 @@ INTERPRET_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}
 
 def _prune(configs, named_args, **kwargs):
     """Configs for one call: decode row tiles (BLOCK_M 16) keep DECODE_CONFIGS whose SPLIT_K fits the output's
-    slices (``split_max``), prefill tiles PREFILL_CONFIGS; FP8 and plain weights keep BLOCK_K <= 128 (FP8: one
-    128-block per tile)."""
+    slices (``split_max``), prefill tiles PREFILL_CONFIGS; FP8 keeps BLOCK_K <= 128 (one 128-block per tile)."""
     pool = DECODE_CONFIGS if kwargs["BLOCK_M"] <= 16 else PREFILL_CONFIGS
-    wide_ok = kwargs["FMT"] in (INT4_GROUP, MXFP4)
+    wide_ok = kwargs["FMT"] != FP8_BLOCK
     out = [c for c in configs if any(c is p for p in pool) and c.kwargs["SPLIT_K"] <= named_args["split_max"]
            and (wide_ok or c.kwargs["BLOCK_K"] <= 128)]
     return out or [pool[0]]
@@ -285,10 +282,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     m_bucket = min(triton.next_power_of_2(max(M, 1)), 4096)
     args = (a, w, s, out, nsplit, sorted_pairs, expert_of_block, num_post, topw, N, K, M, a_row_div, a.stride(0),
             w.stride(0), w.stride(1), s_wk, s_se, s_sn, s_cs, s_cm, part, m_bucket, slots)
-    meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=a.dtype == torch.float32, BLOCK_M=block_m)
-    if interpreting():  # one config; splits beyond the output's slices and FP8 / plain K tiles past 128 capped
+    # Triton's interpreter multiplies bf16 tiles wrongly (numpy has no bf16): there the dot runs in float32 on the
+    # same values (bf16 activations and codes are exact in float32), which checks all but the MMA instruction
+    ieee = a.dtype == torch.float32 or interpreting()
+    meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, BLOCK_M=block_m)
+    if interpreting():  # one config; splits beyond the output's slices and FP8 K tiles past 128 capped
         cfg = dict(INTERPRET_CONFIG, SPLIT_K=min(INTERPRET_CONFIG["SPLIT_K"], slots))
-        if fmt not in (INT4_GROUP, MXFP4):
+        if fmt == FP8_BLOCK:
             cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 128)
         _grouped_gemm[(tiles_m * triton.cdiv(N, cfg["BLOCK_N"]) * cfg["SPLIT_K"],)](*args, **meta, **cfg)
         return
