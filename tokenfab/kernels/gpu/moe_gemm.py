@@ -159,7 +159,8 @@ def _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB: tl.co
     return _e4m3(b), sc
 
 
-@triton.jit
+# sizes that change with the batch are not specialized on (value 1, divisibility by 16): one compile per config
+@triton.jit(do_not_specialize=["num_pairs", "a_row_div", "s_cs", "m_bucket", "split_max"])
 def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                   N, K, num_pairs, a_row_div, s_am, s_we, s_wn, s_wk, s_se, s_sn, s_cs, s_cm, PART, m_bucket,
                   split_max, MUL_WEIGHT: tl.constexpr, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
