@@ -13,14 +13,19 @@ without a host read. The grid covers min(worst-case tiles, pairs) row tiles (eve
 past the used ones return at once, so launch shapes depend on sizes only (CUDA-graph safe).
 
 Weight tiles. Along K (the memory-contiguous axis) a program loads [BLOCK_N, 32 / per] packed words per 32 inputs
-(INT4: 4 int32 words = 16 bytes a row; MXFP4: 16 bytes; FP8: BLOCK_K bytes) and unpacks them in registers with
-shifts and ``tl.interleave`` into [BLOCK_N, 32] codes, decoded exactly (INT4: the nibble OR'd into the mantissa of
-2^23, minus 2^23 + 8; MXFP4: sign, exponent and mantissa bits of E2M1; FP8: of E4M3FN, its subnormals included).
-Each scale is loaded once per (row, group) and applied to the float32 partial product of its group (INT4 / MXFP4:
-32 inputs; FP8: BLOCK_K <= 128 inputs inside one 128-block), so the dot sees the unscaled codes, which are exact
-in bf16 / fp16 (integers -8..7, E2M1 values, E4M3 values): bf16 / fp16 activations run ``tl.dot`` in their own
-dtype on the tensor cores with no weight rounding, float32 activations run it in IEEE float32 (no TF32), so float32
-results are the dequantized twin's to float32 rounding. Plain stacks accumulate ``tl.dot`` over BLOCK_K.
+(INT4: 4 int32 words = 16 bytes a row; MXFP4: 16 bytes; FP8: BLOCK_K bytes) and decodes them in registers,
+exactly. Each scale is loaded once per (row, group) and applied to the float32 partial product of its group (INT4 /
+MXFP4: 32 inputs; FP8: BLOCK_K <= 128 inputs inside one 128-block), so the dot sees the unscaled codes, which are
+exact in bf16 / fp16 (integers -8..7, E2M1 and E4M3 values): bf16 / fp16 activations run ``tl.dot`` in their own
+dtype on the tensor cores with no weight rounding, float32 activations run it in IEEE float32 (no TF32), so
+float32 results are the dequantized twin's to float32 rounding. Plain stacks accumulate ``tl.dot`` over BLOCK_K.
+The decodes avoid int-to-float conversions: for a 16-bit dot, INT4 nibbles 2j, 2j + 1 go into the two halves of
+one register OR'd into the mantissa of 128 (bf16) / 1024 (fp16) and one packed subtraction gives nibble - 8
+(:func:`_int4_tile16`); E2M1 / E4M3 fields are placed into the 16-bit float's fields and one multiply by a power of
+two restores the value (:func:`_e2m1_16`, :func:`_e4m3_16`). The float32 path builds float32 bits (nibbles after
+shifts and ``tl.interleave``). Measured only as SASS so far (sm_90, no GPU timing): the bf16 decode loop issues
+about 9 / 12 / 9.5 instructions per INT4 / MXFP4 / FP8 weight and thread, against about 4 / 4 / 16 that the HBM
+rate leaves at full bandwidth, so the 4-bit formats are likely bound by instruction issue, not bytes.
 
 Configs. ``triton.autotune`` picks BLOCK_N, BLOCK_K, SPLIT_K, num_warps and num_stages per (row-tile height, pair
 count bucket, N, K, projection, format, dtypes) from a small list (:data:`CONFIGS`, pruned per call by
@@ -101,6 +106,34 @@ def _e2m1(c):
 
 
 @triton.jit
+def _e2m1_16(c, DT: tl.constexpr):
+    """E2M1 codes (int32) -> DT (bf16 / fp16) exactly, without float32: the sign bit and the 3 magnitude bits placed
+    in DT's sign / exponent / mantissa fields give the value times 2^-126 (bf16) or 2^-14 (fp16), subnormal for
+    0.5, and one packed multiply by 2^126 / 2^14 restores it."""
+    if DT == tl.bfloat16:
+        bits = ((c & 8) << 12) | ((c & 7) << 6)
+        MULT: tl.constexpr = 8.507059173023462e37
+    else:
+        bits = ((c & 8) << 12) | ((c & 7) << 9)
+        MULT: tl.constexpr = 16384.0
+    return bits.to(tl.int16).to(DT, bitcast=True) * MULT
+
+
+@triton.jit
+def _e4m3_16(b, DT: tl.constexpr):
+    """E4M3FN codes (int32) -> DT (bf16 / fp16) exactly, as :func:`_e2m1_16`: fields placed give the value times
+    2^-120 (bf16) or 2^-8 (fp16), subnormals included, and a multiply by 2^120 / 2^8 restores it (NaN codes are
+    not kept: checkpoints hold none)."""
+    if DT == tl.bfloat16:
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)
+        MULT: tl.constexpr = 1.329227995784916e36
+    else:
+        bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        MULT: tl.constexpr = 256.0
+    return bits.to(tl.int16).to(DT, bitcast=True) * MULT
+
+
+@triton.jit
 def _unpack_nibbles(words, PER: tl.constexpr):
     """[R, C] words holding PER 4-bit codes each, code j in bits 4j..4j+3 -> [R, C * PER] int32 codes in K order."""
     if PER == 2:
@@ -123,9 +156,9 @@ def _unpack_nibbles(words, PER: tl.constexpr):
 
 @triton.jit
 def _packed4_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
-                  SUB: tl.constexpr):
+                  SUB: tl.constexpr, DT: tl.constexpr):
     """INT4 group-32 (FMT 0) or MXFP4 (FMT 1) inputs kq .. kq + SUB (one group) of expert e's rows n: the unscaled
-    values float32 [BLOCK_N, SUB] and the rows' float32 group scales [BLOCK_N]."""
+    values [BLOCK_N, SUB] (float32; MXFP4 for a 16-bit dot: DT) and the rows' float32 group scales [BLOCK_N]."""
     PER: tl.constexpr = 8 if FMT == 0 else 2
     wi = kq // PER + tl.arange(0, SUB // PER)
     words = tl.load(W + e * s_we + n[:, None].to(tl.int64) * s_wn + wi[None, :],
@@ -141,22 +174,59 @@ def _packed4_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, FMT: tl.cons
         sc = tl.load(sp, mask=gmask, other=0.0).to(tl.float32)
     if FMT == 0:  # 2^23 + nibble from the float32 bits, minus 2^23 + 8: exactly nibble - 8
         val = (code | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-    else:
+    elif DT == tl.float32:
         val = _e2m1(code)
+    else:
+        val = _e2m1_16(code, DT)
     return val, sc
 
 
 @triton.jit
-def _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB: tl.constexpr):
-    """FP8 block-scaled inputs kq .. kq + SUB (inside one 128-block) of expert e's rows n: the E4M3 values float32
-    [BLOCK_N, SUB] and the rows' float32 block scales [BLOCK_N]."""
+def _int4_tile16(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, SCALE_BF16: tl.constexpr, DT: tl.constexpr):
+    """INT4 inputs kq .. kq + 32 (one group) of expert e's rows n for a 16-bit dot (DT bf16 / fp16), decoded two
+    at a time: nibbles 2j and 2j + 1 of a word moved into the two 16-bit halves of one register, OR'd into the
+    mantissas of 128 (bf16) or 1024 (fp16), minus 136 / 1032 (one packed subtraction): nibble - 8, exact, already
+    in the (k, k + 1) pairs a 16-bit MMA operand register holds. Returns [BLOCK_N, 32] in DT and the rows' float32
+    scales [BLOCK_N] as :func:`_packed4_tile`."""
+    if DT == tl.bfloat16:
+        MAGIC: tl.constexpr = 0x43004300
+        BIAS: tl.constexpr = 136.0
+    else:
+        MAGIC: tl.constexpr = 0x64006400
+        BIAS: tl.constexpr = 1032.0
+    wi = kq // 8 + tl.arange(0, 4)
+    words = tl.load(W + e * s_we + n[:, None].to(tl.int64) * s_wn + wi[None, :],
+                    mask=nmask[:, None] & (wi < K // 8)[None, :], other=0)
+    v0 = (words & 0xF) | ((words << 12) & 0xF0000) | MAGIC  # inputs 0, 1 of the word in the two halves
+    v1 = ((words >> 8) & 0xF) | ((words << 4) & 0xF0000) | MAGIC  # 2, 3
+    v2 = ((words >> 16) & 0xF) | ((words >> 4) & 0xF0000) | MAGIC  # 4, 5
+    v3 = ((words >> 24) & 0xF) | ((words >> 12) & 0xF0000) | MAGIC  # 6, 7
+    pairs = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, 4, 2, 2]: word w, pair 2c + d
+    vals = tl.join(pairs.to(tl.int16).to(DT, bitcast=True), (pairs >> 16).to(tl.int16).to(DT, bitcast=True)) - BIAS
+    sp = S + e * s_se + n * s_sn + kq // 32
+    gmask = nmask & ((kq + tl.zeros_like(n)) < K)
+    if SCALE_BF16:
+        sc = ((tl.load(sp, mask=gmask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        sc = tl.load(sp, mask=gmask, other=0.0).to(tl.float32)
+    return tl.reshape(vals, [n.shape[0], 32]), sc
+
+
+@triton.jit
+def _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB: tl.constexpr, DT: tl.constexpr):
+    """FP8 block-scaled inputs kq .. kq + SUB (inside one 128-block) of expert e's rows n: the E4M3 values in DT
+    (float32, bf16 or fp16) [BLOCK_N, SUB] and the rows' float32 block scales [BLOCK_N]."""
     kk = kq + tl.arange(0, SUB)
     b = tl.load(W + e * s_we + n[:, None].to(tl.int64) * s_wn + kk[None, :],
                 mask=nmask[:, None] & (kk < K)[None, :], other=0).to(tl.int32)
     brow = (n // PART) * ((PART + 127) // 128) + (n % PART) // 128
     gmask = nmask & ((kq + tl.zeros_like(n)) < K)
     sc = tl.load(S + e * s_se + brow * s_sn + kq // 128, mask=gmask, other=0.0)
-    return _e4m3(b), sc
+    if DT == tl.float32:
+        val = _e4m3(b)
+    else:
+        val = _e4m3_16(b, DT)
+    return val, sc
 
 
 # sizes that change with the batch are not specialized on (value 1, divisibility by 16): one compile per config
@@ -190,6 +260,9 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
     k_lo = sk * k_per
     k_hi = tl.minimum(K, k_lo + k_per)
     SUB: tl.constexpr = 32 if (FMT == 0 or FMT == 1) else BLOCK_K  # inputs per scale group inside a K tile
+    # the decodes' output dtype: the 16-bit activations' own on decode tiles, float32 (then cast) elsewhere: the
+    # 16-bit INT4 decode feeding Hopper's 64-row MMA crashes a Triton pass (TritonGPUOptimizeDotOperands, 3.9)
+    DT: tl.constexpr = A.dtype.element_ty if (not IEEE and BLOCK_M <= 16) else tl.float32
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         for j in tl.static_range(BLOCK_K // SUB):
@@ -205,9 +278,12 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                     acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
             else:
                 if FMT == 2:
-                    w, sc = _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB)
+                    w, sc = _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB, DT)
+                elif FMT == 0 and DT != tl.float32:
+                    w, sc = _int4_tile16(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, SCALE_BF16, DT)
                 else:
-                    w, sc = _packed4_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, FMT, SCALE_BF16, SUB)
+                    w, sc = _packed4_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, FMT, SCALE_BF16, SUB,
+                                          DT)
                 if IEEE:
                     part = tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
                 else:  # the codes are exact in bf16 / fp16
@@ -283,9 +359,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     m_bucket = min(triton.next_power_of_2(max(M, 1)), 4096)
     args = (a, w, s, out, nsplit, sorted_pairs, expert_of_block, num_post, topw, N, K, M, a_row_div, a.stride(0),
             w.stride(0), w.stride(1), s_wk, s_se, s_sn, s_cs, s_cm, part, m_bucket, slots)
-    # Triton's interpreter multiplies bf16 tiles wrongly (numpy has no bf16): there the dot runs in float32 on the
-    # same values (bf16 activations and codes are exact in float32), which checks all but the MMA instruction
-    ieee = a.dtype == torch.float32 or interpreting()
+    # Triton's interpreter handles bf16 tiles wrongly (numpy has no bf16): there bf16 runs take the float32 path on
+    # the same values (bf16 activations and codes are exact in float32); fp16 runs the 16-bit path as on a GPU
+    ieee = a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16)
     meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, BLOCK_M=block_m)
     if interpreting():  # one config; splits beyond the output's slices and FP8 K tiles past 128 capped
         cfg = dict(INTERPRET_CONFIG, SPLIT_K=min(INTERPRET_CONFIG["SPLIT_K"], slots))
