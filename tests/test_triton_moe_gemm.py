@@ -142,7 +142,8 @@ def test_config_pruning_and_slices(monkeypatch):
     dec = mg._prune(mg.CONFIGS, {"split_max": 1}, BLOCK_M=16, FMT=mg.INT4_GROUP)
     assert dec and all(c.kwargs["SPLIT_K"] == 1 and c in mg.DECODE_CONFIGS for c in dec)
     dec4 = mg._prune(mg.CONFIGS, {"split_max": 4}, BLOCK_M=16, FMT=mg.MXFP4)
-    assert {c.kwargs["SPLIT_K"] for c in dec4} == {1, 2, 4}
+    assert {c.kwargs["SPLIT_K"] for c in dec4} == {1, 2, 4} and all(c.kwargs["BLOCK_K"] <= 128 for c in dec4)
+    assert any(c.kwargs["BLOCK_K"] == 256 for c in dec)
     pre = mg._prune(mg.CONFIGS, {"split_max": 4}, BLOCK_M=64, FMT=mg.DENSE)
     assert pre and all(c in mg.PREFILL_CONFIGS for c in pre)
     assert all(c.kwargs["BLOCK_K"] <= 128 for c in mg._prune(mg.CONFIGS, {"split_max": 4}, BLOCK_M=16,

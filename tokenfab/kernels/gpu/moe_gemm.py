@@ -9,7 +9,8 @@ K inputs: decode batches hit few experts with a row or two each, so the programs
 for every SM to stream weight bytes. With SPLIT_K > 1 each range writes its own float32 partial, C[s, pair, n],
 and the consumer sums the ranges in order s = 0, 1, ... (moe_sum for the down projection): deterministic, no
 atomics. Program 0 stores SPLIT_K to ``NSPLIT`` (a device int32), so the consumer learns the autotuner's choice
-without a host read. The grid covers min(worst-case tiles, pairs) row tiles (every used tile holds a pair); tiles
+without a host read. Only the down projection splits (its partials fold into moe_sum, no extra launch); gate|up
+finds its programs along N = 2I, thousands of rows in the models served. The grid covers min(worst-case tiles, pairs) row tiles (every used tile holds a pair); tiles
 past the used ones return at once, so launch shapes depend on sizes only (CUDA-graph safe).
 
 Weight tiles. Along K (the memory-contiguous axis) a program loads [BLOCK_N, 32 / per] packed words per 32 inputs
@@ -19,13 +20,14 @@ MXFP4: 32 inputs; FP8: BLOCK_K <= 128 inputs inside one 128-block), so the dot s
 exact in bf16 / fp16 (integers -8..7, E2M1 and E4M3 values): bf16 / fp16 activations run ``tl.dot`` in their own
 dtype on the tensor cores with no weight rounding, float32 activations run it in IEEE float32 (no TF32), so
 float32 results are the dequantized twin's to float32 rounding. Plain stacks accumulate ``tl.dot`` over BLOCK_K.
-The decodes avoid int-to-float conversions: for a 16-bit dot, INT4 nibbles 2j, 2j + 1 go into the two halves of
-one register OR'd into the mantissa of 128 (bf16) / 1024 (fp16) and one packed subtraction gives nibble - 8
-(:func:`_int4_tile16`); E2M1 / E4M3 fields are placed into the 16-bit float's fields and one multiply by a power of
-two restores the value (:func:`_e2m1_16`, :func:`_e4m3_16`). The float32 path builds float32 bits (nibbles after
-shifts and ``tl.interleave``). Measured only as SASS so far (sm_90, no GPU timing): the bf16 decode loop issues
-about 9 / 12 / 9.5 instructions per INT4 / MXFP4 / FP8 weight and thread, against about 4 / 4 / 16 that the HBM
-rate leaves at full bandwidth, so the 4-bit formats are likely bound by instruction issue, not bytes.
+The decodes avoid int-to-float conversions. On decode tiles with 16-bit activations, INT4 nibbles 2j, 2j + 1 go
+into the two halves of one register OR'd into the mantissa of 128 (bf16) / 1024 (fp16) and one packed subtraction
+gives nibble - 8 (:func:`_int4_tile16`); E2M1 / E4M3 fields are placed into the 16-bit float's fields and one
+multiply by a power of two restores the value (:func:`_e2m1_16`, :func:`_e4m3_16`). Elsewhere the values are built
+as float32 bits (nibbles after shifts and ``tl.interleave``) and cast for the dot. A static count of the compiled
+sm_90 loop (Triton's compiler and ptxas on CPU; no GPU has run it): the bf16 decode loop issues about 9 / 12 / 9.5
+instructions per INT4 / MXFP4 / FP8 weight and thread, where the HBM rate leaves about 4 / 4 / 16 at full
+bandwidth, so the 4-bit formats are likely bound by instruction issue rather than bytes.
 
 Configs. ``triton.autotune`` picks BLOCK_N, BLOCK_K, SPLIT_K, num_warps and num_stages per (row-tile height, pair
 count bucket, N, K, projection, format, dtypes) from a small list (:data:`CONFIGS`, pruned per call by
@@ -66,10 +68,13 @@ INTERPRET_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}
 
 def _prune(configs, named_args, **kwargs):
     """Configs for one call: decode row tiles (BLOCK_M 16) keep DECODE_CONFIGS whose SPLIT_K fits the output's
-    slices (``split_max``), prefill tiles PREFILL_CONFIGS; FP8 keeps BLOCK_K <= 128 (one 128-block per tile)."""
+    slices (``split_max``), prefill tiles PREFILL_CONFIGS; FP8 keeps BLOCK_K <= 128 (one 128-block per tile). Each
+    kept config is one compile per format and projection on a GPU, so the lists stay short."""
     pool = DECODE_CONFIGS if kwargs["BLOCK_M"] <= 16 else PREFILL_CONFIGS
-    wide_ok = kwargs["FMT"] != FP8_BLOCK
-    out = [c for c in configs if any(c is p for p in pool) and c.kwargs["SPLIT_K"] <= named_args["split_max"]
+    split_max = named_args["split_max"]
+    # K tiles of 256: for FP8 never, and where split-K is offered (the decode down projection) it takes their place
+    wide_ok = kwargs["FMT"] != FP8_BLOCK and split_max == 1
+    out = [c for c in configs if any(c is p for p in pool) and c.kwargs["SPLIT_K"] <= split_max
            and (wide_ok or c.kwargs["BLOCK_K"] <= 128)]
     return out or [pool[0]]
 
@@ -347,7 +352,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
         part: FP8 rows per block part (gate|up: I, down: N); block_m: the row-tile height of the alignment.
     """
     sorted_pairs, expert_of_block, num_post, topw, M = pairs
-    tiles_m = min(sorted_pairs.numel() // block_m, M)
+    tiles_m = min(sorted_pairs.numel() // block_m, M)  # every used row tile holds a pair
+    if tiles_m == 0:
+        return
     if scale is None:
         s, bf16, s_se, s_sn, s_wk = w, False, 0, 0, w.stride(2)
     else:
