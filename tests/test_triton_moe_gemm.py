@@ -152,3 +152,34 @@ def test_config_pruning_and_slices(monkeypatch):
     monkeypatch.setenv("TOKENFAB_TRITON", "1")  # as on a GPU: the configs decide, not INTERPRET_CONFIG
     assert mg.split_slots(8, 16, down=True) == 4 and mg.split_slots(8, 16, down=False) == 1
     assert mg.split_slots(mg.SPLIT_MAX_PAIRS + 1, 16, down=True) == 1 and mg.split_slots(8, 64, down=True) == 1
+
+
+def test_mxfp4_without_dot_scaled(interpret, monkeypatch):
+    """MXFP4 with fp16 activations through the own E2M1 decode instead of tl.dot_scaled: a launch that fails with
+    dot_scaled (a Triton that cannot compile it) is run again without, and later calls skip it; same sum."""
+    from tokenfab.kernels.gpu import moe_gemm
+    from tokenfab.kernels.gpu.packed_moe import fused_moe_packed
+    from tokenfab.layers.activation import silu_and_mul
+    H, I, E, T, k = 64, 64, 5, 3, 2
+    g = torch.Generator().manual_seed(9)
+    p13, s13, w13 = make("mxfp4", E, 2 * I, H, g, torch.uint8)
+    p2, s2, w2 = make("mxfp4", E, H, I, g, torch.uint8)
+    x = (torch.randn(T, H, generator=g) * 0.02).to(torch.float16)
+    ids, wts = _routing(T, E, k, g)
+    want = reference(x.float(), w13, w2, wts, ids, 0)
+    real = moe_gemm._grouped_gemm
+    seen = []
+
+    class NoDotScaled:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.append(kw["MX_SCALED"])
+                if kw["MX_SCALED"] and kw["FMT"] == moe_gemm.MXFP4:
+                    raise RuntimeError("dot_scaled does not compile here")
+                return real[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(moe_gemm, "_grouped_gemm", NoDotScaled())
+    monkeypatch.setattr(moe_gemm, "_MX_SCALED", [True])
+    _check(fused_moe_packed(x, "mxfp4", p13, s13, p2, s2, wts, ids, silu_and_mul), want, torch.float16)
+    assert seen == [True, False, False] and moe_gemm._MX_SCALED == [False]

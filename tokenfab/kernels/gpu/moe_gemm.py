@@ -10,8 +10,9 @@ for every SM to stream weight bytes. With SPLIT_K > 1 each range writes its own 
 and the consumer sums the ranges in order s = 0, 1, ... (moe_sum for the down projection): deterministic, no
 atomics. Program 0 stores SPLIT_K to ``NSPLIT`` (a device int32), so the consumer learns the autotuner's choice
 without a host read. Only the down projection splits (its partials fold into moe_sum, no extra launch); gate|up
-finds its programs along N = 2I, thousands of rows in the models served. The grid covers min(worst-case tiles, pairs) row tiles (every used tile holds a pair); tiles
-past the used ones return at once, so launch shapes depend on sizes only (CUDA-graph safe).
+finds its programs along N = 2I, thousands of rows in the models served. The grid covers min(worst-case tiles,
+pairs) row tiles (every used tile holds a pair); tiles past the used ones return at once, so launch shapes depend
+on sizes only (CUDA-graph safe).
 
 Weight tiles. Along K (the memory-contiguous axis) a program loads [BLOCK_N, 32 / per] packed words per 32 inputs
 (INT4: 4 int32 words = 16 bytes a row; MXFP4: 16 bytes; FP8: BLOCK_K bytes) and decodes them in registers,
@@ -23,11 +24,13 @@ float32 results are the dequantized twin's to float32 rounding. Plain stacks acc
 The decodes avoid int-to-float conversions. On decode tiles with 16-bit activations, INT4 nibbles 2j, 2j + 1 go
 into the two halves of one register OR'd into the mantissa of 128 (bf16) / 1024 (fp16) and one packed subtraction
 gives nibble - 8 (:func:`_int4_tile16`); E2M1 / E4M3 fields are placed into the 16-bit float's fields and one
-multiply by a power of two restores the value (:func:`_e2m1_16`, :func:`_e4m3_16`). Elsewhere the values are built
+multiply by a power of two restores the value (:func:`_e2m1_16`, :func:`_e4m3_16`); MXFP4 goes through Triton's
+microscaled ``tl.dot_scaled`` (bf16 / fp16 times E2M1 with E8M0 scales over the whole K tile; where this Triton
+cannot compile it, the first launch falls back to the E2M1 decode for good). Elsewhere the values are built
 as float32 bits (nibbles after shifts and ``tl.interleave``) and cast for the dot. A static count of the compiled
-sm_90 loop (Triton's compiler and ptxas on CPU; no GPU has run it): the bf16 decode loop issues about 9 / 12 / 9.5
-instructions per INT4 / MXFP4 / FP8 weight and thread, where the HBM rate leaves about 4 / 4 / 16 at full
-bandwidth, so the 4-bit formats are likely bound by instruction issue rather than bytes.
+sm_90 loop (Triton's compiler and ptxas on CPU; no GPU has run it): the bf16 decode loop issues about 9 / 6.5 / 9.5
+instructions per INT4 / MXFP4 (dot_scaled) / FP8 weight and thread, where the HBM rate leaves about 4 / 4 / 16 at
+full bandwidth, so the 4-bit formats are likely bound by instruction issue rather than bytes.
 
 Configs. ``triton.autotune`` picks BLOCK_N, BLOCK_K, SPLIT_K, num_warps and num_stages per (row-tile height, pair
 count bucket, N, K, projection, format, dtypes) from a small list (:data:`CONFIGS`, pruned per call by
@@ -239,8 +242,8 @@ def _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB: tl.co
 def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                   N, K, num_pairs, a_row_div, s_am, s_we, s_wn, s_wk, s_se, s_sn, s_cs, s_cm, PART, m_bucket,
                   split_max, MUL_WEIGHT: tl.constexpr, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
-                  IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  SPLIT_K: tl.constexpr):
+                  IEEE: tl.constexpr, MX_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
     """C[s, pair, n] = sum over this split's k of A[pair // a_row_div, k] W_e[n, k] (times TOPW[pair] when
     MUL_WEIGHT) for the [BLOCK_M, BLOCK_N] tile of one row tile; FMT: DENSE (-1) or packed_moe.py's 0 / 1 / 2."""
     pid = tl.program_id(0)
@@ -264,17 +267,30 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
     k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = sk * k_per
     k_hi = tl.minimum(K, k_lo + k_per)
-    SUB: tl.constexpr = 32 if (FMT == 0 or FMT == 1) else BLOCK_K  # inputs per scale group inside a K tile
     # the decodes' output dtype: the 16-bit activations' own on decode tiles, float32 (then cast) elsewhere: the
     # 16-bit INT4 decode feeding Hopper's 64-row MMA crashes a Triton pass (TritonGPUOptimizeDotOperands, 3.9)
     DT: tl.constexpr = A.dtype.element_ty if (not IEEE and BLOCK_M <= 16) else tl.float32
+    # MXFP4 on decode tiles with 16-bit activations: Triton's own microscaled dot over the whole K tile
+    MX: tl.constexpr = MX_SCALED and FMT == 1 and DT != tl.float32
+    SUB: tl.constexpr = 32 if ((FMT == 0 or FMT == 1) and not MX) else BLOCK_K  # inputs per scale group in a tile
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         for j in tl.static_range(BLOCK_K // SUB):
             kq = k0 + j * SUB
             kk = kq + tl.arange(0, SUB)
             a = tl.load(a_rows + kk[None, :], mask=pmask[:, None] & (kk < K)[None, :], other=0.0)
-            if FMT < 0:
+            if MX:  # W^T tile [SUB / 2, BLOCK_N] of packed bytes, E8M0 scales [BLOCK_N, SUB / 32]
+                kb = kq // 2 + tl.arange(0, SUB // 2)
+                wq = tl.load(W + e * s_we + n[None, :].to(tl.int64) * s_wn + kb[:, None],
+                             mask=nmask[None, :] & (kb < K // 2)[:, None], other=0)
+                g = kq // 32 + tl.arange(0, SUB // 32)
+                s8 = tl.load(S + e * s_se + n[:, None] * s_sn + g[None, :],
+                             mask=nmask[:, None] & (g < K // 32)[None, :], other=127)
+                if DT == tl.bfloat16:
+                    acc = tl.dot_scaled(a, None, "bf16", wq, s8, "e2m1", acc)
+                else:
+                    acc = tl.dot_scaled(a, None, "fp16", wq, s8, "e2m1", acc)
+            elif FMT < 0:
                 w = tl.load(W + e * s_we + n[:, None].to(tl.int64) * s_wn + kk[None, :] * s_wk,
                             mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
                 if IEEE:
@@ -316,6 +332,8 @@ def _autotuned():
 
 
 _TUNED = _autotuned()
+# whether MXFP4 decode tiles use tl.dot_scaled (off for good after a compile failure on this Triton)
+_MX_SCALED = [hasattr(tl, "dot_scaled")]
 
 
 def block_m_for(num_pairs: int, num_local: int) -> int:
@@ -369,11 +387,26 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     # Triton's interpreter handles bf16 tiles wrongly (numpy has no bf16): there bf16 runs take the float32 path on
     # the same values (bf16 activations and codes are exact in float32); fp16 runs the 16-bit path as on a GPU
     ieee = a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16)
-    meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, BLOCK_M=block_m)
+    meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, MX_SCALED=_MX_SCALED[0],
+                BLOCK_M=block_m)
     if interpreting():  # one config; splits beyond the output's slices and FP8 K tiles past 128 capped
         cfg = dict(INTERPRET_CONFIG, SPLIT_K=min(INTERPRET_CONFIG["SPLIT_K"], slots))
         if fmt == FP8_BLOCK:
             cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 128)
-        _grouped_gemm[(tiles_m * triton.cdiv(N, cfg["BLOCK_N"]) * cfg["SPLIT_K"],)](*args, **meta, **cfg)
+        grid = (tiles_m * triton.cdiv(N, cfg["BLOCK_N"]) * cfg["SPLIT_K"],)
+
+        def launch(**kw):
+            _grouped_gemm[grid](*args, **kw, **cfg)
+    else:
+        def launch(**kw):
+            _TUNED[lambda c: (tiles_m * triton.cdiv(N, c["BLOCK_N"]) * c["SPLIT_K"],)](*args, **kw)
+    if not meta["MX_SCALED"] or fmt != MXFP4:
+        launch(**meta)
         return
-    _TUNED[lambda c: (tiles_m * triton.cdiv(N, c["BLOCK_N"]) * c["SPLIT_K"],)](*args, **meta)
+    try:
+        launch(**meta)
+    except Exception as err:  # a Triton without tl.dot_scaled(bf16, e2m1 with scales): our own MXFP4 decode
+        if isinstance(err, torch.cuda.OutOfMemoryError):
+            raise
+        _MX_SCALED[0] = False
+        launch(**dict(meta, MX_SCALED=False))
