@@ -14,8 +14,9 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
    7168 x 18432, 1 / 16 / 64 rows: error against GGUFWeight's dequantizing PyTorch path, time (CUDA-graph replays),
    GB/s and bandwidth over the packed bytes, F.linear on the dequantized weight alongside; the same for the FP8
    block-scaled linear (kernels/gpu/fp8_linear.py: the Triton kernel, and the block-scaled scaled_mm path where its
-   probe passes) against its dequantized weight, and the fused MoE over INT4
-   group-32 and MXFP4 stacks (kernels/gpu/packed_moe.py) against the bf16 fused MoE on the dequantized weights.
+   probe passes) against its dequantized weight, and the fused MoE over INT4 group-32 and MXFP4 stacks
+   (kernels/gpu/packed_moe.py) at DeepSeek-V3's and Kimi K3's expert shapes, 1 / 16 / 64 tokens, against the bf16
+   fused MoE on the dequantized weights (timed beside it).
 4. RMSNorm with the residual add, SiLU-GLU and RoPE (kernels/gpu/norm_activation.py) at 16 and 2,048 rows (hidden
    4096, intermediate 11008, 32 heads of 128), and DeepSeek-V3's router selection (kernels/gpu/router.py): error
    against the layers' PyTorch math, time, bandwidth over the bytes read and written.
@@ -362,49 +363,84 @@ def check_router(dev, M: int, g, reps: int, bw: float) -> dict:
             "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw}
 
 
+def _packed_expert_stack(fmt: str, E: int, n: int, kk: int, dev, g, dtype, chunk: int = 8):
+    """A random INT4 group-32 / MXFP4 stack [E, n, kk] (packed_moe.py's layouts) and its dequantized weights in
+    ``dtype``, built ``chunk`` experts at a time (the int32 codes of a whole stack would take 4 bytes a weight)."""
+    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       device=dev)
+    per = 8 if fmt == "int4_group" else 2
+    packed = torch.empty(E, n, kk // per, dtype=torch.int32 if per == 8 else torch.uint8, device=dev)
+    scale = torch.empty(E, n, kk // 32, dtype=torch.bfloat16 if per == 8 else torch.uint8, device=dev)
+    w = torch.empty(E, n, kk, dtype=dtype, device=dev)
+    for e0 in range(0, E, chunk):
+        e1 = min(E, e0 + chunk)
+        code = torch.randint(0, 16, (e1 - e0, n, kk), device=dev, generator=g, dtype=torch.int32)
+        if per == 8:
+            packed[e0:e1] = (code.view(e1 - e0, n, kk // 8, 8)
+                             << (4 * torch.arange(8, device=dev, dtype=torch.int32))).sum(-1, dtype=torch.int32)
+            scale[e0:e1] = (torch.rand(e1 - e0, n, kk // 32, device=dev, generator=g) * 0.004).to(torch.bfloat16)
+            w[e0:e1] = ((code - 8).float() * scale[e0:e1].float().repeat_interleave(32, -1)).to(dtype)
+        else:
+            packed[e0:e1] = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
+            scale[e0:e1] = torch.randint(118, 122, (e1 - e0, n, kk // 32), device=dev, generator=g).to(torch.uint8)
+            w[e0:e1] = (lut[code] * torch.exp2(scale[e0:e1].float() - 127).repeat_interleave(32, -1)).to(dtype)
+        del code
+    return packed, scale, w
+
+
 def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
-    """The fused MoE over INT4 group-32 and MXFP4 stacks (kernels/gpu/packed_moe.py) at DeepSeek-V3's expert
-    shape: error against the bf16 fused MoE on the same (dequantized) weights, time, bandwidth over the packed bytes
-    of the experts hit."""
+    """The fused MoE over packed expert stacks (kernels/gpu/packed_moe.py) at 1, 16 and 64 tokens at two expert
+    shapes: DeepSeek-V3's (64 of its routed experts, top-8, hidden 7168, intermediate 2048) in INT4 group-32 and
+    MXFP4, and Kimi K3's latent MoE (128 of its 896 experts, top-16, latent 3584 in and out, intermediate 3072:
+    benchmarks/gpu_shapes.py's k3) in MXFP4. A 1-token call reads 180 MB (DeepSeek-V3, 8 experts) or 280 MB (K3,
+    16 experts) of packed weights. Each row: error against the bf16 fused MoE on the same dequantized weights
+    (relative to its largest output), time per call (the first call autotunes and is not timed), GB/s and the
+    fraction of the copy bandwidth over the packed bytes (weights and scales) of the distinct experts hit; then
+    the bf16 fused MoE on the dequantized weights of that shape and batch (bytes: its bf16 experts hit)."""
     from tokenfab.kernels.gpu.moe import fused_moe
     from tokenfab.kernels.gpu.packed_moe import fused_moe_packed
     from tokenfab.layers.activation import silu_and_mul
-    E, k, hidden, inter = (64, 8, 7168, 2048) if not quick else (8, 2, 64, 32)
+    shapes = [("DeepSeek-V3", 64, 8, 7168, 2048, ("int4_group", "mxfp4")),
+              ("K3 latent", 128, 16, 3584, 3072, ("mxfp4",))]
+    tokens = [1, 16, 64]
+    if quick:
+        shapes = [("DeepSeek-V3", 8, 2, 64, 32, ("int4_group", "mxfp4")), ("K3 latent", 6, 4, 96, 64, ("mxfp4",))]
+        tokens = [1, 5]
+    reps = max(2, min(reps, 10))
     g = torch.Generator(device=dev).manual_seed(0)
-    lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                       device=dev)
     rows = []
-    for fmt in ("int4_group", "mxfp4"):
-        stacks = []
-        for n, kk in ((2 * inter, hidden), (hidden, inter)):
-            code = torch.randint(0, 16, (E, n, kk), device=dev, generator=g, dtype=torch.int32)
-            if fmt == "int4_group":
-                packed = (code.view(E, n, kk // 8, 8) << (4 * torch.arange(8, device=dev, dtype=torch.int32))).sum(
-                    -1, dtype=torch.int32)
-                scale = (torch.rand(E, n, kk // 32, device=dev, generator=g) * 0.004).to(torch.bfloat16)
-                w = (code - 8).float() * scale.float().repeat_interleave(32, -1)
-            else:
-                packed = (code[..., 0::2] | (code[..., 1::2] << 4)).to(torch.uint8)
-                scale = torch.randint(118, 122, (E, n, kk // 32), device=dev, generator=g).to(torch.uint8)
-                w = lut[code] * torch.exp2(scale.float() - 127).repeat_interleave(32, -1)
-            stacks.append((packed, scale, w.to(dtype)))
-            del code
-        (p13, s13, w13), (p2, s2, w2) = stacks
-        for T in ([1, 16, 64] if not quick else [1, 5]):
-            x = torch.randn(T, hidden, device=dev, dtype=dtype, generator=g)
-            ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(T)])
-            wts = torch.rand(T, k, device=dev, generator=g)
-            got = fused_moe_packed(x, fmt, p13, s13, p2, s2, wts, ids, silu_and_mul)
-            want = fused_moe(x, w13, w2, wts, ids, silu_and_mul)
-            err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-            us = _time_us(lambda: fused_moe_packed(x, fmt, p13, s13, p2, s2, wts, ids, silu_and_mul), dev, reps)
-            hit = int(ids.unique().numel())
-            nbytes = hit * sum(t.numel() * t.element_size() // E for t in (p13, s13, p2, s2))
-            rows.append({"kernel": f"fused MoE {fmt}", "shape": f"T={T} E={E} k={k} hidden={hidden} I={inter} "
-                         f"experts_hit={hit}", "max_err": err, "us": us, "bytes": nbytes,
-                         "bw_fraction": nbytes / (us * 1e-6) / bw})
-            print(json.dumps(rows[-1]), flush=True)
-        del stacks, p13, s13, w13, p2, s2, w2
+    for name, E, k, hidden, inter, fmts in shapes:
+        timed_bf16 = set()
+        for fmt in fmts:
+            p13, s13, w13 = _packed_expert_stack(fmt, E, 2 * inter, hidden, dev, g, dtype)
+            p2, s2, w2 = _packed_expert_stack(fmt, E, hidden, inter, dev, g, dtype)
+            per_expert = sum(t.numel() * t.element_size() // E for t in (p13, s13, p2, s2))
+            for T in tokens:
+                x = torch.randn(T, hidden, device=dev, dtype=dtype, generator=g)
+                ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(T)])
+                wts = torch.rand(T, k, device=dev, generator=g)
+                got = fused_moe_packed(x, fmt, p13, s13, p2, s2, wts, ids, silu_and_mul)
+                want = fused_moe(x, w13, w2, wts, ids, silu_and_mul)
+                err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                us = _time_us(lambda: fused_moe_packed(x, fmt, p13, s13, p2, s2, wts, ids, silu_and_mul), dev, reps)
+                hit = int(ids.unique().numel())
+                shape = f"{name}: T={T} E={E} k={k} hidden={hidden} I={inter} experts_hit={hit}"
+                nbytes = hit * per_expert
+                rows.append({"kernel": f"fused MoE {fmt}", "shape": f"{shape} ({nbytes / us * 1e-3:,.0f} GB/s)",
+                             "max_err": err, "us": us, "bytes": nbytes, "GBps": nbytes / us * 1e-3,
+                             "bw_fraction": nbytes / (us * 1e-6) / bw})
+                print(json.dumps(rows[-1]), flush=True)
+                if T not in timed_bf16:  # the bf16 kernel's time does not depend on which format was dequantized
+                    timed_bf16.add(T)
+                    us = _time_us(lambda: fused_moe(x, w13, w2, wts, ids, silu_and_mul), dev, reps)
+                    nbytes = hit * 3 * hidden * inter * w13.element_size()
+                    rows.append({"kernel": f"fused MoE {str(dtype).replace('torch.', '')} (dequantized weights)",
+                                 "shape": f"{shape} ({nbytes / us * 1e-3:,.0f} GB/s)", "max_err": 0.0, "us": us,
+                                 "bytes": nbytes, "GBps": nbytes / us * 1e-3, "bw_fraction": nbytes / (us * 1e-6) / bw})
+                    print(json.dumps(rows[-1]), flush=True)
+            del p13, s13, w13, p2, s2, w2
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 

@@ -3,16 +3,16 @@ projection over all experts.
 
 The layout follows the fused-MoE design of vLLM's ``fused_moe.py`` (itself from the "MegaBlocks" block-sparse
 idea, Gale et al., arXiv:2211.15841): the T*k (token, slot) pairs are sorted by expert and each expert's segment is
-padded to a multiple of BLOCK_M, so every BLOCK_M-row tile of the sorted list belongs to one expert. One program
-computes one [BLOCK_M, BLOCK_N] output tile: it gathers its pairs' input rows, multiplies by that expert's weight
-and scatters the rows back to pair order. The second projection multiplies each row by its routing weight; the
-k slots of a token are then summed in float32.
+padded to a multiple of BLOCK_M, so every BLOCK_M-row tile of the sorted list belongs to one expert. The grouped
+GEMM (kernels/gpu/moe_gemm.py: autotuned tiles, split-K at decode, packed weights decoded in registers) gathers each
+tile's input rows, multiplies by that expert's weight and scatters the rows back to pair order. The second
+projection multiplies each row by its routing weight; the k slots of a token (and the split-K partials of each
+slot) are then summed in float32, in a fixed order.
 
-Both GEMMs ask ``tl.dot`` for ``input_precision="ieee"`` (no TF32 in float32 runs). The alignment is one
-launch (:func:`align_pairs_fused`, :func:`align_pairs` its tensor-op reference; no ``.item()``, no data-dependent
-shapes): the grid covers the worst case T*k + E*(BLOCK_M - 1) rows and tiles past the real end return at once, so
-the launch is CUDA-graph safe. The k-sum and the cast are one more (:func:`moe_sum`): a decode MoE layer's routed
-experts are 5 launches (align, gate|up GEMM, activation, down GEMM, sum).
+The alignment is one launch (:func:`align_pairs_fused`, :func:`align_pairs` its tensor-op reference; no
+``.item()``, no data-dependent shapes): the grid covers the worst case and tiles past the real end return at once,
+so the launch is CUDA-graph safe. The k-sum and the cast are one more (:func:`moe_sum`): a decode MoE layer's
+routed experts are 5 launches (align, gate|up GEMM, activation, down GEMM, sum).
 Reference and fallback: ``layers/moe.py::RoutedExperts`` (tests/test_triton_kernels.py runs both in Triton's
 interpreter).
 """
@@ -22,86 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-DENSE = -1  # _moe_gemm's FMT for plain weights; the packed formats are packed_moe.py's 0, 1, 2
-
-
-@triton.jit
-def _decode_tile(P, S, e, n, kk, mask, s_pe, s_pn, s_se, s_sn, PART, FMT: tl.constexpr, SCALE_BF16: tl.constexpr):
-    """W[e, n, kk] float32 for a [BLOCK_K, BLOCK_N] tile (kk rows, n columns) of a packed stack (FMT: packed_moe.py's
-    INT4_GROUP, MXFP4, FP8_BLOCK; the layouts in its docstring)."""
-    if FMT == 2:  # e4m3 bits; normal values as (1 + m / 8) * 2^(e - 7) with 2^(e - 7) built from its float32 bits
-        byte = tl.load(P + e * s_pe + n[None, :] * s_pn + kk[:, None], mask=mask, other=0).to(tl.int32)
-        ex = (byte >> 3) & 15
-        man = (byte & 7).to(tl.float32)
-        pow2 = ((tl.maximum(ex, 1) + 120) << 23).to(tl.float32, bitcast=True)
-        mag = tl.where(ex == 0, man * 0.001953125, (1.0 + man * 0.125) * pow2)
-        mag = tl.where((byte & 0x7F) == 0x7F, float("nan"), mag)
-        val = tl.where((byte & 0x80) != 0, -mag, mag)
-        brow = (n // PART) * ((PART + 127) // 128) + (n % PART) // 128
-        sc = tl.load(S + e * s_se + brow[None, :] * s_sn + kk[:, None] // 128, mask=mask, other=0.0)
-        return val * sc
-    g = kk[:, None] // 32
-    if SCALE_BF16:
-        bits = tl.load(S + e * s_se + n[None, :] * s_sn + g, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        sc = (bits << 16).to(tl.float32, bitcast=True)
-    elif FMT == 1:
-        s8 = tl.load(S + e * s_se + n[None, :] * s_sn + g, mask=mask, other=127).to(tl.int32)
-        sc = tl.where(s8 == 0, 5.877471754111438e-39, (s8 << 23).to(tl.float32, bitcast=True))  # 2^-127: subnormal
-        sc = tl.where(s8 == 255, float("nan"), sc)
-    else:
-        sc = tl.load(S + e * s_se + n[None, :] * s_sn + g, mask=mask, other=0.0).to(tl.float32)
-    if FMT == 0:
-        word = tl.load(P + e * s_pe + n[None, :] * s_pn + kk[:, None] // 8, mask=mask, other=0)
-        nib = (word >> (4 * (kk[:, None] % 8))) & 0xF
-        return (nib - 8).to(tl.float32) * sc
-    byte = tl.load(P + e * s_pe + n[None, :] * s_pn + kk[:, None] // 2, mask=mask, other=0).to(tl.int32)
-    code = (byte >> (4 * (kk[:, None] % 2))) & 0xF
-    ex = (code >> 1) & 3
-    man = (code & 1).to(tl.float32)
-    mag = tl.where(ex == 0, 0.5 * man, (1.0 + 0.5 * man) * (1 << tl.maximum(ex - 1, 0)).to(tl.float32))
-    return tl.where((code >> 3) == 1, -mag, mag) * sc
-
-
-@triton.jit
-def _moe_gemm(A, W, S, C, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
-              N, K, num_pairs, s_am, s_we, s_wn, s_wk, s_se, s_sn, s_cm, PART,
-              A_ROW_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One [BLOCK_M, BLOCK_N] output tile of the grouped GEMM: FMT = DENSE (-1) reads W [E, N, K] at its strides
-    (S unused); FMT 0 / 1 / 2 decodes packed W with its scales S in registers (:func:`_decode_tile`)."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    bm = pid // num_n
-    bn = pid % num_n
-    if bm * BLOCK_M >= tl.load(NUM_POST):
-        return
-    e = tl.load(EXPERT_OF_BLOCK + bm).to(tl.int64)
-    if e < 0:
-        return
-    rows = bm * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(SORTED + rows)
-    pmask = pair < num_pairs
-    a_row = (pair // A_ROW_DIV).to(tl.int64)
-    n = bn * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        kmask = kk < K
-        a = tl.load(A + a_row[:, None] * s_am + kk[None, :], mask=pmask[:, None] & kmask[None, :], other=0.0)
-        if FMT < 0:
-            w = tl.load(W + e * s_we + n[None, :] * s_wn + kk[:, None] * s_wk, mask=kmask[:, None] & nmask[None, :],
-                        other=0.0)
-            acc += tl.dot(a, w, input_precision="ieee")
-        else:
-            w = _decode_tile(W, S, e, n, kk, kmask[:, None] & nmask[None, :], s_we, s_wn, s_se, s_sn, PART, FMT,
-                             SCALE_BF16)
-            acc += tl.dot(a.to(tl.float32), w, input_precision="ieee")
-    if MUL_WEIGHT:
-        acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
-    tl.store(C + pair.to(tl.int64)[:, None] * s_cm + n[None, :], acc.to(C.dtype.element_ty),
-             mask=pmask[:, None] & nmask[None, :])
+from tokenfab.kernels.gpu.moe_gemm import DENSE, block_m_for, grouped_gemm, split_slots
 
 
 def align_pairs(ids: torch.Tensor, start: int, num_local: int, block_m: int
@@ -198,37 +119,40 @@ def align_pairs_fused(ids: torch.Tensor, start: int, num_local: int, block_m: in
 
 
 @triton.jit
-def _moe_sum_kernel(pairs_ptr, ids_ptr, out_ptr, hidden, start, num_local, s_pm, s_ot,
+def _moe_sum_kernel(pairs_ptr, ids_ptr, nsplit_ptr, out_ptr, hidden, start, num_local, s_ps, s_pm, s_ot,
                     K: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < hidden
+    nsplit = tl.load(nsplit_ptr)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for j in tl.static_range(K):
         e = tl.zeros((BLOCK,), dtype=tl.int64) + tl.load(ids_ptr + t * K + j) - start
         here = cmask & (e >= 0) & (e < num_local)  # rows of pairs routed to other ranks were never written
-        acc += tl.load(pairs_ptr + (t * K + j) * s_pm + cols, mask=here, other=0.0).to(tl.float32)
+        for s in range(0, nsplit):  # split-K partials of the pair, in order
+            acc += tl.load(pairs_ptr + s * s_ps + (t * K + j) * s_pm + cols, mask=here, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * s_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: int,
-            out_dtype: torch.dtype) -> torch.Tensor:
-    """The k slots of each token summed in float32 in slot order: out_pairs [T * k, hidden] float32 (rows of pairs
-    whose expert is outside [start, start + num_local) are skipped, whatever they hold), ids [T, k] int64
-    (contiguous) -> new [T, hidden] of ``out_dtype``. One launch (the sum and the cast)."""
+            out_dtype: torch.dtype, nsplit: torch.Tensor | None = None) -> torch.Tensor:
+    """The k slots of each token summed in float32 in slot order (each slot's split-K partials in split order):
+    out_pairs [T * k, hidden] or [S, T * k, hidden] float32 partials of which the first ``nsplit`` ([1] int32 on
+    the device; default: all S) count (rows of pairs whose expert is outside [start, start + num_local) are
+    skipped, whatever they hold), ids [T, k] int64 (contiguous) -> new [T, hidden] of ``out_dtype``. One launch (the
+    sums and the cast)."""
+    parts = out_pairs if out_pairs.dim() == 3 else out_pairs.unsqueeze(0)
     T, k = ids.shape
-    hidden = out_pairs.shape[1]
-    out = torch.empty(T, hidden, dtype=out_dtype, device=out_pairs.device)
+    hidden = parts.shape[2]
+    if nsplit is None:
+        nsplit = torch.full((1,), parts.shape[0], dtype=torch.int32, device=parts.device)
+    out = torch.empty(T, hidden, dtype=out_dtype, device=parts.device)
     block = min(1024, triton.next_power_of_2(max(hidden, 16)))
     if T:
-        _moe_sum_kernel[(T, triton.cdiv(hidden, block))](out_pairs, ids, out, hidden, start, num_local,
-                                                           out_pairs.stride(0), out.stride(0), K=k, BLOCK=block)
+        _moe_sum_kernel[(T, triton.cdiv(hidden, block))](parts, ids, nsplit, out, hidden, start, num_local,
+                                                           parts.stride(0), parts.stride(1), out.stride(0), K=k,
+                                                           BLOCK=block)
     return out
-
-
-def _tiles(M: int, N: int, K: int) -> tuple[int, int, int]:
-    block_m = 16 if M <= 256 else 64  # decode: few pairs per expert
-    return block_m, max(16, min(64, triton.next_power_of_2(N))), max(16, min(64, triton.next_power_of_2(K)))
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -258,34 +182,17 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
     num_local, two_i = w13.shape[0], w13.shape[1]
     inter = two_i // 2
     M = T * k
-    block_m = _tiles(M, two_i, hidden)[0]
+    block_m = block_m_for(M, num_local)
     ids = ids.contiguous()
     align = align_pairs_fused if M <= ALIGN_FUSED_MAX_PAIRS else align_pairs
     sorted_pairs, expert_of_block, num_post = align(ids, start, num_local, block_m)
     pairs = (sorted_pairs, expert_of_block, num_post, weights.reshape(-1).contiguous(), M)  # read as float32
     x = x.contiguous()
-    h13 = torch.empty(M, two_i, dtype=x.dtype, device=x.device)
-    _launch(x, w13, s13, fmt, h13, pairs, two_i, hidden, k, False, inter)
+    nsplit = torch.empty(1, dtype=torch.int32, device=x.device)
+    h13 = torch.empty(M, two_i, dtype=x.dtype, device=x.device)  # gate|up: no split (N = 2I gives the programs)
+    grouped_gemm(x, w13, s13, fmt, h13, nsplit, pairs, two_i, hidden, k, False, inter, block_m)
     h = act(h13)  # rows of pairs routed elsewhere hold garbage; the second GEMM never reads them
-    out_pairs = torch.empty(M, hidden, dtype=torch.float32, device=x.device)  # idem: moe_sum skips those rows
-    _launch(h, w2, s2, fmt, out_pairs, pairs, hidden, inter, 1, True, hidden)
-    return moe_sum(out_pairs, ids, start, num_local, out_dtype or x.dtype)
-
-
-def _launch(a, w, scale, fmt, out, pairs, N, K, a_row_div, mul_weight, part):
-    """One :func:`_moe_gemm` launch over all tiles: out[pair] = a[pair // a_row_div] @ W_e^T (times the pair's
-    routing weight when ``mul_weight``); ``part`` is the FP8 stacks' rows per block part (unused otherwise)."""
-    sorted_pairs, expert_of_block, num_post, topw, M = pairs
-    block_m, bn, bk = _tiles(M, N, K)
-    tiles_m = sorted_pairs.numel() // block_m
-    if scale is None:  # dense: W [E, N, K] at its strides, no scales
-        s, bf16, s_we, s_wn, s_wk, s_se, s_sn = w, False, w.stride(0), w.stride(1), w.stride(2), 0, 0
-    else:
-        bf16 = scale.dtype == torch.bfloat16
-        s = scale.view(torch.int16) if bf16 else scale
-        s_we, s_wn, s_wk, s_se, s_sn = w.stride(0), w.stride(1), 1, s.stride(0), s.stride(1)
-    _moe_gemm[(tiles_m * triton.cdiv(N, bn),)](
-        a, w, s, out, sorted_pairs, expert_of_block, num_post, topw,
-        N, K, M, a.stride(0), s_we, s_wn, s_wk, s_se, s_sn, out.stride(0), part,
-        A_ROW_DIV=a_row_div, MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, BLOCK_M=block_m, BLOCK_N=bn,
-        BLOCK_K=bk)
+    slots = split_slots(M, block_m, down=True)
+    out_pairs = torch.empty(slots, M, hidden, dtype=torch.float32, device=x.device)  # idem: moe_sum skips those
+    grouped_gemm(h, w2, s2, fmt, out_pairs, nsplit, pairs, hidden, inter, 1, True, hidden, block_m)
+    return moe_sum(out_pairs, ids, start, num_local, out_dtype or x.dtype, nsplit)

@@ -1,9 +1,10 @@
 """Fused routed experts over packed expert weights in Triton (CUDA/ROCm): INT4 group-32, MXFP4 and FP8 block-scaled.
 
-The grouped GEMM of :mod:`tokenfab.kernels.gpu.moe`, the same kernel and flow (:func:`~tokenfab.kernels.gpu.moe.
-routed_sum`: (token, slot) pairs sorted by expert and padded per expert to the tile height; one launch per projection,
-the second multiplying by the routing weights), with the weight tile decoded in registers from the packed bytes as the
-checkpoints store them (compressed-tensors layouts; tokenfab/quant/int4_group.py and mxfp4_experts.py):
+The grouped GEMM of :mod:`tokenfab.kernels.gpu.moe_gemm`, the same kernel and flow as plain stacks
+(:func:`~tokenfab.kernels.gpu.moe.routed_sum`: (token, slot) pairs sorted by expert and padded per expert to the tile
+height; one launch per projection, the second multiplying by the routing weights), with the weight tile decoded in
+registers from the packed bytes as the checkpoints store them (compressed-tensors layouts;
+tokenfab/quant/int4_group.py and mxfp4_experts.py):
 
 * INT4 group-32 (``pack-quantized``, symmetric): ``packed`` int32 [E, N, K / 8], value k of a row in bits
   4 (k % 8) .. +3 of word k / 8 as the unsigned nibble q + 8; ``scale`` bf16 / fp16 [E, N, K / 32];
@@ -18,8 +19,9 @@ checkpoints store them (compressed-tensors layouts; tokenfab/quant/int4_group.py
   + n % PART // 128, k // 128].
 
 bf16 scales are read as their 16 bits and widened by a shift (exact), E8M0 scales by building the float's exponent
-field, so nothing depends on bf16 or FP4 support in the Triton build (the interpreter has neither). ``tl.dot`` runs
-in IEEE float32. Reference and fallback: the packed-experts format's PyTorch path (tests/test_triton_packed_moe.py
+field, so nothing depends on bf16 or FP4 support in the Triton build (the interpreter has neither). The codes are
+multiplied unscaled (exact in bf16 / fp16) by ``tl.dot`` in the activations' dtype, or in IEEE float32 for float32
+activations, and each group's float32 partial is then scaled (moe_gemm.py's docstring). Reference and fallback: the packed-experts format's PyTorch path (tests/test_triton_packed_moe.py
 checks both in the interpreter against the formulas written out in the test).
 """
 from __future__ import annotations
