@@ -8,55 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
 
-
-def _time_eager_us(fn, dev: torch.device, reps: int) -> float:
-    """Best wall time of one call (synchronized) in microseconds."""
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e6
-
-
-def _time_graph_us(fn, dev: torch.device, reps: int, calls: int = 10) -> tuple[float, str]:
-    """Device microseconds per call of ``fn``: ``calls`` calls captured in one CUDA graph (as decode replays them;
-    no host launch cost), the best of ``reps`` replays / calls, by CUDA events. Returns (us, how): "graph", or
-    "eager (graph capture failed: ...)" with :func:`_time_eager_us` when capture raised; on CPU plain
-    :func:`_time_eager_us`."""
-    if dev.type != "cuda":
-        return _time_eager_us(fn, dev, reps), "eager"
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-    except Exception as e:  # noqa: BLE001 - reported in the row, the eager time measured instead
-        torch.cuda.synchronize()
-        return _time_eager_us(fn, dev, reps), f"eager (graph capture failed: {type(e).__name__}: {str(e)[:120]})"
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / calls)
-    del graph
-    return best, "graph"
+from benchmarks.gpu_timing import time_graph_us as _time_graph_us
 
 
 def _linear_row(kernel: str, shape: str, err: float, timed: tuple[float, str], nbytes: int, bw: float) -> dict:

@@ -189,8 +189,11 @@ def test_configs_fitted_to_the_group_and_value_width():
 
 
 def test_float32_caches_run_one_untuned_config(monkeypatch):
-    """On a GPU (not interpreting) float32 fidelity runs take FLOAT32_CONFIG, bf16 goes to the tuner."""
+    """On a GPU (not interpreting) float32 fidelity runs take FLOAT32_CONFIG; bf16 goes to the tuner with
+    TOKENFAB_TRITON_AUTOTUNE=1, else takes the tuner's first config ("first")."""
     from tokenfab.kernels.gpu import decode_attention
     monkeypatch.setattr(decode_attention.support, "interpreting", lambda: False)
-    assert decode_attention._fixed_config(torch.float32) is decode_attention.FLOAT32_CONFIG
-    assert decode_attention._fixed_config(torch.bfloat16) is None
+    for tune, want in ((True, None), (False, "first")):
+        monkeypatch.setattr(decode_attention.support, "autotune_enabled", lambda tune=tune: tune)
+        assert decode_attention._fixed_config(torch.float32) is decode_attention.FLOAT32_CONFIG
+        assert decode_attention._fixed_config(torch.bfloat16) == want

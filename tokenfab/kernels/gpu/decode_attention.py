@@ -206,12 +206,15 @@ INTERPRETER_CONFIG = {"BLOCK_H": 16, "DV_SPLIT": 1, "BLOCK_N": 16, "KEYS_AS_ROWS
 FLOAT32_CONFIG = {"BLOCK_H": 16, "DV_SPLIT": 1, "BLOCK_N": 16, "KEYS_AS_ROWS": False}
 
 
-def _fixed_config(dtype: torch.dtype) -> dict | None:
+def _fixed_config(dtype: torch.dtype) -> dict | str | None:
     """The untuned config for this run: ``INTERPRETER_CONFIG`` under Triton's interpreter, ``FLOAT32_CONFIG`` for
-    float32 caches on a GPU, else None (``triton.autotune`` picks)."""
+    float32 caches on a GPU, "first" (the tuner's first config) when not tuning (support.autotune_enabled), else
+    None (``triton.autotune`` picks)."""
     if support.interpreting():
         return INTERPRETER_CONFIG
-    return FLOAT32_CONFIG if dtype == torch.float32 else None
+    if dtype == torch.float32:
+        return FLOAT32_CONFIG
+    return None if support.autotune_enabled() else "first"
 
 
 def _head_rows(block_h: int, group: int) -> int:
@@ -349,7 +352,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return (triton.cdiv(G, cfg["BLOCK_H"]) * cfg["DV_SPLIT"], num_splits, B * Hk)
 
     fixed = _fixed_config(q.dtype)
-    if fixed is not None:
+    if fixed == "first":  # not tuning (support.autotune_enabled): the first config the tuner would try
+        first = _fit_configs([(_WIDE_CONFIGS if Dv > 256 else _NARROW_CONFIGS)[0]], {"G": G}, BLOCK_DK=block_dk)[0]
+        _split_attention[grid(first.kwargs)](*args, **meta, **first.kwargs, num_warps=first.num_warps,
+                                             num_stages=first.num_stages)
+    elif fixed is not None:
         fitted = _fit_configs([triton.Config(dict(fixed))], {"G": G}, BLOCK_DK=block_dk)[0]
         _split_attention[grid(fitted.kwargs)](*args, **meta, **fitted.kwargs, num_warps=4, num_stages=2)
     else:

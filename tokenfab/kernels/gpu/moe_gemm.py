@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenfab.kernels.gpu.support import interpreting
+from tokenfab.kernels.gpu.support import autotune_enabled, interpreting
 
 DENSE, INT4_GROUP, MXFP4, FP8_BLOCK = -1, 0, 1, 2
 SPLIT_MAX_PAIRS = 256  # split-K is tried only up to this many pairs (its float32 partials: splits x pairs x N)
@@ -397,6 +397,12 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
 
         def launch(**kw):
             _grouped_gemm[grid](*args, **kw, **cfg)
+    elif not autotune_enabled():  # the first config the tuner would try for this call (support.autotune_enabled)
+        first = _prune(CONFIGS, {"split_max": slots}, FMT=fmt, BLOCK_M=block_m)[0]
+        grid = (tiles_m * triton.cdiv(N, first.kwargs["BLOCK_N"]) * first.kwargs["SPLIT_K"],)
+
+        def launch(**kw):
+            _grouped_gemm[grid](*args, **kw, **first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
     else:
         def launch(**kw):
             _TUNED[lambda c: (tiles_m * triton.cdiv(N, c["BLOCK_N"]) * c["SPLIT_K"],)](*args, **kw)

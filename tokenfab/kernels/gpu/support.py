@@ -45,14 +45,16 @@ def gpu_path(x: torch.Tensor) -> bool:
 
 
 def check_env() -> None:
-    """Raise EngineConfigError for a ``TOKENFAB_TRITON`` value other than 1 (default), 0 or interpret (checked once
-    when an engine starts, so a typo is not silently read as "on")."""
+    """Raise EngineConfigError for a ``TOKENFAB_TRITON`` value other than 1 (default), 0 or interpret, or a
+    ``TOKENFAB_TRITON_AUTOTUNE`` other than 0 / 1 (checked once when an engine starts, so a typo is not silently
+    read as "on")."""
     mode = os.environ.get("TOKENFAB_TRITON", "1")
     if mode not in ("1", "0", "interpret", "interpret-gpu-path"):
         from tokenfab.errors import EngineConfigError
         raise EngineConfigError(f"TOKENFAB_TRITON='{mode}' is not understood; use 1 (Triton kernels on GPUs, the "
                                 "default), 0 (off) or interpret / interpret-gpu-path (tests: Triton's interpreter "
                                 "on CPU).")
+    autotune_enabled()  # raises for a TOKENFAB_TRITON_AUTOTUNE value other than 0 / 1
 
 
 def applies(x: torch.Tensor) -> bool:
@@ -78,11 +80,28 @@ def launch_linear(x: torch.Tensor, out_features: int, launch) -> torch.Tensor:
     return y.reshape(*lead, out_features)
 
 
+def autotune_enabled() -> bool:
+    """Whether the Triton kernels tune their tiles on a GPU (``triton.autotune`` at each new shape's first call):
+    only with ``TOKENFAB_TRITON_AUTOTUNE=1``, read when a kernel module is imported. By default (and always in
+    Triton's interpreter) each kernel runs its first config for the call, so start-up compiles one config per
+    shape instead of benchmarking several (dozens of shapes: minutes on a real model, which the GPU check and a
+    server's start-up cannot afford); ``benchmarks/gpu_kernels.py`` turns tuning on for the kernel table.
+
+    Raises:
+        EngineConfigError: a value other than 0 or 1.
+    """
+    mode = os.environ.get("TOKENFAB_TRITON_AUTOTUNE", "0")
+    if mode not in ("0", "1"):
+        from tokenfab.errors import EngineConfigError
+        raise EngineConfigError(f"TOKENFAB_TRITON_AUTOTUNE='{mode}' is not understood; use 1 (tune each kernel's "
+                                "tiles at its first call on a GPU) or 0 (the default: each kernel's first config).")
+    return mode == "1" and os.environ.get("TRITON_INTERPRET") != "1"
+
+
 def autotune_configs(configs: list) -> list:
-    """The ``triton.autotune`` config space of a kernel: all of ``configs`` on a GPU, only the first in Triton's
-    interpreter (``TRITON_INTERPRET=1``, read when the kernel module is imported), where timing means nothing and a
-    single config skips the benchmarking."""
-    return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else list(configs)
+    """The ``triton.autotune`` config space of a kernel: all of ``configs`` when tuning (:func:`autotune_enabled`),
+    else only the first (in Triton's interpreter timing means nothing; one config skips the benchmarking)."""
+    return list(configs) if autotune_enabled() else configs[:1]
 
 
 def quick_bench(kernel_call, quantiles):
