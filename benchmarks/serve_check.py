@@ -34,7 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from benchmarks.streaming_itl import free_port, wait_ready  # noqa: E402
+from benchmarks.streaming_itl import free_port, stop_server, wait_ready  # noqa: E402
 
 
 def parse_cells(text: str) -> list[tuple[int, int, int]]:
@@ -157,12 +157,7 @@ def run_variant(a, name: str, flags: list[str], cells, out_dir: str, emit) -> bo
             row["seconds"] = time.monotonic() - t0
             emit(row)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
         log.close()
     return ok
 

@@ -60,6 +60,16 @@ def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server was not ready after {timeout:.0f} s")
 
 
+def stop_server(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    """Terminate a server subprocess; kill it if it has not exited after ``grace`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def one_run(a, interval: int | None, out_dir: str) -> dict:
     """Serve, warm up, bench, stop; returns the bench result dict plus the two commands."""
     import httpx
@@ -91,12 +101,7 @@ def one_run(a, interval: int | None, out_dir: str) -> dict:
         with open(os.path.join(out_dir, name)) as f:
             res = json.load(f)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
     res["serve_command"] = shlex.join(serve_cmd).replace(f"--port {port}", "--port PORT")
     res["bench_command"] = shlex.join(bench_cmd).replace(base_url, "http://127.0.0.1:PORT").replace(out_dir, "DIR")
     res["load"] = [load_before, load_after]

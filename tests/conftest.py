@@ -15,6 +15,14 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture
+def interpret(monkeypatch):
+    """Triton's kernels on CPU tensors in Triton's interpreter (tests/test_triton_*.py): TRITON_INTERPRET=1 and
+    TOKENFAB_TRITON=interpret (kernels/gpu/support.py)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     from tokenfab.testing.tokenizer_builder import build_tokenizer

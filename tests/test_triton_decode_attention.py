@@ -13,12 +13,6 @@ from tokenfab.kernels.gpu import support as triton_support
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 def gathered_reference(q, k_cache, v_cache, block_tables, context_lens, scale):
     """Per sequence: its context gathered token by token through the block table, softmax(scale q k^T) v in
     float64 over the cached values as stored (bf16 caches widened exactly). Returns [B, H, Dv] float64."""

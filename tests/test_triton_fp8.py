@@ -12,12 +12,6 @@ pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="
 U = 2.0 ** -24
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 def test_every_e4m3fn_code_decodes_as_torch_does(interpret):
     """Row n of the weight holds code n at input 0 (zeros elsewhere), x = e_0 and scale 1: y[0, n] is code n's
     value; NaN codes (0x7f, 0xff) give NaN, -0 gives -0."""

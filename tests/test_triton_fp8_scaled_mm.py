@@ -13,12 +13,6 @@ from tokenfab.kernels.gpu import support as triton_support
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 def act_quant_formula(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3's act_quant per 1 x 128 block: s = amax / 448 (1 for an all-zero block), q = e4m3(x / s)."""
     M, K = x.shape

@@ -18,12 +18,6 @@ from tokenfab.quant.gguf_weight import GGUFWeight
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows,out_features,source", [(1, 48, "quantize"), (5, 40, "random"), (23, 33, "quantize"),
                                                        (70, 16, "random")])

@@ -21,12 +21,6 @@ pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="
 TOL = dict(rtol=2e-5, atol=2e-5)
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 def raw_inputs(g: torch.Generator, B: int, Q: int, H: int, D: int, lower_bound: float | None):
     """Random raw layer tensors for a group of B sequences x Q tokens: qkv [B, Q, 3HD], g_raw [T, HD], dt_bias
     [HD], a_log [H], b_raw [T, H] (T = B * Q token rows, sequence b's tokens at rows b * Q ...)."""

@@ -15,12 +15,6 @@ from tokenfab.kernels.gpu import support as triton_support
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 def reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
     """Per sequence: gather its context token by token through the block table, softmax(scale q k^T) v in fp64."""
     B, H, _ = q.shape

@@ -17,12 +17,6 @@ from tokenfab.kernels.gpu import support as triton_support
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 def _config(monkeypatch, bn: int, bk: int, split: int) -> None:
     from tokenfab.kernels.gpu import moe_gemm
     monkeypatch.setattr(moe_gemm, "INTERPRET_CONFIG", {"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": split})

@@ -13,12 +13,6 @@ from tokenfab.kernels.gpu import support as triton_support
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 @pytest.mark.parametrize("T,k,E,start,num_local,block_m", [
     (1, 2, 8, 0, 8, 16), (3, 2, 3, 0, 3, 2), (37, 6, 60, 0, 60, 16), (200, 8, 128, 0, 128, 64),  # 1600 pairs
     (9, 3, 12, 4, 5, 4),  # expert parallel: experts 4..8 here, the rest on other ranks

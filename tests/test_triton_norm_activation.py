@@ -20,12 +20,6 @@ from tokenfab.layers.norm import RMSNorm
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 def reference_path(monkeypatch):
     """Switch the seam off so the layers run their PyTorch reference math."""
     monkeypatch.setattr(dispatch, "rms_norm", lambda *a, **k: None)

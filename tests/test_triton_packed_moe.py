@@ -16,12 +16,6 @@ E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -
                     dtype=torch.float64)
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 def make(fmt: str, E: int, N: int, K: int, g: torch.Generator, scale_dtype=torch.bfloat16):
     """Random packed stack and its float64 weights [E, N, K]."""
     if fmt == "int4_group":

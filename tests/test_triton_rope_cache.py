@@ -18,12 +18,6 @@ from tokenfab.kernels.gpu import support as triton_support
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 def reference(positions, q, k, v, rot, slots, k_cache, v_cache, qn, kn, monkeypatch):
     from tokenfab.layers.paged_attention import write_cache
     monkeypatch.setattr(dispatch, "rms_norm", lambda *a, **kw: None)

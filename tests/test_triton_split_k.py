@@ -11,12 +11,6 @@ from tokenfab.kernels.gpu import support as triton_support
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
-
-
 @pytest.mark.parametrize("sms", [4, 132, 304])
 def test_choice_fills_the_device_and_leaves_no_slice_empty(monkeypatch, sms):
     from tokenfab.kernels.gpu import split_k

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from tokenfab.kernels.gpu import split_k
+from tokenfab.kernels.gpu.split_k import store_row, store_tile
 from tokenfab.kernels.gpu.support import autotune_configs, interpreting, launch_linear, quick_bench
 
 FP8_BLOCK = 128
@@ -91,13 +92,7 @@ def _fp8_gemm(X, W, S, OUT, BIAS, M, N, K, s_xm, s_wn, s_sn, STEPS, MB, SPLIT,
         else:        # bf16 / fp16 tensor cores, float32 accumulation
             part = tl.dot(x, tl.trans(w.to(x.dtype)))
         acc += part * tl.load(s_row + kb)
-    out = OUT + ps.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
-    if PARTIAL:
-        tl.store(out, acc, mask=mmask[:, None] & nmask[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out, acc.to(OUT.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    store_tile(OUT, BIAS, acc, ps, m, n, M, N, mmask, nmask, PARTIAL, HAS_BIAS)
 
 
 def _gemv_configs() -> list:
@@ -134,13 +129,7 @@ def _fp8_gemv(X, W, S, OUT, BIAS, N, K, s_wn, s_sn, STEPS, SPLIT,
         xs = tl.load(X + kk, mask=kmask, other=0.0).to(tl.float32) * tl.load(s_row + kb)
         acc += w * xs[None, :]
     y = tl.sum(acc, axis=1)
-    out = OUT + ps.to(tl.int64) * N + n
-    if PARTIAL:
-        tl.store(out, y, mask=nmask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(out, y.to(OUT.dtype.element_ty), mask=nmask)
+    store_row(OUT, BIAS, y, ps, n, N, nmask, PARTIAL, HAS_BIAS)
 
 
 def _native_fp8(device: torch.device) -> bool:

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from tokenfab.kernels.gpu import split_k
+from tokenfab.kernels.gpu.split_k import store_row, store_tile
 from tokenfab.kernels.gpu.support import autotune_configs, interpreting, launch_linear, quick_bench
 from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_blocks import TILE, BlockType
@@ -141,13 +142,7 @@ def _gguf_gemm(X, T32, T16, OUT, BIAS, M, N, NT, KB, s_xm, STEPS, MB, SPLIT,
                          DOT_F32, MAGIC, DEQ)
     n = t * 16 + j
     nmask = n < N
-    out = OUT + ps.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
-    if PARTIAL:
-        tl.store(out, acc, mask=mmask[:, None] & nmask[None, :])
-    else:
-        if HAS_BIAS:
-            acc += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
-        tl.store(out, acc.to(OUT.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    store_tile(OUT, BIAS, acc, ps, m, n, M, N, mmask, nmask, PARTIAL, HAS_BIAS)
 
 
 def _gemv_configs() -> list:
@@ -211,13 +206,7 @@ def _gguf_gemv(X, T32, T16, OUT, BIAS, N, NT, KB, STEPS, SPLIT, TBB: tl.constexp
     y = tl.sum(acc, axis=1)
     n = t * 16 + j
     nmask = n < N
-    out = OUT + ps.to(tl.int64) * N + n
-    if PARTIAL:
-        tl.store(out, y, mask=nmask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)
-        tl.store(out, y.to(OUT.dtype.element_ty), mask=nmask)
+    store_row(OUT, BIAS, y, ps, n, N, nmask, PARTIAL, HAS_BIAS)
 
 
 def _block_m(M: int) -> int:

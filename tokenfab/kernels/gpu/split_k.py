@@ -70,6 +70,34 @@ def steps_per_split(k_steps: int, split: int) -> int:
 
 
 @triton.jit
+def store_tile(OUT, BIAS, acc, ps, m, n, M, N, mmask, nmask, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The tile kernels' epilogue: ``acc`` [BLOCK_M, BLOCK_N] float32 for rows ``m`` / columns ``n`` into slice
+    ``ps`` of the float32 partials [SPLIT, M, N] (``PARTIAL``: the reduction adds the bias), or, plus the bias,
+    into the output [M, N] in its dtype."""
+    out = OUT + ps.to(tl.int64) * M * N + m[:, None].to(tl.int64) * N + n[None, :]
+    mask = mmask[:, None] & nmask[None, :]
+    if PARTIAL:
+        tl.store(out, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def store_row(OUT, BIAS, y, ps, n, N, nmask, PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The one-row kernels' epilogue: ``y`` [BLOCK_N] float32 for columns ``n`` into slice ``ps`` of the float32
+    partials [SPLIT, N] (``PARTIAL``), or, plus the bias, into the output row in its dtype."""
+    out = OUT + ps.to(tl.int64) * N + n
+    if PARTIAL:
+        tl.store(out, y, mask=nmask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(BIAS + n, mask=nmask, other=0.0).to(tl.float32)
+        tl.store(out, y.to(OUT.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
 def _reduce(P, Y, BIAS, MN, N, SPLIT, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
