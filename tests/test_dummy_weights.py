@@ -188,15 +188,16 @@ def test_packed_dummy_matches_the_real_packed_checkpoint(tiny_model, tmp_path, f
 
 
 def test_dummy_k3_with_its_dummy_dspark_drafter(tiny_shapes, monkeypatch):
-    """The k3 case (MXFP4 experts packed) with its DSpark drafter folder (config.json only): both filled with dummy
-    weights (no file read), every drafter parameter finite at ~N(0, 0.02), and a greedy run drafts and verifies
-    (the drafter's proposals counted) with finite logprobs."""
+    """The k3 case (MXFP4 experts packed) with its DSpark drafter folder (config.json only) in bfloat16: both filled
+    with dummy weights (no file read), every drafter parameter finite at ~N(0, 0.02) in the engine's dtype, and a
+    greedy run drafts and verifies (the drafter's proposals counted) with finite logprobs."""
     no_weight_reads(monkeypatch)
     llm = LLM(tiny_shapes["k3"], load_format="dummy", seed=1,
               speculative_config={"method": "dspark", "model": tiny_shapes["k3-dspark"],
-                                  "num_speculative_tokens": 3}, **KW)
+                                  "num_speculative_tokens": 3}, **dict(KW, dtype="bfloat16"))
     drafter = llm.llm_engine.spec.proposer.drafter
     for name, p in drafter.named_parameters():
+        assert p.dtype == torch.bfloat16, name  # the engine's dtype, as a loaded drafter's (no KDA draft layer)
         assert torch.isfinite(p).all(), name
         if p.dim() >= 2 and p.numel() >= 256:
             assert 0.015 < p.float().std().item() < 0.025, name

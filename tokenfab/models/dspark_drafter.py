@@ -245,6 +245,13 @@ def _canonical(name: str) -> str:
     return name.replace(".self_attn.forget_gate.", ".self_attn.")
 
 
+def set_param_dtypes(drafter: DSparkDrafter, dtype: torch.dtype) -> None:
+    """Give the drafter's parameters the dtypes :func:`load_dspark_weights` gives them: ``dtype``, except the KDA
+    conv kernels, A_log and dt_bias (float32). Used after dummy weights (spec_decode/dspark_proposer.py)."""
+    for name, p in drafter.named_parameters():
+        p.data = p.data.to(torch.float32 if any(name.endswith(s) for s in _FP32_PARAMS) else dtype)
+
+
 def load_dspark_weights(drafter: DSparkDrafter, path: str, dtype: torch.dtype) -> list[str]:
     """Fill ``drafter`` from the ``*.safetensors`` files in ``path`` (both published layouts' names).
 

@@ -132,7 +132,9 @@ class DSparkProposer(Proposer):
         self.drafter = DSparkDrafter(cfg, embed, head)
         if getattr(engine.config, "load_format", "auto") == "dummy":  # the target's mode: no drafter file read either
             from tokenfab.loader.dummy_weights import fill_dummy_weights
+            from tokenfab.models.dspark_drafter import set_param_dtypes
             fill_dummy_weights(self.drafter, engine.device, seed=getattr(engine.config, "seed", 0))
+            set_param_dtypes(self.drafter, engine.dtype)
             self.skipped_weights = []
         else:
             self.skipped_weights = load_dspark_weights(self.drafter, path, engine.dtype)
