@@ -46,6 +46,27 @@ def test_moe_sum_skips_other_ranks(interpret, dtype, T, k, hidden, start, num_lo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_sum_adds_plus_after_the_slots(interpret, dtype):
+    """``plus`` (the shared experts' output, in the output dtype) joins the float32 k-sum after the routed slots,
+    before the one rounding: float32 equals pairs summed then plus added; a strided plus (a column slice) is read
+    at its row stride."""
+    from tokenfab.kernels.gpu.moe import moe_sum
+    g = torch.Generator().manual_seed(3)
+    T, k, hidden = 5, 3, 40
+    ids = torch.randint(0, 6, (T, k), generator=g)
+    pairs = torch.randn(T * k, hidden, generator=g)
+    wide = torch.randn(T, hidden + 8, generator=g).to(dtype)
+    plus = wide[:, 4:4 + hidden]  # row stride hidden + 8
+    got = moe_sum(pairs, ids, 0, 6, dtype, plus=plus)
+    want = pairs.view(T, k, hidden).sum(1) + plus.float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:  # one rounding to bf16 (the interpreter truncates where PyTorch rounds: one ulp)
+        assert ((got.float() - want).abs() <= 2.0 ** -7 * want.abs() + 1e-6).all()
+    assert not torch.allclose(moe_sum(pairs, ids, 0, 6, torch.float32), want)  # plus did change the sum
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("E,top_k,norm", [(8, 2, True), (60, 4, True), (12, 3, False), (5, 5, True), (128, 8, True)])
 def test_softmax_topk_matches_the_router(interpret, monkeypatch, dtype, E, top_k, norm):
     from tokenfab.kernels.gpu.router import softmax_topk

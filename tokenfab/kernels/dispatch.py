@@ -222,28 +222,31 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Te
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, start: int, act,
                    w13: torch.Tensor | None = None, w2: torch.Tensor | None = None,
                    packed13: list[torch.Tensor] | None = None,
-                   packed2: list[torch.Tensor] | None = None) -> torch.Tensor | None:
+                   packed2: list[torch.Tensor] | None = None, plus: torch.Tensor | None = None) -> torch.Tensor | None:
     """The routed SiLU-GLU experts' weighted sum for x [T, hidden], weights / ids [T, k] (experts from ``start``):
     the C++ dispatch over per-expert packed weights ``packed13`` / ``packed2`` on CPU (pass None to keep the Python
     loop), the Triton grouped GEMMs over the stacks ``w13`` [E, 2I, hidden] / ``w2`` [E, hidden, I] on CUDA/ROCm
-    (``act``: the activation between them), or None."""
+    (``act``: the activation between them), or None. ``plus`` [T, hidden] (the shared experts' output) is added to
+    the result: inside the Triton k-sum, after the C++ kernel's."""
     if packed13 is not None and cpu_ops.available_for(x):
-        return cpu_ops.moe_experts_packed(x, weights, ids, packed13, packed2, start)
+        out = cpu_ops.moe_experts_packed(x, weights, ids, packed13, packed2, start)
+        return out if plus is None else out + plus
     if w13 is not None and gpu_support.applies(x):  # grouped GEMMs in Triton, CUDA-graph safe
         from tokenfab.kernels.gpu import moe  # imports triton: only when it applies
-        return moe.fused_moe(x, w13, w2, weights, ids, act, start)
+        return moe.fused_moe(x, w13, w2, weights, ids, act, start, plus)
     return None
 
 
 def routed_experts_packed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: str, p13: torch.Tensor,
                           s13: torch.Tensor, p2: torch.Tensor, s2: torch.Tensor, act, start: int,
-                          out_dtype: torch.dtype | None) -> torch.Tensor | None:
+                          out_dtype: torch.dtype | None, plus: torch.Tensor | None = None) -> torch.Tensor | None:
     """The routed experts' weighted sum over stacks kept packed (``fmt`` one of PACKED_MOE_FORMATS; arguments as
-    :func:`tokenfab.kernels.gpu.packed_moe.fused_moe_packed`): one Triton launch per projection on CUDA/ROCm with the
-    weights decoded in registers, or None (on CPU the stacks' grouped linears pick their kernels themselves)."""
+    :func:`tokenfab.kernels.gpu.packed_moe.fused_moe_packed`, ``plus`` added in its k-sum): one Triton launch per
+    projection on CUDA/ROCm with the weights decoded in registers, or None (on CPU the stacks' grouped linears pick
+    their kernels themselves)."""
     if gpu_support.applies(x) and fmt in PACKED_MOE_FORMATS:
         from tokenfab.kernels.gpu import packed_moe  # imports triton: only when it applies
-        return packed_moe.fused_moe_packed(x, fmt, p13, s13, p2, s2, weights, ids, act, start, out_dtype)
+        return packed_moe.fused_moe_packed(x, fmt, p13, s13, p2, s2, weights, ids, act, start, out_dtype, plus)
     return None
 
 

@@ -180,8 +180,21 @@ class RoutedExperts(nn.Module):
         lo = int((flat_ids < self.start).sum()) if self.start else 0
         return ids.shape[1], order, counts, lo
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum over this rank's experts of weight * expert(x)."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                plus: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum over this rank's experts of weight * expert(x),
+        plus ``plus`` [T, hidden] when given (the shared experts' output: on the GPU path added inside the Triton
+        k-sum, one launch fewer; elsewhere after the sum, as ``out + plus``)."""
+        if plus is not None:
+            if self.host is None and dispatch.gpu_path(x):  # the Triton k-sum adds it (float32, one rounding)
+                if self.route_counter is not None:
+                    self.route_counter.record(ids)
+                out = (self.packed_forward(x, weights, ids, plus) if self.q13 is not None else
+                       dispatch.routed_experts(x, weights, ids, self.start, silu_and_mul, self.w13, self.w2, plus=plus))
+                if out is not None:
+                    return out
+                return self.forward_unfused(x, weights, ids) + plus
+            return self.forward(x, weights, ids) + plus
         if self.route_counter is not None:
             self.route_counter.record(ids)
         if self.host is not None:  # part of the experts in host memory: the split runs both sides, same sum order
@@ -192,6 +205,11 @@ class RoutedExperts(nn.Module):
                                       self._p13 if self.fused_dispatch else None, self._p2)
         if out is not None:  # CPU: the same math in C++; CUDA/ROCm: grouped GEMMs in Triton, graph-safe
             return out
+        return self.forward_unfused(x, weights, ids)
+
+    def forward_unfused(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` where no kernel applies: pairs sorted by expert, per-expert (or grouped) GEMMs in
+        PyTorch, the weighted rows summed with index_add. x [T, hidden]; weights, ids [T, k] -> [T, hidden]."""
         k, order, counts, lo = self._pairs_by_expert(ids)
         hi = lo + int(counts.sum())
         out = torch.zeros_like(x)
@@ -223,17 +241,21 @@ class RoutedExperts(nn.Module):
         out.index_add_(0, token_of, (h * w_sorted[:, None]).to(out.dtype))
         return out
 
-    def packed_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def packed_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                       plus: torch.Tensor | None = None) -> torch.Tensor:
         """The routed sum over packed experts (``q13`` / ``q2``): pairs sorted by expert (stable), one grouped
         linear per projection over all active experts, :meth:`act` in between, each row times its float32 routing
         weight rounded to the output dtype and summed with index_add (float32 output when ``accumulate_fp32``,
         else x's dtype). x [T, hidden]; weights, ids [T, k] -> [T, hidden]. On CUDA/ROCm the whole sum is one
-        Triton launch per projection with the weights decoded in registers (kernels/gpu/packed_moe.py)."""
+        Triton launch per projection with the weights decoded in registers (kernels/gpu/packed_moe.py), ``plus``
+        [T, hidden] added in its k-sum (elsewhere after the sum)."""
         out = dispatch.routed_experts_packed(x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale,
                                              self.q2.packed, self.q2.scale, self.act, self.start,
-                                             torch.float32 if self.accumulate_fp32 else None)
+                                             torch.float32 if self.accumulate_fp32 else None, plus)
         if out is not None:
             return out
+        if plus is not None:
+            return self.packed_forward(x, weights, ids) + plus
         k, order, counts, lo = self._pairs_by_expert(ids)
         out = torch.zeros_like(x, dtype=torch.float32 if self.accumulate_fp32 else x.dtype)
         active = [(e, n) for e, n in enumerate(counts.tolist()) if n]

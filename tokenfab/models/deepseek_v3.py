@@ -34,10 +34,9 @@ class DeepseekV3MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids = self.gate(x)
-        out = self.experts(x, w, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        if self.shared_experts is None:
+            return self.experts(x, w, ids)
+        return self.experts(x, w, ids, plus=self.shared_experts(x))  # GPU path: added in the routed k-sum
 
 
 class DeepseekV3ForCausalLM(CausalLM):

@@ -119,8 +119,8 @@ def align_pairs_fused(ids: torch.Tensor, start: int, num_local: int, block_m: in
 
 
 @triton.jit
-def _moe_sum_kernel(pairs_ptr, ids_ptr, nsplit_ptr, out_ptr, hidden, start, num_local, s_ps, s_pm, s_ot,
-                    K: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_sum_kernel(pairs_ptr, ids_ptr, nsplit_ptr, out_ptr, plus_ptr, hidden, start, num_local, s_ps, s_pm, s_ot,
+                    s_pt, K: tl.constexpr, BLOCK: tl.constexpr, HAS_PLUS: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < hidden
@@ -131,16 +131,20 @@ def _moe_sum_kernel(pairs_ptr, ids_ptr, nsplit_ptr, out_ptr, hidden, start, num_
         here = cmask & (e >= 0) & (e < num_local)  # rows of pairs routed to other ranks were never written
         for s in range(0, nsplit):  # split-K partials of the pair, in order
             acc += tl.load(pairs_ptr + s * s_ps + (t * K + j) * s_pm + cols, mask=here, other=0.0).to(tl.float32)
+    if HAS_PLUS:  # e.g. the shared experts' output, added after the routed slots
+        acc += tl.load(plus_ptr + t * s_pt + cols, mask=cmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * s_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
 
 def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: int,
-            out_dtype: torch.dtype, nsplit: torch.Tensor | None = None) -> torch.Tensor:
+            out_dtype: torch.dtype, nsplit: torch.Tensor | None = None,
+            plus: torch.Tensor | None = None) -> torch.Tensor:
     """The k slots of each token summed in float32 in slot order (each slot's split-K partials in split order):
     out_pairs [T * k, hidden] or [S, T * k, hidden] float32 partials of which the first ``nsplit`` ([1] int32 on
     the device; default: all S) count (rows of pairs whose expert is outside [start, start + num_local) are
-    skipped, whatever they hold), ids [T, k] int64 (contiguous) -> new [T, hidden] of ``out_dtype``. One launch (the
-    sums and the cast)."""
+    skipped, whatever they hold), ids [T, k] int64 (contiguous) -> new [T, hidden] of ``out_dtype``; ``plus``
+    [T, hidden] (any float dtype, unit stride along hidden; e.g. the shared experts' output) is added in float32
+    after the slots, before the one rounding. One launch (the sums and the cast)."""
     parts = out_pairs if out_pairs.dim() == 3 else out_pairs.unsqueeze(0)
     T, k = ids.shape
     hidden = parts.shape[2]
@@ -149,14 +153,15 @@ def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: i
     out = torch.empty(T, hidden, dtype=out_dtype, device=parts.device)
     block = min(1024, triton.next_power_of_2(max(hidden, 16)))
     if T:
-        _moe_sum_kernel[(T, triton.cdiv(hidden, block))](parts, ids, nsplit, out, hidden, start, num_local,
-                                                           parts.stride(0), parts.stride(1), out.stride(0), K=k,
-                                                           BLOCK=block)
+        _moe_sum_kernel[(T, triton.cdiv(hidden, block))](parts, ids, nsplit, out, out if plus is None else plus,
+                                                           hidden, start, num_local, parts.stride(0), parts.stride(1),
+                                                           out.stride(0), 0 if plus is None else plus.stride(0), K=k,
+                                                           BLOCK=block, HAS_PLUS=plus is not None)
     return out
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              act, start: int = 0) -> torch.Tensor:
+              act, start: int = 0, plus: torch.Tensor | None = None) -> torch.Tensor:
     """sum over a token's k routed experts (those in [start, start + E_local)) of weight * expert(x).
 
     Args:
@@ -164,19 +169,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         weights: [T, k] routing weights (float32 or x's dtype, read as float32); ids: [T, k] int64 global expert ids.
         act: SiLU-GLU, [P, 2I] -> [P, I] (``layers/activation.py::silu_and_mul``).
         start: first global expert id held in w13/w2.
+        plus: [T, hidden] or None, added in the k-sum (:func:`moe_sum`; the shared experts' output).
 
     Returns:
         [T, hidden] in x's dtype (pairs routed to other ranks contribute zero; the k-sum is in float32).
     """
-    return routed_sum(x, weights, ids, DENSE, w13, None, w2, None, act, start)
+    return routed_sum(x, weights, ids, DENSE, w13, None, w2, None, act, start, plus=plus)
 
 
 def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: int, w13: torch.Tensor,
                s13: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None, act, start: int = 0,
-               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None) -> torch.Tensor:
     """The fused-MoE flow of :func:`fused_moe` (``fmt`` DENSE, no scales) and ``packed_moe.fused_moe_packed``
     (``fmt`` 0 / 1 / 2 with scales s13 / s2): pairs aligned by expert, the gate|up GEMM, ``act``, the down GEMM times
-    the routing weights, the k-sum in float32, cast to ``out_dtype`` (default x's)."""
+    the routing weights, the k-sum in float32 (plus ``plus`` [T, hidden] when given), cast to ``out_dtype``
+    (default x's)."""
     T, hidden = x.shape
     k = ids.shape[1]
     num_local, two_i = w13.shape[0], w13.shape[1]
@@ -195,4 +202,4 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
     slots = split_slots(M, block_m, down=True)
     out_pairs = torch.empty(slots, M, hidden, dtype=torch.float32, device=x.device)  # idem: moe_sum skips those
     grouped_gemm(h, w2, s2, fmt, out_pairs, nsplit, pairs, hidden, inter, 1, True, hidden, block_m)
-    return moe_sum(out_pairs, ids, start, num_local, out_dtype or x.dtype, nsplit)
+    return moe_sum(out_pairs, ids, start, num_local, out_dtype or x.dtype, nsplit, plus)

@@ -36,7 +36,7 @@ _FORMATS = {"int4_group": INT4_GROUP, "mxfp4": MXFP4, "fp8_block": FP8_BLOCK}
 
 def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Tensor, p2: torch.Tensor,
                      s2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act, start: int = 0,
-                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None) -> torch.Tensor:
     """sum over a token's k routed experts (those in [start, start + E_local)) of weight * expert(x), the experts'
     weights read packed.
 
@@ -50,6 +50,7 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
         weights: [T, k] routing weights (float32 or x's dtype, read as float32); ids: [T, k] int64 global expert ids.
         act: the experts' gated activation, [P, 2I] -> [P, I] (SiLU-GLU; K3's SiTU).
         out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
+        plus: [T, hidden] or None, added in the float32 k-sum (the shared experts' output).
 
     Returns:
         [T, hidden] (pairs routed to other ranks contribute zero; the k-sum is in float32).
@@ -72,4 +73,4 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
             or p2.shape[2] * per != inter or tuple(s2.shape) != want2):
         raise ValueError(f"fused_moe_packed: {fmt} stacks {tuple(p13.shape)}/{tuple(s13.shape)} and "
                          f"{tuple(p2.shape)}/{tuple(s2.shape)} do not match hidden {hidden}")
-    return routed_sum(x, weights, ids, _FORMATS[fmt], p13, s13, p2, s2, act, start, out_dtype)
+    return routed_sum(x, weights, ids, _FORMATS[fmt], p13, s13, p2, s2, act, start, out_dtype, plus)
