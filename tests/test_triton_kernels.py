@@ -16,18 +16,9 @@ pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="
 
 
 def reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """Per sequence: gather its context token by token through the block table, softmax(scale q k^T) v in fp64."""
-    B, H, _ = q.shape
-    page, Hk = k_cache.shape[1], k_cache.shape[2]
-    out = []
-    for b in range(B):
-        t = torch.arange(int(context_lens[b]))
-        blk = block_tables[b][t // page]
-        k = k_cache[blk, t % page].double().repeat_interleave(H // Hk, 1)  # [L, H, D]
-        v = v_cache[blk, t % page].double().repeat_interleave(H // Hk, 1)
-        p = (torch.einsum("hd,lhd->hl", q[b].double(), k) * scale).softmax(-1)
-        out.append(torch.einsum("hl,lhd->hd", p, v))
-    return torch.stack(out).float()
+    """tests/test_triton_decode_attention.py's float64 gather-and-softmax reference, as float32."""
+    from test_triton_decode_attention import gathered_reference
+    return gathered_reference(q, k_cache, v_cache, block_tables, context_lens, scale).float()
 
 
 @pytest.mark.parametrize("H,Hk,D,Dv,page", [(8, 2, 32, 32, 16), (4, 4, 16, 16, 8), (16, 1, 80, 64, 16),
