@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="
 
 DENSE_MAX, MOE_MAX = 10, 14
 # DeepSeek-V3 (MLA, a shared expert beside the routed ones): not yet at the issue's targets; these bounds only keep
-# today's counts (dense layer 15, MoE layer 22; 23 in bf16, where the router casts x to float32; the shared experts'
-# output is added inside the routed k-sum) from growing
-MLA_DENSE_MAX, MLA_MOE_MAX = 15, 23
+# today's counts (dense layer 14, MoE layer 21; 22 in bf16, where the router casts x to float32; the shared experts'
+# output is added inside the routed k-sum, q_nope W_UK written in place into the latent queries) from growing
+MLA_DENSE_MAX, MLA_MOE_MAX = 14, 22
 # Kimi Linear's KDA layers (the gated delta rule in one kernel, kernels/gpu/kda.py): today's counts, 41 with a dense
 # MLP and 49 with the MoE block (the short conv, the gated RMSNorm and six small projections are still separate)
 KDA_DENSE_MAX, KDA_MOE_MAX = 41, 49

@@ -181,10 +181,18 @@ class MLAttention(nn.Module):
 
         return long_context_attention.blocked_prefill_attention(qg, group, expanded_block, self.scale, self.v_dim)
 
-    def _latent_queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    def _latent_queries(self, q_nope: torch.Tensor, q_rope: torch.Tensor, w_uk: torch.Tensor,
+                        head_major: bool = False) -> torch.Tensor:
         """[q_nope W_UK | q_rope] per head in one buffer: q_nope [N, H, nope], q_rope [N, H, R] -> [N, H, C + R]
-        (the per-head GEMM kernel when it applies, else one ``torch.bmm`` over heads)."""
+        (the per-head GEMM kernel when it applies, else one ``torch.bmm`` over heads). ``head_major`` (GPU decode):
+        the buffer is [H, N, C + R] with the bmm writing its first C columns in place (one launch, no copy) and the
+        result its [N, H, C + R] transposed view (last dim contiguous, as the decode kernel reads it)."""
         C = self.kv_lora
+        if head_major and not self._head_gemm:
+            q_hm = q_nope.new_empty(self.num_heads, q_nope.shape[0], C + self.rope_dim)
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=q_hm[:, :, :C])
+            q_hm[:, :, C:] = q_rope.transpose(0, 1)
+            return q_hm.transpose(0, 1)
         q_lat = q_nope.new_empty(q_nope.shape[0], self.num_heads, C + self.rope_dim)
         if self._head_gemm:
             cpu_ops.head_gemm_(q_nope, w_uk, q_lat[..., :C])
@@ -240,7 +248,8 @@ class MLAttention(nn.Module):
 
         def attend(group: AttentionGroup, qg: torch.Tensor) -> torch.Tensor:
             if group.q_len == 1:  # absorbed decode over the latent cache
-                q_lat = self._latent_queries(qg[:, :, 0, : self.nope], qg[:, :, 0, self.nope:], w_uk)  # [B, H, C+R]
+                q_lat = self._latent_queries(qg[:, :, 0, : self.nope], qg[:, :, 0, self.nope:], w_uk,
+                                             head_major=dispatch.gpu_path(qg))  # [B, H, C + R]
                 lat = cache.unsqueeze(2)  # [num_blocks, block_size, 1, C + R]: one latent "head", values = first C
                 o_lat = fused_decode(q_lat, lat, lat[..., : self.kv_lora], group, self.scale)  # [B, H, C]
                 if o_lat is None:
