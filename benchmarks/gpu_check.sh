@@ -29,14 +29,8 @@
 # The shape runs measure 20 steps per mode and batch at 1,024 context tokens (the embedded model: 512) and profile
 # 5 eager steps; each writes its JSON after every row, so a step stopped by its timeout still leaves its rows for
 # the summary (marked incomplete).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/gpu}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENFAB_CACHE=${TOKENFAB_CACHE:-/tmp/tokenfab-cache}
-PY=${PY:-python3}
-SHAPES=${SHAPES:-/tmp/tokenfab-gpu-shapes}
+source "$(dirname "$0")/gpu_env.sh"  # repository root, PY, OUT, SHAPES, DRY
 CASES="llama3b qwen3moe dsv3 k3"
-DRY=${GPU_CHECK_DRY_RUN:-0}
 DEV=cuda CTX=1024 CTX_EMB=512 STEPS=20 BATCH=1,16,64 TINY=
 if [ "$DRY" = 1 ]; then
   DEV=cpu CTX=32 CTX_EMB=32 STEPS=3 BATCH=1,2 TINY=--tiny

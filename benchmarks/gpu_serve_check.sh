@@ -14,13 +14,7 @@
 #
 # Time budget (timeouts): shapes 30 + k3 250 + dsv3 250 = 530 s (each server's start, capture and warm-up included;
 # every cell's row is written as it finishes, so a step stopped by its timeout keeps its rows).
-set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-benchmarks/results/gpu}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENFAB_CACHE=${TOKENFAB_CACHE:-/tmp/tokenfab-cache}
-PY=${PY:-python3}
-SHAPES=${SHAPES:-/tmp/tokenfab-gpu-shapes}
-DRY=${GPU_CHECK_DRY_RUN:-0}
+source "$(dirname "$0")/gpu_env.sh"  # repository root, PY, OUT, SHAPES, DRY
 DEV="--device cuda" TINY= K3_CELLS=1024/128x1,1024/128x16 DS_CELLS=1024/128x16,8192/1024x16 LEN=9300 PPC=1
 if [ "$DRY" = 1 ]; then
   DEV="--device cpu --dtype float32" TINY=--tiny K3_CELLS=32/8x1,32/8x2 DS_CELLS=32/8x2 LEN=128 PPC=2

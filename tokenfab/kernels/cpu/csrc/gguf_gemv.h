@@ -47,6 +47,18 @@ inline void prefetch_block(const uint8_t* p, int64_t TB) {
 }
 
 #if defined(__AVX512BF16__)
+// Tile t's outputs for M rows of x: row m's 16 accumulators (+ bias) into y[m][t * 16 ...], the last tile cut at N.
+template <int M, bool F32OUT>
+inline void store_rows(const __m512* acc, void* y, int64_t ldy, int64_t t, int64_t N, const float* bias) {
+  const int64_t n0 = t * TN, nvalid = std::min<int64_t>(TN, N - n0);
+  const float* bb = bias == nullptr ? nullptr : bias + n0;
+  for (int m = 0; m < M; ++m) {
+    void* yr = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m * ldy + n0)
+                      : static_cast<void*>(static_cast<uint16_t*>(y) + m * ldy + n0);
+    store_tile<F32OUT>(yr, acc[m], bb, nvalid);
+  }
+}
+
 // The K-quant GEMV over tiles [t0, t1), as gemv_tiles: per sub-block the exact bf16 products x_k q_k summed in four
 // float32 chains, then scaled once: y += (d sc) * sum - (dmin m) * (sum of the sub-block's x) for Q4_K / Q5_K; for
 // Q6_K, chains 0-1 hold k 0..15 and chains 2-3 k 16..31 of the sub-block, each half scaled by its own d * scale.
@@ -96,13 +108,7 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
         }
       }
     }
-    const int64_t n0 = t * TN, nvalid = std::min<int64_t>(TN, N - n0);
-    const float* bb = bias == nullptr ? nullptr : bias + n0;
-    for (int m = 0; m < M; ++m) {
-      void* yr = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m * ldy + n0)
-                        : static_cast<void*>(static_cast<uint16_t*>(y) + m * ldy + n0);
-      store_tile<F32OUT>(yr, acc[m], bb, nvalid);
-    }
+    store_rows<M, F32OUT>(acc, y, ldy, t, N, bias);
   }
 }
 
@@ -177,13 +183,7 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
         for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * KB + kb]), acc[m]);
       }
     }
-    const int64_t n0 = t * TN, nvalid = std::min<int64_t>(TN, N - n0);
-    const float* bb = bias == nullptr ? nullptr : bias + n0;
-    for (int m = 0; m < M; ++m) {
-      void* yr = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m * ldy + n0)
-                        : static_cast<void*>(static_cast<uint16_t*>(y) + m * ldy + n0);
-      store_tile<F32OUT>(yr, acc[m], bb, nvalid);
-    }
+    store_rows<M, F32OUT>(acc, y, ldy, t, N, bias);
   }
 }
 
