@@ -22,3 +22,12 @@ def test_stage_keeps_values_shapes_and_order():
     assert out[4].tolist() == [[0, 1], [4, 5], [8, 9]]
     assert np.shares_memory(out[0].numpy(), a)  # int64 and contiguous: wrapped, not copied
     assert st.copies == 0
+
+
+def test_pinned_host_buffer_sends_its_first_n_values():
+    from tokenfab.engine.input_staging import PinnedHostBuffer
+    buf = PinnedHostBuffer(6, torch.device("cpu"))
+    dst = torch.full((8,), -1, dtype=torch.int64)
+    buf.writable()[:] = [3, 1, 4, 1, 5, 9]
+    buf.send(dst, 4)
+    assert dst.tolist() == [3, 1, 4, 1, -1, -1, -1, -1]  # only the first 4, nothing past them

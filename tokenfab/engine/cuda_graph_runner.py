@@ -28,6 +28,7 @@ import os
 import numpy as np
 import torch
 
+from tokenfab.engine.input_staging import PinnedHostBuffer
 from tokenfab.errors import EngineConfigError
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 
@@ -110,9 +111,7 @@ class DecodeGraphRunner:
         # with one copy per step: [input ids | positions | slots | context lengths | state rows] (n each), then the
         # block tables [n, max_blocks] row-major. The graphs read the views below, fixed at capture.
         self._inputs = torch.zeros(5 * n + n * max_blocks, **i64)
-        self._host = torch.zeros(self._inputs.shape, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._host_np = self._host.numpy()
-        self._copied = None  # CUDA event after the last copy: the host buffer is rewritten only once it has landed
+        self._host = PinnedHostBuffer(self._inputs.numel(), device)  # rewritten only once its last send landed
         seg = [self._inputs[i * n:(i + 1) * n] for i in range(5)]
         self.input_ids, self.positions, self.slot_mapping, self.context_lens, rows = seg
         self.block_tables = self._inputs[5 * n:].view(n, max_blocks)
@@ -121,11 +120,11 @@ class DecodeGraphRunner:
         # spare slot; the KDA layers gather and scatter their states through this buffer alone
         self.state_rows = None if state_slot is None else rows
         self._pads = (0, 0, pad_block * block_size, 1, state_slot if state_slot is not None else 0)
-        host = self._host_np
+        host = self._host.writable()
         for i, pad in enumerate(self._pads):
             host[i * n:(i + 1) * n] = pad
         host[5 * n:] = pad_block
-        self._inputs.copy_(self._host)
+        self._host.send(self._inputs, self._inputs.numel())
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0  # steps served from the buffers (tests and stats)
 
@@ -190,22 +189,14 @@ class DecodeGraphRunner:
                 raise ValueError(f"state rows must lie in [0, {self.state_slot}) (slot {self.state_slot} is the "
                                  f"padding rows' spare slot); got {state_rows.min()}..{state_rows.max()}.")
             arrays.append(state_rows)
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous step's copy has left the host buffer (normally long since)
-        host = self._host_np
+        host = self._host.writable()
         for i, a in enumerate(arrays):
             host[i * n:i * n + B] = a
             host[i * n + B:i * n + bs] = self._pads[i]
         bt = host[5 * n:].reshape(n, self.max_blocks)
         bt[:B, :width] = block_tables[:, :width]  # columns past a row's context are never read: stale ones may stay
         bt[B:bs, 0] = self.pad_block
-        used = 5 * n + bs * self.max_blocks
-        if self._inputs.device.type == "cuda":
-            self._inputs[:used].copy_(self._host[:used], non_blocking=True)  # the step's one host-to-device copy
-            self._copied = torch.cuda.Event()
-            self._copied.record()
-        else:
-            self._inputs[:used].copy_(self._host[:used])
+        self._host.send(self._inputs, 5 * n + bs * self.max_blocks)  # the step's one host-to-device copy
         self.replays += 1
         if self.mode == "cuda":
             graph, out = self.graphs[bs]
