@@ -95,7 +95,9 @@ def test_latent_routed_sum_is_float32():
 
 def test_kda_short_conv_weights_and_beta_stay_float32(tmp_path, tokenizer_dir):
     """In a bf16 engine the KDA short-conv weights keep the checkpoint's float32 values exactly, and beta is
-    sigmoid taken in float32 of b_proj's output."""
+    sigmoid taken in float32 of b_proj's output (the GPU kernel takes the same float32 sigmoid:
+    tests/test_triton_kda.py)."""
+    from tokenfab.layers.kda import _Gates
     stored, _ = k3_tensors(TEXT)
     name = "language_model.model.layers.0.self_attn.q_conv1d.weight"
     stored[name] = stored[name] + 1e-3 * torch.rand_like(stored[name])  # values bf16 cannot hold
@@ -106,8 +108,9 @@ def test_kda_short_conv_weights_and_beta_stay_float32(tmp_path, tokenizer_dir):
     assert torch.equal(attn.q_conv1d.weight.data, stored[name].float())
     x = torch.randn(9, TEXT["hidden_size"], generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     with torch.no_grad():
-        logits = attn.b_proj(x)
-        beta = attn.beta(x)
+        _qkv, g_raw, logits, _gate = attn._project(x)  # logits: b_proj's columns of the joined projection
+        beta = _Gates(attn, g_raw, logits).padded()[1][:9]
+    assert logits.dtype == torch.bfloat16 and logits.shape == (9, attn.num_heads)
     assert beta.dtype == torch.float32
     want = 1 / (1 + torch.exp(-logits.double()))
     assert (beta.double() - want).abs().max() < 1e-7

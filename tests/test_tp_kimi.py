@@ -113,9 +113,15 @@ def test_kda_slices_tile_heads(variants):
         kda = loaded.model.model.layers[0].self_attn
         assert kda.num_heads == (2, 2, 1)[r]
         sd = dict(loaded.model.named_parameters())
-        q_rows += sd["model.layers.0.self_attn.q_proj.weight"].shape[0]
+        # q|k|v|f_a|g_a|b joined after loading (KimiDeltaAttention.fuse): this rank's q and b rows are the
+        # checkpoint's rows of its heads
+        joined, hd = kda.in_proj.weight, kda.num_heads * KDA_DIM
+        pre = "model.layers.0.self_attn."
+        assert torch.equal(joined[:hd], full[pre + "q_proj.weight"][kda.h0 * KDA_DIM:kda.h1 * KDA_DIM].float())
+        assert torch.equal(joined[-kda.num_heads:], full[pre + "b_proj.weight"][kda.h0:kda.h1].float())
+        q_rows += hd
         o_cols += sd["model.layers.0.self_attn.o_proj.weight"].shape[1]
-        b_rows += sd["model.layers.0.self_attn.b_proj.weight"].shape[0]
+        b_rows += kda.num_heads
         assert sd["model.layers.0.self_attn.q_conv1d.weight"].shape[0] == kda.num_heads * KDA_DIM
         assert sd["model.layers.0.self_attn.dt_bias"].shape[0] == kda.num_heads * KDA_DIM
         a_logs.append(sd["model.layers.0.self_attn.A_log"])

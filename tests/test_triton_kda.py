@@ -167,8 +167,8 @@ def group(token_index: list[list[int]], query_pos: list[list[int]]):
 
 def two_steps(layer, chunk_stand_in=None):
     """Step 1: one carried sequence decodes (slot 2) while two fresh ones prefill 70 and 5 tokens (slots 0, 3);
-    step 2: the three decode as speculative rows 0 and 2 (state kept for roll back). Returns the outputs, the
-    caches and the pending entries."""
+    step 2: the three decode as speculative rows 0 and 2 (state kept for roll back); step 3: they decode again,
+    plainly. Returns the outputs, the caches and the pending entries."""
     from tokenfab.layers.attention_metadata import AttentionMetadata
     g = torch.Generator().manual_seed(5)
     cache = layer.make_state_cache(5, torch.float32, "cpu")
@@ -182,21 +182,27 @@ def two_steps(layer, chunk_stand_in=None):
     x2 = torch.randn(3, 24, generator=g)
     m2 = AttentionMetadata(torch.zeros(3, dtype=torch.int64), group([[0], [1], [2]], [[41], [70], [5]]), None, 3, 8,
                            state_rows=torch.tensor([2, 0, 3]), state_keep=torch.tensor([True, False, True]))
+    x3 = torch.randn(3, 24, generator=g)
+    m3 = AttentionMetadata(torch.zeros(3, dtype=torch.int64), group([[0], [1], [2]], [[42], [71], [6]]), None, 3, 8,
+                           state_rows=torch.tensor([2, 0, 3]))
     with torch.no_grad():
-        outs = [layer(None, x1, cache, m1), layer(None, x2, cache, m2)]
+        outs = [layer(None, x1, cache, m1), layer(None, x2, cache, m2), layer(None, x3, cache, m3)]
     return outs, cache
 
 
 @pytest.mark.parametrize("lower_bound,full_rank_gate", [(None, False), (-5.0, True)])
 @pytest.mark.parametrize("prefill", ["kernel", "chunk_reference", "chunk_fla_conventions"])
 def test_layer_gpu_path_matches_pytorch_path(monkeypatch, lower_bound, full_rank_gate, prefill):
-    """The KDA layer on the GPU code path against its PyTorch path (the reference): outputs, conv and recurrent
-    slots and the speculative rows' pending entries. ``chunk_*``: the 70-token prefill group takes the chunked
+    """The KDA layer on the GPU code path (its projections joined as after loading; the short-conv kernel, the
+    recurrence kernel and the gated-norm kernel) against its PyTorch path with separate projections (the
+    reference): outputs, conv and recurrent slots and the speculative rows' pending entries. ``chunk_*``: the 70-token prefill group takes the chunked
     branch (kernels/gpu/kda_chunk.py), with fla's chunk_kda (which does not run in Triton's interpreter) replaced
     by a stand-in following its documented contract: layers/kda.py's chunked form, or fla's fused_recurrent_kda
     (it does run in the interpreter) called with the same tensor mapping (skipped without fla-core)."""
     layer = make_layer(lower_bound, full_rank_gate)
     want, want_cache = two_steps(layer)
+    layer.fuse()  # as after loading: the six input projections in one GEMM
+    assert layer.in_proj is not None and layer.q_proj.weight is None
     from tokenfab.kernels import dispatch
     from tokenfab.kernels.gpu import kda_chunk
     monkeypatch.setenv("TRITON_INTERPRET", "1")

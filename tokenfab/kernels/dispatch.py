@@ -23,7 +23,9 @@ softmax_topk               -                                 gpu/router.py (Qwen
 routed_experts             moe_experts_packed                gpu/moe.py (dense stacks)
 routed_experts_packed      -                                 gpu/packed_moe.py (INT4 / MXFP4 / FP8 stacks)
 sample_plain               sample_plain                      -
+kda_short_conv             -                                 gpu/short_conv.py (conv + SiLU + state update)
 kda_recurrent              -                                 gpu/kda.py (fused recurrent gated delta rule)
+gated_rms_norm             -                                 gpu/norm_activation.py (KDA's output norm)
 kda_chunk (prefill)        -                                 gpu/kda_chunk.py (fla-core's chunk_kda, optional)
 ========================== ================================= ====================================================
 
@@ -317,18 +319,41 @@ def kda_recurrent_applies(qkv: torch.Tensor, state: torch.Tensor) -> bool:
     return _gpu(qkv) and state.dtype == torch.float32 and state.dim() == 4 and state.is_contiguous()
 
 
+def kda_short_conv(x: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor,
+                   state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """KDA's depthwise causal conv + SiLU of one padded group with the conv states updated in place, by the GPU
+    kernel (:func:`tokenfab.kernels.gpu.short_conv.short_conv`: (y [B, Q, C], num_tokens [B] int32)); or None off
+    the GPU path or for layouts it does not take (a strided channel axis, a non-contiguous state)."""
+    if not (_gpu(x) and x.stride(-1) == 1 and state.is_contiguous() and weight.dtype == torch.float32
+            and weight.is_contiguous() and query_pos.stride(-1) == 1):
+        return None
+    from tokenfab.kernels.gpu import short_conv
+    return short_conv.short_conv(x, token_index, query_pos, rows, state, weight)
+
+
 def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
                   lower_bound: float | None, b_raw: torch.Tensor, token_index: torch.Tensor,
                   num_tokens: torch.Tensor, first_pos: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
                   out: torch.Tensor, scale: float) -> torch.Tensor:
     """The gated delta rule of one padded KDA group in one launch, state slots updated in place and outputs stored
     at their token rows of ``out`` (arguments as :func:`tokenfab.kernels.gpu.kda.kda_recurrent`; call where
-    :func:`kda_recurrent_applies`). ``qkv`` may be the layer's transposed view of its conv output: made contiguous
-    here, a copy only for prefill groups (a decode group's [B, 1, C] view already is). Returns ``out``."""
+    :func:`kda_recurrent_applies`). ``qkv`` may be the layer's transposed view of its conv output, ``g_raw`` and
+    ``b_raw`` slices of a wider projection output: each is copied only when its last dim is strided (a decode
+    group's [B, 1, C] view is not; rows may be strided). Returns ``out``."""
     from tokenfab.kernels.gpu import kda  # imports triton: only when it applies
-    return kda.kda_recurrent(qkv.contiguous(), g_raw.contiguous(), dt_bias.contiguous(), a_log.contiguous(),
-                             lower_bound, b_raw.contiguous(), token_index, num_tokens, first_pos, rows, state, out,
-                             scale)
+    unit = lambda t: t if t.stride(-1) == 1 else t.contiguous()
+    return kda.kda_recurrent(unit(qkv), unit(g_raw), dt_bias.contiguous(), a_log.contiguous(), lower_bound,
+                             unit(b_raw), token_index, num_tokens, first_pos, rows, state, out, scale)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """KDA's output norm (w * x * rsqrt(mean(x^2) + eps) * sigmoid(gate), float32, rounded once) of x [T, H, D] and
+    gate [T, H * D] by the GPU kernel (:func:`tokenfab.kernels.gpu.norm_activation.gated_rms_norm`: new [T, H * D]);
+    or None off the GPU path or for strided last dims."""
+    if not (_gpu(x) and x.stride(-1) == 1 and gate.stride(-1) == 1 and gate.dim() == 2):
+        return None
+    from tokenfab.kernels.gpu import norm_activation
+    return norm_activation.gated_rms_norm(x, gate, weight, eps)
 
 
 def kda_chunk_applies(x: torch.Tensor, tokens: int) -> bool:

@@ -191,16 +191,45 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = GatedRMSNorm(D, cfg.rms_norm_eps)
         self.o_proj = Linear(hd, hid)
         self.lower_bound = cfg.gate_lower_bound
+        self.in_proj: Linear | None = None  # q|k|v|f_a|gate|b in one GEMM after loading (:meth:`fuse`)
+        self._conv_w: torch.Tensor | None = None  # [3HD, K] float32 taps q|k|v (:meth:`conv_weight`)
+
+    def fuse(self) -> None:
+        """After loading: the six projections that read x (q, k, v, f_a, g_a or g_proj, b) become one GEMM over
+        their concatenated rows (``in_proj``, as vLLM's merged KDA projection; each output column is the same dot
+        product as before), unless their formats cannot be joined (then they stay separate)."""
+        self._conv_w = None  # re-made from the loaded taps on first use
+        if self.num_heads and self.in_proj is None:
+            gate = self.g_proj if self.full_rank_gate else self.g_a_proj
+            self.in_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj])
+
+    def conv_weight(self) -> torch.Tensor:
+        """The q | k | v short-conv taps as one [3 * H * D, K] float32 contiguous tensor (made once)."""
+        if self._conv_w is None:
+            w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+            self._conv_w = w.reshape(w.shape[0], w.shape[-1]).float().contiguous()
+        return self._conv_w
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (qkv [T, 3HD], g_raw [T, HD] = f_b(f_a x), b_raw [T, H] = b_proj x, gate [T, HD]) in
+        the activation dtype; with ``in_proj`` qkv and b_raw are column slices of its output (strided rows)."""
+        H, D = self.num_heads, self.head_dim
+        hd = H * D
+        if self.in_proj is None:
+            qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+            f_a, b_raw = self.f_a_proj(x), self.b_proj(x)
+            gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+            return qkv, self.f_b_proj(f_a), b_raw, gate
+        y = self.in_proj(x)
+        qkv, f_a = y[:, :3 * hd], y[:, 3 * hd:3 * hd + D]
+        g = y[:, 3 * hd + D:y.shape[1] - H]
+        gate = g if self.full_rank_gate else self.g_b_proj(g)
+        return qkv, self.f_b_proj(f_a), y[:, y.shape[1] - H:], gate
 
     def make_state_cache(self, num_slots: int, dtype: torch.dtype, device):
         from tokenfab.engine.state_cache import KDAStateCache
         return KDAStateCache(num_slots, 3 * self.num_heads * self.head_dim, self.kernel, self.num_heads,
                              self.head_dim, dtype, device)
-
-    def beta(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> beta [T, H] float32 = sigmoid(b_proj x), the sigmoid taken in float32 (Moonshot's
-        modeling code: ``self.b_proj(x).float().sigmoid()``), not on the rounded activation dtype."""
-        return torch.sigmoid(self.b_proj(x).float())
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache, meta: AttentionMetadata) -> torch.Tensor:
         if meta.state_rows is None:
@@ -208,22 +237,19 @@ class KimiDeltaAttention(nn.Module):
         T, H, D = x.shape[0], self.num_heads, self.head_dim
         if H == 0:  # tensor parallel with more ranks than KDA heads: contributes nothing to the sum
             return x.new_zeros(T, self.o_proj.out_features)
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
-        gates = _Gates(self, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x))
-        qkv_p = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[1])], 0)  # row T: padding
+        qkv, g_raw, b_raw, gate = self._project(x)
+        gates = _Gates(self, g_raw, b_raw)
         core = x.new_empty(T + 1, H, D)
         d = meta.decode.num_seqs if meta.decode is not None else 0
         keep = meta.state_keep
         for group, rows, kp in ((meta.decode, meta.state_rows[:d], None if keep is None else keep[:d]),
                                 (meta.prefill, meta.state_rows[d:], None if keep is None else keep[d:])):
             if group is not None:
-                self._run_group(group, rows, qkv_p, gates, cache, core, kp)
+                self._run_group(group, rows, qkv, gates, cache, core, kp)
         core = core[:T]
-        if self.full_rank_gate:
-            gate = self.g_proj(x)
-        else:
-            gate = self.g_b_proj(self.g_a_proj(x))
-        out = self.o_norm(core, gate.view(T, H, D)).reshape(T, H * D)
+        out = dispatch.gated_rms_norm(core, gate, self.o_norm.weight, self.o_norm.eps)
+        if out is None:
+            out = self.o_norm(core, gate.reshape(T, H, D)).reshape(T, H * D)
         return self.o_proj(out)
 
     def _prep(self, y: torch.Tensor, valid: torch.Tensor, idx: torch.Tensor,
@@ -242,29 +268,40 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.where(valid.unsqueeze(-1), beta_p[idx], 0.0)  # [B, Q, H]
         return q, k, v, g, beta
 
-    def _run_group(self, group: AttentionGroup, rows: torch.Tensor, qkv_p: torch.Tensor, gates: "_Gates", cache,
+    def _run_group(self, group: AttentionGroup, rows: torch.Tensor, qkv: torch.Tensor, gates: "_Gates", cache,
                    core: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """KDA for one group: stores its tokens' outputs in ``core`` [T + 1, H, D] (activation dtype) at their
-        token rows and its states in ``cache``. On the GPU path the fused recurrent kernel (kernels/gpu/kda.py) or,
-        for long bfloat16 prefills, fla's chunked kernels (kernels/gpu/kda_chunk.py) run the recurrence; else the
-        PyTorch forms here (the reference). ``keep`` [B] bool: rows (speculative verification) whose state before
-        the step and per-token recurrence inputs go to ``cache.pending`` for a later roll back
-        (engine/state_rollback.py)."""
+        token rows and its states in ``cache``; ``qkv`` [T, 3HD] the projections (rows may be strided). On the GPU
+        path two launches do a decode group or a short prefill: the short conv with its state update
+        (kernels/gpu/short_conv.py) and the fused recurrence (kernels/gpu/kda.py); long bfloat16 prefills run fla's
+        chunked kernels (kernels/gpu/kda_chunk.py) after the PyTorch conv; elsewhere the PyTorch forms here (the
+        reference). ``keep`` [B] bool: rows (speculative verification) whose state before the step and per-token
+        recurrence inputs go to ``cache.pending`` for a later roll back (engine/state_rollback.py); those groups
+        take the PyTorch conv, which keeps what the roll back needs."""
         idx = group.token_index  # [B, Q]
         B, Q = idx.shape
         H, D, K = self.num_heads, self.head_dim, self.kernel
+        kernel = dispatch.kda_recurrent_applies(qkv, cache.recurrent)
+        chunk = kernel and Q >= KDA_CHUNK and dispatch.kda_chunk_applies(qkv, Q)
+        spec = keep is not None and bool(keep.any())
+        if kernel and not chunk and not spec:
+            conv = dispatch.kda_short_conv(qkv, idx, group.query_pos, rows, cache.conv, self.conv_weight())
+            if conv is not None:
+                y, n = conv
+                dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx,
+                                       n, group.query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5)
+                return
         valid = group.query_pos >= 0  # [B, Q]
         fresh = group.query_pos[:, 0] == 0
-        kernel = dispatch.kda_recurrent_applies(qkv_p, cache.recurrent)
-        chunk = kernel and Q >= KDA_CHUNK and dispatch.kda_chunk_applies(qkv_p, Q)
         if kernel:
             conv_state, S = cache.read_conv(rows, fresh), None
         else:
             conv_state, S = cache.read(rows, fresh)
+        qkv_p = torch.cat([qkv, qkv.new_zeros(1, qkv.shape[1])], 0)  # row T: padding
         # depthwise causal conv over [conv state | this step's inputs]; padded inputs are zero rows (after the
         # valid ones, so they never reach a valid output)
         xg = qkv_p[idx]  # [B, Q, 3HD]
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+        w = self.conv_weight().unsqueeze(1)  # [3HD, 1, K]
         full = torch.cat([conv_state.to(xg.dtype), xg.transpose(1, 2)], dim=-1)  # [B, 3HD, K-1+Q]
         y = F.silu(F.conv1d(full.to(w.dtype), w, groups=w.shape[0])).to(xg.dtype).transpose(1, 2)  # [B, Q, 3HD]
         n = valid.sum(1)
@@ -273,7 +310,7 @@ class KimiDeltaAttention(nn.Module):
             new_conv = full.gather(2, take.expand(B, full.shape[1], K - 1))
         else:
             new_conv = conv_state
-        if keep is not None and bool(keep.any()):
+        if spec:
             from tokenfab.engine.state_cache import PendingStates
             sel = keep.nonzero().squeeze(1)
             n_tok = n[sel]

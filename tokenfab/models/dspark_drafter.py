@@ -117,21 +117,21 @@ class DraftKDAttention(KimiDeltaAttention):
         B, N, _ = x.shape
         H, Dh, K = self.num_heads, self.head_dim, self.kernel
         xf = x.reshape(B * N, -1)
-        qkv = torch.cat([self.q_proj(xf), self.k_proj(xf), self.v_proj(xf)], dim=-1).view(B, N, -1)
-        w = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)
+        qkv, g_raw, b_raw, gate = self._project(xf)  # separate or joined projections (KimiDeltaAttention.fuse)
+        qkv = qkv.reshape(B, N, -1)
+        w = self.conv_weight().unsqueeze(1)  # [3HD, 1, K] float32
         full = F.pad(qkv.transpose(1, 2).to(w.dtype), (K - 1, 0))
         y = F.silu(F.conv1d(full, w, groups=w.shape[0])).to(x.dtype).transpose(1, 2)  # [B, N, 3HD]
         q, k, v = (t.reshape(B, N, H, Dh).float() for t in y.split(H * Dh, dim=-1))
         q, k = l2norm(q) * Dh ** -0.5, l2norm(k)
-        gpre = self.f_b_proj(self.f_a_proj(xf)).float() + self.dt_bias.float()
+        gpre = g_raw.float() + self.dt_bias.float()
         g = kda_log_decay(gpre.view(B, N, H, Dh), self.A_log, self.lower_bound)
-        beta = self.beta(xf).view(B, N, H)
+        beta = torch.sigmoid(b_raw.float()).view(B, N, H)  # in float32, as Moonshot's b_proj(x).float().sigmoid()
         tr = lambda t: t.transpose(1, 2)
         S = torch.zeros(B, H, Dh, Dh, dtype=torch.float32, device=x.device)
         o, _ = kda_chunked(tr(q), tr(k), tr(v), tr(g), tr(beta), S)
         o = tr(o).to(x.dtype)  # [B, N, H, Dh]
-        gate = self.g_proj(xf) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(xf))
-        out = self.o_norm(o.reshape(B * N, H, Dh), gate.view(B * N, H, Dh)).reshape(B * N, H * Dh)
+        out = self.o_norm(o.reshape(B * N, H, Dh), gate.reshape(B * N, H, Dh)).reshape(B * N, H * Dh)
         return self.o_proj(out).view(B, N, -1)
 
 

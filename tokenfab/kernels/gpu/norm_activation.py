@@ -1,12 +1,13 @@
 """Triton kernels for the elementwise glue between the GEMMs on GPUs: RMSNorm with the residual add fused in
-(vLLM's ``fused_add_rms_norm``, out of place), SiLU-GLU and RoPE (both layouts). Each replaces a chain of eager PyTorch ops (a norm alone
+(vLLM's ``fused_add_rms_norm``, out of place), KDA's gated RMSNorm, SiLU-GLU and RoPE (both layouts). Each replaces a chain of eager PyTorch ops (a norm alone
 is a mean, an rsqrt and three multiplies; with its residual add, a separate add pass), one read and one write of
 the activations instead of several.
 
 They round as the PyTorch reference paths they replace (layers/norm.py, layers/activation.py, layers/rotary.py) do,
 in x's dtype (RoPE: each product and the sum or difference rounded, cos / sin rounded first):
 RMSNorm: h = x (+ residual, rounded to x's dtype), y = w * round(h * rsqrt(mean(h^2) + eps)) with float32
-statistics; SiLU-GLU: round(round(silu(gate)) * up). Checked against those paths in Triton's interpreter on CPU
+statistics; gated RMSNorm: round(w * x * rsqrt(mean(x^2) + eps) * sigmoid(gate)), all float32 (as
+layers/kda.py's GatedRMSNorm); SiLU-GLU: round(round(silu(gate)) * up). Checked against those paths in Triton's interpreter on CPU
 (tests/test_triton_norm_activation.py); GPU timings come from ``benchmarks/gpu_check.sh``.
 """
 from __future__ import annotations
@@ -48,6 +49,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(n,)](x, r, weight, y, h, hidden, eps, x.stride(0), r.stride(0), y.stride(0), h.stride(0),
                                HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return (y, h) if residual is not None else y
+
+
+@triton.jit
+def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, D, eps, stride_xt, stride_xh, stride_gt, stride_yt,
+                           BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols, mask=mask, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + t * stride_gt + h * D + cols, mask=mask, other=0.0).to(tl.float32)
+    y = (w * (xf * rstd)) * (1.0 / (1.0 + tl.exp(-g)))
+    tl.store(y_ptr + t * stride_yt + h * D + cols, y.to(x.dtype), mask=mask)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """KDA's output norm (layers/kda.py ``GatedRMSNorm``): (w * x / sqrt(mean(x^2) + eps)) * sigmoid(gate) per head,
+    all in float32, rounded once to x's dtype.
+
+    Args:
+        x: [T, H, D] (unit stride along D); gate: [T, H * D] (unit stride along the last dim; rows may be strided);
+            weight: [D] (any float dtype).
+
+    Returns:
+        New [T, H * D] of x's dtype. One program per (token, head)."""
+    T, H, D = x.shape
+    y = torch.empty(T, H * D, dtype=x.dtype, device=x.device)
+    if T and H:
+        block = triton.next_power_of_2(D)
+        _gated_rms_norm_kernel[(T, H)](x, gate, weight, y, D, eps, x.stride(0), x.stride(1), gate.stride(0),
+                                       y.stride(0), BLOCK=block, num_warps=max(1, min(4, block // 128)))
+    return y
 
 
 @triton.jit
