@@ -1,5 +1,7 @@
 """LLMEngine: the step loop. ``step()`` = scheduler.schedule() -> model_runner.execute() -> sampler ->
-output processing (append tokens, stop checks, detokenize) -> RequestOutputs for the requests that progressed.
+output processing (engine/output_processor.py: advance = append tokens, stop checks without text; emit =
+detokenize, stop strings, RequestOutputs for the requests that progressed; on GPU engines a step's emit runs while
+the next step's forward does).
 
 Failure isolation: every request is validated completely in ``add_request`` (tokenfab/request_validation.py), so
 nothing invalid reaches a step. If a step raises anyway, the engine re-runs the step's sequences in halves
@@ -24,13 +26,14 @@ from tokenfab.engine.engine_config import EngineConfig
 from tokenfab.request_validation import bad_words_token_ids, check_processor_params_for_model
 from tokenfab.engine.model_loader import LoadedModel, load_model
 from tokenfab.engine.model_runner import ModelRunner, StepOutput
+from tokenfab.engine.output_processor import OutputProcessor, async_output_enabled
 from tokenfab.engine.sampler import Sampler
 from tokenfab.engine.scheduler import ScheduledBatch, Scheduler
 from tokenfab.engine.scheduling_policy import check_priority, make_policy
 from tokenfab.engine.sequence import Sequence
 from tokenfab.errors import InvalidRequestError, PromptTooLongError, UnsupportedError
-from tokenfab.logprobs import TokenTexts, position_logprobs
-from tokenfab.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from tokenfab.logprobs import TokenTexts
+from tokenfab.outputs import RequestMetrics, RequestOutput
 from tokenfab.request_validation import check_prompt_text, check_token_ids
 from tokenfab.sampling_params import SamplingParams
 
@@ -95,6 +98,10 @@ class LLMEngine:
             self.eos_token_ids = [self.tokenizer.eos_token_id]
         self.runner.eos_ids = self.eos_token_ids
         self.requests: dict[str, Request] = {}
+        self.outputs = OutputProcessor(self)  # advance / emit halves of output processing
+        self.async_output = async_output_enabled(self.device)  # emit a step's outputs during the next forward
+        self._pending: list | None = None  # (request, sequence) pairs advanced, not yet emitted
+        self._ready: list[RequestOutput] = []  # outputs emitted by an abort's flush, returned by the next step
         self._next_seq_id = 0
         self._grammar_compiler = None  # structured outputs (grammar_compiler), made on first use
         self.stats = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished_total": 0,
@@ -248,6 +255,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks. Returns its final output (``finish_reason`` "abort" for the
         sequences that were still running), or None for unknown or finished ids (ignored)."""
+        self._ready = self._flush()  # deferred text first (the next step returns those outputs)
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
@@ -287,28 +295,38 @@ class LLMEngine:
     # ---- the step --------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + forward + sampling step; returns outputs of requests that gained a token or
-        finished."""
+        finished. With deferred outputs (``self.async_output``, engine/output_processor.py) a step's text and
+        outputs are made while the device computes the next step, and returned by that next call."""
         if self.spec is not None and self.spec.active():  # propose, verify in this batch, accept (spec_decode/)
-            return self.spec.step()
+            return self._flush() + self.spec.step()
         batch = self.scheduler.schedule()
         if not batch.seqs:
-            if self.scheduler.waiting and not self.scheduler.running:  # cannot happen with a valid pool size
+            flushed = self._flush()
+            if not flushed and self.scheduler.waiting and not self.scheduler.running:  # a valid pool never gets here
                 raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
-            return []
+            return flushed
         now = time.monotonic()
         for s in batch.admitted:
             if s.first_scheduled_time is None:
                 s.first_scheduled_time = now
+        outputs: list[RequestOutput] = []
         try:
             self.runner.admit(batch.admitted)
             out = self.runner.execute(batch) if self.tp_group is None else self.tp_group.execute(self.runner, batch)
+            outputs = self._flush()  # the previous step's text and outputs while the device runs this one
+            if out.sampler_output is not None:
+                out.sampler_output.wait()  # the step's one wait: its sampled ids (a device error surfaces here)
         except Exception as exc:  # some sequence's rows raised: find it, fail its request alone, serve the rest
             if self.health_error() is not None:  # a tensor-parallel rank died: no request is at fault, none can run
                 raise
-            return self._step_isolating(batch, exc)
-        outputs = self._process(batch, out)
+            return outputs + self._flush() + self._step_isolating(batch, exc)
+        pairs = self.outputs.advance(batch, out)
         if self.spec is not None:  # drafters that follow the target's hidden states see this forward's
             self.spec.observe()
+        if self.async_output and (self.scheduler.running or self.scheduler.waiting):
+            self._pending = pairs  # emitted by the next step, while its forward runs
+        else:
+            outputs += self.outputs.emit(pairs)
         return outputs
 
     def _run(self, batch: ScheduledBatch) -> StepOutput:
@@ -398,127 +416,19 @@ class LLMEngine:
         return self._make_output(req)
 
     def _process(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestOutput]:
-        seqs = batch.seqs
-        decode_only = batch.num_decodes == len(seqs)  # one new token each, and every sequence sampled in order
-        if decode_only:
-            for s in seqs:
-                s.num_computed_tokens += 1
-        else:
-            for s, n in zip(seqs, batch.num_new.tolist()):
-                s.num_computed_tokens += n
-        if out.prompt_logprobs is not None:
-            self._store_prompt_logprobs(seqs, out)
-        touched: dict[str, Request] = {}
-        failed: dict[str, tuple[Request, Exception]] | None = None
-        so = out.sampler_output
-        if so is not None:
-            now = time.monotonic()
-            toks = so.token_ids.numpy()
-            idx = out.sampled_index
-            if decode_only:
-                self.runner.write_tokens(batch.rows, batch.num_computed + 1, toks)
-            else:
-                self.runner.write_tokens(batch.rows[idx], batch.num_computed[idx] + batch.num_new[idx], toks)
-            tok_list = toks.tolist()
-            lps = so.logprobs.tolist() if so.logprobs is not None else None
-            ranks = so.ranks.tolist() if so.ranks is not None else None
-            top_ids = so.top_ids.tolist() if so.top_ids is not None else None
-            top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
-            for j, i in enumerate(idx.tolist()):
-                seq = seqs[i]
-                if seq.is_finished:  # aborted while running
-                    continue
-                tok = tok_list[j]
-                seq.token_ids.append(tok)
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                self.stats["generation_tokens_total"] += 1
-                if seq.num_output_tokens == 1:
-                    self.stats["prompt_tokens_total"] += seq.num_prompt_tokens
-                if seq.params.logprobs is not None:  # {token_id: Logprob}, vLLM's shape (tokenfab/logprobs.py)
-                    k = seq.params.logprobs
-                    seq.output_logprobs.append(position_logprobs(
-                        tok, lps[j], ranks[j], top_ids[j][:k] if top_ids is not None else None,
-                        top_lps[j][:k] if top_lps is not None else None, self.token_texts))
-                    seq.cumulative_logprob += lps[j]
-                req = self.requests.get(seq.request_id)
-                if req is None:
-                    continue
-                try:
-                    self._check_stop(req, seq, tok)
-                except Exception as e:  # detokenizing this sequence raised: fail its request only
-                    failed = failed or {}
-                    failed[req.request_id] = (req, e)
-                touched[req.request_id] = req
-        outputs = []
-        if failed:
-            for rid, (req, e) in failed.items():
-                touched.pop(rid, None)
-                outputs.append(self._fail_request(req, e))
-        for req in touched.values():
-            outputs.append(self._make_output(req))
-            if req.finished:
-                self.requests.pop(req.request_id, None)
-                self.stats["requests_finished_total"] += 1
-        return outputs
+        """All output processing of ``batch``'s step output ``out`` in line (advance, then emit:
+        engine/output_processor.py); the outputs of the requests that progressed, finished or failed."""
+        return self.outputs.emit(self.outputs.advance(batch, out))
 
-    def _store_prompt_logprobs(self, seqs: list[Sequence], out: StepOutput) -> None:
-        """Append this step's prompt positions to each sequence's ``prompt_logprobs`` ({token_id: Logprob} each)."""
-        p = out.prompt_logprobs
-        seq_i, lp, tgt = p.seq_index.tolist(), p.logprob.tolist(), p.token_ids.tolist()
-        ranks = p.ranks.tolist()
-        ti = p.top_ids.tolist() if p.top_ids is not None else None
-        tv = p.top_logprobs.tolist() if p.top_logprobs is not None else None
-        for j, i in enumerate(seq_i):
-            seq = seqs[i]
-            k = seq.params.prompt_logprobs
-            top = ti is not None and k
-            seq.prompt_logprobs.append(position_logprobs(tgt[j], lp[j], ranks[j], ti[j][:k] if top else None,
-                                                         tv[j][:k] if top else None, self.token_texts))
-
-    def _check_stop(self, req: Request, seq: Sequence, tok: int) -> None:
-        p = seq.params
-        detok = req.detoks[seq.index]
-        check = seq.num_output_tokens >= p.min_tokens  # below min_tokens no stop string is searched (or cut)
-        _, stop_str = detok.update(seq.output_token_ids, check)
-        reason = stop_reason = None
-        if check:
-            if stop_str is not None:
-                reason, stop_reason = "stop", stop_str
-            elif not p.ignore_eos and tok in self.eos_token_ids:
-                reason = "stop"
-            elif tok in p.stop_token_ids:
-                reason, stop_reason = "stop", tok
-        if reason is None:
-            if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
-                reason = "length"
-            elif seq.num_tokens >= self.max_model_len:
-                reason = "length"
-        if reason is not None:
-            if stop_str is None:  # flush text held back for an incomplete UTF-8 character (it may end in a stop)
-                _, stop_str = detok.finish(seq.output_token_ids, check)
-                if stop_str is not None:
-                    reason, stop_reason = "stop", stop_str
-            seq.stop_reason = stop_reason
-            self.scheduler.finish(seq, reason)
+    def _flush(self) -> list[RequestOutput]:
+        """Outputs held back: those of an abort's flush (but the aborted requests': their abort returned their final
+        output), then the deferred emit of the last step (if any)."""
+        ready = [o for o in self._ready if o.finished or o.request_id in self.requests]
+        self._ready = []
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            ready += self.outputs.emit(pending)
+        return ready
 
     def _make_output(self, req: Request) -> RequestOutput:
-        outs = []
-        for s, d in zip(req.seqs, req.detoks):
-            outs.append(CompletionOutput(
-                index=s.index, text=d.text if s.is_finished else d.visible_text(), token_ids=s.output_token_ids,
-                logprobs=s.output_logprobs if s.params.logprobs is not None else None,
-                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-        m = req.metrics
-        firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
-        m.first_token_time = min(firsts) if firsts else None
-        sched = [s.first_scheduled_time for s in req.seqs if s.first_scheduled_time is not None]
-        m.first_scheduled_time = min(sched) if sched else None
-        m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
-        if req.finished:
-            m.finished_time = time.monotonic()
-        s0 = req.seqs[0]
-        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=outs, finished=req.finished, prompt_logprobs=s0.prompt_logprobs,
-                             metrics=m, error=req.error)
+        return self.outputs.make_output(req)

@@ -33,6 +33,15 @@ class SamplerOutput:
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
     ranks: torch.Tensor | None = None
+    ready: object | None = None  # a CUDA event: token_ids (a pinned buffer) hold the draw once it completed
+
+    def wait(self) -> None:
+        """Block until ``token_ids`` hold the device's draw (:meth:`Sampler.draw_on_device` copies them without
+        waiting); then they are a CPU tensor of their own. A no-op for outputs made on the host."""
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.token_ids = self.token_ids.clone()  # the pinned buffer is the next step's
+            self.ready = None
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -113,6 +122,7 @@ class Sampler:
         # the C++ draw (cpu_kernels.sample_plain) for plain rows; the model runner sets it to whether its device is the
         # CPU: a GPU engine samples its (CPU-side) logits in PyTorch and never builds the CPU kernels for it
         self.use_cpu_kernels = True
+        self._pinned_ids: torch.Tensor | None = None  # draw_on_device's host buffer for the ids (CUDA)
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
         """One uniform in [0, 1) per row: unseeded rows from one call on the engine's RNG, seeded rows from the
@@ -157,13 +167,27 @@ class Sampler:
             return None
         temps, u = plain
         if all(p.params.temperature < 1e-5 for p in seqs):
-            return SamplerOutput(logits.argmax(dim=-1).cpu(), None, None, None)
+            return self._ids_to_host(logits.argmax(dim=-1))
         dev = logits.device
         t = temps.to(dev, non_blocking=True)
         greedy = t < 1e-5
         x = logits / torch.where(greedy, torch.ones_like(t), t).unsqueeze(1)
         ids = inverse_cdf_sample(x.softmax(dim=-1), u.to(dev, non_blocking=True), torch.float64)
-        return SamplerOutput(torch.where(greedy, logits.argmax(dim=-1), ids).cpu(), None, None, None)
+        return self._ids_to_host(torch.where(greedy, logits.argmax(dim=-1), ids))
+
+    def _ids_to_host(self, ids: torch.Tensor) -> SamplerOutput:
+        """SamplerOutput of device ids [N] int64: on CUDA copied into a pinned host buffer without waiting (an
+        event marks the copy; :meth:`SamplerOutput.wait` waits for it), elsewhere a plain copy."""
+        if ids.device.type != "cuda":
+            return SamplerOutput(ids.cpu(), None, None, None)
+        n = ids.shape[0]
+        if self._pinned_ids is None or self._pinned_ids.shape[0] < n:
+            self._pinned_ids = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+        host = self._pinned_ids[:n]
+        host.copy_(ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return SamplerOutput(host, None, None, None, ready=ready)
 
     @staticmethod
     def _sorted_draw(logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from torch import nn
 
 from tokenfab.kernels import dispatch
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
-from tokenfab.layers.linear import Linear
+from tokenfab.layers.linear import Linear, can_pack
 
 KDA_CHUNK = 64
 
@@ -193,15 +193,25 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = cfg.gate_lower_bound
         self.in_proj: Linear | None = None  # q|k|v|f_a|gate|b in one GEMM after loading (:meth:`fuse`)
         self._conv_w: torch.Tensor | None = None  # [3HD, K] float32 taps q|k|v (:meth:`conv_weight`)
+        self._fg_b: torch.Tensor | None = None  # [2, HD, D]: f_b and g_b stacked for one bmm (:meth:`fuse`)
 
     def fuse(self) -> None:
         """After loading: the six projections that read x (q, k, v, f_a, g_a or g_proj, b) become one GEMM over
         their concatenated rows (``in_proj``, as vLLM's merged KDA projection; each output column is the same dot
-        product as before), unless their formats cannot be joined (then they stay separate)."""
+        product as before), unless their formats cannot be joined (then they stay separate). With a low-rank gate
+        and plain weights that are not packed for a CPU kernel (GPUs), f_b and g_b, which read the adjacent f_a and
+        g_a columns, become one batched GEMM (two launches -> one)."""
         self._conv_w = None  # re-made from the loaded taps on first use
         if self.num_heads and self.in_proj is None:
             gate = self.g_proj if self.full_rank_gate else self.g_a_proj
             self.in_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj])
+        fb, gb = self.f_b_proj, getattr(self, "g_b_proj", None)
+        if (self.in_proj is not None and gb is not None and self._fg_b is None and fb.qweight is None
+                and gb.qweight is None and fb.weight is not None and gb.weight is not None
+                and fb.weight.shape == gb.weight.shape and fb.weight.dtype == gb.weight.dtype
+                and not can_pack(fb.weight)):  # CPU bf16 keeps its two packed GEMVs
+            self._fg_b = torch.stack([fb.weight.detach(), gb.weight.detach()])  # [2, HD, D]
+            fb.weight = gb.weight = None
 
     def conv_weight(self) -> torch.Tensor:
         """The q | k | v short-conv taps as one [3 * H * D, K] float32 contiguous tensor (made once)."""
@@ -222,6 +232,9 @@ class KimiDeltaAttention(nn.Module):
             return qkv, self.f_b_proj(f_a), b_raw, gate
         y = self.in_proj(x)
         qkv, f_a = y[:, :3 * hd], y[:, 3 * hd:3 * hd + D]
+        if self._fg_b is not None:  # f_b(f_a x) and g_b(g_a x) in one batched GEMM (f_a, g_a adjacent columns)
+            both = torch.bmm(y[:, 3 * hd:3 * hd + 2 * D].view(-1, 2, D).transpose(0, 1), self._fg_b.transpose(1, 2))
+            return qkv, both[0], y[:, y.shape[1] - H:], both[1]
         g = y[:, 3 * hd + D:y.shape[1] - H]
         gate = g if self.full_rank_gate else self.g_b_proj(g)
         return qkv, self.f_b_proj(f_a), y[:, y.shape[1] - H:], gate
