@@ -76,12 +76,12 @@ def _short_conv_kernel(x_ptr, idx_ptr, qpos_ptr, rows_ptr, state_ptr, w_ptr, y_p
         if K > 1:
             jj = tl.arange(0, KP)
             mj = jj < K - 1
-            i = n + jj  # index into full = [old state (K - 1) | inputs (n)]
-            in_state = i < K - 1
-            tok = tl.load(idx_ptr + b * Q + (i - (K - 1)), mask=mj & ~in_state, other=0).to(tl.int64)
-            new_x = tl.load(x_ptr + tok[None, :] * stride_x + offs_c[:, None],
+            fi = n + jj  # index into full = [old state (K - 1) | inputs (n)]
+            in_state = fi < K - 1
+            stok = tl.load(idx_ptr + b * Q + (fi - (K - 1)), mask=mj & ~in_state, other=0).to(tl.int64)
+            new_x = tl.load(x_ptr + stok[None, :] * stride_x + offs_c[:, None],
                             mask=mc[:, None] & (mj & ~in_state)[None, :], other=0.0)
-            new_s = tl.load(s_base + offs_c[:, None] * (K - 1) + i[None, :],
+            new_s = tl.load(s_base + offs_c[:, None] * (K - 1) + fi[None, :],
                             mask=mc[:, None] & (mj & in_state & ((jj * 0 + pos0) != 0))[None, :], other=0.0)
             new = new_x.to(state_ptr.dtype.element_ty) + new_s  # one of the two is zero
             tl.debug_barrier()  # every thread's loads of the old state before any store
