@@ -1,8 +1,8 @@
 """GPU engines draw plain rows where the logits are (ModelRunner.device_draw -> Sampler.draw_on_device) and copy back
 only the sampled ids. On CPU the same code runs with ``device_draw`` forced on: every request's tokens must equal
 those of the host sampler (greedy, temperature with and without seeds, mixed batches), the RNG streams must stay
-in step (later draws equal too), and rows that are not plain (top-k / top-p, logprobs, penalties, min_tokens) must
-fall back to the host sampler."""
+in step (later draws equal too); batches with top-k / top-p rows are drawn on the device too (the sorted draw); rows
+with logprobs, penalties or below min_tokens must fall back to the host sampler."""
 from __future__ import annotations
 
 import pytest
@@ -53,14 +53,28 @@ def test_device_draw_equals_the_host_sampler(tiny_model, case):
 
 
 def test_rows_that_are_not_plain_fall_back(tiny_model):
-    """top-k, logprobs and repetition penalty rows are drawn by the host sampler: draw_on_device serves no step,
+    """logprobs and repetition penalty rows are drawn by the host sampler: draw_on_device serves no step,
     and the tokens equal the host-only run's. min_tokens=3 of 5: the three draws below it (EOS masked) on the host,
     the last two (plain again) on the device."""
     path = tiny_model("llama")
-    for p, want in ((SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=5, ignore_eos=True), 0),
-                    (SamplingParams(temperature=0.0, logprobs=2, max_tokens=5, ignore_eos=True), 0),
+    for p, want in ((SamplingParams(temperature=0.0, logprobs=2, max_tokens=5, ignore_eos=True), 0),
                     (SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=5, ignore_eos=True), 0),
                     (SamplingParams(temperature=0.0, min_tokens=3, max_tokens=5, ignore_eos=True), 2)):
         host, _ = run(path, p, False)
         dev, served = run(path, p, True)
         assert served == want and dev == host, p
+
+
+def test_top_k_top_p_rows_drawn_on_the_device(tiny_model):
+    """top-k and top-p rows (seeded and not) beside plain and greedy ones: every step on the device, the tokens the
+    host sampler's sorted draw gives."""
+    path = tiny_model("llama")
+    n = 6
+    for params in (SamplingParams(temperature=0.8, top_k=5, seed=1, max_tokens=n, ignore_eos=True),
+                   [SamplingParams(temperature=0.9, top_p=0.7, max_tokens=n, ignore_eos=True),
+                    SamplingParams(temperature=1.2, top_k=3, top_p=0.9, seed=5, max_tokens=n, ignore_eos=True),
+                    SamplingParams(temperature=0.7, max_tokens=n, ignore_eos=True),
+                    SamplingParams(temperature=0.0, top_k=4, max_tokens=n, ignore_eos=True)]):
+        host, host_served = run(path, params, False)
+        dev, dev_served = run(path, params, True)
+        assert host_served == 0 and dev_served == n and dev == host, params

@@ -160,11 +160,14 @@ class Sampler:
         processors; the caller has checked min_tokens) where ``logits`` [N, V] float32 live (a GPU): greedy rows
         take their argmax, the others sample logits / temperature by :func:`inverse_cdf_sample` (float64 cdf) from
         the uniforms :meth:`plain_inputs` draws on the host, exactly those :meth:`__call__` would draw. Only the ids
-        come back to the host: SamplerOutput with token_ids int64 [N] on the CPU. None, drawing nothing and leaving
-        every RNG where it was, when some row is not plain."""
+        come back to the host: SamplerOutput with token_ids int64 [N] on the CPU. Batches with top-k / top-p rows
+        (still no logprobs or logits processors; not in batch-invariant mode) take :meth:`_sorted_draw` on the
+        device, with the uniforms and the tokens :meth:`__call__` would give them (the [N, V] logits never cross
+        to the host, where sorting them took far longer than the step). None, drawing nothing and leaving every
+        RNG where it was, when some row needs the host sampler."""
         plain = self.plain_inputs(seqs, logits.shape[-1], rows)
         if plain is None:
-            return None
+            return self._restricted_on_device(logits, seqs, rows)
         temps, u = plain
         if all(p.params.temperature < 1e-5 for p in seqs):
             return self._ids_to_host(logits.argmax(dim=-1))
@@ -174,6 +177,20 @@ class Sampler:
         x = logits / torch.where(greedy, torch.ones_like(t), t).unsqueeze(1)
         ids = inverse_cdf_sample(x.softmax(dim=-1), u.to(dev, non_blocking=True), torch.float64)
         return self._ids_to_host(torch.where(greedy, logits.argmax(dim=-1), ids))
+
+    def _restricted_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
+                              rows: np.ndarray | None) -> SamplerOutput | None:
+        """:meth:`draw_on_device` for a batch with top-k / top-p rows (:meth:`__call__`'s draw of such a batch, on
+        the logits' device); None where a row asks for logprobs or logits processors, or in batch-invariant mode."""
+        if self.batch_invariant or (rows is not None and self.processors is not None
+                                    and self.processors.any_active(rows)):
+            return None
+        params = [s.params for s in seqs]
+        if any(p.logprobs is not None for p in params):
+            return None
+        if all(p.temperature < 1e-5 for p in params):
+            return self._ids_to_host(logits.argmax(dim=-1))
+        return self._ids_to_host(self._sorted_draw(logits, params, self._uniforms(seqs)))
 
     def _ids_to_host(self, ids: torch.Tensor) -> SamplerOutput:
         """SamplerOutput of device ids [N] int64: on CUDA copied into a pinned host buffer without waiting (an
@@ -195,8 +212,10 @@ class Sampler:
         SamplingParams per row) from uniforms ``u`` [N] by :func:`inverse_cdf_sample`; greedy rows take their
         first argmax. Returns int64 [N]."""
         V = logits.shape[-1]
+        dev = logits.device
+        put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))
         temp_list = [p.temperature for p in params]
-        temps = torch.tensor(temp_list, dtype=torch.float32)
+        temps = put(torch.tensor(temp_list, dtype=torch.float32))
         greedy = temps < 1e-5
         any_greedy = any(t < 1e-5 for t in temp_list)
         if any_greedy or any(t != 1.0 for t in temp_list):
@@ -205,11 +224,12 @@ class Sampler:
             x = logits
         ks = [p.top_k for p in params]
         ps = [p.top_p for p in params]
-        top_k = torch.tensor([k if 0 < k < V else V for k in ks]) if any(0 < k < V for k in ks) else None
-        top_p = torch.tensor(ps, dtype=torch.float32) if any(p < 1.0 for p in ps) else None
+        top_k = put(torch.tensor([k if 0 < k < V else V for k in ks])) if any(0 < k < V for k in ks) else None
+        top_p = put(torch.tensor(ps, dtype=torch.float32)) if any(p < 1.0 for p in ps) else None
         if top_k is not None or top_p is not None:
             x = apply_top_k_top_p(x, top_k, top_p)
-        sampled = inverse_cdf_sample(x.softmax(dim=-1), u)
+        # on a GPU the cdf in float64 (inverse_cdf_sample: its float32 scan adds in another order)
+        sampled = inverse_cdf_sample(x.softmax(dim=-1), put(u), None if dev.type == "cpu" else torch.float64)
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if any_greedy else sampled
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], raw_logits: torch.Tensor | None = None,
