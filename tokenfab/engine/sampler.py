@@ -161,9 +161,10 @@ class Sampler:
         take their argmax, the others sample logits / temperature by :func:`inverse_cdf_sample` (float64 cdf) from
         the uniforms :meth:`plain_inputs` draws on the host, exactly those :meth:`__call__` would draw. Only the ids
         come back to the host: SamplerOutput with token_ids int64 [N] on the CPU. Batches with top-k / top-p rows
-        (still no logprobs or logits processors; not in batch-invariant mode) take :meth:`_sorted_draw` on the
-        device, with the uniforms and the tokens :meth:`__call__` would give them (the [N, V] logits never cross
-        to the host, where sorting them took far longer than the step). None, drawing nothing and leaving every
+        take :meth:`_sorted_draw` on the device, and rows with logprobs get them there (:meth:`_restricted_on_device`;
+        not with logits processors or in batch-invariant mode), with the uniforms and the tokens :meth:`__call__`
+        would give them: the [N, V] logits never cross to the host, where sorting them took far longer than the
+        step. None, drawing nothing and leaving every
         RNG where it was, when some row needs the host sampler."""
         plain = self.plain_inputs(seqs, logits.shape[-1], rows)
         if plain is None:
@@ -180,17 +181,23 @@ class Sampler:
 
     def _restricted_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
                               rows: np.ndarray | None) -> SamplerOutput | None:
-        """:meth:`draw_on_device` for a batch with top-k / top-p rows (:meth:`__call__`'s draw of such a batch, on
-        the logits' device); None where a row asks for logprobs or logits processors, or in batch-invariant mode."""
+        """:meth:`draw_on_device` for a batch with top-k / top-p or logprobs rows (:meth:`__call__`'s draw of such a
+        batch without the CPU kernel, on the logits' device; logprobs from the log-softmax there, copied back with
+        the ids); None where a row uses logits processors, or in batch-invariant mode."""
         if self.batch_invariant or (rows is not None and self.processors is not None
                                     and self.processors.any_active(rows)):
             return None
         params = [s.params for s in seqs]
-        if any(p.logprobs is not None for p in params):
-            return None
         if all(p.temperature < 1e-5 for p in params):
-            return self._ids_to_host(logits.argmax(dim=-1))
-        return self._ids_to_host(self._sorted_draw(logits, params, self._uniforms(seqs)))
+            ids = logits.argmax(dim=-1)
+        else:
+            ids = self._sorted_draw(logits, params, self._uniforms(seqs))
+        want = [p.logprobs for p in params if p.logprobs is not None]
+        if not want:
+            return self._ids_to_host(ids)
+        chosen, ranks, top_ids, top_vals = token_logprobs(torch.log_softmax(logits, dim=-1), ids, max(want))
+        host = lambda t: None if t is None else t.cpu()
+        return SamplerOutput(ids.cpu(), chosen.cpu(), host(top_ids), host(top_vals), ranks.cpu())
 
     def _ids_to_host(self, ids: torch.Tensor) -> SamplerOutput:
         """SamplerOutput of device ids [N] int64: on CUDA copied into a pinned host buffer without waiting (an
