@@ -8,3 +8,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENFAB_CA
 PY=${PY:-python3}
 SHAPES=${SHAPES:-/tmp/tokenfab-gpu-shapes}
 DRY=${GPU_CHECK_DRY_RUN:-0}
+# Pure-Python wheels carried into the repository's .whl/ (benchmarks/gpu_wheels.sh; the device call's carry):
+# unpacked into a folder on PYTHONPATH, no pip, no network.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  EXTRA=/tmp/tokenfab-extra-wheels
+  "$PY" -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('$EXTRA') for w in glob.glob('.whl/*.whl')]" \
+    && export PYTHONPATH=$EXTRA:$PYTHONPATH && echo "carried wheels: $(ls .whl | tr '\n' ' ')"
+fi
