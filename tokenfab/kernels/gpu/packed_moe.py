@@ -8,7 +8,8 @@ tokenfab/quant/int4_group.py and mxfp4_experts.py):
 
 * INT4 group-32 (``pack-quantized``, symmetric): ``packed`` int32 [E, N, K / 8], value k of a row in bits
   4 (k % 8) .. +3 of word k / 8 as the unsigned nibble q + 8; ``scale`` bf16 / fp16 [E, N, K / 32];
-  W = (nibble - 8) * scale.
+  W = (nibble - 8) * scale. On a GPU the stacks are re-laid once at load (kernels/gpu/moe_relayout.py: nibbles
+  interleaved for the 16-bit decode, K padded to 512; ``relaid``), the CPU keeps this layout.
 * MXFP4 (``mxfp4-pack-quantized``): ``packed`` uint8 [E, N, K / 2], column 2c in the low nibble of byte c and 2c + 1
   in the high one, each an E2M1 code (sign, 2 exponent bits with bias 1, 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6);
   ``scale`` uint8 E8M0 [E, N, K / 32], 2^(s - 127) (255: NaN). OCP Microscaling Formats v1.0, 5.3.3 and 5.4.1.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from tokenfab.kernels.gpu.moe import routed_sum
+from tokenfab.kernels.gpu.moe_relayout import padded_k
 
 INT4_GROUP, MXFP4, FP8_BLOCK = 0, 1, 2
 _FORMATS = {"int4_group": INT4_GROUP, "mxfp4": MXFP4, "fp8_block": FP8_BLOCK}
@@ -36,7 +38,8 @@ _FORMATS = {"int4_group": INT4_GROUP, "mxfp4": MXFP4, "fp8_block": FP8_BLOCK}
 
 def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Tensor, p2: torch.Tensor,
                      s2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act, start: int = 0,
-                     out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None,
+                     relaid: bool = False) -> torch.Tensor:
     """sum over a token's k routed experts (those in [start, start + E_local)) of weight * expert(x), the experts'
     weights read packed.
 
@@ -51,6 +54,9 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
         act: the experts' gated activation, [P, 2I] -> [P, I] (SiLU-GLU; K3's SiTU).
         out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
         plus: [T, hidden] or None, added in the float32 k-sum (the shared experts' output).
+        relaid: INT4 only: the stacks are in the GPU layout of kernels/gpu/moe_relayout.py (K of each padded to
+            padded_k: p13 [E_local, 2I, padded_k(hidden) / 8], s13 [E_local, 2I, padded_k(hidden) / 32], p2 and s2
+            likewise over padded_k(I)).
 
     Returns:
         [T, hidden] (pairs routed to other ranks contribute zero; the k-sum is in float32).
@@ -69,8 +75,12 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
         want13, want2 = (num_local, 2 * cb(inter), cb(hidden)), (num_local, cb(hidden), cb(inter))
     else:
         want13, want2 = (num_local, two_i, hidden // 32), (num_local, hidden, inter // 32)
-    if (p13.shape[2] * per != hidden or tuple(s13.shape) != want13 or p2.shape[:2] != (num_local, hidden)
-            or p2.shape[2] * per != inter or tuple(s2.shape) != want2):
+    relaid = relaid and fmt == "int4_group"
+    k13, k2 = (padded_k(hidden), padded_k(inter)) if relaid else (hidden, inter)
+    if relaid:
+        want13, want2 = (num_local, two_i, k13 // 32), (num_local, hidden, k2 // 32)
+    if (p13.shape[2] * per != k13 or tuple(s13.shape) != want13 or p2.shape[:2] != (num_local, hidden)
+            or p2.shape[2] * per != k2 or tuple(s2.shape) != want2):
         raise ValueError(f"fused_moe_packed: {fmt} stacks {tuple(p13.shape)}/{tuple(s13.shape)} and "
                          f"{tuple(p2.shape)}/{tuple(s2.shape)} do not match hidden {hidden}")
-    return routed_sum(x, weights, ids, _FORMATS[fmt], p13, s13, p2, s2, act, start, out_dtype, plus)
+    return routed_sum(x, weights, ids, _FORMATS[fmt], p13, s13, p2, s2, act, start, out_dtype, plus, relaid)
