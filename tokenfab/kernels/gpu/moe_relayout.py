@@ -46,14 +46,17 @@ def _words(codes: torch.Tensor, shifts) -> torch.Tensor:
 
 
 @torch.no_grad()
-def relayout_int4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def relayout_int4(packed: torch.Tensor, scale: torch.Tensor, in_place: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """The checkpoint layout -> the GPU layout (module docstring), on the tensors' device, one expert at a time.
 
     Args:
         packed: int32 [E, N, K / 8]; scale: [E, N, K / 32] (any dtype; K a multiple of 32).
+        in_place: where K needs no padding, rewrite ``packed`` expert by expert and return it with ``scale``
+            itself (no second copy of the stack); otherwise new tensors either way.
 
     Returns:
-        (packed int32 [E, N, Kp / 8], scale [E, N, Kp / 32] of scale's dtype), new tensors; Kp = padded_k(K).
+        (packed int32 [E, N, Kp / 8], scale [E, N, Kp / 32] of scale's dtype); Kp = padded_k(K).
 
     Raises:
         ValueError: shapes that do not describe one K (scale columns * 4 != packed words).
@@ -63,6 +66,10 @@ def relayout_int4(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tens
         raise ValueError(f"relayout_int4: packed {tuple(packed.shape)} {packed.dtype} and scale "
                          f"{tuple(scale.shape)} are not an INT4 group-32 stack")
     kp = padded_k(kw * 8)
+    if in_place and kp == kw * 8:
+        for e in range(e_n):
+            packed[e] = _words(_nibbles(packed[e], range(0, 32, 4)), _SHIFTS)
+        return packed, scale
     out = torch.empty(e_n, n, kp // 8, dtype=torch.int32, device=packed.device)
     out_s = torch.zeros(e_n, n, kp // 32, dtype=scale.dtype, device=scale.device)
     for e in range(e_n):
