@@ -252,7 +252,7 @@ class RoutedExperts(nn.Module):
         out = dispatch.routed_experts_packed(x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale,
                                              self.q2.packed, self.q2.scale, self.act, self.start,
                                              torch.float32 if self.accumulate_fp32 else None, plus,
-                                             self.q13.gpu_layout and self.q2.gpu_layout)
+                                             (self.q13.gpu_layout, self.q2.gpu_layout))
         if out is not None:
             return out
         if plus is not None:

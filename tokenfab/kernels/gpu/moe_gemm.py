@@ -47,6 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenfab.kernels.gpu.moe_relaid_decode import e2m1 as _e2m1
+from tokenfab.kernels.gpu.moe_relaid_decode import e8m0 as _e8m0
+from tokenfab.kernels.gpu.moe_relaid_decode import (int4_relaid16, int4_relaid32, mxfp4_relaid16, mxfp4_relaid32,
+                                                     relaid_scales, split_col)
 from tokenfab.kernels.gpu.support import autotune_enabled, interpreting
 
 DENSE, INT4_GROUP, MXFP4, FP8_BLOCK = -1, 0, 1, 2
@@ -64,7 +68,7 @@ def _cfg(bn: int, bk: int, split: int, warps: int, stages: int) -> triton.Config
 # split. Few configs on purpose: every config is one more compile per format and projection on a GPU's first call.
 DECODE_CONFIGS = [_cfg(64, 128, 1, 4, 4), _cfg(32, 256, 1, 4, 3), _cfg(64, 128, 2, 4, 4), _cfg(32, 128, 4, 4, 4)]
 PREFILL_CONFIGS = [_cfg(128, 64, 1, 4, 4), _cfg(128, 128, 1, 8, 3)]
-# re-laid INT4 stacks on decode tiles: the weights are the first MMA operand (Hopper's 64-row warpgroup MMA), so N
+# re-laid 4-bit stacks on decode tiles: the weights are the first MMA operand (Hopper's 64-row warpgroup MMA), so N
 # tiles of 64 rows for 4 warps; K tiles of 128 or 256 inputs (the 256 tile amortizes the loop over more groups)
 RELAID_DECODE_CONFIGS = [_cfg(64, 128, 1, 4, 4), _cfg(64, 256, 1, 4, 3), _cfg(64, 128, 2, 4, 4),
                          _cfg(64, 128, 4, 4, 4)]
@@ -74,12 +78,13 @@ INTERPRET_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}
 
 
 def _prune(configs, named_args, **kwargs):
-    """Configs for one call: decode row tiles (BLOCK_M 16) keep DECODE_CONFIGS whose SPLIT_K fits the output's
-    slices (``split_max``; re-laid INT4 stacks: RELAID_DECODE_CONFIGS), prefill tiles PREFILL_CONFIGS; FP8 keeps BLOCK_K <= 128 (one 128-block per tile). Each
-    kept config is one compile per format and projection on a GPU, so the lists stay short."""
+    """Configs for one call: decode row tiles (BLOCK_M 16) keep DECODE_CONFIGS (re-laid 4-bit stacks:
+    RELAID_DECODE_CONFIGS) whose SPLIT_K fits the output's slices (``split_max``), prefill tiles PREFILL_CONFIGS;
+    FP8 keeps BLOCK_K <= 128 (one 128-block per tile). Each kept config is one compile per format and projection
+    on a GPU, so the lists stay short."""
     if kwargs["BLOCK_M"] > 16:
         pool = PREFILL_CONFIGS
-    elif kwargs.get("RELAID") and kwargs["FMT"] == INT4_GROUP:
+    elif kwargs.get("RELAID") and kwargs["FMT"] in (INT4_GROUP, MXFP4):
         pool = RELAID_DECODE_CONFIGS
     else:
         pool = DECODE_CONFIGS
@@ -89,13 +94,6 @@ def _prune(configs, named_args, **kwargs):
     out = [c for c in configs if any(c is p for p in pool) and c.kwargs["SPLIT_K"] <= split_max
            and (wide_ok or c.kwargs["BLOCK_K"] <= 128)]
     return out or [pool[0]]
-
-
-@triton.jit
-def _e8m0(s8):
-    """E8M0 scale bytes (int32) -> float32 2^(s - 127); 0 -> 2^-127 (subnormal), 255 -> NaN."""
-    sc = tl.where(s8 == 0, 5.877471754111438e-39, (s8 << 23).to(tl.float32, bitcast=True))
-    return tl.where(s8 == 255, float("nan"), sc)
 
 
 @triton.jit
@@ -110,16 +108,6 @@ def _e4m3(b):
     sub = (s | (121 << 23) | (m << 20)).to(tl.float32, bitcast=True) - (s | (121 << 23)).to(tl.float32, bitcast=True)
     v = tl.where(e == 0, sub, normal)
     return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-
-
-@triton.jit
-def _e2m1(c):
-    """E2M1 codes 0..15 (int32) -> float32, exact: sign bit 3, exponent bits 1-2 with bias 1, mantissa bit 0
-    (0, 0.5, 1, 1.5, 2, 3, 4, 6); OCP Microscaling Formats v1.0, 5.3.3."""
-    s = (c & 8) << 28
-    mag = c & 7
-    normal = (s | ((mag + 252) << 22)).to(tl.float32, bitcast=True)  # exponent e - 1 + 127, mantissa m << 22
-    return tl.where(mag < 2, tl.where(mag == 1, (s | (126 << 23)).to(tl.float32, bitcast=True), 0.0), normal)
 
 
 @triton.jit
@@ -230,66 +218,6 @@ def _int4_tile16(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, SCALE_BF16: t
 
 
 @triton.jit
-def _relaid_words(W, e, n, nmask, kq, s_we, s_wn):
-    """The 4 re-laid words of group kq // 32 of expert e's rows n: [BLOCK_N, 4] int32, unmasked along K (the
-    stack is padded to whole 512-input tiles: kernels/gpu/moe_relayout.py)."""
-    wi = kq // 8 + tl.arange(0, 4)
-    return tl.load(W + e * s_we + n[:, None].to(tl.int64) * s_wn + wi[None, :], mask=nmask[:, None], other=0)
-
-
-@triton.jit
-def _int4_relaid16(W, e, n, nmask, kq, s_we, s_wn, magic, DT: tl.constexpr):
-    """Re-laid INT4 inputs kq .. kq + 32 for a 16-bit dot (DT bf16 / fp16) as [BLOCK_N, 32] DT: word j of the
-    group holds input 8j + 2i in bits 4i..4i+3 and 8j + 2i + 1 in bits 16 + 4i..19 + 4i, so one shift and one
-    mask-and-OR with ``magic`` (128.0 twice: 0x43004300 for bf16; 1024.0 twice, 0x64006400, for fp16; a runtime
-    value so that the compiler keeps it in a register rather than rebuilding it for every OR) put two inputs into
-    the mantissas of one register's two halves and one packed subtraction of 136 / 1032 gives nibble - 8, exact
-    (the Marlin-style decode: Frantar et al., arXiv:2408.11743)."""
-    BIAS: tl.constexpr = 136.0 if DT == tl.bfloat16 else 1032.0
-    words = _relaid_words(W, e, n, nmask, kq, s_we, s_wn)
-    v0 = (words & 0x000F000F) | magic
-    v1 = ((words >> 4) & 0x000F000F) | magic
-    v2 = ((words >> 8) & 0x000F000F) | magic
-    v3 = ((words >> 12) & 0x000F000F) | magic
-    pairs = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, 4, 2, 2]: word j, pair 2a + b
-    vals = tl.join(pairs.to(tl.int16).to(DT, bitcast=True), (pairs >> 16).to(tl.int16).to(DT, bitcast=True)) - BIAS
-    return tl.reshape(vals, [n.shape[0], 32])
-
-
-@triton.jit
-def _int4_relaid32(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, SCALE_BF16: tl.constexpr):
-    """Re-laid INT4 inputs kq .. kq + 32 as float32 [BLOCK_N, 32] (nibble - 8 from the float32 bits of 2^23 +
-    nibble) and the rows' float32 group scales [BLOCK_N], for float32 activations and prefill tiles."""
-    words = _relaid_words(W, e, n, nmask, kq, s_we, s_wn)
-    c0 = words & 0x000F000F
-    c1 = (words >> 4) & 0x000F000F
-    c2 = (words >> 8) & 0x000F000F
-    c3 = (words >> 12) & 0x000F000F
-    pairs = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # as _int4_relaid16
-    codes = tl.join(pairs & 0xF, pairs >> 16)
-    vals = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
-    sp = S + e * s_se + n * s_sn + kq // 32
-    if SCALE_BF16:
-        sc = ((tl.load(sp, mask=nmask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    else:
-        sc = tl.load(sp, mask=nmask, other=0.0).to(tl.float32)
-    return tl.reshape(vals, [n.shape[0], 32]), sc
-
-
-@triton.jit
-def _split4(t, j: tl.constexpr, G: tl.constexpr):
-    """Column j of t [R, G] (G = 1, 2, 4 or 8; each thread holds whole rows) as [R], by halving splits."""
-    if G == 1:
-        return tl.reshape(t, [t.shape[0]])
-    else:
-        lo, hi = tl.split(tl.reshape(t, [t.shape[0], G // 2, 2]))  # even and odd columns
-        if j % 2 == 0:
-            return _split4(lo, j // 2, G // 2)
-        else:
-            return _split4(hi, j // 2, G // 2)
-
-
-@triton.jit
 def _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB: tl.constexpr, DT: tl.constexpr):
     """FP8 block-scaled inputs kq .. kq + SUB (inside one 128-block) of expert e's rows n: the E4M3 values in DT
     (float32, bf16 or fp16) [BLOCK_N, SUB] and the rows' float32 block scales [BLOCK_N]."""
@@ -340,22 +268,17 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
     # 16-bit INT4 decode feeding Hopper's 64-row MMA crashes a Triton pass (TritonGPUOptimizeDotOperands, 3.9)
     DT: tl.constexpr = A.dtype.element_ty if (not IEEE and BLOCK_M <= 16) else tl.float32
     # MXFP4 on decode tiles with 16-bit activations: Triton's own microscaled dot over the whole K tile
-    MX: tl.constexpr = MX_SCALED and FMT == 1 and DT != tl.float32
+    MX: tl.constexpr = MX_SCALED and FMT == 1 and DT != tl.float32 and not RELAID
     SUB: tl.constexpr = 32 if ((FMT == 0 or FMT == 1) and not MX) else BLOCK_K  # inputs per scale group in a tile
     # re-laid 4-bit stacks on decode tiles: the weights are the MMA's first operand (acc is C^T [BLOCK_N, BLOCK_M])
-    SWAP: tl.constexpr = RELAID and FMT == 0 and DT != tl.float32
+    SWAP: tl.constexpr = RELAID and (FMT == 0 or FMT == 1) and DT != tl.float32
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if SWAP:  # the K tile's group scales of each row at once: [BLOCK_N, BLOCK_K / 32] float32
-            g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-            s16 = tl.load(S + e * s_se + n[:, None] * s_sn + g[None, :], mask=nmask[:, None], other=0)
-            if SCALE_BF16:
-                scs = ((s16.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-            else:
-                scs = s16.to(tl.float16, bitcast=True).to(tl.float32)
+            scs = relaid_scales(S, e, n, nmask, k0, s_se, s_sn, BLOCK_K // 32, FMT, SCALE_BF16)
         for j in tl.static_range(BLOCK_K // SUB):
             kq = k0 + j * SUB
             kk = kq + tl.arange(0, SUB)
@@ -382,10 +305,15 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                 if FMT == 2:
                     w, sc = _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB, DT)
                 elif SWAP:
-                    w = _int4_relaid16(W, e, n, nmask, kq, s_we, s_wn, magic, DT)
-                    sc = _split4(scs, j, BLOCK_K // SUB)
-                elif FMT == 0 and RELAID:
-                    w, sc = _int4_relaid32(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, SCALE_BF16)
+                    if FMT == 0:
+                        w = int4_relaid16(W, e, n, nmask, kq, s_we, s_wn, magic, DT)
+                    else:
+                        w = mxfp4_relaid16(W, e, n, nmask, kq, s_we, s_wn, DT)
+                    sc = split_col(scs, j, BLOCK_K // SUB)
+                elif RELAID and FMT == 0:
+                    w, sc = int4_relaid32(W, S, e, n, nmask, kq, s_we, s_wn, s_se, s_sn, SCALE_BF16)
+                elif RELAID:
+                    w, sc = mxfp4_relaid32(W, S, e, n, nmask, kq, s_we, s_wn, s_se, s_sn)
                 elif FMT == 0 and DT != tl.float32:
                     w, sc = _int4_tile16(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, SCALE_BF16, DT)
                 else:
@@ -463,8 +391,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
         nsplit: [1] int32, receives the SPLIT_K used (slices 0 .. SPLIT_K - 1 of ``out`` are written).
         pairs: (sorted_pairs, expert_of_block, num_post, routing weights [pairs] float32-readable, num_pairs).
         part: FP8 rows per block part (gate|up: I, down: N); block_m: the row-tile height of the alignment.
-        relaid: INT4 only: ``w`` / ``scale`` are the GPU layout of kernels/gpu/moe_relayout.py (int32 [E, N, Kp / 8]
-            and [E, N, Kp / 32], K padded to Kp, a multiple of 512) instead of the checkpoint's.
+        relaid: INT4 / MXFP4: ``w`` / ``scale`` are the GPU layout of kernels/gpu/moe_relayout.py (int32
+            [E, N, Kp / 8] and [E, N, Kp / 32], K padded to Kp, a multiple of 512) instead of the checkpoint's.
     """
     sorted_pairs, expert_of_block, num_post, topw, M = pairs
     tiles_m = min(sorted_pairs.numel() // block_m, M)  # every used row tile holds a pair
@@ -484,7 +412,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     # Triton's interpreter handles bf16 tiles wrongly (numpy has no bf16): there bf16 runs take the float32 path on
     # the same values (bf16 activations and codes are exact in float32); fp16 runs the 16-bit path as on a GPU
     ieee = a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16)
-    relaid = relaid and fmt == INT4_GROUP
+    relaid = relaid and fmt in (INT4_GROUP, MXFP4)
     meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, MX_SCALED=_MX_SCALED[0],
                 BLOCK_M=block_m, RELAID=relaid, magic=0x43004300 if a.dtype == torch.bfloat16 else 0x64006400)
     if interpreting():  # one config; splits beyond the output's slices and FP8 K tiles past 128 capped
