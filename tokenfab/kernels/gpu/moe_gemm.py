@@ -27,15 +27,26 @@ gives nibble - 8 (:func:`_int4_tile16`); E2M1 / E4M3 fields are placed into the 
 multiply by a power of two restores the value (:func:`_e2m1_16`, :func:`_e4m3_16`); MXFP4 goes through Triton's
 microscaled ``tl.dot_scaled`` (bf16 / fp16 times E2M1 with E8M0 scales over the whole K tile; where this Triton
 cannot compile it, the first launch falls back to the E2M1 decode for good). Elsewhere the values are built
-as float32 bits (nibbles after shifts and ``tl.interleave``) and cast for the dot. A static count of the compiled
-sm_90 loop (Triton's compiler and ptxas on CPU; no GPU has run it): the bf16 decode loop issues about 9 / 6.5 / 9.5
-instructions per INT4 / MXFP4 (dot_scaled) / FP8 weight and thread, where the HBM rate leaves about 4 / 4 / 16 at
-full bandwidth, so the 4-bit formats are likely bound by instruction issue rather than bytes.
+as float32 bits (nibbles after shifts and ``tl.interleave``) and cast for the dot.
+
+Re-laid stacks (``relaid``; INT4 and MXFP4 on a GPU: kernels/gpu/moe_relayout.py lays the bits out once at load,
+kernels/gpu/moe_relaid_decode.py decodes them). Each 32-bit word gives a 16-bit MMA operand register's (k, k + 1)
+pair with one rotation and one mask (INT4: and an OR with 128 / 1024 and one packed subtraction; MXFP4: one packed
+multiply by 2^126 / 2^14), K is padded to whole 512-input tiles so the loads need no K masks, the K tile's group
+scales of a row are loaded at once, and on decode tiles the weights are the first MMA operand (C^T = W A^T: a
+64-row weight tile feeds Hopper's warpgroup MMA from registers, the activations its second operand from shared
+memory). A static count of the compiled sm_90 loop with bf16 activations (Triton's compiler and ptxas on CPU,
+``benchmarks/linear_sass.py --kernels moe``; no GPU has run it), instructions per weight and thread on decode
+tiles: INT4 8.8-11.6 in the checkpoint layout, 5.1-5.6 re-laid; MXFP4 7.1-10.9 with dot_scaled, 6.1-6.7 re-laid;
+FP8 10-11. The HBM rate leaves about 4 / 4 / 16 at full bandwidth, so the 4-bit formats may still be bound by
+instruction issue rather than bytes (what remains: the group-scale FMA on the float32 partials, the register to
+shared memory round trip Triton makes for the weight operand, address and loop work).
 
 Configs. ``triton.autotune`` picks BLOCK_N, BLOCK_K, SPLIT_K, num_warps and num_stages per (row-tile height, pair
 count bucket, N, K, projection, format, dtypes) from a small list (:data:`CONFIGS`, pruned per call by
 :func:`_prune`): decode tiles (BLOCK_M 16) try narrow N tiles and split-K on the down projection; prefill tiles
-(BLOCK_M 64) try wide tiles without split-K. In Triton's interpreter one fixed config runs (:data:`INTERPRET_CONFIG`;
+(BLOCK_M 64) try wide tiles without split-K; re-laid 4-bit stacks on decode tiles try 64-row N tiles
+(:data:`RELAID_DECODE_CONFIGS`). In Triton's interpreter one fixed config runs (:data:`INTERPRET_CONFIG`;
 tests set others). The shapes follow the public designs of mixed-input MoE GEMMs (vLLM's fused_moe tile configs,
 Marlin's 16-byte weight loads per thread, OpenAI's triton_kernels split-K for MXFP4 MoE at small batch).
 """
