@@ -144,6 +144,41 @@ def test_relaid_top16_of_28_float32_result(interpret, monkeypatch, fmt, scale_dt
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 5e-3
 
 
+def test_relaid_swap_falls_back(interpret, monkeypatch):
+    """A re-laid launch whose swapped 16-bit path does not compile (simulated) runs again with the float32 decode
+    of the same layout, and later calls skip the swapped path; the same sum."""
+    from tokenfab.kernels.gpu import moe_gemm
+    from tokenfab.kernels.gpu.packed_moe import fused_moe_packed
+    from tokenfab.layers.activation import silu_and_mul
+    _config(monkeypatch, 32, 64, 1)
+    H, I, E, T, k = 64, 32, 5, 3, 2
+    g = torch.Generator().manual_seed(9)
+    p13, s13, w13 = make("int4_group", E, 2 * I, H, g, torch.bfloat16)
+    p2, s2, w2 = make("int4_group", E, H, I, g, torch.bfloat16)
+    x = (torch.randn(T, H, generator=g) * 0.02).to(torch.float16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    wts = torch.rand(T, k, generator=g)
+    real = moe_gemm._grouped_gemm
+    seen = []
+
+    class NoSwap:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.append(kw["RELAID_SWAP"])
+                if kw["RELAID_SWAP"]:
+                    raise RuntimeError("the swapped dot does not compile here")
+                return real[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(moe_gemm, "_grouped_gemm", NoSwap())
+    monkeypatch.setattr(moe_gemm, "_RELAID_SWAP", [True])
+    got = fused_moe_packed(x, "int4_group", *_relayout("int4_group", p13, s13), *_relayout("int4_group", p2, s2),
+                           wts, ids, silu_and_mul, relaid=True)
+    want = reference(x.float(), w13, w2, wts, ids, 0)
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 5e-3
+    assert seen == [True, False, False] and moe_gemm._RELAID_SWAP == [False]
+
+
 def test_relaid_decode_configs():
     """Re-laid 4-bit decode tiles get their own configs (N tiles of 64 rows for the 64-row MMA), others not."""
     from tokenfab.kernels.gpu import moe_gemm as mg

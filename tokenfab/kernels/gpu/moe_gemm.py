@@ -35,10 +35,11 @@ pair with one rotation and one mask (INT4: and an OR with 128 / 1024 and one pac
 multiply by 2^126 / 2^14), K is padded to whole 512-input tiles so the loads need no K masks, the K tile's group
 scales of a row are loaded at once, and on decode tiles the weights are the first MMA operand (C^T = W A^T: a
 64-row weight tile feeds Hopper's warpgroup MMA from registers, the activations its second operand from shared
-memory). A static count of the compiled sm_90 loop with bf16 activations (Triton's compiler and ptxas on CPU,
-``benchmarks/linear_sass.py --kernels moe``; no GPU has run it), instructions per weight and thread on decode
-tiles: INT4 8.8-11.6 in the checkpoint layout, 5.1-5.6 re-laid; MXFP4 7.1-10.9 with dot_scaled, 6.1-6.7 re-laid;
-FP8 10-11. The HBM rate leaves about 4 / 4 / 16 at full bandwidth, so the 4-bit formats may still be bound by
+memory; where this Triton cannot compile that, the first launch falls back for good to the float32 decode of the
+same layout, as prefill tiles use). A static count of the compiled sm_90 loop with bf16 activations (Triton's
+compiler and ptxas on CPU, ``benchmarks/linear_sass.py --kernels moe``; no GPU has run it), instructions per
+weight and thread on decode tiles: INT4 8.8-11.6 in the checkpoint layout, 5.1-5.6 re-laid; MXFP4 7.1-10.9 with
+dot_scaled, 6.1-6.7 re-laid; FP8 10-11 (registers 64-88 re-laid, no spills). The HBM rate leaves about 4 / 4 / 16 at full bandwidth, so the 4-bit formats may still be bound by
 instruction issue rather than bytes (what remains: the group-scale FMA on the float32 partials, the register to
 shared memory round trip Triton makes for the weight operand, address and loop work).
 
@@ -251,7 +252,8 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                   N, K, num_pairs, a_row_div, s_am, s_we, s_wn, s_wk, s_se, s_sn, s_cs, s_cm, PART, m_bucket,
                   split_max, MUL_WEIGHT: tl.constexpr, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
                   IEEE: tl.constexpr, MX_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, RELAID: tl.constexpr = False, magic=0):
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, RELAID: tl.constexpr = False,
+                  RELAID_SWAP: tl.constexpr = True, magic=0):
     """C[s, pair, n] = sum over this split's k of A[pair // a_row_div, k] W_e[n, k] (times TOPW[pair] when
     MUL_WEIGHT) for the [BLOCK_M, BLOCK_N] tile of one row tile; FMT: DENSE (-1) or packed_moe.py's 0 / 1 / 2."""
     pid = tl.program_id(0)
@@ -282,7 +284,7 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
     MX: tl.constexpr = MX_SCALED and FMT == 1 and DT != tl.float32 and not RELAID
     SUB: tl.constexpr = 32 if ((FMT == 0 or FMT == 1) and not MX) else BLOCK_K  # inputs per scale group in a tile
     # re-laid 4-bit stacks on decode tiles: the weights are the MMA's first operand (acc is C^T [BLOCK_N, BLOCK_M])
-    SWAP: tl.constexpr = RELAID and (FMT == 0 or FMT == 1) and DT != tl.float32
+    SWAP: tl.constexpr = RELAID and RELAID_SWAP and (FMT == 0 or FMT == 1) and DT != tl.float32
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -368,6 +370,9 @@ def _autotuned():
 _TUNED = _autotuned()
 # whether MXFP4 decode tiles use tl.dot_scaled (off for good after a compile failure on this Triton)
 _MX_SCALED = [hasattr(tl, "dot_scaled")]
+# whether re-laid decode tiles use the 16-bit decodes with the weights as the first MMA operand (off for good after
+# a compile failure on this Triton: then they decode to float32 and cast, as prefill tiles do)
+_RELAID_SWAP = [True]
 
 
 def block_m_for(num_pairs: int, num_local: int) -> int:
@@ -425,7 +430,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     ieee = a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16)
     relaid = relaid and fmt in (INT4_GROUP, MXFP4)
     meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, MX_SCALED=_MX_SCALED[0],
-                BLOCK_M=block_m, RELAID=relaid, magic=0x43004300 if a.dtype == torch.bfloat16 else 0x64006400)
+                BLOCK_M=block_m, RELAID=relaid, RELAID_SWAP=_RELAID_SWAP[0],
+                magic=0x43004300 if a.dtype == torch.bfloat16 else 0x64006400)
     if interpreting():  # one config; splits beyond the output's slices and FP8 K tiles past 128 capped
         cfg = dict(INTERPRET_CONFIG, SPLIT_K=min(INTERPRET_CONFIG["SPLIT_K"], slots))
         if fmt == FP8_BLOCK:
@@ -443,13 +449,16 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     else:
         def launch(**kw):
             _TUNED[lambda c: (tiles_m * triton.cdiv(N, c["BLOCK_N"]) * c["SPLIT_K"],)](*args, **kw)
-    if not meta["MX_SCALED"] or fmt != MXFP4:
+    # the one choice a failed first compile turns off for good: re-laid stacks' swapped 16-bit path, else (a Triton
+    # without tl.dot_scaled(bf16, e2m1 with scales)) MXFP4's dot_scaled for our own E2M1 decode
+    key, flag = ("RELAID_SWAP", _RELAID_SWAP) if relaid else ("MX_SCALED", _MX_SCALED)
+    if not meta[key] or (key == "MX_SCALED" and fmt != MXFP4):
         launch(**meta)
         return
     try:
         launch(**meta)
-    except Exception as err:  # a Triton without tl.dot_scaled(bf16, e2m1 with scales): our own MXFP4 decode
+    except Exception as err:
         if isinstance(err, torch.cuda.OutOfMemoryError):
             raise
-        _MX_SCALED[0] = False
-        launch(**dict(meta, MX_SCALED=False))
+        flag[0] = False
+        launch(**dict(meta, **{key: False}))
