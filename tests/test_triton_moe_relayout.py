@@ -26,9 +26,11 @@ def _checkpoint_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([(packed >> (4 * t)) & 0xF for t in range(8)], -1).flatten(-2)
 
 
-def test_layout_bits_padding_and_inverse():
+def test_layout_bits_padding_and_inverse(monkeypatch):
     """Every nibble of the GPU layout sits where the layout says, the padding decodes to 0 (nibble 8, scale 0),
-    and restore_int4 gives back the checkpoint tensors exactly."""
+    restore_int4 gives back the checkpoint tensors exactly, and one expert per pass (in place or not) gives the
+    same words as all at once."""
+    from tokenfab.kernels.gpu import moe_relayout
     from tokenfab.kernels.gpu.moe_relayout import padded_k, relayout_int4, restore_int4
     g = torch.Generator().manual_seed(0)
     E, N, K = 3, 5, 160
@@ -47,6 +49,12 @@ def test_layout_bits_padding_and_inverse():
     assert torch.equal(sc[..., :K // 32], scale) and bool((sc[..., K // 32:] == 0).all())
     back, back_s = restore_int4(words, sc, K)
     assert torch.equal(back, packed) and torch.equal(back_s, scale)
+    monkeypatch.setattr(moe_relayout, "_CHUNK_WEIGHTS", 1)
+    assert torch.equal(relayout_int4(packed, scale)[0], words)
+    wide = torch.randint(-2 ** 31, 2 ** 31, (E, N, 64), dtype=torch.int32, generator=g)  # K = 512: in place
+    want = relayout_int4(wide, torch.zeros(E, N, 16))[0]
+    got, _ = relayout_int4(wide, torch.zeros(E, N, 16), in_place=True)
+    assert got is wide and torch.equal(got, want)
 
 
 def _rotr(w: torch.Tensor, r: int) -> torch.Tensor:

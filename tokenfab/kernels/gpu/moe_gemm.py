@@ -38,8 +38,8 @@ scales of a row are loaded at once, and on decode tiles the weights are the firs
 memory; where this Triton cannot compile that, the first launch falls back for good to the float32 decode of the
 same layout, as prefill tiles use). A static count of the compiled sm_90 loop with bf16 activations (Triton's
 compiler and ptxas on CPU, ``benchmarks/linear_sass.py --kernels moe``; no GPU has run it), instructions per
-weight and thread on decode tiles: INT4 8.8-11.6 in the checkpoint layout, 5.1-5.6 re-laid; MXFP4 7.1-10.9 with
-dot_scaled, 6.1-6.7 re-laid; FP8 10-11 (registers 64-88 re-laid, no spills). The HBM rate leaves about 4 / 4 / 16 at full bandwidth, so the 4-bit formats may still be bound by
+weight and thread on decode tiles: INT4 8.8-11.6 in the checkpoint layout, 4.9-5.6 re-laid; MXFP4 7.1-10.9 with
+dot_scaled, 6.0-6.7 re-laid; FP8 10-11 (registers 64-90 re-laid, no spills). The HBM rate leaves about 4 / 4 / 16 at full bandwidth, so the 4-bit formats may still be bound by
 instruction issue rather than bytes (what remains: the group-scale FMA on the float32 partials, the register to
 shared memory round trip Triton makes for the weight operand, address and loop work).
 
@@ -81,9 +81,10 @@ def _cfg(bn: int, bk: int, split: int, warps: int, stages: int) -> triton.Config
 DECODE_CONFIGS = [_cfg(64, 128, 1, 4, 4), _cfg(32, 256, 1, 4, 3), _cfg(64, 128, 2, 4, 4), _cfg(32, 128, 4, 4, 4)]
 PREFILL_CONFIGS = [_cfg(128, 64, 1, 4, 4), _cfg(128, 128, 1, 8, 3)]
 # re-laid 4-bit stacks on decode tiles: the weights are the first MMA operand (Hopper's 64-row warpgroup MMA), so N
-# tiles of 64 rows for 4 warps; K tiles of 128 or 256 inputs (the 256 tile amortizes the loop over more groups)
-RELAID_DECODE_CONFIGS = [_cfg(64, 128, 1, 4, 4), _cfg(64, 256, 1, 4, 3), _cfg(64, 128, 2, 4, 4),
-                         _cfg(64, 128, 4, 4, 4)]
+# tiles of 64 rows for 4 warps; K tiles of 128 to 512 inputs (the wider tiles amortize the loop over more groups;
+# 512 is the layout's K padding)
+RELAID_DECODE_CONFIGS = [_cfg(64, 128, 1, 4, 4), _cfg(64, 256, 1, 4, 3), _cfg(64, 512, 1, 4, 3),
+                         _cfg(64, 128, 2, 4, 4), _cfg(64, 128, 4, 4, 4)]
 CONFIGS = DECODE_CONFIGS + PREFILL_CONFIGS + RELAID_DECODE_CONFIGS
 # the config Triton's interpreter runs (one: no autotuning there); tests monkeypatch it to reach other splits / tiles
 INTERPRET_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}

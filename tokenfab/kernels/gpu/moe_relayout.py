@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 K_ALIGN = 512  # inputs: the GPU layout pads K to a multiple of this
+_CHUNK_WEIGHTS = 1 << 25  # weights re-laid per pass (bounds the temporaries; fewer, larger passes at load)
 _SHIFTS = (0, 16, 4, 20, 8, 24, 12, 28)  # bit offset of input 8w + t, t = 0..7, inside word w (GPU layout)
 _BF16_BITS = (6, 7, 8, 15)  # where E2M1 bits 0..3 sit in a bf16 holding the value times 2^-126
 _MXFP4_ROTATION = ((0,) * 4, (4,) * 4, (10,) * 4, (14, 6, 6, 6))  # [pair][bit]: rotation that brings the bit home
@@ -82,17 +83,18 @@ def relayout_int4(packed: torch.Tensor, scale: torch.Tensor, in_place: bool = Fa
         raise ValueError(f"relayout_int4: packed {tuple(packed.shape)} {packed.dtype} and scale "
                          f"{tuple(scale.shape)} are not an INT4 group-32 stack")
     kp = padded_k(kw * 8)
+    step = max(1, _CHUNK_WEIGHTS // max(n * kp, 1))  # experts per pass: about 12 bytes of temporaries a weight
     if in_place and kp == kw * 8:
-        for e in range(e_n):
-            packed[e] = _words(_nibbles(packed[e], range(0, 32, 4)), _SHIFTS)
+        for e in range(0, e_n, step):
+            packed[e:e + step] = _words(_nibbles(packed[e:e + step], range(0, 32, 4)), _SHIFTS)
         return packed, scale
     out = torch.empty(e_n, n, kp // 8, dtype=torch.int32, device=packed.device)
     out_s = torch.zeros(e_n, n, kp // 32, dtype=scale.dtype, device=scale.device)
-    for e in range(e_n):
-        codes = torch.full((n, kp), 8, dtype=torch.int32, device=packed.device)  # padding: nibble 8 = value 0
-        codes[:, :kw * 8] = _nibbles(packed[e], range(0, 32, 4))
-        out[e] = _words(codes, _SHIFTS)
-        out_s[e, :, :kw // 4] = scale[e]
+    for e in range(0, e_n, step):
+        codes = torch.full((min(step, e_n - e), n, kp), 8, dtype=torch.int32, device=packed.device)  # pad: value 0
+        codes[..., :kw * 8] = _nibbles(packed[e:e + step], range(0, 32, 4))
+        out[e:e + step] = _words(codes, _SHIFTS)
+    out_s[..., :kw // 4] = scale
     return out, out_s
 
 
