@@ -4,12 +4,13 @@ the grouped GEMM (kernels/gpu/moe_gemm.py), plus the scalar format decodes it sh
 The layouts put the two inputs that one 32-bit register of a 16-bit MMA operand holds, (k, k + 1), into the two
 16-bit halves of one word after one rotation and one mask, so a decode costs about two integer operations and one
 packed 16-bit float operation per two weights; the loads need no masks along K (the stacks are padded to whole
-512-input tiles). Each function returns one scale group (32 inputs) of BLOCK_N rows; exact for every code.
+512-input tiles). Each decode returns one scale group (32 inputs) of BLOCK_N rows, exact for every code.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
 
 @triton.jit
 def e8m0(s8):
@@ -77,7 +78,8 @@ def int4_relaid32(W, S, e, n, nmask, kq, s_we, s_wn, s_se, s_sn, SCALE_BF16: tl.
 
 @triton.jit
 def split_col(t, j: tl.constexpr, G: tl.constexpr):
-    """Column j of t [R, G] (G = 1, 2, 4 or 8; each thread holds whole rows) as [R], by halving splits."""
+    """Column j of t [R, G] (G a power of two; each thread holds whole rows) as [R], by halving splits (no data
+    moves: register selection)."""
     if G == 1:
         return tl.reshape(t, [t.shape[0]])
     else:
