@@ -78,8 +78,8 @@ def int4_relaid32(W, S, e, n, nmask, kq, s_we, s_wn, s_se, s_sn, SCALE_BF16: tl.
 
 @triton.jit
 def split_col(t, j: tl.constexpr, G: tl.constexpr):
-    """Column j of t [R, G] (G a power of two; each thread holds whole rows) as [R], by halving splits (no data
-    moves: register selection)."""
+    """Column j of t [R, G] (G a power of two) as [R], by halving splits: a choice of registers where each thread
+    holds whole rows of t."""
     if G == 1:
         return tl.reshape(t, [t.shape[0]])
     else:
