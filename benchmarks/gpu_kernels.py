@@ -367,8 +367,10 @@ def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict
     16 experts) of packed weights. Each row: error against the bf16 fused MoE on the same dequantized weights
     (relative to its largest output), time per call (the first call autotunes and is not timed), GB/s and the
     fraction of the copy bandwidth over the packed bytes (weights and scales) of the distinct experts hit; then
-    the bf16 fused MoE on the dequantized weights of that shape and batch (bytes: its bf16 experts hit)."""
+    the bf16 fused MoE on the dequantized weights of that shape and batch (bytes: its bf16 experts hit). Each
+    format runs twice: in the checkpoint layout and re-laid (kernels/gpu/moe_relayout.py, what a GPU load gives)."""
     from tokenfab.kernels.gpu.moe import fused_moe
+    from tokenfab.kernels.gpu.moe_relayout import relayout_int4, relayout_mxfp4
     from tokenfab.kernels.gpu.packed_moe import fused_moe_packed
     from tokenfab.layers.activation import silu_and_mul
     shapes = [("DeepSeek-V3", 64, 8, 7168, 2048, ("int4_group", "mxfp4")),
@@ -386,21 +388,26 @@ def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict
             p13, s13, w13 = _packed_expert_stack(fmt, E, 2 * inter, hidden, dev, g, dtype)
             p2, s2, w2 = _packed_expert_stack(fmt, E, hidden, inter, dev, g, dtype)
             per_expert = sum(t.numel() * t.element_size() // E for t in (p13, s13, p2, s2))
+            relay = relayout_int4 if fmt == "int4_group" else relayout_mxfp4  # the layout a GPU load gives them
+            layouts = [("", (p13, s13, p2, s2), False), (" re-laid", (*relay(p13, s13), *relay(p2, s2)), True)]
             for T in tokens:
                 x = torch.randn(T, hidden, device=dev, dtype=dtype, generator=g)
                 ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(T)])
                 wts = torch.rand(T, k, device=dev, generator=g)
-                got = fused_moe_packed(x, fmt, p13, s13, p2, s2, wts, ids, silu_and_mul)
                 want = fused_moe(x, w13, w2, wts, ids, silu_and_mul)
-                err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-                us = _time_us(lambda: fused_moe_packed(x, fmt, p13, s13, p2, s2, wts, ids, silu_and_mul), dev, reps)
                 hit = int(ids.unique().numel())
                 shape = f"{name}: T={T} E={E} k={k} hidden={hidden} I={inter} experts_hit={hit}"
                 nbytes = hit * per_expert
-                rows.append({"kernel": f"fused MoE {fmt}", "shape": f"{shape} ({nbytes / us * 1e-3:,.0f} GB/s)",
-                             "max_err": err, "us": us, "bytes": nbytes, "GBps": nbytes / us * 1e-3,
-                             "bw_fraction": nbytes / (us * 1e-6) / bw})
-                print(json.dumps(rows[-1]), flush=True)
+                for label, stacks, relaid in layouts:
+                    def run():
+                        return fused_moe_packed(x, fmt, *stacks, wts, ids, silu_and_mul, relaid=relaid)
+                    got = run()
+                    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+                    us = _time_us(run, dev, reps)
+                    rows.append({"kernel": f"fused MoE {fmt}{label}", "shape": f"{shape} ({nbytes / us * 1e-3:,.0f}"
+                                 " GB/s)", "max_err": err, "us": us, "bytes": nbytes, "GBps": nbytes / us * 1e-3,
+                                 "bw_fraction": nbytes / (us * 1e-6) / bw})
+                    print(json.dumps(rows[-1]), flush=True)
                 if T not in timed_bf16:  # the bf16 kernel's time does not depend on which format was dequantized
                     timed_bf16.add(T)
                     us = _time_us(lambda: fused_moe(x, w13, w2, wts, ids, silu_and_mul), dev, reps)
@@ -409,7 +416,7 @@ def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict
                                  "shape": f"{shape} ({nbytes / us * 1e-3:,.0f} GB/s)", "max_err": 0.0, "us": us,
                                  "bytes": nbytes, "GBps": nbytes / us * 1e-3, "bw_fraction": nbytes / (us * 1e-6) / bw})
                     print(json.dumps(rows[-1]), flush=True)
-            del p13, s13, w13, p2, s2, w2
+            del p13, s13, w13, p2, s2, w2, layouts
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     return rows

@@ -1,14 +1,17 @@
-"""Compile the packed linears' Triton kernels (kernels/gpu/fp8_linear.py, kernels/gpu/gguf_linear.py) for a GPU that is
-not here, and print what the compiler made of each autotune config: registers, spilled bytes, shared memory, and for
-NVIDIA the instructions of the K loop per weight each thread handles (a proxy for the ALU ceiling of a decode GEMV:
-an H100/H200 issues about 3e13 thread-instructions per second, so k instructions per weight cap the kernel at about
-3e13 / k weights per second). No GPU is needed: Triton's own ptxas / cuobjdump (NVIDIA) or its AMD backend
-(ROCm, no SASS statistics) compile from the source.
+"""Compile the packed linears' and the fused MoE's Triton kernels (kernels/gpu/fp8_linear.py, gguf_linear.py,
+moe_gemm.py) for a GPU that is not here, and print what the compiler made of each autotune config: registers,
+spilled bytes, shared memory, and for NVIDIA the instructions of the K loop per weight each thread handles (a proxy
+for the ALU ceiling of a decode GEMV: an H100/H200 issues about 3e13 thread-instructions per second, so k
+instructions per weight cap the kernel at about 3e13 / k weights per second). No GPU is needed: Triton's own
+ptxas / cuobjdump (NVIDIA) or its AMD backend (ROCm, no SASS statistics) compile from the source.
 
-    python benchmarks/linear_sass.py [--target sm90|gfx942] [--kernels fp8,gguf]
+    python benchmarks/linear_sass.py [--target sm90|gfx942] [--kernels fp8,gguf,moe]
 
 The kernels are compiled as the runtime specializes them for aligned tensors (pointers and the sizes / strides that
-are multiples of 16 marked divisible by 16) with bf16 activations. Times here are compile times, nothing else.
+are multiples of 16 marked divisible by 16) with bf16 activations. The grouped GEMM is compiled per format (INT4
+group-32, MXFP4, FP8 block), per weight layout (the checkpoint's, and for INT4 / MXFP4 the GPU layout of
+kernels/gpu/moe_relayout.py) and per row-tile height (16: decode; 64: prefill), over the configs the tuner would
+try for it. Times here are compile times, nothing else.
 """
 from __future__ import annotations
 
@@ -27,9 +30,10 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tokenfab.kernels.gpu import fp8_linear, gguf_linear  # noqa: E402
+from tokenfab.kernels.gpu import fp8_linear, gguf_linear, moe_gemm  # noqa: E402
 
 ALIGNED = {"X", "W", "S", "OUT", "BIAS", "T32", "T16", "N", "K", "s_xm", "s_wn", "s_sn", "NT", "KB"}
+MOE_ALIGNED = {"A", "W", "S", "C", "TOPW", "SORTED", "N", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_cm"}
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
 
 
@@ -61,11 +65,12 @@ def _loop_stats(cubin: bytes) -> tuple[str, str, int, collections.Counter]:
     return (m.group(1), m.group(2)) if m else ("?", "?"), sum(body.values()), body
 
 
-def _report(label: str, fn, sig: dict, const: dict, cfg, target, weights_per_thread: int) -> None:
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a in ALIGNED}
+def _report(label: str, fn, sig: dict, const: dict, cfg, target, weights_per_thread: int,
+            aligned: set = ALIGNED) -> None:
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a in aligned}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=target,
                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    line = f"{label:<34} {str(cfg.kwargs):<34} w{cfg.num_warps} s{cfg.num_stages} smem {k.metadata.shared:>6}"
+    line = f"{label:<34} {str(cfg.kwargs):<50} w{cfg.num_warps} s{cfg.num_stages} smem {k.metadata.shared:>6}"
     if target.backend == "cuda":
         (regs, stack), n, body = _loop_stats(k.asm["cubin"])
         line += (f" regs {regs:>3} stack {stack:>4} loop {n:>4} instr = {n / weights_per_thread:5.1f} per weight | "
@@ -76,7 +81,7 @@ def _report(label: str, fn, sig: dict, const: dict, cfg, target, weights_per_thr
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="sm90", choices=sorted(TARGETS))
-    ap.add_argument("--kernels", default="fp8,gguf")
+    ap.add_argument("--kernels", default="fp8,gguf,moe")
     args = ap.parse_args()
     target = TARGETS[args.target]
     want = set(args.kernels.split(","))
@@ -112,7 +117,37 @@ def main() -> int:
                     _report(f"{name} tiles BLOCK_M={bm}", gguf_linear._gguf_gemm.fn, sig2, {"HAS_BIAS": False,
                             "PARTIAL": True, "TBB": tbb, "KIND": kind, "DOT_F32": False, "MAGIC": 0x4300,
                             "DEQ": bm >= 32, "BLOCK_M": bm, **cfg.kwargs}, cfg, target, per)
+    if "moe" in want:
+        _moe(target)
     return 0
+
+
+def _moe(target) -> None:
+    """The grouped GEMM (moe_gemm._grouped_gemm) per format, layout and row-tile height, with bf16 activations."""
+    mg = moe_gemm
+    ints = ["N", "K", "num_pairs", "a_row_div", "s_am", "s_we", "s_wn", "s_wk", "s_se", "s_sn", "s_cs", "s_cm",
+            "PART", "m_bucket", "split_max", "magic"]
+    base = {"A": "*bf16", "NSPLIT": "*i32", "SORTED": "*i32", "EXPERT_OF_BLOCK": "*i32", "NUM_POST": "*i32",
+            "TOPW": "*fp32", **{a: "i32" for a in ints}}
+    kinds = [("INT4", mg.INT4_GROUP, False, "*i32", "*i16"), ("INT4 re-laid", mg.INT4_GROUP, True, "*i32", "*i16"),
+             ("MXFP4", mg.MXFP4, False, "*u8", "*u8"), ("MXFP4 re-laid", mg.MXFP4, True, "*i32", "*u8"),
+             ("FP8", mg.FP8_BLOCK, False, "*u8", "*fp32")]
+    for name, fmt, relaid, wt, st in kinds:
+        for bm in (16, 64):
+            cfgs = []  # decode: gate|up's configs (no split) and the down projection's (split-K)
+            for split_max in ((1, 4) if bm == 16 else (1,)):
+                cfgs += [c for c in mg._prune(mg.CONFIGS, {"split_max": split_max}, FMT=fmt, BLOCK_M=bm,
+                                              RELAID=relaid) if all(c is not d for d in cfgs)]
+            for cfg in cfgs:
+                split = cfg.kwargs["SPLIT_K"]
+                sig = {**base, "W": wt, "S": st, "C": "*fp32" if split > 1 else "*bf16",
+                       **{c: "constexpr" for c in ("MUL_WEIGHT", "FMT", "SCALE_BF16", "IEEE", "MX_SCALED",
+                                                   "BLOCK_M", "RELAID", "RELAID_SWAP", *cfg.kwargs)}}
+                sig = {a: sig[a] for a in mg._grouped_gemm.arg_names}
+                const = {"MUL_WEIGHT": split > 1, "FMT": fmt, "SCALE_BF16": fmt == mg.INT4_GROUP, "IEEE": False,
+                         "MX_SCALED": True, "BLOCK_M": bm, "RELAID": relaid, "RELAID_SWAP": True, **cfg.kwargs}
+                per = cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"] // (32 * cfg.num_warps)
+                _report(f"moe {name} BLOCK_M={bm}", mg._grouped_gemm, sig, const, cfg, target, per, MOE_ALIGNED)
 
 
 if __name__ == "__main__":

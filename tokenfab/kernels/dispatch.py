@@ -241,14 +241,17 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, st
 
 def routed_experts_packed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: str, p13: torch.Tensor,
                           s13: torch.Tensor, p2: torch.Tensor, s2: torch.Tensor, act, start: int,
-                          out_dtype: torch.dtype | None, plus: torch.Tensor | None = None) -> torch.Tensor | None:
+                          out_dtype: torch.dtype | None, plus: torch.Tensor | None = None,
+                          relaid: tuple[bool, bool] = (False, False)) -> torch.Tensor | None:
     """The routed experts' weighted sum over stacks kept packed (``fmt`` one of PACKED_MOE_FORMATS; arguments as
-    :func:`tokenfab.kernels.gpu.packed_moe.fused_moe_packed`, ``plus`` added in its k-sum): one Triton launch per
+    :func:`tokenfab.kernels.gpu.packed_moe.fused_moe_packed`, ``plus`` added in its k-sum; ``relaid``: whether the
+    gate|up / down stacks are in the GPU layout, PackedExperts.gpu_layout): one Triton launch per
     projection on CUDA/ROCm with the weights decoded in registers, or None (on CPU the stacks' grouped linears pick
     their kernels themselves)."""
     if gpu_support.applies(x) and fmt in PACKED_MOE_FORMATS:
         from tokenfab.kernels.gpu import packed_moe  # imports triton: only when it applies
-        return packed_moe.fused_moe_packed(x, fmt, p13, s13, p2, s2, weights, ids, act, start, out_dtype, plus)
+        return packed_moe.fused_moe_packed(x, fmt, p13, s13, p2, s2, weights, ids, act, start, out_dtype, plus,
+                                           relaid)
     return None
 
 

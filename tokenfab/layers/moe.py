@@ -251,7 +251,8 @@ class RoutedExperts(nn.Module):
         [T, hidden] added in its k-sum (elsewhere after the sum)."""
         out = dispatch.routed_experts_packed(x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale,
                                              self.q2.packed, self.q2.scale, self.act, self.start,
-                                             torch.float32 if self.accumulate_fp32 else None, plus)
+                                             torch.float32 if self.accumulate_fp32 else None, plus,
+                                             (self.q13.gpu_layout, self.q2.gpu_layout))
         if out is not None:
             return out
         if plus is not None:

@@ -31,7 +31,8 @@ def dequantize_int4_group(packed: torch.Tensor, scale: torch.Tensor) -> torch.Te
 
 class Int4GroupExperts(PackedExperts):
     """E experts' W [out, in] in INT4 group-32 (buffers ``packed`` int32 [E, out, in / 8], ``scale`` [E, out,
-    in / 32] in the checkpoint's scale dtype: bf16 unless the first scale loaded is fp16)."""
+    in / 32] in the checkpoint's scale dtype: bf16 unless the first scale loaded is fp16; on the GPU code path,
+    after :meth:`prepare`, the GPU layout of kernels/gpu/moe_relayout.py, :attr:`gpu_layout` True)."""
 
     format_name = "int4_group"
     kernel_format = 0  # kExpertsInt4Group in kernels/cpu/csrc/packed_experts.h
@@ -57,3 +58,23 @@ class Int4GroupExperts(PackedExperts):
 
     def dequantize_packed(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return dequantize_int4_group(packed, scale)
+
+    def prepare(self) -> None:
+        """As :meth:`PackedExperts.prepare`; on the GPU code path (CUDA / ROCm buffers with Triton on, or the
+        interpreter's ``interpret-gpu-path`` in tests) also re-lay the stack once into the grouped GEMM's layout
+        (kernels/gpu/moe_relayout.py; in place where K needs no padding) and set :attr:`gpu_layout`. The CPU keeps
+        the checkpoint layout and its kernels."""
+        super().prepare()
+        from tokenfab.kernels.gpu import support as gpu_support
+        if self.gpu_layout or not gpu_support.gpu_path(self.packed):
+            return
+        from tokenfab.kernels.gpu.moe_relayout import relayout_int4
+        self.packed, self.scale = relayout_int4(self.packed, self.scale, in_place=True)
+        self.gpu_layout = True
+
+    def dequantize_rows(self, e: int, start: int, end: int) -> torch.Tensor:
+        if not self.gpu_layout:
+            return super().dequantize_rows(e, start, end)
+        from tokenfab.kernels.gpu.moe_relayout import restore_int4
+        return dequantize_int4_group(*restore_int4(self.packed[e, start:end], self.scale[e, start:end],
+                                                   self.in_features))

@@ -13,7 +13,8 @@ from tokenfab.quant.packed_experts import PackedExperts
 
 class Mxfp4Experts(PackedExperts):
     """E experts' W [out, in] in MXFP4 (buffers ``packed`` uint8 [E, out, in / 2], ``scale`` uint8 [E, out,
-    in / 32])."""
+    in / 32]; on the GPU code path, after :meth:`prepare`, the GPU layout of kernels/gpu/moe_relayout.py,
+    :attr:`gpu_layout` True)."""
 
     format_name = "mxfp4"
     kernel_format = 1  # kExpertsMxfp4 in kernels/cpu/csrc/packed_experts.h
@@ -33,3 +34,25 @@ class Mxfp4Experts(PackedExperts):
 
     def dequantize_packed(self, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return dequantize_mxfp4(packed, scale, torch.float32)
+
+    def prepare(self) -> None:
+        """As :meth:`PackedExperts.prepare`; on the GPU code path (CUDA / ROCm buffers with Triton on, or the
+        interpreter's ``interpret-gpu-path`` in tests) also re-lay the stack once into the grouped GEMM's layout
+        (kernels/gpu/moe_relayout.py; in place where K needs no padding) and set :attr:`gpu_layout`, unless an
+        E8M0 scale is 0 or 255 (then the checkpoint layout and its kernel path stay). The CPU keeps the checkpoint
+        layout and its kernels."""
+        super().prepare()
+        from tokenfab.kernels.gpu import support as gpu_support
+        if self.gpu_layout or not gpu_support.gpu_path(self.packed):
+            return
+        from tokenfab.kernels.gpu.moe_relayout import plain_e8m0, relayout_mxfp4
+        if plain_e8m0(self.scale):
+            self.packed, self.scale = relayout_mxfp4(self.packed, self.scale, in_place=True)
+            self.gpu_layout = True
+
+    def dequantize_rows(self, e: int, start: int, end: int) -> torch.Tensor:
+        if not self.gpu_layout:
+            return super().dequantize_rows(e, start, end)
+        from tokenfab.kernels.gpu.moe_relayout import restore_mxfp4
+        return dequantize_mxfp4(*restore_mxfp4(self.packed[e, start:end], self.scale[e, start:end],
+                                               self.in_features), torch.float32)

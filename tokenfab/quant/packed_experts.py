@@ -58,6 +58,7 @@ class PackedExperts(nn.Module):
 
     format_name = "?"
     kernel_format: int | None = None
+    gpu_layout = False  # True once prepare() re-laid the buffers for the GPU kernels (formats that do: INT4)
     checkpoint_parts = ("weight_packed", "weight_scale")  # tensors each expert Linear must provide (the loader)
 
     def __init__(self, num_experts: int, out_features: int, in_features: int):

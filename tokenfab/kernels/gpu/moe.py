@@ -179,11 +179,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
 
 def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: int, w13: torch.Tensor,
                s13: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None, act, start: int = 0,
-               out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None,
+               relaid: tuple[bool, bool] = (False, False)) -> torch.Tensor:
     """The fused-MoE flow of :func:`fused_moe` (``fmt`` DENSE, no scales) and ``packed_moe.fused_moe_packed``
     (``fmt`` 0 / 1 / 2 with scales s13 / s2): pairs aligned by expert, the gate|up GEMM, ``act``, the down GEMM times
     the routing weights, the k-sum in float32 (plus ``plus`` [T, hidden] when given), cast to ``out_dtype``
-    (default x's)."""
+    (default x's); ``relaid``: (gate|up, down) stacks in the GPU layout (moe_gemm.grouped_gemm)."""
     T, hidden = x.shape
     k = ids.shape[1]
     num_local, two_i = w13.shape[0], w13.shape[1]
@@ -197,9 +198,9 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
     x = x.contiguous()
     nsplit = torch.empty(1, dtype=torch.int32, device=x.device)
     h13 = torch.empty(M, two_i, dtype=x.dtype, device=x.device)  # gate|up: no split (N = 2I gives the programs)
-    grouped_gemm(x, w13, s13, fmt, h13, nsplit, pairs, two_i, hidden, k, False, inter, block_m)
+    grouped_gemm(x, w13, s13, fmt, h13, nsplit, pairs, two_i, hidden, k, False, inter, block_m, relaid[0])
     h = act(h13)  # rows of pairs routed elsewhere hold garbage; the second GEMM never reads them
     slots = split_slots(M, block_m, down=True)
     out_pairs = torch.empty(slots, M, hidden, dtype=torch.float32, device=x.device)  # idem: moe_sum skips those
-    grouped_gemm(h, w2, s2, fmt, out_pairs, nsplit, pairs, hidden, inter, 1, True, hidden, block_m)
+    grouped_gemm(h, w2, s2, fmt, out_pairs, nsplit, pairs, hidden, inter, 1, True, hidden, block_m, relaid[1])
     return moe_sum(out_pairs, ids, start, num_local, out_dtype or x.dtype, nsplit, plus)

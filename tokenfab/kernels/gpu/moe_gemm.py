@@ -27,15 +27,27 @@ gives nibble - 8 (:func:`_int4_tile16`); E2M1 / E4M3 fields are placed into the 
 multiply by a power of two restores the value (:func:`_e2m1_16`, :func:`_e4m3_16`); MXFP4 goes through Triton's
 microscaled ``tl.dot_scaled`` (bf16 / fp16 times E2M1 with E8M0 scales over the whole K tile; where this Triton
 cannot compile it, the first launch falls back to the E2M1 decode for good). Elsewhere the values are built
-as float32 bits (nibbles after shifts and ``tl.interleave``) and cast for the dot. A static count of the compiled
-sm_90 loop (Triton's compiler and ptxas on CPU; no GPU has run it): the bf16 decode loop issues about 9 / 6.5 / 9.5
-instructions per INT4 / MXFP4 (dot_scaled) / FP8 weight and thread, where the HBM rate leaves about 4 / 4 / 16 at
-full bandwidth, so the 4-bit formats are likely bound by instruction issue rather than bytes.
+as float32 bits (nibbles after shifts and ``tl.interleave``) and cast for the dot.
+
+Re-laid stacks (``relaid``; INT4 and MXFP4 on a GPU: kernels/gpu/moe_relayout.py lays the bits out once at load,
+kernels/gpu/moe_relaid_decode.py decodes them). Each 32-bit word gives a 16-bit MMA operand register's (k, k + 1)
+pair with one rotation and one mask (INT4: and an OR with 128 / 1024 and one packed subtraction; MXFP4: one packed
+multiply by 2^126 / 2^14), K is padded to whole 512-input tiles so the loads need no K masks, the K tile's group
+scales of a row are loaded at once, and on decode tiles the weights are the first MMA operand (C^T = W A^T: a
+64-row weight tile feeds Hopper's warpgroup MMA from registers, the activations its second operand from shared
+memory; where this Triton cannot compile that, the first launch falls back for good to the float32 decode of the
+same layout, as prefill tiles use). A static count of the compiled sm_90 loop with bf16 activations (Triton's
+compiler and ptxas on CPU, ``benchmarks/linear_sass.py --kernels moe``; no GPU has run it), instructions per
+weight and thread on decode tiles: INT4 8.8-11.6 in the checkpoint layout, 4.9-5.6 re-laid; MXFP4 7.1-10.9 with
+dot_scaled, 6.0-6.7 re-laid; FP8 10-11 (registers 64-90 re-laid, no spills). The HBM rate leaves about 4 / 4 / 16 at full bandwidth, so the 4-bit formats may still be bound by
+instruction issue rather than bytes (what remains: the group-scale FMA on the float32 partials, the register to
+shared memory round trip Triton makes for the weight operand, address and loop work).
 
 Configs. ``triton.autotune`` picks BLOCK_N, BLOCK_K, SPLIT_K, num_warps and num_stages per (row-tile height, pair
 count bucket, N, K, projection, format, dtypes) from a small list (:data:`CONFIGS`, pruned per call by
 :func:`_prune`): decode tiles (BLOCK_M 16) try narrow N tiles and split-K on the down projection; prefill tiles
-(BLOCK_M 64) try wide tiles without split-K. In Triton's interpreter one fixed config runs (:data:`INTERPRET_CONFIG`;
+(BLOCK_M 64) try wide tiles without split-K; re-laid 4-bit stacks on decode tiles try 64-row N tiles
+(:data:`RELAID_DECODE_CONFIGS`). In Triton's interpreter one fixed config runs (:data:`INTERPRET_CONFIG`;
 tests set others). The shapes follow the public designs of mixed-input MoE GEMMs (vLLM's fused_moe tile configs,
 Marlin's 16-byte weight loads per thread, OpenAI's triton_kernels split-K for MXFP4 MoE at small batch).
 """
@@ -47,6 +59,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenfab.kernels.gpu.moe_relaid_decode import e2m1 as _e2m1
+from tokenfab.kernels.gpu.moe_relaid_decode import e8m0 as _e8m0
+from tokenfab.kernels.gpu.moe_relaid_decode import (int4_relaid16, int4_relaid32, mxfp4_relaid16, mxfp4_relaid32,
+                                                     relaid_scales, split_col)
 from tokenfab.kernels.gpu.support import autotune_enabled, interpreting
 
 DENSE, INT4_GROUP, MXFP4, FP8_BLOCK = -1, 0, 1, 2
@@ -64,29 +80,33 @@ def _cfg(bn: int, bk: int, split: int, warps: int, stages: int) -> triton.Config
 # split. Few configs on purpose: every config is one more compile per format and projection on a GPU's first call.
 DECODE_CONFIGS = [_cfg(64, 128, 1, 4, 4), _cfg(32, 256, 1, 4, 3), _cfg(64, 128, 2, 4, 4), _cfg(32, 128, 4, 4, 4)]
 PREFILL_CONFIGS = [_cfg(128, 64, 1, 4, 4), _cfg(128, 128, 1, 8, 3)]
-CONFIGS = DECODE_CONFIGS + PREFILL_CONFIGS
+# re-laid 4-bit stacks on decode tiles: the weights are the first MMA operand (Hopper's 64-row warpgroup MMA), so N
+# tiles of 64 rows for 4 warps; K tiles of 128 to 512 inputs (the wider tiles amortize the loop over more groups;
+# 512 is the layout's K padding)
+RELAID_DECODE_CONFIGS = [_cfg(64, 128, 1, 4, 4), _cfg(64, 256, 1, 4, 3), _cfg(64, 512, 1, 4, 3),
+                         _cfg(64, 128, 2, 4, 4), _cfg(64, 128, 4, 4, 4)]
+CONFIGS = DECODE_CONFIGS + PREFILL_CONFIGS + RELAID_DECODE_CONFIGS
 # the config Triton's interpreter runs (one: no autotuning there); tests monkeypatch it to reach other splits / tiles
 INTERPRET_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}
 
 
 def _prune(configs, named_args, **kwargs):
-    """Configs for one call: decode row tiles (BLOCK_M 16) keep DECODE_CONFIGS whose SPLIT_K fits the output's
-    slices (``split_max``), prefill tiles PREFILL_CONFIGS; FP8 keeps BLOCK_K <= 128 (one 128-block per tile). Each
-    kept config is one compile per format and projection on a GPU, so the lists stay short."""
-    pool = DECODE_CONFIGS if kwargs["BLOCK_M"] <= 16 else PREFILL_CONFIGS
+    """Configs for one call: decode row tiles (BLOCK_M 16) keep DECODE_CONFIGS (re-laid 4-bit stacks:
+    RELAID_DECODE_CONFIGS) whose SPLIT_K fits the output's slices (``split_max``), prefill tiles PREFILL_CONFIGS;
+    FP8 keeps BLOCK_K <= 128 (one 128-block per tile). Each kept config is one compile per format and projection
+    on a GPU, so the lists stay short."""
+    if kwargs["BLOCK_M"] > 16:
+        pool = PREFILL_CONFIGS
+    elif kwargs.get("RELAID") and kwargs["FMT"] in (INT4_GROUP, MXFP4):
+        pool = RELAID_DECODE_CONFIGS
+    else:
+        pool = DECODE_CONFIGS
     split_max = named_args["split_max"]
     # K tiles of 256: for FP8 never, and where split-K is offered (the decode down projection) it takes their place
     wide_ok = kwargs["FMT"] != FP8_BLOCK and split_max == 1
     out = [c for c in configs if any(c is p for p in pool) and c.kwargs["SPLIT_K"] <= split_max
            and (wide_ok or c.kwargs["BLOCK_K"] <= 128)]
     return out or [pool[0]]
-
-
-@triton.jit
-def _e8m0(s8):
-    """E8M0 scale bytes (int32) -> float32 2^(s - 127); 0 -> 2^-127 (subnormal), 255 -> NaN."""
-    sc = tl.where(s8 == 0, 5.877471754111438e-39, (s8 << 23).to(tl.float32, bitcast=True))
-    return tl.where(s8 == 255, float("nan"), sc)
 
 
 @triton.jit
@@ -101,16 +121,6 @@ def _e4m3(b):
     sub = (s | (121 << 23) | (m << 20)).to(tl.float32, bitcast=True) - (s | (121 << 23)).to(tl.float32, bitcast=True)
     v = tl.where(e == 0, sub, normal)
     return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
-
-
-@triton.jit
-def _e2m1(c):
-    """E2M1 codes 0..15 (int32) -> float32, exact: sign bit 3, exponent bits 1-2 with bias 1, mantissa bit 0
-    (0, 0.5, 1, 1.5, 2, 3, 4, 6); OCP Microscaling Formats v1.0, 5.3.3."""
-    s = (c & 8) << 28
-    mag = c & 7
-    normal = (s | ((mag + 252) << 22)).to(tl.float32, bitcast=True)  # exponent e - 1 + 127, mantissa m << 22
-    return tl.where(mag < 2, tl.where(mag == 1, (s | (126 << 23)).to(tl.float32, bitcast=True), 0.0), normal)
 
 
 @triton.jit
@@ -238,12 +248,13 @@ def _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB: tl.co
 
 
 # sizes that change with the batch are not specialized on (value 1, divisibility by 16): one compile per config
-@triton.jit(do_not_specialize=["num_pairs", "a_row_div", "s_cs", "m_bucket", "split_max"])
+@triton.jit(do_not_specialize=["num_pairs", "a_row_div", "s_cs", "m_bucket", "split_max", "magic"])
 def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                   N, K, num_pairs, a_row_div, s_am, s_we, s_wn, s_wk, s_se, s_sn, s_cs, s_cm, PART, m_bucket,
                   split_max, MUL_WEIGHT: tl.constexpr, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
                   IEEE: tl.constexpr, MX_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, RELAID: tl.constexpr = False,
+                  RELAID_SWAP: tl.constexpr = True, magic=0):
     """C[s, pair, n] = sum over this split's k of A[pair // a_row_div, k] W_e[n, k] (times TOPW[pair] when
     MUL_WEIGHT) for the [BLOCK_M, BLOCK_N] tile of one row tile; FMT: DENSE (-1) or packed_moe.py's 0 / 1 / 2."""
     pid = tl.program_id(0)
@@ -271,10 +282,17 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
     # 16-bit INT4 decode feeding Hopper's 64-row MMA crashes a Triton pass (TritonGPUOptimizeDotOperands, 3.9)
     DT: tl.constexpr = A.dtype.element_ty if (not IEEE and BLOCK_M <= 16) else tl.float32
     # MXFP4 on decode tiles with 16-bit activations: Triton's own microscaled dot over the whole K tile
-    MX: tl.constexpr = MX_SCALED and FMT == 1 and DT != tl.float32
+    MX: tl.constexpr = MX_SCALED and FMT == 1 and DT != tl.float32 and not RELAID
     SUB: tl.constexpr = 32 if ((FMT == 0 or FMT == 1) and not MX) else BLOCK_K  # inputs per scale group in a tile
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # re-laid 4-bit stacks on decode tiles: the weights are the MMA's first operand (acc is C^T [BLOCK_N, BLOCK_M])
+    SWAP: tl.constexpr = RELAID and RELAID_SWAP and (FMT == 0 or FMT == 1) and DT != tl.float32
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
+        if SWAP:  # the K tile's group scales of each row at once: [BLOCK_N, BLOCK_K / 32] float32
+            scs = relaid_scales(S, e, n, nmask, k0, s_se, s_sn, BLOCK_K // 32, FMT, SCALE_BF16)
         for j in tl.static_range(BLOCK_K // SUB):
             kq = k0 + j * SUB
             kk = kq + tl.arange(0, SUB)
@@ -300,20 +318,39 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
             else:
                 if FMT == 2:
                     w, sc = _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB, DT)
+                elif SWAP:
+                    if FMT == 0:
+                        w = int4_relaid16(W, e, n, nmask, kq, s_we, s_wn, magic, DT)
+                    else:
+                        w = mxfp4_relaid16(W, e, n, nmask, kq, s_we, s_wn, DT)
+                    sc = split_col(scs, j, BLOCK_K // SUB)
+                elif RELAID and FMT == 0:
+                    w, sc = int4_relaid32(W, S, e, n, nmask, kq, s_we, s_wn, s_se, s_sn, SCALE_BF16)
+                elif RELAID:
+                    w, sc = mxfp4_relaid32(W, S, e, n, nmask, kq, s_we, s_wn, s_se, s_sn)
                 elif FMT == 0 and DT != tl.float32:
                     w, sc = _int4_tile16(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, SCALE_BF16, DT)
                 else:
                     w, sc = _packed4_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, FMT, SCALE_BF16, SUB,
                                           DT)
-                if IEEE:
-                    part = tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
-                else:  # the codes are exact in bf16 / fp16
-                    part = tl.dot(a, tl.trans(w.to(a.dtype)))
-                acc += part * sc[None, :]
-    if MUL_WEIGHT:
-        acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
-    tl.store(C + sk * s_cs + pair.to(tl.int64)[:, None] * s_cm + n[None, :], acc.to(C.dtype.element_ty),
-             mask=pmask[:, None] & nmask[None, :])
+                if SWAP:
+                    acc += tl.dot(w, tl.trans(a)) * sc[:, None]
+                else:
+                    if IEEE:
+                        part = tl.dot(a.to(tl.float32), tl.trans(w), input_precision="ieee")
+                    else:  # the codes are exact in bf16 / fp16
+                        part = tl.dot(a, tl.trans(w.to(a.dtype)))
+                    acc += part * sc[None, :]
+    if SWAP:
+        if MUL_WEIGHT:
+            acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(C + sk * s_cs + pair.to(tl.int64)[None, :] * s_cm + n[:, None], acc.to(C.dtype.element_ty),
+                 mask=pmask[None, :] & nmask[:, None])
+    else:
+        if MUL_WEIGHT:
+            acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
+        tl.store(C + sk * s_cs + pair.to(tl.int64)[:, None] * s_cm + n[None, :], acc.to(C.dtype.element_ty),
+                 mask=pmask[:, None] & nmask[None, :])
 
 
 def _autotuned():
@@ -327,13 +364,16 @@ def _autotuned():
         kw["do_bench"] = bench
     elif "warmup" in params:
         kw.update(warmup=5, rep=20)
-    return triton.autotune(CONFIGS, key=["m_bucket", "N", "K", "split_max", "MUL_WEIGHT", "FMT", "BLOCK_M"],
+    return triton.autotune(CONFIGS, key=["m_bucket", "N", "K", "split_max", "MUL_WEIGHT", "FMT", "BLOCK_M", "RELAID"],
                            prune_configs_by={"early_config_prune": _prune}, **kw)(_grouped_gemm)
 
 
 _TUNED = _autotuned()
 # whether MXFP4 decode tiles use tl.dot_scaled (off for good after a compile failure on this Triton)
 _MX_SCALED = [hasattr(tl, "dot_scaled")]
+# whether re-laid decode tiles use the 16-bit decodes with the weights as the first MMA operand (off for good after
+# a compile failure on this Triton: then they decode to float32 and cast, as prefill tiles do)
+_RELAID_SWAP = [True]
 
 
 def block_m_for(num_pairs: int, num_local: int) -> int:
@@ -355,7 +395,7 @@ def split_slots(num_pairs: int, block_m: int, down: bool) -> int:
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fmt: int, out: torch.Tensor,
                  nsplit: torch.Tensor, pairs: tuple, N: int, K: int, a_row_div: int, mul_weight: bool, part: int,
-                 block_m: int) -> None:
+                 block_m: int, relaid: bool = False) -> None:
     """One launch over all row tiles: out[s, pair, :N] = partial s of a[pair // a_row_div] @ W_e^T over the K
     inputs (times the pair's routing weight when ``mul_weight``).
 
@@ -368,6 +408,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
         nsplit: [1] int32, receives the SPLIT_K used (slices 0 .. SPLIT_K - 1 of ``out`` are written).
         pairs: (sorted_pairs, expert_of_block, num_post, routing weights [pairs] float32-readable, num_pairs).
         part: FP8 rows per block part (gate|up: I, down: N); block_m: the row-tile height of the alignment.
+        relaid: INT4 / MXFP4: ``w`` / ``scale`` are the GPU layout of kernels/gpu/moe_relayout.py (int32
+            [E, N, Kp / 8] and [E, N, Kp / 32], K padded to Kp, a multiple of 512) instead of the checkpoint's.
     """
     sorted_pairs, expert_of_block, num_post, topw, M = pairs
     tiles_m = min(sorted_pairs.numel() // block_m, M)  # every used row tile holds a pair
@@ -387,8 +429,10 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     # Triton's interpreter handles bf16 tiles wrongly (numpy has no bf16): there bf16 runs take the float32 path on
     # the same values (bf16 activations and codes are exact in float32); fp16 runs the 16-bit path as on a GPU
     ieee = a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16)
+    relaid = relaid and fmt in (INT4_GROUP, MXFP4)
     meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, MX_SCALED=_MX_SCALED[0],
-                BLOCK_M=block_m)
+                BLOCK_M=block_m, RELAID=relaid, RELAID_SWAP=_RELAID_SWAP[0],
+                magic=0x43004300 if a.dtype == torch.bfloat16 else 0x64006400)
     if interpreting():  # one config; splits beyond the output's slices and FP8 K tiles past 128 capped
         cfg = dict(INTERPRET_CONFIG, SPLIT_K=min(INTERPRET_CONFIG["SPLIT_K"], slots))
         if fmt == FP8_BLOCK:
@@ -398,7 +442,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
         def launch(**kw):
             _grouped_gemm[grid](*args, **kw, **cfg)
     elif not autotune_enabled():  # the first config the tuner would try for this call (support.autotune_enabled)
-        first = _prune(CONFIGS, {"split_max": slots}, FMT=fmt, BLOCK_M=block_m)[0]
+        first = _prune(CONFIGS, {"split_max": slots}, FMT=fmt, BLOCK_M=block_m, RELAID=relaid)[0]
         grid = (tiles_m * triton.cdiv(N, first.kwargs["BLOCK_N"]) * first.kwargs["SPLIT_K"],)
 
         def launch(**kw):
@@ -406,13 +450,16 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     else:
         def launch(**kw):
             _TUNED[lambda c: (tiles_m * triton.cdiv(N, c["BLOCK_N"]) * c["SPLIT_K"],)](*args, **kw)
-    if not meta["MX_SCALED"] or fmt != MXFP4:
+    # the one choice a failed first compile turns off for good: re-laid stacks' swapped 16-bit path, else (a Triton
+    # without tl.dot_scaled(bf16, e2m1 with scales)) MXFP4's dot_scaled for our own E2M1 decode
+    key, flag = ("RELAID_SWAP", _RELAID_SWAP) if relaid else ("MX_SCALED", _MX_SCALED)
+    if not meta[key] or (key == "MX_SCALED" and fmt != MXFP4):
         launch(**meta)
         return
     try:
         launch(**meta)
-    except Exception as err:  # a Triton without tl.dot_scaled(bf16, e2m1 with scales): our own MXFP4 decode
+    except Exception as err:
         if isinstance(err, torch.cuda.OutOfMemoryError):
             raise
-        _MX_SCALED[0] = False
-        launch(**dict(meta, MX_SCALED=False))
+        flag[0] = False
+        launch(**dict(meta, **{key: False}))

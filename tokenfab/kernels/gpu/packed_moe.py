@@ -12,6 +12,8 @@ tokenfab/quant/int4_group.py and mxfp4_experts.py):
 * MXFP4 (``mxfp4-pack-quantized``): ``packed`` uint8 [E, N, K / 2], column 2c in the low nibble of byte c and 2c + 1
   in the high one, each an E2M1 code (sign, 2 exponent bits with bias 1, 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6);
   ``scale`` uint8 E8M0 [E, N, K / 32], 2^(s - 127) (255: NaN). OCP Microscaling Formats v1.0, 5.3.3 and 5.4.1.
+* On a GPU, INT4 and MXFP4 stacks are re-laid once at load (kernels/gpu/moe_relayout.py: bits placed for two-at-a-
+  time 16-bit decodes, K padded to 512; ``relaid``); the CPU keeps the layouts above.
 * FP8 block-scaled (DeepSeek-V3 / Kimi-K2; tokenfab/quant/fp8_block_experts.py): ``packed`` uint8 [E, N, K], the
   float8_e4m3fn bits (sign, 4 exponent bits with bias 7, 3 mantissa bits; exponent 0: m 2^-9; S.1111.111: NaN);
   ``scale`` float32 [E, (N / PART) ceil(PART / 128), ceil(K / 128)], the rows in parts of PART rows (gate|up: I,
@@ -29,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from tokenfab.kernels.gpu.moe import routed_sum
+from tokenfab.kernels.gpu.moe_relayout import padded_k
 
 INT4_GROUP, MXFP4, FP8_BLOCK = 0, 1, 2
 _FORMATS = {"int4_group": INT4_GROUP, "mxfp4": MXFP4, "fp8_block": FP8_BLOCK}
@@ -36,7 +39,8 @@ _FORMATS = {"int4_group": INT4_GROUP, "mxfp4": MXFP4, "fp8_block": FP8_BLOCK}
 
 def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Tensor, p2: torch.Tensor,
                      s2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act, start: int = 0,
-                     out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None) -> torch.Tensor:
+                     out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None,
+                     relaid: bool | tuple[bool, bool] = False) -> torch.Tensor:
     """sum over a token's k routed experts (those in [start, start + E_local)) of weight * expert(x), the experts'
     weights read packed.
 
@@ -51,6 +55,9 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
         act: the experts' gated activation, [P, 2I] -> [P, I] (SiLU-GLU; K3's SiTU).
         out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
         plus: [T, hidden] or None, added in the float32 k-sum (the shared experts' output).
+        relaid: INT4 / MXFP4: whether the stacks (one flag for both, or (gate|up, down)) are in the GPU layout of
+            kernels/gpu/moe_relayout.py: int32 words with K padded to padded_k (p13 [E_local, 2I, padded_k(hidden)
+            / 8], s13 [E_local, 2I, padded_k(hidden) / 32], p2 and s2 likewise over padded_k(I)).
 
     Returns:
         [T, hidden] (pairs routed to other ranks contribute zero; the k-sum is in float32).
@@ -69,8 +76,13 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
         want13, want2 = (num_local, 2 * cb(inter), cb(hidden)), (num_local, cb(hidden), cb(inter))
     else:
         want13, want2 = (num_local, two_i, hidden // 32), (num_local, hidden, inter // 32)
-    if (p13.shape[2] * per != hidden or tuple(s13.shape) != want13 or p2.shape[:2] != (num_local, hidden)
-            or p2.shape[2] * per != inter or tuple(s2.shape) != want2):
+    r13, r2 = (relaid, relaid) if isinstance(relaid, bool) else relaid
+    r13, r2 = r13 and fmt != "fp8_block", r2 and fmt != "fp8_block"
+    k13, per13 = (padded_k(hidden), 8) if r13 else (hidden, per)
+    k2, per2 = (padded_k(inter), 8) if r2 else (inter, per)
+    want13, want2 = (want13[:2] + (k13 // 32,) if r13 else want13), (want2[:2] + (k2 // 32,) if r2 else want2)
+    if (p13.shape[2] * per13 != k13 or tuple(s13.shape) != want13 or p2.shape[:2] != (num_local, hidden)
+            or p2.shape[2] * per2 != k2 or tuple(s2.shape) != want2):
         raise ValueError(f"fused_moe_packed: {fmt} stacks {tuple(p13.shape)}/{tuple(s13.shape)} and "
                          f"{tuple(p2.shape)}/{tuple(s2.shape)} do not match hidden {hidden}")
-    return routed_sum(x, weights, ids, _FORMATS[fmt], p13, s13, p2, s2, act, start, out_dtype, plus)
+    return routed_sum(x, weights, ids, _FORMATS[fmt], p13, s13, p2, s2, act, start, out_dtype, plus, (r13, r2))
