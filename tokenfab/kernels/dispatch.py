@@ -15,6 +15,8 @@ silu_and_mul               silu_and_mul                      gpu/norm_activation
 rope                       rope                              gpu/norm_activation.py
 qk_rope_cache              - (the decode block fuses it)     gpu/rope_cache.py (q/k norm + RoPE + KV write)
 mla_rope_cache             - (the decode block fuses it)     gpu/rope_cache.py (kv norm + RoPE + latent write)
+mla_decode_glue            - (the decode block fuses it)     gpu/mla_decode_glue.py (norms + latent write;
+                                                             absorbed queries)
 paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
 causal_softmax_ (prefill)  causal_softmax_                   -
 flash_prefill_attention    flash_prefill_attention (bf16)    -
@@ -144,6 +146,14 @@ def mla_rope_cache(q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, kv
     from tokenfab.kernels.gpu import rope_cache
     return rope_cache.mla_rope_cache(q, c_kv, k_rope, kv_norm, eps, positions, cos, sin, interleave, slot_mapping,
                                      cache)
+
+
+def mla_decode_glue_applies(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """True when an MLA layer's decode-only step runs :mod:`tokenfab.kernels.gpu.mla_decode_glue` (q_a norm with
+    the latent write, then the absorbed queries, one launch each): the GPU code path, float activations ``x``
+    [T, hidden] and a latent pool of x's dtype with a unit last stride."""
+    return (_gpu(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and cache.dtype == x.dtype
+            and cache.dim() == 3 and cache.stride(-1) == 1)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -65,6 +65,8 @@ _ROUTED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_pro
 class NoRotary(nn.Module):
     """Identity "rotary embedding" for NoPE MLA: returns q and k unchanged."""
 
+    is_identity = True  # layers/mla.py's GPU decode path then stores and reads the rope slice unrotated
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return q, k
 
