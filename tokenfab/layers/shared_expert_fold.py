@@ -5,7 +5,7 @@ intermediate I that every token chooses with weight 1: down(silu(gate x) * up x)
 into s chunks whose down-projections sum (SGLang's "shared experts fusion" and vLLM's fused shared experts do the
 same). So after loading, :func:`fold_shared_experts` stacks them behind the routed ones (w13 [E + s, 2I, hidden],
 w2 [E + s, hidden, I]; the routed experts keep views of the first E rows, nothing duplicated but the shared
-weights), the router appends s always-chosen slots (ids E .. E + s - 1, weight 1.0) in its own launch, and the
+weights; while folding, one layer's routed stacks are held twice), the router appends s always-chosen slots (ids E .. E + s - 1, weight 1.0) in its own launch, and the
 fused MoE runs everything in its grouped GEMMs: a decode MoE layer saves the shared MLP's three launches (gate|up
 GEMM, activation, down GEMM) and the weighted sum stays one float32 k-sum with a single rounding.
 
@@ -77,14 +77,17 @@ def fold_shared_experts(experts: nn.Module, shared: nn.Module | None, gate) -> F
     if not router.applies(gate.num_experts, gate.n_group, gate.top_k) or gate.num_experts != E:
         return None
     s = gw.shape[0] // inter
-    with torch.no_grad():
-        all13 = w13.new_empty(E + s, two_i, hidden)
-        all13[:E] = w13
-        all13[E:, :inter] = gw.view(s, inter, hidden)
-        all13[E:, inter:] = uw.view(s, inter, hidden)
-        all2 = w2.new_empty(E + s, hidden, inter)
-        all2[:E] = w2
-        all2[E:] = dw.view(hidden, s, inter).transpose(0, 1)
+    try:  # the layer's routed stacks are briefly held twice (one layer at a time)
+        with torch.no_grad():
+            all13 = w13.new_empty(E + s, two_i, hidden)
+            all13[:E] = w13
+            all13[E:, :inter] = gw.view(s, inter, hidden)
+            all13[E:, inter:] = uw.view(s, inter, hidden)
+            all2 = w2.new_empty(E + s, hidden, inter)
+            all2[:E] = w2
+            all2[E:] = dw.view(hidden, s, inter).transpose(0, 1)
+    except torch.OutOfMemoryError:  # no room for the copy: keep the separate shared MLP
+        return None
     experts.w13 = nn.Parameter(all13[:E], requires_grad=False)  # the old stacks are freed
     experts.w2 = nn.Parameter(all2[:E], requires_grad=False)
     return FoldedSharedExperts(all13, all2, s)

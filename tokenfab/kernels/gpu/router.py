@@ -113,7 +113,8 @@ def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, 
              mask=tmask[:, None] & emask[None, :])
     tl.debug_barrier()  # every thread's partial stored before the ticket (released at GPU scope)
     ticket = tl.atomic_add(count_ptr + tb, 1, sem="acq_rel")
-    if ticket == tl.num_programs(0) - 1:
+    if ticket == tl.num_programs(0) - 1:  # (the barrier / release / acquire / barrier of Inductor's grid barrier)
+        tl.debug_barrier()  # the acquired ticket seen by every thread before they read the other partials
         cols = tl.arange(0, E)[None, :]
         logits = tl.zeros([BLOCK_T, E], tl.float32)
         for s in range(SPLIT):  # in split order: the same sum whichever program came last
