@@ -193,6 +193,37 @@ def test_gpu_path_engine_token_exact(gpu_path_on_cpu, tiny_model, family):
     assert worst < 1e-4
 
 
+@pytest.mark.parametrize("variant", [dict(q_lora_rank=None, rope_interleave=False),
+                                     dict(n_group=4, topk_group=1, first_k_dense_replace=2, num_hidden_layers=3,
+                                          norm_topk_prob=False, n_shared_experts=2)],
+                         ids=["q-lora-null-half-rope", "grouped-routing-two-shared"])
+def test_gpu_path_deepseek_variants_token_exact(gpu_path_on_cpu, tiny_model, variant):
+    """DeepSeek-V3 variants on the GPU code path against transformers (tests/test_engine_exact.py's check): MLA's
+    decode glue from q_proj (no q LoRA) with half-split RoPE; grouped routing with a bias, no renormalization and
+    two experts' width of shared MLP folded into the routed stacks as two always-chosen slots."""
+    from test_engine_exact import check_family, make_prompts
+    from tokenfab.kernels.gpu import mla_decode_glue
+    from tokenfab.layers import shared_expert_fold
+    calls = {"glue": 0, "fold": 0}
+    orig_glue, orig_fold = mla_decode_glue.mla_latent_query, shared_expert_fold.FoldedSharedExperts.__call__
+
+    def glue(*a, **kw):
+        calls["glue"] += 1
+        return orig_glue(*a, **kw)
+
+    def fold(self, *a, **kw):
+        calls["fold"] += 1
+        assert self.slots == variant.get("n_shared_experts", 1)
+        return orig_fold(self, *a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mla_decode_glue, "mla_latent_query", glue)
+        mp.setattr(shared_expert_fold.FoldedSharedExperts, "__call__", fold)
+        _, worst = check_family(tiny_model("deepseek_v3", **variant), make_prompts(4, [30, 7]))
+    assert calls["glue"] and calls["fold"], calls
+    assert worst < 1e-4
+
+
 def test_gpu_path_seam(monkeypatch):
     """Only ``interpret-gpu-path`` (with TRITON_INTERPRET=1) sends CPU tensors down the GPU path; plain
     ``interpret`` keeps them on the CPU kernels, and the engine accepts both values."""
