@@ -254,7 +254,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, st
     """The routed SiLU-GLU experts' weighted sum for x [T, hidden], weights / ids [T, k] (experts from ``start``):
     the C++ dispatch over per-expert packed weights ``packed13`` / ``packed2`` on CPU (pass None to keep the Python
     loop), the Triton grouped GEMMs over the stacks ``w13`` [E, 2I, hidden] / ``w2`` [E, hidden, I] on CUDA/ROCm
-    (``act``: the activation between them; None: SiLU-GLU in the gate|up GEMM's epilogue), or None. ``plus`` [T, hidden] (the shared experts' output) is added to
+    (``act``: the activation between them; None: SiLU-GLU in the gate|up GEMM's epilogue), or
+    None. ``plus`` [T, hidden] (the shared experts' output) is added to
     the result: inside the Triton k-sum, after the C++ kernel's."""
     if packed13 is not None and cpu_ops.available_for(x):
         out = cpu_ops.moe_experts_packed(x, weights, ids, packed13, packed2, start)

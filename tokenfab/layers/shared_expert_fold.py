@@ -3,11 +3,12 @@
 A shared SiLU-GLU MLP of intermediate s * I beside routed experts of intermediate I is, exactly, s more experts of
 intermediate I that every token chooses with weight 1: down(silu(gate x) * up x) splits along the intermediate axis
 into s chunks whose down-projections sum (SGLang's "shared experts fusion" and vLLM's fused shared experts do the
-same). So after loading, :func:`fold_shared_experts` stacks them behind the routed ones (w13 [E + s, 2I, hidden],
-w2 [E + s, hidden, I]; the routed experts keep views of the first E rows, nothing duplicated but the shared
-weights; while folding, one layer's routed stacks are held twice), the router appends s always-chosen slots (ids E .. E + s - 1, weight 1.0) in its own launch, and the
-fused MoE runs everything in its grouped GEMMs: a decode MoE layer saves the shared MLP's three launches (gate|up
-GEMM, activation, down GEMM) and the weighted sum stays one float32 k-sum with a single rounding.
+same). So after loading, :func:`fold_shared_experts` stacks them behind the routed ones (w13 [E + s, 2I, hidden], w2
+[E + s, hidden, I]; the routed experts keep views of the first E rows, nothing duplicated but the shared weights;
+while folding, one layer's routed stacks are held twice), the router appends s always-chosen slots (ids E .. E + s -
+1, weight 1.0) in its own launch, and the fused MoE runs everything in its grouped GEMMs: a decode MoE layer saves
+the shared MLP's three launches (gate|up GEMM, activation, down GEMM) and the weighted sum stays one float32 k-sum
+with a single rounding.
 
 Results differ from ``routed + shared(x)`` by float rounding only (the shared output is no longer rounded to the
 activation dtype before the sum; the sum's order changes). Applies with a plain (unquantized, bias-free) routed
