@@ -76,8 +76,11 @@ def _experts(T, E, k, hidden, inter, start, num_local, seed):
 @pytest.mark.parametrize("T,E,k,start,num_local", [(1, 8, 3, 0, 8), (7, 8, 2, 0, 8), (40, 16, 4, 4, 6),
                                                    (300, 8, 2, 0, 8)],
                          ids=["one-token", "decode", "expert-parallel-slice", "prefill-tiles-of-64"])
-def test_fused_moe_matches_routed_experts(interpret, T, E, k, start, num_local):
-    """Against RoutedExperts' PyTorch loop (each active expert once over its tokens, index_add back)."""
+@pytest.mark.parametrize("glu", ["separate", "epilogue"])
+def test_fused_moe_matches_routed_experts(interpret, T, E, k, start, num_local, glu):
+    """Against RoutedExperts' PyTorch loop (each active expert once over its tokens, index_add back); SiLU-GLU as
+    its own launch or in the gate|up GEMM's epilogue (act None; intermediate 24: a partial 32-row N tile, so the
+    up rows' offset and mask are exercised)."""
     from tokenfab.kernels.gpu.moe import fused_moe
     from tokenfab.layers.activation import silu_and_mul
     from tokenfab.layers.moe import RoutedExperts
@@ -89,7 +92,7 @@ def test_fused_moe_matches_routed_experts(interpret, T, E, k, start, num_local):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TOKENFAB_TRITON", "0")
         want = ref(x, weights, ids)
-    got = fused_moe(x, w13, w2, weights, ids, silu_and_mul, start)
+    got = fused_moe(x, w13, w2, weights, ids, silu_and_mul if glu == "separate" else None, start)
     assert want.abs().max() > 0.1  # something was routed here
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 

@@ -15,10 +15,12 @@ silu_and_mul               silu_and_mul                      gpu/norm_activation
 rope                       rope                              gpu/norm_activation.py
 qk_rope_cache              - (the decode block fuses it)     gpu/rope_cache.py (q/k norm + RoPE + KV write)
 mla_rope_cache             - (the decode block fuses it)     gpu/rope_cache.py (kv norm + RoPE + latent write)
+mla_decode_glue            - (the decode block fuses it)     gpu/mla_decode_glue.py (norms + latent write;
+                                                             absorbed queries)
 paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
 causal_softmax_ (prefill)  causal_softmax_                   -
 flash_prefill_attention    flash_prefill_attention (bf16)    -
-sigmoid_group_topk         sigmoid_group_topk                gpu/router.py (power-of-two shapes)
+sigmoid_group_topk         sigmoid_group_topk                gpu/router.py (power-of-two shapes; with the GEMM)
 softmax_topk               -                                 gpu/router.py (Qwen3-MoE's softmax top-k)
 routed_experts             moe_experts_packed                gpu/moe.py (dense stacks)
 routed_experts_packed      -                                 gpu/packed_moe.py (INT4 / MXFP4 / FP8 stacks)
@@ -146,6 +148,14 @@ def mla_rope_cache(q: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, kv
                                      cache)
 
 
+def mla_decode_glue_applies(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    """True when an MLA layer's decode-only step runs :mod:`tokenfab.kernels.gpu.mla_decode_glue` (q_a norm with
+    the latent write, then the absorbed queries, one launch each): the GPU code path, float activations ``x``
+    [T, hidden] and a latent pool of x's dtype with a unit last stride."""
+    return (_gpu(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and cache.dtype == x.dtype
+            and cache.dim() == 3 and cache.stride(-1) == 1)
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            context_lens: torch.Tensor, max_context: int, scale: float) -> torch.Tensor | None:
     """Decode attention q [B, H, D] straight from the paged pool (k_cache / v_cache [blocks, block_size, Hk, D / Dv],
@@ -195,20 +205,36 @@ def causal_softmax_(scores: torch.Tensor, query_pos: torch.Tensor, q_len: int, s
 
 
 def sigmoid_group_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
-                       top_k: int, norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """DeepSeek-V3 / Kimi-K2 routing of x [T, hidden] with the router weight [E, hidden] float32: the router GEMM in
-    float32, then the CPU kernel's selection in one pass per token -> (weights [T, top_k] float32, ids [T, top_k]
-    int64), or None. On a GPU the Triton kernel does the selection (ids in descending choice score)."""
+                       top_k: int, norm: bool, scale: float, extra: int = 0,
+                       tickets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """DeepSeek-V3 / Kimi-K2 routing of x [T, hidden] with the router weight [E, hidden] float32 -> (weights
+    [T, top_k (+ extra)] float32, ids [T, top_k (+ extra)] int64), or None. GPU path: with ``tickets``
+    (:data:`tokenfab.kernels.gpu.router.TICKETS` int32 zeros owned by the router) and up to FUSED_MAX_TOKENS tokens,
+    GEMM and selection in one launch (:func:`~tokenfab.kernels.gpu.router.router_topk`), else the float32 GEMM then
+    the selection kernel; ``extra`` always-chosen slots (ids E.., weight 1.0; shared experts folded into the routed
+    stacks) appended. CPU: the GEMM then the C++ selection (``extra`` must be 0)."""
     if _gpu(x):
         from tokenfab.kernels.gpu import router
-        if router.applies(weight.shape[0], n_group, top_k):
-            return router.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group,
-                                             topk_group, top_k, norm, scale)
-        return None
-    if cpu_ops.available_for(x):
+        if not router.applies(weight.shape[0], n_group, top_k):
+            return None
+        if (tickets is not None and x.shape[0] <= router.FUSED_MAX_TOKENS and x.dim() == 2 and x.stride(-1) == 1
+                and weight.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+            return router.router_topk(x, weight, bias, tickets, n_group, topk_group, top_k, norm, scale, extra)
+        return router.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group,
+                                         topk_group, top_k, norm, scale, extra)
+    if cpu_ops.available_for(x) and not extra:
         return cpu_ops.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group, topk_group,
                                           top_k, norm, scale)
     return None
+
+
+def router_tickets(x: torch.Tensor) -> torch.Tensor | None:
+    """On the GPU path, the zeroed int32 counters a router keeps for its fused GEMM + selection launch
+    (:func:`tokenfab.kernels.gpu.router.router_topk`) on x's device; None elsewhere."""
+    if not _gpu(x):
+        return None
+    from tokenfab.kernels.gpu import router
+    return torch.zeros(router.TICKETS, dtype=torch.int32, device=x.device)
 
 
 def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -228,7 +254,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, st
     """The routed SiLU-GLU experts' weighted sum for x [T, hidden], weights / ids [T, k] (experts from ``start``):
     the C++ dispatch over per-expert packed weights ``packed13`` / ``packed2`` on CPU (pass None to keep the Python
     loop), the Triton grouped GEMMs over the stacks ``w13`` [E, 2I, hidden] / ``w2`` [E, hidden, I] on CUDA/ROCm
-    (``act``: the activation between them), or None. ``plus`` [T, hidden] (the shared experts' output) is added to
+    (``act``: the activation between them; None: SiLU-GLU in the gate|up GEMM's epilogue), or
+    None. ``plus`` [T, hidden] (the shared experts' output) is added to
     the result: inside the Triton k-sum, after the C++ kernel's."""
     if packed13 is not None and cpu_ops.available_for(x):
         out = cpu_ops.moe_experts_packed(x, weights, ids, packed13, packed2, start)

@@ -212,6 +212,55 @@ class MLAttention(nn.Module):
             self.fuse()
         return self._w_uk, self._w_uv_t
 
+    def _gpu_decode(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor | None:
+        """A decode-only batch on the GPU code path (:mod:`tokenfab.kernels.gpu.mla_decode_glue`): the a-projection
+        GEMM(s), q_a_layernorm with the latent row write (one launch), the q_b GEMM, the absorbed queries
+        [q_nope W_UK | RoPE(q_rope)] written head-major (one launch), decode attention over the latent pool, W_UV
+        into a token-major buffer and the o GEMM: the same math and roundings as :meth:`forward`'s general path.
+        x [T, hidden] -> [T, hidden], or None where it does not apply (a prefill group, rows not the flat batch in
+        order, CPU tensors, a rotary other than a float32 table or NoPE, dtypes the kernels do not take)."""
+        dec, T = meta.decode, x.shape[0]
+        rot = self.rotary
+        cos = getattr(rot, "cos", None)
+        nope_layer = getattr(rot, "is_identity", False)
+        if (meta.prefill is not None or dec is None or dec.q_len != 1 or dec.flat_range != (0, T)
+                or not (nope_layer or (cos is not None and cos.dtype == torch.float32))
+                or not dispatch.mla_decode_glue_applies(x, cache)):
+            return None
+        w_uk, w_uv_t = self._absorbed_weights()
+        if self._head_gemm or w_uk.dtype != x.dtype:
+            return None
+        fused_a = getattr(self, "qkv_a_proj", None)
+        q_full = None
+        if fused_a is not None:
+            q_a, c_kv, k_rope = fused_a(x).split([self.q_lora_rank, self.kv_lora, self.rope_dim], dim=-1)
+        else:
+            if self.q_lora_rank is None:
+                q_a, q_full = None, self.q_proj(x)
+            else:
+                q_a = self.q_a_proj(x)
+            c_kv, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope_dim], dim=-1)
+        if c_kv.dtype != x.dtype or (q_a is not None and q_a.dtype != x.dtype):
+            return None  # the CUDA-graph capture never sees this: dtypes are fixed per engine
+        q_norm = None if q_a is None else self.q_a_layernorm
+        tables = (None, None) if nope_layer else (cos, rot.sin)
+        from tokenfab.kernels.gpu import mla_decode_glue as glue
+        q_n = glue.mla_norms_cache(q_a, c_kv, k_rope, None if q_norm is None else q_norm.weight,
+                                   self.kv_a_layernorm.weight, 0.0 if q_norm is None else q_norm.eps,
+                                   self.kv_a_layernorm.eps, positions, *tables, getattr(rot, "interleave", False),
+                                   meta.slot_mapping, cache)
+        q = (q_full if q_n is None else self.q_b_proj(q_n)).view(T, self.num_heads, self.qk_dim)
+        q_lat = glue.mla_latent_query(q, w_uk, positions, *tables, getattr(rot, "interleave", False))
+        lat = cache.unsqueeze(2)  # [num_blocks, block_size, 1, C + R]: one latent "head", values = first C
+        o_lat = fused_decode(q_lat, lat, lat[..., : self.kv_lora], dec, self.scale)  # [T, H, C]
+        if o_lat is None:
+            ctx = gather_cache(cache, dec).to(x.dtype).unsqueeze(1)  # [T, 1, L, C + R]
+            o_lat = attention(q_lat.unsqueeze(2), ctx, ctx, dec, self.scale)[:, :, 0, : self.kv_lora]
+        o = x.new_empty(T, self.num_heads, self.v_dim)  # W_UV per head, written token-major: o_proj reads it as is
+        torch.bmm(o_lat.transpose(0, 1), w_uv_t, out=o.transpose(0, 1))
+        return self.o_proj(o.view(T, self.num_heads * self.v_dim))
+
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
@@ -223,6 +272,9 @@ class MLAttention(nn.Module):
             return cpu_ops.mla_decode(x, positions, meta.slot_mapping, cache, dec.block_tables, dec.context_lens,
                                           w, dims, self.rotary.cos, self.rotary.sin, self.rotary.interleave, eps_q,
                                           eps_kv, self.scale)
+        out = self._gpu_decode(positions, x, cache, meta)
+        if out is not None:
+            return out
         fused_a = getattr(self, "qkv_a_proj", None)
         if fused_a is not None:  # after fuse(): [q_a | c_kv | k_rope] from one GEMM
             q_a, c_kv, k_rope = fused_a(x).split([self.q_lora_rank, self.kv_lora, self.rope_dim], dim=-1)

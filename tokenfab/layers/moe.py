@@ -35,10 +35,17 @@ class SigmoidGroupRouter(nn.Module):
         self.n_group, self.topk_group = n_group, topk_group
         self.norm_topk_prob, self.scaling = norm_topk_prob, routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    _tickets: torch.Tensor | None = None  # GPU path: the fused router launch's per-tile counters (kept zero)
+
+    def forward(self, x: torch.Tensor, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k + extra] float32, expert ids [T, k + extra] int64); the ``extra`` slots
+        after the k routed ones are experts num_experts + j with weight 1.0 (shared experts run as routed ones,
+        layers/shared_expert_fold.py)."""
+        if self._tickets is None or self._tickets.device != x.device:
+            self._tickets = dispatch.router_tickets(x)  # created on the first (prefill / warm-up) call
         out = dispatch.sigmoid_group_topk(x, self.weight, self.e_score_correction_bias, self.n_group,
-                                          self.topk_group, self.top_k, self.norm_topk_prob, self.scaling)
+                                          self.topk_group, self.top_k, self.norm_topk_prob, self.scaling, extra,
+                                          self._tickets)
         if out is not None:  # CPU: the same selection in one pass per token after the router GEMM
             return out
         scores = torch.nn.functional.linear(x.float(), self.weight).sigmoid()
@@ -54,7 +61,12 @@ class SigmoidGroupRouter(nn.Module):
         w = scores.gather(1, ids)
         if self.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return w * self.scaling, ids
+        w = w * self.scaling
+        if extra:
+            T = x.shape[0]
+            shared = torch.arange(self.num_experts, self.num_experts + extra, device=x.device).expand(T, extra)
+            return torch.cat([w, w.new_ones(T, extra)], 1), torch.cat([ids, shared], 1)
+        return w, ids
 
 
 class SoftmaxTopKRouter(nn.Module):
@@ -190,7 +202,7 @@ class RoutedExperts(nn.Module):
                 if self.route_counter is not None:
                     self.route_counter.record(ids)
                 out = (self.packed_forward(x, weights, ids, plus) if self.q13 is not None else
-                       dispatch.routed_experts(x, weights, ids, self.start, silu_and_mul, self.w13, self.w2, plus=plus))
+                       dispatch.routed_experts(x, weights, ids, self.start, None, self.w13, self.w2, plus=plus))
                 if out is not None:
                     return out
                 return self.forward_unfused(x, weights, ids) + plus
@@ -201,7 +213,7 @@ class RoutedExperts(nn.Module):
             return self.host.forward(self, x, weights, ids)
         if self.q13 is not None:
             return self.packed_forward(x, weights, ids)
-        out = dispatch.routed_experts(x, weights, ids, self.start, silu_and_mul, self.w13, self.w2,
+        out = dispatch.routed_experts(x, weights, ids, self.start, None, self.w13, self.w2,
                                       self._p13 if self.fused_dispatch else None, self._p2)
         if out is not None:  # CPU: the same math in C++; CUDA/ROCm: grouped GEMMs in Triton, graph-safe
             return out

@@ -14,6 +14,7 @@ from tokenfab.layers.mla import MLAttention
 from tokenfab.layers.mlp import GatedMLP
 from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
 from tokenfab.layers.rotary import RotaryEmbedding
+from tokenfab.layers.shared_expert_fold import fold_shared_experts
 from tokenfab.models.base import CausalLM, layer_index
 from tokenfab.models.llama import DecoderLayer
 from tokenfab.parallel.distributed import current_tp
@@ -32,7 +33,19 @@ class DeepseekV3MoE(nn.Module):
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts if tp is None else tp.size("shared_intermediate")
         self.shared_experts = GatedMLP(cfg.hidden_size, shared) if cfg.n_shared_experts else None
 
+        self.folded = None  # GPU path: shared experts stacked behind the routed ones (fuse())
+
+    def fuse(self) -> None:
+        """After loading, on the GPU code path: the shared experts become always-chosen routed experts
+        (layers/shared_expert_fold.py), three launches fewer per decode step."""
+        if self.folded is None:
+            self.folded = fold_shared_experts(self.experts, self.shared_experts, self.gate)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.folded is not None:
+            out = self.folded(x, self.gate, self.experts)
+            if out is not None:
+                return out
         w, ids = self.gate(x)
         if self.shared_experts is None:
             return self.experts(x, w, ids)

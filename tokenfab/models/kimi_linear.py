@@ -52,6 +52,7 @@ from tokenfab.layers.mlp import GatedMLP
 from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
 from tokenfab.layers.mxfp4 import dequantize_mxfp4
 from tokenfab.layers.norm import RMSNorm
+from tokenfab.layers.shared_expert_fold import fold_shared_experts
 from tokenfab.models.base import CausalLM, layer_index
 from tokenfab.models.llama import DecoderLayer
 from tokenfab.parallel.distributed import current_tp
@@ -64,6 +65,8 @@ _ROUTED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_pro
 
 class NoRotary(nn.Module):
     """Identity "rotary embedding" for NoPE MLA: returns q and k unchanged."""
+
+    is_identity = True  # layers/mla.py's GPU decode path then stores and reads the rope slice unrotated
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return q, k
@@ -177,8 +180,19 @@ class KimiMoE(nn.Module):
         else:
             self.experts = RoutedExperts(cfg.num_experts, inner, cfg.moe_intermediate_size, rng)
         self.shared_experts = make_mlp(cfg, shared) if cfg.n_shared_experts else None
+        self.folded = None  # GPU path, SiLU experts without the latent MoE: shared experts stacked behind routed
+
+    def fuse(self) -> None:
+        """After loading, on the GPU code path (SiLU experts, no latent MoE): the shared experts become
+        always-chosen routed experts (layers/shared_expert_fold.py), three launches and the add fewer per step."""
+        if self.folded is None and not self.latent:
+            self.folded = fold_shared_experts(self.experts, self.shared_experts, self.gate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.folded is not None:
+            out = self.folded(x, self.gate, self.experts)
+            if out is not None:
+                return out
         w, ids = self.gate(x)
         z = self.routed_expert_down_proj(x) if self.latent else x
         y = self.experts(z, w, ids)

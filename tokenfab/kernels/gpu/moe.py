@@ -12,7 +12,8 @@ slot) are then summed in float32, in a fixed order.
 The alignment is one launch (:func:`align_pairs_fused`, :func:`align_pairs` its tensor-op reference; no
 ``.item()``, no data-dependent shapes): the grid covers the worst case and tiles past the real end return at once,
 so the launch is CUDA-graph safe. The k-sum and the cast are one more (:func:`moe_sum`): a decode MoE layer's
-routed experts are 5 launches (align, gate|up GEMM, activation, down GEMM, sum).
+routed experts are 4 launches (align, gate|up GEMM with the SiLU-GLU epilogue, down GEMM, sum; 5 with a separate
+activation: packed stacks, other activations).
 Reference and fallback: ``layers/moe.py::RoutedExperts`` (tests/test_triton_kernels.py runs both in Triton's
 interpreter).
 """
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenfab.kernels.gpu import norm_activation
 from tokenfab.kernels.gpu.moe_gemm import DENSE, block_m_for, grouped_gemm, split_slots
 
 
@@ -167,7 +169,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     Args:
         x: [T, hidden]; w13: [E_local, 2I, hidden] ([gate | up] rows); w2: [E_local, hidden, I];
         weights: [T, k] routing weights (float32 or x's dtype, read as float32); ids: [T, k] int64 global expert ids.
-        act: SiLU-GLU, [P, 2I] -> [P, I] (``layers/activation.py::silu_and_mul``).
+        act: the gated activation, [P, 2I] -> [P, I], or None for SiLU-GLU computed in the gate|up GEMM's
+            epilogue (``layers/activation.py::silu_and_mul``'s math and roundings, one launch fewer).
         start: first global expert id held in w13/w2.
         plus: [T, hidden] or None, added in the k-sum (:func:`moe_sum`; the shared experts' output).
 
@@ -182,7 +185,8 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
                out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None,
                relaid: tuple[bool, bool] = (False, False)) -> torch.Tensor:
     """The fused-MoE flow of :func:`fused_moe` (``fmt`` DENSE, no scales) and ``packed_moe.fused_moe_packed``
-    (``fmt`` 0 / 1 / 2 with scales s13 / s2): pairs aligned by expert, the gate|up GEMM, ``act``, the down GEMM times
+    (``fmt`` 0 / 1 / 2 with scales s13 / s2): pairs aligned by expert, the gate|up GEMM, ``act`` (None: SiLU-GLU,
+    in the GEMM's epilogue for DENSE stacks), the down GEMM times
     the routing weights, the k-sum in float32 (plus ``plus`` [T, hidden] when given), cast to ``out_dtype``
     (default x's); ``relaid``: (gate|up, down) stacks in the GPU layout (moe_gemm.grouped_gemm)."""
     T, hidden = x.shape
@@ -197,9 +201,14 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
     pairs = (sorted_pairs, expert_of_block, num_post, weights.reshape(-1).contiguous(), M)  # read as float32
     x = x.contiguous()
     nsplit = torch.empty(1, dtype=torch.int32, device=x.device)
-    h13 = torch.empty(M, two_i, dtype=x.dtype, device=x.device)  # gate|up: no split (N = 2I gives the programs)
-    grouped_gemm(x, w13, s13, fmt, h13, nsplit, pairs, two_i, hidden, k, False, inter, block_m, relaid[0])
-    h = act(h13)  # rows of pairs routed elsewhere hold garbage; the second GEMM never reads them
+    if act is None and fmt == DENSE:  # SiLU-GLU in the gate|up GEMM's epilogue: h [M, I] straight out
+        h = torch.empty(M, inter, dtype=x.dtype, device=x.device)
+        grouped_gemm(x, w13, s13, fmt, h, nsplit, pairs, inter, hidden, k, False, inter, block_m, glu=True)
+    else:
+        h13 = torch.empty(M, two_i, dtype=x.dtype, device=x.device)  # gate|up: no split (N = 2I: the programs)
+        grouped_gemm(x, w13, s13, fmt, h13, nsplit, pairs, two_i, hidden, k, False, inter, block_m, relaid[0])
+        h = norm_activation.silu_and_mul(h13) if act is None else act(h13)
+    # rows of pairs routed elsewhere hold garbage in h; the second GEMM never reads them
     slots = split_slots(M, block_m, down=True)
     out_pairs = torch.empty(slots, M, hidden, dtype=torch.float32, device=x.device)  # idem: moe_sum skips those
     grouped_gemm(h, w2, s2, fmt, out_pairs, nsplit, pairs, hidden, inter, 1, True, hidden, block_m, relaid[1])

@@ -252,11 +252,14 @@ def _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB: tl.co
 def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                   N, K, num_pairs, a_row_div, s_am, s_we, s_wn, s_wk, s_se, s_sn, s_cs, s_cm, PART, m_bucket,
                   split_max, MUL_WEIGHT: tl.constexpr, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
-                  IEEE: tl.constexpr, MX_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, RELAID: tl.constexpr = False,
+                  IEEE: tl.constexpr, MX_SCALED: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, RELAID: tl.constexpr = False,
                   RELAID_SWAP: tl.constexpr = True, magic=0):
     """C[s, pair, n] = sum over this split's k of A[pair // a_row_div, k] W_e[n, k] (times TOPW[pair] when
-    MUL_WEIGHT) for the [BLOCK_M, BLOCK_N] tile of one row tile; FMT: DENSE (-1) or packed_moe.py's 0 / 1 / 2."""
+    MUL_WEIGHT) for the [BLOCK_M, BLOCK_N] tile of one row tile; FMT: DENSE (-1) or packed_moe.py's 0 / 1 / 2.
+    GLU (DENSE, no split): W_e holds [gate | up] rows (2N), the program multiplies gate rows n and up rows N + n
+    and stores round(round(silu(round(gate))) * round(up)) in C's dtype, as the separate SiLU-GLU kernel would
+    (kernels/gpu/norm_activation.py) from the rounded gate|up output."""
     pid = tl.program_id(0)
     if pid == 0:
         tl.store(NSPLIT, SPLIT_K)
@@ -290,6 +293,8 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if GLU:  # dense stacks only (never SWAP)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if SWAP:  # the K tile's group scales of each row at once: [BLOCK_N, BLOCK_K / 32] float32
             scs = relaid_scales(S, e, n, nmask, k0, s_se, s_sn, BLOCK_K // 32, FMT, SCALE_BF16)
@@ -315,6 +320,14 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                     acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
+                if GLU:  # the matching up rows
+                    wu = tl.load(W + e * s_we + (N + n[:, None]).to(tl.int64) * s_wn + kk[None, :] * s_wk,
+                                 mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
+                    if IEEE:
+                        acc_up = tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)), acc_up,
+                                        input_precision="ieee")
+                    else:
+                        acc_up = tl.dot(a, tl.trans(wu.to(a.dtype)), acc_up)
             else:
                 if FMT == 2:
                     w, sc = _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB, DT)
@@ -347,6 +360,10 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
         tl.store(C + sk * s_cs + pair.to(tl.int64)[None, :] * s_cm + n[:, None], acc.to(C.dtype.element_ty),
                  mask=pmask[None, :] & nmask[:, None])
     else:
+        if GLU:
+            g = acc.to(C.dtype.element_ty).to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(C.dtype.element_ty).to(tl.float32)
+            acc = silu * acc_up.to(C.dtype.element_ty).to(tl.float32)
         if MUL_WEIGHT:
             acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
         tl.store(C + sk * s_cs + pair.to(tl.int64)[:, None] * s_cm + n[None, :], acc.to(C.dtype.element_ty),
@@ -364,7 +381,8 @@ def _autotuned():
         kw["do_bench"] = bench
     elif "warmup" in params:
         kw.update(warmup=5, rep=20)
-    return triton.autotune(CONFIGS, key=["m_bucket", "N", "K", "split_max", "MUL_WEIGHT", "FMT", "BLOCK_M", "RELAID"],
+    return triton.autotune(CONFIGS, key=["m_bucket", "N", "K", "split_max", "MUL_WEIGHT", "FMT", "GLU", "BLOCK_M",
+                                         "RELAID"],
                            prune_configs_by={"early_config_prune": _prune}, **kw)(_grouped_gemm)
 
 
@@ -395,7 +413,7 @@ def split_slots(num_pairs: int, block_m: int, down: bool) -> int:
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fmt: int, out: torch.Tensor,
                  nsplit: torch.Tensor, pairs: tuple, N: int, K: int, a_row_div: int, mul_weight: bool, part: int,
-                 block_m: int, relaid: bool = False) -> None:
+                 block_m: int, relaid: bool = False, glu: bool = False) -> None:
     """One launch over all row tiles: out[s, pair, :N] = partial s of a[pair // a_row_div] @ W_e^T over the K
     inputs (times the pair's routing weight when ``mul_weight``).
 
@@ -410,7 +428,14 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
         part: FP8 rows per block part (gate|up: I, down: N); block_m: the row-tile height of the alignment.
         relaid: INT4 / MXFP4: ``w`` / ``scale`` are the GPU layout of kernels/gpu/moe_relayout.py (int32
             [E, N, Kp / 8] and [E, N, Kp / 32], K padded to Kp, a multiple of 512) instead of the checkpoint's.
+        glu: DENSE stacks of [gate | up] rows (2N of them), ``out`` [pairs, N] (no split) of a's dtype receives
+            SiLU-GLU of the pair's gate|up row (the activation in the epilogue, one launch fewer).
+
+    Raises:
+        ValueError: ``glu`` with a packed format or a split output.
     """
+    if glu and (fmt != DENSE or out.dim() == 3):
+        raise ValueError("grouped_gemm: the SiLU-GLU epilogue takes dense stacks and an unsplit output")
     sorted_pairs, expert_of_block, num_post, topw, M = pairs
     tiles_m = min(sorted_pairs.numel() // block_m, M)  # every used row tile holds a pair
     if tiles_m == 0:
@@ -430,7 +455,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     # the same values (bf16 activations and codes are exact in float32); fp16 runs the 16-bit path as on a GPU
     ieee = a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16)
     relaid = relaid and fmt in (INT4_GROUP, MXFP4)
-    meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, MX_SCALED=_MX_SCALED[0],
+    meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, MX_SCALED=_MX_SCALED[0], GLU=glu,
                 BLOCK_M=block_m, RELAID=relaid, RELAID_SWAP=_RELAID_SWAP[0],
                 magic=0x43004300 if a.dtype == torch.bfloat16 else 0x64006400)
     if interpreting():  # one config; splits beyond the output's slices and FP8 K tiles past 128 capped

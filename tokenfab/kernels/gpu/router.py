@@ -1,14 +1,20 @@
-"""Triton kernel for the DeepSeek-V3 / Kimi-K2 router's selection on GPUs (noaux_tc, layers/moe.py
-``SigmoidGroupRouter``): after the router GEMM, one program per token computes the sigmoid scores, adds the
-correction bias to choose, scores each group by the sum of its two best choice scores, keeps the best ``topk_group``
-groups, picks the ``top_k`` best experts among them, and writes their *unbiased* scores (renormalized when asked,
-times the scaling factor) and ids. The eager path is ~10 kernels (sigmoid, add, view, topk, sum, topk, scatter,
-masked_fill, topk, gather, div, mul); this is one.
+"""Triton kernels for the MoE routers on GPUs.
 
-Selection by repeated arg-max over the token's row (``top_k`` and ``topk_group`` rounds, the chosen entry masked
-each round); ties go to the lower index. The ids come out in descending choice score (the reference's topk is
-unsorted: compare them as sets). Needs the expert count and the group size to be powers of two (DeepSeek-V3: 256 in
-8 groups of 32); otherwise the dispatch seam returns None and the layer's PyTorch path runs.
+DeepSeek-V3 / Kimi-K2 (noaux_tc, layers/moe.py ``SigmoidGroupRouter``): per token, the sigmoid scores, the
+correction bias added to choose, each group scored by the sum of its two best choice scores, the best
+``topk_group`` groups kept, the ``top_k`` best experts among them, and their *unbiased* scores (renormalized when
+asked, times the scaling factor) with their ids. The eager path is ~10 kernels (sigmoid, add, view, topk, sum, topk,
+scatter, masked_fill, topk, gather, div, mul) after the router GEMM and a cast of x to float32;
+:func:`sigmoid_group_topk` is one launch after the GEMM, :func:`router_topk` one launch with the GEMM inside
+(decode batches). Both may append always-chosen slots (ids E, E + 1, .. with weight 1.0) so that shared experts run
+inside the routed experts' grouped GEMMs (layers/shared_expert_fold.py).
+
+Selection by repeated arg-max over a tile of tokens' rows (``top_k`` and ``topk_group`` rounds, the chosen entry
+masked each round); ties go to the lower index. The ids come out in descending choice score (the reference's topk
+is unsorted: compare them as sets). Needs the expert count and the group size to be powers of two (DeepSeek-V3: 256
+in 8 groups of 32); otherwise the dispatch seam returns None and the layer's PyTorch path runs.
+
+Qwen3-MoE's softmax top-k: :func:`softmax_topk`.
 """
 from __future__ import annotations
 
@@ -18,42 +24,108 @@ import triton.language as tl
 
 
 @triton.jit
-def _group_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scale,
-                       E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
-                       NORM: tl.constexpr):
-    t = tl.program_id(0)
-    idx = tl.arange(0, E)
-    logits = tl.load(logit_ptr + t * stride_l + idx).to(tl.float32)
+def _select_tile(logits, bias_ptr, scale, extra_base, E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                 K: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr):
+    """The selection for a tile of tokens: float32 logits [BT, E] -> (weights [BT, KOUT] float32, ids [BT, KOUT]
+    int64); columns K .. K + EXTRA - 1 are the appended always-chosen experts extra_base + j with weight 1.0, the
+    columns past K + EXTRA padding. Row by row the same arithmetic as the one-token form (ties to the lower id)."""
+    idx = tl.arange(0, E)[None, :]
     scores = 1.0 / (1.0 + tl.exp(-logits))
     choice = scores + tl.load(bias_ptr + idx).to(tl.float32)
     neg = float("-inf")
+    BT: tl.constexpr = logits.shape[0]
     if G > 1:
         S: tl.constexpr = E // G
-        grouped = tl.reshape(choice, (G, S))
-        col = tl.arange(0, S)[None, :]
-        best = tl.argmax(grouped, axis=1)
-        first = tl.max(grouped, axis=1)
-        second = tl.max(tl.where(col == best[:, None], neg, grouped), axis=1)
-        gscore = first + second
-        gidx = tl.arange(0, G)
-        keep = gidx < 0  # all False
+        grouped = tl.reshape(choice, (BT, G, S))
+        col = tl.arange(0, S)[None, None, :]
+        best = tl.argmax(grouped, axis=2)
+        first = tl.max(grouped, axis=2)
+        second = tl.max(tl.where(col == best[:, :, None], neg, grouped), axis=2)
+        gscore = first + second  # [BT, G]
+        gidx = tl.arange(0, G)[None, :]
+        keep = gscore != gscore  # all False (scores are finite)
         for _ in tl.static_range(TOPK_GROUP):
-            g = tl.argmax(gscore, axis=0)
-            keep = keep | (gidx == g)
-            gscore = tl.where(gidx == g, neg, gscore)
-        choice = tl.reshape(tl.where(keep[:, None], grouped, neg), (E,))
-    kidx = tl.arange(0, K)
-    ids = tl.zeros((K,), dtype=tl.int64)
-    ws = tl.zeros((K,), dtype=tl.float32)
+            hit = gidx == tl.argmax(gscore, axis=1)[:, None]
+            keep = keep | hit
+            gscore = tl.where(hit, neg, gscore)
+        choice = tl.reshape(tl.where(keep[:, :, None], grouped, neg), (BT, E))
+    kidx = tl.arange(0, KOUT)[None, :]
+    ids = tl.zeros((BT, KOUT), dtype=tl.int64)
+    ws = tl.zeros((BT, KOUT), dtype=tl.float32)
     for j in tl.static_range(K):
-        e = tl.argmax(choice, axis=0)
+        e = tl.argmax(choice, axis=1)[:, None]
+        hit = idx == e
         ids = tl.where(kidx == j, e.to(tl.int64), ids)
-        ws = tl.where(kidx == j, tl.sum(tl.where(idx == e, scores, 0.0), axis=0), ws)
-        choice = tl.where(idx == e, neg, choice)
+        ws = tl.where(kidx == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], ws)
+        choice = tl.where(hit, neg, choice)
     if NORM:
-        ws = ws / (tl.sum(ws, axis=0) + 1e-20)
-    tl.store(w_ptr + t * K + kidx, ws * scale)
-    tl.store(id_ptr + t * K + kidx, ids)
+        ws = ws / (tl.sum(ws, axis=1)[:, None] + 1e-20)
+    ws = ws * scale
+    if EXTRA > 0:
+        shared = (kidx >= K) & (kidx < K + EXTRA)
+        ws = tl.where(shared, 1.0, ws)
+        ids = tl.where(shared, (extra_base + kidx - K).to(tl.int64), ids)
+    return ws, ids
+
+
+@triton.jit
+def _group_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scale, extra_base,
+                       E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
+                       EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr):
+    t = tl.program_id(0)
+    logits = tl.load(logit_ptr + t * stride_l + tl.arange(0, E)[None, :]).to(tl.float32)
+    ws, ids = _select_tile(logits, bias_ptr, scale, extra_base, E, G, TOPK_GROUP, K, EXTRA, NORM, KOUT)
+    kidx = tl.arange(0, KOUT)[None, :]
+    kmask = kidx < K + EXTRA
+    tl.store(w_ptr + t * (K + EXTRA) + kidx, ws, mask=kmask)
+    tl.store(id_ptr + t * (K + EXTRA) + kidx, ids, mask=kmask)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, T, HID, s_x, s_rw, scale,
+                   extra_base, E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
+                   EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr, SPLIT: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (i, j): the float32 logits of token tile j for experts tile i // SPLIT over hidden range i % SPLIT,
+    stored as a partial; the tile's last program to finish (a ticket per token tile) sums the partials in split
+    order and runs the selection for the tile, then resets the ticket for the next launch."""
+    pid = tl.program_id(0)
+    tb = tl.program_id(1)
+    eb = pid // SPLIT
+    sk = pid % SPLIT
+    t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    emask = e < E
+    k_per = tl.cdiv(tl.cdiv(HID, SPLIT), BLOCK_K) * BLOCK_K
+    k_lo = sk * k_per
+    k_hi = tl.minimum(HID, k_lo + k_per)
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        kmask = kk < k_hi
+        xa = tl.load(x_ptr + t.to(tl.int64)[:, None] * s_x + kk[None, :], mask=tmask[:, None] & kmask[None, :],
+                     other=0.0).to(tl.float32)
+        wa = tl.load(rw_ptr + e.to(tl.int64)[:, None] * s_rw + kk[None, :], mask=emask[:, None] & kmask[None, :],
+                     other=0.0)
+        acc = tl.dot(xa, tl.trans(wa.to(tl.float32)), acc, input_precision="ieee")  # float32 FMA, no TF32
+    tl.store(part_ptr + (sk * T + t.to(tl.int64))[:, None] * E + e[None, :], acc,
+             mask=tmask[:, None] & emask[None, :])
+    tl.debug_barrier()  # every thread's partial stored before the ticket (released at GPU scope)
+    ticket = tl.atomic_add(count_ptr + tb, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:  # (the barrier / release / acquire / barrier of Inductor's grid barrier)
+        tl.debug_barrier()  # the acquired ticket seen by every thread before they read the other partials
+        cols = tl.arange(0, E)[None, :]
+        logits = tl.zeros([BLOCK_T, E], tl.float32)
+        for s in range(SPLIT):  # in split order: the same sum whichever program came last
+            logits += tl.load(part_ptr + (s * T + t.to(tl.int64))[:, None] * E + cols, mask=tmask[:, None],
+                              other=0.0, volatile=True)
+        ws, ids = _select_tile(logits, bias_ptr, scale, extra_base, E, G, TOPK_GROUP, K, EXTRA, NORM, KOUT)
+        kidx = tl.arange(0, KOUT)[None, :]
+        omask = tmask[:, None] & (kidx < K + EXTRA)
+        tl.store(w_ptr + t[:, None] * (K + EXTRA) + kidx, ws, mask=omask)
+        tl.store(id_ptr + t[:, None] * (K + EXTRA) + kidx, ids, mask=omask)
+        tl.atomic_xchg(count_ptr + tb, 0)
 
 
 def _pow2(n: int) -> bool:
@@ -68,17 +140,74 @@ def applies(num_experts: int, n_group: int, top_k: int) -> bool:
             and _pow2(top_k) and top_k <= num_experts)
 
 
+def _meta(E: int, n_group: int, topk_group: int, top_k: int, norm: bool, extra: int) -> dict:
+    return dict(E=E, G=max(n_group, 1), TOPK_GROUP=topk_group if n_group > 1 else 1, K=top_k, EXTRA=extra,
+                NORM=bool(norm), KOUT=triton.next_power_of_2(top_k + extra))
+
+
 def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
-                       norm: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The router's selection from float32 logits [T, E] (x W^T) and the correction bias [E]: (weights [T, top_k]
-    float32, ids [T, top_k] int64), ids in descending choice score. Call where :func:`applies`."""
+                       norm: bool, scale: float, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's selection from float32 logits [T, E] (x W^T) and the correction bias [E]: (weights
+    [T, top_k + extra] float32, ids [T, top_k + extra] int64), ids in descending choice score, then ``extra``
+    always-chosen slots (ids E, E + 1, .. with weight 1.0: shared experts run as routed ones). Call where
+    :func:`applies`."""
     T, E = logits.shape
-    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    w = torch.empty(T, top_k + extra, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k + extra, dtype=torch.int64, device=logits.device)
     if T:
-        _group_topk_kernel[(T,)](logits, bias, w, ids, logits.stride(0), float(scale), E=E, G=max(n_group, 1),
-                                 TOPK_GROUP=topk_group if n_group > 1 else 1, K=top_k, NORM=bool(norm),
+        _group_topk_kernel[(T,)](logits, bias, w, ids, logits.stride(0), float(scale), E,
+                                 **_meta(E, n_group, topk_group, top_k, norm, extra),
                                  num_warps=1 if E <= 64 else 4)
+    return w, ids
+
+
+FUSED_MAX_TOKENS = 256  # tokens up to which :func:`router_topk` runs the GEMM inside the launch (decode batches)
+TICKETS = triton.cdiv(FUSED_MAX_TOKENS, 32)  # token tiles of the fused launch: one ticket each
+
+
+def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tickets: torch.Tensor, n_group: int,
+                topk_group: int, top_k: int, norm: bool, scale: float,
+                extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole router in one launch: float32 logits x W^T (x cast in registers, IEEE float32 products), the
+    sigmoid, group-limited top-k selection, renormalization and scaling (layers/moe.py ``SigmoidGroupRouter``).
+
+    Work split (decode batches hit one 7 MB float32 router weight at DeepSeek-V3's 256 x 7168): programs over
+    (16-expert tile x hidden range, 32-token tile), about 200 at that shape so every SM streams its slice once;
+    each stores a float32 partial, and the last program of a token tile to take its ticket (an atomic counter in
+    ``tickets``, reset by that program) sums the partials in a fixed order and selects; no host sync, the grid a
+    function of sizes only (CUDA-graph safe); the sums are deterministic.
+
+    Args:
+        x: [T, hidden] float32 / bf16 / fp16 (unit last stride), T <= FUSED_MAX_TOKENS.
+        weight: [E, hidden] float32 (unit last stride); bias: [E] float32.
+        tickets: [TICKETS] int32 zeros owned by the caller (left zero after every launch), not shared with a
+            launch that may run concurrently.
+        extra: always-chosen slots appended (as :func:`sigmoid_group_topk`).
+
+    Returns:
+        (weights [T, top_k + extra] float32, ids [T, top_k + extra] int64), as :func:`sigmoid_group_topk`.
+
+    Raises:
+        ValueError: more than FUSED_MAX_TOKENS tokens, shapes or dtypes the kernel does not take.
+    """
+    T, hidden = x.shape
+    E = weight.shape[0]
+    if (T > FUSED_MAX_TOKENS or weight.shape != (E, hidden) or weight.dtype != torch.float32 or x.stride(-1) != 1
+            or weight.stride(-1) != 1 or tickets.numel() < TICKETS or tickets.dtype != torch.int32
+            or not applies(E, n_group, top_k)):
+        raise ValueError(f"router_topk: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype} do not fit")
+    w = torch.empty(T, top_k + extra, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k + extra, dtype=torch.int64, device=x.device)
+    if T:
+        block_e = 16  # tl.dot's smallest tile side
+        block_k = 128
+        split = max(1, min(triton.cdiv(hidden, 512), 256 // triton.cdiv(E, block_e)))
+        block_t = max(16, min(32, triton.next_power_of_2(T)))
+        part = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(E, block_e) * split, triton.cdiv(T, block_t))
+        _router_kernel[grid](x, weight, bias, part, tickets, w, ids, T, hidden, x.stride(0), weight.stride(0),
+                             float(scale), E, **_meta(E, n_group, topk_group, top_k, norm, extra), SPLIT=split,
+                             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
     return w, ids
 
 

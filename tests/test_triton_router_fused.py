@@ -1,0 +1,102 @@
+"""The DeepSeek-V3 router in one launch (kernels/gpu/router.py ``router_topk``: the float32 GEMM, sigmoid, group-
+limited top-k, renormalization and scaling) and the always-chosen shared slots, in Triton's interpreter on CPU,
+against SigmoidGroupRouter's PyTorch path (layers/moe.py, the kernel seam switched off): the same expert set per
+token (random logits have no ties) and the same weights per expert to float32 rounding.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfab.kernels import dispatch
+from tokenfab.kernels.gpu import support as triton_support
+from tokenfab.layers.moe import SigmoidGroupRouter
+
+pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
+
+
+def make_router(E, hidden, n_group, topk_group, top_k, norm, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = SigmoidGroupRouter(hidden, E, top_k, n_group, topk_group, norm, 2.5)
+    r.weight.data = torch.randn(E, hidden, generator=g) / hidden ** 0.5
+    r.e_score_correction_bias.data = torch.randn(E, generator=g) * 0.1
+    return r, g
+
+
+def same_choice(w, ids, w_ref, ids_ref, k):
+    """The routed slots as sets (the reference's topk is unsorted), with their weights."""
+    order, order_ref = ids[:, :k].argsort(dim=1), ids_ref[:, :k].argsort(dim=1)
+    assert torch.equal(ids[:, :k].gather(1, order), ids_ref[:, :k].gather(1, order_ref))
+    torch.testing.assert_close(w[:, :k].gather(1, order), w_ref[:, :k].gather(1, order_ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("E,n_group,topk_group,top_k,hidden,T", [
+    (256, 8, 4, 8, 96, 3),      # DeepSeek-V3's grouping, one token tile
+    (64, 1, 1, 4, 1100, 37),    # hidden 1100: 3 hidden ranges (partials summed), T 37: two token tiles, one partial
+    (8, 4, 3, 2, 40, 1),        # 8 experts: a 16-wide expert tile half masked
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("extra", [0, 2])
+def test_router_in_one_launch_matches_the_router(interpret, monkeypatch, E, n_group, topk_group, top_k, hidden, T,
+                                                 dtype, extra):
+    from tokenfab.kernels.gpu import router
+    r, g = make_router(E, hidden, n_group, topk_group, top_k, True, E + hidden)
+    x = torch.randn(T, hidden + 3, generator=g).to(dtype)[:, :hidden]  # a strided view, as a norm's output may be
+    tickets = torch.zeros(router.TICKETS, dtype=torch.int32)
+    w, ids = router.router_topk(x, r.weight, r.e_score_correction_bias, tickets, n_group, topk_group, top_k, True,
+                                2.5, extra)
+    assert tickets.eq(0).all(), "the tickets must be left zero for the next launch (and CUDA-graph replays)"
+    monkeypatch.setattr(dispatch, "sigmoid_group_topk", lambda *a, **k: None)
+    w_ref, ids_ref = r(x, extra)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (T, top_k + extra)
+    same_choice(w, ids, w_ref, ids_ref, top_k)
+    assert torch.equal(ids[:, top_k:], ids_ref[:, top_k:]) and torch.equal(w[:, top_k:], w_ref[:, top_k:])
+    if extra:
+        assert ids[:, top_k:].tolist() == [[E + j for j in range(extra)]] * T and w[:, top_k:].eq(1.0).all()
+    w2, ids2 = router.router_topk(x, r.weight, r.e_score_correction_bias, tickets, n_group, topk_group, top_k, True,
+                                  2.5, extra)
+    assert torch.equal(ids2, ids) and torch.equal(w2, w)  # a second launch on the reset tickets: the same result
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_selection_kernel_appends_shared_slots(interpret, monkeypatch, norm):
+    """The selection-only kernel (after a separate GEMM) with always-chosen slots: k + extra not a power of two."""
+    from tokenfab.kernels.gpu import router
+    r, g = make_router(16, 24, 4, 2, 4, norm, 5)
+    x = torch.randn(9, 24, generator=g)
+    w, ids = router.sigmoid_group_topk(torch.nn.functional.linear(x, r.weight), r.e_score_correction_bias, 4, 2, 4,
+                                       norm, 2.5, extra=1)
+    monkeypatch.setattr(dispatch, "sigmoid_group_topk", lambda *a, **k: None)
+    w_ref, ids_ref = r(x, 1)
+    assert ids.shape == (9, 5)
+    same_choice(w, ids, w_ref, ids_ref, 4)
+    assert ids[:, 4].eq(16).all() and w[:, 4].eq(1.0).all()
+
+
+def test_router_dispatch_takes_the_fused_launch_for_decode_batches(monkeypatch):
+    """On the GPU code path the router module keeps its tickets and runs the one-launch form up to
+    FUSED_MAX_TOKENS tokens, the GEMM + selection form above."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    from tokenfab.kernels.gpu import router
+    calls = []
+    for name in ("router_topk", "sigmoid_group_topk"):
+        orig = getattr(router, name)
+        monkeypatch.setattr(router, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    monkeypatch.setattr(router, "FUSED_MAX_TOKENS", 4)
+    r, g = make_router(16, 24, 4, 2, 4, True, 9)
+    r(torch.randn(4, 24, generator=g))
+    r(torch.randn(5, 24, generator=g))
+    assert calls == ["router_topk", "sigmoid_group_topk"] and r._tickets is not None
+
+
+def test_router_topk_rejects_misfits(interpret):
+    from tokenfab.kernels.gpu import router
+    r, _ = make_router(16, 24, 4, 2, 4, True, 1)
+    tickets = torch.zeros(router.TICKETS, dtype=torch.int32)
+    with pytest.raises(ValueError):
+        router.router_topk(torch.randn(router.FUSED_MAX_TOKENS + 1, 24), r.weight, r.e_score_correction_bias,
+                           tickets, 4, 2, 4, True, 1.0)
+    with pytest.raises(ValueError):
+        router.router_topk(torch.randn(2, 24), r.weight.double(), r.e_score_correction_bias, tickets, 4, 2, 4, True,
+                           1.0)
