@@ -93,6 +93,28 @@ class LaunchRecorder:
         return self._stack.__exit__(*exc)
 
 
+# constexprs the kernels set True only under Triton's interpreter, which has no bfloat16 (float32 dots on 16-bit
+# data): a GPU launch of the same 16-bit tensors has them False
+INTERPRETER_FLAGS = ("DOT_F32", "IEEE")
+
+
+def gpu_variants(launches: list[dict]) -> list[dict]:
+    """``launches`` plus, for each launch over 16-bit tensors with an :data:`INTERPRETER_FLAGS` constexpr True, the
+    launch a GPU makes instead (those flags False), so the 16-bit code paths the interpreter never runs compile."""
+    out = list(launches)
+    seen = {json.dumps(l, sort_keys=True, default=str) for l in launches}
+    for l in launches:
+        half = any(t in ("*bf16", "*fp16") for t in l["signature"].values())
+        flags = [f for f in INTERPRETER_FLAGS if l["constexprs"].get(f) is True]
+        if half and flags:
+            v = dict(l, constexprs={**l["constexprs"], **{f: False for f in flags}})
+            key = json.dumps(v, sort_keys=True, default=str)
+            if key not in seen:
+                seen.add(key)
+                out.append(v)
+    return out
+
+
 _CHILD = r"""
 import importlib, json, sys
 import triton
