@@ -283,3 +283,31 @@ def test_padded_decode_tensor_parallel_with_layer_taps(monkeypatch, tmp_path_fac
     assert got == base
     assert any(padded for padded, _ in sent)  # a decode-only step the padded buffers would have served
     assert all(m for _, m in sent)  # every step: the workers were told to run the modules
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
+def test_verification_and_mixed_steps_through_graph_buffers(monkeypatch, tiny_model, family):
+    """Speculative verification rows (n-gram drafts, 1 + k tokens a sequence) and steps that mix decodes with short
+    prefill chunks run through the padded decode buffers with every token a decode row of its own: greedy tokens
+    equal those of the engine without speculation and without graphs, and steps with more token rows than
+    sequences were served from the buffers."""
+    from spec_helpers import NGRAM, spec_prompts, token_ids
+    from tokenfab import LLM, SamplingParams
+    path = tiny_model(family)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
+    base = token_ids(LLM(path, dtype="float32", progress=False).generate(spec_prompts(), sp))
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
+    llm = LLM(path, dtype="float32", progress=False, speculative_config=NGRAM, max_num_batched_tokens=64)
+    graphs = llm.llm_engine.runner.decode_graphs
+    rows = []
+    real = graphs.run
+
+    def spy(input_ids, *a, **k):
+        rows.append(len(input_ids))
+        return real(input_ids, *a, **k)
+    graphs.run = spy
+    assert token_ids(llm.generate(spec_prompts(), sp)) == base
+    st = llm.llm_engine.get_stats()
+    assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
+    assert max(rows) > len(spec_prompts())  # token rows beyond one per sequence: verification or mixed steps

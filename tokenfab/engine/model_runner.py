@@ -54,6 +54,11 @@ class PromptLogprobs:
     ranks: np.ndarray | None = None
 
 
+# longest query (tokens of one sequence in a step) that runs as separate decode rows through the decode graphs: each
+# row re-reads its sequence's context, so this stays at speculative-verification sizes (1 + k)
+FLAT_MAX_QUERY = 16
+
+
 @dataclass
 class StepOutput:
     """``sampled_index``: indices into batch.seqs of the sequences that got a new token (in the order of
@@ -241,6 +246,8 @@ class ModelRunner:
             hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt[req_idx], positions + 1)
         elif plain and graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: cuda_graph_runner.py
             hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1, rows)
+        elif plain and graphs is not None and self._flat_rows(num_new, T):  # each token a decode row of its own
+            hidden = graphs.run(input_ids, positions, slots, bt[req_idx], positions + 1)
         elif plain and self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: cpu_decode_stack.py
             hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt, num_computed + 1)
         else:  # the module path: every integer input in one staged copy (input_staging.py)
@@ -271,6 +278,16 @@ class ModelRunner:
             hidden = hidden[logit_sel if logit_sel is not None else torch.from_numpy(logit_idx).to(self.device)]
         logits = self.model.compute_logits(hidden)
         return logits if on_device else logits.cpu()
+
+    def _flat_rows(self, num_new: np.ndarray, T: int) -> bool:
+        """Whether a step that is not decode-only runs through the decode graphs with every token as a decode row
+        of its own (its sequence's block table, context length = its position + 1; the K/V of the step's earlier
+        tokens is written before attention reads it, so each token sees exactly its causal prefix): speculative
+        verification rows (1 + k tokens) and short prefill chunks beside decodes, up to FLAT_MAX_QUERY tokens a
+        sequence and the largest captured batch in all. Not for hybrid (KDA) models, whose recurrent state must
+        advance token by token within a sequence."""
+        return (not self.has_state and T <= self.decode_graphs.max_batch
+                and int(num_new.max()) <= FLAT_MAX_QUERY)
 
     def uses_modules(self) -> bool:
         """True when this runner's steps must run through the model's modules (layer taps for a drafter are

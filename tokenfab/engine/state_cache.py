@@ -98,6 +98,10 @@ class KDAStateCache:
         self.conv[rows] = conv.to(self.conv.dtype)
         self.recurrent[rows] = recurrent.to(torch.float32)
 
+    def write_recurrent(self, rows: torch.Tensor, recurrent: torch.Tensor) -> None:
+        """Store only the recurrent states of ``rows`` [B] (the short-conv kernel writes ``conv`` in place)."""
+        self.recurrent[rows] = recurrent.to(torch.float32)
+
     def write_conv(self, rows: torch.Tensor, conv: torch.Tensor) -> None:
         """Store only the conv states of ``rows`` [B] (the fused recurrent kernel writes ``recurrent`` in place)."""
         self.conv[rows] = conv.to(self.conv.dtype)

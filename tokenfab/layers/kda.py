@@ -287,8 +287,8 @@ class KimiDeltaAttention(nn.Module):
         token rows and its states in ``cache``; ``qkv`` [T, 3HD] the projections (rows may be strided). On the GPU
         path two launches do a decode group or a short prefill: the short conv with its state update
         (kernels/gpu/short_conv.py) and the fused recurrence (kernels/gpu/kda.py); long bfloat16 prefills run fla's
-        chunked kernels (kernels/gpu/kda_chunk.py) after the PyTorch conv; elsewhere the PyTorch forms here (the
-        reference). ``keep`` [B] bool: rows (speculative verification) whose state before the step and per-token
+        chunked kernels (kernels/gpu/kda_chunk.py) after the same conv kernel (no float32 [B, 3HD, K - 1 + Q] window
+        is built); elsewhere the PyTorch forms here (the reference). ``keep`` [B] bool: rows (speculative verification) whose state before the step and per-token
         recurrence inputs go to ``cache.pending`` for a later roll back (engine/state_rollback.py); those groups
         take the PyTorch conv, which keeps what the roll back needs."""
         idx = group.token_index  # [B, Q]
@@ -297,15 +297,22 @@ class KimiDeltaAttention(nn.Module):
         kernel = dispatch.kda_recurrent_applies(qkv, cache.recurrent)
         chunk = kernel and Q >= KDA_CHUNK and dispatch.kda_chunk_applies(qkv, Q)
         spec = keep is not None and bool(keep.any())
-        if kernel and not chunk and not spec:
+        conv = None
+        if kernel and not spec:
             conv = dispatch.kda_short_conv(qkv, idx, group.query_pos, rows, cache.conv, self.conv_weight())
-            if conv is not None:
-                y, n = conv
-                dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx,
-                                       n, group.query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5)
-                return
+        if conv is not None and not chunk:
+            y, n = conv
+            dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx,
+                                   n, group.query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5)
+            return
         valid = group.query_pos >= 0  # [B, Q]
         fresh = group.query_pos[:, 0] == 0
+        if conv is not None:  # a long prefill: the conv kernel's outputs (state written) into fla's chunked kernels
+            q, k, v, g, beta = self._prep(conv[0], valid, idx, gates)
+            o, S = dispatch.kda_chunk(q, k, v, g, beta, cache.read_recurrent(rows, fresh))
+            cache.write_recurrent(rows, S)
+            core[idx.reshape(-1)] = o.to(core.dtype).reshape(B * Q, H, D)
+            return
         if kernel:
             conv_state, S = cache.read_conv(rows, fresh), None
         else:
