@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenfab.kernels.gpu.norm_activation import rms_row
 from tokenfab.kernels.gpu.support import interpreting
 
 
@@ -65,10 +66,7 @@ def _mla_norms_cache_kernel(qa_ptr, ckv_ptr, kr_ptr, qw_ptr, kw_ptr, pos_ptr, sl
             cols = tl.arange(0, BLOCK_Q)
             m = cols < QL
             x = tl.load(qa_ptr + t * s_qa + cols, mask=m, other=0.0)
-            xf = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / QL + eps_q)
-            w = tl.load(qw_ptr + cols, mask=m, other=0.0).to(tl.float32)
-            tl.store(qo_ptr + t * QL + cols, (w * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype), mask=m)
+            tl.store(qo_ptr + t * QL + cols, rms_row(x, qw_ptr, cols, m, QL, eps_q, x.dtype).to(x.dtype), mask=m)
     else:
         slot = tl.load(slot_ptr + t)
         if slot >= 0:  # negative slots: rows that own no KV slot, written nowhere
@@ -76,10 +74,7 @@ def _mla_norms_cache_kernel(qa_ptr, ckv_ptr, kr_ptr, qw_ptr, kw_ptr, pos_ptr, sl
             cc = tl.arange(0, BLOCK_C)
             cm = cc < C
             x = tl.load(ckv_ptr + t * s_ct + cc, mask=cm, other=0.0)
-            xf = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / C + eps_kv)
-            w = tl.load(kw_ptr + cc, mask=cm, other=0.0).to(tl.float32)
-            y = (w * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+            y = rms_row(x, kw_ptr, cc, cm, C, eps_kv, x.dtype).to(x.dtype)
             tl.store(dst + cc, y.to(c_ptr.dtype.element_ty), mask=cm)
             offs = tl.arange(0, BLOCK_R)
             rm = offs < half

@@ -61,6 +61,7 @@ import triton.language as tl
 
 from tokenfab.kernels.gpu.moe_relaid_decode import e2m1 as _e2m1
 from tokenfab.kernels.gpu.moe_relaid_decode import e8m0 as _e8m0
+from tokenfab.kernels.gpu.moe_relaid_decode import group_scales
 from tokenfab.kernels.gpu.moe_relaid_decode import (int4_relaid16, int4_relaid32, mxfp4_relaid16, mxfp4_relaid32,
                                                      relaid_scales, split_col)
 from tokenfab.kernels.gpu.support import autotune_enabled, interpreting
@@ -221,13 +222,8 @@ def _int4_tile16(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, SCALE_BF16: t
     v3 = ((words >> 24) & 0xF) | ((words >> 12) & 0xF0000) | MAGIC  # 6, 7
     pairs = tl.join(tl.join(v0, v2), tl.join(v1, v3))  # [BN, 4, 2, 2]: word w, pair 2c + d
     vals = tl.join(pairs.to(tl.int16).to(DT, bitcast=True), (pairs >> 16).to(tl.int16).to(DT, bitcast=True)) - BIAS
-    sp = S + e * s_se + n * s_sn + kq // 32
     gmask = nmask & ((kq + tl.zeros_like(n)) < K)
-    if SCALE_BF16:
-        sc = ((tl.load(sp, mask=gmask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    else:
-        sc = tl.load(sp, mask=gmask, other=0.0).to(tl.float32)
-    return tl.reshape(vals, [n.shape[0], 32]), sc
+    return tl.reshape(vals, [n.shape[0], 32]), group_scales(S, e, n, gmask, kq, s_se, s_sn, SCALE_BF16)
 
 
 @triton.jit

@@ -68,12 +68,17 @@ def int4_relaid32(W, S, e, n, nmask, kq, s_we, s_wn, s_se, s_sn, SCALE_BF16: tl.
     pairs = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # as int4_relaid16
     codes = tl.join(pairs & 0xF, pairs >> 16)
     vals = (codes | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0
+    return tl.reshape(vals, [n.shape[0], 32]), group_scales(S, e, n, nmask, kq, s_se, s_sn, SCALE_BF16)
+
+
+@triton.jit
+def group_scales(S, e, n, mask, kq, s_se, s_sn, SCALE_BF16: tl.constexpr):
+    """The float32 scales [BLOCK_N] of expert e's rows n for the 32-input group holding input kq: bf16 scales
+    (stored as int16 bits) widened by a shift, fp16 / float32 ones converted; 0 where ``mask`` is off."""
     sp = S + e * s_se + n * s_sn + kq // 32
     if SCALE_BF16:
-        sc = ((tl.load(sp, mask=nmask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    else:
-        sc = tl.load(sp, mask=nmask, other=0.0).to(tl.float32)
-    return tl.reshape(vals, [n.shape[0], 32]), sc
+        return ((tl.load(sp, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    return tl.load(sp, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -18,6 +18,17 @@ import triton.language as tl
 
 
 @triton.jit
+def rms_row(x, w_ptr, cols, mask, n, eps, dt: tl.constexpr):
+    """RMSNorm of one loaded row ``x`` ([BLOCK], masked entries 0) with weight ``w_ptr[cols]`` as layers/norm.py
+    rounds it: w * round_dt(x * rsqrt(mean(x^2) + eps)), float32 statistics; returned in float32 (the caller
+    rounds). Shared by the kernels that norm a row on the way (rope_cache.py, mla_decode_glue.py)."""
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return w * (xf * rstd).to(dt).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, n_cols, eps, stride_x, stride_r, stride_y, stride_h,
                      HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -28,11 +39,8 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, n_cols, eps, stride_x, s
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum in x's dtype, as residual + x rounds
         tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
-    h = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-    normed = (h * rstd).to(x.dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (w * normed).to(x.dtype), mask=mask)
+    tl.store(y_ptr + row * stride_y + cols, rms_row(x, w_ptr, cols, mask, n_cols, eps, x.dtype).to(x.dtype),
+             mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenfab.kernels.gpu.norm_activation import rms_row
+
 
 @triton.jit
 def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
@@ -168,10 +170,7 @@ def _mla_rope_cache_kernel(q_ptr, ckv_ptr, kr_ptr, pos_ptr, slot_ptr, cos_ptr, s
             cc = tl.arange(0, BLOCK_C)
             cmask = cc < C
             x = tl.load(ckv_ptr + t * s_ct + cc, mask=cmask, other=0.0)
-            xf = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / C + eps)
-            w = tl.load(w_ptr + cc, mask=cmask, other=0.0).to(tl.float32)
-            y = (w * (xf * rstd).to(dt).to(tl.float32)).to(dt)
+            y = rms_row(x, w_ptr, cc, cmask, C, eps, dt).to(dt)
             tl.store(dst - C + cc, y.to(c_ptr.dtype.element_ty), mask=cmask)
 
 
