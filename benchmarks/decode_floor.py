@@ -4,8 +4,10 @@
         [--load-format dummy] [--also-eager | --enforce-eager] [--profile-steps N] [--device cuda]
 
 For each batch size B: B sequences with ``--context`` prompt tokens are prefilled, then ``--steps`` decode steps are
-timed. Reported per step: wall time of ``LLMEngine.step()``, time inside the model forward (+ logits), their
-difference (engine overhead: scheduling, tensor building, sampling, output processing), and the floor.
+timed. Reported per step: wall time of ``LLMEngine.step()``, time inside the model forward (+ logits; on a GPU the
+device time between CUDA events around it, since its launches return before the device finishes), their difference
+(engine overhead: scheduling, tensor building, sampling, output processing not hidden behind the device), and the
+floor.
 Where a CPU step runs forward, LM head and the draw in one C++ call (``CpuDecodeStack.run_sample``), that call is
 the forward here: it includes the draw (~30 us at batch 1, ``cpu_ops.sample_plain``), not the sampler's
 Python, which runs before it and counts as overhead.
@@ -283,16 +285,37 @@ def main() -> int:
     memory["rss_growth"] = memory["rss_after_load"] - rss_before
     print(json.dumps({"memory": memory, "load_s": load_s}), flush=True)
     fwd_time = [0.0]
+    cuda = eng.device.type == "cuda"
+    fwd_events: list = []  # CUDA: (start, end) events around each forward, read once the step has waited
 
     def timed(fn):
-        """fn, adding its wall time to fwd_time[0]."""
+        """fn, adding its time to fwd_time[0]: wall time on the CPU; on a GPU the device time between events
+        recorded before and after it (its launches return before the device is done; the step waits later, for
+        the sampled ids), so forward_ms is the device's forward and overhead what the step adds beyond it."""
         def wrapper(*a, **k):
             t = time.perf_counter()
+            start = None
+            if cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
             try:
                 return fn(*a, **k)
             finally:
-                fwd_time[0] += time.perf_counter() - t
+                if cuda:
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                    fwd_events.append((start, end))
+                else:
+                    fwd_time[0] += time.perf_counter() - t
         return wrapper
+
+    def settle_forward_time() -> None:
+        """Add the device time of the forwards recorded since the last call (after a step: its events are done
+        or about to be)."""
+        for start, end in fwd_events:
+            end.synchronize()
+            fwd_time[0] += start.elapsed_time(end) / 1e3
+        fwd_events.clear()
 
     runner.forward = timed(runner.forward)
     stack = runner.cpu_decode_stack  # CPU: decode steps may run forward + LM head + draw in one call (run_sample)
@@ -334,9 +357,11 @@ def main() -> int:
             if i % 5 == 0:  # copy bandwidth sampled between the steps it is compared with (one 512 MiB copy)
                 bws.append(copy_bandwidth(reps=1, device=str(eng.device), hugepages=huge))
             fwd_time[0] = 0.0
+            fwd_events.clear()
             t = time.perf_counter()
             eng.step()
             walls.append(time.perf_counter() - t)
+            settle_forward_time()
             fwds.append(fwd_time[0])
         running = len(eng.scheduler.running)  # < B: the pool or max_num_seqs held fewer (the row says so)
         if running != B:
