@@ -245,3 +245,36 @@ def test_chunk_path_never_on_cpu(monkeypatch):
     monkeypatch.setattr(kda_chunk, "importable", lambda: pytest.fail("fla-core looked up for a CPU tensor"))
     for dtype in (torch.bfloat16, torch.float32):
         assert not dispatch.kda_chunk_applies(torch.zeros(2, dtype=dtype), 4096)
+
+
+def test_verification_rows_read_nothing_from_the_device(monkeypatch):
+    """With the kept rows and token counts on the host (``state_keep_host`` / ``num_new_host``, as the runner gives
+    them), a verification step's KDA layer on the GPU path decides and sizes its kept states without a host read of
+    a device value (one per layer would drain a GPU's queue), and keeps the same entries as without them (where it
+    reads ``keep`` from the device, which the counter sees)."""
+    import numpy as np
+    from tokenfab.layers.attention_metadata import AttentionMetadata
+    from tokenfab.testing.kernel_count import KernelCounter
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    layer = make_layer(None, False)
+    layer.fuse()
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(7, 24, generator=g)
+    pending = []
+    for host in (False, True):
+        cache = layer.make_state_cache(5, torch.float32, "cpu")
+        cache.recurrent[1] = torch.randn(cache.recurrent[1].shape, generator=torch.Generator().manual_seed(1)) * 0.3
+        keep = np.array([True, False, True])
+        meta = AttentionMetadata(torch.zeros(7, dtype=torch.int64), None,
+                                 group([[0, 1, 2], [3, 4, 7], [5, 6, 7]], [[9, 10, 11], [4, 5, -1], [0, 1, -1]]),
+                                 7, 8, state_rows=torch.tensor([1, 0, 3]), state_keep=torch.from_numpy(keep),
+                                 state_keep_host=keep if host else None,
+                                 num_new_host=np.array([3, 2, 2]) if host else None)
+        kc = KernelCounter()
+        with kc, kc.scope("kda"), torch.no_grad():
+            layer(None, x, cache, meta)
+        assert bool(kc.syncs) != host, kc.syncs
+        pending.append(cache.pending[0])
+    for name in ("rows", "num_tokens", "conv_window", "state", "k", "v", "g", "beta"):
+        torch.testing.assert_close(getattr(pending[1], name), getattr(pending[0], name), **TOL)

@@ -266,7 +266,8 @@ class ModelRunner:
             meta = AttentionMetadata(
                 slot_mapping=slot_t, decode=made[0], prefill=made[1], num_tokens=T, block_size=self.block_size,
                 state_rows=None if rows is None else staged[4],
-                state_keep=None if keep is None else torch.from_numpy(keep).to(self.device))
+                state_keep=None if keep is None else torch.from_numpy(keep).to(self.device, non_blocking=True),
+                state_keep_host=keep, num_new_host=None if keep is None else num_new)
             hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
             logit_sel = logit_t if pick else None
         if self.capture is not None:

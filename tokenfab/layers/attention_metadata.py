@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -56,6 +57,9 @@ class AttentionMetadata:
         state_keep: [B] bool, aligned with ``state_rows``: speculative verification rows whose recurrent state the
             KDA layers must be able to roll back to a prefix of this step's tokens (engine/state_rollback.py);
             None when no row needs it.
+        state_keep_host: [B] bool numpy, the same rows on the host, and ``num_new_host`` [B] int64 numpy, the
+            tokens each sequence runs this step: what the KDA layers decide and size their kept states by without
+            reading the device (one read per layer would drain a GPU's queue); None where not provided.
     """
 
     slot_mapping: torch.Tensor
@@ -65,6 +69,8 @@ class AttentionMetadata:
     block_size: int
     state_rows: torch.Tensor | None = None
     state_keep: torch.Tensor | None = None
+    state_keep_host: np.ndarray | None = None
+    num_new_host: np.ndarray | None = None
 
     def cpu_decode_block(self, x: torch.Tensor, cache: torch.Tensor) -> bool:
         """True when an attention layer may run this step as one fused CPU call (``cpu_ops.mla_decode`` /

@@ -27,6 +27,7 @@ state slots updated in place) runs decode and prefill groups, and fla-core's chu
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -254,11 +255,12 @@ class KimiDeltaAttention(nn.Module):
         gates = _Gates(self, g_raw, b_raw)
         core = x.new_empty(T + 1, H, D)
         d = meta.decode.num_seqs if meta.decode is not None else 0
-        keep = meta.state_keep
-        for group, rows, kp in ((meta.decode, meta.state_rows[:d], None if keep is None else keep[:d]),
-                                (meta.prefill, meta.state_rows[d:], None if keep is None else keep[d:])):
+        keep, kh, nh = meta.state_keep, meta.state_keep_host, meta.num_new_host
+        part = lambda a, first: None if a is None else (a[:d] if first else a[d:])
+        for group, first in ((meta.decode, True), (meta.prefill, False)):
             if group is not None:
-                self._run_group(group, rows, qkv, gates, cache, core, kp)
+                self._run_group(group, part(meta.state_rows, first), qkv, gates, cache, core, part(keep, first),
+                                part(kh, first), part(nh, first))
         core = core[:T]
         out = dispatch.gated_rms_norm(core, gate, self.o_norm.weight, self.o_norm.eps)
         if out is None:
@@ -282,7 +284,8 @@ class KimiDeltaAttention(nn.Module):
         return q, k, v, g, beta
 
     def _run_group(self, group: AttentionGroup, rows: torch.Tensor, qkv: torch.Tensor, gates: "_Gates", cache,
-                   core: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+                   core: torch.Tensor, keep: torch.Tensor | None = None, keep_host: np.ndarray | None = None,
+                   tokens_host: np.ndarray | None = None) -> None:
         """KDA for one group: stores its tokens' outputs in ``core`` [T + 1, H, D] (activation dtype) at their
         token rows and its states in ``cache``; ``qkv`` [T, 3HD] the projections (rows may be strided). On the GPU
         path two launches do a decode group or a short prefill: the short conv with its state update
@@ -290,13 +293,18 @@ class KimiDeltaAttention(nn.Module):
         chunked kernels (kernels/gpu/kda_chunk.py) after the same conv kernel (no float32 [B, 3HD, K - 1 + Q] window
         is built); elsewhere the PyTorch forms here (the reference). ``keep`` [B] bool: rows (speculative verification) whose state before the step and per-token
         recurrence inputs go to ``cache.pending`` for a later roll back (engine/state_rollback.py); those groups
-        take the PyTorch conv, which keeps what the roll back needs."""
+        take the PyTorch conv, which keeps what the roll back needs. ``keep_host`` / ``tokens_host`` (the same rows
+        and each row's token count on the host, when the runner provides them) decide and size that without a read
+        of the device."""
         idx = group.token_index  # [B, Q]
         B, Q = idx.shape
         H, D, K = self.num_heads, self.head_dim, self.kernel
         kernel = dispatch.kda_recurrent_applies(qkv, cache.recurrent)
         chunk = kernel and Q >= KDA_CHUNK and dispatch.kda_chunk_applies(qkv, Q)
-        spec = keep is not None and bool(keep.any())
+        if keep_host is not None:
+            spec = bool(keep_host.any())
+        else:
+            spec = keep is not None and bool(keep.any())
         conv = None
         if kernel and not spec:
             conv = dispatch.kda_short_conv(qkv, idx, group.query_pos, rows, cache.conv, self.conv_weight())
@@ -332,9 +340,16 @@ class KimiDeltaAttention(nn.Module):
             new_conv = conv_state
         if spec:
             from tokenfab.engine.state_cache import PendingStates
-            sel = keep.nonzero().squeeze(1)
+            if keep_host is not None and tokens_host is not None:  # known on the host: no device read
+                sel_h = np.nonzero(keep_host)[0]
+                sel = torch.from_numpy(sel_h)
+                if sel.device != idx.device:
+                    sel = sel.to(idx.device, non_blocking=True)
+                qk = int(tokens_host[sel_h].max())
+            else:
+                sel = keep.nonzero().squeeze(1)
+                qk = int(n[sel].max())
             n_tok = n[sel]
-            qk = int(n_tok.max())
             _, k, v, g, beta = self._prep(y[sel], valid[sel], idx[sel], gates)
             S_sel = S[sel] if S is not None else cache.read_recurrent(rows[sel], fresh[sel])
             cache.pending.append(PendingStates(rows[sel], n_tok, full[sel, :, :K - 1 + qk], S_sel, k[:, :qk],
