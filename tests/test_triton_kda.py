@@ -248,11 +248,13 @@ def test_chunk_path_never_on_cpu(monkeypatch):
 
 
 def test_verification_rows_read_nothing_from_the_device(monkeypatch):
-    """With the kept rows and token counts on the host (``state_keep_host`` / ``num_new_host``, as the runner gives
-    them), a verification step's KDA layer on the GPU path decides and sizes its kept states without a host read of
-    a device value (one per layer would drain a GPU's queue), and keeps the same entries as without them (where it
-    reads ``keep`` from the device, which the counter sees)."""
+    """With the kept rows, token counts and rows on the host (``state_keep_host`` / ``num_new_host`` /
+    ``state_rows_host``, as the runner gives them), a verification step's KDA layer on the GPU path decides and sizes
+    its kept states, and the roll back after it selects and replays, without a host read of a device value (one per
+    layer would drain a GPU's queue); the kept entries and the rolled-back states equal those of the same step
+    without them (where both read the device, which the counter sees)."""
     import numpy as np
+    from tokenfab.engine.state_rollback import roll_back
     from tokenfab.layers.attention_metadata import AttentionMetadata
     from tokenfab.testing.kernel_count import KernelCounter
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -261,7 +263,7 @@ def test_verification_rows_read_nothing_from_the_device(monkeypatch):
     layer.fuse()
     g = torch.Generator().manual_seed(8)
     x = torch.randn(7, 24, generator=g)
-    pending = []
+    pending, rolled = [], []
     for host in (False, True):
         cache = layer.make_state_cache(5, torch.float32, "cpu")
         cache.recurrent[1] = torch.randn(cache.recurrent[1].shape, generator=torch.Generator().manual_seed(1)) * 0.3
@@ -270,11 +272,21 @@ def test_verification_rows_read_nothing_from_the_device(monkeypatch):
                                  group([[0, 1, 2], [3, 4, 7], [5, 6, 7]], [[9, 10, 11], [4, 5, -1], [0, 1, -1]]),
                                  7, 8, state_rows=torch.tensor([1, 0, 3]), state_keep=torch.from_numpy(keep),
                                  state_keep_host=keep if host else None,
-                                 num_new_host=np.array([3, 2, 2]) if host else None)
+                                 num_new_host=np.array([3, 2, 2]) if host else None,
+                                 state_rows_host=np.array([1, 0, 3]) if host else None)
         kc = KernelCounter()
         with kc, kc.scope("kda"), torch.no_grad():
             layer(None, x, cache, meta)
         assert bool(kc.syncs) != host, kc.syncs
         pending.append(cache.pending[0])
+        rows_np, kept_np = np.array([1, 3]), np.array([2, 1])  # row 1 keeps 2 of its 3 tokens, row 3 1 of 2
+        kc = KernelCounter()
+        with kc, kc.scope("roll back"), torch.no_grad():
+            done = roll_back([cache], torch.from_numpy(rows_np), torch.from_numpy(kept_np),
+                             *((rows_np, kept_np) if host else ()))
+        assert done == 2 and bool(kc.syncs) != host, kc.syncs
+        rolled.append((cache.conv.clone(), cache.recurrent.clone()))
     for name in ("rows", "num_tokens", "conv_window", "state", "k", "v", "g", "beta"):
         torch.testing.assert_close(getattr(pending[1], name), getattr(pending[0], name), **TOL)
+    for a, b in zip(rolled[1], rolled[0]):
+        torch.testing.assert_close(a, b, **TOL)

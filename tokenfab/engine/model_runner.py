@@ -267,7 +267,8 @@ class ModelRunner:
                 slot_mapping=slot_t, decode=made[0], prefill=made[1], num_tokens=T, block_size=self.block_size,
                 state_rows=None if rows is None else staged[4],
                 state_keep=None if keep is None else torch.from_numpy(keep).to(self.device, non_blocking=True),
-                state_keep_host=keep, num_new_host=None if keep is None else num_new)
+                state_keep_host=keep, num_new_host=None if keep is None else num_new,
+                state_rows_host=None if keep is None else rows)
             hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
             logit_sel = logit_t if pick else None
         if self.capture is not None:
@@ -314,7 +315,8 @@ class ModelRunner:
             return 0
         rows = np.asarray(rows, dtype=np.int64)
         kept = np.asarray(kept, dtype=np.int64)
-        n = roll_back(self.state_caches, torch.from_numpy(rows).to(self.device), torch.from_numpy(kept).to(self.device))
+        n = roll_back(self.state_caches, torch.from_numpy(rows).to(self.device), torch.from_numpy(kept).to(self.device),
+                      rows, kept)
         if self.tp_channel is not None:  # the workers hold their heads' states: the same roll back there
             self.tp_channel.send_rollback(rows, kept)
         return n

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -37,6 +38,9 @@ class PendingStates:
             ``conv_window[:, :, j:j + K - 1]``.
         state: [n, H, D, D] float32 recurrent state before the step.
         k, v, g: [n, Q, H, D] float32 normalized keys, values and log-decays of the step's tokens; beta [n, Q, H].
+        rows_host, num_tokens_host: ``rows`` and ``num_tokens`` as int64 numpy arrays when the layer had them on
+            the host (the runner's steps), so the roll back selects and sizes its work without reading the device;
+            None otherwise.
     """
 
     rows: torch.Tensor
@@ -47,6 +51,8 @@ class PendingStates:
     v: torch.Tensor
     g: torch.Tensor
     beta: torch.Tensor
+    rows_host: np.ndarray | None = None
+    num_tokens_host: np.ndarray | None = None
 
 
 class KDAStateCache:

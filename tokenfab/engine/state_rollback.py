@@ -37,6 +37,7 @@ Not chosen (measured in benchmarks/results/2026-12-01-spec-rollback.md):
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tokenfab.engine.state_cache import KDAStateCache
@@ -49,7 +50,8 @@ def clear_pending(caches: list[KDAStateCache]) -> None:
         c.pending.clear()
 
 
-def roll_back(caches: list[KDAStateCache], rows: torch.Tensor, kept: torch.Tensor) -> int:
+def roll_back(caches: list[KDAStateCache], rows: torch.Tensor, kept: torch.Tensor,
+              rows_host: np.ndarray | None = None, kept_host: np.ndarray | None = None) -> int:
     """Restore the state slots of ``rows`` to the state after their first ``kept`` tokens of the last step.
 
     Args:
@@ -58,6 +60,9 @@ def roll_back(caches: list[KDAStateCache], rows: torch.Tensor, kept: torch.Tenso
         kept: [N] int64 tokens of each row's step that stay in the state, in [0, tokens it ran] (0 restores the
             state before the step, e.g. after a failed step). Rows not in a pending entry, or keeping all their
             tokens, are left as the forward wrote them.
+        rows_host, kept_host: the same as int64 numpy arrays (the runner's): entries that carry their rows and
+            token counts on the host (PendingStates.rows_host) are then selected and sized without reading the
+            device; others read it.
 
     Returns:
         The number of (layer, row) states rewritten.
@@ -67,26 +72,44 @@ def roll_back(caches: list[KDAStateCache], rows: torch.Tensor, kept: torch.Tenso
     """
     if rows.shape != kept.shape:
         raise ValueError(f"roll_back: rows {tuple(rows.shape)} and kept {tuple(kept.shape)} must have one shape.")
+    by_host = None if rows_host is None or kept_host is None else dict(zip(np.asarray(rows_host).tolist(),
+                                                                             np.asarray(kept_host).tolist()))
     n_done = 0
     for c in caches:
-        by_row = torch.full((c.num_slots,), -1, dtype=torch.int64, device=c.recurrent.device)
-        by_row[rows.to(by_row.device)] = kept.to(by_row.device)
+        by_row = None
         for e in c.pending:
-            kk = by_row[e.rows]
-            if bool((kk > e.num_tokens).any()):
-                raise ValueError("roll_back: kept exceeds the tokens a row ran this step "
-                                 f"(kept {kk.tolist()}, ran {e.num_tokens.tolist()}).")
-            sel = ((kk >= 0) & (kk < e.num_tokens)).nonzero().squeeze(1)
-            if len(sel) == 0:
-                continue
-            kk = kk[sel]
+            if by_host is not None and e.rows_host is not None and e.num_tokens_host is not None:
+                kk_h = np.array([by_host.get(r, -1) for r in e.rows_host.tolist()], dtype=np.int64)
+                if (kk_h > e.num_tokens_host).any():
+                    raise ValueError("roll_back: kept exceeds the tokens a row ran this step "
+                                     f"(kept {kk_h.tolist()}, ran {e.num_tokens_host.tolist()}).")
+                sel_h = np.nonzero((kk_h >= 0) & (kk_h < e.num_tokens_host))[0]
+                if len(sel_h) == 0:
+                    continue
+                dev = e.rows.device
+                put = (lambda a: torch.from_numpy(a)) if dev.type == "cpu" else \
+                    (lambda a: torch.from_numpy(a).to(dev, non_blocking=True))
+                sel, kk, steps = put(sel_h), put(kk_h[sel_h]), int(kk_h[sel_h].max())
+            else:
+                if by_row is None:
+                    by_row = torch.full((c.num_slots,), -1, dtype=torch.int64, device=c.recurrent.device)
+                    by_row[rows.to(by_row.device)] = kept.to(by_row.device)
+                kk = by_row[e.rows]
+                if bool((kk > e.num_tokens).any()):
+                    raise ValueError("roll_back: kept exceeds the tokens a row ran this step "
+                                     f"(kept {kk.tolist()}, ran {e.num_tokens.tolist()}).")
+                sel = ((kk >= 0) & (kk < e.num_tokens)).nonzero().squeeze(1)
+                if len(sel) == 0:
+                    continue
+                kk = kk[sel]
+                steps = int(kk.max())
             win = e.conv_window[sel]
             km1 = win.shape[2] - e.k.shape[1]  # kernel - 1
             take = (kk.view(-1, 1) + torch.arange(km1, device=kk.device).view(1, -1)).unsqueeze(1)
             conv = win.gather(2, take.expand(len(sel), win.shape[1], km1))
             S = e.state[sel]
             k, v, g, beta = e.k[sel], e.v[sel], e.g[sel], e.beta[sel]
-            for j in range(int(kk.max())):
+            for j in range(steps):
                 m = (kk > j).view(-1, 1, 1)  # rows still replaying; the others: g = 0, beta = 0 (S unchanged)
                 _, S = kda_recurrent_step(k[:, j], k[:, j], v[:, j], torch.where(m, g[:, j], 0.0),
                                           torch.where(m.view(-1, 1), beta[:, j], 0.0), S)

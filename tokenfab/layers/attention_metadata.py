@@ -57,9 +57,10 @@ class AttentionMetadata:
         state_keep: [B] bool, aligned with ``state_rows``: speculative verification rows whose recurrent state the
             KDA layers must be able to roll back to a prefix of this step's tokens (engine/state_rollback.py);
             None when no row needs it.
-        state_keep_host: [B] bool numpy, the same rows on the host, and ``num_new_host`` [B] int64 numpy, the
-            tokens each sequence runs this step: what the KDA layers decide and size their kept states by without
-            reading the device (one read per layer would drain a GPU's queue); None where not provided.
+        state_keep_host: [B] bool numpy, the same rows on the host, ``num_new_host`` [B] int64 numpy, the tokens
+            each sequence runs this step, and ``state_rows_host`` [B] int64 numpy, ``state_rows`` on the host: what
+            the KDA layers decide and size their kept states by, and the roll back selects by, without reading the
+            device (one read per layer would drain a GPU's queue); None where not provided.
     """
 
     slot_mapping: torch.Tensor
@@ -71,6 +72,7 @@ class AttentionMetadata:
     state_keep: torch.Tensor | None = None
     state_keep_host: np.ndarray | None = None
     num_new_host: np.ndarray | None = None
+    state_rows_host: np.ndarray | None = None
 
     def cpu_decode_block(self, x: torch.Tensor, cache: torch.Tensor) -> bool:
         """True when an attention layer may run this step as one fused CPU call (``cpu_ops.mla_decode`` /

@@ -255,12 +255,12 @@ class KimiDeltaAttention(nn.Module):
         gates = _Gates(self, g_raw, b_raw)
         core = x.new_empty(T + 1, H, D)
         d = meta.decode.num_seqs if meta.decode is not None else 0
-        keep, kh, nh = meta.state_keep, meta.state_keep_host, meta.num_new_host
+        keep, kh, nh, rh = meta.state_keep, meta.state_keep_host, meta.num_new_host, meta.state_rows_host
         part = lambda a, first: None if a is None else (a[:d] if first else a[d:])
         for group, first in ((meta.decode, True), (meta.prefill, False)):
             if group is not None:
                 self._run_group(group, part(meta.state_rows, first), qkv, gates, cache, core, part(keep, first),
-                                part(kh, first), part(nh, first))
+                                part(kh, first), part(nh, first), part(rh, first))
         core = core[:T]
         out = dispatch.gated_rms_norm(core, gate, self.o_norm.weight, self.o_norm.eps)
         if out is None:
@@ -285,7 +285,7 @@ class KimiDeltaAttention(nn.Module):
 
     def _run_group(self, group: AttentionGroup, rows: torch.Tensor, qkv: torch.Tensor, gates: "_Gates", cache,
                    core: torch.Tensor, keep: torch.Tensor | None = None, keep_host: np.ndarray | None = None,
-                   tokens_host: np.ndarray | None = None) -> None:
+                   tokens_host: np.ndarray | None = None, rows_host: np.ndarray | None = None) -> None:
         """KDA for one group: stores its tokens' outputs in ``core`` [T + 1, H, D] (activation dtype) at their
         token rows and its states in ``cache``; ``qkv`` [T, 3HD] the projections (rows may be strided). On the GPU
         path two launches do a decode group or a short prefill: the short conv with its state update
@@ -340,6 +340,7 @@ class KimiDeltaAttention(nn.Module):
             new_conv = conv_state
         if spec:
             from tokenfab.engine.state_cache import PendingStates
+            sel_h = None
             if keep_host is not None and tokens_host is not None:  # known on the host: no device read
                 sel_h = np.nonzero(keep_host)[0]
                 sel = torch.from_numpy(sel_h)
@@ -352,8 +353,10 @@ class KimiDeltaAttention(nn.Module):
             n_tok = n[sel]
             _, k, v, g, beta = self._prep(y[sel], valid[sel], idx[sel], gates)
             S_sel = S[sel] if S is not None else cache.read_recurrent(rows[sel], fresh[sel])
-            cache.pending.append(PendingStates(rows[sel], n_tok, full[sel, :, :K - 1 + qk], S_sel, k[:, :qk],
-                                               v[:, :qk], g[:, :qk], beta[:, :qk]))
+            cache.pending.append(PendingStates(
+                rows[sel], n_tok, full[sel, :, :K - 1 + qk], S_sel, k[:, :qk], v[:, :qk], g[:, :qk], beta[:, :qk],
+                None if sel_h is None or rows_host is None else np.asarray(rows_host[sel_h], dtype=np.int64),
+                None if sel_h is None else np.asarray(tokens_host[sel_h], dtype=np.int64)))
         if kernel and not chunk:  # one launch: gates, l2norms, recurrence, outputs into core, states in place
             cache.write_conv(rows, new_conv)
             dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx, n,
