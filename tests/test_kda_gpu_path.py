@@ -107,3 +107,27 @@ def test_preemption_and_prefix_snapshots_on_gpu_path(monkeypatch, no_cpu_kernels
     assert_same(ref, got, "preemption + prefix snapshots")
     assert eng.scheduler.num_preemptions > 0 and any(mid_prefill_preemptions)
     assert eng.block_manager.prefix_cache.snapshots.num_restored > 0
+
+
+def test_speculative_rows_on_gpu_path(monkeypatch, no_cpu_kernels, hybrid_paths):
+    """n-gram speculation on Kimi Linear on the GPU path: verification rows through the short-conv and recurrence
+    kernels (their old conv states and recurrence inputs kept from host copies of the kept rows), rolled back to
+    the accepted prefix: greedy tokens equal the CPU path's without speculation, with drafts rejected."""
+    from spec_helpers import NGRAM, spec_prompts, token_ids
+    from tokenfab.kernels.gpu import short_conv
+    path = hybrid_paths["kimi_linear"]
+    sp = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    base = token_ids(LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False)
+                     .generate(spec_prompts(), sp, use_tqdm=False))
+    gpu_path(monkeypatch)
+    widths = []
+    orig = short_conv.short_conv
+    monkeypatch.setattr(short_conv, "short_conv",
+                        lambda *a, **k: widths.append(a[1].shape[1]) or orig(*a, **k))
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False, speculative_config=NGRAM)
+    assert token_ids(llm.generate(spec_prompts(), sp, use_tqdm=False)) == base
+    st = llm.llm_engine.get_stats()
+    # drafts rejected: their rows rolled back to fewer tokens than they ran (a wrong roll back changes later tokens)
+    assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_accepted_tokens"] < st[
+        "spec_decode_num_draft_tokens"], st
+    assert max(widths) > 1  # verification rows (1 + k tokens a sequence) went through the conv kernel

@@ -251,8 +251,9 @@ def test_verification_rows_read_nothing_from_the_device(monkeypatch):
     """With the kept rows, token counts and rows on the host (``state_keep_host`` / ``num_new_host`` /
     ``state_rows_host``, as the runner gives them), a verification step's KDA layer on the GPU path decides and sizes
     its kept states, and the roll back after it selects and replays, without a host read of a device value (one per
-    layer would drain a GPU's queue); the kept entries and the rolled-back states equal those of the same step
-    without them (where both read the device, which the counter sees)."""
+    layer would drain a GPU's queue), running the short-conv kernel for the group; the kept entries and the
+    rolled-back states equal those of the same step without them (the PyTorch conv; both read the device, which the
+    counter sees)."""
     import numpy as np
     from tokenfab.engine.state_rollback import roll_back
     from tokenfab.layers.attention_metadata import AttentionMetadata
@@ -278,6 +279,8 @@ def test_verification_rows_read_nothing_from_the_device(monkeypatch):
         with kc, kc.scope("kda"), torch.no_grad():
             layer(None, x, cache, meta)
         assert bool(kc.syncs) != host, kc.syncs
+        # with the host copies the group takes the conv kernel too (old conv states gathered before it)
+        assert kc.counts["kda"]["triton:_short_conv_kernel"] == int(host), kc.counts
         pending.append(cache.pending[0])
         rows_np, kept_np = np.array([1, 3]), np.array([2, 1])  # row 1 keeps 2 of its 3 tokens, row 3 1 of 2
         kc = KernelCounter()

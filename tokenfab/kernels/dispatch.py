@@ -349,13 +349,20 @@ def kda_recurrent_applies(qkv: torch.Tensor, state: torch.Tensor) -> bool:
     return _gpu(qkv) and state.dtype == torch.float32 and state.dim() == 4 and state.is_contiguous()
 
 
+def kda_short_conv_applies(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                           query_pos: torch.Tensor) -> bool:
+    """True when :func:`kda_short_conv` runs these tensors: the GPU code path, a unit-stride channel axis, a
+    contiguous state pool and float32 contiguous taps."""
+    return (_gpu(x) and x.stride(-1) == 1 and state.is_contiguous() and weight.dtype == torch.float32
+            and weight.is_contiguous() and query_pos.stride(-1) == 1)
+
+
 def kda_short_conv(x: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor,
                    state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """KDA's depthwise causal conv + SiLU of one padded group with the conv states updated in place, by the GPU
-    kernel (:func:`tokenfab.kernels.gpu.short_conv.short_conv`: (y [B, Q, C], num_tokens [B] int32)); or None off
-    the GPU path or for layouts it does not take (a strided channel axis, a non-contiguous state)."""
-    if not (_gpu(x) and x.stride(-1) == 1 and state.is_contiguous() and weight.dtype == torch.float32
-            and weight.is_contiguous() and query_pos.stride(-1) == 1):
+    kernel (:func:`tokenfab.kernels.gpu.short_conv.short_conv`: (y [B, Q, C], num_tokens [B] int32)); or None where
+    it does not apply (:func:`kda_short_conv_applies`)."""
+    if not kda_short_conv_applies(x, state, weight, query_pos):
         return None
     from tokenfab.kernels.gpu import short_conv
     return short_conv.short_conv(x, token_index, query_pos, rows, state, weight)

@@ -283,6 +283,35 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.where(valid.unsqueeze(-1), beta_p[idx], 0.0)  # [B, Q, H]
         return q, k, v, g, beta
 
+    @staticmethod
+    def _kept_rows(keep: torch.Tensor | None, keep_host: np.ndarray | None, tokens_host: np.ndarray | None,
+                   n: torch.Tensor | None, device) -> tuple[torch.Tensor, np.ndarray | None, int]:
+        """(indices [n] int64 of a group's verification rows on ``device``, the same on the host or None, the most
+        tokens one of them runs): from the host copies when given (no device read), else from ``keep`` and the
+        valid-token counts ``n`` on the device."""
+        if keep_host is not None and tokens_host is not None:
+            sel_h = np.nonzero(keep_host)[0]
+            sel = torch.from_numpy(sel_h)
+            if sel.device != torch.device(device):
+                sel = sel.to(device, non_blocking=True)
+            return sel, sel_h, int(tokens_host[sel_h].max())
+        sel = keep.nonzero().squeeze(1)
+        return sel, None, int(n[sel].max())
+
+    def _keep_pending(self, cache, rows: torch.Tensor, sel: torch.Tensor, sel_h: np.ndarray | None, qk: int,
+                      n: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, idx: torch.Tensor, gates: "_Gates",
+                      window: torch.Tensor, state: torch.Tensor, rows_host: np.ndarray | None,
+                      tokens_host: np.ndarray | None) -> None:
+        """Append the roll back's entry for the verification rows ``sel`` of a group (engine/state_cache.py
+        ``PendingStates``): their conv input ``window`` [n, 3HD, K - 1 + qk] and recurrent ``state`` before the
+        step, and the recurrence inputs of their tokens from the conv outputs ``y`` [B, Q, 3HD]."""
+        from tokenfab.engine.state_cache import PendingStates
+        _, k, v, g, beta = self._prep(y[sel], valid[sel], idx[sel], gates)
+        cache.pending.append(PendingStates(
+            rows[sel], n[sel].long(), window, state, k[:, :qk], v[:, :qk], g[:, :qk], beta[:, :qk],
+            None if sel_h is None or rows_host is None else np.asarray(rows_host[sel_h], dtype=np.int64),
+            None if sel_h is None else np.asarray(tokens_host[sel_h], dtype=np.int64)))
+
     def _run_group(self, group: AttentionGroup, rows: torch.Tensor, qkv: torch.Tensor, gates: "_Gates", cache,
                    core: torch.Tensor, keep: torch.Tensor | None = None, keep_host: np.ndarray | None = None,
                    tokens_host: np.ndarray | None = None, rows_host: np.ndarray | None = None) -> None:
@@ -291,11 +320,12 @@ class KimiDeltaAttention(nn.Module):
         path two launches do a decode group or a short prefill: the short conv with its state update
         (kernels/gpu/short_conv.py) and the fused recurrence (kernels/gpu/kda.py); long bfloat16 prefills run fla's
         chunked kernels (kernels/gpu/kda_chunk.py) after the same conv kernel (no float32 [B, 3HD, K - 1 + Q] window
-        is built); elsewhere the PyTorch forms here (the reference). ``keep`` [B] bool: rows (speculative verification) whose state before the step and per-token
-        recurrence inputs go to ``cache.pending`` for a later roll back (engine/state_rollback.py); those groups
-        take the PyTorch conv, which keeps what the roll back needs. ``keep_host`` / ``tokens_host`` (the same rows
-        and each row's token count on the host, when the runner provides them) decide and size that without a read
-        of the device."""
+        is built); elsewhere the PyTorch forms here (the reference). ``keep`` [B] bool: rows (speculative
+        verification) whose state before the step and per-token recurrence inputs go to ``cache.pending`` for a
+        later roll back (engine/state_rollback.py). ``keep_host`` / ``tokens_host`` / ``rows_host`` (the same rows,
+        each row's token count and state slot on the host, as the runner provides them) decide and size that
+        without a read of the device, and let those groups take the conv kernel too (their old conv states gathered
+        first); without them they take the PyTorch conv."""
         idx = group.token_index  # [B, Q]
         B, Q = idx.shape
         H, D, K = self.num_heads, self.head_dim, self.kernel
@@ -305,11 +335,24 @@ class KimiDeltaAttention(nn.Module):
             spec = bool(keep_host.any())
         else:
             spec = keep is not None and bool(keep.any())
-        conv = None
-        if kernel and not spec:
+        conv_ok = kernel and dispatch.kda_short_conv_applies(qkv, cache.conv, self.conv_weight(), group.query_pos)
+        host_keep = spec and keep_host is not None and tokens_host is not None
+        conv = kept = None
+        if conv_ok and not (spec and (chunk or not host_keep)):
+            if spec:  # the kept rows' conv states before the kernel rewrites them, for the roll back
+                valid, fresh = group.query_pos >= 0, group.query_pos[:, 0] == 0
+                sel, sel_h, qk = self._kept_rows(keep, keep_host, tokens_host, None, idx.device)
+                kept = (sel, sel_h, qk, cache.read_conv(rows[sel], fresh[sel]))
             conv = dispatch.kda_short_conv(qkv, idx, group.query_pos, rows, cache.conv, self.conv_weight())
         if conv is not None and not chunk:
             y, n = conv
+            if kept is not None:
+                sel, sel_h, qk, old = kept
+                xs = qkv[idx[sel][:, :qk].clamp(max=qkv.shape[0] - 1)]  # [n, qk, 3HD]; padding zeroed below
+                xs = torch.where(valid[sel][:, :qk, None], xs, 0.0)
+                window = torch.cat([old.to(xs.dtype), xs.transpose(1, 2)], dim=-1)  # [n, 3HD, K - 1 + qk]
+                self._keep_pending(cache, rows, sel, sel_h, qk, n, y, valid, idx, gates, window,
+                                   cache.read_recurrent(rows[sel], fresh[sel]), rows_host, tokens_host)
             dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx,
                                    n, group.query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5)
             return
@@ -339,24 +382,10 @@ class KimiDeltaAttention(nn.Module):
         else:
             new_conv = conv_state
         if spec:
-            from tokenfab.engine.state_cache import PendingStates
-            sel_h = None
-            if keep_host is not None and tokens_host is not None:  # known on the host: no device read
-                sel_h = np.nonzero(keep_host)[0]
-                sel = torch.from_numpy(sel_h)
-                if sel.device != idx.device:
-                    sel = sel.to(idx.device, non_blocking=True)
-                qk = int(tokens_host[sel_h].max())
-            else:
-                sel = keep.nonzero().squeeze(1)
-                qk = int(n[sel].max())
-            n_tok = n[sel]
-            _, k, v, g, beta = self._prep(y[sel], valid[sel], idx[sel], gates)
+            sel, sel_h, qk = self._kept_rows(keep, keep_host, tokens_host, n, idx.device)
             S_sel = S[sel] if S is not None else cache.read_recurrent(rows[sel], fresh[sel])
-            cache.pending.append(PendingStates(
-                rows[sel], n_tok, full[sel, :, :K - 1 + qk], S_sel, k[:, :qk], v[:, :qk], g[:, :qk], beta[:, :qk],
-                None if sel_h is None or rows_host is None else np.asarray(rows_host[sel_h], dtype=np.int64),
-                None if sel_h is None else np.asarray(tokens_host[sel_h], dtype=np.int64)))
+            self._keep_pending(cache, rows, sel, sel_h, qk, n, y, valid, idx, gates, full[sel, :, :K - 1 + qk], S_sel,
+                               rows_host, tokens_host)
         if kernel and not chunk:  # one launch: gates, l2norms, recurrence, outputs into core, states in place
             cache.write_conv(rows, new_conv)
             dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx, n,
