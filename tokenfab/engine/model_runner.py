@@ -315,8 +315,8 @@ class ModelRunner:
             return 0
         rows = np.asarray(rows, dtype=np.int64)
         kept = np.asarray(kept, dtype=np.int64)
-        n = roll_back(self.state_caches, torch.from_numpy(rows).to(self.device), torch.from_numpy(kept).to(self.device),
-                      rows, kept)
+        # the layers kept host copies of their rows: the roll back reads these, the tensors only where they did not
+        n = roll_back(self.state_caches, torch.from_numpy(rows), torch.from_numpy(kept), rows, kept)
         if self.tp_channel is not None:  # the workers hold their heads' states: the same roll back there
             self.tp_channel.send_rollback(rows, kept)
         return n

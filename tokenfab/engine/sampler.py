@@ -164,8 +164,7 @@ class Sampler:
         take :meth:`_sorted_draw` on the device, and rows with logprobs get them there (:meth:`_restricted_on_device`;
         not with logits processors or in batch-invariant mode), with the uniforms and the tokens :meth:`__call__`
         would give them: the [N, V] logits never cross to the host, where sorting them took far longer than the
-        step. None, drawing nothing and leaving every
-        RNG where it was, when some row needs the host sampler."""
+        step. None, drawing nothing and leaving every RNG where it was, when some row needs the host sampler."""
         plain = self.plain_inputs(seqs, logits.shape[-1], rows)
         if plain is None:
             return self._restricted_on_device(logits, seqs, rows)
@@ -192,12 +191,12 @@ class Sampler:
             ids = logits.argmax(dim=-1)
         else:
             ids = self._sorted_draw(logits, params, self._uniforms(seqs))
-        want = [p.logprobs for p in params if p.logprobs is not None]
-        if not want:
+        if all(p.logprobs is None for p in params):
             return self._ids_to_host(ids)
-        chosen, ranks, top_ids, top_vals = token_logprobs(torch.log_softmax(logits, dim=-1), ids, max(want))
+        out = self._with_logprobs(ids, logits, params)  # batch-invariant mode never comes here
         host = lambda t: None if t is None else t.cpu()
-        return SamplerOutput(ids.cpu(), chosen.cpu(), host(top_ids), host(top_vals), ranks.cpu())
+        return SamplerOutput(*(host(t) for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs,
+                                                  out.ranks)))
 
     def _ids_to_host(self, ids: torch.Tensor) -> SamplerOutput:
         """SamplerOutput of device ids [N] int64: on CUDA copied into a pinned host buffer without waiting (an
@@ -220,7 +219,7 @@ class Sampler:
         first argmax. Returns int64 [N]."""
         V = logits.shape[-1]
         dev = logits.device
-        put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))
+        put = lambda t: t.to(dev, non_blocking=True)  # the tensor itself where it already is (CPU)
         temp_list = [p.temperature for p in params]
         temps = put(torch.tensor(temp_list, dtype=torch.float32))
         greedy = temps < 1e-5
@@ -276,6 +275,11 @@ class Sampler:
             token_ids[ri] = self._sorted_draw(logits[ri], [params[i] for i in ri.tolist()], u[ri])
         else:
             token_ids = self._sorted_draw(logits, params, self._uniforms(seqs))
+        return self._with_logprobs(token_ids, raw_logits, params)
+
+    def _with_logprobs(self, token_ids: torch.Tensor, raw_logits: torch.Tensor, params: list) -> SamplerOutput:
+        """SamplerOutput of the drawn ``token_ids`` [N] with, for rows asking for them, the logprobs of
+        ``raw_logits`` [N, V] (chosen token, rank, top-k), on the logits' device."""
         want = [p.logprobs for p in params if p.logprobs is not None]
         if not want:
             return SamplerOutput(token_ids, None, None, None)

@@ -56,7 +56,8 @@ def roll_back(caches: list[KDAStateCache], rows: torch.Tensor, kept: torch.Tenso
 
     Args:
         caches: the KDA layers' state caches (each with the ``pending`` entries of the last forward).
-        rows: [N] int64 state slots (scheduler rows) of verification rows.
+        rows: [N] int64 state slots (scheduler rows) of verification rows (any device: moved to the caches' where
+            they are read).
         kept: [N] int64 tokens of each row's step that stay in the state, in [0, tokens it ran] (0 restores the
             state before the step, e.g. after a failed step). Rows not in a pending entry, or keeping all their
             tokens, are left as the forward wrote them.

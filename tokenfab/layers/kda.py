@@ -336,9 +336,10 @@ class KimiDeltaAttention(nn.Module):
         else:
             spec = keep is not None and bool(keep.any())
         conv_ok = kernel and dispatch.kda_short_conv_applies(qkv, cache.conv, self.conv_weight(), group.query_pos)
-        host_keep = spec and keep_host is not None and tokens_host is not None
+        # verification groups take the conv kernel only with host copies of their rows (not for fla's long prefills)
+        host_keep = keep_host is not None and tokens_host is not None
         conv = kept = None
-        if conv_ok and not (spec and (chunk or not host_keep)):
+        if conv_ok and (not spec or (host_keep and not chunk)):
             if spec:  # the kept rows' conv states before the kernel rewrites them, for the roll back
                 valid, fresh = group.query_pos >= 0, group.query_pos[:, 0] == 0
                 sel, sel_h, qk = self._kept_rows(keep, keep_host, tokens_host, None, idx.device)
