@@ -4,6 +4,8 @@ VNNI linear (kernels/cpu/csrc/vnni_linear.cpp) at the same shapes, side by side.
     .venv/bin/python benchmarks/gguf_linear.py [--rows 1,4,64,512] [--reps 5] [--mb 128]
     .venv/bin/python benchmarks/gguf_linear.py --formats bf16,Q4_1,Q4_K,Q6_K --shapes kquant --rows 1,8 \
         --name gguf-kquants
+    .venv/bin/python benchmarks/gguf_linear.py --formats bf16,Q4_1,Q4_1+i8,Q8_0,Q8_0+i8 --rows 8,16 \
+        --name gguf-int8-activations
 
 ``--shapes kquant``: K a multiple of 256 (the K-quants' super-block): SmolLM2-like [960, 512], [3072, 512],
 [576, 1536] (SmolLM2-135M's own K = 576 is not; llama.cpp stores such tensors in other types) and the 4096-wide
@@ -36,6 +38,7 @@ from benchmarks.results_file import write_results  # noqa: E402
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (4096, 4096), (11008, 4096)]
 KQUANT_SHAPES = [(960, 512), (3072, 512), (576, 1536), (4096, 4096), (11008, 4096)]
 FORMATS = ("bf16", "Q8_0", "Q4_0", "Q4_1")
+INT8_SUFFIX = "+i8"  # e.g. Q4_1+i8: the same format with int8 activations on (TOKENFAB_GGUF_INT8_ACT; 5-16 rows)
 
 
 def random_rows(name: str, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
@@ -64,22 +67,26 @@ def time_shape(n: int, k: int, rows: int, reps: int, mb: float, formats=FORMATS)
             runs[fmt] = (lambda ws: lambda i: cpu_ops.vnni_linear(x, ws[i], n))(ws)
             nbytes[fmt] = n * k * 2
         else:
-            one = GGUFWeight.from_rows(random_rows(fmt, n, k, rng), fmt, k)
+            qt = fmt.removesuffix(INT8_SUFFIX)
+            one = GGUFWeight.from_rows(random_rows(qt, n, k, rng), qt, k)
             count = max(2, int(mb * 1e6 // one.nbytes)) if rows <= 4 else 2
-            ws = [one] + [GGUFWeight.from_rows(random_rows(fmt, n, k, rng), fmt, k) for _ in range(count - 1)]
+            ws = [one] + [GGUFWeight.from_rows(random_rows(qt, n, k, rng), qt, k) for _ in range(count - 1)]
             for w in ws:
                 w.prepare()
             runs[fmt] = (lambda ws: lambda i: ws[i].linear(x, None))(ws)
             nbytes[fmt] = one.nbytes
         runs[fmt] = (runs[fmt], count)
     best = {f: float("inf") for f in formats}
+    int8_before = cpu_ops.gguf_int8_activations()
     for _ in range(reps):
         for f, (fn, count) in runs.items():
+            cpu_ops.gguf_int8_activations(f.endswith(INT8_SUFFIX))
             fn(0)
             t = time.perf_counter()
             for i in range(count):
                 fn(i)
             best[f] = min(best[f], (time.perf_counter() - t) / count)
+    cpu_ops.gguf_int8_activations(int8_before)
     return {"n": n, "k": k, "rows": rows, "seconds": best, "bytes": nbytes}
 
 
@@ -89,7 +96,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="passes per format (best is kept; default 5)")
     ap.add_argument("--mb", type=float, default=128, help="MB of distinct weights per format and shape (GEMV)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
-    ap.add_argument("--formats", default=",".join(FORMATS), help="bf16 first, then GGUF block types")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help="bf16 first, then GGUF block types; a type with '+i8' (Q4_0 / Q4_1 / Q8_0) runs with int8 "
+                         "activations on, the plain type with them off")
     ap.add_argument("--shapes", default="default", choices=["default", "kquant"], help="weight shapes (see above)")
     ap.add_argument("--name", default="gguf-linear", help="result file stem after the date")
     args = ap.parse_args()

@@ -99,9 +99,19 @@ def check_kernel_product(raw: np.ndarray, name: str, k: int, rows: int, dtype: t
     random rows of ``dtype`` (a random bias for 3 and 17 rows, torch seeded by ``rows``): output dtype and shape,
     then ``check_close`` on the kernel's product (bf16 and float32 outputs) and on the PyTorch reference path's.
     bf16 x of more than 16 rows (prefill) multiplies the weight rounded once to bf16, the dequantized bf16 twin's:
-    those products are checked against that weight (``check_close(..., bf16_weight=True)``). Returns (x, y,
-    bias)."""
+    those products are checked against that weight (``check_close(..., bf16_weight=True)``). bf16 x of 5..16 rows
+    that would run on int8 activations (``cpu_ops.gguf_int8_path``; test_gguf_int8_activations.py checks that path
+    against its own definition) runs the exact GEMV here (the setting off for the call). Returns (x, y, bias)."""
+    from tokenfab.kernels.cpu import ops as cpu_ops
     from tokenfab.quant.gguf_weight import GGUFWeight
+    int8_before = cpu_ops.gguf_int8_activations(False)
+    try:
+        return _check_kernel_product(raw, name, k, rows, dtype, check_close, GGUFWeight)
+    finally:
+        cpu_ops.gguf_int8_activations(int8_before)
+
+
+def _check_kernel_product(raw, name, k, rows, dtype, check_close, GGUFWeight):
     torch.manual_seed(rows)
     n = raw.shape[0]
     w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)

@@ -212,7 +212,7 @@ def test_gemv_prefetch_distance_changes_no_output_bit(name):
 def test_batched_gemv_rows_equal_single_row_bits():
     """Q8_0 decode batches of 5..16 rows share one unpacking of each weight tile (the operand buffer of the GEMV
     passes): every row's output is bit for bit that row's single-row GEMV. Float32 x always takes the GEMV; bf16 x
-    does except on an AMX path (its 5..16 rows run AMX tiles). (Q4_0 / Q4_1 passes of 5..8 rows sum in one chain per
+    does except on an AMX path (its 5..16 rows run AMX tiles) or with int8 activations (switched off here). (Q4_0 / Q4_1 passes of 5..8 rows sum in one chain per
     row instead of four: test_kernel_matches_exact_product bounds them.)"""
     name = "Q8_0"
     from tokenfab.kernels.cpu import isa
@@ -221,6 +221,14 @@ def test_batched_gemv_rows_equal_single_row_bits():
     w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
     w.prepare()
     dtypes = [torch.float32] + ([torch.bfloat16] if isa.selected_level() != "amx" else [])
+    int8_before = cpu_ops.gguf_int8_activations(False)  # bf16 rows: the exact GEMV, not int8 activations
+    try:
+        _rows_equal_single_row_bits(w, raw, name, k, dtypes)
+    finally:
+        cpu_ops.gguf_int8_activations(int8_before)
+
+
+def _rows_equal_single_row_bits(w, raw, name, k, dtypes):
     for dtype in dtypes:
         for rows in (5, 8, 13, 16):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)

@@ -129,6 +129,8 @@ class LLMEngine:
         from tokenfab.layers.linear import cpu_linear_backend
         cpu_linear_backend()  # TOKENFAB_CPU_LINEAR / TOKENFAB_CPU_ISA / TOKENFAB_TRITON typos, also before loading
         cpu_isa.selected_level()
+        from tokenfab.kernels.cpu import ops as cpu_ops
+        cpu_ops.gguf_int8_setting()  # TOKENFAB_GGUF_INT8_ACT typos, before loading
         triton_support.check_env()
         if config.tensor_parallel_size != 1:
             from tokenfab.parallel.launcher import load_tensor_parallel

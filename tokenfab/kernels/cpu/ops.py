@@ -18,6 +18,7 @@ routed experts run on the host (:func:`~tokenfab.kernels.cpu.build.wanted`). Lay
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -307,6 +308,49 @@ def gguf_linear_applies() -> bool:
     return bool(m is not None and has_bf16_dot() and hasattr(m, "gguf_linear"))
 
 
+INT8_ENV = "TOKENFAB_GGUF_INT8_ACT"
+
+
+def gguf_int8_setting() -> bool:
+    """``TOKENFAB_GGUF_INT8_ACT`` read: unset, empty or ``0`` False (the default: exact bf16 products), ``1`` True.
+
+    Raises:
+        EngineConfigError: any other value (the message names the variable and its two values).
+    """
+    value = os.environ.get(INT8_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        from tokenfab.errors import EngineConfigError
+        raise EngineConfigError(f"{INT8_ENV}={value!r} is not a setting; use 1 (int8 activations for packed Q4_0 / "
+                                "Q4_1 / Q8_0 decode batches of 5-16 rows) or 0 (exact bf16 products, the default).")
+    return value == "1"
+
+
+def gguf_int8_available() -> bool:
+    """True when this machine's kernels can run :func:`gguf_linear`'s int8-activation GEMV: built with AVX512-VNNI,
+    AVX512-BF16 dot products allowed, and no AMX path (AMX tiles run those rows exactly and faster)."""
+    from tokenfab.kernels.cpu import isa
+    m = load()
+    return bool(gguf_linear_applies() and getattr(m, "gguf_int8_built", False) and isa.selected_level() != "amx")
+
+
+def gguf_int8_activations(on: bool | None = None) -> bool:
+    """The setting whether bf16 x of 5..16 rows of a Q4_0 / Q4_1 / Q8_0 :func:`gguf_linear` runs on int8
+    activations where :func:`gguf_int8_available` (see :func:`gguf_linear`); sets it when ``on`` is not None and
+    returns the value before. Starts from ``TOKENFAB_GGUF_INT8_ACT`` (:func:`gguf_int8_setting`). False without
+    built kernels."""
+    m = load()
+    if m is None or not hasattr(m, "gguf_int8_activations"):
+        return False
+    return bool(m.gguf_int8_activations(-1 if on is None else int(bool(on))))
+
+
+def gguf_int8_path(ggml_type: int, rows: int, dtype: torch.dtype) -> bool:
+    """True when :func:`gguf_linear` of ``rows`` rows of ``dtype`` x on ``ggml_type`` takes the int8-activation
+    GEMV here: bf16 x of 5..16 rows, Q4_0 / Q4_1 / Q8_0, :func:`gguf_int8_available` and the setting on."""
+    return (dtype == torch.bfloat16 and 5 <= rows <= 16 and int(ggml_type) in (2, 3, 8) and gguf_int8_available()
+            and gguf_int8_activations())
+
+
 def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
                 bias: torch.Tensor | None = None, out_f32: bool = False) -> torch.Tensor:
     """y = x W^T (+ bias) with W [n, K] in a GGUF block type, packed as tiles (tokenfab.quant.gguf_blocks).
@@ -324,7 +368,10 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
         split into three bf16 parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the packed
         bytes once (decode); more rows dequantize 32 weight rows at a time into a thread-local buffer for oneDNN's
         brgemm (prefill); on CPUs with AMX, bf16 x of more than 4 rows runs one AMX tile product per GGUF block
-        instead. benchmarks/gguf_linear.py measures the GEMV's bandwidth against :func:`vnni_linear`.
+        instead. Opt-in (``TOKENFAB_GGUF_INT8_ACT=1``), without AMX, bf16 x of 5..16 rows on Q4_0 / Q4_1 / Q8_0
+        runs on int8 activations (:func:`gguf_int8_path`; csrc/gguf_gemv_i8.h): each row quantized per 32 inputs
+        to int8 with scale dx = max |x| / 127 (llama.cpp's Q8_0 activations), the integer products exact, so x
+        differs from the exact product's by at most dx / 2 per input. benchmarks/gguf_linear.py measures them against :func:`vnni_linear`.
 
     Raises:
         RuntimeError: shapes or dtypes outside the above, or kernels without AVX512-BF16 (check

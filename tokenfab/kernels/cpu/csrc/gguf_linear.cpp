@@ -19,6 +19,9 @@
 // activations keep float32 accuracy. With AMX (AMX-BF16, granted by the kernel), bf16 x of 5..16 rows instead runs
 // one TDPBF16PS per GGUF block and 16-row tile of x on the block's integer quants, each block's sum scaled in
 // registers (amx_tiles below): about 2x the GEMV passes' speed at 16 rows.
+// Opt-in (TOKENFAB_GGUF_INT8_ACT=1), without AMX: bf16 x of 5..16 rows on Q4_0 / Q4_1 / Q8_0 runs on int8 activations
+// instead (gguf_gemv_i8.h: x quantized per 32 inputs as llama.cpp's Q8_0 activations, vpdpbusd products): 0.7-0.95x
+// the bf16 twin's time at 16 rows where the exact GEMV takes 1.3-1.5x, at a fidelity cost (see there).
 // M > 16 (prefill): per 32-column block, the thread dequantizes its 32 weight rows once into a thread-local buffer
 // that stays in cache and runs oneDNN's brgemm micro-kernel (the bf16 GEMM's) over all row tiles of x: bf16 x
 // against the weight rounded once to bf16 (as the dequantized bf16 twin holds it), float32 x against the float32
@@ -41,6 +44,7 @@
 
 #include "amx_tiles.h"
 #include "gguf_gemv.h"
+#include "gguf_gemv_i8.h"
 #include "gguf_tiles.h"
 
 namespace {
@@ -265,6 +269,22 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
     return y;
   }
 #endif
+#if defined(TOKENFAB_AMX)
+  const bool amx = tokenfab_cpu::amx_ready();
+#else
+  const bool amx = false;
+#endif
+  if constexpr (tokenfab_gguf_i8::kBuilt) {  // without AMX: bf16 decode batches on int8 activations (gguf_gemv_i8.h)
+    if (!f32 && !amx && M > kGemvRows && M <= kGemvMaxRows && tokenfab_gguf_i8::covers(static_cast<int>(qtype)) &&
+        tokenfab_gguf_i8::int8_enabled()) {
+      const auto* xb = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+      if (out_f32) tokenfab_gguf_i8::gemv_i8<true>(static_cast<int>(qtype), xb, x2.stride(0), M, K, wp, n, bp,
+                                                     y.data_ptr(), n);
+      else tokenfab_gguf_i8::gemv_i8<false>(static_cast<int>(qtype), xb, x2.stride(0), M, K, wp, n, bp, y.data_ptr(),
+                                            n);
+      return y;
+    }
+  }
   if (M > kGemvMaxRows) {
     const int q = static_cast<int>(qtype);
     void* yp = y.data_ptr();
@@ -315,6 +335,15 @@ void register_gguf_linear(pybind11::module_& m) {
         "the GEMV's software prefetch distance in bytes (TOKENFAB_GGUF_PREFETCH, default 2048): returns the current "
         "value and sets ``bytes`` when >= 0 (0: off; the arithmetic and so the results are the same either way)",
         pybind11::arg("bytes") = -1);
+  m.attr("gguf_int8_built") = tokenfab_gguf_i8::kBuilt;
+  m.def("gguf_int8_activations", [](int64_t on) {
+          const bool before = tokenfab_gguf_i8::int8_enabled();
+          if (on >= 0) tokenfab_gguf_i8::g_int8.store(on ? 1 : 0, std::memory_order_relaxed);
+          return before;
+        },
+        "the setting whether bf16 x of 5..16 rows of a Q4_0 / Q4_1 / Q8_0 linear runs on int8 activations where the "
+        "kernels have them (gguf_int8_built; TOKENFAB_GGUF_INT8_ACT, default 0): returns it and sets it when ``on`` >= 0",
+        pybind11::arg("on") = -1);
   m.def("gguf_linear", &gguf_linear, "x W^T (+ b) over packed GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K tiles (CPU, AVX512-BF16)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"),
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_f32") = false);
