@@ -104,5 +104,7 @@ def apply_bad_words(logits: torch.Tensor, row: torch.Tensor, last_token: torch.T
             longer than the output + 1 never matches, as in vLLM). A single-token word (prefix all -1) always masks.
     """
     match = ((prefix == history) | (prefix < 0)).all(dim=1)
-    logits[row[match], last_token[match]] = NEG_INF
-    return logits
+    # adding -inf where a word matches and 0 elsewhere (accumulate: pairs may repeat): no boolean indexing, so no
+    # host sync on a GPU
+    zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+    return logits.index_put_((row, last_token), torch.where(match, NEG_INF, zero), accumulate=True)

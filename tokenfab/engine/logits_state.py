@@ -79,6 +79,7 @@ class LogitsProcessorState:
         self.num_seen = np.zeros(n, dtype=np.int64)
         self._version = 0
         self._cache: tuple[bytes, int, ProcessorBatch] | None = None
+        self._device_cache: tuple[ProcessorBatch, torch.device, ProcessorBatch] | None = None  # _on_device's
         self.has_grammar = np.zeros(n, dtype=bool)  # the row's sequence has a structured-output grammar
         self.grammar = None  # GrammarState (engine/grammar_state.py), made at the first admission with a grammar
 
@@ -265,7 +266,15 @@ class LogitsProcessorState:
         """Allowed-token and bad-word masks, logit bias, then penalties on ``logits`` [N, V] float32 (the batch's
         rows, modified in place where possible); ``lengths`` [N] int64 tokens known per row (prompt + output).
         Returns the processed logits; min-p comes later, after temperature (``b.min_p``). The grammar mask of rows
-        with structured outputs comes first (vLLM applies it before its sampler)."""
+        with structured outputs comes first (vLLM applies it before its sampler).
+
+        Logits on a GPU stay there: the row state lives on the host, and what a step needs of it (the batch's
+        masks, bias and penalty values, cached with the batch; each step's seen-token pairs, their counts and the
+        bad words' histories, O(seen tokens)) goes to the device by non-blocking copies; no step reads the device."""
+        dev = logits.device
+        put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))
+        if dev.type != "cpu":
+            b = self._on_device(b, dev)
         if b.grammar is not None:
             self.grammar.apply(logits, *b.grammar)
         if b.allowed is not None:
@@ -276,7 +285,8 @@ class LogitsProcessorState:
             pos = lengths[bi][:, None] - L + np.arange(L)[None, :]  # absolute positions of the last L tokens
             hist = np.where(pos >= self.num_prompt[br][:, None],
                             self.token_ids[br[:, None], np.maximum(pos, 0)], -2)
-            apply_bad_words(logits, torch.from_numpy(bi), last, torch.from_numpy(prefix), torch.from_numpy(hist))
+            apply_bad_words(logits, put(torch.from_numpy(bi)), put(last), put(torch.from_numpy(prefix)),
+                            put(torch.from_numpy(hist)))
         if b.bias is not None:
             apply_logit_bias(logits, *b.bias)
         if b.pen_index is not None:  # the K distinct seen (row, token) pairs of the penalized rows
@@ -286,6 +296,20 @@ class LogitsProcessorState:
             li, col = np.nonzero(keep)
             tok = torch.from_numpy(self.seen[b.pen_rows[li], col])
             count = self.output_counts[torch.from_numpy(b.pen_rows[li]), tok]
-            apply_penalties_at(logits, torch.from_numpy(b.pen_index[li]), tok, count, b.repetition, b.frequency,
-                               b.presence)
+            apply_penalties_at(logits, put(torch.from_numpy(b.pen_index[li])), put(tok), put(count), b.repetition,
+                               b.frequency, b.presence)
         return logits
+
+    def _on_device(self, b: ProcessorBatch, dev: torch.device) -> ProcessorBatch:
+        """``b`` with its per-batch tensors on ``dev`` (copied once while the batch stays cached; numpy fields and
+        the bad words' host tables stay on the host)."""
+        c = self._device_cache
+        if c is not None and c[0] is b and c[1] == dev:
+            return c[2]
+        put = lambda t: None if t is None else t.to(dev, non_blocking=True)
+        d = ProcessorBatch(pen_index=b.pen_index, pen_rows=b.pen_rows, repetition=put(b.repetition),
+                           frequency=put(b.frequency), presence=put(b.presence),
+                           bias=None if b.bias is None else tuple(put(t) for t in b.bias), allowed=put(b.allowed),
+                           bad=b.bad, min_p=put(b.min_p), grammar=b.grammar)
+        self._device_cache = (b, dev, d)
+        return d

@@ -133,8 +133,9 @@ class ModelRunner:
         if sampler is not None:
             sampler.batch_invariant = batch_invariant  # each row drawn by its own kind of draw, whatever its mates
             sampler.use_cpu_kernels = device.type == "cpu"  # a GPU engine's logits draw in PyTorch: no kernel build
-        # GPU engines draw plain rows (greedy / temperature, no logprobs or processors) on the device and copy back
-        # only the sampled ids (Sampler.draw_on_device); the rest, and every CPU engine, sample host logits
+        # GPU engines draw every row on the device and copy back only the sampled ids (Sampler.draw_on_device; rows
+        # with logits processors or min_tokens: Sampler.on_device); steps with prompt logprobs or verification
+        # rows, and every CPU engine, sample host logits
         self.device_draw = sampler is not None and device.type != "cpu"
         if sampler is not None:  # penalties, min_p, logit_bias, allowed_token_ids, bad_words by row (logits_state.py)
             sampler.processors = LogitsProcessorState(max_num_seqs, model.cfg.vocab_size, self.token_ids)
@@ -391,31 +392,37 @@ class ModelRunner:
             self.keep_captured(seqs, rows, req_idx, positions)
         if logits is None:
             return StepOutput(sampled_index, None, None)
-        if self.device_draw and spec_tok is None and not len(plp_tok) and len(sampled_index):
-            sample_seqs = seqs if d == B else [seqs[i] for i in sampled_index]
-            if not self._min_tokens_rows(sample_seqs):  # plain rows drawn where the logits are: only ids come back
-                out = self.sampler.draw_on_device(logits, sample_seqs, rows[sampled_index])
-                if out is not None:
-                    return StepOutput(sampled_index, out, None, None)
-        logits = logits.cpu()  # everything else (processors, logprobs, verification) reads host logits
+        if spec_tok is not None or not self.device_draw:
+            logits = logits.cpu()  # verification reads host logits (spec_decode/); so does the host sampler
         s_logits, p_logits = logits[: len(sample_tok)], logits[len(sample_tok):len(sample_tok) + len(plp_tok)]
         spec_logits = logits[len(sample_tok) + len(plp_tok):] if spec_tok is not None else None
 
         sampler_out = None
         if len(sampled_index):
             sample_seqs = seqs if d == B else [seqs[i] for i in sampled_index]
-            sampler_out = self.sampler(self._mask_min_tokens(s_logits, sample_seqs), sample_seqs, raw_logits=s_logits,
-                                       rows=rows[sampled_index], lengths=(num_computed + num_new)[sampled_index])
+            srows, lengths = rows[sampled_index], (num_computed + num_new)[sampled_index]
+            if self.device_draw and spec_tok is None:
+                # drawn where the logits are, only the ids (and logprobs asked for) come back: plain rows by
+                # draw_on_device, rows with processors or below min_tokens by the full sampler there
+                if not self._min_tokens_rows(sample_seqs):
+                    sampler_out = self.sampler.draw_on_device(s_logits, sample_seqs, srows)
+                if sampler_out is None:
+                    sampler_out = self.sampler.on_device(self._mask_min_tokens(s_logits, sample_seqs), sample_seqs,
+                                                         s_logits, srows, lengths)
+            else:
+                sampler_out = self.sampler(self._mask_min_tokens(s_logits, sample_seqs), sample_seqs,
+                                           raw_logits=s_logits, rows=srows, lengths=lengths)
         plp = None
-        if len(plp_tok):
+        if len(plp_tok):  # on the logits' device; only the scored entries come back
             seq_i = req_idx[plp_tok]
             pred_pos = positions[plp_tok] + 1
             targets = self.token_ids[rows[seq_i], pred_pos]
             logp = torch.log_softmax(p_logits, dim=-1)
             k = max(seqs[i].params.prompt_logprobs for i in np.unique(seq_i))
-            lp, ranks, ti, tv = token_logprobs(logp, torch.from_numpy(targets), k, self.batch_invariant)
-            plp = PromptLogprobs(seq_i, pred_pos, targets, lp.numpy(), None if ti is None else ti.numpy(),
-                                 None if tv is None else tv.numpy(), ranks.numpy())
+            lp, ranks, ti, tv = token_logprobs(logp, torch.from_numpy(targets).to(logp.device), k,
+                                               self.batch_invariant)
+            host = lambda t: None if t is None else t.cpu().numpy()
+            plp = PromptLogprobs(seq_i, pred_pos, targets, host(lp), host(ti), host(tv), host(ranks))
         return StepOutput(sampled_index, sampler_out, plp, spec_logits)
 
     @staticmethod

@@ -198,6 +198,21 @@ class Sampler:
         return SamplerOutput(*(host(t) for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs,
                                                   out.ranks)))
 
+    def on_device(self, logits: torch.Tensor, seqs: list[Sequence], raw_logits: torch.Tensor, rows: np.ndarray,
+                  lengths: np.ndarray) -> SamplerOutput:
+        """:meth:`__call__` where ``logits`` [N, V] float32 live (a GPU), for the batches :meth:`draw_on_device`
+        leaves: rows with logits processors (penalties, min_p, logit_bias, allowed_token_ids, bad words, structured
+        outputs) or below min_tokens (``logits`` then carry the caller's mask; ``raw_logits`` do not). The
+        processors' row state stays on the host and reaches the device by non-blocking copies
+        (:meth:`LogitsProcessorState.apply`), the draw is :meth:`__call__`'s, so the tokens and logprobs are the
+        host sampler's up to the device's float rounding. Only the ids (and the logprobs asked for) come back:
+        SamplerOutput on the CPU, the ids through the pinned buffer (:meth:`SamplerOutput.wait`)."""
+        out = self(logits, seqs, raw_logits=raw_logits, rows=rows, lengths=lengths)
+        if out.logprobs is None:
+            return self._ids_to_host(out.token_ids)
+        return SamplerOutput(*(None if t is None else t.cpu() for t in (out.token_ids, out.logprobs, out.top_ids,
+                                                                         out.top_logprobs, out.ranks)))
+
     def _ids_to_host(self, ids: torch.Tensor) -> SamplerOutput:
         """SamplerOutput of device ids [N] int64: on CUDA copied into a pinned host buffer without waiting (an
         event marks the copy; :meth:`SamplerOutput.wait` waits for it), elsewhere a plain copy."""
@@ -255,7 +270,7 @@ class Sampler:
             if proc.min_p is not None and not all(t < 1e-5 for t in temp_list):  # greedy rows: min_p keeps argmax
                 # min_p after temperature T is min_p ** T before it (apply_min_p), so the draw below stays fused
                 temps = torch.tensor([t if t >= 1e-5 else 1.0 for t in temp_list], dtype=torch.float32)
-                logits = apply_min_p(logits, proc.min_p.pow(temps))
+                logits = apply_min_p(logits, proc.min_p.pow(temps).to(logits.device, non_blocking=True))
         plain = [_unrestricted(p, V) for p in params]
         greedy = all(t < 1e-5 for t in temp_list)
         plain_ok = (not greedy and self.use_cpu_kernels

@@ -269,22 +269,22 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
     return y;
   }
 #endif
+#if defined(__AVX512VNNI__)  // opt-in, without AMX: bf16 decode batches on int8 activations (gguf_gemv_i8.h)
 #if defined(TOKENFAB_AMX)
   const bool amx = tokenfab_cpu::amx_ready();
 #else
   const bool amx = false;
 #endif
-  if constexpr (tokenfab_gguf_i8::kBuilt) {  // without AMX: bf16 decode batches on int8 activations (gguf_gemv_i8.h)
-    if (!f32 && !amx && M > kGemvRows && M <= kGemvMaxRows && tokenfab_gguf_i8::covers(static_cast<int>(qtype)) &&
-        tokenfab_gguf_i8::int8_enabled()) {
-      const auto* xb = reinterpret_cast<const uint16_t*>(x2.data_ptr());
-      if (out_f32) tokenfab_gguf_i8::gemv_i8<true>(static_cast<int>(qtype), xb, x2.stride(0), M, K, wp, n, bp,
-                                                     y.data_ptr(), n);
-      else tokenfab_gguf_i8::gemv_i8<false>(static_cast<int>(qtype), xb, x2.stride(0), M, K, wp, n, bp, y.data_ptr(),
-                                            n);
-      return y;
-    }
+  if (!f32 && !amx && M > kGemvRows && M <= kGemvMaxRows && tokenfab_gguf_i8::covers(static_cast<int>(qtype)) &&
+      tokenfab_gguf_i8::int8_enabled()) {
+    const auto* xb = reinterpret_cast<const uint16_t*>(x2.data_ptr());
+    if (out_f32) tokenfab_gguf_i8::gemv_i8<true>(static_cast<int>(qtype), xb, x2.stride(0), M, K, wp, n, bp,
+                                                   y.data_ptr(), n);
+    else tokenfab_gguf_i8::gemv_i8<false>(static_cast<int>(qtype), xb, x2.stride(0), M, K, wp, n, bp, y.data_ptr(),
+                                          n);
+    return y;
   }
+#endif
   if (M > kGemvMaxRows) {
     const int q = static_cast<int>(qtype);
     void* yp = y.data_ptr();
