@@ -19,7 +19,7 @@
 #                                                      runs below would otherwise race to write it)
 #   nvidia-smi / rocm-smi                         10
 #   eval kl float32 | eval kl bfloat16 | shapes   75  (run side by side: accuracy checks, nothing timed; the
-#   | sampling on the device vs the host (60)          shape folders are written on the CPU meanwhile)
+#   | sampling on the device vs the host (70)          shape folders are written on the CPU meanwhile)
 #   gpu_kernels.py                               160  (the kernels tune their tiles here: TOKENFAB_TRITON_AUTOTUNE=1;
 #                                                      everywhere else each kernel runs its first config)
 #   decode_floor embedded (graphs + eager)        45  (eager measured in the same engine, graphs switched off)
@@ -68,7 +68,7 @@ bg() { local name=$1 t=$2; shift 2; { timeout "$t" "$@" > "$OUT/$name.log" 2>&1 
     done
   fi
   bg gpu_shapes 75 $PY benchmarks/gpu_shapes.py --out "$SHAPES" --k3-experts auto $TINY
-  bg sampling-check 60 $PY benchmarks/gpu_sampling_check.py --device $DEV --out "$OUT"
+  bg sampling-check 70 $PY benchmarks/gpu_sampling_check.py --device $DEV --out "$OUT"
   BGS="$BGS sampling-check"
   wait
   for name in $BGS; do echo "== $name"; tail -n 15 "$OUT/$name.log"; done

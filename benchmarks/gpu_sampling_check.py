@@ -5,7 +5,8 @@ batch drawn where the logits are (``ModelRunner.device_draw``: ``Sampler.draw_on
 ``Sampler.on_device`` for rows with logits processors or below min_tokens, prompt logprobs scored there) and once
 with the logits copied to the host sampler. The requests cover greedy and seeded / unseeded temperature rows, top-k
 / top-p, repetition / frequency / presence penalties, min_p, logit_bias, allowed_token_ids, bad words, min_tokens,
-logprobs and prompt logprobs, and a regex structured output, in one batch. Both runs see the same forward (the
+logprobs and prompt logprobs, and a regex structured output, in one batch; then n-gram speculation (verification
+on the device vs on the host) over greedy, seeded, top-k and penalized rows. Both runs see the same forward (the
 model's logits do not depend on the sampler), so greedy rows must give the same tokens; sampled rows too unless
 the device's softmax rounds a uniform across a cdf step (rare: reported, not failed); logprobs within 1e-4.
 
@@ -45,13 +46,31 @@ def requests():
     ]
 
 
-def run(llm, device_draw: bool):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+         "verify_token_cost": 0.0, "verify_step_overhead": 0.0, "random_row_cost": 0.0}  # always draft
+
+
+def spec_requests():
+    """Prompts with repeats (n-gram drafts find matches): greedy with logprobs, seeded and unseeded sampled rows,
+    top-k, a repetition penalty below min_tokens."""
+    from tokenfab import SamplingParams
+    base = [11, 23, 37, 41, 53, 67, 79, 83, 97, 101, 113, 127]
+    prompts = [(base[: 3 + i] * 8)[: 7 + 9 * i] for i in range(4)]
+    P = SamplingParams
+    params = [P(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+              P(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True),
+              P(temperature=0.8, top_k=20, max_tokens=12, ignore_eos=True),
+              P(temperature=0.0, repetition_penalty=1.2, min_tokens=6, max_tokens=12)]
+    return list(zip(prompts, params))
+
+
+def run(llm, device_draw: bool, reqs=None):
     runner = llm.llm_engine.runner
     runner.device_draw = device_draw
     if runner.device.type == "cpu":  # a dry run: the module forward and the PyTorch sampler, as on a GPU
         runner.cpu_decode_stack = None
         runner.sampler.use_cpu_kernels = False
-    reqs = requests()
+    reqs = reqs or requests()
     llm.llm_engine.generator.manual_seed(11)
     outs = llm.generate([{"prompt_token_ids": p} for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)
     res = []
@@ -88,11 +107,18 @@ def main() -> int:
     args = ap.parse_args()
     from tokenfab import LLM
     from tokenfab.default_model import ensure_default_model
+    # eager: the sampler is what is checked, and graph capture would cost most of the step's time budget
     llm = LLM(args.model or ensure_default_model(), dtype="float32", device=args.device, max_model_len=128,
-              seed=11, progress=False)
+              seed=11, progress=False, enforce_eager=True)
     host = run(llm, False)
     dev = run(llm, True)
     reqs = requests()
+    del llm
+    spec = LLM(args.model or ensure_default_model(), dtype="float32", device=args.device, max_model_len=128,
+               seed=11, progress=False, speculative_config=NGRAM, enforce_eager=True)  # verification on the device vs the host
+    host += run(spec, False, spec_requests())
+    dev += run(spec, True, spec_requests())
+    reqs += spec_requests()
     bad, rows = 0, []
     for i, ((_, sp), h, d) in enumerate(zip(reqs, host, dev)):
         greedy = sp.temperature < 1e-5
@@ -102,7 +128,7 @@ def main() -> int:
         ok = (same or not greedy) and (not same or lp <= 1e-4)
         bad += not ok
         rows.append({"request": i, "greedy": greedy, "same_tokens": same, "max_logprob_diff": lp, "ok": ok})
-        print(f"request {i}: {'greedy' if greedy else 'sampled'} tokens {'equal' if same else 'DIFFER'}, "
+        print(f"request {i}{' (speculative)' if i >= len(requests()) else ''}: {'greedy' if greedy else 'sampled'} tokens {'equal' if same else 'DIFFER'}, "
               f"logprob diff {lp:.2e} {'ok' if ok else 'FAILED'}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)

@@ -190,3 +190,39 @@ def test_prompt_logprobs_steps_drawn_on_the_device(tiny_model):
                                for d in o.prompt_logprobs or []]) for o in res]
         assert bool(served) == device_draw
     assert outs[True] == outs[False] and len(outs[True][0][1]) == 20 and outs[True][0][1][1]
+
+
+def test_speculative_verification_with_the_device_draw(tiny_model):
+    """n-gram speculation with the logits kept where they are (a GPU engine's flow: verification on the logits'
+    device, the other rows by the device draw): greedy with logprobs, seeded and unseeded sampled rows, top-k,
+    a repetition penalty below min_tokens; the tokens and logprobs of the host path, drafts verified."""
+    import sys
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from spec_helpers import NGRAM, spec_prompts
+    from tokenfab import LLM
+    import tokenfab.spec_decode.spec_decoder as sd
+    path = tiny_model("llama")
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_k=20, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2, min_tokens=6, max_tokens=12)]
+    outs, verified = {}, {}
+    real = sd.rejection_sample
+    for device_draw in (False, True):
+        llm = LLM(path, dtype="float32", device="cpu", seed=3, progress=False, speculative_config=NGRAM)
+        runner = llm.llm_engine.runner
+        runner.device_draw = device_draw
+        runner.cpu_decode_stack = None
+        runner.sampler.use_cpu_kernels = False
+        count = []
+        sd.rejection_sample = lambda *a, **k: count.append(1) or real(*a, **k)
+        try:
+            res = llm.generate(spec_prompts(), params, use_tqdm=False)
+        finally:
+            sd.rejection_sample = real
+        verified[device_draw] = len(count)
+        outs[device_draw] = [(o.outputs[0].token_ids,
+                              [sorted((t, e.logprob, e.rank) for t, e in d.items()) for d in o.outputs[0].logprobs or []])
+                             for o in res]
+    assert verified[True] > 0 and verified[True] == verified[False]
+    assert outs[True] == outs[False]

@@ -221,7 +221,8 @@ class LogitsProcessorState:
         bias unchanged, bad words over the history with those drafts, penalties with the drafts counted as output
         tokens (the output counts themselves change only when tokens are emitted), min_p as ``min_p ** T`` before
         temperature (the sampler's form). Rows with structured outputs are never verified (their matchers see each
-        token once). Returns the processed logits [N, K1, V] (modified in place)."""
+        token once). Logits on a GPU stay there (the host state reaches them as in :meth:`apply`). Returns the
+        processed logits [N, K1, V] (modified in place)."""
         N, K1, V = logits.shape
         if not self.active[rows].any():
             return logits
@@ -236,7 +237,8 @@ class LogitsProcessorState:
             self._verify_penalties(flat, b, pen, rep, drafts, K1)
         if b.min_p is not None:
             t = temperatures.repeat_interleave(K1)
-            flat = apply_min_p(flat, b.min_p.pow(torch.where(t >= 1e-5, t, torch.ones_like(t))))
+            mp = b.min_p.pow(torch.where(t >= 1e-5, t, torch.ones_like(t)))
+            flat = apply_min_p(flat, mp.to(flat.device, non_blocking=True))
         return flat.reshape(N, K1, V)
 
     def _verify_penalties(self, flat: torch.Tensor, b: ProcessorBatch, pen: np.ndarray, rep: np.ndarray,
@@ -259,8 +261,10 @@ class LogitsProcessorState:
         f, tok = keys // V, keys % V
         count = self.output_counts[torch.from_numpy(rep[f]), torch.from_numpy(tok)] + torch.from_numpy(
             extra_n.astype(np.int32))
-        apply_penalties_at(flat, torch.from_numpy(f), torch.from_numpy(tok), count, b.repetition, b.frequency,
-                           b.presence)
+        dev = flat.device
+        put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))
+        apply_penalties_at(flat, put(torch.from_numpy(f)), put(torch.from_numpy(tok)), put(count), put(b.repetition),
+                           put(b.frequency), put(b.presence))
 
     def apply(self, logits: torch.Tensor, b: ProcessorBatch, lengths: np.ndarray) -> torch.Tensor:
         """Allowed-token and bad-word masks, logit bias, then penalties on ``logits`` [N, V] float32 (the batch's

@@ -134,8 +134,8 @@ class ModelRunner:
             sampler.batch_invariant = batch_invariant  # each row drawn by its own kind of draw, whatever its mates
             sampler.use_cpu_kernels = device.type == "cpu"  # a GPU engine's logits draw in PyTorch: no kernel build
         # GPU engines draw every row on the device and copy back only the sampled ids (Sampler.draw_on_device; rows
-        # with logits processors or min_tokens: Sampler.on_device); steps with prompt logprobs or verification
-        # rows, and every CPU engine, sample host logits
+        # with logits processors or min_tokens: Sampler.on_device), and verify drafts there (spec_decode/); every
+        # CPU engine samples host logits
         self.device_draw = sampler is not None and device.type != "cpu"
         if sampler is not None:  # penalties, min_p, logit_bias, allowed_token_ids, bad_words by row (logits_state.py)
             sampler.processors = LogitsProcessorState(max_num_seqs, model.cfg.vocab_size, self.token_ids)
@@ -392,8 +392,8 @@ class ModelRunner:
             self.keep_captured(seqs, rows, req_idx, positions)
         if logits is None:
             return StepOutput(sampled_index, None, None)
-        if spec_tok is not None or not self.device_draw:
-            logits = logits.cpu()  # verification reads host logits (spec_decode/); so does the host sampler
+        if not self.device_draw:
+            logits = logits.cpu()  # the host sampler (and verification) read host logits
         s_logits, p_logits = logits[: len(sample_tok)], logits[len(sample_tok):len(sample_tok) + len(plp_tok)]
         spec_logits = logits[len(sample_tok) + len(plp_tok):] if spec_tok is not None else None
 
@@ -401,7 +401,7 @@ class ModelRunner:
         if len(sampled_index):
             sample_seqs = seqs if d == B else [seqs[i] for i in sampled_index]
             srows, lengths = rows[sampled_index], (num_computed + num_new)[sampled_index]
-            if self.device_draw and spec_tok is None:
+            if self.device_draw:
                 # drawn where the logits are, only the ids (and logprobs asked for) come back: plain rows by
                 # draw_on_device, rows with processors or below min_tokens by the full sampler there
                 if not self._min_tokens_rows(sample_seqs):

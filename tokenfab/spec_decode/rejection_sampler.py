@@ -58,6 +58,13 @@ class SamplingTensors:
         top_p = torch.tensor(ps, dtype=torch.float32) if any(p < 1.0 for p in ps) else None
         return SamplingTensors(temps, top_k, top_p, temps < GREEDY_EPS)
 
+    def to(self, device: torch.device) -> "SamplingTensors":
+        """The same settings on ``device`` (non-blocking copies; itself on the CPU)."""
+        if torch.device(device).type == "cpu":
+            return self
+        put = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return SamplingTensors(put(self.temperatures), put(self.top_k), put(self.top_p), put(self.greedy))
+
     def select(self, idx: torch.Tensor) -> "SamplingTensors":
         return SamplingTensors(self.temperatures[idx], None if self.top_k is None else self.top_k[idx],
                                None if self.top_p is None else self.top_p[idx], self.greedy[idx])
@@ -125,16 +132,34 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: 
         match_rows: [N] bool, rows verified by sampled match (seeded random rows, module docstring), or None.
         u_match: [N, k + 1] their uniforms, position j's in column j (read for ``match_rows`` only).
 
+    Where ``logits`` live on a GPU, the other tensors may be host tensors (settings, uniforms, drafts): the
+    decisions that steer the computation are read from the host copies, the tensors the math needs are copied to
+    the logits' device without waiting, and the draws use a float64 cdf there (as ``Sampler.draw_on_device``), so
+    nothing reads the device until the caller reads the result.
+
     Returns:
-        :class:`VerifyResult`.
+        :class:`VerifyResult` on the logits' device.
     """
     N, K1, V = logits.shape
     k = K1 - 1
-    r = torch.arange(N)
-    valid = torch.arange(k)[None, :] < draft_lens[:, None]
-    d = draft_ids[:, :k].clamp(0, V - 1)
-    all_greedy = bool(st.greedy.all())
+    dev = logits.device
+    on_cpu = dev.type == "cpu"
+    put = (lambda t: t) if on_cpu else (lambda t: None if t is None else t.to(dev, non_blocking=True))
+    cdf = None if on_cpu else torch.float64
+    all_greedy = bool(st.greedy.all())  # host flags (st as the caller built it)
     any_greedy = all_greedy or bool(st.greedy.any())
+    mi_host = None
+    if match_rows is not None and not all_greedy:
+        mi_host = (match_rows.cpu() & ~st.greedy.cpu()).nonzero().squeeze(1)
+        mi_host = mi_host if len(mi_host) else None
+    st = st.to(dev)
+    draft_ids, draft_lens, u_accept, u_final, u_match = (put(t) for t in (draft_ids, draft_lens, u_accept, u_final,
+                                                                          u_match))
+    if draft_probs is not None:
+        draft_probs = put(draft_probs)
+    r = torch.arange(N, device=dev)
+    valid = torch.arange(k, device=dev)[None, :] < draft_lens[:, None]
+    d = draft_ids[:, :k].clamp(0, V - 1)
     argmax = logits.argmax(dim=-1) if any_greedy else None  # [N, K1]
     acc = d == argmax[:, :k] if any_greedy else None
     p = x = None
@@ -150,14 +175,14 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: 
         acc_rand = u_accept[:, :k] < acceptance_probs(p_d, q_d)
         acc = torch.where(st.greedy[:, None], acc, acc_rand) if any_greedy else acc_rand
     mi = sampled_m = None
-    if match_rows is not None and not all_greedy and bool((match_rows & ~st.greedy).any()):
-        mi = (match_rows & ~st.greedy).nonzero().squeeze(1)
+    if mi_host is not None:
+        mi = put(mi_host)
         p_mi = p[mi] if p is not None else x[mi].softmax(dim=-1)  # [M, K1, V], the plain sampler's distribution
-        sampled_m = inverse_cdf_sample(p_mi.reshape(-1, V), u_match[mi, :K1].reshape(-1)).view(len(mi), K1)
+        sampled_m = inverse_cdf_sample(p_mi.reshape(-1, V), u_match[mi, :K1].reshape(-1), cdf).view(len(mi), K1)
         acc = acc.clone()
         acc[mi] = d[mi] == sampled_m[:, :k]
     acc = acc & valid
-    m = acc.to(torch.int64).cumprod(dim=1).sum(dim=1) if k else torch.zeros(N, dtype=torch.int64)
+    m = acc.to(torch.int64).cumprod(dim=1).sum(dim=1) if k else torch.zeros(N, dtype=torch.int64, device=dev)
     final = argmax[r, m] if any_greedy else None
     if not all_greedy:
         p_m = p[r, m] if p is not None else x[r, m].softmax(dim=-1)  # [N, V]
@@ -170,12 +195,12 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: 
         else:
             q_m = draft_probs[r, mq]
         q_m = torch.where(rejected[:, None], q_m, torch.zeros_like(q_m))
-        sampled = inverse_cdf_sample(recovery_probs(p_m, q_m), u_final)
+        sampled = inverse_cdf_sample(recovery_probs(p_m, q_m), u_final, cdf)
         final = torch.where(st.greedy, final, sampled) if any_greedy else sampled
         if mi is not None:
             final = final.clone()
-            final[mi] = sampled_m[torch.arange(len(mi)), m[mi]]
-    tokens = torch.cat([d, torch.zeros(N, 1, dtype=torch.int64)], dim=1)
+            final[mi] = sampled_m[torch.arange(len(mi), device=dev), m[mi]]
+    tokens = torch.cat([d, torch.zeros(N, 1, dtype=torch.int64, device=dev)], dim=1)
     tokens[r, m] = final
     return VerifyResult(tokens, m)
 

@@ -38,7 +38,7 @@ from tokenfab.spec_decode.fused_verify import fused_verify_logits
 from tokenfab.spec_decode.policy import SpecPolicy
 from tokenfab.spec_decode.proposer import Proposer
 from tokenfab.spec_decode.step_timing import StepTiming, bucket
-from tokenfab.spec_decode.rejection_sampler import SamplingTensors, VerifyUniforms, rejection_sample
+from tokenfab.spec_decode.rejection_sampler import SamplingTensors, VerifyResult, VerifyUniforms, rejection_sample
 
 logger = logging.getLogger("tokenfab")
 
@@ -261,11 +261,12 @@ class SpecDecoder:
         n_new = batch.num_new[si]
         k_eff = np.minimum(spec_lens[si], n_new - 1)
         K1 = int(n_new.max())
-        flat = out.spec_logits  # [sum(n_new), V], rows in batch order
-        V = flat.shape[-1]
-        mask = torch.from_numpy(np.arange(K1)[None, :] < n_new[:, None])
-        logits = torch.zeros(len(si), K1, V, dtype=flat.dtype)
-        logits[mask] = flat
+        flat = out.spec_logits  # [sum(n_new), V], rows in batch order; on the GPU where the runner draws there
+        V, dev = flat.shape[-1], flat.device
+        put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))
+        pos_r, pos_c = np.nonzero(np.arange(K1)[None, :] < n_new[:, None])  # row-major: flat's order
+        logits = torch.zeros(len(si), K1, V, dtype=flat.dtype, device=dev)
+        logits[put(torch.from_numpy(pos_r)), put(torch.from_numpy(pos_c))] = flat
         prow = np.fromiter((drafted[id(s)][0] if id(s) in drafted else -1 for s in spec_seqs), dtype=np.int64,
                            count=len(si))
         has = torch.from_numpy(prow >= 0)
@@ -273,7 +274,8 @@ class SpecDecoder:
         draft_ids = torch.from_numpy(np.ascontiguousarray(prop.draft_ids[pr, :K1 - 1]))
         q = None
         if prop.draft_probs is not None:  # rows without drafts never read q (k_eff 0)
-            q = prop.draft_probs[torch.from_numpy(pr), :K1 - 1] * has[:, None, None]
+            dp = prop.draft_probs
+            q = dp[torch.from_numpy(pr).to(dp.device), :K1 - 1] * has.to(dp.device)[:, None, None]
         st = SamplingTensors.from_seqs(spec_seqs, V)
         procs = eng.runner.sampler.processors
         want_lp = [s.params.logprobs for s in spec_seqs if s.params.logprobs is not None]
@@ -296,6 +298,7 @@ class SpecDecoder:
             u = VerifyUniforms.draw(spec_seqs, K1, eng.generator, k_eff)
         res = rejection_sample(logits, draft_ids, torch.from_numpy(k_eff), q, st, u.u_accept, u.u_final,
                                u.match_rows, u.u_match)
+        res = VerifyResult(res.token_ids.cpu(), res.num_accepted.cpu())  # the step's one device read
         u.advance(spec_seqs, res.num_emitted)
         acc = res.num_accepted.numpy()
         toks = res.token_ids.numpy()
@@ -319,9 +322,9 @@ class SpecDecoder:
             tok_j = torch.from_numpy(np.ascontiguousarray(toks[lv, j]))
             so = SamplerOutput(tok_j, None, None, None)
             if want_lp:  # the emitted token's logprob and the top ones at its position, from the raw logits
-                logp = torch.log_softmax(raw[torch.from_numpy(lv), j], dim=-1)
-                chosen, ranks, top_ids, top_vals = token_logprobs(logp, tok_j, max(want_lp),
-                                                                  eng.runner.batch_invariant)
+                logp = torch.log_softmax(raw[put(torch.from_numpy(lv)), j], dim=-1)
+                lp = token_logprobs(logp, put(tok_j), max(want_lp), eng.runner.batch_invariant)
+                chosen, ranks, top_ids, top_vals = (None if t is None else t.cpu() for t in lp)
                 so = SamplerOutput(tok_j, chosen, top_ids, top_vals, ranks)
             for o in eng._process(sub, StepOutput(np.arange(len(lv)), so, None)):
                 outputs[o.request_id] = o
