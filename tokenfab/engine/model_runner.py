@@ -67,7 +67,8 @@ class StepOutput:
     sampled_index: np.ndarray
     sampler_output: SamplerOutput | None
     prompt_logprobs: PromptLogprobs | None
-    spec_logits: torch.Tensor | None = None  # [sum(num_new) of speculative rows, V] (spec_decode/spec_decoder.py)
+    # [sum(num_new) of speculative rows, V] float32, on the device on GPU engines (spec_decode/spec_decoder.py)
+    spec_logits: torch.Tensor | None = None
 
 
 class ModelRunner:
