@@ -205,6 +205,8 @@ class SpecDecoder:
             else:
                 out = (eng.runner.execute(batch) if eng.tp_group is None
                        else eng.tp_group.execute(eng.runner, batch))
+                if out.sampler_output is not None:  # the other rows' ids, drawn on a GPU (a pinned buffer)
+                    out.sampler_output.wait()
         except Exception:  # roll back the drafts and let the plain step (with its failure isolation) rerun it
             if eng.runner.has_state and eng.health_error() is None:  # KDA state of the verification rows: as before
                 si = np.nonzero(spec_lens)[0]
