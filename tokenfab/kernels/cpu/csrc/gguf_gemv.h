@@ -62,9 +62,13 @@ inline void store_rows(const __m512* acc, void* y, int64_t ldy, int64_t t, int64
 // The K-quant GEMV over tiles [t0, t1), as gemv_tiles: per sub-block the exact bf16 products x_k q_k summed in four
 // float32 chains, then scaled once: y += (d sc) * sum - (dmin m) * (sum of the sub-block's x) for Q4_K / Q5_K; for
 // Q6_K, chains 0-1 hold k 0..15 and chains 2-3 k 16..31 of the sub-block, each half scaled by its own d * scale.
-template <int QT, int M, int S, bool F32OUT, bool BUF = false>
+//
+// CHAINS = 1 (Q4_K / Q5_K passes of 5..8 rows): one chain per row and sub-block, as gemv_tiles' CHAINS = 1 (the
+// M rows' chains hide the latency; the three adds joining four chains per row and sub-block are saved).
+template <int QT, int M, int S, bool F32OUT, bool BUF = false, int CHAINS = 4>
 void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
                   void* y, int64_t ldy, int64_t t0, int64_t t1, const __m512i* ops = nullptr) {
+  static_assert(CHAINS == 4 || (CHAINS == 1 && QT != kQ6_K), "Q6_K scales its two halves apart: four chains");
   const int64_t KB = K / 256, TB = tile_block_bytes(QT), KB32 = K / QK, pf = prefetch_distance();
   const __m512i tab0 = kq_table(QT, 0), tab1 = kq_table(QT, 1);
   for (int64_t t = t0; t < t1; ++t) {
@@ -84,7 +88,7 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
           for (int s4 = 0; s4 < 4; ++s4) {
             const __m512i op = BUF ? _mm512_load_si512(ops + kb * 128 + 16 * j + 4 * L + s4)
                                    : kq_operand<QT>(b, j, L, s4, tab0, tab1);
-            const int ch = QT == kQ6_K ? 2 * (L / 2) + (s4 & 1) : s4;
+            const int ch = CHAINS == 1 ? 0 : QT == kQ6_K ? 2 * (L / 2) + (s4 & 1) : s4;
             const int p = 4 * L + s4;
             for (int m = 0; m < M; ++m)
               for (int s = 0; s < S; ++s)
@@ -101,7 +105,8 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
           __m512 ds, dm;
           kq_scale_min(b, j, ds, dm);
           for (int m = 0; m < M; ++m) {
-            const __m512 sum = _mm512_add_ps(_mm512_add_ps(c[0][m], c[1][m]), _mm512_add_ps(c[2][m], c[3][m]));
+            const __m512 sum = CHAINS == 1 ? c[0][m]
+                                           : _mm512_add_ps(_mm512_add_ps(c[0][m], c[1][m]), _mm512_add_ps(c[2][m], c[3][m]));
             acc[m] = _mm512_fmadd_ps(sum, ds, acc[m]);
             acc[m] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xsum[m * KB32 + kb * 8 + j]), acc[m]);
           }
@@ -268,6 +273,18 @@ void gemv_rows8(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, con
   }
 }
 
+// Q4_K / Q5_K passes of 5..8 rows, one accumulator chain per row and sub-block (gemv_k_tiles, CHAINS = 1).
+template <int QT, int S, bool F32OUT>
+void gemv_k_rows8(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                  const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
+  switch (M) {
+    case 5: gemv_k_tiles<QT, 5, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    case 6: gemv_k_tiles<QT, 6, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    case 7: gemv_k_tiles<QT, 7, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    default: gemv_k_tiles<QT, 8, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+  }
+}
+
 constexpr int64_t kGemvBufferMaxK = 2048;  // operand buffer of a tile: K / 2 x 64 bytes, at most 64 KiB (L1 / L2)
 
 // M <= kGemvMaxRows rows. Up to 4: one GEMV pass per tile (four chains per row).
@@ -304,6 +321,18 @@ void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, cons
         else gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
       }
     return;
+  }
+  if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    if (QT == kQ4_K || K > kGemvBufferMaxK) {  // passes of up to 8 rows, one chain per row (as Q4_0 / Q4_1)
+      for (int64_t t = t0; t < t1; ++t)
+        for (int64_t m0 = 0; m0 < M; m0 += 2 * kGemvRows) {
+          const int64_t mr = std::min(2 * kGemvRows, M - m0);
+          const float* xs = xsum == nullptr ? nullptr : xsum + m0 * KB;
+          if (mr > kGemvRows) gemv_k_rows8<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
+          else gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
+        }
+      return;
+    }
   }
   if (QT == kQ4_K || K > kGemvBufferMaxK) {
     for (int64_t t = t0; t < t1; ++t)
