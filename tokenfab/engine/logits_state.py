@@ -232,7 +232,7 @@ class LogitsProcessorState:
         lens = (lengths[:, None] + np.arange(K1)[None, :]).reshape(-1)
         pen = b.pen_index
         b.pen_index = None  # penalties below, with the drafts counted
-        self.apply(flat, b, lens)
+        self.apply(flat, b, lens, cache=False)
         if pen is not None:
             self._verify_penalties(flat, b, pen, rep, drafts, K1)
         if b.min_p is not None:
@@ -266,7 +266,7 @@ class LogitsProcessorState:
         apply_penalties_at(flat, put(torch.from_numpy(f)), put(torch.from_numpy(tok)), put(count), put(b.repetition),
                            put(b.frequency), put(b.presence))
 
-    def apply(self, logits: torch.Tensor, b: ProcessorBatch, lengths: np.ndarray) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, b: ProcessorBatch, lengths: np.ndarray, cache: bool = True) -> torch.Tensor:
         """Allowed-token and bad-word masks, logit bias, then penalties on ``logits`` [N, V] float32 (the batch's
         rows, modified in place where possible); ``lengths`` [N] int64 tokens known per row (prompt + output).
         Returns the processed logits; min-p comes later, after temperature (``b.min_p``). The grammar mask of rows
@@ -278,7 +278,7 @@ class LogitsProcessorState:
         dev = logits.device
         put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))
         if dev.type != "cpu":
-            b = self._on_device(b, dev)
+            b = self._on_device(b, dev, cache)
         if b.grammar is not None:
             self.grammar.apply(logits, *b.grammar)
         if b.allowed is not None:
@@ -304,9 +304,10 @@ class LogitsProcessorState:
                                b.frequency, b.presence)
         return logits
 
-    def _on_device(self, b: ProcessorBatch, dev: torch.device) -> ProcessorBatch:
+    def _on_device(self, b: ProcessorBatch, dev: torch.device, cache: bool = True) -> ProcessorBatch:
         """``b`` with its per-batch tensors on ``dev`` (copied once while the batch stays cached; numpy fields and
-        the bad words' host tables stay on the host)."""
+        the bad words' host tables stay on the host). ``cache`` False (a verification's one-off batch): copied
+        without replacing the plain batch's cached copy."""
         c = self._device_cache
         if c is not None and c[0] is b and c[1] == dev:
             return c[2]
@@ -315,5 +316,6 @@ class LogitsProcessorState:
                            frequency=put(b.frequency), presence=put(b.presence),
                            bias=None if b.bias is None else tuple(put(t) for t in b.bias), allowed=put(b.allowed),
                            bad=b.bad, min_p=put(b.min_p), grammar=b.grammar)
-        self._device_cache = (b, dev, d)
+        if cache:
+            self._device_cache = (b, dev, d)
         return d

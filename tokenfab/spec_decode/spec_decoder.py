@@ -311,6 +311,14 @@ class SpecDecoder:
         for i, s in zip(si.tolist(), spec_seqs):
             s.num_computed_tokens = int(batch.num_computed[i])  # back to the last sampled token
         emit = acc + 1
+        lp_all = None
+        if want_lp:  # every emitted token's logprob and the top ones at its position, from the raw logits: one read
+            et, ej = np.nonzero(np.arange(K1)[None, :] < emit[:, None])  # (row, position) pairs, row-major
+            logp = torch.log_softmax(raw[put(torch.from_numpy(et)), put(torch.from_numpy(ej))], dim=-1)
+            lp = token_logprobs(logp, put(torch.from_numpy(np.ascontiguousarray(toks[et, ej]))), max(want_lp),
+                                eng.runner.batch_invariant)
+            lp_all = [None if t is None else t.cpu() for t in lp]  # chosen, ranks, top ids, top values
+            first = np.cumsum(emit) - emit  # row t's pairs start here
         for j in range(int(emit.max())):
             live = [t for t in range(len(si)) if emit[t] > j and not spec_seqs[t].is_finished]
             if not live:
@@ -323,10 +331,9 @@ class SpecDecoder:
                                                           count=len(lseqs)))
             tok_j = torch.from_numpy(np.ascontiguousarray(toks[lv, j]))
             so = SamplerOutput(tok_j, None, None, None)
-            if want_lp:  # the emitted token's logprob and the top ones at its position, from the raw logits
-                logp = torch.log_softmax(raw[put(torch.from_numpy(lv)), j], dim=-1)
-                lp = token_logprobs(logp, put(tok_j), max(want_lp), eng.runner.batch_invariant)
-                chosen, ranks, top_ids, top_vals = (None if t is None else t.cpu() for t in lp)
+            if lp_all is not None:
+                sel = torch.from_numpy(first[lv] + j)
+                chosen, ranks, top_ids, top_vals = (None if t is None else t[sel] for t in lp_all)
                 so = SamplerOutput(tok_j, chosen, top_ids, top_vals, ranks)
             for o in eng._process(sub, StepOutput(np.arange(len(lv)), so, None)):
                 outputs[o.request_id] = o
