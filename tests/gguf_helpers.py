@@ -6,6 +6,7 @@ Import with ``from gguf_helpers import ...`` (tests/ is on the path).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -94,6 +95,18 @@ def assert_within_bound(y: torch.Tensor, x: torch.Tensor, ye: torch.Tensor, s: t
     assert not bad.any(), f"{int(bad.sum())} outputs off: max err {(y64 - ye).abs().max():.3g}, tol {tol.max():.3g}"
 
 
+@contextlib.contextmanager
+def int8_activations(on: bool):
+    """The packed linears' int8-activation setting (``cpu_ops.gguf_int8_activations``) at ``on`` inside the block,
+    restored after it."""
+    from tokenfab.kernels.cpu import ops as cpu_ops
+    before = cpu_ops.gguf_int8_activations(on)
+    try:
+        yield
+    finally:
+        cpu_ops.gguf_int8_activations(before)
+
+
 def check_kernel_product(raw: np.ndarray, name: str, k: int, rows: int, dtype: torch.dtype, check_close):
     """A ``GGUFWeight`` of GGUF rows ``raw`` ([n, bytes], type ``name``, ``k`` inputs) run by its kernel on ``rows``
     random rows of ``dtype`` (a random bias for 3 and 17 rows, torch seeded by ``rows``): output dtype and shape,
@@ -102,16 +115,7 @@ def check_kernel_product(raw: np.ndarray, name: str, k: int, rows: int, dtype: t
     those products are checked against that weight (``check_close(..., bf16_weight=True)``). bf16 x of 5..16 rows
     that would run on int8 activations (``cpu_ops.gguf_int8_path``; test_gguf_int8_activations.py checks that path
     against its own definition) runs the exact GEMV here (the setting off for the call). Returns (x, y, bias)."""
-    from tokenfab.kernels.cpu import ops as cpu_ops
     from tokenfab.quant.gguf_weight import GGUFWeight
-    int8_before = cpu_ops.gguf_int8_activations(False)
-    try:
-        return _check_kernel_product(raw, name, k, rows, dtype, check_close, GGUFWeight)
-    finally:
-        cpu_ops.gguf_int8_activations(int8_before)
-
-
-def _check_kernel_product(raw, name, k, rows, dtype, check_close, GGUFWeight):
     torch.manual_seed(rows)
     n = raw.shape[0]
     w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
@@ -119,11 +123,12 @@ def _check_kernel_product(raw, name, k, rows, dtype, check_close, GGUFWeight):
     assert w._kernel
     bias = torch.randn(n) if rows in (3, 17) else None
     x = torch.randn(rows, k).to(dtype)
-    y = w.linear(x, bias)
-    assert y.dtype == dtype and y.shape == (rows, n)
-    prefill_bf16 = dtype == torch.bfloat16 and rows > 16  # the dequantizing brgemm on bf16-rounded weights
-    check_close(y, x, raw, name, bias, bf16_weight=prefill_bf16)
-    y32 = w.linear_f32(x, bias)
+    with int8_activations(False):
+        y = w.linear(x, bias)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        prefill_bf16 = dtype == torch.bfloat16 and rows > 16  # the dequantizing brgemm on bf16-rounded weights
+        check_close(y, x, raw, name, bias, bf16_weight=prefill_bf16)
+        y32 = w.linear_f32(x, bias)
     assert y32.dtype == torch.float32 and y32.shape == (rows, n)
     check_close(y32, x, raw, name, bias, bf16_weight=prefill_bf16)
     check_close(w.reference_linear(x, bias), x, raw, name, bias)  # and the PyTorch path under the same bound

@@ -9,20 +9,29 @@ from __future__ import annotations
 
 import pytest
 
+from spec_helpers import NGRAM, spec_prompts
 from tokenfab import LLM, SamplingParams
 
 PROMPTS = [[5, 17, 42, 99, 7], [3, 250, 11], [400, 8, 77, 301, 12, 9], [66, 2]]
+
+
+def gpu_flow_engine(path: str, device_draw: bool, **kw) -> LLM:
+    """A float32 CPU engine run as a GPU engine runs (the module forward, the PyTorch sampler, no fused C++ draw),
+    its device draw forced on or off."""
+    llm = LLM(path, dtype="float32", device="cpu", progress=False, **kw)
+    runner = llm.llm_engine.runner
+    runner.device_draw = device_draw
+    runner.cpu_decode_stack = None
+    runner.sampler.use_cpu_kernels = False
+    return llm
 
 
 def run(path: str, params, device_draw: bool, logprobs: list | None = None, full: list | None = None):
     """Greedy/sampled outputs of PROMPTS with ``params`` (one per prompt), the runner's device draw forced
     on or off; returns (token ids per prompt, number of steps the device draw served). ``full``: appended one
     entry per step the full sampler served on the device (Sampler.on_device)."""
-    llm = LLM(path, dtype="float32", device="cpu", max_model_len=64, seed=11, progress=False)
+    llm = gpu_flow_engine(path, device_draw, max_model_len=64, seed=11)
     runner = llm.llm_engine.runner
-    runner.device_draw = device_draw
-    runner.cpu_decode_stack = None  # the module forward and the sampler, as on a GPU (no fused C++ draw)
-    runner.sampler.use_cpu_kernels = False  # a GPU engine's host sampler runs in PyTorch
     served = []
     real = runner.sampler.draw_on_device
 
@@ -98,12 +107,11 @@ def test_rows_with_processors_drawn_on_the_device(tiny_model, case):
 
 
 def test_bad_words_drawn_on_the_device(tiny_model):
-    """Bad words (one token, and two tokens whose first the row is forced to emit by allowed_token_ids) masked on
-    the device path as on the host's."""
+    """Single-token bad words beside a repetition penalty, masked on the device path as on the host's: equal
+    tokens, none of them banned."""
+    from transformers import AutoTokenizer
     path = tiny_model("llama")
-    from tokenfab import LLM
-    llm = LLM(path, dtype="float32", device="cpu", max_model_len=64, progress=False)
-    tok = llm.get_tokenizer()
+    tok = AutoTokenizer.from_pretrained(path)
     words = [w for w in (" the", " a", " of", " and") if len(tok(w, add_special_tokens=False)["input_ids"]) == 1]
     params = SamplingParams(temperature=0.0, bad_words=words[:2], max_tokens=6, ignore_eos=True,
                             repetition_penalty=1.1)
@@ -168,16 +176,11 @@ def test_structured_output_rows_drawn_on_the_device(tiny_model):
 def test_prompt_logprobs_steps_drawn_on_the_device(tiny_model):
     """Steps holding prompt-logprob rows (prompt_logprobs=2, prefill chunked over several steps) score them on the
     logits' device and still draw their samples there: every entry equal to the host path's."""
-    from tokenfab import LLM
     path = tiny_model("llama")
     outs = {}
     for device_draw in (False, True):
-        llm = LLM(path, dtype="float32", device="cpu", max_model_len=64, seed=5, max_num_batched_tokens=8,
-                  progress=False)
+        llm = gpu_flow_engine(path, device_draw, max_model_len=64, seed=5, max_num_batched_tokens=8)
         runner = llm.llm_engine.runner
-        runner.device_draw = device_draw
-        runner.cpu_decode_stack = None
-        runner.sampler.use_cpu_kernels = False
         served = []
         real = runner.sampler.draw_on_device
         runner.sampler.draw_on_device = lambda *a, **k: served.append(1) or real(*a, **k)
@@ -196,10 +199,6 @@ def test_speculative_verification_with_the_device_draw(tiny_model):
     """n-gram speculation with the logits kept where they are (a GPU engine's flow: verification on the logits'
     device, the other rows by the device draw): greedy with logprobs, seeded and unseeded sampled rows, top-k,
     a repetition penalty below min_tokens; the tokens and logprobs of the host path, drafts verified."""
-    import sys
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from spec_helpers import NGRAM, spec_prompts
-    from tokenfab import LLM
     import tokenfab.spec_decode.spec_decoder as sd
     path = tiny_model("llama")
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2),
@@ -209,11 +208,7 @@ def test_speculative_verification_with_the_device_draw(tiny_model):
     outs, verified = {}, {}
     real = sd.rejection_sample
     for device_draw in (False, True):
-        llm = LLM(path, dtype="float32", device="cpu", seed=3, progress=False, speculative_config=NGRAM)
-        runner = llm.llm_engine.runner
-        runner.device_draw = device_draw
-        runner.cpu_decode_stack = None
-        runner.sampler.use_cpu_kernels = False
+        llm = gpu_flow_engine(path, device_draw, seed=3, speculative_config=NGRAM)
         count = []
         sd.rejection_sample = lambda *a, **k: count.append(1) or real(*a, **k)
         try:

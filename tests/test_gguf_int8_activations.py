@@ -20,7 +20,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_helpers import U  # noqa: E402
+from gguf_helpers import U, int8_activations  # noqa: E402
+from test_gguf_linear import check_close  # noqa: E402
 from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
 from tokenfab.quant import gguf_blocks  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
@@ -34,9 +35,8 @@ needs_int8 = pytest.mark.skipif(not cpu_ops.gguf_int8_available(),
 
 @pytest.fixture
 def int8_on():
-    before = cpu_ops.gguf_int8_activations(True)
-    yield
-    cpu_ops.gguf_int8_activations(before)
+    with int8_activations(True):
+        yield
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,24 +101,15 @@ def test_int8_rows_match_their_definition(int8_on, name, rows):
 def test_int8_off_and_rows_outside_keep_the_exact_product(int8_on):
     """The setting off (the default) and row counts outside 5..16 give the exact GEMV / brgemm products: within the
     exact bound of test_gguf_linear.py, far inside the activation rounding."""
-    from gguf_helpers import assert_within_bound
     name, n, k = "Q4_1", 24, 128
     raw = gguf.quants.quantize(np.random.default_rng(7).standard_normal((n, k)).astype(np.float32),
                                gguf.GGMLQuantizationType[name])
     w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
     w.prepare()
-    bt = gguf_blocks.block_type(name)
-    d, m, q = gguf_blocks._fields(torch.from_numpy(raw), bt)
-    dq = (d.double().unsqueeze(-1) * q.double()).reshape(n, -1)
-    mm = m.double().unsqueeze(-1).expand(*m.shape, 32).reshape(n, -1)
-    wd = dq + mm
 
     def check(rows: int) -> None:  # more than 16 rows (prefill) multiply the weight rounded once to bf16
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
-        x64 = x.double()
-        wr = wd.to(torch.bfloat16).double() if rows > 16 else wd
-        s = x64.abs() @ (wr.abs() if rows > 16 else dq.abs() + mm.abs()).T
-        assert_within_bound(w.linear_f32(x), x, x64 @ wr.T, s)
+        check_close(w.linear_f32(x), x, raw, name, None, bf16_weight=rows > 16)
 
     assert cpu_ops.gguf_int8_path(3, 8, torch.bfloat16)
     for rows in (4, 17):

@@ -21,7 +21,7 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from gguf_helpers import assert_within_bound, check_kernel_product, with_bias  # noqa: E402
+from gguf_helpers import assert_within_bound, check_kernel_product, int8_activations, with_bias  # noqa: E402
 from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
 from tokenfab.layers.linear import Linear  # noqa: E402
 from tokenfab.quant import gguf_blocks  # noqa: E402
@@ -221,18 +221,11 @@ def test_batched_gemv_rows_equal_single_row_bits():
     w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
     w.prepare()
     dtypes = [torch.float32] + ([torch.bfloat16] if isa.selected_level() != "amx" else [])
-    int8_before = cpu_ops.gguf_int8_activations(False)  # bf16 rows: the exact GEMV, not int8 activations
-    try:
-        _rows_equal_single_row_bits(w, raw, name, k, dtypes)
-    finally:
-        cpu_ops.gguf_int8_activations(int8_before)
-
-
-def _rows_equal_single_row_bits(w, raw, name, k, dtypes):
-    for dtype in dtypes:
-        for rows in (5, 8, 13, 16):
-            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
-            y = w.linear(x, None)
-            alone = torch.cat([w.linear(x[i:i + 1], None) for i in range(rows)])
-            assert torch.equal(y, alone), (dtype, rows)
-            check_close(y, x, raw, name, None)
+    with int8_activations(False):  # bf16 rows: the exact GEMV, not int8 activations
+        for dtype in dtypes:
+            for rows in (5, 8, 13, 16):
+                x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+                y = w.linear(x, None)
+                alone = torch.cat([w.linear(x[i:i + 1], None) for i in range(rows)])
+                assert torch.equal(y, alone), (dtype, rows)
+                check_close(y, x, raw, name, None)

@@ -252,6 +252,25 @@ def test_acceptance_counters_exact_on_scripted_proposer(tiny_model):
     assert st["spec_decode_num_accepted_tokens_per_pos"] == per_pos
 
 
+def test_logprobs_of_accepted_drafts_are_their_positions(tiny_model):
+    """With drafts accepted (the scripted proposer above: two of three per step), each emitted token's logprobs come
+    from its own verified position: the same top-2 ids and values within 1e-5 as plain decoding at every output
+    position (a mix-up of positions, e.g. every token given its step's first position, fails here)."""
+    path = tiny_model("llama")
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompts = spec_prompts(3)
+    base = _llm(path).generate(prompts, sp)
+    llm = _llm(path, NGRAM)
+    eng = llm.llm_engine
+    eng.spec.proposer = ScriptedProposer({len(p["prompt_token_ids"]): b for p, b in zip(prompts, token_ids(base))},
+                                         eng.model_config.vocab_size)
+    out = llm.generate(prompts, sp)
+    assert token_ids(out) == token_ids(base) and eng.get_stats()["spec_decode_num_accepted_tokens"] > 0
+    for a, b in zip(out, base):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert set(x) == set(y) and all(abs(x[t].logprob - y[t].logprob) < 1e-5 for t in x)
+
+
 # --------------------------------------------------------------------------- distributions at temperature > 0
 N_SAMPLES = 1200
 # top-k 2 at temperature 1: output token 2 takes <= 4 values, token 3 <= 8. Two independent samples of 1,200 from

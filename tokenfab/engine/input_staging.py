@@ -87,3 +87,11 @@ class InputStager:
             out.append(dev[off:off + a.size].view(a.shape))
             off += a.size
         return out
+
+
+def to_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """``t`` (a small host tensor: indices, per-row settings, uniforms) on ``device`` without waiting for the
+    device (CUDA stages a pageable source and returns; see the CUDA runtime's "API synchronization behavior"):
+    ``t`` itself where it already is, None for None. The samplers' and the verifier's inputs take this path to
+    logits that stay on the GPU."""
+    return None if t is None else t.to(device, non_blocking=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenfab.engine.input_staging import to_device
 from tokenfab.engine.logits_processors import (allowed_token_mask, apply_allowed_token_ids, apply_bad_words,
                                                apply_logit_bias, apply_min_p, apply_penalties_at)
 
@@ -238,7 +239,7 @@ class LogitsProcessorState:
         if b.min_p is not None:
             t = temperatures.repeat_interleave(K1)
             mp = b.min_p.pow(torch.where(t >= 1e-5, t, torch.ones_like(t)))
-            flat = apply_min_p(flat, mp.to(flat.device, non_blocking=True))
+            flat = apply_min_p(flat, to_device(mp, flat.device))
         return flat.reshape(N, K1, V)
 
     def _verify_penalties(self, flat: torch.Tensor, b: ProcessorBatch, pen: np.ndarray, rep: np.ndarray,
@@ -261,8 +262,7 @@ class LogitsProcessorState:
         f, tok = keys // V, keys % V
         count = self.output_counts[torch.from_numpy(rep[f]), torch.from_numpy(tok)] + torch.from_numpy(
             extra_n.astype(np.int32))
-        dev = flat.device
-        put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))
+        put = lambda t: to_device(t, flat.device)  # noqa: E731
         apply_penalties_at(flat, put(torch.from_numpy(f)), put(torch.from_numpy(tok)), put(count), put(b.repetition),
                            put(b.frequency), put(b.presence))
 
@@ -276,7 +276,7 @@ class LogitsProcessorState:
         masks, bias and penalty values, cached with the batch; each step's seen-token pairs, their counts and the
         bad words' histories, O(seen tokens)) goes to the device by non-blocking copies; no step reads the device."""
         dev = logits.device
-        put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))
+        put = lambda t: to_device(t, dev)  # noqa: E731
         if dev.type != "cpu":
             b = self._on_device(b, dev, cache)
         if b.grammar is not None:
@@ -311,7 +311,7 @@ class LogitsProcessorState:
         c = self._device_cache
         if c is not None and c[0] is b and c[1] == dev:
             return c[2]
-        put = lambda t: None if t is None else t.to(dev, non_blocking=True)
+        put = lambda t: to_device(t, dev)  # noqa: E731
         d = ProcessorBatch(pen_index=b.pen_index, pen_rows=b.pen_rows, repetition=put(b.repetition),
                            frequency=put(b.frequency), presence=put(b.presence),
                            bias=None if b.bias is None else tuple(put(t) for t in b.bias), allowed=put(b.allowed),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenfab.engine.input_staging import to_device
 from tokenfab.engine.logits_processors import apply_min_p
 from tokenfab.engine.logits_state import LogitsProcessorState
 from tokenfab.engine.sequence import Sequence
@@ -172,10 +173,10 @@ class Sampler:
         if all(p.params.temperature < 1e-5 for p in seqs):
             return self._ids_to_host(logits.argmax(dim=-1))
         dev = logits.device
-        t = temps.to(dev, non_blocking=True)
+        t = to_device(temps, dev)
         greedy = t < 1e-5
         x = logits / torch.where(greedy, torch.ones_like(t), t).unsqueeze(1)
-        ids = inverse_cdf_sample(x.softmax(dim=-1), u.to(dev, non_blocking=True), torch.float64)
+        ids = inverse_cdf_sample(x.softmax(dim=-1), to_device(u, dev), torch.float64)
         return self._ids_to_host(torch.where(greedy, logits.argmax(dim=-1), ids))
 
     def _restricted_on_device(self, logits: torch.Tensor, seqs: list[Sequence],
@@ -234,7 +235,7 @@ class Sampler:
         first argmax. Returns int64 [N]."""
         V = logits.shape[-1]
         dev = logits.device
-        put = lambda t: t.to(dev, non_blocking=True)  # the tensor itself where it already is (CPU)
+        put = lambda t: to_device(t, dev)  # noqa: E731
         temp_list = [p.temperature for p in params]
         temps = put(torch.tensor(temp_list, dtype=torch.float32))
         greedy = temps < 1e-5
@@ -270,7 +271,7 @@ class Sampler:
             if proc.min_p is not None and not all(t < 1e-5 for t in temp_list):  # greedy rows: min_p keeps argmax
                 # min_p after temperature T is min_p ** T before it (apply_min_p), so the draw below stays fused
                 temps = torch.tensor([t if t >= 1e-5 else 1.0 for t in temp_list], dtype=torch.float32)
-                logits = apply_min_p(logits, proc.min_p.pow(temps).to(logits.device, non_blocking=True))
+                logits = apply_min_p(logits, to_device(proc.min_p.pow(temps), logits.device))
         plain = [_unrestricted(p, V) for p in params]
         greedy = all(t < 1e-5 for t in temp_list)
         plain_ok = (not greedy and self.use_cpu_kernels

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenfab.engine.input_staging import to_device
 from tokenfab.engine.sampler import apply_top_k_top_p, inverse_cdf_sample
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as the plain sampler)
@@ -60,9 +61,7 @@ class SamplingTensors:
 
     def to(self, device: torch.device) -> "SamplingTensors":
         """The same settings on ``device`` (non-blocking copies; itself on the CPU)."""
-        if torch.device(device).type == "cpu":
-            return self
-        put = lambda t: None if t is None else t.to(device, non_blocking=True)
+        put = lambda t: to_device(t, device)  # noqa: E731
         return SamplingTensors(put(self.temperatures), put(self.top_k), put(self.top_p), put(self.greedy))
 
     def select(self, idx: torch.Tensor) -> "SamplingTensors":
@@ -143,20 +142,17 @@ def rejection_sample(logits: torch.Tensor, draft_ids: torch.Tensor, draft_lens: 
     N, K1, V = logits.shape
     k = K1 - 1
     dev = logits.device
-    on_cpu = dev.type == "cpu"
-    put = (lambda t: t) if on_cpu else (lambda t: None if t is None else t.to(dev, non_blocking=True))
-    cdf = None if on_cpu else torch.float64
+    put = lambda t: to_device(t, dev)  # noqa: E731
+    cdf = None if dev.type == "cpu" else torch.float64
     all_greedy = bool(st.greedy.all())  # host flags (st as the caller built it)
     any_greedy = all_greedy or bool(st.greedy.any())
     mi_host = None
     if match_rows is not None and not all_greedy:
-        mi_host = (match_rows.cpu() & ~st.greedy.cpu()).nonzero().squeeze(1)
+        mi_host = (match_rows & ~st.greedy).nonzero().squeeze(1)
         mi_host = mi_host if len(mi_host) else None
     st = st.to(dev)
-    draft_ids, draft_lens, u_accept, u_final, u_match = (put(t) for t in (draft_ids, draft_lens, u_accept, u_final,
-                                                                          u_match))
-    if draft_probs is not None:
-        draft_probs = put(draft_probs)
+    draft_ids, draft_lens, u_accept, u_final, u_match, draft_probs = (
+        put(t) for t in (draft_ids, draft_lens, u_accept, u_final, u_match, draft_probs))
     r = torch.arange(N, device=dev)
     valid = torch.arange(k, device=dev)[None, :] < draft_lens[:, None]
     d = draft_ids[:, :k].clamp(0, V - 1)

@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from tokenfab.engine.input_staging import to_device
 from tokenfab.engine.model_runner import StepOutput
 from tokenfab.engine.sampler import SamplerOutput, token_logprobs
 from tokenfab.engine.scheduler import ScheduledBatch
@@ -265,7 +266,7 @@ class SpecDecoder:
         K1 = int(n_new.max())
         flat = out.spec_logits  # [sum(n_new), V], rows in batch order; on the GPU where the runner draws there
         V, dev = flat.shape[-1], flat.device
-        put = (lambda t: t) if dev.type == "cpu" else (lambda t: t.to(dev, non_blocking=True))
+        put = lambda t: to_device(t, dev)  # noqa: E731
         pos_r, pos_c = np.nonzero(np.arange(K1)[None, :] < n_new[:, None])  # row-major: flat's order
         logits = torch.zeros(len(si), K1, V, dtype=flat.dtype, device=dev)
         logits[put(torch.from_numpy(pos_r)), put(torch.from_numpy(pos_c))] = flat

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include "gguf_tiles.h"
@@ -261,40 +262,35 @@ void unpack_tile(const uint8_t* w, int64_t t, int64_t K, __m512i* ops) {
   }
 }
 
-// Q4_0 / Q4_1 passes of 5..8 rows, one accumulator chain per row (gemv_tiles, CHAINS = 1).
+// Q4_0 / Q4_1 / Q4_K / Q5_K passes of 5..8 rows, one accumulator chain per row (and sub-block): gemv_tiles /
+// gemv_k_tiles with CHAINS = 1.
 template <int QT, int S, bool F32OUT>
 void gemv_rows8(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                 const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
+  auto pass = [&](auto rows) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (is_kquant(QT)) gemv_k_tiles<QT, R, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1);
+    else gemv_tiles<QT, R, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1);
+  };
   switch (M) {
-    case 5: gemv_tiles<QT, 5, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-    case 6: gemv_tiles<QT, 6, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-    case 7: gemv_tiles<QT, 7, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-    default: gemv_tiles<QT, 8, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-  }
-}
-
-// Q4_K / Q5_K passes of 5..8 rows, one accumulator chain per row and sub-block (gemv_k_tiles, CHAINS = 1).
-template <int QT, int S, bool F32OUT>
-void gemv_k_rows8(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-                  const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
-  switch (M) {
-    case 5: gemv_k_tiles<QT, 5, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-    case 6: gemv_k_tiles<QT, 6, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-    case 7: gemv_k_tiles<QT, 7, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
-    default: gemv_k_tiles<QT, 8, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1); break;
+    case 5: pass(std::integral_constant<int, 5>{}); break;
+    case 6: pass(std::integral_constant<int, 6>{}); break;
+    case 7: pass(std::integral_constant<int, 7>{}); break;
+    default: pass(std::integral_constant<int, 8>{}); break;
   }
 }
 
 constexpr int64_t kGemvBufferMaxK = 2048;  // operand buffer of a tile: K / 2 x 64 bytes, at most 64 KiB (L1 / L2)
 
 // M <= kGemvMaxRows rows. Up to 4: one GEMV pass per tile (four chains per row).
-// 5..16, Q4_0 / Q4_1 (an operand costs a shift and a table lookup): per tile, passes of up to 8 rows with one
-// chain per row (the tile's bytes come from memory once; the second pass finds them in L1).
+// 5..16, Q4_0 / Q4_1 / Q4_K (an operand costs a shift and a table lookup) and Q5_K past kGemvBufferMaxK: per tile,
+// passes of up to 8 rows with one chain per row (the tile's bytes come from memory once; the second pass finds them
+// in L1; NOTES 61, 64).
 // 5..16, Q8_0, Q5_K and Q6_K with K <= kGemvBufferMaxK (an operand costs 4-6 instructions, against 4
 // vdpbf16ps): per tile, its operands are unpacked once into a thread-local buffer (unpack_tile) that passes of up
 // to 4 rows read, with the same chains in the same order as the unpacking pass: every output is bit for bit the sum
-// a single-pass GEMV of its row alone gives. Q4_K (cheap to unpack) and larger K (the buffer would leave L2's fast
-// reach): passes of up to 4 rows that unpack again, the same sums (measured: benchmarks/gguf_linear.py,
+// a single-pass GEMV of its row alone gives. Q8_0 and Q6_K with larger K (the buffer would leave L2's fast reach):
+// passes of up to 4 rows that unpack again, the same sums (measured: benchmarks/gguf_linear.py,
 // results/2026-12-05-gguf-gemv-rows.md).
 template <int QT, int S, bool F32OUT>
 void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
@@ -308,33 +304,23 @@ void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, cons
     return F32OUT ? static_cast<void*>(static_cast<float*>(y) + m0 * ldy)
                   : static_cast<void*>(static_cast<uint16_t*>(y) + m0 * ldy);
   };
-  if constexpr (QT == kQ4_0 || QT == kQ4_1) {
-    if (M <= 2 * kGemvRows) {
-      gemv_rows8<QT, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
-      return;
-    }
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t m0 = 0; m0 < M; m0 += 2 * kGemvRows) {
-        const int64_t mr = std::min(2 * kGemvRows, M - m0);
-        const float* xs = xsum == nullptr ? nullptr : xsum + m0 * KB;
-        if (mr > kGemvRows) gemv_rows8<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
-        else gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
+  if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ4_K || QT == kQ5_K) {
+    if (QT != kQ5_K || K > kGemvBufferMaxK) {
+      if (M <= 2 * kGemvRows) {
+        gemv_rows8<QT, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+        return;
       }
-    return;
-  }
-  if constexpr (QT == kQ4_K || QT == kQ5_K) {
-    if (QT == kQ4_K || K > kGemvBufferMaxK) {  // passes of up to 8 rows, one chain per row (as Q4_0 / Q4_1)
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t m0 = 0; m0 < M; m0 += 2 * kGemvRows) {
           const int64_t mr = std::min(2 * kGemvRows, M - m0);
           const float* xs = xsum == nullptr ? nullptr : xsum + m0 * KB;
-          if (mr > kGemvRows) gemv_k_rows8<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
+          if (mr > kGemvRows) gemv_rows8<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
           else gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
         }
       return;
     }
   }
-  if (QT == kQ4_K || K > kGemvBufferMaxK) {
+  if (K > kGemvBufferMaxK) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m0 = 0; m0 < M; m0 += kGemvRows)
         gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xsum == nullptr ? nullptr : xsum + m0 * KB,

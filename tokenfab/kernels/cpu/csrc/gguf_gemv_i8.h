@@ -100,12 +100,6 @@ inline void quantize_rows(int qt, const uint16_t* x, int64_t M, int64_t lda, int
   });
 }
 
-inline __m512i bcast4(const int8_t* p) {
-  int v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // Tiles [t0, t1) for M (1..8) rows of quantized x. Per block the weight's 8 operands (4 inputs x 16 output rows
 // each, one 32-bit lane per output row) are built once and shared by the M rows' 8 vpdpbusd each.
 template <int QT, int M, bool F32OUT>
@@ -150,9 +144,9 @@ void gemv_i8_tiles(const QuantizedRows& xr, int64_t m0, int64_t K, const uint8_t
 #pragma GCC unroll 8
       for (int i = 0; i < 8; ++i)
 #pragma GCC unroll 8
-        for (int m = 0; m < M; ++m) {
-          const int8_t* xm = xq + m * K + kb * QK + 4 * i;
-          s[m] = QT == kQ8_0 ? _mm512_dpbusd_epi32(s[m], bcast4(xm), op[i]) : _mm512_dpbusd_epi32(s[m], op[i], bcast4(xm));
+        for (int m = 0; m < M; ++m) {  // 4 bytes of x broadcast (bcast_pair reads any 4 bytes)
+          const __m512i xm = bcast_pair(reinterpret_cast<const uint16_t*>(xq + m * K + kb * QK + 4 * i));
+          s[m] = QT == kQ8_0 ? _mm512_dpbusd_epi32(s[m], xm, op[i]) : _mm512_dpbusd_epi32(s[m], op[i], xm);
         }
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
