@@ -19,9 +19,10 @@ from tokenfab.kernels.cpu import isa as cpu_isa
 CHILD = "TOKENFAB_CPU_PATHS_CHILD"  # set in the child runs, so they do not recurse
 # bf16 paths are where CPU families part (float32 runs no AVX512-BF16 or AMX kernel), so of the real model's tests
 # the bf16 demo answers through the server run here; its float32 token-exact test runs once, in the main suite.
-# The packed GGUF kernels' tests run too: their prefill and batched-decode paths differ by level (AMX tiles or not).
+# The packed GGUF kernels' tests run too: their prefill and batched-decode paths differ by level (AMX tiles or not;
+# below amx, the opt-in int8-activation GEMV, which an AMX machine's own suite skips).
 FILES = ["tests/test_engine_exact.py", "tests/test_bf16.py", "tests/test_logits_f32.py",
-         "tests/test_gguf_linear.py", "tests/test_gguf_kquants.py",
+         "tests/test_gguf_linear.py", "tests/test_gguf_kquants.py", "tests/test_gguf_int8_activations.py",
          "tests/test_real_model.py::test_demo_answers_through_the_server"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
