@@ -183,6 +183,35 @@ def test_grouped_kernel_matches_float64(fmt, dtype, K, monkeypatch):
         assert ((got[14:].double() - twin).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_prefill_dequantization_exact_at_scale_edges(fmt):
+    """The prefill path's bf16 weights, read back one at a time: x one-hot at k gives y[:, r] = W[r, k] exactly
+    (one product 1 * w, the rest 0 * w), so y must equal the dequantized weight rounded once to bf16, bit for bit.
+    MXFP4 scales 2 and 252 are the ends of the exponent-add path; a scale of 1 in one 16-row group (subnormal values
+    in its last scale group) sends that group through the float32 path, whose values outside that scale group are
+    read back too."""
+    if not cpu_ops.packed_experts_applies():
+        pytest.skip("kernels without AVX512-BF16: no prefill kernel here")
+    g = torch.Generator().manual_seed(5)
+    n, K = 42, 160  # rows 0-15 / 16-31 (one 32-row block), 32-41 (a partial block); 128 + 32 values per row
+    st = _stack(fmt, 2, n, K, g)
+    read = K
+    if fmt == "mxfp4":
+        st.scale[:, :, :].copy_(torch.randint(100, 150, st.scale.shape, generator=g).to(torch.uint8))
+        st.scale[0, 3, 0], st.scale[0, 4, 1], st.scale[1, 40, 2] = 2, 252, 252
+        st.scale[0, 20, 4] = st.scale[1, 37, 4] = 1  # float32 path for rows 16-31 of expert 0 and 32-41 of expert 1
+        read = 128  # values past 128 in those rows are subnormal: not read back (dot products may flush them)
+    st.prepare()
+    counts = [read, 20]  # both segments take the prefill path (> 8 tokens)
+    cols = torch.cat([torch.arange(read), torch.randint(0, read, (20,), generator=g)])
+    x = torch.nn.functional.one_hot(cols, K).to(torch.bfloat16)
+    y = st.grouped_linear(x, [0, 1], counts)
+    for e, rows in ((0, slice(0, read)), (1, slice(read, read + 20))):
+        twin = st.dequantize_expert(e).bfloat16()  # [n, K]: W rounded once to bf16
+        want = twin[:, cols[rows]].t()
+        assert torch.equal(y[rows], want), f"expert {e}: {(y[rows].float() - want.float()).abs().max()}"
+
+
 # ---- tiny DeepSeek-V3 with INT4 routed experts in the published layout ------------------------------------------
 def _quantize_int4(w: torch.Tensor):
     """Symmetric group-32 INT4 of a float weight: (packed int32, bf16 scale, dequantized float32)."""

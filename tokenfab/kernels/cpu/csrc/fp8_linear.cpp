@@ -30,6 +30,7 @@
 #include <ATen/native/CPUBlas.h>
 #include "cpu_isa.h"
 #include "linear_io.h"
+#include "vnni_transpose.h"
 
 #include <immintrin.h>
 
@@ -59,6 +60,8 @@ uint16_t e4m3_magnitude_bf16(int c) {
 
 #if defined(__AVX512BF16__)
 
+inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
 struct Lut {
   __m512i t[4];  // bf16 of magnitude codes 0..31, 32..63, 64..95, 96..127
   Lut() {
@@ -66,18 +69,29 @@ struct Lut {
     for (int c = 0; c < 128; ++c) v[c] = e4m3_magnitude_bf16(c);
     for (int i = 0; i < 4; ++i) t[i] = _mm512_load_si512(v + 32 * i);
   }
+  // The table of each magnitude times s, rounded once to bf16: the dequantized bf16 twin's value of every code in
+  // a block of scale s (negative codes: the sign flipped after rounding, which round-to-nearest-even commutes with).
+  Lut scaled(float s) const {
+    Lut o(*this);
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int i = 0; i < 4; ++i) {
+      const __m512 lo = _mm512_mul_ps(bf16_to_f32(_mm512_castsi512_si256(t[i])), sv);
+      const __m512 hi = _mm512_mul_ps(bf16_to_f32(_mm512_extracti64x4_epi64(t[i], 1)), sv);
+      o.t[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    }
+    return o;
+  }
 };
 
-// 32 e4m3 bytes -> their 32 exact bf16 values (as u16 lanes, in order).
+// 32 e4m3 bytes -> their 32 bf16 values (as u16 lanes, in order): the exact values with Lut(), the scaled ones with
+// Lut::scaled (the sign bit flips the looked-up magnitude's).
 inline __m512i e4m3x32(const uint8_t* p, const Lut& L) {
   const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   const __m512i lo = _mm512_permutex2var_epi16(L.t[0], w, L.t[1]);  // index bits 0..5: codes 0..63
   const __m512i hi = _mm512_permutex2var_epi16(L.t[2], w, L.t[3]);  // codes 64..127
   const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
-  return _mm512_or_si512(mag, _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(int16_t(0x8000))));
+  return _mm512_xor_si512(mag, _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(int16_t(0x8000))));
 }
-
-inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 
 template <bool F32OUT>
 inline void store_one(void* y, int64_t idx, float v) {
@@ -158,27 +172,37 @@ void gemv(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* w, const floa
 
 // Rows [32 nb, 32 nb + 32) of the weight (rows past n are zero) -> float32 [K][32], the exact e4m3 values (F32W), or
 // bf16 VNNI pairs (uint32 [K / 2][32]: pair k / 2 of row j at [k / 2][j]) of each value times its block's scale_inv
-// (srow: the 32 rows' scales per 128-input block), rounded once to bf16: the dequantized bf16 twin's weight.
+// (srow: the 32 rows' scales per 128-input block), rounded once to bf16: the dequantized bf16 twin's weight. bf16:
+// per 128-input block one table of every code's scaled value (Lut::scaled), then per 32 inputs 16 rows' 16 pairs
+// each looked up in order and transposed (vnni_transpose.h), so each layout row is one contiguous store.
 template <bool F32W>
 void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* buf, const Lut& L, const float* srow) {
-  const __m512i pair_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                              _mm512_set1_epi32(32));
-  const __m512i k_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(32));
-  for (int64_t j = 0; j < 32; ++j) {
-    const int64_t row = nb * 32 + j;
-    for (int64_t k0 = 0; k0 < K; k0 += 32) {
-      const __m512i v = row < N ? e4m3x32(w + row * K + k0, L) : _mm512_setzero_si512();
-      if constexpr (F32W) {
+  if constexpr (F32W) {
+    const __m512i k_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(32));
+    for (int64_t j = 0; j < 32; ++j) {
+      const int64_t row = nb * 32 + j;
+      for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const __m512i v = row < N ? e4m3x32(w + row * K + k0, L) : _mm512_setzero_si512();
         float* f = static_cast<float*>(buf) + k0 * 32 + j;
         _mm512_i32scatter_ps(f, k_idx, bf16_to_f32(_mm512_castsi512_si256(v)), 4);
         _mm512_i32scatter_ps(f + 16 * 32, k_idx, bf16_to_f32(_mm512_extracti64x4_epi64(v, 1)), 4);
-      } else {
-        const __m512 s = _mm512_set1_ps(srow[k0 / BK]);
-        const __m512 lo = _mm512_mul_ps(bf16_to_f32(_mm512_castsi512_si256(v)), s);
-        const __m512 hi = _mm512_mul_ps(bf16_to_f32(_mm512_extracti64x4_epi64(v, 1)), s);
-        uint32_t* p = static_cast<uint32_t*>(buf) + (k0 / 2) * 32 + j;
-        _mm512_i32scatter_epi32(p, pair_idx, (__m512i)_mm512_cvtne2ps_pbh(hi, lo), 4);
+      }
+    }
+  } else {
+    Lut block = L;
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+      if (k0 % BK == 0) block = L.scaled(srow[k0 / BK]);
+      for (int64_t j0 = 0; j0 < 32; j0 += 16) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) {
+          const int64_t row = nb * 32 + j0 + i;
+          // dword p: the row's pair (k0 + 2p, k0 + 2p + 1)
+          r[i] = row < N ? e4m3x32(w + row * K + k0, block) : _mm512_setzero_si512();
+        }
+        tokenfab_cpu::transpose16x16_epi32(r);
+        uint32_t* p = static_cast<uint32_t*>(buf) + (k0 / 2) * 32 + j0;
+        for (int q = 0; q < 16; ++q) _mm512_storeu_si512(p + q * 32, r[q]);
       }
     }
   }

@@ -24,6 +24,7 @@
 
 #include "cpu_common.h"
 #include "linear_io.h"
+#include "vnni_transpose.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>
@@ -183,41 +184,85 @@ void dequant_block(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float
   }
 }
 
+// True when every MXFP4 scale of rows [0, nr) (float32 2^(e - 127) from row_scales) has 2 <= e <= 252: then each
+// nonzero E2M1 value (bf16 exponent field 126-129) times the scale is a normal bf16 whose exponent field is the
+// value's plus e - 127, so the product is one 16-bit integer add (no rounding, no subnormal, no overflow).
+bool pow2_scales_normal(const float* sc, int64_t sld, int64_t nr, int64_t ng) {
+  const __m512i lo = _mm512_set1_epi32(2 << 23), hi = _mm512_set1_epi32(252 << 23);
+  __mmask16 bad = 0;
+  for (int64_t j = 0; j < nr; ++j)
+    for (int64_t g = 0; g < ng; g += 16) {
+      const __mmask16 m = ng - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ng - g)) - 1u);
+      const __m512i v = _mm512_maskz_loadu_epi32(m, sc + j * sld + g);
+      bad |= _mm512_mask_cmplt_epu32_mask(m, v, lo) | _mm512_mask_cmpgt_epu32_mask(m, v, hi);
+    }
+  return bad == 0;
+}
+
 // bf16 x prefill: rows [0, nr) of a row block in brgemm's VNNI layout [K / 2][32][2] (zero rows past nr), each
 // float32 value rounded once to bf16 as the dequantized bf16 twin holds it (MXFP4 values, E2M1 times a power of two,
 // are bf16 values already; INT4's (q - 8) s keeps 8 of its up to 11 (bf16 s) or 14 (fp16 s) significant bits).
+// 16 rows at a time, 64 bytes (128 values, 4 scale groups) of each row loaded and transposed, so dword d of the
+// result holds bytes 4 d .. 4 d + 3 of every row: each byte (one value pair) gives the 16 rows' words of one layout
+// row [pair][j0 .. j0 + 15]. MXFP4 with normal scales (pow2_scales_normal) works on bf16 bits: the byte spread to
+// its two words (low nibble in the even one, high nibble in the odd one: vpermw reads index bits 0-4 of a table
+// that repeats), looked up, and the scale's exponent added to the nonzero words. Otherwise (INT4, or MXFP4 with
+// extreme scales) in float32: the nibbles' values times the scales, both halves rounded by one vcvtne2ps2bf16 and
+// interleaved by one vpermw. st: scratch of 16 (K / 32) floats (the 16 rows' scales, group-major).
 void dequant_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
-                  int64_t K, uint16_t* out) {
-  // 16 rows at a time: one gather reads 4 bytes (4 value pairs) of each row, one gather a scale group of each row,
-  // and every pair gives the 16 rows' words of one layout row [pair][j0 .. j0 + 15] (contiguous stores).
+                  int64_t K, uint16_t* out, float* st) {
   static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                  -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
   alignas(64) float lut[16];
   for (int i = 0; i < 16; ++i) lut[i] = fmt == kExpertsInt4Group ? static_cast<float>(i - 8) : e2m1[i];
   const __m512 lutf = _mm512_load_ps(lut);
+  const __m512i words_table = value_table(fmt);
+  alignas(64) uint16_t inter[32];  // word 2r <- rows' even value r, word 2r + 1 <- odd value r (lanes 16 + r)
+  for (int r = 0; r < 16; ++r) inter[2 * r] = static_cast<uint16_t>(r), inter[2 * r + 1] = static_cast<uint16_t>(16 + r);
+  const __m512i interleave = _mm512_load_si512(inter);
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   auto* words = reinterpret_cast<int32_t*>(out);
   const int64_t ng = K / kGroup;
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   for (int64_t j0 = 0; j0 < kRowBlock; j0 += 16) {
     const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(16, nr - j0));
-    const __mmask16 valid = nv >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nv) - 1u);
-    const __m512i rows = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j0)));
-    const __m512i roff = _mm512_mullo_epi32(rows, _mm512_set1_epi32(static_cast<int>(row_bytes)));
-    const __m512i soff = _mm512_mullo_epi32(rows, _mm512_set1_epi32(static_cast<int>(sld)));
-    for (int64_t g = 0; g < ng; ++g) {
-      const __m512 sv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid,
-                                                 _mm512_add_epi32(soff, _mm512_set1_epi32(static_cast<int>(g))), sc, 4);
-      for (int q = 0; q < 4; ++q) {
-        const __m512i wd = _mm512_mask_i32gather_epi32(
-            _mm512_setzero_si512(), valid, _mm512_add_epi32(roff, _mm512_set1_epi32(static_cast<int>(16 * g + 4 * q))),
-            w, 1);
-        for (int bb = 0; bb < 4; ++bb) {  // byte bb: pair 16 g + 4 q + bb (vpermps reads index bits 0-3)
-          const __m512 fe = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb), lutf), sv);
-          const __m512 fo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb + 4), lutf), sv);
-          const __m256i be = (__m256i)_mm512_cvtneps_pbh(fe), bo = (__m256i)_mm512_cvtneps_pbh(fo);
-          _mm512_storeu_si512(words + (16 * g + 4 * q + bb) * kRowBlock + j0,
-                              _mm512_or_si512(_mm512_cvtepu16_epi32(be),
-                                              _mm512_slli_epi32(_mm512_cvtepu16_epi32(bo), 16)));
+    const bool bits = fmt == kExpertsMxfp4 && pow2_scales_normal(sc + j0 * sld, sld, nv, ng);
+    for (int64_t g = 0; g < ng; ++g)
+      for (int64_t i = 0; i < 16; ++i) st[g * 16 + i] = i < nv ? sc[(j0 + i) * sld + g] : 0.f;
+    for (int64_t c = 0; c < row_bytes; c += 64) {  // bytes [c, c + 64): pairs c.., scale groups c / 16 ..
+      const int64_t nb = std::min<int64_t>(64, row_bytes - c);
+      const __mmask64 m = nb == 64 ? ~0ull : (1ull << nb) - 1ull;
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < nv ? _mm512_maskz_loadu_epi8(m, w + (j0 + i) * row_bytes + c) : _mm512_setzero_si512();
+      tokenfab_cpu::transpose16x16_epi32(r);
+      for (int64_t gg = 0; gg < nb / 16; ++gg) {
+        const int64_t g = c / 16 + gg;
+        const __m512 sv = _mm512_loadu_ps(st + g * 16);
+        // bits: the scale's exponent e - 127 in both 16-bit halves of each row's lane (zero rows: any value, their
+        // words are zero and stay zero)
+        const __m512i e = _mm512_slli_epi32(
+            _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(sv), 23), _mm512_set1_epi32(127)), 7);
+        const __m512i shift =
+            _mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(e, 16));
+        for (int q = 0; q < 4; ++q) {
+          const __m512i wd = r[4 * gg + q];
+          int32_t* dst = words + (16 * g + 4 * q) * kRowBlock + j0;
+          if (bits) {
+            for (int bb = 0; bb < 4; ++bb) {  // byte bb: pair 16 g + 4 q + bb
+              const __m512i t = _mm512_srli_epi32(wd, 8 * bb);
+              const __m512i idx = _mm512_mask_mov_epi16(t, 0xAAAAAAAAu, _mm512_slli_epi32(t, 12));
+              const __m512i v = _mm512_permutexvar_epi16(idx, words_table);
+              _mm512_storeu_si512(dst + bb * kRowBlock,
+                                  _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, magnitude), v, shift));
+            }
+          } else {
+            for (int bb = 0; bb < 4; ++bb) {  // vpermps reads index bits 0-3
+              const __m512 fe = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb), lutf), sv);
+              const __m512 fo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb + 4), lutf), sv);
+              _mm512_storeu_si512(dst + bb * kRowBlock,
+                                  _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(fo, fe)));
+            }
+          }
         }
       }
     }
@@ -284,8 +329,11 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto xc = x.contiguous();
   const int64_t Kp = (K + kChunk - 1) / kChunk * kChunk, ng = K / kGroup;
-  const std::vector<uint16_t> xp = f32 ? rearrange<float, 3>(xc.data_ptr<float>(), N, K, Kp)
-                                       : rearrange<c10::BFloat16, 1>(xc.data_ptr<c10::BFloat16>(), N, K, Kp);
+  bool gemv = false;  // x is rearranged only for segments on the register path (prefill reads x as it is)
+  for (int64_t a = 0; a < A; ++a) gemv |= op[a + 1] > op[a] && op[a + 1] - op[a] <= kGemmMinTokens;
+  const std::vector<uint16_t> xp = !gemv ? std::vector<uint16_t>()
+                                   : f32 ? rearrange<float, 3>(xc.data_ptr<float>(), N, K, Kp)
+                                         : rearrange<c10::BFloat16, 1>(xc.data_ptr<c10::BFloat16>(), N, K, Kp);
   auto y = at::empty({N, n}, x.options());
   const auto* wbase = static_cast<const uint8_t*>(packed.data_ptr());
   const auto* sbase = static_cast<const uint8_t*>(scale.data_ptr());
@@ -299,6 +347,7 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
     std::vector<float> sc(static_cast<size_t>(kRowBlock * sld));
     std::vector<float> tmp, wf, cbuf;
     std::vector<uint16_t> wb;
+    std::vector<float> st;
     bool used_brgemm = false;
     for (int64_t it = b; it < e; ++it) {
       const int64_t a = it / blocks, r0 = (it % blocks) * kRowBlock, r1 = std::min(n, r0 + kRowBlock);
@@ -315,7 +364,8 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
           dequant_block(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wf.data());
         } else {
           wb.resize(static_cast<size_t>(K * kRowBlock));
-          dequant_vnni(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wb.data());
+          st.resize(static_cast<size_t>(16 * ng));
+          dequant_vnni(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wb.data(), st.data());
         }
         used_brgemm = true;
         for (int64_t m0 = t0; m0 < t1; m0 += kGemmTileM) {
