@@ -99,11 +99,12 @@ def test_empty_shard_gives_zeros_plus_bias():
 def test_shard_linear_matches_the_sliced_weight(monkeypatch, backend, m, dtype):
     """Column-parallel shards (rows) with a bias, and row-parallel shards (columns) whose partial products sum to
     the full product: each within the float32 accumulation bound of F.linear on the sliced dequantized weight
-    (plus one bf16 rounding for bf16 x). bf16 x of more than 16 rows on the kernel's brgemm path (no AMX)
+    (plus one bf16 rounding for bf16 x). bf16 x past fp8_gemv_max_rows on the kernel's brgemm path (no AMX)
     multiplies the weight rounded once to bf16, the dequantized bf16 twin's: the sliced weight is that one there."""
     from tokenfab.kernels.cpu import isa
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", backend)
-    twin = backend == "tokenfab" and dtype == torch.bfloat16 and m > 16 and isa.selected_level() != "amx"
+    twin = (backend == "tokenfab" and dtype == torch.bfloat16 and m > cpu_ops.fp8_gemv_max_rows(dtype)
+            and isa.selected_level() != "amx")
 
     def weight(q, s):
         w = formula(q, s)

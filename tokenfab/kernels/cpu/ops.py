@@ -399,9 +399,10 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     Returns:
         [..., n] in x's dtype: per 128-input block the exact products of x and the e4m3 values summed in float32,
         scaled once by the block's scale_inv, + bias, one rounding per output. Float32 x is split into three bf16
-        parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the FP8 bytes once (decode); on
-        CPUs with AMX, bf16 x of more than 4 rows runs AMX tile products on 16 converted weight rows at a time; else
-        more than 16 rows convert 32 weight rows at a time into a thread-local buffer for oneDNN's brgemm.
+        parts, so it keeps float32 accuracy. Up to :func:`fp8_gemv_max_rows` rows (16 float32, 12 bf16) run a GEMV
+        that streams the FP8 bytes once (decode); on CPUs with AMX, bf16 x of more than 4 rows runs AMX tile
+        products on 16 converted weight rows at a time; else more rows convert 32 weight rows at a time into a
+        thread-local buffer for oneDNN's brgemm (bf16 x: each weight rounded once to bf16, the bf16 twin's).
         benchmarks/fp8_linear.py measures the GEMV against :func:`vnni_linear`.
 
     Raises:
@@ -409,6 +410,13 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
             :func:`fp8_block_linear_applies` first).
     """
     return load().fp8_block_linear(x, weight.view(torch.uint8), scale_inv, bias)
+
+
+def fp8_gemv_max_rows(dtype: torch.dtype) -> int:
+    """Rows of x up to which :func:`fp8_block_linear` and :func:`fp8_experts_linear` run their GEMV on a CPU without
+    AMX (float32 x: the exact e4m3 values, scaled per block; beyond: brgemm); bf16 x past it multiplies each weight
+    rounded once to bf16, as the dequantized bf16 twin holds it. The kernels' own constant (fp8_linear.cpp)."""
+    return int(load().fp8_gemv_max_rows(dtype == torch.float32))
 
 
 def fp8_experts_applies() -> bool:
