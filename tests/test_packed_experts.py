@@ -155,12 +155,13 @@ def _stack(fmt, E, n, K, g):
 @pytest.mark.parametrize("K", [96, 128])
 def test_grouped_kernel_matches_float64(fmt, dtype, K, monkeypatch):
     g = torch.Generator().manual_seed(3)
-    st = _stack(fmt, 4, 42, K, g)  # 42 rows: a 32-row block and a 10-row one (row groups of 4 / 2, single rows)
-    # token tiles of 1, 4 + 2 and 4 + 3 (register GEMV); 70 tokens: the prefill path (brgemm, tiles of 64 + 6)
-    experts, counts = [0, 2, 3, 1], [1, 6, 7, 70]
+    st = _stack(fmt, 5, 42, K, g)  # 42 rows: a 32-row block and a 10-row one (row groups of 4 / 2, single rows)
+    # token tiles of 1, 4 + 2, 4 + 3 and 4 x 3 (register GEMV, up to 12 tokens); 70 tokens: the prefill path
+    # (brgemm, tiles of 64 + 6)
+    experts, counts = [0, 2, 3, 4, 1], [1, 6, 7, 12, 70]
     x = torch.randn(sum(counts), K, generator=g).to(dtype)
     want = torch.cat([x[b:b + n].double() @ st.dequantize_expert(e).double().t()
-                      for e, n, b in zip(experts, counts, (0, 1, 7, 14))])
+                      for e, n, b in zip(experts, counts, (0, 1, 7, 14, 26))])
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "torch")  # the path CPUs without AVX512-BF16 take
     st.prepare()
@@ -177,10 +178,10 @@ def test_grouped_kernel_matches_float64(fmt, dtype, K, monkeypatch):
     if dtype == torch.float32:
         assert (got - ref).abs().max() < 1e-4
     else:  # the 70-token segment (prefill, brgemm) multiplies the weight rounded once to bf16: the bf16 twin's
-        xs, wt = x[14:].double(), st.dequantize_expert(1).bfloat16().double()
+        xs, wt = x[26:].double(), st.dequantize_expert(1).bfloat16().double()
         twin = xs @ wt.t()
         bound = 2 * K * 2.0 ** -24 * (xs.abs() @ wt.abs().t()) + 2.0 ** -8 * twin.abs()
-        assert ((got[14:].double() - twin).abs() <= bound).all()
+        assert ((got[26:].double() - twin).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
@@ -202,7 +203,7 @@ def test_prefill_dequantization_exact_at_scale_edges(fmt):
         st.scale[0, 20, 4] = st.scale[1, 37, 4] = 1  # float32 path for rows 16-31 of expert 0 and 32-41 of expert 1
         read = 128  # values past 128 in those rows are subnormal: not read back (dot products may flush them)
     st.prepare()
-    counts = [read, 20]  # both segments take the prefill path (> 8 tokens)
+    counts = [read, 20]  # both segments take the prefill path (> 12 tokens)
     cols = torch.cat([torch.arange(read), torch.randint(0, read, (20,), generator=g)])
     x = torch.nn.functional.one_hot(cols, K).to(torch.bfloat16)
     y = st.grouped_linear(x, [0, 1], counts)

@@ -13,13 +13,13 @@
 // are float32 sums (the reference dequantizes to float32 and runs a float32 matmul: the same real number).
 // float32 x is split into three bf16 parts (x = h + m + l to 2^-24 relative), each multiplied exactly.
 //
-// Prefill (a segment of more than 8 tokens): the item's 32 rows are dequantized once into a thread-local buffer for
+// Prefill (a segment of more than 12 tokens): the item's 32 rows are dequantized once into a thread-local buffer for
 // oneDNN's brgemm over 64-token tiles (the bf16 GEMM's micro-kernel), never a copy larger than 32 rows: float32
 // values for float32 x; for bf16 x the values rounded once to bf16 (MXFP4 values are bf16 values already; INT4's
 // (q - 8) s is rounded as the dequantized bf16 twin holds it).
 // Work: (segment, block of 32 output rows) items over all segments in one parallel region; per block the scales are
 // decoded once, then tiles of up to 4 tokens reuse each unpacked chunk and groups of 4 (1-2 tokens) or 2 rows share
-// each x chunk load (decode: 1-8 tokens per expert).
+// each x chunk load (decode: 1-12 tokens per expert).
 #include "packed_experts.h"
 
 #include "cpu_common.h"
@@ -43,9 +43,11 @@ constexpr int64_t kGroup = 32;     // values per scale
 constexpr int64_t kChunk = 64;     // values per inner step (two scale groups)
 constexpr int64_t kRowBlock = 32;  // output rows per work item (one brgemm column tile)
 constexpr int kTokTile = 4;        // tokens per register tile
-// A segment with more tokens than this dequantizes its row blocks for brgemm (measured crossover against the
-// register path, single thread, H 7168: ~7 tokens with one bf16 part).
-constexpr int64_t kGemmMinTokens = 8;
+// A segment with more tokens than this dequantizes its row blocks for brgemm. Measured (benchmarks/packed_experts.py,
+// expert shapes H 7168 / I 2048, 2 threads, bf16 x, thresholds 8 / 16 / 32 alternated twice): with the gather-free
+// conversion the register path took 0.85-0.93x brgemm's time at 12 tokens; at 16 brgemm took 0.93-1.02x the
+// register path's, at 24-32 0.8-0.9x.
+constexpr int64_t kGemmMinTokens = 12;
 constexpr int64_t kGemmTileM = 64;      // tokens per brgemm call
 
 #if defined(__AVX512BF16__)
