@@ -213,6 +213,30 @@ def test_prefill_dequantization_exact_at_scale_edges(fmt):
         assert torch.equal(y[rows], want), f"expert {e}: {(y[rows].float() - want.float()).abs().max()}"
 
 
+def test_mxfp4_scale_bytes_0_and_255():
+    """E8M0 0 is 2^-127 (a float32 subnormal) and 255 is NaN: on the decode path (1 and 5 tokens) a row with scale 0
+    gives the exact tiny sums, and a row with one NaN scale gives NaN on every path (decode, and 20 tokens through
+    the prefill conversion)."""
+    if not cpu_ops.packed_experts_applies():
+        pytest.skip("kernels without AVX512-BF16: no kernel here")
+    g = torch.Generator().manual_seed(9)
+    n, K = 20, 96
+    st = _stack("mxfp4", 1, n, K, g)
+    st.scale[0, 3, :] = 0
+    st.scale[0, 7, 1] = 255
+    st.prepare()
+    w = st.dequantize_expert(0).double()  # row 3: codes * 2^-127, exactly; row 7: NaN in its second group
+    for T in (1, 5, 20):
+        x = torch.randn(T, K, generator=g).to(torch.float32)
+        y = st.grouped_linear(x, [0], [T])
+        assert torch.isnan(y[:, 7]).all() and not torch.isnan(y[:, :7]).any()
+        if T < 20:  # the register path multiplies exact values: float32 sums of ~K terms, then one rounding
+            want = x.double() @ w[3]
+            assert ((y[:, 3].double() - want).abs() <= 2 * K * 2.0 ** -24 * (x.double().abs() @ w[3].abs())
+                    + 2.0 ** -149).all()
+            assert (y[:, 3] != 0).all()
+
+
 # ---- tiny DeepSeek-V3 with INT4 routed experts in the published layout ------------------------------------------
 def _quantize_int4(w: torch.Tensor):
     """Symmetric group-32 INT4 of a float weight: (packed int32, bf16 scale, dequantized float32)."""

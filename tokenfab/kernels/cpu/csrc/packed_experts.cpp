@@ -71,19 +71,23 @@ __m512i value_table(int64_t fmt) {
 // 16-float load of its two scales stays inside the row's padded slot of ng + 16). E8M0 s is
 // 2^(s - 127) built from its bits (s = 0: the float32 subnormal 2^-127; s = 255: NaN).
 inline void row_scales(int64_t fmt, int scale_kind, const void* s, int64_t ng, float* out) {
-  auto* o = reinterpret_cast<uint32_t*>(out);
-  if (fmt == kExpertsMxfp4) {
-    const auto* p = static_cast<const uint8_t*>(s);
-    for (int64_t g = 0; g < ng; ++g) {
-      const uint32_t e = p[g];
-      o[g] = e == 0 ? 0x00400000u : e == 255 ? 0x7FC00000u : e << 23;
+  for (int64_t g = 0; g < ng; g += 16) {  // 16 scales per step
+    const __mmask16 m = ng - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ng - g)) - 1u);
+    __m512 v;
+    if (fmt == kExpertsMxfp4) {
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, static_cast<const uint8_t*>(s) + g));
+      __m512i bits = _mm512_slli_epi32(e, 23);
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
+                                   _mm512_set1_epi32(0x00400000));
+      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)),
+                                   _mm512_set1_epi32(0x7FC00000));
+      v = _mm512_castsi512_ps(bits);
+    } else {
+      const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(s) + g);
+      v = scale_kind == 0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))  // bf16
+                          : _mm512_cvtph_ps(h);                                                   // fp16
     }
-  } else if (scale_kind == 0) {  // bf16
-    const auto* p = static_cast<const uint16_t*>(s);
-    for (int64_t g = 0; g < ng; ++g) o[g] = static_cast<uint32_t>(p[g]) << 16;
-  } else {  // fp16
-    const auto* p = static_cast<const uint16_t*>(s);
-    for (int64_t g = 0; g < ng; ++g) out[g] = _cvtsh_ss(p[g]);
+    _mm512_mask_storeu_ps(out + g, m, v);
   }
   for (int i = 0; i < 16; ++i) out[ng + i] = 0.f;
 }
