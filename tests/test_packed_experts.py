@@ -156,9 +156,9 @@ def _stack(fmt, E, n, K, g):
 def test_grouped_kernel_matches_float64(fmt, dtype, K, monkeypatch):
     g = torch.Generator().manual_seed(3)
     st = _stack(fmt, 5, 42, K, g)  # 42 rows: a 32-row block and a 10-row one (row groups of 4 / 2, single rows)
-    # token tiles of 1, 4 + 2, 4 + 3 and 4 x 3 (register GEMV, up to 12 tokens); 70 tokens: the prefill path
-    # (brgemm, tiles of 64 + 6)
-    experts, counts = [0, 2, 3, 4, 1], [1, 6, 7, 12, 70]
+    # token tiles of 1, 4 + 2, 4 + 3 and 4 x 3 (register GEMV, up to 12 tokens); 300 tokens: the prefill path
+    # (brgemm, tiles of 4 x 64 + 44; bf16 x on the tile layout takes it past 256 tokens)
+    experts, counts = [0, 2, 3, 4, 1], [1, 6, 7, 12, 300]
     x = torch.randn(sum(counts), K, generator=g).to(dtype)
     want = torch.cat([x[b:b + n].double() @ st.dequantize_expert(e).double().t()
                       for e, n, b in zip(experts, counts, (0, 1, 7, 14, 26))])
@@ -177,15 +177,16 @@ def test_grouped_kernel_matches_float64(fmt, dtype, K, monkeypatch):
     assert got.dtype == dtype and ((got.double() - want).abs() <= tol * (want.abs() + 1)).all()
     if dtype == torch.float32:
         assert (got - ref).abs().max() < 1e-4
-    else:  # the 70-token segment (prefill, brgemm) multiplies the weight rounded once to bf16: the bf16 twin's
+    else:  # the 300-token segment (prefill, brgemm) multiplies the weight rounded once to bf16: the bf16 twin's
         xs, wt = x[26:].double(), st.dequantize_expert(1).bfloat16().double()
         twin = xs @ wt.t()
         bound = 2 * K * 2.0 ** -24 * (xs.abs() @ wt.abs().t()) + 2.0 ** -8 * twin.abs()
         assert ((got[26:].double() - twin).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("layout", ["tiles", "rows"])
 @pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
-def test_prefill_dequantization_exact_at_scale_edges(fmt):
+def test_prefill_dequantization_exact_at_scale_edges(fmt, layout, monkeypatch):
     """The prefill path's bf16 weights, read back one at a time: x one-hot at k gives y[:, r] = W[r, k] exactly
     (one product 1 * w, the rest 0 * w), so y must equal the dequantized weight rounded once to bf16, bit for bit.
     MXFP4 scales 2 and 252 are the ends of the exponent-add path; a scale of 1 in one 16-row group (subnormal values
@@ -193,6 +194,8 @@ def test_prefill_dequantization_exact_at_scale_edges(fmt):
     read back too."""
     if not cpu_ops.packed_experts_applies():
         pytest.skip("kernels without AVX512-BF16: no prefill kernel here")
+    if layout == "rows":
+        monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "rows")
     g = torch.Generator().manual_seed(5)
     n, K = 42, 160  # rows 0-15 / 16-31 (one 32-row block), 32-41 (a partial block); 128 + 32 values per row
     st = _stack(fmt, 2, n, K, g)
@@ -203,11 +206,12 @@ def test_prefill_dequantization_exact_at_scale_edges(fmt):
         st.scale[0, 20, 4] = st.scale[1, 37, 4] = 1  # float32 path for rows 16-31 of expert 0 and 32-41 of expert 1
         read = 128  # values past 128 in those rows are subnormal: not read back (dot products may flush them)
     st.prepare()
-    counts = [read, 20]  # both segments take the prefill path (> 12 tokens)
-    cols = torch.cat([torch.arange(read), torch.randint(0, read, (20,), generator=g)])
+    assert st.cpu_tiles == (layout == "tiles")
+    counts = [3 * read, 300]  # both segments take the prefill path (more than 256 tokens)
+    cols = torch.cat([torch.arange(read).repeat(3), torch.randint(0, read, (300,), generator=g)])
     x = torch.nn.functional.one_hot(cols, K).to(torch.bfloat16)
     y = st.grouped_linear(x, [0, 1], counts)
-    for e, rows in ((0, slice(0, read)), (1, slice(read, read + 20))):
+    for e, rows in ((0, slice(0, 3 * read)), (1, slice(3 * read, 3 * read + 300))):
         twin = st.dequantize_expert(e).bfloat16()  # [n, K]: W rounded once to bf16
         want = twin[:, cols[rows]].t()
         assert torch.equal(y[rows], want), f"expert {e}: {(y[rows].float() - want.float()).abs().max()}"
@@ -215,8 +219,8 @@ def test_prefill_dequantization_exact_at_scale_edges(fmt):
 
 def test_mxfp4_scale_bytes_0_and_255():
     """E8M0 0 is 2^-127 (a float32 subnormal) and 255 is NaN: on the decode path (1 and 5 tokens) a row with scale 0
-    gives the exact tiny sums, and a row with one NaN scale gives NaN on every path (decode, and 20 tokens through
-    the prefill conversion)."""
+    gives the exact tiny sums, and a row with one NaN scale gives NaN on every path (decode, 20 float32 tokens
+    through the float32 prefill conversion, 300 bf16 tokens through the bf16 one)."""
     if not cpu_ops.packed_experts_applies():
         pytest.skip("kernels without AVX512-BF16: no kernel here")
     g = torch.Generator().manual_seed(9)
@@ -226,8 +230,8 @@ def test_mxfp4_scale_bytes_0_and_255():
     st.scale[0, 7, 1] = 255
     st.prepare()
     w = st.dequantize_expert(0).double()  # row 3: codes * 2^-127, exactly; row 7: NaN in its second group
-    for T in (1, 5, 20):
-        x = torch.randn(T, K, generator=g).to(torch.float32)
+    for T, dtype in ((1, torch.float32), (5, torch.float32), (20, torch.float32), (300, torch.bfloat16)):
+        x = torch.randn(T, K, generator=g).to(dtype)
         y = st.grouped_linear(x, [0], [T])
         assert torch.isnan(y[:, 7]).all() and not torch.isnan(y[:, :7]).any()
         if T < 20:  # the register path multiplies exact values: float32 sums of ~K terms, then one rounding
@@ -235,6 +239,50 @@ def test_mxfp4_scale_bytes_0_and_255():
             assert ((y[:, 3].double() - want).abs() <= 2 * K * 2.0 ** -24 * (x.double().abs() @ w[3].abs())
                     + 2.0 ** -149).all()
             assert (y[:, 3] != 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["int4", "mxfp4"])
+def test_cpu_tile_layout(fmt, monkeypatch):
+    """prepare() re-lays whole 16-row tiles in place (rows past them stay): the documented layout (word 2j + e of
+    block L of group g holds, in nibble s, row j's code at k = 32 g + 2 (4L + s) + e; scales group-major), read back
+    exactly by dequantize_rows over ranges across tile edges; and the tiled kernel agrees with the checkpoint-layout
+    kernel (TOKENFAB_PACKED_EXPERTS=rows) within float32 rounding, 1 to 20 tokens per expert."""
+    if not cpu_ops.packed_experts_applies():
+        pytest.skip("kernels without AVX512-BF16: no CPU tile layout")
+    g = torch.Generator().manual_seed(11)
+    n, K = 40, 96  # two tiles and 8 rows past them
+    st, rows = _stack(fmt, 2, n, K, g), _stack(fmt, 2, n, K, torch.Generator().manual_seed(11))
+    before = [st.dequantize_expert(e) for e in range(2)]
+    codes = st.packed.view(torch.uint8).clone()  # checkpoint layout: byte b = codes 2b (low) and 2b + 1 (high)
+    scale_before = st.scale.clone()
+    st.prepare()
+    assert st.cpu_tiles and st.kernel_id == st.kernel_format + 16
+    tiled = st.packed.view(torch.uint8)
+    for e, t, gi, L, j, half, s in [(0, 0, 0, 0, 0, 0, 0), (1, 1, 2, 3, 15, 1, 3), (0, 1, 1, 2, 7, 0, 1)]:
+        k = 32 * gi + 2 * (4 * L + s) + half
+        r = 16 * t + j
+        want = (int(codes[e, r, k // 2]) >> (4 * (k % 2))) & 15
+        off = 16 * t * (K // 2) + gi * 256 + 64 * L + 2 * (2 * j + half)
+        word = int(tiled[e].reshape(-1)[off]) | (int(tiled[e].reshape(-1)[off + 1]) << 8)
+        assert (word >> (4 * s)) & 15 == want
+        assert torch.equal(st.scale[e].reshape(-1)[16 * t * (K // 32) + 16 * gi + j], scale_before[e, r, gi])
+    assert torch.equal(st.packed.view(torch.uint8)[:, 32:], codes[:, 32:])  # rows past the tiles: untouched
+    for e in range(2):
+        for a, b in [(0, 40), (3, 17), (16, 32), (30, 40), (33, 38), (5, 6)]:
+            assert torch.equal(st.dequantize_rows(e, a, b), before[e][a:b]), (e, a, b)
+    monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "rows")
+    rows.prepare()
+    assert rows._kernel and not rows.cpu_tiles
+    for counts in ([1, 3], [5, 12], [20, 9], [70, 2]):
+        x = torch.randn(sum(counts), K, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = st.grouped_linear(x.to(dtype), [1, 0], counts), rows.grouped_linear(x.to(dtype), [1, 0], counts)
+            w = torch.cat([before[1].double()] * counts[0] + [before[0].double()] * counts[1]).view(-1, n, K)
+            bound = 2 * K * 2.0 ** -24 * torch.einsum("tk,tnk->tn", x.double().abs(), w.abs())
+            if dtype == torch.bfloat16:  # one rounding of each output, and brgemm's weights rounded to bf16
+                bound = bound + 2.0 ** -8 * (a.double().abs() + b.double().abs()) \
+                    + 2.0 ** -8 * torch.einsum("tk,tnk->tn", x.double().abs(), w.abs())
+            assert ((a.double() - b.double()).abs() <= 2 * bound + 1e-30).all(), (counts, dtype)
 
 
 # ---- tiny DeepSeek-V3 with INT4 routed experts in the published layout ------------------------------------------

@@ -239,7 +239,7 @@ def _add_mlp(stack, mlp: nn.Module) -> bool:
         # routed experts kept packed on their C++ kernel (e.g. FP8 block-scaled): RoutedExperts.packed_forward's ops
         q13, q2 = experts.q13, experts.q2
         stack.set_moe_packed(gate.weight, gate.e_score_correction_bias, gate.n_group, gate.topk_group, gate.top_k,
-                             bool(gate.norm_topk_prob), float(gate.scaling), int(q13.kernel_format), q13.packed,
+                             bool(gate.norm_topk_prob), float(gate.scaling), int(q13.kernel_id), q13.packed,
                              q13.scale, int(getattr(q13, "part_rows", q13.out_features)), q2.packed, q2.scale,
                              int(getattr(q2, "part_rows", q2.out_features)), experts.start, experts.num_experts)
         return mlp.shared_experts is None or (type(mlp.shared_experts) is GatedMLP

@@ -260,11 +260,12 @@ class RoutedExperts(nn.Module):
         weight rounded to the output dtype and summed with index_add (float32 output when ``accumulate_fp32``,
         else x's dtype). x [T, hidden]; weights, ids [T, k] -> [T, hidden]. On CUDA/ROCm the whole sum is one
         Triton launch per projection with the weights decoded in registers (kernels/gpu/packed_moe.py), ``plus``
-        [T, hidden] added in its k-sum (elsewhere after the sum)."""
-        out = dispatch.routed_experts_packed(x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale,
-                                             self.q2.packed, self.q2.scale, self.act, self.start,
-                                             torch.float32 if self.accumulate_fp32 else None, plus,
-                                             (self.q13.gpu_layout, self.q2.gpu_layout))
+        [T, hidden] added in its k-sum (elsewhere after the sum); stacks in the CPU tile layout
+        (PackedExperts.cpu_tiles) always take their grouped linears."""
+        out = None if self.q13.cpu_tiles or self.q2.cpu_tiles else dispatch.routed_experts_packed(
+            x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed, self.q2.scale,
+            self.act, self.start, torch.float32 if self.accumulate_fp32 else None, plus,
+            (self.q13.gpu_layout, self.q2.gpu_layout))  # CPU tile layout: the stacks' own C++ kernel
         if out is not None:
             return out
         if plus is not None:

@@ -36,6 +36,7 @@ class Int4GroupExperts(PackedExperts):
 
     format_name = "int4_group"
     kernel_format = 0  # kExpertsInt4Group in kernels/cpu/csrc/packed_experts.h
+    tile_layout = True
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, scale_dtype=torch.bfloat16):
         super().__init__(num_experts, out_features, in_features)

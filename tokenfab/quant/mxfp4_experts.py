@@ -18,6 +18,7 @@ class Mxfp4Experts(PackedExperts):
 
     format_name = "mxfp4"
     kernel_format = 1  # kExpertsMxfp4 in kernels/cpu/csrc/packed_experts.h
+    tile_layout = True
 
     def __init__(self, num_experts: int, out_features: int, in_features: int):
         super().__init__(num_experts, out_features, in_features)

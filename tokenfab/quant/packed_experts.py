@@ -48,6 +48,16 @@ def kernel_disabled() -> bool:
     return os.environ.get("TOKENFAB_PACKED_EXPERTS", "").lower() == "torch"
 
 
+def tiles_disabled() -> bool:
+    """``TOKENFAB_PACKED_EXPERTS=rows`` keeps INT4 / MXFP4 stacks in their checkpoint layout on the CPU kernel path
+    (its row kernels; A/B runs and tests) instead of the tile layout :meth:`PackedExperts.prepare` makes."""
+    return os.environ.get("TOKENFAB_PACKED_EXPERTS", "").lower() == "rows"
+
+
+TILE_ROWS = 16  # rows per tile of the CPU tile layout (kernels/cpu/csrc/packed_expert_tiles.h)
+TILED = 16  # kExpertsTiles: added to the kernel format id while a stack is in the tile layout
+
+
 class PackedExperts(nn.Module):
     """E expert weights W_e [out_features, in_features] in one packed format.
 
@@ -59,6 +69,8 @@ class PackedExperts(nn.Module):
     format_name = "?"
     kernel_format: int | None = None
     gpu_layout = False  # True once prepare() re-laid the buffers for the GPU kernels (formats that do: INT4)
+    cpu_tiles = False  # True once prepare() re-laid whole 16-row tiles for the CPU kernel (:meth:`prepare`)
+    tile_layout = False  # formats whose CPU kernel reads the tile layout (INT4, MXFP4)
     checkpoint_parts = ("weight_packed", "weight_scale")  # tensors each expert Linear must provide (the loader)
 
     def __init__(self, num_experts: int, out_features: int, in_features: int):
@@ -138,8 +150,16 @@ class PackedExperts(nn.Module):
         raise NotImplementedError
 
     def dequantize_rows(self, e: int, start: int, end: int) -> torch.Tensor:
-        """Rows [start, end) of expert ``e`` (local index) as float32 [end - start, in_features]."""
-        return self.dequantize_packed(self.packed[e, start:end], self.scale[e, start:end])
+        """Rows [start, end) of expert ``e`` (local index) as float32 [end - start, in_features]; rows in tiles
+        (:attr:`cpu_tiles`) are read back from a copy of their tiles returned to the checkpoint layout."""
+        n16 = self.out_features // TILE_ROWS * TILE_ROWS
+        if not self.cpu_tiles or start >= n16:
+            return self.dequantize_packed(self.packed[e, start:end], self.scale[e, start:end])
+        a0 = start // TILE_ROWS * TILE_ROWS
+        b0 = max(end, min(n16, -(-end // TILE_ROWS) * TILE_ROWS))  # whole tiles, then any rows past the last one
+        p, s = self.packed[e:e + 1, a0:b0].clone(), self.scale[e:e + 1, a0:b0].clone()
+        cpu_ops.packed_experts_relayout(self.kernel_format, p, s, False)
+        return self.dequantize_packed(p[0, start - a0:end - a0], s[0, start - a0:end - a0])
 
     def dequantize_expert(self, e: int) -> torch.Tensor:
         """All of W_e as float32 [out_features, in_features] (tests and references; one expert's full copy)."""
@@ -147,9 +167,26 @@ class PackedExperts(nn.Module):
 
     def prepare(self) -> None:
         """Use the C++ kernel when it runs here (CPU buffers, built kernels with AVX512-BF16, not disabled by
-        ``TOKENFAB_PACKED_EXPERTS=torch``); called once after loading."""
+        ``TOKENFAB_PACKED_EXPERTS=torch``); called once after loading. For that kernel INT4 / MXFP4 stacks are then
+        re-laid once, in place, into the CPU tile layout (every whole 16 rows of an expert; the rows past them stay
+        as they are; kernels/cpu/csrc/packed_expert_tiles.h), unless ``TOKENFAB_PACKED_EXPERTS=rows``: about twice
+        the streaming rate at one token per expert (benchmarks/NOTES.md 69). :meth:`dequantize_rows` reads either
+        layout."""
         self._kernel = (self.kernel_format is not None and self.packed.device.type == "cpu" and not kernel_disabled()
                         and cpu_ops.packed_experts_applies())
+        if (self._kernel and self.tile_layout and not self.cpu_tiles and not tiles_disabled()
+                and self.out_features >= TILE_ROWS and not self.gpu_layout):
+            from tokenfab.kernels.gpu import support as gpu_support
+            if not gpu_support.applies(self.packed):  # Triton's packed MoE (tests: interpreted) reads other layouts
+                cpu_ops.packed_experts_relayout(self.kernel_format, self.packed, self.scale, True)
+                self.cpu_tiles = True
+
+    @property
+    def kernel_id(self) -> int | None:
+        """The C++ kernel's format argument: :attr:`kernel_format`, plus :data:`TILED` while in the tile layout."""
+        if self.kernel_format is None:
+            return None
+        return self.kernel_format + (TILED if self.cpu_tiles else 0)
 
     def grouped_linear(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """Rows of ``x`` grouped by expert times their expert's W^T.
@@ -173,7 +210,7 @@ class PackedExperts(nn.Module):
     def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The C++ grouped linear (:meth:`grouped_linear` when ``_kernel``): experts int64 [A] local ids, offsets
         int64 [A + 1] row offsets into x."""
-        return cpu_ops.packed_experts_linear(x, self.kernel_format, self.packed, self.scale, experts, offsets)
+        return cpu_ops.packed_experts_linear(x, self.kernel_id, self.packed, self.scale, experts, offsets)
 
     def reference_grouped_linear(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """The PyTorch path of :meth:`grouped_linear`: per expert, float32 ``F.linear`` over 1024 dequantized rows

@@ -457,7 +457,8 @@ def packed_experts_linear(x: torch.Tensor, fmt: int, packed: torch.Tensor, scale
 
     Args:
         x: [N, K] bf16 or float32, rows sorted by expert. fmt: 0 = INT4 group-32 (packed int32 [E, n, K / 8],
-            scale bf16 / fp16 [E, n, K / 32]), 1 = MXFP4 (packed uint8 [E, n, K / 2], scale uint8 E8M0).
+            scale bf16 / fp16 [E, n, K / 32]), 1 = MXFP4 (packed uint8 [E, n, K / 2], scale uint8 E8M0); plus 16
+            when the stack's whole 16-row tiles are in the CPU tile layout (:func:`packed_experts_relayout`).
         experts: int64 [A] local expert ids; offsets: int64 [A + 1], rows offsets[a]:offsets[a+1] use experts[a].
 
     Returns:
@@ -469,6 +470,19 @@ def packed_experts_linear(x: torch.Tensor, fmt: int, packed: torch.Tensor, scale
             :func:`packed_experts_applies` first).
     """
     return load().packed_experts_linear(x, int(fmt), packed, scale, experts, offsets)
+
+
+def packed_experts_relayout(fmt: int, packed: torch.Tensor, scale: torch.Tensor, to_tiles: bool) -> None:
+    """In place: every whole 16 rows of every expert of an INT4 / MXFP4 stack (``fmt`` 0 / 1, buffers as in
+    :func:`packed_experts_linear`, contiguous, on the CPU) into the CPU tile layout (``to_tiles``; per tile and
+    32-value group, 16-bit words each holding four rows' codes as vdpbf16ps operands, and the scales group-major:
+    kernels/cpu/csrc/packed_expert_tiles.h), or back to the checkpoint layout (exact). Rows past the last whole 16
+    are left as they are.
+
+    Raises:
+        RuntimeError: buffers that are not such a stack.
+    """
+    load().packed_experts_relayout(int(fmt), packed, scale, bool(to_tiles))
 
 
 class batch_invariant:

@@ -13,17 +13,22 @@
 // are float32 sums (the reference dequantizes to float32 and runs a float32 matmul: the same real number).
 // float32 x is split into three bf16 parts (x = h + m + l to 2^-24 relative), each multiplied exactly.
 //
-// Prefill (a segment of more than 12 tokens): the item's 32 rows are dequantized once into a thread-local buffer for
-// oneDNN's brgemm over 64-token tiles (the bf16 GEMM's micro-kernel), never a copy larger than 32 rows: float32
-// values for float32 x; for bf16 x the values rounded once to bf16 (MXFP4 values are bf16 values already; INT4's
-// (q - 8) s is rounded as the dequantized bf16 twin holds it).
+// CPU tile layout (packed_expert_tiles.h): prepare() re-lays every whole 16 rows of a stack so that a 64-byte load,
+// a shift and a vpermw give an operand of 16 rows, multiplied by x's broadcast pair; those rows take the tile
+// kernels there (register path and prefill conversion), the rows past them the checkpoint-layout kernels below.
+// Prefill (a segment of more than 12 tokens; bf16 x on tiles without AMX: 256): the item's 32 rows are dequantized
+// once into a thread-local buffer for oneDNN's brgemm over 64-token tiles (the bf16 GEMM's micro-kernel), never a
+// copy larger than 32 rows: float32 values for float32 x; for bf16 x the values rounded once to bf16 (MXFP4 values
+// are bf16 values already; INT4's (q - 8) s is rounded as the dequantized bf16 twin holds it).
 // Work: (segment, block of 32 output rows) items over all segments in one parallel region; per block the scales are
 // decoded once, then tiles of up to 4 tokens reuse each unpacked chunk and groups of 4 (1-2 tokens) or 2 rows share
 // each x chunk load (decode: 1-12 tokens per expert).
 #include "packed_experts.h"
 
 #include "cpu_common.h"
+#include "amx_tiles.h"
 #include "linear_io.h"
+#include "packed_expert_tiles.h"
 #include "vnni_transpose.h"
 
 #include <ATen/Parallel.h>
@@ -48,6 +53,10 @@ constexpr int kTokTile = 4;        // tokens per register tile
 // conversion the register path took 0.85-0.93x brgemm's time at 12 tokens; at 16 brgemm took 0.93-1.02x the
 // register path's, at 24-32 0.8-0.9x.
 constexpr int64_t kGemmMinTokens = 12;
+// The same for bf16 x on a stack in the tile layout without AMX: its register path (packed_expert_tiles.h) measured
+// 0.8-0.86x brgemm's time at 16 tokens, 0.85-0.9x at 24-48, 0.9-0.96x at 128-256 and even at 1024 (2 threads,
+// thresholds alternated twice). With AMX, brgemm's tiles are expected to win early: the threshold above (unmeasured).
+constexpr int64_t kTileGemmMinTokens = 256;
 constexpr int64_t kGemmTileM = 64;      // tokens per brgemm call
 
 #if defined(__AVX512BF16__)
@@ -166,15 +175,15 @@ void block_rows(const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sl
   }
 }
 
-// Prefill: rows [0, nr) (nr <= 32) of a row block dequantized into wf [K][32] float32 (row j in column j, zero
-// columns past nr), the values the reference computes (code value * scale, exact in float32).
+// Prefill: rows [j_begin, nr) (nr <= 32) of a row block dequantized into wf [K][32] float32 (row j in column j,
+// zero columns past nr), the values the reference computes (code value * scale, exact in float32).
 void dequant_block(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
-                   int64_t K, float* wf) {
+                   int64_t K, float* wf, int64_t j_begin) {
   static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                  -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
   float lut[16];
   for (int i = 0; i < 16; ++i) lut[i] = fmt == kExpertsInt4Group ? static_cast<float>(i - 8) : e2m1[i];
-  for (int64_t j = 0; j < kRowBlock; ++j) {
+  for (int64_t j = j_begin; j < kRowBlock; ++j) {
     if (j >= nr) {
       for (int64_t k = 0; k < K; ++k) wf[k * kRowBlock + j] = 0.f;
       continue;
@@ -214,9 +223,10 @@ bool pow2_scales_normal(const float* sc, int64_t sld, int64_t nr, int64_t ng) {
 // its two words (low nibble in the even one, high nibble in the odd one: vpermw reads index bits 0-4 of a table
 // that repeats), looked up, and the scale's exponent added to the nonzero words. Otherwise (INT4, or MXFP4 with
 // extreme scales) in float32: the nibbles' values times the scales, both halves rounded by one vcvtne2ps2bf16 and
-// interleaved by one vpermw. st: scratch of 16 (K / 32) floats (the 16 rows' scales, group-major).
+// interleaved by one vpermw. st: scratch of 16 (K / 32) floats (the 16 rows' scales, group-major). Rows before
+// j_begin (0 or 16: a tile wrote them) are left alone.
 void dequant_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
-                  int64_t K, uint16_t* out, float* st) {
+                  int64_t K, uint16_t* out, float* st, int64_t j_begin) {
   static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                                  -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
   alignas(64) float lut[16];
@@ -229,7 +239,7 @@ void dequant_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float*
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   auto* words = reinterpret_cast<int32_t*>(out);
   const int64_t ng = K / kGroup;
-  for (int64_t j0 = 0; j0 < kRowBlock; j0 += 16) {
+  for (int64_t j0 = j_begin; j0 < kRowBlock; j0 += 16) {
     const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(16, nr - j0));
     const bool bits = fmt == kExpertsMxfp4 && pow2_scales_normal(sc + j0 * sld, sld, nv, ng);
     for (int64_t g = 0; g < ng; ++g)
@@ -309,6 +319,8 @@ std::vector<uint16_t> rearrange(const T* x, int64_t N, int64_t K, int64_t Kp) {
 at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Tensor& packed, const at::Tensor& scale,
                                  const at::Tensor& experts, const at::Tensor& offsets) {
 #if defined(__AVX512BF16__)
+  const bool tiled = fmt >= kExpertsTiles;  // whole 16-row tiles in the CPU tile layout (packed_expert_tiles.h)
+  if (tiled) fmt -= kExpertsTiles;
   TORCH_CHECK(fmt == kExpertsInt4Group || fmt == kExpertsMxfp4, "packed_experts_linear: unknown format ", fmt);
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "packed_experts_linear: x [N, K] bf16 or float32 expected");
@@ -335,11 +347,23 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
   const bool f32 = x.scalar_type() == at::kFloat;
   const auto xc = x.contiguous();
   const int64_t Kp = (K + kChunk - 1) / kChunk * kChunk, ng = K / kGroup;
+  const int64_t n16 = tiled ? n / tokenfab_tiles::kTileRows * tokenfab_tiles::kTileRows : 0;  // rows in tiles
+#if defined(TOKENFAB_AMX)
+  const bool amx = tokenfab_cpu::amx_ready();
+#else
+  const bool amx = false;
+#endif
+  const int64_t gemm_min = tiled && !f32 && !amx ? kTileGemmMinTokens : kGemmMinTokens;  // more tokens: brgemm
   bool gemv = false;  // x is rearranged only for segments on the register path (prefill reads x as it is)
-  for (int64_t a = 0; a < A; ++a) gemv |= op[a + 1] > op[a] && op[a + 1] - op[a] <= kGemmMinTokens;
-  const std::vector<uint16_t> xp = !gemv ? std::vector<uint16_t>()
+  for (int64_t a = 0; a < A; ++a) gemv |= op[a + 1] > op[a] && op[a + 1] - op[a] <= gemm_min;
+  const bool row_gemv = gemv && n16 < n, tile_gemv = gemv && n16 > 0;
+  const std::vector<uint16_t> xp = !row_gemv ? std::vector<uint16_t>()
                                    : f32 ? rearrange<float, 3>(xc.data_ptr<float>(), N, K, Kp)
                                          : rearrange<c10::BFloat16, 1>(xc.data_ptr<c10::BFloat16>(), N, K, Kp);
+  // the tiles' register path reads x in its natural order: bf16 as it is, float32 as three bf16 parts [N][3][K]
+  const at::Tensor xn_t = tile_gemv ? tokenfab_cpu::bf16_parts(xc) : at::Tensor();
+  const auto* xn = tile_gemv ? reinterpret_cast<const uint16_t*>(xn_t.data_ptr()) : nullptr;
+  const int64_t es = scale.element_size();
   auto y = at::empty({N, n}, x.options());
   const auto* wbase = static_cast<const uint8_t*>(packed.data_ptr());
   const auto* sbase = static_cast<const uint8_t*>(scale.data_ptr());
@@ -360,18 +384,29 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
       const int64_t t0 = op[a], t1 = op[a + 1];
       if (t1 == t0) continue;
       const int64_t rows = r1 - r0;
-      for (int64_t r = r0; r < r1; ++r)
+      // rows [r0, rt) lie in whole tiles (0, 16 or 32 of them), [rt, r1) in the checkpoint layout
+      const int64_t rt = std::max(r0, std::min(r1, n16)), jt = rt - r0;
+      for (int64_t r = rt; r < r1; ++r)
         row_scales(fmt, scale_kind, sbase + (ep[a] * n + r) * srow_bytes, ng, sc.data() + (r - r0) * sld);
       const uint8_t* w = wbase + ep[a] * n * row_bytes;
-      if (t1 - t0 > kGemmMinTokens) {  // prefill: this row block dequantized once, brgemm over 64-token tiles
+      auto tile_codes = [&](int64_t j) { return w + (r0 + j) * row_bytes; };
+      auto tile_scales = [&](int64_t j) { return sbase + (ep[a] * n + r0 + j) * srow_bytes; };
+      const bool mx = fmt == kExpertsMxfp4;
+      if (t1 - t0 > gemm_min) {  // prefill: this row block dequantized once, brgemm over 64-token tiles
         cbuf.resize(static_cast<size_t>(kGemmTileM * kRowBlock));
         if (f32) {
           wf.resize(static_cast<size_t>(K * kRowBlock));
-          dequant_block(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wf.data());
+          for (int64_t j = 0; j < jt; j += tokenfab_tiles::kTileRows)
+            tokenfab_tiles::tile_dequant<true>(tile_codes(j), tile_scales(j), mx, scale_kind, es, ng, table, wf.data(), j);
+          if (jt < kRowBlock)
+            dequant_block(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wf.data(), jt);
         } else {
           wb.resize(static_cast<size_t>(K * kRowBlock));
           st.resize(static_cast<size_t>(16 * ng));
-          dequant_vnni(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wb.data(), st.data());
+          for (int64_t j = 0; j < jt; j += tokenfab_tiles::kTileRows)
+            tokenfab_tiles::tile_dequant<false>(tile_codes(j), tile_scales(j), mx, scale_kind, es, ng, table, wb.data(), j);
+          if (jt < kRowBlock)
+            dequant_vnni(fmt, w + r0 * row_bytes, row_bytes, sc.data(), sld, rows, K, wb.data(), st.data(), jt);
         }
         used_brgemm = true;
         for (int64_t m0 = t0; m0 < t1; m0 += kGemmTileM) {
@@ -393,10 +428,21 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
         continue;
       }
       tmp.resize(static_cast<size_t>((t1 - t0) * rows));
-      if (f32)
-        block_rows<3>(w, row_bytes, sc.data(), sld, r0, r1, K, xp.data(), Kp, t0, t1, table, tmp.data(), rows);
-      else
-        block_rows<1>(w, row_bytes, sc.data(), sld, r0, r1, K, xp.data(), Kp, t0, t1, table, tmp.data(), rows);
+      for (int64_t j = 0; j < jt; j += tokenfab_tiles::kTileRows) {
+        if (f32)
+          tokenfab_tiles::tile_rows<3>(tile_codes(j), tile_scales(j), mx, scale_kind, es, ng, xn, K, t0, t1, table,
+                                       tmp.data() + j, rows);
+        else
+          tokenfab_tiles::tile_rows<1>(tile_codes(j), tile_scales(j), mx, scale_kind, es, ng, xn, K, t0, t1, table,
+                                       tmp.data() + j, rows);
+      }
+      if (rt < r1) {
+        const float* sct = sc.data() + jt * sld;
+        if (f32)
+          block_rows<3>(w, row_bytes, sct, sld, rt, r1, K, xp.data(), Kp, t0, t1, table, tmp.data() + jt, rows);
+        else
+          block_rows<1>(w, row_bytes, sct, sld, rt, r1, K, xp.data(), Kp, t0, t1, table, tmp.data() + jt, rows);
+      }
       for (int64_t t = t0; t < t1; ++t) {
         const float* src = tmp.data() + (t - t0) * rows;
         if (f32) std::memcpy(yf + t * n + r0, src, rows * sizeof(float));
@@ -412,7 +458,31 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
 #endif
 }
 
+void packed_experts_relayout(int64_t fmt, at::Tensor& packed, at::Tensor& scale, bool to_tiles) {
+  TORCH_CHECK(fmt == kExpertsInt4Group || fmt == kExpertsMxfp4, "packed_experts_relayout: unknown format ", fmt);
+  TORCH_CHECK(packed.dim() == 3 && scale.dim() == 3 && packed.is_contiguous() && scale.is_contiguous() &&
+                  packed.device().is_cpu() && scale.size(0) == packed.size(0) && scale.size(1) == packed.size(1),
+              "packed_experts_relayout: contiguous CPU packed [E, n, .] and scale [E, n, K / 32] expected");
+  const int64_t E = packed.size(0), n = packed.size(1), row_bytes = packed.size(2) * packed.element_size();
+  const int64_t ng = scale.size(2), es = scale.element_size();
+  TORCH_CHECK(row_bytes == ng * 16, "packed_experts_relayout: packed rows of ", row_bytes, " bytes do not hold ", ng,
+              " groups of 32 4-bit codes");
+  const int64_t tiles = n / tokenfab_tiles::kTileRows;
+  auto* w = static_cast<uint8_t*>(packed.data_ptr());
+  auto* s = static_cast<uint8_t*>(scale.data_ptr());
+  at::parallel_for(0, E * tiles, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint8_t> tmp;
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t r = (i / tiles) * n + (i % tiles) * tokenfab_tiles::kTileRows;  // first row of the tile
+      tokenfab_tiles::relayout_tile(w + r * row_bytes, row_bytes, s + r * ng * es, ng, es, to_tiles, tmp);
+    }
+  });
+}
+
 void register_packed_experts(pybind11::module_& m) {
+  m.def("packed_experts_relayout", &packed_experts_relayout,
+        "in place: a packed experts stack's whole 16-row tiles into the CPU tile layout, or back", py::arg("fmt"),
+        py::arg("packed"), py::arg("scale"), py::arg("to_tiles"));
   m.def("packed_experts_linear", &packed_experts_linear,
         "grouped x W_e^T over routed experts kept packed (int4 group / MXFP4; CPU, AVX512-BF16)", py::arg("x"),
         py::arg("fmt"), py::arg("packed"), py::arg("scale"), py::arg("experts"), py::arg("offsets"));

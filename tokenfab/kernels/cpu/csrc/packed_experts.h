@@ -5,6 +5,9 @@
 // Format ids (tokenfab/quant/packed_experts.py names them).
 constexpr int64_t kExpertsInt4Group = 0;  // compressed-tensors pack-quantized, 4-bit symmetric, group 32
 constexpr int64_t kExpertsMxfp4 = 1;      // compressed-tensors mxfp4-pack-quantized (E2M1 + E8M0 per 32)
+// Added to a format id: the stack's whole 16-row tiles are in the CPU tile layout (packed_expert_tiles.h), the rows
+// past them in the checkpoint layout.
+constexpr int64_t kExpertsTiles = 16;
 
 // y[offsets[a]:offsets[a+1]] = x[offsets[a]:offsets[a+1]] W_{experts[a]}^T for every segment a, W_e [n, K] of a
 // stack of E experts in format ``fmt``:
@@ -13,10 +16,15 @@ constexpr int64_t kExpertsMxfp4 = 1;      // compressed-tensors mxfp4-pack-quant
 //   mxfp4: packed uint8 [E, n, K / 2] (even k in the low nibble), scale uint8 [E, n, K / 32] (E8M0);
 //          W = E2M1(nibble) * 2^(scale - 127) (NaN for scale 255).
 // x [N, K] bf16 or float32 (rows contiguous), experts int64 [A] local ids, offsets int64 [A + 1] (offsets[0] = 0,
-// non-decreasing, offsets[A] = N). Returns y [N, n] in x's dtype: float32 accumulation of exact products (bf16 x as
-// is, float32 x split into three bf16 parts), one rounding per output. Needs AVX512-BF16 (raises otherwise).
+// non-decreasing, offsets[A] = N). fmt + kExpertsTiles: the stack as packed_experts_relayout left it. Returns
+// y [N, n] in x's dtype: float32 accumulation of exact products (bf16 x as is, float32 x split into three bf16
+// parts), one rounding per output. Needs AVX512-BF16 (raises otherwise).
 at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Tensor& packed, const at::Tensor& scale,
                                  const at::Tensor& experts, const at::Tensor& offsets);
 
-// Adds packed_experts_linear to the extension module.
+// In place: every whole 16-row tile of every expert of a stack (formats as above) into the CPU tile layout
+// (to_tiles) or back to the checkpoint layout (exact inverse).
+void packed_experts_relayout(int64_t fmt, at::Tensor& packed, at::Tensor& scale, bool to_tiles);
+
+// Adds packed_experts_linear and packed_experts_relayout to the extension module.
 void register_packed_experts(pybind11::module_& m);

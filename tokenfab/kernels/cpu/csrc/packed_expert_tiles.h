@@ -1,0 +1,190 @@
+// The CPU tile layout of packed routed experts (INT4 group-32, MXFP4) and the kernels that read it; included by
+// packed_experts.cpp only.
+//
+// At prepare() a CPU stack is re-laid once, in place, 16 rows at a time (rows past the last whole 16 stay in the
+// checkpoint layout and take the row kernels). Per tile of 16 rows (the 16 rows' bytes, reused) and per 32-value
+// group g, 256 bytes: four blocks L of 64 bytes whose 16-bit word 2j + e holds, in its nibble s (bits 4s..4s+3), row
+// j's code at k = 32 g + 2 (4L + s) + e; the tile's scales (the 16 rows' scale entries, reused) become [group][row].
+// One 64-byte load, a shift and a 32-entry vpermw table give a vdpbf16ps operand holding, in dword j, row j's value
+// pair (k, k + 1); multiplied by x's pair broadcast, it sums 16 rows in the 16 lanes: no horizontal reduction, the
+// bytes read as one sequential stream (GGUF's tile layout, gguf_linear.cpp). Measured against the checkpoint layout
+// in a standalone GEMV at 1 token: about 2x the streaming rate (benchmarks/NOTES.md 67, 69).
+// The prefill conversion reads the same operands: each is one row of brgemm's VNNI layout for 16 rows, no transpose.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace tokenfab_tiles {
+
+constexpr int64_t kTileRows = 16;
+constexpr int64_t kGroupBytes = 256;  // codes of one tile and group: 16 rows x 32 values x 4 bits
+
+inline int code_at(const uint8_t* row, int64_t k) { return (row[k / 2] >> (4 * (k & 1))) & 15; }
+
+// One tile in place: rows [16, row_bytes] (checkpoint layout) <-> the tile layout, and its scales
+// [16, ng] of es bytes <-> [ng, 16]. to_tiles false: the inverse (exact).
+inline void relayout_tile(uint8_t* codes, int64_t row_bytes, uint8_t* scales, int64_t ng, int64_t es, bool to_tiles,
+                          std::vector<uint8_t>& tmp) {
+  const int64_t bytes = kTileRows * row_bytes;
+  tmp.assign(codes, codes + bytes);
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int L = 0; L < 4; ++L)
+      for (int j = 0; j < kTileRows; ++j)
+        for (int e = 0; e < 2; ++e) {
+          uint8_t* word = (to_tiles ? codes : tmp.data()) + g * kGroupBytes + 64 * L + 2 * (2 * j + e);
+          for (int s = 0; s < 4; ++s) {
+            const int64_t k = 32 * g + 2 * (4 * L + s) + e;
+            if (to_tiles) {
+              const int c = code_at(tmp.data() + j * row_bytes, k);
+              uint16_t w;
+              std::memcpy(&w, word, 2);
+              w = static_cast<uint16_t>(s == 0 ? c : w | (c << (4 * s)));
+              std::memcpy(word, &w, 2);
+            } else {
+              uint16_t w;
+              std::memcpy(&w, word, 2);
+              const int c = (w >> (4 * s)) & 15;
+              uint8_t& b = codes[j * row_bytes + k / 2];
+              b = static_cast<uint8_t>((k & 1) ? (b & 0x0F) | (c << 4) : (b & 0xF0) | c);
+            }
+          }
+        }
+  }
+  std::vector<uint8_t> st(scales, scales + kTileRows * ng * es);
+  for (int64_t j = 0; j < kTileRows; ++j)
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t rowmajor = (j * ng + g) * es, tiled = (g * kTileRows + j) * es;
+      std::memcpy(scales + (to_tiles ? tiled : rowmajor), st.data() + (to_tiles ? rowmajor : tiled), es);
+    }
+}
+
+#if defined(__AVX512BF16__)
+
+// The 16 rows' scales of one group as float32 (E8M0: 2^(s - 127), s = 0 the subnormal 2^-127, s = 255 NaN; bf16;
+// fp16), the row kernels' row_scales values.
+inline __m512 scales16(bool mxfp4, int scale_kind, const uint8_t* p) {
+  if (mxfp4) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    __m512i bits = _mm512_slli_epi32(e, 23);
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
+    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
+    return _mm512_castsi512_ps(bits);
+  }
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return scale_kind == 0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
+}
+
+inline __m512i bcast_pair(const uint16_t* x) {
+  uint32_t p;
+  std::memcpy(&p, x, 4);
+  return _mm512_set1_epi32(static_cast<int>(p));
+}
+
+// TB tokens (S bf16 parts each, natural order: xt[t] + s * K) times one tile: acc[t] lane j += row j's sum.
+template <int S, int TB>
+inline void tile_pass(const uint8_t* codes, const uint8_t* scales, bool mxfp4, int scale_kind, int64_t es, int64_t ng,
+                      const uint16_t* const* xt, int64_t K, __m512i table, __m512* acc) {
+  constexpr int CH = TB == 1 ? 4 : TB == 2 ? 2 : 1;  // independent accumulator chains per token
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 c[TB][CH];
+    for (int t = 0; t < TB; ++t)
+      for (int h = 0; h < CH; ++h) c[t][h] = _mm512_setzero_ps();
+    const uint8_t* q = codes + g * kGroupBytes;
+#pragma GCC unroll 4
+    for (int L = 0; L < 4; ++L) {
+      const __m512i wd = _mm512_loadu_si512(q + 64 * L);
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s) {
+        const __m512bh op = (__m512bh)_mm512_permutexvar_epi16(s == 0 ? wd : _mm512_srli_epi16(wd, 4 * s), table);
+        const int64_t k = 32 * g + 2 * (4 * L + s);
+        for (int t = 0; t < TB; ++t)
+          for (int p = 0; p < S; ++p)
+            c[t][s % CH] = _mm512_dpbf16_ps(c[t][s % CH], op, (__m512bh)bcast_pair(xt[t] + p * K + k));
+      }
+    }
+    const __m512 sv = scales16(mxfp4, scale_kind, scales + g * kTileRows * es);
+    for (int t = 0; t < TB; ++t) {
+      __m512 sum = c[t][0];
+      for (int h = 1; h < CH; ++h) sum = _mm512_add_ps(sum, c[t][h]);
+      acc[t] = _mm512_fmadd_ps(sum, sv, acc[t]);
+    }
+  }
+}
+
+// Tokens [t0, t1) (x parts xn [N][S][K], natural order) times one tile: out[(t - t0) * ldo + j] for its 16 rows.
+template <int S>
+void tile_rows(const uint8_t* codes, const uint8_t* scales, bool mxfp4, int scale_kind, int64_t es, int64_t ng,
+               const uint16_t* xn, int64_t K, int64_t t0, int64_t t1, __m512i table, float* out, int64_t ldo) {
+  for (int64_t t = t0; t < t1; t += 4) {
+    const int nt = static_cast<int>(std::min<int64_t>(4, t1 - t));
+    const uint16_t* xt[4];
+    for (int i = 0; i < nt; ++i) xt[i] = xn + (t + i) * S * K;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    switch (nt) {
+      case 1: tile_pass<S, 1>(codes, scales, mxfp4, scale_kind, es, ng, xt, K, table, acc); break;
+      case 2: tile_pass<S, 2>(codes, scales, mxfp4, scale_kind, es, ng, xt, K, table, acc); break;
+      case 3: tile_pass<S, 3>(codes, scales, mxfp4, scale_kind, es, ng, xt, K, table, acc); break;
+      default: tile_pass<S, 4>(codes, scales, mxfp4, scale_kind, es, ng, xt, K, table, acc); break;
+    }
+    for (int i = 0; i < nt; ++i) _mm512_storeu_ps(out + (t - t0 + i) * ldo, acc[i]);
+  }
+}
+
+// Prefill: one tile's values into columns [c0, c0 + 16) of a brgemm buffer of 32 columns: bf16 VNNI pairs
+// (uint32 [K / 2][32], each value times its scale rounded once to bf16, as the dequantized bf16 twin holds it; MXFP4
+// with every scale of a group in 2^-125..2^125 by adding the exponent to the bf16 bits, exact) or, F32, float32
+// [K][32] (the exact values).
+template <bool F32>
+void tile_dequant(const uint8_t* codes, const uint8_t* scales, bool mxfp4, int scale_kind, int64_t es, int64_t ng,
+                  __m512i table, void* buf, int64_t c0) {
+  alignas(64) uint16_t inter[32];  // word 2r <- even value r, word 2r + 1 <- odd value r (lanes 16 + r)
+  for (int r = 0; r < 16; ++r) inter[2 * r] = static_cast<uint16_t>(r), inter[2 * r + 1] = static_cast<uint16_t>(16 + r);
+  const __m512i interleave = _mm512_load_si512(inter);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t g = 0; g < ng; ++g) {
+    const __m512 sv = scales16(mxfp4, scale_kind, scales + g * kTileRows * es);
+    const __m512i sbits = _mm512_castps_si512(sv);
+    const bool bits = !F32 && mxfp4 &&
+                      _mm512_cmplt_epu32_mask(sbits, _mm512_set1_epi32(2 << 23)) == 0 &&
+                      _mm512_cmpgt_epu32_mask(sbits, _mm512_set1_epi32(252 << 23)) == 0;
+    __m512i shift = _mm512_setzero_si512();
+    if (bits) {
+      const __m512i e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(sbits, 23), _mm512_set1_epi32(127)), 7);
+      shift = _mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(e, 16));
+    }
+    const uint8_t* q = codes + g * kGroupBytes;
+    for (int L = 0; L < 4; ++L) {
+      const __m512i wd = _mm512_loadu_si512(q + 64 * L);
+      for (int s = 0; s < 4; ++s) {
+        const __m512i op = _mm512_permutexvar_epi16(s == 0 ? wd : _mm512_srli_epi16(wd, 4 * s), table);
+        const int64_t p = 16 * g + 4 * L + s;  // the value pair (2p, 2p + 1) of every row
+        const __m512 fe = _mm512_castsi512_ps(_mm512_slli_epi32(op, 16));
+        const __m512 fo = _mm512_castsi512_ps(_mm512_and_si512(op, hi_mask));
+        if constexpr (F32) {
+          float* f = static_cast<float*>(buf);
+          _mm512_storeu_ps(f + (2 * p) * 32 + c0, _mm512_mul_ps(fe, sv));
+          _mm512_storeu_ps(f + (2 * p + 1) * 32 + c0, _mm512_mul_ps(fo, sv));
+        } else {
+          int32_t* dst = static_cast<int32_t*>(buf) + p * 32 + c0;
+          if (bits) {
+            _mm512_storeu_si512(dst, _mm512_mask_add_epi16(op, _mm512_test_epi16_mask(op, _mm512_set1_epi16(0x7FFF)),
+                                                           op, shift));
+          } else {
+            _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(
+                                         interleave, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(fo, sv),
+                                                                                  _mm512_mul_ps(fe, sv))));
+          }
+        }
+      }
+    }
+  }
+}
+
+#endif  // __AVX512BF16__
+
+}  // namespace tokenfab_tiles
