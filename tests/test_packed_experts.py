@@ -389,6 +389,14 @@ def test_deepseek_int4_matches_dequantized(deepseek_int4, path_kind, monkeypatch
     assert worst < 1e-4
 
 
+def test_packed_experts_setting_is_checked_at_engine_start(deepseek_int4, monkeypatch):
+    """A TOKENFAB_PACKED_EXPERTS typo is refused by name when the engine starts, before any weight is read."""
+    from tokenfab.errors import EngineConfigError
+    monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "tiles")
+    with pytest.raises(EngineConfigError, match="TOKENFAB_PACKED_EXPERTS='tiles' is not a setting.*torch.*rows"):
+        LLM(deepseek_int4[0], dtype="float32", device="cpu", progress=False)
+
+
 def test_planner_counts_packed_bytes_as_resident(deepseek_int4):
     from tokenfab.planner.memory_planner import estimate_weight_bytes
     q_dir, _ = deepseek_int4

@@ -131,6 +131,8 @@ class LLMEngine:
         cpu_isa.selected_level()
         from tokenfab.kernels.cpu import ops as cpu_ops
         cpu_ops.gguf_int8_setting()  # TOKENFAB_GGUF_INT8_ACT typos, before loading
+        from tokenfab.quant.packed_experts import check_setting
+        check_setting()  # TOKENFAB_PACKED_EXPERTS typos, before loading
         triton_support.check_env()
         if config.tensor_parallel_size != 1:
             from tokenfab.parallel.launcher import load_tensor_parallel

@@ -42,6 +42,21 @@ def expert_format(name: str) -> type[PackedExperts]:
     return getattr(importlib.import_module(mod), cls)
 
 
+def check_setting() -> None:
+    """Refuse a ``TOKENFAB_PACKED_EXPERTS`` value other than unset / empty, ``torch`` (:func:`kernel_disabled`) and
+    ``rows`` (:func:`tiles_disabled`), so a typo is not read as the default (called once when an engine starts).
+
+    Raises:
+        EngineConfigError: naming the variable and its values.
+    """
+    value = os.environ.get("TOKENFAB_PACKED_EXPERTS", "").strip().lower()
+    if value not in ("", "torch", "rows"):
+        from tokenfab.errors import EngineConfigError
+        raise EngineConfigError(f"TOKENFAB_PACKED_EXPERTS={value!r} is not a setting; leave it unset (the C++ kernels, "
+                                "INT4 / MXFP4 stacks in the CPU tile layout), or use torch (the PyTorch reference "
+                                "path) or rows (the kernels on the checkpoint layout).")
+
+
 def kernel_disabled() -> bool:
     """``TOKENFAB_PACKED_EXPERTS=torch`` forces the PyTorch reference path (tests use it to run the path a CPU
     without AVX512-BF16 takes)."""
