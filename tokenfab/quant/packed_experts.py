@@ -42,6 +42,10 @@ def expert_format(name: str) -> type[PackedExperts]:
     return getattr(importlib.import_module(mod), cls)
 
 
+def _setting() -> str:
+    return os.environ.get("TOKENFAB_PACKED_EXPERTS", "").strip().lower()
+
+
 def check_setting() -> None:
     """Refuse a ``TOKENFAB_PACKED_EXPERTS`` value other than unset / empty, ``torch`` (:func:`kernel_disabled`) and
     ``rows`` (:func:`tiles_disabled`), so a typo is not read as the default (called once when an engine starts).
@@ -49,7 +53,7 @@ def check_setting() -> None:
     Raises:
         EngineConfigError: naming the variable and its values.
     """
-    value = os.environ.get("TOKENFAB_PACKED_EXPERTS", "").strip().lower()
+    value = _setting()
     if value not in ("", "torch", "rows"):
         from tokenfab.errors import EngineConfigError
         raise EngineConfigError(f"TOKENFAB_PACKED_EXPERTS={value!r} is not a setting; leave it unset (the C++ kernels, "
@@ -60,13 +64,13 @@ def check_setting() -> None:
 def kernel_disabled() -> bool:
     """``TOKENFAB_PACKED_EXPERTS=torch`` forces the PyTorch reference path (tests use it to run the path a CPU
     without AVX512-BF16 takes)."""
-    return os.environ.get("TOKENFAB_PACKED_EXPERTS", "").lower() == "torch"
+    return _setting() == "torch"
 
 
 def tiles_disabled() -> bool:
     """``TOKENFAB_PACKED_EXPERTS=rows`` keeps INT4 / MXFP4 stacks in their checkpoint layout on the CPU kernel path
     (its row kernels; A/B runs and tests) instead of the tile layout :meth:`PackedExperts.prepare` makes."""
-    return os.environ.get("TOKENFAB_PACKED_EXPERTS", "").lower() == "rows"
+    return _setting() == "rows"
 
 
 TILE_ROWS = 16  # rows per tile of the CPU tile layout (kernels/cpu/csrc/packed_expert_tiles.h)

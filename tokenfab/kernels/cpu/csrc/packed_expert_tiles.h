@@ -19,6 +19,9 @@
 #include <cstring>
 #include <vector>
 
+#include "gguf_tiles.h"  // bcast_pair: the tile layout is GGUF's (gguf_linear.cpp)
+#include "packed_expert_values.h"
+
 namespace tokenfab_tiles {
 
 constexpr int64_t kTileRows = 16;
@@ -55,35 +58,19 @@ inline void relayout_tile(uint8_t* codes, int64_t row_bytes, uint8_t* scales, in
           }
         }
   }
-  std::vector<uint8_t> st(scales, scales + kTileRows * ng * es);
+  tmp.assign(scales, scales + kTileRows * ng * es);  // the codes are done: tmp holds the scales now
   for (int64_t j = 0; j < kTileRows; ++j)
     for (int64_t g = 0; g < ng; ++g) {
       const int64_t rowmajor = (j * ng + g) * es, tiled = (g * kTileRows + j) * es;
-      std::memcpy(scales + (to_tiles ? tiled : rowmajor), st.data() + (to_tiles ? rowmajor : tiled), es);
+      std::memcpy(scales + (to_tiles ? tiled : rowmajor), tmp.data() + (to_tiles ? rowmajor : tiled), es);
     }
 }
 
 #if defined(__AVX512BF16__)
 
-// The 16 rows' scales of one group as float32 (E8M0: 2^(s - 127), s = 0 the subnormal 2^-127, s = 255 NaN; bf16;
-// fp16), the row kernels' row_scales values.
-inline __m512 scales16(bool mxfp4, int scale_kind, const uint8_t* p) {
-  if (mxfp4) {
-    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    __m512i bits = _mm512_slli_epi32(e, 23);
-    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_epi32(0x00400000));
-    bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_epi32(0x7FC00000));
-    return _mm512_castsi512_ps(bits);
-  }
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return scale_kind == 0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)) : _mm512_cvtph_ps(h);
-}
-
-inline __m512i bcast_pair(const uint16_t* x) {
-  uint32_t p;
-  std::memcpy(&p, x, 4);
-  return _mm512_set1_epi32(static_cast<int>(p));
-}
+using tokenfab_experts::GroupScale;
+using tokenfab_experts::scales16;
+using tokenfab_gguf::bcast_pair;
 
 // TB tokens (S bf16 parts each, natural order: xt[t] + s * K) times one tile: acc[t] lane j += row j's sum.
 template <int S, int TB>
@@ -142,43 +129,20 @@ void tile_rows(const uint8_t* codes, const uint8_t* scales, bool mxfp4, int scal
 template <bool F32>
 void tile_dequant(const uint8_t* codes, const uint8_t* scales, bool mxfp4, int scale_kind, int64_t es, int64_t ng,
                   __m512i table, void* buf, int64_t c0) {
-  alignas(64) uint16_t inter[32];  // word 2r <- even value r, word 2r + 1 <- odd value r (lanes 16 + r)
-  for (int r = 0; r < 16; ++r) inter[2 * r] = static_cast<uint16_t>(r), inter[2 * r + 1] = static_cast<uint16_t>(16 + r);
-  const __m512i interleave = _mm512_load_si512(inter);
-  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t g = 0; g < ng; ++g) {
-    const __m512 sv = scales16(mxfp4, scale_kind, scales + g * kTileRows * es);
-    const __m512i sbits = _mm512_castps_si512(sv);
-    const bool bits = !F32 && mxfp4 &&
-                      _mm512_cmplt_epu32_mask(sbits, _mm512_set1_epi32(2 << 23)) == 0 &&
-                      _mm512_cmpgt_epu32_mask(sbits, _mm512_set1_epi32(252 << 23)) == 0;
-    __m512i shift = _mm512_setzero_si512();
-    if (bits) {
-      const __m512i e = _mm512_slli_epi32(_mm512_sub_epi32(_mm512_srli_epi32(sbits, 23), _mm512_set1_epi32(127)), 7);
-      shift = _mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(e, 16));
-    }
+    const GroupScale gs(scales16(mxfp4, scale_kind, scales + g * kTileRows * es), mxfp4 && !F32);
     const uint8_t* q = codes + g * kGroupBytes;
     for (int L = 0; L < 4; ++L) {
       const __m512i wd = _mm512_loadu_si512(q + 64 * L);
       for (int s = 0; s < 4; ++s) {
         const __m512i op = _mm512_permutexvar_epi16(s == 0 ? wd : _mm512_srli_epi16(wd, 4 * s), table);
         const int64_t p = 16 * g + 4 * L + s;  // the value pair (2p, 2p + 1) of every row
-        const __m512 fe = _mm512_castsi512_ps(_mm512_slli_epi32(op, 16));
-        const __m512 fo = _mm512_castsi512_ps(_mm512_and_si512(op, hi_mask));
         if constexpr (F32) {
           float* f = static_cast<float*>(buf);
-          _mm512_storeu_ps(f + (2 * p) * 32 + c0, _mm512_mul_ps(fe, sv));
-          _mm512_storeu_ps(f + (2 * p + 1) * 32 + c0, _mm512_mul_ps(fo, sv));
+          _mm512_storeu_ps(f + (2 * p) * 32 + c0, _mm512_mul_ps(GroupScale::even(op), gs.sv));
+          _mm512_storeu_ps(f + (2 * p + 1) * 32 + c0, _mm512_mul_ps(GroupScale::odd(op), gs.sv));
         } else {
-          int32_t* dst = static_cast<int32_t*>(buf) + p * 32 + c0;
-          if (bits) {
-            _mm512_storeu_si512(dst, _mm512_mask_add_epi16(op, _mm512_test_epi16_mask(op, _mm512_set1_epi16(0x7FFF)),
-                                                           op, shift));
-          } else {
-            _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(
-                                         interleave, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(fo, sv),
-                                                                                  _mm512_mul_ps(fe, sv))));
-          }
+          _mm512_storeu_si512(static_cast<int32_t*>(buf) + p * 32 + c0, gs.pairs(op));
         }
       }
     }

@@ -29,6 +29,7 @@
 #include "amx_tiles.h"
 #include "linear_io.h"
 #include "packed_expert_tiles.h"
+#include "packed_expert_values.h"
 #include "vnni_transpose.h"
 
 #include <ATen/Parallel.h>
@@ -61,42 +62,18 @@ constexpr int64_t kGemmTileM = 64;      // tokens per brgemm call
 
 #if defined(__AVX512BF16__)
 
-// vpermw table: entry i = bf16 bits of the format's value of nibble i & 15 (entries 16-31 repeat 0-15, so a
-// widened byte indexes its low nibble's value directly: vpermw reads only index bits 0-4).
-__m512i value_table(int64_t fmt) {
-  static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-  alignas(64) uint16_t t[32];
-  for (int i = 0; i < 32; ++i) {
-    const float v = fmt == kExpertsInt4Group ? static_cast<float>((i & 15) - 8) : e2m1[i & 15];
-    uint32_t bits;
-    std::memcpy(&bits, &v, 4);
-    t[i] = static_cast<uint16_t>(bits >> 16);  // exact: small integers and E2M1 values fit bf16
-  }
-  return _mm512_load_si512(t);
-}
+using tokenfab_experts::GroupScale;
+using tokenfab_experts::scales16;
+using tokenfab_experts::value_table;
 
-// The row's scales as float32 (ngroups values, then zeros: a half chunk reads a zero second scale, and the chunk's
-// 16-float load of its two scales stays inside the row's padded slot of ng + 16). E8M0 s is
-// 2^(s - 127) built from its bits (s = 0: the float32 subnormal 2^-127; s = 255: NaN).
+// The row's scales as float32 (scales16; ngroups values, then zeros: a half chunk reads a zero second scale, and the
+// chunk's 16-float load of its two scales stays inside the row's padded slot of ng + 16).
 inline void row_scales(int64_t fmt, int scale_kind, const void* s, int64_t ng, float* out) {
+  const int64_t es = fmt == kExpertsMxfp4 ? 1 : 2;
   for (int64_t g = 0; g < ng; g += 16) {  // 16 scales per step
     const __mmask16 m = ng - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ng - g)) - 1u);
-    __m512 v;
-    if (fmt == kExpertsMxfp4) {
-      const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, static_cast<const uint8_t*>(s) + g));
-      __m512i bits = _mm512_slli_epi32(e, 23);
-      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()),
-                                   _mm512_set1_epi32(0x00400000));
-      bits = _mm512_mask_mov_epi32(bits, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)),
-                                   _mm512_set1_epi32(0x7FC00000));
-      v = _mm512_castsi512_ps(bits);
-    } else {
-      const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(s) + g);
-      v = scale_kind == 0 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))  // bf16
-                          : _mm512_cvtph_ps(h);                                                   // fp16
-    }
-    _mm512_mask_storeu_ps(out + g, m, v);
+    _mm512_mask_storeu_ps(out + g, m,
+                          scales16(fmt == kExpertsMxfp4, scale_kind, static_cast<const uint8_t*>(s) + g * es, m));
   }
   for (int i = 0; i < 16; ++i) out[ng + i] = 0.f;
 }
@@ -179,10 +156,8 @@ void block_rows(const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sl
 // zero columns past nr), the values the reference computes (code value * scale, exact in float32).
 void dequant_block(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
                    int64_t K, float* wf, int64_t j_begin) {
-  static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
   float lut[16];
-  for (int i = 0; i < 16; ++i) lut[i] = fmt == kExpertsInt4Group ? static_cast<float>(i - 8) : e2m1[i];
+  for (int i = 0; i < 16; ++i) lut[i] = tokenfab_experts::code_value(fmt, i);
   for (int64_t j = j_begin; j < kRowBlock; ++j) {
     if (j >= nr) {
       for (int64_t k = 0; k < K; ++k) wf[k * kRowBlock + j] = 0.f;
@@ -199,49 +174,27 @@ void dequant_block(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float
   }
 }
 
-// True when every MXFP4 scale of rows [0, nr) (float32 2^(e - 127) from row_scales) has 2 <= e <= 252: then each
-// nonzero E2M1 value (bf16 exponent field 126-129) times the scale is a normal bf16 whose exponent field is the
-// value's plus e - 127, so the product is one 16-bit integer add (no rounding, no subnormal, no overflow).
-bool pow2_scales_normal(const float* sc, int64_t sld, int64_t nr, int64_t ng) {
-  const __m512i lo = _mm512_set1_epi32(2 << 23), hi = _mm512_set1_epi32(252 << 23);
-  __mmask16 bad = 0;
-  for (int64_t j = 0; j < nr; ++j)
-    for (int64_t g = 0; g < ng; g += 16) {
-      const __mmask16 m = ng - g >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ng - g)) - 1u);
-      const __m512i v = _mm512_maskz_loadu_epi32(m, sc + j * sld + g);
-      bad |= _mm512_mask_cmplt_epu32_mask(m, v, lo) | _mm512_mask_cmpgt_epu32_mask(m, v, hi);
-    }
-  return bad == 0;
-}
-
 // bf16 x prefill: rows [0, nr) of a row block in brgemm's VNNI layout [K / 2][32][2] (zero rows past nr), each
 // float32 value rounded once to bf16 as the dequantized bf16 twin holds it (MXFP4 values, E2M1 times a power of two,
 // are bf16 values already; INT4's (q - 8) s keeps 8 of its up to 11 (bf16 s) or 14 (fp16 s) significant bits).
 // 16 rows at a time, 64 bytes (128 values, 4 scale groups) of each row loaded and transposed, so dword d of the
-// result holds bytes 4 d .. 4 d + 3 of every row: each byte (one value pair) gives the 16 rows' words of one layout
-// row [pair][j0 .. j0 + 15]. MXFP4 with normal scales (pow2_scales_normal) works on bf16 bits: the byte spread to
-// its two words (low nibble in the even one, high nibble in the odd one: vpermw reads index bits 0-4 of a table
-// that repeats), looked up, and the scale's exponent added to the nonzero words. Otherwise (INT4, or MXFP4 with
-// extreme scales) in float32: the nibbles' values times the scales, both halves rounded by one vcvtne2ps2bf16 and
-// interleaved by one vpermw. st: scratch of 16 (K / 32) floats (the 16 rows' scales, group-major). Rows before
-// j_begin (0 or 16: a tile wrote them) are left alone.
+// result holds bytes 4 d .. 4 d + 3 of every row: each byte (one value pair) is spread to its two words (low nibble
+// in the even one, high nibble in the odd one: vpermw reads index bits 0-4 of a table that repeats) and looked up,
+// giving the 16 rows' pair as GroupScale scales it into one layout row [pair][j0 .. j0 + 15] (its float32 form
+// takes the two nibbles' values as floats directly). st: scratch of
+// 16 (K / 32) floats (the 16 rows' scales, group-major). Rows before j_begin (0 or 16: a tile wrote them) are left
+// alone.
 void dequant_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float* sc, int64_t sld, int64_t nr,
                   int64_t K, uint16_t* out, float* st, int64_t j_begin) {
-  static const float e2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
-                                 -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-  alignas(64) float lut[16];
-  for (int i = 0; i < 16; ++i) lut[i] = fmt == kExpertsInt4Group ? static_cast<float>(i - 8) : e2m1[i];
-  const __m512 lutf = _mm512_load_ps(lut);
   const __m512i words_table = value_table(fmt);
-  alignas(64) uint16_t inter[32];  // word 2r <- rows' even value r, word 2r + 1 <- odd value r (lanes 16 + r)
-  for (int r = 0; r < 16; ++r) inter[2 * r] = static_cast<uint16_t>(r), inter[2 * r + 1] = static_cast<uint16_t>(16 + r);
-  const __m512i interleave = _mm512_load_si512(inter);
-  const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
+  alignas(64) float lut[16];
+  for (int i = 0; i < 16; ++i) lut[i] = tokenfab_experts::code_value(fmt, i);
+  const __m512 lutf = _mm512_load_ps(lut);
   auto* words = reinterpret_cast<int32_t*>(out);
   const int64_t ng = K / kGroup;
   for (int64_t j0 = j_begin; j0 < kRowBlock; j0 += 16) {
     const int64_t nv = std::max<int64_t>(0, std::min<int64_t>(16, nr - j0));
-    const bool bits = fmt == kExpertsMxfp4 && pow2_scales_normal(sc + j0 * sld, sld, nv, ng);
+    const __mmask16 valid = nv >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << nv) - 1u);
     for (int64_t g = 0; g < ng; ++g)
       for (int64_t i = 0; i < 16; ++i) st[g * 16 + i] = i < nv ? sc[(j0 + i) * sld + g] : 0.f;
     for (int64_t c = 0; c < row_bytes; c += 64) {  // bytes [c, c + 64): pairs c.., scale groups c / 16 ..
@@ -253,30 +206,19 @@ void dequant_vnni(int64_t fmt, const uint8_t* w, int64_t row_bytes, const float*
       tokenfab_cpu::transpose16x16_epi32(r);
       for (int64_t gg = 0; gg < nb / 16; ++gg) {
         const int64_t g = c / 16 + gg;
-        const __m512 sv = _mm512_loadu_ps(st + g * 16);
-        // bits: the scale's exponent e - 127 in both 16-bit halves of each row's lane (zero rows: any value, their
-        // words are zero and stay zero)
-        const __m512i e = _mm512_slli_epi32(
-            _mm512_sub_epi32(_mm512_srli_epi32(_mm512_castps_si512(sv), 23), _mm512_set1_epi32(127)), 7);
-        const __m512i shift =
-            _mm512_or_si512(_mm512_and_si512(e, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(e, 16));
+        const GroupScale gs(_mm512_loadu_ps(st + g * 16), fmt == kExpertsMxfp4, valid);  // zero rows: zero words
         for (int q = 0; q < 4; ++q) {
           const __m512i wd = r[4 * gg + q];
           int32_t* dst = words + (16 * g + 4 * q) * kRowBlock + j0;
-          if (bits) {
-            for (int bb = 0; bb < 4; ++bb) {  // byte bb: pair 16 g + 4 q + bb
-              const __m512i t = _mm512_srli_epi32(wd, 8 * bb);
+          for (int bb = 0; bb < 4; ++bb) {  // byte bb: pair 16 g + 4 q + bb
+            const __m512i t = _mm512_srli_epi32(wd, 8 * bb);
+            if (gs.bits) {
               const __m512i idx = _mm512_mask_mov_epi16(t, 0xAAAAAAAAu, _mm512_slli_epi32(t, 12));
-              const __m512i v = _mm512_permutexvar_epi16(idx, words_table);
+              _mm512_storeu_si512(dst + bb * kRowBlock, gs.pairs(_mm512_permutexvar_epi16(idx, words_table)));
+            } else {  // the float32 form straight from the nibbles (vpermps reads index bits 0-3)
               _mm512_storeu_si512(dst + bb * kRowBlock,
-                                  _mm512_mask_add_epi16(v, _mm512_test_epi16_mask(v, magnitude), v, shift));
-            }
-          } else {
-            for (int bb = 0; bb < 4; ++bb) {  // vpermps reads index bits 0-3
-              const __m512 fe = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb), lutf), sv);
-              const __m512 fo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(wd, 8 * bb + 4), lutf), sv);
-              _mm512_storeu_si512(dst + bb * kRowBlock,
-                                  _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(fo, fe)));
+                                  gs.pairs(_mm512_permutexvar_ps(t, lutf),
+                                           _mm512_permutexvar_ps(_mm512_srli_epi32(t, 4), lutf)));
             }
           }
         }
@@ -367,7 +309,7 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
   auto y = at::empty({N, n}, x.options());
   const auto* wbase = static_cast<const uint8_t*>(packed.data_ptr());
   const auto* sbase = static_cast<const uint8_t*>(scale.data_ptr());
-  const int64_t row_bytes = K / 2, srow_bytes = ng * scale.element_size();
+  const int64_t row_bytes = K / 2, srow_bytes = ng * es;
   const int64_t blocks = (n + kRowBlock - 1) / kRowBlock;
   const __m512i table = value_table(fmt);
   float* yf = f32 ? y.data_ptr<float>() : nullptr;
