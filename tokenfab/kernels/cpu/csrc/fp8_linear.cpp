@@ -21,9 +21,8 @@
 //   32 inputs and 16-row tile of x, each 128-input block's float32 tile scaled in registers (amx_tiles below).
 // - brgemm (bf16 x with M > 12 without AMX, float32 x with M > 16): per 32 weight rows, the thread converts them
 //   once into a small thread-local buffer that stays in cache and runs oneDNN's brgemm over 64-row tiles of x.
-//   bf16 x: bf16 VNNI pairs
-//   [K / 2, 32, 2] of each value times its scale_inv, rounded once to bf16 (the dequantized bf16 twin's weight), in
-//   one brgemm over all of K, as a bf16 GEMM runs. float32 x: the exact e4m3 values as float32 [K, 32], one brgemm
+//   bf16 x: bf16 VNNI pairs [K / 2, 32, 2] of each value times its scale_inv, rounded once to bf16 (the dequantized
+//   bf16 twin's weight), in one brgemm over all of K, as a bf16 GEMM runs. float32 x: the exact e4m3 values as float32 [K, 32], one brgemm
 //   per 128-input block, each block's [64, 32] sums scaled by its scale_inv.
 #include "fp8_linear.h"
 
