@@ -1,7 +1,7 @@
 """Decode step time against its memory-bandwidth floor, and engine overhead (step wall time minus model forward).
 
     .venv/bin/python benchmarks/decode_floor.py [--model DIR] [--context 512] [--batch 1,4,16] [--steps 30]
-        [--load-format dummy] [--also-eager | --enforce-eager] [--profile-steps N] [--device cuda]
+        [--load-format dummy] [--also-eager | --enforce-eager] [--also-sync] [--profile-steps N] [--device cuda]
 
 For each batch size B: B sequences with ``--context`` prompt tokens are prefilled, then ``--steps`` decode steps are
 timed. Reported per step: wall time of ``LLMEngine.step()``, time inside the model forward (+ logits; on a GPU the
@@ -30,7 +30,10 @@ table also gives the ratio at the start-of-run copy (best of 5; JSON keys ``floo
 ``--load-format dummy``: a config-only folder (benchmarks/gpu_shapes.py) with seeded random weights made on the
 device, no weight file read. ``--also-eager``: after each batch's steps with decode CUDA graphs, as many eager steps
 of the same sequences, graphs switched off in the same engine (``mode`` "eager" rows; the graph rows are "graphs",
-which on CPU under ``TOKENFAB_DECODE_GRAPHS=eager`` are the padded buffers without capture). ``--profile-steps N``:
+which on CPU under ``TOKENFAB_DECODE_GRAPHS=eager`` are the padded buffers without capture). ``--also-sync``: where
+the engine schedules asynchronously (GPU engines by default, engine/async_scheduling.py), also as many steps of the
+first mode with each step scheduled after the previous step's ids arrived (``mode`` "<mode>-sync": what async
+scheduling hides is the difference in ``step_ms`` and ``overhead_ms``); every row says ``async_scheduling``. ``--profile-steps N``:
 after batch 1, N eager steps of one sequence under torch.profiler (benchmarks/decode_profile.py: device time, the
 top kernels, launches per layer), in the JSON's ``profile``. When the engine with CUDA graphs cannot be built
 (capture fails), an eager engine is measured instead and ``graphs_error`` says why.
@@ -212,7 +215,7 @@ def make_llm(args):
     from tokenfab.default_model import ensure_default_model
     from tokenfab.engine.engine_config import EngineConfig
     model_dir = args.model or ensure_default_model()
-    extra = 2 * args.steps if args.also_eager else 0
+    extra = (2 * args.steps if args.also_eager else 0) + (2 * args.steps if args.also_sync else 0)
     max_len = args.context + args.steps + extra + max(args.profile_steps, 0) + 24
     top = max(int(b) for b in args.batch.split(","))
     bs = EngineConfig.block_size
@@ -256,6 +259,9 @@ def main() -> int:
     ap.add_argument("--also-eager", action="store_true",
                     help="after each batch's steps with decode graphs, time as many eager steps on the same "
                          "sequences (graphs switched off in the same engine): both modes from one load")
+    ap.add_argument("--also-sync", action="store_true",
+                    help="where the engine schedules asynchronously, also time the first mode's steps with each "
+                         "step scheduled after the previous one's ids arrived (same engine and sequences)")
     ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
                     help="auto: the checkpoint's weights; dummy: seeded random weights at config.json's shapes, "
                          "no weight file read (a config-only folder, benchmarks/gpu_shapes.py)")
@@ -348,6 +354,9 @@ def main() -> int:
     modes = [("graphs" if graphs is not None else "eager", graphs)]
     if args.also_eager and graphs is not None:
         modes.append(("eager", None))
+    if args.also_sync and eng.ahead is not None:  # the first mode again, scheduled in step
+        modes.append((modes[0][0] + "-sync", graphs))
+    ahead = eng.ahead is not None
 
     def timed_steps(B: int, mode: str, kv_start: int) -> dict:
         """``args.steps`` timed decode steps of the running batch; one row."""
@@ -389,10 +398,13 @@ def main() -> int:
         kv_start = args.context
         for mode, g in modes:
             runner.decode_graphs = g
+            eng.set_async_scheduling(ahead and not mode.endswith("-sync"))
             try:
                 row = timed_steps(B, mode, kv_start)
+                row["async_scheduling"] = eng.ahead is not None
             finally:
                 runner.decode_graphs = graphs
+                eng.set_async_scheduling(ahead)
             kv_start += args.steps + 1
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -22,7 +22,8 @@
 #   | sampling on the device vs the host (70)          shape folders are written on the CPU meanwhile)
 #   gpu_kernels.py                               160  (the kernels tune their tiles here: TOKENFAB_TRITON_AUTOTUNE=1;
 #                                                      everywhere else each kernel runs its first config)
-#   decode_floor embedded (graphs + eager)        45  (eager measured in the same engine, graphs switched off)
+#   decode_floor embedded (graphs + eager)        45  (eager measured in the same engine, graphs switched off;
+#                                                      --also-sync: graph steps again with async scheduling off)
 #   decode_floor llama3b / qwen3moe / dsv3 / k3   50 + 45 + 50 + 45 = 190
 #   gpu_summary.py                                 5
 #   total                                        530 s (+ bash and file writes: well under 540 s)
@@ -76,12 +77,12 @@ bg() { local name=$1 t=$2; shift 2; { timeout "$t" "$@" > "$OUT/$name.log" 2>&1 
     timeout 160 $PY benchmarks/gpu_kernels.py --device cuda --out "$OUT" || fail gpu_kernels $?
   fi
   timeout 45 $PY benchmarks/decode_floor.py --device $DEV --context $CTX_EMB --batch $BATCH --steps $STEPS \
-    --also-eager --out "$OUT" --label embedded || fail "decode_floor embedded" $?
+    --also-eager --also-sync --out "$OUT" --label embedded || fail "decode_floor embedded" $?
   declare -A T=([llama3b]=50 [qwen3moe]=45 [dsv3]=50 [k3]=45)
   for case in $CASES; do
     if [ ! -f "$SHAPES/$case/config.json" ]; then fail "decode_floor $case (no shape folder)" 1; continue; fi
     timeout "${T[$case]}" $PY benchmarks/decode_floor.py --model "$SHAPES/$case" --load-format dummy --device $DEV \
-      --context $CTX --batch $BATCH --steps $STEPS --also-eager --profile-steps 5 --out "$OUT" --label "$case" \
+      --context $CTX --batch $BATCH --steps $STEPS --also-eager --also-sync --profile-steps 5 --out "$OUT" --label "$case" \
       || fail "decode_floor $case" $?
   done
 } 2>&1 | tee "$OUT/gpu_check.log"

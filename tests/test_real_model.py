@@ -65,14 +65,12 @@ def test_default_model_is_smollm2_in_the_cache(smol, capsys):
             cfg["max_position_embeddings"], cfg["tie_word_embeddings"]) == (30, 9, 3, 576, 8192, True)
 
 
-def test_tensors_bit_identical_to_transformers_gguf_loader(smol):
+def test_tensors_bit_identical_to_transformers_gguf_loader(smol, smollm2_transformers_gguf):
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from tokenfab.loader.gguf_to_hf import hf_state_dict
 
-    folder, name = os.path.split(GGUF)
-    ref_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    ref_model = smollm2_transformers_gguf
     ref, rc = ref_model.state_dict(), ref_model.config
     ours = hf_state_dict(GGUF)
     stored = load_file(os.path.join(smol, "model.safetensors"))

@@ -39,6 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Ranks for tensor parallel. Default 1.")
     g.add_argument("--enforce-eager", action="store_true",
                    help="Never replay decode steps from CUDA graphs (graphs are used on CUDA/ROCm only).")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="Schedule and launch each step before the previous step's sampled ids reach the host "
+                        "(vLLM's flag). Default: on for CUDA/ROCm engines, off on CPU (nothing overlaps there); not "
+                        "with speculative decoding or tensor parallel.")
     g.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto (default): read the checkpoint's weight files; dummy: read only config.json and the "
                         "tokenizer and fill every weight with random values seeded by --seed, at the config's real "

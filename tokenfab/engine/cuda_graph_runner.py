@@ -28,6 +28,7 @@ import os
 import numpy as np
 import torch
 
+from tokenfab.engine.async_scheduling import fill_placeholders
 from tokenfab.engine.input_staging import PinnedHostBuffer
 from tokenfab.errors import EngineConfigError
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
@@ -162,7 +163,8 @@ class DecodeGraphRunner:
         torch.cuda.synchronize()
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, block_tables: np.ndarray,
-            context_lens: np.ndarray, state_rows: np.ndarray | None = None) -> torch.Tensor:
+            context_lens: np.ndarray, state_rows: np.ndarray | None = None,
+            placeholder_source: torch.Tensor | None = None) -> torch.Tensor:
         """One decode-only step of B <= max_batch sequences (int64 numpy inputs: [B] ids, positions, slots,
         context lengths after this step's write; [B, >= blocks in use] block tables; ``state_rows`` [B] the
         sequences' scheduler rows = recurrent-state slots, hybrid models only) -> hidden [B, hidden].
@@ -172,6 +174,9 @@ class DecodeGraphRunner:
         may keep stale ids. Padding rows get token 0 at position 0, the pad block in column 0,
         context length 1 and (hybrid models) the spare state slot: position 0 makes the KDA layers start them
         from a zero state, so they read nothing a sequence wrote, and they write only the spare slot.
+        ``placeholder_source`` (async scheduling): the previous step's drawn ids [N] int64 on this device; input
+        ids ``-(j + 1)`` become its entry j in the static buffer, on the device, before the replay
+        (engine/async_scheduling.py).
 
         Raises:
             ValueError: a hybrid model's step without ``state_rows``, or rows that name the spare slot or lie
@@ -197,6 +202,9 @@ class DecodeGraphRunner:
         bt[:B, :width] = block_tables[:, :width]  # columns past a row's context are never read: stale ones may stay
         bt[B:bs, 0] = self.pad_block
         self._host.send(self._inputs, 5 * n + bs * self.max_blocks)  # the step's one host-to-device copy
+        if placeholder_source is not None:
+            ids = self.input_ids[:B]
+            ids.copy_(fill_placeholders(ids, placeholder_source))
         self.replays += 1
         if self.mode == "cuda":
             graph, out = self.graphs[bs]

@@ -1,7 +1,9 @@
 """LLMEngine: the step loop. ``step()`` = scheduler.schedule() -> model_runner.execute() -> sampler ->
 output processing (engine/output_processor.py: advance = append tokens, stop checks without text; emit =
 detokenize, stop strings, RequestOutputs for the requests that progressed; on GPU engines a step's emit runs while
-the next step's forward does).
+the next step's forward does). With async scheduling (GPU engines by default: engine/async_scheduling.py) the next
+step is scheduled and launched before this step's ids reach the host, and this step's output processing runs while
+the device computes it.
 
 Failure isolation: every request is validated completely in ``add_request`` (tokenfab/request_validation.py), so
 nothing invalid reaches a step. If a step raises anyway, the engine re-runs the step's sequences in halves
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenfab.engine.async_scheduling import AsyncScheduling, async_scheduling_enabled
 from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.detokenizer import IncrementalDetokenizer
 from tokenfab.engine.engine_config import EngineConfig
@@ -118,6 +121,14 @@ class LLMEngine:
         if config.speculative_config is not None:
             from tokenfab.spec_decode.spec_decoder import SpecDecoder
             self.spec = SpecDecoder(self, config.speculative_config)
+        # async scheduling: not with speculative decoding (drafters read each step's ids) or tensor parallel (the
+        # workers would need the ids to fill the placeholders)
+        self.ahead: AsyncScheduling | None = None
+        wanted = getattr(config, "async_scheduling", None)
+        if wanted is None:
+            wanted = async_scheduling_enabled(self.device) and self.spec is None and self.tp_group is None
+        if wanted:
+            self.set_async_scheduling(True)  # refuses speculative decoding and tensor parallel by name
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> "LLMEngine":
@@ -133,6 +144,12 @@ class LLMEngine:
         cpu_ops.gguf_int8_setting()  # TOKENFAB_GGUF_INT8_ACT typos, before loading
         from tokenfab.quant.packed_experts import check_setting
         check_setting()  # TOKENFAB_PACKED_EXPERTS typos, before loading
+        async_scheduling_enabled(torch.device("cpu"))  # TOKENFAB_ASYNC_SCHEDULING typos, before loading
+        if getattr(config, "async_scheduling", None) and (config.speculative_config is not None
+                                                          or config.tensor_parallel_size != 1):
+            raise UnsupportedError("async_scheduling=True does not run with speculative decoding or "
+                                   "tensor_parallel_size > 1 (the drafters and the workers need each step's ids on "
+                                   "the host); leave async_scheduling unset or false.")
         triton_support.check_env()
         if config.tensor_parallel_size != 1:
             from tokenfab.parallel.launcher import load_tensor_parallel
@@ -300,7 +317,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling + forward + sampling step; returns outputs of requests that gained a token or
         finished. With deferred outputs (``self.async_output``, engine/output_processor.py) a step's text and
-        outputs are made while the device computes the next step, and returned by that next call."""
+        outputs are made while the device computes the next step, and returned by that next call. With async
+        scheduling (``self.ahead``) a call launches the next step and returns the outputs of the step launched by
+        the call before."""
+        if self.ahead is not None:
+            return self._step_ahead()
         if self.spec is not None and self.spec.active():  # propose, verify in this batch, accept (spec_decode/)
             return self._flush() + self.spec.step()
         batch = self.scheduler.schedule()
@@ -332,6 +353,63 @@ class LLMEngine:
         else:
             outputs += self.outputs.emit(pairs)
         return outputs
+
+    def set_async_scheduling(self, on: bool) -> None:
+        """Turn async scheduling on or off between steps (benchmarks measure both in one engine). Turning it off
+        waits for the step in flight and processes it; its outputs are returned by the next :meth:`step`.
+
+        Raises:
+            UnsupportedError: ``on`` with speculative decoding or tensor parallel (engine/async_scheduling.py)."""
+        if on:
+            if self.spec is not None or self.tp_group is not None:
+                raise UnsupportedError("async scheduling does not run with speculative decoding or tensor parallel "
+                                       "(the drafters and the workers need each step's ids on the host).")
+            if self.ahead is None:
+                self._ready = self._flush()
+                self.ahead = AsyncScheduling(self)
+            return
+        if self.ahead is not None:
+            prev, self.ahead = self.ahead.inflight, None
+            if prev is not None:
+                self._ready = self._flush() + self._process(*prev)
+
+    def _step_ahead(self) -> list[RequestOutput]:
+        """:meth:`step` with async scheduling (engine/async_scheduling.py): place the step in flight (progress and
+        placeholders for its ids), schedule and launch the next one, then fill the placed step's ids and emit its
+        outputs while the device computes. A step in flight whose rows use logits processors is processed in line
+        first. If the launch raises, the placed step is filled first, so the failing batch is isolated on real ids."""
+        ahead = self.ahead
+        outputs = self._flush()  # an abort's flushed outputs
+        prev, ahead.inflight = ahead.inflight, None
+        source = None
+        if prev is not None:
+            if ahead.can_place(*prev):
+                source = ahead.place(*prev)
+            else:  # its ids are needed before the next draw: wait for them and process it in line
+                outputs += self._process(*prev)
+                prev = None
+        batch = self.scheduler.schedule()
+        if batch.seqs:
+            now = time.monotonic()
+            for s in batch.admitted:
+                if s.first_scheduled_time is None:
+                    s.first_scheduled_time = now
+            try:
+                self.runner.admit(batch.admitted)
+                self.runner.placeholder_source = source
+                out = self.runner.execute(batch)
+            except Exception as exc:  # as in step(): find the failing sequences, fail their requests alone
+                self.runner.placeholder_source = None
+                outputs += self.outputs.emit(ahead.fill())
+                if self.health_error() is not None:
+                    raise
+                return outputs + self._step_isolating(batch, exc)
+            self.runner.placeholder_source = None
+            ahead.inflight = (batch, out)
+            ahead.steps_ahead += source is not None
+        elif prev is None and self.scheduler.waiting and not self.scheduler.running:  # a valid pool never gets here
+            raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
+        return outputs + self.outputs.emit(ahead.fill())
 
     def _run(self, batch: ScheduledBatch) -> StepOutput:
         """Write admitted sequences' tokens and run the forward + sampling of ``batch`` (no sequence state

@@ -108,6 +108,10 @@ class EngineConfig:
         seed: seed of the engine RNG (requests without their own seed).
         tensor_parallel_size: number of ranks (1 = this process).
         enforce_eager: never replay decode steps from CUDA graphs (engine/cuda_graph_runner.py; CUDA/ROCm only).
+        async_scheduling: schedule and launch each step before the previous step's ids reach the host
+            (engine/async_scheduling.py; vLLM's flag). None (default): ``TOKENFAB_ASYNC_SCHEDULING`` decides, which
+            by default turns it on for CUDA / ROCm engines; True with speculative decoding or tensor parallel is
+            refused when the engine is built (UnsupportedError).
         load_format: "auto" (default: read the checkpoint's weight files) or "dummy" (vLLM's name: read only
             config.json and the tokenizer, and fill every weight on the device with random values seeded by
             ``seed`` at the config's real shapes: tokenfab/loader/dummy_weights.py; for measuring shapes without
@@ -169,6 +173,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    async_scheduling: bool | None = None
     trust_remote_code: bool = False
     gpu_memory_utilization: float | None = None
     quantization: str | None = None

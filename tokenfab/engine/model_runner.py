@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenfab.engine.async_scheduling import fill_placeholders, fill_placeholders_host
 from tokenfab.engine.batch_invariance import check_model, check_stack
 from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
@@ -141,6 +142,9 @@ class ModelRunner:
         if sampler is not None:  # penalties, min_p, logit_bias, allowed_token_ids, bad_words by row (logits_state.py)
             sampler.processors = LogitsProcessorState(max_num_seqs, model.cfg.vocab_size, self.token_ids)
         self.eos_ids: list[int] = []
+        # async scheduling (async_scheduling.py): the previous step's drawn ids [N] int64, which this step's
+        # placeholder token ids -(j + 1) stand for; set by the engine around execute(), else None
+        self.placeholder_source: torch.Tensor | None = None
         self.tp_channel = None  # tensor parallel: rank 0 broadcasts each step (tokenfab.parallel.worker.StepChannel)
         self._threads: tuple[int, int] | None = None  # (prefill, decode) intra-op threads; None: leave torch's
         self._threads_now = torch.get_num_threads()
@@ -238,6 +242,11 @@ class ModelRunner:
         slots = self._slots(bt, req_idx, positions)
         if self.state_caches:
             clear_pending(self.state_caches)
+        src = self.placeholder_source
+        if src is not None and not (input_ids < 0).any():
+            src = None  # no placeholder in this step's ids
+        if src is not None and src.device != self.device:
+            src = src.to(self.device, non_blocking=True)
         graphs = self.decode_graphs
         taps = self.uses_modules()
         if taps:  # layer outputs come from forward hooks: the module path below
@@ -245,13 +254,15 @@ class ModelRunner:
         plain = not (taps or modules)  # the padded graph buffers or the fused stack may serve this step
         logit_sel = None  # the module path's staged logit rows
         if self.batch_invariant and plain:  # every token one query row over its own context: no group or chunk
-            hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt[req_idx], positions + 1)
+            hidden = self.cpu_decode_stack.run(fill_placeholders_host(input_ids, src), positions, slots, bt[req_idx],
+                                               positions + 1)
         elif plain and graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: cuda_graph_runner.py
-            hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1, rows)
+            hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1, rows, placeholder_source=src)
         elif plain and graphs is not None and self._flat_rows(num_new, T):  # each token a decode row of its own
-            hidden = graphs.run(input_ids, positions, slots, bt[req_idx], positions + 1)
+            hidden = graphs.run(input_ids, positions, slots, bt[req_idx], positions + 1, placeholder_source=src)
         elif plain and self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: cpu_decode_stack.py
-            hidden = self.cpu_decode_stack.run(input_ids, positions, slots, bt, num_computed + 1)
+            hidden = self.cpu_decode_stack.run(fill_placeholders_host(input_ids, src), positions, slots, bt,
+                                               num_computed + 1)
         else:  # the module path: every integer input in one staged copy (input_staging.py)
             groups = [self._group_arrays(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
                       self._group_arrays(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None]
@@ -260,6 +271,8 @@ class ModelRunner:
             arrays += ([] if rows is None else [rows]) + [a for g in groups if g is not None for a in g[0]]
             staged = self.stager.stage(arrays)
             slot_t, pos_t, ids_t, logit_t = staged[:4]
+            if src is not None:  # async scheduling: the previous step's ids, gathered on the device
+                ids_t = fill_placeholders(ids_t, src)
             rest = staged[4:] if rows is None else staged[5:]
             made = []
             for g in groups:
@@ -453,7 +466,8 @@ class ModelRunner:
         ctx = num_computed + 1
         nblk = (int(ctx.max()) + self.block_size - 1) // self.block_size
         bt = self.bm.block_tables[rows, :nblk]  # the columns attention reads; the slots are computed in C++
-        tokens = stack.run_sample(self.token_ids[rows, num_computed], num_computed, None, bt, ctx, *plain)
+        ids = fill_placeholders_host(self.token_ids[rows, num_computed], self.placeholder_source)
+        tokens = stack.run_sample(ids, num_computed, None, bt, ctx, *plain)
         return StepOutput(np.arange(len(seqs)), SamplerOutput(tokens, None, None, None), None)
 
     def _slots(self, bt: np.ndarray, req_idx: np.ndarray, positions: np.ndarray) -> np.ndarray:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
 import torch
 
 from tokenfab.errors import EngineConfigError
@@ -57,10 +56,32 @@ class OutputProcessor:
     def advance(self, batch, out) -> list[tuple[object, object]]:
         """Apply step output ``out`` (a StepOutput, ids already on the host) to ``batch`` (a ScheduledBatch).
         Returns the (Request, Sequence) pairs that got a token, in batch order."""
-        eng = self.eng
+        self.progress(batch, out)
+        so = out.sampler_output
+        if so is None:
+            return []
+        so.wait()
+        toks = so.token_ids.numpy()
+        idx = out.sampled_index
+        if batch.num_decodes == len(batch.seqs):  # decode-only: every sequence sampled, in order
+            self.eng.runner.write_tokens(batch.rows, batch.num_computed + 1, toks)
+        else:
+            self.eng.runner.write_tokens(batch.rows[idx], batch.num_computed[idx] + batch.num_new[idx], toks)
         seqs = batch.seqs
-        decode_only = batch.num_decodes == len(seqs)  # one new token each, and every sequence sampled in order
-        if decode_only:
+        live = []
+        for j, i in enumerate(idx.tolist()):
+            seq = seqs[i]
+            if seq.is_finished:  # aborted (or stopped by a deferred stop string) while running
+                continue
+            seq.token_ids.append(None)  # its slot; take_tokens writes the id
+            live.append((j, seq, False))
+        return self.take_tokens(live, so)
+
+    def progress(self, batch, out) -> None:
+        """Sequence progress of a step that ran: ``num_computed_tokens`` += its tokens, and the prompt logprobs it
+        scored. Needs no sampled id (async scheduling runs it before they arrive: engine/async_scheduling.py)."""
+        seqs = batch.seqs
+        if batch.num_decodes == len(seqs):  # one new token each
             for s in seqs:
                 s.num_computed_tokens += 1
         else:
@@ -68,30 +89,27 @@ class OutputProcessor:
                 s.num_computed_tokens += n
         if out.prompt_logprobs is not None:
             self._store_prompt_logprobs(seqs, out)
-        pairs = []
-        so = out.sampler_output
-        if so is None:
-            return pairs
-        so.wait()
+
+    def take_tokens(self, entries: list[tuple[int, object, bool]], so) -> list[tuple[object, object]]:
+        """Record the sampled ids of ``so`` (a SamplerOutput whose ``token_ids`` are on the host) in the sequences
+        of ``entries`` = (row j of ``so``, sequence whose last token slot receives id j, whether a length rule
+        already finished it), with their logprobs, first-token times and counters, and apply the stop rules that
+        need no text: EOS and ``stop_token_ids`` (from ``min_tokens`` on), then ``max_tokens`` and the model length.
+        A sequence finished by length before its id was known (async scheduling) takes "stop" instead when the id
+        is an end token, as if all rules had been checked at once. Returns the (Request, Sequence) pairs, in
+        order."""
+        eng = self.eng
         now = time.monotonic()
-        toks = so.token_ids.numpy()
-        idx = out.sampled_index
-        if decode_only:
-            eng.runner.write_tokens(batch.rows, batch.num_computed + 1, toks)
-        else:
-            eng.runner.write_tokens(batch.rows[idx], batch.num_computed[idx] + batch.num_new[idx], toks)
-        tok_list = toks.tolist()
+        tok_list = so.token_ids.tolist()
         lps = so.logprobs.tolist() if so.logprobs is not None else None
         ranks = so.ranks.tolist() if so.ranks is not None else None
         top_ids = so.top_ids.tolist() if so.top_ids is not None else None
         top_lps = so.top_logprobs.tolist() if so.top_logprobs is not None else None
         stats, eos, max_len, requests = eng.stats, eng.eos_token_ids, eng.max_model_len, eng.requests
-        for j, i in enumerate(idx.tolist()):
-            seq = seqs[i]
-            if seq.is_finished:  # aborted (or stopped by a deferred stop string) while running
-                continue
+        pairs = []
+        for j, seq, by_length in entries:
             tok = tok_list[j]
-            seq.token_ids.append(tok)
+            seq.token_ids[-1] = tok
             if seq.first_token_time is None:
                 seq.first_token_time = now
             stats["generation_tokens_total"] += 1
@@ -114,11 +132,16 @@ class OutputProcessor:
                     reason = "stop"
                 elif tok in p.stop_token_ids:
                     reason, stop_reason = "stop", tok
-            if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens) or seq.num_tokens >= max_len):
-                reason = "length"
-            if reason is not None:
-                seq.stop_reason = stop_reason
-                eng.scheduler.finish(seq, reason)
+            if by_length:  # already finished (its blocks freed) with "length"; an end token takes precedence
+                if reason is not None:
+                    seq.finish_reason, seq.stop_reason = reason, stop_reason
+            else:
+                if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                                       or seq.num_tokens >= max_len):
+                    reason = "length"
+                if reason is not None:
+                    seq.stop_reason = stop_reason
+                    eng.scheduler.finish(seq, reason)
             pairs.append((req, seq))
         return pairs
 

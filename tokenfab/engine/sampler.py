@@ -35,6 +35,7 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None
     ranks: torch.Tensor | None = None
     ready: object | None = None  # a CUDA event: token_ids (a pinned buffer) hold the draw once it completed
+    device_ids: torch.Tensor | None = None  # [N] int64 the drawn ids where they were drawn (GPU), or None
 
     def wait(self) -> None:
         """Block until ``token_ids`` hold the device's draw (:meth:`Sampler.draw_on_device` copies them without
@@ -123,7 +124,9 @@ class Sampler:
         # the C++ draw (cpu_kernels.sample_plain) for plain rows; the model runner sets it to whether its device is the
         # CPU: a GPU engine samples its (CPU-side) logits in PyTorch and never builds the CPU kernels for it
         self.use_cpu_kernels = True
-        self._pinned_ids: torch.Tensor | None = None  # draw_on_device's host buffer for the ids (CUDA)
+        # draw_on_device's host buffers for the ids (CUDA), used in turn
+        self._pinned_ids: list[torch.Tensor | None] = [None, None]
+        self._pinned_turn = 0
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
         """One uniform in [0, 1) per row: unseeded rows from one call on the engine's RNG, seeded rows from the
@@ -220,13 +223,16 @@ class Sampler:
         if ids.device.type != "cuda":
             return SamplerOutput(ids.cpu(), None, None, None)
         n = ids.shape[0]
-        if self._pinned_ids is None or self._pinned_ids.shape[0] < n:
-            self._pinned_ids = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
-        host = self._pinned_ids[:n]
+        # two pinned buffers in turn: with async scheduling the next step's copy is queued before this one is read
+        self._pinned_turn ^= 1
+        buf = self._pinned_ids[self._pinned_turn]
+        if buf is None or buf.shape[0] < n:
+            buf = self._pinned_ids[self._pinned_turn] = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
+        host = buf[:n]
         host.copy_(ids, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return SamplerOutput(host, None, None, None, ready=ready)
+        return SamplerOutput(host, None, None, None, ready=ready, device_ids=ids)
 
     @staticmethod
     def _sorted_draw(logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:

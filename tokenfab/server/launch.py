@@ -49,6 +49,7 @@ def engine_config_from_args(args: argparse.Namespace):
                         kv_cache_memory=args.kv_cache_memory, seed=args.seed,
                         tensor_parallel_size=args.tensor_parallel_size,
                         enforce_eager=getattr(args, "enforce_eager", False),
+                        async_scheduling=getattr(args, "async_scheduling", None),
                         tokenizer=getattr(args, "tokenizer", None),
                         trust_remote_code=getattr(args, "trust_remote_code", False),
                         gpu_memory_utilization=getattr(args, "gpu_memory_utilization", None),

@@ -1,0 +1,142 @@
+"""Async scheduling: the next step is scheduled, built and launched before the current step's sampled ids reach the
+host (vLLM's ``--async-scheduling``), so the host's scheduling, input building and output processing overlap the
+device's work instead of idling it between steps.
+
+How a step goes (``LLMEngine.step`` with this mode on; step k is in flight when step k + 1 begins):
+
+1. :meth:`AsyncScheduling.place` applies step k's progress without its ids: ``num_computed_tokens`` advances and every
+   sequence step k sampled gets a *placeholder* token, ``-(j + 1)`` for row j of step k's draw, in its token list and
+   in the runner's token array. Rules that need only counts (``max_tokens``, the model length) finish sequences now.
+2. The scheduler schedules step k + 1 as usual (the placeholders count as tokens); the runner builds its inputs and
+   launches it. Input ids that are placeholders are taken, on the device, from step k's drawn ids
+   (:func:`fill_placeholders`): no host round trip stands between two steps.
+3. :meth:`AsyncScheduling.fill` waits for step k's ids, writes them over the placeholders and applies the rules that
+   need the ids (EOS, ``stop_token_ids``), then step k's outputs are emitted, all while step k + 1 computes.
+
+The cost: a sequence that an end token finishes at step k has already been scheduled in step k + 1; that row's work
+is wasted and its token dropped (its output is exactly that of synchronous scheduling). Its blocks and its KDA
+state slot are freed at the fill and may go to another sequence in step k + 2: every write of step k + 1 precedes
+step k + 2's on the device's one stream, so the stale row never overwrites the new owner's data, and the prefix
+cache never hashes the block slot the stale row wrote (it holds no computed token).
+
+Where a placeholder could be read before its id exists, a step is not scheduled ahead: rows with logits processors
+(penalties, bad words, structured outputs and the rest count tokens or advance a grammar with each id:
+``LogitsProcessorState.any_active``), speculative decoding (drafters read the ids), tensor parallel (the workers
+would need the ids). Such a step first waits for its predecessor and processes it in line, as without this mode.
+
+Token ids, text, finish reasons and logprobs equal those of synchronous scheduling for greedy and seeded requests
+(tests/test_async_scheduling.py); unseeded sampled requests draw from the engine's generator, so the wasted rows
+shift which uniforms later rows receive. ``TOKENFAB_ASYNC_SCHEDULING``: "auto" (default; on for CUDA / ROCm engines)
+"1" (always; CPU tests, where the forward is synchronous and nothing overlaps) or "0" (never).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from tokenfab.errors import EngineConfigError
+
+
+def async_scheduling_enabled(device: torch.device) -> bool:
+    """``TOKENFAB_ASYNC_SCHEDULING``: "auto" (default: on for CUDA / ROCm engines), "1" (always) or "0" (never).
+
+    Raises:
+        EngineConfigError: any other value.
+    """
+    mode = os.environ.get("TOKENFAB_ASYNC_SCHEDULING", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise EngineConfigError(f"TOKENFAB_ASYNC_SCHEDULING='{mode}' is not understood; use auto (on for GPU "
+                                "engines, the default), 1 (always) or 0 (never).")
+    return mode == "1" or (mode == "auto" and torch.device(device).type == "cuda")
+
+
+def fill_placeholders(ids: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``ids`` [T] int64 with every placeholder ``-(j + 1)`` replaced by ``source[j]`` (``source`` [N] int64: the
+    previous step's drawn ids, on the same device); other entries kept. A new tensor; no host sync."""
+    j = (-1 - ids).clamp_(0, max(source.shape[0] - 1, 0))
+    return torch.where(ids < 0, source[j], ids)
+
+
+def fill_placeholders_host(ids: np.ndarray, source: torch.Tensor | None) -> np.ndarray:
+    """:func:`fill_placeholders` for host arrays (paths that take numpy ids: the fused CPU decode stack); ``ids`` is
+    returned as it is when it holds no placeholder. ``source`` must be a host tensor (CPU engines)."""
+    if source is None or not (ids < 0).any():
+        return ids
+    src = source.numpy()
+    return np.where(ids < 0, src[np.clip(-1 - ids, 0, max(len(src) - 1, 0))], ids)
+
+
+class AsyncScheduling:
+    """The in-flight step of an engine that schedules ahead, and the two halves of its output processing that
+    bracket the next step's launch (see the module docstring).
+
+    Args:
+        engine: the :class:`~tokenfab.engine.engine.LLMEngine` (its scheduler, runner, output processor and limits).
+    """
+
+    def __init__(self, engine):
+        self.eng = engine
+        self.inflight = None  # (ScheduledBatch, StepOutput) launched, not yet placed
+        self._placed = None  # (StepOutput, [(row j of its draw, sequence, finished by length)]) awaiting its ids
+        self.steps_ahead = 0  # steps launched before their predecessor's ids were on the host (tests, stats)
+
+    def can_place(self, batch, out) -> bool:
+        """Whether the step after (``batch``, ``out``) may be scheduled before ``out``'s ids arrive: no sequence it
+        sampled uses logits processors (they consume each id before the next draw)."""
+        if out.sampler_output is None:
+            return True
+        rows = batch.rows[out.sampled_index]
+        proc = self.eng.runner.sampler.processors if self.eng.runner.sampler is not None else None
+        return proc is None or not proc.any_active(rows)
+
+    def place(self, batch, out) -> torch.Tensor | None:
+        """Step 1 for the in-flight step (``batch``, ``out``): its progress, placeholders for its sampled ids and the
+        count-based stop rules. Returns the device tensor the placeholders index (its drawn ids), or None when it
+        sampled nothing."""
+        eng = self.eng
+        eng.outputs.progress(batch, out)
+        so = out.sampler_output
+        if so is None:
+            return None
+        seqs, idx = batch.seqs, out.sampled_index
+        max_len = eng.max_model_len
+        entries, rows, pos, ph = [], [], [], []
+        for j, i in enumerate(idx.tolist()):
+            seq = seqs[i]
+            if seq.is_finished:  # aborted, or finished by an end token found at the last fill: its id is dropped
+                continue
+            seq.token_ids.append(-1 - j)
+            rows.append(seq.row)
+            pos.append(seq.num_tokens - 1)
+            ph.append(-1 - j)
+            p = seq.params
+            by_length = ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
+                         or seq.num_tokens >= max_len)
+            entries.append((j, seq, by_length, seq.row))
+            if by_length:
+                eng.scheduler.finish(seq, "length")  # frees its row and blocks now: the next schedule may use them
+        if rows:
+            eng.runner.token_ids[np.asarray(rows), np.asarray(pos)] = ph
+        self._placed = (out, entries)
+        return so.device_ids if so.device_ids is not None else so.token_ids
+
+    def fill(self) -> list[tuple[object, object]]:
+        """Step 3: wait for the placed step's ids, write them over its placeholders (in the runner's token array
+        only for sequences that still hold their row) and apply the rules that need them. Returns the (Request,
+        Sequence) pairs to emit."""
+        if self._placed is None:
+            return []
+        out, entries = self._placed
+        self._placed = None
+        so = out.sampler_output
+        so.wait()
+        held = [(j, s, r) for j, s, _, r in entries if s.row == r and r >= 0]
+        if held:
+            toks = so.token_ids.numpy()
+            rows = np.fromiter((r for _, _, r in held), dtype=np.int64, count=len(held))
+            pos = np.fromiter((s.num_tokens - 1 for _, s, _ in held), dtype=np.int64, count=len(held))
+            self.eng.runner.write_tokens(rows, pos, toks[np.fromiter((j for j, _, _ in held), dtype=np.int64,
+                                                                   count=len(held))])
+        return self.eng.outputs.take_tokens([(j, s, by_length) for j, s, by_length, _ in entries], so)
