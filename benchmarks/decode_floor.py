@@ -358,20 +358,35 @@ def main() -> int:
         modes.append((modes[0][0] + "-sync", graphs))
     ahead = eng.ahead is not None
 
-    def timed_steps(B: int, mode: str, kv_start: int) -> dict:
-        """``args.steps`` timed decode steps of the running batch; one row."""
+    def timed_steps(B: int, mode: str, kv_start: int) -> tuple[dict, int]:
+        """``args.steps`` timed decode steps of the running batch -> (one row, steps run in all).
+
+        No step is followed by a wait of its own: with async scheduling a step returns while the device still
+        computes it, and a wait here would empty the device's queue before the next step (the overlap being
+        measured). The forwards' device times are read once the timed steps are done. The bandwidth copy every
+        5th step does empty it; with async scheduling one untimed step after the copy refills it."""
         eng.step()  # first pure decode step of this mode (warm-up)
-        walls, fwds, bws = [], [], []
+        ran = 1
+        walls, fwds, bws, events = [], [], [], []
         for i in range(args.steps):
             if i % 5 == 0:  # copy bandwidth sampled between the steps it is compared with (one 512 MiB copy)
                 bws.append(copy_bandwidth(reps=1, device=str(eng.device), hugepages=huge))
+                if eng.ahead is not None:
+                    eng.step()  # the copy waited for the step in flight: one step to have one in flight again
+                    ran += 1
             fwd_time[0] = 0.0
             fwd_events.clear()
             t = time.perf_counter()
             eng.step()
             walls.append(time.perf_counter() - t)
+            ran += 1
+            fwds.append(fwd_time[0])  # CPU forwards: their wall time; GPU forwards: added below
+            events.append(list(fwd_events))
+        for j, ev in enumerate(events):  # GPU: device time between the events around each step's forward
+            fwd_events[:] = ev
+            fwd_time[0] = 0.0
             settle_forward_time()
-            fwds.append(fwd_time[0])
+            fwds[j] += fwd_time[0]
         running = len(eng.scheduler.running)  # < B: the pool or max_num_seqs held fewer (the row says so)
         if running != B:
             print(f"decode_floor: batch {B} ran {running} sequences per step", flush=True)
@@ -387,10 +402,11 @@ def main() -> int:
         row.update({"copy_bandwidth_during_steps_GBps": bw_steps / 1e9, "floor_ms": nbytes / bw_steps * 1e3,
                     "ratio_to_floor": wall / (nbytes / bw_steps), "floor_best_ms": nbytes / bw * 1e3,
                     "ratio_to_best_floor": wall / (nbytes / bw)})
-        return row
+        return row, ran
 
     for B in [int(b) for b in args.batch.split(",")]:
-        sp = SamplingParams(max_tokens=len(modes) * (args.steps + 1) + 3, ignore_eos=True)
+        per_mode = args.steps + 1 + (args.steps // 5 + 1 if ahead else 0)  # timed + warm-up (+ refills)
+        sp = SamplingParams(max_tokens=len(modes) * per_mode + 3, ignore_eos=True)
         for i in range(B):
             eng.add_request(f"b{B}-{i}", None, [(7 * i + j) % 4000 + 5 for j in range(args.context)], sp)
         while any(s.num_computed_tokens < s.num_tokens - 1 for s in eng.scheduler.running) or eng.scheduler.waiting:
@@ -400,12 +416,12 @@ def main() -> int:
             runner.decode_graphs = g
             eng.set_async_scheduling(ahead and not mode.endswith("-sync"))
             try:
-                row = timed_steps(B, mode, kv_start)
+                row, ran = timed_steps(B, mode, kv_start)
                 row["async_scheduling"] = eng.ahead is not None
             finally:
                 runner.decode_graphs = graphs
                 eng.set_async_scheduling(ahead)
-            kv_start += args.steps + 1
+            kv_start += ran
             rows.append(row)
             print(json.dumps(row), flush=True)
             _write(stem, result)
