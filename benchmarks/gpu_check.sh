@@ -36,6 +36,7 @@ DEV=cuda CTX=1024 CTX_EMB=512 STEPS=20 BATCH=1,16,64 TINY=
 if [ "$DRY" = 1 ]; then
   DEV=cpu CTX=32 CTX_EMB=32 STEPS=3 BATCH=1,2 TINY=--tiny
   export TOKENFAB_DECODE_GRAPHS=eager  # the padded graph buffers without capture
+  export TOKENFAB_ASYNC_SCHEDULING=1  # on CPU it is off by default: the dry run must reach the -sync rows too
 fi
 timeout 45 $PY -c "
 import sys

@@ -41,8 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="Never replay decode steps from CUDA graphs (graphs are used on CUDA/ROCm only).")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="Schedule and launch each step before the previous step's sampled ids reach the host "
-                        "(vLLM's flag). Default: on for CUDA/ROCm engines, off on CPU (nothing overlaps there); not "
-                        "with speculative decoding or tensor parallel.")
+                        "(vLLM's flag). Default (neither flag): TOKENFAB_ASYNC_SCHEDULING, which is auto: on for "
+                        "CUDA/ROCm engines, off on CPU (nothing overlaps there). --async-scheduling with speculative "
+                        "decoding or tensor parallel is refused at start.")
     g.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto (default): read the checkpoint's weight files; dummy: read only config.json and the "
                         "tokenizer and fill every weight with random values seeded by --seed, at the config's real "

@@ -8,10 +8,12 @@ How a step goes (``LLMEngine.step`` with this mode on; step k is in flight when 
    sequence step k sampled gets a *placeholder* token, ``-(j + 1)`` for row j of step k's draw, in its token list and
    in the runner's token array. Rules that need only counts (``max_tokens``, the model length) finish sequences now.
 2. The scheduler schedules step k + 1 as usual (the placeholders count as tokens); the runner builds its inputs and
-   launches it. Input ids that are placeholders are taken, on the device, from step k's drawn ids
-   (:func:`fill_placeholders`): no host round trip stands between two steps.
+   launches it. Input ids that are placeholders are taken from step k's drawn ids where they were drawn
+   (:func:`fill_placeholders` on the device for the graph and module paths; the fused CPU decode stack, whose ids
+   are numpy, fills them on the host: :func:`fill_placeholders_host`): no host round trip stands between two steps.
 3. :meth:`AsyncScheduling.fill` waits for step k's ids, writes them over the placeholders and applies the rules that
-   need the ids (EOS, ``stop_token_ids``), then step k's outputs are emitted, all while step k + 1 computes.
+   need the ids (EOS, ``stop_token_ids``), then step k's outputs are emitted (detokenization and stop strings, as
+   in step: engine/output_processor.py), all while step k + 1 computes.
 
 The cost: a sequence that an end token finishes at step k has already been scheduled in step k + 1; that row's work
 is wasted and its token dropped (its output is exactly that of synchronous scheduling). Its blocks and its KDA
@@ -26,8 +28,9 @@ would need the ids). Such a step first waits for its predecessor and processes i
 
 Token ids, text, finish reasons and logprobs equal those of synchronous scheduling for greedy and seeded requests
 (tests/test_async_scheduling.py); unseeded sampled requests draw from the engine's generator, so the wasted rows
-shift which uniforms later rows receive. ``TOKENFAB_ASYNC_SCHEDULING``: "auto" (default; on for CUDA / ROCm engines)
-"1" (always; CPU tests, where the forward is synchronous and nothing overlaps) or "0" (never).
+shift which uniforms later rows receive. ``TOKENFAB_ASYNC_SCHEDULING``: "auto" (default; on for CUDA / ROCm engines),
+"1" (always; CPU tests, where the forward is synchronous and nothing overlaps) or "0" (never);
+``EngineConfig.async_scheduling`` (``serve --[no-]async-scheduling``) overrides it.
 """
 from __future__ import annotations
 
