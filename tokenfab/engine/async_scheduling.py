@@ -34,25 +34,20 @@ shift which uniforms later rows receive. ``TOKENFAB_ASYNC_SCHEDULING``: "auto" (
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
-from tokenfab.errors import EngineConfigError
+from tokenfab.engine.overlap_setting import overlap_setting
 
 
 def async_scheduling_enabled(device: torch.device) -> bool:
-    """``TOKENFAB_ASYNC_SCHEDULING``: "auto" (default: on for CUDA / ROCm engines), "1" (always) or "0" (never).
+    """``TOKENFAB_ASYNC_SCHEDULING``: "auto" (default: on for CUDA / ROCm engines), "1" (always) or "0" (never)
+    (engine/overlap_setting.py).
 
     Raises:
         EngineConfigError: any other value.
     """
-    mode = os.environ.get("TOKENFAB_ASYNC_SCHEDULING", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise EngineConfigError(f"TOKENFAB_ASYNC_SCHEDULING='{mode}' is not understood; use auto (on for GPU "
-                                "engines, the default), 1 (always) or 0 (never).")
-    return mode == "1" or (mode == "auto" and torch.device(device).type == "cuda")
+    return overlap_setting("TOKENFAB_ASYNC_SCHEDULING", device)
 
 
 def fill_placeholders(ids: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

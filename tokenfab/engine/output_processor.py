@@ -21,28 +21,23 @@ logprobs are the same as with outputs in line (tests/test_async_output.py).
 """
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
-from tokenfab.errors import EngineConfigError
+from tokenfab.engine.overlap_setting import overlap_setting
 from tokenfab.logprobs import position_logprobs
 from tokenfab.outputs import CompletionOutput, RequestOutput
 
 
 def async_output_enabled(device: torch.device) -> bool:
     """``TOKENFAB_ASYNC_OUTPUT``: "auto" (default; on for CUDA / ROCm engines, whose steps launch without waiting),
-    "1" (always; tests on CPU) or "0" (never).
+    "1" (always; tests on CPU) or "0" (never) (engine/overlap_setting.py).
 
     Raises:
         EngineConfigError: any other value.
     """
-    mode = os.environ.get("TOKENFAB_ASYNC_OUTPUT", "auto")
-    if mode not in ("auto", "0", "1"):
-        raise EngineConfigError(f"TOKENFAB_ASYNC_OUTPUT='{mode}' is not understood; use auto (on for GPU engines, "
-                                "the default), 1 (always) or 0 (never).")
-    return mode == "1" or (mode == "auto" and torch.device(device).type == "cuda")
+    return overlap_setting("TOKENFAB_ASYNC_OUTPUT", device)
 
 
 class OutputProcessor:
