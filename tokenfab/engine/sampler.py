@@ -38,8 +38,9 @@ class SamplerOutput:
     device_ids: torch.Tensor | None = None  # [N] int64 the drawn ids where they were drawn (GPU), or None
 
     def wait(self) -> None:
-        """Block until ``token_ids`` hold the device's draw (:meth:`Sampler.draw_on_device` copies them without
-        waiting); then they are a CPU tensor of their own. A no-op for outputs made on the host."""
+        """Block until ``token_ids`` (and the logprobs fields) hold the device's draw (:meth:`Sampler.draw_on_device`
+        and the logprobs paths copy them without waiting); then they are CPU tensors of their own. A no-op for
+        outputs made on the host."""
         if self.ready is not None:
             self.ready.synchronize()
             self.token_ids = self.token_ids.clone()  # the pinned buffer is the next step's
@@ -197,10 +198,7 @@ class Sampler:
             ids = self._sorted_draw(logits, params, self._uniforms(seqs))
         if all(p.logprobs is None for p in params):
             return self._ids_to_host(ids)
-        out = self._with_logprobs(ids, logits, params)  # batch-invariant mode never comes here
-        host = lambda t: None if t is None else t.cpu()
-        return SamplerOutput(*(host(t) for t in (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs,
-                                                  out.ranks)))
+        return self._to_host(self._with_logprobs(ids, logits, params))  # batch-invariant mode never comes here
 
     def on_device(self, logits: torch.Tensor, seqs: list[Sequence], raw_logits: torch.Tensor, rows: np.ndarray,
                   lengths: np.ndarray) -> SamplerOutput:
@@ -214,8 +212,28 @@ class Sampler:
         out = self(logits, seqs, raw_logits=raw_logits, rows=rows, lengths=lengths)
         if out.logprobs is None:
             return self._ids_to_host(out.token_ids)
-        return SamplerOutput(*(None if t is None else t.cpu() for t in (out.token_ids, out.logprobs, out.top_ids,
-                                                                         out.top_logprobs, out.ranks)))
+        return self._to_host(out)
+
+    @staticmethod
+    def _to_host(out: SamplerOutput) -> SamplerOutput:
+        """``out`` (device tensors: ids with their logprobs, ranks, top ids / logprobs) on the host: on CUDA copied
+        into fresh pinned tensors (PyTorch's caching host allocator) without waiting, an event marking the copies
+        (:meth:`SamplerOutput.wait`), so a step with logprobs rows launches without draining the device; elsewhere
+        plain copies."""
+        fields = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs, out.ranks)
+        if out.token_ids.device.type != "cuda":
+            return SamplerOutput(*(None if t is None else t.cpu() for t in fields))
+        host = []
+        for t in fields:
+            if t is None:
+                host.append(None)
+                continue
+            h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            h.copy_(t, non_blocking=True)
+            host.append(h)
+        ready = torch.cuda.Event()
+        ready.record()
+        return SamplerOutput(*host, ready=ready, device_ids=out.token_ids)
 
     def _ids_to_host(self, ids: torch.Tensor) -> SamplerOutput:
         """SamplerOutput of device ids [N] int64: on CUDA copied into a pinned host buffer without waiting (an
