@@ -73,3 +73,26 @@ def test_stale_build_lock_is_removed(tmp_path):
     assert got["loaded"], got["error"]
     assert not os.path.exists(os.path.join(dst, "lock"))
     assert "building the fused CPU kernels" not in r.stderr  # the copied build was reused, not rebuilt
+
+
+def test_prune_keeps_the_newest_builds(tmp_path):
+    """After a fresh build the cache keeps the KEEP_BUILDS most recently used build folders: older ones go, but not
+    the folder just built, one whose build lock another process holds, or anything not named as a build."""
+    import fcntl
+    from tokenfab.kernels.cpu import build
+    names = [f"torch2.13.0+cpu-4fd9865e40-{i:010x}" for i in range(10)]
+    for i, n in enumerate(names):  # mtimes 1000, 1100, ...: names[9] the most recently used
+        d = tmp_path / n
+        d.mkdir()
+        (d / "tokenfab_cpu_kernels.so").write_bytes(b"x")
+        (d / "build.flock").write_bytes(b"")  # every build has one (made first: a new file dates its folder)
+        os.utime(d, (1000 + 100 * i, 1000 + 100 * i))
+    other = tmp_path / "notes"
+    other.mkdir()
+    os.utime(other, (1, 1))
+    current = tmp_path / names[1]  # an old folder, just loaded by this process
+    with open(tmp_path / names[2] / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another build in progress there
+        removed = build.prune(str(current), keep=4)
+    assert sorted(os.path.basename(p) for p in removed) == [names[0], names[3], names[4], names[5]]
+    assert sorted(os.listdir(tmp_path)) == sorted([names[1], names[2], "notes"] + names[6:])

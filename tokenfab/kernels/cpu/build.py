@@ -4,7 +4,9 @@
 into ``~/.cache/tokenfab/kernels/<torch version>-<cpu>-<digest of the checkout path and sources>`` (override with
 ``TOKENFAB_KERNEL_CACHE``), under an flock so concurrent processes build once. ``TOKENFAB_CPU_KERNELS=0`` disables
 the kernels; a failed build is recorded beside the build and not retried until the compiler changes, and
-:func:`load` then returns None (reason in :func:`load_error`) so every caller keeps its PyTorch path.
+:func:`load` then returns None (reason in :func:`load_error`) so every caller keeps its PyTorch path. Each source
+change or upgrade makes a new folder (about 7 MB): after a fresh build the cache keeps the ``KEEP_BUILDS`` most
+recently used and removes older ones (:func:`prune`).
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import json
 import logging
 import os
 import platform
+import re
+import shutil
 import threading
 
 import torch
@@ -22,6 +26,8 @@ _lock = threading.Lock()
 _module = None
 _tried = False
 _error: str | None = None
+KEEP_BUILDS = 6  # build folders the cache keeps after a fresh build, the most recently used (prune)
+_BUILD_NAME = re.compile(r"^torch.+-[0-9a-f]{10}-[0-9a-f]{10}$")  # _build_dir's names: nothing else is removed
 
 
 def _cpu_tag() -> str:
@@ -82,6 +88,10 @@ def load():
             else:
                 _module, _error = _build(build_dir)
                 if _module is not None:
+                    try:
+                        os.utime(build_dir)  # last use, which prune keeps the newest of
+                    except OSError:
+                        pass
                     from tokenfab.kernels.cpu import isa as cpu_isa
                     _module.set_isa_cap(cpu_isa.level_index())  # TOKENFAB_CPU_ISA (raises on a bad value)
                 if _module is not None and previous is not None:
@@ -186,11 +196,47 @@ def _build(build_dir: str):
         if fresh:
             print(f"[tokenfab] built the fused CPU kernels in {time.perf_counter() - t0:.0f} s", file=sys.stderr,
                   flush=True)
+            removed = prune(build_dir)
+            if removed:
+                log.info("[tokenfab] removed %d older kernel builds from %s", len(removed), os.path.dirname(build_dir))
         return module, None
     except Exception as e:  # no compiler, no ninja, headers missing: keep the PyTorch paths
         lines = str(e).strip().splitlines() or [""]
         first = next((l for l in lines if "error:" in l or "not found" in l), lines[-1])  # the compiler's first error
         return None, f"{type(e).__name__}: {first.strip()}"
+
+
+def prune(build_dir: str, keep: int = KEEP_BUILDS) -> list[str]:
+    """Remove the build folders beside ``build_dir`` (the cache root) past the ``keep`` most recently used (folder
+    mtime: :func:`load` touches its folder), never ``build_dir`` itself, never a folder whose build lock another
+    process holds (a build in progress; a process that loaded a build keeps its mapped library after the file is
+    gone), and only folders named as :func:`_build_dir` names them. Errors are ignored (a cache that cannot be
+    cleaned stays as it is). Returns the removed paths."""
+    root = os.path.dirname(os.path.abspath(build_dir))
+    try:
+        paths = [os.path.join(root, n) for n in os.listdir(root) if _BUILD_NAME.match(n)]
+        paths = [p for p in paths if os.path.isdir(p)]
+        paths.sort(key=os.path.getmtime, reverse=True)
+    except OSError:
+        return []
+    removed = []
+    for p in paths[keep:]:
+        if os.path.abspath(p) != os.path.abspath(build_dir) and _remove_unlocked(p):
+            removed.append(p)
+    return removed
+
+
+def _remove_unlocked(path: str) -> bool:
+    """Remove the build folder ``path`` while holding its build lock without waiting; False when another process
+    holds it (or on any error)."""
+    try:
+        import fcntl
+        with open(os.path.join(path, "build.flock"), "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(path)
+        return True
+    except (ImportError, OSError):
+        return False
 
 
 def load_error() -> str | None:
