@@ -177,8 +177,9 @@ class OutputProcessor:
             touched.pop(rid, None)
             outputs.append(eng._fail_request(req, e))
         for req in touched.values():
-            outputs.append(self.make_output(req))
-            if req.finished:
+            out = self.make_output(req)
+            outputs.append(out)
+            if out.finished:
                 eng.requests.pop(req.request_id, None)
                 eng.stats["requests_finished_total"] += 1
         return outputs
@@ -187,10 +188,11 @@ class OutputProcessor:
         """The text of ``seq``'s new token; a stop string ends the sequence (or becomes the reason of a sequence
         :meth:`advance` finished on this token); a finished sequence's held-back text is flushed."""
         detok = req.detoks[seq.index]
-        check = seq.num_output_tokens >= seq.params.min_tokens  # below min_tokens no stop string is searched
-        _, stop_str = detok.update(seq.output_token_ids, check)
+        ids = seq.output_token_ids
+        check = len(ids) >= seq.params.min_tokens  # below min_tokens no stop string is searched
+        _, stop_str = detok.update(ids, check)
         if stop_str is None and seq.is_finished:  # flush text held for an incomplete character (it may end a stop)
-            _, stop_str = detok.finish(seq.output_token_ids, check)
+            _, stop_str = detok.finish(ids, check)
         if stop_str is None:
             return
         seq.stop_reason = stop_str
@@ -202,22 +204,28 @@ class OutputProcessor:
     def make_output(self, req) -> RequestOutput:
         """The RequestOutput of ``req`` now (cumulative token ids and text; the text held back for stop strings
         while it runs)."""
+        seqs = req.seqs
         outs = []
-        for s, d in zip(req.seqs, req.detoks):
+        finished = True
+        for s, d in zip(seqs, req.detoks):
+            done = s.is_finished
+            finished = finished and done
+            lp = s.params.logprobs is not None
             outs.append(CompletionOutput(
-                index=s.index, text=d.text if s.is_finished else d.visible_text(), token_ids=s.output_token_ids,
-                logprobs=s.output_logprobs if s.params.logprobs is not None else None,
-                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                index=s.index, text=d.text if done else d.visible_text(), token_ids=s.output_token_ids,
+                logprobs=s.output_logprobs if lp else None, cumulative_logprob=s.cumulative_logprob if lp else None,
                 finish_reason=s.finish_reason, stop_reason=s.stop_reason))
         m = req.metrics
-        firsts = [s.first_token_time for s in req.seqs if s.first_token_time is not None]
-        m.first_token_time = min(firsts) if firsts else None
-        sched = [s.first_scheduled_time for s in req.seqs if s.first_scheduled_time is not None]
-        m.first_scheduled_time = min(sched) if sched else None
-        m.num_preemptions = sum(s.num_preemptions for s in req.seqs)
-        if req.finished:
+        # the earliest first token / first schedule of the request's sequences: once set, later ones cannot lower it
+        if m.first_token_time is None:
+            firsts = [s.first_token_time for s in seqs if s.first_token_time is not None]
+            m.first_token_time = min(firsts) if firsts else None
+        if m.first_scheduled_time is None:
+            sched = [s.first_scheduled_time for s in seqs if s.first_scheduled_time is not None]
+            m.first_scheduled_time = min(sched) if sched else None
+        m.num_preemptions = seqs[0].num_preemptions if len(seqs) == 1 else sum(s.num_preemptions for s in seqs)
+        if finished:
             m.finished_time = time.monotonic()
-        s0 = req.seqs[0]
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids,
-                             outputs=outs, finished=req.finished, prompt_logprobs=s0.prompt_logprobs,
+                             outputs=outs, finished=finished, prompt_logprobs=seqs[0].prompt_logprobs,
                              metrics=m, error=req.error)
