@@ -77,7 +77,8 @@ class AsyncScheduling:
     def __init__(self, engine):
         self.eng = engine
         self.inflight = None  # (ScheduledBatch, StepOutput) launched, not yet placed
-        self._placed = None  # (StepOutput, [(row j of its draw, sequence, finished by length)]) awaiting its ids
+        # (StepOutput, [(row j of its draw, sequence, finished by length, its row then)]) awaiting its ids
+        self._placed = None
         self.steps_ahead = 0  # steps launched before their predecessor's ids were on the host (tests, stats)
 
     def can_place(self, batch, out) -> bool:
