@@ -37,7 +37,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tokenfab.engine.output_processor import length_reached
 from tokenfab.engine.overlap_setting import overlap_setting
+from tokenfab.errors import UnsupportedError
 
 
 def async_scheduling_enabled(device: torch.device) -> bool:
@@ -48,6 +50,18 @@ def async_scheduling_enabled(device: torch.device) -> bool:
         EngineConfigError: any other value.
     """
     return overlap_setting("TOKENFAB_ASYNC_SCHEDULING", device)
+
+
+def refuse_unsupported(speculative: bool, tensor_parallel: bool) -> None:
+    """Refuse async scheduling asked for beside speculative decoding or tensor parallel.
+
+    Raises:
+        UnsupportedError: either is set (the drafters and the workers need each step's ids on the host).
+    """
+    if speculative or tensor_parallel:
+        raise UnsupportedError("async_scheduling=True does not run with speculative decoding or tensor parallel "
+                               "(tensor_parallel_size > 1): the drafters and the workers need each step's ids on the "
+                               "host; leave async_scheduling unset or false.")
 
 
 def fill_placeholders(ids: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
@@ -110,9 +124,7 @@ class AsyncScheduling:
             rows.append(seq.row)
             pos.append(seq.num_tokens - 1)
             ph.append(-1 - j)
-            p = seq.params
-            by_length = ((p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens)
-                         or seq.num_tokens >= max_len)
+            by_length = length_reached(seq, max_len)
             entries.append((j, seq, by_length, seq.row))
             if by_length:
                 eng.scheduler.finish(seq, "length")  # frees its row and blocks now: the next schedule may use them

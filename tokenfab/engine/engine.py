@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tokenfab.engine.async_scheduling import AsyncScheduling, async_scheduling_enabled
+from tokenfab.engine.async_scheduling import AsyncScheduling, async_scheduling_enabled, refuse_unsupported
 from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.detokenizer import IncrementalDetokenizer
 from tokenfab.engine.engine_config import EngineConfig
@@ -145,11 +145,8 @@ class LLMEngine:
         from tokenfab.quant.packed_experts import check_setting
         check_setting()  # TOKENFAB_PACKED_EXPERTS typos, before loading
         async_scheduling_enabled(torch.device("cpu"))  # TOKENFAB_ASYNC_SCHEDULING typos, before loading
-        if getattr(config, "async_scheduling", None) and (config.speculative_config is not None
-                                                          or config.tensor_parallel_size != 1):
-            raise UnsupportedError("async_scheduling=True does not run with speculative decoding or "
-                                   "tensor_parallel_size > 1 (the drafters and the workers need each step's ids on "
-                                   "the host); leave async_scheduling unset or false.")
+        if getattr(config, "async_scheduling", None):
+            refuse_unsupported(config.speculative_config is not None, config.tensor_parallel_size != 1)
         triton_support.check_env()
         if config.tensor_parallel_size != 1:
             from tokenfab.parallel.launcher import load_tensor_parallel
@@ -330,14 +327,10 @@ class LLMEngine:
             if not flushed and self.scheduler.waiting and not self.scheduler.running:  # a valid pool never gets here
                 raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
             return flushed
-        now = time.monotonic()
-        for s in batch.admitted:
-            if s.first_scheduled_time is None:
-                s.first_scheduled_time = now
+        self._stamp_scheduled(batch)
         outputs: list[RequestOutput] = []
         try:
-            self.runner.admit(batch.admitted)
-            out = self.runner.execute(batch) if self.tp_group is None else self.tp_group.execute(self.runner, batch)
+            out = self._run(batch)
             outputs = self._flush()  # the previous step's text and outputs while the device runs this one
             if out.sampler_output is not None:
                 out.sampler_output.wait()  # the step's one wait: its sampled ids (a device error surfaces here)
@@ -361,9 +354,7 @@ class LLMEngine:
         Raises:
             UnsupportedError: ``on`` with speculative decoding or tensor parallel (engine/async_scheduling.py)."""
         if on:
-            if self.spec is not None or self.tp_group is not None:
-                raise UnsupportedError("async scheduling does not run with speculative decoding or tensor parallel "
-                                       "(the drafters and the workers need each step's ids on the host).")
+            refuse_unsupported(self.spec is not None, self.tp_group is not None)
             if self.ahead is None:
                 self._ready = self._flush()
                 self.ahead = AsyncScheduling(self)
@@ -390,14 +381,10 @@ class LLMEngine:
                 prev = None
         batch = self.scheduler.schedule()
         if batch.seqs:
-            now = time.monotonic()
-            for s in batch.admitted:
-                if s.first_scheduled_time is None:
-                    s.first_scheduled_time = now
+            self._stamp_scheduled(batch)
             try:
-                self.runner.admit(batch.admitted)
                 self.runner.placeholder_source = source
-                out = self.runner.execute(batch)
+                out = self._run(batch)
             except Exception as exc:  # as in step(): find the failing sequences, fail their requests alone
                 self.runner.placeholder_source = None
                 outputs += self.outputs.emit(ahead.fill())
@@ -410,6 +397,14 @@ class LLMEngine:
         elif prev is None and self.scheduler.waiting and not self.scheduler.running:  # a valid pool never gets here
             raise RuntimeError("scheduler made no progress: KV pool too small for the waiting request")
         return outputs + self.outputs.emit(ahead.fill())
+
+    @staticmethod
+    def _stamp_scheduled(batch: ScheduledBatch) -> None:
+        """The first-scheduled time of the sequences ``batch`` admits for the first time (metrics)."""
+        now = time.monotonic()
+        for s in batch.admitted:
+            if s.first_scheduled_time is None:
+                s.first_scheduled_time = now
 
     def _run(self, batch: ScheduledBatch) -> StepOutput:
         """Write admitted sequences' tokens and run the forward + sampling of ``batch`` (no sequence state

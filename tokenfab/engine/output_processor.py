@@ -40,6 +40,13 @@ def async_output_enabled(device: torch.device) -> bool:
     return overlap_setting("TOKENFAB_ASYNC_OUTPUT", device)
 
 
+def length_reached(seq, max_model_len: int) -> bool:
+    """Whether ``seq`` (its last token counted) reached its ``max_tokens`` or the model length: the stop rule that
+    needs no token id (async scheduling applies it before the id arrives)."""
+    p = seq.params
+    return (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or seq.num_tokens >= max_model_len
+
+
 class OutputProcessor:
     """The two halves of a step's output processing for an :class:`~tokenfab.engine.engine.LLMEngine` (its requests,
     scheduler, runner, counters, EOS ids and model length)."""
@@ -131,8 +138,7 @@ class OutputProcessor:
                 if reason is not None:
                     seq.finish_reason, seq.stop_reason = reason, stop_reason
             else:
-                if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
-                                       or seq.num_tokens >= max_len):
+                if reason is None and length_reached(seq, max_len):
                     reason = "length"
                 if reason is not None:
                     seq.stop_reason = stop_reason

@@ -34,7 +34,7 @@ class SamplerOutput:
     top_ids: torch.Tensor | None
     top_logprobs: torch.Tensor | None
     ranks: torch.Tensor | None = None
-    ready: object | None = None  # a CUDA event: token_ids (a pinned buffer) hold the draw once it completed
+    ready: object | None = None  # a CUDA event: the fields (pinned host tensors) hold the draw once it completed
     device_ids: torch.Tensor | None = None  # [N] int64 the drawn ids where they were drawn (GPU), or None
 
     def wait(self) -> None:
@@ -43,7 +43,6 @@ class SamplerOutput:
         outputs made on the host."""
         if self.ready is not None:
             self.ready.synchronize()
-            self.token_ids = self.token_ids.clone()  # the pinned buffer is the next step's
             self.ready = None
 
 
@@ -125,9 +124,6 @@ class Sampler:
         # the C++ draw (cpu_kernels.sample_plain) for plain rows; the model runner sets it to whether its device is the
         # CPU: a GPU engine samples its (CPU-side) logits in PyTorch and never builds the CPU kernels for it
         self.use_cpu_kernels = True
-        # draw_on_device's host buffers for the ids (CUDA), used in turn
-        self._pinned_ids: list[torch.Tensor | None] = [None, None]
-        self._pinned_turn = 0
 
     def _uniforms(self, seqs: list[Sequence]) -> torch.Tensor:
         """One uniform in [0, 1) per row: unseeded rows from one call on the engine's RNG, seeded rows from the
@@ -208,7 +204,7 @@ class Sampler:
         processors' row state stays on the host and reaches the device by non-blocking copies
         (:meth:`LogitsProcessorState.apply`), the draw is :meth:`__call__`'s, so the tokens and logprobs are the
         host sampler's up to the device's float rounding. Only the ids (and the logprobs asked for) come back:
-        SamplerOutput on the CPU, the ids through the pinned buffer (:meth:`SamplerOutput.wait`)."""
+        SamplerOutput on the CPU through pinned tensors (:meth:`_to_host`, :meth:`SamplerOutput.wait`)."""
         out = self(logits, seqs, raw_logits=raw_logits, rows=rows, lengths=lengths)
         if out.logprobs is None:
             return self._ids_to_host(out.token_ids)
@@ -216,10 +212,11 @@ class Sampler:
 
     @staticmethod
     def _to_host(out: SamplerOutput) -> SamplerOutput:
-        """``out`` (device tensors: ids with their logprobs, ranks, top ids / logprobs) on the host: on CUDA copied
-        into fresh pinned tensors (PyTorch's caching host allocator) without waiting, an event marking the copies
-        (:meth:`SamplerOutput.wait`), so a step with logprobs rows launches without draining the device; elsewhere
-        plain copies."""
+        """``out`` (device tensors: ids, and any logprobs, ranks, top ids / logprobs) on the host: on CUDA copied
+        into fresh pinned tensors (PyTorch's caching host allocator, which reuses a block only once the copies into
+        it completed) without waiting, an event marking the copies (:meth:`SamplerOutput.wait`), so a step launches
+        without draining the device and, with async scheduling, the next step's copy never lands in a buffer this
+        one is still read from; elsewhere plain copies."""
         fields = (out.token_ids, out.logprobs, out.top_ids, out.top_logprobs, out.ranks)
         if out.token_ids.device.type != "cuda":
             return SamplerOutput(*(None if t is None else t.cpu() for t in fields))
@@ -236,21 +233,8 @@ class Sampler:
         return SamplerOutput(*host, ready=ready, device_ids=out.token_ids)
 
     def _ids_to_host(self, ids: torch.Tensor) -> SamplerOutput:
-        """SamplerOutput of device ids [N] int64: on CUDA copied into a pinned host buffer without waiting (an
-        event marks the copy; :meth:`SamplerOutput.wait` waits for it), elsewhere a plain copy."""
-        if ids.device.type != "cuda":
-            return SamplerOutput(ids.cpu(), None, None, None)
-        n = ids.shape[0]
-        # two pinned buffers in turn: with async scheduling the next step's copy is queued before this one is read
-        self._pinned_turn ^= 1
-        buf = self._pinned_ids[self._pinned_turn]
-        if buf is None or buf.shape[0] < n:
-            buf = self._pinned_ids[self._pinned_turn] = torch.empty(max(n, 256), dtype=torch.int64, pin_memory=True)
-        host = buf[:n]
-        host.copy_(ids, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return SamplerOutput(host, None, None, None, ready=ready, device_ids=ids)
+        """SamplerOutput of device ids [N] int64 on the host (:meth:`_to_host`: on CUDA without waiting)."""
+        return self._to_host(SamplerOutput(ids, None, None, None))
 
     @staticmethod
     def _sorted_draw(logits: torch.Tensor, params: list, u: torch.Tensor) -> torch.Tensor:
