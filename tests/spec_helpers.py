@@ -1,4 +1,4 @@
-"""Shared pieces of the speculative-decoding tests (test_spec_decode.py, test_spec_mtp.py, test_spec_rollback.py):
+"""Shared pieces of the speculative-decoding tests (test_spec_decode.py, test_spec_mtp.py, test_spec_state_commit.py):
 an n-gram config that drafts k every step, prompts with repeats, a random drafter and the token histograms the
 distribution tests compare.
 

@@ -5,7 +5,8 @@ used float32 dots only because the interpreter has no bfloat16 also compile in t
 short greedy runs of tiny models on the GPU code path (tests/test_gpu_kernel_count.py's setting: dense Llama, Qwen3-
 MoE, DeepSeek-V3 with MLA and a shared expert, Kimi Linear with KDA, DeepSeek-V3 with FP8 block-scaled weights and
 with INT4 / MXFP4 routed experts), prefill and decode of two
-sequences (and of one for FP8's one-row linears), in float32 and bfloat16.
+sequences (and of one for FP8's one-row linears), in float32 and bfloat16; Kimi Linear also with speculation (random
+drafts), so its KDA kernels compile in the form that holds verification rows' states (engine/state_commit.py).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="
 
 
 def test_gpu_path_kernels_compile_for_sm90_and_gfx942(monkeypatch, tiny_model, tmp_path, tokenizer_dir):
+    from spec_helpers import NGRAM, RandomProposer
     from test_kimi_linear import make_kimi_linear
     from tokenfab import LLM, SamplingParams
     from tokenfab.kernels.cpu import build as cpu_build
@@ -31,19 +33,28 @@ def test_gpu_path_kernels_compile_for_sm90_and_gfx942(monkeypatch, tiny_model, t
     from tokenfab.testing.fp8_checkpoint import write_fp8_checkpoint
     from tokenfab.testing.packed_experts_checkpoint import write_packed_experts_checkpoint
     ds = tiny_model("deepseek_v3", num_hidden_layers=2)
+    kl = make_kimi_linear(str(tmp_path / "kl"), tokenizer_dir, seed=3)
     models = [(tiny_model("llama", num_hidden_layers=2), "float32"), (tiny_model("qwen3_moe", num_hidden_layers=2),
-              "bfloat16"), (ds, "bfloat16"), (make_kimi_linear(str(tmp_path / "kl"), tokenizer_dir, seed=3), "bfloat16"),
+              "bfloat16"), (ds, "bfloat16"), (kl, "bfloat16"), (kl, "bfloat16-ngram"),
               (write_fp8_checkpoint(ds, str(tmp_path / "fp8")), "bfloat16")]
     models += [(write_packed_experts_checkpoint(ds, str(tmp_path / fmt), fmt), "bfloat16") for fmt in ("int4", "mxfp4")]
     with LaunchRecorder() as rec:
         for path, dtype in models:
-            llm = LLM(path, dtype=dtype, max_model_len=64, block_size=8, progress=False)
+            spec = NGRAM if dtype.endswith("-ngram") else None
+            llm = LLM(path, dtype=dtype.removesuffix("-ngram"), max_model_len=64, block_size=8, progress=False,
+                      speculative_config=spec)
+            if spec is not None:  # drafts at every step
+                llm.llm_engine.spec.proposer = RandomProposer(2, llm.llm_engine.model_config.vocab_size)
             sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
             llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 7]}, {"prompt_token_ids": [6, 2]}], sp)
+            if spec is not None:
+                assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
             if "fp8" in path:  # one row: the FP8 linears' GEMV path
                 llm.generate([{"prompt_token_ids": list(range(3, 40))}], sp)
     names = {l["name"] for l in rec.launches}
     assert {"_rms_norm_kernel", "_short_conv_kernel", "_kda_recurrent_kernel", "_grouped_gemm"} <= names, names
+    held = {l["name"] for l in rec.launches if l["constexprs"].get("HOLD")}
+    assert held == {"_short_conv_kernel", "_kda_recurrent_kernel"}, held
     print(f"{len(rec.launches)} distinct launches of {len(names)} kernels: {sorted(names)}")
     launches = gpu_variants(rec.launches)  # + the 16-bit dots a GPU runs where the interpreter used float32 ones
     print(f"{len(launches)} launches compiled per target")

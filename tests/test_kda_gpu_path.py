@@ -127,7 +127,7 @@ def test_speculative_rows_on_gpu_path(monkeypatch, no_cpu_kernels, hybrid_paths)
     llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False, speculative_config=NGRAM)
     assert token_ids(llm.generate(spec_prompts(), sp, use_tqdm=False)) == base
     st = llm.llm_engine.get_stats()
-    # drafts rejected: their rows rolled back to fewer tokens than they ran (a wrong roll back changes later tokens)
+    # drafts rejected: their rows committed fewer tokens than they ran (a wrong commit changes later tokens)
     assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_accepted_tokens"] < st[
         "spec_decode_num_draft_tokens"], st
     assert max(widths) > 1  # verification rows (1 + k tokens a sequence) went through the conv kernel

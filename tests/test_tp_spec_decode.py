@@ -6,7 +6,7 @@ single-rank run without speculation.
   gathered across ranks are exactly the plain ones); four prompts of 7..34 tokens and a 16-token step budget, so
   verification rows share steps with prefill chunks.
 * Kimi Linear (5 KDA heads split 3 + 2) at N = 2: n-gram drafts, then drafts from the known continuation with one
-  wrong token at varying positions; each rank rolls back its own heads' KDA state (the roll back is broadcast).
+  wrong token at varying positions; each rank commits its own heads' KDA state (the commit is broadcast).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 
 from spec_helpers import NGRAM, spec_prompts, token_ids
 from test_kimi_linear import make_kimi_linear
-from test_spec_rollback import OracleProposer
+from test_spec_state_commit import OracleProposer
 from tokenfab import LLM, SamplingParams
 
 os.environ.setdefault("TOKENFAB_TP_TIMEOUT", "120")  # a broken test fails instead of hanging
@@ -59,7 +59,7 @@ def test_tp_greedy_identical_with_ngram_and_draft_model(tiny_model, n):
     assert st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
 
 
-def test_tp2_kimi_linear_greedy_identical_with_state_roll_back(tmp_path, tokenizer_dir):
+def test_tp2_kimi_linear_greedy_identical_with_state_commit(tmp_path, tokenizer_dir):
     path = make_kimi_linear(str(tmp_path / "kl5"), tokenizer_dir, seed=11, linear_num_heads=5)
     base = _base("kimi_linear", path)
     expected = {len(p["prompt_token_ids"]): b for p, b in zip(spec_prompts(), base)}
@@ -68,4 +68,4 @@ def test_tp2_kimi_linear_greedy_identical_with_state_roll_back(tmp_path, tokeniz
     toks, st = _generate(path, 2, NGRAM, lambda eng: OracleProposer(expected, eng.model_config.vocab_size))
     assert toks == base
     per_pos = st["spec_decode_num_accepted_tokens_per_pos"]
-    assert per_pos[0] > per_pos[2] > 0  # rows accepted 0..3 drafts: states rolled back by 0..3 tokens
+    assert per_pos[0] > per_pos[2] > 0  # rows accepted 0..3 drafts: states committed after 1..4 tokens

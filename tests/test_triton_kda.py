@@ -165,10 +165,14 @@ def group(token_index: list[list[int]], query_pos: list[list[int]]):
     return AttentionGroup(ti, qp, torch.zeros(B, 1, dtype=torch.int64), (qp.max(1).values + 1), Q, Q)
 
 
-def two_steps(layer, chunk_stand_in=None):
+def two_steps(layer, plain_kept: bool = False):
     """Step 1: one carried sequence decodes (slot 2) while two fresh ones prefill 70 and 5 tokens (slots 0, 3);
-    step 2: the three decode as speculative rows 0 and 2 (state kept for roll back); step 3: they decode again,
-    plainly. Returns the outputs, the caches and the pending entries."""
+    step 2: slots 2 and 3 verify two tokens each (states held) beside slot 0's plain decode, then the commit keeps
+    1 and 2 of them; step 3: the three decode again, plainly. ``plain_kept``: step 2 runs only the kept tokens,
+    without holding, and no commit follows (what the commit must equal). Returns the outputs and the cache."""
+    import numpy as np
+
+    from tokenfab.engine.state_commit import commit
     from tokenfab.layers.attention_metadata import AttentionMetadata
     g = torch.Generator().manual_seed(5)
     cache = layer.make_state_cache(5, torch.float32, "cpu")
@@ -179,15 +183,41 @@ def two_steps(layer, chunk_stand_in=None):
                 [list(range(70)), list(range(5)) + [-1] * 65])
     m1 = AttentionMetadata(torch.zeros(76, dtype=torch.int64), group([[0]], [[40]]), pre, 76, 8,
                            state_rows=torch.tensor([2, 0, 3]))
-    x2 = torch.randn(3, 24, generator=g)
-    m2 = AttentionMetadata(torch.zeros(3, dtype=torch.int64), group([[0], [1], [2]], [[41], [70], [5]]), None, 3, 8,
-                           state_rows=torch.tensor([2, 0, 3]), state_keep=torch.tensor([True, False, True]))
+    x2 = torch.randn(5, 24, generator=g)
+    rows2 = torch.tensor([2, 0, 3])
+    if plain_kept:
+        m2 = AttentionMetadata(torch.zeros(5, dtype=torch.int64), group([[0, 1], [2, 5], [3, 4]],
+                                                                        [[41, -1], [70, -1], [5, 6]]), None, 5, 8,
+                               state_rows=rows2)
+    else:
+        m2 = AttentionMetadata(torch.zeros(5, dtype=torch.int64), group([[0, 1], [2, 5], [3, 4]],
+                                                                        [[41, 42], [70, -1], [5, 6]]), None, 5, 8,
+                               state_rows=rows2, state_hold=torch.tensor([True, False, True]))
     x3 = torch.randn(3, 24, generator=g)
-    m3 = AttentionMetadata(torch.zeros(3, dtype=torch.int64), group([[0], [1], [2]], [[42], [71], [6]]), None, 3, 8,
+    m3 = AttentionMetadata(torch.zeros(3, dtype=torch.int64), group([[0], [1], [2]], [[42], [71], [7]]), None, 3, 8,
                            state_rows=torch.tensor([2, 0, 3]))
     with torch.no_grad():
-        outs = [layer(None, x1, cache, m1), layer(None, x2, cache, m2), layer(None, x3, cache, m3)]
+        outs = [layer(None, x1, cache, m1), layer(None, x2, cache, m2)]
+        if not plain_kept:
+            assert len(cache.deferred) == 1
+            assert commit([cache], torch.tensor([3, 2]), torch.tensor([2, 1])) == 2
+            assert not cache.deferred
+        outs.append(layer(None, x3, cache, m3))
+    outs[1] = outs[1][[0, 2, 3, 4]]  # the dropped token (row 1): not compared
     return outs, cache
+
+
+def test_commit_equals_a_plain_step_over_the_kept_tokens():
+    """The PyTorch path: a held verification step then a commit of its first 1 and 2 tokens leaves the states a
+    plain step over those tokens alone leaves (and so the next step's outputs); holding without the commit does
+    not (the comparison can fail)."""
+    layer = make_layer(None, False)
+    got, got_cache = two_steps(layer)
+    want, want_cache = two_steps(layer, plain_kept=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **TOL)
+    torch.testing.assert_close(got_cache.recurrent, want_cache.recurrent, **TOL)
+    torch.testing.assert_close(got_cache.conv, want_cache.conv, **TOL)
 
 
 @pytest.mark.parametrize("lower_bound,full_rank_gate", [(None, False), (-5.0, True)])
@@ -195,7 +225,8 @@ def two_steps(layer, chunk_stand_in=None):
 def test_layer_gpu_path_matches_pytorch_path(monkeypatch, lower_bound, full_rank_gate, prefill):
     """The KDA layer on the GPU code path (its projections joined as after loading; the short-conv kernel, the
     recurrence kernel and the gated-norm kernel) against its PyTorch path with separate projections (the
-    reference): outputs, conv and recurrent slots and the speculative rows' pending entries. ``chunk_*``: the 70-token prefill group takes the chunked
+    reference): outputs and conv and recurrent slots, through a held verification step and its commit. ``chunk_*``:
+    the 70-token prefill group takes the chunked
     branch (kernels/gpu/kda_chunk.py), with fla's chunk_kda (which does not run in Triton's interpreter) replaced
     by a stand-in following its documented contract: layers/kda.py's chunked form, or fla's fused_recurrent_kda
     (it does run in the interpreter) called with the same tensor mapping (skipped without fla-core)."""
@@ -230,9 +261,6 @@ def test_layer_gpu_path_matches_pytorch_path(monkeypatch, lower_bound, full_rank
         torch.testing.assert_close(a, b, **TOL)
     torch.testing.assert_close(got_cache.recurrent, want_cache.recurrent, **TOL)
     torch.testing.assert_close(got_cache.conv, want_cache.conv, **TOL)
-    assert len(got_cache.pending) == len(want_cache.pending) == 1
-    for name in ("rows", "num_tokens", "conv_window", "state", "k", "v", "g", "beta"):
-        torch.testing.assert_close(getattr(got_cache.pending[0], name), getattr(want_cache.pending[0], name), **TOL)
 
 
 def test_chunk_path_never_on_cpu(monkeypatch):
@@ -248,14 +276,15 @@ def test_chunk_path_never_on_cpu(monkeypatch):
 
 
 def test_verification_rows_read_nothing_from_the_device(monkeypatch):
-    """With the kept rows, token counts and rows on the host (``state_keep_host`` / ``num_new_host`` /
-    ``state_rows_host``, as the runner gives them), a verification step's KDA layer on the GPU path decides and sizes
-    its kept states, and the roll back after it selects and replays, without a host read of a device value (one per
-    layer would drain a GPU's queue), running the short-conv kernel for the group; the kept entries and the
-    rolled-back states equal those of the same step without them (the PyTorch conv; both read the device, which the
-    counter sees)."""
+    """On the GPU path a verification step's KDA layer holds its rows' states with no host read of a device value
+    (one per layer would drain a GPU's queue): the short-conv and recurrence kernels skip the held rows' stores. With
+    the rows, their hold flags and token counts on the host (``state_hold_host`` / ``num_new_host`` /
+    ``state_rows_host``, as the runner gives them) the commit after it selects and checks its rows without one too,
+    in two kernel launches (without them it reads the device, which the counter sees). The committed states equal a
+    plain step's over the kept tokens alone."""
     import numpy as np
-    from tokenfab.engine.state_rollback import roll_back
+
+    from tokenfab.engine.state_commit import commit
     from tokenfab.layers.attention_metadata import AttentionMetadata
     from tokenfab.testing.kernel_count import KernelCounter
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -264,32 +293,41 @@ def test_verification_rows_read_nothing_from_the_device(monkeypatch):
     layer.fuse()
     g = torch.Generator().manual_seed(8)
     x = torch.randn(7, 24, generator=g)
-    pending, rolled = [], []
-    for host in (False, True):
+    state1 = torch.randn(layer.make_state_cache(1, torch.float32, "cpu").recurrent[0].shape,
+                         generator=torch.Generator().manual_seed(1)) * 0.3
+    rows_np, kept_np = np.array([1, 3]), np.array([2, 1])  # row 1 keeps 2 of its 3 tokens, row 3 1 of 2
+    states = []
+    for host in (False, True, "plain"):
         cache = layer.make_state_cache(5, torch.float32, "cpu")
-        cache.recurrent[1] = torch.randn(cache.recurrent[1].shape, generator=torch.Generator().manual_seed(1)) * 0.3
-        keep = np.array([True, False, True])
+        cache.recurrent[1] = state1
+        hold = np.array([True, False, True])
+        if host == "plain":  # the kept tokens alone, nothing held
+            qp = [[9, 10, -1], [4, 5, -1], [0, -1, -1]]
+            extra = {}
+        else:
+            qp = [[9, 10, 11], [4, 5, -1], [0, 1, -1]]
+            extra = dict(state_hold=torch.from_numpy(hold), state_hold_host=hold if host else None,
+                         num_new_host=np.array([3, 2, 2]) if host else None,
+                         state_rows_host=np.array([1, 0, 3]) if host else None)
         meta = AttentionMetadata(torch.zeros(7, dtype=torch.int64), None,
-                                 group([[0, 1, 2], [3, 4, 7], [5, 6, 7]], [[9, 10, 11], [4, 5, -1], [0, 1, -1]]),
-                                 7, 8, state_rows=torch.tensor([1, 0, 3]), state_keep=torch.from_numpy(keep),
-                                 state_keep_host=keep if host else None,
-                                 num_new_host=np.array([3, 2, 2]) if host else None,
-                                 state_rows_host=np.array([1, 0, 3]) if host else None)
+                                 group([[0, 1, 2], [3, 4, 7], [5, 6, 7]], qp), 7, 8,
+                                 state_rows=torch.tensor([1, 0, 3]), **extra)
         kc = KernelCounter()
         with kc, kc.scope("kda"), torch.no_grad():
             layer(None, x, cache, meta)
-        assert bool(kc.syncs) != host, kc.syncs
-        # with the host copies the group takes the conv kernel too (old conv states gathered before it)
-        assert kc.counts["kda"]["triton:_short_conv_kernel"] == int(host), kc.counts
-        pending.append(cache.pending[0])
-        rows_np, kept_np = np.array([1, 3]), np.array([2, 1])  # row 1 keeps 2 of its 3 tokens, row 3 1 of 2
-        kc = KernelCounter()
-        with kc, kc.scope("roll back"), torch.no_grad():
-            done = roll_back([cache], torch.from_numpy(rows_np), torch.from_numpy(kept_np),
-                             *((rows_np, kept_np) if host else ()))
-        assert done == 2 and bool(kc.syncs) != host, kc.syncs
-        rolled.append((cache.conv.clone(), cache.recurrent.clone()))
-    for name in ("rows", "num_tokens", "conv_window", "state", "k", "v", "g", "beta"):
-        torch.testing.assert_close(getattr(pending[1], name), getattr(pending[0], name), **TOL)
-    for a, b in zip(rolled[1], rolled[0]):
-        torch.testing.assert_close(a, b, **TOL)
+        assert not kc.syncs, kc.syncs
+        assert kc.counts["kda"]["triton:_short_conv_kernel"] == kc.counts["kda"]["triton:_kda_recurrent_kernel"] == 1
+        if host != "plain":
+            assert torch.equal(cache.recurrent[1], state1) and not cache.recurrent[3].any()  # held: unwritten
+            assert cache.recurrent[0].any()  # the plain row's state written
+            kc = KernelCounter()
+            with kc, kc.scope("commit"), torch.no_grad():
+                done = commit([cache], torch.from_numpy(rows_np), torch.from_numpy(kept_np),
+                              *((rows_np, kept_np) if host else ()))
+            assert done == 2 and bool(kc.syncs) != bool(host), kc.syncs
+            c = kc.counts["commit"]
+            assert c["triton:_short_conv_kernel"] == c["triton:_kda_recurrent_kernel"] == 1, c
+        states.append((cache.conv.clone(), cache.recurrent.clone()))
+    for got in states[:2]:
+        for a, b in zip(got, states[2]):
+            torch.testing.assert_close(a, b, **TOL)

@@ -28,7 +28,7 @@ from tokenfab.engine.logits_state import LogitsProcessorState
 from tokenfab.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.state_cache import KDAStateCache
-from tokenfab.engine.state_rollback import clear_pending, roll_back
+from tokenfab.engine.state_commit import clear_deferred, commit
 from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.kernels.gpu import support as triton_support
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
@@ -216,7 +216,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray, input_ids: np.ndarray,
                 logit_idx: np.ndarray, derived: tuple | None = None,
-                rows: np.ndarray | None = None, keep: np.ndarray | None = None,
+                rows: np.ndarray | None = None, hold: np.ndarray | None = None,
                 modules: bool = False, on_device: bool = False) -> torch.Tensor | None:
         """Run the model on one step's flat batch; logits [len(logit_idx), vocab] float32 on CPU (``on_device``:
         left on the model's device), or None.
@@ -225,11 +225,11 @@ class ModelRunner:
         this step / already in the cache per sequence; ``bt`` [B, >= blocks needed] block tables; ``input_ids`` [T];
         ``logit_idx`` [L] flat-batch rows whose logits are wanted. ``derived`` = (T, starts, req_idx, positions)
         when the caller has them. Tensor-parallel workers call this with the arrays rank 0 broadcast. ``rows`` [B]:
-        scheduler rows, the recurrent-state slots of hybrid (KDA) models; required by those models only. ``keep``
-        [B] bool: speculative verification rows whose KDA state :meth:`roll_back_state` may roll back after this
-        step (hybrid models; None: no row). ``modules``: run through the model's modules even where the decode
-        graphs or the fused CPU stack would apply (tensor-parallel workers, when rank 0 taps layer outputs: every
-        rank must pad its batch alike, :meth:`uses_modules`).
+        scheduler rows, the recurrent-state slots of hybrid (KDA) models; required by those models only.
+        ``hold`` [B] bool: speculative verification rows whose KDA states the step holds until
+        :meth:`commit_state` (hybrid models; None: no row). ``modules``: run through the model's modules even where
+        the decode graphs or the fused CPU stack would apply (tensor-parallel workers, when rank 0 taps layer
+        outputs: every rank must pad its batch alike, :meth:`uses_modules`).
         """
         B = len(num_new)
         if derived is None:
@@ -241,7 +241,7 @@ class ModelRunner:
             T, starts, req_idx, positions = derived
         slots = self._slots(bt, req_idx, positions)
         if self.state_caches:
-            clear_pending(self.state_caches)
+            clear_deferred(self.state_caches)
         src = self.placeholder_source
         if src is not None and not (input_ids < 0).any():
             src = None  # no placeholder in this step's ids
@@ -281,9 +281,9 @@ class ModelRunner:
             meta = AttentionMetadata(
                 slot_mapping=slot_t, decode=made[0], prefill=made[1], num_tokens=T, block_size=self.block_size,
                 state_rows=None if rows is None else staged[4],
-                state_keep=None if keep is None else torch.from_numpy(keep).to(self.device, non_blocking=True),
-                state_keep_host=keep, num_new_host=None if keep is None else num_new,
-                state_rows_host=None if keep is None else rows)
+                state_hold=None if hold is None else torch.from_numpy(hold).to(self.device, non_blocking=True),
+                state_hold_host=hold, num_new_host=None if hold is None else num_new,
+                state_rows_host=None if hold is None else rows)
             hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
             logit_sel = logit_t if pick else None
         if self.capture is not None:
@@ -318,22 +318,23 @@ class ModelRunner:
         self._hidden_now = None
         self.captured = CapturedHidden(list(seqs), rows, req_idx, positions, hidden, taps)
 
-    def roll_back_state(self, rows: np.ndarray, kept: np.ndarray) -> int:
-        """After a verification step of a hybrid model: make the KDA state of each row in ``rows`` [N] int64 the
-        state after its first ``kept`` [N] int64 tokens of that step (engine/state_rollback.py), on every
-        tensor-parallel rank. Returns the (layer, row) states rewritten here (0 for models without state).
+    def commit_state(self, rows: np.ndarray, kept: np.ndarray) -> int:
+        """After a verification step of a hybrid model: write the KDA state of each row in ``rows`` [N] int64 as
+        the state after its first ``kept`` [N] int64 tokens of that step (engine/state_commit.py; the step held
+        them), on every tensor-parallel rank. Must follow every forward with held rows (kept = 0 after a failed
+        one). Returns the (layer, row) states written here (0 for models without state).
 
         Raises:
-            ValueError: ``kept`` larger than the tokens a row ran, or mismatched lengths.
+            ValueError: ``kept`` larger than the tokens a row ran, or mismatched lengths (nothing written).
         """
         if not self.state_caches:
             return 0
         rows = np.asarray(rows, dtype=np.int64)
         kept = np.asarray(kept, dtype=np.int64)
-        # the layers kept host copies of their rows: the roll back reads these, the tensors only where they did not
-        n = roll_back(self.state_caches, torch.from_numpy(rows), torch.from_numpy(kept), rows, kept)
-        if self.tp_channel is not None:  # the workers hold their heads' states: the same roll back there
-            self.tp_channel.send_rollback(rows, kept)
+        # the layers kept host copies of their rows: the commit reads these, the tensors only where they did not
+        n = commit(self.state_caches, torch.from_numpy(rows), torch.from_numpy(kept), rows, kept)
+        if self.tp_channel is not None:  # the workers hold their heads' states: the same commit there
+            self.tp_channel.send_commit(rows, kept)
         return n
 
     def set_thread_policy(self, prefill_threads: int, decode_threads: int) -> None:
@@ -392,16 +393,16 @@ class ModelRunner:
         if batch.spec_lens is not None:  # speculative rows: logits at all their tokens, verified by spec_decode
             sampled_index, sample_tok, spec_tok = verification_rows(batch.spec_lens, num_new, sampled_index)
         bt = self.bm.block_tables[rows]
-        keep = batch.spec_lens > 0 if spec_tok is not None and self.has_state else None  # KDA state roll back
+        hold = batch.spec_lens > 0 if spec_tok is not None and self.has_state else None  # KDA states: commit_state
         logit_idx = np.concatenate([sample_tok, plp_tok]) if len(plp_tok) else sample_tok
         if spec_tok is not None:
             logit_idx = np.concatenate([logit_idx, spec_tok])
         if self.tp_channel is not None:  # tensor parallel: the workers run the same forward (tokenfab/parallel)
             self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx,
-                                      rows if self.has_state else None, keep,  # hybrid models: the KDA state slots
+                                      rows if self.has_state else None, hold,  # hybrid models: the KDA state slots
                                       modules=self.uses_modules())  # every rank pads (or not) alike
         logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
-                              rows=rows, keep=keep, on_device=True)
+                              rows=rows, hold=hold, on_device=True)
         if self.capture is not None:
             self.keep_captured(seqs, rows, req_idx, positions)
         if logits is None:

@@ -26,33 +26,39 @@ import torch
 
 
 @dataclass
-class PendingStates:
-    """What one KDA layer kept of one attention group's speculative verification rows during a step, so that
-    :func:`tokenfab.engine.state_rollback.roll_back` can restore their state to any prefix of the step's tokens.
+class DeferredStates:
+    """One KDA layer's group of a step whose speculative verification rows were *held*: the forward computed their
+    outputs without writing their states, so that :func:`tokenfab.engine.state_commit.commit` can write the state
+    after any prefix of the step's tokens by running the layer's conv and recurrence again over that prefix
+    (``layer.commit_rows``). Everything kept is what the forward computed anyway, by reference: no state is copied.
 
     Attributes:
-        rows: [n] int64 state slots (scheduler rows).
-        num_tokens: [n] int64 valid tokens each row ran this step (1 + drafts).
-        conv_window: [n, C, K - 1 + Q] the short conv's input window: the conv state before the step, then the
-            step's q | k | v projections (activation dtype); the conv state after j tokens is
-            ``conv_window[:, :, j:j + K - 1]``.
-        state: [n, H, D, D] float32 recurrent state before the step.
-        k, v, g: [n, Q, H, D] float32 normalized keys, values and log-decays of the step's tokens; beta [n, Q, H].
-        rows_host, num_tokens_host: ``rows`` and ``num_tokens`` as int64 numpy arrays when the layer had them on
-            the host (the runner's steps), so the roll back selects and sizes its work without reading the device;
-            None otherwise.
+        layer: the :class:`~tokenfab.layers.kda.KimiDeltaAttention` that ran the group.
+        token_index: [B, Q] int64 row of each of the group's tokens in ``qkv`` (padding: row T).
+        query_pos: [B, Q] int64 position of each token, -1 at padding (valid tokens first).
+        rows: [B] int64 state slots (scheduler rows).
+        hold: [B] bool: the rows whose states the forward did not write.
+        qkv: [T, 3HD] the step's q | k | v projections (the conv inputs; rows may be strided).
+        gates: the layer call's gate inputs (``layers.kda._Gates``: g_raw [T, HD], b_raw [T, H]).
+        rows_host, hold_host, tokens_host: ``rows``, ``hold`` and the valid tokens per row as numpy arrays when
+            the runner gave them (its steps do), so the commit selects and checks its rows without reading the
+            device; None otherwise.
+        prepared: set where the layer ran its PyTorch forms: (conv window [B, 3HD, K - 1 + Q] = the conv state
+            before the step then the step's inputs, and the recurrence inputs k, v, g [B, Q, H, D], beta [B, Q, H]
+            float32), which the commit replays instead of running the conv again; None on the GPU path.
     """
 
+    layer: object
+    token_index: torch.Tensor
+    query_pos: torch.Tensor
     rows: torch.Tensor
-    num_tokens: torch.Tensor
-    conv_window: torch.Tensor
-    state: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    g: torch.Tensor
-    beta: torch.Tensor
+    hold: torch.Tensor
+    qkv: torch.Tensor
+    gates: object
     rows_host: np.ndarray | None = None
-    num_tokens_host: np.ndarray | None = None
+    hold_host: np.ndarray | None = None
+    tokens_host: np.ndarray | None = None
+    prepared: tuple | None = None
 
 
 class KDAStateCache:
@@ -70,7 +76,7 @@ class KDAStateCache:
                  dtype: torch.dtype, device):
         self.conv = torch.zeros(num_slots, conv_dim, max(kernel - 1, 0), dtype=dtype, device=device)
         self.recurrent = torch.zeros(num_slots, num_heads, head_dim, head_dim, dtype=torch.float32, device=device)
-        self.pending: list[PendingStates] = []  # this step's verification rows (engine/state_rollback.py)
+        self.deferred: list[DeferredStates] = []  # this step's held verification rows (engine/state_commit.py)
 
     @property
     def num_slots(self) -> int:

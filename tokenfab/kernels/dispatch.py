@@ -358,21 +358,23 @@ def kda_short_conv_applies(x: torch.Tensor, state: torch.Tensor, weight: torch.T
 
 
 def kda_short_conv(x: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor,
-                   state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """KDA's depthwise causal conv + SiLU of one padded group with the conv states updated in place, by the GPU
-    kernel (:func:`tokenfab.kernels.gpu.short_conv.short_conv`: (y [B, Q, C], num_tokens [B] int32)); or None where
-    it does not apply (:func:`kda_short_conv_applies`)."""
+                   state: torch.Tensor, weight: torch.Tensor,
+                   hold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """KDA's depthwise causal conv + SiLU of one padded group with the conv states updated in place (but for the
+    ``hold`` [B] bool rows), by the GPU kernel (:func:`tokenfab.kernels.gpu.short_conv.short_conv`: (y [B, Q, C],
+    num_tokens [B] int32)); or None where it does not apply (:func:`kda_short_conv_applies`)."""
     if not kda_short_conv_applies(x, state, weight, query_pos):
         return None
     from tokenfab.kernels.gpu import short_conv
-    return short_conv.short_conv(x, token_index, query_pos, rows, state, weight)
+    return short_conv.short_conv(x, token_index, query_pos, rows, state, weight, hold=hold)
 
 
 def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
                   lower_bound: float | None, b_raw: torch.Tensor, token_index: torch.Tensor,
                   num_tokens: torch.Tensor, first_pos: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
-                  out: torch.Tensor, scale: float) -> torch.Tensor:
-    """The gated delta rule of one padded KDA group in one launch, state slots updated in place and outputs stored
+                  out: torch.Tensor, scale: float, hold: torch.Tensor | None = None) -> torch.Tensor:
+    """The gated delta rule of one padded KDA group in one launch, state slots updated in place (but for the
+    ``hold`` [B] bool rows, speculative verification rows committed later) and outputs stored
     at their token rows of ``out`` (arguments as :func:`tokenfab.kernels.gpu.kda.kda_recurrent`; call where
     :func:`kda_recurrent_applies`). ``qkv`` may be the layer's transposed view of its conv output, ``g_raw`` and
     ``b_raw`` slices of a wider projection output: each is copied only when its last dim is strided (a decode
@@ -380,7 +382,7 @@ def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor,
     from tokenfab.kernels.gpu import kda  # imports triton: only when it applies
     unit = lambda t: t if t.stride(-1) == 1 else t.contiguous()
     return kda.kda_recurrent(unit(qkv), unit(g_raw), dt_bias.contiguous(), a_log.contiguous(), lower_bound,
-                             unit(b_raw), token_index, num_tokens, first_pos, rows, state, out, scale)
+                             unit(b_raw), token_index, num_tokens, first_pos, rows, state, out, scale, hold)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

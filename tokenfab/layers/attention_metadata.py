@@ -54,13 +54,13 @@ class AttentionMetadata:
         block_size: tokens per KV block.
         state_rows: [B] int64 scheduler row of each sequence (decode group first, then prefill), the index of its
             recurrent-state slot in hybrid models (engine/state_cache.py); None when not provided.
-        state_keep: [B] bool, aligned with ``state_rows``: speculative verification rows whose recurrent state the
-            KDA layers must be able to roll back to a prefix of this step's tokens (engine/state_rollback.py);
-            None when no row needs it.
-        state_keep_host: [B] bool numpy, the same rows on the host, ``num_new_host`` [B] int64 numpy, the tokens
+        state_hold: [B] bool, aligned with ``state_rows``: speculative verification rows whose recurrent states
+            the KDA layers hold (do not write) until the commit after acceptance writes the state after the kept
+            prefix of this step's tokens (engine/state_commit.py); None when no row needs it.
+        state_hold_host: [B] bool numpy, the same rows on the host, ``num_new_host`` [B] int64 numpy, the tokens
             each sequence runs this step, and ``state_rows_host`` [B] int64 numpy, ``state_rows`` on the host: what
-            the KDA layers decide and size their kept states by, and the roll back selects by, without reading the
-            device (one read per layer would drain a GPU's queue); None where not provided.
+            the KDA layers decide by, and the commit selects and checks by, without reading the device (one read
+            per layer would drain a GPU's queue); None where not provided.
     """
 
     slot_mapping: torch.Tensor
@@ -69,8 +69,8 @@ class AttentionMetadata:
     num_tokens: int
     block_size: int
     state_rows: torch.Tensor | None = None
-    state_keep: torch.Tensor | None = None
-    state_keep_host: np.ndarray | None = None
+    state_hold: torch.Tensor | None = None
+    state_hold_host: np.ndarray | None = None
     num_new_host: np.ndarray | None = None
     state_rows_host: np.ndarray | None = None
 

@@ -27,7 +27,6 @@ state slots updated in place) runs decode and prefill groups, and fla-core's chu
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -255,12 +254,21 @@ class KimiDeltaAttention(nn.Module):
         gates = _Gates(self, g_raw, b_raw)
         core = x.new_empty(T + 1, H, D)
         d = meta.decode.num_seqs if meta.decode is not None else 0
-        keep, kh, nh, rh = meta.state_keep, meta.state_keep_host, meta.num_new_host, meta.state_rows_host
         part = lambda a, first: None if a is None else (a[:d] if first else a[d:])
         for group, first in ((meta.decode, True), (meta.prefill, False)):
-            if group is not None:
-                self._run_group(group, part(meta.state_rows, first), qkv, gates, cache, core, part(keep, first),
-                                part(kh, first), part(nh, first), part(rh, first))
+            if group is None:
+                continue
+            rows, hold = part(meta.state_rows, first), part(meta.state_hold, first)
+            hold_h = part(meta.state_hold_host, first)
+            if hold is not None and hold_h is not None and not hold_h.any():
+                hold = None  # no verification row in this group
+            deferred = None
+            if hold is not None:  # its outputs now, its states at the commit (engine/state_commit.py)
+                from tokenfab.engine.state_cache import DeferredStates
+                deferred = DeferredStates(self, group.token_index, group.query_pos, rows, hold, qkv, gates,
+                                          part(meta.state_rows_host, first), hold_h, part(meta.num_new_host, first))
+                cache.deferred.append(deferred)
+            self._run_group(group.token_index, group.query_pos, rows, qkv, gates, cache, core, hold, deferred)
         core = core[:T]
         out = dispatch.gated_rms_norm(core, gate, self.o_norm.weight, self.o_norm.eps)
         if out is None:
@@ -283,86 +291,70 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.where(valid.unsqueeze(-1), beta_p[idx], 0.0)  # [B, Q, H]
         return q, k, v, g, beta
 
-    @staticmethod
-    def _kept_rows(keep: torch.Tensor | None, keep_host: np.ndarray | None, tokens_host: np.ndarray | None,
-                   n: torch.Tensor | None, device) -> tuple[torch.Tensor, np.ndarray | None, int]:
-        """(indices [n] int64 of a group's verification rows on ``device``, the same on the host or None, the most
-        tokens one of them runs): from the host copies when given (no device read), else from ``keep`` and the
-        valid-token counts ``n`` on the device."""
-        if keep_host is not None and tokens_host is not None:
-            sel_h = np.nonzero(keep_host)[0]
-            sel = torch.from_numpy(sel_h)
-            if sel.device != torch.device(device):
-                sel = sel.to(device, non_blocking=True)
-            return sel, sel_h, int(tokens_host[sel_h].max())
-        sel = keep.nonzero().squeeze(1)
-        return sel, None, int(n[sel].max())
+    def commit_rows(self, e, cache, sel: torch.Tensor, kept: torch.Tensor, steps: int) -> None:
+        """Write the states of the held rows ``sel`` [n] (indices into the entry's rows) of a deferred group ``e``
+        (engine/state_cache.py ``DeferredStates``) as the states after their first ``kept`` [n] int64 tokens of
+        that step (``steps`` >= their maximum, known on the host), from the states still in the slots (the forward
+        held them) and what the forward computed (engine/state_commit.py). The GPU path runs the short-conv and
+        recurrence kernels again over the kept tokens (two launches); the PyTorch path slices the conv state out of
+        the forward's conv window and replays ``steps`` recurrence steps on its prepared k, v, g and beta (rows
+        that keep fewer tokens masked with g = 0, beta = 0, which leaves S unchanged): the operations plain
+        decoding runs on the same inputs."""
+        rows = e.rows[sel]
+        if e.prepared is None:
+            idx, qp = e.token_index[sel], e.query_pos[sel]
+            Q = idx.shape[1]
+            qp = torch.where(torch.arange(Q, device=qp.device).view(1, Q) < kept.view(-1, 1), qp, -1)
+            scratch = e.qkv.new_empty(e.qkv.shape[0] + 1, self.num_heads, self.head_dim)  # outputs: unused
+            self._run_group(idx, qp.contiguous(), rows, e.qkv, e.gates, cache, scratch)
+            return
+        full, k, v, g, beta = (t[sel] for t in e.prepared)
+        K = self.kernel
+        if K > 1:
+            take = (kept.view(-1, 1) + torch.arange(K - 1, device=kept.device).view(1, -1)).unsqueeze(1)
+            conv = full.gather(2, take.expand(len(rows), full.shape[1], K - 1))
+        else:
+            conv = cache.conv[rows]
+        S = cache.recurrent[rows]
+        for j in range(steps):
+            m = (kept > j).view(-1, 1, 1)  # rows still replaying; the others: g = 0, beta = 0 (S unchanged)
+            _, S = kda_recurrent_step(k[:, j], k[:, j], v[:, j], torch.where(m, g[:, j], 0.0),
+                                      torch.where(m.view(-1, 1), beta[:, j], 0.0), S)
+        cache.write(rows, conv, S)
 
-    def _keep_pending(self, cache, rows: torch.Tensor, sel: torch.Tensor, sel_h: np.ndarray | None, qk: int,
-                      n: torch.Tensor, y: torch.Tensor, valid: torch.Tensor, idx: torch.Tensor, gates: "_Gates",
-                      window: torch.Tensor, state: torch.Tensor, rows_host: np.ndarray | None,
-                      tokens_host: np.ndarray | None) -> None:
-        """Append the roll back's entry for the verification rows ``sel`` of a group (engine/state_cache.py
-        ``PendingStates``): their conv input ``window`` [n, 3HD, K - 1 + qk] and recurrent ``state`` before the
-        step, and the recurrence inputs of their tokens from the conv outputs ``y`` [B, Q, 3HD]."""
-        from tokenfab.engine.state_cache import PendingStates
-        _, k, v, g, beta = self._prep(y[sel], valid[sel], idx[sel], gates)
-        cache.pending.append(PendingStates(
-            rows[sel], n[sel].long(), window, state, k[:, :qk], v[:, :qk], g[:, :qk], beta[:, :qk],
-            None if sel_h is None or rows_host is None else np.asarray(rows_host[sel_h], dtype=np.int64),
-            None if sel_h is None else np.asarray(tokens_host[sel_h], dtype=np.int64)))
-
-    def _run_group(self, group: AttentionGroup, rows: torch.Tensor, qkv: torch.Tensor, gates: "_Gates", cache,
-                   core: torch.Tensor, keep: torch.Tensor | None = None, keep_host: np.ndarray | None = None,
-                   tokens_host: np.ndarray | None = None, rows_host: np.ndarray | None = None) -> None:
-        """KDA for one group: stores its tokens' outputs in ``core`` [T + 1, H, D] (activation dtype) at their
+    def _run_group(self, idx: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor, qkv: torch.Tensor,
+                   gates: "_Gates", cache, core: torch.Tensor, hold: torch.Tensor | None = None,
+                   deferred=None) -> None:
+        """KDA for one padded group (``idx`` [B, Q] token rows, ``query_pos`` [B, Q] positions, -1 at padding;
+        ``rows`` [B] state slots): stores its tokens' outputs in ``core`` [T + 1, H, D] (activation dtype) at their
         token rows and its states in ``cache``; ``qkv`` [T, 3HD] the projections (rows may be strided). On the GPU
         path two launches do a decode group or a short prefill: the short conv with its state update
         (kernels/gpu/short_conv.py) and the fused recurrence (kernels/gpu/kda.py); long bfloat16 prefills run fla's
         chunked kernels (kernels/gpu/kda_chunk.py) after the same conv kernel (no float32 [B, 3HD, K - 1 + Q] window
-        is built); elsewhere the PyTorch forms here (the reference). ``keep`` [B] bool: rows (speculative
-        verification) whose state before the step and per-token recurrence inputs go to ``cache.pending`` for a
-        later roll back (engine/state_rollback.py). ``keep_host`` / ``tokens_host`` / ``rows_host`` (the same rows,
-        each row's token count and state slot on the host, as the runner provides them) decide and size that
-        without a read of the device, and let those groups take the conv kernel too (their old conv states gathered
-        first); without them they take the PyTorch conv."""
-        idx = group.token_index  # [B, Q]
+        is built); elsewhere the PyTorch forms here (the reference). ``hold`` [B] bool: rows (speculative
+        verification) whose states are not written, committed later (engine/state_commit.py); the PyTorch forms
+        write their old states back and leave the commit their conv window and recurrence inputs
+        (``deferred.prepared``)."""
         B, Q = idx.shape
         H, D, K = self.num_heads, self.head_dim, self.kernel
         kernel = dispatch.kda_recurrent_applies(qkv, cache.recurrent)
         chunk = kernel and Q >= KDA_CHUNK and dispatch.kda_chunk_applies(qkv, Q)
-        if keep_host is not None:
-            spec = bool(keep_host.any())
-        else:
-            spec = keep is not None and bool(keep.any())
-        conv_ok = kernel and dispatch.kda_short_conv_applies(qkv, cache.conv, self.conv_weight(), group.query_pos)
-        # verification groups take the conv kernel only with host copies of their rows (not for fla's long prefills)
-        host_keep = keep_host is not None and tokens_host is not None
-        conv = kept = None
-        if conv_ok and (not spec or (host_keep and not chunk)):
-            if spec:  # the kept rows' conv states before the kernel rewrites them, for the roll back
-                valid, fresh = group.query_pos >= 0, group.query_pos[:, 0] == 0
-                sel, sel_h, qk = self._kept_rows(keep, keep_host, tokens_host, None, idx.device)
-                kept = (sel, sel_h, qk, cache.read_conv(rows[sel], fresh[sel]))
-            conv = dispatch.kda_short_conv(qkv, idx, group.query_pos, rows, cache.conv, self.conv_weight())
+        conv = None
+        if kernel and dispatch.kda_short_conv_applies(qkv, cache.conv, self.conv_weight(), query_pos):
+            conv = dispatch.kda_short_conv(qkv, idx, query_pos, rows, cache.conv, self.conv_weight(), hold)
         if conv is not None and not chunk:
             y, n = conv
-            if kept is not None:
-                sel, sel_h, qk, old = kept
-                xs = qkv[idx[sel][:, :qk].clamp(max=qkv.shape[0] - 1)]  # [n, qk, 3HD]; padding zeroed below
-                xs = torch.where(valid[sel][:, :qk, None], xs, 0.0)
-                window = torch.cat([old.to(xs.dtype), xs.transpose(1, 2)], dim=-1)  # [n, 3HD, K - 1 + qk]
-                self._keep_pending(cache, rows, sel, sel_h, qk, n, y, valid, idx, gates, window,
-                                   cache.read_recurrent(rows[sel], fresh[sel]), rows_host, tokens_host)
             dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx,
-                                   n, group.query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5)
+                                   n, query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5, hold)
             return
-        valid = group.query_pos >= 0  # [B, Q]
-        fresh = group.query_pos[:, 0] == 0
+        valid = query_pos >= 0  # [B, Q]
+        fresh = query_pos[:, 0] == 0
+        held = None if hold is None else hold.view(B, 1, 1)
         if conv is not None:  # a long prefill: the conv kernel's outputs (state written) into fla's chunked kernels
             q, k, v, g, beta = self._prep(conv[0], valid, idx, gates)
-            o, S = dispatch.kda_chunk(q, k, v, g, beta, cache.read_recurrent(rows, fresh))
-            cache.write_recurrent(rows, S)
+            S0 = cache.read_recurrent(rows, fresh)
+            o, S = dispatch.kda_chunk(q, k, v, g, beta, S0)
+            cache.write_recurrent(rows, S if held is None else torch.where(held.unsqueeze(-1), S0, S))
             core[idx.reshape(-1)] = o.to(core.dtype).reshape(B * Q, H, D)
             return
         if kernel:
@@ -380,21 +372,22 @@ class KimiDeltaAttention(nn.Module):
         if K > 1:
             take = (n.view(B, 1) + torch.arange(K - 1, device=n.device).view(1, -1)).unsqueeze(1)
             new_conv = full.gather(2, take.expand(B, full.shape[1], K - 1))
+            if held is not None:
+                new_conv = torch.where(held, conv_state.to(new_conv.dtype), new_conv)
         else:
             new_conv = conv_state
-        if spec:
-            sel, sel_h, qk = self._kept_rows(keep, keep_host, tokens_host, n, idx.device)
-            S_sel = S[sel] if S is not None else cache.read_recurrent(rows[sel], fresh[sel])
-            self._keep_pending(cache, rows, sel, sel_h, qk, n, y, valid, idx, gates, full[sel, :, :K - 1 + qk], S_sel,
-                               rows_host, tokens_host)
         if kernel and not chunk:  # one launch: gates, l2norms, recurrence, outputs into core, states in place
             cache.write_conv(rows, new_conv)
             dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx, n,
-                                   group.query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5)
+                                   query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5, hold)
             return
         q, k, v, g, beta = self._prep(y, valid, idx, gates)
+        if deferred is not None:
+            deferred.prepared = (full, k, v, g, beta)
+        S0 = S
         if chunk:
-            o, S = dispatch.kda_chunk(q, k, v, g, beta, cache.read_recurrent(rows, fresh))
+            S0 = cache.read_recurrent(rows, fresh)
+            o, S = dispatch.kda_chunk(q, k, v, g, beta, S0)
         elif Q == 1:
             o, S = kda_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
             o = o.unsqueeze(1)
@@ -404,6 +397,8 @@ class KimiDeltaAttention(nn.Module):
             # decay tensor of a 64-token chunk would be mostly padding
             o, S = kda_chunked(tr(q), tr(k), tr(v), tr(g), tr(beta), S, chunk_size=min(KDA_CHUNK, Q))
             o = tr(o)
+        if held is not None:
+            S = torch.where(held.unsqueeze(-1), S0, S)
         cache.write(rows, new_conv, S)
         core[idx.reshape(-1)] = o.to(core.dtype).reshape(B * Q, H, D)
 

@@ -6,7 +6,7 @@ its shard of the forward and samples. Each worker receives the same arrays, runs
 
 Wire format of one step (gloo broadcasts of int64 CPU tensors from rank 0):
 
-* header [9]: ``kind`` (1 = step, 0 = stop, 2 = state roll back), ``B`` sequences, ``d`` decodes, ``T`` tokens,
+* header [9]: ``kind`` (1 = step, 0 = stop, 2 = state commit), ``B`` sequences, ``d`` decodes, ``T`` tokens,
   ``nblk`` block-table columns sent, ``L`` logit rows, ``R`` (1 when the scheduler rows follow, else 0), ``K`` (1
   when the verification-row flags follow, else 0), ``M`` (1 when rank 0 runs this step through the model's modules
   because it taps layer outputs: the workers must too, not through the padded decode-graph buffers, or the ranks'
@@ -14,8 +14,8 @@ Wire format of one step (gloo broadcasts of int64 CPU tensors from rank 0):
 * payload [2B + B*nblk + T + L (+ B) (+ B)]: ``num_new`` [B], ``num_computed`` [B], block tables [B, nblk] (only the
   columns this step needs), ``input_ids`` [T], ``logit_idx`` [L], then, when ``R``, the scheduler ``rows`` [B]: the
   per-request recurrent-state slots of hybrid (KDA) models (tokenfab/engine/state_cache.py), then, when ``K``, the
-  ``keep`` flags [B] (0/1) of speculative verification rows whose KDA state may be rolled back.
-* a roll back (after a speculative verification step of a hybrid model, engine/state_rollback.py): header
+  ``hold`` flags [B] (0/1) of speculative verification rows whose KDA states wait for the commit.
+* a commit (after a speculative verification step of a hybrid model, engine/state_commit.py): header
   (2, ``N``, 0, ...) and payload ``rows`` [N], ``kept`` [N] (inline while it fits).
 
 The header buffer has room for ``inline`` payload values after it: a step that fits is one broadcast; a larger one
@@ -36,12 +36,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-STEP, STOP, ROLLBACK = 1, 0, 2
+STEP, STOP, COMMIT = 1, 0, 2
 HEADER = 9
 
 
-class Rollback:
-    """A received state roll back: ``rows`` [N] and ``kept`` [N] int64 (ModelRunner.roll_back_state)."""
+class Commit:
+    """A received state commit: ``rows`` [N] and ``kept`` [N] int64 (ModelRunner.commit_state)."""
 
     def __init__(self, rows: np.ndarray, kept: np.ndarray):
         self.rows, self.kept = rows, kept
@@ -61,9 +61,9 @@ class StepChannel:
 
     def send_step(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray,
                   input_ids: np.ndarray, logit_idx: np.ndarray, rows: np.ndarray | None = None,
-                  keep: np.ndarray | None = None, modules: bool = False) -> None:
+                  hold: np.ndarray | None = None, modules: bool = False) -> None:
         """Rank 0: publish a step (shapes as in ModelRunner.forward; bt is cut to the blocks the step needs;
-        ``rows`` [B] the scheduler rows and ``keep`` [B] bool the verification rows, each sent when given;
+        ``rows`` [B] the scheduler rows and ``hold`` [B] bool the verification rows, each sent when given;
         ``modules``: rank 0 runs this step through the modules, not the decode-graph buffers)."""
         B, T, L = len(num_new), len(input_ids), len(logit_idx)
         ctx_max = int((num_computed + num_new).max()) if B else 0
@@ -72,9 +72,9 @@ class StepChannel:
                                   bt[:, :nblk].reshape(-1), input_ids.astype(np.int64, copy=False),
                                   logit_idx.astype(np.int64, copy=False)]
                                  + ([] if rows is None else [rows.astype(np.int64, copy=False)])
-                                 + ([] if keep is None else [keep.astype(np.int64)]))
+                                 + ([] if hold is None else [hold.astype(np.int64)]))
         buf = self._buf.numpy()
-        buf[:HEADER] = (STEP, B, d, T, nblk, L, 0 if rows is None else 1, 0 if keep is None else 1, int(modules))
+        buf[:HEADER] = (STEP, B, d, T, nblk, L, 0 if rows is None else 1, 0 if hold is None else 1, int(modules))
         n = len(payload)
         if n <= self.inline:
             buf[HEADER:HEADER + n] = payload
@@ -83,13 +83,13 @@ class StepChannel:
             dist.broadcast(self._buf, 0, group=self.group)
             dist.broadcast(torch.from_numpy(payload), 0, group=self.group)
 
-    def send_rollback(self, rows: np.ndarray, kept: np.ndarray) -> None:
-        """Rank 0: tell the workers to roll back the KDA state of ``rows`` [N] to their first ``kept`` [N] tokens
+    def send_commit(self, rows: np.ndarray, kept: np.ndarray) -> None:
+        """Rank 0: tell the workers to commit the KDA state of ``rows`` [N] after their first ``kept`` [N] tokens
         of the last step (one broadcast while 2N fits inline)."""
         N = len(rows)
         payload = np.concatenate([rows.astype(np.int64, copy=False), kept.astype(np.int64, copy=False)])
         buf = self._buf.numpy()
-        buf[:HEADER] = (ROLLBACK, N, 0, 0, 0, 0, 0, 0, 0)
+        buf[:HEADER] = (COMMIT, N, 0, 0, 0, 0, 0, 0, 0)
         if 2 * N <= self.inline:
             buf[HEADER:HEADER + 2 * N] = payload
             dist.broadcast(self._buf, 0, group=self.group)
@@ -103,20 +103,20 @@ class StepChannel:
         dist.broadcast(self._buf, 0, group=self.group)
 
     def recv(self):
-        """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx, rows, keep, modules), a
-        :class:`Rollback`, or None on stop (``rows`` / ``keep`` None when rank 0 sent none; ``modules`` bool)."""
+        """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx, rows, hold, modules), a
+        :class:`Commit`, or None on stop (``rows`` / ``hold`` None when rank 0 sent none; ``modules`` bool)."""
         dist.broadcast(self._buf, 0, group=self.group)
         kind, B, d, T, nblk, L, R, K, M = self._buf[:HEADER].tolist()
         if kind == STOP:
             return None
-        if kind == ROLLBACK:
+        if kind == COMMIT:
             if 2 * B <= self.inline:
                 p = self._buf.numpy()[HEADER:HEADER + 2 * B].copy()
             else:
                 payload = torch.empty(2 * B, dtype=torch.int64)
                 dist.broadcast(payload, 0, group=self.group)
                 p = payload.numpy()
-            return Rollback(p[:B], p[B:])
+            return Commit(p[:B], p[B:])
         n = 2 * B + B * nblk + T + L + (B if R else 0) + (B if K else 0)
         if n <= self.inline:
             p = self._buf.numpy()[HEADER:HEADER + n].copy()
@@ -131,8 +131,8 @@ class StepChannel:
         input_ids, o = p[o:o + T], o + T
         logit_idx, o = p[o:o + L], o + L
         rows, o = (p[o:o + B], o + B) if R else (None, o)
-        keep = p[o:o + B].astype(bool) if K else None
-        return d, num_new, num_computed, bt, input_ids, logit_idx, rows, keep, bool(M)
+        hold = p[o:o + B].astype(bool) if K else None
+        return d, num_new, num_computed, bt, input_ids, logit_idx, rows, hold, bool(M)
 
     block_size = 1  # set by the launcher to the KV block size
 
@@ -175,11 +175,11 @@ def serve_steps(runner, channel: StepChannel) -> int:
         step = channel.recv()
         if step is None:
             return n
-        if isinstance(step, Rollback):  # after a verification step of a hybrid model
-            runner.roll_back_state(step.rows, step.kept)
+        if isinstance(step, Commit):  # after a verification step of a hybrid model
+            runner.commit_state(step.rows, step.kept)
             continue
-        *arrays, rows, keep, modules = step
-        runner.forward(*arrays, rows=rows, keep=keep, modules=modules, on_device=True)  # logits unused here
+        *arrays, rows, hold, modules = step
+        runner.forward(*arrays, rows=rows, hold=hold, modules=modules, on_device=True)  # logits unused here
         n += 1
 
 

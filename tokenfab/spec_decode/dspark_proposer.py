@@ -20,7 +20,7 @@ Tensor parallel: the drafter runs unsharded on rank 0, the engine's process, bet
 no part). The taps it reads there are complete: forward hooks on rank 0's decoder layers see the replicated residual
 stream (each layer all-reduces its attention and MLP outputs; K3's partial block sum is that stream and its
 attention-residual mixture is computed from it with replicated weights), and under tensor parallel every target
-step with taps is a module step. KDA state roll back after verification runs on every rank (the runner broadcasts
+step with taps is a module step. The KDA state commit after verification runs on every rank (the runner broadcasts
 it). The target's embedding and LM head are vocab-parallel shards (their forward is a collective), so the drafter
 uses full copies read from the checkpoint on rank 0 (:class:`~tokenfab.spec_decode.target_vocab.TargetVocab`).
 Extra memory on rank 0: the drafter (as at one device) plus V x H per table, embedding and head (Kimi K3 bf16:

@@ -77,8 +77,8 @@ def build_proposer(cfg: SpeculativeConfig, engine) -> Proposer:
 class SpecDecoder:
     """Speculative decoding for one LLMEngine (see the module docstring).
 
-    Hybrid models (KDA layers): after acceptance each verification row's recurrent state is rolled back to its
-    last accepted token (``ModelRunner.roll_back_state``, engine/state_rollback.py).
+    Hybrid models (KDA layers): after acceptance each verification row's recurrent state is written up to its
+    last accepted token (``ModelRunner.commit_state``, engine/state_commit.py).
     """
 
     def __init__(self, engine, cfg: SpeculativeConfig, proposer: Proposer | None = None):
@@ -211,7 +211,7 @@ class SpecDecoder:
         except Exception:  # roll back the drafts and let the plain step (with its failure isolation) rerun it
             if eng.runner.has_state and eng.health_error() is None:  # KDA state of the verification rows: as before
                 si = np.nonzero(spec_lens)[0]
-                eng.runner.roll_back_state(batch.rows[si], np.zeros(len(si), dtype=np.int64))
+                eng.runner.commit_state(batch.rows[si], np.zeros(len(si), dtype=np.int64))
             self._strip(batch, spec_lens)
             self.proposer.on_verified(seqs, np.zeros(len(seqs), dtype=np.int64))
             logger.warning("a speculative step failed; rerunning it without speculation", exc_info=True)
@@ -305,8 +305,8 @@ class SpecDecoder:
         u.advance(spec_seqs, res.num_emitted)
         acc = res.num_accepted.numpy()
         toks = res.token_ids.numpy()
-        if eng.runner.has_state:  # KDA state: back to the last accepted token (engine/state_rollback.py)
-            eng.runner.roll_back_state(batch.rows[si], acc + 1)
+        if eng.runner.has_state:  # KDA state: written up to the last accepted token (engine/state_commit.py)
+            eng.runner.commit_state(batch.rows[si], acc + 1)
         self._strip(batch, spec_lens)
         outputs = {o.request_id: o for o in eng._process(batch, out)}  # the other rows, as a plain step
         for i, s in zip(si.tolist(), spec_seqs):

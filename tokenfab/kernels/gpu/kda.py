@@ -38,9 +38,9 @@ TARGET_PROGRAMS = 1024  # programs a launch should have before a wider value blo
 
 @triton.jit
 def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, idx_ptr, ntok_ptr, pos0_ptr,
-                          rows_ptr, state_ptr, out_ptr, Q, stride_pos0, stride_qkv_b, stride_qkv_t, stride_g,
+                          rows_ptr, state_ptr, out_ptr, hold_ptr, Q, stride_pos0, stride_qkv_b, stride_qkv_t, stride_g,
                           stride_b, stride_o, scale, lower_bound, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr):
+                          BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HOLD: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -78,7 +78,11 @@ def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, i
         S = S + k[:, None] * delta[None, :]
         o = tl.sum(S * q[:, None], axis=0)
         tl.store(out_ptr + tok * stride_o + h * D + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
-    tl.store(s_ptrs, S, mask=m2)
+    if HOLD:  # a held row (speculative verification) keeps its state until the commit reruns its kept tokens
+        write = (offs_k[:, None] * 0 + tl.load(hold_ptr + b).to(tl.int32)) == 0
+        tl.store(s_ptrs, S, mask=m2 & write)
+    else:
+        tl.store(s_ptrs, S, mask=m2)
 
 
 def value_block(batch: int, heads: int, head_dim: int) -> tuple[int, int]:
@@ -98,7 +102,7 @@ def value_block(batch: int, heads: int, head_dim: int) -> tuple[int, int]:
 def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
                   lower_bound: float | None, b_raw: torch.Tensor, token_index: torch.Tensor,
                   num_tokens: torch.Tensor, first_pos: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,
-                  out: torch.Tensor, scale: float) -> torch.Tensor:
+                  out: torch.Tensor, scale: float, hold: torch.Tensor | None = None) -> torch.Tensor:
     """The gated delta rule over a padded group of B sequences, in one launch, state updated in place.
 
     Args:
@@ -115,6 +119,8 @@ def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor,
         state: [slots, H, D, D] float32 (S[k, v]), contiguous: read at ``rows`` (unless fresh), written back there.
         out: [>= T, H, D] contiguous (activation dtype): o of each valid token stored at its token_index row.
         scale: the query scale (D^-0.5).
+        hold: optional [B] bool: rows whose state is not written back (speculative verification rows, committed
+            later: engine/state_commit.py); None writes every row.
 
     Returns:
         ``out``.
@@ -135,8 +141,9 @@ def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor,
     bv, warps = value_block(B, H, D)
     grid = (B, H, triton.cdiv(D, bv))
     _kda_recurrent_kernel[grid](
-        qkv, g_raw, dt_bias, a_log, b_raw, token_index.contiguous(), num_tokens, first_pos, rows, state, out, Q,
+        qkv, g_raw, dt_bias, a_log, b_raw, token_index.contiguous(), num_tokens, first_pos, rows, state, out,
+        rows if hold is None else hold, Q,
         first_pos.stride(0), qkv.stride(0), qkv.stride(1), g_raw.stride(0), b_raw.stride(0), out.stride(0),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), H=H, D=D, BK=triton.next_power_of_2(D),
-        BV=bv, USE_LOWER_BOUND=lower_bound is not None, num_warps=warps)
+        BV=bv, USE_LOWER_BOUND=lower_bound is not None, HOLD=hold is not None, num_warps=warps)
     return out

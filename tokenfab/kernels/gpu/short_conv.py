@@ -33,9 +33,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _short_conv_kernel(x_ptr, idx_ptr, qpos_ptr, rows_ptr, state_ptr, w_ptr, y_ptr, n_ptr, Q, C, stride_x,
-                       stride_qpos, stride_yb, stride_yt, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
-                       BC: tl.constexpr):
+def _short_conv_kernel(x_ptr, idx_ptr, qpos_ptr, rows_ptr, state_ptr, w_ptr, y_ptr, n_ptr, hold_ptr, Q, C,
+                       stride_x, stride_qpos, stride_yb, stride_yt, K: tl.constexpr, KP: tl.constexpr,
+                       BT: tl.constexpr, BC: tl.constexpr, HOLD: tl.constexpr):
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     tb = tl.program_id(2)
@@ -85,12 +85,15 @@ def _short_conv_kernel(x_ptr, idx_ptr, qpos_ptr, rows_ptr, state_ptr, w_ptr, y_p
                             mask=mc[:, None] & (mj & in_state & ((jj * 0 + pos0) != 0))[None, :], other=0.0)
             new = new_x.to(state_ptr.dtype.element_ty) + new_s  # one of the two is zero
             tl.debug_barrier()  # every thread's loads of the old state before any store
-            tl.store(s_base + offs_c[:, None] * (K - 1) + jj[None, :], new, mask=mc[:, None] & mj[None, :])
+            smask = mc[:, None] & mj[None, :]
+            if HOLD:  # a held row (speculative verification) keeps its state until the commit
+                smask = smask & ((jj[None, :] * 0 + tl.load(hold_ptr + b).to(tl.int32)) == 0)
+            tl.store(s_base + offs_c[:, None] * (K - 1) + jj[None, :], new, mask=smask)
 
 
 def short_conv(x: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor,
-               state: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               state: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+               hold: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Depthwise causal conv + SiLU of one padded group, conv states updated in place (formulas in the module
     docstring).
 
@@ -105,6 +108,8 @@ def short_conv(x: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tens
             back there.
         weight: [C, K] float32 taps, contiguous.
         out: optional [B, Q, C] output buffer (unit stride along C).
+        hold: optional [B] bool: rows whose conv state is not written (speculative verification rows, committed
+            later: engine/state_commit.py); None writes every row.
 
     Returns:
         (y [B, Q, C] in x's dtype, written at valid tokens only; num_tokens [B] int32 valid tokens per sequence).
@@ -129,7 +134,8 @@ def short_conv(x: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tens
     bt = max(triton.next_power_of_2(max(K - 1, 1)), min(16, triton.next_power_of_2(Q)))
     bc = 256 if Q == 1 else 64
     grid = (B, triton.cdiv(C, bc), triton.cdiv(Q, bt))
-    _short_conv_kernel[grid](x, token_index.contiguous(), query_pos, rows, state, weight, out, num_tokens, Q, C,
-                             x.stride(0), query_pos.stride(0), out.stride(0), out.stride(1), K=K,
-                             KP=triton.next_power_of_2(max(K - 1, 1)), BT=bt, BC=bc, num_warps=4)
+    _short_conv_kernel[grid](x, token_index.contiguous(), query_pos, rows, state, weight, out, num_tokens,
+                             rows if hold is None else hold, Q, C, x.stride(0), query_pos.stride(0), out.stride(0),
+                             out.stride(1), K=K, KP=triton.next_power_of_2(max(K - 1, 1)), BT=bt, BC=bc,
+                             HOLD=hold is not None, num_warps=4)
     return out, num_tokens

@@ -1,12 +1,12 @@
-"""Speculative decoding on hybrid (KDA) models: the recurrent state of each verification row is rolled back to its
-last accepted token (tokenfab/engine/state_rollback.py).
+"""Speculative decoding on hybrid (KDA) models: the recurrent state of each verification row is held through the
+verification forward and committed up to its last accepted token (tokenfab/engine/state_commit.py).
 
 Covers, on a tiny random Kimi Linear (tests/test_kimi_linear.py, conv taps scaled so a wrong conv state changes the
 tokens): greedy outputs identical with and without n-gram speculation (mixed prompt lengths, and under preemption);
 the KDA state after a verification with a scripted rejection equals the state of a plain run over the same tokens
-(state tensors compared directly; the state without the roll back differs, so the comparison can fail); the output
-distribution unchanged at temperature 1 with a random drafter; the roll back's own edge cases (kept = 0 restores
-the state before the step, bad counts refused).
+(state tensors compared directly; the state without the commit differs, so the comparison can fail); the output
+distribution unchanged at temperature 1 with a random drafter; the commit's own edge cases (kept = 0 leaves the
+state before the step, bad counts refused).
 """
 from __future__ import annotations
 
@@ -29,17 +29,17 @@ def _llm(path, spec=None, **kw):
     return LLM(path, dtype="float32", device="cpu", progress=False, speculative_config=spec, **kw)
 
 
-def _count_rollbacks(llm):
-    """Wrap the runner's roll back to count rewritten (layer, row) states."""
+def _count_commits(llm):
+    """Wrap the runner's commit to count written (layer, row) states."""
     runner = llm.llm_engine.runner
-    orig, n = runner.roll_back_state, [0]
+    orig, n = runner.commit_state, [0]
 
     def counted(rows, kept):
         r = orig(rows, kept)
         n[0] += r
         return r
 
-    runner.roll_back_state = counted
+    runner.commit_state = counted
     return n
 
 
@@ -72,13 +72,13 @@ class OracleProposer(Proposer):
 
 def test_greedy_identical_with_ngram_kimi_linear(kl_path, kl_greedy):
     """n-gram lookup (a random model rarely repeats its prompt: its drafts are nearly all rejected, each one
-    rolled back), then drafts from the known continuation with one wrong token at varying positions (rows accept
+    committed after its first token), then drafts from the known continuation with one wrong token at varying positions (rows accept
     0..3 drafts), four prompts of 7..34 tokens in one batch."""
     llm = _llm(kl_path, NGRAM)
-    rolled = _count_rollbacks(llm)
+    committed = _count_commits(llm)
     assert token_ids(llm.generate(spec_prompts(), GREEDY, use_tqdm=False)) == kl_greedy
     st = llm.llm_engine.get_stats()
-    assert st["spec_decode_num_drafts"] > 0 and rolled[0] > 0
+    assert st["spec_decode_num_drafts"] > 0 and committed[0] > 0
     eng = llm.llm_engine
     expected = {len(p["prompt_token_ids"]): b for p, b in zip(spec_prompts(), kl_greedy)}
     eng.spec.proposer = OracleProposer(expected, eng.model_config.vocab_size)
@@ -137,18 +137,18 @@ def _run_steps(eng, prompt, n_steps):
 def test_state_after_scripted_rejection_equals_plain_run(kl_path, wrong):
     """Prefill, then one verification step of 3 drafts with draft ``wrong`` incorrect (``wrong`` accepted, one
     recovered token): every KDA layer's conv and recurrent state equals the plain engine's after the same tokens
-    (1 + wrong + 1 outputs, the last not yet run). Without the roll back the state is the one after all four
-    verified tokens, which differs."""
+    (1 + wrong + 1 outputs, the last not yet run). Without the commit the state is the one before the step, which
+    differs."""
     prompt = spec_prompts()[2]["prompt_token_ids"]
     sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     expected = token_ids(_llm(kl_path).generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False))[0]
 
-    def spec_engine(roll_back: bool):
+    def spec_engine(commit: bool):
         llm = _llm(kl_path, NGRAM, max_num_seqs=2)
         eng = llm.llm_engine
         eng.spec.proposer = ScriptedProposer(expected, eng.model_config.vocab_size, wrong=wrong)
-        if not roll_back:
-            eng.runner.roll_back_state = lambda rows, kept: 0
+        if not commit:
+            eng.runner.commit_state = lambda rows, kept: 0
         seq = _run_steps(eng, prompt, 2)  # prefill (1 token), then one verification step
         assert seq.output_token_ids == expected[:2 + wrong]
         assert eng.get_stats()["spec_decode_num_accepted_tokens"] == wrong
@@ -166,19 +166,20 @@ def test_state_after_scripted_rejection_equals_plain_run(kl_path, wrong):
     _, stale = spec_engine(False)
     gap = max(max((c - c_ref).abs().max().item(), (r - r_ref).abs().max().item())
               for (c, r), (c_ref, r_ref) in zip(stale, ref))
-    assert gap > 1e-2, gap  # the comparison above would catch a missing roll back
+    assert gap > 1e-2, gap  # the comparison above would catch a missing commit
 
 
-def test_roll_back_to_zero_restores_the_state_before_the_step_and_refuses_bad_counts(kl_path):
-    """kept = 0 (the failed-step path) gives back, exactly, the state read before the verification forward; kept
-    above the tokens a row ran is a ValueError naming the counts (and changes nothing)."""
+def test_commit_of_zero_leaves_the_state_before_the_step_and_refuses_bad_counts(kl_path):
+    """kept = 0 (the failed-step path) leaves, exactly, the state before the verification forward (which held it:
+    a forward that wrote a held row fails here); kept above the tokens a row ran is a ValueError naming the counts
+    (and changes nothing)."""
     prompt = spec_prompts()[1]["prompt_token_ids"]
     eng = _llm(kl_path, NGRAM, max_num_seqs=2).llm_engine
     eng.spec.proposer = ScriptedProposer([5] * 40, eng.model_config.vocab_size, wrong=0)
     _run_steps(eng, prompt, 1)  # the prefill
     before = _states(eng)
     runner = eng.runner
-    orig, seen = runner.roll_back_state, []
+    orig, seen = runner.commit_state, []
 
     def bad_then_zero(rows, kept):
         seen.append(kept.tolist())
@@ -186,7 +187,7 @@ def test_roll_back_to_zero_restores_the_state_before_the_step_and_refuses_bad_co
             orig(rows, np.full(len(rows), 99))
         return orig(rows, np.zeros_like(kept))
 
-    runner.roll_back_state = bad_then_zero
+    runner.commit_state = bad_then_zero
     eng.step()  # one verification step of 3 drafts, the first wrong: kept would be 1
     assert seen == [[1]]
     for (c, r), (c0, r0) in zip(_states(eng), before):
@@ -202,7 +203,7 @@ TV_TOL = 0.16
 
 def test_distribution_unchanged_at_temperature_one_kimi_linear(kl_path):
     """Output tokens 2-4 over 500 seeded requests, top-k 2 at temperature 1, random drafts (2 per row: nearly
-    always rejected at once, so token 4 is computed from a rolled-back state): total variation to the same counts
+    always rejected at once, so token 4 is computed from a state committed after one token): total variation to the same counts
     without speculation below TV_TOL."""
     prompt = {"prompt_token_ids": [11, 23, 37, 41, 53, 11, 23, 37]}
     V = 512
@@ -214,12 +215,12 @@ def test_distribution_unchanged_at_temperature_one_kimi_linear(kl_path):
     base = _llm(kl_path, max_num_seqs=128).generate([prompt] * N_SAMPLES, params(0), use_tqdm=False)
     llm = _llm(kl_path, dict(NGRAM, num_speculative_tokens=2), max_num_seqs=128)
     llm.llm_engine.spec.proposer = RandomProposer(2, V)
-    rolled = _count_rollbacks(llm)
+    committed = _count_commits(llm)
     spec = llm.generate([prompt] * N_SAMPLES, params(10_000), use_tqdm=False)
     st = llm.llm_engine.get_stats()
     assert st["spec_decode_num_draft_tokens"] >= 2 * N_SAMPLES
     assert st["spec_decode_num_accepted_tokens"] < 0.05 * st["spec_decode_num_draft_tokens"]
-    assert rolled[0] >= 3 * N_SAMPLES  # three KDA layers per rejected row
+    assert committed[0] >= 3 * N_SAMPLES  # three KDA layers per verification row
     for pos in (1, 2, 3):
         tv = 0.5 * np.abs(token_hist(base, pos, V) - token_hist(spec, pos, V)).sum()
         assert tv < TV_TOL, (pos, tv)
