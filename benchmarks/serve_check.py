@@ -10,7 +10,9 @@ subprocess; its log beside the results), sends one untimed warm-up request, then
 prompts of IN tokens, OUT tokens each with ignore_eos, temperature 0, C concurrent requests, C x
 ``--prompts-per-concurrency`` prompts at least 4) with `tokenfab bench serve` (vLLM's metric definitions; ``--power
 auto`` samples the GPU's power where NVML / amdsmi exist) and reads its result JSON: total and output tok/s, median
-TTFT / TPOT / ITL, and for speculative variants the acceptance rate and length from the server's ``/metrics``.
+TTFT / TPOT / ITL, and for speculative variants the acceptance rate and length from the server's ``/metrics``, which
+also gives the steps the decode-graph buffers served during the cell (``tokenfab:graph_steps_total``: decode, and
+verification steps of hybrid models).
 Writes ``<out>/<date>-<label>-serve-check.{json,md}`` after every cell (a run stopped by a timeout keeps its rows).
 GPU use: benchmarks/gpu_serve_check.sh (Kimi K3 with MXFP4 experts and a DSpark drafter, DeepSeek-V3 FP8, random
 weights at real shapes). On CPU, a dry run of the wiring (times meaningless)::
@@ -74,6 +76,25 @@ def parse_variant(text: str, spec: bool = False) -> tuple[str, list[str]]:
     return name.strip(), shlex.split(rest)
 
 
+def graph_steps(base_url: str) -> dict[str, float] | None:
+    """{"decode": n, "verify": n} from the server's ``tokenfab:graph_steps_total{kind}`` counters, or None when
+    /metrics is unreachable or has none (graphs off)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=5.0) as r:
+            text = r.read().decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001 (no /metrics: no column)
+        return None
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == "tokenfab:graph_steps_total" and "kind" in smp.labels:
+                out[smp.labels["kind"]] = out.get(smp.labels["kind"], 0.0) + smp.value
+    return out or None
+
+
 def row_of(variant: str, cell: tuple[int, int, int], res: dict) -> dict:
     """The table's numbers from a `tokenfab bench serve` result dict."""
     i, o, c = cell
@@ -99,17 +120,20 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
              f"Model `{meta['model']}`; serve `{meta['serve_command']}` (+ each variant's flags); bench `tokenfab bench "
              f"serve --dataset-name random --ignore-eos --temperature 0 --power auto`; commit {meta['commit']}.", "",
              "| variant | in / out | conc. | done | total tok/s | output tok/s | TTFT ms | TPOT ms | ITL ms | "
-             "acceptance % / length | W (devices) | tokens / J |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+             "acceptance % / length | graph steps decode / verify | W (devices) | tokens / J |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|"]
     for r in rows:
         head = f"| {r['variant']} | {r['input_len']} / {r['output_len']} | {r['concurrency']} |"
         if "error" in r:
-            lines.append(f"{head} failed: {r['error']} | | | | | | | | |")
+            lines.append(f"{head} failed: {r['error']} | | | | | | | | | |")
             continue
         acc = ("—" if r["acceptance_rate"] is None else
                f"{r['acceptance_rate']:.1f} / {_f(r['acceptance_length'], '{:.2f}')}")
+        gs = r.get("graph_steps")
+        graphs = "—" if not gs else f"{gs.get('decode', 0):.0f} / {gs.get('verify', 0):.0f}"
         lines.append(f"{head} {r['completed']} | {_f(r['total_tok_s'])} | {_f(r['output_tok_s'])} | "
                      f"{_f(r['median_ttft_ms'])} | {_f(r['median_tpot_ms'], '{:.2f}')} | "
-                     f"{_f(r['median_itl_ms'], '{:.2f}')} | {acc} | {_f(r['avg_w'], '{:.0f}')} | "
+                     f"{_f(r['median_itl_ms'], '{:.2f}')} | {acc} | {graphs} | {_f(r['avg_w'], '{:.0f}')} | "
                      f"{_f(r['tokens_per_j'], '{:.2f}')} |")
     return lines
 
@@ -146,6 +170,7 @@ def run_variant(a, name: str, flags: list[str], cells, out_dir: str, emit) -> bo
                      str(c), "--ignore-eos", "--temperature", "0", "--seed", str(c), "--power", "auto",
                      "--save-result", "--result-dir", out_dir, "--result-filename", fname, "--disable-tqdm"]
             t0 = time.monotonic()
+            steps0 = graph_steps(base_url)
             done = subprocess.run(bench, capture_output=True, text=True)
             if done.returncode != 0:
                 ok = False
@@ -155,6 +180,9 @@ def run_variant(a, name: str, flags: list[str], cells, out_dir: str, emit) -> bo
             with open(os.path.join(out_dir, fname)) as f:
                 row = row_of(name, cell, json.load(f))
             row["seconds"] = time.monotonic() - t0
+            steps1 = graph_steps(base_url)
+            if steps0 is not None and steps1 is not None:
+                row["graph_steps"] = {k: steps1[k] - steps0.get(k, 0.0) for k in steps1}
             emit(row)
     finally:
         stop_server(proc)

@@ -108,16 +108,16 @@ def test_runner_state_rows_padding():
     slot (or none, for a hybrid model) are refused."""
     seen = []
 
-    def model(ids, pos, kv, meta):
+    def forward(ids, pos, meta):
         seen.append((meta.state_rows.clone(), pos.clone(), meta.slot_mapping.clone()))
-        return torch.zeros(len(ids), 4)
+        return torch.zeros(len(ids), 4), None
 
-    r = DecodeGraphRunner(model, [], pad_block=6, block_size=4, max_blocks=3, sizes=[1, 2, 4, 8],
+    r = DecodeGraphRunner(forward, [], pad_block=6, block_size=4, max_blocks=3, sizes=[1, 2, 4, 8],
                           device=torch.device("cpu"), mode="eager", state_slot=8)
     a = lambda *v: np.array(v, dtype=np.int64)
-    out = r.run(a(5, 6, 7, 8, 9), a(3, 1, 4, 1, 5), a(3, 5, 8, 13, 21), np.zeros((5, 2), np.int64),
-                a(4, 2, 5, 2, 6), state_rows=a(7, 0, 3, 2, 5))
-    assert out.shape == (5, 4)
+    out, taps = r.run(a(5, 6, 7, 8, 9), a(3, 1, 4, 1, 5), a(3, 5, 8, 13, 21), np.zeros((5, 2), np.int64),
+                      a(4, 2, 5, 2, 6), state_rows=a(7, 0, 3, 2, 5))
+    assert out.shape == (5, 4) and taps is None
     rows, pos, slots = seen[-1]
     assert rows.tolist() == [7, 0, 3, 2, 5, 8, 8, 8]  # 5 real rows into the size-8 buffers
     assert pos.tolist()[5:] == [0, 0, 0] and slots.tolist()[5:] == [24, 24, 24]  # fresh state, pad block
@@ -245,9 +245,10 @@ def test_padded_decode_tensor_parallel(monkeypatch, tiny_model, kimi_linear_path
 
 
 def test_padded_decode_tensor_parallel_with_layer_taps(monkeypatch, tmp_path_factory, tokenizer_dir):
-    """DSpark on Kimi K3 over 2 ranks: the drafter reads layer taps (forward hooks) on rank 0, so rank 0 runs every
-    step through the modules; the workers must too (the step header's modules flag), or their decode-only steps
-    would take the padded buffers and their all-reduces would not pair with rank 0's. The default drafting policy
+    """DSpark on Kimi K3 over 2 ranks: the drafter reads layer taps (forward hooks) on rank 0, and graphs are
+    captured on every rank together (never by rank 0 alone, with its hooks), so rank 0 runs every step through the
+    modules; the workers must too (the step header's modules flag), or their decode-only steps would take the
+    padded buffers and their all-reduces would not pair with rank 0's. The default drafting policy
     soon stops drafting for this random drafter, so plain decode steps of 3 sequences (padded to 4) follow. Tokens
     equal one rank without speculation or graphs."""
     from test_spec_dspark import K3_5MLA, _k3_prompts
@@ -311,3 +312,83 @@ def test_verification_and_mixed_steps_through_graph_buffers(monkeypatch, tiny_mo
     st = llm.llm_engine.get_stats()
     assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_accepted_tokens"] > 0
     assert max(rows) > len(spec_prompts())  # token rows beyond one per sequence: verification or mixed steps
+
+
+@pytest.mark.parametrize("model", ["kimi_linear", "k3"])
+def test_hybrid_verification_rows_through_graph_buffers(monkeypatch, hybrid_path, model):
+    """Kimi Linear / Kimi K3 with drafts from the known continuation, one wrong at a varying position (rows accept
+    0..3 of 3): the verification steps run from the padded buffers, attention with every token a decode row, the
+    KDA layers over [bs, 4] with the rows' states held and committed after acceptance (4 sequences in the size-4
+    and, as they finish, padded size-2 / size-4 buffers). Greedy tokens and their logprobs equal the engine without
+    speculation and without graphs."""
+    from spec_helpers import NGRAM, spec_prompts
+    from test_spec_state_commit import OracleProposer
+    path = hybrid_path(model)
+    prompts = [p["prompt_token_ids"] for p in spec_prompts()]
+    max_tokens = [16, 11, 14, 9]
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
+    _, ref = _generate(path, prompts, max_tokens, max_num_seqs=16)
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
+    from tokenfab import LLM, SamplingParams
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, max_num_batched_tokens=64, block_size=8,
+              max_num_seqs=16, progress=False, speculative_config=NGRAM)
+    eng = llm.llm_engine
+    expected = {len(p): r.outputs[0].token_ids for p, r in zip(prompts, ref)}
+    eng.spec.proposer = OracleProposer(expected, eng.model_config.vocab_size)
+    graphs = eng.runner.decode_graphs
+    assert graphs.verify_q == 4 and graphs.verify_sizes == [1, 2, 4, 8, 16] and graphs.n_rows == 64
+    batches = []
+    orig = DecodeGraphRunner.run_verify
+
+    def spy(self, input_ids, positions, slots, bt, num_new, *a, **kw):
+        batches.append(len(num_new))
+        return orig(self, input_ids, positions, slots, bt, num_new, *a, **kw)
+
+    monkeypatch.setattr(DecodeGraphRunner, "run_verify", spy)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in max_tokens]
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _assert_same_outputs(ref, got, f"{model}, verification from the buffers")
+    st = eng.get_stats()
+    per_pos = st["spec_decode_num_accepted_tokens_per_pos"]
+    assert per_pos[0] > per_pos[2] > 0  # rows accepted 0..3 drafts: commits of 1..4 tokens
+    assert graphs.verify_replays == len(batches) > 0 and set(batches) - {1, 2, 4}, batches  # padded steps too
+    assert st["graph_steps_verify"] == len(batches) and st["graph_steps_decode"] == graphs.replays - len(batches)
+    from tokenfab.server.metrics import ServerMetrics
+    text = ServerMetrics("m").render(st).decode()
+    assert f'tokenfab:graph_steps_total{{kind="verify",model_name="m"}} {float(len(batches))}' in text, text
+
+
+def test_layer_taps_from_graph_buffers_equal_the_modules(monkeypatch, hybrid_path, tmp_path_factory):
+    """A drafter's layer taps (DSpark on the tiny Kimi K3, drafting at every step) read from the padded buffers'
+    forward, decode and verification steps alike, equal those of the module path step for step, and so do the
+    drafts and the tokens."""
+    from test_spec_dspark import K3_5MLA, _k3_prompts, ALWAYS
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.testing.tiny_dspark import write_tiny_dspark
+    path = hybrid_path("k3")
+    drafter, _, _ = write_tiny_dspark(str(tmp_path_factory.mktemp("graphs_taps")), "specforge", K3_5MLA,
+                                      block_size=4, target_layer_ids=(0, 2), target_num_layers=4, seed=3)
+    runs = {}
+    for mode in ("0", "eager"):
+        monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", mode)
+        llm = LLM(path, dtype="float32", device="cpu", max_model_len=96, max_num_seqs=16, progress=False,
+                  speculative_config=dict(ALWAYS, method="dspark", model=drafter, num_speculative_tokens=3))
+        runner = llm.llm_engine.runner
+        seen, keep = [], runner.keep_captured
+
+        def spy(seqs, rows, req_idx, positions, keep=keep, seen=seen, runner=runner):
+            keep(seqs, rows, req_idx, positions)
+            seen.append((positions.copy(), runner.captured.taps.clone()))
+        runner.keep_captured = spy
+        out = llm.generate(_k3_prompts(), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                           use_tqdm=False)
+        graphs = runner.decode_graphs
+        runs[mode] = ([o.outputs[0].token_ids for o in out], seen, llm.llm_engine.get_stats(),
+                      0 if graphs is None else graphs.replays, 0 if graphs is None else graphs.verify_replays)
+    (tok0, seen0, st0, _, _), (tok1, seen1, st1, replays, verify) = runs["0"], runs["eager"]
+    assert replays > verify > 0  # decode and verification steps from the buffers, taps included
+    assert tok1 == tok0 and len(seen1) == len(seen0)
+    assert st1["spec_decode_num_accepted_tokens"] == st0["spec_decode_num_accepted_tokens"]
+    for (p0, t0), (p1, t1) in zip(seen0, seen1):
+        assert np.array_equal(p0, p1)
+        torch.testing.assert_close(t1, t0, rtol=1e-4, atol=1e-4)

@@ -108,7 +108,8 @@ def test_summary_table_from_hand_made_results(tmp_path, capsys):
 
 def test_serve_check_cells_variants_and_rows():
     """benchmarks/serve_check.py: cells and variants parsed (bad ones refused by name; a speculative_config JSON kept
-    whole), and a bench result's vLLM keys land in the row and its table line (percent acceptance, summed watts)."""
+    whole), and a bench result's vLLM keys land in the row and its table line (percent acceptance, summed watts,
+    the graph steps when the server counted them)."""
     from benchmarks.serve_check import markdown, parse_cells, parse_variant, row_of
     assert parse_cells("1024/128x1, 8192/1024x16") == [(1024, 128, 1), (8192, 1024, 16)]
     for bad in ("1024x16", "1024/128", "0/8x1", "a/bx1"):
@@ -128,6 +129,8 @@ def test_serve_check_cells_variants_and_rows():
     row = row_of("dspark", (1024, 128, 16), res)
     assert (row["total_tok_s"], row["acceptance_rate"], row["acceptance_length"], row["avg_w"]) == (
         9000.0, 40.0, 2.2, 700.0)
-    line = markdown({"label": "x", "date": "d", "model": "m", "serve_command": "s", "commit": "c"}, [row])[-1]
-    assert line == ("| dspark | 1024 / 128 | 16 | 16 | 9000.0 | 1000.0 | 250.0 | 12.50 | 12.00 | 40.0 / 2.20 | 700 | "
-                    "12.90 |")
+    meta = {"label": "x", "date": "d", "model": "m", "serve_command": "s", "commit": "c"}
+    assert markdown(meta, [row])[-1] == ("| dspark | 1024 / 128 | 16 | 16 | 9000.0 | 1000.0 | 250.0 | 12.50 | 12.00 | "
+                                         "40.0 / 2.20 | — | 700 | 12.90 |")
+    row["graph_steps"] = {"decode": 12.0, "verify": 40.0}  # the server's graph-step counters over the cell
+    assert "| 40.0 / 2.20 | 12 / 40 | 700 |" in markdown(meta, [row])[-1]

@@ -109,23 +109,50 @@ def test_preemption_and_prefix_snapshots_on_gpu_path(monkeypatch, no_cpu_kernels
     assert eng.block_manager.prefix_cache.snapshots.num_restored > 0
 
 
-def test_speculative_rows_on_gpu_path(monkeypatch, no_cpu_kernels, hybrid_paths):
+@pytest.mark.parametrize("graphs", ["0", "eager"])
+def test_speculative_rows_on_gpu_path(monkeypatch, no_cpu_kernels, hybrid_paths, graphs):
     """n-gram speculation on Kimi Linear on the GPU path: verification rows through the short-conv and recurrence
-    kernels (their old conv states and recurrence inputs kept from host copies of the kept rows), rolled back to
-    the accepted prefix: greedy tokens equal the CPU path's without speculation, with drafts rejected."""
+    kernels with their states held, then committed to the accepted prefix by the same kernels (engine/
+    state_commit.py): greedy tokens equal the CPU path's without speculation, with drafts rejected. ``eager``: the
+    verification steps from the padded decode-graph buffers (attention rows flat, the KDA layers over [bs, 4]) and
+    their commit over every row, neither reading the device from the host (CUDA captures both)."""
     from spec_helpers import NGRAM, spec_prompts, token_ids
     from tokenfab.kernels.gpu import short_conv
     path = hybrid_paths["kimi_linear"]
-    sp = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    n = 4 if graphs == "0" else 3  # three sequences: padded to the size-4 verification buffers
+    sp = SamplingParams(temperature=0.0, max_tokens=10 if graphs == "0" else 8, ignore_eos=True)
     base = token_ids(LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False)
-                     .generate(spec_prompts(), sp, use_tqdm=False))
+                     .generate(spec_prompts(n), sp, use_tqdm=False))
     gpu_path(monkeypatch)
     widths = []
     orig = short_conv.short_conv
     monkeypatch.setattr(short_conv, "short_conv",
                         lambda *a, **k: widths.append(a[1].shape[1]) or orig(*a, **k))
-    llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False, speculative_config=NGRAM)
-    assert token_ids(llm.generate(spec_prompts(), sp, use_tqdm=False)) == base
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", graphs)
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, max_num_seqs=16, progress=False,
+              speculative_config=NGRAM)
+    syncs = []
+    if graphs == "eager":  # the buffers' forward and commit, which CUDA would capture: no host read of the device
+        from tokenfab.testing.kernel_count import KernelCounter
+        g = llm.llm_engine.runner.decode_graphs
+
+        def counted(fn):
+            calls = [0]
+
+            def run(*a):
+                calls[0] += 1
+                if calls[0] > 6:  # the first steps of each kind are enough (counting is slow in the interpreter)
+                    return fn(*a)
+                kc = KernelCounter()
+                with kc, kc.scope("captured"):
+                    out = fn(*a)
+                syncs.extend(kc.syncs)
+                return out
+            return run
+        g.forward, g._commit = counted(g.forward), counted(g._commit)
+    assert token_ids(llm.generate(spec_prompts(n), sp, use_tqdm=False)) == base
+    if graphs == "eager":
+        assert llm.llm_engine.runner.decode_graphs.verify_replays > 0 and not syncs, syncs
     st = llm.llm_engine.get_stats()
     # drafts rejected: their rows committed fewer tokens than they ran (a wrong commit changes later tokens)
     assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_accepted_tokens"] < st[

@@ -16,6 +16,23 @@ index.
 Tensor parallel: every rank runs the same step arrays (rank 0 broadcasts them, parallel/worker.py) through this
 same code, so every rank pads to the same size with the same rows and the collectives inside the forward pair up.
 
+Speculative verification of hybrid models (:meth:`DecodeGraphRunner.enable_verify`): a step of B sequences with up
+to Q = 1 + k tokens each is laid out [bs, Q] (bs the smallest capture size >= B; the buffers hold max_num_seqs * Q
+token rows once verification is enabled). Attention layers see every token as a decode row of its own (its
+sequence's block table, context length = its position + 1); the KDA layers see the [bs, Q] group
+(``AttentionMetadata.state_group``), walk each sequence's tokens in order and hold the states of its verification
+rows for the commit after acceptance (engine/state_commit.py). Tokens past a sequence's count are padding rows for
+attention and invalid (position -1) for the KDA layers; padding sequences run one token at position 0 into the spare
+state slot. The layers' commit entries (references to the forward's projections) are captured with each graph and
+handed back to the caches after every replay, stamped with the step's rows on the host; the commit itself (every KDA
+layer's conv and recurrence again over each row's kept tokens, 0 for rows not held) is a second graph per size, fed
+one copy of the kept counts (:meth:`DecodeGraphRunner.commit`).
+
+Layer taps (a drafter's hidden states, ``ModelRunner.set_hidden_capture``): the forward function the runner calls
+returns them beside the hidden states; captured with the graph (the hooks' ops are recorded at capture), so
+drafters that tap layers no longer force every step through the modules (on one rank: under tensor parallel every
+rank captures at start-up, together, without rank 0's hooks, and taps run the modules).
+
 The forward must not sync with the host or change shapes with data while captured: it runs with the Triton decode
 attention and fused MoE (kernels/gpu/*.py), so graphs are used only where those apply. ``mode="eager"`` runs
 the same padded static-buffer path without capture, on any device: tests check it token for token against
@@ -23,6 +40,7 @@ transformers on CPU, which covers the padding and buffer logic that capture woul
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -30,8 +48,11 @@ import torch
 
 from tokenfab.engine.async_scheduling import fill_placeholders
 from tokenfab.engine.input_staging import PinnedHostBuffer
+from tokenfab.engine.state_cache import KDAStateCache
 from tokenfab.errors import EngineConfigError
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
+
+logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_num_seqs: int, limit: int = 256) -> list[int]:
@@ -85,11 +106,16 @@ def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str |
     return "cuda" if triton_support.applies(torch.empty(0, device=device)) else None
 
 
+SEGMENTS = 7  # int64 segments of n values each: ids, positions, slots, context lengths, state rows, KDA positions, hold
+
+
 class DecodeGraphRunner:
     """Static buffers and one captured graph (or, in ``eager`` mode, one eager forward) per capture size.
 
     Args:
-        model: the CausalLM (``model(input_ids, positions, kv_caches, meta) -> hidden [T, hidden]``).
+        forward: ``forward(input_ids [N], positions [N], meta) -> (hidden [N, hidden], taps [N, n, hidden] or
+            None)``: the model's forward over the pool and, where a drafter taps layer outputs, the taps stacked
+            (ModelRunner.graph_forward); called at capture (CUDA) or every step (eager).
         kv_caches: the pool, allocated with one more block than the block manager owns (hybrid models: the KDA
             layers' entries are their state caches, allocated with one more slot than max_num_seqs; the list may
             receive them after this runner is built, it is read at each step).
@@ -100,38 +126,60 @@ class DecodeGraphRunner:
             never a scheduler row); None for models without recurrent state.
     """
 
-    def __init__(self, model, kv_caches: list, pad_block: int, block_size: int, max_blocks: int,
+    def __init__(self, forward, kv_caches: list, pad_block: int, block_size: int, max_blocks: int,
                  sizes: list[int], device: torch.device, mode: str, state_slot: int | None = None):
-        self.model, self.kv_caches, self.mode = model, kv_caches, mode
+        self.forward, self.kv_caches, self.mode = forward, kv_caches, mode
         self.pad_block, self.block_size, self.max_blocks = pad_block, block_size, max_blocks
         self.state_slot = state_slot
         self.sizes = sorted(sizes)
-        n = self.sizes[-1]
-        i64 = dict(dtype=torch.int64, device=device)
+        self.device = device
+        self._allocate(self.sizes[-1])
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.verify_q = 0  # tokens per sequence of the verification graphs (1 + k); 0: none (enable_verify)
+        self.verify_sizes: list[int] = []
+        # bs -> (graph, hidden, taps, [the KDA caches' commit entries, one list per cache], commit graph)
+        self.verify_graphs: dict[int, tuple] = {}
+        self._kept = torch.zeros(0, dtype=torch.int64, device=device)  # [n] kept tokens per verification row
+        self._kept_host: PinnedHostBuffer | None = None
+        self._last_verify: tuple | None = None  # (bs, rows [bs], tokens [bs]) of the last verification step
+        self.verify_error: str | None = None  # why verification graphs were dropped at capture, if they were
+        self.replays = 0  # steps served from the buffers (tests and stats)
+        self.verify_replays = 0  # of which verification steps of a hybrid model
+        self._stale = True  # CUDA: (re)capture before the next replay (capture_if_stale)
+
+    def _allocate(self, n: int) -> None:
+        """The static buffers for ``n`` token rows (decode rows, or verification tokens: :meth:`enable_verify`)."""
+        i64 = dict(dtype=torch.int64, device=self.device)
+        max_blocks = self.max_blocks
+        self.n_rows = n
         # Every per-step input lives in one int64 buffer, staged whole in one host buffer (pinned on CUDA) and sent
-        # with one copy per step: [input ids | positions | slots | context lengths | state rows] (n each), then the
-        # block tables [n, max_blocks] row-major. The graphs read the views below, fixed at capture.
-        self._inputs = torch.zeros(5 * n + n * max_blocks, **i64)
-        self._host = PinnedHostBuffer(self._inputs.numel(), device)  # rewritten only once its last send landed
-        seg = [self._inputs[i * n:(i + 1) * n] for i in range(5)]
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens, rows = seg
-        self.block_tables = self._inputs[5 * n:].view(n, max_blocks)
+        # with one copy per step: [input ids | positions | slots | context lengths | state rows | KDA positions |
+        # hold] (n each), then the block tables [n, max_blocks] row-major. The graphs read the views below, fixed
+        # at capture.
+        self._inputs = torch.zeros(SEGMENTS * n + n * max_blocks, **i64)
+        self._host = PinnedHostBuffer(self._inputs.numel(), self.device)  # rewritten only once its last send landed
+        seg = [self._inputs[i * n:(i + 1) * n] for i in range(SEGMENTS)]
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, rows, self.kda_positions, \
+            self.hold = seg
+        self.block_tables = self._inputs[SEGMENTS * n:].view(n, max_blocks)
         self.token_index = torch.arange(n, **i64).view(n, 1)
         # [n] int64 recurrent-state slot per row (hybrid models only): real rows' scheduler rows, padding rows the
         # spare slot; the KDA layers gather and scatter their states through this buffer alone
-        self.state_rows = None if state_slot is None else rows
-        self._pads = (0, 0, pad_block * block_size, 1, state_slot if state_slot is not None else 0)
+        self.state_rows = None if self.state_slot is None else rows
+        self._pads = (0, 0, self.pad_block * self.block_size, 1, self.state_slot if self.state_slot is not None else 0,
+                      -1, 0)
         host = self._host.writable()
         for i, pad in enumerate(self._pads):
             host[i * n:(i + 1) * n] = pad
-        host[5 * n:] = pad_block
+        host[SEGMENTS * n:] = self.pad_block
         self._host.send(self._inputs, self._inputs.numel())
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.replays = 0  # steps served from the buffers (tests and stats)
 
     @property
     def max_batch(self) -> int:
         return self.sizes[-1]
+
+    def _state_caches(self) -> list[KDAStateCache]:
+        return [c for c in self.kv_caches if isinstance(c, KDAStateCache)]
 
     def _meta(self, bs: int) -> AttentionMetadata:
         group = AttentionGroup(token_index=self.token_index[:bs], query_pos=self.positions[:bs].view(bs, 1),
@@ -141,33 +189,144 @@ class DecodeGraphRunner:
                                  block_size=self.block_size,
                                  state_rows=None if self.state_rows is None else self.state_rows[:bs])
 
+    def _verify_meta(self, bs: int) -> AttentionMetadata:
+        """bs sequences x verify_q tokens: the flat decode rows for attention, the [bs, Q] group for KDA layers."""
+        Q = self.verify_q
+        meta = self._meta(bs * Q)
+        meta.state_group = AttentionGroup(token_index=self.token_index[:bs * Q].view(bs, Q),
+                                          query_pos=self.kda_positions[:bs * Q].view(bs, Q),
+                                          block_tables=self.block_tables[:bs], context_lens=self.context_lens[:bs],
+                                          q_len=Q, max_context=self.max_blocks * self.block_size)
+        meta.state_rows = self.state_rows[:bs]
+        meta.state_hold = self.hold[:bs] != 0  # one launch; a bool view the PyTorch forms can mask with
+        return meta
+
+    def mark_stale(self) -> None:
+        """The forward changed (a drafter taps layers, verification graphs were asked for): capture again before
+        the next replay, once, however many changes come first."""
+        self._stale = True
+
+    def capture_if_stale(self, progress: bool = False) -> None:
+        """Capture now if the graphs are missing or out of date (the engine calls this once it is built, so
+        start-up pays for capture, not the first request; replays call it too)."""
+        if self._stale:
+            self.capture(progress)
+
     @torch.inference_mode()
     def capture(self, progress: bool = False) -> None:
-        """Capture every size, largest first so smaller graphs reuse its memory pool. Buffers hold padding rows
-        only, so warm-up and capture write K/V to the pad block alone and KDA states to the spare slot alone (the
-        state caches must exist before this is called: ModelRunner builds them first)."""
+        """Capture every size, largest first so smaller graphs reuse its memory pool (again, replacing earlier
+        graphs). Buffers hold padding rows only, so warm-up and capture write K/V to the pad block alone and KDA
+        states to the spare slot alone (the state caches must exist before this is called: ModelRunner builds them
+        first)."""
+        self._stale = False
         if self.mode != "cuda":
             return
         from tqdm import tqdm
+        self.graphs, self.verify_graphs = {}, {}
         pool = None
-        for bs in tqdm(sorted(self.sizes, reverse=True), desc="capturing decode CUDA graphs", disable=not progress):
-            ids, pos, meta = self.input_ids[:bs], self.positions[:bs], self._meta(bs)
-            for _ in range(2):  # compiles the Triton kernels and settles allocations outside the capture
-                self.model(ids, pos, self.kv_caches, meta)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model(ids, pos, self.kv_caches, meta)
+        caches = self._state_caches()
+        jobs = [(bs, False) for bs in sorted(self.sizes, reverse=True)]
+        jobs += [(bs, True) for bs in sorted(self.verify_sizes, reverse=True)]
+        for bs, verify in tqdm(jobs, desc="capturing decode CUDA graphs", disable=not progress):
+            if verify and not self.verify_sizes:  # an earlier verification capture failed
+                continue
+            N = bs * self.verify_q if verify else bs
+            ids, pos = self.input_ids[:N], self.positions[:N]
+            try:
+                for _ in range(2):  # compiles the Triton kernels and settles allocations outside the capture
+                    self.forward(ids, pos, self._verify_meta(bs) if verify else self._meta(bs))
+                torch.cuda.synchronize()
+                for c in caches:
+                    c.deferred.clear()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out, taps = self.forward(ids, pos, self._verify_meta(bs) if verify else self._meta(bs))
+            except Exception as e:  # noqa: BLE001 - verification graphs are an optimization: run those steps eagerly
+                if not verify:
+                    raise
+                torch.cuda.synchronize()
+                self.verify_error = f"{type(e).__name__}: {e}"[:500]
+                logger.warning("verification CUDA graphs not captured (%s); verification steps run eagerly",
+                               self.verify_error)
+                self.verify_sizes, self.verify_graphs = [], {}
+                for c in caches:
+                    c.deferred.clear()
+                continue
             pool = graph.pool()
-            self.graphs[bs] = (graph, out)
+            if verify:  # the commit entries the layers appended while captured: their tensors live in the pool
+                entries = [list(c.deferred) for c in caches]
+                commit_graph = torch.cuda.CUDAGraph()  # and the commit over them, kept tokens from _kept
+                self._commit(bs, entries)  # warm-up: padding rows, kept 0 (states written back unchanged)
+                torch.cuda.synchronize()
+                with torch.cuda.graph(commit_graph, pool=pool):
+                    self._commit(bs, entries)
+                self.verify_graphs[bs] = (graph, out, taps, entries, commit_graph)
+            else:
+                self.graphs[bs] = (graph, out, taps)
+            for c in caches:
+                c.deferred.clear()
         torch.cuda.synchronize()
+
+    def enable_verify(self, tokens_per_seq: int) -> None:
+        """Serve speculative verification steps of a hybrid (KDA) model, up to ``tokens_per_seq`` (1 + k) tokens a
+        sequence, from the buffers: sizes bs of the capture sizes with bs * tokens_per_seq <= the largest; captured
+        now on CUDA (with the decode sizes again, to share one memory pool). No-op for models without state or for
+        tokens_per_seq < 2."""
+        if self.state_slot is None or tokens_per_seq < 2:
+            return
+        self.verify_q = int(tokens_per_seq)
+        self.verify_sizes = list(self.sizes)
+        self._allocate(self.max_batch * self.verify_q)  # before any capture reads the buffers
+        self._kept = torch.zeros(self.max_batch, dtype=torch.int64, device=self.device)
+        self._kept_host = PinnedHostBuffer(self.max_batch, self.device)
+        self.mark_stale()
+
+    def fits_verify(self, num_new: np.ndarray) -> bool:
+        """Whether a step of ``num_new`` [B] tokens per sequence runs as verification rows from the buffers."""
+        return (self.verify_q > 0 and bool(self.verify_sizes) and len(num_new) <= self.verify_sizes[-1]
+                and int(num_new.max()) <= self.verify_q)
+
+    def _stage(self, arrays: list[tuple[int, np.ndarray | None, np.ndarray | None]], bt_rows: np.ndarray | None,
+               bt: np.ndarray, used: int, pad_rows: int) -> None:
+        """Write one step into the host buffer and send it: per segment (index, destination rows or None for the
+        first len(values), values); ``used`` rows of every segment are reset to padding first; block-table rows
+        ``bt_rows`` (None: the first len(bt)) get ``bt``'s columns in use, padding rows column 0 = the pad block."""
+        n = self.n_rows
+        host = self._host.writable()
+        for i in range(SEGMENTS):
+            host[i * n:i * n + used] = self._pads[i]
+        for i, dest, values in arrays:
+            if values is None:
+                continue
+            if dest is None:
+                host[i * n:i * n + len(values)] = values
+            else:
+                host[i * n + dest] = values
+        width = min(bt.shape[1], self.max_blocks)
+        tables = host[SEGMENTS * n:].reshape(n, self.max_blocks)
+        tables[:pad_rows, 0] = self.pad_block  # columns past a row's context are never read: stale ones may stay
+        if bt_rows is None:
+            tables[:len(bt), :width] = bt[:, :width]
+        else:
+            tables[bt_rows, :width] = bt[:, :width]
+        self._host.send(self._inputs, SEGMENTS * n + pad_rows * self.max_blocks)  # the step's one copy
+
+    def _check_rows(self, state_rows: np.ndarray | None, B: int) -> None:
+        if self.state_rows is None:
+            return
+        if state_rows is None:
+            raise ValueError("decode graphs of a hybrid (KDA) model need the step's state rows (scheduler rows).")
+        if B and not (0 <= int(state_rows.min()) and int(state_rows.max()) < self.state_slot):
+            raise ValueError(f"state rows must lie in [0, {self.state_slot}) (slot {self.state_slot} is the "
+                             f"padding rows' spare slot); got {state_rows.min()}..{state_rows.max()}.")
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray, block_tables: np.ndarray,
             context_lens: np.ndarray, state_rows: np.ndarray | None = None,
-            placeholder_source: torch.Tensor | None = None) -> torch.Tensor:
+            placeholder_source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode-only step of B <= max_batch sequences (int64 numpy inputs: [B] ids, positions, slots,
         context lengths after this step's write; [B, >= blocks in use] block tables; ``state_rows`` [B] the
-        sequences' scheduler rows = recurrent-state slots, hybrid models only) -> hidden [B, hidden].
+        sequences' scheduler rows = recurrent-state slots, hybrid models only) -> (hidden [B, hidden], taps
+        [B, n, hidden] or None).
 
         All inputs go to the device in one copy from one host staging buffer (pinned on CUDA). Only the block-table
         columns in use are written there: attention reads no column past a row's context length, so older columns
@@ -184,30 +343,116 @@ class DecodeGraphRunner:
         """
         B = len(input_ids)
         bs = next(s for s in self.sizes if s >= B)
-        width = min(block_tables.shape[1], self.max_blocks)
-        n = self.max_batch
-        arrays = [input_ids, positions, slot_mapping, context_lens]
-        if self.state_rows is not None:
-            if state_rows is None:
-                raise ValueError("decode graphs of a hybrid (KDA) model need the step's state rows (scheduler rows).")
-            if B and not (0 <= int(state_rows.min()) and int(state_rows.max()) < self.state_slot):
-                raise ValueError(f"state rows must lie in [0, {self.state_slot}) (slot {self.state_slot} is the "
-                                 f"padding rows' spare slot); got {state_rows.min()}..{state_rows.max()}.")
-            arrays.append(state_rows)
-        host = self._host.writable()
-        for i, a in enumerate(arrays):
-            host[i * n:i * n + B] = a
-            host[i * n + B:i * n + bs] = self._pads[i]
-        bt = host[5 * n:].reshape(n, self.max_blocks)
-        bt[:B, :width] = block_tables[:, :width]  # columns past a row's context are never read: stale ones may stay
-        bt[B:bs, 0] = self.pad_block
-        self._host.send(self._inputs, 5 * n + bs * self.max_blocks)  # the step's one host-to-device copy
+        self._check_rows(state_rows, B)
+        self.capture_if_stale()
+        self._last_verify = None
+        self._stage([(0, None, input_ids), (1, None, positions), (2, None, slot_mapping), (3, None, context_lens),
+                     (4, None, state_rows)], None, block_tables, bs, bs)
         if placeholder_source is not None:
             ids = self.input_ids[:B]
             ids.copy_(fill_placeholders(ids, placeholder_source))
         self.replays += 1
         if self.mode == "cuda":
-            graph, out = self.graphs[bs]
+            graph, out, taps = self.graphs[bs]
             graph.replay()
-            return out[:B]
-        return self.model(self.input_ids[:bs], self.positions[:bs], self.kv_caches, self._meta(bs))[:B]
+        else:
+            out, taps = self.forward(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        return out[:B], None if taps is None else taps[:B]
+
+    def run_verify(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
+                   block_tables: np.ndarray, num_new: np.ndarray, state_rows: np.ndarray, hold: np.ndarray | None,
+                   placeholder_source: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A step of B sequences with ``num_new`` [B] (<= verify_q) tokens each, T in all, of a hybrid model
+        (:meth:`fits_verify`): flat int64 numpy inputs in the step's order, ``input_ids`` / ``positions`` /
+        ``slot_mapping`` [T], ``block_tables`` [T, >= blocks in use] (each token's sequence's), ``state_rows`` [B],
+        ``hold`` [B] bool (verification rows: states held for the commit) or None -> (hidden [T, hidden], taps
+        [T, n, hidden] or None) in the step's order. After it the KDA caches hold this step's commit entries
+        (engine/state_commit.py), stamped with the rows on the host.
+
+        Raises:
+            ValueError: as :meth:`run` for ``state_rows``.
+        """
+        B, T, Q = len(num_new), len(input_ids), self.verify_q
+        bs = next(s for s in self.verify_sizes if s >= B)
+        self._check_rows(state_rows, B)
+        self.capture_if_stale()
+        starts = np.cumsum(num_new) - num_new
+        req = np.repeat(np.arange(B), num_new)
+        dest = req * Q + (np.arange(T) - starts[req])  # token (b, j) at row b * Q + j
+        pad_seq = np.arange(B, bs) * Q  # padding sequences: one token at position 0 (spare slot, zero state)
+        self._stage([(0, dest, input_ids), (1, dest, positions), (2, dest, slot_mapping), (3, dest, positions + 1),
+                     (4, None, state_rows), (5, dest, positions), (5, pad_seq, np.zeros(len(pad_seq), np.int64)),
+                     (6, None, None if hold is None else hold.astype(np.int64))], dest, block_tables, bs * Q, bs * Q)
+        if placeholder_source is not None:
+            ids = self.input_ids[:bs * Q]
+            ids.copy_(fill_placeholders(ids, placeholder_source))
+        self.replays += 1
+        self.verify_replays += 1
+        caches = self._state_caches()
+        if self.mode == "cuda":
+            graph, out, taps, entries, _ = self.verify_graphs[bs]
+            graph.replay()
+            for c, e in zip(caches, entries):
+                c.deferred[:] = e
+        else:
+            out, taps = self.forward(self.input_ids[:bs * Q], self.positions[:bs * Q], self._verify_meta(bs))
+        rows_h = np.full(bs, self.state_slot, dtype=np.int64)
+        rows_h[:B] = state_rows
+        hold_h = np.zeros(bs, dtype=bool)
+        if hold is not None:
+            hold_h[:B] = hold
+        tokens_h = np.ones(bs, dtype=np.int64)
+        tokens_h[:B] = num_new
+        for c in caches:
+            for e in c.deferred:
+                e.rows_host, e.hold_host, e.tokens_host = rows_h, hold_h, tokens_h
+        self._last_verify = (bs, rows_h, hold_h, tokens_h)
+        sel = torch.from_numpy(dest)
+        if sel.device != out.device:
+            sel = sel.to(out.device, non_blocking=True)
+        return out[sel], None if taps is None else taps[sel]
+
+    def forget_step(self) -> None:
+        """A step not served by :meth:`run_verify` begins: no commit of the buffers' is pending."""
+        self._last_verify = None
+
+    def _commit(self, bs: int, entries: list[list]) -> None:
+        """Every KDA layer's commit over all bs rows of a verification step, kept tokens from ``_kept`` (the
+        commit graph's body; also run eagerly in ``eager`` mode)."""
+        kept = self._kept[:bs]
+        for c, es in zip(self._state_caches(), entries):
+            for e in es:
+                e.layer.commit_all(e, c, kept)
+
+    def commit(self, rows: np.ndarray, kept: np.ndarray) -> int | None:
+        """After a verification step these buffers served (:meth:`run_verify`), the KDA state commit
+        (engine/state_commit.py) of ``rows`` [N] int64 scheduler rows after their first ``kept`` [N] int64 tokens:
+        one copy of the kept counts and one replay of the step's commit graph (``eager`` mode: the same work run
+        directly). Rows the step did not hold keep their state. Returns the (layer, row) states committed, or None
+        when the last step was not such a step (the caller then commits through the layers' entries).
+
+        Raises:
+            ValueError: a kept count above the tokens its row ran (nothing written).
+        """
+        last, self._last_verify = self._last_verify, None
+        if last is None:
+            return None
+        bs, rows_h, hold_h, tokens_h = last
+        by = dict(zip(np.asarray(rows).tolist(), np.asarray(kept).tolist()))
+        kk = np.array([by.get(r, 0) if h else 0 for r, h in zip(rows_h.tolist(), hold_h.tolist())], dtype=np.int64)
+        if (kk > tokens_h).any():
+            self._last_verify = last  # a corrected call may follow
+            raise ValueError("commit: kept exceeds the tokens a row ran this step "
+                             f"(kept {kk.tolist()}, ran {tokens_h.tolist()}).")
+        caches = self._state_caches()
+        host = self._kept_host.writable()
+        host[:bs] = kk
+        self._kept_host.send(self._kept, bs)
+        if self.mode == "cuda":
+            self.verify_graphs[bs][4].replay()
+        else:
+            self._commit(bs, [list(c.deferred) for c in caches])
+        for c in caches:
+            c.deferred.clear()
+        named = sum(1 for r, h in zip(rows_h.tolist(), hold_h.tolist()) if h and r in by)
+        return named * sum(1 for c in caches)

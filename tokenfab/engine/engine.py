@@ -129,6 +129,8 @@ class LLMEngine:
             wanted = async_scheduling_enabled(self.device) and self.spec is None and self.tp_group is None
         if wanted:
             self.set_async_scheduling(True)  # refuses speculative decoding and tensor parallel by name
+        if self.runner.decode_graphs is not None:  # CUDA graphs captured once the forward is settled (taps, drafts)
+            self.runner.decode_graphs.capture_if_stale()
 
     @classmethod
     def from_config(cls, config: EngineConfig, progress: bool = True) -> "LLMEngine":
@@ -290,7 +292,8 @@ class LLMEngine:
     def get_stats(self) -> dict:
         """Gauges and counters: running / waiting sequences and requests (a request with n > 1 counts once; one
         with any sequence running is running), KV usage 0..1, preemptions, prefix-cache queries and hits (tokens),
-        token and request totals."""
+        token and request totals; with decode-graph buffers (engine/cuda_graph_runner.py) the steps they served,
+        ``graph_steps_decode`` and ``graph_steps_verify`` (hybrid models' verification steps)."""
         running_reqs = {s.request_id for s in self.scheduler.running}
         pc = self.block_manager.prefix_cache
         waiting_reqs = {s.request_id for s in self.scheduler.waiting} - running_reqs
@@ -299,7 +302,13 @@ class LLMEngine:
                 "kv_cache_usage": self.block_manager.usage(), "num_preemptions": self.scheduler.num_preemptions,
                 "prefix_cache_queries": pc.queries if pc is not None else 0,
                 "prefix_cache_hits": pc.hits if pc is not None else 0,
-                **self.stats, **self._host_expert_stats()}
+                **self.stats, **self._host_expert_stats(), **self._graph_stats()}
+
+    def _graph_stats(self) -> dict:
+        g = self.runner.decode_graphs
+        if g is None:
+            return {}
+        return {"graph_steps_decode": g.replays - g.verify_replays, "graph_steps_verify": g.verify_replays}
 
     def _host_expert_stats(self) -> dict:
         """{"host_experts": cumulative split accounting (layers/host_experts.py, this process = rank 0)} when the

@@ -109,12 +109,24 @@ class ModelRunner:
         self.kv_caches = model.make_kv_cache(num_blocks, self.block_size, dtype, device)
         if self.has_state:  # hybrid models: per-request KDA state slots by row (state_cache.py)
             model.make_state_cache(self.kv_caches, max_num_seqs + (graph_mode is not None), dtype, device)
+        # the target-hidden-state seam for drafters (spec_decode/proposer.py): set by set_hidden_capture
+        self.capture: HiddenRequest | None = None
+        self.captured: CapturedHidden | None = None  # the last execute()'s hidden states, when capture is set
+        self._hidden_now: tuple | None = None  # (hidden [T, H], taps [T, n, H] or None) of the last forward
+        self._tap_out: list = []
+        self._tap_hooks: list = []
+        # tensor parallel: every rank captures its graphs at this point, together (the captures' collectives pair
+        # up), and never alone later, so layer taps (rank 0 only) run the modules and verification rows of hybrid
+        # models stay eager there; one rank captures once the engine is built (DecodeGraphRunner.capture_if_stale)
+        self.sharded = getattr(model, "tp", None) is not None
         self.decode_graphs: DecodeGraphRunner | None = None
         if graph_mode is not None:
-            self.decode_graphs = DecodeGraphRunner(model, self.kv_caches, block_manager.num_blocks, self.block_size,
+            self.decode_graphs = DecodeGraphRunner(self.graph_forward, self.kv_caches, block_manager.num_blocks,
+                                                   self.block_size,
                                                    block_manager.max_blocks_per_seq, capture_sizes(max_num_seqs),
                                                    device, graph_mode, max_num_seqs if self.has_state else None)
-            self.decode_graphs.capture()
+            if self.sharded:
+                self.decode_graphs.capture_if_stale()
         self.batch_invariant = batch_invariant
         if batch_invariant:  # refused by name before anything is moved or built (batch_invariance.py)
             check_model(model, device, graph_mode)
@@ -148,25 +160,24 @@ class ModelRunner:
         self.tp_channel = None  # tensor parallel: rank 0 broadcasts each step (tokenfab.parallel.worker.StepChannel)
         self._threads: tuple[int, int] | None = None  # (prefill, decode) intra-op threads; None: leave torch's
         self._threads_now = torch.get_num_threads()
-        # the target-hidden-state seam for drafters (spec_decode/proposer.py): set by set_hidden_capture
-        self.capture: HiddenRequest | None = None
-        self.captured: CapturedHidden | None = None  # the last execute()'s hidden states, when capture is set
-        self._hidden_now: tuple | None = None  # (hidden [T, H], taps [T, n, H] or None) of the last forward
-        self._tap_out: list = []
-        self._tap_hooks: list = []
 
     def set_hidden_capture(self, request: HiddenRequest | None) -> None:
         """Keep the hidden states ``request`` asks for from every forward (``self.captured`` after each
         :meth:`execute`, a :class:`~tokenfab.spec_decode.proposer.CapturedHidden`); None stops it. Layer taps
-        are forward hooks on ``model.model.layers[i]`` and make every step a module step.
+        are forward hooks on ``model.model.layers[i]``: steps the decode-graph buffers serve return them from
+        :meth:`graph_forward` (CUDA: the graphs are captured again with the hooks' ops; one rank only); other steps
+        run the modules (never the fused CPU stack).
 
         Raises:
             ValueError: a layer id outside the model's decoder layers (named)."""
         for h in self._tap_hooks:
             h.remove()
+        had_taps = bool(self._tap_hooks)
         self._tap_hooks, self._tap_out = [], []
         self.capture = request
         if request is None or not request.layer_ids:
+            if had_taps and self.decode_graphs is not None and not self.sharded:
+                self.decode_graphs.mark_stale()  # graphs without the taps' ops
             return
         layers = self.model.model.layers
         for i in request.layer_ids:
@@ -179,6 +190,8 @@ class ModelRunner:
                     out = out[0] + out[1]
                 self._tap_out[slot] = out if tap is None else tap(i, out, request.tap_stream)
             self._tap_hooks.append(layers[i].register_forward_hook(hook))
+        if self.decode_graphs is not None and not self.sharded:
+            self.decode_graphs.mark_stale()  # CUDA: captured again, the hooks' ops recorded with every graph
 
     def write_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
         """Record tokens (e.g. just sampled) at [row, position] of the persistent token array."""
@@ -242,28 +255,38 @@ class ModelRunner:
         slots = self._slots(bt, req_idx, positions)
         if self.state_caches:
             clear_deferred(self.state_caches)
+            if self.decode_graphs is not None:
+                self.decode_graphs.forget_step()
         src = self.placeholder_source
         if src is not None and not (input_ids < 0).any():
             src = None  # no placeholder in this step's ids
         if src is not None and src.device != self.device:
             src = src.to(self.device, non_blocking=True)
-        graphs = self.decode_graphs
-        taps = self.uses_modules()
-        if taps:  # layer outputs come from forward hooks: the module path below
-            self._tap_out = [None] * len(self.capture.layer_ids)
-        plain = not (taps or modules)  # the padded graph buffers or the fused stack may serve this step
+        taps = self.capture is not None and bool(self.capture.layer_ids)
+        # the padded buffers, layer taps included (not under tensor parallel: uses_modules)
+        graphs = None if modules or (taps and self.sharded) else self.decode_graphs
+        fused = not (taps or modules)  # the fused CPU stack has no layer outputs to tap
         logit_sel = None  # the module path's staged logit rows
-        if self.batch_invariant and plain:  # every token one query row over its own context: no group or chunk
+        graph_taps = None  # the taps a graph path returned
+        if self.batch_invariant and fused:  # every token one query row over its own context: no group or chunk
             hidden = self.cpu_decode_stack.run(fill_placeholders_host(input_ids, src), positions, slots, bt[req_idx],
                                                positions + 1)
-        elif plain and graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: cuda_graph_runner.py
-            hidden = graphs.run(input_ids, positions, slots, bt, num_computed + 1, rows, placeholder_source=src)
-        elif plain and graphs is not None and self._flat_rows(num_new, T):  # each token a decode row of its own
-            hidden = graphs.run(input_ids, positions, slots, bt[req_idx], positions + 1, placeholder_source=src)
-        elif plain and self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: cpu_decode_stack.py
+        elif graphs is not None and d == B and B <= graphs.max_batch:  # decode-only: cuda_graph_runner.py
+            hidden, graph_taps = graphs.run(input_ids, positions, slots, bt, num_computed + 1, rows,
+                                            placeholder_source=src)
+        elif graphs is not None and self._flat_rows(num_new, T):  # each token a decode row of its own
+            hidden, graph_taps = graphs.run(input_ids, positions, slots, bt[req_idx], positions + 1,
+                                            placeholder_source=src)
+        elif (graphs is not None and self.has_state
+              and graphs.fits_verify(num_new)):  # hybrid verification rows: attention flat, KDA [B, 1 + k]
+            hidden, graph_taps = graphs.run_verify(input_ids, positions, slots, bt[req_idx], num_new, rows, hold,
+                                                   placeholder_source=src)
+        elif fused and self.cpu_decode_stack is not None and d == B:  # decode-only on CPU: cpu_decode_stack.py
             hidden = self.cpu_decode_stack.run(fill_placeholders_host(input_ids, src), positions, slots, bt,
                                                num_computed + 1)
         else:  # the module path: every integer input in one staged copy (input_staging.py)
+            if taps:  # layer outputs come from forward hooks
+                self._tap_out = [None] * len(self.capture.layer_ids)
             groups = [self._group_arrays(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
                       self._group_arrays(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None]
             pick = not (d == B and len(logit_idx) == B)  # decode-only steps want every row, in order
@@ -287,14 +310,33 @@ class ModelRunner:
             hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
             logit_sel = logit_t if pick else None
         if self.capture is not None:
-            self._hidden_now = (hidden if self.capture.final else None,
-                                torch.stack(self._tap_out, dim=1) if taps else None)
+            if taps and graph_taps is None:
+                graph_taps = torch.stack(self._tap_out, dim=1)
+            self._hidden_now = (hidden if self.capture.final else None, graph_taps if taps else None)
         if len(logit_idx) == 0:
             return None
         if not (d == B and len(logit_idx) == B):  # decode-only steps want every row, in order
             hidden = hidden[logit_sel if logit_sel is not None else torch.from_numpy(logit_idx).to(self.device)]
         logits = self.model.compute_logits(hidden)
         return logits if on_device else logits.cpu()
+
+    def graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decode-graph buffers' forward (engine/cuda_graph_runner.py): hidden [N, hidden] and, when a drafter
+        taps layer outputs (:meth:`set_hidden_capture`), the taps [N, n, hidden] its forward hooks produced, stacked
+        (recorded into the graph at capture)."""
+        taps = self.capture is not None and bool(self.capture.layer_ids)
+        if taps:
+            self._tap_out = [None] * len(self.capture.layer_ids)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return hidden, (torch.stack(self._tap_out, dim=1) if taps else None)
+
+    def enable_verify_graphs(self, num_speculative_tokens: int) -> None:
+        """Hybrid (KDA) models with decode graphs, one rank: serve speculative verification steps of up to
+        1 + ``num_speculative_tokens`` tokens a sequence from the graph buffers (DecodeGraphRunner.enable_verify);
+        a no-op otherwise (models without state keep their flat-row graphs)."""
+        if self.decode_graphs is not None and self.has_state and not self.sharded:
+            self.decode_graphs.enable_verify(1 + int(num_speculative_tokens))
 
     def _flat_rows(self, num_new: np.ndarray, T: int) -> bool:
         """Whether a step that is not decode-only runs through the decode graphs with every token as a decode row
@@ -307,9 +349,12 @@ class ModelRunner:
                 and int(num_new.max()) <= FLAT_MAX_QUERY)
 
     def uses_modules(self) -> bool:
-        """True when this runner's steps must run through the model's modules (layer taps for a drafter are
-        forward hooks, which neither a replayed graph nor the fused CPU stack runs)."""
-        return self.capture is not None and bool(self.capture.layer_ids)
+        """True when this runner's steps must run through the model's modules: a drafter taps layer outputs
+        (forward hooks, which the fused CPU stack does not run) and there are no decode-graph buffers (whose forward
+        returns the taps: :meth:`graph_forward`) or the model is sharded (the graphs were captured on every rank
+        together, without rank 0's hooks)."""
+        return self.capture is not None and bool(self.capture.layer_ids) and (self.decode_graphs is None
+                                                                              or self.sharded)
 
     def keep_captured(self, seqs, rows: np.ndarray, req_idx: np.ndarray, positions: np.ndarray) -> None:
         """``self.captured`` from the last forward's hidden states and its batch (``seqs`` [B], ``rows`` [B],
@@ -331,8 +376,9 @@ class ModelRunner:
             return 0
         rows = np.asarray(rows, dtype=np.int64)
         kept = np.asarray(kept, dtype=np.int64)
-        # the layers kept host copies of their rows: the commit reads these, the tensors only where they did not
-        n = commit(self.state_caches, torch.from_numpy(rows), torch.from_numpy(kept), rows, kept)
+        n = None if self.decode_graphs is None else self.decode_graphs.commit(rows, kept)  # a graph's commit
+        if n is None:  # the layers kept host copies of their rows: the commit reads these, the tensors only where not
+            n = commit(self.state_caches, torch.from_numpy(rows), torch.from_numpy(kept), rows, kept)
         if self.tp_channel is not None:  # the workers hold their heads' states: the same commit there
             self.tp_channel.send_commit(rows, kept)
         return n

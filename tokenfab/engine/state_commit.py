@@ -25,8 +25,9 @@ Why this shape (and not the alternatives):
   (``git log -- tokenfab/engine/state_rollback.py``). The copy is one state per row and layer (K3: 96 heads of
   128 x 128 float32, 6 MiB per row and layer, 27 GiB for 64 rows over 69 layers); the replay was a Python loop of
   about ten launches per token and layer, and its row selection changed every step, so it could not be replayed
-  from a CUDA graph. Here the GPU path holds about 53 KB per token and layer at K3's width (the projections) and
-  the commit is two launches per layer whose shapes depend only on the group: capturable. Measured on CPU against
+  from a CUDA graph. Here the GPU path holds about 96 KiB per token and layer at K3's width (the bf16 projections) and
+  the commit is two launches per layer whose shapes depend only on the group: the decode-graph buffers capture it
+  as one graph (engine/cuda_graph_runner.py, ``DecodeGraphRunner.commit``). Measured on CPU against
   the previous design (benchmarks/spec_state_commit.py beside the previous commit's spec_rollback.py, alternated
   twice, Kimi Linear hidden 512, one rejected draft): verified step + commit over a plain step in the same run was
   1.73-3.12x at batch 16 (k = 1-7) against 1.81-3.26x with the roll back, and within noise at batch 1 (1.50-1.62x

@@ -61,6 +61,11 @@ class AttentionMetadata:
             each sequence runs this step, and ``state_rows_host`` [B] int64 numpy, ``state_rows`` on the host: what
             the KDA layers decide by, and the commit selects and checks by, without reading the device (one read
             per layer would drain a GPU's queue); None where not provided.
+        state_group: the recurrent-state (KDA) layers' own view of the step when it differs from the attention
+            groups: the decode-graph buffers run speculative verification rows of a hybrid model with every token a
+            decode row of its own for attention (``decode``) while the KDA layers walk each sequence's tokens in
+            order, [B, Q] (engine/cuda_graph_runner.py); ``state_rows`` / ``state_hold`` then align with its B
+            rows. None: the KDA layers use ``decode`` and ``prefill``.
     """
 
     slot_mapping: torch.Tensor
@@ -73,6 +78,7 @@ class AttentionMetadata:
     state_hold_host: np.ndarray | None = None
     num_new_host: np.ndarray | None = None
     state_rows_host: np.ndarray | None = None
+    state_group: AttentionGroup | None = None
 
     def cpu_decode_block(self, x: torch.Tensor, cache: torch.Tensor) -> bool:
         """True when an attention layer may run this step as one fused CPU call (``cpu_ops.mla_decode`` /

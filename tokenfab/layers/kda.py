@@ -253,9 +253,12 @@ class KimiDeltaAttention(nn.Module):
         qkv, g_raw, b_raw, gate = self._project(x)
         gates = _Gates(self, g_raw, b_raw)
         core = x.new_empty(T + 1, H, D)
-        d = meta.decode.num_seqs if meta.decode is not None else 0
+        if meta.state_group is not None:  # the decode-graph buffers' verification rows: one [B, Q] group
+            groups, d = ((meta.state_group, True),), meta.state_group.num_seqs
+        else:
+            groups, d = ((meta.decode, True), (meta.prefill, False)), (meta.decode.num_seqs if meta.decode else 0)
         part = lambda a, first: None if a is None else (a[:d] if first else a[d:])
-        for group, first in ((meta.decode, True), (meta.prefill, False)):
+        for group, first in groups:
             if group is None:
                 continue
             rows, hold = part(meta.state_rows, first), part(meta.state_hold, first)
@@ -321,6 +324,16 @@ class KimiDeltaAttention(nn.Module):
             _, S = kda_recurrent_step(k[:, j], k[:, j], v[:, j], torch.where(m, g[:, j], 0.0),
                                       torch.where(m.view(-1, 1), beta[:, j], 0.0), S)
         cache.write(rows, conv, S)
+
+    def commit_all(self, e, cache, kept: torch.Tensor) -> None:
+        """The commit over every row of a deferred group ``e`` at once, shapes fixed by the group (the decode-graph
+        buffers' commit, engine/cuda_graph_runner.py, captured as a graph of its own): ``kept`` [B] int64 tokens per
+        row, 0 for rows the forward did not hold and padding rows (their conv and recurrence then run over no token
+        and write back the state they hold). Runs the conv and recurrence again over the kept tokens."""
+        Q = e.token_index.shape[1]
+        qp = torch.where(torch.arange(Q, device=kept.device).view(1, Q) < kept.view(-1, 1), e.query_pos, -1)
+        scratch = e.qkv.new_empty(e.qkv.shape[0] + 1, self.num_heads, self.head_dim)  # outputs: unused
+        self._run_group(e.token_index, qp, e.rows, e.qkv, e.gates, cache, scratch)
 
     def _run_group(self, idx: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor, qkv: torch.Tensor,
                    gates: "_Gates", cache, core: torch.Tensor, hold: torch.Tensor | None = None,

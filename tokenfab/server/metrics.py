@@ -26,19 +26,20 @@ class ServerMetrics:
     """The server's metric set, labelled ``model_name`` (vLLM's label).
 
     Exposed (vLLM names): ``vllm:num_requests_running`` / ``_waiting`` (gauges, sequences), ``vllm:kv_cache_usage_perc``
-    (gauge, 0..1), ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total`` / ``vllm:num_preemptions_total``
-    / ``vllm:request_success_total{finished_reason}`` (counters; finished_reason "stop", "length", "abort" for
-    requests the client gave up on, "error" for requests the engine failed), the histograms
-    ``vllm:time_to_first_token_seconds``, ``vllm:time_per_output_token_seconds``,
-    ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``, ``vllm:request_queue_time_seconds``,
-    ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``, and the speculative-decoding counters
-    ``vllm:spec_decode_num_drafts_total`` / ``_num_draft_tokens_total`` / ``_num_accepted_tokens_total`` (0: no
-    drafter yet), the prefix-cache counters ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``
-    (tokens looked up / found cached at admission; 0 with prefix caching off). tokenfab adds ``tokenfab:num_aborted_requests_total`` and
-    ``tokenfab:num_engine_step_failures_total``, and with host-offloaded experts (rank 0's accounting,
+    (gauge, 0..1), ``vllm:prompt_tokens_total`` / ``vllm:generation_tokens_total`` / ``vllm:num_preemptions_total`` /
+    ``vllm:request_success_total{finished_reason}`` (counters; finished_reason "stop", "length", "abort" for requests
+    the client gave up on, "error" for requests the engine failed), the histograms ``vllm:time_to_first_token_seconds``,
+    ``vllm:time_per_output_token_seconds``, ``vllm:inter_token_latency_seconds``, ``vllm:e2e_request_latency_seconds``,
+    ``vllm:request_queue_time_seconds``, ``vllm:request_prompt_tokens``, ``vllm:request_generation_tokens``, and the
+    speculative-decoding counters ``vllm:spec_decode_num_drafts_total`` / ``_num_draft_tokens_total`` /
+    ``_num_accepted_tokens_total`` (0: no drafter yet), the prefix-cache counters ``vllm:prefix_cache_queries_total`` /
+    ``vllm:prefix_cache_hits_total`` (tokens looked up / found cached at admission; 0 with prefix caching off). tokenfab
+    adds ``tokenfab:num_aborted_requests_total`` and ``tokenfab:num_engine_step_failures_total``,
+    ``tokenfab:graph_steps_total{kind="decode"|"verify"}`` (steps the decode-graph buffers served; verify: hybrid
+    models' speculative verification steps), and with host-offloaded experts (rank 0's accounting,
     tokenfab/layers/host_experts.py) the counters ``tokenfab:host_experts_device_seconds_total`` (device-expert
-    compute), ``_host_seconds_total`` (host-expert compute on the worker), ``_copy_seconds_total`` (gather and
-    device <-> host copies), ``_wait_seconds_total`` (the device side waiting for the host),
+    compute), ``_host_seconds_total`` (host-expert compute on the worker), ``_copy_seconds_total`` (gather and device
+    <-> host copies), ``_wait_seconds_total`` (the device side waiting for the host),
     ``_routed_pairs_total{side="device"|"host"}``, ``_copied_bytes_total{direction="to_host"|"to_device"}``,
     ``_forward_passes_total`` and the gauge ``tokenfab:host_experts_resident_bytes`` (host-resident weights).
     """
@@ -89,16 +90,20 @@ class ServerMetrics:
                                         _TOKEN_BUCKETS)
         self.aborted = counter("tokenfab:num_aborted_requests", "Requests aborted before finishing (client gone).")
         self.step_failures = counter("tokenfab:num_engine_step_failures", "Engine steps that raised an error.")
+        self.graph_steps = counter("tokenfab:graph_steps", "Steps served from the decode-graph buffers.", "kind")
         for m in (self.aborted, self.step_failures, self.prompt_tokens, self.generation_tokens, self.preemptions, self.spec_drafts,
                   self.spec_draft_tokens, self.spec_accepted, self.prefix_queries, self.prefix_hits):
             m.labels(model_name).inc(0)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason).inc(0)
+        for kind in ("decode", "verify"):
+            self.graph_steps.labels(model_name, kind).inc(0)
         self._lock = threading.Lock()
         self._seen = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "num_preemptions": 0,
                       "num_aborted": 0, "num_step_failures": 0, "spec_decode_num_drafts": 0,
                       "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
-                      "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+                      "prefix_cache_queries": 0, "prefix_cache_hits": 0, "graph_steps_decode": 0,
+                      "graph_steps_verify": 0}
         self._seen_per_pos: list[int] = []
         self._last: dict[str, tuple[float, int]] = {}  # request id -> (time of last token, tokens so far)
         self._host = None  # host-expert metrics, made when the engine first reports them (_sync_host_experts)
@@ -161,6 +166,12 @@ class ServerMetrics:
                 cur = int(stats.get(key, 0))
                 if cur > self._seen[key]:
                     counter.labels(m).inc(cur - self._seen[key])
+                    self._seen[key] = cur
+            for kind in ("decode", "verify"):
+                key = f"graph_steps_{kind}"
+                cur = int(stats.get(key, 0))
+                if cur > self._seen[key]:
+                    self.graph_steps.labels(m, kind).inc(cur - self._seen[key])
                     self._seen[key] = cur
             if stats.get("host_experts"):
                 self._sync_host_experts(stats["host_experts"])

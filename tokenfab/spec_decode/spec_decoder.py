@@ -87,6 +87,9 @@ class SpecDecoder:
         self.k = cfg.num_speculative_tokens
         self.proposer = proposer if proposer is not None else build_proposer(cfg, engine)
         self.hidden_request = self.proposer.hidden_request()  # the target-hidden-state seam (proposer.py)
+        # hybrid models: verification rows from the decode-graph buffers (cuda_graph_runner.py); then the taps,
+        # which capture the graphs again with the hooks' ops
+        engine.runner.enable_verify_graphs(self.k)
         engine.runner.set_hidden_capture(self.hidden_request)
         self.policy = SpecPolicy(cfg)
         engine.stats.update({"spec_decode_num_drafts": 0, "spec_decode_num_draft_tokens": 0,

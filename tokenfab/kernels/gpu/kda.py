@@ -14,15 +14,15 @@ in registers and walks the sequence's valid tokens in order; per token t (the la
 so the layer's gate activation, beta sigmoid, q / k normalization, recurrence and output scatter are one launch
 instead of dozens of small PyTorch ops. The state starts at zero for a sequence at position 0 (``fresh``: nothing is
 read) and is written back to its slot after the last valid token; padding tokens (beyond ``num_tokens``) are never
-read or written. Launch shapes depend only on tensor sizes and the host never reads device values, so decode steps
-replay under CUDA graphs; the padding rows of a padded decode batch all name the spare slot (their writes race
-there, which no real sequence reads).
+read, and their outputs are stored as zeros. Launch shapes depend only on tensor sizes and the host never reads
+device values, so decode steps replay under CUDA graphs; the padding rows of a padded decode batch all name the
+spare slot (their writes race there, which no real sequence reads).
 
 Bytes: a decode step of B sequences reads B * H * D_k * D_v * 4 bytes of state and writes as many (64 KiB each way
-per K3 head of 128, 6 MiB per sequence and layer at 96 heads), which dominates the q / k / v / gate inputs. The value block BV is chosen on the host from the sizes (about a
-thousand programs, enough to fill 132 SMs or 304 CUs several times over, with at most 32 state elements per thread);
-``triton.autotune`` is not used because its benchmark runs would advance the in-place state (restoring it would
-copy the whole state pool).
+per K3 head of 128, 6 MiB per sequence and layer at 96 heads), which dominates the q / k / v / gate inputs. The
+value block BV is chosen on the host from the sizes (about a thousand programs, enough to fill 132 SMs or 304 CUs
+several times over, with at most 32 state elements per thread); ``triton.autotune`` is not used because its
+benchmark runs would advance the in-place state (restoring it would copy the whole state pool).
 
 Checked against layers/kda.py's recurrence and chunked form in Triton's interpreter on CPU
 (tests/test_triton_kda.py); GPU timings come from ``benchmarks/gpu_kernels.py``.
@@ -78,6 +78,11 @@ def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, i
         S = S + k[:, None] * delta[None, :]
         o = tl.sum(S * q[:, None], axis=0)
         tl.store(out_ptr + tok * stride_o + h * D + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
+    for t in range(n, Q):  # tokens past the valid ones: zero outputs (the decode-graph buffers' verification
+        # rows name real rows of the padded batch there, which later layers read; elsewhere they name one padding row)
+        tok = tl.load(idx_ptr + b * Q + t).to(tl.int64)
+        tl.store(out_ptr + tok * stride_o + h * D + offs_v, tl.zeros([BV], tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=mv)
     if HOLD:  # a held row (speculative verification) keeps its state until the commit reruns its kept tokens
         write = (offs_k[:, None] * 0 + tl.load(hold_ptr + b).to(tl.int32)) == 0
         tl.store(s_ptrs, S, mask=m2 & write)
