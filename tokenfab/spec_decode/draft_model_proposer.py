@@ -27,10 +27,9 @@ import numpy as np
 import torch
 
 from tokenfab.errors import EngineConfigError, UnsupportedError
-from tokenfab.engine.sampler import inverse_cdf_sample
 from tokenfab.spec_decode.drafting_cost import DraftCostModel, DraftingCost, checkpoint_bytes
 from tokenfab.spec_decode.proposer import Proposal, Proposer
-from tokenfab.spec_decode.rejection_sampler import DraftUniforms, SamplingTensors, target_probs
+from tokenfab.spec_decode.rejection_sampler import DraftUniforms, SamplingTensors, draw_draft
 
 
 class DraftModelProposer(Proposer):
@@ -94,19 +93,6 @@ class DraftModelProposer(Proposer):
 
     def preallocates_kv(self) -> bool:
         return True
-
-    @staticmethod
-    def _draw(logits: torch.Tensor, st: SamplingTensors, uniforms: DraftUniforms,
-              j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft ``j`` (0-based) of every row from draft logits [N, V] float32: argmax for greedy rows, else the
-        inverse-CDF draw from q (the row's temperature / top-k / top-p) at ``uniforms(j)`` (a seeded row: the
-        uniform its own stream holds for that position, not consumed; rejection_sampler.DraftUniforms). Returns
-        (tokens [N] int64, q [N, V] float32 or None when all rows are greedy)."""
-        if bool(st.greedy.all()):
-            return logits.argmax(dim=-1), None
-        q = target_probs(logits.unsqueeze(1), st).squeeze(1)
-        tok = inverse_cdf_sample(q, uniforms(j))
-        return torch.where(st.greedy, logits.argmax(dim=-1), tok), q
 
     def _valid_prefix(self, seqs, lengths) -> np.ndarray:
         """[N] int64: how many leading positions of each row's draft K/V are valid (< its length)."""
@@ -178,7 +164,7 @@ class DraftModelProposer(Proposer):
         ones = np.ones(N, dtype=np.int64)
         uniforms = None if greedy else DraftUniforms(seqs, self.generator, kk)
         for j in range(kk):
-            tok, q = (tok_next, None) if greedy else self._draw(logits, st, uniforms, j)
+            tok, q = (tok_next, None) if greedy else draw_draft(logits, st, uniforms, j)
             drafts[:, j] = tok
             if q is not None:
                 if q_all is None:

@@ -43,12 +43,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tokenfab.engine.sampler import inverse_cdf_sample
 from tokenfab.engine.sequence import SequenceStatus
 from tokenfab.errors import EngineConfigError
 from tokenfab.spec_decode.dspark_config import check_against_target, load_dspark_config, resolve_tap
 from tokenfab.spec_decode.proposer import HiddenRequest, Proposal, Proposer
-from tokenfab.spec_decode.rejection_sampler import DraftUniforms, SamplingTensors, target_probs
+from tokenfab.spec_decode.rejection_sampler import DraftUniforms, SamplingTensors, draw_draft
 
 
 def sample_in_order(base: torch.Tensor, anchor: torch.Tensor, bias_fn, st: SamplingTensors, seqs,
@@ -65,24 +64,27 @@ def sample_in_order(base: torch.Tensor, anchor: torch.Tensor, bias_fn, st: Sampl
             read without consuming it: rejection_sampler.DraftUniforms); generator: the engine's.
 
     Returns:
-        (drafts [B, m] int64, q [B, m, V] float32 or None when every row is greedy).
+        (drafts [B, m] int64, q [B, m, V] float32 or None when every row is greedy), on ``base``'s device: the
+        draws run where the drafter's logits are (a GPU engine's: the host only draws the uniforms, as its sampler
+        does, and reads the drafts once; ``rejection_sampler.draw_draft``).
+
+    Raises:
+        ValueError: ``anchor`` on another device than ``base``.
     """
     B, m, V = base.shape
-    drafts = torch.zeros(B, m, dtype=torch.int64)
+    dev = base.device
+    if anchor.device != dev:
+        raise ValueError(f"sample_in_order: anchor on {anchor.device}, base logits on {dev}; pass both on one device")
+    drafts = torch.zeros(B, m, dtype=torch.int64, device=dev)
     q_all = None
-    greedy = bool(st.greedy.all())
     prev = anchor
-    uniforms = None if greedy else DraftUniforms(seqs, generator, m)
+    uniforms = None if bool(st.greedy.all()) else DraftUniforms(seqs, generator, m)
     for j in range(m):
         bias = bias_fn(prev)
-        logits = base[:, j] if bias is None else base[:, j] + bias
-        if greedy:
-            tok = logits.argmax(dim=-1)
-        else:
-            q = target_probs(logits.unsqueeze(1), st).squeeze(1)
-            tok = torch.where(st.greedy, logits.argmax(dim=-1), inverse_cdf_sample(q, uniforms(j)))
+        tok, q = draw_draft(base[:, j] if bias is None else base[:, j] + bias, st, uniforms, j)
+        if q is not None:
             if q_all is None:
-                q_all = torch.zeros(B, m, V, dtype=torch.float32)
+                q_all = torch.zeros(B, m, V, dtype=torch.float32, device=dev)
             q_all[:, j] = q
         drafts[:, j] = tok
         prev = tok
@@ -249,16 +251,14 @@ class DSparkProposer(Proposer):
             ctx_valid = torch.from_numpy(np.arange(L)[None, :] < r_start[:, None]).to(self.device)
         anchor = torch.from_numpy(token_ids[r_rows, r_start]).to(self.device)
         hidden = self.drafter.block(anchor, torch.from_numpy(r_start).to(self.device), ctx_rows, ctx_valid)
-        base = self.drafter.draft_logits(hidden)[:, :k].cpu()
+        base = self.drafter.draft_logits(hidden)[:, :k]  # drawn where they are: only the drafts come back
         sub = [seqs[i] for i in ri.tolist()]
         st = SamplingTensors.from_seqs(sub, self.vocab_size)
-        bias_fn = lambda prev: (None if self.drafter.markov_w1 is None
-                                else self.drafter.markov_bias(prev.to(self.device)).cpu())
-        d, q = sample_in_order(base, anchor.cpu(), bias_fn, st, sub, self.generator)
+        d, q = sample_in_order(base, anchor, self.drafter.markov_bias, st, sub, self.generator)
         drafts = np.zeros((N, k), dtype=np.int64)
-        drafts[ri] = d.numpy()
+        drafts[ri] = d.cpu().numpy()  # the step's one read of the drafter's results
         q_all = None
-        if q is not None:
-            q_all = torch.zeros(N, k, q.shape[-1], dtype=torch.float32)
-            q_all[torch.from_numpy(ri)] = q
+        if q is not None:  # the draft probabilities stay on the device, where the verifier reads them
+            q_all = torch.zeros(N, k, q.shape[-1], dtype=torch.float32, device=q.device)
+            q_all[torch.from_numpy(ri).to(q.device)] = q
         return Proposal(drafts, n, q_all)

@@ -20,7 +20,7 @@ k - 1 one-token forwards over all rows, writing K/V at positions L - 1 .. L + k 
 the context from the target's hidden states in :meth:`observe`, each chained position from the drafting layer's
 previous output (n forwards per chained draft), so each layer's K/V is complete (vLLM writes layer i's K/V only
 at the chained positions it drafts). Tokens: argmax for greedy rows, else a draw from q (the row's temperature /
-top-k / top-p; the draft-model proposer's ``_draw``); a seeded row's draft j takes the uniform its own stream holds
+top-k / top-p; ``rejection_sampler.draw_draft``, on the device); a seeded row's draft j takes the uniform its own stream holds
 for that position without consuming it (rejection_sampler.DraftUniforms). Nothing to roll back after verification:
 the next :meth:`observe` writes the accepted positions.
 
@@ -42,9 +42,8 @@ import torch
 
 from tokenfab.engine.sequence import SequenceStatus
 from tokenfab.layers.attention_metadata import AttentionMetadata
-from tokenfab.spec_decode.draft_model_proposer import DraftModelProposer
 from tokenfab.spec_decode.proposer import CapturedHidden, HiddenRequest, Proposal, Proposer
-from tokenfab.spec_decode.rejection_sampler import DraftUniforms, SamplingTensors
+from tokenfab.spec_decode.rejection_sampler import DraftUniforms, SamplingTensors, draw_draft
 
 
 class MTPProposer(Proposer):
@@ -60,7 +59,6 @@ class MTPProposer(Proposer):
             where an MTP layer needs it (target_vocab.py).
     """
 
-    _draw = staticmethod(DraftModelProposer._draw)  # one draft per row from logits [N, V]: argmax or a draw from q
 
     def __init__(self, k: int, engine):
         from tokenfab.engine.input_staging import InputStager
@@ -158,23 +156,24 @@ class MTPProposer(Proposer):
         M = len(idx)
         st = SamplingTensors.from_seqs(sub, self.vocab_size)
         h = self.last_h[torch.from_numpy(r).to(self.device)]
-        logits = self.mtp.compute_logits(0, h).cpu()
+        logits = self.mtp.compute_logits(0, h)  # drawn where they are: only the drafts come back
         ones = np.ones(M, dtype=np.int64)
         q_all = None
         uniforms = None if bool(st.greedy.all()) else DraftUniforms(sub, self.generator, k)
         for j in range(k):
-            tok, q = self._draw(logits, st, uniforms, j)
-            drafts[idx, j] = tok.numpy()
-            if q is not None:
+            tok, q = draw_draft(logits, st, uniforms, j)
+            tok = tok.cpu().numpy()  # the next MTP step's input ids: one small read per draft
+            drafts[idx, j] = tok
+            if q is not None:  # the draft probabilities stay on the device, where the verifier reads them
                 if q_all is None:
-                    q_all = torch.zeros(N, k, q.shape[-1], dtype=torch.float32)
-                q_all[torch.from_numpy(idx), j] = q
+                    q_all = torch.zeros(N, k, q.shape[-1], dtype=torch.float32, device=q.device)
+                q_all[torch.from_numpy(idx).to(q.device), j] = q
             if j == k - 1:
                 break
             layer = (j + 1) % self.mtp.num_layers
             pos = L - 1 + j  # draft j + 1 is token L + j; its MTP position is L - 1 + j
-            ys = [self._run(i, tok.numpy(), pos, h, r, ones, pos) for i in range(self.mtp.num_layers)]
+            ys = [self._run(i, tok, pos, h, r, ones, pos) for i in range(self.mtp.num_layers)]
             h = ys[layer]  # every layer writes this position from the same inputs; the drafting one's output goes on
-            logits = self.mtp.compute_logits(layer, h).cpu()
+            logits = self.mtp.compute_logits(layer, h)
         n[idx] = np.minimum(k, np.maximum(max_lens[idx], 0))
         return Proposal(drafts, n, q_all)

@@ -20,7 +20,8 @@ class Proposal:
         draft_lens: [N] int64 in [0, k]; 0 = no draft for that row this step.
         draft_probs: [N, k, V] float32, the distribution q each draft token was drawn from (after the request's
             temperature / top-k / top-p), or None when every proposal is deterministic (one-hot q: n-gram lookup,
-            greedy draft rows). Rows at temperature 0 are verified greedily and ignore it.
+            greedy draft rows), on any device (the verifier moves it to the target's logits; drafters that draw on
+            the device leave it there). Rows at temperature 0 are verified greedily and ignore it.
     """
 
     draft_ids: np.ndarray

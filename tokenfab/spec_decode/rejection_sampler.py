@@ -241,6 +241,28 @@ class DraftUniforms:
         return u
 
 
+def draw_draft(logits: torch.Tensor, st: SamplingTensors, uniforms: DraftUniforms | None,
+               j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft ``j`` (0-based) of every row from draft logits [N, V] float32, where the logits are: argmax for greedy
+    rows, else the inverse-CDF draw from q (the row's temperature / top-k / top-p: :func:`target_probs`) at
+    ``uniforms(j)`` (drawn on the host as the plain sampler draws them; a seeded row's is the uniform its own stream
+    holds for that position, not consumed), the cumulative sum in float64 off the CPU (as
+    ``Sampler.draw_on_device``). ``st`` on the host (moved here); ``uniforms`` None only when every row is greedy.
+
+    Returns:
+        (tokens [N] int64, q [N, V] float32 or None when every row is greedy), on the logits' device.
+    """
+    if bool(st.greedy.all()):
+        return logits.argmax(dim=-1), None
+    dev = logits.device
+    on_cpu = dev.type == "cpu"
+    st = st if on_cpu else st.to(dev)
+    q = target_probs(logits.unsqueeze(1), st).squeeze(1)
+    u = uniforms(j)
+    tok = inverse_cdf_sample(q, u if on_cpu else u.to(dev, non_blocking=True), None if on_cpu else torch.float64)
+    return torch.where(st.greedy, logits.argmax(dim=-1), tok), q
+
+
 @dataclass
 class VerifyUniforms:
     """Uniforms for one verification (:func:`rejection_sample`'s ``u_accept``, ``u_final``, ``match_rows``,
