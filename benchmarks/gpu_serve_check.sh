@@ -4,7 +4,8 @@
 # `tokenfab bench serve --power auto` cells (benchmarks/serve_check.py):
 #   k3:   Kimi K3's text shape, 2 layers (KDA + dense MLP; gated NoPE MLA + latent MoE of 896 MXFP4 experts top-16),
 #         plain and with its DSpark drafter (5 MLA layers at K3's width, dummy weights: gpu_shapes.py k3-dspark,
-#         3 drafts per step), 1024 in / 128 out at concurrency 1 and 16;
+#         3 drafts at every step: the drafting policy's costs set to 0, or it would soon pause a random drafter and
+#         the rows would time plain steps), 1024 in / 128 out at concurrency 1 and 16;
 #   dsv3: DeepSeek-V3 FP8 block-scaled, 3 layers, 1024/128 and 8192/1024 at concurrency 16.
 # Random weights: the drafter's acceptance is that of random weights (a wiring and cost check, not a quality one).
 # Uses the machine's own torch/triton/transformers (PYTHONPATH=., no install, no download). Writes into $OUT (the
@@ -24,7 +25,8 @@ mkdir -p "$OUT"
 FAILED="$OUT/failed_serve_steps"
 : > "$FAILED"
 timeout 30 $PY benchmarks/gpu_shapes.py --out "$SHAPES" --cases dsv3,k3 $TINY || { echo "gpu_shapes FAILED"; exit 2; }
-SPEC="{\"method\": \"dspark\", \"model\": \"$SHAPES/k3-dspark\", \"num_speculative_tokens\": 3}"
+SPEC="{\"method\": \"dspark\", \"model\": \"$SHAPES/k3-dspark\", \"num_speculative_tokens\": 3, \"verify_token_cost\": 0.0,"
+SPEC="$SPEC \"verify_step_overhead\": 0.0, \"random_row_cost\": 0.0}"
 timeout 250 $PY benchmarks/serve_check.py --model "$SHAPES/k3" --label k3 --out "$OUT" --cells "$K3_CELLS" \
   --prompts-per-concurrency $PPC --max-model-len 2048 --server-args "$DEV --load-format dummy" \
   --variant plain= --spec-variant "dspark=$SPEC" || echo "serve_check k3 FAILED rc=$?" | tee -a "$FAILED"

@@ -268,10 +268,11 @@ class DecodeGraphRunner:
         torch.cuda.synchronize()
 
     def enable_verify(self, tokens_per_seq: int) -> None:
-        """Serve speculative verification steps of a hybrid (KDA) model, up to ``tokens_per_seq`` (1 + k) tokens a
-        sequence, from the buffers: sizes bs of the capture sizes with bs * tokens_per_seq <= the largest; captured
-        now on CUDA (with the decode sizes again, to share one memory pool). No-op for models without state or for
-        tokens_per_seq < 2."""
+        """Serve steps of a hybrid (KDA) model with up to ``tokens_per_seq`` (1 + k) tokens a sequence from the
+        buffers: speculative verification rows, and short prefill chunks beside them. Every capture size bs gets a
+        [bs, tokens_per_seq] graph (the buffers grow to max_num_seqs * tokens_per_seq token rows now), captured
+        with the decode sizes (one memory pool) at the next :meth:`capture_if_stale`. No-op for models without
+        state or for tokens_per_seq < 2."""
         if self.state_slot is None or tokens_per_seq < 2:
             return
         self.verify_q = int(tokens_per_seq)
@@ -282,7 +283,8 @@ class DecodeGraphRunner:
         self.mark_stale()
 
     def fits_verify(self, num_new: np.ndarray) -> bool:
-        """Whether a step of ``num_new`` [B] tokens per sequence runs as verification rows from the buffers."""
+        """Whether a step of ``num_new`` [B] tokens per sequence runs from the [bs, 1 + k] buffers (:meth:`run_verify`):
+        verification rows, and short prefill chunks (a fresh sequence starts from a zero state at position 0)."""
         return (self.verify_q > 0 and bool(self.verify_sizes) and len(num_new) <= self.verify_sizes[-1]
                 and int(num_new.max()) <= self.verify_q)
 

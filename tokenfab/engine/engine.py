@@ -293,7 +293,8 @@ class LLMEngine:
         """Gauges and counters: running / waiting sequences and requests (a request with n > 1 counts once; one
         with any sequence running is running), KV usage 0..1, preemptions, prefix-cache queries and hits (tokens),
         token and request totals; with decode-graph buffers (engine/cuda_graph_runner.py) the steps they served,
-        ``graph_steps_decode`` and ``graph_steps_verify`` (hybrid models' verification steps)."""
+        ``graph_steps_decode`` and ``graph_steps_verify`` (hybrid models' steps of up to 1 + k tokens a sequence:
+        speculative verification, short prefill chunks beside it)."""
         running_reqs = {s.request_id for s in self.scheduler.running}
         pc = self.block_manager.prefix_cache
         waiting_reqs = {s.request_id for s in self.scheduler.waiting} - running_reqs

@@ -28,10 +28,11 @@ Why this shape (and not the alternatives):
   from a CUDA graph. Here the GPU path holds about 96 KiB per token and layer at K3's width (the bf16 projections) and
   the commit is two launches per layer whose shapes depend only on the group: the decode-graph buffers capture it
   as one graph (engine/cuda_graph_runner.py, ``DecodeGraphRunner.commit``). Measured on CPU against
-  the previous design (benchmarks/spec_state_commit.py beside the previous commit's spec_rollback.py, alternated
-  twice, Kimi Linear hidden 512, one rejected draft): verified step + commit over a plain step in the same run was
-  1.73-3.12x at batch 16 (k = 1-7) against 1.81-3.26x with the roll back, and within noise at batch 1 (1.50-1.62x
-  against 1.35-1.67x). The commit costs what the replay did, and also replays rows that kept every token, which the
+  the previous design (benchmarks/spec_state_commit.py beside ``git show 3a5857f:benchmarks/spec_rollback.py`` run
+  on that commit's tree, alternated twice, Kimi Linear hidden 512, the first draft rejected: kept = 1): verified
+  step + commit over a plain step in the same run was 1.73-3.12x at batch 16 (k = 1-7) against 1.81-3.26x with the
+  roll back, and within noise at batch 1 (1.50-1.62x against 1.35-1.67x); all variants, this design alone:
+  benchmarks/results/2026-12-06-spec-state-commit.md. The commit costs what the replay did, and also replays rows that kept every token, which the
   roll back skipped; the forward no longer copies states.
 * Its cost on the GPU: each committed row runs its kept tokens' recurrence twice (forward and commit), reading S
   three times instead of twice; the recurrence is bound by the state's bytes, small beside a step's weights.

@@ -36,12 +36,13 @@ class ServerMetrics:
     ``vllm:prefix_cache_hits_total`` (tokens looked up / found cached at admission; 0 with prefix caching off). tokenfab
     adds ``tokenfab:num_aborted_requests_total`` and ``tokenfab:num_engine_step_failures_total``,
     ``tokenfab:graph_steps_total{kind="decode"|"verify"}`` (steps the decode-graph buffers served; verify: hybrid
-    models' speculative verification steps), and with host-offloaded experts (rank 0's accounting,
-    tokenfab/layers/host_experts.py) the counters ``tokenfab:host_experts_device_seconds_total`` (device-expert
-    compute), ``_host_seconds_total`` (host-expert compute on the worker), ``_copy_seconds_total`` (gather and device
-    <-> host copies), ``_wait_seconds_total`` (the device side waiting for the host),
-    ``_routed_pairs_total{side="device"|"host"}``, ``_copied_bytes_total{direction="to_host"|"to_device"}``,
-    ``_forward_passes_total`` and the gauge ``tokenfab:host_experts_resident_bytes`` (host-resident weights).
+    models' steps of several tokens a sequence, speculative verification and short chunks beside it), and with
+    host-offloaded experts (rank 0's accounting, tokenfab/layers/host_experts.py) the counters
+    ``tokenfab:host_experts_device_seconds_total`` (device-expert compute), ``_host_seconds_total`` (host-expert compute
+    on the worker), ``_copy_seconds_total`` (gather and device <-> host copies), ``_wait_seconds_total`` (the device
+    side waiting for the host), ``_routed_pairs_total{side="device"|"host"}``,
+    ``_copied_bytes_total{direction="to_host"|"to_device"}``, ``_forward_passes_total`` and the gauge
+    ``tokenfab:host_experts_resident_bytes`` (host-resident weights).
     """
 
     def __init__(self, model_name: str):
