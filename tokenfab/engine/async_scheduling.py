@@ -9,8 +9,9 @@ How a step goes (``LLMEngine.step`` with this mode on; step k is in flight when 
    in the runner's token array. Rules that need only counts (``max_tokens``, the model length) finish sequences now.
 2. The scheduler schedules step k + 1 as usual (the placeholders count as tokens); the runner builds its inputs and
    launches it. Input ids that are placeholders are taken from step k's drawn ids where they were drawn
-   (:func:`fill_placeholders` on the device for the graph and module paths; the fused CPU decode stack, whose ids
-   are numpy, fills them on the host: :func:`fill_placeholders_host`): no host round trip stands between two steps.
+   (:func:`fill_placeholders` on the device: inside the decode graphs, from a copy of the draw's ids, and before
+   the embedding on the module path; the fused CPU decode stack, whose ids are numpy, fills them on the host:
+   :func:`fill_placeholders_host`): no host round trip stands between two steps.
 3. :meth:`AsyncScheduling.fill` waits for step k's ids, writes them over the placeholders and applies the rules that
    need the ids (EOS, ``stop_token_ids``), then step k's outputs are emitted (detokenization and stop strings, as
    in step: engine/output_processor.py), all while step k + 1 computes.

@@ -163,6 +163,9 @@ class DecodeGraphRunner:
             self.hold = seg
         self.block_tables = self._inputs[SEGMENTS * n:].view(n, max_blocks)
         self.token_index = torch.arange(n, **i64).view(n, 1)
+        # async scheduling: the previous step's drawn ids, which placeholder input ids -(j + 1) stand for; the
+        # graphs fill the placeholders from here themselves (_filled_forward), so a step adds one device copy
+        self.draw_ids = torch.zeros(n, **i64)
         # [n] int64 recurrent-state slot per row (hybrid models only): real rows' scheduler rows, padding rows the
         # spare slot; the KDA layers gather and scatter their states through this buffer alone
         self.state_rows = None if self.state_slot is None else rows
@@ -212,6 +215,14 @@ class DecodeGraphRunner:
         if self._stale:
             self.capture(progress)
 
+    def _filled_forward(self, N: int, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward over the first N rows, after the placeholder ids among them took the previous step's drawn
+        ids from ``draw_ids`` (engine/async_scheduling.py; a no-op on rows without one): captured with the graph,
+        so async scheduling costs a step one copy into ``draw_ids`` rather than the fill's launches."""
+        ids = self.input_ids[:N]
+        ids.copy_(fill_placeholders(ids, self.draw_ids))
+        return self.forward(ids, self.positions[:N], meta)
+
     @torch.inference_mode()
     def capture(self, progress: bool = False) -> None:
         """Capture every size, largest first so smaller graphs reuse its memory pool (again, replacing earlier
@@ -231,16 +242,15 @@ class DecodeGraphRunner:
             if verify and not self.verify_sizes:  # an earlier verification capture failed
                 continue
             N = bs * self.verify_q if verify else bs
-            ids, pos = self.input_ids[:N], self.positions[:N]
             try:
                 for _ in range(2):  # compiles the Triton kernels and settles allocations outside the capture
-                    self.forward(ids, pos, self._verify_meta(bs) if verify else self._meta(bs))
+                    self._filled_forward(N, self._verify_meta(bs) if verify else self._meta(bs))
                 torch.cuda.synchronize()
                 for c in caches:
                     c.deferred.clear()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out, taps = self.forward(ids, pos, self._verify_meta(bs) if verify else self._meta(bs))
+                    out, taps = self._filled_forward(N, self._verify_meta(bs) if verify else self._meta(bs))
             except Exception as e:  # noqa: BLE001 - verification graphs are an optimization: run those steps eagerly
                 if not verify:
                     raise
@@ -335,9 +345,8 @@ class DecodeGraphRunner:
         may keep stale ids. Padding rows get token 0 at position 0, the pad block in column 0,
         context length 1 and (hybrid models) the spare state slot: position 0 makes the KDA layers start them
         from a zero state, so they read nothing a sequence wrote, and they write only the spare slot.
-        ``placeholder_source`` (async scheduling): the previous step's drawn ids [N] int64 on this device; input
-        ids ``-(j + 1)`` become its entry j in the static buffer, on the device, before the replay
-        (engine/async_scheduling.py).
+        ``placeholder_source`` (async scheduling): the previous step's drawn ids [N] int64 on this device, copied
+        into ``draw_ids``; input ids ``-(j + 1)`` become its entry j inside the graph (engine/async_scheduling.py).
 
         Raises:
             ValueError: a hybrid model's step without ``state_rows``, or rows that name the spare slot or lie
@@ -351,14 +360,13 @@ class DecodeGraphRunner:
         self._stage([(0, None, input_ids), (1, None, positions), (2, None, slot_mapping), (3, None, context_lens),
                      (4, None, state_rows)], None, block_tables, bs, bs)
         if placeholder_source is not None:
-            ids = self.input_ids[:B]
-            ids.copy_(fill_placeholders(ids, placeholder_source))
+            self.draw_ids[:len(placeholder_source)].copy_(placeholder_source)
         self.replays += 1
         if self.mode == "cuda":
             graph, out, taps = self.graphs[bs]
             graph.replay()
         else:
-            out, taps = self.forward(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+            out, taps = self._filled_forward(bs, self._meta(bs))
         return out[:B], None if taps is None else taps[:B]
 
     def run_verify(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
@@ -386,8 +394,7 @@ class DecodeGraphRunner:
                      (4, None, state_rows), (5, dest, positions), (5, pad_seq, np.zeros(len(pad_seq), np.int64)),
                      (6, None, None if hold is None else hold.astype(np.int64))], dest, block_tables, bs * Q, bs * Q)
         if placeholder_source is not None:
-            ids = self.input_ids[:bs * Q]
-            ids.copy_(fill_placeholders(ids, placeholder_source))
+            self.draw_ids[:len(placeholder_source)].copy_(placeholder_source)
         self.replays += 1
         self.verify_replays += 1
         caches = self._state_caches()
@@ -397,7 +404,7 @@ class DecodeGraphRunner:
             for c, e in zip(caches, entries):
                 c.deferred[:] = e
         else:
-            out, taps = self.forward(self.input_ids[:bs * Q], self.positions[:bs * Q], self._verify_meta(bs))
+            out, taps = self._filled_forward(bs * Q, self._verify_meta(bs))
         rows_h = np.full(bs, self.state_slot, dtype=np.int64)
         rows_h[:B] = state_rows
         hold_h = np.zeros(bs, dtype=bool)
