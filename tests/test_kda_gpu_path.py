@@ -119,8 +119,8 @@ def test_speculative_rows_on_gpu_path(monkeypatch, no_cpu_kernels, hybrid_paths,
     from spec_helpers import NGRAM, spec_prompts, token_ids
     from tokenfab.kernels.gpu import short_conv
     path = hybrid_paths["kimi_linear"]
-    n = 4 if graphs == "0" else 3  # three sequences: padded to the size-4 verification buffers
-    sp = SamplingParams(temperature=0.0, max_tokens=10 if graphs == "0" else 8, ignore_eos=True)
+    n = 3 if graphs == "0" else 2  # the buffers' padding sequences: tests/test_decode_graphs.py (PyTorch path)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     base = token_ids(LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False)
                      .generate(spec_prompts(n), sp, use_tqdm=False))
     gpu_path(monkeypatch)
@@ -136,20 +136,20 @@ def test_speculative_rows_on_gpu_path(monkeypatch, no_cpu_kernels, hybrid_paths,
         from tokenfab.testing.kernel_count import KernelCounter
         g = llm.llm_engine.runner.decode_graphs
 
-        def counted(fn):
+        def counted(fn, verify_only):
             calls = [0]
 
             def run(*a):
+                if verify_only and a[-1].state_group is None or calls[0] >= 2:  # two verification steps and two
+                    return fn(*a)  # commits are enough (counting is slow in the interpreter)
                 calls[0] += 1
-                if calls[0] > 6:  # the first steps of each kind are enough (counting is slow in the interpreter)
-                    return fn(*a)
                 kc = KernelCounter()
                 with kc, kc.scope("captured"):
                     out = fn(*a)
                 syncs.extend(kc.syncs)
                 return out
             return run
-        g.forward, g._commit = counted(g.forward), counted(g._commit)
+        g.forward, g._commit = counted(g.forward, True), counted(g._commit, False)
     assert token_ids(llm.generate(spec_prompts(n), sp, use_tqdm=False)) == base
     if graphs == "eager":
         assert llm.llm_engine.runner.decode_graphs.verify_replays > 0 and not syncs, syncs
