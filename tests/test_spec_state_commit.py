@@ -224,3 +224,14 @@ def test_distribution_unchanged_at_temperature_one_kimi_linear(kl_path):
     for pos in (1, 2, 3):
         tv = 0.5 * np.abs(token_hist(base, pos, V) - token_hist(spec, pos, V)).sum()
         assert tv < TV_TOL, (pos, tv)
+
+
+def test_kept_by_row_hand_worked():
+    """The commit's per-row lookup (engine/state_commit.py), shared by the layers' entries and the decode-graph
+    buffers' commit: held rows named get their count, others -1; a count above the tokens run is refused."""
+    from tokenfab.engine.state_commit import kept_by_row
+    rows_h, hold, ran = np.array([3, 0, 5, 8]), np.array([True, False, True, True]), np.array([4, 1, 4, 1])
+    got = kept_by_row(rows_h, hold, ran, np.array([5, 3, 0]), np.array([2, 4, 1]))
+    assert got.tolist() == [4, -1, 2, -1]  # row 0 named but not held, row 8 held but not named
+    with pytest.raises(ValueError, match="kept exceeds the tokens"):
+        kept_by_row(rows_h, hold, ran, np.array([8]), np.array([2]))

@@ -49,6 +49,7 @@ import torch
 from tokenfab.engine.async_scheduling import fill_placeholders
 from tokenfab.engine.input_staging import PinnedHostBuffer
 from tokenfab.engine.state_cache import KDAStateCache
+from tokenfab.engine.state_commit import kept_by_row
 from tokenfab.errors import EngineConfigError
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 
@@ -115,7 +116,7 @@ class DecodeGraphRunner:
     Args:
         forward: ``forward(input_ids [N], positions [N], meta) -> (hidden [N, hidden], taps [N, n, hidden] or
             None)``: the model's forward over the pool and, where a drafter taps layer outputs, the taps stacked
-            (ModelRunner.graph_forward); called at capture (CUDA) or every step (eager).
+            (ModelRunner.model_forward); called at capture (CUDA) or every step (eager).
         kv_caches: the pool, allocated with one more block than the block manager owns (hybrid models: the KDA
             layers' entries are their state caches, allocated with one more slot than max_num_seqs; the list may
             receive them after this runner is built, it is read at each step).
@@ -447,15 +448,15 @@ class DecodeGraphRunner:
         if last is None:
             return None
         bs, rows_h, hold_h, tokens_h = last
-        by = dict(zip(np.asarray(rows).tolist(), np.asarray(kept).tolist()))
-        kk = np.array([by.get(r, 0) if h else 0 for r, h in zip(rows_h.tolist(), hold_h.tolist())], dtype=np.int64)
-        if (kk > tokens_h).any():
+        try:
+            kk = kept_by_row(rows_h, hold_h, tokens_h, np.asarray(rows, dtype=np.int64),
+                             np.asarray(kept, dtype=np.int64))
+        except ValueError:
             self._last_verify = last  # a corrected call may follow
-            raise ValueError("commit: kept exceeds the tokens a row ran this step "
-                             f"(kept {kk.tolist()}, ran {tokens_h.tolist()}).")
+            raise
         caches = self._state_caches()
         host = self._kept_host.writable()
-        host[:bs] = kk
+        host[:bs] = np.maximum(kk, 0)  # rows not held or not named: no token, their state written back as it is
         self._kept_host.send(self._kept, bs)
         if self.mode == "cuda":
             self.verify_graphs[bs][4].replay()
@@ -463,5 +464,4 @@ class DecodeGraphRunner:
             self._commit(bs, [list(c.deferred) for c in caches])
         for c in caches:
             c.deferred.clear()
-        named = sum(1 for r, h in zip(rows_h.tolist(), hold_h.tolist()) if h and r in by)
-        return named * sum(1 for c in caches)
+        return int((kk >= 0).sum()) * len(caches)

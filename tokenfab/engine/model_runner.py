@@ -121,7 +121,7 @@ class ModelRunner:
         self.sharded = getattr(model, "tp", None) is not None
         self.decode_graphs: DecodeGraphRunner | None = None
         if graph_mode is not None:
-            self.decode_graphs = DecodeGraphRunner(self.graph_forward, self.kv_caches, block_manager.num_blocks,
+            self.decode_graphs = DecodeGraphRunner(self.model_forward, self.kv_caches, block_manager.num_blocks,
                                                    self.block_size,
                                                    block_manager.max_blocks_per_seq, capture_sizes(max_num_seqs),
                                                    device, graph_mode, max_num_seqs if self.has_state else None)
@@ -165,7 +165,7 @@ class ModelRunner:
         """Keep the hidden states ``request`` asks for from every forward (``self.captured`` after each
         :meth:`execute`, a :class:`~tokenfab.spec_decode.proposer.CapturedHidden`); None stops it. Layer taps
         are forward hooks on ``model.model.layers[i]``: steps the decode-graph buffers serve return them from
-        :meth:`graph_forward` (CUDA: the graphs are captured again with the hooks' ops; one rank only); other steps
+        :meth:`model_forward` (CUDA: the graphs are captured again with the hooks' ops; one rank only); other steps
         run the modules (never the fused CPU stack).
 
         Raises:
@@ -267,7 +267,7 @@ class ModelRunner:
         graphs = None if modules or (taps and self.sharded) else self.decode_graphs
         fused = not (taps or modules)  # the fused CPU stack has no layer outputs to tap
         logit_sel = None  # the module path's staged logit rows
-        graph_taps = None  # the taps a graph path returned
+        graph_taps = None  # the layer taps the graph or module path returned
         if self.batch_invariant and fused:  # every token one query row over its own context: no group or chunk
             hidden = self.cpu_decode_stack.run(fill_placeholders_host(input_ids, src), positions, slots, bt[req_idx],
                                                positions + 1)
@@ -285,8 +285,6 @@ class ModelRunner:
             hidden = self.cpu_decode_stack.run(fill_placeholders_host(input_ids, src), positions, slots, bt,
                                                num_computed + 1)
         else:  # the module path: every integer input in one staged copy (input_staging.py)
-            if taps:  # layer outputs come from forward hooks
-                self._tap_out = [None] * len(self.capture.layer_ids)
             groups = [self._group_arrays(bt[:d], starts[:d], num_new[:d], num_computed[:d], T) if d else None,
                       self._group_arrays(bt[d:], starts[d:], num_new[d:], num_computed[d:], T) if d < B else None]
             pick = not (d == B and len(logit_idx) == B)  # decode-only steps want every row, in order
@@ -307,11 +305,9 @@ class ModelRunner:
                 state_hold=None if hold is None else torch.from_numpy(hold).to(self.device, non_blocking=True),
                 state_hold_host=hold, num_new_host=None if hold is None else num_new,
                 state_rows_host=None if hold is None else rows)
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+            hidden, graph_taps = self.model_forward(ids_t, pos_t, meta)  # layer taps from forward hooks
             logit_sel = logit_t if pick else None
         if self.capture is not None:
-            if taps and graph_taps is None:
-                graph_taps = torch.stack(self._tap_out, dim=1)
             self._hidden_now = (hidden if self.capture.final else None, graph_taps if taps else None)
         if len(logit_idx) == 0:
             return None
@@ -320,11 +316,11 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden)
         return logits if on_device else logits.cpu()
 
-    def graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decode-graph buffers' forward (engine/cuda_graph_runner.py): hidden [N, hidden] and, when a drafter
-        taps layer outputs (:meth:`set_hidden_capture`), the taps [N, n, hidden] its forward hooks produced, stacked
-        (recorded into the graph at capture)."""
+        """The model's forward over the pool: hidden [N, hidden] and, when a drafter taps layer outputs
+        (:meth:`set_hidden_capture`), the taps [N, n, hidden] its forward hooks produced, stacked. The module path's
+        forward and the decode-graph buffers' (engine/cuda_graph_runner.py: recorded into the graph at capture)."""
         taps = self.capture is not None and bool(self.capture.layer_ids)
         if taps:
             self._tap_out = [None] * len(self.capture.layer_ids)
@@ -351,7 +347,7 @@ class ModelRunner:
     def uses_modules(self) -> bool:
         """True when this runner's steps must run through the model's modules: a drafter taps layer outputs
         (forward hooks, which the fused CPU stack does not run) and there are no decode-graph buffers (whose forward
-        returns the taps: :meth:`graph_forward`) or the model is sharded (the graphs were captured on every rank
+        returns the taps: :meth:`model_forward`) or the model is sharded (the graphs were captured on every rank
         together, without rank 0's hooks)."""
         return self.capture is not None and bool(self.capture.layer_ids) and (self.decode_graphs is None
                                                                               or self.sharded)

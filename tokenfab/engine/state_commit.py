@@ -25,15 +25,15 @@ Why this shape (and not the alternatives):
   (``git log -- tokenfab/engine/state_rollback.py``). The copy is one state per row and layer (K3: 96 heads of
   128 x 128 float32, 6 MiB per row and layer, 27 GiB for 64 rows over 69 layers); the replay was a Python loop of
   about ten launches per token and layer, and its row selection changed every step, so it could not be replayed
-  from a CUDA graph. Here the GPU path holds about 96 KiB per token and layer at K3's width (the bf16 projections) and
-  the commit is two launches per layer whose shapes depend only on the group: the decode-graph buffers capture it
+  from a CUDA graph. Here the GPU path holds about 96 KiB per token and layer at K3's width (the bf16 projections)
+  and the commit is two launches per layer whose shapes depend only on the group: the decode-graph buffers capture it
   as one graph (engine/cuda_graph_runner.py, ``DecodeGraphRunner.commit``). Measured on CPU against
   the previous design (benchmarks/spec_state_commit.py beside ``git show 3a5857f:benchmarks/spec_rollback.py`` run
   on that commit's tree, alternated twice, Kimi Linear hidden 512, the first draft rejected: kept = 1): verified
   step + commit over a plain step in the same run was 1.73-3.12x at batch 16 (k = 1-7) against 1.81-3.26x with the
   roll back, and within noise at batch 1 (1.50-1.62x against 1.35-1.67x); all variants, this design alone:
-  benchmarks/results/2026-12-06-spec-state-commit.md. The commit costs what the replay did, and also replays rows that kept every token, which the
-  roll back skipped; the forward no longer copies states.
+  benchmarks/results/2026-12-06-spec-state-commit.md. The commit costs what the replay did, and also replays rows
+  that kept every token, which the roll back skipped; the forward no longer copies states.
 * Its cost on the GPU: each committed row runs its kept tokens' recurrence twice (forward and commit), reading S
   three times instead of twice; the recurrence is bound by the state's bytes, small beside a step's weights.
 * One state snapshot per draft position, picked after sampling (vLLM's Mamba / GDN speculative decoding): (k + 1)
@@ -54,20 +54,34 @@ def clear_deferred(caches: list[KDAStateCache]) -> None:
         c.deferred.clear()
 
 
-def _selected(e: DeferredStates, rows: torch.Tensor, kept: torch.Tensor, by_host: dict | None,
-              num_slots: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+def kept_by_row(rows_host: np.ndarray, hold_host: np.ndarray, tokens_host: np.ndarray, rows: np.ndarray,
+                kept: np.ndarray) -> np.ndarray:
+    """Per row of a held group, the tokens the commit keeps: ``rows_host`` / ``hold_host`` / ``tokens_host`` [B]
+    (the group's state slots, held flags and tokens run), ``rows`` / ``kept`` [N] int64 (the commit's). Returns
+    [B] int64, -1 for rows not held or not named.
+
+    Raises:
+        ValueError: a kept count above the tokens its row ran."""
+    table = np.full(int(max(rows_host.max(initial=0), np.asarray(rows).max(initial=0))) + 1, -1, dtype=np.int64)
+    table[rows] = kept
+    kk = np.where(hold_host, table[rows_host], -1)
+    if (kk > tokens_host).any():
+        raise ValueError("commit: kept exceeds the tokens a row ran this step "
+                         f"(kept {kk.tolist()}, ran {np.asarray(tokens_host).tolist()}).")
+    return kk
+
+
+def _selected(e: DeferredStates, rows: torch.Tensor, kept: torch.Tensor, rows_host: np.ndarray | None,
+              kept_host: np.ndarray | None, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     """(indices [n] into the entry's rows, their kept counts [n], the largest count) of the held rows the commit
     names, on the entry's device; None when it names none. From the host copies when both sides have them (no
     device read).
 
     Raises:
         ValueError: a kept count above the tokens its row ran."""
-    if by_host is not None and e.rows_host is not None and e.hold_host is not None and e.tokens_host is not None:
-        kk = np.array([by_host.get(r, -1) if h else -1 for r, h in zip(e.rows_host.tolist(), e.hold_host.tolist())],
-                      dtype=np.int64)
-        if (kk > e.tokens_host).any():
-            raise ValueError("commit: kept exceeds the tokens a row ran this step "
-                             f"(kept {kk.tolist()}, ran {e.tokens_host.tolist()}).")
+    if (rows_host is not None and kept_host is not None and e.rows_host is not None and e.hold_host is not None
+            and e.tokens_host is not None):
+        kk = kept_by_row(e.rows_host, e.hold_host, e.tokens_host, rows_host, kept_host)
         sel = np.nonzero(kk >= 0)[0]
         if len(sel) == 0:
             return None
@@ -109,9 +123,9 @@ def commit(caches: list[KDAStateCache], rows: torch.Tensor, kept: torch.Tensor,
     """
     if rows.shape != kept.shape:
         raise ValueError(f"commit: rows {tuple(rows.shape)} and kept {tuple(kept.shape)} must have one shape.")
-    by_host = None if rows_host is None or kept_host is None else dict(zip(np.asarray(rows_host).tolist(),
-                                                                             np.asarray(kept_host).tolist()))
-    picks = [(c, e, _selected(e, rows, kept, by_host, c.num_slots)) for c in caches for e in c.deferred]
+    rh = None if rows_host is None else np.asarray(rows_host, dtype=np.int64)
+    kh = None if kept_host is None else np.asarray(kept_host, dtype=np.int64)
+    picks = [(c, e, _selected(e, rows, kept, rh, kh, c.num_slots)) for c in caches for e in c.deferred]
     n_done = 0
     for c, e, picked in picks:  # every count checked above: nothing is written when one is refused
         if picked is not None:

@@ -305,11 +305,7 @@ class KimiDeltaAttention(nn.Module):
         decoding runs on the same inputs."""
         rows = e.rows[sel]
         if e.prepared is None:
-            idx, qp = e.token_index[sel], e.query_pos[sel]
-            Q = idx.shape[1]
-            qp = torch.where(torch.arange(Q, device=qp.device).view(1, Q) < kept.view(-1, 1), qp, -1)
-            scratch = e.qkv.new_empty(e.qkv.shape[0] + 1, self.num_heads, self.head_dim)  # outputs: unused
-            self._run_group(idx, qp.contiguous(), rows, e.qkv, e.gates, cache, scratch)
+            self._rerun(e, cache, e.token_index[sel], e.query_pos[sel], rows, kept)
             return
         full, k, v, g, beta = (t[sel] for t in e.prepared)
         K = self.kernel
@@ -330,10 +326,16 @@ class KimiDeltaAttention(nn.Module):
         buffers' commit, engine/cuda_graph_runner.py, captured as a graph of its own): ``kept`` [B] int64 tokens per
         row, 0 for rows the forward did not hold and padding rows (their conv and recurrence then run over no token
         and write back the state they hold). Runs the conv and recurrence again over the kept tokens."""
-        Q = e.token_index.shape[1]
-        qp = torch.where(torch.arange(Q, device=kept.device).view(1, Q) < kept.view(-1, 1), e.query_pos, -1)
+        self._rerun(e, cache, e.token_index, e.query_pos, e.rows, kept)
+
+    def _rerun(self, e, cache, idx: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor,
+               kept: torch.Tensor) -> None:
+        """The group's conv and recurrence again over the first ``kept`` [B] tokens of rows ``rows`` [B] (token rows
+        ``idx`` / positions ``query_pos`` [B, Q] of the deferred entry ``e``), states written; outputs discarded."""
+        Q = idx.shape[1]
+        qp = torch.where(torch.arange(Q, device=kept.device).view(1, Q) < kept.view(-1, 1), query_pos, -1)
         scratch = e.qkv.new_empty(e.qkv.shape[0] + 1, self.num_heads, self.head_dim)  # outputs: unused
-        self._run_group(e.token_index, qp, e.rows, e.qkv, e.gates, cache, scratch)
+        self._run_group(idx, qp.contiguous(), rows, e.qkv, e.gates, cache, scratch)
 
     def _run_group(self, idx: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor, qkv: torch.Tensor,
                    gates: "_Gates", cache, core: torch.Tensor, hold: torch.Tensor | None = None,
