@@ -64,7 +64,8 @@ from benchmarks.gpu_linears import check_fp8, check_gguf  # noqa: E402
 
 def check_attention(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
     """Paged decode attention at DeepSeek-V3's MLA shape (128 heads, latent 512 + 64) and a Llama GQA shape
-    (32 / 8 heads of 128): batch 1 / 16 / 64 at 4K context and batch 1 at 32K, page 16. Timed from a CUDA graph
+    (32 / 8 heads of 128): batch 1 / 16 / 64 at 4K context and batch 1 at 32K, page 16; and the K3 DSpark drafter's
+    pass (768 query heads over the latent rows) at batch 1 / 16 x 8K. Timed from a CUDA graph
     over enough cache copies (>= 256 MB in all, at most 16) that L2 holds none of them; bytes = KV rows read once
     + q + output."""
     from tokenfab.kernels.gpu import decode_attention as da
@@ -82,11 +83,16 @@ def check_attention(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]
                 + f", warps={best.num_warps}, stages={best.num_stages}")
 
     mla, gqa = ("mla", 128, 1, 576, 512), ("gqa", 32, 8, 128, 128)
-    cases = [(*shape, B, 4096) for shape in (mla, gqa) for B in (1, 16, 64)] + [(*mla, 1, 32768), (*gqa, 1, 32768)]
+    # the K3 DSpark drafter's paged pass (models/dspark_drafter.PagedDraftContext): 8 block slots x 96 heads as the
+    # query heads of one decode row over the latent pool
+    drafter = ("mla", 768, 1, 576, 512)
+    cases = ([(*shape, B, 4096) for shape in (mla, gqa) for B in (1, 16, 64)] + [(*mla, 1, 32768), (*gqa, 1, 32768)]
+             + [(*drafter, B, 8192) for B in (1, 16)])
     page = 16
     if quick:
         mla, gqa = ("mla", 8, 1, 48, 32), ("gqa", 4, 2, 16, 16)
-        cases = [(*shape, B, 40) for shape in (mla, gqa) for B in (1, 3)] + [(*mla, 1, 200), (*gqa, 1, 200)]
+        cases = ([(*shape, B, 40) for shape in (mla, gqa) for B in (1, 3)] + [(*mla, 1, 200), (*gqa, 1, 200)]
+                 + [("mla", 32, 1, 48, 32, 2, 60)])
     rows = []
     for name, H, Hk, D, Dv, B, ctx in cases:
         nblk = -(-ctx // page)

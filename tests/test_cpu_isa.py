@@ -83,3 +83,40 @@ def test_the_kernels_cap_switches_the_bf16_dot_paths_off():
     finally:
         m.set_isa_cap(before)
     assert cpu_ops.has_bf16_dot() == bool(m.has_bf16_dot and before >= 1)
+
+
+def test_bf16_mla_decode_at_avx2_level_gathers_and_rounds_as_bf16(monkeypatch):
+    """At the avx2 level bf16 MLA decode (one latent pool as keys and values) is not offered the kernel's float32
+    FMAs: the gathered path runs, its GEMMs (attention, and MLA's per-head W_UK / W_UV products via dispatch.bmm) on
+    float32 copies, rounding scores, weights and output to bf16 where the bf16 path does. Checked against a
+    hand-written float64 computation with those three roundings (to one bf16 step); float32 MLA keeps the kernel
+    for short contexts."""
+    from tokenfab.kernels import dispatch
+    from tokenfab.layers import paged_attention
+    from tokenfab.layers.attention_metadata import AttentionGroup
+    monkeypatch.setattr(cpu_isa, "selected_level", lambda flags=None: "avx2")
+    monkeypatch.setattr(cpu_ops, "has_bf16_dot", lambda: False)
+    g = torch.Generator().manual_seed(5)
+    B, H, D, Dv, bs = 2, 6, 48, 32, 4
+    cache = torch.randn(7, bs, 1, D, generator=g).bfloat16()
+    q = torch.randn(B, H, D, generator=g).bfloat16()
+    bt = torch.tensor([[3, 0, 5], [1, 6, 2]])
+    cl = torch.tensor([11, 6])
+    group = AttentionGroup(token_index=(cl - 1).view(B, 1), query_pos=(cl - 1).view(B, 1), block_tables=bt,
+                           context_lens=cl, q_len=1, max_context=3 * bs)
+    assert dispatch.paged_decode_attention(q, cache, cache[..., :Dv], bt, cl, 3 * bs, 0.2) is None
+    if cpu_ops.available_for(q.float()):
+        assert dispatch.paged_decode_attention(q.float(), cache.float(), cache.float()[..., :Dv], bt, cl, 3 * bs,
+                                               0.2) is not None
+    keys = paged_attention.gather_cache(cache[:, :, 0], group).unsqueeze(1)  # [B, 1, 12, D]
+    out = paged_attention.attention(q.unsqueeze(2), keys, keys, group, 0.2)[:, :, 0, :Dv]
+    for b in range(B):
+        kb = keys[b, 0, :cl[b]].double()
+        s = (0.2 * q[b].double() @ kb.T).bfloat16().double()  # the bf16 GEMM's rounded scores
+        p = torch.softmax(s, -1).bfloat16().double()  # weights rounded to bf16
+        want = (p @ kb[:, :Dv]).bfloat16().float()
+        step = want.abs().clamp(min=2 ** -8) * 2 ** -7  # one bf16 step (8 significant bits)
+        assert ((out[b].float() - want).abs() <= step).all()
+    a, w = torch.randn(3, 5, 16, generator=g).bfloat16(), torch.randn(3, 16, 8, generator=g).bfloat16()
+    want = (a.double() @ w.double()).bfloat16().float()
+    assert ((dispatch.bmm(a, w).float() - want).abs() <= want.abs().clamp(min=2 ** -8) * 2 ** -7).all()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenfab.kernels.cpu import isa as cpu_isa
 from tokenfab.kernels.cpu import ops as cpu_ops
 from tokenfab.kernels.gpu import support as gpu_support
 
@@ -160,8 +161,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, max_context: int, scale: float) -> torch.Tensor | None:
     """Decode attention q [B, H, D] straight from the paged pool (k_cache / v_cache [blocks, block_size, Hk, D / Dv],
     strided views allowed; MLA passes one latent pool as both): the Triton kernel on CUDA/ROCm, the C++ kernel on
-    CPU, or None (mixed dtypes, no kernel, or MLA with more than FUSED_LATENT_MAX_TOKENS context tokens on float32
-    FMAs): the caller gathers the context instead. Returns [B, H, Dv] in q's dtype."""
+    CPU, or None (mixed dtypes, no kernel, MLA on float32 FMAs in bf16 or with more than FUSED_LATENT_MAX_TOKENS
+    context tokens): the caller gathers the context instead. Returns [B, H, Dv] in q's dtype."""
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         return None
     if gpu_support.applies(q):
@@ -170,10 +171,30 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                                                        max_context)
     if not cpu_ops.available_for(q):
         return None
-    if (v_cache.data_ptr() == k_cache.data_ptr() and q.shape[0] * max_context > FUSED_LATENT_MAX_TOKENS
-            and not (q.dtype == torch.bfloat16 and cpu_ops.has_bf16_dot())):
-        return None  # MLA with many context tokens on float32 FMAs: the gathered path's bf16 GEMMs are faster
+    if v_cache.data_ptr() == k_cache.data_ptr() and not (q.dtype == torch.bfloat16 and cpu_ops.has_bf16_dot()):
+        # MLA on the kernel's float32 FMAs: the gathered path's GEMMs are faster with many context tokens (measured
+        # with AVX512), and for bf16 at any length (an AVX2-only EPYC, 2026-12-06: 1.1-8x at 16-128 heads and 64-8K
+        # tokens, its GEMMs on float32 copies: cpu_bf16_gemm_slow)
+        if q.dtype == torch.bfloat16 or q.shape[0] * max_context > FUSED_LATENT_MAX_TOKENS:
+            return None
     return cpu_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def cpu_bf16_gemm_slow(x: torch.Tensor) -> bool:
+    """True for bf16 CPU tensors at the ``avx2`` ISA level (kernels/cpu/isa.py: no AVX512-BF16 dot products, oneDNN
+    capped at AVX2), where PyTorch's bf16 batched GEMMs take a slow path: measured on an AVX2-only AMD EPYC
+    (2026-12-06, torch 2.13), ``bmm`` [128 x 8192] x [8192 x 512] 967 ms in bf16 against 8 ms in float32 on the
+    widened operands. Callers widen to float32 there (:func:`tokenfab.layers.paged_attention.attention`)."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and cpu_isa.selected_level() == "avx2"
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm(a, b)`` ([n, p, q] x [n, q, r] -> [n, p, r] in a's dtype); where :func:`cpu_bf16_gemm_slow`, on
+    float32 copies of the operands with the product rounded to bf16 once (what the bf16 GEMM's float32
+    accumulation gives, up to summation order)."""
+    if cpu_bf16_gemm_slow(a):
+        return torch.bmm(a.float(), b.float()).to(a.dtype)
+    return torch.bmm(a, b)
 
 
 def causal_softmax_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -68,6 +68,11 @@ class MLAttention(nn.Module):
         for lin in (getattr(self, "q_b_proj", None), self.o_proj):  # packed before the decode block reads them
             if lin is not None:
                 lin.fuse()
+        self._absorb()
+        self._block_weights = self._decode_block_weights()
+
+    def _absorb(self) -> None:
+        """W_UK [H, nope, C] and W_UV^T [H, C, v] from kv_b_proj.weight (see :meth:`fuse`), nothing else fused."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv_t = w[:, : self.nope, :], w[:, self.nope:, :].transpose(1, 2)
         self._head_gemm = cpu_ops.head_gemm_applies(w, w_uk) and cpu_ops.head_gemm_applies(w, w_uv_t)
@@ -75,7 +80,6 @@ class MLAttention(nn.Module):
             self._w_uk, self._w_uv_t = cpu_ops.pack_head_weights(w_uk), cpu_ops.pack_head_weights(w_uv_t)
         else:
             self._w_uk, self._w_uv_t = w_uk.contiguous(), w_uv_t.contiguous()
-        self._block_weights = self._decode_block_weights()
 
     def _decode_block_weights(self) -> list[torch.Tensor] | None:
         """The weights of :func:`~tokenfab.kernels.cpu.ops.mla_decode` (the absorbed decode as one C++ call,
@@ -197,7 +201,7 @@ class MLAttention(nn.Module):
         if self._head_gemm:
             cpu_ops.head_gemm_(q_nope, w_uk, q_lat[..., :C])
         else:
-            q_lat[..., :C] = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+            q_lat[..., :C] = dispatch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         q_lat[..., C:] = q_rope
         return q_lat
 
@@ -205,7 +209,7 @@ class MLAttention(nn.Module):
         """o_lat W_UV per head: [N, H, C] -> [N, H, v]."""
         if self._head_gemm:
             return cpu_ops.head_gemm_(o_lat, w_uv_t, o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim))
-        return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
+        return dispatch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
 
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if getattr(self, "_w_uk", None) is None:

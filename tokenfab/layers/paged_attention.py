@@ -121,7 +121,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
     float32 softmax (SDPA with zero-padded values was faster but raised the bf16 KL against the fp32 reference 50x
     on the tiny DeepSeek test model, tests/test_bf16.py). Decode (Q = 1; the gathered path, used when
     :func:`fused_decode` does not apply): scores = mask + scale * q k^T in one ``baddbmm`` over a transposed view of
-    k (no copy), softmax in float32 as transformers' eager attention does, then one ``bmm`` with v.
+    k (no copy), softmax in float32 as transformers' eager attention does, then one ``bmm`` with v; bf16 at the
+    ``avx2`` ISA level (:func:`tokenfab.kernels.dispatch.cpu_bf16_gemm_slow`) runs both GEMMs on float32 copies,
+    rounding the scores, weights and output to bf16 where the bf16 path does.
     """
     B, H, Q, D = q.shape
     Hk, L, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -131,8 +133,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
         if dispatch.causal_softmax_applies(q, k, v):
             return _prefill_attention_fused(q, k, v, group, scale)
         return _prefill_attention(q, k, v, group, scale)
-    mask = additive_mask(group, q.dtype)  # [B, 1, 1, L]
     G = H // Hk
+    if dispatch.cpu_bf16_gemm_slow(q):  # bf16 GEMMs without bf16 dot products: the same roundings on float32 GEMMs
+        mask = additive_mask(group, torch.float32)
+        m = mask.view(B, 1, L) if Hk == 1 else mask.expand(B, Hk, 1, L).reshape(B * Hk, 1, L)
+        s = torch.baddbmm(m, q.reshape(B * Hk, G, D).float(), k.reshape(B * Hk, L, D).float().transpose(1, 2),
+                          alpha=scale).to(q.dtype)  # rounded as the bf16 GEMM's output
+        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype).float()
+        return torch.bmm(p, v.reshape(B * Hk, L, Dv).float()).to(q.dtype).view(B, H, 1, Dv)
+    mask = additive_mask(group, q.dtype)  # [B, 1, 1, L]
     m = mask.view(B, 1, L) if Hk == 1 else mask.expand(B, Hk, 1, L).reshape(B * Hk, 1, L)
     s = torch.baddbmm(m, q.reshape(B * Hk, G, D), k.reshape(B * Hk, L, D).transpose(1, 2), alpha=scale)
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import glob
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,10 @@ from tokenfab.errors import WeightLoadError
 from tokenfab.layers.kda import KimiDeltaAttention, kda_chunked, kda_log_decay, l2norm
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.mla import MLAttention
+from tokenfab.layers.attention_metadata import AttentionGroup
 from tokenfab.layers.mlp import GatedMLP
 from tokenfab.layers.norm import RMSNorm
+from tokenfab.layers.paged_attention import attention, fused_decode, gather_cache, write_cache
 from tokenfab.spec_decode.dspark_config import DSparkConfig
 
 _FP32_PARAMS = ("conv1d.weight", "A_log", "dt_bias")  # kept in float32 (as tokenfab's KDA keeps them)
@@ -66,6 +69,42 @@ def rope_rotate(x: torch.Tensor, positions: torch.Tensor, theta: float, interlea
     return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1).to(x.dtype)
 
 
+@dataclass
+class PagedDraftContext:
+    """Where a draft pass's MLA layers read their keys in place: each layer's paged context-row cache, addressed by
+    the target's block tables, plus per sequence a *tail* of spare blocks past the pool's (never a real block).
+
+    The tail's first block starts as a copy of the block holding the anchor's position p (its rows before p are
+    context), and the block's N own rows are written after them, at positions p .. p + N - 1: each sequence's keys
+    are then positions 0 .. p + N - 1 of one block table, and the N block slots attend as N x H query heads of one
+    decode row over the latent rows (the GQA-style grouping the paged decode kernels take: every key row is read
+    once per sequence, not once per slot; FlashMLA folds query length into heads the same way).
+
+    Attributes (B sequences, W table width, N block slots):
+        block_tables: [B, W] int64: the sequence's blocks for positions below (p // bs) * bs, then its tail blocks.
+        context_lens: [B] int64, p + N (context plus the block).
+        query_pos: [B, 1] int64, p + N - 1 (the gathered fallback's mask: keys j <= p + N - 1 visible).
+        max_context: W * bs.
+        tail_src: [B] int64, the block holding position p (copied to the tail's first block; any block when
+            p % bs == 0, as no row of it is read).
+        tail_dst: [B] int64, the tail's first block.
+        slots: [B * N] int64, flat slots of the block's own rows in the tail.
+    """
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    query_pos: torch.Tensor
+    max_context: int
+    tail_src: torch.Tensor
+    tail_dst: torch.Tensor
+    slots: torch.Tensor
+
+    def group(self) -> AttentionGroup:
+        """The decode-group view the paged attention functions take (one query row per sequence)."""
+        return AttentionGroup(token_index=self.query_pos, query_pos=self.query_pos, block_tables=self.block_tables,
+                              context_lens=self.context_lens, q_len=1, max_context=self.max_context)
+
+
 class DraftMLAttention(MLAttention):
     """A DSpark MLA draft layer's attention (tokenfab's MLA weights, optional K3 output gate, RoPE on k_pe/q_pe)."""
 
@@ -86,13 +125,12 @@ class DraftMLAttention(MLAttention):
     def block_forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: torch.Tensor | None,
                       ctx_valid: torch.Tensor | None) -> torch.Tensor:
         """x [B, N, D] (normed block), positions [B, N], ctx [B, L, C + R] context key rows with ctx_valid [B, L]
-        (bool; False = padding) or None -> [B, N, D]. Attention in float32, non-causal within the block."""
+        (bool; False = padding) or None -> [B, N, D]. Attention in float32, non-causal within the block: the
+        reference form (:meth:`paged_forward` reads the rows in place)."""
         B, N, _ = x.shape
         H, nope, R, C, vd = self.num_heads, self.nope, self.rope_dim, self.kv_lora, self.v_dim
         xf = x.reshape(B * N, -1)
-        q = self.q_proj(xf) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(xf)))
-        q = q.view(B, N, H, nope + R)
-        q_nope, q_pe = q[..., :nope], rope_rotate(q[..., nope:], positions, self.theta, self.interleave)
+        q_nope, q_pe = self._queries(xf, positions)
         rows = self.latent_rows(xf, positions.reshape(-1)).view(B, N, C + R)
         keys = rows if ctx is None else torch.cat([ctx.to(rows.dtype), rows], dim=1)  # [B, L + N, C + R]
         w = self.kv_b_proj.weight.view(H, nope + vd, C).float()
@@ -104,9 +142,56 @@ class DraftMLAttention(MLAttention):
             scores = scores.masked_fill(~ok[:, None, None, :], float("-inf"))
         o_lat = torch.einsum("bhnl,blc->bnhc", scores.softmax(-1), kf[..., :C])
         o = torch.einsum("bnhc,hvc->bnhv", o_lat, w[:, nope:]).to(x.dtype).reshape(B * N, H * vd)
+        return self._output(o, xf).view(B, N, -1)
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK / W_UV^T of the absorbed form (:meth:`MLAttention._absorb`), made at the first paged pass (after the
+        weights are loaded and moved); the projections stay as loaded (latent_rows reads kv_a_proj_with_mqa)."""
+        if getattr(self, "_w_uk", None) is None:
+            self._absorb()
+        return self._w_uk, self._w_uv_t
+
+    def _queries(self, xf: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """xf [B * N, D], positions [B, N] -> (q_nope [B, N, H, nope], rope(q_pe) [B, N, H, R]) in xf's dtype."""
+        B, N = positions.shape
+        q = self.q_proj(xf) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(xf)))
+        q = q.view(B, N, self.num_heads, self.nope + self.rope_dim)
+        return q[..., : self.nope], rope_rotate(q[..., self.nope:], positions, self.theta, self.interleave)
+
+    def _output(self, o: torch.Tensor, xf: torch.Tensor) -> torch.Tensor:
+        """o [B * N, H * v] -> o_proj(o * sigmoid(g_proj(xf))) [B * N, D] (no gate without g_proj)."""
         if self.g_proj is not None:
             o = o * torch.sigmoid(self.g_proj(xf))
-        return self.o_proj(o).view(B, N, -1)
+        return self.o_proj(o)
+
+    def paged_forward(self, x: torch.Tensor, positions: torch.Tensor, paged: PagedDraftContext,
+                      cache: torch.Tensor) -> torch.Tensor:
+        """:meth:`block_forward` with the keys read in place from ``cache`` [blocks, bs, C + R] (this layer's
+        context rows plus ``paged``'s tail blocks; x's dtype): the tail is filled (one block copy per sequence, the
+        block's rows written after the context), then absorbed decode attention over the latent pool as the target's
+        MLA decodes (:func:`tokenfab.layers.paged_attention.fused_decode`: the Triton kernel on a GPU, the C++ kernel
+        on CPU; where neither applies, the gathered context). x [B, N, D], positions [B, N] -> [B, N, D].
+
+        Differences from the reference form: the absorbed queries are rounded to x's dtype (as the target's decode
+        rounds them) and the kernels' softmax order; in float32 the two agree to rounding."""
+        B, N, _ = x.shape
+        H, C, R = self.num_heads, self.kv_lora, self.rope_dim
+        xf = x.reshape(B * N, -1)
+        q_nope, q_pe = self._queries(xf, positions)
+        rows = self.latent_rows(xf, positions.reshape(-1))  # [B * N, C + R]
+        cache.index_copy_(0, paged.tail_dst, cache.index_select(0, paged.tail_src))
+        write_cache(cache, paged.slots, rows)
+        w_uk, w_uv_t = self._absorbed_weights()
+        q_lat = self._latent_queries(q_nope.reshape(B * N, H, -1), q_pe.reshape(B * N, H, R), w_uk)
+        q_lat = q_lat.view(B, N * H, C + R)  # the block's slots x heads: query heads of one decode row
+        lat = cache.unsqueeze(2)  # [blocks, bs, 1, C + R]: one latent "head", values = its first C columns
+        group = paged.group()
+        o_lat = fused_decode(q_lat, lat, lat[..., :C], group, self.scale)
+        if o_lat is None:
+            keys = gather_cache(cache, group).to(q_lat.dtype).unsqueeze(1)  # [B, 1, W * bs, C + R]
+            o_lat = attention(q_lat.unsqueeze(2), keys, keys, group, self.scale)[:, :, 0, :C]
+        o = self._value_heads(o_lat.reshape(B * N, H, C), w_uv_t)  # [B * N, H, v]
+        return self._output(o.reshape(B * N, H * self.v_dim), xf).view(B, N, -1)
 
 
 class DraftKDAttention(KimiDeltaAttention):
@@ -146,10 +231,16 @@ class DSparkDraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
-    def forward(self, x, positions, ctx, ctx_valid):
+    def forward(self, x, positions, ctx, ctx_valid, paged: PagedDraftContext | None = None):
+        """x [B, N, D], positions [B, N]; an MLA layer's keys: ``ctx`` [B, L, C + R] with ``ctx_valid`` (reference
+        form), or with ``paged`` its cache [blocks, bs, C + R] as ``ctx`` (read in place) -> [B, N, D]."""
         h = self.input_layernorm(x)
-        a = self.self_attn.block_forward(h, positions, ctx, ctx_valid) if self.kind == "mla" else \
-            self.self_attn.block_forward(h)
+        if self.kind != "mla":
+            a = self.self_attn.block_forward(h)
+        elif paged is not None:
+            a = self.self_attn.paged_forward(h, positions, paged, ctx)
+        else:
+            a = self.self_attn.block_forward(h, positions, ctx, ctx_valid)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -191,14 +282,16 @@ class DSparkDrafter(nn.Module):
         return [self.layers[i].self_attn.latent_rows(ctx, positions) for i in self.mla_layers]
 
     def block(self, anchor_ids: torch.Tensor, start: torch.Tensor, ctx_rows: list[torch.Tensor] | None,
-              ctx_valid: torch.Tensor | None) -> torch.Tensor:
+              ctx_valid: torch.Tensor | None, paged: PagedDraftContext | None = None) -> torch.Tensor:
         """One draft pass.
 
         Args:
             anchor_ids: [B] int64, the last sampled token of each sequence (block slot 0).
             start: [B] int64, the anchor's position p (= context length).
-            ctx_rows: per MLA layer [B, L, C + R] context key rows (positions 0 .. L - 1, padded), or None.
-            ctx_valid: [B, L] bool, True where a context row is real (position < p), or None.
+            ctx_rows: per MLA layer [B, L, C + R] context key rows (positions 0 .. L - 1, padded), or None; with
+                ``paged``: per MLA layer its paged cache [blocks, bs, C + R] (context rows and tail blocks).
+            ctx_valid: [B, L] bool, True where a context row is real (position < p), or None (None with paged).
+            paged: the block tables and tails of the paged form (:class:`PagedDraftContext`), or None.
 
         Returns:
             [B, N, D] normed hidden states of the N block slots.
@@ -211,7 +304,7 @@ class DSparkDrafter(nn.Module):
         it = iter(ctx_rows) if ctx_rows is not None else None
         for layer in self.layers:
             ctx = next(it) if (it is not None and layer.kind == "mla") else None
-            x = layer(x, positions, ctx, ctx_valid if ctx is not None else None)
+            x = layer(x, positions, ctx, ctx_valid if ctx is not None else None, paged)
         return self.norm(x)
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

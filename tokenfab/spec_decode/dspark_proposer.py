@@ -8,9 +8,12 @@ Context: the proposer asks the target for the hidden states after ``target_layer
 (:meth:`hidden_request`, the target-hidden-state seam in ``spec_decode/proposer.py``) and, after every target forward
 (:meth:`observe`), projects the context tokens' taps (fc + hidden_norm) and writes each MLA draft layer's key rows
 ``[c | rope(k_pe)]`` into its own paged cache, addressed by the target's block table (same block geometry as the
-target's pool), so every context position is projected once. A sequence drafts only when every position before its
-anchor has context rows: observed since its last preemption, or found in the caches after a prefix-cache hit (see
-below; failed steps rerun in parts leave gaps: such a sequence decodes plainly).
+target's pool), so every context position is projected once. A pass reads those rows in place: each MLA draft
+layer's cache has spare tail blocks (one set per scheduler row) that take the block's own rows after a copy of the
+anchor's block, and the paged decode kernels attend over the block table (models/dspark_drafter.PagedDraftContext;
+before, the rows were gathered into a padded float32 copy per pass). A sequence drafts only when every position
+before its anchor has context rows: observed since its last preemption, or found in the caches after a prefix-cache
+hit (see below; failed steps rerun in parts leave gaps: such a sequence decodes plainly).
 
 Which tapped stream a K3 target gives (partial block sum or attention-residual mixture): ``speculative_config.
 dspark_tap``, else the checkpoint's ``aux_hidden_stream``, else ``"partial_sum"`` (spec_decode/dspark_config.py).
@@ -24,7 +27,7 @@ step with taps is a module step. The KDA state commit after verification runs on
 it). The target's embedding and LM head are vocab-parallel shards (their forward is a collective), so the drafter
 uses full copies read from the checkpoint on rank 0 (:class:`~tokenfab.spec_decode.target_vocab.TargetVocab`).
 Extra memory on rank 0: the drafter (as at one device) plus V x H per table, embedding and head (Kimi K3 bf16:
-2 x 2.35 GB), plus the drafter's context-row caches (as at one device).
+2 x 2.35 GB), plus the drafter's context-row caches and their tail blocks (as at one device).
 
 Prefix-cache hits: the target computes no taps for a hit's cached positions, but the drafter's context rows live in
 its own caches at the target's slots, so the rows the earlier request wrote into a cached block are still there.
@@ -144,8 +147,12 @@ class DSparkProposer(Proposer):
         self.bm = engine.block_manager
         bs = self.bm.block_size
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-        self.caches = [torch.zeros(self.bm.num_blocks, bs, width, dtype=engine.dtype, device=engine.device)
-                       for _ in self.drafter.mla_layers]
+        # per sequence row, spare "tail" blocks past the pool's: where a pass writes its block's own rows
+        # (models/dspark_drafter.PagedDraftContext); enough for p % bs + block_size positions
+        self.num_tail = -(-(bs - 1 + cfg.block_size) // bs)
+        tail_blocks = self.bm.block_tables.shape[0] * self.num_tail
+        self.caches = [torch.zeros(self.bm.num_blocks + tail_blocks, bs, width, dtype=engine.dtype,
+                                   device=engine.device) for _ in self.drafter.mla_layers]
         self.vocab_size = cfg.vocab_size
         self.generator = engine.generator
         self.device = engine.device
@@ -229,6 +236,34 @@ class DSparkProposer(Proposer):
             b = seq.block_table[i]
             self._rows_hash[b], self._rows_ok[b] = hs[i], True
 
+    def _paged_context(self, rows: np.ndarray, start: np.ndarray, anchor: np.ndarray):
+        """The paged form's tables for sequences at scheduler ``rows`` [B] with anchors at positions ``start`` [B]
+        (:class:`~tokenfab.models.dspark_drafter.PagedDraftContext`), staged to the device in one copy with the
+        anchors [B] and positions [B]. Returns (context, anchor ids [B], start [B]) on the device."""
+        bs, N, nt = self.bm.block_size, self.cfg.block_size, self.num_tail
+        B = len(rows)
+        bt = self.bm.block_tables[rows]  # [B, max_blocks]
+        first = start // bs  # the block index holding the anchor's position
+        W = int(first.max()) + nt
+        tail = self.bm.num_blocks + rows[:, None] * nt + np.arange(nt)[None, :]  # [B, nt] consecutive block ids
+        cols = np.arange(W)[None, :]
+        table = np.zeros((B, W), dtype=np.int64)
+        w = min(W, bt.shape[1])
+        table[:, :w] = np.where(cols[:, :w] < first[:, None], bt[:, :w], 0)
+        off = cols - first[:, None]
+        in_tail = (off >= 0) & (off < nt)
+        table[in_tail] = tail[np.nonzero(in_tail)[0], off[in_tail]]
+        src = bt[np.arange(B), np.minimum(first, bt.shape[1] - 1)]
+        slots = (tail[:, :1] * bs + start[:, None] % bs) + np.arange(N)[None, :]  # [B, N]
+        packed = np.concatenate([table.reshape(-1), start + N, start + N - 1, src, tail[:, 0], slots.reshape(-1),
+                                 anchor, start]).astype(np.int64)
+        dev = torch.from_numpy(packed).to(self.device)  # one host-to-device copy
+        parts = dev.split([B * W, B, B, B, B, B * N, B, B])
+        from tokenfab.models.dspark_drafter import PagedDraftContext
+        ctx = PagedDraftContext(block_tables=parts[0].view(B, W), context_lens=parts[1], query_pos=parts[2].view(B, 1),
+                                max_context=W * bs, tail_src=parts[3], tail_dst=parts[4], slots=parts[5])
+        return ctx, parts[6], parts[7]
+
     # ---- proposing ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, seqs, rows, token_ids, lengths, max_lens) -> Proposal:
@@ -242,15 +277,8 @@ class DSparkProposer(Proposer):
             return Proposal.empty(N, k)
         ri = np.nonzero(n > 0)[0]
         r_rows, r_start = rows[ri], start[ri]
-        L = int(r_start.max())
-        ctx_rows = ctx_valid = None
-        if L > 0 and self.caches:
-            pos = np.minimum(np.arange(L)[None, :], np.maximum(r_start[:, None] - 1, 0))  # [B, L], clipped pads
-            slots = self._slots(np.repeat(r_rows, L).reshape(len(ri), L), pos)
-            ctx_rows = [c.view(-1, c.shape[-1])[slots.reshape(-1)].view(len(ri), L, -1) for c in self.caches]
-            ctx_valid = torch.from_numpy(np.arange(L)[None, :] < r_start[:, None]).to(self.device)
-        anchor = torch.from_numpy(token_ids[r_rows, r_start]).to(self.device)
-        hidden = self.drafter.block(anchor, torch.from_numpy(r_start).to(self.device), ctx_rows, ctx_valid)
+        paged, anchor, start_t = self._paged_context(r_rows, r_start, token_ids[r_rows, r_start])
+        hidden = self.drafter.block(anchor, start_t, self.caches, None, paged)
         base = self.drafter.draft_logits(hidden)[:, :k]  # drawn where they are: only the drafts come back
         sub = [seqs[i] for i in ri.tolist()]
         st = SamplingTensors.from_seqs(sub, self.vocab_size)
