@@ -14,7 +14,7 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
    7168 x 18432, 1 / 16 / 64 rows: error against GGUFWeight's dequantizing PyTorch path, time (CUDA-graph replays),
    GB/s and bandwidth over the packed bytes, F.linear on the dequantized weight alongside; the same for the FP8
    block-scaled linear (kernels/gpu/fp8_linear.py: the Triton kernel, and the block-scaled scaled_mm path where its
-   probe passes) against its dequantized weight, and the fused MoE over INT4 group-32 and MXFP4 stacks
+   probe passes) against its dequantized weight, and the fused MoE over INT4 group-32, MXFP4 and FP8 stacks
    (kernels/gpu/packed_moe.py) at DeepSeek-V3's and Kimi K3's expert shapes, 1 / 16 / 64 tokens, against the bf16
    fused MoE on the dequantized weights (timed beside it).
 4. RMSNorm with the residual add, SiLU-GLU and RoPE (kernels/gpu/norm_activation.py) at 16 and 2,048 rows (hidden
@@ -51,6 +51,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -60,6 +61,11 @@ from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
 from benchmarks.gpu_timing import time_replayed_us as _time_replayed_us, time_us as _time_us  # noqa: E402
 from benchmarks.gpu_kda import check_kda  # noqa: E402
 from benchmarks.gpu_linears import check_fp8, check_gguf  # noqa: E402
+
+_T0 = time.monotonic()
+# seconds into the run past which optional rows (the re-laid FP8 experts) are skipped: gpu_check.sh gives this
+# script 160 s, and a run stopped by its timeout writes no table
+OPTIONAL_ROWS_BEFORE_S = 110.0
 
 
 def check_attention(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
@@ -340,9 +346,24 @@ def check_router(dev, M: int, g, reps: int, bw: float) -> dict:
             "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw}
 
 
-def _packed_expert_stack(fmt: str, E: int, n: int, kk: int, dev, g, dtype, chunk: int = 8):
-    """A random INT4 group-32 / MXFP4 stack [E, n, kk] (packed_moe.py's layouts) and its dequantized weights in
-    ``dtype``, built ``chunk`` experts at a time (the int32 codes of a whole stack would take 4 bytes a weight)."""
+def _packed_expert_stack(fmt: str, E: int, n: int, kk: int, dev, g, dtype, chunk: int = 8, parts: int = 1):
+    """A random INT4 group-32 / MXFP4 / FP8 block-scaled stack [E, n, kk] (packed_moe.py's layouts; FP8 rows in
+    ``parts`` parts scaled apart) and its dequantized weights in ``dtype``, built ``chunk`` experts at a time (the
+    int32 codes of a whole stack would take 4 bytes a weight)."""
+    if fmt == "fp8_block":
+        part, cb = n // parts, lambda v: -(-v // 128)  # noqa: E731
+        packed = torch.randint(0, 256, (E, n, kk), device=dev, generator=g, dtype=torch.int32).to(torch.uint8)
+        packed[(packed & 0x7F) == 0x7F] = 0x7E  # no NaN codes, as checkpoints
+        scale = torch.rand(E, parts * cb(part), cb(kk), device=dev, generator=g) * 2e-4 + 1e-5
+        r = torch.arange(n, device=dev)
+        brow = (r // part) * cb(part) + (r % part) // 128
+        bcol = torch.arange(kk, device=dev) // 128
+        w = torch.empty(E, n, kk, dtype=dtype, device=dev)
+        for e0 in range(0, E, chunk):
+            e1 = min(E, e0 + chunk)
+            w[e0:e1] = (packed[e0:e1].view(torch.float8_e4m3fn).float()
+                        * scale[e0:e1][:, brow][:, :, bcol]).to(dtype)
+        return packed, scale, w
     lut = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
                        device=dev)
     per = 8 if fmt == "int4_group" else 2
@@ -367,35 +388,45 @@ def _packed_expert_stack(fmt: str, E: int, n: int, kk: int, dev, g, dtype, chunk
 
 def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
     """The fused MoE over packed expert stacks (kernels/gpu/packed_moe.py) at 1, 16 and 64 tokens at two expert
-    shapes: DeepSeek-V3's (64 of its routed experts, top-8, hidden 7168, intermediate 2048) in INT4 group-32 and
-    MXFP4, and Kimi K3's latent MoE (128 of its 896 experts, top-16, latent 3584 in and out, intermediate 3072:
-    benchmarks/gpu_shapes.py's k3) in MXFP4. A 1-token call reads 180 MB (DeepSeek-V3, 8 experts) or 280 MB (K3,
-    16 experts) of packed weights. Each row: error against the bf16 fused MoE on the same dequantized weights
-    (relative to its largest output), time per call (the first call autotunes and is not timed), GB/s and the
-    fraction of the copy bandwidth over the packed bytes (weights and scales) of the distinct experts hit; then
-    the bf16 fused MoE on the dequantized weights of that shape and batch (bytes: its bf16 experts hit). Each
-    format runs twice: in the checkpoint layout and re-laid (kernels/gpu/moe_relayout.py, what a GPU load gives)."""
+    shapes: DeepSeek-V3's (64 of its routed experts, top-8, hidden 7168, intermediate 2048) in INT4 group-32, MXFP4
+    and FP8 block-scaled (re-laid only; skipped past OPTIONAL_ROWS_BEFORE_S), and Kimi K3's latent MoE (128 of its 896
+    experts, top-16, latent 3584 in and out, intermediate 3072: benchmarks/gpu_shapes.py's k3) in MXFP4. A 1-token call
+    reads 180 MB (DeepSeek-V3, 8 experts) or 280 MB (K3, 16 experts) of packed weights. Each row: error against the bf16
+    fused MoE on the same dequantized weights (relative to its largest output), time per call (the first call autotunes
+    and is not timed), GB/s and the fraction of the copy bandwidth over the packed bytes (weights and scales) of the
+    distinct experts hit; then the bf16 fused MoE on the dequantized weights of that shape and batch (bytes: its bf16
+    experts hit). Each format runs twice: in the checkpoint layout and re-laid (kernels/gpu/moe_relayout.py, what a GPU
+    load gives).
+    """
     from tokenfab.kernels.gpu.moe import fused_moe
-    from tokenfab.kernels.gpu.moe_relayout import relayout_int4, relayout_mxfp4
+    from tokenfab.kernels.gpu.moe_relayout import relayout_fp8, relayout_int4, relayout_mxfp4
     from tokenfab.kernels.gpu.packed_moe import fused_moe_packed
     from tokenfab.layers.activation import silu_and_mul
-    shapes = [("DeepSeek-V3", 64, 8, 7168, 2048, ("int4_group", "mxfp4")),
+    shapes = [("DeepSeek-V3", 64, 8, 7168, 2048, ("int4_group", "mxfp4", "fp8_block")),
               ("K3 latent", 128, 16, 3584, 3072, ("mxfp4",))]
     tokens = [1, 16, 64]
     if quick:
-        shapes = [("DeepSeek-V3", 8, 2, 64, 32, ("int4_group", "mxfp4")), ("K3 latent", 6, 4, 96, 64, ("mxfp4",))]
+        shapes = [("DeepSeek-V3", 8, 2, 64, 32, ("int4_group", "mxfp4", "fp8_block")),
+                  ("K3 latent", 6, 4, 96, 64, ("mxfp4",))]
         tokens = [1, 5]
+    relays = {"int4_group": relayout_int4, "mxfp4": relayout_mxfp4, "fp8_block": relayout_fp8}
     reps = max(2, min(reps, 10))
     g = torch.Generator(device=dev).manual_seed(0)
     rows = []
     for name, E, k, hidden, inter, fmts in shapes:
         timed_bf16 = set()
         for fmt in fmts:
-            p13, s13, w13 = _packed_expert_stack(fmt, E, 2 * inter, hidden, dev, g, dtype)
+            if fmt == "fp8_block" and not quick and time.monotonic() - _T0 > OPTIONAL_ROWS_BEFORE_S:
+                print(json.dumps({"skipped": f"fused MoE {fmt} ({name}): past {OPTIONAL_ROWS_BEFORE_S:.0f} s"}),
+                      flush=True)
+                continue
+            p13, s13, w13 = _packed_expert_stack(fmt, E, 2 * inter, hidden, dev, g, dtype, parts=2)
             p2, s2, w2 = _packed_expert_stack(fmt, E, hidden, inter, dev, g, dtype)
             per_expert = sum(t.numel() * t.element_size() // E for t in (p13, s13, p2, s2))
-            relay = relayout_int4 if fmt == "int4_group" else relayout_mxfp4  # the layout a GPU load gives them
+            relay = relays[fmt]  # the layout a GPU load gives them
             layouts = [("", (p13, s13, p2, s2), False), (" re-laid", (*relay(p13, s13), *relay(p2, s2)), True)]
+            if fmt == "fp8_block":  # the checkpoint layout's figures are issue #31's table: the re-laid rows only
+                layouts = layouts[1:]
             for T in tokens:
                 x = torch.randn(T, hidden, device=dev, dtype=dtype, generator=g)
                 ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(T)])

@@ -9,7 +9,7 @@ ptxas / cuobjdump (NVIDIA) or its AMD backend (ROCm, no SASS statistics) compile
 
 The kernels are compiled as the runtime specializes them for aligned tensors (pointers and the sizes / strides that
 are multiples of 16 marked divisible by 16) with bf16 activations. The grouped GEMM is compiled per format (INT4
-group-32, MXFP4, FP8 block), per weight layout (the checkpoint's, and for INT4 / MXFP4 the GPU layout of
+group-32, MXFP4, FP8 block), per weight layout (the checkpoint's, and the GPU layout of
 kernels/gpu/moe_relayout.py) and per row-tile height (16: decode; 64: prefill), over the configs the tuner would
 try for it. Times here are compile times, nothing else.
 """
@@ -131,7 +131,7 @@ def _moe(target) -> None:
             "TOPW": "*fp32", **{a: "i32" for a in ints}}
     kinds = [("INT4", mg.INT4_GROUP, False, "*i32", "*i16"), ("INT4 re-laid", mg.INT4_GROUP, True, "*i32", "*i16"),
              ("MXFP4", mg.MXFP4, False, "*u8", "*u8"), ("MXFP4 re-laid", mg.MXFP4, True, "*i32", "*u8"),
-             ("FP8", mg.FP8_BLOCK, False, "*u8", "*fp32")]
+             ("FP8", mg.FP8_BLOCK, False, "*u8", "*fp32"), ("FP8 re-laid", mg.FP8_BLOCK, True, "*i32", "*fp32")]
     for name, fmt, relaid, wt, st in kinds:
         for bm in (16, 64):
             cfgs = []  # decode: gate|up's configs (no split) and the down projection's (split-K)
@@ -141,11 +141,11 @@ def _moe(target) -> None:
             for cfg in cfgs:
                 split = cfg.kwargs["SPLIT_K"]
                 sig = {**base, "W": wt, "S": st, "C": "*fp32" if split > 1 else "*bf16",
-                       **{c: "constexpr" for c in ("MUL_WEIGHT", "FMT", "SCALE_BF16", "IEEE", "MX_SCALED",
+                       **{c: "constexpr" for c in ("MUL_WEIGHT", "FMT", "SCALE_BF16", "IEEE", "MX_SCALED", "GLU",
                                                    "BLOCK_M", "RELAID", "RELAID_SWAP", *cfg.kwargs)}}
                 sig = {a: sig[a] for a in mg._grouped_gemm.arg_names}
                 const = {"MUL_WEIGHT": split > 1, "FMT": fmt, "SCALE_BF16": fmt == mg.INT4_GROUP, "IEEE": False,
-                         "MX_SCALED": True, "BLOCK_M": bm, "RELAID": relaid, "RELAID_SWAP": True, **cfg.kwargs}
+                         "MX_SCALED": True, "GLU": False, "BLOCK_M": bm, "RELAID": relaid, "RELAID_SWAP": True, **cfg.kwargs}
                 per = cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"] // (32 * cfg.num_warps)
                 _report(f"moe {name} BLOCK_M={bm}", mg._grouped_gemm, sig, const, cfg, target, per, MOE_ALIGNED)
 

@@ -92,16 +92,28 @@ class Fp8BlockExperts(PackedExperts):
         r = torch.arange(start, end, device=self.packed.device)
         brow = (r // self.part_rows) * self.block_rows + (r % self.part_rows) // BLOCK
         bcol = torch.arange(self.in_features, device=self.packed.device) // BLOCK
-        q = self.packed[e, start:end].view(torch.float8_e4m3fn).to(torch.float32)
-        return q * self.scale[e][brow[:, None], bcol[None, :]]
+        q, scale = self.packed[e, start:end], self.scale[e]
+        if self.gpu_layout:  # back to the checkpoint's bytes and scale columns (exact)
+            from tokenfab.kernels.gpu.moe_relayout import restore_fp8
+            q, scale = restore_fp8(q, scale, self.in_features)
+        return q.view(torch.float8_e4m3fn).to(torch.float32) * scale[brow[:, None], bcol[None, :]]
 
     def prepare(self) -> None:
         """Use ``fp8_experts_linear`` when it runs here: CPU buffers, in_features a multiple of 32, built kernels
         with AVX512-BF16, not disabled by ``TOKENFAB_PACKED_EXPERTS=torch`` nor by ``TOKENFAB_CPU_LINEAR=torch``
-        (which sends the FP8 checkpoint's other Linears to the PyTorch path too)."""
+        (which sends the FP8 checkpoint's other Linears to the PyTorch path too). On the GPU code path (CUDA / ROCm
+        buffers with Triton on, or the interpreter's ``interpret-gpu-path`` in tests) re-lay the stack once into the
+        grouped GEMM's layout instead (kernels/gpu/moe_relayout.relayout_fp8: in place where in_features is a
+        multiple of 512) and set :attr:`gpu_layout`."""
         from tokenfab.layers.linear import cpu_linear_backend
         self._kernel = (self.packed.device.type == "cpu" and self.in_features % 32 == 0 and not kernel_disabled()
                         and cpu_linear_backend() != "torch" and cpu_ops.fp8_experts_applies())
+        from tokenfab.kernels.gpu import support as gpu_support
+        if self.gpu_layout or not gpu_support.gpu_path(self.packed):
+            return
+        from tokenfab.kernels.gpu.moe_relayout import relayout_fp8
+        self.packed, self.scale = relayout_fp8(self.packed, self.scale, in_place=True)
+        self.gpu_layout, self._kernel = True, False
 
     def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return cpu_ops.fp8_experts_linear(x, self.packed, self.scale, experts, offsets, self.part_rows)

@@ -87,7 +87,7 @@ class PackedExperts(nn.Module):
 
     format_name = "?"
     kernel_format: int | None = None
-    gpu_layout = False  # True once prepare() re-laid the buffers for the GPU kernels (formats that do: INT4)
+    gpu_layout = False  # True once prepare() re-laid the buffers for the GPU kernels (INT4, MXFP4, FP8)
     cpu_tiles = False  # True once prepare() re-laid whole 16-row tiles for the CPU kernel (:meth:`prepare`)
     tile_layout = False  # formats whose CPU kernel reads the tile layout (INT4, MXFP4)
     checkpoint_parts = ("weight_packed", "weight_scale")  # tensors each expert Linear must provide (the loader)

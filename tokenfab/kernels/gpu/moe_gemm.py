@@ -29,17 +29,19 @@ microscaled ``tl.dot_scaled`` (bf16 / fp16 times E2M1 with E8M0 scales over the 
 cannot compile it, the first launch falls back to the E2M1 decode for good). Elsewhere the values are built
 as float32 bits (nibbles after shifts and ``tl.interleave``) and cast for the dot.
 
-Re-laid stacks (``relaid``; INT4 and MXFP4 on a GPU: kernels/gpu/moe_relayout.py lays the bits out once at load,
-kernels/gpu/moe_relaid_decode.py decodes them). Each 32-bit word gives a 16-bit MMA operand register's (k, k + 1)
-pair with one rotation and one mask (INT4: and an OR with 128 / 1024 and one packed subtraction; MXFP4: one packed
-multiply by 2^126 / 2^14), K is padded to whole 512-input tiles so the loads need no K masks, the K tile's group
-scales of a row are loaded at once, and on decode tiles the weights are the first MMA operand (C^T = W A^T: a
+Re-laid stacks (``relaid``; INT4, MXFP4 and FP8 on a GPU: kernels/gpu/moe_relayout.py lays the bits out once at
+load, kernels/gpu/moe_relaid_decode.py decodes them). Each 32-bit word gives a 16-bit MMA operand register's (k,
+k + 1) pair with one rotation and one mask (INT4: and an OR with 128 / 1024 and one packed subtraction; MXFP4: one
+packed multiply by 2^126 / 2^14; FP8: two pairs a word, two shifts and masks each, one packed multiply by 2^120 /
+2^8), K is padded to whole 512-input tiles so the loads need no K masks, the K tile's group scales of a row are
+loaded at once (FP8: one block scale per 128-input sub-tile, K tiles up to 512), and on decode tiles the weights are the first MMA operand (C^T = W A^T: a
 64-row weight tile feeds Hopper's warpgroup MMA from registers, the activations its second operand from shared
 memory; where this Triton cannot compile that, the first launch falls back for good to the float32 decode of the
 same layout, as prefill tiles use). A static count of the compiled sm_90 loop with bf16 activations (Triton's
 compiler and ptxas on CPU, ``benchmarks/linear_sass.py --kernels moe``; no GPU has run it), instructions per
 weight and thread on decode tiles: INT4 8.8-11.6 in the checkpoint layout, 4.9-5.6 re-laid; MXFP4 7.1-10.9 with
-dot_scaled, 6.0-6.7 re-laid; FP8 10-11 (registers 64-90 re-laid, no spills). The HBM rate leaves about 4 / 4 / 16 at full bandwidth, so the 4-bit formats may still be bound by
+dot_scaled, 6.0-6.7 re-laid; FP8 10.0-11.1, 4.2-5.4 re-laid (registers 64-126 re-laid, no spills). The HBM
+rate leaves about 4 / 4 / 16 at full bandwidth, so the 4-bit formats may still be bound by
 instruction issue rather than bytes (what remains: the group-scale FMA on the float32 partials, the register to
 shared memory round trip Triton makes for the weight operand, address and loop work).
 
@@ -60,10 +62,12 @@ import triton
 import triton.language as tl
 
 from tokenfab.kernels.gpu.moe_relaid_decode import e2m1 as _e2m1
+from tokenfab.kernels.gpu.moe_relaid_decode import e4m3 as _e4m3
 from tokenfab.kernels.gpu.moe_relaid_decode import e8m0 as _e8m0
 from tokenfab.kernels.gpu.moe_relaid_decode import group_scales
-from tokenfab.kernels.gpu.moe_relaid_decode import (int4_relaid16, int4_relaid32, mxfp4_relaid16, mxfp4_relaid32,
-                                                     relaid_scales, split_col)
+from tokenfab.kernels.gpu.moe_relaid_decode import (fp8_block_scales, fp8_relaid16, fp8_relaid32, int4_relaid16,
+                                                     int4_relaid32, mxfp4_relaid16, mxfp4_relaid32, relaid_scales,
+                                                     split_col)
 from tokenfab.kernels.gpu.support import autotune_enabled, interpreting
 
 DENSE, INT4_GROUP, MXFP4, FP8_BLOCK = -1, 0, 1, 2
@@ -92,36 +96,23 @@ INTERPRET_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "SPLIT_K": 1}
 
 
 def _prune(configs, named_args, **kwargs):
-    """Configs for one call: decode row tiles (BLOCK_M 16) keep DECODE_CONFIGS (re-laid 4-bit stacks:
+    """Configs for one call: decode row tiles (BLOCK_M 16) keep DECODE_CONFIGS (re-laid stacks:
     RELAID_DECODE_CONFIGS) whose SPLIT_K fits the output's slices (``split_max``), prefill tiles PREFILL_CONFIGS;
-    FP8 keeps BLOCK_K <= 128 (one 128-block per tile). Each kept config is one compile per format and projection
-    on a GPU, so the lists stay short."""
+    FP8 in the checkpoint layout keeps BLOCK_K <= 128 (one 128-block per tile). Each kept config is one compile
+    per format and projection on a GPU, so the lists stay short."""
     if kwargs["BLOCK_M"] > 16:
         pool = PREFILL_CONFIGS
-    elif kwargs.get("RELAID") and kwargs["FMT"] in (INT4_GROUP, MXFP4):
+    elif kwargs.get("RELAID") and kwargs["FMT"] in (INT4_GROUP, MXFP4, FP8_BLOCK):
         pool = RELAID_DECODE_CONFIGS
     else:
         pool = DECODE_CONFIGS
     split_max = named_args["split_max"]
-    # K tiles of 256: for FP8 never, and where split-K is offered (the decode down projection) it takes their place
-    wide_ok = kwargs["FMT"] != FP8_BLOCK and split_max == 1
+    # K tiles past 128: for FP8 only re-laid (128-input sub-tiles, a block scale each), and where split-K is offered
+    # (the decode down projection) it takes their place
+    wide_ok = (kwargs["FMT"] != FP8_BLOCK or kwargs.get("RELAID", False)) and split_max == 1
     out = [c for c in configs if any(c is p for p in pool) and c.kwargs["SPLIT_K"] <= split_max
            and (wide_ok or c.kwargs["BLOCK_K"] <= 128)]
     return out or [pool[0]]
-
-
-@triton.jit
-def _e4m3(b):
-    """E4M3FN codes (int32) -> float32, exact: normal (1 + m / 8) 2^(e - 7) from its float32 bits, subnormal
-    m 2^-9, S.1111.111 NaN (OCP 8-bit floating point, 4.1)."""
-    s = (b & 0x80) << 24
-    e = (b >> 3) & 0xF
-    m = b & 7
-    normal = (s | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    # subnormal m 2^-9 without an int-to-float conversion: (1 + m / 8) 2^-6 - 2^-6 (exact)
-    sub = (s | (121 << 23) | (m << 20)).to(tl.float32, bitcast=True) - (s | (121 << 23)).to(tl.float32, bitcast=True)
-    v = tl.where(e == 0, sub, normal)
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
 
 
 @triton.jit
@@ -282,9 +273,15 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
     DT: tl.constexpr = A.dtype.element_ty if (not IEEE and BLOCK_M <= 16) else tl.float32
     # MXFP4 on decode tiles with 16-bit activations: Triton's own microscaled dot over the whole K tile
     MX: tl.constexpr = MX_SCALED and FMT == 1 and DT != tl.float32 and not RELAID
-    SUB: tl.constexpr = 32 if ((FMT == 0 or FMT == 1) and not MX) else BLOCK_K  # inputs per scale group in a tile
+    # inputs per scale group in a tile: 32 (4-bit), the tile (MXFP4's dot_scaled, FP8 up to its 128-block)
+    if (FMT == 0 or FMT == 1) and not MX:
+        SUB: tl.constexpr = 32
+    elif FMT == 2 and BLOCK_K > 128:  # re-laid FP8 only (_prune): 128-input sub-tiles, a scale each
+        SUB: tl.constexpr = 128
+    else:
+        SUB: tl.constexpr = BLOCK_K
     # re-laid 4-bit stacks on decode tiles: the weights are the MMA's first operand (acc is C^T [BLOCK_N, BLOCK_M])
-    SWAP: tl.constexpr = RELAID and RELAID_SWAP and (FMT == 0 or FMT == 1) and DT != tl.float32
+    SWAP: tl.constexpr = RELAID and RELAID_SWAP and FMT >= 0 and DT != tl.float32
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
@@ -292,7 +289,7 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
     if GLU:  # dense stacks only (never SWAP)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if SWAP:  # the K tile's group scales of each row at once: [BLOCK_N, BLOCK_K / 32] float32
+        if SWAP and FMT != 2:  # the K tile's group scales of each row at once: [BLOCK_N, BLOCK_K / 32] float32
             scs = relaid_scales(S, e, n, nmask, k0, s_se, s_sn, BLOCK_K // 32, FMT, SCALE_BF16)
         for j in tl.static_range(BLOCK_K // SUB):
             kq = k0 + j * SUB
@@ -325,7 +322,13 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                     else:
                         acc_up = tl.dot(a, tl.trans(wu.to(a.dtype)), acc_up)
             else:
-                if FMT == 2:
+                if FMT == 2 and RELAID:  # the tile inside one 128-block: one scale per row
+                    if SWAP:
+                        w = fp8_relaid16(W, e, n, nmask, kq, s_we, s_wn, SUB, DT)
+                    else:
+                        w = fp8_relaid32(W, e, n, nmask, kq, s_we, s_wn, SUB)
+                    sc = fp8_block_scales(S, e, n, nmask, kq, PART, s_se, s_sn)
+                elif FMT == 2:
                     w, sc = _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB, DT)
                 elif SWAP:
                     if FMT == 0:
@@ -422,8 +425,9 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
         nsplit: [1] int32, receives the SPLIT_K used (slices 0 .. SPLIT_K - 1 of ``out`` are written).
         pairs: (sorted_pairs, expert_of_block, num_post, routing weights [pairs] float32-readable, num_pairs).
         part: FP8 rows per block part (gate|up: I, down: N); block_m: the row-tile height of the alignment.
-        relaid: INT4 / MXFP4: ``w`` / ``scale`` are the GPU layout of kernels/gpu/moe_relayout.py (int32
-            [E, N, Kp / 8] and [E, N, Kp / 32], K padded to Kp, a multiple of 512) instead of the checkpoint's.
+        relaid: ``w`` / ``scale`` are the GPU layout of kernels/gpu/moe_relayout.py (K padded to Kp, a multiple
+            of 512; INT4 / MXFP4: int32 [E, N, Kp / 8] and [E, N, Kp / 32]; FP8: int32 [E, N, Kp / 4] and float32
+            [E, R, Kp / 128]) instead of the checkpoint's.
         glu: DENSE stacks of [gate | up] rows (2N of them), ``out`` [pairs, N] (no split) of a's dtype receives
             SiLU-GLU of the pair's gate|up row (the activation in the epilogue, one launch fewer).
 
@@ -450,13 +454,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     # Triton's interpreter handles bf16 tiles wrongly (numpy has no bf16): there bf16 runs take the float32 path on
     # the same values (bf16 activations and codes are exact in float32); fp16 runs the 16-bit path as on a GPU
     ieee = a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16)
-    relaid = relaid and fmt in (INT4_GROUP, MXFP4)
+    relaid = relaid and fmt in (INT4_GROUP, MXFP4, FP8_BLOCK)
     meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, MX_SCALED=_MX_SCALED[0], GLU=glu,
                 BLOCK_M=block_m, RELAID=relaid, RELAID_SWAP=_RELAID_SWAP[0],
                 magic=0x43004300 if a.dtype == torch.bfloat16 else 0x64006400)
-    if interpreting():  # one config; splits beyond the output's slices and FP8 K tiles past 128 capped
+    if interpreting():  # one config; splits past the output's slices and checkpoint-layout FP8 K tiles past 128 capped
         cfg = dict(INTERPRET_CONFIG, SPLIT_K=min(INTERPRET_CONFIG["SPLIT_K"], slots))
-        if fmt == FP8_BLOCK:
+        if fmt == FP8_BLOCK and not relaid:
             cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 128)
         grid = (tiles_m * triton.cdiv(N, cfg["BLOCK_N"]) * cfg["SPLIT_K"],)
 

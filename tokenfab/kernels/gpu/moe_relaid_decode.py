@@ -1,10 +1,11 @@
-"""Triton decodes of the GPU layouts of 4-bit expert stacks (kernels/gpu/moe_relayout.py states the layouts) for
-the grouped GEMM (kernels/gpu/moe_gemm.py), plus the scalar format decodes it shares (E8M0, E2M1).
+"""Triton decodes of the GPU layouts of 4-bit and FP8 expert stacks (kernels/gpu/moe_relayout.py states the layouts)
+for the grouped GEMM (kernels/gpu/moe_gemm.py), plus the scalar format decodes it shares (E8M0, E2M1, E4M3).
 
 The layouts put the two inputs that one 32-bit register of a 16-bit MMA operand holds, (k, k + 1), into the two
 16-bit halves of one word after one rotation and one mask, so a decode costs about two integer operations and one
 packed 16-bit float operation per two weights; the loads need no masks along K (the stacks are padded to whole
-512-input tiles). Each decode returns one scale group (32 inputs) of BLOCK_N rows, exact for every code.
+512-input tiles). Each 4-bit decode returns one scale group (32 inputs) of BLOCK_N rows, each FP8 decode the SUB
+inputs of one K tile (inside one 128-block), exact for every code.
 """
 from __future__ import annotations
 
@@ -157,3 +158,68 @@ def relaid_scales(S, e, n, nmask, k0, s_se, s_sn, G: tl.constexpr, FMT: tl.const
     else:
         sc = raw.to(tl.float16, bitcast=True).to(tl.float32)
     return sc
+
+
+@triton.jit
+def e4m3(b):
+    """E4M3FN codes (int32) -> float32, exact: normal (1 + m / 8) 2^(e - 7) from its float32 bits, subnormal
+    m 2^-9, S.1111.111 NaN (OCP 8-bit floating point, 4.1)."""
+    s = (b & 0x80) << 24
+    e = (b >> 3) & 0xF
+    m = b & 7
+    normal = (s | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    # subnormal m 2^-9 without an int-to-float conversion: (1 + m / 8) 2^-6 - 2^-6 (exact)
+    sub = (s | (121 << 23) | (m << 20)).to(tl.float32, bitcast=True) - (s | (121 << 23)).to(tl.float32, bitcast=True)
+    v = tl.where(e == 0, sub, normal)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _fp8_words(W, e, n, nmask, kq, s_we, s_wn, SUB: tl.constexpr):
+    """The SUB / 4 re-laid FP8 words of inputs kq .. kq + SUB of expert e's rows n: [BLOCK_N, SUB / 4] int32,
+    unmasked along K (padded to whole 512-input tiles)."""
+    wi = kq // 4 + tl.arange(0, SUB // 4)
+    return tl.load(W + e * s_we + n[:, None].to(tl.int64) * s_wn + wi[None, :], mask=nmask[:, None], other=0)
+
+
+@triton.jit
+def fp8_relaid16(W, e, n, nmask, kq, s_we, s_wn, SUB: tl.constexpr, DT: tl.constexpr):
+    """Re-laid FP8 inputs kq .. kq + SUB for a 16-bit dot as [BLOCK_N, SUB] DT (bf16 / fp16), exact: per word the
+    pairs (4w, 4w + 1) from bytes 0 and 2 and (4w + 2, 4w + 3) from bytes 1 and 3, each E4M3 code's sign moved to
+    bit 15 of its half and its 7 other bits to bits 4..10 (bf16: the value times 2^-120) or 7..13 (fp16: times
+    2^-8), then one packed multiply by 2^120 / 2^8 (kernels/gpu/moe_relayout.py; NaN codes are not kept:
+    checkpoints hold none)."""
+    w = _fp8_words(W, e, n, nmask, kq, s_we, s_wn, SUB).to(tl.uint32, bitcast=True)  # masks past int32's range
+    if DT == tl.bfloat16:
+        lo = ((w << 8) & 0x80008000) | ((w << 4) & 0x07F007F0)  # inputs 4w, 4w + 1
+        hi = (w & 0x80008000) | ((w >> 4) & 0x07F007F0)  # inputs 4w + 2, 4w + 3
+        MULT: tl.constexpr = 1.329227995784916e36
+    else:
+        lo = ((w << 8) & 0x80008000) | ((w << 7) & 0x3F803F80)
+        hi = (w & 0x80008000) | ((w >> 1) & 0x3F803F80)
+        MULT: tl.constexpr = 256.0
+    pairs = tl.join(lo, hi)  # [BN, SUB / 4, 2]: word w, pair p = inputs 4w + 2p, 4w + 2p + 1
+    vals = tl.join(pairs.to(tl.uint16).to(DT, bitcast=True), (pairs >> 16).to(tl.uint16).to(DT, bitcast=True)) * MULT
+    return tl.reshape(vals, [n.shape[0], SUB])
+
+
+@triton.jit
+def fp8_relaid32(W, e, n, nmask, kq, s_we, s_wn, SUB: tl.constexpr):
+    """Re-laid FP8 inputs kq .. kq + SUB as float32 [BLOCK_N, SUB] (each byte decoded by :func:`e4m3`), for float32
+    activations and prefill tiles."""
+    w = _fp8_words(W, e, n, nmask, kq, s_we, s_wn, SUB)
+    x0 = w & 0xFF  # input 4w
+    x2 = (w >> 8) & 0xFF  # 4w + 2
+    x1 = (w >> 16) & 0xFF  # 4w + 1
+    x3 = (w >> 24) & 0xFF  # 4w + 3
+    # tl.join's new axis is the last: [w, a, b] = (b == 0 ? join(x0, x2) : join(x1, x3))[w, a] = input 4w + 2a + b
+    codes = tl.join(tl.join(x0, x2), tl.join(x1, x3))
+    return tl.reshape(e4m3(codes), [n.shape[0], SUB])
+
+
+@triton.jit
+def fp8_block_scales(S, e, n, nmask, kq, PART, s_se, s_sn):
+    """The float32 128 x 128 block scales [BLOCK_N] of expert e's rows n for the block holding input kq: row n of
+    part n // PART uses block row (n // PART) ceil(PART / 128) + (n % PART) // 128; 0 where ``nmask`` is off."""
+    brow = (n // PART) * ((PART + 127) // 128) + (n % PART) // 128
+    return tl.load(S + e * s_se + brow * s_sn + kq // 128, mask=nmask, other=0.0)

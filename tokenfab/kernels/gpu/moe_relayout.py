@@ -26,8 +26,17 @@ translates of {6, 7, 8, 15} do not tile 16 bit positions). Scales keep their byt
 (2^-127) or 255 (NaN) keep the checkpoint layout (:func:`plain_e8m0`), so the re-laid kernel widens a scale with
 one shift.
 
-:func:`relayout_int4` / :func:`relayout_mxfp4` and their inverses are plain PyTorch (any device): the CPU keeps the
-checkpoint layout and its kernels; tests check both directions on CPU.
+FP8 block-scaled (checkpoint: uint8 [E, N, K], the e4m3 byte of input k at byte k; float32 scales [E, R, ceil(K /
+128)] over 128 x 128 blocks, packed_moe.py): K padded likewise (byte 0: value 0; scale columns to Kp / 128 with
+0), and within every 4 bytes the middle two swapped, so int32 word w holds input 4w in byte 0, 4w + 1 in byte 2,
+4w + 2 in byte 1 and 4w + 3 in byte 3. Then ``((word << 8) & 0x80008000) | ((word << 4) & 0x07F007F0)`` is the
+pair (4w, 4w + 1) and ``(word & 0x80008000) | ((word >> 4) & 0x07F007F0)`` the pair (4w + 2, 4w + 3) as bf16 bits
+of the values times 2^-120 (the sign to bit 15 of each half, the 7 exponent / mantissa bits to bits 4..10: the
+E4M3 fields placed in bf16's, subnormals included), one packed multiply by 2^120 from exact. The swap is its own
+inverse.
+
+:func:`relayout_int4` / :func:`relayout_mxfp4` / :func:`relayout_fp8` and their inverses are plain PyTorch (any
+device): the CPU keeps the checkpoint layout and its kernels; tests check both directions on CPU.
 """
 from __future__ import annotations
 
@@ -172,3 +181,52 @@ def restore_mxfp4(packed: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[to
     codes = _unpack_bits(packed, MXFP4_SOURCE_BITS)[..., :k]
     pairs = codes.reshape(*codes.shape[:-1], -1, 2)
     return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8), scale[..., :k // 32].clone()
+
+
+_FP8_SWAP = (0, 2, 1, 3)  # byte j of a GPU-layout word holds input 4w + _FP8_SWAP[j] (its own inverse)
+
+
+@torch.no_grad()
+def relayout_fp8(packed: torch.Tensor, scale: torch.Tensor, in_place: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 block-scaled checkpoint layout -> the GPU layout (module docstring), one expert at a time.
+
+    Args:
+        packed: uint8 [E, N, K] (e4m3 bytes); scale: float32 [E, R, ceil(K / 128)] (R block rows).
+        in_place: where K needs no padding (a multiple of 512) and ``packed`` is contiguous, swap its bytes in place
+            and return them viewed as int32, with ``scale`` itself.
+
+    Returns:
+        (int32 [E, N, Kp / 4], float32 [E, R, Kp / 128]); Kp = padded_k(K).
+
+    Raises:
+        ValueError: shapes or dtypes that are not an FP8 block-scaled stack.
+    """
+    e_n, n, k = packed.shape
+    if packed.dtype != torch.uint8 or scale.dim() != 3 or scale.shape[0] != e_n or scale.shape[2] != -(-k // 128):
+        raise ValueError(f"relayout_fp8: packed {tuple(packed.shape)} {packed.dtype} and scale "
+                         f"{tuple(scale.shape)} are not an FP8 block-scaled stack")
+    kp = padded_k(k)
+    swap = torch.tensor(_FP8_SWAP, device=packed.device)
+    if in_place and kp == k and packed.is_contiguous():
+        for e in range(e_n):
+            quads = packed[e].view(n, k // 4, 4)
+            quads.copy_(quads.index_select(2, swap))
+        return packed.view(torch.int32), scale
+    out = torch.zeros(e_n, n, kp, dtype=torch.uint8, device=packed.device)
+    out_s = torch.zeros(e_n, scale.shape[1], kp // 128, dtype=scale.dtype, device=scale.device)
+    out_s[..., :scale.shape[2]] = scale
+    for e in range(e_n):
+        out[e, :, :k] = packed[e]
+        quads = out[e].view(n, kp // 4, 4)
+        quads.copy_(quads.index_select(2, swap))
+    return out.view(torch.int32), out_s
+
+
+@torch.no_grad()
+def restore_fp8(packed: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`relayout_fp8` for rows of the GPU layout: int32 [..., Kp / 4], float32 [..., Kp / 128]
+    -> uint8 [..., k], float32 [..., ceil(k / 128)] (the checkpoint layout), exact."""
+    quads = packed.contiguous().view(torch.uint8).view(*packed.shape, 4)
+    swap = torch.tensor(_FP8_SWAP, device=packed.device)
+    return quads.index_select(-1, swap).flatten(-2)[..., :k].clone(), scale[..., :-(-k // 128)].clone()

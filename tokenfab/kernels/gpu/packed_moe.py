@@ -12,8 +12,8 @@ tokenfab/quant/int4_group.py and mxfp4_experts.py):
 * MXFP4 (``mxfp4-pack-quantized``): ``packed`` uint8 [E, N, K / 2], column 2c in the low nibble of byte c and 2c + 1
   in the high one, each an E2M1 code (sign, 2 exponent bits with bias 1, 1 mantissa bit: 0, 0.5, 1, 1.5, 2, 3, 4, 6);
   ``scale`` uint8 E8M0 [E, N, K / 32], 2^(s - 127) (255: NaN). OCP Microscaling Formats v1.0, 5.3.3 and 5.4.1.
-* On a GPU, INT4 and MXFP4 stacks are re-laid once at load (kernels/gpu/moe_relayout.py: bits placed for two-at-a-
-  time 16-bit decodes, K padded to 512; ``relaid``); the CPU keeps the layouts above.
+* On a GPU, INT4, MXFP4 and FP8 stacks are re-laid once at load (kernels/gpu/moe_relayout.py: bits placed for
+  two-at-a-time 16-bit decodes, K padded to 512; ``relaid``); the CPU keeps the layouts above.
 * FP8 block-scaled (DeepSeek-V3 / Kimi-K2; tokenfab/quant/fp8_block_experts.py): ``packed`` uint8 [E, N, K], the
   float8_e4m3fn bits (sign, 4 exponent bits with bias 7, 3 mantissa bits; exponent 0: m 2^-9; S.1111.111: NaN);
   ``scale`` float32 [E, (N / PART) ceil(PART / 128), ceil(K / 128)], the rows in parts of PART rows (gate|up: I,
@@ -55,9 +55,11 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
         act: the experts' gated activation, [P, 2I] -> [P, I] (SiLU-GLU; K3's SiTU).
         out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
         plus: [T, hidden] or None, added in the float32 k-sum (the shared experts' output).
-        relaid: INT4 / MXFP4: whether the stacks (one flag for both, or (gate|up, down)) are in the GPU layout of
-            kernels/gpu/moe_relayout.py: int32 words with K padded to padded_k (p13 [E_local, 2I, padded_k(hidden)
-            / 8], s13 [E_local, 2I, padded_k(hidden) / 32], p2 and s2 likewise over padded_k(I)).
+        relaid: whether the stacks (one flag for both, or (gate|up, down)) are in the GPU layout of
+            kernels/gpu/moe_relayout.py: int32 words with K padded to padded_k (INT4 / MXFP4: p13 [E_local, 2I,
+            padded_k(hidden) / 8], s13 [E_local, 2I, padded_k(hidden) / 32]; FP8: p13 [E_local, 2I,
+            padded_k(hidden) / 4], s13 [E_local, 2 ceil(I / 128), padded_k(hidden) / 128]; p2 and s2 likewise over
+            padded_k(I)).
 
     Returns:
         [T, hidden] (pairs routed to other ranks contribute zero; the k-sum is in float32).
@@ -77,10 +79,11 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
     else:
         want13, want2 = (num_local, two_i, hidden // 32), (num_local, hidden, inter // 32)
     r13, r2 = (relaid, relaid) if isinstance(relaid, bool) else relaid
-    r13, r2 = r13 and fmt != "fp8_block", r2 and fmt != "fp8_block"
-    k13, per13 = (padded_k(hidden), 8) if r13 else (hidden, per)
-    k2, per2 = (padded_k(inter), 8) if r2 else (inter, per)
-    want13, want2 = (want13[:2] + (k13 // 32,) if r13 else want13), (want2[:2] + (k2 // 32,) if r2 else want2)
+    rper, group = (4, 128) if fmt == "fp8_block" else (8, 32)  # GPU layout: inputs per int32 word, per scale column
+    k13, per13 = (padded_k(hidden), rper) if r13 else (hidden, per)
+    k2, per2 = (padded_k(inter), rper) if r2 else (inter, per)
+    want13 = want13[:2] + (k13 // group,) if r13 else want13
+    want2 = want2[:2] + (k2 // group,) if r2 else want2
     if (p13.shape[2] * per13 != k13 or tuple(s13.shape) != want13 or p2.shape[:2] != (num_local, hidden)
             or p2.shape[2] * per2 != k2 or tuple(s2.shape) != want2):
         raise ValueError(f"fused_moe_packed: {fmt} stacks {tuple(p13.shape)}/{tuple(s13.shape)} and "
