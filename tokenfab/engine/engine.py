@@ -146,6 +146,8 @@ class LLMEngine:
         cpu_ops.gguf_int8_setting()  # TOKENFAB_GGUF_INT8_ACT typos, before loading
         from tokenfab.quant.packed_experts import check_setting
         check_setting()  # TOKENFAB_PACKED_EXPERTS typos, before loading
+        from tokenfab.quant.packed_weight import dense_fallback_budget
+        dense_fallback_budget()  # TOKENFAB_DENSE_FALLBACK_GIB typos, before loading
         async_scheduling_enabled(torch.device("cpu"))  # TOKENFAB_ASYNC_SCHEDULING typos, before loading
         if getattr(config, "async_scheduling", None):
             refuse_unsupported(config.speculative_config is not None, config.tensor_parallel_size != 1)

@@ -79,11 +79,14 @@ class Fp8BlockWeight(PackedWeight):
         """Use the C++ kernel when it runs here: CPU tensors, in_features a multiple of 32, built kernels with
         AVX512-BF16 and a CPU linear backend other than ``torch`` (``TOKENFAB_CPU_LINEAR``). On a GPU: run the
         block-scaled scaled_mm probe once per device and, where it passed, keep the scales in its layout
-        (:func:`tokenfab.kernels.dispatch.fp8_block_prepare`)."""
+        (:func:`tokenfab.kernels.dispatch.fp8_block_prepare`). A CPU without the kernel keeps a float32 copy within
+        the budget (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
         from tokenfab.layers.linear import cpu_linear_backend
         self._kernel = (self.weight.device.type == "cpu" and self.in_features % 32 == 0
                         and cpu_linear_backend() != "torch" and cpu_ops.fp8_block_linear_applies())
         self._mm_scale = dispatch.fp8_block_prepare(self.weight, self.scale_inv)
+        if not self._kernel and self.weight.device.type == "cpu" and not dispatch.gpu_path(self.weight):
+            self.keep_dense_copy()  # no packed kernel on this CPU: a float32 copy within the budget
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """A kernel (C++ on CPU, Triton on CUDA/ROCm) computes ``x W^T`` here; else the PyTorch reference does."""

@@ -68,10 +68,13 @@ class GGUFWeight(PackedWeight):
 
     def prepare(self) -> None:
         """Use the C++ kernel when it runs here: CPU tensors, built kernels with AVX512-BF16 and a CPU linear backend
-        other than ``torch`` (``TOKENFAB_CPU_LINEAR``)."""
+        other than ``torch`` (``TOKENFAB_CPU_LINEAR``); on a CPU without it, a float32 copy within the budget
+        (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
         from tokenfab.layers.linear import cpu_linear_backend
         self._kernel = (self.tiles.device.type == "cpu" and cpu_linear_backend() != "torch"
                         and cpu_ops.gguf_linear_applies())
+        if not self._kernel and self.tiles.device.type == "cpu" and not dispatch.gpu_path(self.tiles):
+            self.keep_dense_copy()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = dispatch.gguf_linear(x, self.tiles, self.block, self.out_features, bias, self._kernel)

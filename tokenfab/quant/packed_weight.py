@@ -6,9 +6,18 @@ A Linear either holds a plain ``weight`` parameter (bf16 / fp32, optionally repa
 read (the loader hands the model PackedWeights instead of tensors); which kernel a format runs is decided once, in
 :meth:`PackedWeight.prepare` after loading, never per call in the model code. Every format has a plain-PyTorch
 reference (:meth:`PackedWeight.dequantize` then ``F.linear``) that its fast path is tested against.
+
+Where no packed kernel runs a weight on the CPU (a CPU at the ``avx2`` level: the packed GEMVs need AVX512-BF16),
+:meth:`PackedWeight.keep_dense_copy` dequantizes it once into float32 and the reference path multiplies that copy,
+while this process's copies total at most ``TOKENFAB_DENSE_FALLBACK_GIB`` (default 4; 0: never), so a packed file
+costs there what its float32 twin does instead of a dequantization per call (an AVX2-only EPYC, 2026-12-06:
+SmolLM2's Q4_1 file served at about a tenth of an AVX512-BF16 machine's rate before; NOTES 79). Past the budget
+the remaining weights dequantize REFERENCE_ROWS rows per call, as before.
 """
 from __future__ import annotations
 
+import os
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +25,30 @@ import torch.nn.functional as F
 from torch import nn
 
 REFERENCE_ROWS = 1024  # rows dequantized at a time by the PyTorch path (a multiple of FP8's 128-row blocks)
+DENSE_FALLBACK_ENV = "TOKENFAB_DENSE_FALLBACK_GIB"
+_DENSE_BYTES = [0]  # float32 copies held by live weights in this process (keep_dense_copy)
+
+
+def dense_fallback_budget() -> int:
+    """``TOKENFAB_DENSE_FALLBACK_GIB`` in bytes (default 4 GiB; 0 turns the float32 copies off).
+
+    Raises:
+        EngineConfigError: a value that is not a non-negative number.
+    """
+    raw = os.environ.get(DENSE_FALLBACK_ENV, "4")
+    try:
+        gib = float(raw)
+    except ValueError:
+        gib = -1.0
+    if not gib >= 0:
+        from tokenfab.errors import EngineConfigError
+        raise EngineConfigError(f"{DENSE_FALLBACK_ENV}={raw!r}: use a number of GiB >= 0 (0: no float32 copies of "
+                                "packed weights without a kernel).")
+    return int(gib * 2 ** 30)
+
+
+def _release(total: list[int], nbytes: int) -> None:
+    total[0] -= nbytes
 
 
 class PackedWeight(nn.Module):
@@ -25,6 +58,29 @@ class PackedWeight(nn.Module):
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
         self.out_features, self.in_features = int(out_features), int(in_features)
+        self._dense: torch.Tensor | None = None  # float32 [out, in] where keep_dense_copy made one
+
+    def keep_dense_copy(self) -> bool:
+        """For a CPU weight no packed kernel runs: dequantize it once into a float32 copy that
+        :meth:`reference_linear` multiplies from then on (the same float32 values it dequantizes per call), unless
+        that would take this process's copies past :func:`dense_fallback_budget`. Formats call it from
+        :meth:`prepare`. Returns whether a copy is held.
+
+        Raises:
+            EngineConfigError: a bad ``TOKENFAB_DENSE_FALLBACK_GIB``.
+        """
+        if self._dense is not None:
+            return True
+        nbytes = self.out_features * self.in_features * 4
+        if _DENSE_BYTES[0] + nbytes > dense_fallback_budget():
+            return False
+        first = next(iter(self.buffers()), None)
+        if first is None or first.device.type != "cpu":
+            return False
+        self._dense = self.dequantize().contiguous()
+        _DENSE_BYTES[0] += nbytes
+        weakref.finalize(self, _release, _DENSE_BYTES, nbytes)
+        return True
 
     @property
     def nbytes(self) -> int:
@@ -44,11 +100,15 @@ class PackedWeight(nn.Module):
     def reference_linear(self, x: torch.Tensor, bias: torch.Tensor | None,
                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The plain-PyTorch path every format has: float32 ``F.linear`` over REFERENCE_ROWS dequantized rows at a
-        time (never a full-size float copy), + bias in float32, one rounding to ``out_dtype`` (default x's dtype)."""
+        time (or over the float32 copy :meth:`keep_dense_copy` made), + bias in float32, one rounding to
+        ``out_dtype`` (default x's dtype)."""
         xf = x.float()
-        ys = [F.linear(xf, self.dequantize_rows(s, min(s + REFERENCE_ROWS, self.out_features)).to(x.device))
-              for s in range(0, self.out_features, REFERENCE_ROWS)]
-        y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if self._dense is not None and self._dense.device == x.device:
+            y = F.linear(xf, self._dense)
+        else:
+            ys = [F.linear(xf, self.dequantize_rows(s, min(s + REFERENCE_ROWS, self.out_features)).to(x.device))
+                  for s in range(0, self.out_features, REFERENCE_ROWS)]
+            y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
         if bias is not None:
             y = y + bias.float()
         return y.to(out_dtype or x.dtype)
