@@ -120,3 +120,16 @@ def test_bf16_mla_decode_at_avx2_level_gathers_and_rounds_as_bf16(monkeypatch):
     a, w = torch.randn(3, 5, 16, generator=g).bfloat16(), torch.randn(3, 16, 8, generator=g).bfloat16()
     want = (a.double() @ w.double()).bfloat16().float()
     assert ((dispatch.bmm(a, w).float() - want).abs() <= want.abs().clamp(min=2 ** -8) * 2 ** -7).all()
+
+
+@pytest.mark.parametrize("level,device,batch_invariant,want", [
+    ("avx2", "cpu", False, torch.float32), ("avx512_bf16", "cpu", False, torch.bfloat16),
+    ("amx", "cpu", False, torch.bfloat16), ("avx2", "cuda", False, torch.bfloat16),
+    ("avx2", "cpu", True, torch.bfloat16)])
+def test_auto_dtype_is_float32_on_a_cpu_without_bf16_dot_products(monkeypatch, level, device, batch_invariant, want):
+    """dtype 'auto': float32 on a CPU at the avx2 level (its bf16 GEMMs are slow paths), bfloat16 elsewhere, on a
+    GPU and for batch-invariant runs (bf16 kernels); a named dtype is kept."""
+    from tokenfab.engine.engine_config import resolve_dtype
+    monkeypatch.setattr(cpu_isa, "selected_level", lambda flags=None: level)
+    assert resolve_dtype("auto", torch.device(device), batch_invariant) == want
+    assert resolve_dtype("bfloat16", torch.device(device), batch_invariant) == torch.bfloat16

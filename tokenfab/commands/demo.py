@@ -519,7 +519,8 @@ def register(subparsers) -> None:
                    help="Comma-separated temperatures, one benchmark run each. Default 0,1.0.")
     p.add_argument("--port", type=int, default=0, help="Server port on 127.0.0.1. Default: a free one.")
     p.add_argument("--out", default=None, help="Run folder. Default runs/demo-<timestamp>/.")
-    p.add_argument("--dtype", default="auto", help="Server dtype (auto = bfloat16). Default auto.")
+    p.add_argument("--dtype", default="auto",
+                   help="Server dtype (auto = bfloat16; float32 on a CPU without AVX512-BF16). Default auto.")
     p.add_argument("--device", default="auto", help="Server device (auto, cpu, cuda). Default auto.")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="Server max_model_len. Default: input + output + 64 rounded up to 16 (at least 512 for the "

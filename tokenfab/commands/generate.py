@@ -21,7 +21,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens, -1 = off (default: -1)")
     p.add_argument("--seed", type=int, default=None, help="per-request seed: same output whatever the batch")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16; float32 on a CPU without AVX512-BF16), float32, bfloat16, float16")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda (default: auto)")
     p.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence (default: the model's max_position_embeddings)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks to split the model over (default: 1)")

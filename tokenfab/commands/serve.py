@@ -21,7 +21,8 @@ from tokenfab.commands.model_arg import model_help
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags shared by ``serve`` and ``demo`` (vLLM's names)."""
     g = p.add_argument_group("engine")
-    g.add_argument("--dtype", default="auto", help="auto (bfloat16), float32, bfloat16 or float16. Default auto.")
+    g.add_argument("--dtype", default="auto", help="auto (bfloat16; float32 on a CPU without AVX512-BF16), float32, "
+                   "bfloat16 or float16. Default auto.")
     g.add_argument("--device", default="auto", help="auto (cuda when available, else cpu), cpu, cuda. Default auto.")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="Longest sequence, prompt + output, in tokens. Default: the model's max_position_embeddings.")

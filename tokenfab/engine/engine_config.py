@@ -75,11 +75,20 @@ def parse_bytes(value: int | str, field: str) -> int:
     return int(num * base ** " KMGT".index(unit or " "))
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' -> bfloat16 (CPU and GPU); otherwise the named dtype. Raises ValueError for unknown names."""
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str, batch_invariant: bool = False) -> torch.dtype:
+    """'auto' -> bfloat16, except float32 on a CPU at the ``avx2`` ISA level (kernels/cpu/isa.py: no AVX512-BF16 dot
+    products; PyTorch's bf16 GEMMs there take 3x / 7x float32's time at 16 / 256 rows and bf16 batched GEMMs far
+    more, NOTES 77 and 80) unless ``batch_invariant`` (its kernels are bf16); otherwise the named dtype.
+
+    Raises:
+        EngineConfigError: an unknown name.
+    """
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
+        from tokenfab.kernels.cpu import isa as cpu_isa
+        if torch.device(device).type == "cpu" and not batch_invariant and cpu_isa.selected_level() == "avx2":
+            return torch.float32
         return torch.bfloat16
     if dtype not in _DTYPES:
         raise EngineConfigError(f"dtype '{dtype}' is not supported; use auto, float32, bfloat16 or float16.")
@@ -99,7 +108,8 @@ class EngineConfig:
 
     Args:
         model: checkpoint folder.
-        dtype: "auto" (bfloat16), "float32", "bfloat16", "float16".
+        dtype: "auto" (bfloat16; float32 on a CPU without AVX512-BF16, :func:`resolve_dtype`), "float32",
+            "bfloat16", "float16".
         max_model_len: longest sequence (prompt + output) in tokens; default: the model's max_position_embeddings.
         max_num_seqs: most sequences in a step.
         max_num_batched_tokens: token budget per step (prefill chunks are cut to fit).

@@ -75,7 +75,7 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
                                 "folder with config.json and *.safetensors).")
     mc = load_config(config.model)
     device = device if device is not None else resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    dtype = resolve_dtype(config.dtype, device, bool(getattr(config, "batch_invariant", False)))
     max_len = config.max_model_len or mc.max_position_embeddings
     cls = get_model_class(mc)
     prev = torch.get_default_dtype()
