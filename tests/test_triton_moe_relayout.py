@@ -258,19 +258,25 @@ def test_mxfp4_prepare_relays_unless_special_scales(monkeypatch):
 def test_int4_model_on_the_gpu_path_matches_twin(monkeypatch, tiny_model, tmp_path):
     """A tiny DeepSeek-V3 INT4 checkpoint through the GPU code path in the interpreter (stacks re-laid at load)
     greedily decodes the tokens of its float32 twin on the CPU path, prompt logprobs within 1e-4."""
-    from tokenfab import LLM, SamplingParams
     from tokenfab.testing.packed_experts_checkpoint import write_packed_experts_checkpoint
     src = tiny_model("deepseek_v3", num_hidden_layers=2)
     packed = write_packed_experts_checkpoint(src, str(tmp_path / "int4"), "int4", str(tmp_path / "twin"))
+    gpu_path_matches_twin(monkeypatch, packed, str(tmp_path / "twin"))
+
+
+def gpu_path_matches_twin(monkeypatch, packed: str, twin_dir: str, **kw) -> None:
+    """The packed checkpoint through the GPU code path in the interpreter (every expert stack re-laid at load)
+    greedily decodes its float32 twin's tokens on the CPU path, prompt logprobs within 1e-4."""
+    from tokenfab import LLM, SamplingParams
     prompts = [[5, 17, 99, 230, 41, 8, 77, 301, 12], [400, 3, 66]]
     sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0)
     monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
-    twin = LLM(str(tmp_path / "twin"), dtype="float32", device="cpu", progress=False).generate(
+    twin = LLM(twin_dir, dtype="float32", device="cpu", progress=False, **kw).generate(
         [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
-    llm = LLM(packed, dtype="float32", device="cpu", progress=False)
+    llm = LLM(packed, dtype="float32", device="cpu", progress=False, **kw)
     experts = [l.mlp.experts for l in llm.llm_engine.runner.model.model.layers if hasattr(l.mlp, "experts")]
     assert experts and all(e.q13.gpu_layout and e.q2.gpu_layout for e in experts)
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -398,23 +404,4 @@ def test_fp8_model_on_the_gpu_path_matches_twin(monkeypatch, fp8_pair):
     """The tiny FP8 block-scaled DeepSeek-V3 (partial 128-blocks) through the GPU code path in the interpreter, its
     expert stacks re-laid at load: greedy tokens of the dequantized float32 twin on the CPU path, prompt logprobs
     within 1e-4."""
-    from tokenfab import LLM, SamplingParams
-    fp8, twin_dir = fp8_pair
-    prompts = [[5, 17, 99, 230, 41, 8, 77, 301, 12], [400, 3, 66]]
-    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=0)
-    monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
-    twin = LLM(twin_dir, dtype="float32", device="cpu", max_model_len=128, progress=False).generate(
-        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
-    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
-    llm = LLM(fp8, dtype="float32", device="cpu", max_model_len=128, progress=False)
-    experts = [l.mlp.experts for l in llm.llm_engine.runner.model.model.layers if hasattr(l.mlp, "experts")]
-    assert experts and all(e.q13.gpu_layout and e.q2.gpu_layout for e in experts)
-    got = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    for a, b in zip(got, twin):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-            (ta, la), = pa.items()
-            (tb, lb), = pb.items()
-            assert ta == tb and abs(la.logprob - lb.logprob) < 1e-4
+    gpu_path_matches_twin(monkeypatch, *fp8_pair, max_model_len=128)

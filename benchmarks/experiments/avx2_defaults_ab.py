@@ -1,0 +1,71 @@
+"""Two defaults for a CPU at the avx2 ISA level (no AVX512-BF16), each A/B-measured on the default model in fresh
+processes, alternated:
+
+* ``--compare dense-fallback``: SmolLM2's Q4_1 file served packed without the packed kernels: per-call
+  dequantization (``TOKENFAB_DENSE_FALLBACK_GIB=0``) vs float32 copies made once at load (budget 4 GiB). NOTES 79.
+* ``--compare auto-dtype``: the default model's bf16 folder (what ``tokenfab demo`` serves) in bfloat16 vs float32,
+  what ``dtype="auto"`` should mean there. NOTES 80.
+
+Per run: one engine, 16 prompts of 256 random tokens, 32 greedy tokens each (ignore_eos), all submitted at once;
+prefill time (until every sequence has its first token), the whole run, total tokens per second, the resident set
+after load, and the first answer's first 8 tokens.
+
+    PYTHONPATH=. python benchmarks/experiments/avx2_defaults_ab.py --compare dense-fallback|auto-dtype [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+CHILD = r"""
+import json, resource, sys, time
+import torch
+from tokenfab import LLM, SamplingParams
+from tokenfab.default_model import default_model_path, real_model_gguf
+from tokenfab.kernels.cpu import isa
+path = real_model_gguf() if sys.argv[1] == "gguf" else default_model_path(quiet=True)
+llm = LLM(path, dtype=sys.argv[2], progress=False, max_model_len=512)
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+g = torch.Generator().manual_seed(0)
+prompts = [{"prompt_token_ids": torch.randint(10, 40000, (256,), generator=g).tolist()} for _ in range(16)]
+first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+full = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+llm.generate(prompts[:2], first, use_tqdm=False)  # warm-up
+t0 = time.perf_counter(); llm.generate(prompts, first, use_tqdm=False); t1 = time.perf_counter()
+out = llm.generate(prompts, full, use_tqdm=False); t2 = time.perf_counter()
+toks = sum(len(o.outputs[0].token_ids) for o in out)
+print(json.dumps({"isa": isa.selected_level(), "dtype": str(llm.llm_engine.dtype), "prefill_s": t1 - t0,
+                  "full_s": t2 - t1, "total_tok_s": (16 * 256 + toks) / (t2 - t1), "max_rss_mb_after_load": rss,
+                  "first_ids": out[0].outputs[0].token_ids[:8]}))
+"""
+# variant label -> (model: "gguf" file or the bf16 "folder", dtype, extra environment)
+VARIANTS = {"dense-fallback": [("per-call dequantization", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "0"}),
+                               ("float32 copies at load", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "4"})],
+            "auto-dtype": [("bfloat16", "folder", "bfloat16", {}), ("float32", "folder", "float32", {})]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--compare", required=True, choices=sorted(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=2)
+    a = ap.parse_args()
+    rows = []
+    for r in range(a.rounds):
+        for label, model, dtype, env in VARIANTS[a.compare]:
+            res = subprocess.run([sys.executable, "-c", CHILD, model, dtype], env={**os.environ, **env},
+                                 capture_output=True, text=True, check=True)
+            rows.append(dict(json.loads(res.stdout.strip().splitlines()[-1]), variant=label, round=r))
+            print(json.dumps(rows[-1]), flush=True)
+    print("| variant | round | prefill s (16 x 256) | prefill + 31 decode steps s | total tok/s | max RSS MB | "
+          "first ids |")
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for x in rows:
+        print(f"| {x['variant']} | {x['round']} | {x['prefill_s']:.2f} | {x['full_s']:.2f} | {x['total_tok_s']:.0f} | "
+              f"{x['max_rss_mb_after_load']:.0f} | {x['first_ids']} |")
+
+
+if __name__ == "__main__":
+    main()
