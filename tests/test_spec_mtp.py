@@ -245,7 +245,11 @@ def test_greedy_identical_with_mtp(mtp_model, dtype, preempt):
     sp = SamplingParams(temperature=0, max_tokens=40 if preempt else 20, ignore_eos=True)
     kw = (dict(num_kv_blocks=9, max_model_len=128) if preempt
           else dict(max_model_len=512) if dtype == "bfloat16" else dict(max_num_batched_tokens=32))
-    base = token_ids(LLM(path, dtype=dtype, progress=False, **kw).generate(spec_prompts(), sp))
+    plain = LLM(path, dtype=dtype, progress=False, **kw)
+    if dtype == "bfloat16" and plain.llm_engine.runner.cpu_decode_stack is None:
+        pytest.skip("bf16 identity needs the fused CPU decode stack (C++ kernels, AVX512-BF16): elsewhere bf16 GEMMs "
+                    "round by the batch a token ran in")
+    base = token_ids(plain.generate(spec_prompts(), sp))
     llm = LLM(path, dtype=dtype, progress=False, speculative_config=MTP, **kw)
     assert token_ids(llm.generate(spec_prompts(), sp)) == base
     st = llm.llm_engine.get_stats()
