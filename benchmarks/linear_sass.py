@@ -145,7 +145,8 @@ def _moe(target) -> None:
                                                    "BLOCK_M", "RELAID", "RELAID_SWAP", *cfg.kwargs)}}
                 sig = {a: sig[a] for a in mg._grouped_gemm.arg_names}
                 const = {"MUL_WEIGHT": split > 1, "FMT": fmt, "SCALE_BF16": fmt == mg.INT4_GROUP, "IEEE": False,
-                         "MX_SCALED": True, "GLU": False, "BLOCK_M": bm, "RELAID": relaid, "RELAID_SWAP": True, **cfg.kwargs}
+                         "MX_SCALED": True, "GLU": False, "BLOCK_M": bm, "RELAID": relaid, "RELAID_SWAP": True,
+                         **cfg.kwargs}
                 per = cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"] // (32 * cfg.num_warps)
                 _report(f"moe {name} BLOCK_M={bm}", mg._grouped_gemm, sig, const, cfg, target, per, MOE_ALIGNED)
 

@@ -42,6 +42,12 @@ def test_copy_holds_the_dequantized_values_and_gives_the_same_products(no_kernel
     assert torch.equal(dense.linear(x, None), per_call.linear(x, None))  # one 1,024-row chunk: the same F.linear
     assert torch.equal(dense.linear_f32(x), per_call.linear_f32(x))
 
+    def no_dequantization(*_):
+        raise AssertionError("the copy holder dequantized rows again")
+
+    monkeypatch.setattr(dense, "dequantize_rows", no_dequantization)
+    assert torch.equal(dense.linear(x, None), per_call.linear(x, None))  # the copy is what runs
+
 
 def test_budget_is_honoured_and_released(no_kernel, monkeypatch):
     monkeypatch.setenv(packed_weight.DENSE_FALLBACK_ENV, str(1.5 * 80 * 64 * 4 / 2 ** 30))  # room for one copy

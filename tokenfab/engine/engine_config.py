@@ -13,6 +13,7 @@ import torch
 from tokenfab.config import ModelConfig
 from tokenfab.engine.scheduling_policy import SCHEDULING_POLICIES
 from tokenfab.errors import EngineConfigError, UnsupportedError
+from tokenfab.kernels.cpu import isa as cpu_isa
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
@@ -86,7 +87,6 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str, batch_in
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        from tokenfab.kernels.cpu import isa as cpu_isa
         if torch.device(device).type == "cpu" and not batch_invariant and cpu_isa.selected_level() == "avx2":
             return torch.float32
         return torch.bfloat16

@@ -173,8 +173,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return None
     if v_cache.data_ptr() == k_cache.data_ptr() and not (q.dtype == torch.bfloat16 and cpu_ops.has_bf16_dot()):
         # MLA on the kernel's float32 FMAs: the gathered path's GEMMs are faster with many context tokens (measured
-        # with AVX512), and for bf16 at any length (an AVX2-only EPYC, 2026-12-06: 1.1-8x at 16-128 heads and 64-8K
-        # tokens, its GEMMs on float32 copies: cpu_bf16_gemm_slow)
+        # with AVX512), and for bf16 at any length (an AVX2-only EPYC, 2026-12-06: 2-8x at 16-128 heads and 64-8K
+        # tokens, its GEMMs on float32 copies: cpu_bf16_gemm_slow; NOTES 77)
         if q.dtype == torch.bfloat16 or q.shape[0] * max_context > FUSED_LATENT_MAX_TOKENS:
             return None
     return cpu_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -211,6 +211,19 @@ class MLAttention(nn.Module):
             return cpu_ops.head_gemm_(o_lat, w_uv_t, o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim))
         return dispatch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
 
+    def latent_decode(self, q_lat: torch.Tensor, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+        """Absorbed decode attention of one query row per sequence over the latent pool: q_lat [B, H, C + R] (q's
+        dtype), cache [num_blocks, block_size, C + R] -> o_lat [B, H, C]. The paged decode kernel where it applies
+        (:func:`tokenfab.layers.paged_attention.fused_decode`; the latent rows are one KV "head", values their
+        first C columns), else the group's context gathered and :func:`~tokenfab.layers.paged_attention.attention`
+        (values = the whole latent row, read in place: a sliced view would be copied; cut after)."""
+        lat = cache.unsqueeze(2)  # [num_blocks, block_size, 1, C + R]
+        o_lat = fused_decode(q_lat, lat, lat[..., : self.kv_lora], group, self.scale)
+        if o_lat is None:
+            ctx = gather_cache(cache, group).to(q_lat.dtype).unsqueeze(1)  # [B, 1, L, C + R]
+            o_lat = attention(q_lat.unsqueeze(2), ctx, ctx, group, self.scale)[:, :, 0, : self.kv_lora]
+        return o_lat
+
     def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         if getattr(self, "_w_uk", None) is None:
             self.fuse()
@@ -256,11 +269,7 @@ class MLAttention(nn.Module):
                                    meta.slot_mapping, cache)
         q = (q_full if q_n is None else self.q_b_proj(q_n)).view(T, self.num_heads, self.qk_dim)
         q_lat = glue.mla_latent_query(q, w_uk, positions, *tables, getattr(rot, "interleave", False))
-        lat = cache.unsqueeze(2)  # [num_blocks, block_size, 1, C + R]: one latent "head", values = first C
-        o_lat = fused_decode(q_lat, lat, lat[..., : self.kv_lora], dec, self.scale)  # [T, H, C]
-        if o_lat is None:
-            ctx = gather_cache(cache, dec).to(x.dtype).unsqueeze(1)  # [T, 1, L, C + R]
-            o_lat = attention(q_lat.unsqueeze(2), ctx, ctx, dec, self.scale)[:, :, 0, : self.kv_lora]
+        o_lat = self.latent_decode(q_lat, cache, dec)  # [T, H, C]
         o = x.new_empty(T, self.num_heads, self.v_dim)  # W_UV per head, written token-major: o_proj reads it as is
         torch.bmm(o_lat.transpose(0, 1), w_uv_t, out=o.transpose(0, 1))
         return self.o_proj(o.view(T, self.num_heads * self.v_dim))
@@ -306,12 +315,7 @@ class MLAttention(nn.Module):
             if group.q_len == 1:  # absorbed decode over the latent cache
                 q_lat = self._latent_queries(qg[:, :, 0, : self.nope], qg[:, :, 0, self.nope:], w_uk,
                                              head_major=dispatch.gpu_path(qg))  # [B, H, C + R]
-                lat = cache.unsqueeze(2)  # [num_blocks, block_size, 1, C + R]: one latent "head", values = first C
-                o_lat = fused_decode(q_lat, lat, lat[..., : self.kv_lora], group, self.scale)  # [B, H, C]
-                if o_lat is None:
-                    ctx = gather_cache(cache, group).to(qg.dtype).unsqueeze(1)  # [B, 1, L, C + R]
-                    # values = the whole latent row (reads it in place; a sliced view would be copied), then cut
-                    o_lat = attention(q_lat.unsqueeze(2), ctx, ctx, group, self.scale)[:, :, 0, : self.kv_lora]
+                o_lat = self.latent_decode(q_lat, cache, group)  # [B, H, C]
                 return self._value_heads(o_lat, w_uv_t).unsqueeze(2)  # [B, H, 1, v]
             if long_context_attention.applies(group):  # key block by key block, memory bounded at any length
                 return self._long_prefill(qg, cache, group, w_uk, w_uv_t)

@@ -134,18 +134,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Attentio
             return _prefill_attention_fused(q, k, v, group, scale)
         return _prefill_attention(q, k, v, group, scale)
     G = H // Hk
-    if dispatch.cpu_bf16_gemm_slow(q):  # bf16 GEMMs without bf16 dot products: the same roundings on float32 GEMMs
-        mask = additive_mask(group, torch.float32)
-        m = mask.view(B, 1, L) if Hk == 1 else mask.expand(B, Hk, 1, L).reshape(B * Hk, 1, L)
-        s = torch.baddbmm(m, q.reshape(B * Hk, G, D).float(), k.reshape(B * Hk, L, D).float().transpose(1, 2),
-                          alpha=scale).to(q.dtype)  # rounded as the bf16 GEMM's output
-        p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype).float()
-        return torch.bmm(p, v.reshape(B * Hk, L, Dv).float()).to(q.dtype).view(B, H, 1, Dv)
-    mask = additive_mask(group, q.dtype)  # [B, 1, 1, L]
+    # bf16 GEMMs without bf16 dot products run on float32 copies, each output rounded as the bf16 GEMM's
+    cdt = torch.float32 if dispatch.cpu_bf16_gemm_slow(q) else q.dtype
+    mask = additive_mask(group, cdt)  # [B, 1, 1, L]
     m = mask.view(B, 1, L) if Hk == 1 else mask.expand(B, Hk, 1, L).reshape(B * Hk, 1, L)
-    s = torch.baddbmm(m, q.reshape(B * Hk, G, D), k.reshape(B * Hk, L, D).transpose(1, 2), alpha=scale)
+    s = torch.baddbmm(m, q.reshape(B * Hk, G, D).to(cdt), k.reshape(B * Hk, L, D).to(cdt).transpose(1, 2),
+                      alpha=scale).to(q.dtype)
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.bmm(p, v.reshape(B * Hk, L, Dv)).view(B, H, 1, Dv)
+    return dispatch.bmm(p, v.reshape(B * Hk, L, Dv)).view(B, H, 1, Dv)
 
 
 PREFILL_QUERY_BLOCK = 256  # queries per block in prefill attention (tokens)

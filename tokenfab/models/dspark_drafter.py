@@ -37,13 +37,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.errors import WeightLoadError
+from tokenfab.layers.attention_metadata import AttentionGroup
 from tokenfab.layers.kda import KimiDeltaAttention, kda_chunked, kda_log_decay, l2norm
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.mla import MLAttention
-from tokenfab.layers.attention_metadata import AttentionGroup
 from tokenfab.layers.mlp import GatedMLP
 from tokenfab.layers.norm import RMSNorm
-from tokenfab.layers.paged_attention import attention, fused_decode, gather_cache, write_cache
+from tokenfab.layers.paged_attention import write_cache
 from tokenfab.spec_decode.dspark_config import DSparkConfig
 
 _FP32_PARAMS = ("conv1d.weight", "A_log", "dt_bias")  # kept in float32 (as tokenfab's KDA keeps them)
@@ -169,8 +169,8 @@ class DraftMLAttention(MLAttention):
         """:meth:`block_forward` with the keys read in place from ``cache`` [blocks, bs, C + R] (this layer's
         context rows plus ``paged``'s tail blocks; x's dtype): the tail is filled (one block copy per sequence, the
         block's rows written after the context), then absorbed decode attention over the latent pool as the target's
-        MLA decodes (:func:`tokenfab.layers.paged_attention.fused_decode`: the Triton kernel on a GPU, the C++ kernel
-        on CPU; where neither applies, the gathered context). x [B, N, D], positions [B, N] -> [B, N, D].
+        MLA decodes (:meth:`MLAttention.latent_decode`: the Triton kernel on a GPU, the C++ kernel on CPU; where
+        neither applies, the gathered context). x [B, N, D], positions [B, N] -> [B, N, D].
 
         Differences from the reference form: the absorbed queries are rounded to x's dtype (as the target's decode
         rounds them) and the kernels' softmax order; in float32 the two agree to rounding."""
@@ -184,12 +184,7 @@ class DraftMLAttention(MLAttention):
         w_uk, w_uv_t = self._absorbed_weights()
         q_lat = self._latent_queries(q_nope.reshape(B * N, H, -1), q_pe.reshape(B * N, H, R), w_uk)
         q_lat = q_lat.view(B, N * H, C + R)  # the block's slots x heads: query heads of one decode row
-        lat = cache.unsqueeze(2)  # [blocks, bs, 1, C + R]: one latent "head", values = its first C columns
-        group = paged.group()
-        o_lat = fused_decode(q_lat, lat, lat[..., :C], group, self.scale)
-        if o_lat is None:
-            keys = gather_cache(cache, group).to(q_lat.dtype).unsqueeze(1)  # [B, 1, W * bs, C + R]
-            o_lat = attention(q_lat.unsqueeze(2), keys, keys, group, self.scale)[:, :, 0, :C]
+        o_lat = self.latent_decode(q_lat, cache, paged.group())
         o = self._value_heads(o_lat.reshape(B * N, H, C), w_uv_t)  # [B * N, H, v]
         return self._output(o.reshape(B * N, H * self.v_dim), xf).view(B, N, -1)
 

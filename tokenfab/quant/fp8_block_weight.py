@@ -85,7 +85,7 @@ class Fp8BlockWeight(PackedWeight):
         self._kernel = (self.weight.device.type == "cpu" and self.in_features % 32 == 0
                         and cpu_linear_backend() != "torch" and cpu_ops.fp8_block_linear_applies())
         self._mm_scale = dispatch.fp8_block_prepare(self.weight, self.scale_inv)
-        if not self._kernel and self.weight.device.type == "cpu" and not dispatch.gpu_path(self.weight):
+        if not self._kernel:
             self.keep_dense_copy()  # no packed kernel on this CPU: a float32 copy within the budget
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:

@@ -73,7 +73,7 @@ class GGUFWeight(PackedWeight):
         from tokenfab.layers.linear import cpu_linear_backend
         self._kernel = (self.tiles.device.type == "cpu" and cpu_linear_backend() != "torch"
                         and cpu_ops.gguf_linear_applies())
-        if not self._kernel and self.tiles.device.type == "cpu" and not dispatch.gpu_path(self.tiles):
+        if not self._kernel:
             self.keep_dense_copy()
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab.kernels import dispatch
+
 REFERENCE_ROWS = 1024  # rows dequantized at a time by the PyTorch path (a multiple of FP8's 128-row blocks)
 DENSE_FALLBACK_ENV = "TOKENFAB_DENSE_FALLBACK_GIB"
 _DENSE_BYTES = [0]  # float32 copies held by live weights in this process (keep_dense_copy)
@@ -61,21 +63,21 @@ class PackedWeight(nn.Module):
         self._dense: torch.Tensor | None = None  # float32 [out, in] where keep_dense_copy made one
 
     def keep_dense_copy(self) -> bool:
-        """For a CPU weight no packed kernel runs: dequantize it once into a float32 copy that
-        :meth:`reference_linear` multiplies from then on (the same float32 values it dequantizes per call), unless
-        that would take this process's copies past :func:`dense_fallback_budget`. Formats call it from
-        :meth:`prepare`. Returns whether a copy is held.
+        """For a weight no packed kernel runs, whose buffers are on the CPU path (not the GPU code path's): dequantize
+        it once into a float32 copy that :meth:`reference_linear` multiplies from then on (the same float32 values
+        it dequantizes per call), unless that would take this process's copies past :func:`dense_fallback_budget`.
+        Formats call it from :meth:`prepare` where their kernel does not apply. Returns whether a copy is held.
 
         Raises:
             EngineConfigError: a bad ``TOKENFAB_DENSE_FALLBACK_GIB``.
         """
         if self._dense is not None:
             return True
+        first = next(iter(self.buffers()), None)
+        if first is None or first.device.type != "cpu" or dispatch.gpu_path(first):
+            return False
         nbytes = self.out_features * self.in_features * 4
         if _DENSE_BYTES[0] + nbytes > dense_fallback_budget():
-            return False
-        first = next(iter(self.buffers()), None)
-        if first is None or first.device.type != "cpu":
             return False
         self._dense = self.dequantize().contiguous()
         _DENSE_BYTES[0] += nbytes

@@ -30,18 +30,18 @@ cannot compile it, the first launch falls back to the E2M1 decode for good). Els
 as float32 bits (nibbles after shifts and ``tl.interleave``) and cast for the dot.
 
 Re-laid stacks (``relaid``; INT4, MXFP4 and FP8 on a GPU: kernels/gpu/moe_relayout.py lays the bits out once at
-load, kernels/gpu/moe_relaid_decode.py decodes them). Each 32-bit word gives a 16-bit MMA operand register's (k,
-k + 1) pair with one rotation and one mask (INT4: and an OR with 128 / 1024 and one packed subtraction; MXFP4: one
-packed multiply by 2^126 / 2^14; FP8: two pairs a word, two shifts and masks each, one packed multiply by 2^120 /
-2^8), K is padded to whole 512-input tiles so the loads need no K masks, the K tile's group scales of a row are
-loaded at once (FP8: one block scale per 128-input sub-tile, K tiles up to 512), and on decode tiles the weights are the first MMA operand (C^T = W A^T: a
-64-row weight tile feeds Hopper's warpgroup MMA from registers, the activations its second operand from shared
-memory; where this Triton cannot compile that, the first launch falls back for good to the float32 decode of the
-same layout, as prefill tiles use). A static count of the compiled sm_90 loop with bf16 activations (Triton's
-compiler and ptxas on CPU, ``benchmarks/linear_sass.py --kernels moe``; no GPU has run it), instructions per
-weight and thread on decode tiles: INT4 8.8-11.6 in the checkpoint layout, 4.9-5.6 re-laid; MXFP4 7.1-10.9 with
-dot_scaled, 6.0-6.7 re-laid; FP8 10.0-11.1, 4.2-5.4 re-laid (registers 64-126 re-laid, no spills). The HBM
-rate leaves about 4 / 4 / 16 at full bandwidth, so the 4-bit formats may still be bound by
+load, kernels/gpu/moe_relaid_decode.py decodes them). Each 32-bit word gives a 16-bit MMA operand register's
+(k, k + 1) pair with one rotation and one mask (INT4: and an OR with 128 / 1024 and one packed subtraction; MXFP4:
+one packed multiply by 2^126 / 2^14; FP8: two pairs a word, two shifts and masks each, one packed multiply by 2^120
+/ 2^8), K is padded to whole 512-input tiles so the loads need no K masks, the K tile's group scales of a row are
+loaded at once (FP8: one block scale per 128-input sub-tile, K tiles up to 512), and on decode tiles the weights are
+the first MMA operand (C^T = W A^T: a 64-row weight tile feeds Hopper's warpgroup MMA from registers, the
+activations its second operand from shared memory; where this Triton cannot compile that, the first launch falls
+back for good to the float32 decode of the same layout, as prefill tiles use). A static count of the compiled sm_90
+loop with bf16 activations (Triton's compiler and ptxas on CPU, ``benchmarks/linear_sass.py --kernels moe``; no GPU
+has run it), instructions per weight and thread on decode tiles: INT4 8.8-11.6 in the checkpoint layout, 4.9-5.6
+re-laid; MXFP4 7.1-10.9 with dot_scaled, 6.0-6.7 re-laid; FP8 10.0-11.1, 4.2-5.4 re-laid (registers 64-126 re-laid,
+no spills). The HBM rate leaves about 4 / 4 / 16 at full bandwidth, so the 4-bit formats may still be bound by
 instruction issue rather than bytes (what remains: the group-scale FMA on the float32 partials, the register to
 shared memory round trip Triton makes for the weight operand, address and loop work).
 
@@ -224,9 +224,8 @@ def _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB: tl.co
     kk = kq + tl.arange(0, SUB)
     b = tl.load(W + e * s_we + n[:, None].to(tl.int64) * s_wn + kk[None, :],
                 mask=nmask[:, None] & (kk < K)[None, :], other=0).to(tl.int32)
-    brow = (n // PART) * ((PART + 127) // 128) + (n % PART) // 128
     gmask = nmask & ((kq + tl.zeros_like(n)) < K)
-    sc = tl.load(S + e * s_se + brow * s_sn + kq // 128, mask=gmask, other=0.0)
+    sc = fp8_block_scales(S, e, n, gmask, kq, PART, s_se, s_sn)
     if DT == tl.float32:
         val = _e4m3(b)
     else:

@@ -218,8 +218,9 @@ def fp8_relaid32(W, e, n, nmask, kq, s_we, s_wn, SUB: tl.constexpr):
 
 
 @triton.jit
-def fp8_block_scales(S, e, n, nmask, kq, PART, s_se, s_sn):
+def fp8_block_scales(S, e, n, mask, kq, PART, s_se, s_sn):
     """The float32 128 x 128 block scales [BLOCK_N] of expert e's rows n for the block holding input kq: row n of
-    part n // PART uses block row (n // PART) ceil(PART / 128) + (n % PART) // 128; 0 where ``nmask`` is off."""
+    part n // PART uses block row (n // PART) ceil(PART / 128) + (n % PART) // 128; 0 where ``mask`` is off (both
+    layouts: the re-laid one pads the scale columns only)."""
     brow = (n // PART) * ((PART + 127) // 128) + (n % PART) // 128
-    return tl.load(S + e * s_se + brow * s_sn + kq // 128, mask=nmask, other=0.0)
+    return tl.load(S + e * s_se + brow * s_sn + kq // 128, mask=mask, other=0.0)
