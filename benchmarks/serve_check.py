@@ -11,8 +11,8 @@ prompts of IN tokens, OUT tokens each with ignore_eos, temperature 0, C concurre
 ``--prompts-per-concurrency`` prompts at least 4) with `tokenfab bench serve` (vLLM's metric definitions; ``--power
 auto`` samples the GPU's power where NVML / amdsmi exist) and reads its result JSON: total and output tok/s, median
 TTFT / TPOT / ITL, and for speculative variants the acceptance rate and length from the server's ``/metrics``, which
-also gives the steps the decode-graph buffers served during the cell (``tokenfab:graph_steps_total``: decode, and
-verification steps of hybrid models).
+also gives the steps the decode-graph buffers served during the cell (``tokenfab:graph_steps_total``: decode,
+verification steps of hybrid models, and DSpark drafter passes from the drafter's buffers).
 Writes ``<out>/<date>-<label>-serve-check.{json,md}`` after every cell (a run stopped by a timeout keeps its rows).
 GPU use: benchmarks/gpu_serve_check.sh (Kimi K3 with MXFP4 experts and a DSpark drafter, DeepSeek-V3 FP8, random
 weights at real shapes). On CPU, a dry run of the wiring (times meaningless)::
@@ -120,7 +120,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
              f"Model `{meta['model']}`; serve `{meta['serve_command']}` (+ each variant's flags); bench `tokenfab bench "
              f"serve --dataset-name random --ignore-eos --temperature 0 --power auto`; commit {meta['commit']}.", "",
              "| variant | in / out | conc. | done | total tok/s | output tok/s | TTFT ms | TPOT ms | ITL ms | "
-             "acceptance % / length | graph steps decode / verify | W (devices) | tokens / J |",
+             "acceptance % / length | graph steps decode / verify / draft | W (devices) | tokens / J |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|"]
     for r in rows:
         head = f"| {r['variant']} | {r['input_len']} / {r['output_len']} | {r['concurrency']} |"
@@ -130,7 +130,7 @@ def markdown(meta: dict, rows: list[dict]) -> list[str]:
         acc = ("—" if r["acceptance_rate"] is None else
                f"{r['acceptance_rate']:.1f} / {_f(r['acceptance_length'], '{:.2f}')}")
         gs = r.get("graph_steps")
-        graphs = "—" if not gs else f"{gs.get('decode', 0):.0f} / {gs.get('verify', 0):.0f}"
+        graphs = "—" if not gs else f"{gs.get('decode', 0):.0f} / {gs.get('verify', 0):.0f} / {gs.get('draft', 0):.0f}"
         lines.append(f"{head} {r['completed']} | {_f(r['total_tok_s'])} | {_f(r['output_tok_s'])} | "
                      f"{_f(r['median_ttft_ms'])} | {_f(r['median_tpot_ms'], '{:.2f}')} | "
                      f"{_f(r['median_itl_ms'], '{:.2f}')} | {acc} | {graphs} | {_f(r['avg_w'], '{:.0f}')} | "

@@ -132,5 +132,5 @@ def test_serve_check_cells_variants_and_rows():
     meta = {"label": "x", "date": "d", "model": "m", "serve_command": "s", "commit": "c"}
     assert markdown(meta, [row])[-1] == ("| dspark | 1024 / 128 | 16 | 16 | 9000.0 | 1000.0 | 250.0 | 12.50 | 12.00 | "
                                          "40.0 / 2.20 | — | 700 | 12.90 |")
-    row["graph_steps"] = {"decode": 12.0, "verify": 40.0}  # the server's graph-step counters over the cell
-    assert "| 40.0 / 2.20 | 12 / 40 | 700 |" in markdown(meta, [row])[-1]
+    row["graph_steps"] = {"decode": 12.0, "verify": 40.0, "draft": 38.0}  # the server's graph-step counters
+    assert "| 40.0 / 2.20 | 12 / 40 / 38 | 700 |" in markdown(meta, [row])[-1]

@@ -296,7 +296,8 @@ class LLMEngine:
         with any sequence running is running), KV usage 0..1, preemptions, prefix-cache queries and hits (tokens),
         token and request totals; with decode-graph buffers (engine/cuda_graph_runner.py) the steps they served,
         ``graph_steps_decode`` and ``graph_steps_verify`` (hybrid models' steps of up to 1 + k tokens a sequence:
-        speculative verification, short prefill chunks beside it)."""
+        speculative verification, short prefill chunks beside it) and, with a DSpark drafter, ``graph_steps_draft``
+        (its passes from its own buffers)."""
         running_reqs = {s.request_id for s in self.scheduler.running}
         pc = self.block_manager.prefix_cache
         waiting_reqs = {s.request_id for s in self.scheduler.waiting} - running_reqs
@@ -311,7 +312,11 @@ class LLMEngine:
         g = self.runner.decode_graphs
         if g is None:
             return {}
-        return {"graph_steps_decode": g.replays - g.verify_replays, "graph_steps_verify": g.verify_replays}
+        out = {"graph_steps_decode": g.replays - g.verify_replays, "graph_steps_verify": g.verify_replays}
+        drafter = getattr(getattr(getattr(self, "spec", None), "proposer", None), "graphs", None)
+        if drafter is not None:  # the DSpark drafter's passes from its own buffers (spec_decode/dspark_graphs.py)
+            out["graph_steps_draft"] = drafter.replays
+        return out
 
     def _host_expert_stats(self) -> dict:
         """{"host_experts": cumulative split accounting (layers/host_experts.py, this process = rank 0)} when the

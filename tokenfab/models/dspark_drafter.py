@@ -32,6 +32,7 @@ import glob
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,6 +104,48 @@ class PagedDraftContext:
         """The decode-group view the paged attention functions take (one query row per sequence)."""
         return AttentionGroup(token_index=self.query_pos, query_pos=self.query_pos, block_tables=self.block_tables,
                               context_lens=self.context_lens, q_len=1, max_context=self.max_context)
+
+
+def paged_context_tables(block_tables: np.ndarray, rows: np.ndarray, start: np.ndarray, *, num_blocks: int,
+                         block_size: int, block_len: int, num_tail: int, width: int | None = None
+                         ) -> tuple[np.ndarray, ...]:
+    """The host arrays of a :class:`PagedDraftContext` for sequences at scheduler ``rows`` [B] whose anchors sit at
+    positions ``start`` [B] (int64).
+
+    Args:
+        block_tables: [>= max(rows) + 1, max_blocks] int64, the block manager's tables (rows past the scheduler's
+            may be zeros: a padding row's context is empty).
+        num_blocks: the pool's blocks; row r's tail blocks are num_blocks + r * num_tail + (0 .. num_tail - 1).
+        block_size: tokens per block; block_len: N, the drafter's block slots; num_tail: tail blocks per row.
+        width: table columns W (>= max(start // block_size) + num_tail); None: exactly that.
+
+    Returns:
+        (tables [B, W], context_lens [B] = start + N, query_pos [B] = start + N - 1, tail_src [B], tail_dst [B],
+        slots [B, N]), int64. Table columns below the anchor's block are the sequence's blocks, then its tail
+        blocks, then 0 (never read: past the context length).
+
+    Raises:
+        ValueError: ``width`` too narrow for an anchor's block plus the tail.
+    """
+    bs, N, nt = block_size, block_len, num_tail
+    B = len(rows)
+    bt = block_tables[rows]  # [B, max_blocks]
+    first = start // bs  # the block index holding the anchor's position
+    need = int(first.max()) + nt if B else nt
+    W = need if width is None else width
+    if W < need:
+        raise ValueError(f"paged_context_tables: width {W} < {need} (anchor block {int(first.max())} + {nt} tail).")
+    tail = num_blocks + rows[:, None] * nt + np.arange(nt)[None, :]  # [B, nt] consecutive block ids
+    cols = np.arange(W)[None, :]
+    table = np.zeros((B, W), dtype=np.int64)
+    w = min(W, bt.shape[1])
+    table[:, :w] = np.where(cols[:, :w] < first[:, None], bt[:, :w], 0)
+    off = cols - first[:, None]
+    in_tail = (off >= 0) & (off < nt)
+    table[in_tail] = tail[np.nonzero(in_tail)[0], off[in_tail]]
+    src = bt[np.arange(B), np.minimum(first, bt.shape[1] - 1)]
+    slots = (tail[:, :1] * bs + start[:, None] % bs) + np.arange(N)[None, :]  # [B, N]
+    return table, start + N, start + N - 1, src, tail[:, 0].copy(), slots
 
 
 class DraftMLAttention(MLAttention):

@@ -35,8 +35,9 @@ class ServerMetrics:
     ``_num_accepted_tokens_total`` (0: no drafter yet), the prefix-cache counters ``vllm:prefix_cache_queries_total`` /
     ``vllm:prefix_cache_hits_total`` (tokens looked up / found cached at admission; 0 with prefix caching off). tokenfab
     adds ``tokenfab:num_aborted_requests_total`` and ``tokenfab:num_engine_step_failures_total``,
-    ``tokenfab:graph_steps_total{kind="decode"|"verify"}`` (steps the decode-graph buffers served; verify: hybrid
-    models' steps of several tokens a sequence, speculative verification and short chunks beside it), and with
+    ``tokenfab:graph_steps_total{kind="decode"|"verify"|"draft"}`` (steps the decode-graph buffers served; verify:
+    hybrid models' steps of several tokens a sequence, speculative verification and short chunks beside it; draft:
+    DSpark drafter passes from its own buffers, spec_decode/dspark_graphs.py), and with
     host-offloaded experts (rank 0's accounting, tokenfab/layers/host_experts.py) the counters
     ``tokenfab:host_experts_device_seconds_total`` (device-expert compute), ``_host_seconds_total`` (host-expert compute
     on the worker), ``_copy_seconds_total`` (gather and device <-> host copies), ``_wait_seconds_total`` (the device
@@ -97,14 +98,14 @@ class ServerMetrics:
             m.labels(model_name).inc(0)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason).inc(0)
-        for kind in ("decode", "verify"):
+        for kind in ("decode", "verify", "draft"):
             self.graph_steps.labels(model_name, kind).inc(0)
         self._lock = threading.Lock()
         self._seen = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "num_preemptions": 0,
                       "num_aborted": 0, "num_step_failures": 0, "spec_decode_num_drafts": 0,
                       "spec_decode_num_draft_tokens": 0, "spec_decode_num_accepted_tokens": 0,
                       "prefix_cache_queries": 0, "prefix_cache_hits": 0, "graph_steps_decode": 0,
-                      "graph_steps_verify": 0}
+                      "graph_steps_verify": 0, "graph_steps_draft": 0}
         self._seen_per_pos: list[int] = []
         self._last: dict[str, tuple[float, int]] = {}  # request id -> (time of last token, tokens so far)
         self._host = None  # host-expert metrics, made when the engine first reports them (_sync_host_experts)
@@ -168,7 +169,7 @@ class ServerMetrics:
                 if cur > self._seen[key]:
                     counter.labels(m).inc(cur - self._seen[key])
                     self._seen[key] = cur
-            for kind in ("decode", "verify"):
+            for kind in ("decode", "verify", "draft"):
                 key = f"graph_steps_{kind}"
                 cur = int(stats.get(key, 0))
                 if cur > self._seen[key]:

@@ -13,7 +13,9 @@ layer's cache has spare tail blocks (one set per scheduler row) that take the bl
 anchor's block, and the paged decode kernels attend over the block table (models/dspark_drafter.PagedDraftContext;
 before, the rows were gathered into a padded float32 copy per pass). A sequence drafts only when every position
 before its anchor has context rows: observed since its last preemption, or found in the caches after a prefix-cache
-hit (see below; failed steps rerun in parts leave gaps: such a sequence decodes plainly).
+hit (see below; failed steps rerun in parts leave gaps: such a sequence decodes plainly). Where the target's decode
+steps replay CUDA graphs (or their eager static-buffer form), the pass does too: spec_decode/dspark_graphs.py, its
+padding rows in one more row's tail blocks than the scheduler has.
 
 Which tapped stream a K3 target gives (partial block sum or attention-residual mixture): ``speculative_config.
 dspark_tap``, else the checkpoint's ``aux_hidden_stream``, else ``"partial_sum"`` (spec_decode/dspark_config.py).
@@ -150,7 +152,8 @@ class DSparkProposer(Proposer):
         # per sequence row, spare "tail" blocks past the pool's: where a pass writes its block's own rows
         # (models/dspark_drafter.PagedDraftContext); enough for p % bs + block_size positions
         self.num_tail = -(-(bs - 1 + cfg.block_size) // bs)
-        tail_blocks = self.bm.block_tables.shape[0] * self.num_tail
+        # one more row's tail than scheduler rows: the drafter graphs' padding rows use it (spec_decode/dspark_graphs)
+        tail_blocks = (self.bm.block_tables.shape[0] + 1) * self.num_tail
         self.caches = [torch.zeros(self.bm.num_blocks + tail_blocks, bs, width, dtype=engine.dtype,
                                    device=engine.device) for _ in self.drafter.mla_layers]
         self.vocab_size = cfg.vocab_size
@@ -162,6 +165,18 @@ class DSparkProposer(Proposer):
         self.pc = self.bm.prefix_cache
         self._rows_hash: list[bytes | None] = [None] * self.bm.num_blocks
         self._rows_ok = np.zeros(self.bm.num_blocks, dtype=bool)
+        # where the target's decode steps replay CUDA graphs (or their eager static-buffer form), so do the
+        # drafter's passes (spec_decode/dspark_graphs.py)
+        self.graphs = None
+        target_graphs = getattr(engine.runner, "decode_graphs", None)
+        if target_graphs is not None:
+            from tokenfab.spec_decode.dspark_graphs import DSparkGraphRunner
+            self.graphs = DSparkGraphRunner(
+                self.drafter, self.caches, num_blocks=self.bm.num_blocks, block_size=bs,
+                max_blocks=self.bm.block_tables.shape[1], num_tail=self.num_tail,
+                pad_row=self.bm.block_tables.shape[0], num_drafts=k, sizes=target_graphs.sizes,
+                device=engine.device, mode=target_graphs.mode)
+            self.graphs.capture()
 
     # ---- the target-hidden-state seam ---------------------------------------------------------------------
     def hidden_request(self) -> HiddenRequest:
@@ -240,28 +255,19 @@ class DSparkProposer(Proposer):
         """The paged form's tables for sequences at scheduler ``rows`` [B] with anchors at positions ``start`` [B]
         (:class:`~tokenfab.models.dspark_drafter.PagedDraftContext`), staged to the device in one copy with the
         anchors [B] and positions [B]. Returns (context, anchor ids [B], start [B]) on the device."""
-        bs, N, nt = self.bm.block_size, self.cfg.block_size, self.num_tail
+        from tokenfab.models.dspark_drafter import paged_context_tables
         B = len(rows)
-        bt = self.bm.block_tables[rows]  # [B, max_blocks]
-        first = start // bs  # the block index holding the anchor's position
-        W = int(first.max()) + nt
-        tail = self.bm.num_blocks + rows[:, None] * nt + np.arange(nt)[None, :]  # [B, nt] consecutive block ids
-        cols = np.arange(W)[None, :]
-        table = np.zeros((B, W), dtype=np.int64)
-        w = min(W, bt.shape[1])
-        table[:, :w] = np.where(cols[:, :w] < first[:, None], bt[:, :w], 0)
-        off = cols - first[:, None]
-        in_tail = (off >= 0) & (off < nt)
-        table[in_tail] = tail[np.nonzero(in_tail)[0], off[in_tail]]
-        src = bt[np.arange(B), np.minimum(first, bt.shape[1] - 1)]
-        slots = (tail[:, :1] * bs + start[:, None] % bs) + np.arange(N)[None, :]  # [B, N]
-        packed = np.concatenate([table.reshape(-1), start + N, start + N - 1, src, tail[:, 0], slots.reshape(-1),
-                                 anchor, start]).astype(np.int64)
+        table, clens, qpos, src, dst, slots = paged_context_tables(
+            self.bm.block_tables, rows, start, num_blocks=self.bm.num_blocks, block_size=self.bm.block_size,
+            block_len=self.cfg.block_size, num_tail=self.num_tail)
+        W, N = table.shape[1], slots.shape[1]
+        packed = np.concatenate([table.reshape(-1), clens, qpos, src, dst, slots.reshape(-1), anchor,
+                                 start]).astype(np.int64)
         dev = torch.from_numpy(packed).to(self.device)  # one host-to-device copy
         parts = dev.split([B * W, B, B, B, B, B * N, B, B])
         from tokenfab.models.dspark_drafter import PagedDraftContext
         ctx = PagedDraftContext(block_tables=parts[0].view(B, W), context_lens=parts[1], query_pos=parts[2].view(B, 1),
-                                max_context=W * bs, tail_src=parts[3], tail_dst=parts[4], slots=parts[5])
+                                max_context=W * self.bm.block_size, tail_src=parts[3], tail_dst=parts[4], slots=parts[5])
         return ctx, parts[6], parts[7]
 
     # ---- proposing ------------------------------------------------------------------------------------------
@@ -277,9 +283,13 @@ class DSparkProposer(Proposer):
             return Proposal.empty(N, k)
         ri = np.nonzero(n > 0)[0]
         r_rows, r_start = rows[ri], start[ri]
-        paged, anchor, start_t = self._paged_context(r_rows, r_start, token_ids[r_rows, r_start])
-        hidden = self.drafter.block(anchor, start_t, self.caches, None, paged)
-        base = self.drafter.draft_logits(hidden)[:, :k]  # drawn where they are: only the drafts come back
+        anchors = token_ids[r_rows, r_start]
+        if self.graphs is not None and self.graphs.usable(len(ri)):  # a captured pass (spec_decode/dspark_graphs)
+            base, anchor = self.graphs.run(self.bm.block_tables, r_rows, r_start, anchors)
+        else:
+            paged, anchor, start_t = self._paged_context(r_rows, r_start, anchors)
+            hidden = self.drafter.block(anchor, start_t, self.caches, None, paged)
+            base = self.drafter.draft_logits(hidden)[:, :k]  # drawn where they are: only the drafts come back
         sub = [seqs[i] for i in ri.tolist()]
         st = SamplingTensors.from_seqs(sub, self.vocab_size)
         d, q = sample_in_order(base, anchor, self.drafter.markov_bias, st, sub, self.generator)
