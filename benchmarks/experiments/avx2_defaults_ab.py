@@ -5,12 +5,16 @@ processes, alternated:
   dequantization (``TOKENFAB_DENSE_FALLBACK_GIB=0``) vs float32 copies made once at load (budget 4 GiB). NOTES 79.
 * ``--compare auto-dtype``: the default model's bf16 folder (what ``tokenfab demo`` serves) in bfloat16 vs float32,
   what ``dtype="auto"`` should mean there. NOTES 80.
+* ``--compare avx2-gemv``: SmolLM2's Q4_1 file with float32 copies alone vs decode rows on the packed AVX2 GEMV
+  (kernels/cpu/csrc/gguf_gemv_avx2.cpp; the copies still serve prefill). NOTES 81.
 
 Per run: one engine, 16 prompts of 256 random tokens, 32 greedy tokens each (ignore_eos), all submitted at once;
 prefill time (until every sequence has its first token), the whole run, total tokens per second, the resident set
-after load, and the first answer's first 8 tokens.
+after load, and the first answer's first 8 tokens; then one sequence alone (a 32-token prompt, 64 greedy tokens):
+its time per output token after the first (batch-1 decode).
 
-    PYTHONPATH=. python benchmarks/experiments/avx2_defaults_ab.py --compare dense-fallback|auto-dtype [--rounds 2]
+    PYTHONPATH=. python benchmarks/experiments/avx2_defaults_ab.py --compare dense-fallback|auto-dtype|avx2-gemv \
+        [--rounds 2]
 """
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ import json, resource, sys, time
 import torch
 from tokenfab import LLM, SamplingParams
 from tokenfab.default_model import default_model_path, real_model_gguf
-from tokenfab.kernels.cpu import isa
+from tokenfab.kernels.cpu import isa, ops
+if sys.argv[3] == "no-gemv":  # the float32 copies alone: the AVX2 GEMV not offered
+    ops.gguf_gemv_avx2_applies = lambda ggml_type: False
 path = real_model_gguf() if sys.argv[1] == "gguf" else default_model_path(quiet=True)
 llm = LLM(path, dtype=sys.argv[2], progress=False, max_model_len=512)
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -37,14 +43,22 @@ llm.generate(prompts[:2], first, use_tqdm=False)  # warm-up
 t0 = time.perf_counter(); llm.generate(prompts, first, use_tqdm=False); t1 = time.perf_counter()
 out = llm.generate(prompts, full, use_tqdm=False); t2 = time.perf_counter()
 toks = sum(len(o.outputs[0].token_ids) for o in out)
-print(json.dumps({"isa": isa.selected_level(), "dtype": str(llm.llm_engine.dtype), "prefill_s": t1 - t0,
-                  "full_s": t2 - t1, "total_tok_s": (16 * 256 + toks) / (t2 - t1), "max_rss_mb_after_load": rss,
+one = [prompts[0]["prompt_token_ids"][:32]]
+llm.generate([{"prompt_token_ids": one[0]}], first, use_tqdm=False)
+t3 = time.perf_counter(); llm.generate([{"prompt_token_ids": one[0]}], first, use_tqdm=False); t4 = time.perf_counter()
+long = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
+llm.generate([{"prompt_token_ids": one[0]}], long, use_tqdm=False); t5 = time.perf_counter()
+print(json.dumps({"tpot1_ms": ((t5 - t4) - (t4 - t3)) / 64 * 1e3, "isa": isa.selected_level(),
+                  "dtype": str(llm.llm_engine.dtype), "prefill_s": t1 - t0, "full_s": t2 - t1, "total_tok_s": (16 * 256 + toks) / (t2 - t1), "max_rss_mb_after_load": rss,
                   "first_ids": out[0].outputs[0].token_ids[:8]}))
 """
 # variant label -> (model: "gguf" file or the bf16 "folder", dtype, extra environment)
-VARIANTS = {"dense-fallback": [("per-call dequantization", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "0"}),
-                               ("float32 copies at load", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "4"})],
-            "auto-dtype": [("bfloat16", "folder", "bfloat16", {}), ("float32", "folder", "float32", {})]}
+# (variant label, model: "gguf" file or the bf16 "folder", dtype, extra environment, "gemv" / "no-gemv")
+VARIANTS = {"dense-fallback": [("per-call dequantization", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "0"}, "gemv"),
+                               ("float32 copies at load", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "4"}, "gemv")],
+            "auto-dtype": [("bfloat16", "folder", "bfloat16", {}, "gemv"), ("float32", "folder", "float32", {}, "gemv")],
+            "avx2-gemv": [("float32 copies alone", "gguf", "auto", {}, "no-gemv"),
+                          ("AVX2 GEMV for decode rows", "gguf", "auto", {}, "gemv")]}
 
 
 def main() -> None:
@@ -54,17 +68,17 @@ def main() -> None:
     a = ap.parse_args()
     rows = []
     for r in range(a.rounds):
-        for label, model, dtype, env in VARIANTS[a.compare]:
-            res = subprocess.run([sys.executable, "-c", CHILD, model, dtype], env={**os.environ, **env},
+        for label, model, dtype, env, gemv in VARIANTS[a.compare]:
+            res = subprocess.run([sys.executable, "-c", CHILD, model, dtype, gemv], env={**os.environ, **env},
                                  capture_output=True, text=True, check=True)
             rows.append(dict(json.loads(res.stdout.strip().splitlines()[-1]), variant=label, round=r))
             print(json.dumps(rows[-1]), flush=True)
-    print("| variant | round | prefill s (16 x 256) | prefill + 31 decode steps s | total tok/s | max RSS MB | "
-          "first ids |")
-    print("|---|---:|---:|---:|---:|---:|---|")
+    print("| variant | round | prefill s (16 x 256) | prefill + 31 decode steps s | total tok/s | batch-1 TPOT ms | "
+          "max RSS MB | first ids |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for x in rows:
         print(f"| {x['variant']} | {x['round']} | {x['prefill_s']:.2f} | {x['full_s']:.2f} | {x['total_tok_s']:.0f} | "
-              f"{x['max_rss_mb_after_load']:.0f} | {x['first_ids']} |")
+              f"{x['tpot1_ms']:.1f} | {x['max_rss_mb_after_load']:.0f} | {x['first_ids']} |")
 
 
 if __name__ == "__main__":

@@ -317,6 +317,13 @@ def sample_plain(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> 
 GGUF_GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types gpu/gguf_linear.py reads (K-quants: the reference)
 
 
+def gguf_gemv_avx2(x: torch.Tensor, tiles: torch.Tensor, block, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """y = x W^T (+ bias) [..., n] float32 for a Q4_0 / Q4_1 / Q8_0 weight packed as tiles, by the AVX2 GEMV
+    (:func:`tokenfab.kernels.cpu.ops.gguf_gemv_avx2`; bf16 x widened to float32 first). Call where
+    :func:`~tokenfab.kernels.cpu.ops.gguf_gemv_avx2_applies` (GGUFWeight.prepare decides)."""
+    return cpu_ops.gguf_gemv_avx2(x if x.dtype == torch.float32 else x.float(), tiles, block.ggml_type, n, bias)
+
+
 def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block, n: int, bias: torch.Tensor | None,
                 cpu_kernel: bool) -> torch.Tensor | None:
     """y = x W^T (+ bias) for a GGUF weight W [n, K] packed as tiles of ``block`` (tokenfab.quant.gguf_blocks): the

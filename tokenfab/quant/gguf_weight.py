@@ -2,9 +2,12 @@
 
 Fast path: ``cpu_ops.gguf_linear`` (kernels/cpu/csrc/gguf_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
 decode GEMV that unpacks nibbles and scales in registers and a prefill GEMM that dequantizes 32 weight rows at a
-time into a thread-local buffer for oneDNN's brgemm. Reference / fallback (no kernels, no AVX512-BF16, another
-device, or ``TOKENFAB_CPU_LINEAR=torch``): dequantize 1024 rows at a time and ``F.linear`` in float32, so no
-full-size float copy of the weight is ever made either way. On CUDA/ROCm the Triton kernel
+time into a thread-local buffer for oneDNN's brgemm. On CPUs without AVX512-BF16 (the ``avx2`` ISA level): a float32
+copy made once at load within its budget (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`) for
+prefill, and for Q4_0 / Q4_1 / Q8_0 the AVX2 GEMV (``cpu_ops.gguf_gemv_avx2``, csrc/gguf_gemv_avx2.cpp) for decode
+rows (up to ``AVX2_GEMV_MAX_ROWS``; every row where no copy is held): it reads the packed bytes, a seventh of the
+copy's. Reference / fallback (no kernels, another device, ``TOKENFAB_CPU_LINEAR=torch``, past the copies' budget):
+dequantize 1024 rows at a time and ``F.linear`` in float32. On CUDA/ROCm the Triton kernel
 (kernels/gpu/gguf_linear.py) reads the same tiles for Q8_0 / Q4_0 / Q4_1 (K-quants take the reference path there).
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ class GGUFWeight(PackedWeight):
         self.block = block
         self.register_buffer("tiles", tiles, persistent=False)
         self._kernel = False
+        self._gemv_avx2 = False  # the AVX2 GEMV for decode rows (prepare)
 
     @classmethod
     def from_rows(cls, raw: torch.Tensor, block: BlockType | str | int, in_features: int) -> GGUFWeight:
@@ -71,12 +75,20 @@ class GGUFWeight(PackedWeight):
         other than ``torch`` (``TOKENFAB_CPU_LINEAR``); on a CPU without it, a float32 copy within the budget
         (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
         from tokenfab.layers.linear import cpu_linear_backend
-        self._kernel = (self.tiles.device.type == "cpu" and cpu_linear_backend() != "torch"
-                        and cpu_ops.gguf_linear_applies())
+        on_cpu = self.tiles.device.type == "cpu" and cpu_linear_backend() != "torch"
+        self._kernel = on_cpu and cpu_ops.gguf_linear_applies()
+        self._gemv_avx2 = on_cpu and not self._kernel and cpu_ops.gguf_gemv_avx2_applies(self.block.ggml_type)
         if not self._kernel:
             self.keep_dense_copy()
 
+    def _avx2_rows(self, x: torch.Tensor) -> bool:
+        """Whether x's rows run the AVX2 GEMV: it applies, and x has few rows (decode) or no float32 copy is held."""
+        return (self._gemv_avx2 and x.dtype in (torch.bfloat16, torch.float32)
+                and (self._dense is None or x.numel() <= cpu_ops.AVX2_GEMV_MAX_ROWS * x.shape[-1]))
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self._avx2_rows(x):
+            return dispatch.gguf_gemv_avx2(x, self.tiles, self.block, self.out_features, bias).to(x.dtype)
         y = dispatch.gguf_linear(x, self.tiles, self.block, self.out_features, bias, self._kernel)
         return y if y is not None else self.reference_linear(x, bias)
 
@@ -84,6 +96,8 @@ class GGUFWeight(PackedWeight):
         """As :meth:`linear`, float32 outputs from the kernel's accumulator (the LM head of a GGUF file)."""
         if self._kernel and x.dtype in (torch.bfloat16, torch.float32):
             return cpu_ops.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias, out_f32=True)
+        if self._avx2_rows(x):
+            return dispatch.gguf_gemv_avx2(x, self.tiles, self.block, self.out_features, bias)
         if x.dtype == torch.float32:
             return self.linear(x, bias)
         return self.reference_linear(x, bias, out_dtype=torch.float32)
@@ -114,7 +128,7 @@ class GGUFWeight(PackedWeight):
         else:
             tiles = gguf_blocks.pack_tiles(torch.cat([w.rows() for w in weights]), first.block)
         out = cls(tiles, first.block, sum(w.out_features for w in weights), first.in_features)
-        out._kernel = first._kernel
+        out._kernel, out._gemv_avx2 = first._kernel, first._gemv_avx2
         return out
 
     def extra_repr(self) -> str:

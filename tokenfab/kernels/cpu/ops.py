@@ -308,6 +308,41 @@ def gguf_linear_applies() -> bool:
     return bool(m is not None and has_bf16_dot() and hasattr(m, "gguf_linear"))
 
 
+AVX2_GEMV_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the ggml types gguf_gemv_avx2 reads
+AVX2_GEMV_MAX_ROWS = 16  # rows up to which the packed GEMV runs where the AVX2 kernel is the packed path
+
+
+def gguf_gemv_avx2_applies(ggml_type: int) -> bool:
+    """True when :func:`gguf_gemv_avx2` runs for this ggml type: kernels built with AVX2 + FMA + F16C, and no
+    AVX512-BF16 GEMV selected (``TOKENFAB_CPU_ISA`` at ``avx2``, or a CPU without it: :func:`gguf_linear_applies`
+    False); Q4_0, Q4_1 or Q8_0."""
+    m = load()
+    return bool(m is not None and getattr(m, "gguf_gemv_avx2_built", False) and not gguf_linear_applies()
+                and int(ggml_type) in AVX2_GEMV_TYPES)
+
+
+def gguf_gemv_avx2(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) for W [n, K] in Q4_0 / Q4_1 / Q8_0 packed as tiles (as :func:`gguf_linear`), on AVX2:
+    csrc/gguf_gemv_avx2.cpp, for decode rows on CPUs without AVX512-BF16.
+
+    Args:
+        x: [..., K] float32, K a multiple of 32. tiles: uint8 [ceil(n / 16), K / 32, tile-block bytes].
+        ggml_type: 2, 3 or 8. n: output features. bias: [n] (any float dtype) or None.
+
+    Returns:
+        [..., n] float32: per 32-input block sum_k x_k q_k (float32 FMAs on the integer quants) scaled by d, + m *
+        the block's x sum (Q4_1; Q4_0 as m = -8 d), + bias: gguf's dequantized weight times x in float32 arithmetic.
+        One row streams the packed bytes once with the quants unpacked in registers; more rows unpack each
+        tile-block once into an L1 buffer shared by pairs of rows.
+
+    Raises:
+        RuntimeError: another dtype or ggml type, mis-shaped tiles, or kernels built without AVX2 / FMA / F16C
+            (check :func:`gguf_gemv_avx2_applies`).
+    """
+    return load().gguf_gemv_avx2(x, tiles, int(ggml_type), int(n), bias)
+
+
 INT8_ENV = "TOKENFAB_GGUF_INT8_ACT"
 
 

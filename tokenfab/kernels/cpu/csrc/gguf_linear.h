@@ -20,5 +20,12 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const at::Tensor& ids,
                           bool bf16_out);
 
-// Adds gguf_linear and gguf_embedding to the extension module.
+// y = x W^T (+ bias) for Q4_0 / Q4_1 / Q8_0 tiles as gguf_linear, x [..., K] float32 -> y [..., n] float32, on AVX2 +
+// FMA + F16C (gguf_gemv_avx2.cpp: the decode GEMV of CPUs without AVX512-BF16). Raises for another type or dtype, or
+// where the kernels were built without those instructions (gguf_gemv_avx2_built()).
+at::Tensor gguf_gemv_avx2(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n,
+                          const c10::optional<at::Tensor>& bias);
+bool gguf_gemv_avx2_built();
+
+// Adds gguf_linear, gguf_gemv_avx2 and gguf_embedding to the extension module.
 void register_gguf_linear(pybind11::module_& m);

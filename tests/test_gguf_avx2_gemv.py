@@ -1,0 +1,126 @@
+"""The AVX2 GEMV of packed Q4_0 / Q4_1 / Q8_0 linears (kernels/cpu/csrc/gguf_gemv_avx2.cpp), the decode path of
+CPUs without AVX512-BF16: its products against the float64 product with gguf's own dequantized weight, under the
+bound test_gguf_linear.py derives, for one row (quants in registers), row pairs over the unpacked buffer, odd row
+counts, partial tiles, biases and every nibble / int8 pattern; and the weight's choice at the avx2 level (decode
+rows on the GEMV, prefill rows on the float32 copy, every row on the GEMV past the copies' budget).
+
+The kernel runs on any x86-64 CPU with AVX2 + FMA + F16C (AVX512 machines too: the tests call it directly, and
+cap the kernels at the avx2 level where they test the weight's choice)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from test_gguf_linear import check_close, quantized, random_blocks  # noqa: E402
+from tokenfab.kernels.cpu import isa as cpu_isa  # noqa: E402
+from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
+from tokenfab.quant import packed_weight  # noqa: E402
+from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
+
+TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+needs_kernel = pytest.mark.skipif(cpu_ops.load() is None or not getattr(cpu_ops.load(), "gguf_gemv_avx2_built", False),
+                                  reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C")
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17])
+@pytest.mark.parametrize("source", ["quantize", "random"])
+def test_products_within_the_exact_bound(name, rows, source):
+    """40 outputs (a partial 16-row tile) x 160 inputs (5 blocks), a bias for odd row counts: float32 outputs
+    within (3K + 64) u S of the float64 product with gguf's dequantized weight."""
+    n, k = 40, 160
+    raw = (quantized if source == "quantize" else random_blocks)(name, n, k, seed=rows)
+    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g) if rows % 2 else None
+    y = cpu_ops.gguf_gemv_avx2(x, w.tiles, w.block.ggml_type, n, bias)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    check_close(y, x, raw, name, bias)
+
+
+@needs_kernel
+def test_leading_dims_strided_rows_and_errors():
+    """[2, 3, K] input gives the rows' products in that shape; a row-strided view equals its contiguous copy;
+    bf16 x, a K-quant type and mis-shaped tiles are refused by name."""
+    raw = quantized("Q4_1", 24, 64, seed=2)
+    w = GGUFWeight.from_rows(torch.from_numpy(raw), "Q4_1", 64)
+    x = torch.randn(2, 3, 64)
+    y = cpu_ops.gguf_gemv_avx2(x, w.tiles, 3, 24)
+    assert y.shape == (2, 3, 24)
+    assert torch.equal(y.reshape(6, 24), cpu_ops.gguf_gemv_avx2(x.reshape(6, 64), w.tiles, 3, 24))
+    wide = torch.randn(4, 128)[:, :64]  # rows 128 apart
+    assert torch.equal(cpu_ops.gguf_gemv_avx2(wide, w.tiles, 3, 24),
+                       cpu_ops.gguf_gemv_avx2(wide.contiguous(), w.tiles, 3, 24))
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        cpu_ops.gguf_gemv_avx2(x.bfloat16(), w.tiles, 3, 24)
+    with pytest.raises(RuntimeError, match="ggml type 12 is not Q4_0"):
+        cpu_ops.gguf_gemv_avx2(x, w.tiles, 12, 24)
+    with pytest.raises(RuntimeError, match="does not hold 24 rows of 96 inputs"):
+        cpu_ops.gguf_gemv_avx2(torch.randn(1, 96), w.tiles, 3, 24)
+
+
+@pytest.fixture
+def avx2_level(monkeypatch):
+    """The kernels capped at the avx2 level (no AVX512-BF16 GEMV), the float32 copies' budget at its default."""
+    m = cpu_ops.load()
+    before = m.isa_cap()
+    m.set_isa_cap(cpu_isa.LEVELS.index("avx2"))
+    monkeypatch.delenv("TOKENFAB_CPU_LINEAR", raising=False)
+    monkeypatch.delenv(packed_weight.DENSE_FALLBACK_ENV, raising=False)
+    monkeypatch.setattr(packed_weight, "_DENSE_BYTES", [0])
+    yield
+    m.set_isa_cap(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", TYPES)
+def test_weight_runs_decode_rows_on_the_gemv_at_the_avx2_level(avx2_level, monkeypatch, name):
+    """At the avx2 level a Q4_0 / Q4_1 / Q8_0 weight takes the GEMV for up to 16 rows (bf16 x widened, the result
+    rounded once) and its float32 copy for more; with no copy held (budget 0) every row takes the GEMV. Each result
+    equals the kernel's or the copy's product; K-quants keep the copy alone."""
+    raw = quantized(name, 40, 96, seed=4)
+    calls = []
+    real = cpu_ops.gguf_gemv_avx2
+    monkeypatch.setattr(cpu_ops, "gguf_gemv_avx2", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, 96)
+    w.prepare()
+    assert w._gemv_avx2 and not w._kernel and w._dense is not None
+    x16, x17 = torch.randn(16, 96), torch.randn(17, 96)
+    assert torch.equal(w.linear(x16, None), real(x16, w.tiles, w.block.ggml_type, 40))
+    assert torch.equal(w.linear(x17, None), torch.nn.functional.linear(x17, w._dense))
+    xb = torch.randn(3, 96).bfloat16()
+    assert torch.equal(w.linear(xb, None), real(xb.float(), w.tiles, w.block.ggml_type, 40).bfloat16())
+    assert torch.equal(w.linear_f32(xb), real(xb.float(), w.tiles, w.block.ggml_type, 40))
+    assert calls == [16, 3, 3]
+    from test_gguf_kquants import random_kblocks
+    kq = GGUFWeight.from_rows(torch.from_numpy(random_kblocks("Q4_K", 16, 256)), "Q4_K", 256)
+    kq.prepare()
+    assert not kq._gemv_avx2 and kq._dense is not None
+    monkeypatch.setenv(packed_weight.DENSE_FALLBACK_ENV, "0")
+    bare = GGUFWeight.from_rows(torch.from_numpy(raw), name, 96)
+    bare.prepare()
+    assert bare._dense is None and bare._gemv_avx2
+    check_close(bare.linear(x17, None), x17, raw, name, None)
+    assert calls[-1] == 17
+
+
+@needs_kernel
+def test_joined_weights_keep_the_choice(avx2_level):
+    """q|k|v joined after load (Linear.concat -> prepare) keep the GEMV and give the rows of the three products."""
+    from tokenfab.layers.linear import Linear
+    parts = []
+    for i, n in enumerate((32, 16, 16)):
+        lin = Linear(64, n, bias=False)
+        lin.set_qweight(GGUFWeight.from_rows(torch.from_numpy(quantized("Q8_0", n, 64, seed=i)), "Q8_0", 64))
+        lin.fuse()
+        parts.append(lin)
+    x = torch.randn(2, 64)
+    want = torch.cat([p.qweight.linear(x, None) for p in parts], dim=-1)
+    fused = Linear.concat(parts)
+    assert fused.qweight._gemv_avx2
+    torch.testing.assert_close(fused.qweight.linear(x, None), want, rtol=0, atol=0)
