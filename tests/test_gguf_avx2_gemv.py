@@ -1,7 +1,8 @@
-"""The AVX2 GEMV of packed Q4_0 / Q4_1 / Q8_0 linears (kernels/cpu/csrc/gguf_gemv_avx2.cpp), the decode path of
+"""The AVX2 kernel of packed Q4_0 / Q4_1 / Q8_0 linears (kernels/cpu/csrc/gguf_gemv_avx2.cpp), the packed path of
 CPUs without AVX512-BF16: its products against the float64 product with gguf's own dequantized weight, under the
 bound test_gguf_linear.py derives, for one row (quants in registers), row pairs over the unpacked buffer, odd row
-counts, partial tiles, biases and every nibble / int8 pattern; and the weight's choice at the avx2 level (decode
+counts, more than 16 rows (tiles dequantized for a float32 GEMM), partial tiles, biases and every nibble / int8
+pattern; and the weight's choice at the avx2 level (decode
 rows on the GEMV, prefill rows on the float32 copy, every row on the GEMV past the copies' budget).
 
 The kernel runs on any x86-64 CPU with AVX2 + FMA + F16C (AVX512 machines too: the tests call it directly, and
@@ -27,7 +28,7 @@ needs_kernel = pytest.mark.skipif(cpu_ops.load() is None or not getattr(cpu_ops.
 
 @needs_kernel
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 40])  # 17+: the dequantizing GEMM
 @pytest.mark.parametrize("source", ["quantize", "random"])
 def test_products_within_the_exact_bound(name, rows, source):
     """40 outputs (a partial 16-row tile) x 160 inputs (5 blocks), a bias for odd row counts: float32 outputs

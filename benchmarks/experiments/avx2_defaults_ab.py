@@ -6,7 +6,8 @@ processes, alternated:
 * ``--compare auto-dtype``: the default model's bf16 folder (what ``tokenfab demo`` serves) in bfloat16 vs float32,
   what ``dtype="auto"`` should mean there. NOTES 80.
 * ``--compare avx2-gemv``: SmolLM2's Q4_1 file with float32 copies alone vs decode rows on the packed AVX2 GEMV
-  (kernels/cpu/csrc/gguf_gemv_avx2.cpp; the copies still serve prefill). NOTES 81.
+  (kernels/cpu/csrc/gguf_gemv_avx2.cpp; the copies still serve prefill) vs the packed kernels alone (no copies:
+  prefill on tiles dequantized into a float32 GEMM). NOTES 81.
 
 Per run: one engine, 16 prompts of 256 random tokens, 32 greedy tokens each (ignore_eos), all submitted at once;
 prefill time (until every sequence has its first token), the whole run, total tokens per second, the resident set
@@ -58,7 +59,8 @@ VARIANTS = {"dense-fallback": [("per-call dequantization", "gguf", "auto", {"TOK
                                ("float32 copies at load", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "4"}, "gemv")],
             "auto-dtype": [("bfloat16", "folder", "bfloat16", {}, "gemv"), ("float32", "folder", "float32", {}, "gemv")],
             "avx2-gemv": [("float32 copies alone", "gguf", "auto", {}, "no-gemv"),
-                          ("AVX2 GEMV for decode rows", "gguf", "auto", {}, "gemv")]}
+                          ("AVX2 GEMV for decode rows", "gguf", "auto", {}, "gemv"),
+                          ("packed alone (no copies)", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "0"}, "gemv")]}
 
 
 def main() -> None:

@@ -1,15 +1,15 @@
 // The Python module of tokenfab's fused CPU kernels (tokenfab/kernels/cpu/ops.py wraps it): every binding in
 // one place, each kernel defined in the file cpu_kernels.h / vnni_linear.h names.
-#include <torch/extension.h>
-
 #include "batch_invariant.h"
 #include "cpu_isa.h"
 #include "cpu_kernels.h"
-#include "decode_stack.h"
 #include "fp8_linear.h"
 #include "gguf_linear.h"
 #include "packed_experts.h"
+#include "registrations.h"
 #include "vnni_linear.h"
+
+namespace py = pybind11;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");

@@ -19,11 +19,12 @@
 // (gguf_linear over its tiles, tokenfab/quant/gguf_blocks.py): grouped-query layers, dense SiLU-GLUs and the LM head
 // take either, the embedding may be a packed GGUF weight too (gguf_embedding), so a GGUF file served packed runs
 // the same one-call step (tests/test_decode_stack_packed.py).
-#include <torch/extension.h>
+
+#include <ATen/ATen.h>
 
 #include "batch_invariant.h"
+#include "registrations.h"
 #include "cpu_kernels.h"
-#include "decode_stack.h"
 #include "fp8_linear.h"
 #include "gguf_linear.h"
 #include "packed_experts.h"

@@ -25,6 +25,7 @@
 //   bf16 twin's weight), in one brgemm over all of K, as a bf16 GEMM runs. float32 x: the exact e4m3 values as float32 [K, 32], one brgemm
 //   per 128-input block, each block's [64, 32] sums scaled by its scale_inv.
 #include "fp8_linear.h"
+#include "registrations.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>

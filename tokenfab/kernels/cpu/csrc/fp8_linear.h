@@ -1,6 +1,7 @@
 // Linear layers on FP8 block-scaled weights (DeepSeek-V3 / Kimi-K2 as published) executed packed (fp8_linear.cpp).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 // Weights per scale block along both dimensions (weight_block_size [128, 128]).
 constexpr int64_t kFp8Block = 128;
@@ -22,5 +23,3 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
 at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                               const at::Tensor& experts, const at::Tensor& offsets, int64_t part_rows);
 
-// Adds fp8_block_linear and fp8_experts_linear to the extension module.
-void register_fp8_linear(pybind11::module_& m);

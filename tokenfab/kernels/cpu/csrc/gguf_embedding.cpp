@@ -3,6 +3,7 @@
 #include "gguf_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <cstring>
 #include <vector>

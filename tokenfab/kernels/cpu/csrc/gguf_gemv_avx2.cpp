@@ -1,6 +1,7 @@
 // The decode GEMV of the packed GGUF linears on CPUs without AVX512-BF16 (AVX2 + FMA + F16C: an AVX2-only EPYC,
 // or any CPU with TOKENFAB_CPU_ISA=avx2): Q4_0, Q4_1 and Q8_0 tiles (gguf_linear.cpp's layout) times float32 x in
-// float32 arithmetic, for decode batches (a few rows); prefill keeps its other path.
+// float32 arithmetic: decode rows (up to 16) in a GEMV on the packed bytes, more rows (prefill) through float32
+// tiles dequantized into a cache-resident buffer and PyTorch's float32 GEMM.
 //
 // A 256-bit vector holds 8 lanes = (row j, k parity e) for four rows of a 16-row tile: in a Q4 group L the u16 words
 // 8i .. 8i + 7 (rows 4i .. 4i + 3) zero-extended to 32 bits, nibble s shifted down and masked (k = 8L + 2s + e); in
@@ -11,10 +12,14 @@
 //
 // Rows: one row keeps two accumulator chains per lane group in registers (k pairs alternating), the weight bytes
 // read once; two or more rows unpack each tile-block once into a 2 KB float buffer (L1) and run pairs of rows over it,
-// so the quants are unpacked once per call however many rows there are. Tiles are split over threads.
+// so the quants are unpacked once per call however many rows there are. Tiles are split over threads. More than 16
+// rows: per 64 output columns their tiles dequantized once (d q + m, as gguf computes them) into a [K, 64] buffer
+// and one float32 GEMM (at::mm_out: the BLAS PyTorch links) of all rows against it; never a full-size copy.
 #include "gguf_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -26,6 +31,8 @@ namespace {
 
 constexpr int64_t TN = kGgufTileN, QK = kGgufBlockK;
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kGemvMaxRows = 16;  // more rows of x: the dequantizing GEMM (prefill)
+constexpr int64_t kCols = 64;         // output columns the GEMM dequantizes at a time (a multiple of 16)
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool kBuilt = true;
@@ -182,9 +189,60 @@ void gemv_rows(const float* x, int64_t ldx, const float* xsum, int64_t M, int64_
   }
 }
 
+// Tile t's 16 rows as float32 values d q + m into columns [col0, col0 + 16) of buf [K, kCols] (k-major): the weight
+// gguf's dequantize gives (d q, d (q - 8), or d q then + m; the compiler may fuse the last into one FMA).
+template <int QT>
+void dequant_tile(const uint8_t* w, int64_t t, int64_t K, int64_t col0, float* buf) {
+  const int64_t KB = K / QK, TB = tile_bytes(QT);
+  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // lanes (j, e) -> [e = 0 rows | e = 1 rows]
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    const uint8_t* b = w + (t * KB + kb) * TB;
+    for (int i = 0; i < 4; ++i) {
+      const __m256 d = dup4(b + 8 * i);
+      const __m256 m = QT == kQ4_1 ? dup4(b + 2 * TN + 8 * i) : _mm256_setzero_ps();
+      for (int p = 0; p < 16; ++p) {
+        __m256 q = quants<QT>(b, p, i);
+        if constexpr (QT == kQ4_0) q = _mm256_sub_ps(q, _mm256_set1_ps(8.f));  // d (q - 8)
+        __m256 v = _mm256_mul_ps(q, d);
+        if constexpr (QT == kQ4_1) v = _mm256_add_ps(v, m);  // d q + m
+        v = _mm256_permutevar8x32_ps(v, split);
+        float* row = buf + (kb * QK + 2 * p) * kCols + col0 + 4 * i;
+        _mm_storeu_ps(row, _mm256_castps256_ps128(v));
+        _mm_storeu_ps(row + kCols, _mm256_extractf128_ps(v, 1));
+      }
+    }
+  }
+}
+
+// Prefill (many rows): per kCols output columns, their tiles dequantized once into a thread-local [K, kCols] buffer
+// (K * 256 bytes, cache-resident), then one float32 GEMM of every row of x against it (at::mm_out, written into y in
+// place). Wider column blocks would pack x fewer times, narrower ones split small N more evenly over threads.
+template <int QT>
+void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy) {
+  const int64_t NT = (N + TN - 1) / TN, NB = (N + kCols - 1) / kCols;
+  at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
+    std::vector<float> buf(K * kCols, 0.f);
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    for (int64_t nb = nb0; nb < nb1; ++nb) {
+      for (int64_t c = 0; c < kCols / TN; ++c)
+        if (nb * (kCols / TN) + c < NT) dequant_tile<QT>(w, nb * (kCols / TN) + c, K, TN * c, buf.data());
+      const int64_t nvalid = std::min<int64_t>(kCols, N - nb * kCols);
+      at::Tensor out = at::from_blob(y + nb * kCols, {M, nvalid}, {ldy, 1}, f32);  // written in place (ldc = ldy)
+      at::mm_out(out, at::from_blob(const_cast<float*>(x), {M, K}, {ldx, 1}, f32),
+                 at::from_blob(buf.data(), {K, nvalid}, {kCols, 1}, f32));
+    }
+  });
+}
+
 template <int QT>
 void run(const float* x, int64_t ldx, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
          const float* bias, float* y, int64_t ldy) {
+  if (M > kGemvMaxRows) {
+    gemm<QT>(x, ldx, M, K, w, N, y, ldy);
+    for (int64_t m = 0; bias != nullptr && m < M; ++m)
+      for (int64_t j = 0; j < N; ++j) y[m * ldy + j] += bias[j];
+    return;
+  }
   const int64_t NT = (N + TN - 1) / TN;
   at::parallel_for(0, NT, 1, [&](int64_t t0, int64_t t1) {
     if (M == 1) gemv1<QT>(x, xsum, K, w, N, bias, y, t0, t1);
@@ -219,8 +277,8 @@ at::Tensor gguf_gemv_avx2(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
   const float* bp = tokenfab_cpu::float_bias(bias, n, "gguf_gemv_avx2", bf);
   const float* xp = rows.x2.data_ptr<float>();
   const int64_t ldx = rows.x2.stride(0), KB = K / QK;
-  std::vector<float> xsum(qtype == kQ8_0 ? 0 : M * KB);
-  for (int64_t m = 0; m < M && qtype != kQ8_0; ++m)
+  std::vector<float> xsum(qtype == kQ8_0 || M > kGemvMaxRows ? 0 : M * KB);
+  for (int64_t m = 0; m < M && !xsum.empty(); ++m)
     for (int64_t kb = 0; kb < KB; ++kb) {
       float s = 0.f;
       for (int64_t k = 0; k < QK; ++k) s += xp[m * ldx + kb * QK + k];

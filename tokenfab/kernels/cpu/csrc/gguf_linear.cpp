@@ -27,6 +27,7 @@
 // against the weight rounded once to bf16 (as the dequantized bf16 twin holds it), float32 x against the float32
 // values d q + m (exactly as gguf's dequantize computes them). Never a full-size copy of the weight.
 #include "gguf_linear.h"
+#include "registrations.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/native/CPUBlas.h>

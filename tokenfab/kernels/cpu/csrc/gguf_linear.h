@@ -1,6 +1,7 @@
 // Linear layers on GGUF block-quantized weights kept packed (gguf_linear.cpp).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 // Output rows per packed tile and weights per GGUF block along the input dimension.
 constexpr int64_t kGgufTileN = 16;
@@ -27,5 +28,3 @@ at::Tensor gguf_gemv_avx2(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
                           const c10::optional<at::Tensor>& bias);
 bool gguf_gemv_avx2_built();
 
-// Adds gguf_linear, gguf_gemv_avx2 and gguf_embedding to the extension module.
-void register_gguf_linear(pybind11::module_& m);

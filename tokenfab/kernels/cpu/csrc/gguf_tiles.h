@@ -2,7 +2,8 @@
 // helpers that unpack it, shared by the GEMV / GEMM kernels (gguf_linear.cpp) and the embedding rows
 // (gguf_embedding.cpp). See gguf_linear.cpp's opening comment for the byte layout of a tile-block.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 #include <immintrin.h>
 
 #include <cstdint>

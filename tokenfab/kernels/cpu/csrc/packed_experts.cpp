@@ -24,6 +24,7 @@
 // decoded once, then tiles of up to 4 tokens reuse each unpacked chunk and groups of 4 (1-2 tokens) or 2 rows share
 // each x chunk load (decode: 1-12 tokens per expert).
 #include "packed_experts.h"
+#include "registrations.h"
 
 #include "cpu_common.h"
 #include "amx_tiles.h"

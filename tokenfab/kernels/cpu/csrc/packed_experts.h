@@ -1,6 +1,7 @@
 // Grouped linears over routed-expert weights kept in their published packed formats (packed_experts.cpp).
 #pragma once
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
 
 // Format ids (tokenfab/quant/packed_experts.py names them).
 constexpr int64_t kExpertsInt4Group = 0;  // compressed-tensors pack-quantized, 4-bit symmetric, group 32
@@ -26,5 +27,3 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
 // (to_tiles) or back to the checkpoint layout (exact inverse).
 void packed_experts_relayout(int64_t fmt, at::Tensor& packed, at::Tensor& scale, bool to_tiles);
 
-// Adds packed_experts_linear and packed_experts_relayout to the extension module.
-void register_packed_experts(pybind11::module_& m);
