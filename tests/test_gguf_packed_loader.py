@@ -137,10 +137,10 @@ def test_smollm2_q4_1_greedy_matches_transformers_gguf(smollm2_transformers_gguf
     loader (which dequantizes) on a fixed prompt set."""
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "List three colors:"]
     llm = LLM(SMOL, dtype="float32", max_model_len=256, progress=False)
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, min_tokens=16), use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12), use_tqdm=False)
     hf = smollm2_transformers_gguf
     for o in outs:
         with torch.no_grad():
-            g = hf.generate(torch.tensor([o.prompt_token_ids]), max_new_tokens=16, min_new_tokens=16,
+            g = hf.generate(torch.tensor([o.prompt_token_ids]), max_new_tokens=12, min_new_tokens=12,
                             do_sample=False)
         assert o.outputs[0].token_ids == g[0, len(o.prompt_token_ids):].tolist(), o.prompt

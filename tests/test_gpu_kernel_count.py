@@ -173,23 +173,30 @@ def test_counting_rule():
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe", "deepseek_v3"])
 def test_gpu_path_engine_token_exact(gpu_path_on_cpu, tiny_model, family):
     """The whole engine on the GPU code path (fused add + norm across layers, q/k norm + RoPE + cache write or MLA's
-    kv norm + RoPE + latent write, routers, alignment and k-sum kernels, all interpreted) against transformers:
-    greedy tokens identical, prompt and decode logprobs within 1e-4 (tests/test_engine_exact.py's check), prefill
-    chunks and decode steps mixed."""
+    kv norm + RoPE + latent write, the Triton decode attention, routers, alignment, the fused MoE and k-sum kernels,
+    all interpreted) against transformers: greedy tokens identical, prompt and decode logprobs within 1e-4
+    (tests/test_engine_exact.py's check), prefill chunks and decode steps mixed."""
     from test_engine_exact import check_family, make_prompts
-    from tokenfab.kernels.gpu import rope_cache
-    calls = []
+    from tokenfab.kernels.gpu import decode_attention, moe, rope_cache
+    calls = {"rope_cache": 0, "attention": 0, "moe": 0}
     name = "mla_rope_cache" if family == "deepseek_v3" else "qk_rope_cache"
-    orig = getattr(rope_cache, name)
 
-    def spy(*a, **kw):
-        calls.append(1)
-        return orig(*a, **kw)
+    def spy(mod, attr, key):
+        orig = getattr(mod, attr)
+
+        def f(*a, **kw):
+            calls[key] += 1
+            return orig(*a, **kw)
+        return f
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rope_cache, name, spy)
+        mp.setattr(rope_cache, name, spy(rope_cache, name, "rope_cache"))
+        mp.setattr(decode_attention, "paged_decode_attention",
+                   spy(decode_attention, "paged_decode_attention", "attention"))
+        mp.setattr(moe, "fused_moe", spy(moe, "fused_moe", "moe"))
         _, worst = check_family(tiny_model(family), make_prompts(3, [21, 4, 9]))
-    assert calls, "the fused RoPE + cache write did not run"
+    assert calls["rope_cache"], "the fused RoPE + cache write did not run"
+    assert calls["attention"] > 0 and (calls["moe"] > 0) == family.endswith(("moe", "v3")), calls
     assert worst < 1e-4
 
 

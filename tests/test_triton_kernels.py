@@ -1,5 +1,5 @@
 """The Triton kernels (paged decode attention, fused MoE) in Triton's interpreter on CPU, against the PyTorch paths
-and, through the engine, against transformers. On a GPU the same kernels run compiled (benchmarks/gpu_check.sh).
+and, through the engine, against transformers (tests/test_gpu_kernel_count.py). On a GPU the same kernels run compiled (benchmarks/gpu_check.sh).
 
 The interpreter has no bfloat16 (numpy), so these run in float32; the kernels' bf16 path is the same code with
 another load type.
@@ -111,28 +111,5 @@ def test_applies_only_on_gpu_or_when_interpreting(monkeypatch):
         triton_support.check_env()
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "llama"])
-def test_engine_with_triton_kernels_token_exact(interpret, tiny_model, family):
-    """The whole engine with the Triton decode attention and fused MoE (interpreted) against transformers:
-    greedy tokens identical, prompt and decode logprobs within 1e-4 (tests/test_engine_exact.py's check)."""
-    from test_engine_exact import check_family, make_prompts
-    from tokenfab.kernels.gpu import decode_attention as triton_decode_attention
-    from tokenfab.kernels.gpu import moe as triton_moe
-    calls = {"attention": 0, "moe": 0}
-    attn, moe = triton_decode_attention.paged_decode_attention, triton_moe.fused_moe
-
-    def count_attn(*a, **kw):
-        calls["attention"] += 1
-        return attn(*a, **kw)
-
-    def count_moe(*a, **kw):
-        calls["moe"] += 1
-        return moe(*a, **kw)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(triton_decode_attention, "paged_decode_attention", count_attn)
-        mp.setattr(triton_moe, "fused_moe", count_moe)
-        _, worst = check_family(tiny_model(family), make_prompts(3, [21, 4, 9]))
-    assert calls["attention"] > 0
-    assert (calls["moe"] > 0) == (family != "llama")
-    assert worst < 1e-4
+# The whole engine through these kernels against transformers: tests/test_gpu_kernel_count.py's
+# test_gpu_path_engine_token_exact (the GPU code path, which runs the decode attention and the fused MoE here too).
