@@ -46,6 +46,11 @@ inline __m256 dup4(const uint8_t* p) {
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
 }
 
+// Requests the n bytes at p into L1 (a tile-block a few blocks ahead of its use).
+inline void prefetch_bytes(const uint8_t* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
 // (x[0], x[1]) in every lane pair.
 inline __m256 xpair(const float* x) {
   return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(x)));
@@ -96,11 +101,7 @@ void gemv1(const float* x, const float* xsum, int64_t K, const uint8_t* w, int64
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* b = w + (t * KB + kb) * TB;
-      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * TB), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * TB + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * TB + 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * TB + 192), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 4 * TB + 256), _MM_HINT_T0);
+      prefetch_bytes(b + 4 * TB, TB);
       const float* xk = x + kb * QK;
       __m256 c0[4], c1[4];
       for (int i = 0; i < 4; ++i) c0[i] = c1[i] = _mm256_setzero_ps();
@@ -139,11 +140,7 @@ void gemv_rows(const float* x, int64_t ldx, const float* xsum, int64_t M, int64_
     std::fill(mn.begin(), mn.end(), _mm256_setzero_ps());
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* b = w + (t * KB + kb) * TB;
-      _mm_prefetch(reinterpret_cast<const char*>(b + 2 * TB), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 2 * TB + 64), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 2 * TB + 128), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 2 * TB + 192), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + 2 * TB + 256), _MM_HINT_T0);
+      prefetch_bytes(b + 2 * TB, TB);
 #pragma GCC unroll 16
       for (int p = 0; p < 16; ++p)
         for (int i = 0; i < 4; ++i) _mm256_store_ps(buf + (4 * p + i) * 8, quants<QT>(b, p, i));
