@@ -119,7 +119,7 @@ def test_speculative_rows_on_gpu_path(monkeypatch, no_cpu_kernels, hybrid_paths,
     from spec_helpers import NGRAM, spec_prompts, token_ids
     from tokenfab.kernels.gpu import short_conv
     path = hybrid_paths["kimi_linear"]
-    n = 3 if graphs == "0" else 2  # the buffers' padding sequences: tests/test_decode_graphs.py (PyTorch path)
+    n = 2  # with the buffers (eager), padding sequences too: tests/test_decode_graphs.py (PyTorch path)
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     base = token_ids(LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False)
                      .generate(spec_prompts(n), sp, use_tqdm=False))
