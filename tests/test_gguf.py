@@ -285,3 +285,26 @@ def test_demo_model_plan():
     assert plan_models("real", False)[0] == ["random"]  # offline: the random-weight model still runs
     with pytest.raises(ValueError, match="--models 'fast'"):
         plan_models("fast", True)
+
+
+def test_reader_is_shared_and_a_rewritten_file_read_again(tiny_model, tmp_path):
+    """open_gguf keeps the parsed reader of a file (one model load asks for it several times), keyed so that a file
+    rewritten at the same path is parsed again: its new metadata is what a second open returns, and a file rewritten
+    with junk is refused by name."""
+    from tokenfab.errors import WeightLoadError
+    from tokenfab.loader.gguf_reader import metadata, open_gguf
+
+    path = str(tmp_path / "m.gguf")
+    write_gguf(tiny_model("llama"), path, with_output=True)
+    first = open_gguf(path)
+    assert open_gguf(path) is first
+    n_before = len(first.tensors)
+    os.remove(path)  # a new file (new inode) at the same path, with one tensor fewer
+    write_gguf(tiny_model("llama"), path, with_output=False)
+    again = open_gguf(path)
+    assert again is not first and len(again.tensors) == n_before - 1
+    assert metadata(again)["general.architecture"] == "llama"
+    with open(path, "wb") as f:
+        f.write(b"not a gguf file at all" * 10)
+    with pytest.raises(WeightLoadError, match="not a readable GGUF file"):
+        open_gguf(path)

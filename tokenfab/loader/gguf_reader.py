@@ -21,7 +21,9 @@ raise :class:`tokenfab.errors.UnsupportedError` naming the architecture. ``gguf`
 """
 from __future__ import annotations
 
+import os
 import re
+import threading
 from typing import Iterator
 
 import numpy as np
@@ -56,25 +58,42 @@ _GLOBAL_NAMES = {
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
+_READERS: dict[tuple, object] = {}  # (real path, size, mtime, inode) -> reader, the last _KEEP_READERS opened
+_KEEP_READERS = 2
+_READERS_LOCK = threading.Lock()
+
+
 def open_gguf(path: str):
-    """A ``gguf.GGUFReader`` on ``path`` (memory-mapped; nothing is dequantized yet).
+    """A ``gguf.GGUFReader`` on ``path`` (memory-mapped; nothing is dequantized yet), shared: parsing a file's
+    metadata is slow (SmolLM2's Q4_1 file: ~5 s, its 49K-token vocabulary read field by field) and loading one model
+    asks for it several times (config, tokenizer, the packed-format check, the weights), so the last two files'
+    readers are kept, keyed by path, size, modification time and inode (a rewritten file is parsed again). Callers
+    only read from it.
 
     Raises:
         FileNotFoundError: no file at ``path``.
         WeightLoadError: the file is not a readable GGUF file (bad magic, truncated ...).
     """
-    import os
-
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file '{path}' does not exist.")
     try:
         import gguf
     except ImportError as e:  # a declared dependency; only a broken install lands here
         raise UnsupportedError("reading GGUF files needs the 'gguf' package: pip install gguf") from e
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as e:  # gguf raises ValueError / struct.error / IndexError on foreign or truncated files
-        raise WeightLoadError(f"'{path}' is not a readable GGUF file ({type(e).__name__}: {e}).") from None
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    with _READERS_LOCK:
+        reader = _READERS.get(key)
+        if reader is not None:
+            return reader
+        try:
+            reader = gguf.GGUFReader(path, "r")
+        except Exception as e:  # gguf raises ValueError / struct.error / IndexError on foreign or truncated files
+            raise WeightLoadError(f"'{path}' is not a readable GGUF file ({type(e).__name__}: {e}).") from None
+        while len(_READERS) >= _KEEP_READERS:
+            _READERS.pop(next(iter(_READERS)))
+        _READERS[key] = reader
+        return reader
 
 
 def metadata(reader) -> dict:
