@@ -25,20 +25,17 @@
 #include <algorithm>
 #include <vector>
 
+#include "gguf_tiles.h"
 #include "linear_io.h"
 
 namespace {
 
-constexpr int64_t TN = kGgufTileN, QK = kGgufBlockK;
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+using namespace tokenfab_gguf;  // TN, QK, the ggml type ids, tile_block_bytes (gguf_tiles.h)
 constexpr int64_t kGemvMaxRows = 16;  // more rows of x: the dequantizing GEMM (prefill)
 constexpr int64_t kCols = 64;         // output columns the GEMM dequantizes at a time (a multiple of 16)
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool kBuilt = true;
-
-inline int64_t tile_bytes(int qt) { return qt == kQ4_0 ? 2 * TN + TN * QK / 2 : qt == kQ4_1 ? 4 * TN + TN * QK / 2
-                                                                                            : 2 * TN + TN * QK; }
 
 // The fp16 values of rows 4i .. 4i + 3 at p, each twice: lanes (j, e) of a row group.
 inline __m256 dup4(const uint8_t* p) {
@@ -95,7 +92,7 @@ inline void store16(float* y, __m256 lo, __m256 hi, const float* bias, int64_t n
 template <int QT>
 void gemv1(const float* x, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y,
            int64_t t0, int64_t t1) {
-  const int64_t KB = K / QK, TB = tile_bytes(QT);
+  const int64_t KB = K / QK, TB = tile_block_bytes(QT);
   for (int64_t t = t0; t < t1; ++t) {
     __m256 acc[4], mn[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (auto& a : acc) a = _mm256_setzero_ps();
@@ -132,7 +129,7 @@ void gemv1(const float* x, const float* xsum, int64_t K, const uint8_t* w, int64
 template <int QT>
 void gemv_rows(const float* x, int64_t ldx, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                const float* bias, float* y, int64_t ldy, int64_t t0, int64_t t1) {
-  const int64_t KB = K / QK, TB = tile_bytes(QT);
+  const int64_t KB = K / QK, TB = tile_block_bytes(QT);
   alignas(32) float buf[16 * 4 * 8];
   std::vector<__m256> acc(M * 4), mn(M * 2);
   for (int64_t t = t0; t < t1; ++t) {
@@ -190,7 +187,7 @@ void gemv_rows(const float* x, int64_t ldx, const float* xsum, int64_t M, int64_
 // gguf's dequantize gives (d q, d (q - 8), or d q then + m; the compiler may fuse the last into one FMA).
 template <int QT>
 void dequant_tile(const uint8_t* w, int64_t t, int64_t K, int64_t col0, float* buf) {
-  const int64_t KB = K / QK, TB = tile_bytes(QT);
+  const int64_t KB = K / QK, TB = tile_block_bytes(QT);
   const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // lanes (j, e) -> [e = 0 rows | e = 1 rows]
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* b = w + (t * KB + kb) * TB;
@@ -262,7 +259,7 @@ at::Tensor gguf_gemv_avx2(const at::Tensor& x, const at::Tensor& w, int64_t qtyp
               "gguf_gemv_avx2: ggml type ", qtype, " is not Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
   const int64_t K = x.size(-1);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-  const int64_t TB = tile_bytes(static_cast<int>(qtype));
+  const int64_t TB = tile_block_bytes(static_cast<int>(qtype));
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == TB &&
               w.size(1) * QK == K && w.size(0) == (n + TN - 1) / TN && n > 0,
               "gguf_gemv_avx2: weight ", w.sizes(), " does not hold ", n, " rows of ", K, " inputs of ggml type ",
