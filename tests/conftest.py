@@ -9,7 +9,10 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (`-n N`) the cores are shared among the N workers, so each takes its share of threads: more
+# OpenMP threads than cores spin against each other.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 # Triton kernels run here only in Triton's interpreter (tests/test_triton_kernels.py), which must be chosen before
 # triton is first imported; it changes nothing else (kernels/gpu/support.py keeps CPU serving off Triton).
 os.environ.setdefault("TRITON_INTERPRET", "1")
