@@ -1,9 +1,10 @@
-"""The AVX2 kernel of packed Q4_0 / Q4_1 / Q8_0 linears (kernels/cpu/csrc/gguf_gemv_avx2.cpp), the packed path of
-CPUs without AVX512-BF16: its products against the float64 product with gguf's own dequantized weight, under the
-bound test_gguf_linear.py derives, for one row (quants in registers), row pairs over the unpacked buffer, odd row
-counts, more than 16 rows (tiles dequantized for a float32 GEMM), partial tiles, biases and every nibble / int8
-pattern; and the weight's choice at the avx2 level (decode
-rows on the GEMV, prefill rows on the float32 copy, every row on the GEMV past the copies' budget).
+"""The AVX2 kernel of packed Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K linears (kernels/cpu/csrc/gguf_gemv_avx2.cpp),
+the packed path of CPUs without AVX512-BF16: its products against the float64 product with gguf's own dequantized
+weight, under the bounds test_gguf_linear.py and test_gguf_kquants.py derive, for one row (quants in registers), row
+pairs over the unpacked buffer, odd row counts, more than 16 rows (panels dequantized for a float32 GEMM, several
+panels and the narrowest), partial tiles, biases and every nibble / int8 / high-bit / 6-bit scale pattern; and the
+weight's choice at the avx2 level (every row on the kernel, no float32 copy; test_dense_fallback.py covers the copy
+that formats without a kernel keep).
 
 The kernel runs on any x86-64 CPU with AVX2 + FMA + F16C (AVX512 machines too: the tests call it directly, and
 cap the kernels at the avx2 level where they test the weight's choice)."""
@@ -15,6 +16,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
+import test_gguf_kquants  # noqa: E402
+from test_gguf_kquants import random_kblocks  # noqa: E402
 from test_gguf_linear import check_close, quantized, random_blocks  # noqa: E402
 from tokenfab.kernels.cpu import isa as cpu_isa  # noqa: E402
 from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
@@ -22,6 +25,7 @@ from tokenfab.quant import packed_weight  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+KTYPES = ["Q4_K", "Q5_K", "Q6_K"]
 needs_kernel = pytest.mark.skipif(cpu_ops.load() is None or not getattr(cpu_ops.load(), "gguf_gemv_avx2_built", False),
                                   reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C")
 
@@ -45,9 +49,44 @@ def test_products_within_the_exact_bound(name, rows, source):
 
 
 @needs_kernel
+@pytest.mark.parametrize("name", KTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 17, 40])  # 17+: the dequantizing GEMM
+def test_kquant_products_within_the_exact_bound(name, rows):
+    """K-quants: 40 outputs x 512 inputs (2 super-blocks of random bytes: every quant, high-bit and 6-bit scale
+    pattern), a bias for odd row counts: float32 outputs within test_gguf_kquants' bound of the float64 product
+    with gguf's dequantized weight."""
+    n, k = 40, 512
+    raw = random_kblocks(name, n, k, seed=rows)
+    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g) if rows % 2 else None
+    y = cpu_ops.gguf_gemv_avx2(x, w.tiles, w.block.ggml_type, n, bias)
+    assert y.dtype == torch.float32 and y.shape == (rows, n)
+    test_gguf_kquants.check_close(y, x, raw, name, bias)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name,n,k", [("Q4_1", 600, 256), ("Q6_K", 600, 256), ("Q8_0", 40, 8448),
+                                      ("Q4_K", 40, 8448)])
+@pytest.mark.parametrize("rows", [19, 131])
+def test_prefill_panels(name, n, k, rows):
+    """More than 16 rows across panel edges, in both GEMM forms (19 rows: 64-column panels over threads; 131: wide
+    panels shared by the threads): 600 outputs at K = 256 (a 512-column wide panel, then 88 columns of a partial
+    tile) and K = 8,448 (wide panels of the narrowest 64 columns): within the exact bound."""
+    kq = name in KTYPES
+    raw = random_kblocks(name, n, k, seed=1) if kq else random_blocks(name, n, k, seed=1)
+    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    y = cpu_ops.gguf_gemv_avx2(x, w.tiles, w.block.ggml_type, n, bias)
+    (test_gguf_kquants.check_close if kq else check_close)(y, x, raw, name, bias)
+
+
+@needs_kernel
 def test_leading_dims_strided_rows_and_errors():
     """[2, 3, K] input gives the rows' products in that shape; a row-strided view equals its contiguous copy;
-    bf16 x, a K-quant type and mis-shaped tiles are refused by name."""
+    bf16 x, a type it does not read (Q2_K) and mis-shaped tiles are refused by name."""
     raw = quantized("Q4_1", 24, 64, seed=2)
     w = GGUFWeight.from_rows(torch.from_numpy(raw), "Q4_1", 64)
     x = torch.randn(2, 3, 64)
@@ -59,8 +98,8 @@ def test_leading_dims_strided_rows_and_errors():
                        cpu_ops.gguf_gemv_avx2(wide.contiguous(), w.tiles, 3, 24))
     with pytest.raises(RuntimeError, match="x must be float32"):
         cpu_ops.gguf_gemv_avx2(x.bfloat16(), w.tiles, 3, 24)
-    with pytest.raises(RuntimeError, match="ggml type 12 is not Q4_0"):
-        cpu_ops.gguf_gemv_avx2(x, w.tiles, 12, 24)
+    with pytest.raises(RuntimeError, match="ggml type 10 is not Q4_0"):
+        cpu_ops.gguf_gemv_avx2(x, w.tiles, 10, 24)
     with pytest.raises(RuntimeError, match="does not hold 24 rows of 96 inputs"):
         cpu_ops.gguf_gemv_avx2(torch.randn(1, 96), w.tiles, 3, 24)
 
@@ -79,35 +118,29 @@ def avx2_level(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("name", TYPES)
-def test_weight_runs_decode_rows_on_the_gemv_at_the_avx2_level(avx2_level, monkeypatch, name):
-    """At the avx2 level a Q4_0 / Q4_1 / Q8_0 weight takes the GEMV for up to 16 rows (bf16 x widened, the result
-    rounded once) and its float32 copy for more; with no copy held (budget 0) every row takes the GEMV. Each result
-    equals the kernel's or the copy's product; K-quants keep the copy alone."""
-    raw = quantized(name, 40, 96, seed=4)
+@pytest.mark.parametrize("name", TYPES + KTYPES)
+def test_weight_runs_every_row_on_the_kernel_at_the_avx2_level(avx2_level, monkeypatch, name):
+    """At the avx2 level a Q4_0 / Q4_1 / Q8_0 / K-quant weight keeps no float32 copy and takes the AVX2 kernel for
+    decode rows (16) and prefill rows (17) alike, bf16 x widened and the result rounded once: each result equals
+    the kernel's product, within the exact bound."""
+    kq = name in KTYPES
+    k = 256 if kq else 96
+    raw = random_kblocks(name, 40, k, seed=4) if kq else quantized(name, 40, k, seed=4)
     calls = []
     real = cpu_ops.gguf_gemv_avx2
     monkeypatch.setattr(cpu_ops, "gguf_gemv_avx2", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, 96)
+    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
     w.prepare()
-    assert w._gemv_avx2 and not w._kernel and w._dense is not None
-    x16, x17 = torch.randn(16, 96), torch.randn(17, 96)
+    assert w._gemv_avx2 and not w._kernel and w._dense is None and packed_weight._DENSE_BYTES == [0]
+    x16, x17 = torch.randn(16, k), torch.randn(17, k)
     assert torch.equal(w.linear(x16, None), real(x16, w.tiles, w.block.ggml_type, 40))
-    assert torch.equal(w.linear(x17, None), torch.nn.functional.linear(x17, w._dense))
-    xb = torch.randn(3, 96).bfloat16()
+    y17 = w.linear(x17, None)
+    assert torch.equal(y17, real(x17, w.tiles, w.block.ggml_type, 40))
+    (test_gguf_kquants.check_close if kq else check_close)(y17, x17, raw, name, None)
+    xb = torch.randn(3, k).bfloat16()
     assert torch.equal(w.linear(xb, None), real(xb.float(), w.tiles, w.block.ggml_type, 40).bfloat16())
     assert torch.equal(w.linear_f32(xb), real(xb.float(), w.tiles, w.block.ggml_type, 40))
-    assert calls == [16, 3, 3]
-    from test_gguf_kquants import random_kblocks
-    kq = GGUFWeight.from_rows(torch.from_numpy(random_kblocks("Q4_K", 16, 256)), "Q4_K", 256)
-    kq.prepare()
-    assert not kq._gemv_avx2 and kq._dense is not None
-    monkeypatch.setenv(packed_weight.DENSE_FALLBACK_ENV, "0")
-    bare = GGUFWeight.from_rows(torch.from_numpy(raw), name, 96)
-    bare.prepare()
-    assert bare._dense is None and bare._gemv_avx2
-    check_close(bare.linear(x17, None), x17, raw, name, None)
-    assert calls[-1] == 17
+    assert calls == [16, 17, 3, 3]
 
 
 @needs_kernel

@@ -170,8 +170,11 @@ def test_grouped_kernel_matches_float64(fmt, dtype, K, monkeypatch):
     assert ref.dtype == dtype and ((ref.double() - want).abs() <= tol * (want.abs() + 1)).all()
     monkeypatch.delenv("TOKENFAB_PACKED_EXPERTS")
     st.prepare()
-    if not cpu_ops.packed_experts_applies():
-        pytest.skip("kernels without AVX512-BF16: the reference path above is what runs")
+    if not cpu_ops.packed_experts_applies():  # the AVX2 kernel (test_packed_experts_avx2.py), where it is built
+        assert st._avx2 == cpu_ops.packed_experts_avx2_applies() and not st._kernel
+        got = st.grouped_linear(x, experts, counts)
+        assert got.dtype == dtype and ((got.double() - want).abs() <= tol * (want.abs() + 1)).all()
+        return
     assert st._kernel
     got = st.grouped_linear(x, experts, counts)
     assert got.dtype == dtype and ((got.double() - want).abs() <= tol * (want.abs() + 1)).all()
@@ -382,6 +385,7 @@ def test_deepseek_int4_matches_dequantized(deepseek_int4, path_kind, monkeypatch
     packed = model.model.layers[1].mlp.experts
     assert packed.w13 is None and packed.q13.packed.dtype == torch.int32 and packed.q2.scale.dtype == torch.bfloat16
     assert packed.q13._kernel == (path_kind == "kernel" and cpu_ops.packed_experts_applies())
+    assert packed.q13._avx2 == (path_kind == "kernel" and cpu_ops.packed_experts_avx2_applies())
     assert model.model.layers[2].mlp.experts.q13 is None  # ignored by quantization_config: unquantized
     _, ref_outs = _run(ref_dir, PROMPTS)
     worst = _compare(q_outs, ref_outs, PROMPTS)

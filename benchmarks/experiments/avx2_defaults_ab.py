@@ -5,17 +5,20 @@ processes, alternated:
   dequantization (``TOKENFAB_DENSE_FALLBACK_GIB=0``) vs float32 copies made once at load (budget 4 GiB). NOTES 79.
 * ``--compare auto-dtype``: the default model's bf16 folder (what ``tokenfab demo`` serves) in bfloat16 vs float32,
   what ``dtype="auto"`` should mean there. NOTES 80.
-* ``--compare avx2-gemv``: SmolLM2's Q4_1 file with float32 copies alone vs decode rows on the packed AVX2 GEMV
-  (kernels/cpu/csrc/gguf_gemv_avx2.cpp; the copies still serve prefill) vs the packed kernels alone (no copies:
-  prefill on tiles dequantized into a float32 GEMM). NOTES 81.
+* ``--compare avx2-gemv``: SmolLM2's Q4_1 file with float32 copies alone vs the packed AVX2 kernel
+  (kernels/cpu/csrc/gguf_gemv_avx2.cpp) with the copies' budget at its default and at 0 (NOTES 81; since NOTES 84
+  the kernel keeps no copy either way, so the last two rows run the same path).
+* ``--compare avx2-copies``: SmolLM2's Q4_1 file with decode rows on the AVX2 kernel and prefill on float32 copies
+  (the default before 2026-12-06's panel GEMM) vs every row on the AVX2 kernel and no copies (the default since).
+  NOTES 84.
 
 Per run: one engine, 16 prompts of 256 random tokens, 32 greedy tokens each (ignore_eos), all submitted at once;
 prefill time (until every sequence has its first token), the whole run, total tokens per second, the resident set
 after load, and the first answer's first 8 tokens; then one sequence alone (a 32-token prompt, 64 greedy tokens):
 its time per output token after the first (batch-1 decode).
 
-    PYTHONPATH=. python benchmarks/experiments/avx2_defaults_ab.py --compare dense-fallback|auto-dtype|avx2-gemv \
-        [--rounds 2]
+    PYTHONPATH=. python benchmarks/experiments/avx2_defaults_ab.py \
+        --compare dense-fallback|auto-dtype|avx2-gemv|avx2-copies [--rounds 2]
 """
 from __future__ import annotations
 
@@ -33,6 +36,12 @@ from tokenfab.default_model import default_model_path, real_model_gguf
 from tokenfab.kernels.cpu import isa, ops
 if sys.argv[3] == "no-gemv":  # the float32 copies alone: the AVX2 GEMV not offered
     ops.gguf_gemv_avx2_applies = lambda ggml_type: False
+if sys.argv[3] == "copies":  # the GEMV for up to 16 rows, float32 copies for more (the default before NOTES 84)
+    from tokenfab.quant.gguf_weight import GGUFWeight
+    prepare = GGUFWeight.prepare
+    GGUFWeight.prepare = lambda self: prepare(self) or (self._gemv_avx2 and self.keep_dense_copy())
+    GGUFWeight._avx2_rows = lambda self, x: (self._gemv_avx2 and x.dtype in (torch.bfloat16, torch.float32) and
+                                             (self._dense is None or x.numel() <= 16 * x.shape[-1]))
 path = real_model_gguf() if sys.argv[1] == "gguf" else default_model_path(quiet=True)
 llm = LLM(path, dtype=sys.argv[2], progress=False, max_model_len=512)
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -53,14 +62,17 @@ print(json.dumps({"tpot1_ms": ((t5 - t4) - (t4 - t3)) / 64 * 1e3, "isa": isa.sel
                   "dtype": str(llm.llm_engine.dtype), "prefill_s": t1 - t0, "full_s": t2 - t1, "total_tok_s": (16 * 256 + toks) / (t2 - t1), "max_rss_mb_after_load": rss,
                   "first_ids": out[0].outputs[0].token_ids[:8]}))
 """
-# variant label -> (model: "gguf" file or the bf16 "folder", dtype, extra environment)
-# (variant label, model: "gguf" file or the bf16 "folder", dtype, extra environment, "gemv" / "no-gemv")
-VARIANTS = {"dense-fallback": [("per-call dequantization", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "0"}, "gemv"),
-                               ("float32 copies at load", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "4"}, "gemv")],
+# (variant label, model: "gguf" file or the bf16 "folder", dtype, extra environment, "gemv" / "no-gemv" / "copies")
+VARIANTS = {"dense-fallback": [("per-call dequantization", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "0"},
+                                "no-gemv"),
+                               ("float32 copies at load", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "4"},
+                                "no-gemv")],
             "auto-dtype": [("bfloat16", "folder", "bfloat16", {}, "gemv"), ("float32", "folder", "float32", {}, "gemv")],
             "avx2-gemv": [("float32 copies alone", "gguf", "auto", {}, "no-gemv"),
-                          ("AVX2 GEMV for decode rows", "gguf", "auto", {}, "gemv"),
-                          ("packed alone (no copies)", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "0"}, "gemv")]}
+                          ("AVX2 kernel", "gguf", "auto", {}, "gemv"),
+                          ("packed alone (no copies)", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "0"}, "gemv")],
+            "avx2-copies": [("float32 copies for prefill", "gguf", "auto", {}, "copies"),
+                            ("AVX2 kernel alone", "gguf", "auto", {}, "gemv")]}
 
 
 def main() -> None:

@@ -318,7 +318,7 @@ GGUF_GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types gpu/gguf_linear.py read
 
 
 def gguf_gemv_avx2(x: torch.Tensor, tiles: torch.Tensor, block, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """y = x W^T (+ bias) [..., n] float32 for a Q4_0 / Q4_1 / Q8_0 weight packed as tiles, by the AVX2 GEMV
+    """y = x W^T (+ bias) [..., n] float32 for a GGUF weight packed as tiles, by the AVX2 kernel
     (:func:`tokenfab.kernels.cpu.ops.gguf_gemv_avx2`; bf16 x widened to float32 first). Call where
     :func:`~tokenfab.kernels.cpu.ops.gguf_gemv_avx2_applies` (GGUFWeight.prepare decides)."""
     return cpu_ops.gguf_gemv_avx2(x if x.dtype == torch.float32 else x.float(), tiles, block.ggml_type, n, bias)

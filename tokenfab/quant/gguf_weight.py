@@ -2,12 +2,13 @@
 
 Fast path: ``cpu_ops.gguf_linear`` (kernels/cpu/csrc/gguf_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
 decode GEMV that unpacks nibbles and scales in registers and a prefill GEMM that dequantizes 32 weight rows at a
-time into a thread-local buffer for oneDNN's brgemm. On CPUs without AVX512-BF16 (the ``avx2`` ISA level): a float32
-copy made once at load within its budget (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`) for
-prefill, and for Q4_0 / Q4_1 / Q8_0 the AVX2 GEMV (``cpu_ops.gguf_gemv_avx2``, csrc/gguf_gemv_avx2.cpp) for decode
-rows (up to ``AVX2_GEMV_MAX_ROWS``; every row where no copy is held): it reads the packed bytes, a seventh of the
-copy's. Reference / fallback (no kernels, another device, ``TOKENFAB_CPU_LINEAR=torch``, past the copies' budget):
-dequantize 1024 rows at a time and ``F.linear`` in float32. On CUDA/ROCm the Triton kernel
+time into a thread-local buffer for oneDNN's brgemm. On CPUs without AVX512-BF16 (the ``avx2`` ISA level) the AVX2
+kernel (``cpu_ops.gguf_gemv_avx2``, csrc/gguf_gemv_avx2.cpp; every type here): decode rows (up to
+``AVX2_GEMV_MAX_ROWS``) on the packed bytes, a fifth to a seventh of a float32 copy's, prefill through panels
+dequantized into a float32 GEMM; no float32 copy is kept (it served prefill 1.0-1.1x faster at twice the resident
+memory: NOTES 84). Reference / fallback (no kernels, another device, ``TOKENFAB_CPU_LINEAR=torch``): a float32 copy
+within its budget (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`), else dequantize 1024 rows at
+a time and ``F.linear`` in float32. On CUDA/ROCm the Triton kernel
 (kernels/gpu/gguf_linear.py) reads the same tiles for Q8_0 / Q4_0 / Q4_1 (K-quants take the reference path there).
 """
 from __future__ import annotations
@@ -39,7 +40,7 @@ class GGUFWeight(PackedWeight):
         self.block = block
         self.register_buffer("tiles", tiles, persistent=False)
         self._kernel = False
-        self._gemv_avx2 = False  # the AVX2 GEMV for decode rows (prepare)
+        self._gemv_avx2 = False  # the AVX2 kernel for every row (prepare)
 
     @classmethod
     def from_rows(cls, raw: torch.Tensor, block: BlockType | str | int, in_features: int) -> GGUFWeight:
@@ -72,19 +73,18 @@ class GGUFWeight(PackedWeight):
 
     def prepare(self) -> None:
         """Use the C++ kernel when it runs here: CPU tensors, built kernels with AVX512-BF16 and a CPU linear backend
-        other than ``torch`` (``TOKENFAB_CPU_LINEAR``); on a CPU without it, a float32 copy within the budget
-        (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
+        other than ``torch`` (``TOKENFAB_CPU_LINEAR``); on a CPU without it, the AVX2 kernel where it is built, else
+        a float32 copy within the budget (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
         from tokenfab.layers.linear import cpu_linear_backend
         on_cpu = self.tiles.device.type == "cpu" and cpu_linear_backend() != "torch"
         self._kernel = on_cpu and cpu_ops.gguf_linear_applies()
         self._gemv_avx2 = on_cpu and not self._kernel and cpu_ops.gguf_gemv_avx2_applies(self.block.ggml_type)
-        if not self._kernel:
+        if not self._kernel and not self._gemv_avx2:
             self.keep_dense_copy()
 
     def _avx2_rows(self, x: torch.Tensor) -> bool:
-        """Whether x's rows run the AVX2 GEMV: it applies, and x has few rows (decode) or no float32 copy is held."""
-        return (self._gemv_avx2 and x.dtype in (torch.bfloat16, torch.float32)
-                and (self._dense is None or x.numel() <= cpu_ops.AVX2_GEMV_MAX_ROWS * x.shape[-1]))
+        """Whether x's rows run the AVX2 kernel: it applies (:meth:`prepare`) and x is bf16 or float32."""
+        return self._gemv_avx2 and x.dtype in (torch.bfloat16, torch.float32)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._avx2_rows(x):

@@ -5,8 +5,9 @@ or two :class:`PackedExperts` (``q13`` for gate|up, ``q2`` for down) with the sa
 owns its bytes as buffers (so ``model.to(device)`` moves them), fills them from the checkpoint's per-expert
 tensors (:meth:`PackedExperts.load_part`), and computes the grouped linear over tokens sorted by expert
 (:meth:`PackedExperts.grouped_linear`): the C++ kernel (kernels/cpu/csrc/packed_experts.cpp, AVX512-BF16) where it
-runs, else the PyTorch reference, which dequantizes one expert's rows at a time (``_REFERENCE_ROWS``) to float32
-and multiplies in float32, so no full-size float copy of a stack is made on either path. Formats:
+runs, INT4 / MXFP4 on CPUs without it the AVX2 kernel (packed_experts_avx2.cpp), else the PyTorch reference, which
+dequantizes one expert's rows at a time (``_REFERENCE_ROWS``) to float32 and multiplies in float32, so no full-size
+float copy of a stack is made on any path. Formats:
 :mod:`tokenfab.quant.int4_group` (compressed-tensors pack-quantized) and :mod:`tokenfab.quant.mxfp4_experts`
 (compressed-tensors mxfp4-pack-quantized) on packed_experts.cpp, and :mod:`tokenfab.quant.fp8_block_experts`
 (DeepSeek-V3 / Kimi-K2 FP8 block-scaled, on fp8_linear.cpp's grouped kernel); another adds a subclass and an entry
@@ -96,6 +97,7 @@ class PackedExperts(nn.Module):
         super().__init__()
         self.num_experts, self.out_features, self.in_features = int(num_experts), int(out_features), int(in_features)
         self._kernel = False
+        self._avx2 = False  # packed_experts_avx2 (INT4 / MXFP4 where the AVX512-BF16 kernel does not run; prepare)
 
     @classmethod
     def for_parts(cls, num_experts: int, part_rows: list[int], in_features: int) -> PackedExperts:
@@ -190,12 +192,16 @@ class PackedExperts(nn.Module):
         re-laid once, in place, into the CPU tile layout (every whole 16 rows of an expert; the rows past them stay
         as they are; kernels/cpu/csrc/packed_expert_tiles.h), unless ``TOKENFAB_PACKED_EXPERTS=rows``: about twice
         the streaming rate at one token per expert (benchmarks/NOTES.md 69). :meth:`dequantize_rows` reads either
-        layout."""
+        layout. Where that kernel does not run (a CPU without AVX512-BF16), INT4 / MXFP4 stacks on the CPU path take
+        the AVX2 kernel (``cpu_ops.packed_experts_avx2``) in the checkpoint layout."""
+        from tokenfab.kernels.gpu import support as gpu_support
         self._kernel = (self.kernel_format is not None and self.packed.device.type == "cpu" and not kernel_disabled()
                         and cpu_ops.packed_experts_applies())
+        self._avx2 = (not self._kernel and self.kernel_format in (0, 1) and not self.cpu_tiles
+                      and not self.gpu_layout and self.packed.device.type == "cpu" and not kernel_disabled()
+                      and not gpu_support.gpu_path(self.packed) and cpu_ops.packed_experts_avx2_applies())
         if (self._kernel and self.tile_layout and not self.cpu_tiles and not tiles_disabled()
                 and self.out_features >= TILE_ROWS and not self.gpu_layout):
-            from tokenfab.kernels.gpu import support as gpu_support
             if not gpu_support.applies(self.packed):  # Triton's packed MoE (tests: interpreted) reads other layouts
                 cpu_ops.packed_experts_relayout(self.kernel_format, self.packed, self.scale, True)
                 self.cpu_tiles = True
@@ -218,12 +224,16 @@ class PackedExperts(nn.Module):
         Returns:
             [N, out_features] in x's dtype: float32 accumulation of exact products, one rounding per output.
         """
-        if self._kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu":
+        avx2 = self._avx2 and not self.gpu_layout
+        if (self._kernel or avx2) and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu":
             offs = [0]
             for n in counts:
                 offs.append(offs[-1] + n)
-            return self.kernel_linear(x, torch.tensor(experts, dtype=torch.int64),
-                                      torch.tensor(offs, dtype=torch.int64))
+            ids, offsets = torch.tensor(experts, dtype=torch.int64), torch.tensor(offs, dtype=torch.int64)
+            if avx2:
+                return cpu_ops.packed_experts_avx2(x.float(), self.kernel_format, self.packed, self.scale, ids,
+                                                   offsets).to(x.dtype)
+            return self.kernel_linear(x, ids, offsets)
         return self.reference_grouped_linear(x, experts, counts)
 
     def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

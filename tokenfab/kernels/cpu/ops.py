@@ -308,14 +308,14 @@ def gguf_linear_applies() -> bool:
     return bool(m is not None and has_bf16_dot() and hasattr(m, "gguf_linear"))
 
 
-AVX2_GEMV_TYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the ggml types gguf_gemv_avx2 reads
+AVX2_GEMV_TYPES = (2, 3, 8, 12, 13, 14)  # Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K: the ggml types gguf_gemv_avx2 reads
 AVX2_GEMV_MAX_ROWS = 16  # rows up to which the packed GEMV runs where the AVX2 kernel is the packed path
 
 
 def gguf_gemv_avx2_applies(ggml_type: int) -> bool:
     """True when :func:`gguf_gemv_avx2` runs for this ggml type: kernels built with AVX2 + FMA + F16C, and no
     AVX512-BF16 GEMV selected (``TOKENFAB_CPU_ISA`` at ``avx2``, or a CPU without it: :func:`gguf_linear_applies`
-    False); Q4_0, Q4_1 or Q8_0."""
+    False); Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K."""
     m = load()
     return bool(m is not None and getattr(m, "gguf_gemv_avx2_built", False) and not gguf_linear_applies()
                 and int(ggml_type) in AVX2_GEMV_TYPES)
@@ -323,18 +323,20 @@ def gguf_gemv_avx2_applies(ggml_type: int) -> bool:
 
 def gguf_gemv_avx2(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T (+ bias) for W [n, K] in Q4_0 / Q4_1 / Q8_0 packed as tiles (as :func:`gguf_linear`), on AVX2:
-    csrc/gguf_gemv_avx2.cpp, for decode rows on CPUs without AVX512-BF16.
+    """y = x W^T (+ bias) for W [n, K] in Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K packed as tiles (as
+    :func:`gguf_linear`), on AVX2: csrc/gguf_gemv_avx2.cpp, the packed path of CPUs without AVX512-BF16.
 
     Args:
-        x: [..., K] float32, K a multiple of 32. tiles: uint8 [ceil(n / 16), K / 32, tile-block bytes].
-        ggml_type: 2, 3 or 8. n: output features. bias: [n] (any float dtype) or None.
+        x: [..., K] float32, K a multiple of the block (32; 256 for K-quants). tiles: uint8 [ceil(n / 16),
+            K / block, tile-block bytes]. ggml_type: 2, 3, 8, 12, 13 or 14. n: output features. bias: [n] (any
+            float dtype) or None.
 
     Returns:
-        [..., n] float32: per 32-input block sum_k x_k q_k (float32 FMAs on the integer quants) scaled by d, + m *
-        the block's x sum (Q4_1; Q4_0 as m = -8 d), + bias: gguf's dequantized weight times x in float32 arithmetic.
-        One row streams the packed bytes once with the quants unpacked in registers; more rows unpack each
-        tile-block once into an L1 buffer shared by pairs of rows.
+        [..., n] float32: per 32-input block (K-quant scale group) sum_k x_k q_k (float32 FMAs on the integer
+        quants) scaled by d (d sc), + m (-(dmin m)) * the block's x sum (Q4_1, Q4_K, Q5_K; Q4_0 as m = -8 d),
+        + bias: gguf's dequantized weight times x in float32 arithmetic. One row streams the packed bytes once with
+        the quants unpacked in registers; up to 16 rows unpack each (sub-)block once into an L1 buffer shared by
+        pairs of rows; more rows multiply panels of gguf's dequantized values with PyTorch's float32 GEMM.
 
     Raises:
         RuntimeError: another dtype or ggml type, mis-shaped tiles, or kernels built without AVX2 / FMA / F16C
@@ -505,6 +507,35 @@ def packed_experts_linear(x: torch.Tensor, fmt: int, packed: torch.Tensor, scale
             :func:`packed_experts_applies` first).
     """
     return load().packed_experts_linear(x, int(fmt), packed, scale, experts, offsets)
+
+
+def packed_experts_avx2_applies() -> bool:
+    """True when :func:`packed_experts_avx2` runs: kernels built with AVX2 + FMA + F16C and no AVX512-BF16 expert
+    kernel selected (:func:`packed_experts_applies` False: a CPU without it, or ``TOKENFAB_CPU_ISA=avx2``)."""
+    m = load()
+    return bool(m is not None and getattr(m, "packed_experts_avx2_built", False) and not packed_experts_applies())
+
+
+def packed_experts_avx2(x: torch.Tensor, fmt: int, packed: torch.Tensor, scale: torch.Tensor,
+                        experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Grouped y = x W_e^T over an INT4 group-32 or MXFP4 expert stack in the checkpoint layout, on AVX2
+    (kernels/cpu/csrc/packed_experts_avx2.cpp: the packed expert path of CPUs without AVX512-BF16).
+
+    Args:
+        x: [N, K] float32, rows sorted by expert. fmt: 0 (int4 group-32) or 1 (MXFP4).
+        packed, scale: the stack's buffers as :func:`packed_experts_linear` takes them (no tile layout).
+        experts: int64 [A] local expert ids; offsets: int64 [A + 1] row offsets into x (0 .. N).
+
+    Returns:
+        [N, n] float32: per 32-value group the reference's float32 values ((nibble - 8) * scale, E2M1 * 2^(e - 127))
+        times x in float32 FMAs. Segments of up to 16 rows run a register GEMV over the packed bytes; longer ones
+        multiply 64-row panels dequantized into a thread-local buffer with PyTorch's float32 GEMM.
+
+    Raises:
+        RuntimeError: another format or dtype, mis-shaped buffers, bad experts / offsets, or kernels built without
+            AVX2 / FMA / F16C (check :func:`packed_experts_avx2_applies`).
+    """
+    return load().packed_experts_avx2(x, int(fmt), packed, scale, experts, offsets)
 
 
 def packed_experts_relayout(fmt: int, packed: torch.Tensor, scale: torch.Tensor, to_tiles: bool) -> None:

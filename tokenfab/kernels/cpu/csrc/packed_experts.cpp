@@ -429,4 +429,9 @@ void register_packed_experts(pybind11::module_& m) {
   m.def("packed_experts_linear", &packed_experts_linear,
         "grouped x W_e^T over routed experts kept packed (int4 group / MXFP4; CPU, AVX512-BF16)", py::arg("x"),
         py::arg("fmt"), py::arg("packed"), py::arg("scale"), py::arg("experts"), py::arg("offsets"));
+  m.attr("packed_experts_avx2_built") = packed_experts_avx2_built();
+  m.def("packed_experts_avx2", &packed_experts_avx2,
+        "grouped x W_e^T over int4 group / MXFP4 experts in the checkpoint layout, float32 x and y (CPU, AVX2 + FMA: "
+        "CPUs without AVX512-BF16)", py::arg("x"), py::arg("fmt"), py::arg("packed"), py::arg("scale"),
+        py::arg("experts"), py::arg("offsets"));
 }

@@ -23,6 +23,14 @@ constexpr int64_t kExpertsTiles = 16;
 at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Tensor& packed, const at::Tensor& scale,
                                  const at::Tensor& experts, const at::Tensor& offsets);
 
+// As packed_experts_linear for the two formats in the checkpoint layout (fmt 0 or 1, no tiles) and float32 x, on
+// AVX2 + FMA + F16C (packed_experts_avx2.cpp: CPUs without AVX512-BF16): float32 values (the reference's), float32
+// FMAs, y [N, n] float32. Raises for another format or dtype, or where the kernels were built without those
+// instructions (packed_experts_avx2_built()).
+at::Tensor packed_experts_avx2(const at::Tensor& x, int64_t fmt, const at::Tensor& packed, const at::Tensor& scale,
+                               const at::Tensor& experts, const at::Tensor& offsets);
+bool packed_experts_avx2_built();
+
 // In place: every whole 16-row tile of every expert of a stack (formats as above) into the CPU tile layout
 // (to_tiles) or back to the checkpoint layout (exact inverse).
 void packed_experts_relayout(int64_t fmt, at::Tensor& packed, at::Tensor& scale, bool to_tiles);

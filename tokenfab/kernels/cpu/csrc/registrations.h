@@ -11,5 +11,5 @@ void register_decode_stack(pybind11::module_& m);
 void register_fp8_linear(pybind11::module_& m);
 // gguf_linear, gguf_gemv_avx2, gguf_embedding and their settings (gguf_linear.cpp).
 void register_gguf_linear(pybind11::module_& m);
-// The packed routed-expert kernels (packed_experts.cpp).
+// The packed routed-expert kernels (packed_experts.cpp; the AVX2 one from packed_experts_avx2.cpp).
 void register_packed_experts(pybind11::module_& m);
