@@ -40,6 +40,19 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TOKENFAB_TRITON", "interpret")
 
 
+@pytest.fixture
+def avx2_isa_cap():
+    """The built CPU kernels capped at the ``avx2`` ISA level for the test (no AVX512-BF16 / AMX code: the paths a
+    CPU without them takes), the previous cap restored after. Use where the kernels are built."""
+    from tokenfab.kernels.cpu import isa as cpu_isa
+    from tokenfab.kernels.cpu import ops as cpu_ops
+    m = cpu_ops.load()
+    before = m.isa_cap()
+    m.set_isa_cap(cpu_isa.LEVELS.index("avx2"))
+    yield
+    m.set_isa_cap(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory):
     from tokenfab.testing.tokenizer_builder import build_tokenizer

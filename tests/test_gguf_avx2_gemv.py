@@ -19,7 +19,6 @@ gguf = pytest.importorskip("gguf")
 import test_gguf_kquants  # noqa: E402
 from test_gguf_kquants import random_kblocks  # noqa: E402
 from test_gguf_linear import check_close, quantized, random_blocks  # noqa: E402
-from tokenfab.kernels.cpu import isa as cpu_isa  # noqa: E402
 from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
 from tokenfab.quant import packed_weight  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
@@ -37,15 +36,21 @@ needs_kernel = pytest.mark.skipif(cpu_ops.load() is None or not getattr(cpu_ops.
 def test_products_within_the_exact_bound(name, rows, source):
     """40 outputs (a partial 16-row tile) x 160 inputs (5 blocks), a bias for odd row counts: float32 outputs
     within (3K + 64) u S of the float64 product with gguf's dequantized weight."""
-    n, k = 40, 160
-    raw = (quantized if source == "quantize" else random_blocks)(name, n, k, seed=rows)
+    raw = (quantized if source == "quantize" else random_blocks)(name, 40, 160, seed=rows)
+    _check_products(name, raw, 160, rows, check_close)
+
+
+def _check_products(name, raw, k, rows, check):
+    """rows x k random inputs (a bias for odd row counts) through the kernel: float32 [rows, n], within ``check``'s
+    bound of the float64 product with gguf's weight."""
+    n = raw.shape[0]
     w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g)
     bias = torch.randn(n, generator=g) if rows % 2 else None
     y = cpu_ops.gguf_gemv_avx2(x, w.tiles, w.block.ggml_type, n, bias)
     assert y.dtype == torch.float32 and y.shape == (rows, n)
-    check_close(y, x, raw, name, bias)
+    check(y, x, raw, name, bias)
 
 
 @needs_kernel
@@ -55,15 +60,7 @@ def test_kquant_products_within_the_exact_bound(name, rows):
     """K-quants: 40 outputs x 512 inputs (2 super-blocks of random bytes: every quant, high-bit and 6-bit scale
     pattern), a bias for odd row counts: float32 outputs within test_gguf_kquants' bound of the float64 product
     with gguf's dequantized weight."""
-    n, k = 40, 512
-    raw = random_kblocks(name, n, k, seed=rows)
-    w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, k, generator=g)
-    bias = torch.randn(n, generator=g) if rows % 2 else None
-    y = cpu_ops.gguf_gemv_avx2(x, w.tiles, w.block.ggml_type, n, bias)
-    assert y.dtype == torch.float32 and y.shape == (rows, n)
-    test_gguf_kquants.check_close(y, x, raw, name, bias)
+    _check_products(name, random_kblocks(name, 40, 512, seed=rows), 512, rows, test_gguf_kquants.check_close)
 
 
 @needs_kernel
@@ -105,16 +102,11 @@ def test_leading_dims_strided_rows_and_errors():
 
 
 @pytest.fixture
-def avx2_level(monkeypatch):
+def avx2_level(avx2_isa_cap, monkeypatch):
     """The kernels capped at the avx2 level (no AVX512-BF16 GEMV), the float32 copies' budget at its default."""
-    m = cpu_ops.load()
-    before = m.isa_cap()
-    m.set_isa_cap(cpu_isa.LEVELS.index("avx2"))
     monkeypatch.delenv("TOKENFAB_CPU_LINEAR", raising=False)
     monkeypatch.delenv(packed_weight.DENSE_FALLBACK_ENV, raising=False)
     monkeypatch.setattr(packed_weight, "_DENSE_BYTES", [0])
-    yield
-    m.set_isa_cap(before)
 
 
 @needs_kernel

@@ -15,7 +15,6 @@ import torch
 pytest.importorskip("compressed_tensors")
 
 from test_packed_experts import _stack  # noqa: E402
-from tokenfab.kernels.cpu import isa as cpu_isa  # noqa: E402
 from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(
@@ -108,14 +107,9 @@ def test_errors_are_named():
 
 
 @pytest.fixture
-def avx2_level(monkeypatch):
+def avx2_level(avx2_isa_cap, monkeypatch):
     """The kernels capped at the avx2 level (no AVX512-BF16 expert kernel), TOKENFAB_PACKED_EXPERTS unset."""
-    m = cpu_ops.load()
-    before = m.isa_cap()
-    m.set_isa_cap(cpu_isa.LEVELS.index("avx2"))
     monkeypatch.delenv("TOKENFAB_PACKED_EXPERTS", raising=False)
-    yield
-    m.set_isa_cap(before)
 
 
 @needs_kernel

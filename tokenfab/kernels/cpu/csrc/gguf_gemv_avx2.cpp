@@ -91,6 +91,32 @@ inline void store16(float* y, __m256 lo, __m256 hi, const float* bias, int64_t n
   for (int64_t j = 0; j < nvalid; ++j) y[j] = v[j] + (bias == nullptr ? 0.f : bias[j]);
 }
 
+// Tile t's 16 outputs of rows m < M: acc [M * 4] (lanes (j, e)) reduced to rows, + mn [M * 2] (row order), + bias.
+inline void store_tile_rows(const __m256* acc, const __m256* mn, int64_t M, float* y, int64_t ldy, int64_t t,
+                            int64_t N, const float* bias) {
+  const int64_t n0 = t * TN, nvalid = std::min<int64_t>(TN, N - n0);
+  for (int64_t m = 0; m < M; ++m) {
+    __m256 lo, hi;
+    rows16(acc + m * 4, lo, hi);
+    store16(y + m * ldy + n0, _mm256_add_ps(lo, mn[m * 2]), _mm256_add_ps(hi, mn[m * 2 + 1]),
+            bias == nullptr ? nullptr : bias + n0, nvalid);
+  }
+}
+
+// mn[0..1] += (lo, hi) * s: a block's 16 minimums (row order) times the row's x sum over the block.
+inline void add_minimums(__m256* mn, __m256 lo, __m256 hi, float s) {
+  const __m256 sv = _mm256_set1_ps(s);
+  mn[0] = _mm256_fmadd_ps(lo, sv, mn[0]);
+  mn[1] = _mm256_fmadd_ps(hi, sv, mn[1]);
+}
+
+// Lanes (j, e) of v into rows k and k + 1 of buf [K, ldb] at column col (e = 0 rows, then e = 1 rows).
+inline void store_split(__m256 v, float* row, int64_t ldb) {
+  v = _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+  _mm_storeu_ps(row, _mm256_castps256_ps128(v));
+  _mm_storeu_ps(row + ldb, _mm256_extractf128_ps(v, 1));
+}
+
 // One row: tiles [t0, t1), the quants unpacked in registers, two chains per row group.
 template <int QT>
 void gemv1(const float* x, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias, float* y,
@@ -114,17 +140,9 @@ void gemv1(const float* x, const float* xsum, int64_t K, const uint8_t* w, int64
         }
       }
       for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(_mm256_add_ps(c0[i], c1[i]), dup4(b + 8 * i), acc[i]);
-      if constexpr (QT != kQ8_0) {
-        const __m256 s = _mm256_set1_ps(xsum[kb]);
-        mn[0] = _mm256_fmadd_ps(minimums<QT>(b, 0), s, mn[0]);
-        mn[1] = _mm256_fmadd_ps(minimums<QT>(b, 1), s, mn[1]);
-      }
+      if constexpr (QT != kQ8_0) add_minimums(mn, minimums<QT>(b, 0), minimums<QT>(b, 1), xsum[kb]);
     }
-    __m256 lo, hi;
-    rows16(acc, lo, hi);
-    const int64_t n0 = t * TN;
-    store16(y + n0, _mm256_add_ps(lo, mn[0]), _mm256_add_ps(hi, mn[1]), bias == nullptr ? nullptr : bias + n0,
-            std::min<int64_t>(TN, N - n0));
+    store_tile_rows(acc, mn, 1, y, 0, t, N, bias);
   }
 }
 
@@ -167,22 +185,12 @@ void gemv_rows(const float* x, int64_t ldx, const float* xsum, int64_t M, int64_
           acc[m * 4 + i] = _mm256_fmadd_ps(ca[i], d[i], acc[m * 4 + i]);
           if (two) acc[(m + 1) * 4 + i] = _mm256_fmadd_ps(cb[i], d[i], acc[(m + 1) * 4 + i]);
         }
-        if constexpr (QT != kQ8_0) {
-          for (int r = 0; r < (two ? 2 : 1); ++r) {
-            const __m256 s = _mm256_set1_ps(xsum[(m + r) * KB + kb]);
-            mn[(m + r) * 2] = _mm256_fmadd_ps(mins[0], s, mn[(m + r) * 2]);
-            mn[(m + r) * 2 + 1] = _mm256_fmadd_ps(mins[1], s, mn[(m + r) * 2 + 1]);
-          }
-        }
+        if constexpr (QT != kQ8_0)
+          for (int r = 0; r < (two ? 2 : 1); ++r)
+            add_minimums(&mn[(m + r) * 2], mins[0], mins[1], xsum[(m + r) * KB + kb]);
       }
     }
-    const int64_t n0 = t * TN, nvalid = std::min<int64_t>(TN, N - n0);
-    for (int64_t m = 0; m < M; ++m) {
-      __m256 lo, hi;
-      rows16(acc.data() + m * 4, lo, hi);
-      store16(y + m * ldy + n0, _mm256_add_ps(lo, mn[m * 2]), _mm256_add_ps(hi, mn[m * 2 + 1]),
-              bias == nullptr ? nullptr : bias + n0, nvalid);
-    }
+    store_tile_rows(acc.data(), mn.data(), M, y, ldy, t, N, bias);
   }
 }
 
@@ -191,7 +199,6 @@ void gemv_rows(const float* x, int64_t ldx, const float* xsum, int64_t M, int64_
 template <int QT>
 void dequant_tile(const uint8_t* w, int64_t t, int64_t K, int64_t col0, float* buf, int64_t ldb) {
   const int64_t KB = K / QK, TB = tile_block_bytes(QT);
-  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);  // lanes (j, e) -> [e = 0 rows | e = 1 rows]
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* b = w + (t * KB + kb) * TB;
     for (int i = 0; i < 4; ++i) {
@@ -202,10 +209,7 @@ void dequant_tile(const uint8_t* w, int64_t t, int64_t K, int64_t col0, float* b
         if constexpr (QT == kQ4_0) q = _mm256_sub_ps(q, _mm256_set1_ps(8.f));  // d (q - 8)
         __m256 v = _mm256_mul_ps(q, d);
         if constexpr (QT == kQ4_1) v = _mm256_add_ps(v, m);  // d q + m
-        v = _mm256_permutevar8x32_ps(v, split);
-        float* row = buf + (kb * QK + 2 * p) * ldb + col0 + 4 * i;
-        _mm_storeu_ps(row, _mm256_castps256_ps128(v));
-        _mm_storeu_ps(row + ldb, _mm256_extractf128_ps(v, 1));
+        store_split(v, buf + (kb * QK + 2 * p) * ldb + col0 + 4 * i, ldb);
       }
     }
   }
@@ -246,7 +250,8 @@ inline void kscales(const uint8_t* b, KScales& ks) {
           sc = _mm256_and_si256(by[g], m63);
           mn = _mm256_and_si256(by[g + 4], m63);
         } else {
-          sc = _mm256_or_si256(_mm256_and_si256(by[g + 4], m15), _mm256_and_si256(_mm256_srli_epi32(by[g - 4], 2), m48));
+          sc = _mm256_or_si256(_mm256_and_si256(by[g + 4], m15),
+                               _mm256_and_si256(_mm256_srli_epi32(by[g - 4], 2), m48));
           mn = _mm256_or_si256(_mm256_srli_epi32(by[g + 4], 4), _mm256_and_si256(_mm256_srli_epi32(by[g], 2), m48));
         }
         _mm256_store_ps(ks.s[g] + 8 * h, _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc)));
@@ -314,18 +319,11 @@ void kgemv1(const float* x, const float* xsum, int64_t K, const uint8_t* w, int6
           const float* sg = ks.s[kgroup<QT>(g, half)];
           for (int i = 0; i < 4; ++i) acc[i] = _mm256_fmadd_ps(_mm256_add_ps(c0[i], c1[i]), dupf(sg + 4 * i), acc[i]);
         }
-        if constexpr (QT != kQ6_K) {
-          const __m256 sx = _mm256_set1_ps(xsum[kb * 8 + g]);
-          mn[0] = _mm256_fmadd_ps(_mm256_load_ps(ks.nm[g]), sx, mn[0]);
-          mn[1] = _mm256_fmadd_ps(_mm256_load_ps(ks.nm[g] + 8), sx, mn[1]);
-        }
+        if constexpr (QT != kQ6_K)
+          add_minimums(mn, _mm256_load_ps(ks.nm[g]), _mm256_load_ps(ks.nm[g] + 8), xsum[kb * 8 + g]);
       }
     }
-    __m256 lo, hi;
-    rows16(acc, lo, hi);
-    const int64_t n0 = t * TN;
-    store16(y + n0, _mm256_add_ps(lo, mn[0]), _mm256_add_ps(hi, mn[1]), bias == nullptr ? nullptr : bias + n0,
-            std::min<int64_t>(TN, N - n0));
+    store_tile_rows(acc, mn, 1, y, 0, t, N, bias);
   }
 }
 
@@ -372,23 +370,14 @@ void kgemv_rows(const float* x, int64_t ldx, const float* xsum, int64_t M, int64
               if (two) acc[(m + 1) * 4 + i] = _mm256_fmadd_ps(cb[i], d, acc[(m + 1) * 4 + i]);
             }
           }
-          if constexpr (QT != kQ6_K) {
-            for (int r = 0; r < (two ? 2 : 1); ++r) {
-              const __m256 sx = _mm256_set1_ps(xsum[(m + r) * KS + kb * 8 + g]);
-              mn[(m + r) * 2] = _mm256_fmadd_ps(_mm256_load_ps(ks.nm[g]), sx, mn[(m + r) * 2]);
-              mn[(m + r) * 2 + 1] = _mm256_fmadd_ps(_mm256_load_ps(ks.nm[g] + 8), sx, mn[(m + r) * 2 + 1]);
-            }
-          }
+          if constexpr (QT != kQ6_K)
+            for (int r = 0; r < (two ? 2 : 1); ++r)
+              add_minimums(&mn[(m + r) * 2], _mm256_load_ps(ks.nm[g]), _mm256_load_ps(ks.nm[g] + 8),
+                           xsum[(m + r) * KS + kb * 8 + g]);
         }
       }
     }
-    const int64_t n0 = t * TN, nvalid = std::min<int64_t>(TN, N - n0);
-    for (int64_t m = 0; m < M; ++m) {
-      __m256 lo, hi;
-      rows16(acc.data() + m * 4, lo, hi);
-      store16(y + m * ldy + n0, _mm256_add_ps(lo, mn[m * 2]), _mm256_add_ps(hi, mn[m * 2 + 1]),
-              bias == nullptr ? nullptr : bias + n0, nvalid);
-    }
+    store_tile_rows(acc.data(), mn.data(), M, y, ldy, t, N, bias);
   }
 }
 
@@ -397,7 +386,6 @@ void kgemv_rows(const float* x, int64_t ldx, const float* xsum, int64_t M, int64
 template <int QT>
 void kdequant_tile(const uint8_t* w, int64_t t, int64_t K, int64_t col0, float* buf, int64_t ldb) {
   const int64_t KB = K / 256, TB = tile_block_bytes(QT);
-  const __m256i split = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   KScales ks;
   for (int64_t kb = 0; kb < KB; ++kb) {
     const uint8_t* b = w + (t * KB + kb) * TB;
@@ -407,10 +395,7 @@ void kdequant_tile(const uint8_t* w, int64_t t, int64_t K, int64_t col0, float* 
         for (int p = 0; p < 16; ++p) {
           __m256 v = _mm256_mul_ps(kquants<QT>(b, g, p, i), dupf(ks.s[kgroup<QT>(g, p / 8)] + 4 * i));
           if constexpr (QT != kQ6_K) v = _mm256_add_ps(v, dupf(ks.nm[g] + 4 * i));
-          v = _mm256_permutevar8x32_ps(v, split);
-          float* row = buf + (kb * 256 + 32 * g + 2 * p) * ldb + col0 + 4 * i;
-          _mm_storeu_ps(row, _mm256_castps256_ps128(v));
-          _mm_storeu_ps(row + ldb, _mm256_extractf128_ps(v, 1));
+          store_split(v, buf + (kb * 256 + 32 * g + 2 * p) * ldb + col0 + 4 * i, ldb);
         }
   }
 }

@@ -267,22 +267,8 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
   TORCH_CHECK(fmt == kExpertsInt4Group || fmt == kExpertsMxfp4, "packed_experts_linear: unknown format ", fmt);
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "packed_experts_linear: x [N, K] bf16 or float32 expected");
-  TORCH_CHECK(packed.dim() == 3 && scale.dim() == 3 && packed.is_contiguous() && scale.is_contiguous(),
-              "packed_experts_linear: contiguous packed [E, n, .] and scale [E, n, K / 32] expected");
+  const int scale_kind = check_expert_buffers(fmt, packed, scale, x.size(1), "packed_experts_linear");
   const int64_t N = x.size(0), K = x.size(1), E = packed.size(0), n = packed.size(1);
-  TORCH_CHECK(K % kGroup == 0 && scale.size(0) == E && scale.size(1) == n && scale.size(2) == K / kGroup,
-              "packed_experts_linear: scale shape does not match K = ", K);
-  int scale_kind = 0;
-  if (fmt == kExpertsInt4Group) {
-    TORCH_CHECK(packed.scalar_type() == at::kInt && packed.size(2) * 8 == K,
-                "packed_experts_linear: int4 packed must be int32 [E, n, K / 8]");
-    TORCH_CHECK(scale.scalar_type() == at::kBFloat16 || scale.scalar_type() == at::kHalf,
-                "packed_experts_linear: int4 scales must be bf16 or fp16");
-    scale_kind = scale.scalar_type() == at::kHalf ? 1 : 0;
-  } else {
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) * 2 == K && scale.scalar_type() == at::kByte,
-                "packed_experts_linear: mxfp4 packed must be uint8 [E, n, K / 2] with uint8 scales");
-  }
   const auto seg = tokenfab_cpu::expert_segments(experts, offsets, E, N, "packed_experts_linear");
   const int64_t A = seg.A;
   const int64_t* ep = seg.ep();

@@ -10,6 +10,27 @@ constexpr int64_t kExpertsMxfp4 = 1;      // compressed-tensors mxfp4-pack-quant
 // past them in the checkpoint layout.
 constexpr int64_t kExpertsTiles = 16;
 
+// Checks a stack's buffers for format fmt (kExpertsInt4Group or kExpertsMxfp4, no tile offset) against x's K:
+// contiguous packed [E, n, .] and scale [E, n, K / 32] of the format's dtypes (below). Returns INT4's scale kind
+// (0 bf16, 1 fp16; 0 for MXFP4). Raises naming `who`.
+inline int check_expert_buffers(int64_t fmt, const at::Tensor& packed, const at::Tensor& scale, int64_t K,
+                                const char* who) {
+  TORCH_CHECK(packed.dim() == 3 && scale.dim() == 3 && packed.is_contiguous() && scale.is_contiguous(), who,
+              ": contiguous packed [E, n, .] and scale [E, n, K / 32] expected");
+  TORCH_CHECK(K % 32 == 0 && scale.size(0) == packed.size(0) && scale.size(1) == packed.size(1) &&
+              scale.size(2) == K / 32, who, ": scale shape does not match K = ", K);
+  if (fmt == kExpertsInt4Group) {
+    TORCH_CHECK(packed.scalar_type() == at::kInt && packed.size(2) * 8 == K, who,
+                ": int4 packed must be int32 [E, n, K / 8]");
+    TORCH_CHECK(scale.scalar_type() == at::kBFloat16 || scale.scalar_type() == at::kHalf, who,
+                ": int4 scales must be bf16 or fp16");
+    return scale.scalar_type() == at::kHalf ? 1 : 0;
+  }
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) * 2 == K && scale.scalar_type() == at::kByte, who,
+              ": mxfp4 packed must be uint8 [E, n, K / 2] with uint8 scales");
+  return 0;
+}
+
 // y[offsets[a]:offsets[a+1]] = x[offsets[a]:offsets[a+1]] W_{experts[a]}^T for every segment a, W_e [n, K] of a
 // stack of E experts in format ``fmt``:
 //   int4:  packed int32 [E, n, K / 8] (value k of a row at bits 4 (k % 8) of word k / 8, stored as q + 8),

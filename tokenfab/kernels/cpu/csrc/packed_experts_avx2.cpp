@@ -181,23 +181,9 @@ at::Tensor packed_experts_avx2(const at::Tensor& x, int64_t fmt, const at::Tenso
   TORCH_CHECK(fmt == kExpertsInt4Group || fmt == kExpertsMxfp4, "packed_experts_avx2: format ", fmt,
               " is not int4 group-32 (0) or MXFP4 (1) in the checkpoint layout");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "packed_experts_avx2: x must be float32 [N, K]");
-  TORCH_CHECK(packed.dim() == 3 && scale.dim() == 3 && packed.is_contiguous() && scale.is_contiguous(),
-              "packed_experts_avx2: contiguous packed [E, n, .] and scale [E, n, K / 32] expected");
+  const int int4_kind = check_expert_buffers(fmt, packed, scale, x.size(1), "packed_experts_avx2");
+  const int kind = fmt == kExpertsMxfp4 ? 2 : int4_kind;  // ScaleKind
   const int64_t N = x.size(0), K = x.size(1), E = packed.size(0), n = packed.size(1);
-  TORCH_CHECK(K % kGroup == 0 && scale.size(0) == E && scale.size(1) == n && scale.size(2) == K / kGroup,
-              "packed_experts_avx2: scale shape does not match K = ", K);
-  int kind = 0;
-  if (fmt == kExpertsInt4Group) {
-    TORCH_CHECK(packed.scalar_type() == at::kInt && packed.size(2) * 8 == K,
-                "packed_experts_avx2: int4 packed must be int32 [E, n, K / 8]");
-    TORCH_CHECK(scale.scalar_type() == at::kBFloat16 || scale.scalar_type() == at::kHalf,
-                "packed_experts_avx2: int4 scales must be bf16 or fp16");
-    kind = scale.scalar_type() == at::kHalf ? 1 : 0;
-  } else {
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) * 2 == K && scale.scalar_type() == at::kByte,
-                "packed_experts_avx2: mxfp4 packed must be uint8 [E, n, K / 2] with uint8 scales");
-    kind = 2;
-  }
   const auto seg = tokenfab_cpu::expert_segments(experts, offsets, E, N, "packed_experts_avx2");
   at::Tensor y = seg.A == 0 ? at::zeros({N, n}, x.options()) : at::empty({N, n}, x.options());
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
