@@ -341,16 +341,20 @@ def _fp8_cpu(x: torch.Tensor, cpu_kernel: bool) -> bool:
     return cpu_kernel and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu"
 
 
-def fp8_block_linear_applies(x: torch.Tensor, cpu_kernel: bool) -> bool:
+def fp8_block_linear_applies(x: torch.Tensor, cpu_kernel: bool, cpu_avx2: bool = False) -> bool:
     """True when a kernel computes an FP8 block-scaled ``x W^T`` here: the C++ kernel where the weight chose it at
-    load (``cpu_kernel``, Fp8BlockWeight.prepare) for bf16 / float32 CPU x, or the Triton kernel on CUDA/ROCm."""
-    return _fp8_cpu(x, cpu_kernel) or gpu_support.applies(x)
+    load (``cpu_kernel``, or on CPUs without AVX512-BF16 ``cpu_avx2``: Fp8BlockWeight.prepare) for bf16 / float32
+    CPU x, or the Triton kernel on CUDA/ROCm."""
+    return _fp8_cpu(x, cpu_kernel or cpu_avx2) or gpu_support.applies(x)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
-                     cpu_kernel: bool, mm_scale: torch.Tensor | None = None) -> torch.Tensor:
+                     cpu_kernel: bool, mm_scale: torch.Tensor | None = None, cpu_avx2: bool = False) -> torch.Tensor:
     """``x [.., K] @ weight^T`` (+ bias) on the e4m3 matrix and its 128 x 128 block scales by the kernel of
-    :func:`fp8_block_linear_applies` (call only where it is True); ``mm_scale``: :func:`fp8_block_prepare`'s."""
+    :func:`fp8_block_linear_applies` (call only where it is True); ``mm_scale``: :func:`fp8_block_prepare`'s;
+    ``cpu_avx2``: the AVX2 kernel (float32 arithmetic, one rounding to x's dtype)."""
+    if _fp8_cpu(x, cpu_avx2) and not cpu_kernel:
+        return cpu_ops.fp8_block_linear_avx2(x.float(), weight, scale_inv, bias).to(x.dtype)
     if _fp8_cpu(x, cpu_kernel):
         return cpu_ops.fp8_block_linear(x, weight, scale_inv, bias)
     from tokenfab.kernels.gpu import fp8_linear  # CUDA/ROCm (tests: the interpreter)

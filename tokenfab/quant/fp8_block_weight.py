@@ -13,9 +13,12 @@ decode GEMV converting e4m3 to bf16 in registers (every e4m3 value is exact in b
 rows converts 16 weight rows at a time into AMX tiles; otherwise more than 16 rows convert 32 weight rows at a time
 into a thread-local buffer for oneDNN's brgemm. All sum x q exactly per 128 inputs in float32 and scale each block's
 sum once: y = sum_kb s[n, kb] * sum_{k in kb} x_k q_k, the same real number as
-sum_k x_k W[n, k] up to float32 rounding. Needs in_features a multiple of 32. Reference / fallback (no kernels, no
-AVX512-BF16, another device, in_features not a multiple of 32, or ``TOKENFAB_CPU_LINEAR=torch``): dequantize 1024 rows
-at a time by the formula and ``F.linear`` in float32, so no full-size float copy of the weight is ever made.
+sum_k x_k W[n, k] up to float32 rounding. Needs in_features a multiple of 32. CPUs without AVX512-BF16:
+``cpu_ops.fp8_block_linear_avx2`` (kernels/cpu/csrc/fp8_linear_avx2.cpp: e4m3 converted through fp16 in registers,
+float32 FMAs; more than 16 rows on 64-row converted panels and PyTorch's float32 GEMM). Reference / fallback (no
+kernels, another device, in_features not a multiple of 32, or ``TOKENFAB_CPU_LINEAR=torch``): a float32 copy within
+its budget (PackedWeight.keep_dense_copy), else dequantize 1024 rows at a time by the formula and ``F.linear`` in
+float32.
 """
 from __future__ import annotations
 
@@ -62,6 +65,7 @@ class Fp8BlockWeight(PackedWeight):
         self.register_buffer("weight", weight.contiguous(), persistent=False)
         self.register_buffer("scale_inv", scale_inv.to(torch.float32).contiguous(), persistent=False)
         self._kernel = False
+        self._avx2 = False  # cpu_ops.fp8_block_linear_avx2 (CPUs without AVX512-BF16; prepare)
         self._mm_scale: torch.Tensor | None = None  # scale_inv in scaled_mm's layout (GPU, set by prepare)
 
     @property
@@ -79,24 +83,28 @@ class Fp8BlockWeight(PackedWeight):
         """Use the C++ kernel when it runs here: CPU tensors, in_features a multiple of 32, built kernels with
         AVX512-BF16 and a CPU linear backend other than ``torch`` (``TOKENFAB_CPU_LINEAR``). On a GPU: run the
         block-scaled scaled_mm probe once per device and, where it passed, keep the scales in its layout
-        (:func:`tokenfab.kernels.dispatch.fp8_block_prepare`). A CPU without the kernel keeps a float32 copy within
-        the budget (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
+        (:func:`tokenfab.kernels.dispatch.fp8_block_prepare`). A CPU without AVX512-BF16 takes the AVX2 kernel where
+        it is built; with neither, a float32 copy within the budget
+        (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
         from tokenfab.layers.linear import cpu_linear_backend
-        self._kernel = (self.weight.device.type == "cpu" and self.in_features % 32 == 0
-                        and cpu_linear_backend() != "torch" and cpu_ops.fp8_block_linear_applies())
+        on_cpu = self.weight.device.type == "cpu" and self.in_features % 32 == 0 and cpu_linear_backend() != "torch"
+        self._kernel = on_cpu and cpu_ops.fp8_block_linear_applies()
+        self._avx2 = (on_cpu and not self._kernel and not dispatch.gpu_path(self.weight)
+                      and cpu_ops.fp8_block_linear_avx2_applies())
         self._mm_scale = dispatch.fp8_block_prepare(self.weight, self.scale_inv)
-        if not self._kernel:
+        if not self._kernel and not self._avx2:
             self.keep_dense_copy()  # no packed kernel on this CPU: a float32 copy within the budget
 
     def _kernel_applies(self, x: torch.Tensor) -> bool:
         """A kernel (C++ on CPU, Triton on CUDA/ROCm) computes ``x W^T`` here; else the PyTorch reference does."""
-        return dispatch.fp8_block_linear_applies(x, self._kernel)
+        return dispatch.fp8_block_linear_applies(x, self._kernel, self._avx2)
 
     def _kernel_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x [.., K] @ weight^T`` on the stored e4m3 matrix and scales by the kernel that applies (K = the stored
         matrix's columns; call only where :meth:`_kernel_applies`)."""
         ms = self._mm_scale if self._mm_scale is not None and self._mm_scale.device == x.device else None
-        return dispatch.fp8_block_linear(x, self.weight, self.scale_inv, bias, self._kernel, mm_scale=ms)
+        return dispatch.fp8_block_linear(x, self.weight, self.scale_inv, bias, self._kernel, mm_scale=ms,
+                                         cpu_avx2=self._avx2)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._kernel_applies(x):
@@ -114,7 +122,7 @@ class Fp8BlockWeight(PackedWeight):
         if any(w.out_features % BLOCK for w in weights[:-1]):
             return None
         out = cls(torch.cat([w.weight for w in weights]), torch.cat([w.scale_inv for w in weights]))
-        out._kernel = first._kernel
+        out._kernel, out._avx2 = first._kernel, first._avx2
         return out
 
     def extra_repr(self) -> str:

@@ -7,12 +7,12 @@ read (the loader hands the model PackedWeights instead of tensors); which kernel
 :meth:`PackedWeight.prepare` after loading, never per call in the model code. Every format has a plain-PyTorch
 reference (:meth:`PackedWeight.dequantize` then ``F.linear``) that its fast path is tested against.
 
-Where no packed kernel runs a weight on the CPU (a CPU at the ``avx2`` level: the packed GEMVs need AVX512-BF16),
-:meth:`PackedWeight.keep_dense_copy` dequantizes it once into float32 and the reference path multiplies that copy,
-while this process's copies total at most ``TOKENFAB_DENSE_FALLBACK_GIB`` (default 4; 0: never), so a packed file
-costs there what its float32 twin does instead of a dequantization per call (an AVX2-only EPYC, 2026-12-06:
-SmolLM2's Q4_1 file served at about a tenth of an AVX512-BF16 machine's rate before; NOTES 79). Past the budget
-the remaining weights dequantize REFERENCE_ROWS rows per call, as before.
+Where no packed kernel runs a weight on the CPU (kernels not built, ``TOKENFAB_CPU_LINEAR=torch``; GGUF and FP8
+have AVX512-BF16 kernels and AVX2 ones, NOTES 84), :meth:`PackedWeight.keep_dense_copy` dequantizes it once into
+float32 and the reference path multiplies that copy, while this process's copies total at most
+``TOKENFAB_DENSE_FALLBACK_GIB`` (default 4; 0: never), so a packed file costs there what its float32 twin does
+instead of a dequantization per call (NOTES 79). Past the budget the remaining weights dequantize REFERENCE_ROWS
+rows per call.
 """
 from __future__ import annotations
 

@@ -423,6 +423,34 @@ def fp8_block_linear_applies() -> bool:
     return bool(m is not None and has_bf16_dot() and hasattr(m, "fp8_block_linear"))
 
 
+def fp8_block_linear_avx2_applies() -> bool:
+    """True when :func:`fp8_block_linear_avx2` runs: kernels built with AVX2 + FMA + F16C and no AVX512-BF16 FP8
+    kernel selected (:func:`fp8_block_linear_applies` False: a CPU without it, or ``TOKENFAB_CPU_ISA=avx2``)."""
+    m = load()
+    return bool(m is not None and getattr(m, "fp8_block_linear_avx2_built", False) and not fp8_block_linear_applies())
+
+
+def fp8_block_linear_avx2(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T (+ bias) with W [n, K] FP8 block-scaled as published (as :func:`fp8_block_linear`), on AVX2:
+    kernels/cpu/csrc/fp8_linear_avx2.cpp, the FP8 path of CPUs without AVX512-BF16.
+
+    Args:
+        x: [..., K] float32, K a multiple of 32. weight: float8_e4m3fn (or its uint8 bytes) [n, K], contiguous.
+        scale_inv: float32 [ceil(n / 128), ceil(K / 128)], contiguous. bias: [n] (any float dtype) or None.
+
+    Returns:
+        [..., n] float32: float32 FMAs of x with the weight's float32 values (e4m3 * scale_inv, each rounded once as
+        the reference computes it), + bias. Up to 16 rows of x: a GEMV converting the e4m3 bytes in registers;
+        more: 64-row panels converted into a thread-local buffer for PyTorch's float32 GEMM.
+
+    Raises:
+        RuntimeError: shapes or dtypes outside the above, or kernels built without AVX2 / FMA / F16C (check
+            :func:`fp8_block_linear_avx2_applies` first).
+    """
+    return load().fp8_block_linear_avx2(x, weight.view(torch.uint8), scale_inv, bias)
+
+
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T (+ bias) with W [n, K] FP8 block-scaled as published: W[r, c] = float32(weight[r, c]) *

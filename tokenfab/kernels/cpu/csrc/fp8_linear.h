@@ -12,6 +12,13 @@ constexpr int64_t kFp8Block = 128;
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_inv,
                             const c10::optional<at::Tensor>& bias);
 
+// As fp8_block_linear for float32 x on AVX2 + FMA + F16C (fp8_linear_avx2.cpp: CPUs without AVX512-BF16): the e4m3
+// values converted through fp16 in registers, float32 FMAs; y [..., n] float32. Raises for another dtype or shape, or
+// where the kernels were built without those instructions (fp8_block_linear_avx2_built()).
+at::Tensor fp8_block_linear_avx2(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_inv,
+                                 const c10::optional<at::Tensor>& bias);
+bool fp8_block_linear_avx2_built();
+
 // The grouped form over a stack of E routed experts kept packed (tokenfab/quant/fp8_block_experts.py): for every
 // segment a, y[offsets[a]:offsets[a+1]] = x[offsets[a]:offsets[a+1]] W_{experts[a]}^T. w uint8 [E, n, K] (e4m3 bytes);
 // an expert's n rows are n / part_rows parts of part_rows rows (gate | up: two parts of I rows; down: one part), each

@@ -7,7 +7,7 @@
 
 // The DecodeStack class (decode_stack.cpp).
 void register_decode_stack(pybind11::module_& m);
-// fp8_block_linear and the FP8 expert kernels (fp8_linear.cpp).
+// fp8_block_linear (its AVX2 form from fp8_linear_avx2.cpp) and the FP8 expert kernels (fp8_linear.cpp).
 void register_fp8_linear(pybind11::module_& m);
 // gguf_linear, gguf_gemv_avx2, gguf_embedding and their settings (gguf_linear.cpp).
 void register_gguf_linear(pybind11::module_& m);

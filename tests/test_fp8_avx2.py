@@ -1,0 +1,93 @@
+"""The AVX2 kernel of FP8 block-scaled linears (kernels/cpu/csrc/fp8_linear_avx2.cpp), the FP8 path of CPUs without
+AVX512-BF16: products against the published formula's float32 product (test_fp8_block_weight.py's helpers and float32
+bound) for the GEMV (1-16 rows: single rows and passes of up to four) and the converted panels (17+ rows, a partial
+64-row panel and partial 128-blocks), every e4m3 code decoded exactly (identity rows), NaN codes, named errors, and
+the weight's choice at the avx2 level (no float32 copy kept).
+
+The kernel runs on any x86-64 CPU with AVX2 + FMA + F16C (AVX512 machines too: the tests call it directly, and cap
+the kernels at the avx2 level where they test the weight's choice)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_fp8_block_weight import formula, fp32_bound, random_fp8
+from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.quant import packed_weight
+from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
+
+needs_kernel = pytest.mark.skipif(
+    cpu_ops.load() is None or not getattr(cpu_ops.load(), "fp8_block_linear_avx2_built", False),
+    reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(200, 320), (256, 160), (96, 32)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 17, 70])
+def test_products_within_the_float32_bound(n, k, m):
+    q, s = random_fp8(n, k, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    bias = torch.randn(n)
+    y = cpu_ops.fp8_block_linear_avx2(x, q, s, bias)
+    W = formula(q, s)
+    ref = torch.nn.functional.linear(x, W) + bias
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert ((y - ref).abs() <= fp32_bound(x, W) + bias.abs() * 2 ** -23).all(), (y - ref).abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m", [1, 4, 16, 40])  # GEMV passes, then the converted panels
+def test_every_e4m3_code_decodes_exactly(m):
+    """x = rows of the identity: y[i, r] = W[r, i] exactly (one exact product), so the fp16 route of every code
+    (subnormals, signed zeros) and the block scaling are checked bit for bit against the formula."""
+    q, s = random_fp8(200, 160, seed=3)
+    eye = torch.eye(160)
+    y = torch.cat([cpu_ops.fp8_block_linear_avx2(eye[i:i + m], q, s) for i in range(0, 160, m)])
+    assert torch.equal(y, formula(q, s).T)
+
+
+@needs_kernel
+def test_nan_codes_give_nan():
+    q, s = random_fp8(128, 64, seed=5)
+    qb = q.view(torch.uint8).clone()
+    qb[7, 3], qb[100, 40] = 0x7F, 0xFF
+    x = torch.randn(3, 64)
+    for xm in (x, x.repeat(8, 1)):  # GEMV and panels
+        y = cpu_ops.fp8_block_linear_avx2(xm, qb.view(torch.float8_e4m3fn), s)
+        nan_cols = y.isnan().all(0)
+        assert nan_cols[7] and nan_cols[100] and nan_cols.sum() == 2
+
+
+@needs_kernel
+def test_errors_are_named():
+    q, s = random_fp8(64, 64, seed=1)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        cpu_ops.fp8_block_linear_avx2(torch.randn(2, 64).bfloat16(), q, s)
+    with pytest.raises(RuntimeError, match="x has 48 inputs for w"):
+        cpu_ops.fp8_block_linear_avx2(torch.randn(2, 48), q, s)
+    with pytest.raises(RuntimeError, match="scale_inv must be contiguous float32"):
+        cpu_ops.fp8_block_linear_avx2(torch.randn(2, 64), q, s.double())
+    with pytest.raises(RuntimeError, match="bias has 3 values for 64 outputs"):
+        cpu_ops.fp8_block_linear_avx2(torch.randn(2, 64), q, s, torch.randn(3))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_takes_the_kernel_at_the_avx2_level(avx2_isa_cap, monkeypatch, dtype):
+    """At the avx2 level an FP8 weight takes the AVX2 kernel for decode and prefill rows, keeps no float32 copy,
+    rounds the float32 result once to x's dtype, and joined q_a | kv_a rows keep the choice."""
+    monkeypatch.delenv("TOKENFAB_CPU_LINEAR", raising=False)
+    monkeypatch.setattr(packed_weight, "_DENSE_BYTES", [0])
+    parts = [Fp8BlockWeight(*random_fp8(128, 96, seed=i)) for i in range(2)]
+    for p in parts:
+        p.prepare()
+        assert p._avx2 and not p._kernel and p._dense is None
+    for m in (3, 20):
+        x = torch.randn(m, 96).to(dtype)
+        want = cpu_ops.fp8_block_linear_avx2(x.float(), parts[0].weight, parts[0].scale_inv).to(dtype)
+        assert torch.equal(parts[0].linear(x, None), want)
+    joined = Fp8BlockWeight.concat(parts)
+    assert joined._avx2
+    x = torch.randn(2, 96)
+    torch.testing.assert_close(joined.linear(x, None), torch.cat([p.linear(x, None) for p in parts], -1),
+                               rtol=0, atol=0)
