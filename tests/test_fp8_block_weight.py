@@ -111,14 +111,20 @@ def test_kernel_decodes_every_e4m3_code_exactly(m):
     assert torch.equal(yb, formula(q, s).T.bfloat16())
 
 
-@kernel
-def test_kernel_nan_codes_give_nan():
+@pytest.mark.parametrize("linear", [
+    pytest.param(lambda *a: cpu_ops.fp8_block_linear(*a), id="avx512", marks=kernel),
+    pytest.param(lambda *a: cpu_ops.fp8_block_linear_avx2(*a), id="avx2", marks=pytest.mark.skipif(
+        cpu_ops.load() is None or not getattr(cpu_ops.load(), "fp8_block_linear_avx2_built", False),
+        reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C"))])
+def test_kernel_nan_codes_give_nan(linear):
+    """e4m3's NaN codes (0x7F, 0xFF) give NaN in their output columns alone, on the GEMV and the prefill path of the
+    AVX512-BF16 kernel and of the AVX2 one."""
     q, s = random_fp8(128, 64, seed=5)
     qb = q.view(torch.uint8).clone()
     qb[7, 3], qb[100, 40] = 0x7F, 0xFF
     x = torch.randn(3, 64)
     for xm in (x, x.repeat(8, 1)):  # GEMV and GEMM
-        y = cpu_ops.fp8_block_linear(xm, qb.view(torch.float8_e4m3fn), s)
+        y = linear(xm, qb.view(torch.float8_e4m3fn), s)
         nan_cols = y.isnan().all(0)
         assert nan_cols[7] and nan_cols[100] and nan_cols.sum() == 2
 

@@ -9,20 +9,9 @@ on the e4m3 bytes) and prefill rows (64, 512: converted 64-row panels and PyTorc
 """
 from __future__ import annotations
 
-import time
-
 import torch
 
-
-def best_us(f, reps: int) -> float:
-    f()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            f()
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best * 1e6
+from avx2_gguf_gemv import best_us  # this folder is on sys.path when the script runs
 
 
 def main() -> None:
