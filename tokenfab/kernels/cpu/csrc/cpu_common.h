@@ -124,6 +124,15 @@ inline void storev(float* p, vf16 v) { std::memcpy(p, &v, sizeof(v)); }
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 
+#if defined(__AVX__)
+// The sum of an AVX vector's 8 floats (the AVX2 kernels' row results).
+inline float hsum(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
+#endif
+
 // Horizontal sum by halving (a lane-by-lane loop costs ~16 extracts per call).
 inline float hsum(vf16 v) {
   vf8 lo, hi;

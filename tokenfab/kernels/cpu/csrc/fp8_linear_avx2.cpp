@@ -14,13 +14,12 @@
 #include "fp8_linear.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mm.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <vector>
 
+#include "cpu_common.h"  // hsum
 #include "linear_io.h"
 
 namespace {
@@ -42,12 +41,6 @@ inline void e4m3x16(const uint8_t* p, __m256& lo, __m256& hi) {
                                           _mm256_set1_epi16(0x7E00)));  // NaN
   lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-}
-
-inline float hsum(__m256 v) {
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
 }
 
 // Row r of W times rows [m0, m0 + NT) of x into y (+ bias): the accumulators stay in registers (NT a constant).
@@ -72,7 +65,7 @@ inline void row_pass(const float* x, int64_t ldx, int64_t m0, int64_t K, const u
     }
   }
   for (int t = 0; t < NT; ++t)
-    y[(m0 + t) * n + r] = hsum(_mm256_add_ps(a[t][0], a[t][1])) + (bias == nullptr ? 0.f : bias[r]);
+    y[(m0 + t) * n + r] = tokenfab_cpu::hsum(_mm256_add_ps(a[t][0], a[t][1])) + (bias == nullptr ? 0.f : bias[r]);
 }
 
 // Rows [r0, r1) of W times the M rows of x into y [M, n] (+ bias): per row, passes of up to four x rows.
@@ -142,15 +135,12 @@ at::Tensor fp8_block_linear_avx2(const at::Tensor& x, const at::Tensor& w, const
     });
     return rows.y;
   }
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  const at::Tensor xt = at::from_blob(const_cast<float*>(xp), {M, K}, {ldx, 1}, f32);
   at::parallel_for(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
     std::vector<float> buf(kPanel * K);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t r0 = p * kPanel, r1 = std::min(n, r0 + kPanel);
       convert_rows(wp, sp, kb_n, K, r0, r1, buf.data());
-      at::Tensor out = at::from_blob(yp + r0, {M, r1 - r0}, {n, 1}, f32);
-      at::mm_out(out, xt, at::from_blob(buf.data(), {K, r1 - r0}, {1, K}, f32));
+      tokenfab_cpu::mm_into(yp + r0, n, xp, ldx, M, K, buf.data(), 1, K, r1 - r0);
     }
   });
   for (int64_t m = 0; bp != nullptr && m < M; ++m)

@@ -21,8 +21,6 @@
 #include "gguf_linear.h"
 
 #include <ATen/Parallel.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mm.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -425,8 +423,6 @@ constexpr int64_t kThreadPanelRows = 128;
 template <int QT>
 void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, int64_t N, float* y, int64_t ldy) {
   const int64_t NT = (N + TN - 1) / TN;
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  const at::Tensor xt = at::from_blob(const_cast<float*>(x), {M, K}, {ldx, 1}, f32);
   if (M <= kThreadPanelRows) {
     at::parallel_for(0, (N + kCols - 1) / kCols, 1, [&](int64_t nb0, int64_t nb1) {
       std::vector<float> buf(K * kCols, 0.f);
@@ -434,8 +430,7 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, i
         for (int64_t c = 0; c < kCols / TN && nb * (kCols / TN) + c < NT; ++c)
           dequant_any<QT>(w, nb * (kCols / TN) + c, K, TN * c, buf.data(), kCols);
         const int64_t nvalid = std::min<int64_t>(kCols, N - nb * kCols);
-        at::Tensor out = at::from_blob(y + nb * kCols, {M, nvalid}, {ldy, 1}, f32);
-        at::mm_out(out, xt, at::from_blob(buf.data(), {K, nvalid}, {kCols, 1}, f32));
+        tokenfab_cpu::mm_into(y + nb * kCols, ldy, x, ldx, M, K, buf.data(), kCols, 1, nvalid);
       }
     });
     return;
@@ -447,8 +442,7 @@ void gemm(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, i
     at::parallel_for(t0, t1, 1, [&](int64_t a, int64_t b) {
       for (int64_t t = a; t < b; ++t) dequant_any<QT>(w, t, K, (t - t0) * TN, buf.data(), NC);
     });
-    at::Tensor out = at::from_blob(y + n0, {M, nvalid}, {ldy, 1}, f32);
-    at::mm_out(out, xt, at::from_blob(buf.data(), {K, nvalid}, {NC, 1}, f32));
+    tokenfab_cpu::mm_into(y + n0, ldy, x, ldx, M, K, buf.data(), NC, 1, nvalid);
   }
 }
 

@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
 #include <ATen/TensorOperators.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/stack.h>
 
 #include <vector>
@@ -24,6 +26,17 @@ inline LinearRows linear_rows(const at::Tensor& x, int64_t K, int64_t n, at::Sca
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   return {x2, at::empty(shape, x.options().dtype(ydtype)), x2.size(0)};
+}
+
+// y [M, N] (row stride ldy) = x [M, K] (row stride ldx) times B [K, N], B's element (k, j) at b[k * bk + j * bn]:
+// PyTorch's float32 GEMM (at::mm_out, the BLAS it links) over caller-owned memory, written into y in place. The
+// dequantizing prefill paths of the AVX2 kernels multiply their converted panels with it.
+inline void mm_into(float* y, int64_t ldy, const float* x, int64_t ldx, int64_t M, int64_t K, const float* b,
+                    int64_t bk, int64_t bn, int64_t N) {
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor out = at::from_blob(y, {M, N}, {ldy, 1}, f32);
+  at::mm_out(out, at::from_blob(const_cast<float*>(x), {M, K}, {ldx, 1}, f32),
+             at::from_blob(const_cast<float*>(b), {K, N}, {bk, bn}, f32));
 }
 
 // The bias as float32 values (nullptr without one); `keep` holds the converted copy. Raises (naming `who`) unless it

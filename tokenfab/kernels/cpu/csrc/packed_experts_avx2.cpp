@@ -19,8 +19,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mm.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -29,6 +27,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_common.h"  // hsum
 #include "linear_io.h"
 
 namespace {
@@ -86,12 +85,6 @@ inline void group_values(const uint8_t* p, __m256 s, __m256 v[4]) {
   }
 }
 
-inline float hsum(__m256 v) {
-  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));
-  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
-}
-
 // Rows [r0, r1) of one expert times tokens [t0, t1) of the rearranged x (xd [N, K]) into y [N, n].
 template <int FMT>
 void gemv_block(const uint8_t* w, const void* sc, int kind, const float* e8m0, int64_t K, int64_t r0, int64_t r1,
@@ -113,8 +106,9 @@ void gemv_block(const uint8_t* w, const void* sc, int kind, const float* e8m0, i
           if (two) b[i] = _mm256_fmadd_ps(v[i], _mm256_loadu_ps(xb + 32 * g + 8 * i), b[i]);
         }
       }
-      y[t * n + r] = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-      if (two) y[(t + 1) * n + r] = hsum(_mm256_add_ps(_mm256_add_ps(b[0], b[1]), _mm256_add_ps(b[2], b[3])));
+      y[t * n + r] = tokenfab_cpu::hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
+      if (two)
+        y[(t + 1) * n + r] = tokenfab_cpu::hsum(_mm256_add_ps(_mm256_add_ps(b[0], b[1]), _mm256_add_ps(b[2], b[3])));
     }
   }
 }
@@ -148,7 +142,6 @@ void run(const float* xd, int64_t K, const uint8_t* packed, const uint8_t* scale
   const int64_t ew = n * (K / 2), es = n * (K / kGroup) * scale_bytes;  // bytes per expert
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf;
-    const auto f32 = at::TensorOptions().dtype(at::kFloat);
     for (int64_t i = i0; i < i1; ++i) {
       const Item it = items[i];
       const int64_t e = ep[it.a], t0 = op[it.a], t1 = op[it.a + 1];
@@ -161,9 +154,7 @@ void run(const float* xd, int64_t K, const uint8_t* packed, const uint8_t* scale
       const int64_t rows = it.r1 - it.r0;
       buf.resize(kPanel * K);
       dequant_rows<FMT>(w, sc, kind, e8m0, K, it.r0, it.r1, buf.data());
-      at::Tensor out = at::from_blob(y + t0 * n + it.r0, {t1 - t0, rows}, {n, 1}, f32);
-      at::mm_out(out, at::from_blob(const_cast<float*>(xd + t0 * K), {t1 - t0, K}, {K, 1}, f32),
-                 at::from_blob(buf.data(), {K, rows}, {1, K}, f32));
+      tokenfab_cpu::mm_into(y + t0 * n + it.r0, n, xd + t0 * K, K, t1 - t0, K, buf.data(), 1, K, rows);
     }
   });
 }
