@@ -1,5 +1,5 @@
 """The measured switch-off (spec_decode/step_timing.py): the on/off decision on hand-worked timings, and through
-the engine a drafter that costs more than it saves (it sleeps) being switched off by the clock while a free one is
+the engine a drafter that costs more than it saves (on a virtual clock) being switched off by the clock while a free one is
 not, with the tokens unchanged either way (greedy)."""
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from tokenfab import LLM, SamplingParams
+from tokenfab.spec_decode import spec_decoder
 from tokenfab.spec_decode.proposer import Proposal, Proposer
 from tokenfab.spec_decode.step_timing import MAX_PROBE_INTERVAL, PLAIN_SAMPLE_INTERVAL, StepTiming, bucket
 
@@ -51,14 +52,35 @@ def test_probe_interval_backs_off_to_its_cap_and_plain_samples_recur():
     assert plain == [False] * PLAIN_SAMPLE_INTERVAL + [True]
 
 
-class SlowProposer(Proposer):
-    """Drafts the true greedy continuation (all accepted) but sleeps ``delay`` seconds per proposal."""
+class VirtualClock:
+    """Stands in for ``time`` in spec_decode/spec_decoder.py: every read of ``perf_counter`` advances ``tick``
+    virtual seconds (a plain step then measures one tick), and a proposer's ``sleep`` advances the clock without
+    waiting. The clock's decision then depends on the stated costs, not on how busy the machine running the test is
+    (a real sleep of 0.25 s lost to plain steps slowed past 60 ms by a contended CI machine)."""
 
-    def __init__(self, k, truth, delay):
-        self.num_speculative_tokens, self.truth, self.delay = k, truth, delay
+    def __init__(self, tick=1e-3):
+        self.t, self.tick = 0.0, tick
+
+    def perf_counter(self):
+        self.t += self.tick
+        return self.t
+
+    def monotonic(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
+class SlowProposer(Proposer):
+    """Drafts the true greedy continuation (all accepted) but costs ``delay`` seconds per proposal on ``clock``
+    (``time`` by default: a real sleep)."""
+
+    def __init__(self, k, truth, delay, clock=time):
+        self.num_speculative_tokens, self.truth, self.delay, self.clock = k, truth, delay, clock
 
     def propose(self, seqs, rows, token_ids, lengths, max_lens):
-        time.sleep(self.delay)
+        self.clock.sleep(self.delay)
         d = np.zeros((len(seqs), self.num_speculative_tokens), dtype=np.int64)
         for i, s in enumerate(seqs):
             cont = self.truth[tuple(s.token_ids[:s.num_prompt_tokens])]
@@ -68,28 +90,34 @@ class SlowProposer(Proposer):
         return Proposal(d, np.minimum(self.num_speculative_tokens, max_lens).astype(np.int64))
 
 
-def _run(path, delay, timed):
+def _run(path, delay, timed, monkeypatch):
     prompts = [[11, 23, 37, 41, 53, 67, 79] * 2, [5, 9, 300, 42, 7]]
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain = LLM(path, dtype="float32", progress=False).generate([{"prompt_token_ids": p} for p in prompts], sp)
     truth = {tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, plain)}
     llm = LLM(path, dtype="float32", progress=False,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "timed_switch_off": timed})
-    llm.llm_engine.spec.proposer = SlowProposer(3, truth, delay)
-    out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    clock = VirtualClock()
+    monkeypatch.setattr(spec_decoder, "time", clock)
+    llm.llm_engine.spec.proposer = SlowProposer(3, truth, delay, clock)
+    try:
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    finally:
+        monkeypatch.undo()
     assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in plain]
     return llm.llm_engine.get_stats()["spec_decode_num_drafts"]
 
 
-def test_engine_switches_a_drafter_off_when_it_costs_more_than_it_saves(tiny_model):
-    """A drafter whose every proposal sleeps 0.25 s (far more than the tiny model's plain steps) speculates in a
-    handful of steps (the first measurement and the backing-off probes: at most half the rows-with-drafts count it
-    gets without the clock, where it speculates every step); a free drafter
-    (no sleep, every draft accepted) keeps speculating."""
+def test_engine_switches_a_drafter_off_when_it_costs_more_than_it_saves(tiny_model, monkeypatch):
+    """On the virtual clock (a plain step 1 ms), a drafter whose every proposal costs 0.25 s speculates in a handful
+    of steps (the first measurement and the backing-off probes: at most half the rows-with-drafts count it gets
+    without the clock, where it speculates every step); a free drafter (every draft accepted) keeps speculating.
+    Hand-worked at batch 2, k = 3: the slow drafter's step is 0.25 s for 4 tokens per row, 0.0625 s per row-token
+    against the plain step's 0.001 s: off; the free one's is 0.001 s x 2 / 8 < 0.001 s: on."""
     path = tiny_model("llama")
-    slow_timed = _run(path, 0.25, True)
-    slow_untimed = _run(path, 0.25, False)
-    free_timed = _run(path, 0.0, True)
+    slow_timed = _run(path, 0.25, True, monkeypatch)
+    slow_untimed = _run(path, 0.25, False, monkeypatch)
+    free_timed = _run(path, 0.0, True, monkeypatch)
     print(f"\nspeculative steps: slow drafter {slow_timed} timed, {slow_untimed} untimed; free {free_timed}")
     assert slow_untimed >= 15 and 2 * slow_timed <= slow_untimed, (slow_timed, slow_untimed)
     assert free_timed >= 10
