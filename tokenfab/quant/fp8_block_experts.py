@@ -14,9 +14,11 @@ multiple of 128 a block never mixes their rows), down rows one part. ``scale`` f
 resident bytes are exactly the checkpoint's (1 per parameter + 4 per block), what ``tokenfab plan`` counts.
 
 Kernel: ``cpu_ops.fp8_experts_linear`` (kernels/cpu/csrc/fp8_linear.cpp, AVX512-BF16: the e4m3 bytes converted to
-exact bf16 in registers, per 128-input block float32 sums scaled once), which needs in_features a multiple of 32;
-else the PyTorch reference of :class:`~tokenfab.quant.packed_experts.PackedExperts` (the formula above, 1024 rows at
-a time). Published shapes (hidden 7168, moe_intermediate 2048) have no partial blocks; tokenfab handles them anyway.
+exact bf16 in registers, per 128-input block float32 sums scaled once), which needs in_features a multiple of 32; on
+CPUs without AVX512-BF16 ``cpu_ops.fp8_experts_avx2`` (fp8_linear_avx2.cpp: e4m3 through fp16 in registers, float32
+FMAs on float32 x); else the PyTorch reference of :class:`~tokenfab.quant.packed_experts.PackedExperts` (the formula
+above, 1024 rows at a time). Published shapes (hidden 7168, moe_intermediate 2048) have no partial blocks; tokenfab
+handles them anyway.
 """
 from __future__ import annotations
 
@@ -101,14 +103,18 @@ class Fp8BlockExperts(PackedExperts):
     def prepare(self) -> None:
         """Use ``fp8_experts_linear`` when it runs here: CPU buffers, in_features a multiple of 32, built kernels
         with AVX512-BF16, not disabled by ``TOKENFAB_PACKED_EXPERTS=torch`` nor by ``TOKENFAB_CPU_LINEAR=torch``
-        (which sends the FP8 checkpoint's other Linears to the PyTorch path too). On the GPU code path (CUDA / ROCm
+        (which sends the FP8 checkpoint's other Linears to the PyTorch path too); where that kernel does not run
+        (a CPU without AVX512-BF16) the AVX2 kernel ``cpu_ops.fp8_experts_avx2`` under the same conditions. On the GPU code path (CUDA / ROCm
         buffers with Triton on, or the interpreter's ``interpret-gpu-path`` in tests) re-lay the stack once into the
         grouped GEMM's layout instead (kernels/gpu/moe_relayout.relayout_fp8: in place where in_features is a
         multiple of 512) and set :attr:`gpu_layout`."""
-        from tokenfab.layers.linear import cpu_linear_backend
-        self._kernel = (self.packed.device.type == "cpu" and self.in_features % 32 == 0 and not kernel_disabled()
-                        and cpu_linear_backend() != "torch" and cpu_ops.fp8_experts_applies())
         from tokenfab.kernels.gpu import support as gpu_support
+        from tokenfab.layers.linear import cpu_linear_backend
+        cpu = (self.packed.device.type == "cpu" and self.in_features % 32 == 0 and not kernel_disabled()
+               and cpu_linear_backend() != "torch")
+        self._kernel = cpu and cpu_ops.fp8_experts_applies()
+        self._avx2 = (cpu and not self._kernel and not self.gpu_layout and not gpu_support.gpu_path(self.packed)
+                      and cpu_ops.fp8_block_linear_avx2_applies())
         if self.gpu_layout or not gpu_support.gpu_path(self.packed):
             return
         from tokenfab.kernels.gpu.moe_relayout import relayout_fp8
@@ -117,6 +123,9 @@ class Fp8BlockExperts(PackedExperts):
 
     def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return cpu_ops.fp8_experts_linear(x, self.packed, self.scale, experts, offsets, self.part_rows)
+
+    def avx2_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.fp8_experts_avx2(x, self.packed, self.scale, experts, offsets, self.part_rows)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, part_rows={self.part_rows}, e4m3 block 128x128"

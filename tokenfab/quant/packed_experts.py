@@ -231,8 +231,7 @@ class PackedExperts(nn.Module):
                 offs.append(offs[-1] + n)
             ids, offsets = torch.tensor(experts, dtype=torch.int64), torch.tensor(offs, dtype=torch.int64)
             if avx2:
-                return cpu_ops.packed_experts_avx2(x.float(), self.kernel_format, self.packed, self.scale, ids,
-                                                   offsets).to(x.dtype)
+                return self.avx2_linear(x.float(), ids, offsets).to(x.dtype)
             return self.kernel_linear(x, ids, offsets)
         return self.reference_grouped_linear(x, experts, counts)
 
@@ -240,6 +239,11 @@ class PackedExperts(nn.Module):
         """The C++ grouped linear (:meth:`grouped_linear` when ``_kernel``): experts int64 [A] local ids, offsets
         int64 [A + 1] row offsets into x."""
         return cpu_ops.packed_experts_linear(x, self.kernel_id, self.packed, self.scale, experts, offsets)
+
+    def avx2_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """The AVX2 grouped linear (:meth:`grouped_linear` when ``_avx2``): x float32 [N, in_features], experts
+        int64 [A] local ids, offsets int64 [A + 1] row offsets into x; float32 [N, out_features]."""
+        return cpu_ops.packed_experts_avx2(x, self.kernel_format, self.packed, self.scale, experts, offsets)
 
     def reference_grouped_linear(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """The PyTorch path of :meth:`grouped_linear`: per expert, float32 ``F.linear`` over 1024 dequantized rows

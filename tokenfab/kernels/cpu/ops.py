@@ -510,6 +510,27 @@ def fp8_experts_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     return load().fp8_experts_linear(x, packed, scale, experts, offsets, int(part_rows))
 
 
+def fp8_experts_avx2(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, experts: torch.Tensor,
+                     offsets: torch.Tensor, part_rows: int) -> torch.Tensor:
+    """:func:`fp8_experts_linear` on AVX2 (kernels/cpu/csrc/fp8_linear_avx2.cpp: the FP8 expert path of CPUs without
+    AVX512-BF16); runs where :func:`fp8_block_linear_avx2_applies`.
+
+    Args:
+        x: [N, K] float32, rows grouped by expert; K a multiple of 32. packed, scale, experts, offsets, part_rows:
+            as :func:`fp8_experts_linear` takes them.
+
+    Returns:
+        [N, n] float32: float32 FMAs of x with the reference's float32 weights (e4m3 * scale_inv of the row's part
+        block, rounded once). Segments of up to 16 rows run the GEMV over the e4m3 bytes; longer ones multiply 64-row
+        converted panels with PyTorch's float32 GEMM.
+
+    Raises:
+        RuntimeError: another dtype, mis-shaped buffers, part_rows not dividing n, bad experts / offsets, or kernels
+            built without AVX2 / FMA / F16C.
+    """
+    return load().fp8_experts_avx2(x, packed, scale, experts, offsets, int(part_rows))
+
+
 def packed_experts_applies() -> bool:
     """True when :func:`packed_experts_linear` runs: built kernels with AVX512-BF16 dot products."""
     m = load()

@@ -500,6 +500,10 @@ void register_fp8_linear(pybind11::module_& m) {
         "x W^T (+ b) over FP8 e4m3 block-scaled weights, float32 x and y (CPU, AVX2 + FMA: CPUs without "
         "AVX512-BF16)", pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale_inv"),
         pybind11::arg("bias") = pybind11::none());
+  m.def("fp8_experts_avx2", &fp8_experts_avx2,
+        "grouped x W_e^T over routed experts kept as FP8 e4m3 block-scaled bytes, float32 x and y (CPU, AVX2 + "
+        "FMA: CPUs without AVX512-BF16)", pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"),
+        pybind11::arg("experts"), pybind11::arg("offsets"), pybind11::arg("part_rows"));
   m.def("fp8_gemv_max_rows", &gemv_max_rows,
         "rows of x up to which the FP8 kernels run their GEMV without AMX (float32 x: True, bf16 x: False)",
         pybind11::arg("f32"));

@@ -30,3 +30,9 @@ bool fp8_block_linear_avx2_built();
 at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
                               const at::Tensor& experts, const at::Tensor& offsets, int64_t part_rows);
 
+// As fp8_experts_linear for float32 x on AVX2 + FMA + F16C (fp8_linear_avx2.cpp: CPUs without AVX512-BF16): the
+// e4m3 values converted through fp16 in registers and scaled per part's block rows, float32 FMAs (GEMV for segments
+// of up to 16 rows, 64-row converted panels and a float32 GEMM above); y [N, n] float32. Raises for another dtype or
+// shape, or where the kernels were built without those instructions (fp8_block_linear_avx2_built()).
+at::Tensor fp8_experts_avx2(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                            const at::Tensor& experts, const at::Tensor& offsets, int64_t part_rows);

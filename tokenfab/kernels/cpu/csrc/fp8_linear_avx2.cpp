@@ -11,9 +11,15 @@
 // two accumulator chains per x row; rows split over threads in blocks of 8. More rows (prefill): 64-row panels of W
 // converted into a thread-local float32 buffer and multiplied by PyTorch's float32 GEMM (at::mm_out, single-threaded
 // inside the parallel region, written into y in place). Never a copy of more than 64 rows of W.
+//
+// The grouped form (fp8_experts_avx2: routed experts, tokenfab/quant/fp8_block_experts.py) runs the same two paths per
+// (segment, block of rows) work item, all segments in one parallel region; an expert's rows come in parts (gate | up)
+// with their own 128-row scale blocks, which ScaleRows resolves (a dense linear is one part).
 #include "fp8_linear.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -27,6 +33,16 @@ namespace {
 constexpr int64_t kGemvMaxRows = 16;  // more rows of x: the panels and a GEMM
 constexpr int64_t kPanel = 64;        // rows of W per converted prefill panel
 constexpr int64_t kRowBlock = 8;      // rows of W per GEMV work item
+
+// The scale_inv row of weight row r: rows come in parts of part_rows rows, each with ceil(part_rows / 128) block rows
+// of kb_n scales (a dense linear: one part of n rows, so block row r / 128).
+struct ScaleRows {
+  const float* sc;
+  int64_t kb_n, part_rows, block_rows;
+  const float* row(int64_t r) const {
+    return sc + ((r / part_rows) * block_rows + (r % part_rows) / kFp8Block) * kb_n;
+  }
+};
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr bool kBuilt = true;
@@ -69,11 +85,12 @@ inline void row_pass(const float* x, int64_t ldx, int64_t m0, int64_t K, const u
 }
 
 // Rows [r0, r1) of W times the M rows of x into y [M, n] (+ bias): per row, passes of up to four x rows.
-void gemv(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, const float* sc, int64_t kb_n,
-          int64_t n, const float* bias, float* y, int64_t r0, int64_t r1) {
+void gemv(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, const ScaleRows& sr, int64_t n,
+          const float* bias, float* y, int64_t r0, int64_t r1) {
+  const int64_t kb_n = sr.kb_n;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * K;
-    const float* srow = sc + (r / kFp8Block) * kb_n;
+    const float* srow = sr.row(r);
     for (int64_t m0 = 0; m0 < M; m0 += 4) {
       switch (std::min<int64_t>(4, M - m0)) {
         case 1: row_pass<1>(x, ldx, m0, K, row, srow, kb_n, n, bias, y, r); break;
@@ -86,9 +103,9 @@ void gemv(const float* x, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, c
 }
 
 // Rows [r0, r1) of W as float32 values into buf [r1 - r0, K].
-void convert_rows(const uint8_t* w, const float* sc, int64_t kb_n, int64_t K, int64_t r0, int64_t r1, float* buf) {
+void convert_rows(const uint8_t* w, const ScaleRows& sr, int64_t K, int64_t r0, int64_t r1, float* buf) {
   for (int64_t r = r0; r < r1; ++r) {
-    const float* srow = sc + (r / kFp8Block) * kb_n;
+    const float* srow = sr.row(r);
     for (int64_t c = 0; c < K; c += 16) {
       const __m256 s = _mm256_set1_ps(srow[c / kFp8Block] * 256.f);
       __m256 lo, hi;
@@ -129,9 +146,10 @@ at::Tensor fp8_block_linear_avx2(const at::Tensor& x, const at::Tensor& w, const
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = scale_inv.data_ptr<float>();
   float* yp = rows.y.data_ptr<float>();
+  const ScaleRows sr{sp, kb_n, n, (n + kFp8Block - 1) / kFp8Block};
   if (M <= kGemvMaxRows) {
     at::parallel_for(0, (n + kRowBlock - 1) / kRowBlock, 1, [&](int64_t b0, int64_t b1) {
-      gemv(xp, ldx, M, K, wp, sp, kb_n, n, bp, yp, b0 * kRowBlock, std::min(n, b1 * kRowBlock));
+      gemv(xp, ldx, M, K, wp, sr, n, bp, yp, b0 * kRowBlock, std::min(n, b1 * kRowBlock));
     });
     return rows.y;
   }
@@ -139,7 +157,7 @@ at::Tensor fp8_block_linear_avx2(const at::Tensor& x, const at::Tensor& w, const
     std::vector<float> buf(kPanel * K);
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t r0 = p * kPanel, r1 = std::min(n, r0 + kPanel);
-      convert_rows(wp, sp, kb_n, K, r0, r1, buf.data());
+      convert_rows(wp, sr, K, r0, r1, buf.data());
       tokenfab_cpu::mm_into(yp + r0, n, xp, ldx, M, K, buf.data(), 1, K, r1 - r0);
     }
   });
@@ -147,4 +165,58 @@ at::Tensor fp8_block_linear_avx2(const at::Tensor& x, const at::Tensor& w, const
     for (int64_t j = 0; j < n; ++j) yp[m * n + j] += bp[j];
 #endif
   return rows.y;
+}
+
+at::Tensor fp8_experts_avx2(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
+                           const at::Tensor& experts, const at::Tensor& offsets, int64_t part_rows) {
+  TORCH_CHECK(kBuilt, "fp8_experts_avx2: the kernels were built without AVX2 / FMA / F16C");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "fp8_experts_avx2: x must be float32 [N, K]");
+  const int64_t N = x.size(0), K = x.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == K && K % 32 == 0,
+              "fp8_experts_avx2: weight ", w.sizes(), " is not uint8 e4m3 bytes [E, n, K] with K = ", K,
+              " a multiple of 32");
+  const int64_t E = w.size(0), n = w.size(1), kb_n = (K + kFp8Block - 1) / kFp8Block;
+  TORCH_CHECK(part_rows > 0 && n % part_rows == 0, "fp8_experts_avx2: part_rows ", part_rows, " does not divide n ",
+              n);
+  const int64_t block_rows = (part_rows + kFp8Block - 1) / kFp8Block, srows = (n / part_rows) * block_rows;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == E &&
+              scale.size(1) == srows && scale.size(2) == kb_n,
+              "fp8_experts_avx2: scale ", scale.sizes(), " is not float32 [E, parts * ceil(part_rows / 128), "
+              "ceil(K / 128)]");
+  const auto seg = tokenfab_cpu::expert_segments(experts, offsets, E, N, "fp8_experts_avx2");
+  at::Tensor y = seg.A == 0 ? at::zeros({N, n}, x.options()) : at::empty({N, n}, x.options());
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  const auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t* ep = seg.ep();
+  const int64_t* op = seg.op();
+  struct Item {
+    int64_t a, r0, r1;
+  };
+  std::vector<Item> items;  // (segment, rows): kRowBlock rows for a GEMV segment, a kPanel-row panel above
+  for (int64_t a = 0; a < seg.A; ++a) {
+    const int64_t nt = op[a + 1] - op[a], step = nt > kGemvMaxRows ? kPanel : kRowBlock;
+    for (int64_t r = 0; nt > 0 && r < n; r += step) items.push_back({a, r, std::min(n, r + step)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf;
+    for (int64_t i = i0; i < i1; ++i) {
+      const Item it = items[i];
+      const int64_t e = ep[it.a], t0 = op[it.a], M = op[it.a + 1] - t0;
+      const uint8_t* we = wp + e * n * K;
+      const ScaleRows sr{sp + e * srows * kb_n, kb_n, part_rows, block_rows};
+      if (M <= kGemvMaxRows) {
+        gemv(xp + t0 * K, K, M, K, we, sr, n, nullptr, yp + t0 * n, it.r0, it.r1);
+        continue;
+      }
+      buf.resize(kPanel * K);
+      convert_rows(we, sr, K, it.r0, it.r1, buf.data());
+      tokenfab_cpu::mm_into(yp + t0 * n + it.r0, n, xp + t0 * K, K, M, K, buf.data(), 1, K, it.r1 - it.r0);
+    }
+  });
+#endif
+  return y;
 }
