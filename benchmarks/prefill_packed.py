@@ -2,8 +2,8 @@
 the real default model (SmolLM2-135M-Instruct) as its packed Q4_1 GGUF, with its prefill rate against this
 machine's measured bf16 GEMM peak; or the embedded DeepSeek-V3-architecture model (~100M, 16 routed experts top-2
 + 1 shared) written in a published packed layout: ``--model fp8``, DeepSeek-V3's FP8 block-scaled linears
-(tokenfab.testing.fp8_checkpoint; its routed experts and kv_b_proj are dequantized at load, the other linears stay
-FP8); ``--model int4`` / ``--model mxfp4``, its routed experts in compressed-tensors INT4 group-32 (Kimi K2-Thinking)
+(tokenfab.testing.fp8_checkpoint; its kv_b_proj is dequantized at load, the routed experts and the other linears
+stay FP8); ``--model int4`` / ``--model mxfp4``, its routed experts in compressed-tensors INT4 group-32 (Kimi K2-Thinking)
 or MXFP4 (Kimi K3), kept packed (tokenfab.testing.packed_experts_checkpoint). The bf16 twin holds the same real
 weights.
 
