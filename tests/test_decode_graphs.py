@@ -245,12 +245,13 @@ def test_padded_decode_tensor_parallel(monkeypatch, tiny_model, kimi_linear_path
 
 
 def test_padded_decode_tensor_parallel_with_layer_taps(monkeypatch, tmp_path_factory, tokenizer_dir):
-    """DSpark on Kimi K3 over 2 ranks: the drafter reads layer taps (forward hooks) on rank 0, and graphs are
-    captured on every rank together (never by rank 0 alone, with its hooks), so rank 0 runs every step through the
-    modules; the workers must too (the step header's modules flag), or their decode-only steps would take the
-    padded buffers and their all-reduces would not pair with rank 0's. The default drafting policy
-    soon stops drafting for this random drafter, so plain decode steps of 3 sequences (padded to 4) follow. Tokens
-    equal one rank without speculation or graphs."""
+    """DSpark on Kimi K3 over 2 ranks: the drafter reads layer taps (forward hooks) on rank 0 from the padded
+    buffers' forward, decode and verification steps alike; every step header tells the workers rank 0's
+    verification size (1 + 3) and, until the first replay, that its graphs wait to be captured again (the taps, the
+    verification graphs), so the workers take the same padded path (their all-reduces pair with rank 0's over the
+    same padded token counts) and capture at the same step. The default drafting policy soon stops drafting for
+    this random drafter, so plain decode steps of 3 sequences (padded to 4) follow. Tokens equal one rank without
+    speculation or graphs."""
     from test_spec_dspark import K3_5MLA, _k3_prompts
     from test_tp_spec_mtp_dspark import ENGINE_KW, GREEDY
     from test_kimi_k3 import TEXT, k3_tensors, write_k3
@@ -269,21 +270,54 @@ def test_padded_decode_tensor_parallel_with_layer_taps(monkeypatch, tmp_path_fac
     from tokenfab.parallel.worker import StepChannel
     orig = StepChannel.send_step
 
-    def spy(self, d, num_new, *args, modules=False, **kw):
-        sent.append((d == len(num_new) and len(num_new) not in (1, 2, 4), modules))  # (a padded size?, modules)
-        return orig(self, d, num_new, *args, modules=modules, **kw)
+    def spy(self, d, num_new, *args, modules=False, graphs=(0, False), **kw):
+        sent.append((d == len(num_new) and len(num_new) not in (1, 2, 4), modules, graphs))
+        return orig(self, d, num_new, *args, modules=modules, graphs=graphs, **kw)
 
     monkeypatch.setattr(StepChannel, "send_step", spy)
     spec = dict(method="dspark", model=drafter, num_speculative_tokens=3, dspark_tap="partial_sum")
     llm = LLM(target, tensor_parallel_size=2, speculative_config=spec, **ENGINE_KW)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(_k3_prompts(), GREEDY, use_tqdm=False)]
-        assert llm.llm_engine.runner.decode_graphs is not None
+        graphs = llm.llm_engine.runner.decode_graphs
+        replays, verify = graphs.replays, graphs.verify_replays
     finally:
         llm.llm_engine.shutdown()
     assert got == base
-    assert any(padded for padded, _ in sent)  # a decode-only step the padded buffers would have served
-    assert all(m for _, m in sent)  # every step: the workers were told to run the modules
+    assert replays > verify > 0  # rank 0: decode and verification steps from the buffers, taps included
+    assert any(padded for padded, _, _ in sent)  # a decode-only step padded in the buffers
+    assert not any(m for _, m, _ in sent)  # no step through the modules
+    assert all(g[0] == 4 for _, _, g in sent) and sent[0][2][1] and not sent[-1][2][1]  # V = 1 + 3; S until capture
+
+
+def test_hybrid_verification_rows_through_graph_buffers_tensor_parallel(monkeypatch, tmp_path, tokenizer_dir):
+    """Kimi Linear (5 KDA heads split 3 + 2) over 2 ranks with drafts from the known continuation, one wrong at a
+    varying position: rank 0 enables verification graphs after the engine is built and the workers follow at the
+    first step (its header's V), so every rank serves the verification rows from the [bs, 4] buffers (padded alike:
+    their all-reduces pair over bs x 4 token rows) and commits its own heads' states from them. Greedy tokens equal
+    one rank without speculation or graphs."""
+    from spec_helpers import NGRAM, spec_prompts, token_ids
+    from test_kimi_linear import make_kimi_linear
+    from test_spec_state_commit import OracleProposer
+    from test_tp_spec_decode import ENGINE_KW, GREEDY
+    from tokenfab import LLM
+    path = make_kimi_linear(str(tmp_path / "kl5"), tokenizer_dir, seed=11, linear_num_heads=5)
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
+    base = token_ids(LLM(path, **ENGINE_KW).generate(spec_prompts(), GREEDY, use_tqdm=False))
+    expected = {len(p["prompt_token_ids"]): b for p, b in zip(spec_prompts(), base)}
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
+    llm = LLM(path, tensor_parallel_size=2, speculative_config=NGRAM, **ENGINE_KW)
+    eng = llm.llm_engine
+    try:
+        eng.spec.proposer = OracleProposer(expected, eng.model_config.vocab_size)
+        got = token_ids(llm.generate(spec_prompts(), GREEDY, use_tqdm=False))
+        graphs, st = eng.runner.decode_graphs, eng.get_stats()
+    finally:
+        eng.shutdown()
+    assert got == base
+    assert graphs.verify_q == 4 and graphs.verify_replays > 0 and not graphs.stale
+    per_pos = st["spec_decode_num_accepted_tokens_per_pos"]
+    assert per_pos[0] > per_pos[2] > 0  # rows accepted 0..3 drafts: states committed after 1..4 tokens
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])

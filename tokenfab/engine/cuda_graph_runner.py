@@ -15,6 +15,9 @@ index.
 
 Tensor parallel: every rank runs the same step arrays (rank 0 broadcasts them, parallel/worker.py) through this
 same code, so every rank pads to the same size with the same rows and the collectives inside the forward pair up.
+Each step's header also carries rank 0's verification size and whether its graphs wait to be captured again; the
+workers mirror both before the step (ModelRunner.follow_graphs), so every rank serves verification rows from the
+buffers alike and captures at the same step (never rank 0 alone: the captures' warm-up forwards run collectives).
 
 Speculative verification of hybrid models (:meth:`DecodeGraphRunner.enable_verify`): a step of B sequences with up
 to Q = 1 + k tokens each is laid out [bs, Q] (bs the smallest capture size >= B; the buffers hold max_num_seqs * Q
@@ -30,8 +33,8 @@ one copy of the kept counts (:meth:`DecodeGraphRunner.commit`).
 
 Layer taps (a drafter's hidden states, ``ModelRunner.set_hidden_capture``): the forward function the runner calls
 returns them beside the hidden states; captured with the graph (the hooks' ops are recorded at capture), so
-drafters that tap layers no longer force every step through the modules (on one rank: under tensor parallel every
-rank captures at start-up, together, without rank 0's hooks, and taps run the modules).
+drafters that tap layers no longer force every step through the modules (under tensor parallel the workers capture
+again at the same step, without hooks: their graphs run the same collectives).
 
 The forward must not sync with the host or change shapes with data while captured: it runs with the Triton decode
 attention and fused MoE (kernels/gpu/*.py), so graphs are used only where those apply. ``mode="eager"`` runs
@@ -125,11 +128,14 @@ class DecodeGraphRunner:
         sizes: capture sizes (ascending); mode: "cuda" (capture) or "eager".
         state_slot: hybrid (KDA) models: the spare recurrent-state slot padding rows read and write (max_num_seqs,
             never a scheduler row); None for models without recurrent state.
+        sharded: one rank of a tensor-parallel model: a failed verification capture raises (on one rank alone it
+            leaves those steps eager; here the ranks' paths would part).
     """
 
     def __init__(self, forward, kv_caches: list, pad_block: int, block_size: int, max_blocks: int,
-                 sizes: list[int], device: torch.device, mode: str, state_slot: int | None = None):
-        self.forward, self.kv_caches, self.mode = forward, kv_caches, mode
+                 sizes: list[int], device: torch.device, mode: str, state_slot: int | None = None,
+                 sharded: bool = False):
+        self.forward, self.kv_caches, self.mode, self.sharded = forward, kv_caches, mode, sharded
         self.pad_block, self.block_size, self.max_blocks = pad_block, block_size, max_blocks
         self.state_slot = state_slot
         self.sizes = sorted(sizes)
@@ -205,6 +211,11 @@ class DecodeGraphRunner:
         meta.state_hold = self.hold[:bs] != 0  # one launch; a bool view the PyTorch forms can mask with
         return meta
 
+    @property
+    def stale(self) -> bool:
+        """True while the graphs wait to be captured again (:meth:`mark_stale`)."""
+        return self._stale
+
     def mark_stale(self) -> None:
         """The forward changed (a drafter taps layers, verification graphs were asked for): capture again before
         the next replay, once, however many changes come first."""
@@ -255,6 +266,10 @@ class DecodeGraphRunner:
             except Exception as e:  # noqa: BLE001 - verification graphs are an optimization: run those steps eagerly
                 if not verify:
                     raise
+                if self.sharded:  # the other ranks may have captured theirs: their paths would part from this one's
+                    raise EngineConfigError(
+                        f"verification CUDA graphs failed to capture under tensor parallel ({type(e).__name__}: "
+                        f"{e}); serve with enforce_eager=True (--enforce-eager) or TOKENFAB_DECODE_GRAPHS=0.") from e
                 torch.cuda.synchronize()
                 self.verify_error = f"{type(e).__name__}: {e}"[:500]
                 logger.warning("verification CUDA graphs not captured (%s); verification steps run eagerly",

@@ -129,7 +129,9 @@ class LLMEngine:
             wanted = async_scheduling_enabled(self.device) and self.spec is None and self.tp_group is None
         if wanted:
             self.set_async_scheduling(True)  # refuses speculative decoding and tensor parallel by name
-        if self.runner.decode_graphs is not None:  # CUDA graphs captured once the forward is settled (taps, drafts)
+        # CUDA graphs captured once the forward is settled (taps, drafts); under tensor parallel at the first step
+        # that replays them, on every rank together (ModelRunner.follow_graphs), never by rank 0 alone
+        if self.runner.decode_graphs is not None and not self.runner.sharded:
             self.runner.decode_graphs.capture_if_stale()
 
     @classmethod

@@ -116,15 +116,18 @@ class ModelRunner:
         self._tap_out: list = []
         self._tap_hooks: list = []
         # tensor parallel: every rank captures its graphs at this point, together (the captures' collectives pair
-        # up), and never alone later, so layer taps (rank 0 only) run the modules and verification rows of hybrid
-        # models stay eager there; one rank captures once the engine is built (DecodeGraphRunner.capture_if_stale)
+        # up), and later only inside a step: each step's header carries rank 0's verification size and whether its
+        # graphs wait to be captured again (layer taps, verification graphs), which the workers mirror before the
+        # step (follow_graphs), so all ranks capture at the same step; one rank captures once the engine is built
+        # (DecodeGraphRunner.capture_if_stale)
         self.sharded = getattr(model, "tp", None) is not None
         self.decode_graphs: DecodeGraphRunner | None = None
         if graph_mode is not None:
             self.decode_graphs = DecodeGraphRunner(self.model_forward, self.kv_caches, block_manager.num_blocks,
                                                    self.block_size,
                                                    block_manager.max_blocks_per_seq, capture_sizes(max_num_seqs),
-                                                   device, graph_mode, max_num_seqs if self.has_state else None)
+                                                   device, graph_mode, max_num_seqs if self.has_state else None,
+                                                   sharded=self.sharded)
             if self.sharded:
                 self.decode_graphs.capture_if_stale()
         self.batch_invariant = batch_invariant
@@ -165,8 +168,9 @@ class ModelRunner:
         """Keep the hidden states ``request`` asks for from every forward (``self.captured`` after each
         :meth:`execute`, a :class:`~tokenfab.spec_decode.proposer.CapturedHidden`); None stops it. Layer taps
         are forward hooks on ``model.model.layers[i]``: steps the decode-graph buffers serve return them from
-        :meth:`model_forward` (CUDA: the graphs are captured again with the hooks' ops; one rank only); other steps
-        run the modules (never the fused CPU stack).
+        :meth:`model_forward` (CUDA: the graphs are captured again with the hooks' ops; under tensor parallel the
+        workers capture again at the same step, without hooks: :meth:`follow_graphs`); other steps run the modules
+        (never the fused CPU stack).
 
         Raises:
             ValueError: a layer id outside the model's decoder layers (named)."""
@@ -176,7 +180,7 @@ class ModelRunner:
         self._tap_hooks, self._tap_out = [], []
         self.capture = request
         if request is None or not request.layer_ids:
-            if had_taps and self.decode_graphs is not None and not self.sharded:
+            if had_taps and self.decode_graphs is not None:
                 self.decode_graphs.mark_stale()  # graphs without the taps' ops
             return
         layers = self.model.model.layers
@@ -190,7 +194,7 @@ class ModelRunner:
                     out = out[0] + out[1]
                 self._tap_out[slot] = out if tap is None else tap(i, out, request.tap_stream)
             self._tap_hooks.append(layers[i].register_forward_hook(hook))
-        if self.decode_graphs is not None and not self.sharded:
+        if self.decode_graphs is not None:
             self.decode_graphs.mark_stale()  # CUDA: captured again, the hooks' ops recorded with every graph
 
     def write_tokens(self, rows: np.ndarray, positions: np.ndarray, tokens: np.ndarray) -> None:
@@ -242,7 +246,7 @@ class ModelRunner:
         ``hold`` [B] bool: speculative verification rows whose KDA states the step holds until
         :meth:`commit_state` (hybrid models; None: no row). ``modules``: run through the model's modules even where
         the decode graphs or the fused CPU stack would apply (tensor-parallel workers, when rank 0 taps layer
-        outputs: every rank must pad its batch alike, :meth:`uses_modules`).
+        outputs without decode graphs: every rank runs the same path, :meth:`uses_modules`).
         """
         B = len(num_new)
         if derived is None:
@@ -263,8 +267,8 @@ class ModelRunner:
         if src is not None and src.device != self.device:
             src = src.to(self.device, non_blocking=True)
         taps = self.capture is not None and bool(self.capture.layer_ids)
-        # the padded buffers, layer taps included (not under tensor parallel: uses_modules)
-        graphs = None if modules or (taps and self.sharded) else self.decode_graphs
+        # the padded buffers, layer taps included
+        graphs = None if modules else self.decode_graphs
         fused = not (taps or modules)  # the fused CPU stack has no layer outputs to tap
         logit_sel = None  # the module path's staged logit rows
         graph_taps = None  # the layer taps the graph or module path returned
@@ -328,11 +332,30 @@ class ModelRunner:
         return hidden, (torch.stack(self._tap_out, dim=1) if taps else None)
 
     def enable_verify_graphs(self, num_speculative_tokens: int) -> None:
-        """Hybrid (KDA) models with decode graphs, one rank: serve speculative verification steps of up to
-        1 + ``num_speculative_tokens`` tokens a sequence from the graph buffers (DecodeGraphRunner.enable_verify);
-        a no-op otherwise (models without state keep their flat-row graphs)."""
-        if self.decode_graphs is not None and self.has_state and not self.sharded:
+        """Hybrid (KDA) models with decode graphs: serve speculative verification steps of up to
+        1 + ``num_speculative_tokens`` tokens a sequence from the graph buffers (DecodeGraphRunner.enable_verify;
+        under tensor parallel the workers follow at the next step, :meth:`follow_graphs`); a no-op otherwise
+        (models without state keep their flat-row graphs)."""
+        if self.decode_graphs is not None and self.has_state:
             self.decode_graphs.enable_verify(1 + int(num_speculative_tokens))
+
+    def graph_state(self) -> tuple[int, bool]:
+        """(V, S) of the decode graphs, sent with every tensor-parallel step (parallel/worker.py): V the
+        verification graphs' tokens per sequence (0: none), S whether they wait to be captured again."""
+        g = self.decode_graphs
+        return (0, False) if g is None else (g.verify_q, g.stale)
+
+    def follow_graphs(self, verify_q: int, stale: bool) -> None:
+        """Workers, before each step: mirror rank 0's decode graphs (:meth:`graph_state`): its verification graphs
+        of ``verify_q`` tokens a sequence, and a capture pending there (``stale``), so every rank takes the same
+        path through the padded buffers and captures at the same step."""
+        g = self.decode_graphs
+        if g is None:
+            return
+        if verify_q != g.verify_q:
+            g.enable_verify(verify_q)
+        if stale:
+            g.mark_stale()
 
     def _flat_rows(self, num_new: np.ndarray, T: int) -> bool:
         """Whether a step that is not decode-only runs through the decode graphs with every token as a decode row
@@ -347,10 +370,8 @@ class ModelRunner:
     def uses_modules(self) -> bool:
         """True when this runner's steps must run through the model's modules: a drafter taps layer outputs
         (forward hooks, which the fused CPU stack does not run) and there are no decode-graph buffers (whose forward
-        returns the taps: :meth:`model_forward`) or the model is sharded (the graphs were captured on every rank
-        together, without rank 0's hooks)."""
-        return self.capture is not None and bool(self.capture.layer_ids) and (self.decode_graphs is None
-                                                                              or self.sharded)
+        returns the taps: :meth:`model_forward`)."""
+        return self.capture is not None and bool(self.capture.layer_ids) and self.decode_graphs is None
 
     def keep_captured(self, seqs, rows: np.ndarray, req_idx: np.ndarray, positions: np.ndarray) -> None:
         """``self.captured`` from the last forward's hidden states and its batch (``seqs`` [B], ``rows`` [B],
@@ -442,7 +463,8 @@ class ModelRunner:
         if self.tp_channel is not None:  # tensor parallel: the workers run the same forward (tokenfab/parallel)
             self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx,
                                       rows if self.has_state else None, hold,  # hybrid models: the KDA state slots
-                                      modules=self.uses_modules())  # every rank pads (or not) alike
+                                      modules=self.uses_modules(),  # every rank pads (or not) alike
+                                      graphs=self.graph_state())  # and captures at the same step
         logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
                               rows=rows, hold=hold, on_device=True)
         if self.capture is not None:

@@ -6,11 +6,14 @@ its shard of the forward and samples. Each worker receives the same arrays, runs
 
 Wire format of one step (gloo broadcasts of int64 CPU tensors from rank 0):
 
-* header [9]: ``kind`` (1 = step, 0 = stop, 2 = state commit), ``B`` sequences, ``d`` decodes, ``T`` tokens,
+* header [11]: ``kind`` (1 = step, 0 = stop, 2 = state commit), ``B`` sequences, ``d`` decodes, ``T`` tokens,
   ``nblk`` block-table columns sent, ``L`` logit rows, ``R`` (1 when the scheduler rows follow, else 0), ``K`` (1
   when the verification-row flags follow, else 0), ``M`` (1 when rank 0 runs this step through the model's modules
-  because it taps layer outputs: the workers must too, not through the padded decode-graph buffers, or the ranks'
-  collectives would see different token counts).
+  because it taps layer outputs without decode-graph buffers: the workers must too, not through the fused CPU
+  stack), ``V`` (rank 0's decode graphs serve verification steps of V = 1 + k tokens a sequence; 0: none) and ``S``
+  (1 while rank 0's decode graphs wait to be captured again: a drafter's layer taps, verification graphs). With
+  ``V`` and ``S`` every worker's decode graphs mirror rank 0's before the step runs, so all ranks take the same
+  path through the padded buffers and capture at the same step (the captures' warm-up collectives pair up).
 * payload [2B + B*nblk + T + L (+ B) (+ B)]: ``num_new`` [B], ``num_computed`` [B], block tables [B, nblk] (only the
   columns this step needs), ``input_ids`` [T], ``logit_idx`` [L], then, when ``R``, the scheduler ``rows`` [B]: the
   per-request recurrent-state slots of hybrid (KDA) models (tokenfab/engine/state_cache.py), then, when ``K``, the
@@ -37,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 STEP, STOP, COMMIT = 1, 0, 2
-HEADER = 9
+HEADER = 11
 
 
 class Commit:
@@ -61,10 +64,12 @@ class StepChannel:
 
     def send_step(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray,
                   input_ids: np.ndarray, logit_idx: np.ndarray, rows: np.ndarray | None = None,
-                  hold: np.ndarray | None = None, modules: bool = False) -> None:
+                  hold: np.ndarray | None = None, modules: bool = False,
+                  graphs: tuple[int, bool] = (0, False)) -> None:
         """Rank 0: publish a step (shapes as in ModelRunner.forward; bt is cut to the blocks the step needs;
         ``rows`` [B] the scheduler rows and ``hold`` [B] bool the verification rows, each sent when given;
-        ``modules``: rank 0 runs this step through the modules, not the decode-graph buffers)."""
+        ``modules``: rank 0 runs this step through the modules, not the fused CPU stack; ``graphs``: (V, S) of
+        rank 0's decode graphs, ModelRunner.graph_state)."""
         B, T, L = len(num_new), len(input_ids), len(logit_idx)
         ctx_max = int((num_computed + num_new).max()) if B else 0
         nblk = min(bt.shape[1], -(-ctx_max // self.block_size)) if B else 0
@@ -74,7 +79,8 @@ class StepChannel:
                                  + ([] if rows is None else [rows.astype(np.int64, copy=False)])
                                  + ([] if hold is None else [hold.astype(np.int64)]))
         buf = self._buf.numpy()
-        buf[:HEADER] = (STEP, B, d, T, nblk, L, 0 if rows is None else 1, 0 if hold is None else 1, int(modules))
+        buf[:HEADER] = (STEP, B, d, T, nblk, L, 0 if rows is None else 1, 0 if hold is None else 1, int(modules),
+                        int(graphs[0]), int(graphs[1]))
         n = len(payload)
         if n <= self.inline:
             buf[HEADER:HEADER + n] = payload
@@ -89,7 +95,7 @@ class StepChannel:
         N = len(rows)
         payload = np.concatenate([rows.astype(np.int64, copy=False), kept.astype(np.int64, copy=False)])
         buf = self._buf.numpy()
-        buf[:HEADER] = (COMMIT, N, 0, 0, 0, 0, 0, 0, 0)
+        buf[:HEADER] = (COMMIT, N) + (0,) * (HEADER - 2)
         if 2 * N <= self.inline:
             buf[HEADER:HEADER + 2 * N] = payload
             dist.broadcast(self._buf, 0, group=self.group)
@@ -103,10 +109,11 @@ class StepChannel:
         dist.broadcast(self._buf, 0, group=self.group)
 
     def recv(self):
-        """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx, rows, hold, modules), a
-        :class:`Commit`, or None on stop (``rows`` / ``hold`` None when rank 0 sent none; ``modules`` bool)."""
+        """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx, rows, hold, modules,
+        graphs), a :class:`Commit`, or None on stop (``rows`` / ``hold`` None when rank 0 sent none; ``modules``
+        bool; ``graphs`` (V, S) as :meth:`send_step` takes it)."""
         dist.broadcast(self._buf, 0, group=self.group)
-        kind, B, d, T, nblk, L, R, K, M = self._buf[:HEADER].tolist()
+        kind, B, d, T, nblk, L, R, K, M, V, S = self._buf[:HEADER].tolist()
         if kind == STOP:
             return None
         if kind == COMMIT:
@@ -132,7 +139,7 @@ class StepChannel:
         logit_idx, o = p[o:o + L], o + L
         rows, o = (p[o:o + B], o + B) if R else (None, o)
         hold = p[o:o + B].astype(bool) if K else None
-        return d, num_new, num_computed, bt, input_ids, logit_idx, rows, hold, bool(M)
+        return d, num_new, num_computed, bt, input_ids, logit_idx, rows, hold, bool(M), (V, bool(S))
 
     block_size = 1  # set by the launcher to the KV block size
 
@@ -178,7 +185,8 @@ def serve_steps(runner, channel: StepChannel) -> int:
         if isinstance(step, Commit):  # after a verification step of a hybrid model
             runner.commit_state(step.rows, step.kept)
             continue
-        *arrays, rows, hold, modules = step
+        *arrays, rows, hold, modules, graphs = step
+        runner.follow_graphs(*graphs)  # rank 0's verification graphs and pending capture, before the step
         runner.forward(*arrays, rows=rows, hold=hold, modules=modules, on_device=True)  # logits unused here
         n += 1
 

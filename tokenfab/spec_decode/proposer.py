@@ -41,8 +41,8 @@ class HiddenRequest:
         final: the final hidden states (after the target's last norm, the LM head's input) of every token.
         layer_ids: decoder layers (0-based) whose output (the residual stream after the layer) is tapped for every
             token, in this order; () = none. Taps are forward hooks: the decode-graph buffers return them
-            (recorded with the graphs, one rank), other steps run the module path (the fused CPU decode stack does
-            not expose a layer's output; nor, under tensor parallel, do graphs captured by every rank together).
+            (recorded with rank 0's graphs), other steps run the module path (the fused CPU decode stack does not
+            expose a layer's output).
         tap_stream: which hidden state a tap is where a layer's output is not one tensor (Kimi K3's attention
             residuals: ``model.tap_hidden``): ``"partial_sum"`` (the raw partial-block sum after the layer) or
             ``"attn_res_mixture"`` (the attention-residual mix the next layer computes from it); other models
