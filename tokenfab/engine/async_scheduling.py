@@ -24,8 +24,11 @@ cache never hashes the block slot the stale row wrote (it holds no computed toke
 
 Where a placeholder could be read before its id exists, a step is not scheduled ahead: rows with logits processors
 (penalties, bad words, structured outputs and the rest count tokens or advance a grammar with each id:
-``LogitsProcessorState.any_active``), speculative decoding (drafters read the ids), tensor parallel (the workers
-would need the ids). Such a step first waits for its predecessor and processes it in line, as without this mode.
+``LogitsProcessorState.any_active``) and speculative decoding (drafters read the ids). Such a step first waits for
+its predecessor and processes it in line, as without this mode. Under tensor parallel rank 0 broadcasts the drawn
+ids a step's placeholders stand for on the model's process group right after the step's header (NCCL on GPUs:
+device to device, in stream order, no host copy; parallel/worker.py), and every worker fills its placeholders from
+them as rank 0 does.
 
 Token ids, text, finish reasons and logprobs equal those of synchronous scheduling for greedy and seeded requests
 (tests/test_async_scheduling.py); unseeded sampled requests draw from the engine's generator, so the wasted rows
@@ -53,16 +56,15 @@ def async_scheduling_enabled(device: torch.device) -> bool:
     return overlap_setting("TOKENFAB_ASYNC_SCHEDULING", device)
 
 
-def refuse_unsupported(speculative: bool, tensor_parallel: bool) -> None:
-    """Refuse async scheduling asked for beside speculative decoding or tensor parallel.
+def refuse_unsupported(speculative: bool) -> None:
+    """Refuse async scheduling asked for beside speculative decoding.
 
     Raises:
-        UnsupportedError: either is set (the drafters and the workers need each step's ids on the host).
+        UnsupportedError: speculative decoding is set (the drafters need each step's ids on the host).
     """
-    if speculative or tensor_parallel:
-        raise UnsupportedError("async_scheduling=True does not run with speculative decoding or tensor parallel "
-                               "(tensor_parallel_size > 1): the drafters and the workers need each step's ids on the "
-                               "host; leave async_scheduling unset or false.")
+    if speculative:
+        raise UnsupportedError("async_scheduling=True does not run with speculative decoding: the drafters need each "
+                               "step's ids on the host; leave async_scheduling unset or false.")
 
 
 def fill_placeholders(ids: torch.Tensor, source: torch.Tensor) -> torch.Tensor:

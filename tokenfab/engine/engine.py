@@ -121,14 +121,14 @@ class LLMEngine:
         if config.speculative_config is not None:
             from tokenfab.spec_decode.spec_decoder import SpecDecoder
             self.spec = SpecDecoder(self, config.speculative_config)
-        # async scheduling: not with speculative decoding (drafters read each step's ids) or tensor parallel (the
-        # workers would need the ids to fill the placeholders)
+        # async scheduling: not with speculative decoding (drafters read each step's ids); under tensor parallel the
+        # workers receive the drawn ids with each step (parallel/worker.py)
         self.ahead: AsyncScheduling | None = None
         wanted = getattr(config, "async_scheduling", None)
         if wanted is None:
-            wanted = async_scheduling_enabled(self.device) and self.spec is None and self.tp_group is None
+            wanted = async_scheduling_enabled(self.device) and self.spec is None
         if wanted:
-            self.set_async_scheduling(True)  # refuses speculative decoding and tensor parallel by name
+            self.set_async_scheduling(True)  # refuses speculative decoding by name
         # CUDA graphs captured once the forward is settled (taps, drafts); under tensor parallel at the first step
         # that replays them, on every rank together (ModelRunner.follow_graphs), never by rank 0 alone
         if self.runner.decode_graphs is not None and not self.runner.sharded:
@@ -152,7 +152,7 @@ class LLMEngine:
         dense_fallback_budget()  # TOKENFAB_DENSE_FALLBACK_GIB typos, before loading
         async_scheduling_enabled(torch.device("cpu"))  # TOKENFAB_ASYNC_SCHEDULING typos, before loading
         if getattr(config, "async_scheduling", None):
-            refuse_unsupported(config.speculative_config is not None, config.tensor_parallel_size != 1)
+            refuse_unsupported(config.speculative_config is not None)
         triton_support.check_env()
         if config.tensor_parallel_size != 1:
             from tokenfab.parallel.launcher import load_tensor_parallel
@@ -371,9 +371,9 @@ class LLMEngine:
         waits for the step in flight and processes it; its outputs are returned by the next :meth:`step`.
 
         Raises:
-            UnsupportedError: ``on`` with speculative decoding or tensor parallel (engine/async_scheduling.py)."""
+            UnsupportedError: ``on`` with speculative decoding (engine/async_scheduling.py)."""
         if on:
-            refuse_unsupported(self.spec is not None, self.tp_group is not None)
+            refuse_unsupported(self.spec is not None)
             if self.ahead is None:
                 self._ready = self._flush()
                 self.ahead = AsyncScheduling(self)

@@ -461,10 +461,16 @@ class ModelRunner:
         if spec_tok is not None:
             logit_idx = np.concatenate([logit_idx, spec_tok])
         if self.tp_channel is not None:  # tensor parallel: the workers run the same forward (tokenfab/parallel)
+            src = self.placeholder_source  # async scheduling: the drawn ids this step's placeholders stand for
+            if src is not None and (input_ids < 0).any():
+                src = src if src.device == self.device else src.to(self.device, non_blocking=True)
+            else:
+                src = None
             self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx,
                                       rows if self.has_state else None, hold,  # hybrid models: the KDA state slots
                                       modules=self.uses_modules(),  # every rank pads (or not) alike
-                                      graphs=self.graph_state())  # and captures at the same step
+                                      graphs=self.graph_state(),  # and captures at the same step
+                                      source=src)  # the workers fill their placeholders from the same ids
         logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
                               rows=rows, hold=hold, on_device=True)
         if self.capture is not None:

@@ -6,7 +6,7 @@ its shard of the forward and samples. Each worker receives the same arrays, runs
 
 Wire format of one step (gloo broadcasts of int64 CPU tensors from rank 0):
 
-* header [11]: ``kind`` (1 = step, 0 = stop, 2 = state commit), ``B`` sequences, ``d`` decodes, ``T`` tokens,
+* header [12]: ``kind`` (1 = step, 0 = stop, 2 = state commit), ``B`` sequences, ``d`` decodes, ``T`` tokens,
   ``nblk`` block-table columns sent, ``L`` logit rows, ``R`` (1 when the scheduler rows follow, else 0), ``K`` (1
   when the verification-row flags follow, else 0), ``M`` (1 when rank 0 runs this step through the model's modules
   because it taps layer outputs without decode-graph buffers: the workers must too, not through the fused CPU
@@ -14,6 +14,10 @@ Wire format of one step (gloo broadcasts of int64 CPU tensors from rank 0):
   (1 while rank 0's decode graphs wait to be captured again: a drafter's layer taps, verification graphs). With
   ``V`` and ``S`` every worker's decode graphs mirror rank 0's before the step runs, so all ranks take the same
   path through the padded buffers and capture at the same step (the captures' warm-up collectives pair up).
+  ``P`` (async scheduling, engine/async_scheduling.py: the step's input ids hold placeholders ``-(j + 1)`` for the
+  previous step's P drawn ids, 0 when none): those ids follow in a broadcast on the model's own process group
+  (device tensors on a GPU: nothing waits for the host), and each worker fills its placeholders from them where
+  rank 0 does.
 * payload [2B + B*nblk + T + L (+ B) (+ B)]: ``num_new`` [B], ``num_computed`` [B], block tables [B, nblk] (only the
   columns this step needs), ``input_ids`` [T], ``logit_idx`` [L], then, when ``R``, the scheduler ``rows`` [B]: the
   per-request recurrent-state slots of hybrid (KDA) models (tokenfab/engine/state_cache.py), then, when ``K``, the
@@ -40,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 STEP, STOP, COMMIT = 1, 0, 2
-HEADER = 11
+HEADER = 12
 
 
 class Commit:
@@ -65,11 +69,13 @@ class StepChannel:
     def send_step(self, d: int, num_new: np.ndarray, num_computed: np.ndarray, bt: np.ndarray,
                   input_ids: np.ndarray, logit_idx: np.ndarray, rows: np.ndarray | None = None,
                   hold: np.ndarray | None = None, modules: bool = False,
-                  graphs: tuple[int, bool] = (0, False)) -> None:
+                  graphs: tuple[int, bool] = (0, False), source: torch.Tensor | None = None) -> None:
         """Rank 0: publish a step (shapes as in ModelRunner.forward; bt is cut to the blocks the step needs;
         ``rows`` [B] the scheduler rows and ``hold`` [B] bool the verification rows, each sent when given;
         ``modules``: rank 0 runs this step through the modules, not the fused CPU stack; ``graphs``: (V, S) of
-        rank 0's decode graphs, ModelRunner.graph_state)."""
+        rank 0's decode graphs, ModelRunner.graph_state; ``source``: async scheduling, the previous step's drawn
+        ids [P] int64 that the placeholders in ``input_ids`` stand for, broadcast on the default process group
+        after the step)."""
         B, T, L = len(num_new), len(input_ids), len(logit_idx)
         ctx_max = int((num_computed + num_new).max()) if B else 0
         nblk = min(bt.shape[1], -(-ctx_max // self.block_size)) if B else 0
@@ -80,7 +86,7 @@ class StepChannel:
                                  + ([] if hold is None else [hold.astype(np.int64)]))
         buf = self._buf.numpy()
         buf[:HEADER] = (STEP, B, d, T, nblk, L, 0 if rows is None else 1, 0 if hold is None else 1, int(modules),
-                        int(graphs[0]), int(graphs[1]))
+                        int(graphs[0]), int(graphs[1]), 0 if source is None else len(source))
         n = len(payload)
         if n <= self.inline:
             buf[HEADER:HEADER + n] = payload
@@ -88,6 +94,8 @@ class StepChannel:
         else:
             dist.broadcast(self._buf, 0, group=self.group)
             dist.broadcast(torch.from_numpy(payload), 0, group=self.group)
+        if source is not None:  # the model's group: NCCL on GPUs, no host copy of the ids
+            dist.broadcast(source.contiguous(), 0)
 
     def send_commit(self, rows: np.ndarray, kept: np.ndarray) -> None:
         """Rank 0: tell the workers to commit the KDA state of ``rows`` [N] after their first ``kept`` [N] tokens
@@ -110,10 +118,11 @@ class StepChannel:
 
     def recv(self):
         """Workers: the next step as (d, num_new, num_computed, bt, input_ids, logit_idx, rows, hold, modules,
-        graphs), a :class:`Commit`, or None on stop (``rows`` / ``hold`` None when rank 0 sent none; ``modules``
-        bool; ``graphs`` (V, S) as :meth:`send_step` takes it)."""
+        graphs, source), a :class:`Commit`, or None on stop (``rows`` / ``hold`` None when rank 0 sent none;
+        ``modules`` bool; ``graphs`` (V, S) and ``source`` (None or [P] int64 on :attr:`device`) as
+        :meth:`send_step` takes them)."""
         dist.broadcast(self._buf, 0, group=self.group)
-        kind, B, d, T, nblk, L, R, K, M, V, S = self._buf[:HEADER].tolist()
+        kind, B, d, T, nblk, L, R, K, M, V, S, P = self._buf[:HEADER].tolist()
         if kind == STOP:
             return None
         if kind == COMMIT:
@@ -139,9 +148,14 @@ class StepChannel:
         logit_idx, o = p[o:o + L], o + L
         rows, o = (p[o:o + B], o + B) if R else (None, o)
         hold = p[o:o + B].astype(bool) if K else None
-        return d, num_new, num_computed, bt, input_ids, logit_idx, rows, hold, bool(M), (V, bool(S))
+        source = None
+        if P:
+            source = torch.empty(P, dtype=torch.int64, device=self.device)
+            dist.broadcast(source, 0)
+        return d, num_new, num_computed, bt, input_ids, logit_idx, rows, hold, bool(M), (V, bool(S)), source
 
     block_size = 1  # set by the launcher to the KV block size
+    device = torch.device("cpu")  # workers: their model's device, where async scheduling's drawn ids land (serve_steps)
 
 
 def build_rank(config, rank: int, world_size: int, device: torch.device | None = None, progress: bool = False):
@@ -178,6 +192,7 @@ def serve_steps(runner, channel: StepChannel) -> int:
     """Worker loop: receive a step, run the forward (logits go to rank 0 inside compute_logits); until stop.
     Returns the number of steps run."""
     n = 0
+    channel.device = runner.device
     while True:
         step = channel.recv()
         if step is None:
@@ -185,9 +200,13 @@ def serve_steps(runner, channel: StepChannel) -> int:
         if isinstance(step, Commit):  # after a verification step of a hybrid model
             runner.commit_state(step.rows, step.kept)
             continue
-        *arrays, rows, hold, modules, graphs = step
+        *arrays, rows, hold, modules, graphs, source = step
         runner.follow_graphs(*graphs)  # rank 0's verification graphs and pending capture, before the step
-        runner.forward(*arrays, rows=rows, hold=hold, modules=modules, on_device=True)  # logits unused here
+        runner.placeholder_source = source  # async scheduling: the previous step's drawn ids (None: no placeholder)
+        try:
+            runner.forward(*arrays, rows=rows, hold=hold, modules=modules, on_device=True)  # logits unused here
+        finally:
+            runner.placeholder_source = None
         n += 1
 
 
