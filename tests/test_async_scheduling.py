@@ -97,6 +97,32 @@ def test_async_scheduling_equals_scheduling_in_step(monkeypatch, tiny_model, fil
     assert eng.stats["step_failures_total"] == 0  # no step re-run by failure isolation on filled ids
 
 
+def test_id_free_processors_schedule_ahead(monkeypatch, tiny_model):
+    """Rows whose logits processors depend on their parameters alone (min_p, logit_bias, allowed_token_ids; greedy
+    and seeded) are scheduled ahead like plain rows, every step of a batch made of them alone; a penalty or bad-words
+    row keeps its steps in line. Outputs equal scheduling in step's."""
+    path = tiny_model("llama")
+    reqs = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+    free = [SamplingParams(temperature=0.8, seed=3, max_tokens=12, min_p=0.2, ignore_eos=True, logprobs=1),
+            SamplingParams(temperature=0.0, max_tokens=12, logit_bias={7: 5.0, 9: -100.0}, ignore_eos=True),
+            SamplingParams(temperature=0.7, seed=5, max_tokens=12, allowed_token_ids=[3, 7, 9, 11, 40, 41],
+                           ignore_eos=True)]
+    consuming = [SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=0.5, ignore_eos=True),
+                 SamplingParams(temperature=0.0, max_tokens=12, bad_words=["a"], ignore_eos=True)]
+    sync = make_llm(monkeypatch, path, "0")
+    want_free = summary(sync.generate(reqs, free, use_tqdm=False))
+    want_cons = [summary(sync.generate(reqs[:2], [p, p], use_tqdm=False)) for p in consuming]
+    llm = make_llm(monkeypatch, path, "1")
+    eng = llm.llm_engine
+    assert summary(llm.generate(reqs, free, use_tqdm=False)) == want_free
+    ahead = eng.ahead.steps_ahead
+    assert ahead >= 10, ahead  # 12 tokens each: every decode step after the first scheduled ahead
+    for p, want in zip(consuming, want_cons):
+        assert summary(llm.generate(reqs[:2], [p, p], use_tqdm=False)) == want
+        assert eng.ahead.steps_ahead - ahead <= 1, (p, eng.ahead.steps_ahead - ahead)  # in line (the prefill aside)
+        ahead = eng.ahead.steps_ahead
+
+
 def test_async_scheduling_under_preemption(monkeypatch, tiny_model):
     """A pool of 12 blocks of 4 tokens for 4 sequences growing to 37-40 tokens: sequences are preempted (some
     holding a placeholder for the step in flight) and recomputed; outputs equal scheduling in step's."""

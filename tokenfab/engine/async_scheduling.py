@@ -22,9 +22,10 @@ state slot are freed at the fill and may go to another sequence in step k + 2: e
 step k + 2's on the device's one stream, so the stale row never overwrites the new owner's data, and the prefix
 cache never hashes the block slot the stale row wrote (it holds no computed token).
 
-Where a placeholder could be read before its id exists, a step is not scheduled ahead: rows with logits processors
-(penalties, bad words, structured outputs and the rest count tokens or advance a grammar with each id:
-``LogitsProcessorState.any_active``) and speculative decoding (drafters read the ids). Such a step first waits for
+Where a placeholder could be read before its id exists, a step is not scheduled ahead: rows whose logits
+processors consume each id (penalties count tokens, bad words read the output's last tokens, structured outputs
+advance a grammar: ``LogitsProcessorState.any_consuming``; min_p, logit_bias and allowed_token_ids depend on the
+request's parameters alone and schedule ahead) and speculative decoding (drafters read the ids). Such a step first waits for
 its predecessor and processes it in line, as without this mode. Under tensor parallel rank 0 broadcasts the drawn
 ids a step's placeholders stand for on the model's process group right after the step's header (NCCL on GPUs:
 device to device, in stream order, no host copy; parallel/worker.py), and every worker fills its placeholders from
@@ -100,12 +101,12 @@ class AsyncScheduling:
 
     def can_place(self, batch, out) -> bool:
         """Whether the step after (``batch``, ``out``) may be scheduled before ``out``'s ids arrive: no sequence it
-        sampled uses logits processors (they consume each id before the next draw)."""
+        sampled uses logits processors that consume each id before the next draw (penalties, bad words, grammars)."""
         if out.sampler_output is None:
             return True
         rows = batch.rows[out.sampled_index]
         proc = self.eng.runner.sampler.processors if self.eng.runner.sampler is not None else None
-        return proc is None or not proc.any_active(rows)
+        return proc is None or not proc.any_consuming(rows)
 
     def place(self, batch, out) -> torch.Tensor | None:
         """Step 1 for the in-flight step (``batch``, ``out``): its progress, placeholders for its sampled ids and the

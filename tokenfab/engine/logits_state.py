@@ -64,6 +64,7 @@ class LogitsProcessorState:
         self.token_ids = token_ids
         n = max_num_seqs
         self.active = np.zeros(n, dtype=bool)  # the row uses any of these parameters
+        self.consumes_ids = np.zeros(n, dtype=bool)  # penalties, bad words or a grammar: each id feeds the next draw
         self.counting = np.zeros(n, dtype=bool)  # the row has penalties: output counts are kept
         self.any_counting = False
         self.repetition = np.ones(n, dtype=np.float32)
@@ -100,6 +101,7 @@ class LogitsProcessorState:
         bad = getattr(s, "bad_words_token_ids", None) or None
         gram = getattr(s, "grammar", None) is not None
         self.active[r] = bool(pen or p.min_p > 0.0 or p.logit_bias or p.allowed_token_ids is not None or bad or gram)
+        self.consumes_ids[r] = bool(pen or bad or gram)
         self.has_grammar[r] = gram
         if gram and self.grammar is None:
             from tokenfab.engine.grammar_state import GrammarState  # imports xgrammar: only when a grammar comes
@@ -157,6 +159,12 @@ class LogitsProcessorState:
     def any_active(self, rows: np.ndarray) -> bool:
         """True when some row of ``rows`` uses these parameters (the plain sampling paths must then step aside)."""
         return bool(self.active[rows].any())
+
+    def any_consuming(self, rows: np.ndarray) -> bool:
+        """True when some row of ``rows`` has penalties, bad words or a grammar: processors whose next draw depends
+        on the id just drawn (counts, the output's last tokens, the matcher's state). min_p, logit_bias and
+        allowed_token_ids depend on the row's parameters alone."""
+        return bool(self.consumes_ids[rows].any())
 
     def batch(self, rows: np.ndarray) -> ProcessorBatch | None:
         """The processors' tensors for a batch of persistent ``rows`` [N] int64, or None when no row uses them.
