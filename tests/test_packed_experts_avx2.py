@@ -1,7 +1,7 @@
 """The AVX2 kernel of INT4 group-32 and MXFP4 routed-expert stacks (kernels/cpu/csrc/packed_experts_avx2.cpp), the
 packed expert path of CPUs without AVX512-BF16: its grouped products against a float64 matmul with the stack's
 dequantized weights (test_packed_experts.py's stacks, whose values are checked there against compressed-tensors'
-own unpackers) for segments of 1-16 tokens (the register GEMV, single tokens and pairs) and longer ones (64-row
+own unpackers) for segments of 1-16 tokens (the register GEMV, passes of one to four tokens) and longer ones (64-row
 panels and a float32 GEMM), partial row blocks, bf16 and fp16 INT4 scales, E8M0's 2^-127 and NaN scales; named
 errors; and the stack's choice at the avx2 level.
 
@@ -49,7 +49,7 @@ def _check(y, x, st, experts, counts):
 @pytest.mark.parametrize("K,rows", [(96, 42), (160, 42), (64, 100)])
 def test_grouped_products_within_the_float32_bound(fmt, K, rows):
     """6 experts of 42 rows (two 16-row blocks and a 10-row one; one partial 64-row panel) or 100 (a whole panel and
-    a partial one): segments of 1, 2, 7, 16 tokens (register GEMV: single tokens and pairs) and 17, 70 (panels and
+    a partial one): segments of 1, 2, 7, 16 tokens (register GEMV: passes of 1, 2, 4 + 3 and 4 x 4 tokens) and 17, 70 (panels and
     the GEMM), an empty one between."""
     g = torch.Generator().manual_seed(K)
     st = _stack(fmt, 6, rows, K, g)

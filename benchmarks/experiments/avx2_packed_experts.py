@@ -7,7 +7,10 @@ dequantized rows at a time, float32 F.linear), at DeepSeek-V3 / Kimi K2 expert s
 2 threads, best of 3 repeats, both paths alternated in one process. Also the kernel's rate over the packed bytes it
 streams (GB/s). NOTES 84 (INT4, MXFP4), 85 (FP8).
 
-    PYTHONPATH=. python benchmarks/experiments/avx2_packed_experts.py [--formats int4,mxfp4,fp8]
+    PYTHONPATH=. python benchmarks/experiments/avx2_packed_experts.py [--formats int4,mxfp4,fp8] [--per 1,2,64]
+        [--no-reference]
+
+``--no-reference`` times the kernel alone (A/B runs of two kernel builds, alternated through TOKENFAB_KERNEL_CACHE).
 """
 from __future__ import annotations
 
@@ -51,6 +54,8 @@ def random_stack(fmt: str, E: int, n: int, k: int, g: torch.Generator):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--formats", default="int4,mxfp4,fp8", help="comma-separated: int4, mxfp4, fp8")
+    ap.add_argument("--per", default="1,2,64", help="comma-separated tokens per expert")
+    ap.add_argument("--no-reference", action="store_true", help="time the kernel alone")
     args = ap.parse_args()
     from tokenfab.kernels.cpu import ops
     torch.set_num_threads(2)
@@ -64,12 +69,13 @@ def main() -> None:
             st = random_stack(fmt, E, n, k, g)
             st.prepare()
             assert st._avx2, "the AVX2 expert kernel does not run here (needs a CPU without AVX512-BF16)"
-            for per in (1, 2, 64):
+            for per in (int(v) for v in args.per.split(",")):
                 counts = [per] * E
                 x = torch.randn(sum(counts), k, generator=g)
                 experts = list(range(E))
                 a = best_s(lambda: st.grouped_linear(x, experts, counts))
-                b = best_s(lambda: st.reference_grouped_linear(x, experts, counts))
+                b = (float("nan") if args.no_reference else
+                     best_s(lambda: st.reference_grouped_linear(x, experts, counts)))
                 gbs = st.nbytes / a / 1e9
                 print(f"| {fmt} | {n} x {k} | {per * E} ({per}) | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | "
                       f"{gbs:.1f} |", flush=True)

@@ -576,8 +576,9 @@ def packed_experts_avx2(x: torch.Tensor, fmt: int, packed: torch.Tensor, scale: 
         experts: int64 [A] local expert ids; offsets: int64 [A + 1] row offsets into x (0 .. N).
 
     Returns:
-        [N, n] float32: per 32-value group the reference's float32 values ((nibble - 8) * scale, E2M1 * 2^(e - 127))
-        times x in float32 FMAs. Segments of up to 16 rows run a register GEMV over the packed bytes; longer ones
+        [N, n] float32 within float32 summation error of x times the reference's values ((nibble - 8) * scale,
+        E2M1 * 2^(e - 127)). Segments of up to 16 rows run a register GEMV over the packed bytes (per 32-value group
+        the products of x and the integer codes summed in float32, scaled once); longer ones
         multiply 64-row panels dequantized into a thread-local buffer with PyTorch's float32 GEMM.
 
     Raises:
