@@ -97,30 +97,106 @@ def test_async_scheduling_equals_scheduling_in_step(monkeypatch, tiny_model, fil
     assert eng.stats["step_failures_total"] == 0  # no step re-run by failure isolation on filled ids
 
 
-def test_id_free_processors_schedule_ahead(monkeypatch, tiny_model):
-    """Rows whose logits processors depend on their parameters alone (min_p, logit_bias, allowed_token_ids; greedy
-    and seeded) are scheduled ahead like plain rows, every step of a batch made of them alone; a penalty or bad-words
-    row keeps its steps in line. Outputs equal scheduling in step's."""
+def test_processors_schedule_ahead_unless_they_need_the_id_on_the_host(monkeypatch, tiny_model):
+    """Rows with min_p, logit_bias, allowed_token_ids (greedy and seeded) or penalties (frequency, presence,
+    repetition: their counts advance at the draw, draw_time_counts.py) are scheduled ahead like plain rows, every
+    step of a batch made of them alone; a bad-words row (it reads the output's last ids on the host) keeps its steps
+    in line. Outputs equal scheduling in step's, whose penalties count on the host."""
     path = tiny_model("llama")
     reqs = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
     free = [SamplingParams(temperature=0.8, seed=3, max_tokens=12, min_p=0.2, ignore_eos=True, logprobs=1),
             SamplingParams(temperature=0.0, max_tokens=12, logit_bias={7: 5.0, 9: -100.0}, ignore_eos=True),
             SamplingParams(temperature=0.7, seed=5, max_tokens=12, allowed_token_ids=[3, 7, 9, 11, 40, 41],
                            ignore_eos=True)]
-    consuming = [SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=0.5, ignore_eos=True),
-                 SamplingParams(temperature=0.0, max_tokens=12, bad_words=["a"], ignore_eos=True)]
+    penalized = [SamplingParams(temperature=0.0, max_tokens=14, frequency_penalty=0.7, ignore_eos=True, logprobs=2),
+                 SamplingParams(temperature=0.9, seed=11, max_tokens=14, presence_penalty=1.1, ignore_eos=True),
+                 SamplingParams(temperature=0.0, max_tokens=14, repetition_penalty=1.6, frequency_penalty=-0.3,
+                                ignore_eos=True)]
+    bad = SamplingParams(temperature=0.0, max_tokens=12, bad_words=["a"], ignore_eos=True)
     sync = make_llm(monkeypatch, path, "0")
     want_free = summary(sync.generate(reqs, free, use_tqdm=False))
-    want_cons = [summary(sync.generate(reqs[:2], [p, p], use_tqdm=False)) for p in consuming]
+    want_pen = summary(sync.generate(reqs, penalized, use_tqdm=False))
+    want_bad = summary(sync.generate(reqs[:2], [bad, bad], use_tqdm=False))
+    plain = summary(sync.generate(reqs, [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)] * 3,
+                                  use_tqdm=False))
+    assert [w[0][0] for w in want_pen] != [p[0][0] for p in plain]  # the penalties change the tokens
     llm = make_llm(monkeypatch, path, "1")
     eng = llm.llm_engine
     assert summary(llm.generate(reqs, free, use_tqdm=False)) == want_free
     ahead = eng.ahead.steps_ahead
     assert ahead >= 10, ahead  # 12 tokens each: every decode step after the first scheduled ahead
-    for p, want in zip(consuming, want_cons):
-        assert summary(llm.generate(reqs[:2], [p, p], use_tqdm=False)) == want
-        assert eng.ahead.steps_ahead - ahead <= 1, (p, eng.ahead.steps_ahead - ahead)  # in line (the prefill aside)
-        ahead = eng.ahead.steps_ahead
+    assert summary(llm.generate(reqs, penalized, use_tqdm=False)) == want_pen
+    assert eng.ahead.steps_ahead - ahead >= 12, eng.ahead.steps_ahead - ahead
+    ahead = eng.ahead.steps_ahead
+    assert summary(llm.generate(reqs[:2], [bad, bad], use_tqdm=False)) == want_bad
+    assert eng.ahead.steps_ahead - ahead <= 1, eng.ahead.steps_ahead - ahead  # in line (the prefill step aside)
+
+
+def test_penalties_ahead_under_preemption_and_switching(monkeypatch, tiny_model):
+    """Penalized requests scheduled ahead while a small pool preempts them (recomputed and re-admitted: their
+    draw-time counts rebuilt from the token list), then the mode switched off and on between steps with penalized
+    requests running (the counts move between the host and the draw): tokens and logprobs equal scheduling in
+    step's throughout."""
+    path = tiny_model("llama")
+    prompts = [[3 + i, 9, 14 + i, 3, 7, 8, 9] for i in range(4)]
+    sp = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=30 + i, ignore_eos=True, logprobs=1,
+                         frequency_penalty=0.4 * (i + 1), presence_penalty=0.5, repetition_penalty=1.2)
+          for i in range(4)]
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    kw = dict(num_kv_blocks=12, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48)
+    sync = make_llm(monkeypatch, path, "0", **kw)
+    want = summary(sync.generate(reqs, sp, use_tqdm=False))
+    assert sync.llm_engine.scheduler.num_preemptions > 0
+    llm = make_llm(monkeypatch, path, "1", **kw)
+    eng = llm.llm_engine
+    assert summary(llm.generate(reqs, sp, use_tqdm=False)) == want
+    assert eng.scheduler.num_preemptions > 0 and eng.ahead.steps_ahead > 20
+    for i, (p, s) in enumerate(zip(prompts, sp)):
+        eng.add_request(f"r{i}", None, p, s)
+    outs, n = {}, 0
+    while eng.has_unfinished_requests():
+        n += 1
+        if n in (6, 14):
+            eng.set_async_scheduling(False)
+        elif n in (10, 18):
+            eng.set_async_scheduling(True)
+        for o in eng.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert summary([outs[f"r{i}"] for i in range(4)]) == want
+    assert eng.block_manager.usage() == 0
+
+
+def test_draw_time_penalties_equal_the_host_form_bit_for_bit():
+    """DrawTimeCounts.apply (dense, counts advanced at the draw) against apply_penalties_at (the host form over the
+    seen pairs) on random logits, counts and prompt masks, the same float32 operations: equal bit for bit, tokens
+    never seen untouched."""
+    import numpy as np
+    import torch
+    from tokenfab.engine.draw_time_counts import DrawTimeCounts
+    from tokenfab.engine.logits_processors import apply_penalties_at
+    g = torch.Generator().manual_seed(0)
+    rows, V, N = 5, 50, 4
+    dc = DrawTimeCounts(rows, V, torch.device("cpu"))
+    ids = [np.array([1, 2, 3, 4, 2, 2, 7], dtype=np.int64), np.array([9, 9, 9, 0], dtype=np.int64),
+           np.array([5, 6, 40, 41, 42, 6, 6, 49], dtype=np.int64)]
+    for r, (t, npr) in zip((4, 0, 2), zip(ids, (3, 2, 4))):
+        dc.admit(r, t, npr)
+    batch_rows = np.array([4, 0, 2])  # batch positions 0, 2, 3 (1 has no penalties)
+    index = np.array([0, 2, 3])
+    dc.advance(batch_rows, torch.tensor([7, 99, 9, 49]).clamp(max=V - 1), index)  # the step's draw
+    logits = torch.randn(N, V, generator=g) * 4
+    rep, freq, pres = torch.rand(N, generator=g) + 1, torch.rand(N, generator=g) - 0.2, torch.rand(N, generator=g)
+    got = dc.apply(logits.clone(), index, batch_rows, rep, freq, pres)
+    pairs = [(i, tok) for i, r in zip(index, batch_rows) for tok in range(V)
+             if dc.prompt[r, tok] or dc.counts[r, tok] > 0]
+    pi = torch.tensor([p[0] for p in pairs])
+    pt = torch.tensor([p[1] for p in pairs])
+    cnt = torch.stack([dc.counts[int(batch_rows[list(index).index(int(i))]), int(t)] for i, t in pairs])
+    want = apply_penalties_at(logits.clone(), pi, pt, cnt, rep, freq, pres)
+    assert torch.equal(got, want)
+    assert dc.counts[4, 7] == 1 + 1 and dc.counts[0, 9] == 1 + 1 and dc.counts[2, 49] == 1 + 1  # drawn ids counted
+    assert torch.equal(got[1], logits[1])
 
 
 def test_async_scheduling_under_preemption(monkeypatch, tiny_model):

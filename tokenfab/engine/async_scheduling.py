@@ -23,9 +23,10 @@ step k + 2's on the device's one stream, so the stale row never overwrites the n
 cache never hashes the block slot the stale row wrote (it holds no computed token).
 
 Where a placeholder could be read before its id exists, a step is not scheduled ahead: rows whose logits
-processors consume each id (penalties count tokens, bad words read the output's last tokens, structured outputs
-advance a grammar: ``LogitsProcessorState.any_consuming``; min_p, logit_bias and allowed_token_ids depend on the
-request's parameters alone and schedule ahead) and speculative decoding (drafters read the ids). Such a step first waits for
+processors need each id on the host (bad words read the output's last tokens, structured outputs advance a grammar:
+``LogitsProcessorState.any_consuming``) and speculative decoding (drafters read the ids). Penalized rows schedule
+ahead: while this mode is on their counts live on the logits' device and advance at each draw
+(engine/draw_time_counts.py); min_p, logit_bias and allowed_token_ids depend on the request's parameters alone. Such a step first waits for
 its predecessor and processes it in line, as without this mode. Under tensor parallel rank 0 broadcasts the drawn
 ids a step's placeholders stand for on the model's process group right after the step's header (NCCL on GPUs:
 device to device, in stream order, no host copy; parallel/worker.py), and every worker fills its placeholders from
@@ -101,7 +102,7 @@ class AsyncScheduling:
 
     def can_place(self, batch, out) -> bool:
         """Whether the step after (``batch``, ``out``) may be scheduled before ``out``'s ids arrive: no sequence it
-        sampled uses logits processors that consume each id before the next draw (penalties, bad words, grammars)."""
+        sampled uses logits processors that need each id on the host before the next draw (bad words, grammars)."""
         if out.sampler_output is None:
             return True
         rows = batch.rows[out.sampled_index]

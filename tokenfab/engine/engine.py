@@ -377,11 +377,13 @@ class LLMEngine:
             if self.ahead is None:
                 self._ready = self._flush()
                 self.ahead = AsyncScheduling(self)
+                self.runner.penalty_counts_at_draw(True)  # penalized rows schedule ahead (draw_time_counts.py)
             return
         if self.ahead is not None:
             prev, self.ahead = self.ahead.inflight, None
             if prev is not None:
                 self._ready = self._flush() + self._process(*prev)
+            self.runner.penalty_counts_at_draw(False)  # every id recorded on the host: its counts are current
 
     def _step_ahead(self) -> list[RequestOutput]:
         """:meth:`step` with async scheduling (engine/async_scheduling.py): place the step in flight (progress and

@@ -11,6 +11,11 @@ mask, each row keeps the list of its distinct seen tokens (prompt and output, in
 step gathers K = sum of those lists' lengths (row, token) pairs and changes K logits
 (:func:`~tokenfab.engine.logits_processors.apply_penalties_at`) rather than passing over N x V.
 
+With async scheduling (engine/async_scheduling.py) the penalties also keep dense counts on the logits' device that
+advance with each draw (:mod:`tokenfab.engine.draw_time_counts`, :meth:`LogitsProcessorState.use_draw_time_counts`),
+so a penalized row's next step needs no id on the host; the host counts above are kept too (recorded at the fill),
+so switching back costs nothing.
+
 Structured outputs (a row whose sequence carries a compiled grammar) count as active rows too, so the plain
 sampling paths (the fused CPU decode stack's draw included) step aside for them; their matchers and token mask live
 in :class:`~tokenfab.engine.grammar_state.GrammarState` (made on the first such admission), applied first.
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tokenfab.engine.draw_time_counts import DrawTimeCounts
 from tokenfab.engine.input_staging import to_device
 from tokenfab.engine.logits_processors import (allowed_token_mask, apply_allowed_token_ids, apply_bad_words,
                                                apply_logit_bias, apply_min_p, apply_penalties_at)
@@ -64,7 +70,7 @@ class LogitsProcessorState:
         self.token_ids = token_ids
         n = max_num_seqs
         self.active = np.zeros(n, dtype=bool)  # the row uses any of these parameters
-        self.consumes_ids = np.zeros(n, dtype=bool)  # penalties, bad words or a grammar: each id feeds the next draw
+        self.consumes_ids = np.zeros(n, dtype=bool)  # bad words or a grammar: each id feeds the next draw on the host
         self.counting = np.zeros(n, dtype=bool)  # the row has penalties: output counts are kept
         self.any_counting = False
         self.repetition = np.ones(n, dtype=np.float32)
@@ -84,6 +90,26 @@ class LogitsProcessorState:
         self._device_cache: tuple[ProcessorBatch, torch.device, ProcessorBatch] | None = None  # _on_device's
         self.has_grammar = np.zeros(n, dtype=bool)  # the row's sequence has a structured-output grammar
         self.grammar = None  # GrammarState (engine/grammar_state.py), made at the first admission with a grammar
+        self.draw_counts: DrawTimeCounts | None = None  # async scheduling: counts advanced at the draw
+
+    def use_draw_time_counts(self, device: torch.device | None) -> None:
+        """Keep the penalties' counts on ``device`` (the logits'), advanced at each draw
+        (:mod:`~tokenfab.engine.draw_time_counts`), from now on; None: back to the host counts alone. Call between
+        steps with every drawn id recorded (the rows admitted so far are copied over)."""
+        if device is None:
+            self.draw_counts = None
+            return
+        dc = DrawTimeCounts(len(self.active), self.V, device)
+        if self.output_counts is not None:  # penalized rows admitted before: their host counts are current
+            dc.counts = self.output_counts.to(dc.device, copy=True)  # its own tensor, also on the CPU
+            dc.prompt = self.prompt_mask.to(dc.device, copy=True)
+        self.draw_counts = dc
+
+    def advance(self, b: ProcessorBatch | None, ids: torch.Tensor) -> None:
+        """After a draw of the batch ``b`` (:meth:`batch`), ``ids`` [N] int64 where drawn: its penalized rows'
+        counts on the device (draw-time counts only; the host counts follow at :meth:`record`)."""
+        if self.draw_counts is not None and b is not None and b.pen_index is not None:
+            self.draw_counts.advance(b.pen_rows, ids, b.pen_index)
 
     # ---- admission: the only per-sequence work --------------------------------------------------------------
     def admit(self, seqs) -> None:
@@ -101,7 +127,7 @@ class LogitsProcessorState:
         bad = getattr(s, "bad_words_token_ids", None) or None
         gram = getattr(s, "grammar", None) is not None
         self.active[r] = bool(pen or p.min_p > 0.0 or p.logit_bias or p.allowed_token_ids is not None or bad or gram)
-        self.consumes_ids[r] = bool(pen or bad or gram)
+        self.consumes_ids[r] = bool(bad or gram)
         self.has_grammar[r] = gram
         if gram and self.grammar is None:
             from tokenfab.engine.grammar_state import GrammarState  # imports xgrammar: only when a grammar comes
@@ -136,6 +162,8 @@ class LogitsProcessorState:
             distinct = ids[np.sort(first)]
             self.seen[r, :len(distinct)] = distinct
             self.num_seen[r] = len(distinct)
+            if self.draw_counts is not None:
+                self.draw_counts.admit(r, ids, npr)
 
     def record(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """Count tokens just appended at ``rows`` [B] (int64 numpy, distinct) for the rows with penalties, and
@@ -161,9 +189,12 @@ class LogitsProcessorState:
         return bool(self.active[rows].any())
 
     def any_consuming(self, rows: np.ndarray) -> bool:
-        """True when some row of ``rows`` has penalties, bad words or a grammar: processors whose next draw depends
-        on the id just drawn (counts, the output's last tokens, the matcher's state). min_p, logit_bias and
-        allowed_token_ids depend on the row's parameters alone."""
+        """True when some row of ``rows`` needs the id just drawn on the host before its next draw: bad words (the
+        output's last tokens), a grammar (the matcher's state), penalties unless their counts advance at the draw
+        (:meth:`use_draw_time_counts`). min_p, logit_bias and allowed_token_ids depend on the row's parameters
+        alone."""
+        if self.draw_counts is None and self.counting[rows].any():
+            return True
         return bool(self.consumes_ids[rows].any())
 
     def batch(self, rows: np.ndarray) -> ProcessorBatch | None:
@@ -301,7 +332,9 @@ class LogitsProcessorState:
                             put(torch.from_numpy(hist)))
         if b.bias is not None:
             apply_logit_bias(logits, *b.bias)
-        if b.pen_index is not None:  # the K distinct seen (row, token) pairs of the penalized rows
+        if b.pen_index is not None and self.draw_counts is not None:  # dense, from counts advanced at the draw
+            self.draw_counts.apply(logits, b.pen_index, b.pen_rows, b.repetition, b.frequency, b.presence)
+        elif b.pen_index is not None:  # the K distinct seen (row, token) pairs of the penalized rows
             ns = self.num_seen[b.pen_rows]
             width = int(ns.max())
             keep = np.arange(width)[None, :] < ns[:, None]

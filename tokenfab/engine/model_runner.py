@@ -203,6 +203,13 @@ class ModelRunner:
         if self.sampler is not None and self.sampler.processors is not None:
             self.sampler.processors.record(rows, tokens)  # output-token counts of rows with penalties
 
+    def penalty_counts_at_draw(self, on: bool) -> None:
+        """Async scheduling on / off: the penalties' counts kept where the logits are and advanced at each draw
+        (engine/draw_time_counts.py), or on the host alone (LogitsProcessorState.use_draw_time_counts)."""
+        proc = self.sampler.processors if self.sampler is not None else None
+        if proc is not None:
+            proc.use_draw_time_counts((self.device if self.device_draw else torch.device("cpu")) if on else None)
+
     def admit(self, seqs) -> None:
         """Copy the full token lists of newly admitted sequences into their rows."""
         for s in seqs:

@@ -299,6 +299,8 @@ class Sampler:
             token_ids[ri] = self._sorted_draw(logits[ri], [params[i] for i in ri.tolist()], u[ri])
         else:
             token_ids = self._sorted_draw(logits, params, self._uniforms(seqs))
+        if proc is not None:  # penalty counts that advance at the draw (async scheduling: draw_time_counts.py)
+            self.processors.advance(proc, token_ids)
         return self._with_logprobs(token_ids, raw_logits, params)
 
     def _with_logprobs(self, token_ids: torch.Tensor, raw_logits: torch.Tensor, params: list) -> SamplerOutput:
