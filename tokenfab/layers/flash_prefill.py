@@ -7,7 +7,8 @@ Two kernels, by CPU path (``TOKENFAB_CPU_ISA``), each where it measured fastest:
   KV head stacked), blocks of 64 keys scored and applied by two brgemms, the mask only on diagonal blocks, key
   blocks past the tile's last visible key skipped. It reads each query's own position, so chunks after cached keys
   need nothing more.
-* AMX (and float32 there): PyTorch's CPU flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``: tiles
+* AMX (and float32 there), and float32 at the ``avx2`` level (CPUs without AVX512-BF16, where ``dtype="auto"`` is
+  float32): PyTorch's CPU flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``: tiles
   of queries and keys, an online softmax in float32, tiles above the causal diagonal skipped, grouped-query heads
   read in place), which this module maps a prefill group onto. A group's sequence b has its queries at positions
 ``start_b .. start_b + n_b - 1`` (query index i at ``start_b + i``; padding rows at the end) over keys
@@ -42,18 +43,24 @@ def _amx() -> bool:
     return cpu_isa.selected_level() == "amx"
 
 
+@functools.lru_cache(maxsize=1)
+def _avx2() -> bool:
+    return cpu_isa.selected_level() == "avx2"
+
+
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """True where a flash kernel is the fastest prefill attention: CPU tensors of one dtype, float32 or bfloat16,
-    values no wider than the keys, and on the AMX path (PyTorch's kernel) or, without AMX, bf16 that tokenfab's kernel
-    runs. Measured one thread, SmolLM2's shapes: on a Xeon with AMX PyTorch's flash call took 0.21-0.31x the GEMM +
-    fused-softmax path's time for a 1,024-token prompt (benchmarks/results/2026-12-02-prefill-vs-peers-profile.md);
-    on an AMD EPYC without AMX it took 1.16-1.98x, and tokenfab's kernel 0.47-0.82x
-    (benchmarks/results/2026-12-05-prefill-attention.md). Elsewhere (float32 without AMX, AVX2) the fused path
-    stays."""
+    values no wider than the keys, and on the AMX path (PyTorch's kernel), float32 at the ``avx2`` level (PyTorch's
+    kernel) or, without AMX, bf16 that tokenfab's kernel runs. Measured one thread, SmolLM2's shapes: on a Xeon with
+    AMX PyTorch's flash call took 0.21-0.31x the GEMM + fused-softmax path's time for a 1,024-token prompt
+    (benchmarks/results/2026-12-02-prefill-vs-peers-profile.md); on an AMD EPYC without AMX it took 1.16-1.98x in
+    bf16, and tokenfab's kernel 0.47-0.82x (benchmarks/results/2026-12-05-prefill-attention.md); on an AMD EPYC
+    without AVX512, float32, 0.51-0.85x (benchmarks/results/2026-12-06-prefill-attention-avx2-f32.md). Elsewhere
+    (float32 on AVX512 CPUs without AMX, unmeasured; bf16 at the avx2 level) the fused path stays."""
     if not (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
             and v.dtype == q.dtype and v.shape[-1] <= q.shape[-1]):
         return False
-    return _amx() or dispatch.flash_prefill_applies(q, k, v)
+    return _amx() or (q.dtype == torch.float32 and _avx2()) or dispatch.flash_prefill_applies(q, k, v)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None,
