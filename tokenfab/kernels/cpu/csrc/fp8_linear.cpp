@@ -398,17 +398,8 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "fp8_experts_linear: x [N, K] bf16 or float32 expected");
   const int64_t N = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == K && K % 32 == 0,
-              "fp8_experts_linear: weight ", w.sizes(), " is not uint8 e4m3 bytes [E, n, K] with K = ", K,
-              " a multiple of 32");
-  const int64_t E = w.size(0), n = w.size(1), KB = (K + BK - 1) / BK;
-  TORCH_CHECK(part_rows > 0 && n % part_rows == 0, "fp8_experts_linear: part_rows ", part_rows, " does not divide n ",
-              n);
-  const int64_t parts = n / part_rows, SB = (part_rows + BK - 1) / BK;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == E &&
-              scale.size(1) == parts * SB && scale.size(2) == KB,
-              "fp8_experts_linear: scale ", scale.sizes(), " is not float32 [E, parts * ceil(part_rows / 128), "
-              "ceil(K / 128)]");
+  const auto sh = check_fp8_expert_buffers(K, w, scale, part_rows, "fp8_experts_linear");
+  const int64_t E = sh.E, n = sh.n, KB = sh.kb_n, parts = n / part_rows, SB = sh.block_rows;
   const auto seg = tokenfab_cpu::expert_segments(experts, offsets, E, N, "fp8_experts_linear");
   const int64_t A = seg.A;
   const int64_t* ep = seg.ep();

@@ -6,6 +6,27 @@
 // Weights per scale block along both dimensions (weight_block_size [128, 128]).
 constexpr int64_t kFp8Block = 128;
 
+// The shape of an FP8 expert stack (fp8_experts_linear's buffers), checked.
+struct Fp8ExpertShape {
+  int64_t E, n, K, kb_n;  // experts, rows, inputs, scale columns (ceil(K / 128))
+  int64_t block_rows;     // scale rows per part (ceil(part_rows / 128)); an expert's scale rows: parts * block_rows
+};
+
+// w uint8 [E, n, K] (K = x's inputs, a multiple of 32), part_rows dividing n, scale float32 [E, (n / part_rows) *
+// ceil(part_rows / 128), ceil(K / 128)], contiguous; raises naming ``who`` otherwise.
+inline Fp8ExpertShape check_fp8_expert_buffers(int64_t K, const at::Tensor& w, const at::Tensor& scale,
+                                               int64_t part_rows, const char* who) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == K && K % 32 == 0,
+              who, ": weight ", w.sizes(), " is not uint8 e4m3 bytes [E, n, K] with K = ", K, " a multiple of 32");
+  const int64_t E = w.size(0), n = w.size(1), kb_n = (K + kFp8Block - 1) / kFp8Block;
+  TORCH_CHECK(part_rows > 0 && n % part_rows == 0, who, ": part_rows ", part_rows, " does not divide n ", n);
+  const int64_t block_rows = (part_rows + kFp8Block - 1) / kFp8Block;
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == E &&
+              scale.size(1) == (n / part_rows) * block_rows && scale.size(2) == kb_n,
+              who, ": scale ", scale.sizes(), " is not float32 [E, parts * ceil(part_rows / 128), ceil(K / 128)]");
+  return {E, n, K, kb_n, block_rows};
+}
+
 // y = x W^T (+ bias) for W [n, K] given as the checkpoint stores it: w uint8 [n, K] (the float8_e4m3fn bytes) and
 // scale_inv float32 [ceil(n / 128), ceil(K / 128)], W[r, c] = e4m3(w[r, c]) * scale_inv[r / 128][c / 128]. x [..., K]
 // bf16 or float32 with K a multiple of 32 -> y [..., n] in x's dtype. Needs AVX512-BF16 (raises otherwise).

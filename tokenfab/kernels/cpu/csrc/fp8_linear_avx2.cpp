@@ -172,17 +172,9 @@ at::Tensor fp8_experts_avx2(const at::Tensor& x, const at::Tensor& w, const at::
   TORCH_CHECK(kBuilt, "fp8_experts_avx2: the kernels were built without AVX2 / FMA / F16C");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "fp8_experts_avx2: x must be float32 [N, K]");
   const int64_t N = x.size(0), K = x.size(1);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.size(2) == K && K % 32 == 0,
-              "fp8_experts_avx2: weight ", w.sizes(), " is not uint8 e4m3 bytes [E, n, K] with K = ", K,
-              " a multiple of 32");
-  const int64_t E = w.size(0), n = w.size(1), kb_n = (K + kFp8Block - 1) / kFp8Block;
-  TORCH_CHECK(part_rows > 0 && n % part_rows == 0, "fp8_experts_avx2: part_rows ", part_rows, " does not divide n ",
-              n);
-  const int64_t block_rows = (part_rows + kFp8Block - 1) / kFp8Block, srows = (n / part_rows) * block_rows;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 3 && scale.size(0) == E &&
-              scale.size(1) == srows && scale.size(2) == kb_n,
-              "fp8_experts_avx2: scale ", scale.sizes(), " is not float32 [E, parts * ceil(part_rows / 128), "
-              "ceil(K / 128)]");
+  const auto sh = check_fp8_expert_buffers(K, w, scale, part_rows, "fp8_experts_avx2");
+  const int64_t E = sh.E, n = sh.n, kb_n = sh.kb_n, block_rows = sh.block_rows;
+  const int64_t srows = (n / part_rows) * block_rows;
   const auto seg = tokenfab_cpu::expert_segments(experts, offsets, E, N, "fp8_experts_avx2");
   at::Tensor y = seg.A == 0 ? at::zeros({N, n}, x.options()) : at::empty({N, n}, x.options());
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
