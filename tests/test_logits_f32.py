@@ -63,7 +63,7 @@ def test_vnni_linear_out_f32_is_the_accumulator_its_bf16_output_rounds(rows):
                        cpu_ops.vnni_linear(x, p, n, bias))
 
 
-@pytest.mark.skipif(not cpu_ops.gguf_linear_applies(), reason="gguf_linear needs the CPU kernels")
+@pytest.mark.skipif(not cpu_ops.gguf_linear_applies(), reason="gguf_linear needs the CPU kernels with AVX512-BF16")
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("rows", [1, 4, 9, 20])  # GEMV passes, and the prefill path above 16 rows
 def test_gguf_linear_out_f32(name, rows):

@@ -274,7 +274,7 @@ def test_fused_decode_draw_steps_aside_for_grammar_rows(tiny_model):
     llm = LLM(tiny_model("llama"), dtype="bfloat16", max_model_len=256, progress=False)
     runner = llm.llm_engine.runner
     if runner.cpu_decode_stack is None or runner.cpu_decode_stack.vocab_size is None:
-        pytest.skip("no fused CPU decode stack with the LM head on this machine")
+        pytest.skip("no fused CPU decode stack with the LM head on this machine (C++ kernels, AVX512-BF16)")
     fused = []  # (a row of the step has a grammar, the fused draw ran) for every decode-only step
     orig = runner._stack_sample_step
 
@@ -304,7 +304,7 @@ def test_real_model_structured_outputs():
     from tokenfab.default_model import resolve_model
     llm = LLM(resolve_model(None, quiet=True), max_model_len=512, max_num_seqs=8, progress=False)
     if llm.llm_engine.runner.cpu_decode_stack is None:
-        pytest.skip("no fused CPU decode stack on this machine")
+        pytest.skip("no fused CPU decode stack on this machine (C++ kernels, AVX512-BF16)")
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                                "population_millions": {"type": "integer", "minimum": 0,
                                                                        "maximum": 100}},

@@ -1,7 +1,9 @@
 """A GGUF file -> a cached Hugging Face checkpoint folder (bf16 safetensors, config, generation config, tokenizer).
 
-tokenfab's loaders read Hugging Face folders; until quantized matmuls land, a GGUF model is dequantized once into
-``<cache>/models/gguf/<file stem>-<key>/`` (``<cache>`` is ``$TOKENFAB_CACHE`` or ``~/.cache/tokenfab``):
+A GGUF file whose architecture and types tokenfab's packed loader reads is served packed (loader/gguf_packed.py,
+default_model.resolve_model); otherwise, and for the default model's bf16 twin (the folder ``tokenfab demo``
+serves), it is dequantized once into ``<cache>/models/gguf/<file stem>-<key>/`` (``<cache>`` is
+``$TOKENFAB_CACHE`` or ``~/.cache/tokenfab``):
 
 * ``model.safetensors``: every tensor dequantized to float32 by :mod:`tokenfab.loader.gguf_reader` (llama.cpp's
   reference dequantizer, q/k rows un-permuted), then rounded to bfloat16 (round to nearest even, ``Tensor.to``);
