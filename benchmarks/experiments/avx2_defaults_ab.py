@@ -11,6 +11,8 @@ processes, alternated:
 * ``--compare flash-f32``: the default model's folder in float32 with prefill attention on the GEMM + fused causal
   softmax path vs PyTorch's CPU flash kernel (layers/flash_prefill.py, the default at the avx2 level since
   2026-12-06), 4 prompts of 1,024 tokens instead of 16 of 256. NOTES 87.
+* ``--compare demo-model``: what ``tokenfab demo`` serves (the default model's dequantized folder, float32 here) vs
+  the same model's packed Q4_1 file on the AVX2 kernels. NOTES 88.
 * ``--compare avx2-copies``: SmolLM2's Q4_1 file with decode rows on the AVX2 kernel and prefill on float32 copies
   (the default before 2026-12-06's panel GEMM) vs every row on the AVX2 kernel and no copies (the default since).
   NOTES 84.
@@ -21,7 +23,7 @@ after load, and the first answer's first 8 tokens; then one sequence alone (a 32
 its time per output token after the first (batch-1 decode).
 
     PYTHONPATH=. python benchmarks/experiments/avx2_defaults_ab.py \
-        --compare dense-fallback|auto-dtype|avx2-gemv|avx2-copies|flash-f32 [--rounds 2]
+        --compare dense-fallback|auto-dtype|avx2-gemv|avx2-copies|flash-f32|demo-model [--rounds 2]
 """
 from __future__ import annotations
 
@@ -81,7 +83,9 @@ VARIANTS = {"dense-fallback": [("per-call dequantization", "gguf", "auto", {"TOK
             "avx2-copies": [("float32 copies for prefill", "gguf", "auto", {}, "copies"),
                             ("AVX2 kernel alone", "gguf", "auto", {}, "gemv")],
             "flash-f32": [("fused prefill attention", "folder", "auto", {}, "no-flash"),
-                          ("PyTorch flash prefill attention", "folder", "auto", {}, "gemv")]}
+                          ("PyTorch flash prefill attention", "folder", "auto", {}, "gemv")],
+            "demo-model": [("folder (float32)", "folder", "auto", {}, "gemv"),
+                           ("Q4_1 file packed", "gguf", "auto", {}, "gemv")]}
 
 
 def main() -> None:

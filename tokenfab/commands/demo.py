@@ -289,6 +289,10 @@ def _run_block(args: argparse.Namespace, *, model: str, served: str, describe_li
         need = max(need, ANSWER_MAX_TOKENS + 256)
     max_model_len = args.max_model_len or ((need + bs - 1) // bs) * bs
     max_num_seqs = args.max_num_seqs or workload["max_concurrency"]
+    tokenizer = None  # the benchmark's tokenizer: the model's folder; a served GGUF file's is its converted folder
+    if model.lower().endswith(".gguf"):
+        from tokenfab.loader.gguf_to_hf import ensure_converted
+        tokenizer = ensure_converted(model, quiet=True)
     server_cmd = [sys.executable, "-m", "tokenfab.cli", "serve", model, "--host", host, "--port", str(port),
                   "--served-model-name", served, "--max-model-len", str(max_model_len),
                   "--max-num-seqs", str(max_num_seqs), "--dtype", args.dtype, "--device", args.device, "--seed", "0"]
@@ -322,6 +326,7 @@ def _run_block(args: argparse.Namespace, *, model: str, served: str, describe_li
                   f"{workload['input_len']} in / {workload['output_len']} out, max concurrency "
                   f"{workload['max_concurrency']}", flush=True)
             bargs = make_args(base_url=base_url, model=model, served_model_name=served, dataset_name="random",
+                              tokenizer=tokenizer,
                               num_prompts=workload["num_prompts"], random_input_len=workload["input_len"],
                               random_output_len=workload["output_len"],
                               max_concurrency=workload["max_concurrency"], ignore_eos=True, temperature=t, seed=0,
@@ -419,25 +424,25 @@ def run_demo(args: argparse.Namespace) -> int:
         model = os.path.abspath(args.model)
         plan = [("given", model, f"{model} (given with --model)", os.path.basename(model.rstrip("/")) or "model")]
         notes = []
-    else:
+    from tokenfab.engine.engine_config import resolve_device
+    device = resolve_device(args.device)
+    if device.type == "cpu":  # build the fused CPU kernels here, on the console, not in the server
+        from tokenfab.kernels.cpu import ops as cpu_ops
+        cpu_ops.load()
+    if not args.model:
         from tokenfab.default_model import (DEFAULT_MODEL_NAME, REAL_MODEL_NAME, describe, ensure_default_model,
-                                            real_model_describe, real_model_gguf)
+                                            real_model_gguf, real_model_served)
 
         gguf = real_model_gguf()
         models, notes = plan_models(args.models, gguf is not None)
         plan = []
         for m in models:
-            if m == "real":
-                from tokenfab.loader.gguf_to_hf import ensure_converted
-                plan.append(("real", ensure_converted(gguf), real_model_describe(), REAL_MODEL_NAME))
+            if m == "real":  # the bf16 folder, or on AVX2-only CPUs the Q4_1 file packed (real_model_served)
+                plan.append(("real", *real_model_served(gguf, device), REAL_MODEL_NAME))
             else:
                 plan.append(("random", ensure_default_model(), describe(), DEFAULT_MODEL_NAME))
     for n in notes:
         print(f"[demo] {n}", flush=True)
-    from tokenfab.engine.engine_config import resolve_device
-    if resolve_device(args.device).type == "cpu":  # build the fused CPU kernels here, on the console, not in the server
-        from tokenfab.kernels.cpu import ops as cpu_ops
-        cpu_ops.load()
 
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     out = os.path.abspath(args.out or os.path.join("runs", f"demo-{stamp}"))
