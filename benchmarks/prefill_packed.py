@@ -1,11 +1,10 @@
-"""Prefill of a packed checkpoint against its bf16 twin (the same weights dequantized), side by side in one process:
-the real default model (SmolLM2-135M-Instruct) as its packed Q4_1 GGUF, with its prefill rate against this
-machine's measured bf16 GEMM peak; or the embedded DeepSeek-V3-architecture model (~100M, 16 routed experts top-2
-+ 1 shared) written in a published packed layout: ``--model fp8``, DeepSeek-V3's FP8 block-scaled linears
-(tokenfab.testing.fp8_checkpoint; its kv_b_proj is dequantized at load, the routed experts and the other linears
-stay FP8); ``--model int4`` / ``--model mxfp4``, its routed experts in compressed-tensors INT4 group-32 (Kimi K2-Thinking)
-or MXFP4 (Kimi K3), kept packed (tokenfab.testing.packed_experts_checkpoint). The bf16 twin holds the same real
-weights.
+"""Prefill of a packed checkpoint against its bf16 twin (the same weights dequantized), side by side in one process: the
+real default model (SmolLM2-135M-Instruct) as its packed Q4_1 GGUF, with its prefill rate against this machine's
+measured bf16 GEMM peak; or the embedded DeepSeek-V3-architecture model (~100M, 16 routed experts top-2 + 1 shared)
+written in a published packed layout: ``--model fp8``, DeepSeek-V3's FP8 block-scaled linears
+(tokenfab.testing.fp8_checkpoint; its kv_b_proj is dequantized at load, the routed experts and the other linears stay
+FP8); ``--model int4`` / ``--model mxfp4``, its routed experts in compressed-tensors INT4 group-32 (Kimi K2-Thinking) or
+MXFP4 (Kimi K3), kept packed (tokenfab.testing.packed_experts_checkpoint). The bf16 twin holds the same real weights.
 
     .venv/bin/python benchmarks/prefill_packed.py [--model smollm2|fp8|int4|mxfp4] [--lengths 512,4096] [--rounds 3]
         [--threads 2] [--attention flash,fused] [--name prefill-packed]

@@ -49,8 +49,8 @@ def _check(y, x, st, experts, counts):
 @pytest.mark.parametrize("K,rows", [(96, 42), (160, 42), (64, 100)])
 def test_grouped_products_within_the_float32_bound(fmt, K, rows):
     """6 experts of 42 rows (two 16-row blocks and a 10-row one; one partial 64-row panel) or 100 (a whole panel and
-    a partial one): segments of 1, 2, 7, 16 tokens (register GEMV: passes of 1, 2, 4 + 3 and 4 x 4 tokens) and 17, 70 (panels and
-    the GEMM), an empty one between."""
+    a partial one): segments of 1, 2, 7, 16 tokens (register GEMV: passes of 1, 2, 4 + 3 and 4 x 4 tokens) and 17,
+    70 (panels and the GEMM), an empty one between."""
     g = torch.Generator().manual_seed(K)
     st = _stack(fmt, 6, rows, K, g)
     experts, counts = [0, 2, 5, 3, 4, 1, 2], [1, 2, 0, 7, 16, 17, 70]

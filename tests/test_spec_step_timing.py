@@ -1,6 +1,6 @@
 """The measured switch-off (spec_decode/step_timing.py): the on/off decision on hand-worked timings, and through
-the engine a drafter that costs more than it saves (on a virtual clock) being switched off by the clock while a free one is
-not, with the tokens unchanged either way (greedy)."""
+the engine a drafter that costs more than it saves (on a virtual clock) being switched off by the clock while a
+free one is not, with the tokens unchanged either way (greedy)."""
 from __future__ import annotations
 
 import time

@@ -17,10 +17,10 @@ processes, alternated:
   (the default before 2026-12-06's panel GEMM) vs every row on the AVX2 kernel and no copies (the default since).
   NOTES 84.
 
-Per run: one engine, 16 prompts of 256 random tokens (flash-f32: 4 of 1,024), 32 greedy tokens each (ignore_eos), all submitted at once;
-prefill time (until every sequence has its first token), the whole run, total tokens per second, the resident set
-after load, and the first answer's first 8 tokens; then one sequence alone (a 32-token prompt, 64 greedy tokens):
-its time per output token after the first (batch-1 decode).
+Per run: one engine, 16 prompts of 256 random tokens (flash-f32: 4 of 1,024), 32 greedy tokens each (ignore_eos), all
+submitted at once; prefill time (until every sequence has its first token), the whole run, total tokens per second, the
+resident set after load, and the first answer's first 8 tokens; then one sequence alone (a 32-token prompt, 64 greedy
+tokens): its time per output token after the first (batch-1 decode).
 
     PYTHONPATH=. python benchmarks/experiments/avx2_defaults_ab.py \
         --compare dense-fallback|auto-dtype|avx2-gemv|avx2-copies|flash-f32|demo-model [--rounds 2]
@@ -68,7 +68,8 @@ t3 = time.perf_counter(); llm.generate([{"prompt_token_ids": one[0]}], first, us
 long = SamplingParams(temperature=0, max_tokens=65, ignore_eos=True)
 llm.generate([{"prompt_token_ids": one[0]}], long, use_tqdm=False); t5 = time.perf_counter()
 print(json.dumps({"tpot1_ms": ((t5 - t4) - (t4 - t3)) / 64 * 1e3, "isa": isa.selected_level(),
-                  "dtype": str(llm.llm_engine.dtype), "prefill_s": t1 - t0, "full_s": t2 - t1, "total_tok_s": (n_prompts * length + toks) / (t2 - t1), "max_rss_mb_after_load": rss,
+                  "dtype": str(llm.llm_engine.dtype), "prefill_s": t1 - t0, "full_s": t2 - t1,
+                  "total_tok_s": (n_prompts * length + toks) / (t2 - t1), "max_rss_mb_after_load": rss,
                   "first_ids": out[0].outputs[0].token_ids[:8]}))
 """
 # (variant label, model: "gguf" file or the bf16 "folder", dtype, extra environment, "gemv" / "no-gemv" / "copies")

@@ -22,15 +22,15 @@ state slot are freed at the fill and may go to another sequence in step k + 2: e
 step k + 2's on the device's one stream, so the stale row never overwrites the new owner's data, and the prefix
 cache never hashes the block slot the stale row wrote (it holds no computed token).
 
-Where a placeholder could be read before its id exists, a step is not scheduled ahead: rows whose logits
-processors need each id on the host (bad words read the output's last tokens, structured outputs advance a grammar:
-``LogitsProcessorState.any_consuming``) and speculative decoding (drafters read the ids). Penalized rows schedule
-ahead: while this mode is on their counts live on the logits' device and advance at each draw
-(engine/draw_time_counts.py); min_p, logit_bias and allowed_token_ids depend on the request's parameters alone. Such a step first waits for
-its predecessor and processes it in line, as without this mode. Under tensor parallel rank 0 broadcasts the drawn
-ids a step's placeholders stand for on the model's process group right after the step's header (NCCL on GPUs:
-device to device, in stream order, no host copy; parallel/worker.py), and every worker fills its placeholders from
-them as rank 0 does.
+Where a placeholder could be read before its id exists, a step is not scheduled ahead: rows whose logits processors need
+each id on the host (bad words read the output's last tokens, structured outputs advance a grammar:
+``LogitsProcessorState.any_consuming``) and speculative decoding (drafters read the ids). Penalized rows schedule ahead:
+while this mode is on their counts live on the logits' device and advance at each draw (engine/draw_time_counts.py);
+min_p, logit_bias and allowed_token_ids depend on the request's parameters alone. A step that cannot be placed first
+waits for its predecessor and processes it in line, as without this mode. Under tensor parallel rank 0 broadcasts the
+drawn ids a step's placeholders stand for on the model's process group right after the step's header (NCCL on GPUs:
+device to device, in stream order, no host copy; parallel/worker.py), and every worker fills its placeholders from them
+as rank 0 does.
 
 Token ids, text, finish reasons and logprobs equal those of synchronous scheduling for greedy and seeded requests
 (tests/test_async_scheduling.py); unseeded sampled requests draw from the engine's generator, so the wasted rows

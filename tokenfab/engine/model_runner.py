@@ -203,6 +203,14 @@ class ModelRunner:
         if self.sampler is not None and self.sampler.processors is not None:
             self.sampler.processors.record(rows, tokens)  # output-token counts of rows with penalties
 
+    def step_source(self, input_ids: np.ndarray) -> torch.Tensor | None:
+        """Async scheduling: the previous step's drawn ids (:attr:`placeholder_source`) on this runner's device
+        when ``input_ids`` [T] hold a placeholder ``-(j + 1)``, else None."""
+        src = self.placeholder_source
+        if src is None or not (input_ids < 0).any():
+            return None
+        return src if src.device == self.device else src.to(self.device, non_blocking=True)
+
     def penalty_counts_at_draw(self, on: bool) -> None:
         """Async scheduling on / off: the penalties' counts kept where the logits are and advanced at each draw
         (engine/draw_time_counts.py), or on the host alone (LogitsProcessorState.use_draw_time_counts)."""
@@ -268,11 +276,7 @@ class ModelRunner:
             clear_deferred(self.state_caches)
             if self.decode_graphs is not None:
                 self.decode_graphs.forget_step()
-        src = self.placeholder_source
-        if src is not None and not (input_ids < 0).any():
-            src = None  # no placeholder in this step's ids
-        if src is not None and src.device != self.device:
-            src = src.to(self.device, non_blocking=True)
+        src = self.step_source(input_ids)
         taps = self.capture is not None and bool(self.capture.layer_ids)
         # the padded buffers, layer taps included
         graphs = None if modules else self.decode_graphs
@@ -468,16 +472,11 @@ class ModelRunner:
         if spec_tok is not None:
             logit_idx = np.concatenate([logit_idx, spec_tok])
         if self.tp_channel is not None:  # tensor parallel: the workers run the same forward (tokenfab/parallel)
-            src = self.placeholder_source  # async scheduling: the drawn ids this step's placeholders stand for
-            if src is not None and (input_ids < 0).any():
-                src = src if src.device == self.device else src.to(self.device, non_blocking=True)
-            else:
-                src = None
             self.tp_channel.send_step(d, num_new, num_computed, bt, input_ids, logit_idx,
                                       rows if self.has_state else None, hold,  # hybrid models: the KDA state slots
                                       modules=self.uses_modules(),  # every rank pads (or not) alike
                                       graphs=self.graph_state(),  # and captures at the same step
-                                      source=src)  # the workers fill their placeholders from the same ids
+                                      source=self.step_source(input_ids))  # the ids their placeholders take
         logits = self.forward(d, num_new, num_computed, bt, input_ids, logit_idx, (T, starts, req_idx, positions),
                               rows=rows, hold=hold, on_device=True)
         if self.capture is not None:

@@ -104,18 +104,19 @@ class Fp8BlockExperts(PackedExperts):
         """Use ``fp8_experts_linear`` when it runs here: CPU buffers, in_features a multiple of 32, built kernels
         with AVX512-BF16, not disabled by ``TOKENFAB_PACKED_EXPERTS=torch`` nor by ``TOKENFAB_CPU_LINEAR=torch``
         (which sends the FP8 checkpoint's other Linears to the PyTorch path too); where that kernel does not run
-        (a CPU without AVX512-BF16) the AVX2 kernel ``cpu_ops.fp8_experts_avx2`` under the same conditions. On the GPU code path (CUDA / ROCm
-        buffers with Triton on, or the interpreter's ``interpret-gpu-path`` in tests) re-lay the stack once into the
-        grouped GEMM's layout instead (kernels/gpu/moe_relayout.relayout_fp8: in place where in_features is a
-        multiple of 512) and set :attr:`gpu_layout`."""
+        (a CPU without AVX512-BF16) the AVX2 kernel ``cpu_ops.fp8_experts_avx2`` under the same conditions. On the
+        GPU code path (CUDA / ROCm buffers with Triton on, or the interpreter's ``interpret-gpu-path`` in tests)
+        re-lay the stack once into the grouped GEMM's layout instead (kernels/gpu/moe_relayout.relayout_fp8: in
+        place where in_features is a multiple of 512) and set :attr:`gpu_layout`."""
         from tokenfab.kernels.gpu import support as gpu_support
         from tokenfab.layers.linear import cpu_linear_backend
         cpu = (self.packed.device.type == "cpu" and self.in_features % 32 == 0 and not kernel_disabled()
                and cpu_linear_backend() != "torch")
+        gpu_path = gpu_support.gpu_path(self.packed)
         self._kernel = cpu and cpu_ops.fp8_experts_applies()
-        self._avx2 = (cpu and not self._kernel and not self.gpu_layout and not gpu_support.gpu_path(self.packed)
+        self._avx2 = (cpu and not self._kernel and not self.gpu_layout and not gpu_path
                       and cpu_ops.fp8_block_linear_avx2_applies())
-        if self.gpu_layout or not gpu_support.gpu_path(self.packed):
+        if self.gpu_layout or not gpu_path:
             return
         from tokenfab.kernels.gpu.moe_relayout import relayout_fp8
         self.packed, self.scale = relayout_fp8(self.packed, self.scale, in_place=True)

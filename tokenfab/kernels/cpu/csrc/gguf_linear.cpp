@@ -350,8 +350,8 @@ void register_gguf_linear(pybind11::module_& m) {
         pybind11::arg("bias") = pybind11::none(), pybind11::arg("out_f32") = false);
   m.attr("gguf_gemv_avx2_built") = gguf_gemv_avx2_built();
   m.def("gguf_gemv_avx2", &gguf_gemv_avx2, "x W^T (+ b) over packed GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K "
-        "tiles, float32 x and y (CPU, AVX2 + FMA: the packed path of CPUs without AVX512-BF16)", pybind11::arg("x"), pybind11::arg("w"),
-        pybind11::arg("qtype"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
+        "tiles, float32 x and y (CPU, AVX2 + FMA: the packed path of CPUs without AVX512-BF16)", pybind11::arg("x"),
+        pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"), pybind11::arg("bias") = pybind11::none());
   m.def("gguf_embedding", &gguf_embedding, "rows ids of a packed GGUF Q4_0 / Q4_1 / Q8_0 / K-quant weight, dequantized (CPU)",
         pybind11::arg("w"), pybind11::arg("qtype"), pybind11::arg("n"), pybind11::arg("ids"), pybind11::arg("bf16_out"));
 }

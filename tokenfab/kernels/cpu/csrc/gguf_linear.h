@@ -22,8 +22,8 @@ at::Tensor gguf_embedding(const at::Tensor& w, int64_t qtype, int64_t n, const a
                           bool bf16_out);
 
 // y = x W^T (+ bias) for Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K tiles as gguf_linear, x [..., K] float32 -> y
-// [..., n] float32, on AVX2 + FMA + F16C (gguf_gemv_avx2.cpp: the packed path of CPUs without AVX512-BF16). Raises for another type or dtype, or
-// where the kernels were built without those instructions (gguf_gemv_avx2_built()).
+// [..., n] float32, on AVX2 + FMA + F16C (gguf_gemv_avx2.cpp: the packed path of CPUs without AVX512-BF16). Raises
+// for another type or dtype, or where the kernels were built without those instructions (gguf_gemv_avx2_built()).
 at::Tensor gguf_gemv_avx2(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t n,
                           const c10::optional<at::Tensor>& bias);
 bool gguf_gemv_avx2_built();

@@ -47,8 +47,8 @@ at::Tensor packed_experts_linear(const at::Tensor& x, int64_t fmt, const at::Ten
 // As packed_experts_linear for the two formats in the checkpoint layout (fmt 0 or 1, no tiles) and float32 x, on
 // AVX2 + FMA + F16C (packed_experts_avx2.cpp: CPUs without AVX512-BF16): decode sums the products of x and the
 // integer codes per 32-value group in float32 and scales once; prefill multiplies the reference's float32 values
-// with a float32 GEMM; y [N, n] float32. Raises for another format or dtype, or where the kernels were built without those
-// instructions (packed_experts_avx2_built()).
+// with a float32 GEMM; y [N, n] float32. Raises for another format or dtype, or where the kernels were built
+// without those instructions (packed_experts_avx2_built()).
 at::Tensor packed_experts_avx2(const at::Tensor& x, int64_t fmt, const at::Tensor& packed, const at::Tensor& scale,
                                const at::Tensor& experts, const at::Tensor& offsets);
 bool packed_experts_avx2_built();
