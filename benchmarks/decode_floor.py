@@ -9,7 +9,7 @@ device time between CUDA events around it, since its launches return before the 
 (engine overhead: scheduling, tensor building, sampling, output processing not hidden behind the device), and the
 floor.
 Where a CPU step runs forward, LM head and the draw in one C++ call (``CpuDecodeStack.run_sample``), that call is
-the forward here: it includes the draw (~30 us at batch 1, ``cpu_ops.sample_plain``), not the sampler's
+the forward here: it includes the draw (~30 us at batch 1, ``cpu_sampling.sample_plain``), not the sampler's
 Python, which runs before it and counts as overhead.
 
     floor = (bytes of weights a decode step must read + KV (and recurrent-state) bytes read) / copy bandwidth

@@ -48,7 +48,7 @@ def random_fp8(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.
 
 def time_shape(n: int, k: int, rows: int, reps: int, mb: float, clock=time.perf_counter) -> dict:
     """Best seconds per call of each format for weight [n, k] and ``rows`` input rows, and bytes per call."""
-    from tokenfab.kernels.cpu import ops as cpu_ops
+    from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
     from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
@@ -58,8 +58,8 @@ def time_shape(n: int, k: int, rows: int, reps: int, mb: float, clock=time.perf_
         per = n * k * 2 if fmt == "bf16" else Fp8BlockWeight(*base).nbytes
         count = max(2, int(mb * 1e6 // per)) if rows <= 16 else 2
         if fmt == "bf16":
-            ws = [cpu_ops.pack_linear_weight(torch.randn(n, k, generator=g).bfloat16()) for _ in range(count)]
-            runs[fmt] = ((lambda ws: lambda i: cpu_ops.vnni_linear(x, ws[i], n))(ws), count)
+            ws = [cpu_vnni.pack_linear_weight(torch.randn(n, k, generator=g).bfloat16()) for _ in range(count)]
+            runs[fmt] = ((lambda ws: lambda i: cpu_vnni.vnni_linear(x, ws[i], n))(ws), count)
         else:
             ws = [Fp8BlockWeight(*(base if i == 0 else (base[0].clone(), base[1].clone()))) for i in range(count)]
             for w in ws:
@@ -89,7 +89,7 @@ def rss(field="VmRSS"):
 from tokenfab import LLM
 from tokenfab.engine.engine_config import model_weight_bytes
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
-import tokenfab.kernels.cpu.ops as ck; ck.load()
+import tokenfab.kernels.cpu.build as ck; ck.load()
 before, anon0 = rss(), rss("RssAnon")
 llm = LLM(sys.argv[1], dtype="bfloat16", max_model_len=256, kv_cache_memory=1 << 20, progress=False)
 after, anon1 = rss(), rss("RssAnon")
@@ -134,8 +134,8 @@ def main() -> int:
     ap.add_argument("--no-rss", action="store_true", help="skip the resident-memory comparison")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
     args = ap.parse_args()
-    from tokenfab.kernels.cpu import ops as cpu_ops
-    if not kernels_ready(cpu_ops.fp8_block_linear_applies(), "the FP8 and VNNI linears need"):
+    from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
+    if not kernels_ready(cpu_fp8.fp8_block_linear_applies(), "the FP8 and VNNI linears need"):
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)

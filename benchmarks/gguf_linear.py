@@ -55,7 +55,8 @@ def random_rows(name: str, n: int, k: int, rng: np.random.Generator) -> torch.Te
 
 def time_shape(n: int, k: int, rows: int, reps: int, mb: float, formats=FORMATS) -> dict:
     """Best seconds per call of every format for weight [n, k] and ``rows`` input rows, and bytes per weight."""
-    from tokenfab.kernels.cpu import ops as cpu_ops
+    from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
+    from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
     from tokenfab.quant.gguf_weight import GGUFWeight
     rng = np.random.default_rng(0)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
@@ -63,8 +64,8 @@ def time_shape(n: int, k: int, rows: int, reps: int, mb: float, formats=FORMATS)
     for fmt in formats:
         if fmt == "bf16":
             count = max(2, int(mb * 1e6 // (n * k * 2))) if rows <= 4 else 2
-            ws = [cpu_ops.pack_linear_weight(torch.randn(n, k, dtype=torch.bfloat16)) for _ in range(count)]
-            runs[fmt] = (lambda ws: lambda i: cpu_ops.vnni_linear(x, ws[i], n))(ws)
+            ws = [cpu_vnni.pack_linear_weight(torch.randn(n, k, dtype=torch.bfloat16)) for _ in range(count)]
+            runs[fmt] = (lambda ws: lambda i: cpu_vnni.vnni_linear(x, ws[i], n))(ws)
             nbytes[fmt] = n * k * 2
         else:
             qt = fmt.removesuffix(INT8_SUFFIX)
@@ -77,16 +78,16 @@ def time_shape(n: int, k: int, rows: int, reps: int, mb: float, formats=FORMATS)
             nbytes[fmt] = one.nbytes
         runs[fmt] = (runs[fmt], count)
     best = {f: float("inf") for f in formats}
-    int8_before = cpu_ops.gguf_int8_activations()
+    int8_before = cpu_gguf.gguf_int8_activations()
     for _ in range(reps):
         for f, (fn, count) in runs.items():
-            cpu_ops.gguf_int8_activations(f.endswith(INT8_SUFFIX))
+            cpu_gguf.gguf_int8_activations(f.endswith(INT8_SUFFIX))
             fn(0)
             t = time.perf_counter()
             for i in range(count):
                 fn(i)
             best[f] = min(best[f], (time.perf_counter() - t) / count)
-    cpu_ops.gguf_int8_activations(int8_before)
+    cpu_gguf.gguf_int8_activations(int8_before)
     return {"n": n, "k": k, "rows": rows, "seconds": best, "bytes": nbytes}
 
 
@@ -106,8 +107,9 @@ def main() -> int:
     if formats[0] != "bf16":
         ap.error("--formats must start with bf16 (the ratios' base)")
     shapes = KQUANT_SHAPES if args.shapes == "kquant" else SHAPES
-    from tokenfab.kernels.cpu import ops as cpu_ops
-    if not kernels_ready(cpu_ops.has_bf16_dot() and cpu_ops.gguf_linear_applies(),
+    from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
+    from tokenfab.kernels.cpu.ops import support as cpu_support
+    if not kernels_ready(cpu_support.has_bf16_dot() and cpu_gguf.gguf_linear_applies(),
                          "the packed GGUF and VNNI linears need"):
         return 2
     threads = torch.get_num_threads()

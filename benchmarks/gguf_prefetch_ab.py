@@ -7,7 +7,7 @@ in one process, against the packed-bytes floor measured in the same run.
 One sequence with ``--context`` prompt tokens is prefilled, then the same decode step (``CpuDecodeStack``'s one C++
 call: forward, LM head, draw) is repeated: per round, one 512 MiB copy (the copy bandwidth, as
 benchmarks/decode_floor.py measures it), then 10 steps at each prefetch distance in turn
-(``cpu_ops.gguf_prefetch``; 0 = off, the kernel as it was; the arithmetic is the same, so are the outputs).
+(``cpu_build.load().gguf_prefetch``; 0 = off, the kernel as it was; the arithmetic is the same, so are the outputs).
 Interleaving within one process keeps the variants under the same load on a shared machine; compare the ratios of
 one thread count, not absolute times. The floor is decode_floor.py's: (packed weight bytes a batch-1 step reads + KV
 bytes attended) / median copy bandwidth of the run. Records the 1-minute load average per thread count.
@@ -41,11 +41,11 @@ def main() -> int:
     args = ap.parse_args()
     from tokenfab import LLM, SamplingParams
     from tokenfab.default_model import resolve_model
-    from tokenfab.kernels.cpu import ops as cpu_ops
+    from tokenfab.kernels.cpu import build as cpu_build
 
-    ext = cpu_ops.load()
+    ext = cpu_build.load()
     if ext is None or not hasattr(ext, "gguf_prefetch"):
-        ap.error(f"the fused CPU kernels with gguf_prefetch are needed ({cpu_ops.load_error()})")
+        ap.error(f"the fused CPU kernels with gguf_prefetch are needed ({cpu_build.load_error()})")
     model = args.model or resolve_model(None)
     llm = LLM(model, max_model_len=args.context + 64, max_num_seqs=4, progress=False)
     eng = llm.llm_engine

@@ -12,9 +12,9 @@ def kernels_ready(ready: bool, what: str) -> bool:
     """``ready``; when False, print why to stderr: ``<what> the CPU kernels built with AVX512-BF16: <cause>`` (``what``
     e.g. "the FP8 and VNNI linears need")."""
     if not ready:
-        from tokenfab.kernels.cpu import ops as cpu_ops
+        from tokenfab.kernels.cpu import build as cpu_build
         print(f"{what} the CPU kernels built with AVX512-BF16: "
-              f"{cpu_ops.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
+              f"{cpu_build.load_error() or 'this CPU has no AVX512-BF16'}", file=sys.stderr)
     return ready
 
 

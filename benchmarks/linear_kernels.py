@@ -30,15 +30,15 @@ SHAPES = [(960, 768), (1024, 384), (768, 512), (768, 768), (768, 384), (3072, 76
 
 def time_pair(n: int, k: int, rows: int, reps: int) -> dict:
     """Best seconds per call of both backends for weight [n, k] and ``rows`` input rows, plus their max |Δ|."""
-    from tokenfab.kernels.cpu import ops as cpu_ops
+    from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
     count = max(2, int(64e6 // (n * k * 2))) if rows <= 16 else 2
     ws = [torch.randn(n, k, dtype=torch.bfloat16) / k ** 0.5 for _ in range(count)]
-    vnni = [cpu_ops.pack_linear_weight(w) for w in ws]
+    vnni = [cpu_vnni.pack_linear_weight(w) for w in ws]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in ws]
     del ws
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     runs = {
-        "tokenfab": lambda i: cpu_ops.vnni_linear(x, vnni[i], n),
+        "tokenfab": lambda i: cpu_vnni.vnni_linear(x, vnni[i], n),
         "onednn": lambda i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
     }
     diff = (runs["tokenfab"](0).float() - runs["onednn"](0).float()).abs().max().item()
@@ -60,8 +60,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5, help="passes per backend (best is kept; default 5)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
     args = ap.parse_args()
-    from tokenfab.kernels.cpu import ops as cpu_ops
-    if not kernels_ready(cpu_ops.has_bf16_dot(), "tokenfab's VNNI linear needs"):
+    from tokenfab.kernels.cpu.ops import support as cpu_support
+    if not kernels_ready(cpu_support.has_bf16_dot(), "tokenfab's VNNI linear needs"):
         return 2
     threads = torch.get_num_threads()
     bw = copy_bandwidth()

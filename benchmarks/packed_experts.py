@@ -1,6 +1,6 @@
 """Routed experts kept packed (INT4 group-32, MXFP4: kernels/cpu/csrc/packed_experts.cpp; FP8 block-scaled as DeepSeek-V3
 publishes them: fp8_linear.cpp's fp8_experts_linear) against tokenfab's bf16 routed experts (VNNI-packed,
-cpu_ops.moe_experts_packed) on DeepSeek-V3-like expert shapes, side by side; and the
+cpu_moe.moe_experts_packed) on DeepSeek-V3-like expert shapes, side by side; and the
 resident memory of a small Kimi K3 checkpoint with MXFP4 experts loaded packed vs the same weights dequantized.
 
     .venv/bin/python benchmarks/packed_experts.py [--experts 4] [--tokens 1,8,64] [--reps 7] [--mb 900] [--threads N]
@@ -190,10 +190,12 @@ def main() -> None:
         sys.exit(f"--formats: unknown {', '.join(bad)} (known: {', '.join(FORMATS)})")
     if a.threads:
         torch.set_num_threads(a.threads)
-    from tokenfab.kernels.cpu import ops as cpu_ops
-    if not cpu_ops.packed_experts_applies():
-        sys.exit(f"packed expert kernels not available here ({cpu_ops.load_error() or 'no AVX512-BF16'})")
-    if "fp8_block" in formats and not cpu_ops.fp8_experts_applies():
+    from tokenfab.kernels.cpu import build as cpu_build
+    from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
+    from tokenfab.kernels.cpu.ops import packed_experts as cpu_packed_experts
+    if not cpu_packed_experts.packed_experts_applies():
+        sys.exit(f"packed expert kernels not available here ({cpu_build.load_error() or 'no AVX512-BF16'})")
+    if "fp8_block" in formats and not cpu_fp8.fp8_experts_applies():
         sys.exit("FP8 expert kernels not available here (fp8_experts_linear)")
     rows = bench_experts(a.experts, [int(t) for t in a.tokens.split(",")], a.reps, a.mb, formats)
     rss = []

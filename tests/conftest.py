@@ -44,9 +44,9 @@ def interpret(monkeypatch):
 def avx2_isa_cap():
     """The built CPU kernels capped at the ``avx2`` ISA level for the test (no AVX512-BF16 / AMX code: the paths a
     CPU without them takes), the previous cap restored after. Use where the kernels are built."""
+    from tokenfab.kernels.cpu import build as cpu_build
     from tokenfab.kernels.cpu import isa as cpu_isa
-    from tokenfab.kernels.cpu import ops as cpu_ops
-    m = cpu_ops.load()
+    m = cpu_build.load()
     before = m.isa_cap()
     m.set_isa_cap(cpu_isa.LEVELS.index("avx2"))
     yield

@@ -97,14 +97,14 @@ def assert_within_bound(y: torch.Tensor, x: torch.Tensor, ye: torch.Tensor, s: t
 
 @contextlib.contextmanager
 def int8_activations(on: bool):
-    """The packed linears' int8-activation setting (``cpu_ops.gguf_int8_activations``) at ``on`` inside the block,
+    """The packed linears' int8-activation setting (``cpu_gguf.gguf_int8_activations``) at ``on`` inside the block,
     restored after it."""
-    from tokenfab.kernels.cpu import ops as cpu_ops
-    before = cpu_ops.gguf_int8_activations(on)
+    from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
+    before = cpu_gguf.gguf_int8_activations(on)
     try:
         yield
     finally:
-        cpu_ops.gguf_int8_activations(before)
+        cpu_gguf.gguf_int8_activations(before)
 
 
 def check_kernel_product(raw: np.ndarray, name: str, k: int, rows: int, dtype: torch.dtype, check_close):
@@ -113,7 +113,7 @@ def check_kernel_product(raw: np.ndarray, name: str, k: int, rows: int, dtype: t
     then ``check_close`` on the kernel's product (bf16 and float32 outputs) and on the PyTorch reference path's.
     bf16 x of more than 16 rows (prefill) multiplies the weight rounded once to bf16, the dequantized bf16 twin's:
     those products are checked against that weight (``check_close(..., bf16_weight=True)``). bf16 x of 5..16 rows
-    that would run on int8 activations (``cpu_ops.gguf_int8_path``; test_gguf_int8_activations.py checks that path
+    that would run on int8 activations (``cpu_gguf.gguf_int8_path``; test_gguf_int8_activations.py checks that path
     against its own definition) runs the exact GEMV here (the setting off for the call). Returns (x, y, bias)."""
     from tokenfab.quant.gguf_weight import GGUFWeight
     torch.manual_seed(rows)

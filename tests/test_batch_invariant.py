@@ -13,9 +13,12 @@ import pytest
 
 from tokenfab import LLM, SamplingParams
 from tokenfab.errors import UnsupportedError
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import attention as cpu_attention
+from tokenfab.kernels.cpu.ops import batch_invariant as cpu_batch_invariant
+from tokenfab.kernels.cpu.ops import support as cpu_support
+from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
 
-pytestmark = pytest.mark.skipif(not cpu_ops.has_bf16_dot(),
+pytestmark = pytest.mark.skipif(not cpu_support.has_bf16_dot(),
                                 reason="batch-invariant mode needs the CPU kernels with AVX512-BF16")
 
 FAMILIES = ("llama", "deepseek_v3", "qwen3_moe")
@@ -33,17 +36,17 @@ def test_linear_rows_do_not_depend_on_the_row_count_or_place(n, k, bias):
     w = torch.randn(n, k, generator=g).bfloat16()
     b = torch.randn(n, generator=g) if bias else None
     x = torch.randn(300, k, generator=g).bfloat16()
-    p = cpu_ops.pack_linear_weight(w)
-    with cpu_ops.batch_invariant():
-        ref = torch.cat([cpu_ops.vnni_linear(x[i:i + 1], p, n, b) for i in range(8)])
+    p = cpu_vnni.pack_linear_weight(w)
+    with cpu_batch_invariant.batch_invariant():
+        ref = torch.cat([cpu_vnni.vnni_linear(x[i:i + 1], p, n, b) for i in range(8)])
         for m in (1, 2, 3, 4, 5, 7, 8, 63, 64, 65, 129, 300):
-            assert torch.equal(cpu_ops.vnni_linear(x[:m], p, n, b)[:8], ref[:m]), m
-        rolled = cpu_ops.vnni_linear(torch.roll(x, 37, 0), p, n, b)
+            assert torch.equal(cpu_vnni.vnni_linear(x[:m], p, n, b)[:8], ref[:m]), m
+        rolled = cpu_vnni.vnni_linear(torch.roll(x, 37, 0), p, n, b)
         assert torch.equal(torch.roll(rolled, -37, 0)[:8], ref)
-    assert not cpu_ops.batch_invariant_active()
+    assert not cpu_batch_invariant.batch_invariant_active()
     if k >= 576:  # reductions long enough that the default mode's two orders part somewhere in 64 rows
-        gemv = torch.cat([cpu_ops.vnni_linear(x[i:i + 1], p, n, b) for i in range(64)])
-        assert not torch.equal(gemv, cpu_ops.vnni_linear(x[:64], p, n, b))
+        gemv = torch.cat([cpu_vnni.vnni_linear(x[i:i + 1], p, n, b) for i in range(64)])
+        assert not torch.equal(gemv, cpu_vnni.vnni_linear(x[:64], p, n, b))
 
 
 def test_decode_attention_does_not_split_a_context_in_the_mode():
@@ -59,9 +62,9 @@ def test_decode_attention_does_not_split_a_context_in_the_mode():
     lens = torch.tensor([120, 77, 128, 5, 64, 99, 31, 128])
 
     def attend(rows):
-        return cpu_ops.paged_decode_attention(q[rows], cache, cache[..., :512], bt[rows].contiguous(),
-                                                  lens[rows], 0.05)
-    with cpu_ops.batch_invariant():
+        return cpu_attention.paged_decode_attention(q[rows], cache, cache[..., :512], bt[rows].contiguous(),
+                                                    lens[rows], 0.05)
+    with cpu_batch_invariant.batch_invariant():
         batch = attend(slice(0, 8))
         assert all(torch.equal(attend(slice(i, i + 1))[0], batch[i]) for i in range(8))
     assert not all(torch.equal(attend(slice(i, i + 1))[0], attend(slice(0, 8))[i]) for i in range(8))
@@ -71,8 +74,8 @@ def test_router_dot_does_not_depend_on_the_row_count():
     import torch
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(70, 300, generator=g), torch.randn(16, 300, generator=g)
-    y = cpu_ops.rowwise_linear_f32(x, w)
-    assert torch.equal(torch.cat([cpu_ops.rowwise_linear_f32(x[i:i + 1], w) for i in range(70)]), y)
+    y = cpu_batch_invariant.rowwise_linear_f32(x, w)
+    assert torch.equal(torch.cat([cpu_batch_invariant.rowwise_linear_f32(x[i:i + 1], w) for i in range(70)]), y)
     torch.testing.assert_close(y, x @ w.T, rtol=1e-5, atol=1e-4)
 
 

@@ -5,8 +5,13 @@ import pytest
 import torch
 
 from tokenfab.errors import EngineConfigError
+from tokenfab.kernels.cpu import build as cpu_build
 from tokenfab.kernels.cpu import isa as cpu_isa
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import attention as cpu_attention
+from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
+from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
+from tokenfab.kernels.cpu.ops import support as cpu_support
+from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
 
 XEON = {"avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16"}
 EPYC = {"avx2", "avx512f", "avx512_bf16"}
@@ -55,24 +60,24 @@ def test_library_caps_follow_the_level_and_never_override_the_user(monkeypatch):
     assert "ONEDNN_MAX_CPU_ISA" not in os.environ
 
 
-@pytest.mark.skipif(cpu_ops.load() is None, reason="the fused CPU kernels are not built here")
+@pytest.mark.skipif(cpu_build.load() is None, reason="the fused CPU kernels are not built here")
 def test_the_kernels_cap_switches_the_bf16_dot_paths_off():
     """Capped at avx2, no caller is offered an AVX512-BF16 kernel, and paged decode attention takes its float32
     path: a bf16 result equal to the PyTorch reference's arithmetic in float32 (products rounded to bf16 no more)."""
-    m = cpu_ops.load()
+    m = cpu_build.load()
     before = m.isa_cap()
     try:
         m.set_isa_cap(cpu_isa.LEVELS.index("avx2"))
-        assert not cpu_ops.has_bf16_dot()
-        assert not cpu_ops.gguf_linear_applies() and not cpu_ops.fp8_block_linear_applies()
-        assert not cpu_ops.vnni_linear_applies(torch.zeros(32, 64, dtype=torch.bfloat16))
+        assert not cpu_support.has_bf16_dot()
+        assert not cpu_gguf.gguf_linear_applies() and not cpu_fp8.fp8_block_linear_applies()
+        assert not cpu_vnni.vnni_linear_applies(torch.zeros(32, 64, dtype=torch.bfloat16))
         g = torch.Generator().manual_seed(3)
         q = torch.randn(2, 4, 64, generator=g).bfloat16()
         k = torch.randn(3, 16, 2, 64, generator=g).bfloat16()
         v = torch.randn(3, 16, 2, 64, generator=g).bfloat16()
         bt = torch.tensor([[0, 1], [2, 0]])
         cl = torch.tensor([20, 9])
-        out = cpu_ops.paged_decode_attention(q, k, v, bt, cl, 0.125)
+        out = cpu_attention.paged_decode_attention(q, k, v, bt, cl, 0.125)
         for b in range(2):
             keys = torch.cat([k[i] for i in bt[b]])[:cl[b]].float()  # [L, 2, 64]
             vals = torch.cat([v[i] for i in bt[b]])[:cl[b]].float()
@@ -82,7 +87,7 @@ def test_the_kernels_cap_switches_the_bf16_dot_paths_off():
             torch.testing.assert_close(out[b].float(), ref, atol=1e-2, rtol=1e-2)
     finally:
         m.set_isa_cap(before)
-    assert cpu_ops.has_bf16_dot() == bool(m.has_bf16_dot and before >= 1)
+    assert cpu_support.has_bf16_dot() == bool(m.has_bf16_dot and before >= 1)
 
 
 def test_bf16_mla_decode_at_avx2_level_gathers_and_rounds_as_bf16(monkeypatch):
@@ -95,7 +100,7 @@ def test_bf16_mla_decode_at_avx2_level_gathers_and_rounds_as_bf16(monkeypatch):
     from tokenfab.layers import paged_attention
     from tokenfab.layers.attention_metadata import AttentionGroup
     monkeypatch.setattr(cpu_isa, "selected_level", lambda flags=None: "avx2")
-    monkeypatch.setattr(cpu_ops, "has_bf16_dot", lambda: False)
+    monkeypatch.setattr(cpu_support, "has_bf16_dot", lambda: False)
     g = torch.Generator().manual_seed(5)
     B, H, D, Dv, bs = 2, 6, 48, 32, 4
     cache = torch.randn(7, bs, 1, D, generator=g).bfloat16()
@@ -105,7 +110,7 @@ def test_bf16_mla_decode_at_avx2_level_gathers_and_rounds_as_bf16(monkeypatch):
     group = AttentionGroup(token_index=(cl - 1).view(B, 1), query_pos=(cl - 1).view(B, 1), block_tables=bt,
                            context_lens=cl, q_len=1, max_context=3 * bs)
     assert dispatch.paged_decode_attention(q, cache, cache[..., :Dv], bt, cl, 3 * bs, 0.2) is None
-    if cpu_ops.available_for(q.float()):
+    if cpu_support.available_for(q.float()):
         assert dispatch.paged_decode_attention(q.float(), cache.float(), cache.float()[..., :Dv], bt, cl, 3 * bs,
                                                0.2) is not None
     keys = paged_attention.gather_cache(cache[:, :, 0], group).unsqueeze(1)  # [B, 1, 12, D]

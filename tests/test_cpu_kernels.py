@@ -5,10 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu import build as cpu_build
+from tokenfab.kernels.cpu.ops import attention as cpu_attention
+from tokenfab.kernels.cpu.ops import head_gemm as cpu_head_gemm
+from tokenfab.kernels.cpu.ops import norms_activations as cpu_norms
+from tokenfab.kernels.cpu.ops import rotary as cpu_rotary
+from tokenfab.kernels.cpu.ops import support as cpu_support
 
-pytestmark = pytest.mark.skipif(cpu_ops.load() is None,
-                                reason=f"CPU kernels not built: {cpu_ops.load_error()}")
+pytestmark = pytest.mark.skipif(cpu_build.load() is None,
+                                reason=f"CPU kernels not built: {cpu_build.load_error()}")
 
 
 def _paged_case(B, H, Hk, D, Dv, bs, lens, dtype, latent=False, seed=0):
@@ -56,7 +61,7 @@ def test_paged_decode_attention_matches_definition(dtype, tol, case):
         args = dict(B=3, H=8, Hk=1, D=576, Dv=512, bs=16, lens=[5, 64, 130], latent=True)
     q, kc, vc, bt, lens = _paged_case(dtype=dtype, **args)
     scale = args["D"] ** -0.5
-    out = cpu_ops.paged_decode_attention(q, kc, vc, bt, lens, scale)
+    out = cpu_attention.paged_decode_attention(q, kc, vc, bt, lens, scale)
     assert out.shape == (args["B"], args["H"], args["Dv"]) and out.dtype == dtype
     ref = _reference_attention(q, kc, vc, bt, lens, scale)
     assert (out.double() - ref).abs().max().item() < tol
@@ -72,7 +77,7 @@ def test_mla_decode_attention_context_splits_match_definition(threads, lens):
     try:
         q, kc, vc, bt, cl = _paged_case(B=1, H=8, Hk=1, D=576, Dv=512, bs=16, lens=lens, dtype=torch.bfloat16,
                                         latent=True, seed=len(lens) + lens[0])
-        out = cpu_ops.paged_decode_attention(q, kc, vc, bt, cl, 576 ** -0.5)
+        out = cpu_attention.paged_decode_attention(q, kc, vc, bt, cl, 576 ** -0.5)
     finally:
         torch.set_num_threads(prev)
     ref = _reference_attention(q, kc, vc, bt, cl, 576 ** -0.5)
@@ -84,10 +89,10 @@ def test_paged_decode_attention_reads_only_the_context(dtype, D):
     """Tokens past context_lens (garbage in the last block) must not change the result (odd lengths: the bf16 path
     pairs tokens)."""
     q, kc, vc, bt, lens = _paged_case(B=2, H=4, Hk=2, D=D, Dv=D, bs=8, lens=[5, 11], dtype=dtype)
-    a = cpu_ops.paged_decode_attention(q, kc, vc, bt, lens, 0.25)
+    a = cpu_attention.paged_decode_attention(q, kc, vc, bt, lens, 0.25)
     kc[bt[0, 0], 5:] = 1e4
     vc[bt[1, 1], 3:] = float("nan")
-    b = cpu_ops.paged_decode_attention(q, kc, vc, bt, lens, 0.25)
+    b = cpu_attention.paged_decode_attention(q, kc, vc, bt, lens, 0.25)
     assert torch.equal(a, b)
 
 
@@ -99,18 +104,18 @@ def test_rms_norm_matches_pytorch_order():
     w = (torch.rand(384) + 0.5).to(torch.bfloat16)
     h = x.float()
     ref = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)  # transformers' order
-    out = cpu_ops.rms_norm(x, w, 1e-6)
+    out = cpu_norms.rms_norm(x, w, 1e-6)
     # identical up to one bf16 ulp where the float32 sum order flips a rounding
     assert (out.float() - ref.float()).abs().max().item() <= 2 ** -7 * ref.float().abs().max().item()
     assert (out == ref).float().mean().item() > 0.99
-    y, s = cpu_ops.rms_norm(x, w, 1e-6, residual=r)
+    y, s = cpu_norms.rms_norm(x, w, 1e-6, residual=r)
     assert torch.equal(s, x + r)
     norm = RMSNorm(384)
     norm.weight.data = w
     assert torch.equal(y, norm(x + r))  # the module takes the same kernel
     x32 = torch.randn(3, 64)
     ref32 = x32 / torch.sqrt(x32.double().pow(2).mean(-1, keepdim=True) + 1e-5).float()
-    assert torch.allclose(cpu_ops.rms_norm(x32, torch.ones(64), 1e-5), ref32, atol=1e-6)
+    assert torch.allclose(cpu_norms.rms_norm(x32, torch.ones(64), 1e-5), ref32, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -118,7 +123,7 @@ def test_silu_and_mul_matches_pytorch(dtype):
     torch.manual_seed(1)
     x = (torch.randn(9, 2 * 100) * 4).to(dtype)
     ref = torch.nn.functional.silu(x[:, :100]) * x[:, 100:]
-    out = cpu_ops.silu_and_mul(x)
+    out = cpu_norms.silu_and_mul(x)
     if dtype == torch.float32:
         assert torch.allclose(out, ref, rtol=1e-6, atol=1e-6)
     else:
@@ -137,7 +142,7 @@ def test_rope_matches_definition(interleave, dtype):
     base = torch.randn(T, H, dim + 8).to(dtype)
     x = base[..., 4:4 + dim]  # a strided view, as MLA's q_rope slice is
     pos = torch.tensor([0, 3, 7, 8, 20, 49])
-    out = cpu_ops.rope(x, pos, cos, sin, interleave)
+    out = cpu_rotary.rope(x, pos, cos, sin, interleave)
     xd = x.double()
     x1, x2 = (xd[..., 0::2], xd[..., 1::2]) if interleave else (xd[..., : dim // 2], xd[..., dim // 2:])
     c, s = freqs.cos()[pos].unsqueeze(1), freqs.sin()[pos].unsqueeze(1)
@@ -155,7 +160,7 @@ def test_fallback_when_disabled(monkeypatch):
     group = AttentionGroup(token_index=torch.arange(2).view(2, 1), query_pos=(lens - 1).view(2, 1),
                            block_tables=bt, context_lens=lens, q_len=1, max_context=bt.shape[1] * 4)
     fused = paged_attention.fused_decode(q, kc, vc, group, 0.3)
-    monkeypatch.setattr(cpu_ops, "available_for", lambda x: False)
+    monkeypatch.setattr(cpu_support, "available_for", lambda x: False)
     assert paged_attention.fused_decode(q, kc, vc, group, 0.3) is None
     ctx = paged_attention.gather_cache(kc[:, :, 0], group).unsqueeze(1)
     eager = paged_attention.attention(q.unsqueeze(2), ctx, ctx, group, 0.3)[:, :, 0, :32]
@@ -174,7 +179,7 @@ def test_causal_softmax_matches_masked_softmax(dtype, tol):
     visible = keys.view(1, 1, L) <= qpos.clamp(min=0).unsqueeze(-1)  # [B, Qb, L]
     visible = visible.repeat(1, G, 1).unsqueeze(1)  # rows g * Qb + i
     ref = torch.softmax((s.double() * scale).masked_fill(~visible, float("-inf")), -1)
-    out = cpu_ops.causal_softmax_(s.clone(), qpos, Qb, scale)
+    out = cpu_attention.causal_softmax_(s.clone(), qpos, Qb, scale)
     assert (out.double() - ref).abs().max().item() < tol
     assert (out[~visible.expand_as(out)] == 0).all()
 
@@ -205,13 +210,13 @@ def test_rmsnorm_module_residual_same_with_and_without_kernel(monkeypatch):
     norm.weight.data = (torch.rand(96) + 0.5).to(torch.bfloat16)
     x, r = torch.randn(6, 96).to(torch.bfloat16), torch.randn(6, 96).to(torch.bfloat16)
     y1, h1 = norm(x, r)
-    monkeypatch.setattr(cpu_ops, "available_for", lambda t: False)
+    monkeypatch.setattr(cpu_support, "available_for", lambda t: False)
     y2, h2 = norm(x, r)
     assert torch.equal(h1, r + x) and torch.equal(h2, r + x)
     assert (y1.float() - y2.float()).abs().max().item() <= 2 ** -7 * y2.float().abs().max().item()
 
 
-@pytest.mark.skipif(not cpu_ops.has_bf16_dot(), reason="head_gemm_ needs AVX512-BF16")
+@pytest.mark.skipif(not cpu_support.has_bf16_dot(), reason="head_gemm_ needs AVX512-BF16")
 @pytest.mark.parametrize("G,K,N", [(8, 64, 512), (3, 512, 64), (2, 32, 48), (4, 16, 24), (2, 8, 70)])
 @pytest.mark.parametrize("B", [1, 3, 5, 16])
 def test_head_gemm_matches_definition(G, K, N, B):
@@ -221,14 +226,14 @@ def test_head_gemm_matches_definition(G, K, N, B):
     w = torch.randn(G, K, N, generator=g).bfloat16()
     x = torch.randn(B, G, K + 7, generator=g).bfloat16()[..., 3: 3 + K]
     buf = torch.full((B, G, N + 16), 7.0, dtype=torch.bfloat16)
-    out = cpu_ops.head_gemm_(x, cpu_ops.pack_head_weights(w), buf[..., :N])
+    out = cpu_head_gemm.head_gemm_(x, cpu_head_gemm.pack_head_weights(w), buf[..., :N])
     ref = torch.einsum("bgk,gkn->bgn", x.double(), w.double())
     assert out.data_ptr() == buf.data_ptr()
     assert ((out.double() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-3 * ref.abs().max()).all()
     assert (buf[..., N:] == 7.0).all()
 
 
-@pytest.mark.skipif(not cpu_ops.has_bf16_dot(), reason="head_gemm_ needs AVX512-BF16")
+@pytest.mark.skipif(not cpu_support.has_bf16_dot(), reason="head_gemm_ needs AVX512-BF16")
 def test_mla_absorbed_decode_head_gemm_matches_bmm(tiny_model, monkeypatch):
     """bf16 DeepSeek-V3 decode with the packed per-head GEMM vs the torch.bmm path: same greedy tokens and
     logprobs equal up to bf16 rounding of the two projections."""
@@ -239,7 +244,7 @@ def test_mla_absorbed_decode_head_gemm_matches_bmm(tiny_model, monkeypatch):
     llm = LLM(path, dtype="bfloat16", max_model_len=128, progress=False)
     fused = llm.generate(prompts, sp)
     assert any(getattr(m, "_head_gemm", False) for m in llm.llm_engine.runner.model.modules())
-    monkeypatch.setattr(cpu_ops, "head_gemm_applies", lambda x, w: False)
+    monkeypatch.setattr(cpu_head_gemm, "head_gemm_applies", lambda x, w: False)
     plain = LLM(path, dtype="bfloat16", max_model_len=128, progress=False).generate(prompts, sp)
     for a, b in zip(fused, plain):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids

@@ -11,7 +11,6 @@ import torch
 
 from tokenfab import SamplingParams
 from tokenfab.kernels.cpu import build as cpu_kernels_build
-from tokenfab.kernels.cpu import ops as cpu_kernels
 
 
 @pytest.fixture
@@ -25,7 +24,6 @@ def load_calls(monkeypatch):
         return None
 
     monkeypatch.setattr(cpu_kernels_build, "load", record)
-    monkeypatch.setattr(cpu_kernels, "load", record)
     return calls
 
 

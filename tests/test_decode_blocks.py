@@ -1,17 +1,18 @@
 """Attention of decode-only batches as one C++ call gives bit-identical results to the Python paths: MLA
-(``cpu_ops.mla_decode`` vs MLAttention.forward) and grouped-query attention (``cpu_ops.gqa_decode`` vs
-LlamaAttention.forward, Llama and Qwen3 with its q/k norms, with and without biases). Same tokens, same logprobs,
+(``cpu_decode_blocks.mla_decode`` vs MLAttention.forward) and grouped-query attention
+(``cpu_decode_blocks.gqa_decode`` vs LlamaAttention.forward, Llama and Qwen3 with its q/k norms, with and without biases). Same tokens, same logprobs,
 over several decode steps that read the cache rows the block itself wrote. The Python paths are tested against
 transformers in test_engine_exact.py / test_bf16.py."""
 from __future__ import annotations
 
 import pytest
 
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import decode_blocks as cpu_decode_blocks
+from tokenfab.kernels.cpu.ops import support as cpu_support
 from tokenfab.layers.mla import MLAttention
 from tokenfab.models.llama import LlamaAttention
 
-pytestmark = pytest.mark.skipif(not cpu_ops.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
+pytestmark = pytest.mark.skipif(not cpu_support.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
 
 
 def run(path, prompts, block: bool):
@@ -30,13 +31,13 @@ def run(path, prompts, block: bool):
 
 def counting(monkeypatch, name):
     calls = []
-    real = getattr(cpu_ops, name)
+    real = getattr(cpu_decode_blocks, name)
 
     def counted(x, *a, **k):
         calls.append(x.shape[0])
         return real(x, *a, **k)
 
-    monkeypatch.setattr(cpu_ops, name, counted)
+    monkeypatch.setattr(cpu_decode_blocks, name, counted)
     return calls
 
 

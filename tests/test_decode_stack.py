@@ -10,9 +10,9 @@ import pytest
 
 from decode_stack_ab import generate_through
 from tokenfab.engine.cpu_decode_stack import CpuDecodeStack
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import support as cpu_support
 
-pytestmark = pytest.mark.skipif(not cpu_ops.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
+pytestmark = pytest.mark.skipif(not cpu_support.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
 
 
 def make_llm(path, **kw):

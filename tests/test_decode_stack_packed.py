@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu import build as cpu_build
+from tokenfab.kernels.cpu.ops import support as cpu_support
 
 gguf = pytest.importorskip("gguf")
 
 from decode_stack_ab import stack_switched  # noqa: E402
 from test_gguf_packed_loader import write_gguf  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not cpu_ops.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
+pytestmark = pytest.mark.skipif(not cpu_support.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
 
 ALL_Q4_1_EMB_Q8 = {**{k: "Q4_1" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                                            "ffn_down")}, "token_embd": "Q8_0", "output": "Q8_0"}
@@ -88,7 +89,7 @@ def test_packed_embedding_rows_match_gguf_dequantize(monkeypatch, qtype, dtype):
     assert torch.equal(got, ref[ids])
     with pytest.raises(RuntimeError, match="outside"):
         packed.embedding(torch.tensor([n]), dtype)
-    monkeypatch.setattr(cpu_ops, "load", lambda: None)  # without built kernels: the PyTorch lookup
+    monkeypatch.setattr(cpu_build, "load", lambda: None)  # without built kernels: the PyTorch lookup
     assert torch.equal(packed.embedding(ids, dtype), ref[ids])
     with pytest.raises(IndexError, match="ids must lie"):
         packed.embedding(torch.tensor([n]), dtype)

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from test_fp8_block_weight import formula, fp32_bound, random_fp8
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu import build as cpu_build
+from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
 from tokenfab.quant import packed_weight
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
 
 needs_kernel = pytest.mark.skipif(
-    cpu_ops.load() is None or not getattr(cpu_ops.load(), "fp8_block_linear_avx2_built", False),
+    cpu_build.load() is None or not getattr(cpu_build.load(), "fp8_block_linear_avx2_built", False),
     reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C")
 
 
@@ -30,7 +31,7 @@ def test_products_within_the_float32_bound(n, k, m):
     q, s = random_fp8(n, k, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     bias = torch.randn(n)
-    y = cpu_ops.fp8_block_linear_avx2(x, q, s, bias)
+    y = cpu_fp8.fp8_block_linear_avx2(x, q, s, bias)
     W = formula(q, s)
     ref = torch.nn.functional.linear(x, W) + bias
     assert y.dtype == torch.float32 and y.shape == (m, n)
@@ -44,7 +45,7 @@ def test_every_e4m3_code_decodes_exactly(m):
     (subnormals, signed zeros) and the block scaling are checked bit for bit against the formula."""
     q, s = random_fp8(200, 160, seed=3)
     eye = torch.eye(160)
-    y = torch.cat([cpu_ops.fp8_block_linear_avx2(eye[i:i + m], q, s) for i in range(0, 160, m)])
+    y = torch.cat([cpu_fp8.fp8_block_linear_avx2(eye[i:i + m], q, s) for i in range(0, 160, m)])
     assert torch.equal(y, formula(q, s).T)
 
 
@@ -52,13 +53,13 @@ def test_every_e4m3_code_decodes_exactly(m):
 def test_errors_are_named():
     q, s = random_fp8(64, 64, seed=1)
     with pytest.raises(RuntimeError, match="x must be float32"):
-        cpu_ops.fp8_block_linear_avx2(torch.randn(2, 64).bfloat16(), q, s)
+        cpu_fp8.fp8_block_linear_avx2(torch.randn(2, 64).bfloat16(), q, s)
     with pytest.raises(RuntimeError, match="x has 48 inputs for w"):
-        cpu_ops.fp8_block_linear_avx2(torch.randn(2, 48), q, s)
+        cpu_fp8.fp8_block_linear_avx2(torch.randn(2, 48), q, s)
     with pytest.raises(RuntimeError, match="scale_inv must be contiguous float32"):
-        cpu_ops.fp8_block_linear_avx2(torch.randn(2, 64), q, s.double())
+        cpu_fp8.fp8_block_linear_avx2(torch.randn(2, 64), q, s.double())
     with pytest.raises(RuntimeError, match="bias has 3 values for 64 outputs"):
-        cpu_ops.fp8_block_linear_avx2(torch.randn(2, 64), q, s, torch.randn(3))
+        cpu_fp8.fp8_block_linear_avx2(torch.randn(2, 64), q, s, torch.randn(3))
 
 
 @needs_kernel
@@ -74,7 +75,7 @@ def test_weight_takes_the_kernel_at_the_avx2_level(avx2_isa_cap, monkeypatch, dt
         assert p._avx2 and not p._kernel and p._dense is None
     for m in (3, 20):
         x = torch.randn(m, 96).to(dtype)
-        want = cpu_ops.fp8_block_linear_avx2(x.float(), parts[0].weight, parts[0].scale_inv).to(dtype)
+        want = cpu_fp8.fp8_block_linear_avx2(x.float(), parts[0].weight, parts[0].scale_inv).to(dtype)
         assert torch.equal(parts[0].linear(x, None), want)
     joined = Fp8BlockWeight.concat(parts)
     assert joined._avx2
@@ -100,7 +101,7 @@ def test_grouped_expert_products_within_the_float32_bound():
     st, W = gate_up_stack(6, 200, 160, seed=4)
     experts, counts = [3, 0, 5, 1, 4, 2, 0, 3], [1, 2, 0, 3, 5, 16, 17, 70]
     x = torch.randn(sum(counts), 160, generator=torch.Generator().manual_seed(8))
-    y = cpu_ops.fp8_experts_avx2(x, st.packed, st.scale, torch.tensor(experts), _offsets(counts), 200)
+    y = cpu_fp8.fp8_experts_avx2(x, st.packed, st.scale, torch.tensor(experts), _offsets(counts), 200)
     assert y.dtype == torch.float32 and y.shape == (sum(counts), 400)
     b = 0
     for e, n in zip(experts, counts):
@@ -117,7 +118,7 @@ def test_grouped_every_e4m3_code_and_part_scale_exact(m):
     st, W = gate_up_stack(2, 200, 160, seed=5)
     eye = torch.eye(160)
     for e in range(2):
-        y = torch.cat([cpu_ops.fp8_experts_avx2(eye[i:i + m], st.packed, st.scale, torch.tensor([e]),
+        y = torch.cat([cpu_fp8.fp8_experts_avx2(eye[i:i + m], st.packed, st.scale, torch.tensor([e]),
                                                 _offsets([len(eye[i:i + m])]), 200) for i in range(0, 160, m)])
         assert torch.equal(y, W[e].T), e
 
@@ -128,13 +129,13 @@ def test_grouped_errors_are_named():
     st, _ = gate_up_stack(2, 64, 64, seed=1)
     x, ids, offs = torch.randn(3, 64), torch.tensor([1]), _offsets([3])
     with pytest.raises(RuntimeError, match="x must be float32"):
-        cpu_ops.fp8_experts_avx2(x.bfloat16(), st.packed, st.scale, ids, offs, 64)
+        cpu_fp8.fp8_experts_avx2(x.bfloat16(), st.packed, st.scale, ids, offs, 64)
     with pytest.raises(RuntimeError, match="part_rows 48 does not divide n 128"):
-        cpu_ops.fp8_experts_avx2(x, st.packed, st.scale, ids, offs, 48)
+        cpu_fp8.fp8_experts_avx2(x, st.packed, st.scale, ids, offs, 48)
     with pytest.raises(RuntimeError, match="is not float32 \\[E, parts"):
-        cpu_ops.fp8_experts_avx2(x, st.packed, st.scale[:, :1].contiguous(), ids, offs, 64)
+        cpu_fp8.fp8_experts_avx2(x, st.packed, st.scale[:, :1].contiguous(), ids, offs, 64)
     with pytest.raises(RuntimeError, match="bad expert id"):
-        cpu_ops.fp8_experts_avx2(x, st.packed, st.scale, torch.tensor([2]), offs, 64)
+        cpu_fp8.fp8_experts_avx2(x, st.packed, st.scale, torch.tensor([2]), offs, 64)
 
 
 @needs_kernel
@@ -149,7 +150,7 @@ def test_expert_stack_takes_the_kernel_at_the_avx2_level(avx2_isa_cap, monkeypat
     st.prepare()
     assert st._avx2 and not st._kernel
     x = torch.randn(21, 96).to(dtype)
-    want = cpu_ops.fp8_experts_avx2(x.float(), st.packed, st.scale, torch.tensor([2, 0]), _offsets([4, 17]),
+    want = cpu_fp8.fp8_experts_avx2(x.float(), st.packed, st.scale, torch.tensor([2, 0]), _offsets([4, 17]),
                                     72).to(dtype)
     assert torch.equal(st.grouped_linear(x, [2, 0], [4, 17]), want)
     monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "torch")

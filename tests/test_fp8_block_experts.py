@@ -14,13 +14,13 @@ from conftest import max_prompt_logprob_gap
 from test_fp8_block_weight import formula, fp8_pair, random_fp8  # noqa: F401  (fp8_pair: a fixture)
 from tokenfab import LLM, SamplingParams
 from tokenfab.errors import WeightLoadError
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
 from tokenfab.quant.fp8_block_experts import Fp8BlockExperts
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
 
 def any_kernel() -> bool:
     """An FP8 expert kernel runs here: the AVX512-BF16 one, or on CPUs without it the AVX2 one."""
-    return cpu_ops.fp8_experts_applies() or cpu_ops.fp8_block_linear_avx2_applies()
+    return cpu_fp8.fp8_experts_applies() or cpu_fp8.fp8_block_linear_avx2_applies()
 
 
 kernel = pytest.mark.skipif(not any_kernel(), reason="no FP8 expert kernel here (C++ kernels not built)")
@@ -80,7 +80,7 @@ def test_grouped_linear_matches_float64(dtype, path, monkeypatch):
     for e, n in zip(experts, counts):
         xs = x[b:b + n]
         we = W[e]
-        if (st._kernel and dtype == torch.bfloat16 and n > cpu_ops.fp8_gemv_max_rows(dtype)
+        if (st._kernel and dtype == torch.bfloat16 and n > cpu_fp8.fp8_gemv_max_rows(dtype)
                 and isa.selected_level() != "amx"):
             we = we.bfloat16().float()  # brgemm without AMX: the weight rounded once to bf16 (the bf16 twin's)
         ref = xs.double() @ we.double().T
@@ -166,8 +166,8 @@ def test_tiny_fp8_model_experts_packed_match_dequantized_twin(fp8_pair, path, mo
     model = llm.llm_engine.runner.model
     mods = [l.mlp.experts for l in model.model.layers if hasattr(l.mlp, "experts")]
     assert mods and all(isinstance(m.q13, Fp8BlockExperts) and m.w13 is None and m._p13 is None for m in mods)
-    assert mods[0].q13._kernel == (path == "kernel" and cpu_ops.fp8_experts_applies())
-    assert mods[0].q13._avx2 == (path == "kernel" and not cpu_ops.fp8_experts_applies() and any_kernel())
+    assert mods[0].q13._kernel == (path == "kernel" and cpu_fp8.fp8_experts_applies())
+    assert mods[0].q13._avx2 == (path == "kernel" and not cpu_fp8.fp8_experts_applies() and any_kernel())
     assert not any(".experts." in n for n, _ in model.named_parameters())
     del llm
     _, ref = _generate(twin, PROMPTS)

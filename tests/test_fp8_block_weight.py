@@ -14,14 +14,15 @@ import torch
 
 from conftest import max_prompt_logprob_gap
 from decode_stack_ab import generate_through
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu import build as cpu_build
+from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
 from tokenfab.model_config import ConfigError
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
 from tokenfab.testing.fp8_checkpoint import quantize_fp8_block, write_fp8_checkpoint
 
 # in / out dims not multiples of 128 (partial blocks): hidden 160, intermediate 224, o_proj in 96, kv_a out 48
 TINY = dict(hidden_size=160, intermediate_size=224, q_lora_rank=64)
-kernel = pytest.mark.skipif(not cpu_ops.fp8_block_linear_applies(),
+kernel = pytest.mark.skipif(not cpu_fp8.fp8_block_linear_applies(),
                             reason="fused CPU kernels with AVX512-BF16 not available")
 
 
@@ -83,11 +84,11 @@ def test_kernel_matches_reference(n, k, m, dtype):
     W = formula(q, s)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
     bias = torch.randn(n)
-    y = cpu_ops.fp8_block_linear(x, q, s, bias)
+    y = cpu_fp8.fp8_block_linear(x, q, s, bias)
     ref = torch.nn.functional.linear(x.float(), W) + bias  # w.reference_linear before its one rounding
     assert torch.equal(w.reference_linear(x, bias), ref.to(dtype))
     from tokenfab.kernels.cpu import isa
-    if dtype == torch.bfloat16 and m > cpu_ops.fp8_gemv_max_rows(dtype) and isa.selected_level() != "amx":
+    if dtype == torch.bfloat16 and m > cpu_fp8.fp8_gemv_max_rows(dtype) and isa.selected_level() != "amx":
         # the brgemm path without AMX multiplies the weight rounded once to bf16 (the dequantized bf16 twin's)
         W = W.bfloat16().float()
         ref = torch.nn.functional.linear(x.float(), W) + bias
@@ -105,16 +106,16 @@ def test_kernel_decodes_every_e4m3_code_exactly(m):
     table and block scaling are checked bit for bit against the formula (subnormals, signed zeros, partial blocks)."""
     q, s = random_fp8(200, 160, seed=3)
     eye = torch.eye(160)
-    y = torch.cat([cpu_ops.fp8_block_linear(eye[i:i + m], q, s) for i in range(0, 160, m)])
+    y = torch.cat([cpu_fp8.fp8_block_linear(eye[i:i + m], q, s) for i in range(0, 160, m)])
     assert torch.equal(y, formula(q, s).T)
-    yb = torch.cat([cpu_ops.fp8_block_linear(eye[i:i + m].bfloat16(), q, s) for i in range(0, 160, m)])
+    yb = torch.cat([cpu_fp8.fp8_block_linear(eye[i:i + m].bfloat16(), q, s) for i in range(0, 160, m)])
     assert torch.equal(yb, formula(q, s).T.bfloat16())
 
 
 @pytest.mark.parametrize("linear", [
-    pytest.param(lambda *a: cpu_ops.fp8_block_linear(*a), id="avx512", marks=kernel),
-    pytest.param(lambda *a: cpu_ops.fp8_block_linear_avx2(*a), id="avx2", marks=pytest.mark.skipif(
-        cpu_ops.load() is None or not getattr(cpu_ops.load(), "fp8_block_linear_avx2_built", False),
+    pytest.param(lambda *a: cpu_fp8.fp8_block_linear(*a), id="avx512", marks=kernel),
+    pytest.param(lambda *a: cpu_fp8.fp8_block_linear_avx2(*a), id="avx2", marks=pytest.mark.skipif(
+        cpu_build.load() is None or not getattr(cpu_build.load(), "fp8_block_linear_avx2_built", False),
         reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C"))])
 def test_kernel_nan_codes_give_nan(linear):
     """e4m3's NaN codes (0x7F, 0xFF) give NaN in their output columns alone, on the GEMV and the prefill path of the
@@ -180,10 +181,10 @@ def test_tiny_fp8_model_matches_dequantized_twin(fp8_pair, monkeypatch, backend)
             # stacks (tests/test_fp8_block_experts.py)
             assert attn.kv_b_proj.qweight is None and attn.kv_b_proj.weight is not None
             assert moe.experts.w13 is None and moe.experts.q13.format_name == "fp8_block"
-            assert moe.experts.q13._kernel == (cpu_ops.fp8_experts_applies() and backend != "torch")
+            assert moe.experts.q13._kernel == (cpu_fp8.fp8_experts_applies() and backend != "torch")
             assert attn.o_proj.qweight is not None and moe.shared_experts.down_proj.qweight is not None
             assert len(packed) >= 2 * 4 + 2 + 2
-            assert attn.o_proj.qweight._kernel == (cpu_ops.fp8_block_linear_applies() and backend != "torch")
+            assert attn.o_proj.qweight._kernel == (cpu_fp8.fp8_block_linear_applies() and backend != "torch")
             del llm
     gap = max_prompt_logprob_gap(outs["reference"], outs["packed"], "packed FP8")
     assert gap < 1e-4

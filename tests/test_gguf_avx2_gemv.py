@@ -19,13 +19,14 @@ gguf = pytest.importorskip("gguf")
 import test_gguf_kquants  # noqa: E402
 from test_gguf_kquants import random_kblocks  # noqa: E402
 from test_gguf_linear import check_close, quantized, random_blocks  # noqa: E402
-from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
+from tokenfab.kernels.cpu import build as cpu_build  # noqa: E402
+from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf  # noqa: E402
 from tokenfab.quant import packed_weight  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 KTYPES = ["Q4_K", "Q5_K", "Q6_K"]
-needs_kernel = pytest.mark.skipif(cpu_ops.load() is None or not getattr(cpu_ops.load(), "gguf_gemv_avx2_built", False),
+needs_kernel = pytest.mark.skipif(not getattr(cpu_build.load(), "gguf_gemv_avx2_built", False),
                                   reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C")
 
 
@@ -48,7 +49,7 @@ def _check_products(name, raw, k, rows, check):
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g)
     bias = torch.randn(n, generator=g) if rows % 2 else None
-    y = cpu_ops.gguf_gemv_avx2(x, w.tiles, w.block.ggml_type, n, bias)
+    y = cpu_gguf.gguf_gemv_avx2(x, w.tiles, w.block.ggml_type, n, bias)
     assert y.dtype == torch.float32 and y.shape == (rows, n)
     check(y, x, raw, name, bias)
 
@@ -76,7 +77,7 @@ def test_prefill_panels(name, n, k, rows):
     w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(3))
     bias = torch.randn(n, generator=torch.Generator().manual_seed(4))
-    y = cpu_ops.gguf_gemv_avx2(x, w.tiles, w.block.ggml_type, n, bias)
+    y = cpu_gguf.gguf_gemv_avx2(x, w.tiles, w.block.ggml_type, n, bias)
     (test_gguf_kquants.check_close if kq else check_close)(y, x, raw, name, bias)
 
 
@@ -87,18 +88,18 @@ def test_leading_dims_strided_rows_and_errors():
     raw = quantized("Q4_1", 24, 64, seed=2)
     w = GGUFWeight.from_rows(torch.from_numpy(raw), "Q4_1", 64)
     x = torch.randn(2, 3, 64)
-    y = cpu_ops.gguf_gemv_avx2(x, w.tiles, 3, 24)
+    y = cpu_gguf.gguf_gemv_avx2(x, w.tiles, 3, 24)
     assert y.shape == (2, 3, 24)
-    assert torch.equal(y.reshape(6, 24), cpu_ops.gguf_gemv_avx2(x.reshape(6, 64), w.tiles, 3, 24))
+    assert torch.equal(y.reshape(6, 24), cpu_gguf.gguf_gemv_avx2(x.reshape(6, 64), w.tiles, 3, 24))
     wide = torch.randn(4, 128)[:, :64]  # rows 128 apart
-    assert torch.equal(cpu_ops.gguf_gemv_avx2(wide, w.tiles, 3, 24),
-                       cpu_ops.gguf_gemv_avx2(wide.contiguous(), w.tiles, 3, 24))
+    assert torch.equal(cpu_gguf.gguf_gemv_avx2(wide, w.tiles, 3, 24),
+                       cpu_gguf.gguf_gemv_avx2(wide.contiguous(), w.tiles, 3, 24))
     with pytest.raises(RuntimeError, match="x must be float32"):
-        cpu_ops.gguf_gemv_avx2(x.bfloat16(), w.tiles, 3, 24)
+        cpu_gguf.gguf_gemv_avx2(x.bfloat16(), w.tiles, 3, 24)
     with pytest.raises(RuntimeError, match="ggml type 10 is not Q4_0"):
-        cpu_ops.gguf_gemv_avx2(x, w.tiles, 10, 24)
+        cpu_gguf.gguf_gemv_avx2(x, w.tiles, 10, 24)
     with pytest.raises(RuntimeError, match="does not hold 24 rows of 96 inputs"):
-        cpu_ops.gguf_gemv_avx2(torch.randn(1, 96), w.tiles, 3, 24)
+        cpu_gguf.gguf_gemv_avx2(torch.randn(1, 96), w.tiles, 3, 24)
 
 
 @pytest.fixture
@@ -119,8 +120,8 @@ def test_weight_runs_every_row_on_the_kernel_at_the_avx2_level(avx2_level, monke
     k = 256 if kq else 96
     raw = random_kblocks(name, 40, k, seed=4) if kq else quantized(name, 40, k, seed=4)
     calls = []
-    real = cpu_ops.gguf_gemv_avx2
-    monkeypatch.setattr(cpu_ops, "gguf_gemv_avx2", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    real = cpu_gguf.gguf_gemv_avx2
+    monkeypatch.setattr(cpu_gguf, "gguf_gemv_avx2", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)
     w.prepare()
     assert w._gemv_avx2 and not w._kernel and w._dense is None and packed_weight._DENSE_BYTES == [0]

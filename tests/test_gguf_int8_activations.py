@@ -22,13 +22,13 @@ gguf = pytest.importorskip("gguf")
 
 from gguf_helpers import U, int8_activations  # noqa: E402
 from test_gguf_linear import check_close  # noqa: E402
-from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
+from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf  # noqa: E402
 from tokenfab.quant import gguf_blocks  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
 
 TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 
-needs_int8 = pytest.mark.skipif(not cpu_ops.gguf_int8_available(),
+needs_int8 = pytest.mark.skipif(not cpu_gguf.gguf_int8_available(),
                                 reason="the int8-activation GEMV does not run here (no kernels with AVX512-BF16 and "
                                        "AVX512-VNNI, or an AMX path)")
 
@@ -82,7 +82,7 @@ def test_int8_rows_match_their_definition(int8_on, name, rows):
     x[0, 32:64] = 0  # an all-zero block: amax 0, qx 0, dx 0
     x[1, :32] *= 1000  # one large block beside small ones: scales are per block
     bias = torch.randn(n) if rows == 9 else None
-    assert cpu_ops.gguf_int8_path(TYPES[name], rows, torch.bfloat16)
+    assert cpu_gguf.gguf_int8_path(TYPES[name], rows, torch.bfloat16)
     y_ref, s, exact, act = reference(x, raw, name, bias)
     tol = (k + 64) * U * s
     y32 = w.linear_f32(x, bias)
@@ -111,21 +111,21 @@ def test_int8_off_and_rows_outside_keep_the_exact_product(int8_on):
         x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
         check_close(w.linear_f32(x), x, raw, name, None, bf16_weight=rows > 16)
 
-    assert cpu_ops.gguf_int8_path(3, 8, torch.bfloat16)
+    assert cpu_gguf.gguf_int8_path(3, 8, torch.bfloat16)
     for rows in (4, 17):
-        assert not cpu_ops.gguf_int8_path(3, rows, torch.bfloat16)
+        assert not cpu_gguf.gguf_int8_path(3, rows, torch.bfloat16)
         check(rows)
-    assert not cpu_ops.gguf_int8_path(3, 8, torch.float32)  # float32 x keeps float32 accuracy
-    cpu_ops.gguf_int8_activations(False)
-    assert not cpu_ops.gguf_int8_path(3, 8, torch.bfloat16)
+    assert not cpu_gguf.gguf_int8_path(3, 8, torch.float32)  # float32 x keeps float32 accuracy
+    cpu_gguf.gguf_int8_activations(False)
+    assert not cpu_gguf.gguf_int8_path(3, 8, torch.bfloat16)
     check(8)
 
 
 def test_int8_setting_is_checked(monkeypatch):
     from tokenfab.errors import EngineConfigError
     for value, on in (("", False), ("0", False), ("1", True)):
-        monkeypatch.setenv(cpu_ops.INT8_ENV, value)
-        assert cpu_ops.gguf_int8_setting() is on
-    monkeypatch.setenv(cpu_ops.INT8_ENV, "yes")
+        monkeypatch.setenv(cpu_gguf.INT8_ENV, value)
+        assert cpu_gguf.gguf_int8_setting() is on
+    monkeypatch.setenv(cpu_gguf.INT8_ENV, "yes")
     with pytest.raises(EngineConfigError, match="TOKENFAB_GGUF_INT8_ACT='yes'.*use 1"):
-        cpu_ops.gguf_int8_setting()
+        cpu_gguf.gguf_int8_setting()

@@ -20,13 +20,13 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from gguf_helpers import assert_within_bound, check_kernel_product, with_bias  # noqa: E402
-from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
+from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf  # noqa: E402
 from tokenfab.quant import gguf_blocks, gguf_kquants  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
 
 KTYPES = ("Q4_K", "Q5_K", "Q6_K")
 
-needs_kernel = pytest.mark.skipif(not cpu_ops.gguf_linear_applies(),
+needs_kernel = pytest.mark.skipif(not cpu_gguf.gguf_linear_applies(),
                                   reason="gguf_linear needs the CPU kernels with AVX512-BF16")
 
 

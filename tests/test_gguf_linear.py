@@ -22,14 +22,15 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from gguf_helpers import assert_within_bound, check_kernel_product, int8_activations, with_bias  # noqa: E402
-from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
+from tokenfab.kernels.cpu import build as cpu_build  # noqa: E402
+from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf  # noqa: E402
 from tokenfab.layers.linear import Linear  # noqa: E402
 from tokenfab.quant import gguf_blocks  # noqa: E402
 from tokenfab.quant.gguf_weight import GGUFWeight  # noqa: E402
 
 TYPES = ("Q8_0", "Q4_0", "Q4_1")
 
-needs_kernel = pytest.mark.skipif(not cpu_ops.gguf_linear_applies(),
+needs_kernel = pytest.mark.skipif(not cpu_gguf.gguf_linear_applies(),
                                   reason="gguf_linear needs the CPU kernels with AVX512-BF16")
 
 
@@ -141,10 +142,10 @@ def test_reference_path_when_the_kernel_does_not_apply(monkeypatch):
     for forced in ("no_bf16", "env"):
         with monkeypatch.context() as mp:
             if forced == "no_bf16":
-                mp.setattr(cpu_ops, "gguf_linear_applies", lambda: False)
+                mp.setattr(cpu_gguf, "gguf_linear_applies", lambda: False)
             else:
                 mp.setenv("TOKENFAB_CPU_LINEAR", "torch")
-            mp.setattr(cpu_ops, "gguf_linear", boom)
+            mp.setattr(cpu_gguf, "gguf_linear", boom)
             w = GGUFWeight.from_rows(raw, "Q4_1", 64)
             w.prepare()
             assert not w._kernel
@@ -169,7 +170,7 @@ def test_linear_concat_of_packed_weights(sizes):
     fused = Linear.concat(lins)
     assert fused is not None and fused.qweight.out_features == sum(sizes)
     assert torch.equal(fused.qweight.dequantize(), want)
-    if cpu_ops.gguf_linear_applies():
+    if cpu_gguf.gguf_linear_applies():
         assert torch.equal(fused(x), separate)  # the same per-row dot products in the kernel's lanes
     else:
         check_close(fused(x), x, np.concatenate(raws), "Q4_0", None)
@@ -186,9 +187,9 @@ def test_concat_refuses_mixed_block_types():
 @needs_kernel
 @pytest.mark.parametrize("name", TYPES)
 def test_gemv_prefetch_distance_changes_no_output_bit(name):
-    """The GEMV's software prefetch (cpu_ops gguf_prefetch, TOKENFAB_GGUF_PREFETCH) only requests bytes early:
+    """The GEMV's software prefetch (the extension's gguf_prefetch, TOKENFAB_GGUF_PREFETCH) only requests bytes early:
     off, short or past the weight's end, every output is the same bits, within the exact product's bound."""
-    ext = cpu_ops.load()
+    ext = cpu_build.load()
     n, k = 72, 256
     raw = quantized(name, n, k, seed=11)
     w = GGUFWeight.from_rows(torch.from_numpy(raw), name, k)

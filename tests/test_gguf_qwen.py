@@ -117,8 +117,8 @@ def test_qwen_kquant_gguf_packed_matches_dequantized_model(tiny_model, tokenizer
 def test_bf16_decode_stack_runs_kquant_gguf(tiny_model, tokenizer_dir, tmp_path):
     """bf16 activations: the fused CPU decode stack takes the K-quant tiles (gguf_linear from C++) and its greedy
     tokens match the module path's."""
-    from tokenfab.kernels.cpu import ops as cpu_ops
-    if not cpu_ops.gguf_linear_applies():
+    from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
+    if not cpu_gguf.gguf_linear_applies():
         pytest.skip("needs the CPU kernels with AVX512-BF16")
     ckpt = tiny_qwen(tiny_model, "qwen3")
     path = str(tmp_path / "tiny.gguf")

@@ -36,13 +36,11 @@ KDA_DENSE_MAX, KDA_MOE_MAX = 11, 13
 @pytest.fixture
 def gpu_path_on_cpu(monkeypatch):
     from tokenfab.kernels.cpu import build as cpu_build
-    from tokenfab.kernels.cpu import ops as cpu_ops
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
     monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")  # no CPU repacking of bf16 weights at load (GPU: never)
     monkeypatch.setattr(cpu_build, "load", lambda: None)  # a GPU machine has no C++ CPU kernels loaded
-    monkeypatch.setattr(cpu_ops, "load", lambda: None)
 
 
 def count_decode_layers(path: str, dtype: str = "float32") -> tuple[dict[str, int], KernelCounter]:

@@ -23,13 +23,12 @@ def test_gpu_path_kernels_compile_for_sm90_and_gfx942(monkeypatch, tiny_model, t
     from test_kimi_linear import make_kimi_linear
     from tokenfab import LLM, SamplingParams
     from tokenfab.kernels.cpu import build as cpu_build
-    from tokenfab.kernels.cpu import ops as cpu_ops
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
     monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
     monkeypatch.setattr(cpu_build, "load", lambda: None)
-    monkeypatch.setattr(cpu_ops, "load", lambda: None)
     from tokenfab.testing.fp8_checkpoint import write_fp8_checkpoint
     from tokenfab.testing.packed_experts_checkpoint import write_packed_experts_checkpoint
     ds = tiny_model("deepseek_v3", num_hidden_layers=2)

@@ -30,11 +30,10 @@ def hybrid_paths(tmp_path_factory, tokenizer_dir):
 def no_cpu_kernels(monkeypatch):
     """Both sides without the C++ kernels (a GPU machine has none loaded; the CPU side then runs layers/kda.py)."""
     from tokenfab.kernels.cpu import build as cpu_build
-    from tokenfab.kernels.cpu import ops as cpu_ops
+
     monkeypatch.setenv("TOKENFAB_CPU_KERNELS", "0")
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "0")
     monkeypatch.setattr(cpu_build, "load", lambda: None)
-    monkeypatch.setattr(cpu_ops, "load", lambda: None)
 
 
 def gpu_path(monkeypatch) -> list[tuple[int, ...]]:

@@ -10,10 +10,10 @@ import sys
 SCRIPT = r"""
 import json, sys
 from tokenfab import LLM, SamplingParams
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu import build as cpu_build
 llm = LLM(sys.argv[1], max_model_len=64, progress=False)
 out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9, 10]}], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-print(json.dumps({"loaded": cpu_ops.load() is not None, "error": cpu_ops.load_error(),
+print(json.dumps({"loaded": cpu_build.load() is not None, "error": cpu_build.load_error(),
                   "tokens": out[0].outputs[0].token_ids}))
 """
 
@@ -44,8 +44,8 @@ def test_no_compiler_falls_back(tiny_model, tmp_path):
 
 LOAD = r"""
 import json
-from tokenfab.kernels.cpu import ops as cpu_ops
-print(json.dumps({"loaded": cpu_ops.load() is not None, "error": cpu_ops.load_error()}))
+from tokenfab.kernels.cpu import build as cpu_build
+print(json.dumps({"loaded": cpu_build.load() is not None, "error": cpu_build.load_error()}))
 """
 
 
@@ -54,9 +54,9 @@ def test_stale_build_lock_is_removed(tmp_path):
     load waits on it forever. A copy of this checkout's built folder with such a file still loads (no rebuild)."""
     import shutil
     import pytest
-    from tokenfab.kernels.cpu import build, ops as cpu_ops
-    if cpu_ops.load() is None:
-        pytest.skip(f"kernels not built here: {cpu_ops.load_error()}")
+    from tokenfab.kernels.cpu import build
+    if build.load() is None:
+        pytest.skip(f"kernels not built here: {build.load_error()}")
     src = build._build_dir()
     env = dict(os.environ, TOKENFAB_KERNEL_CACHE=str(tmp_path / "kc"))
     r = subprocess.run([sys.executable, "-c", "from tokenfab.kernels.cpu import build as b; print(b._build_dir())"],

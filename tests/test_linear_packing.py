@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from tokenfab.kernels.cpu import isa as cpu_isa
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import support as cpu_support
+from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
 from tokenfab.layers.linear import Linear, can_pack
 
-needs_bf16_dot = pytest.mark.skipif(not cpu_ops.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
+needs_bf16_dot = pytest.mark.skipif(not cpu_support.has_bf16_dot(), reason="CPU kernels without AVX512-BF16")
 
 
 def assert_rounded_from(got: torch.Tensor, exact: torch.Tensor, mag: torch.Tensor) -> None:
@@ -32,15 +33,15 @@ def test_vnni_linear_rounds_the_exact_product(rows, n, k):
     b = torch.randn(n, generator=g).bfloat16()
     wide = torch.randn(rows, k + 10, generator=g).bfloat16()
     x = wide[:, 3:3 + k]  # row stride k + 10
-    packed = cpu_ops.pack_linear_weight(w)
+    packed = cpu_vnni.pack_linear_weight(w)
     assert packed.shape == (-(-n // 32), k // 2, 32, 2)
     for bias in (None, b):
-        got = cpu_ops.vnni_linear(x, packed, n, bias)
+        got = cpu_vnni.vnni_linear(x, packed, n, bias)
         exact = x.double() @ w.double().t() + (0 if bias is None else bias.double())
         assert got.shape == (rows, n) and got.dtype == torch.bfloat16
         assert_rounded_from(got, exact, x.double().abs() @ w.double().abs().t())
-    got3 = cpu_ops.vnni_linear(x.contiguous().view(1, rows, k), packed, n)
-    assert torch.equal(got3.view(rows, n), cpu_ops.vnni_linear(x, packed, n))
+    got3 = cpu_vnni.vnni_linear(x.contiguous().view(1, rows, k), packed, n)
+    assert torch.equal(got3.view(rows, n), cpu_vnni.vnni_linear(x, packed, n))
 
 
 @needs_bf16_dot
@@ -53,24 +54,24 @@ def test_vnni_linear_group_gives_each_items_vnni_linear():
     for rows, n, k in shapes:
         wide = torch.randn(rows, k + 6, generator=g).bfloat16()
         xs.append(wide[:, 2:2 + k])
-        packed.append(cpu_ops.pack_linear_weight(torch.randn(n, k, generator=g).bfloat16()))
+        packed.append(cpu_vnni.pack_linear_weight(torch.randn(n, k, generator=g).bfloat16()))
         ns.append(n)
-    got = cpu_ops.vnni_linear_group(xs, packed, ns)
+    got = cpu_vnni.vnni_linear_group(xs, packed, ns)
     assert len(got) == len(shapes)
     for x, p, n, y in zip(xs, packed, ns, got):
         assert y.shape == (x.shape[0], n)
-        assert torch.equal(y, cpu_ops.vnni_linear(x, p, n))
+        assert torch.equal(y, cpu_vnni.vnni_linear(x, p, n))
     with pytest.raises(RuntimeError, match="item 1"):
-        cpu_ops.vnni_linear_group(xs[:2], [packed[0], packed[0]], ns[:2])
+        cpu_vnni.vnni_linear_group(xs[:2], [packed[0], packed[0]], ns[:2])
 
 
 @needs_bf16_dot
 def test_vnni_linear_rejects_a_mismatched_weight():
-    packed = cpu_ops.pack_linear_weight(torch.randn(64, 32).bfloat16())
+    packed = cpu_vnni.pack_linear_weight(torch.randn(64, 32).bfloat16())
     with pytest.raises(RuntimeError, match="does not match"):
-        cpu_ops.vnni_linear(torch.randn(1, 30).bfloat16(), packed, 64)
+        cpu_vnni.vnni_linear(torch.randn(1, 30).bfloat16(), packed, 64)
     with pytest.raises(RuntimeError, match="does not match"):
-        cpu_ops.vnni_linear(torch.randn(1, 32).bfloat16(), packed, 100)
+        cpu_vnni.vnni_linear(torch.randn(1, 32).bfloat16(), packed, 100)
 
 
 def test_cpu_linear_backend_typo_is_a_clear_error(monkeypatch):
@@ -91,7 +92,7 @@ def test_cpu_linear_backend_decides_the_packing(monkeypatch, backend):
     lin.fuse()
     if backend == "torch" or not torch.backends.mkldnn.is_available():
         assert lin._packed is None
-    elif backend == "tokenfab" and cpu_ops.has_bf16_dot():
+    elif backend == "tokenfab" and cpu_support.has_bf16_dot():
         assert not lin._packed.is_mkldnn and lin._packed.shape == (2, 32, 32, 2)
     elif cpu_isa.selected_level() == "avx2":  # oneDNN's bf16 packing needs AVX512 or AVX-NE-CONVERT: F.linear
         assert lin._packed is None

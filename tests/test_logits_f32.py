@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
+from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
 from tokenfab.layers.linear import matmul_f32
 
 U = 2.0 ** -24
@@ -43,7 +44,7 @@ def test_matmul_f32_is_the_float32_sum_not_a_bf16_rounding():
     assert torch.equal(matmul_f32(x.float(), w.float()), torch.nn.functional.linear(x.float(), w.float()))
 
 
-@pytest.mark.skipif(not cpu_ops.vnni_linear_applies(torch.zeros(32, 64, dtype=torch.bfloat16)),
+@pytest.mark.skipif(not cpu_vnni.vnni_linear_applies(torch.zeros(32, 64, dtype=torch.bfloat16)),
                     reason="tokenfab's VNNI linear needs the CPU kernels with AVX512-BF16")
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])  # GEMV (<= 4 rows) and brgemm tiles
 def test_vnni_linear_out_f32_is_the_accumulator_its_bf16_output_rounds(rows):
@@ -51,19 +52,19 @@ def test_vnni_linear_out_f32_is_the_accumulator_its_bf16_output_rounds(rows):
     n, k = 1000, 576  # n not a multiple of the 32-row block
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(rows, k, generator=g).bfloat16()
-    p = cpu_ops.pack_linear_weight(w)
-    y32 = cpu_ops.vnni_linear(x, p, n, out_f32=True)
-    y16 = cpu_ops.vnni_linear(x, p, n)
+    p = cpu_vnni.pack_linear_weight(w)
+    y32 = cpu_vnni.vnni_linear(x, p, n, out_f32=True)
+    y16 = cpu_vnni.vnni_linear(x, p, n)
     assert y32.shape == y16.shape == (rows, n)
     assert torch.equal(y32.bfloat16(), y16)
     assert_f32_accumulator(y32, x, w, k)
     assert not torch.equal(y32, y16.float())
     bias = torch.randn(n, generator=g)
-    assert torch.equal(cpu_ops.vnni_linear(x, p, n, bias, out_f32=True).bfloat16(),
-                       cpu_ops.vnni_linear(x, p, n, bias))
+    assert torch.equal(cpu_vnni.vnni_linear(x, p, n, bias, out_f32=True).bfloat16(),
+                       cpu_vnni.vnni_linear(x, p, n, bias))
 
 
-@pytest.mark.skipif(not cpu_ops.gguf_linear_applies(), reason="gguf_linear needs the CPU kernels with AVX512-BF16")
+@pytest.mark.skipif(not cpu_gguf.gguf_linear_applies(), reason="gguf_linear needs the CPU kernels with AVX512-BF16")
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("rows", [1, 4, 9, 20])  # GEMV passes, and the prefill path above 16 rows
 def test_gguf_linear_out_f32(name, rows):
@@ -114,7 +115,7 @@ def test_compute_logits_float32_on_every_linear_backend(tiny_model, monkeypatch,
         state.update(load_file(f))
     w = (state.get("lm_head.weight", state["model.embed_tokens.weight"])).bfloat16()
     hidden, logits, packed = _head_logits(tiny_model, monkeypatch, backend)
-    if backend == "tokenfab" and cpu_ops.vnni_linear_applies(w):
+    if backend == "tokenfab" and cpu_vnni.vnni_linear_applies(w):
         assert packed is not None and not packed.is_mkldnn  # tied or not, the head is packed for the kernel
     assert logits.shape == (5, w.shape[0])
     assert_f32_accumulator(logits, hidden, w, w.shape[1])

@@ -77,12 +77,12 @@ def test_unaligned_intermediate_falls_back_to_the_loop():
 
 @pytest.mark.parametrize("T,k,expert_range", [(1, 2, None), (16, 2, None), (11, 3, (2, 7)), (0, 2, None)])
 def test_fused_dispatch_is_bit_identical_to_the_python_loop(T, k, expert_range):
-    """The C++ dispatch (cpu_ops.moe_experts_packed) against RoutedExperts' packed Python loop, which the naive
+    """The C++ dispatch (cpu_moe.moe_experts_packed) against RoutedExperts' packed Python loop, which the naive
     float64 test above checks: same grouping, GEMMs, rounding and summation order, so equal bits; and close to the
     naive reference itself."""
-    from tokenfab.kernels.cpu import ops as cpu_ops
+    from tokenfab.kernels.cpu import build as cpu_build
     from tokenfab.layers.linear import can_pack
-    if not can_pack(torch.empty(2, 2, dtype=torch.bfloat16)) or cpu_ops.load() is None:
+    if not can_pack(torch.empty(2, 2, dtype=torch.bfloat16)) or cpu_build.load() is None:
         pytest.skip("no oneDNN packing or no fused CPU kernels here")
     torch.manual_seed(T + k)
     E, H, I = 8, 64, 40
@@ -112,22 +112,26 @@ def test_fused_shared_expert_is_routed_plus_shared(T):
     """moe_experts_packed with a shared expert (its GEMVs in the routed experts' parallel regions) equals the routed
     experts' call + the shared SiLU-GLU as separate bf16 ops (DeepseekV3MoE.forward's order), bit for bit; at T 9
     the GEMMs run brgemm tiles instead."""
-    from tokenfab.kernels.cpu import ops as cpu_ops
-    if cpu_ops.load() is None or not cpu_ops.has_bf16_dot():
+    from tokenfab.kernels.cpu import build as cpu_build
+    from tokenfab.kernels.cpu.ops import moe as cpu_moe
+    from tokenfab.kernels.cpu.ops import norms_activations as cpu_norms
+    from tokenfab.kernels.cpu.ops import support as cpu_support
+    from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
+    if cpu_build.load() is None or not cpu_support.has_bf16_dot():
         pytest.skip("no fused CPU kernels with AVX512-BF16 here")
     g = torch.Generator().manual_seed(T)
     E, H, I, Is, k = 6, 64, 48, 96, 2
-    pack = cpu_ops.pack_linear_weight
+    pack = cpu_vnni.pack_linear_weight
     p13 = [pack((torch.randn(2 * I, H, generator=g) * 0.3).bfloat16()) for _ in range(E)]
     p2 = [pack((torch.randn(H, I, generator=g) * 0.3).bfloat16()) for _ in range(E)]
     sgu, sd = (torch.randn(2 * Is, H, generator=g) * 0.3).bfloat16(), (torch.randn(H, Is, generator=g) * 0.3).bfloat16()
     x = torch.randn(T, H, generator=g).bfloat16()
     ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     w = torch.rand(T, k, generator=g)
-    routed = cpu_ops.moe_experts_packed(x, w, ids, p13, p2, 0)
-    shared = cpu_ops.vnni_linear(cpu_ops.silu_and_mul(cpu_ops.vnni_linear(x, pack(sgu), 2 * Is)),
-                                     pack(sd), H)
-    fused = cpu_ops.moe_experts_packed(x, w, ids, p13, p2, 0, pack(sgu), pack(sd))
+    routed = cpu_moe.moe_experts_packed(x, w, ids, p13, p2, 0)
+    shared = cpu_vnni.vnni_linear(cpu_norms.silu_and_mul(cpu_vnni.vnni_linear(x, pack(sgu), 2 * Is)),
+                                  pack(sd), H)
+    fused = cpu_moe.moe_experts_packed(x, w, ids, p13, p2, 0, pack(sgu), pack(sd))
     assert torch.equal(fused, routed + shared)
     # and the shared part is really there: the float64 SiLU-GLU of x, within bf16 rounding of the sum
     xs = x.double()
@@ -139,12 +143,13 @@ def test_fused_shared_expert_is_routed_plus_shared(T):
 @pytest.mark.parametrize("T,E,k,n_group,topk_group,norm", [(1, 16, 2, 4, 2, True), (64, 256, 8, 8, 4, True),
                                                           (33, 64, 6, 1, 1, False), (7, 12, 3, 3, 1, True)])
 def test_sigmoid_group_router_kernel_matches_pytorch_path(T, E, k, n_group, topk_group, norm):
-    """cpu_ops.sigmoid_group_topk against SigmoidGroupRouter's PyTorch path (transformers' order, checked token
+    """cpu_moe.sigmoid_group_topk against SigmoidGroupRouter's PyTorch path (transformers' order, checked token
     for token against transformers in test_engine_exact): the same experts per token and weights within float32
     rounding, on logits spread so that group choice matters."""
-    from tokenfab.kernels.cpu import ops as cpu_ops
+    from tokenfab.kernels.cpu import build as cpu_build
+    from tokenfab.kernels.cpu.ops import support as cpu_support
     from tokenfab.layers.moe import SigmoidGroupRouter
-    if cpu_ops.load() is None:
+    if cpu_build.load() is None:
         pytest.skip("no fused CPU kernels here")
     g = torch.Generator().manual_seed(T * 7 + E)
     r = SigmoidGroupRouter(48, E, k, n_group, topk_group, norm, 2.5)
@@ -153,13 +158,13 @@ def test_sigmoid_group_router_kernel_matches_pytorch_path(T, E, k, n_group, topk
         r.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.2)
     x = torch.randn(T, 48, generator=g)
     w_k, ids_k = r(x)
-    assert cpu_ops.available_for(x)
-    orig = cpu_ops.available_for
+    assert cpu_support.available_for(x)
+    orig = cpu_support.available_for
     try:
-        cpu_ops.available_for = lambda t: False
+        cpu_support.available_for = lambda t: False
         w_p, ids_p = r(x)
     finally:
-        cpu_ops.available_for = orig
+        cpu_support.available_for = orig
     sk, sp = ids_k.sort(-1), ids_p.sort(-1)
     assert torch.equal(sk.values, sp.values)
     assert torch.allclose(w_k.gather(1, sk.indices), w_p.gather(1, sp.indices), rtol=1e-6, atol=1e-7)

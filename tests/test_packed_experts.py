@@ -18,7 +18,7 @@ from decode_stack_ab import generate_through
 
 from tokenfab import LLM, SamplingParams
 from tokenfab.errors import UnsupportedError, WeightLoadError
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import packed_experts as cpu_packed_experts
 from tokenfab.model_config import ConfigError
 from tokenfab.quant.compressed_tensors import parse_compressed_tensors
 from tokenfab.quant.int4_group import Int4GroupExperts, dequantize_int4_group
@@ -170,8 +170,8 @@ def test_grouped_kernel_matches_float64(fmt, dtype, K, monkeypatch):
     assert ref.dtype == dtype and ((ref.double() - want).abs() <= tol * (want.abs() + 1)).all()
     monkeypatch.delenv("TOKENFAB_PACKED_EXPERTS")
     st.prepare()
-    if not cpu_ops.packed_experts_applies():  # the AVX2 kernel (test_packed_experts_avx2.py), where it is built
-        assert st._avx2 == cpu_ops.packed_experts_avx2_applies() and not st._kernel
+    if not cpu_packed_experts.packed_experts_applies():  # the AVX2 kernel (test_packed_experts_avx2.py) where built
+        assert st._avx2 == cpu_packed_experts.packed_experts_avx2_applies() and not st._kernel
         got = st.grouped_linear(x, experts, counts)
         assert got.dtype == dtype and ((got.double() - want).abs() <= tol * (want.abs() + 1)).all()
         return
@@ -195,7 +195,7 @@ def test_prefill_dequantization_exact_at_scale_edges(fmt, layout, monkeypatch):
     MXFP4 scales 2 and 252 are the ends of the exponent-add path; a scale of 1 in one 16-row group (subnormal values
     in its last scale group) sends that group through the float32 path, whose values outside that scale group are
     read back too."""
-    if not cpu_ops.packed_experts_applies():
+    if not cpu_packed_experts.packed_experts_applies():
         pytest.skip("kernels without AVX512-BF16: no prefill kernel here")
     if layout == "rows":
         monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "rows")
@@ -224,7 +224,7 @@ def test_mxfp4_scale_bytes_0_and_255():
     """E8M0 0 is 2^-127 (a float32 subnormal) and 255 is NaN: on the decode path (1 and 5 tokens) a row with scale 0
     gives the exact tiny sums, and a row with one NaN scale gives NaN on every path (decode, 20 float32 tokens
     through the float32 prefill conversion, 300 bf16 tokens through the bf16 one)."""
-    if not cpu_ops.packed_experts_applies():
+    if not cpu_packed_experts.packed_experts_applies():
         pytest.skip("kernels without AVX512-BF16: no kernel here")
     g = torch.Generator().manual_seed(9)
     n, K = 20, 96
@@ -250,7 +250,7 @@ def test_cpu_tile_layout(fmt, monkeypatch):
     block L of group g holds, in nibble s, row j's code at k = 32 g + 2 (4L + s) + e; scales group-major), read back
     exactly by dequantize_rows over ranges across tile edges; and the tiled kernel agrees with the checkpoint-layout
     kernel (TOKENFAB_PACKED_EXPERTS=rows) within float32 rounding, 1 to 20 tokens per expert."""
-    if not cpu_ops.packed_experts_applies():
+    if not cpu_packed_experts.packed_experts_applies():
         pytest.skip("kernels without AVX512-BF16: no CPU tile layout")
     g = torch.Generator().manual_seed(11)
     n, K = 40, 96  # two tiles and 8 rows past them
@@ -384,8 +384,8 @@ def test_deepseek_int4_matches_dequantized(deepseek_int4, path_kind, monkeypatch
     model = llm.llm_engine.runner.model
     packed = model.model.layers[1].mlp.experts
     assert packed.w13 is None and packed.q13.packed.dtype == torch.int32 and packed.q2.scale.dtype == torch.bfloat16
-    assert packed.q13._kernel == (path_kind == "kernel" and cpu_ops.packed_experts_applies())
-    assert packed.q13._avx2 == (path_kind == "kernel" and cpu_ops.packed_experts_avx2_applies())
+    assert packed.q13._kernel == (path_kind == "kernel" and cpu_packed_experts.packed_experts_applies())
+    assert packed.q13._avx2 == (path_kind == "kernel" and cpu_packed_experts.packed_experts_avx2_applies())
     assert model.model.layers[2].mlp.experts.q13 is None  # ignored by quantization_config: unquantized
     _, ref_outs = _run(ref_dir, PROMPTS)
     worst = _compare(q_outs, ref_outs, PROMPTS)
@@ -492,7 +492,7 @@ def test_deferred_expert_storage_reserves_nothing_until_packed_or_allocated():
     assert not RoutedExperts(2, 64, 32).w13.is_meta  # outside the context: allocated as before
 
 
-@pytest.mark.skipif(not cpu_ops.packed_experts_applies(), reason="kernels without AVX512-BF16")
+@pytest.mark.skipif(not cpu_packed_experts.packed_experts_applies(), reason="kernels without AVX512-BF16")
 def test_decode_stack_runs_packed_experts_bit_identical(deepseek_int4, monkeypatch):
     """bf16 decode of the INT4 model through the fused C++ stack (layer 1's experts packed: set_moe_packed, the same
     ops as RoutedExperts.packed_forward; layer 2's bf16) against the module path: same tokens and logprobs."""

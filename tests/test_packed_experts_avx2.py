@@ -15,10 +15,11 @@ import torch
 pytest.importorskip("compressed_tensors")
 
 from test_packed_experts import _stack  # noqa: E402
-from tokenfab.kernels.cpu import ops as cpu_ops  # noqa: E402
+from tokenfab.kernels.cpu import build as cpu_build  # noqa: E402
+from tokenfab.kernels.cpu.ops import packed_experts as cpu_packed_experts  # noqa: E402
 
 needs_kernel = pytest.mark.skipif(
-    cpu_ops.load() is None or not getattr(cpu_ops.load(), "packed_experts_avx2_built", False),
+    cpu_build.load() is None or not getattr(cpu_build.load(), "packed_experts_avx2_built", False),
     reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C")
 FMT = {"int4": 0, "mxfp4": 1}
 
@@ -55,7 +56,8 @@ def test_grouped_products_within_the_float32_bound(fmt, K, rows):
     st = _stack(fmt, 6, rows, K, g)
     experts, counts = [0, 2, 5, 3, 4, 1, 2], [1, 2, 0, 7, 16, 17, 70]
     x = torch.randn(sum(counts), K, generator=g)
-    y = cpu_ops.packed_experts_avx2(x, FMT[fmt], st.packed, st.scale, torch.tensor(experts), _segments(counts))
+    y = cpu_packed_experts.packed_experts_avx2(x, FMT[fmt], st.packed, st.scale, torch.tensor(experts),
+                                               _segments(counts))
     assert y.dtype == torch.float32 and y.shape == (sum(counts), rows)
     _check(y, x, st, experts, counts)
 
@@ -66,7 +68,7 @@ def test_int4_fp16_scales():
     st = _stack("int4", 2, 20, 64, g)
     st.scale = (st.scale.float() * 0.5).half()  # fp16 scales, as a checkpoint may carry
     x = torch.randn(21, 64, generator=g)
-    y = cpu_ops.packed_experts_avx2(x, 0, st.packed, st.scale, torch.tensor([1, 0]), _segments([3, 18]))
+    y = cpu_packed_experts.packed_experts_avx2(x, 0, st.packed, st.scale, torch.tensor([1, 0]), _segments([3, 18]))
     _check(y, x, st, [1, 0], [3, 18])
 
 
@@ -81,7 +83,7 @@ def test_mxfp4_scale_bytes_0_and_255():
     w = st.dequantize_expert(0).double()
     for T in (1, 5, 20):
         x = torch.randn(T, 96, generator=g)
-        y = cpu_ops.packed_experts_avx2(x, 1, st.packed, st.scale, torch.tensor([0]), _segments([T]))
+        y = cpu_packed_experts.packed_experts_avx2(x, 1, st.packed, st.scale, torch.tensor([0]), _segments([T]))
         assert torch.isnan(y[:, 7]).all() and not torch.isnan(y[:, :7]).any() and not torch.isnan(y[:, 8:]).any()
         want = x.double() @ w[3]
         assert ((y[:, 3].double() - want).abs() <= 2 * 96 * 2.0 ** -24 * (x.double().abs() @ w[3].abs())
@@ -95,15 +97,15 @@ def test_errors_are_named():
     st = _stack("mxfp4", 2, 16, 64, g)
     x, ids, offs = torch.randn(3, 64), torch.tensor([1]), _segments([3])
     with pytest.raises(RuntimeError, match="format 2 is not int4"):
-        cpu_ops.packed_experts_avx2(x, 2, st.packed, st.scale, ids, offs)
+        cpu_packed_experts.packed_experts_avx2(x, 2, st.packed, st.scale, ids, offs)
     with pytest.raises(RuntimeError, match="x must be float32"):
-        cpu_ops.packed_experts_avx2(x.bfloat16(), 1, st.packed, st.scale, ids, offs)
+        cpu_packed_experts.packed_experts_avx2(x.bfloat16(), 1, st.packed, st.scale, ids, offs)
     with pytest.raises(RuntimeError, match="offsets must run from 0 to N"):
-        cpu_ops.packed_experts_avx2(x, 1, st.packed, st.scale, ids, _segments([2]))
+        cpu_packed_experts.packed_experts_avx2(x, 1, st.packed, st.scale, ids, _segments([2]))
     with pytest.raises(RuntimeError, match="bad expert id"):
-        cpu_ops.packed_experts_avx2(x, 1, st.packed, st.scale, torch.tensor([2]), offs)
+        cpu_packed_experts.packed_experts_avx2(x, 1, st.packed, st.scale, torch.tensor([2]), offs)
     with pytest.raises(RuntimeError, match="int4 packed must be int32"):
-        cpu_ops.packed_experts_avx2(x, 0, st.packed, st.scale, ids, offs)
+        cpu_packed_experts.packed_experts_avx2(x, 0, st.packed, st.scale, ids, offs)
 
 
 @pytest.fixture
@@ -125,8 +127,8 @@ def test_stack_takes_the_kernel_at_the_avx2_level(avx2_level, monkeypatch, fmt, 
     experts, counts = [2, 0], [3, 20]
     x = torch.randn(23, 128, generator=g).to(dtype)
     got = st.grouped_linear(x, experts, counts)
-    direct = cpu_ops.packed_experts_avx2(x.float(), FMT[fmt], st.packed, st.scale, torch.tensor(experts),
-                                         _segments(counts))
+    direct = cpu_packed_experts.packed_experts_avx2(x.float(), FMT[fmt], st.packed, st.scale, torch.tensor(experts),
+                                                    _segments(counts))
     assert got.dtype == dtype and torch.equal(got, direct.to(dtype))
     monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "torch")
     st.prepare()

@@ -144,9 +144,9 @@ def test_demo_answers_through_the_server(smol, tmp_path):
     assert r["completed"] == 2 and r["total_output_tokens"] == 8
     md = (out / "summary.md").read_text()
     assert "What is the capital of France?" in md and "Output token throughput" in md
-    from tokenfab.kernels.cpu import ops as cpu_ops
+    from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
     cfg = json.load(open(out / REAL_MODEL_NAME / "config.json"))
-    assert cfg["model"].endswith(".gguf") == cpu_ops.gguf_gemv_avx2_applies(3), cfg["model"]
+    assert cfg["model"].endswith(".gguf") == cpu_gguf.gguf_gemv_avx2_applies(3), cfg["model"]
 
 
 def test_demo_serves_the_packed_file_on_the_avx2_path_only(smol, monkeypatch):
@@ -155,11 +155,12 @@ def test_demo_serves_the_packed_file_on_the_avx2_path_only(smol, monkeypatch):
     import torch
 
     from tokenfab.default_model import real_model_served
-    from tokenfab.kernels.cpu import ops as cpu_ops
-    monkeypatch.setattr(cpu_ops, "gguf_gemv_avx2_applies", lambda t: t == 3)
+    from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
+
+    monkeypatch.setattr(cpu_gguf, "gguf_gemv_avx2_applies", lambda t: t == 3)
     path, line = real_model_served(GGUF, torch.device("cpu"))
     assert path == os.path.abspath(GGUF) and "served packed on the AVX2 kernels" in line
     assert real_model_served(GGUF, torch.device("cuda"))[0] == smol
-    monkeypatch.setattr(cpu_ops, "gguf_gemv_avx2_applies", lambda t: False)
+    monkeypatch.setattr(cpu_gguf, "gguf_gemv_avx2_applies", lambda t: False)
     path, line = real_model_served(GGUF, torch.device("cpu"))
     assert path == smol and "bf16 folder" in line

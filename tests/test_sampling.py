@@ -144,13 +144,13 @@ def test_inverse_cdf_sample_hand_worked():
     assert inverse_cdf_sample(unnormalized, torch.tensor([0.26])).tolist() == [1]
 
 
-@pytest.mark.skipif(not __import__("tokenfab.kernels.cpu.ops", fromlist=["x"]).available_for(torch.zeros(1)),
+@pytest.mark.skipif(not __import__("tokenfab.kernels.cpu.ops.support", fromlist=["x"]).available_for(torch.zeros(1)),
                     reason="CPU kernels not built")
 def test_sample_plain_kernel_draws_the_inverse_cdf_index():
     """The one-pass C++ sampler against a float64 inverse CDF of softmax(x / t) with the same uniforms: the drawn
     index j satisfies cdf[j-1] <= u < cdf[j] up to 1e-5 (float32 exponentials), greedy rows (t = 0) give the first
     argmax, and -inf logits are never drawn, even for u at the very end of the distribution."""
-    from tokenfab.kernels.cpu import ops as cpu_ops
+    from tokenfab.kernels.cpu.ops import sampling as cpu_sampling
     g = torch.Generator().manual_seed(3)
     N, V = 64, 1000
     x = torch.randn(N, V, generator=g) * 3
@@ -160,7 +160,7 @@ def test_sample_plain_kernel_draws_the_inverse_cdf_index():
     temps[5] = 0.0
     u = torch.rand(N, generator=g)
     u[7] = 1.0 - 2 ** -24
-    got = cpu_ops.sample_plain(x, temps, u)
+    got = cpu_sampling.sample_plain(x, temps, u)
     assert got[5].item() == 10
     p = torch.softmax(x.double() / temps.double().clamp_min(1e-5).unsqueeze(1), dim=-1)
     cdf = p.cumsum(-1)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from conftest import max_prompt_logprob_gap, tp_generate
 from test_fp8_block_weight import formula, fp32_bound, kernel, random_fp8
 from tokenfab.errors import WeightLoadError
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
 from tokenfab.loader.fp8_block_loader import Fp8CheckpointWeights
 from tokenfab.quant.fp8_block_shard import Fp8BlockShard
 from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
@@ -103,7 +103,7 @@ def test_shard_linear_matches_the_sliced_weight(monkeypatch, backend, m, dtype):
     multiplies the weight rounded once to bf16, the dequantized bf16 twin's: the sliced weight is that one there."""
     from tokenfab.kernels.cpu import isa
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", backend)
-    twin = (backend == "tokenfab" and dtype == torch.bfloat16 and m > cpu_ops.fp8_gemv_max_rows(dtype)
+    twin = (backend == "tokenfab" and dtype == torch.bfloat16 and m > cpu_fp8.fp8_gemv_max_rows(dtype)
             and isa.selected_level() != "amx")
 
     def weight(q, s):
@@ -205,7 +205,7 @@ def test_built_ranks_hold_padded_shards(fp8_tp):
     assert isinstance(down, Fp8BlockShard) and (down.col_offset, down.in_features) == (72, 100)
     assert isinstance(qb, Fp8BlockShard) and (qb.row_offset, qb.out_features) == (96, 32)
     assert isinstance(layer1.mlp.shared_experts.gate_proj.qweight, Fp8BlockShard)
-    assert down._kernel == qb._kernel == cpu_ops.fp8_block_linear_applies()  # the kernel runs on the padding
+    assert down._kernel == qb._kernel == cpu_fp8.fp8_block_linear_applies()  # the kernel runs on the padding
 
 
 def test_misfit_scale_is_refused_naming_the_tensor(fp8_tp):

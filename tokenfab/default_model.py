@@ -123,9 +123,9 @@ def real_model_served(gguf: str, device) -> tuple[str, str]:
     the bf16 folder prefills faster than the packed file, and GPUs). Builds the CPU kernels if needed."""
     import torch
     if torch.device(device).type == "cpu":
-        from tokenfab.kernels.cpu import ops as cpu_ops
+        from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
         from tokenfab.loader.gguf_packed import packed_unsupported_reason
-        if cpu_ops.gguf_gemv_avx2_applies(3) and packed_unsupported_reason(gguf) is None:  # 3: ggml's Q4_1
+        if cpu_gguf.gguf_gemv_avx2_applies(3) and packed_unsupported_reason(gguf) is None:  # 3: ggml's Q4_1
             return os.path.abspath(gguf), real_model_describe().replace(
                 "dequantized once into a bf16 folder", "served packed on the AVX2 kernels")
     from tokenfab.loader.gguf_to_hf import ensure_converted

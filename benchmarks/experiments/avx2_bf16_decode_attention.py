@@ -14,7 +14,8 @@ import time
 import torch
 
 from tokenfab.kernels.cpu import isa as cpu_isa
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import attention as cpu_attention
+from tokenfab.kernels.cpu.ops import support as cpu_support
 from tokenfab.layers.attention_metadata import AttentionGroup
 from tokenfab.layers.paged_attention import additive_mask, attention, gather_cache
 
@@ -41,7 +42,7 @@ def bf16_gemms(q, keys, group, scale):
 
 def main() -> None:
     torch.manual_seed(0)
-    print(f"ISA level {cpu_isa.selected_level()}, AVX512-BF16 dot in the kernels: {cpu_ops.has_bf16_dot()}, "
+    print(f"ISA level {cpu_isa.selected_level()}, AVX512-BF16 dot in the kernels: {cpu_support.has_bf16_dot()}, "
           f"{torch.get_num_threads()} threads")
     print("| B | H | L | kernel float32 FMAs ms | gathered, bf16 GEMMs ms | gathered, float32 GEMMs ms | "
           "bf16 GEMMs / float32 GEMMs | max err kernel / gathered |")
@@ -58,7 +59,7 @@ def main() -> None:
         g = AttentionGroup(token_index=(cl - 1)[:, None], query_pos=(cl - 1)[:, None], block_tables=bt,
                            context_lens=cl, q_len=1, max_context=L)
         keys = lambda: gather_cache(cache, g).unsqueeze(1)  # noqa: E731
-        kernel = lambda: cpu_ops.paged_decode_attention(q, lat, lat[..., :512], bt, cl, 0.1)  # noqa: E731
+        kernel = lambda: cpu_attention.paged_decode_attention(q, lat, lat[..., :512], bt, cl, 0.1)  # noqa: E731
         old = lambda: bf16_gemms(q.unsqueeze(2), keys(), g, 0.1)  # noqa: E731
         new = lambda: (lambda k: attention(q.unsqueeze(2), k, k, g, 0.1))(keys())  # noqa: E731
         kf = gather_cache(cache, g).float()

@@ -38,12 +38,13 @@ import json, resource, sys, time
 import torch
 from tokenfab import LLM, SamplingParams
 from tokenfab.default_model import default_model_path, real_model_gguf
-from tokenfab.kernels.cpu import isa, ops
+from tokenfab.kernels.cpu import isa
+from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
 if sys.argv[3] == "no-flash":  # prefill attention on the GEMM + fused causal softmax path
     from tokenfab.layers import flash_prefill
     flash_prefill._avx2 = lambda: False
 if sys.argv[3] == "no-gemv":  # the float32 copies alone: the AVX2 GEMV not offered
-    ops.gguf_gemv_avx2_applies = lambda ggml_type: False
+    cpu_gguf.gguf_gemv_avx2_applies = lambda ggml_type: False
 if sys.argv[3] == "copies":  # the GEMV for up to 16 rows, float32 copies for more (the default before NOTES 84)
     from tokenfab.quant.gguf_weight import GGUFWeight
     prepare = GGUFWeight.prepare

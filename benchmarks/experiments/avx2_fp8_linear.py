@@ -15,7 +15,7 @@ from avx2_gguf_gemv import best_us  # this folder is on sys.path when the script
 
 
 def main() -> None:
-    from tokenfab.kernels.cpu import ops
+    from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
@@ -28,7 +28,7 @@ def main() -> None:
         for m in (1, 4, 16, 64, 512):
             x = torch.randn(m, k, generator=g)
             reps = max(2, int(3e8 // (m * n * k)))
-            a = best_us(lambda: ops.fp8_block_linear_avx2(x, q, s), reps)
+            a = best_us(lambda: cpu_fp8.fp8_block_linear_avx2(x, q, s), reps)
             b = best_us(lambda: torch.nn.functional.linear(x, dense), reps)
             print(f"| {n} x {k} | {m} | {a:.0f} | {b:.0f} | {b / a:.2f} | {n * k / a / 1e3:.1f} |", flush=True)
 

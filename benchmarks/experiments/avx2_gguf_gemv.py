@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--types", default="Q4_1,Q8_0",
                     help="comma-separated GGUF types (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)")
     args = ap.parse_args()
-    from tokenfab.kernels.cpu import ops
+    from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
     from tokenfab.quant.gguf_weight import GGUFWeight
     torch.set_num_threads(2)
     print("| type | weight [n x K] | rows | packed µs | float32 copy µs | copy / packed |")
@@ -63,7 +63,7 @@ def main() -> None:
                     continue
                 x = torch.randn(m, k)
                 reps = max(2, int(2e7 // (m * n * k)))
-                a = best_us(lambda: ops.gguf_gemv_avx2(x, gw.tiles, gw.block.ggml_type, n, None), reps)
+                a = best_us(lambda: cpu_gguf.gguf_gemv_avx2(x, gw.tiles, gw.block.ggml_type, n, None), reps)
                 b = best_us(lambda: torch.nn.functional.linear(x, dense), reps)
                 print(f"| {name} | {n} x {k} | {m} | {a:.0f} | {b:.0f} | {b / a:.2f} |", flush=True)
 

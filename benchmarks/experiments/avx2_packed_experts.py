@@ -57,7 +57,8 @@ def main() -> None:
     ap.add_argument("--per", default="1,2,64", help="comma-separated tokens per expert")
     ap.add_argument("--no-reference", action="store_true", help="time the kernel alone")
     args = ap.parse_args()
-    from tokenfab.kernels.cpu import ops
+    from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
+    from tokenfab.kernels.cpu.ops import packed_experts as cpu_packed_experts
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
     E = 8
@@ -80,7 +81,7 @@ def main() -> None:
                 print(f"| {fmt} | {n} x {k} | {per * E} ({per}) | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f} | "
                       f"{gbs:.1f} |", flush=True)
             del st
-    print(f"kernels: {'avx2' if ops.packed_experts_avx2_applies() and ops.fp8_block_linear_avx2_applies() else '?'}")
+    print(f"kernels: {'avx2' if cpu_packed_experts.packed_experts_avx2_applies() and cpu_fp8.fp8_block_linear_avx2_applies() else '?'}")
 
 
 if __name__ == "__main__":

@@ -8,16 +8,17 @@ Prints one JSON line {"NxK@M": microseconds}.
 """
 import torch, time, json, sys
 torch.set_num_threads(1)
-from tokenfab.kernels.cpu import ops as c
-assert c.load() is not None, c.load_error()
+from tokenfab.kernels.cpu import build as cpu_build
+from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
+assert cpu_build.load() is not None, cpu_build.load_error()
 torch.manual_seed(0)
 out = {}
 for (N, K) in [(960, 576), (1536, 576), (576, 1536)]:
-    w = torch.randn(N, K).bfloat16(); p = c.pack_linear_weight(w)
+    w = torch.randn(N, K).bfloat16(); p = cpu_vnni.pack_linear_weight(w)
     for M in (1, 16):
         x = torch.randn(M, K).bfloat16()
         best = 1e9
         for _ in range(300):
-            t = time.perf_counter(); c.vnni_linear(x, p, N); best = min(best, time.perf_counter() - t)
+            t = time.perf_counter(); cpu_vnni.vnni_linear(x, p, N); best = min(best, time.perf_counter() - t)
         out[f"{N}x{K}@{M}"] = best * 1e6
 print(json.dumps(out))

@@ -1,8 +1,8 @@
 """The three CPU paths of a decode-only step side by side on one engine:
 
 - ``stack``: the whole decoder stack as one C++ call (engine/cpu_decode_stack.py);
-- ``blocks``: the modules, each attention layer as one C++ call (``cpu_ops.mla_decode`` for MLA,
-  ``cpu_ops.gqa_decode`` for Llama / Qwen3);
+- ``blocks``: the modules, each attention layer as one C++ call (``cpu_decode_blocks.mla_decode`` for MLA,
+  ``cpu_decode_blocks.gqa_decode`` for Llama / Qwen3);
 - ``modules``: the modules with attention in Python-level ops.
 
     .venv/bin/python benchmarks/experiments/decode_blocks.py [--model DIR] [--batch 1,4,16] [--context 512]

@@ -7,7 +7,8 @@ Read by benchmarks/results/2026-12-02-prefill-vs-peers-profile.md.
 import time, types, torch, json, sys
 import torch.nn.functional as F
 torch.set_num_threads(1)
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import attention as cpu_attention
+from tokenfab.kernels.cpu.ops import norms_activations as cpu_norms
 from tokenfab.layers import paged_attention as pa
 from tokenfab.layers.norm import RMSNorm
 
@@ -39,7 +40,7 @@ T = 1024
 gu = torch.randn(T, 3072).bfloat16(); h = torch.randn(T, 576).bfloat16(); res = torch.randn(T, 576).bfloat16()
 norm = RMSNorm(576, eps=1e-5)
 norm.weight.data = torch.ones(576, dtype=torch.bfloat16)
-glue = {"silu_and_mul [1024,3072]": lambda: cpu_ops.silu_and_mul(gu),
+glue = {"silu_and_mul [1024,3072]": lambda: cpu_norms.silu_and_mul(gu),
         "rmsnorm [1024,576]": lambda: norm(h),
         "rmsnorm + residual [1024,576]": lambda: norm(h, res)}
 for n, f in glue.items():
@@ -57,7 +58,7 @@ for rep in range(4):
         q1 = q0 + 256; kend = q1
         qb = q[:, :, q0:q1].reshape(B, Hk, G * 256, D)
         t = time.thread_time(); s = torch.matmul(qb, k[:, :, :kend].transpose(-1, -2)); tot["qk matmul"] += time.thread_time() - t
-        t = time.thread_time(); cpu_ops.causal_softmax_(s, qpos[:, q0:q1], 256, 0.125); tot["causal_softmax_"] += time.thread_time() - t
+        t = time.thread_time(); cpu_attention.causal_softmax_(s, qpos[:, q0:q1], 256, 0.125); tot["causal_softmax_"] += time.thread_time() - t
         t = time.thread_time(); o = torch.matmul(s, v[:, :, :kend]); tot["pv matmul"] += time.thread_time() - t
 for kk, vv in tot.items():
     out[f"fused parts B=1 {kk} ms per layer"] = round(vv / 3 * 1e3, 2)

@@ -8,7 +8,8 @@ import time, torch, json, sys
 import torch.nn.functional as F
 torch.set_num_threads(1)
 torch.manual_seed(0)
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import gguf_embedding as cpu_gguf_embedding
+from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
 from tokenfab.quant.gguf_weight import GGUFWeight
 
 def once(fn):
@@ -27,13 +28,13 @@ for M in (1024, 2048):
         x = torch.randn(M, K).bfloat16()
         gw = GGUFWeight.from_rows(q41_raw(N, K), "Q4_1", K); gw.prepare()
         ids = torch.arange(N)
-        W = cpu_ops.gguf_embedding(gw.tiles, gw.block.ggml_type, N, ids, torch.bfloat16).contiguous()
-        vp = cpu_ops.pack_linear_weight(W)
-        v = {"bf16 vnni_linear (tokenfab bf16)": lambda: cpu_ops.vnni_linear(x, vp, N),
+        W = cpu_gguf_embedding.gguf_embedding(gw.tiles, gw.block.ggml_type, N, ids, torch.bfloat16).contiguous()
+        vp = cpu_vnni.pack_linear_weight(W)
+        v = {"bf16 vnni_linear (tokenfab bf16)": lambda: cpu_vnni.vnni_linear(x, vp, N),
              "bf16 F.linear (oneDNN matmul)": lambda: F.linear(x, W),
              "Q4_1 gguf_linear AMX (tokenfab GGUF)": lambda: gw.linear(x, None),
-             "Q4_1 dequant C++ -> bf16 [N,K] only": lambda: cpu_ops.gguf_embedding(gw.tiles, gw.block.ggml_type, N, ids, torch.bfloat16),
-             "Q4_1 dequant C++ + F.linear": lambda: F.linear(x, cpu_ops.gguf_embedding(gw.tiles, gw.block.ggml_type, N, ids, torch.bfloat16))}
+             "Q4_1 dequant C++ -> bf16 [N,K] only": lambda: cpu_gguf_embedding.gguf_embedding(gw.tiles, gw.block.ggml_type, N, ids, torch.bfloat16),
+             "Q4_1 dequant C++ + F.linear": lambda: F.linear(x, cpu_gguf_embedding.gguf_embedding(gw.tiles, gw.block.ggml_type, N, ids, torch.bfloat16))}
         for f in v.values(): f()
         ts = {n: [] for n in v}
         for r in range(5):

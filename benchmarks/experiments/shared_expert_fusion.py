@@ -19,7 +19,7 @@ def main() -> None:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     from tokenfab import LLM
     from tokenfab.default_model import ensure_default_model
-    from tokenfab.kernels.cpu import ops as cpu_ops
+    from tokenfab.kernels.cpu.ops import moe as cpu_moe
     from tokenfab.models.deepseek_v3 import DeepseekV3MoE
 
     llm = LLM(ensure_default_model(), max_model_len=256, max_num_seqs=1, progress=False)
@@ -34,7 +34,7 @@ def main() -> None:
         T = x.shape[0]
         ids = torch.cat([ids, torch.full((T, 1), routed.num_experts, dtype=ids.dtype)], 1)
         w = torch.cat([w, torch.ones(T, 1)], 1)
-        return cpu_ops.moe_experts_packed(x, w, ids, p13, p2, 0)
+        return cpu_moe.moe_experts_packed(x, w, ids, p13, p2, 0)
 
     with torch.inference_mode():
         for T in (1, 4, 16):

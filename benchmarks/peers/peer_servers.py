@@ -124,10 +124,11 @@ def past_trained_context(model: dict, max_model_len: int) -> bool:
 
 def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str, threads: int | None = None,
                tokenfab_threads: int | None = None, llamacpp_no_repack: bool = False,
-               max_model_len: int = MAX_MODEL_LEN) -> Server:
+               max_model_len: int = MAX_MODEL_LEN, dtype: str = "bfloat16") -> Server:
     """The server of ``engine`` for ``model`` (not started) with ``max_model_len`` tokens per sequence and
     MAX_SEQS sequences; past the model's trained context, tokenfab and vLLM get VLLM_ALLOW_LONG_MAX_MODEL_LEN=1
-    (llama-server only warns)."""
+    (llama-server only warns). ``dtype``: tokenfab's and vLLM's ``--dtype`` ("auto": each engine's own choice for
+    this CPU; llama.cpp computes in the GGUF file's types)."""
     port = free_port()
     long_ok = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if past_trained_context(model, max_model_len) else {}
     path = model["path"]
@@ -136,7 +137,7 @@ def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str,
         # a model from a GGUF file: tokenfab serves the file (linears packed), tokenfab_bf16 its bf16 folder
         served = model.get("tokenfab_model", path) if engine == "tokenfab" else path
         cmd = [os.path.join(REPO, ".venv", "bin", "tokenfab"), "serve", served, "--host", "127.0.0.1", "--port",
-               str(port), "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-model-len",
+               str(port), "--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len",
                str(max_model_len), "--max-num-seqs", str(MAX_SEQS)]
         if served != path:
             cmd += ["--tokenizer", path]  # the client's tokenizer (the file's own, saved with the bf16 folder)
@@ -148,7 +149,7 @@ def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str,
         return Server(engine, cmd, port, env, lg, [])
     if engine == "vllm":
         cmd = [p.vllm_bin, "serve", path, "--host", "127.0.0.1", "--port", str(port), "--served-model-name",
-               SERVED_NAME, "--dtype", "bfloat16", "--max-model-len", str(max_model_len), "--max-num-seqs",
+               SERVED_NAME, "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs",
                str(MAX_SEQS)]
         return Server(engine, cmd, port, clean_env(VLLM_CPU_KVCACHE_SPACE="2", **long_ok), lg, [])
     if engine == "llamacpp":

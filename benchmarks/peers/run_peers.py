@@ -280,6 +280,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="llama-server --no-repack: no extra weight buffers (its AMX one included; built with GCC's "
                          "AMX intrinsics it crashes in ldtilecfg on this machine, SIGILL / SIGSEGV at the first "
                          "batch).")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "auto"),
+                    help="--dtype of the tokenfab and vLLM servers (default bfloat16; auto: each engine's own choice "
+                         "for this CPU, e.g. tokenfab's float32 where the CPU lacks AVX512-BF16). llama.cpp computes "
+                         "in the GGUF file's types.")
     ap.add_argument("--tokenfab-threads", type=int, default=None,
                     help="tokenfab serve --num-threads for the tokenfab servers (default: torch's, all cores).")
     ap.add_argument("--no-pause-idle", action="store_true",
@@ -416,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             "temperature": 0, "ignore_eos": True, "dataset": "random",
             "seeds": "1000 * (workload index + 1) + concurrency, per cell (same for every engine); warm-up 7",
             "llamacpp_threads": args.llamacpp_threads, "llamacpp_no_repack": args.llamacpp_no_repack,
-            "tokenfab_threads": args.tokenfab_threads},
+            "tokenfab_threads": args.tokenfab_threads, "dtype": args.dtype},
         "notes": [n for n in (
             "Random-weight models (deepseek_v3, llama): the text is meaningless; compute and memory traffic are "
             "real." if set(args.model_list) - {"smollm2"} else None,
@@ -424,6 +428,8 @@ def main(argv: list[str] | None = None) -> int:
             "Engines were measured alternately, cell by cell (engine order rotated each cell); servers not under "
             "test were paused with SIGSTOP." if not args.no_pause_idle else
             "Engines were measured alternately, cell by cell (engine order rotated each cell).",
+            f"tokenfab and vLLM were started with --dtype {args.dtype} (each engine's own choice for this CPU)."
+            if args.dtype == "auto" else f"tokenfab and vLLM were started with --dtype {args.dtype}.",
             "llama.cpp re-tokenizes the prompt text itself (for the random-weight models' GGUF files the "
             "pre-tokenizer is recorded as gpt-2); token totals are the client's tokenizer's: compare its latencies "
             "first.",
@@ -476,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                      and not model.get("tokenfab_model")):
                     continue
                 s = server_for(eng, p, model_name, model, rundir, args.llamacpp_threads, args.tokenfab_threads,
-                               args.llamacpp_no_repack, args.max_model_len)
+                               args.llamacpp_no_repack, args.max_model_len, args.dtype)
                 if past_trained_context(model, args.max_model_len) and eng != "llamacpp":
                     note = (f"--max-model-len {args.max_model_len} is past {model_name}'s max_position_embeddings: "
                             "tokenfab and vLLM ran with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, llama-server with its "

@@ -427,8 +427,8 @@ def run_demo(args: argparse.Namespace) -> int:
     from tokenfab.engine.engine_config import resolve_device
     device = resolve_device(args.device)
     if device.type == "cpu":  # build the fused CPU kernels here, on the console, not in the server
-        from tokenfab.kernels.cpu import ops as cpu_ops
-        cpu_ops.load()
+        from tokenfab.kernels.cpu import build as cpu_build
+        cpu_build.load()
     if not args.model:
         from tokenfab.default_model import (DEFAULT_MODEL_NAME, REAL_MODEL_NAME, describe, ensure_default_model,
                                             real_model_gguf, real_model_served)

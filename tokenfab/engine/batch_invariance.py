@@ -2,7 +2,7 @@
 
 In that mode every step runs through the fused CPU decode stack (engine/cpu_decode_stack.py) with each token, of a
 prompt chunk or a decode, as one query row over its own context (context length = its position + 1), in the
-kernels' batch-invariant mode (``cpu_ops.batch_invariant``): linears of any number of rows on brgemm tiles
+kernels' batch-invariant mode (``cpu_batch_invariant.batch_invariant``): linears of any number of rows on brgemm tiles
 (never the GEMV, whose order differs), decode attention over the pool in absolute 16-token blocks without context
 splits, routers on a fixed-order float32 dot. A token's hidden states, KV rows and logits then have the same bits
 whatever else the step holds and wherever a chunk starts (docs/batch_invariance.md). Anything outside that path is refused here, by name,
@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from tokenfab.errors import UnsupportedError
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu import build as cpu_build
+from tokenfab.kernels.cpu.ops import support as cpu_support
 from tokenfab.layers.linear import cpu_linear_backend
 from tokenfab.quant.packed_weight import PackedWeight
 
@@ -30,11 +31,11 @@ def check_model(model: torch.nn.Module, device: torch.device, graph_mode: str | 
     """
     if device.type != "cpu" or graph_mode is not None:
         raise UnsupportedError(f"batch_invariant=True runs on CPU only (device {device}); use device='cpu' {_OFF}.")
-    if cpu_ops.load() is None:
+    if cpu_build.load() is None:
         raise UnsupportedError(f"batch_invariant=True needs tokenfab's fused CPU kernels, which are unavailable "
-                               f"({cpu_ops.load_error()}); install a C++ compiler and unset "
+                               f"({cpu_build.load_error()}); install a C++ compiler and unset "
                                f"TOKENFAB_CPU_KERNELS=0, {_OFF}.")
-    if not cpu_ops.has_bf16_dot():
+    if not cpu_support.has_bf16_dot():
         raise UnsupportedError("batch_invariant=True needs a CPU with AVX512-BF16 (the fused decode stack and "
                                f"tokenfab's VNNI-blocked linears need it); {_OFF}.")
     backend = cpu_linear_backend()

@@ -1,6 +1,6 @@
 """Decode-only CPU bf16 steps through the whole decoder stack in one C++ call (kernels/cpu/csrc/decode_stack.cpp).
 
-After the per-layer fusions (``cpu_ops.mla_decode`` / ``gqa_decode``, the packed MoE dispatch), a batch-1
+After the per-layer fusions (``cpu_decode_blocks.mla_decode`` / ``gqa_decode``, the packed MoE dispatch), a batch-1
 decode step of the default DeepSeek model still spent ~0.8 ms of its ~3.8 ms in Python between ~50 kernel calls:
 module calls, argument lists, the router's float cast, residual adds (benchmarks/NOTES.md entry 38). Here the
 model's layers are described once, after loading, to a C++ ``DecodeStack`` that keeps their weights and sizes and
@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu import build as cpu_build
+from tokenfab.kernels.cpu.ops import support as cpu_support
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.mla import MLAttention
 from tokenfab.layers.mlp import GatedMLP
@@ -60,8 +61,8 @@ class CpuDecodeStack:
     def build(cls, model: nn.Module, kv_caches: list, block_size: int) -> CpuDecodeStack | None:
         """The stack for ``model`` (weights loaded and fused, ``post_load`` done) over ``kv_caches`` (from
         ``model.make_kv_cache``), or None when some part of the model is outside what the stack covers."""
-        ext = cpu_ops.load()
-        if ext is None or not hasattr(ext, "DecodeStack") or not cpu_ops.has_bf16_dot():
+        ext = cpu_build.load()
+        if ext is None or not hasattr(ext, "DecodeStack") or not cpu_support.has_bf16_dot():
             return None
         if not isinstance(model, CausalLM) or type(model).forward is not CausalLM.forward or model.tp is not None:
             return None
@@ -122,7 +123,7 @@ class CpuDecodeStack:
     def run_sample(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray | None, bt: np.ndarray,
                    context_lens: np.ndarray, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """:meth:`run`, then the LM head and one token per sequence drawn as ``Sampler`` draws plain rows
-        (``cpu_ops.sample_plain`` at temperatures ``temps`` [B] float32 with uniforms ``u`` [B], from
+        (``cpu_sampling.sample_plain`` at temperatures ``temps`` [B] float32 with uniforms ``u`` [B], from
         ``Sampler.plain_inputs``), all in one C++ call: no Python runs between the forward and the draw, where
         every interpreter step pays for the caches the forward's weight stream evicted (benchmarks/NOTES.md
         entry 38). Only when ``vocab_size`` is set. Returns int64 [B]."""

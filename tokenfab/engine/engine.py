@@ -144,8 +144,8 @@ class LLMEngine:
         from tokenfab.layers.linear import cpu_linear_backend
         cpu_linear_backend()  # TOKENFAB_CPU_LINEAR / TOKENFAB_CPU_ISA / TOKENFAB_TRITON typos, also before loading
         cpu_isa.selected_level()
-        from tokenfab.kernels.cpu import ops as cpu_ops
-        cpu_ops.gguf_int8_setting()  # TOKENFAB_GGUF_INT8_ACT typos, before loading
+        from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
+        cpu_gguf.gguf_int8_setting()  # TOKENFAB_GGUF_INT8_ACT typos, before loading
         from tokenfab.quant.packed_experts import check_setting
         check_setting()  # TOKENFAB_PACKED_EXPERTS typos, before loading
         from tokenfab.quant.packed_weight import dense_fallback_budget

@@ -29,7 +29,7 @@ from tokenfab.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from tokenfab.engine.scheduler import ScheduledBatch
 from tokenfab.engine.state_cache import KDAStateCache
 from tokenfab.engine.state_commit import clear_deferred, commit
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import batch_invariant as cpu_batch_invariant
 from tokenfab.kernels.gpu import support as triton_support
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import cpu_linear_backend
@@ -84,7 +84,7 @@ class ModelRunner:
         enforce_eager: never replay decode steps from CUDA graphs (vLLM's flag; graphs apply on CUDA/ROCm only).
         batch_invariant: every step, prefill and decode alike, runs through the fused CPU decode stack with each
             token as a one-query row over its own context, in the kernels' batch-invariant mode
-            (``cpu_ops.batch_invariant``), so a token's values do not depend on its batch or chunk
+            (``cpu_batch_invariant.batch_invariant``), so a token's values do not depend on its batch or chunk
             (docs/batch_invariance.md).
 
     Raises:
@@ -427,7 +427,7 @@ class ModelRunner:
         """Run one forward pass for ``batch`` and sample where sequences reached their last known token (in the
         kernels' batch-invariant mode when the runner was built with ``batch_invariant``)."""
         self.captured = None
-        with cpu_ops.batch_invariant(self.batch_invariant):
+        with cpu_batch_invariant.batch_invariant(self.batch_invariant):
             return self._execute_step(batch)
 
     def _execute_step(self, batch: ScheduledBatch) -> StepOutput:

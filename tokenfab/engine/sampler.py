@@ -136,7 +136,7 @@ class Sampler:
 
     def plain_inputs(self, seqs: list[Sequence], vocab_size: int, rows: np.ndarray | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(temperatures [N] float32, uniforms [N]) for :func:`~tokenfab.kernels.cpu.ops.sample_plain` when
+        """(temperatures [N] float32, uniforms [N]) for :func:`~tokenfab.kernels.cpu.ops.sampling.sample_plain` when
         every row is plain (no logprobs asked, no top-k / top-p), else None. The uniforms are the ones
         :meth:`__call__` would draw for these rows (none from any generator when all rows are greedy), so drawing
         them here, before the forward, leaves every RNG stream where ``__call__`` would. Lets a caller run the LM

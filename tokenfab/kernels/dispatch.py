@@ -38,8 +38,16 @@ from __future__ import annotations
 
 import torch
 
+from tokenfab.kernels.cpu import build as cpu_build
 from tokenfab.kernels.cpu import isa as cpu_isa
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import attention as cpu_attention
+from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
+from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
+from tokenfab.kernels.cpu.ops import moe as cpu_moe
+from tokenfab.kernels.cpu.ops import norms_activations as cpu_norms
+from tokenfab.kernels.cpu.ops import rotary as cpu_rotary
+from tokenfab.kernels.cpu.ops import sampling as cpu_sampling
+from tokenfab.kernels.cpu.ops import support as cpu_support
 from tokenfab.kernels.gpu import support as gpu_support
 
 # Without AVX512-BF16 in the kernels, MLA decode (one latent pool as keys and values) takes the fused CPU kernel only
@@ -76,11 +84,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return None
     if residual is not None:
         if (x.dim() == 2 and x.dtype == weight.dtype == residual.dtype and x.stride(-1) == 1
-                and residual.stride(-1) == 1 and cpu_ops.available_for(x)):
-            return cpu_ops.rms_norm(x, weight, eps, residual=residual)
+                and residual.stride(-1) == 1 and cpu_support.available_for(x)):
+            return cpu_norms.rms_norm(x, weight, eps, residual=residual)
         return None
-    if x.dtype == weight.dtype and x.shape[-1] == weight.shape[0] and cpu_ops.available_for(x):
-        return cpu_ops.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+    if x.dtype == weight.dtype and x.shape[-1] == weight.shape[0] and cpu_support.available_for(x):
+        return cpu_norms.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
     return None
 
 
@@ -90,8 +98,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     if _gpu(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         from tokenfab.kernels.gpu import norm_activation
         return norm_activation.silu_and_mul(gate_up)
-    if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and cpu_ops.available_for(gate_up):
-        return cpu_ops.silu_and_mul(gate_up)
+    if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and cpu_support.available_for(gate_up):
+        return cpu_norms.silu_and_mul(gate_up)
     return None
 
 
@@ -105,8 +113,9 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
         return (norm_activation.rope(q, positions, cos, sin, interleave),
                 norm_activation.rope(k, positions, cos, sin, interleave))
     if (q.dtype == k.dtype and cos.dtype == torch.float32 and q.stride(-1) == 1 and k.stride(-1) == 1
-            and cpu_ops.available_for(q)):
-        return (cpu_ops.rope(q, positions, cos, sin, interleave), cpu_ops.rope(k, positions, cos, sin, interleave))
+            and cpu_support.available_for(q)):
+        return (cpu_rotary.rope(q, positions, cos, sin, interleave),
+                cpu_rotary.rope(k, positions, cos, sin, interleave))
     return None
 
 
@@ -169,15 +178,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         from tokenfab.kernels.gpu import decode_attention  # imports triton: only when it applies
         return decode_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
                                                        max_context)
-    if not cpu_ops.available_for(q):
+    if not cpu_support.available_for(q):
         return None
-    if v_cache.data_ptr() == k_cache.data_ptr() and not (q.dtype == torch.bfloat16 and cpu_ops.has_bf16_dot()):
+    if v_cache.data_ptr() == k_cache.data_ptr() and not (q.dtype == torch.bfloat16 and cpu_support.has_bf16_dot()):
         # MLA on the kernel's float32 FMAs: the gathered path's GEMMs are faster with many context tokens (measured
         # with AVX512), and for bf16 at any length (an AVX2-only EPYC, 2026-12-06: 2-8x at 16-128 heads and 64-8K
         # tokens, its GEMMs on float32 copies: cpu_bf16_gemm_slow; NOTES 77)
         if q.dtype == torch.bfloat16 or q.shape[0] * max_context > FUSED_LATENT_MAX_TOKENS:
             return None
-    return cpu_ops.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return cpu_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def cpu_bf16_gemm_slow(x: torch.Tensor) -> bool:
@@ -200,29 +209,29 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def causal_softmax_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """True when prefill attention of q / k / v should run its two GEMMs around :func:`causal_softmax_` (CPU kernel:
     one dtype, kernels built); else the caller's SDPA / float32-softmax path."""
-    return k.dtype == q.dtype and v.dtype == q.dtype and cpu_ops.available_for(q)
+    return k.dtype == q.dtype and v.dtype == q.dtype and cpu_support.available_for(q)
 
 
 def flash_prefill_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """True when the CPU flash prefill kernel runs q / k / v: bf16 CPU tensors with contiguous last dimensions, D
     even, values Dv <= D, AVX512-BF16 dot products allowed by the ISA setting."""
-    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and cpu_ops.available_for(q) and cpu_ops.has_bf16_dot()
-            and q.shape[-1] % 2 == 0 and v.shape[-1] <= q.shape[-1]
+    return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and cpu_support.available_for(q)
+            and cpu_support.has_bf16_dot() and q.shape[-1] % 2 == 0 and v.shape[-1] <= q.shape[-1]
             and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
-            and hasattr(cpu_ops.load(), "flash_prefill_attention"))
+            and hasattr(cpu_build.load(), "flash_prefill_attention"))
 
 
 def flash_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_pos: torch.Tensor,
                             scale: float) -> torch.Tensor:
-    """Causal prefill attention in flash form (:func:`tokenfab.kernels.cpu.ops.flash_prefill_attention`; call where
-    :func:`flash_prefill_applies`): q [B, H, Q, D], k [B, Hk, L, D], v [B, Hk, L, Dv] -> [B, H, Q, Dv] bf16."""
-    return cpu_ops.flash_prefill_attention(q, k, v, query_pos, scale)
+    """Causal prefill attention in flash form (:func:`~tokenfab.kernels.cpu.ops.attention.flash_prefill_attention`;
+    call where :func:`flash_prefill_applies`): q [B, H, Q, D], k [B, Hk, L, D], v [B, Hk, L, Dv] -> [B, H, Q, Dv] bf16."""
+    return cpu_attention.flash_prefill_attention(q, k, v, query_pos, scale)
 
 
 def causal_softmax_(scores: torch.Tensor, query_pos: torch.Tensor, q_len: int, scale: float) -> torch.Tensor:
-    """In place: the causal softmax of scores [B, Hx, R, L] (:func:`tokenfab.kernels.cpu.ops.causal_softmax_`; call
-    where :func:`causal_softmax_applies`). Returns ``scores``."""
-    return cpu_ops.causal_softmax_(scores, query_pos, q_len, scale)
+    """In place: the causal softmax of scores [B, Hx, R, L] (:func:`~tokenfab.kernels.cpu.ops.attention.causal_softmax_`;
+    call where :func:`causal_softmax_applies`). Returns ``scores``."""
+    return cpu_attention.causal_softmax_(scores, query_pos, q_len, scale)
 
 
 def sigmoid_group_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
@@ -243,8 +252,8 @@ def sigmoid_group_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             return router.router_topk(x, weight, bias, tickets, n_group, topk_group, top_k, norm, scale, extra)
         return router.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group,
                                          topk_group, top_k, norm, scale, extra)
-    if cpu_ops.available_for(x) and not extra:
-        return cpu_ops.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group, topk_group,
+    if cpu_support.available_for(x) and not extra:
+        return cpu_moe.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group, topk_group,
                                           top_k, norm, scale)
     return None
 
@@ -278,8 +287,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, st
     (``act``: the activation between them; None: SiLU-GLU in the gate|up GEMM's epilogue), or
     None. ``plus`` [T, hidden] (the shared experts' output) is added to
     the result: inside the Triton k-sum, after the C++ kernel's."""
-    if packed13 is not None and cpu_ops.available_for(x):
-        out = cpu_ops.moe_experts_packed(x, weights, ids, packed13, packed2, start)
+    if packed13 is not None and cpu_support.available_for(x):
+        out = cpu_moe.moe_experts_packed(x, weights, ids, packed13, packed2, start)
         return out if plus is None else out + plus
     if w13 is not None and gpu_support.applies(x):  # grouped GEMMs in Triton, CUDA-graph safe
         from tokenfab.kernels.gpu import moe  # imports triton: only when it applies
@@ -305,13 +314,13 @@ def routed_experts_packed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Ten
 
 def sample_plain_applies(logits: torch.Tensor) -> bool:
     """True when :func:`sample_plain` runs for float32 ``logits`` [N, V] here (CPU kernel built)."""
-    return logits.dtype == torch.float32 and cpu_ops.available_for(logits)
+    return logits.dtype == torch.float32 and cpu_support.available_for(logits)
 
 
 def sample_plain(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row without top-k / top-p (:func:`tokenfab.kernels.cpu.ops.sample_plain`; call where
+    """One token per row without top-k / top-p (:func:`tokenfab.kernels.cpu.ops.sampling.sample_plain`; call where
     :func:`sample_plain_applies`)."""
-    return cpu_ops.sample_plain(logits, temps, u)
+    return cpu_sampling.sample_plain(logits, temps, u)
 
 
 GGUF_GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types gpu/gguf_linear.py reads (K-quants: the reference)
@@ -319,9 +328,9 @@ GGUF_GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types gpu/gguf_linear.py read
 
 def gguf_gemv_avx2(x: torch.Tensor, tiles: torch.Tensor, block, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """y = x W^T (+ bias) [..., n] float32 for a GGUF weight packed as tiles, by the AVX2 kernel
-    (:func:`tokenfab.kernels.cpu.ops.gguf_gemv_avx2`; bf16 x widened to float32 first). Call where
-    :func:`~tokenfab.kernels.cpu.ops.gguf_gemv_avx2_applies` (GGUFWeight.prepare decides)."""
-    return cpu_ops.gguf_gemv_avx2(x if x.dtype == torch.float32 else x.float(), tiles, block.ggml_type, n, bias)
+    (:func:`tokenfab.kernels.cpu.ops.gguf_linear.gguf_gemv_avx2`; bf16 x widened to float32 first). Call where
+    :func:`~tokenfab.kernels.cpu.ops.gguf_linear.gguf_gemv_avx2_applies` (GGUFWeight.prepare decides)."""
+    return cpu_gguf.gguf_gemv_avx2(x if x.dtype == torch.float32 else x.float(), tiles, block.ggml_type, n, bias)
 
 
 def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block, n: int, bias: torch.Tensor | None,
@@ -330,7 +339,7 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block, n: int, bias: torch
     C++ kernel where the weight chose it at load (``cpu_kernel``, GGUFWeight.prepare) for bf16 / float32 x, the
     Triton kernel on CUDA/ROCm for GGUF_GPU_TYPES, or None."""
     if cpu_kernel and x.dtype in (torch.bfloat16, torch.float32):
-        return cpu_ops.gguf_linear(x, tiles, block.ggml_type, n, bias)
+        return cpu_gguf.gguf_linear(x, tiles, block.ggml_type, n, bias)
     if block.name in GGUF_GPU_TYPES and gpu_support.applies(x):
         from tokenfab.kernels.gpu import gguf_linear as gpu_gguf_linear  # imports triton: only when it applies
         return gpu_gguf_linear.gguf_linear(x, tiles, block, n, bias)
@@ -354,9 +363,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     :func:`fp8_block_linear_applies` (call only where it is True); ``mm_scale``: :func:`fp8_block_prepare`'s;
     ``cpu_avx2``: the AVX2 kernel (float32 arithmetic, one rounding to x's dtype)."""
     if _fp8_cpu(x, cpu_avx2) and not cpu_kernel:
-        return cpu_ops.fp8_block_linear_avx2(x.float(), weight, scale_inv, bias).to(x.dtype)
+        return cpu_fp8.fp8_block_linear_avx2(x.float(), weight, scale_inv, bias).to(x.dtype)
     if _fp8_cpu(x, cpu_kernel):
-        return cpu_ops.fp8_block_linear(x, weight, scale_inv, bias)
+        return cpu_fp8.fp8_block_linear(x, weight, scale_inv, bias)
     from tokenfab.kernels.gpu import fp8_linear  # CUDA/ROCm (tests: the interpreter)
     return fp8_linear.fp8_block_linear(x, weight, scale_inv, bias, mm_scale=mm_scale)
 

@@ -81,7 +81,7 @@ class AttentionMetadata:
     state_group: AttentionGroup | None = None
 
     def cpu_decode_block(self, x: torch.Tensor, cache: torch.Tensor) -> bool:
-        """True when an attention layer may run this step as one fused CPU call (``cpu_ops.mla_decode`` /
+        """True when an attention layer may run this step as one fused CPU call (``cpu_decode_blocks.mla_decode`` /
         ``gqa_decode``): a decode-only step (no prefill group) with bf16 activations ``x`` and KV pool ``cache``
         on CPU."""
         return (self.prefill is None and self.decode is not None and x.dtype == torch.bfloat16

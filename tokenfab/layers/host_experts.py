@@ -9,7 +9,7 @@ One MoE layer call with a split (:meth:`HostExpertSplit.forward`):
 2. Host side: the rows of host pairs are gathered and copied to host memory (pinned on CUDA), then a worker thread
    with its own intra-op thread budget computes every host expert over its rows, batched per expert with
    tokenfab's CPU expert kernels (bf16: the packed VNNI GEMVs / brgemm, all host experts' gate_up projections in one
-   parallel region and all down projections in another, ``cpu_ops.vnni_linear_group``; other dtypes: one GEMM
+   parallel region and all down projections in another, ``cpu_vnni.vnni_linear_group``; other dtypes: one GEMM
    per expert).
 3. Meanwhile the calling thread computes the device experts over their rows (on the model's device).
 4. The host rows are copied back and both sides' expert outputs are put back in the sorted-pair order; the weighted
@@ -41,7 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import support as cpu_support
+from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
 from tokenfab.layers.activation import silu_and_mul
 from tokenfab.layers.linear import can_pack, pack_weight, packed_linear
 
@@ -144,12 +145,12 @@ def expert_rows(xs: torch.Tensor, counts: list[int], wts: ExpertWeights, interme
         bounds.append((b, b + n))
         b += n
     if wts.p13 is not None:
-        if cpu_ops.available_for(xs) and not any(wts.p13[i].is_mkldnn for i, _ in live):
+        if cpu_support.available_for(xs) and not any(wts.p13[i].is_mkldnn for i, _ in live):
             # all experts' gate_up GEMMs in one parallel region, then all down GEMMs in one more
-            gu = cpu_ops.vnni_linear_group([xs[s:e] for s, e in bounds], [wts.p13[i] for i, _ in live],
-                                               [2 * intermediate] * len(live))
+            gu = cpu_vnni.vnni_linear_group([xs[s:e] for s, e in bounds], [wts.p13[i] for i, _ in live],
+                                            [2 * intermediate] * len(live))
             mid = [act(g) for g in gu]
-            return torch.cat(cpu_ops.vnni_linear_group(mid, [wts.p2[i] for i, _ in live], [H] * len(live)))
+            return torch.cat(cpu_vnni.vnni_linear_group(mid, [wts.p2[i] for i, _ in live], [H] * len(live)))
         h = xs.new_empty(P, H)
         for (i, _), (s, e) in zip(live, bounds):
             h[s:e] = packed_linear(act(packed_linear(xs[s:e], wts.p13[i], None, 2 * intermediate)),

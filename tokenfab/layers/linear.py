@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.kernels.cpu import isa as cpu_isa
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
 from tokenfab.quant.packed_weight import PackedWeight
 
 
@@ -61,7 +61,7 @@ def can_pack(weight: torch.Tensor) -> bool:
     backend = cpu_linear_backend()
     if backend == "torch" or weight.device.type != "cpu":
         return False
-    if backend == "tokenfab" and cpu_ops.vnni_linear_applies(weight):
+    if backend == "tokenfab" and cpu_vnni.vnni_linear_applies(weight):
         return True
     return _onednn_ok(weight)
 
@@ -69,8 +69,8 @@ def can_pack(weight: torch.Tensor) -> bool:
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight [out, in] bf16 -> the packed copy :func:`packed_linear` runs: tokenfab's VNNI blocks
     [ceil(out / 32), in / 2, 32, 2] (backend ``tokenfab`` where it applies) or oneDNN's opaque blocked tensor."""
-    if cpu_linear_backend() == "tokenfab" and cpu_ops.vnni_linear_applies(weight):
-        return cpu_ops.pack_linear_weight(weight.contiguous())
+    if cpu_linear_backend() == "tokenfab" and cpu_vnni.vnni_linear_applies(weight):
+        return cpu_vnni.pack_linear_weight(weight.contiguous())
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
@@ -78,7 +78,7 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     """x [..., in] bf16 -> [..., out_features] with a weight packed by :func:`pack_weight` (float32 accumulation,
     one rounding to bf16 per output, either backend)."""
     if not packed.is_mkldnn:
-        return cpu_ops.vnni_linear(x, packed, out_features, bias)
+        return cpu_vnni.vnni_linear(x, packed, out_features, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -121,7 +121,7 @@ def packed_linear_f32(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Te
     """
     if packed.is_mkldnn:
         raise ValueError("packed_linear_f32 needs tokenfab's VNNI-packed weight, not oneDNN's")
-    return cpu_ops.vnni_linear(x, packed, n, None, out_f32=True)
+    return cpu_vnni.vnni_linear(x, packed, n, None, out_f32=True)
 
 
 class Linear(nn.Module):

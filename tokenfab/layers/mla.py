@@ -20,7 +20,8 @@ from torch import nn
 
 from tokenfab.config import ModelConfig
 from tokenfab.kernels import dispatch
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import decode_blocks as cpu_decode_blocks
+from tokenfab.kernels.cpu.ops import head_gemm as cpu_head_gemm
 from tokenfab.layers.attention_metadata import AttentionGroup, AttentionMetadata
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.norm import RMSNorm
@@ -61,7 +62,7 @@ class MLAttention(nn.Module):
 
     def fuse(self) -> None:
         """After loading: W_UK [H, nope, C] and W_UV^T [H, C, v] from kv_b_proj.weight [H*(nope+v), C] for the
-        absorbed decode; packed for :func:`~tokenfab.kernels.cpu.ops.head_gemm_` when it applies (CPU bf16
+        absorbed decode; packed for :func:`~tokenfab.kernels.cpu.ops.head_gemm.head_gemm_` when it applies (CPU bf16
         with AVX512-BF16, 2.5-8x faster than ``torch.bmm`` at decode shapes, benchmarks/NOTES.md), else contiguous
         copies for two plain batched GEMMs over heads."""
         self._fuse_a_projections()
@@ -75,15 +76,15 @@ class MLAttention(nn.Module):
         """W_UK [H, nope, C] and W_UV^T [H, C, v] from kv_b_proj.weight (see :meth:`fuse`), nothing else fused."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora)
         w_uk, w_uv_t = w[:, : self.nope, :], w[:, self.nope:, :].transpose(1, 2)
-        self._head_gemm = cpu_ops.head_gemm_applies(w, w_uk) and cpu_ops.head_gemm_applies(w, w_uv_t)
+        self._head_gemm = cpu_head_gemm.head_gemm_applies(w, w_uk) and cpu_head_gemm.head_gemm_applies(w, w_uv_t)
         if self._head_gemm:
-            self._w_uk, self._w_uv_t = cpu_ops.pack_head_weights(w_uk), cpu_ops.pack_head_weights(w_uv_t)
+            self._w_uk, self._w_uv_t = cpu_head_gemm.pack_head_weights(w_uk), cpu_head_gemm.pack_head_weights(w_uv_t)
         else:
             self._w_uk, self._w_uv_t = w_uk.contiguous(), w_uv_t.contiguous()
 
     def _decode_block_weights(self) -> list[torch.Tensor] | None:
-        """The weights of :func:`~tokenfab.kernels.cpu.ops.mla_decode` (the absorbed decode as one C++ call,
-        bit-identical to :meth:`forward`'s Python path), or None where it does not apply: it needs the fused
+        """The weights of :func:`~tokenfab.kernels.cpu.ops.decode_blocks.mla_decode` (the absorbed decode as one C++
+        call, bit-identical to :meth:`forward`'s Python path), or None where it does not apply: it needs the fused
         q_a|kv_a projection, every linear in tokenfab's VNNI blocks (CPU bf16 with AVX512-BF16), no biases, the
         per-head GEMM kernel and float32 RoPE tables (not a NoPE MLA such as Kimi Linear's)."""
         fused = getattr(self, "qkv_a_proj", None)
@@ -96,8 +97,8 @@ class MLAttention(nn.Module):
                 self._w_uk, self._w_uv_t, self.o_proj.vnni_packed]
 
     def decode_block_args(self) -> tuple[list[torch.Tensor], list[int], float, float] | None:
-        """(weights, dims, eps_q, eps_kv) of :func:`~tokenfab.kernels.cpu.ops.mla_decode` for this layer (with the
-        rotary tables and ``scale``, all it needs besides the step's tensors), or None where the block does not
+        """(weights, dims, eps_q, eps_kv) of :func:`~tokenfab.kernels.cpu.ops.decode_blocks.mla_decode` for this layer
+        (with the rotary tables and ``scale``, all it needs besides the step's tensors), or None where the block does not
         apply (:meth:`_decode_block_weights`)."""
         if self._block_weights is None:
             return None
@@ -199,7 +200,7 @@ class MLAttention(nn.Module):
             return q_hm.transpose(0, 1)
         q_lat = q_nope.new_empty(q_nope.shape[0], self.num_heads, C + self.rope_dim)
         if self._head_gemm:
-            cpu_ops.head_gemm_(q_nope, w_uk, q_lat[..., :C])
+            cpu_head_gemm.head_gemm_(q_nope, w_uk, q_lat[..., :C])
         else:
             q_lat[..., :C] = dispatch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         q_lat[..., C:] = q_rope
@@ -208,7 +209,7 @@ class MLAttention(nn.Module):
     def _value_heads(self, o_lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
         """o_lat W_UV per head: [N, H, C] -> [N, H, v]."""
         if self._head_gemm:
-            return cpu_ops.head_gemm_(o_lat, w_uv_t, o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim))
+            return cpu_head_gemm.head_gemm_(o_lat, w_uv_t, o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim))
         return dispatch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)
 
     def latent_decode(self, q_lat: torch.Tensor, cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
@@ -282,9 +283,9 @@ class MLAttention(nn.Module):
         if self._block_weights is not None and self.decode_block and meta.cpu_decode_block(x, cache):
             dec = meta.decode
             w, dims, eps_q, eps_kv = self.decode_block_args()
-            return cpu_ops.mla_decode(x, positions, meta.slot_mapping, cache, dec.block_tables, dec.context_lens,
-                                          w, dims, self.rotary.cos, self.rotary.sin, self.rotary.interleave, eps_q,
-                                          eps_kv, self.scale)
+            return cpu_decode_blocks.mla_decode(x, positions, meta.slot_mapping, cache, dec.block_tables,
+                                                dec.context_lens, w, dims, self.rotary.cos, self.rotary.sin,
+                                                self.rotary.interleave, eps_q, eps_kv, self.scale)
         out = self._gpu_decode(positions, x, cache, meta)
         if out is not None:
             return out

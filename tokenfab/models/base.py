@@ -17,7 +17,7 @@ from tokenfab.config import ModelConfig
 from tokenfab.errors import WeightLoadError
 from tokenfab.layers.attention_metadata import AttentionMetadata
 from tokenfab.kernels import dispatch
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
 from tokenfab.layers.linear import Linear, cpu_linear_backend, matmul_f32, pack_weight, packed_linear_f32
 from tokenfab.layers.moe import RoutedExperts
 from tokenfab.layers.norm import RMSNorm
@@ -376,7 +376,7 @@ class CausalLM(nn.Module):
         output). No-op when a packed head exists."""
         lm = self.lm_head
         if (getattr(self, "_lm_head_packed", None) is None and isinstance(lm, nn.Linear) and lm.weight is not None
-                and cpu_linear_backend() == "tokenfab" and cpu_ops.vnni_linear_applies(lm.weight)):
+                and cpu_linear_backend() == "tokenfab" and cpu_vnni.vnni_linear_applies(lm.weight)):
             self._lm_head_packed, self._lm_head_rows = pack_weight(lm.weight), lm.weight.shape[0]
             if not self.cfg.tie_word_embeddings:
                 lm.weight = None

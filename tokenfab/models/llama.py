@@ -10,7 +10,7 @@ from torch import nn
 
 from tokenfab.config import ModelConfig
 from tokenfab.kernels import dispatch
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import decode_blocks as cpu_decode_blocks
 from tokenfab.layers.attention_metadata import AttentionMetadata
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.mlp import GatedMLP
@@ -52,8 +52,8 @@ class LlamaAttention(nn.Module):
     def fuse(self) -> None:
         """After loading: q_proj, k_proj and v_proj read the same x, so they become one GEMM over their concatenated
         rows (``qkv_proj``, as vLLM's QKVParallelLinear; each output column is the same dot product as before). Then
-        decide whether :func:`~tokenfab.kernels.cpu.ops.gqa_decode` can run decode-only batches: tokenfab's VNNI
-        linears (CPU bf16 with AVX512-BF16), full-width float32 RoPE tables."""
+        decide whether :func:`~tokenfab.kernels.cpu.ops.decode_blocks.gqa_decode` can run decode-only batches:
+        tokenfab's VNNI linears (CPU bf16 with AVX512-BF16), full-width float32 RoPE tables."""
         if self.qkv_proj is None and self.num_heads:
             self.qkv_proj = Linear.concat([self.q_proj, self.k_proj, self.v_proj])
         self.o_proj.fuse()
@@ -62,8 +62,8 @@ class LlamaAttention(nn.Module):
                           and getattr(self.rotary, "cos", None) is not None and self.rotary.cos.dtype == torch.float32)
 
     def decode_block_args(self) -> tuple[list, list, list[int], float] | None:
-        """(weights, biases, dims, eps) of :func:`~tokenfab.kernels.cpu.ops.gqa_decode` for this layer (with the
-        rotary tables and ``scale``, all it needs besides the step's tensors), or None where the block does not
+        """(weights, biases, dims, eps) of :func:`~tokenfab.kernels.cpu.ops.decode_blocks.gqa_decode` for this layer
+        (with the rotary tables and ``scale``, all it needs besides the step's tensors), or None where the block does not
         apply (see :meth:`fuse`)."""
         if not self._block_ok:
             return None
@@ -79,9 +79,9 @@ class LlamaAttention(nn.Module):
         if self._block_ok and self.decode_block and meta.cpu_decode_block(x, cache[0]):
             dec = meta.decode
             w, biases, dims, eps = self.decode_block_args()
-            return cpu_ops.gqa_decode(x, positions, meta.slot_mapping, cache[0], cache[1], dec.block_tables,
-                                          dec.context_lens, w, biases, dims, self.rotary.cos, self.rotary.sin,
-                                          self.rotary.interleave, eps, self.scale)
+            return cpu_decode_blocks.gqa_decode(x, positions, meta.slot_mapping, cache[0], cache[1],
+                                                dec.block_tables, dec.context_lens, w, biases, dims, self.rotary.cos,
+                                                self.rotary.sin, self.rotary.interleave, eps, self.scale)
         if self.qkv_proj is not None:
             H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
             q, k, v = self.qkv_proj(x).split([H * D, Hk * D, Hk * D], dim=-1)

@@ -13,9 +13,9 @@ multiple of 128 a block never mixes their rows), down rows one part. ``scale`` f
 128), ceil(in / 128)]: row r of part p uses block row p * ceil(part_rows / 128) + (r - p * part_rows) // 128. The
 resident bytes are exactly the checkpoint's (1 per parameter + 4 per block), what ``tokenfab plan`` counts.
 
-Kernel: ``cpu_ops.fp8_experts_linear`` (kernels/cpu/csrc/fp8_linear.cpp, AVX512-BF16: the e4m3 bytes converted to
+Kernel: ``cpu_fp8.fp8_experts_linear`` (kernels/cpu/csrc/fp8_linear.cpp, AVX512-BF16: the e4m3 bytes converted to
 exact bf16 in registers, per 128-input block float32 sums scaled once), which needs in_features a multiple of 32; on
-CPUs without AVX512-BF16 ``cpu_ops.fp8_experts_avx2`` (fp8_linear_avx2.cpp: e4m3 through fp16 in registers, float32
+CPUs without AVX512-BF16 ``cpu_fp8.fp8_experts_avx2`` (fp8_linear_avx2.cpp: e4m3 through fp16 in registers, float32
 FMAs on float32 x); else the PyTorch reference of :class:`~tokenfab.quant.packed_experts.PackedExperts` (the formula
 above, 1024 rows at a time). Published shapes (hidden 7168, moe_intermediate 2048) have no partial blocks; tokenfab
 handles them anyway.
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from tokenfab.errors import WeightLoadError
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
 from tokenfab.quant.fp8_block_weight import BLOCK, Fp8BlockWeight
 from tokenfab.quant.packed_experts import PackedExperts, kernel_disabled
 
@@ -43,7 +43,7 @@ class Fp8BlockExperts(PackedExperts):
     """
 
     format_name = "fp8_block"
-    kernel_format = 2  # runs cpu_ops.fp8_experts_linear, not packed_experts_linear
+    kernel_format = 2  # runs cpu_fp8.fp8_experts_linear, not packed_experts_linear
     checkpoint_parts = ("weight",)  # <expert>.{gate,up,down}_proj.weight (+ weight_scale_inv, paired by the loader)
 
     def __init__(self, num_experts: int, out_features: int, in_features: int, part_rows: int | None = None):
@@ -104,7 +104,7 @@ class Fp8BlockExperts(PackedExperts):
         """Use ``fp8_experts_linear`` when it runs here: CPU buffers, in_features a multiple of 32, built kernels
         with AVX512-BF16, not disabled by ``TOKENFAB_PACKED_EXPERTS=torch`` nor by ``TOKENFAB_CPU_LINEAR=torch``
         (which sends the FP8 checkpoint's other Linears to the PyTorch path too); where that kernel does not run
-        (a CPU without AVX512-BF16) the AVX2 kernel ``cpu_ops.fp8_experts_avx2`` under the same conditions. On the
+        (a CPU without AVX512-BF16) the AVX2 kernel ``cpu_fp8.fp8_experts_avx2`` under the same conditions. On the
         GPU code path (CUDA / ROCm buffers with Triton on, or the interpreter's ``interpret-gpu-path`` in tests)
         re-lay the stack once into the grouped GEMM's layout instead (kernels/gpu/moe_relayout.relayout_fp8: in
         place where in_features is a multiple of 512) and set :attr:`gpu_layout`."""
@@ -113,9 +113,9 @@ class Fp8BlockExperts(PackedExperts):
         cpu = (self.packed.device.type == "cpu" and self.in_features % 32 == 0 and not kernel_disabled()
                and cpu_linear_backend() != "torch")
         gpu_path = gpu_support.gpu_path(self.packed)
-        self._kernel = cpu and cpu_ops.fp8_experts_applies()
+        self._kernel = cpu and cpu_fp8.fp8_experts_applies()
         self._avx2 = (cpu and not self._kernel and not self.gpu_layout and not gpu_path
-                      and cpu_ops.fp8_block_linear_avx2_applies())
+                      and cpu_fp8.fp8_block_linear_avx2_applies())
         if self.gpu_layout or not gpu_path:
             return
         from tokenfab.kernels.gpu.moe_relayout import relayout_fp8
@@ -123,10 +123,10 @@ class Fp8BlockExperts(PackedExperts):
         self.gpu_layout, self._kernel = True, False
 
     def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.fp8_experts_linear(x, self.packed, self.scale, experts, offsets, self.part_rows)
+        return cpu_fp8.fp8_experts_linear(x, self.packed, self.scale, experts, offsets, self.part_rows)
 
     def avx2_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return cpu_ops.fp8_experts_avx2(x, self.packed, self.scale, experts, offsets, self.part_rows)
+        return cpu_fp8.fp8_experts_avx2(x, self.packed, self.scale, experts, offsets, self.part_rows)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, part_rows={self.part_rows}, e4m3 block 128x128"

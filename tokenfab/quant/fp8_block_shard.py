@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenfab.kernels import dispatch
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
 from tokenfab.quant.fp8_block_weight import BLOCK, Fp8BlockWeight, scale_shape
 from tokenfab.quant.packed_weight import PackedWeight
 
@@ -93,9 +93,9 @@ class Fp8BlockShard(Fp8BlockWeight):
         from tokenfab.layers.linear import cpu_linear_backend
         on_cpu = (self.weight.device.type == "cpu" and self.out_features > 0 and self.in_features > 0
                   and cpu_linear_backend() != "torch")
-        self._kernel = on_cpu and cpu_ops.fp8_block_linear_applies()
+        self._kernel = on_cpu and cpu_fp8.fp8_block_linear_applies()
         self._avx2 = (on_cpu and not self._kernel and self.weight.shape[1] % 32 == 0
-                      and not dispatch.gpu_path(self.weight) and cpu_ops.fp8_block_linear_avx2_applies())
+                      and not dispatch.gpu_path(self.weight) and cpu_fp8.fp8_block_linear_avx2_applies())
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.out_features == 0 or self.in_features == 0:  # an empty shard: x W^T is zeros (+ bias)

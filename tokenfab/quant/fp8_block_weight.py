@@ -8,13 +8,13 @@ Stored as published: ``weight`` float8_e4m3fn [out, in] (1 byte per parameter) a
 (DeepSeek-V3 ``inference/kernel.py`` ``weight_dequant``; vLLM / SGLang block FP8 the same; edge blocks are partial when
 out or in is not a multiple of 128). The product is one float32 rounding of an exact e4m3 value times the scale.
 
-Fast path: ``cpu_ops.fp8_block_linear`` (kernels/cpu/csrc/fp8_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
+Fast path: ``cpu_fp8.fp8_block_linear`` (kernels/cpu/csrc/fp8_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
 decode GEMV converting e4m3 to bf16 in registers (every e4m3 value is exact in bf16); with AMX, bf16 x of more than 4
 rows converts 16 weight rows at a time into AMX tiles; otherwise more than 16 rows convert 32 weight rows at a time
 into a thread-local buffer for oneDNN's brgemm. All sum x q exactly per 128 inputs in float32 and scale each block's
 sum once: y = sum_kb s[n, kb] * sum_{k in kb} x_k q_k, the same real number as
 sum_k x_k W[n, k] up to float32 rounding. Needs in_features a multiple of 32. CPUs without AVX512-BF16:
-``cpu_ops.fp8_block_linear_avx2`` (kernels/cpu/csrc/fp8_linear_avx2.cpp: e4m3 converted through fp16 in registers,
+``cpu_fp8.fp8_block_linear_avx2`` (kernels/cpu/csrc/fp8_linear_avx2.cpp: e4m3 converted through fp16 in registers,
 float32 FMAs; more than 16 rows on 64-row converted panels and PyTorch's float32 GEMM). Reference / fallback (no
 kernels, another device, in_features not a multiple of 32, or ``TOKENFAB_CPU_LINEAR=torch``): a float32 copy within
 its budget (PackedWeight.keep_dense_copy), else dequantize 1024 rows at a time by the formula and ``F.linear`` in
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
 from tokenfab.kernels import dispatch
 from tokenfab.quant.fp8_config import FP8_BLOCK
 from tokenfab.quant.packed_weight import PackedWeight
@@ -65,7 +65,7 @@ class Fp8BlockWeight(PackedWeight):
         self.register_buffer("weight", weight.contiguous(), persistent=False)
         self.register_buffer("scale_inv", scale_inv.to(torch.float32).contiguous(), persistent=False)
         self._kernel = False
-        self._avx2 = False  # cpu_ops.fp8_block_linear_avx2 (CPUs without AVX512-BF16; prepare)
+        self._avx2 = False  # cpu_fp8.fp8_block_linear_avx2 (CPUs without AVX512-BF16; prepare)
         self._mm_scale: torch.Tensor | None = None  # scale_inv in scaled_mm's layout (GPU, set by prepare)
 
     @property
@@ -88,9 +88,9 @@ class Fp8BlockWeight(PackedWeight):
         (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
         from tokenfab.layers.linear import cpu_linear_backend
         on_cpu = self.weight.device.type == "cpu" and self.in_features % 32 == 0 and cpu_linear_backend() != "torch"
-        self._kernel = on_cpu and cpu_ops.fp8_block_linear_applies()
+        self._kernel = on_cpu and cpu_fp8.fp8_block_linear_applies()
         self._avx2 = (on_cpu and not self._kernel and not dispatch.gpu_path(self.weight)
-                      and cpu_ops.fp8_block_linear_avx2_applies())
+                      and cpu_fp8.fp8_block_linear_avx2_applies())
         self._mm_scale = dispatch.fp8_block_prepare(self.weight, self.scale_inv)
         if not self._kernel and not self._avx2:
             self.keep_dense_copy()  # no packed kernel on this CPU: a float32 copy within the budget

@@ -1,9 +1,9 @@
 """A Linear weight in a GGUF block type (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), kept packed and multiplied packed.
 
-Fast path: ``cpu_ops.gguf_linear`` (kernels/cpu/csrc/gguf_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
+Fast path: ``cpu_gguf.gguf_linear`` (kernels/cpu/csrc/gguf_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
 decode GEMV that unpacks nibbles and scales in registers and a prefill GEMM that dequantizes 32 weight rows at a
 time into a thread-local buffer for oneDNN's brgemm. On CPUs without AVX512-BF16 (the ``avx2`` ISA level) the AVX2
-kernel (``cpu_ops.gguf_gemv_avx2``, csrc/gguf_gemv_avx2.cpp; every type here): decode rows (up to
+kernel (``cpu_gguf.gguf_gemv_avx2``, csrc/gguf_gemv_avx2.cpp; every type here): decode rows (up to
 ``AVX2_GEMV_MAX_ROWS``) on the packed bytes, a fifth to a seventh of a float32 copy's, prefill through panels
 dequantized into a float32 GEMM; no float32 copy is kept (it served prefill 1.0-1.1x faster at twice the resident
 memory: NOTES 84). Reference / fallback (no kernels, another device, ``TOKENFAB_CPU_LINEAR=torch``): a float32 copy
@@ -17,7 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu import build as cpu_build
+from tokenfab.kernels.cpu.ops import gguf_embedding as cpu_gguf_embedding
+from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
 from tokenfab.kernels import dispatch
 from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_blocks import TILE, BlockType
@@ -77,8 +79,8 @@ class GGUFWeight(PackedWeight):
         a float32 copy within the budget (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
         from tokenfab.layers.linear import cpu_linear_backend
         on_cpu = self.tiles.device.type == "cpu" and cpu_linear_backend() != "torch"
-        self._kernel = on_cpu and cpu_ops.gguf_linear_applies()
-        self._gemv_avx2 = on_cpu and not self._kernel and cpu_ops.gguf_gemv_avx2_applies(self.block.ggml_type)
+        self._kernel = on_cpu and cpu_gguf.gguf_linear_applies()
+        self._gemv_avx2 = on_cpu and not self._kernel and cpu_gguf.gguf_gemv_avx2_applies(self.block.ggml_type)
         if not self._kernel and not self._gemv_avx2:
             self.keep_dense_copy()
 
@@ -95,7 +97,7 @@ class GGUFWeight(PackedWeight):
     def linear_f32(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`linear`, float32 outputs from the kernel's accumulator (the LM head of a GGUF file)."""
         if self._kernel and x.dtype in (torch.bfloat16, torch.float32):
-            return cpu_ops.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias, out_f32=True)
+            return cpu_gguf.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias, out_f32=True)
         if self._avx2_rows(x):
             return dispatch.gguf_gemv_avx2(x, self.tiles, self.block, self.out_features, bias)
         if x.dtype == torch.float32:
@@ -103,12 +105,13 @@ class GGUFWeight(PackedWeight):
         return self.reference_linear(x, bias, out_dtype=torch.float32)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows ``ids`` dequantized: ``cpu_ops.gguf_embedding`` where the kernels are built (CPU tiles,
+        """Rows ``ids`` dequantized: ``cpu_gguf_embedding.gguf_embedding`` where the kernels are built (CPU tiles,
         bf16 / float32), else the tiles holding them unpacked and dequantized in PyTorch: the same values (gguf's
         float32 ones, one rounding to ``dtype``)."""
         if (self.tiles.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
-                and cpu_ops.load() is not None and hasattr(cpu_ops.load(), "gguf_embedding")):
-            return cpu_ops.gguf_embedding(self.tiles, self.block.ggml_type, self.out_features, ids.long(), dtype)
+                and cpu_build.load() is not None and hasattr(cpu_build.load(), "gguf_embedding")):
+            return cpu_gguf_embedding.gguf_embedding(self.tiles, self.block.ggml_type, self.out_features, ids.long(),
+                                                     dtype)
         flat = ids.reshape(-1).long()
         if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
             raise IndexError(f"embedding ids must lie in [0, {self.out_features})")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenfab.errors import WeightLoadError
-from tokenfab.kernels.cpu import ops as cpu_ops
+from tokenfab.kernels.cpu.ops import packed_experts as cpu_packed_experts
 
 _REFERENCE_ROWS = 1024  # rows of one expert dequantized at a time by the PyTorch path
 FORMATS = {"int4_group": "tokenfab.quant.int4_group:Int4GroupExperts",
@@ -179,7 +179,7 @@ class PackedExperts(nn.Module):
         a0 = start // TILE_ROWS * TILE_ROWS
         b0 = max(end, min(n16, -(-end // TILE_ROWS) * TILE_ROWS))  # whole tiles, then any rows past the last one
         p, s = self.packed[e:e + 1, a0:b0].clone(), self.scale[e:e + 1, a0:b0].clone()
-        cpu_ops.packed_experts_relayout(self.kernel_format, p, s, False)
+        cpu_packed_experts.packed_experts_relayout(self.kernel_format, p, s, False)
         return self.dequantize_packed(p[0, start - a0:end - a0], s[0, start - a0:end - a0])
 
     def dequantize_expert(self, e: int) -> torch.Tensor:
@@ -193,17 +193,17 @@ class PackedExperts(nn.Module):
         as they are; kernels/cpu/csrc/packed_expert_tiles.h), unless ``TOKENFAB_PACKED_EXPERTS=rows``: about twice
         the streaming rate at one token per expert (benchmarks/NOTES.md 69). :meth:`dequantize_rows` reads either
         layout. Where that kernel does not run (a CPU without AVX512-BF16), INT4 / MXFP4 stacks on the CPU path take
-        the AVX2 kernel (``cpu_ops.packed_experts_avx2``) in the checkpoint layout."""
+        the AVX2 kernel (``cpu_packed_experts.packed_experts_avx2``) in the checkpoint layout."""
         from tokenfab.kernels.gpu import support as gpu_support
         self._kernel = (self.kernel_format is not None and self.packed.device.type == "cpu" and not kernel_disabled()
-                        and cpu_ops.packed_experts_applies())
+                        and cpu_packed_experts.packed_experts_applies())
         self._avx2 = (not self._kernel and self.kernel_format in (0, 1) and not self.cpu_tiles
                       and not self.gpu_layout and self.packed.device.type == "cpu" and not kernel_disabled()
-                      and not gpu_support.gpu_path(self.packed) and cpu_ops.packed_experts_avx2_applies())
+                      and not gpu_support.gpu_path(self.packed) and cpu_packed_experts.packed_experts_avx2_applies())
         if (self._kernel and self.tile_layout and not self.cpu_tiles and not tiles_disabled()
                 and self.out_features >= TILE_ROWS and not self.gpu_layout):
             if not gpu_support.applies(self.packed):  # Triton's packed MoE (tests: interpreted) reads other layouts
-                cpu_ops.packed_experts_relayout(self.kernel_format, self.packed, self.scale, True)
+                cpu_packed_experts.packed_experts_relayout(self.kernel_format, self.packed, self.scale, True)
                 self.cpu_tiles = True
 
     @property
@@ -238,12 +238,12 @@ class PackedExperts(nn.Module):
     def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The C++ grouped linear (:meth:`grouped_linear` when ``_kernel``): experts int64 [A] local ids, offsets
         int64 [A + 1] row offsets into x."""
-        return cpu_ops.packed_experts_linear(x, self.kernel_id, self.packed, self.scale, experts, offsets)
+        return cpu_packed_experts.packed_experts_linear(x, self.kernel_id, self.packed, self.scale, experts, offsets)
 
     def avx2_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """The AVX2 grouped linear (:meth:`grouped_linear` when ``_avx2``): x float32 [N, in_features], experts
         int64 [A] local ids, offsets int64 [A + 1] row offsets into x; float32 [N, out_features]."""
-        return cpu_ops.packed_experts_avx2(x, self.kernel_format, self.packed, self.scale, experts, offsets)
+        return cpu_packed_experts.packed_experts_avx2(x, self.kernel_format, self.packed, self.scale, experts, offsets)
 
     def reference_grouped_linear(self, x: torch.Tensor, experts: list[int], counts: list[int]) -> torch.Tensor:
         """The PyTorch path of :meth:`grouped_linear`: per expert, float32 ``F.linear`` over 1024 dequantized rows

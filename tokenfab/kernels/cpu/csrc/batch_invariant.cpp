@@ -3,7 +3,7 @@
 // In the default mode a row's result can depend on its batch: linears of up to 4 rows run the GEMV and larger ones
 // oneDNN's brgemm tiles (two summation orders), decode attention splits a context across threads when there are
 // fewer sequences than threads (flash-decoding, merged by log-sum-exp), and the routers' GEMMs go to MKL / oneDNN,
-// whose kernels are chosen by shape. With the switch on (tokenfab/kernels/cpu/ops.py batch_invariant()),
+// whose kernels are chosen by shape. With the switch on (tokenfab/kernels/cpu/ops/batch_invariant.py),
 // vnni_linear runs brgemm tiles for every number of rows (vnni_linear.cpp: their order per output does not depend
 // on M or the row's tile), decode attention never splits a context (paged_attention_bf16.cpp) and the routers run
 // rowwise_linear_f32 below (decode_stack.cpp). The idea follows vLLM's batch-invariant mode and Thinking Machines'

@@ -1,4 +1,4 @@
-// The Python module of tokenfab's fused CPU kernels (tokenfab/kernels/cpu/ops.py wraps it): every binding in
+// The Python module of tokenfab's fused CPU kernels (tokenfab/kernels/cpu/ops/ wraps it): every binding in
 // one place, each kernel defined in the file cpu_kernels.h / vnni_linear.h names.
 #include "batch_invariant.h"
 #include "cpu_isa.h"

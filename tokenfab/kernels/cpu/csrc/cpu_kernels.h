@@ -1,6 +1,6 @@
 // Entry points of the fused CPU kernels, each defined in the file named above it (bindings.cpp exposes them to
 // Python; decode_blocks.cpp and decode_stack.cpp chain them). Shapes, dtypes and the rounding each one follows are
-// documented at their definitions and in tokenfab/kernels/cpu/ops.py.
+// documented at their definitions and in tokenfab/kernels/cpu/ops/.
 #pragma once
 #include <ATen/core/Tensor.h>
 
