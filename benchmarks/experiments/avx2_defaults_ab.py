@@ -13,6 +13,8 @@ processes, alternated:
   2026-12-06), 4 prompts of 1,024 tokens instead of 16 of 256. NOTES 87.
 * ``--compare demo-model``: what ``tokenfab demo`` serves (the default model's dequantized folder, float32 here) vs
   the same model's packed Q4_1 file on the AVX2 kernels. NOTES 88.
+* ``--compare decode-stack``: SmolLM2's Q4_1 file packed, decode steps on the modules vs through the fused C++
+  decode stack (engine/cpu_decode_stack.py, float32 on the AVX2 GEMV since 2026-12-06's thirteenth session).
 * ``--compare avx2-copies``: SmolLM2's Q4_1 file with decode rows on the AVX2 kernel and prefill on float32 copies
   (the default before 2026-12-06's panel GEMM) vs every row on the AVX2 kernel and no copies (the default since).
   NOTES 84.
@@ -23,7 +25,7 @@ resident set after load, and the first answer's first 8 tokens; then one sequenc
 tokens): its time per output token after the first (batch-1 decode).
 
     PYTHONPATH=. python benchmarks/experiments/avx2_defaults_ab.py \
-        --compare dense-fallback|auto-dtype|avx2-gemv|avx2-copies|flash-f32|demo-model [--rounds 2]
+        --compare dense-fallback|auto-dtype|avx2-gemv|avx2-copies|flash-f32|demo-model|decode-stack [--rounds 2]
 """
 from __future__ import annotations
 
@@ -53,6 +55,9 @@ if sys.argv[3] == "copies":  # the GEMV for up to 16 rows, float32 copies for mo
                                              (self._dense is None or x.numel() <= 16 * x.shape[-1]))
 path = real_model_gguf() if sys.argv[1] == "gguf" else default_model_path(quiet=True)
 llm = LLM(path, dtype=sys.argv[2], progress=False, max_model_len=2048)
+stack_built = llm.llm_engine.runner.cpu_decode_stack is not None
+if sys.argv[3] == "no-stack":  # decode steps on the modules
+    llm.llm_engine.runner.cpu_decode_stack = None
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 g = torch.Generator().manual_seed(0)
 n_prompts, length = (int(v) for v in sys.argv[4].split("x"))
@@ -71,7 +76,7 @@ llm.generate([{"prompt_token_ids": one[0]}], long, use_tqdm=False); t5 = time.pe
 print(json.dumps({"tpot1_ms": ((t5 - t4) - (t4 - t3)) / 64 * 1e3, "isa": isa.selected_level(),
                   "dtype": str(llm.llm_engine.dtype), "prefill_s": t1 - t0, "full_s": t2 - t1,
                   "total_tok_s": (n_prompts * length + toks) / (t2 - t1), "max_rss_mb_after_load": rss,
-                  "first_ids": out[0].outputs[0].token_ids[:8]}))
+                  "first_ids": out[0].outputs[0].token_ids[:8], "stack_built": stack_built}))
 """
 # (variant label, model: "gguf" file or the bf16 "folder", dtype, extra environment, "gemv" / "no-gemv" / "copies")
 VARIANTS = {"dense-fallback": [("per-call dequantization", "gguf", "auto", {"TOKENFAB_DENSE_FALLBACK_GIB": "0"},
@@ -87,7 +92,9 @@ VARIANTS = {"dense-fallback": [("per-call dequantization", "gguf", "auto", {"TOK
             "flash-f32": [("fused prefill attention", "folder", "auto", {}, "no-flash"),
                           ("PyTorch flash prefill attention", "folder", "auto", {}, "gemv")],
             "demo-model": [("folder (float32)", "folder", "auto", {}, "gemv"),
-                           ("Q4_1 file packed", "gguf", "auto", {}, "gemv")]}
+                           ("Q4_1 file packed", "gguf", "auto", {}, "gemv")],
+            "decode-stack": [("modules", "gguf", "auto", {}, "no-stack"),
+                             ("decode stack", "gguf", "auto", {}, "gemv")]}
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Decode-only CPU bf16 steps through the whole decoder stack in one C++ call (kernels/cpu/csrc/decode_stack.cpp).
+"""Decode-only CPU steps through the whole decoder stack in one C++ call (kernels/cpu/csrc/decode_stack.cpp).
 
 After the per-layer fusions (``cpu_decode_blocks.mla_decode`` / ``gqa_decode``, the packed MoE dispatch), a batch-1
 decode step of the default DeepSeek model still spent ~0.8 ms of its ~3.8 ms in Python between ~50 kernel calls:
@@ -17,9 +17,17 @@ dense SiLU-GLUs, the embedding and the LM head may also hold GGUF weights kept p
 one-call step, its linears multiplied by ``gguf_linear`` from C++ (q|k|v and gate|up joined when their block types
 match, as ``Linear.concat`` joined them; tests/test_decode_stack_packed.py). FP8 block-scaled weights (:class:`~tokenfab.quant.fp8_block_weight.
 Fp8BlockWeight` on its C++ kernel, DeepSeek-V3 / Kimi-K2 checkpoints) may fill the same Lins, and MLA layers whose
-projections are such Lins run mla_decode's steps with them (tests/test_fp8_block_weight.py). Anything else (tensor parallel, hybrid
-KDA models, oneDNN or plain-PyTorch linears, fp32, other compressed formats or GGUF weights on the PyTorch
-reference path) keeps the module path: :meth:`CpuDecodeStack.build` returns None.
+projections are such Lins run mla_decode's steps with them (tests/test_fp8_block_weight.py).
+
+On CPUs without AVX512-BF16 (the ``avx2`` ISA level, where tokenfab computes in float32) a GGUF file served
+packed runs the same one-call step in float32: grouped-query layers and dense SiLU-GLUs whose every linear, the LM
+head included, is a GGUF weight on the AVX2 GEMV (``GGUFWeight._gemv_avx2``; Lins of type ``GGUF_AVX2_QTYPE`` + the
+ggml type), the packed embedding dequantized to float32, float32 norms and KV pool (tests/test_decode_stack_avx2.py).
+A batch-1 step of SmolLM2's Q4_1 file there was mostly Python between ~300 kernel calls (benchmarks/NOTES.md).
+
+Anything else (tensor parallel, hybrid KDA models, oneDNN or plain-PyTorch linears, float32 weights that are not
+GGUF on the AVX2 GEMV, other compressed formats or GGUF weights on the PyTorch reference path) keeps the module
+path: :meth:`CpuDecodeStack.build` returns None.
 """
 from __future__ import annotations
 
@@ -45,6 +53,7 @@ from tokenfab.quant.packed_weight import PackedWeight
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # DecodeStack.forward computes the slots itself
 FP8_LIN_QTYPE = 256  # decode_stack.cpp's kFp8LinQtype: a Lin over FP8 block-scaled bytes (fp8_block_linear)
+GGUF_AVX2_QTYPE = 512  # decode_stack.cpp's kGgufAvx2Qtype: + the ggml type, a GGUF Lin on the AVX2 GEMV
 
 
 class CpuDecodeStack:
@@ -62,23 +71,26 @@ class CpuDecodeStack:
         """The stack for ``model`` (weights loaded and fused, ``post_load`` done) over ``kv_caches`` (from
         ``model.make_kv_cache``), or None when some part of the model is outside what the stack covers."""
         ext = cpu_build.load()
-        if ext is None or not hasattr(ext, "DecodeStack") or not cpu_support.has_bf16_dot():
+        if ext is None or not hasattr(ext, "DecodeStack"):
             return None
+        # bf16 on tokenfab's AVX512-BF16 kernels; else float32 with every linear on the AVX2 GGUF GEMV
+        dtype = torch.bfloat16 if cpu_support.has_bf16_dot() else torch.float32
         if not isinstance(model, CausalLM) or type(model).forward is not CausalLM.forward or model.tp is not None:
             return None
         emb, norm = model.model.embed_tokens, model.model.norm
-        if type(emb) is nn.Embedding:
+        if type(emb) is nn.Embedding and dtype == torch.bfloat16:
             embed, packed_embed = emb.weight, None
-        elif type(emb) is PackedEmbedding and emb.dtype == torch.bfloat16 and _gguf_kernel(emb.qweight):
+        elif type(emb) is PackedEmbedding and emb.dtype == dtype and _gguf_rows(emb.qweight):
             embed, packed_embed = emb.qweight.tiles, emb.qweight
         else:
             return None
-        if ((packed_embed is None and embed.dtype != torch.bfloat16) or embed.device.type != "cpu"
-                or norm.weight.dtype != torch.bfloat16):
+        if ((packed_embed is None and embed.dtype != dtype) or embed.device.type != "cpu"
+                or norm.weight.dtype != dtype):
             return None
         if getattr(model, "host_expert_stats", None) is not None:  # host-offloaded experts: the module path
             return None
-        if any(isinstance(m, PackedWeight) and not (_gguf_kernel(m) or _fp8_kernel(m)) for m in model.modules()):
+        kernel = (lambda m: _gguf_kernel(m) or _fp8_kernel(m)) if dtype == torch.bfloat16 else _gguf_avx2
+        if any(isinstance(m, PackedWeight) and not kernel(m) for m in model.modules()):
             return None  # compressed weights the stack does not run (other formats, GGUF / FP8 on the PyTorch path)
         layers = list(model.model.layers)
         if not layers or len(layers) != len(kv_caches):
@@ -88,7 +100,8 @@ class CpuDecodeStack:
             return None
         stack = ext.DecodeStack(embed, norm.weight, float(norm.eps), rotary.cos, rotary.sin, bool(rotary.interleave))
         if packed_embed is not None:
-            stack.set_gguf_embedding(packed_embed.tiles, packed_embed.block.ggml_type, packed_embed.out_features)
+            stack.set_gguf_embedding(packed_embed.tiles, packed_embed.block.ggml_type, packed_embed.out_features,
+                                     dtype == torch.bfloat16)
         caches: list[torch.Tensor] = []
         for layer, cache in zip(layers, kv_caches):
             if type(layer) is not DecoderLayer or layer.tp is not None or layer.self_attn.rotary is not rotary:
@@ -97,15 +110,16 @@ class CpuDecodeStack:
                      or _add_gqa_lin(stack, layer, cache, caches))
                     and _add_mlp(stack, layer.mlp)):
                 return None
-        if any(c.dtype != torch.bfloat16 or c.device.type != "cpu" or not c.is_contiguous() for c in caches):
+        if any(c.dtype != dtype or c.device.type != "cpu" or not c.is_contiguous() for c in caches):
             return None
         lm_head = getattr(model, "_lm_head_packed", None)  # packed by CausalLM.post_load (untied heads)
         qhead = getattr(model, "_lm_head_qweight", None)  # a compressed head (GGUF; tied: the packed embedding)
         vocab = None
         if qhead is not None:
-            if _gguf_kernel(qhead):
+            spec = _gguf_spec(qhead, None)
+            if spec is not None:
                 vocab = int(qhead.out_features)
-                stack.set_lm_head_lin((qhead.tiles, qhead.block.ggml_type, vocab, None))
+                stack.set_lm_head_lin(spec)
         elif lm_head is not None and not lm_head.is_mkldnn:
             vocab = int(model._lm_head_rows)
             stack.set_lm_head(lm_head, vocab)
@@ -206,17 +220,37 @@ def _gguf_kernel(w) -> bool:
     return isinstance(w, GGUFWeight) and w._kernel and w.tiles.device.type == "cpu"
 
 
+def _gguf_avx2(w) -> bool:
+    """True for a GGUF weight that runs the AVX2 GEMV (``GGUFWeight.prepare`` chose it: the avx2 ISA level)."""
+    return isinstance(w, GGUFWeight) and w._gemv_avx2 and w.tiles.device.type == "cpu"
+
+
+def _gguf_rows(w) -> bool:
+    """True for a GGUF weight whose rows ``gguf_embedding`` dequantizes in C++ (on either kernel)."""
+    return _gguf_kernel(w) or _gguf_avx2(w)
+
+
+def _gguf_spec(q, bias) -> tuple | None:
+    """The Lin of a GGUF weight: (tiles, ggml type, rows, bias) on its AVX512 kernel, the type offset by
+    GGUF_AVX2_QTYPE on the AVX2 GEMV; None on the PyTorch path."""
+    if _gguf_kernel(q):
+        return (q.tiles, q.block.ggml_type, q.out_features, bias)
+    if _gguf_avx2(q):
+        return (q.tiles, GGUF_AVX2_QTYPE + q.block.ggml_type, q.out_features, bias)
+    return None
+
+
 def _lin_spec(lin: Linear | None) -> tuple | None:
     """(weight, ggml type or -1, out_features, bias) of a Linear for the C++ stack: its VNNI blocks (-1) or its
-    GGUF tiles; (bytes, FP8_LIN_QTYPE, out_features, bias, scale_inv) for an FP8 block weight; None for any other
-    form (oneDNN, plain, another compressed format)."""
+    GGUF tiles (:func:`_gguf_spec`); (bytes, FP8_LIN_QTYPE, out_features, bias, scale_inv) for an FP8 block weight;
+    None for any other form (oneDNN, plain, another compressed format)."""
     if lin is None:
         return None
     if lin.qweight is not None:
         q = lin.qweight
         if _fp8_kernel(q):
             return (q.weight.view(torch.uint8), FP8_LIN_QTYPE, q.out_features, lin.bias, q.scale_inv)
-        return (q.tiles, q.block.ggml_type, q.out_features, lin.bias) if _gguf_kernel(q) else None
+        return _gguf_spec(q, lin.bias)
     p = lin.vnni_packed
     return None if p is None else (p, -1, lin.out_features, lin.bias)
 

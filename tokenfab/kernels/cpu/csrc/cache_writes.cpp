@@ -1,5 +1,5 @@
 // The paged cache write of the decode blocks below (what write_cache's index_copy_ does): slot_mapping as int64,
-// every slot checked against the pool, then per token its bf16 values copied to cache row slot, columns col.. on.
+// every slot checked against the pool, then per token its values copied to cache row slot, columns col.. on.
 #include "cpu_common.h"
 #include "cpu_kernels.h"
 
@@ -12,13 +12,16 @@ at::Tensor checked_slots(const at::Tensor& slot_mapping, const at::Tensor& cache
   return slots;
 }
 
-// cache [blocks, block_size, ...] contiguous bf16; rows [T, ...] bf16 (any strides), W values per token.
+// cache [blocks, block_size, ...] contiguous (bf16, or float32 at the avx2 level); rows [T, ...] of the cache's
+// dtype (any strides), W values per token, written from column ``col`` of each slot's row.
 void write_slots(at::Tensor& cache, const at::Tensor& slots, int64_t col, const at::Tensor& rows) {
+  TORCH_CHECK(rows.scalar_type() == cache.scalar_type(), "write_slots: rows of the cache's dtype (",
+              cache.scalar_type(), ") expected, got ", rows.scalar_type());
   const int64_t T = slots.numel(), row = cache.numel() / (cache.size(0) * cache.size(1));
   const auto r = rows.reshape({T, -1}).contiguous();
-  const int64_t W = r.size(1);
+  const int64_t W = r.size(1), es = cache.element_size();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  auto* cp = reinterpret_cast<uint16_t*>(cache.data_ptr());
-  const auto* rp = reinterpret_cast<const uint16_t*>(r.data_ptr());
-  for (int64_t t = 0; t < T; ++t) std::memcpy(cp + sp[t] * row + col, rp + t * W, W * 2);
+  auto* cp = static_cast<char*>(cache.data_ptr());
+  const auto* rp = static_cast<const char*>(r.data_ptr());
+  for (int64_t t = 0; t < T; ++t) std::memcpy(cp + (sp[t] * row + col) * es, rp + t * W * es, W * es);
 }

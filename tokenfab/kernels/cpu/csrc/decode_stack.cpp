@@ -1,4 +1,4 @@
-// The whole decoder stack of a decode-only CPU bf16 step in one call (tokenfab/engine/cpu_decode_stack.py builds it).
+// The whole decoder stack of a decode-only CPU step in one call (tokenfab/engine/cpu_decode_stack.py builds it).
 //
 // A batch-1 decode step of the default DeepSeek model runs ~50 kernel calls that together take ~2.2-2.5 ms; the
 // Python between them (module calls, the router's float cast, adds, argument lists) took another ~0.8 ms
@@ -19,6 +19,11 @@
 // (gguf_linear over its tiles, tokenfab/quant/gguf_blocks.py): grouped-query layers, dense SiLU-GLUs and the LM head
 // take either, the embedding may be a packed GGUF weight too (gguf_embedding), so a GGUF file served packed runs
 // the same one-call step (tests/test_decode_stack_packed.py).
+//
+// On CPUs without AVX512-BF16 (the avx2 ISA level) a GGUF file served packed runs in float32: its Lins are the AVX2
+// GEMV on the same tiles (gguf_gemv_avx2, float32 x and outputs, as GGUFWeight.linear calls it there), the embedding
+// rows are dequantized to float32, and norms, RoPE, the cache writes and paged attention take float32 tensors, as
+// the module path does (tests/test_decode_stack_avx2.py).
 
 #include <ATen/ATen.h>
 
@@ -37,10 +42,12 @@ namespace {
 
 // qtype of an FP8 block-scaled Lin (DeepSeek-V3's float8_e4m3fn bytes + float32 scale_inv per 128 x 128 block).
 constexpr int64_t kFp8LinQtype = 256;
+// qtype of a GGUF Lin on the AVX2 GEMV: this + its ggml type (engine/cpu_decode_stack.py's GGUF_AVX2_QTYPE).
+constexpr int64_t kGgufAvx2Qtype = 512;
 
 // One linear y = x W^T (+ b): VNNI blocks (qtype -1, vnni_linear), packed GGUF tiles (qtype the ggml type id,
-// gguf_linear) or FP8 block-scaled bytes (qtype kFp8LinQtype, fp8_block_linear with ``scale``); ``rows`` = output
-// features.
+// gguf_linear; kGgufAvx2Qtype + the id: gguf_gemv_avx2, in float32, the result in x's dtype) or FP8 block-scaled
+// bytes (qtype kFp8LinQtype, fp8_block_linear with ``scale``); ``rows`` = output features.
 struct Lin {
   at::Tensor w;
   int64_t qtype = -1;
@@ -50,13 +57,16 @@ struct Lin {
 
   bool defined() const { return w.defined(); }
   bool vnni() const { return qtype < 0; }
+  bool avx2() const { return qtype >= kGgufAvx2Qtype; }
   at::Tensor operator()(const at::Tensor& x) const {
     if (qtype == kFp8LinQtype) return fp8_block_linear(x, w, *scale, bias);
+    if (avx2()) return f32(x).to(x.scalar_type());  // GGUFWeight.linear at the avx2 level: .to(x.dtype)
     return qtype < 0 ? vnni_linear(x, w, rows, bias) : gguf_linear(x, w, qtype, rows, bias);
   }
   // float32 outputs straight from the accumulator (the LM head's logits, as CausalLM.compute_logits gives them)
   at::Tensor f32(const at::Tensor& x) const {
     if (qtype == kFp8LinQtype) return fp8_block_linear(x.to(at::kFloat), w, *scale, bias);
+    if (avx2()) return gguf_gemv_avx2(x.to(at::kFloat), w, qtype - kGgufAvx2Qtype, rows, bias);
     return qtype < 0 ? vnni_linear(x, w, rows, bias, true) : gguf_linear(x, w, qtype, rows, bias, true);
   }
 };
@@ -228,9 +238,9 @@ class DecodeStack {
   }
 
   // The embedding as a packed GGUF weight (tiles [ceil(vocab / 16), hidden / 32, bytes], ggml type, vocab rows):
-  // its rows are dequantized by gguf_embedding instead of read from the bf16 table.
-  void set_gguf_embedding(at::Tensor tiles, int64_t qtype, int64_t rows) {
-    embed_ = std::move(tiles), embed_qtype_ = qtype, embed_rows_ = rows;
+  // its rows are dequantized by gguf_embedding instead of read from a table, to bf16 (``bf16``) or float32.
+  void set_gguf_embedding(at::Tensor tiles, int64_t qtype, int64_t rows, bool bf16) {
+    embed_ = std::move(tiles), embed_qtype_ = qtype, embed_rows_ = rows, embed_bf16_ = bf16;
   }
 
   // The last added layer's DeepSeek-V3 MoE: router (float32 weight and score-correction bias), group-limited top-k
@@ -299,7 +309,8 @@ class DecodeStack {
 
   // input_ids, positions, slot_mapping [T] int64 (or an empty slot_mapping: computed here from positions and
   // block_tables); caches: per layer its latent pool (MLA) or k and v pools (GQA), flattened in layer order;
-  // block_tables [T, max_blocks], context_lens [T]. Returns the final-normed hidden states [T, hidden] bf16.
+  // block_tables [T, max_blocks], context_lens [T]. Returns the final-normed hidden states [T, hidden] in the
+  // activations' dtype (bf16; float32 at the avx2 level).
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& positions, const at::Tensor& slot_mapping_in,
                      std::vector<at::Tensor> caches, const at::Tensor& block_tables,
                      const at::Tensor& context_lens) const {
@@ -309,7 +320,7 @@ class DecodeStack {
                                         : slot_mapping_in;
     size_t c = 0;
     auto h = embed_qtype_ < 0 ? at::embedding(embed_, input_ids)
-                              : gguf_embedding(embed_, embed_qtype_, embed_rows_, input_ids, true);
+                              : gguf_embedding(embed_, embed_qtype_, embed_rows_, input_ids, embed_bf16_);
     for (const Layer& l : layers_) {
       const auto a = rms_norm(h, std::nullopt, l.in_norm, l.in_eps)[0];
       at::Tensor o;
@@ -444,6 +455,7 @@ class DecodeStack {
 
   at::Tensor embed_, final_norm_;
   int64_t embed_qtype_ = -1, embed_rows_ = 0;  // a packed GGUF embedding: its ggml type and rows
+  bool embed_bf16_ = true;                      // ... and the dtype its rows are dequantized to
   double final_eps_;
   at::Tensor cos_, sin_;
   bool interleave_;
@@ -454,7 +466,7 @@ class DecodeStack {
 }  // namespace
 
 void register_decode_stack(pybind11::module_& m) {
-  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder stack of a decode-only CPU bf16 step in one call")
+  pybind11::class_<DecodeStack>(m, "DecodeStack", "the decoder stack of a decode-only CPU step in one call")
       .def(pybind11::init<at::Tensor, at::Tensor, double, at::Tensor, at::Tensor, bool>())
       .def("add_mla_layer", &DecodeStack::add_mla_layer)
       .def("add_gqa_layer", &DecodeStack::add_gqa_layer)

@@ -1,0 +1,71 @@
+"""The fused C++ decode stack (engine/cpu_decode_stack.py) at the avx2 ISA level, the path of CPUs without AVX512-BF16
+(an AVX2-only EPYC; any x86-64 CPU with the kernels capped there): a tiny llama GGUF file served packed in float32
+runs its decode-only steps through one C++ call whose projections, SiLU-GLU and LM head are the AVX2 GEMV on the
+packed tiles and whose embedding rows are dequantized to float32, bit-identical to the module path on the same
+packed weights (same tokens and logprobs, greedy and seeded, over steps that read the cache rows the stack wrote),
+with q|k|v and gate|up joined where their block types match and separate where not. The module path is tested
+against the dequantized reference model in test_gguf_packed_loader.py; the GEMV against gguf's own dequantized
+weights in test_gguf_avx2_gemv.py."""
+from __future__ import annotations
+
+import pytest
+
+from tokenfab.kernels.cpu import build as cpu_build
+
+gguf = pytest.importorskip("gguf")
+
+from test_decode_stack_packed import ALL_Q4_0, ALL_Q4_1_EMB_Q8, MIXED, generate  # noqa: E402
+from test_gguf_packed_loader import write_gguf  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not getattr(cpu_build.load(), "gguf_gemv_avx2_built", False),
+                                reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C")
+
+
+@pytest.fixture
+def avx2_level(avx2_isa_cap, monkeypatch):
+    """The kernels capped at the avx2 level and tokenfab told so (TOKENFAB_CPU_ISA), as on a CPU without AVX512."""
+    monkeypatch.setenv("TOKENFAB_CPU_ISA", "avx2")
+    monkeypatch.delenv("TOKENFAB_CPU_LINEAR", raising=False)
+
+
+@pytest.mark.parametrize("types,tie", [(ALL_Q4_1_EMB_Q8, False), (MIXED, False), (ALL_Q4_0, True)],
+                         ids=["q4_1-q8_0-embedding", "mixed-unjoined", "q4_0-tied"])
+def test_avx2_decode_stack_is_bit_identical_to_the_module_path(avx2_level, tiny_model, tokenizer_dir, tmp_path,
+                                                                monkeypatch, types, tie):
+    import torch
+
+    from tokenfab import LLM
+    from tokenfab.engine.cpu_decode_stack import GGUF_AVX2_QTYPE
+    from tokenfab.layers.packed_embedding import PackedEmbedding
+    from tokenfab.quant.gguf_weight import GGUFWeight
+    ckpt = tiny_model("llama", tie_word_embeddings=tie) if tie else tiny_model("llama")
+    path = str(tmp_path / "tiny.gguf")
+    write_gguf(ckpt, path, types)
+    llm = LLM(path, dtype="float32", tokenizer=tokenizer_dir, max_model_len=256, block_size=8,
+              max_num_batched_tokens=40, progress=False)
+    runner = llm.llm_engine.runner
+    model = runner.model
+    assert isinstance(model.model.embed_tokens, PackedEmbedding) and model.model.embed_tokens.dtype == torch.float32
+    head = model._lm_head_qweight
+    assert isinstance(head, GGUFWeight) and head._gemv_avx2 and not head._kernel  # the AVX2 GEMV, no AVX512 kernel
+    assert (head is model.model.embed_tokens.qweight) == tie
+    joined = len({types["attn_q"], types["attn_k"], types["attn_v"]}) == 1
+    assert (model.model.layers[0].self_attn.qkv_proj is not None) == joined
+    stack = runner.cpu_decode_stack
+    assert stack is not None and stack.vocab_size == 512  # the stack covers the packed model, LM head included
+    assert GGUF_AVX2_QTYPE > 256  # its Lins' type ids cannot be mistaken for ggml's or the FP8 Lin's
+    prompts = [[5, 17, 33, 200, 7, 9, 11, 300, 41], [9, 4, 300] * 10, list(range(3, 20))]
+    want, want_drawn, sizes = generate(llm, prompts, use_stack=False, monkeypatch=monkeypatch)
+    assert not sizes
+    got, got_drawn, sizes = generate(llm, prompts, use_stack=True, monkeypatch=monkeypatch)
+    assert sizes and max(sizes) == 3  # the 3-sequence decode steps ran through the stack
+    assert got == want  # token ids and logprob dicts, exactly
+    assert got_drawn == want_drawn
+
+
+def test_avx2_stack_refuses_what_it_does_not_run(avx2_level, tiny_model):
+    """At the avx2 level a float32 model whose linears are plain float32 weights (a safetensors folder) keeps the
+    module path: the stack runs GGUF weights on the AVX2 GEMV only."""
+    from tokenfab import LLM
+    llm = LLM(tiny_model("llama"), dtype="float32", max_model_len=64, progress=False)
+    assert llm.llm_engine.runner.cpu_decode_stack is None
