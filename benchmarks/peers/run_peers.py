@@ -332,8 +332,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if any(c < 1 or c > MAX_SEQS for c in args.conc_list):
         ap.error(f"--concurrency values must be in 1..{MAX_SEQS}")
     args.client_list = _csv(args.clients)
-    if args.skip_vllm or "vllm" not in _csv(args.engines):
+    if args.skip_vllm:  # the vllm client needs vLLM's venv (it also measures the other engines' servers)
         args.client_list = [c for c in args.client_list if c != "vllm"]
+    if not args.client_list:
+        ap.error("--clients: no client left to measure with (--skip-vllm drops the vllm client); add tokenfab")
     args.vllm_client_conc = (set(args.conc_list) if args.vllm_client_concurrency == "all"
                              else {int(c) for c in _csv(args.vllm_client_concurrency)})
     if args.vllm_client_workloads == "first":
@@ -369,14 +371,17 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- preparation (each step skipped when done; a peer that cannot be prepared is dropped, not fatal)
     engines = list(args.engine_list)
-    if "vllm" in engines:
+    if "vllm" in engines or "vllm" in args.client_list:  # its server, its client, or both
         try:
             prepare_vllm(p)
         except Exception as e:
             log(f"vLLM: preparation FAILED, dropping it: {e}")
             failures.append({"engine": "vllm", "error": f"preparation failed: {e}"})
-            engines.remove("vllm")
+            engines = [e for e in engines if e != "vllm"]
             args.client_list = [c for c in args.client_list if c != "vllm"]
+            if not args.client_list:
+                log("no benchmark client left (add --clients tokenfab)")
+                return 1
     if "llamacpp" in engines:
         try:
             prepare_llamacpp(p)
