@@ -14,8 +14,8 @@ from tokenfab.kernels.cpu import build as cpu_build
 
 gguf = pytest.importorskip("gguf")
 
-from test_decode_stack_packed import ALL_Q4_0, ALL_Q4_1_EMB_Q8, MIXED, generate  # noqa: E402
-from test_gguf_packed_loader import write_gguf  # noqa: E402
+from test_decode_stack_packed import (ALL_Q4_0, ALL_Q4_1_EMB_Q8, MIXED, assert_stack_matches_modules,  # noqa: E402
+                                     packed_llm)
 
 pytestmark = pytest.mark.skipif(not getattr(cpu_build.load(), "gguf_gemv_avx2_built", False),
                                 reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C")
@@ -34,33 +34,14 @@ def test_avx2_decode_stack_is_bit_identical_to_the_module_path(avx2_level, tiny_
                                                                 monkeypatch, types, tie):
     import torch
 
-    from tokenfab import LLM
     from tokenfab.engine.cpu_decode_stack import GGUF_AVX2_QTYPE
-    from tokenfab.layers.packed_embedding import PackedEmbedding
-    from tokenfab.quant.gguf_weight import GGUFWeight
-    ckpt = tiny_model("llama", tie_word_embeddings=tie) if tie else tiny_model("llama")
-    path = str(tmp_path / "tiny.gguf")
-    write_gguf(ckpt, path, types)
-    llm = LLM(path, dtype="float32", tokenizer=tokenizer_dir, max_model_len=256, block_size=8,
-              max_num_batched_tokens=40, progress=False)
-    runner = llm.llm_engine.runner
-    model = runner.model
-    assert isinstance(model.model.embed_tokens, PackedEmbedding) and model.model.embed_tokens.dtype == torch.float32
+    llm = packed_llm(tiny_model, tokenizer_dir, tmp_path, types, tie, "float32")
+    model = llm.llm_engine.runner.model
+    assert model.model.embed_tokens.dtype == torch.float32
     head = model._lm_head_qweight
-    assert isinstance(head, GGUFWeight) and head._gemv_avx2 and not head._kernel  # the AVX2 GEMV, no AVX512 kernel
-    assert (head is model.model.embed_tokens.qweight) == tie
-    joined = len({types["attn_q"], types["attn_k"], types["attn_v"]}) == 1
-    assert (model.model.layers[0].self_attn.qkv_proj is not None) == joined
-    stack = runner.cpu_decode_stack
-    assert stack is not None and stack.vocab_size == 512  # the stack covers the packed model, LM head included
+    assert head._gemv_avx2 and not head._kernel  # the AVX2 GEMV, not the AVX512 kernel
     assert GGUF_AVX2_QTYPE > 256  # its Lins' type ids cannot be mistaken for ggml's or the FP8 Lin's
-    prompts = [[5, 17, 33, 200, 7, 9, 11, 300, 41], [9, 4, 300] * 10, list(range(3, 20))]
-    want, want_drawn, sizes = generate(llm, prompts, use_stack=False, monkeypatch=monkeypatch)
-    assert not sizes
-    got, got_drawn, sizes = generate(llm, prompts, use_stack=True, monkeypatch=monkeypatch)
-    assert sizes and max(sizes) == 3  # the 3-sequence decode steps ran through the stack
-    assert got == want  # token ids and logprob dicts, exactly
-    assert got_drawn == want_drawn
+    assert_stack_matches_modules(llm, monkeypatch)
 
 
 def test_avx2_stack_refuses_what_it_does_not_run(avx2_level, tiny_model):

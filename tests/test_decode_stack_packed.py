@@ -41,21 +41,21 @@ def generate(llm, prompts, use_stack: bool, monkeypatch):
             [o.outputs[0].token_ids for o in drawn], sizes)
 
 
-@pytest.mark.parametrize("types,tie", [(ALL_Q4_1_EMB_Q8, False), (MIXED, False), (ALL_Q4_0, True)],
-                         ids=["q4_1-q8_0-embedding", "mixed-unjoined", "q4_0-tied"])
-def test_packed_decode_stack_is_bit_identical_to_the_module_path(tiny_model, tokenizer_dir, tmp_path, monkeypatch,
-                                                                   types, tie):
+def packed_llm(tiny_model, tokenizer_dir, tmp_path, types: dict, tie: bool, dtype: str):
+    """A tiny llama written as a GGUF file (``types``: the block type per tensor kind; ``tie``: a tied head) and
+    served packed in ``dtype``, its load checked: embedding and LM head packed (no dense copy of the table), q|k|v
+    and gate|up joined exactly where their block types match, and the decode stack built, LM head included."""
     from tokenfab import LLM
     from tokenfab.layers.packed_embedding import PackedEmbedding
     from tokenfab.quant.gguf_weight import GGUFWeight
     ckpt = tiny_model("llama", tie_word_embeddings=tie) if tie else tiny_model("llama")
     path = str(tmp_path / "tiny.gguf")
     write_gguf(ckpt, path, types)
-    llm = LLM(path, dtype="bfloat16", tokenizer=tokenizer_dir, max_model_len=256, block_size=8,
+    llm = LLM(path, dtype=dtype, tokenizer=tokenizer_dir, max_model_len=256, block_size=8,
               max_num_batched_tokens=40, progress=False)
     runner = llm.llm_engine.runner
     model = runner.model
-    assert isinstance(model.model.embed_tokens, PackedEmbedding)  # no bf16 copy of the table
+    assert isinstance(model.model.embed_tokens, PackedEmbedding)
     assert isinstance(model._lm_head_qweight, GGUFWeight)
     assert (model._lm_head_qweight is model.model.embed_tokens.qweight) == tie
     joined = len({types["attn_q"], types["attn_k"], types["attn_v"]}) == 1
@@ -63,6 +63,12 @@ def test_packed_decode_stack_is_bit_identical_to_the_module_path(tiny_model, tok
     assert (model.model.layers[0].mlp.gate_up is not None) == (types["ffn_gate"] == types["ffn_up"])
     stack = runner.cpu_decode_stack
     assert stack is not None and stack.vocab_size == 512  # the stack covers the packed model, LM head included
+    return llm
+
+
+def assert_stack_matches_modules(llm, monkeypatch) -> None:
+    """Three prompts decoded with and without the fused stack (greedy with logprobs, then seeded sampling): the same
+    token ids and logprob dicts, exactly, the stack having run the 3-sequence decode steps."""
     prompts = [[5, 17, 33, 200, 7, 9, 11, 300, 41], [9, 4, 300] * 10, list(range(3, 20))]
     want, want_drawn, sizes = generate(llm, prompts, use_stack=False, monkeypatch=monkeypatch)
     assert not sizes
@@ -70,6 +76,14 @@ def test_packed_decode_stack_is_bit_identical_to_the_module_path(tiny_model, tok
     assert sizes and max(sizes) == 3  # the 3-sequence decode steps ran through the stack
     assert got == want  # token ids and logprob dicts, exactly
     assert got_drawn == want_drawn
+
+
+@pytest.mark.parametrize("types,tie", [(ALL_Q4_1_EMB_Q8, False), (MIXED, False), (ALL_Q4_0, True)],
+                         ids=["q4_1-q8_0-embedding", "mixed-unjoined", "q4_0-tied"])
+def test_packed_decode_stack_is_bit_identical_to_the_module_path(tiny_model, tokenizer_dir, tmp_path, monkeypatch,
+                                                                   types, tie):
+    llm = packed_llm(tiny_model, tokenizer_dir, tmp_path, types, tie, "bfloat16")
+    assert_stack_matches_modules(llm, monkeypatch)
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
