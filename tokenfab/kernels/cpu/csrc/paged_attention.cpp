@@ -7,13 +7,15 @@
 //
 // One pass over the context, block by block, with the online softmax of flash-decoding (running max and sum per
 // head, Milakov & Gimelshein 2018; Dao et al. 2023): each block's K (and V, unless it is the same latent rows) is
-// widened to float once into a tile, all of the item's heads are scored against it with 2-token x 4-head register
-// blocking, and the block's values are accumulated. Float32 throughout. Work items: (sequence, chunk of heads);
+// widened to float once into a tile (bf16 pools; float32 pools are read in place), all of the item's heads are
+// scored against it with 2-token x 4-head register blocking, and the block's values are accumulated. Float32 throughout. Work items: (sequence, chunk of heads);
 // heads are split only when there are fewer sequences than threads. The next block is prefetched while one is
 // being computed (blocks are scattered in the pool, so the hardware prefetcher cannot follow them).
 #include "cpu_isa.h"
 #include "cpu_kernels.h"
 #include "paged_attention.h"
+
+#include <type_traits>
 
 using namespace tokenfab_cpu;
 
@@ -100,9 +102,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const int64_t* clp = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
+  // float32 pools are read in place (the same values the widened tile held: the same results, without its copy)
+  constexpr bool kInPlace = std::is_same_v<T, float>;
 
   at::parallel_for(0, geo.num_items(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(per_chunk * D), ktile(bs * Hk * D), vtile(shared_kv ? 0 : bs * Hk * Dv),
+    std::vector<float> qf(per_chunk * D), ktile(kInPlace ? 0 : bs * Hk * D),
+        vtile(shared_kv || kInPlace ? 0 : bs * Hk * Dv),
         s(bs * per_chunk), acc(per_chunk * Dv), m(per_chunk), l(per_chunk);
     std::vector<const float*> krows(2);
     for (int64_t idx = begin; idx < end; ++idx) {
@@ -128,23 +133,30 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           if (!shared_kv)
             prefetch_rows(vp + bt[t0 / bs + 1] * geo.vs0 + it.kv0 * geo.vs2, nn, geo.vs1, (nkv - 1) * geo.vs2 + Dv);
         }
-        for (int64_t j = 0; j < n; ++j)  // widen the block's rows to float once
-          for (int64_t kh = 0; kh < nkv; ++kh) {
-            load_row(kb + j * geo.ks1 + (it.kv0 + kh) * geo.ks2, ktile.data() + (j * nkv + kh) * D, D);
-            if (!shared_kv)
-              load_row(vb + j * geo.vs1 + (it.kv0 + kh) * geo.vs2, vtile.data() + (j * nkv + kh) * Dv, Dv);
-          }
+        if constexpr (!kInPlace) {
+          for (int64_t j = 0; j < n; ++j)  // widen the block's rows to float once
+            for (int64_t kh = 0; kh < nkv; ++kh) {
+              load_row(kb + j * geo.ks1 + (it.kv0 + kh) * geo.ks2, ktile.data() + (j * nkv + kh) * D, D);
+              if (!shared_kv)
+                load_row(vb + j * geo.vs1 + (it.kv0 + kh) * geo.vs2, vtile.data() + (j * nkv + kh) * Dv, Dv);
+            }
+        }
+        // key row j of KV head kh: in the pool itself (float32) or in the widened tile
+        const auto krow = [&](int64_t j, int64_t kh) -> const float* {
+          if constexpr (kInPlace) return kb + j * geo.ks1 + (it.kv0 + kh) * geo.ks2;
+          else return ktile.data() + (j * nkv + kh) * D;
+        };
         for (int64_t kh = 0; kh < nkv; ++kh) {  // scores s[j * ng + g], heads grouped by their KV head
           int64_t ga, gb;
           geo.heads_of(it, kh, ga, gb);
           int64_t j = 0;
           for (; j + 2 <= n; j += 2) {
-            krows[0] = ktile.data() + (j * nkv + kh) * D;
-            krows[1] = ktile.data() + ((j + 1) * nkv + kh) * D;
+            krows[0] = krow(j, kh);
+            krows[1] = krow(j + 1, kh);
             score_heads<2>(qf.data() + ga * D, krows.data(), D, gb - ga, s.data() + j * ng + ga, ng);
           }
           if (j < n) {
-            krows[0] = ktile.data() + (j * nkv + kh) * D;
+            krows[0] = krow(j, kh);
             score_heads<1>(qf.data() + ga * D, krows.data(), D, gb - ga, s.data() + j * ng + ga, ng);
           }
         }
@@ -166,12 +178,20 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           l[g] = l[g] * corr + sum;
           m[g] = mb;
         }
-        const float* vt = shared_kv ? ktile.data() : vtile.data();
-        const int64_t vw = shared_kv ? D : Dv;
         for (int64_t kh = 0; kh < nkv; ++kh) {
           int64_t ga, gb;
           geo.heads_of(it, kh, ga, gb);
-          value_heads(s.data() + ga, ng, vt + kh * vw, nkv * vw, n, Dv, gb - ga, acc.data() + ga * Dv);
+          const float* vrows;  // value row 0 of KV head kh, rows vstride apart (MLA: a key row's first Dv values)
+          int64_t vstride;
+          if constexpr (kInPlace) {
+            vrows = shared_kv ? kb + (it.kv0 + kh) * geo.ks2 : vb + (it.kv0 + kh) * geo.vs2;
+            vstride = shared_kv ? geo.ks1 : geo.vs1;
+          } else {
+            const int64_t vw = shared_kv ? D : Dv;
+            vrows = (shared_kv ? ktile.data() : vtile.data()) + kh * vw;
+            vstride = nkv * vw;
+          }
+          value_heads(s.data() + ga, ng, vrows, vstride, n, Dv, gb - ga, acc.data() + ga * Dv);
         }
       }
       for (int64_t g = 0; g < ng; ++g) {
