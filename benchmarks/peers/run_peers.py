@@ -12,9 +12,10 @@ Run it with tokenfab's interpreter from the repository root (see benchmarks/peer
     .venv/bin/python benchmarks/peers/run_peers.py --smoke         # 8 prompts, 64 in / 16 out, conc. 4, one model
     .venv/bin/python benchmarks/peers/run_peers.py --prepare-only  # install / build / convert only
 
-It writes ``benchmarks/results/<date>[-label]-peers.json`` and ``.md``. Four files: this one runs the cells
-(clients, the transformers row) and assembles the report; ``peer_servers.py`` starts, pauses and stops each engine's
-server; ``peer_prepare.py`` installs, builds and converts;
+It writes ``benchmarks/results/<date>[-label]-peers.json`` and ``.md``. Five files: this one runs the cells
+(and the transformers row) and assembles the report; ``peer_servers.py`` starts, pauses and stops each engine's
+server; ``peer_clients.py`` builds and runs a cell's benchmark client; ``peer_prepare.py`` installs, builds and
+converts;
 ``peer_report.py`` holds the pure report helpers (result parsing, ratios, the Markdown tables) that
 ``tests/test_peers_report.py`` checks. Module import loads nothing heavy.
 """
@@ -37,10 +38,12 @@ import time  # noqa: E402
 from datetime import datetime  # noqa: E402
 
 from benchmarks.results_file import unused_stem  # noqa: E402
+from peer_clients import (DRIFT_SEED_OFFSET, WARMUP_SEED, cell_seed, run_client, tokenfab_client_cmd,  # noqa: E402
+                          vllm_client_cmd)
 from peer_prepare import (REPO, LLAMA_CPP_PYTHON_VERSION, Paths, clean_env, convert_gguf, log,  # noqa: E402
                           prepare_llamacpp, prepare_models, prepare_vllm, run_logged)
 from peer_report import fmt, parse_workload, render_markdown, summarize_bench  # noqa: E402
-from peer_servers import (MAX_MODEL_LEN, MAX_SEQS, SERVED_NAME, Server, _on_signal,  # noqa: E402
+from peer_servers import (MAX_MODEL_LEN, MAX_SEQS, Server, _on_signal,  # noqa: E402
                           past_trained_context, server_for, stop_all)
 
 THIS = os.path.abspath(__file__)
@@ -48,69 +51,6 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tokenfab", "pee
 ALL_ENGINES = ("tokenfab", "tokenfab_bf16", "vllm", "llamacpp", "transformers")
 ALL_MODELS = ("deepseek_v3", "llama", "smollm2")  # smollm2: the real model, from its Q4_1 GGUF (not in the default)
 DEFAULT_MODELS = ("deepseek_v3", "llama")
-
-
-# ------------------------------------------------------------------------------------------------ clients
-def cell_seed(workload_index: int, conc: int) -> int:
-    """Dataset seed of one (workload, concurrency) cell: the same for every engine, different between cells, so no
-    server can answer a measured prompt from a prefix cache filled by an earlier cell (llama-server caches prompts
-    by default, vLLM enables prefix caching for non-MLA models)."""
-    return 1000 * (workload_index + 1) + conc
-
-
-WARMUP_SEED = 7
-DRIFT_SEED_OFFSET = 500  # the drift re-measurement's prompts: the first cell's shape, never its prompts
-
-
-def tokenfab_client_cmd(server: Server, model_path: str, inp: int, out: int, n: int, conc: int,
-                        result_dir: str, result_file: str, seed: int) -> list[str]:
-    exe = os.path.join(REPO, ".venv", "bin", "tokenfab")
-    cmd = [exe if os.path.isfile(exe) else "tokenfab", "bench", "serve", "--base-url", server.base_url,
-           "--model", model_path, "--served-model-name", SERVED_NAME, "--dataset-name", "random",
-           "--random-input-len", str(inp), "--random-output-len", str(out), "--num-prompts", str(n),
-           "--max-concurrency", str(conc), "--ignore-eos", "--temperature", "0", "--seed", str(seed),
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--disable-tqdm", "--save-result", "--result-dir", result_dir, "--result-filename", result_file]
-    for h in server.headers:
-        cmd += ["--header", h]
-    return cmd
-
-
-def vllm_client_cmd(p: Paths, server: Server, model_path: str, inp: int, out: int, n: int, conc: int,
-                    result_dir: str, result_file: str, seed: int) -> list[str]:
-    cmd = [p.vllm_bin, "bench", "serve", "--backend", "vllm", "--base-url", server.base_url,
-           "--endpoint", "/v1/completions", "--model", model_path, "--served-model-name", SERVED_NAME,
-           "--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len", str(out),
-           "--num-prompts", str(n), "--max-concurrency", str(conc), "--ignore-eos", "--temperature", "0",
-           "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-           "--disable-tqdm", "--save-result", "--result-dir", result_dir, "--result-filename", result_file]
-    for h in server.headers:
-        cmd += ["--header", h]
-    return cmd
-
-
-def run_client(cmd: list[str], env: dict, result_path: str, logfile: str, timeout: float) -> dict:
-    """Run a client command line and read its result JSON.
-
-    ``tokenfab bench serve`` runs in this process (``run_bench_serve(make_args(...))`` from the same flags: no
-    interpreter start-up per cell); ``vllm bench serve`` runs as a subprocess in vLLM's venv.
-    """
-    if os.path.exists(result_path):
-        os.unlink(result_path)
-    if cmd[1:3] == ["bench", "serve"] and os.path.basename(cmd[0]) == "tokenfab":
-        from tokenfab.bench.serve import build_parser, run_bench_serve
-
-        args = build_parser().parse_args(cmd[3:])
-        args.request_timeout = timeout
-        args.command_line = shlex.join(cmd)
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        with open(logfile, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
-            f.write(f"\n$ {shlex.join(cmd)}\n")
-            run_bench_serve(args)
-    else:
-        run_logged(cmd, logfile, env=env, timeout=timeout, cwd=REPO)
-    with open(result_path) as f:
-        return json.load(f)
 
 
 # --------------------------------------------------------------------------- transformers offline generate row
