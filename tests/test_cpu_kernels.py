@@ -51,16 +51,22 @@ def _reference_attention(q, k_cache, v_cache, bt, lens, scale):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("case", ["gqa", "mha_b1", "mla"])
+@pytest.mark.parametrize("case", ["gqa", "odd", "peaked", "mha_b1", "mla"])
 def test_paged_decode_attention_matches_definition(dtype, tol, case):
+    sharpen = 1.0
     if case == "gqa":  # 12 query heads over 4 KV heads, ragged lengths crossing block boundaries
         args = dict(B=5, H=12, Hk=4, D=64, Dv=64, bs=16, lens=[1, 16, 17, 40, 100])
+    elif case == "odd":  # head dims and a block size that are no multiple of a vector, 5 query heads per KV head
+        args = dict(B=3, H=10, Hk=2, D=40, Dv=20, bs=12, lens=[1, 13, 50])
+    elif case == "peaked":  # scores over a wide range: the running max moves between blocks; Dv = 1.5 vectors
+        args = dict(B=2, H=6, Hk=2, D=72, Dv=56, bs=16, lens=[37, 90])
+        sharpen = 6.0
     elif case == "mha_b1":  # one sequence: the kernel splits heads across threads
         args = dict(B=1, H=8, Hk=8, D=32, Dv=32, bs=8, lens=[33])
     else:  # MLA absorbed decode: one latent head of 576, values its first 512 columns
         args = dict(B=3, H=8, Hk=1, D=576, Dv=512, bs=16, lens=[5, 64, 130], latent=True)
     q, kc, vc, bt, lens = _paged_case(dtype=dtype, **args)
-    scale = args["D"] ** -0.5
+    scale = sharpen * args["D"] ** -0.5
     out = cpu_attention.paged_decode_attention(q, kc, vc, bt, lens, scale)
     assert out.shape == (args["B"], args["H"], args["Dv"]) and out.dtype == dtype
     ref = _reference_attention(q, kc, vc, bt, lens, scale)

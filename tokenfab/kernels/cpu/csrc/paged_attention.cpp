@@ -8,7 +8,9 @@
 // One pass over the context, block by block, with the online softmax of flash-decoding (running max and sum per
 // head, Milakov & Gimelshein 2018; Dao et al. 2023): each block's K (and V, unless it is the same latent rows) is
 // widened to float once into a tile (bf16 pools; float32 pools are read in place), all of the item's heads are
-// scored against it with 2-token x 4-head register blocking, and the block's values are accumulated. Float32 throughout. Work items: (sequence, chunk of heads);
+// scored against it with 2-token x 4-head register blocking in the native vector width (8 or 16 floats), each
+// head's block scores go through the softmax as whole vectors (exponential included), and the block's values are
+// accumulated. Float32 throughout. Work items: (sequence, chunk of heads);
 // heads are split only when there are fewer sequences than threads. The next block is prefetched while one is
 // being computed (blocks are scattered in the pool, so the hardware prefetcher cannot follow them).
 #include "cpu_isa.h"
@@ -21,56 +23,133 @@ using namespace tokenfab_cpu;
 
 namespace {
 
-// s[t * ls + g] = q_g . k_t for NT tokens and NG heads sharing one KV row per token (q rows at stride D).
+// The native float vector: one AVX-512 register, or one AVX2 register (a 64-byte GCC vector on AVX2 is two
+// registers that the compiler spills through the stack in these tiles: the kernel ran at ~5 GB/s that way).
+#if defined(__AVX512F__)
+constexpr int64_t W = 16;
+#else
+constexpr int64_t W = 8;
+#endif
+typedef float vfw __attribute__((vector_size(W * 4)));
+typedef int32_t viw __attribute__((vector_size(W * 4)));
+
+inline vfw ldw(const float* p) {
+  vfw v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void stw(float* p, vfw v) { std::memcpy(p, &v, sizeof(v)); }
+inline vfw splat(float x) { return vfw{} + x; }
+
+inline float hsumw(vfw v) {
+#if defined(__AVX512F__)
+  vf16 u;
+  std::memcpy(&u, &v, sizeof(v));
+  return hsum(u);
+#else
+  __m256 u;
+  std::memcpy(&u, &v, sizeof(v));
+  return hsum(u);
+#endif
+}
+
+inline float hmaxw(vfw v) {
+  float m = v[0];
+  for (int64_t i = 1; i < W; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp_approx (cpu_common.h) on W lanes: the same clamp, range reduction and polynomial; n = round-to-nearest-even
+// of x log2(e) by adding and subtracting 1.5 * 2^23 (exact for |x log2(e)| < 2^22, which the clamp ensures).
+inline vfw exp_w(vfw x) {
+  const vfw lo = splat(-87.0f), hi = splat(88.0f), magic = splat(12582912.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vfw n = (x * 1.44269504088896341f + magic) - magic;
+  const vfw r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  vfw p = splat(1.0f / 720.0f);
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const viw e = (__builtin_convertvector(n, viw) + 127) << 23;
+  vfw scale;
+  std::memcpy(&scale, &e, sizeof(e));
+  return p * scale;
+}
+
+// s[g * ls + t] = q_g . k_t for NT tokens and NG heads sharing one KV row per token (q rows at stride D).
 template <int NT, int NG>
 inline void score_tile(const float* q, const float* const* k, int64_t D, float* s, int64_t ls) {
-  vf16 acc[NT][NG];
+  vfw acc[NT][NG];
   for (int t = 0; t < NT; ++t)
-    for (int g = 0; g < NG; ++g) acc[t][g] = vf16{};
+    for (int g = 0; g < NG; ++g) acc[t][g] = vfw{};
   int64_t d = 0;
-  for (; d + 16 <= D; d += 16) {
-    vf16 kv[NT];
-    for (int t = 0; t < NT; ++t) kv[t] = loadv(k[t] + d);
+  for (; d + W <= D; d += W) {
+    vfw kv[NT];
+    for (int t = 0; t < NT; ++t) kv[t] = ldw(k[t] + d);
     for (int g = 0; g < NG; ++g) {
-      const vf16 qv = loadv(q + g * D + d);
+      const vfw qv = ldw(q + g * D + d);
       for (int t = 0; t < NT; ++t) acc[t][g] += qv * kv[t];
     }
   }
   for (int t = 0; t < NT; ++t)
     for (int g = 0; g < NG; ++g) {
-      float r = hsum(acc[t][g]);
+      float r = hsumw(acc[t][g]);
       for (int64_t e = d; e < D; ++e) r += q[g * D + e] * k[t][e];
-      s[t * ls + g] = r;
+      s[g * ls + t] = r;
     }
 }
 
-// acc_g[0:Dv] += sum_t p[t * lp + g] * v_t[0:Dv] for NG heads sharing the value rows v_t (t < n).
+// acc_g[0:Dv] += sum_t p[g * lp + t] * v_t[0:Dv] for NG heads sharing the value rows v_t (t < n): two vectors of
+// the row at a time, so each weight broadcast feeds two FMAs.
 template <int NG>
 inline void value_tile(const float* p, int64_t lp, const float* v, int64_t vstride, int64_t n, int64_t Dv,
                        float* acc) {
   int64_t d = 0;
-  for (; d + 16 <= Dv; d += 16) {
-    vf16 a[NG];
-    for (int g = 0; g < NG; ++g) a[g] = loadv(acc + g * Dv + d);
-    for (int64_t t = 0; t < n; ++t) {
-      const vf16 vv = loadv(v + t * vstride + d);
-      for (int g = 0; g < NG; ++g) a[g] += p[t * lp + g] * vv;
+  for (; d + 2 * W <= Dv; d += 2 * W) {
+    vfw a[NG][2];
+    for (int g = 0; g < NG; ++g) {
+      a[g][0] = ldw(acc + g * Dv + d);
+      a[g][1] = ldw(acc + g * Dv + d + W);
     }
-    for (int g = 0; g < NG; ++g) storev(acc + g * Dv + d, a[g]);
+    for (int64_t t = 0; t < n; ++t) {
+      const vfw v0 = ldw(v + t * vstride + d), v1 = ldw(v + t * vstride + d + W);
+      for (int g = 0; g < NG; ++g) {
+        const vfw pw = splat(p[g * lp + t]);
+        a[g][0] += pw * v0;
+        a[g][1] += pw * v1;
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      stw(acc + g * Dv + d, a[g][0]);
+      stw(acc + g * Dv + d + W, a[g][1]);
+    }
+  }
+  for (; d + W <= Dv; d += W) {
+    vfw a[NG];
+    for (int g = 0; g < NG; ++g) a[g] = ldw(acc + g * Dv + d);
+    for (int64_t t = 0; t < n; ++t) {
+      const vfw vv = ldw(v + t * vstride + d);
+      for (int g = 0; g < NG; ++g) a[g] += splat(p[g * lp + t]) * vv;
+    }
+    for (int g = 0; g < NG; ++g) stw(acc + g * Dv + d, a[g]);
   }
   for (; d < Dv; ++d)
     for (int64_t t = 0; t < n; ++t)
-      for (int g = 0; g < NG; ++g) acc[g * Dv + d] += p[t * lp + g] * v[t * vstride + d];
+      for (int g = 0; g < NG; ++g) acc[g * Dv + d] += p[g * lp + t] * v[t * vstride + d];
 }
 
 template <int NT>
 inline void score_heads(const float* q, const float* const* k, int64_t D, int64_t ng, float* s, int64_t ls) {
   int64_t g = 0;
-  for (; g + 4 <= ng; g += 4) score_tile<NT, 4>(q + g * D, k, D, s + g, ls);
+  for (; g + 4 <= ng; g += 4) score_tile<NT, 4>(q + g * D, k, D, s + g * ls, ls);
   switch (ng - g) {
-    case 3: score_tile<NT, 3>(q + g * D, k, D, s + g, ls); break;
-    case 2: score_tile<NT, 2>(q + g * D, k, D, s + g, ls); break;
-    case 1: score_tile<NT, 1>(q + g * D, k, D, s + g, ls); break;
+    case 3: score_tile<NT, 3>(q + g * D, k, D, s + g * ls, ls); break;
+    case 2: score_tile<NT, 2>(q + g * D, k, D, s + g * ls, ls); break;
+    case 1: score_tile<NT, 1>(q + g * D, k, D, s + g * ls, ls); break;
     default: break;
   }
 }
@@ -78,13 +157,39 @@ inline void score_heads(const float* q, const float* const* k, int64_t D, int64_
 inline void value_heads(const float* p, int64_t lp, const float* v, int64_t vstride, int64_t n, int64_t Dv,
                         int64_t ng, float* acc) {
   int64_t g = 0;
-  for (; g + 4 <= ng; g += 4) value_tile<4>(p + g, lp, v, vstride, n, Dv, acc + g * Dv);
+  for (; g + 4 <= ng; g += 4) value_tile<4>(p + g * lp, lp, v, vstride, n, Dv, acc + g * Dv);
   switch (ng - g) {
-    case 3: value_tile<3>(p + g, lp, v, vstride, n, Dv, acc + g * Dv); break;
-    case 2: value_tile<2>(p + g, lp, v, vstride, n, Dv, acc + g * Dv); break;
-    case 1: value_tile<1>(p + g, lp, v, vstride, n, Dv, acc + g * Dv); break;
+    case 3: value_tile<3>(p + g * lp, lp, v, vstride, n, Dv, acc + g * Dv); break;
+    case 2: value_tile<2>(p + g * lp, lp, v, vstride, n, Dv, acc + g * Dv); break;
+    case 1: value_tile<1>(p + g * lp, lp, v, vstride, n, Dv, acc + g * Dv); break;
     default: break;
   }
+}
+
+// Online softmax of one head's block scores s[0:n] (flash-decoding: Milakov & Gimelshein 2018; Dao et al. 2023):
+// the running max m and sum l move to the block's max, s becomes the block's weights exp(s - m), and the factor
+// that rescales the head's accumulator is returned (0 on the first block: m = -inf, clamped in exp). s has room
+// for n rounded up to W; the lanes past n are set to -inf for the max and to 0 among the weights.
+inline float softmax_block(float* s, int64_t n, float& m, float& l) {
+  const int64_t nw = (n + W - 1) / W * W;
+  for (int64_t j = n; j < nw; ++j) s[j] = -std::numeric_limits<float>::infinity();
+  vfw mv = splat(m);
+  for (int64_t j = 0; j < nw; j += W) {
+    const vfw x = ldw(s + j);
+    mv = x > mv ? x : mv;
+  }
+  const float mb = hmaxw(mv);
+  const float corr = exp_approx(m - mb);
+  const vfw mbv = splat(mb);
+  for (int64_t j = 0; j < nw; j += W) stw(s + j, exp_w(ldw(s + j) - mbv));
+  // lanes past n: exp of the clamped -87 is ~1.6e-38, not 0; zero them so they add nothing anywhere
+  for (int64_t j = n; j < nw; ++j) s[j] = 0.f;
+  vfw sum = vfw{};
+  for (int64_t j = 0; j < nw; j += W) sum += ldw(s + j);
+  const float total = hsumw(sum);
+  l = l * corr + total;
+  m = mb;
+  return corr;
 }
 
 template <typename T>
@@ -104,11 +209,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const float fscale = static_cast<float>(scale);
   // float32 pools are read in place (the same values the widened tile held: the same results, without its copy)
   constexpr bool kInPlace = std::is_same_v<T, float>;
+  const int64_t ls = (bs + W - 1) / W * W;  // a head's row of block scores, padded to whole vectors
 
   at::parallel_for(0, geo.num_items(), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(per_chunk * D), ktile(kInPlace ? 0 : bs * Hk * D),
         vtile(shared_kv || kInPlace ? 0 : bs * Hk * Dv),
-        s(bs * per_chunk), acc(per_chunk * Dv), m(per_chunk), l(per_chunk);
+        s(ls * per_chunk), acc(per_chunk * Dv), m(per_chunk), l(per_chunk);
     std::vector<const float*> krows(2);
     for (int64_t idx = begin; idx < end; ++idx) {
       const auto it = geo.item(idx);
@@ -146,37 +252,26 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           if constexpr (kInPlace) return kb + j * geo.ks1 + (it.kv0 + kh) * geo.ks2;
           else return ktile.data() + (j * nkv + kh) * D;
         };
-        for (int64_t kh = 0; kh < nkv; ++kh) {  // scores s[j * ng + g], heads grouped by their KV head
+        for (int64_t kh = 0; kh < nkv; ++kh) {  // scores s[g * ls + j], heads grouped by their KV head
           int64_t ga, gb;
           geo.heads_of(it, kh, ga, gb);
           int64_t j = 0;
           for (; j + 2 <= n; j += 2) {
             krows[0] = krow(j, kh);
             krows[1] = krow(j + 1, kh);
-            score_heads<2>(qf.data() + ga * D, krows.data(), D, gb - ga, s.data() + j * ng + ga, ng);
+            score_heads<2>(qf.data() + ga * D, krows.data(), D, gb - ga, s.data() + ga * ls + j, ls);
           }
           if (j < n) {
             krows[0] = krow(j, kh);
-            score_heads<1>(qf.data() + ga * D, krows.data(), D, gb - ga, s.data() + j * ng + ga, ng);
+            score_heads<1>(qf.data() + ga * D, krows.data(), D, gb - ga, s.data() + ga * ls + j, ls);
           }
         }
-        // online softmax (flash-decoding): rescale the running sums to the new maximum, scores become weights
-        for (int64_t g = 0; g < ng; ++g) {
-          float mb = m[g];
-          for (int64_t j = 0; j < n; ++j) mb = std::max(mb, s[j * ng + g]);
-          const float corr = exp_approx(m[g] - mb);  // 0 on the first block (m = -inf, clamped)
-          float sum = 0.f;
-          for (int64_t j = 0; j < n; ++j) {
-            const float e = exp_approx(s[j * ng + g] - mb);
-            s[j * ng + g] = e;
-            sum += e;
-          }
+        for (int64_t g = 0; g < ng; ++g) {  // scores become weights; the accumulator moves to the new max
+          const float corr = softmax_block(s.data() + g * ls, n, m[g], l[g]);
           if (corr != 1.f) {
             float* a = acc.data() + g * Dv;
             for (int64_t d = 0; d < Dv; ++d) a[d] *= corr;
           }
-          l[g] = l[g] * corr + sum;
-          m[g] = mb;
         }
         for (int64_t kh = 0; kh < nkv; ++kh) {
           int64_t ga, gb;
@@ -191,7 +286,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
             vrows = (shared_kv ? ktile.data() : vtile.data()) + kh * vw;
             vstride = nkv * vw;
           }
-          value_heads(s.data() + ga, ng, vrows, vstride, n, Dv, gb - ga, acc.data() + ga * Dv);
+          value_heads(s.data() + ga * ls, ls, vrows, vstride, n, Dv, gb - ga, acc.data() + ga * Dv);
         }
       }
       for (int64_t g = 0; g < ng; ++g) {
