@@ -167,19 +167,29 @@ def experts_hit(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** tokens)
 
 
-def step_bytes(model, mc, dtype_bytes: int, batch: int, kv_tokens: int) -> dict:
+def step_bytes(model, mc, dtype_bytes: int, batch: int, kv_tokens: int, kv_dtype_bytes: int | None = None) -> dict:
     """Bytes one decode step of ``batch`` sequences with ``kv_tokens`` tokens of context each must read: every
     non-expert weight once (:func:`weight_bytes`), the routed experts its tokens hit (expected distinct experts per
-    MoE layer, :func:`experts_hit`), the KV rows attended and (hybrid KDA models) each sequence's recurrent state."""
+    MoE layer, :func:`experts_hit`), the KV rows attended (``kv_dtype_bytes`` a value: the pool's; default
+    ``dtype_bytes``) and (hybrid KDA models) each sequence's recurrent state."""
     dense, per_expert, n_moe = weight_bytes(model)
     n_exp = getattr(mc, "num_experts", 0) or 0
     hit = experts_hit(n_exp, mc.num_experts_per_tok, batch) if n_moe else 0.0
     experts = int(per_expert * hit * n_moe)
-    kv = mc.kv_cache_bytes_per_token(dtype_bytes) * kv_tokens * batch
+    kv = mc.kv_cache_bytes_per_token(kv_dtype_bytes or dtype_bytes) * kv_tokens * batch
     state_fn = getattr(mc, "kda_state_bytes_per_request", None)
     state = int(state_fn(dtype_bytes)) * batch if callable(state_fn) else 0
     return {"bytes_read": dense + experts + kv + state, "weight_bytes_dense": dense, "weight_bytes_experts": experts,
             "experts_hit_per_layer": hit, "kv_bytes": kv, "state_bytes": state}
+
+
+def pool_dtype_bytes(kv_caches: list) -> int | None:
+    """The element size of the first KV pool tensor (None for a model with no paged tensors)."""
+    for c in kv_caches:
+        for t in (c if isinstance(c, (list, tuple)) else (c,)):
+            if isinstance(t, torch.Tensor):
+                return t.element_size()
+    return None
 
 
 def _write(stem: str, result: dict) -> None:
@@ -223,7 +233,9 @@ def make_llm(args):
               load_format=args.load_format, seed=args.seed)
     try:
         from tokenfab.config import load_config
-        per_token = load_config(model_dir).kv_cache_bytes_per_token(4 if args.dtype == "float32" else 2)
+        kv_size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(
+            args.kv_cache_dtype if args.kv_cache_dtype != "auto" else args.dtype, 2)
+        per_token = load_config(model_dir).kv_cache_bytes_per_token(kv_size)
     except Exception:  # noqa: BLE001 - sized by the engine as before (it reports what it cannot read)
         per_token = 0
     blocks = kv_blocks_for_batch(per_token, kw["max_num_seqs"], max_len, top, bs)
@@ -231,6 +243,7 @@ def make_llm(args):
         kw["num_kv_blocks"] = blocks
     if args.dtype:
         kw["dtype"] = args.dtype
+    kw["kv_cache_dtype"] = args.kv_cache_dtype
     try:
         return model_dir, LLM(model_dir, enforce_eager=args.enforce_eager, **kw), None
     except Exception as e:  # noqa: BLE001 - a failed CUDA-graph capture: measure eager, report the error
@@ -255,6 +268,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     ap.add_argument("--device", default="auto", help="auto, cpu or cuda")
     ap.add_argument("--dtype", default=None, help="engine dtype (default: the engine's, bfloat16)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="KV pool dtype (EngineConfig.kv_cache_dtype; default auto: the engine dtype)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (CUDA only)")
     ap.add_argument("--also-eager", action="store_true",
                     help="after each batch's steps with decode graphs, time as many eager steps on the same "
@@ -339,7 +354,8 @@ def main() -> int:
     result = {"date": dt.datetime.now().isoformat(timespec="seconds"), "command": " ".join(sys.argv),
               "label": args.label, "model": model_dir, "load_format": args.load_format,
               "model_type": mc.family if hasattr(mc, "family") else None,
-              "num_layers": mc.num_hidden_layers, "dtype": str(eng.dtype), "threads": torch.get_num_threads(),
+              "num_layers": mc.num_hidden_layers, "dtype": str(eng.dtype), "kv_cache_dtype": args.kv_cache_dtype,
+              "threads": torch.get_num_threads(),
               "cpu": cpu, "cores": os.cpu_count(), "copy_bandwidth_GBps": bw / 1e9,
               "copy_bandwidth_4k_pages_GBps": bw_4k / 1e9, "weights_in_huge_pages": huge, "torch": torch.__version__,
               "gpu": torch.cuda.get_device_name(eng.device) if eng.device.type == "cuda" else None,
@@ -396,7 +412,8 @@ def main() -> int:
         row = {"batch": B, "running": running, "mode": mode, "context": args.context, "step_ms": wall * 1e3,
                "forward_ms": fwd * 1e3, "overhead_ms": (wall - fwd) * 1e3, "overhead_frac": (wall - fwd) / wall,
                "tokens_per_s": n / wall}
-        read = step_bytes(runner.model, mc, eng.dtype.itemsize, n, kv_start + 1 + args.steps // 2)
+        read = step_bytes(runner.model, mc, eng.dtype.itemsize, n, kv_start + 1 + args.steps // 2,
+                          pool_dtype_bytes(runner.kv_caches))
         row.update(read)
         nbytes = read["bytes_read"]
         row.update({"copy_bandwidth_during_steps_GBps": bw_steps / 1e9, "floor_ms": nbytes / bw_steps * 1e3,
@@ -447,7 +464,7 @@ def main() -> int:
              (f"GPU: {result['gpu']} (decode CUDA graphs {'on' if result['decode_graphs'] else 'off'}), host " if
               result["gpu"] else "") +
              f"CPU: {cpu}, {os.cpu_count()} cores, {result['threads']} torch threads, torch {torch.__version__}, "
-             f"dtype {result['dtype']}; copy bandwidth {bw / 1e9:.1f} GB/s (read+write, best of 5 at the start"
+             f"dtype {result['dtype']}, KV cache {result.get('kv_cache_dtype', 'auto')}; copy bandwidth {bw / 1e9:.1f} GB/s (read+write, best of 5 at the start"
              + (f", buffers in 2 MiB pages as the weights are; {bw_4k / 1e9:.1f} GB/s in 4 KiB pages" if huge else "")
              + "; each floor uses the median of the copies sampled every 5 steps between its steps)"
              + (f". Weights: {args.load_format} (seeded random, no weight file read)" if args.load_format == "dummy"

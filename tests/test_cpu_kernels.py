@@ -90,6 +90,35 @@ def test_mla_decode_attention_context_splits_match_definition(threads, lens):
     assert (out.double() - ref).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("pool", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", ["gqa", "odd", "mla"])
+def test_paged_decode_attention_float32_q_over_a_narrower_pool(pool, case):
+    """float32 q over a bf16 / fp16 KV pool (EngineConfig.kv_cache_dtype): the pool's rows are widened exactly, so
+    the result is float32 attention over the pool's values (reference: the definition in float64 on them), with
+    head dims and a block size that are no multiple of a vector and MLA's shared latent rows."""
+    args = {"gqa": dict(B=5, H=12, Hk=4, D=64, Dv=64, bs=16, lens=[1, 16, 17, 40, 100]),
+            "odd": dict(B=3, H=10, Hk=2, D=40, Dv=20, bs=12, lens=[1, 13, 50]),
+            "mla": dict(B=3, H=8, Hk=1, D=576, Dv=512, bs=16, lens=[5, 64, 130], latent=True)}[case]
+    q, kc, vc, bt, lens = _paged_case(dtype=torch.float32, **args)
+    if args.get("latent"):
+        kc = kc.to(pool)
+        vc = kc[..., :args["Dv"]]
+    else:
+        kc, vc = kc.to(pool), vc.to(pool)
+    scale = args["D"] ** -0.5
+    out = cpu_attention.paged_decode_attention(q, kc, vc, bt, lens, scale)
+    assert out.dtype == torch.float32
+    assert (out.double() - _reference_attention(q, kc, vc, bt, lens, scale)).abs().max().item() < 1e-5
+
+
+def test_paged_decode_attention_refuses_other_dtype_mixes():
+    q, kc, vc, bt, lens = _paged_case(B=1, H=2, Hk=1, D=16, Dv=16, bs=8, lens=[5], dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="float32 q over a bf16 / fp16"):
+        cpu_attention.paged_decode_attention(q.bfloat16(), kc, vc, bt, lens, 0.25)  # bf16 q over a float32 pool
+    with pytest.raises(RuntimeError, match="float32 q over a bf16 / fp16"):
+        cpu_attention.paged_decode_attention(q, kc.bfloat16(), vc.half(), bt, lens, 0.25)  # k and v differ
+
+
 @pytest.mark.parametrize("dtype,D", [(torch.float32, 16), (torch.bfloat16, 32)])
 def test_paged_decode_attention_reads_only_the_context(dtype, D):
     """Tokens past context_lens (garbage in the last block) must not change the result (odd lengths: the bf16 path

@@ -44,6 +44,20 @@ def test_avx2_decode_stack_is_bit_identical_to_the_module_path(avx2_level, tiny_
     assert_stack_matches_modules(llm, monkeypatch)
 
 
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float16"])
+def test_avx2_decode_stack_over_a_narrower_kv_pool(avx2_level, tiny_model, tokenizer_dir, tmp_path, monkeypatch,
+                                                   kv_dtype):
+    """float32 activations over a bf16 / fp16 KV pool (EngineConfig.kv_cache_dtype): the stack writes its rows
+    rounded to the pool (write_slots) and its attention widens them, bit-identical to the module path (write_cache's
+    cast, the same kernel through dispatch)."""
+    import torch
+    llm = packed_llm(tiny_model, tokenizer_dir, tmp_path, ALL_Q4_1_EMB_Q8, False, "float32", kv_cache_dtype=kv_dtype)
+    runner = llm.llm_engine.runner
+    assert {c.dtype for pair in runner.kv_caches for c in pair} == {getattr(torch, kv_dtype)}
+    assert runner.model.model.embed_tokens.dtype == torch.float32
+    assert_stack_matches_modules(llm, monkeypatch)
+
+
 def test_avx2_stack_refuses_what_it_does_not_run(avx2_level, tiny_model):
     """At the avx2 level a float32 model whose linears are plain float32 weights (a safetensors folder) keeps the
     module path: the stack runs GGUF weights on the AVX2 GEMV only."""

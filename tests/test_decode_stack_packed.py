@@ -41,10 +41,11 @@ def generate(llm, prompts, use_stack: bool, monkeypatch):
             [o.outputs[0].token_ids for o in drawn], sizes)
 
 
-def packed_llm(tiny_model, tokenizer_dir, tmp_path, types: dict, tie: bool, dtype: str):
+def packed_llm(tiny_model, tokenizer_dir, tmp_path, types: dict, tie: bool, dtype: str, **engine_kw):
     """A tiny llama written as a GGUF file (``types``: the block type per tensor kind; ``tie``: a tied head) and
-    served packed in ``dtype``, its load checked: embedding and LM head packed (no dense copy of the table), q|k|v
-    and gate|up joined exactly where their block types match, and the decode stack built, LM head included."""
+    served packed in ``dtype`` (``engine_kw``: more EngineConfig fields), its load checked: embedding and LM head
+    packed (no dense copy of the table), q|k|v and gate|up joined exactly where their block types match, and the
+    decode stack built, LM head included."""
     from tokenfab import LLM
     from tokenfab.layers.packed_embedding import PackedEmbedding
     from tokenfab.quant.gguf_weight import GGUFWeight
@@ -52,7 +53,7 @@ def packed_llm(tiny_model, tokenizer_dir, tmp_path, types: dict, tie: bool, dtyp
     path = str(tmp_path / "tiny.gguf")
     write_gguf(ckpt, path, types)
     llm = LLM(path, dtype=dtype, tokenizer=tokenizer_dir, max_model_len=256, block_size=8,
-              max_num_batched_tokens=40, progress=False)
+              max_num_batched_tokens=40, progress=False, **engine_kw)
     runner = llm.llm_engine.runner
     model = runner.model
     assert isinstance(model.model.embed_tokens, PackedEmbedding)

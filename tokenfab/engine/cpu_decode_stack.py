@@ -110,7 +110,10 @@ class CpuDecodeStack:
                      or _add_gqa_lin(stack, layer, cache, caches))
                     and _add_mlp(stack, layer.mlp)):
                 return None
-        if any(c.dtype != dtype or c.device.type != "cpu" or not c.is_contiguous() for c in caches):
+        # pools of the stack's dtype; at the float32 level also bf16 / fp16 pools (EngineConfig.kv_cache_dtype):
+        # the kernels round the rows they write to the pool and widen the rows attention reads
+        pools = (dtype,) if dtype == torch.bfloat16 else (dtype, torch.bfloat16, torch.float16)
+        if any(c.dtype not in pools or c.device.type != "cpu" or not c.is_contiguous() for c in caches):
             return None
         lm_head = getattr(model, "_lm_head_packed", None)  # packed by CausalLM.post_load (untied heads)
         qhead = getattr(model, "_lm_head_qweight", None)  # a compressed head (GGUF; tied: the packed embedding)

@@ -25,7 +25,7 @@ import torch
 from tokenfab.engine.async_scheduling import AsyncScheduling, async_scheduling_enabled, refuse_unsupported
 from tokenfab.engine.block_manager import BlockManager
 from tokenfab.engine.detokenizer import IncrementalDetokenizer
-from tokenfab.engine.engine_config import EngineConfig
+from tokenfab.engine.engine_config import EngineConfig, resolve_kv_cache_dtype
 from tokenfab.request_validation import bad_words_token_ids, check_processor_params_for_model
 from tokenfab.engine.model_loader import LoadedModel, load_model
 from tokenfab.engine.model_runner import ModelRunner, StepOutput
@@ -87,7 +87,8 @@ class LLMEngine:
         self.generator = torch.Generator().manual_seed(config.seed)
         self.runner = ModelRunner(loaded.model, self.block_manager, config.max_num_seqs, config.max_model_len,
                                   self.device, self.dtype, Sampler(self.generator), config.enforce_eager,
-                                  batch_invariant=config.batch_invariant)
+                                  batch_invariant=config.batch_invariant,
+                                  kv_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype))
         if config.enable_prefix_caching:  # KV blocks shared by content hash (prefix_cache.py)
             from tokenfab.engine.prefix_cache import build_prefix_cache
             if self.runner.has_state and loaded.tp_group is not None:

@@ -95,6 +95,32 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | str, batch_in
     return _DTYPES[dtype]
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str | torch.dtype, dtype: torch.dtype) -> torch.dtype:
+    """The KV pool's dtype: 'auto' -> the activation ``dtype`` (vLLM's meaning); otherwise the named dtype
+    (float32, bfloat16 / bf16, float16 / fp16 / half).
+
+    A pool narrower than the activations halves the bytes decode attention reads per context token (float32
+    activations with a bf16 pool: 2 bytes a value instead of 4). Keys and values are rounded to it when written
+    (PyTorch's round-to-nearest-even cast) and widened exactly when read.
+
+    Raises:
+        EngineConfigError: an unknown name, or fp8 (the planner sizes fp8 pools, ``tokenfab plan --kv-cache-dtype
+            fp8``; the engine does not store them yet).
+    """
+    if isinstance(kv_cache_dtype, torch.dtype):
+        return kv_cache_dtype
+    if kv_cache_dtype == "auto":
+        return dtype
+    if str(kv_cache_dtype).startswith("fp8"):
+        raise EngineConfigError(f"kv_cache_dtype '{kv_cache_dtype}' is not supported by the engine yet (only "
+                                "`tokenfab plan --kv-cache-dtype fp8` sizes such a pool); use auto, bfloat16, "
+                                "float16 or float32.")
+    if kv_cache_dtype not in _DTYPES:
+        raise EngineConfigError(f"kv_cache_dtype '{kv_cache_dtype}' is not supported; use auto, bfloat16, float16 "
+                                "or float32.")
+    return _DTYPES[kv_cache_dtype]
+
+
 def resolve_device(device: str | None) -> torch.device:
     """'auto' -> cuda when available (CUDA or ROCm builds), else cpu."""
     if device in (None, "auto"):
@@ -126,6 +152,9 @@ class EngineConfig:
             config.json and the tokenizer, and fill every weight on the device with random values seeded by
             ``seed`` at the config's real shapes: tokenfab/loader/dummy_weights.py; for measuring shapes without
             checkpoint files; packed formats are refused when loading).
+        kv_cache_dtype: the KV pool's dtype: "auto" (default: the activation dtype), "bfloat16", "float16" or
+            "float32" (:func:`resolve_kv_cache_dtype`). Another dtype than the activations' runs on CPU only (the
+            decode attention kernel widens the pool's rows as it reads them); refused on CUDA / ROCm.
         tokenizer: tokenizer folder (default: the model folder).
         trust_remote_code: let transformers run a tokenizer's own code (e.g. Kimi's tiktoken tokenizer); tokenfab
             never runs a checkpoint's modeling code.
@@ -179,6 +208,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int | str | None = None
+    kv_cache_dtype: str = "auto"
     seed: int = 0
     enable_prefix_caching: bool = False
     tensor_parallel_size: int = 1
@@ -229,8 +259,32 @@ class EngineConfig:
             raise EngineConfigError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
                                     f"{self.scheduling_policy!r}.")
         self.check_quantization()
+        self.check_kv_cache_dtype()
         self.generation_defaults()  # a missing folder or a bad value fails now, not at the first request
         self.check_batch_invariant()
+
+    def check_kv_cache_dtype(self) -> None:
+        """Refuse, before any weight is read, a KV pool dtype the engine cannot run here.
+
+        Raises:
+            EngineConfigError: an unknown name or fp8 (:func:`resolve_kv_cache_dtype`).
+            UnsupportedError: a pool dtype other than the activations' on CUDA / ROCm (the GPU kernels read pools
+                of the activation dtype), or with ``batch_invariant`` (its kernels read bf16 pools).
+        """
+        if self.kv_cache_dtype == "auto":
+            return
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device, self.batch_invariant)
+        kv = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
+        if kv == dtype:
+            return
+        if device.type != "cpu":
+            raise UnsupportedError(f"kv_cache_dtype={self.kv_cache_dtype!r} with {dtype} activations runs on CPU "
+                                   f"only (the GPU kernels read a pool of the activation dtype); use "
+                                   f"kv_cache_dtype='auto' on {device.type}.")
+        if self.batch_invariant:
+            raise UnsupportedError(f"batch_invariant=True reads a bfloat16 KV pool; got kv_cache_dtype="
+                                   f"{self.kv_cache_dtype!r}: use 'auto' or leave batch_invariant off.")
 
     def check_batch_invariant(self) -> None:
         """With ``batch_invariant=True``, refuse (by name, before any weight is read) what the mode does not cover.
@@ -410,7 +464,8 @@ class EngineConfig:
         self.check_max_model_len(mc)
         if self.max_model_len is None:
             self.max_model_len = mc.max_position_embeddings
-        per_token = mc.kv_cache_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+        kv_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype)
+        per_token = mc.kv_cache_bytes_per_token(torch.empty((), dtype=kv_dtype).element_size())
         bs = self.block_size
         if self.num_kv_blocks is None:
             if self.kv_cache_memory is not None:

@@ -79,13 +79,15 @@ class ModelRunner:
         model: a tokenfab CausalLM with weights loaded.
         block_manager: gives block size, pool size and the block-table array.
         max_num_seqs, max_model_len: sizes of the persistent arrays (rows, tokens).
-        device, dtype: where/what the KV pool is.
+        device, dtype: where the KV pool is and the activations' dtype (the pool's unless ``kv_dtype``).
         sampler: the batched sampler.
         enforce_eager: never replay decode steps from CUDA graphs (vLLM's flag; graphs apply on CUDA/ROCm only).
         batch_invariant: every step, prefill and decode alike, runs through the fused CPU decode stack with each
             token as a one-query row over its own context, in the kernels' batch-invariant mode
             (``cpu_batch_invariant.batch_invariant``), so a token's values do not depend on its batch or chunk
             (docs/batch_invariance.md).
+        kv_dtype: the KV pool's dtype when it differs from ``dtype`` (``EngineConfig.kv_cache_dtype``; None: dtype).
+            Recurrent (KDA) state keeps ``dtype``.
 
     Raises:
         UnsupportedError: ``batch_invariant`` for a model or machine the decode stack does not cover (the message
@@ -94,7 +96,7 @@ class ModelRunner:
 
     def __init__(self, model, block_manager: BlockManager, max_num_seqs: int, max_model_len: int,
                  device: torch.device, dtype: torch.dtype, sampler: Sampler, enforce_eager: bool = False,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, kv_dtype: torch.dtype | None = None):
         self.model = model
         self.bm = block_manager
         self.block_size = block_manager.block_size
@@ -106,7 +108,7 @@ class ModelRunner:
         # decode graphs pad batches into a spare block the block manager never hands out, and (hybrid models) a
         # spare recurrent-state slot, max_num_seqs, that no scheduler row names (cuda_graph_runner.py)
         num_blocks = block_manager.num_blocks + (graph_mode is not None)
-        self.kv_caches = model.make_kv_cache(num_blocks, self.block_size, dtype, device)
+        self.kv_caches = model.make_kv_cache(num_blocks, self.block_size, kv_dtype or dtype, device)
         if self.has_state:  # hybrid models: per-request KDA state slots by row (state_cache.py)
             model.make_state_cache(self.kv_caches, max_num_seqs + (graph_mode is not None), dtype, device)
         # the target-hidden-state seam for drafters (spec_decode/proposer.py): set by set_hidden_capture

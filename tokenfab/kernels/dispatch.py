@@ -170,10 +170,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            context_lens: torch.Tensor, max_context: int, scale: float) -> torch.Tensor | None:
     """Decode attention q [B, H, D] straight from the paged pool (k_cache / v_cache [blocks, block_size, Hk, D / Dv],
     strided views allowed; MLA passes one latent pool as both): the Triton kernel on CUDA/ROCm, the C++ kernel on
-    CPU, or None (mixed dtypes, no kernel, MLA on float32 FMAs in bf16 or with more than FUSED_LATENT_MAX_TOKENS
-    context tokens): the caller gathers the context instead. Returns [B, H, Dv] in q's dtype."""
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    CPU (also float32 q over a bf16 / fp16 pool), or None (other mixed dtypes, no kernel, MLA on float32 FMAs in
+    bf16 or with more than FUSED_LATENT_MAX_TOKENS context tokens): the caller gathers the context instead.
+    Returns [B, H, Dv] in q's dtype."""
+    if k_cache.dtype != v_cache.dtype:
         return None
+    if k_cache.dtype != q.dtype and not (q.device.type == "cpu" and q.dtype == torch.float32
+                                         and k_cache.dtype in (torch.bfloat16, torch.float16)):
+        return None  # the CPU kernel also reads a bf16 / fp16 pool for float32 q (EngineConfig.kv_cache_dtype)
     if gpu_support.applies(q):
         from tokenfab.kernels.gpu import decode_attention  # imports triton: only when it applies
         return decode_attention.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,

@@ -183,8 +183,10 @@ def make_runner(config, loaded):
 
     config.finalize(loaded.model_config, loaded.dtype)
     bm = BlockManager(config.num_kv_blocks, config.block_size, config.max_num_seqs, config.max_model_len)
+    from tokenfab.engine.engine_config import resolve_kv_cache_dtype
     return ModelRunner(loaded.model, bm, config.max_num_seqs, config.max_model_len, loaded.device, loaded.dtype,
-                       None, enforce_eager=config.enforce_eager)
+                       None, enforce_eager=config.enforce_eager,
+                       kv_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, loaded.dtype))
 
 
 @torch.inference_mode()

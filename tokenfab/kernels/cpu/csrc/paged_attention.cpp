@@ -6,18 +6,18 @@
 // Query head h reads KV head h / (H / Hk).
 //
 // One pass over the context, block by block, with the online softmax of flash-decoding (running max and sum per
-// head, Milakov & Gimelshein 2018; Dao et al. 2023): each block's K (and V, unless it is the same latent rows) is
-// widened to float once into a tile (bf16 pools; float32 pools are read in place), all of the item's heads are
-// scored against it with 2-token x 4-head register blocking in the native vector width (8 or 16 floats), each
-// head's block scores go through the softmax as whole vectors (exponential included), and the block's values are
-// accumulated. Float32 throughout. Work items: (sequence, chunk of heads);
+// head, Milakov & Gimelshein 2018; Dao et al. 2023): each block's K and V rows are read in the pool itself (bf16 /
+// fp16 rows widened in registers as they are loaded), all of the item's heads are scored against it with 2-token x
+// 4-head register blocking in the native vector width (8 or 16 floats), each head's block scores go through the
+// softmax as whole vectors (exponential included), and the block's values are accumulated. Float32 arithmetic
+// throughout; q and out float32 or bf16, the pool float32, bf16 or fp16 (float32 q over a narrower pool: a bf16 /
+// fp16 KV cache beside float32 activations). Work items: (sequence, chunk of heads);
 // heads are split only when there are fewer sequences than threads. The next block is prefetched while one is
 // being computed (blocks are scattered in the pool, so the hardware prefetcher cannot follow them).
 #include "cpu_isa.h"
 #include "cpu_kernels.h"
 #include "paged_attention.h"
 
-#include <type_traits>
 
 using namespace tokenfab_cpu;
 
@@ -40,6 +40,36 @@ inline vfw ldw(const float* p) {
 }
 inline void stw(float* p, vfw v) { std::memcpy(p, &v, sizeof(v)); }
 inline vfw splat(float x) { return vfw{} + x; }
+
+// W pool values at p widened to float: float32 as is; bf16 zero-extended and shifted into the high half; fp16 by
+// F16C / AVX-512's conversion (exact in every case).
+inline vfw ldk(const float* p) { return ldw(p); }
+inline vfw ldk(const c10::BFloat16* p) {
+  typedef uint16_t vu16w __attribute__((vector_size(W * 2)));
+  typedef uint32_t vu32w __attribute__((vector_size(W * 4)));
+  vu16w h;
+  std::memcpy(&h, p, sizeof(h));
+  const vu32w w = __builtin_convertvector(h, vu32w) << 16;
+  vfw v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+inline vfw ldk(const c10::Half* p) {
+  vfw v;
+#if defined(__AVX512F__)
+  const __m512 x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float x[W];
+  for (int64_t i = 0; i < W; ++i) x[i] = static_cast<float>(p[i]);
+#endif
+  std::memcpy(&v, &x, sizeof(v));
+  return v;
+}
+inline float tof(float x) { return x; }
+inline float tof(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float tof(c10::Half x) { return static_cast<float>(x); }
 
 inline float hsumw(vfw v) {
 #if defined(__AVX512F__)
@@ -81,15 +111,15 @@ inline vfw exp_w(vfw x) {
 }
 
 // s[g * ls + t] = q_g . k_t for NT tokens and NG heads sharing one KV row per token (q rows at stride D).
-template <int NT, int NG>
-inline void score_tile(const float* q, const float* const* k, int64_t D, float* s, int64_t ls) {
+template <int NT, int NG, typename TK>
+inline void score_tile(const float* q, const TK* const* k, int64_t D, float* s, int64_t ls) {
   vfw acc[NT][NG];
   for (int t = 0; t < NT; ++t)
     for (int g = 0; g < NG; ++g) acc[t][g] = vfw{};
   int64_t d = 0;
   for (; d + W <= D; d += W) {
     vfw kv[NT];
-    for (int t = 0; t < NT; ++t) kv[t] = ldw(k[t] + d);
+    for (int t = 0; t < NT; ++t) kv[t] = ldk(k[t] + d);
     for (int g = 0; g < NG; ++g) {
       const vfw qv = ldw(q + g * D + d);
       for (int t = 0; t < NT; ++t) acc[t][g] += qv * kv[t];
@@ -98,15 +128,15 @@ inline void score_tile(const float* q, const float* const* k, int64_t D, float* 
   for (int t = 0; t < NT; ++t)
     for (int g = 0; g < NG; ++g) {
       float r = hsumw(acc[t][g]);
-      for (int64_t e = d; e < D; ++e) r += q[g * D + e] * k[t][e];
+      for (int64_t e = d; e < D; ++e) r += q[g * D + e] * tof(k[t][e]);
       s[g * ls + t] = r;
     }
 }
 
 // acc_g[0:Dv] += sum_t p[g * lp + t] * v_t[0:Dv] for NG heads sharing the value rows v_t (t < n): two vectors of
 // the row at a time, so each weight broadcast feeds two FMAs.
-template <int NG>
-inline void value_tile(const float* p, int64_t lp, const float* v, int64_t vstride, int64_t n, int64_t Dv,
+template <int NG, typename TK>
+inline void value_tile(const float* p, int64_t lp, const TK* v, int64_t vstride, int64_t n, int64_t Dv,
                        float* acc) {
   int64_t d = 0;
   for (; d + 2 * W <= Dv; d += 2 * W) {
@@ -116,7 +146,7 @@ inline void value_tile(const float* p, int64_t lp, const float* v, int64_t vstri
       a[g][1] = ldw(acc + g * Dv + d + W);
     }
     for (int64_t t = 0; t < n; ++t) {
-      const vfw v0 = ldw(v + t * vstride + d), v1 = ldw(v + t * vstride + d + W);
+      const vfw v0 = ldk(v + t * vstride + d), v1 = ldk(v + t * vstride + d + W);
       for (int g = 0; g < NG; ++g) {
         const vfw pw = splat(p[g * lp + t]);
         a[g][0] += pw * v0;
@@ -132,29 +162,30 @@ inline void value_tile(const float* p, int64_t lp, const float* v, int64_t vstri
     vfw a[NG];
     for (int g = 0; g < NG; ++g) a[g] = ldw(acc + g * Dv + d);
     for (int64_t t = 0; t < n; ++t) {
-      const vfw vv = ldw(v + t * vstride + d);
+      const vfw vv = ldk(v + t * vstride + d);
       for (int g = 0; g < NG; ++g) a[g] += splat(p[g * lp + t]) * vv;
     }
     for (int g = 0; g < NG; ++g) stw(acc + g * Dv + d, a[g]);
   }
   for (; d < Dv; ++d)
     for (int64_t t = 0; t < n; ++t)
-      for (int g = 0; g < NG; ++g) acc[g * Dv + d] += p[g * lp + t] * v[t * vstride + d];
+      for (int g = 0; g < NG; ++g) acc[g * Dv + d] += p[g * lp + t] * tof(v[t * vstride + d]);
 }
 
-template <int NT>
-inline void score_heads(const float* q, const float* const* k, int64_t D, int64_t ng, float* s, int64_t ls) {
+template <int NT, typename TK>
+inline void score_heads(const float* q, const TK* const* k, int64_t D, int64_t ng, float* s, int64_t ls) {
   int64_t g = 0;
-  for (; g + 4 <= ng; g += 4) score_tile<NT, 4>(q + g * D, k, D, s + g * ls, ls);
+  for (; g + 4 <= ng; g += 4) score_tile<NT, 4, TK>(q + g * D, k, D, s + g * ls, ls);
   switch (ng - g) {
-    case 3: score_tile<NT, 3>(q + g * D, k, D, s + g * ls, ls); break;
-    case 2: score_tile<NT, 2>(q + g * D, k, D, s + g * ls, ls); break;
-    case 1: score_tile<NT, 1>(q + g * D, k, D, s + g * ls, ls); break;
+    case 3: score_tile<NT, 3, TK>(q + g * D, k, D, s + g * ls, ls); break;
+    case 2: score_tile<NT, 2, TK>(q + g * D, k, D, s + g * ls, ls); break;
+    case 1: score_tile<NT, 1, TK>(q + g * D, k, D, s + g * ls, ls); break;
     default: break;
   }
 }
 
-inline void value_heads(const float* p, int64_t lp, const float* v, int64_t vstride, int64_t n, int64_t Dv,
+template <typename TK>
+inline void value_heads(const float* p, int64_t lp, const TK* v, int64_t vstride, int64_t n, int64_t Dv,
                         int64_t ng, float* acc) {
   int64_t g = 0;
   for (; g + 4 <= ng; g += 4) value_tile<4>(p + g * lp, lp, v, vstride, n, Dv, acc + g * Dv);
@@ -192,30 +223,27 @@ inline float softmax_block(float* s, int64_t n, float& m, float& l) {
   return corr;
 }
 
-template <typename T>
+// T: q's and out's dtype; TK: the pool's (float32 q over a bf16 / fp16 pool widens the pool's rows as they are read).
+template <typename T, typename TK>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                            at::Tensor& out) {
   const DecodeGeometry geo(q, k_cache, v_cache, block_tables);
   const int64_t H = geo.H, D = geo.D, bs = geo.bs, Hk = geo.Hk, Dv = geo.Dv, per_chunk = geo.per_chunk;
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  // MLA: values are the first Dv columns of the key rows; reuse the widened key tile.
+  const TK* kp = k_cache.data_ptr<TK>();
+  const TK* vp = v_cache.data_ptr<TK>();
+  // MLA: values are the first Dv columns of the key rows (one stream of rows for both).
   const bool shared_kv = vp == kp && geo.vs0 == geo.ks0 && geo.vs1 == geo.ks1 && geo.vs2 == geo.ks2 && Dv <= D;
   const int64_t* btp = block_tables.data_ptr<int64_t>();
   const int64_t* clp = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
-  // float32 pools are read in place (the same values the widened tile held: the same results, without its copy)
-  constexpr bool kInPlace = std::is_same_v<T, float>;
   const int64_t ls = (bs + W - 1) / W * W;  // a head's row of block scores, padded to whole vectors
 
   at::parallel_for(0, geo.num_items(), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(per_chunk * D), ktile(kInPlace ? 0 : bs * Hk * D),
-        vtile(shared_kv || kInPlace ? 0 : bs * Hk * Dv),
-        s(ls * per_chunk), acc(per_chunk * Dv), m(per_chunk), l(per_chunk);
-    std::vector<const float*> krows(2);
+    std::vector<float> qf(per_chunk * D), s(ls * per_chunk), acc(per_chunk * Dv), m(per_chunk), l(per_chunk);
+    std::vector<const TK*> krows(2);
     for (int64_t idx = begin; idx < end; ++idx) {
       const auto it = geo.item(idx);
       const int64_t ng = it.ng, nkv = it.nkv;
@@ -231,27 +259,16 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       std::fill(l.begin(), l.begin() + ng, 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += bs) {
         const int64_t n = std::min(bs, L - t0);
-        const T* kb = kp + bt[t0 / bs] * geo.ks0;
-        const T* vb = vp + bt[t0 / bs] * geo.vs0;
+        const TK* kb = kp + bt[t0 / bs] * geo.ks0;
+        const TK* vb = vp + bt[t0 / bs] * geo.vs0;
         if (t0 + bs < L) {  // the next block is somewhere else in the pool
           const int64_t nn = std::min(bs, L - t0 - bs);
           prefetch_rows(kp + bt[t0 / bs + 1] * geo.ks0 + it.kv0 * geo.ks2, nn, geo.ks1, (nkv - 1) * geo.ks2 + D);
           if (!shared_kv)
             prefetch_rows(vp + bt[t0 / bs + 1] * geo.vs0 + it.kv0 * geo.vs2, nn, geo.vs1, (nkv - 1) * geo.vs2 + Dv);
         }
-        if constexpr (!kInPlace) {
-          for (int64_t j = 0; j < n; ++j)  // widen the block's rows to float once
-            for (int64_t kh = 0; kh < nkv; ++kh) {
-              load_row(kb + j * geo.ks1 + (it.kv0 + kh) * geo.ks2, ktile.data() + (j * nkv + kh) * D, D);
-              if (!shared_kv)
-                load_row(vb + j * geo.vs1 + (it.kv0 + kh) * geo.vs2, vtile.data() + (j * nkv + kh) * Dv, Dv);
-            }
-        }
-        // key row j of KV head kh: in the pool itself (float32) or in the widened tile
-        const auto krow = [&](int64_t j, int64_t kh) -> const float* {
-          if constexpr (kInPlace) return kb + j * geo.ks1 + (it.kv0 + kh) * geo.ks2;
-          else return ktile.data() + (j * nkv + kh) * D;
-        };
+        // key row j of KV head kh, read in the pool itself (widened to float in registers)
+        const auto krow = [&](int64_t j, int64_t kh) -> const TK* { return kb + j * geo.ks1 + (it.kv0 + kh) * geo.ks2; };
         for (int64_t kh = 0; kh < nkv; ++kh) {  // scores s[g * ls + j], heads grouped by their KV head
           int64_t ga, gb;
           geo.heads_of(it, kh, ga, gb);
@@ -276,16 +293,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         for (int64_t kh = 0; kh < nkv; ++kh) {
           int64_t ga, gb;
           geo.heads_of(it, kh, ga, gb);
-          const float* vrows;  // value row 0 of KV head kh, rows vstride apart (MLA: a key row's first Dv values)
-          int64_t vstride;
-          if constexpr (kInPlace) {
-            vrows = shared_kv ? kb + (it.kv0 + kh) * geo.ks2 : vb + (it.kv0 + kh) * geo.vs2;
-            vstride = shared_kv ? geo.ks1 : geo.vs1;
-          } else {
-            const int64_t vw = shared_kv ? D : Dv;
-            vrows = (shared_kv ? ktile.data() : vtile.data()) + kh * vw;
-            vstride = nkv * vw;
-          }
+          // value row 0 of KV head kh, rows vstride apart (MLA: a key row's first Dv values)
+          const TK* vrows = shared_kv ? kb + (it.kv0 + kh) * geo.ks2 : vb + (it.kv0 + kh) * geo.vs2;
+          const int64_t vstride = shared_kv ? geo.ks1 : geo.vs1;
           value_heads(s.data() + ga * ls, ls, vrows, vstride, n, Dv, gb - ga, acc.data() + ga * Dv);
         }
       }
@@ -301,15 +311,18 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
 }  // namespace
 
 // Declared in cpu_kernels.h: checks the shapes, then the AVX512-BF16 path (bf16, D and Dv multiples of 32) or the
-// float32-tile path above.
+// float32-tile path above (also float32 q over a bf16 / fp16 pool).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode_attention: q [B, H, D], "
               "k_cache [NB, bs, Hk, D], v_cache [NB, bs, Hk, Dv] expected");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "paged_decode_attention: the last dimension of q, k_cache and v_cache must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: q, k_cache and v_cache must share a dtype");
+  const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
+  TORCH_CHECK(kt == v_cache.scalar_type() &&
+                  (qt == kt || (qt == at::kFloat && (kt == at::kBFloat16 || kt == at::kHalf))),
+              "paged_decode_attention: q, k_cache and v_cache must share a dtype, or float32 q over a bf16 / fp16 "
+              "pool (k_cache and v_cache alike); got q ", qt, ", k_cache ", kt, ", v_cache ", v_cache.scalar_type());
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode_attention: heads must be a multiple of KV heads");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "paged_decode_attention: q and k_cache head dims differ");
   auto bt = block_tables.to(at::kLong).contiguous();
@@ -322,8 +335,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     return out;
   }
 #endif
-  DISPATCH_F32_BF16(q.scalar_type(), "paged_decode_attention", [&] {
-    decode_attention_impl<scalar_t>(q, k_cache, v_cache, bt, cl, scale, out);
-  });
+  if (qt == at::kBFloat16) {
+    decode_attention_impl<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, bt, cl, scale, out);
+  } else if (kt == at::kBFloat16) {
+    decode_attention_impl<float, c10::BFloat16>(q, k_cache, v_cache, bt, cl, scale, out);
+  } else if (kt == at::kHalf) {
+    decode_attention_impl<float, c10::Half>(q, k_cache, v_cache, bt, cl, scale, out);
+  } else {
+    TORCH_CHECK(qt == at::kFloat, "paged_decode_attention: float32 or bfloat16 q expected, got ", qt);
+    decode_attention_impl<float, float>(q, k_cache, v_cache, bt, cl, scale, out);
+  }
   return out;
 }

@@ -28,7 +28,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         and the softmax weights are rounded to bf16 before the value products, as the eager path does.
 
     Raises:
-        RuntimeError: on shapes or dtypes outside the above (q, k_cache, v_cache must share a dtype).
+        RuntimeError: on shapes or dtypes outside the above (q, k_cache, v_cache share a dtype, or q is float32
+            over a bf16 / fp16 pool: the pool's rows are widened exactly as they are read).
     """
     return build.load().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale))
 
