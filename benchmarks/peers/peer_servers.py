@@ -133,9 +133,10 @@ def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str,
     long_ok = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"} if past_trained_context(model, max_model_len) else {}
     path = model["path"]
     lg = os.path.join(logdir, f"server-{engine}-{model_name}.log")
-    if engine in ("tokenfab", "tokenfab_bf16"):
-        # a model from a GGUF file: tokenfab serves the file (linears packed), tokenfab_bf16 its bf16 folder
-        served = model.get("tokenfab_model", path) if engine == "tokenfab" else path
+    if engine in ("tokenfab", "tokenfab_f16kv", "tokenfab_bf16"):
+        # a model from a GGUF file: tokenfab serves the file (linears packed), tokenfab_bf16 its bf16 folder;
+        # tokenfab_f16kv is tokenfab with an fp16 KV pool (llama-server's default cache type)
+        served = path if engine == "tokenfab_bf16" else model.get("tokenfab_model", path)
         cmd = [os.path.join(REPO, ".venv", "bin", "tokenfab"), "serve", served, "--host", "127.0.0.1", "--port",
                str(port), "--served-model-name", SERVED_NAME, "--dtype", dtype, "--max-model-len",
                str(max_model_len), "--max-num-seqs", str(MAX_SEQS)]
@@ -143,6 +144,8 @@ def server_for(engine: str, p: Paths, model_name: str, model: dict, logdir: str,
             cmd += ["--tokenizer", path]  # the client's tokenizer (the file's own, saved with the bf16 folder)
         if tokenfab_threads:
             cmd += ["--num-threads", str(tokenfab_threads)]
+        if engine == "tokenfab_f16kv":
+            cmd += ["--kv-cache-dtype", "float16"]
         if not os.path.isfile(cmd[0]):
             cmd = [sys.executable, "-m", "tokenfab.cli", *cmd[1:]]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **long_ok)

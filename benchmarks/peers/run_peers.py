@@ -48,7 +48,7 @@ from peer_servers import (MAX_MODEL_LEN, MAX_SEQS, Server, _on_signal,  # noqa: 
 
 THIS = os.path.abspath(__file__)
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "tokenfab", "peers")
-ALL_ENGINES = ("tokenfab", "tokenfab_bf16", "vllm", "llamacpp", "transformers")
+ALL_ENGINES = ("tokenfab", "tokenfab_f16kv", "tokenfab_bf16", "vllm", "llamacpp", "transformers")
 ALL_MODELS = ("deepseek_v3", "llama", "smollm2")  # smollm2: the real model, from its Q4_1 GGUF (not in the default)
 DEFAULT_MODELS = ("deepseek_v3", "llama")
 
@@ -182,8 +182,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cache", default=DEFAULT_CACHE,
                     help=f"Peers' venvs, builds, models, logs. Default {DEFAULT_CACHE}.")
     ap.add_argument("--engines", default="tokenfab,vllm,llamacpp,transformers",
-                    help="Subset of tokenfab,tokenfab_bf16,vllm,llamacpp,transformers (tokenfab_bf16: tokenfab on a "
-                         "GGUF model's dequantized bf16 folder, for models served from a GGUF file).")
+                    help="Subset of tokenfab,tokenfab_f16kv,tokenfab_bf16,vllm,llamacpp,transformers (tokenfab_f16kv: "
+                         "tokenfab with --kv-cache-dtype float16, llama-server's default cache type; tokenfab_bf16: "
+                         "tokenfab on a GGUF model's dequantized bf16 folder, for models served from a GGUF file).")
     ap.add_argument("--models", default=",".join(DEFAULT_MODELS),
                     help="Subset of deepseek_v3,llama,smollm2 (smollm2: SmolLM2-135M-Instruct from its Q4_1 GGUF: "
                          "tokenfab serves the file packed, llama.cpp the same file, tokenfab_bf16 / vLLM / "
