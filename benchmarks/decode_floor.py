@@ -464,7 +464,8 @@ def main() -> int:
              (f"GPU: {result['gpu']} (decode CUDA graphs {'on' if result['decode_graphs'] else 'off'}), host " if
               result["gpu"] else "") +
              f"CPU: {cpu}, {os.cpu_count()} cores, {result['threads']} torch threads, torch {torch.__version__}, "
-             f"dtype {result['dtype']}, KV cache {result.get('kv_cache_dtype', 'auto')}; copy bandwidth {bw / 1e9:.1f} GB/s (read+write, best of 5 at the start"
+             f"dtype {result['dtype']}, KV cache {result.get('kv_cache_dtype', 'auto')}; "
+             f"copy bandwidth {bw / 1e9:.1f} GB/s (read+write, best of 5 at the start"
              + (f", buffers in 2 MiB pages as the weights are; {bw_4k / 1e9:.1f} GB/s in 4 KiB pages" if huge else "")
              + "; each floor uses the median of the copies sampled every 5 steps between its steps)"
              + (f". Weights: {args.load_format} (seeded random, no weight file read)" if args.load_format == "dummy"

