@@ -92,17 +92,23 @@ inline float round_to(float x) { return Cvt<T>::round(x); }
 // exp(x) for float, branch-free so that loops over it vectorize: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p the
 // degree-6 Taylor polynomial (relative error ~2e-7, below float32's own rounding of the result; the callers round
 // to bf16 or compare against 1e-6 tolerances). Inputs are clamped to [-87, 88] (exp underflows to ~1e-38 there).
-inline float exp_approx(float x) {
-  x = std::min(88.0f, std::max(-87.0f, x));
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  float p = 1.0f / 720.0f;
+// exp's degree-6 Taylor polynomial at r, Horner's order, for a float or a GCC vector of floats (V); p holds 1/720
+// in every lane.
+template <typename V>
+inline V exp_taylor6(V r, V p) {
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  return p * r + 1.0f;
+}
+
+inline float exp_approx(float x) {
+  x = std::min(88.0f, std::max(-87.0f, x));
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
+  const float p = exp_taylor6(r, 1.0f / 720.0f);
   const int32_t e = static_cast<int32_t>(n) + 127;
   const uint32_t bits = static_cast<uint32_t>(e) << 23;
   float scale;

@@ -97,13 +97,7 @@ inline vfw exp_w(vfw x) {
   x = x > hi ? hi : x;
   const vfw n = (x * 1.44269504088896341f + magic) - magic;
   const vfw r = (x - n * 0.693145751953125f) - n * 1.428606765330187045e-06f;
-  vfw p = splat(1.0f / 720.0f);
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  const vfw p = exp_taylor6(r, splat(1.0f / 720.0f));
   const viw e = (__builtin_convertvector(n, viw) + 127) << 23;
   vfw scale;
   std::memcpy(&scale, &e, sizeof(e));
