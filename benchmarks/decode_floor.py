@@ -223,7 +223,7 @@ def make_llm(args):
 
     from tokenfab import LLM
     from tokenfab.default_model import ensure_default_model
-    from tokenfab.engine.engine_config import EngineConfig
+    from tokenfab.engine.engine_config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_cache_dtype
     model_dir = args.model or ensure_default_model()
     extra = (2 * args.steps if args.also_eager else 0) + (2 * args.steps if args.also_sync else 0)
     max_len = args.context + args.steps + extra + max(args.profile_steps, 0) + 24
@@ -233,8 +233,8 @@ def make_llm(args):
               load_format=args.load_format, seed=args.seed)
     try:
         from tokenfab.config import load_config
-        kv_size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(
-            args.kv_cache_dtype if args.kv_cache_dtype != "auto" else args.dtype, 2)
+        dtype = resolve_dtype(args.dtype or "auto", resolve_device(args.device))
+        kv_size = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype).itemsize
         per_token = load_config(model_dir).kv_cache_bytes_per_token(kv_size)
     except Exception:  # noqa: BLE001 - sized by the engine as before (it reports what it cannot read)
         per_token = 0

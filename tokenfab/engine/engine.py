@@ -85,10 +85,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    make_policy(config.scheduling_policy, bs))
         self.generator = torch.Generator().manual_seed(config.seed)
+        self.kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # the KV pool's dtype
         self.runner = ModelRunner(loaded.model, self.block_manager, config.max_num_seqs, config.max_model_len,
                                   self.device, self.dtype, Sampler(self.generator), config.enforce_eager,
                                   batch_invariant=config.batch_invariant,
-                                  kv_dtype=resolve_kv_cache_dtype(config.kv_cache_dtype, self.dtype))
+                                  kv_dtype=self.kv_dtype)
         if config.enable_prefix_caching:  # KV blocks shared by content hash (prefix_cache.py)
             from tokenfab.engine.prefix_cache import build_prefix_cache
             if self.runner.has_state and loaded.tp_group is not None:

@@ -274,8 +274,7 @@ def run_server(args: argparse.Namespace) -> int:
               flush=True)
 
     dtype = str(async_llm.engine.dtype).replace("torch.", "")
-    from tokenfab.engine.engine_config import resolve_kv_cache_dtype
-    kv_dtype = str(resolve_kv_cache_dtype(config.kv_cache_dtype, async_llm.engine.dtype)).replace("torch.", "")
+    kv_dtype = str(async_llm.engine.kv_dtype).replace("torch.", "")
     print(f"[tokenfab] engine ready in {time.perf_counter() - t0:.1f} s: model {config.model} as '{name}', "
           f"dtype {dtype}{' (auto)' if config.dtype == 'auto' else ''}, max_model_len {config.max_model_len}, "
           f"{config.num_kv_blocks} KV blocks of {config.block_size} tokens ({kv_dtype}), "

@@ -18,7 +18,6 @@
 #include "cpu_kernels.h"
 #include "paged_attention.h"
 
-
 using namespace tokenfab_cpu;
 
 namespace {
@@ -67,9 +66,8 @@ inline vfw ldk(const c10::Half* p) {
   std::memcpy(&v, &x, sizeof(v));
   return v;
 }
-inline float tof(float x) { return x; }
-inline float tof(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float tof(c10::Half x) { return static_cast<float>(x); }
+template <typename TK>
+inline float tof(TK x) { return static_cast<float>(x); }
 
 inline float hsumw(vfw v) {
 #if defined(__AVX512F__)
@@ -262,7 +260,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
             prefetch_rows(vp + bt[t0 / bs + 1] * geo.vs0 + it.kv0 * geo.vs2, nn, geo.vs1, (nkv - 1) * geo.vs2 + Dv);
         }
         // key row j of KV head kh, read in the pool itself (widened to float in registers)
-        const auto krow = [&](int64_t j, int64_t kh) -> const TK* { return kb + j * geo.ks1 + (it.kv0 + kh) * geo.ks2; };
+        const auto krow = [&](int64_t j, int64_t kh) -> const TK* {
+          return kb + j * geo.ks1 + (it.kv0 + kh) * geo.ks2;
+        };
         for (int64_t kh = 0; kh < nkv; ++kh) {  // scores s[g * ls + j], heads grouped by their KV head
           int64_t ga, gb;
           geo.heads_of(it, kh, ga, gb);
