@@ -132,7 +132,7 @@ def test_kernel_float32_agrees_with_reference_path_closely(name):
 def test_batched_gemv_rows_equal_single_row_bits(name):
     """5..16 rows (K-quants take no AMX path): Q5_K / Q6_K passes (K <= 2048) share one unpacking of each weight
     tile (the operand buffer): every row's output is bit for bit that row's single-row GEMV, within the exact
-    product's bound. (Q4_K passes of 5..8 rows sum in one chain per row instead of four: bounded by
+    product's bound. (Q4_K passes of 5..8 rows sum in two chains per row instead of four: bounded by
     test_kernel_matches_exact_product and below.)"""
     n, k = 40, 512
     raw = random_kblocks(name, n, k, seed=23)
@@ -149,7 +149,7 @@ def test_batched_gemv_rows_equal_single_row_bits(name):
 @needs_kernel
 @pytest.mark.parametrize("name,k", [("Q4_K", 512), ("Q5_K", 2304)])  # Q5_K past the operand buffer's K
 def test_eight_row_passes_within_the_bound(name, k):
-    """Q4_K (any K) and Q5_K past K = 2048 run 5..16 rows in passes of up to 8 rows with one chain per row: each
+    """Q4_K (any K) and Q5_K past K = 2048 run 5..16 rows in passes of up to 8 rows with two chains per row: each
     row within the exact product's bound (bf16 and float32 x), whatever its pass (5, 8, 9, 13, 16 rows)."""
     n = 24
     raw = random_kblocks(name, n, k, seed=29)

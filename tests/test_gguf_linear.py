@@ -213,7 +213,7 @@ def test_gemv_prefetch_distance_changes_no_output_bit(name):
 def test_batched_gemv_rows_equal_single_row_bits():
     """Q8_0 decode batches of 5..16 rows share one unpacking of each weight tile (the operand buffer of the GEMV
     passes): every row's output is bit for bit that row's single-row GEMV. Float32 x always takes the GEMV; bf16 x
-    does except on an AMX path (its 5..16 rows run AMX tiles) or with int8 activations (switched off here). (Q4_0 / Q4_1 passes of 5..8 rows sum in one chain per
+    does except on an AMX path (its 5..16 rows run AMX tiles) or with int8 activations (switched off here). (Q4_0 / Q4_1 passes of 5..8 rows sum in two chains per
     row instead of four: test_kernel_matches_exact_product bounds them.)"""
     name = "Q8_0"
     from tokenfab.kernels.cpu import isa

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -64,12 +65,12 @@ inline void store_rows(const __m512* acc, void* y, int64_t ldy, int64_t t, int64
 // float32 chains, then scaled once: y += (d sc) * sum - (dmin m) * (sum of the sub-block's x) for Q4_K / Q5_K; for
 // Q6_K, chains 0-1 hold k 0..15 and chains 2-3 k 16..31 of the sub-block, each half scaled by its own d * scale.
 //
-// CHAINS = 1 (Q4_K / Q5_K passes of 5..8 rows): one chain per row and sub-block, as gemv_tiles' CHAINS = 1 (the
-// M rows' chains hide the latency; the three adds joining four chains per row and sub-block are saved).
+// CHAINS = 2 (Q4_K / Q5_K passes of 5..8 rows): two chains per row and sub-block (even and odd pairs), as
+// gemv_tiles' CHAINS = 2.
 template <int QT, int M, int S, bool F32OUT, bool BUF = false, int CHAINS = 4>
-void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
-                  void* y, int64_t ldy, int64_t t0, int64_t t1, const __m512i* ops = nullptr) {
-  static_assert(CHAINS == 4 || (CHAINS == 1 && QT != kQ6_K), "Q6_K scales its two halves apart: four chains");
+void gemv_k_tiles(const uint16_t* xp, int64_t ldb, const float* xsum, int64_t K, const uint8_t* w, int64_t N,
+                  const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1, const __m512i* ops = nullptr) {
+  static_assert(CHAINS == 4 || (CHAINS == 2 && QT != kQ6_K), "Q6_K scales its two halves apart: four chains");
   const int64_t KB = K / 256, TB = tile_block_bytes(QT), KB32 = K / QK, pf = prefetch_distance();
   const __m512i tab0 = kq_table(QT, 0), tab1 = kq_table(QT, 1);
   for (int64_t t = t0; t < t1; ++t) {
@@ -79,9 +80,9 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
       const uint8_t* b = w + (t * KB + kb) * TB;
       if (!BUF && pf > 0) prefetch_block(b + pf, TB);
       for (int j = 0; j < 8; ++j) {
-        const uint16_t* xk = xp + kb * 256 + 32 * j;
-        __m512 c[4][M];
-        for (int i = 0; i < 4; ++i)
+        const uint16_t* xk = xp + (kb * 8 + j) * ldb;
+        __m512 c[CHAINS][M];
+        for (int i = 0; i < CHAINS; ++i)
           for (int m = 0; m < M; ++m) c[i][m] = _mm512_setzero_ps();
 #pragma GCC unroll 4
         for (int L = 0; L < 4; ++L) {
@@ -89,11 +90,11 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
           for (int s4 = 0; s4 < 4; ++s4) {
             const __m512i op = BUF ? _mm512_load_si512(ops + kb * 128 + 16 * j + 4 * L + s4)
                                    : kq_operand<QT>(b, j, L, s4, tab0, tab1);
-            const int ch = CHAINS == 1 ? 0 : QT == kQ6_K ? 2 * (L / 2) + (s4 & 1) : s4;
+            const int ch = CHAINS == 2 ? (s4 & 1) : QT == kQ6_K ? 2 * (L / 2) + (s4 & 1) : s4;
             const int p = 4 * L + s4;
             for (int m = 0; m < M; ++m)
               for (int s = 0; s < S; ++s)
-                c[ch][m] = _mm512_dpbf16_ps(c[ch][m], (__m512bh)bcast_pair(xk + (m * S + s) * K + 2 * p), (__m512bh)op);
+                c[ch][m] = _mm512_dpbf16_ps(c[ch][m], (__m512bh)bcast_pair(xk + (m * S + s) * QK + 2 * p), (__m512bh)op);
           }
         }
         if constexpr (QT == kQ6_K) {
@@ -106,7 +107,7 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
           __m512 ds, dm;
           kq_scale_min(b, j, ds, dm);
           for (int m = 0; m < M; ++m) {
-            const __m512 sum = CHAINS == 1 ? c[0][m]
+            const __m512 sum = CHAINS == 2 ? _mm512_add_ps(c[0][m], c[1][m])
                                            : _mm512_add_ps(_mm512_add_ps(c[0][m], c[1][m]), _mm512_add_ps(c[2][m], c[3][m]));
             acc[m] = _mm512_fmadd_ps(sum, ds, acc[m]);
             acc[m] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xsum[m * KB32 + kb * 8 + j]), acc[m]);
@@ -118,17 +119,18 @@ void gemv_k_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_
   }
 }
 
-// Tiles [t0, t1) for M rows of x given as S bf16 parts each (xp [M][S][K], the parts of a row summing to it), with
-// xsum [M][K / 32] the float32 block sums of x (Q4_1 only). Four accumulator chains per row and block (one
-// vdpbf16ps chain of 16 would wait on its latency at M = 1).
+// Tiles [t0, t1) for M rows of x given as S bf16 parts each, the parts of a row summing to it, in x blocks
+// (block_x): the 32 inputs of block kb of row m, part s at xp + kb * ldb + (m * S + s) * 32, so that every x
+// broadcast is one base register plus a constant offset; xsum [M][K / 32] the float32 block sums of x (Q4_1 only).
+// Four accumulator chains per row and block (one vdpbf16ps chain of 16 would wait on its latency at M = 1).
 //
-// CHAINS = 1 (Q4_0 / Q4_1 passes of 5..8 rows): one chain per row, the M rows' chains independent enough to hide the
-// vdpbf16ps latency; it saves the three adds per row and block that four chains cost (at 4 rows of 16 products per
-// block, a quarter of the work beside the products).
+// CHAINS = 2 (Q4_0 / Q4_1 passes of 5..8 rows): two chains per row (even and odd pairs): 2 M chains in flight,
+// enough for two vdpbf16ps a cycle, with one add per row and block to join them (one chain per row left the 8-row
+// pass bound by the vdpbf16ps latency; NOTES 91).
 template <int QT, int M, int S, bool F32OUT, bool BUF = false, int CHAINS = 4>
-void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t* w, int64_t N, const float* bias,
-                void* y, int64_t ldy, int64_t t0, int64_t t1, const __m512i* ops = nullptr) {
-  static_assert(CHAINS == 1 || CHAINS == 4, "one or four accumulator chains per row");
+void gemv_tiles(const uint16_t* xp, int64_t ldb, const float* xsum, int64_t K, const uint8_t* w, int64_t N,
+                const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1, const __m512i* ops = nullptr) {
+  static_assert(CHAINS == 2 || CHAINS == 4, "two or four accumulator chains per row");
   const int64_t KB = K / QK, TB = tile_block_bytes(QT), pf = prefetch_distance();
   const __m512i table = nibble_table(QT);
   for (int64_t t = t0; t < t1; ++t) {
@@ -137,14 +139,14 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
     for (int64_t kb = 0; kb < KB; ++kb) {
       const uint8_t* b = w + (t * KB + kb) * TB;
       if (!BUF && pf > 0) prefetch_block(b + pf, TB);
-      const uint16_t* xk = xp + kb * QK;
+      const uint16_t* xk = xp + kb * ldb;
       __m512 c0[M], c1[M], c2[M], c3[M];
       for (int m = 0; m < M; ++m) c0[m] = c1[m] = c2[m] = c3[m] = _mm512_setzero_ps();
       auto step = [&](int p, __m512i op, __m512* c) {
-        if constexpr (CHAINS == 1) c = c0;
+        if constexpr (CHAINS == 2) c = (p & 1) ? c1 : c0;
         for (int m = 0; m < M; ++m)
           for (int s = 0; s < S; ++s)
-            c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)bcast_pair(xk + (m * S + s) * K + 2 * p), (__m512bh)op);
+            c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)bcast_pair(xk + (m * S + s) * QK + 2 * p), (__m512bh)op);
       };
       if constexpr (BUF) {  // the operands unpack_tile wrote, in the same order and chains as below
         const __m512i* o = ops + kb * 16;
@@ -182,8 +184,9 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
       for (int m = 0; m < M; ++m)
-        acc[m] = _mm512_fmadd_ps(CHAINS == 1 ? c0[m] : _mm512_add_ps(_mm512_add_ps(c0[m], c1[m]),
-                                                                     _mm512_add_ps(c2[m], c3[m])), d, acc[m]);
+        acc[m] = _mm512_fmadd_ps(CHAINS == 2 ? _mm512_add_ps(c0[m], c1[m])
+                                             : _mm512_add_ps(_mm512_add_ps(c0[m], c1[m]), _mm512_add_ps(c2[m], c3[m])),
+                                 d, acc[m]);
       if constexpr (QT == kQ4_1) {
         const __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2 * TN)));
         for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xsum[m * KB + kb]), acc[m]);
@@ -194,21 +197,21 @@ void gemv_tiles(const uint16_t* xp, const float* xsum, int64_t K, const uint8_t*
 }
 
 template <int QT, int S, bool F32OUT, bool BUF = false>
-void gemv_rows4(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+void gemv_rows4(const uint16_t* xp, int64_t ldb, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                 const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1, const __m512i* ops = nullptr) {
   if constexpr (is_kquant(QT)) {
     switch (M) {
-      case 1: gemv_k_tiles<QT, 1, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
-      case 2: gemv_k_tiles<QT, 2, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
-      case 3: gemv_k_tiles<QT, 3, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
-      default: gemv_k_tiles<QT, 4, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      case 1: gemv_k_tiles<QT, 1, S, F32OUT, BUF>(xp, ldb, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      case 2: gemv_k_tiles<QT, 2, S, F32OUT, BUF>(xp, ldb, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      case 3: gemv_k_tiles<QT, 3, S, F32OUT, BUF>(xp, ldb, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      default: gemv_k_tiles<QT, 4, S, F32OUT, BUF>(xp, ldb, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
     }
   } else {
     switch (M) {
-      case 1: gemv_tiles<QT, 1, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
-      case 2: gemv_tiles<QT, 2, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
-      case 3: gemv_tiles<QT, 3, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
-      default: gemv_tiles<QT, 4, S, F32OUT, BUF>(xp, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      case 1: gemv_tiles<QT, 1, S, F32OUT, BUF>(xp, ldb, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      case 2: gemv_tiles<QT, 2, S, F32OUT, BUF>(xp, ldb, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      case 3: gemv_tiles<QT, 3, S, F32OUT, BUF>(xp, ldb, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
+      default: gemv_tiles<QT, 4, S, F32OUT, BUF>(xp, ldb, xsum, K, w, N, bias, y, ldy, t0, t1, ops); break;
     }
   }
 }
@@ -262,15 +265,15 @@ void unpack_tile(const uint8_t* w, int64_t t, int64_t K, __m512i* ops) {
   }
 }
 
-// Q4_0 / Q4_1 / Q4_K / Q5_K passes of 5..8 rows, one accumulator chain per row (and sub-block): gemv_tiles /
-// gemv_k_tiles with CHAINS = 1.
+// Q4_0 / Q4_1 / Q4_K / Q5_K passes of 5..8 rows, two accumulator chains per row (and sub-block): gemv_tiles /
+// gemv_k_tiles with CHAINS = 2.
 template <int QT, int S, bool F32OUT>
-void gemv_rows8(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+void gemv_rows8(const uint16_t* xp, int64_t ldb, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                 const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
   auto pass = [&](auto rows) {
     constexpr int R = decltype(rows)::value;
-    if constexpr (is_kquant(QT)) gemv_k_tiles<QT, R, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1);
-    else gemv_tiles<QT, R, S, F32OUT, false, 1>(xp, xsum, K, w, N, bias, y, ldy, t0, t1);
+    if constexpr (is_kquant(QT)) gemv_k_tiles<QT, R, S, F32OUT, false, 2>(xp, ldb, xsum, K, w, N, bias, y, ldy, t0, t1);
+    else gemv_tiles<QT, R, S, F32OUT, false, 2>(xp, ldb, xsum, K, w, N, bias, y, ldy, t0, t1);
   };
   switch (M) {
     case 5: pass(std::integral_constant<int, 5>{}); break;
@@ -284,7 +287,7 @@ constexpr int64_t kGemvBufferMaxK = 2048;  // operand buffer of a tile: K / 2 x 
 
 // M <= kGemvMaxRows rows. Up to 4: one GEMV pass per tile (four chains per row).
 // 5..16, Q4_0 / Q4_1 / Q4_K (an operand costs a shift and a table lookup) and Q5_K past kGemvBufferMaxK: per tile,
-// passes of up to 8 rows with one chain per row (the tile's bytes come from memory once; the second pass finds them
+// passes of up to 8 rows with two chains per row (the tile's bytes come from memory once; the second pass finds them
 // in L1; NOTES 61, 64).
 // 5..16, Q8_0, Q5_K and Q6_K with K <= kGemvBufferMaxK (an operand costs 4-6 instructions, against 4
 // vdpbf16ps): per tile, its operands are unpacked once into a thread-local buffer (unpack_tile) that passes of up
@@ -292,11 +295,13 @@ constexpr int64_t kGemvBufferMaxK = 2048;  // operand buffer of a tile: K / 2 x 
 // a single-pass GEMV of its row alone gives. Q8_0 and Q6_K with larger K (the buffer would leave L2's fast reach):
 // passes of up to 4 rows that unpack again, the same sums (measured: benchmarks/gguf_linear.py,
 // results/2026-12-05-gguf-gemv-rows.md).
+// xp: the M rows' x blocks (block_x), ldb = M * S * 32; a pass over rows m0.. reads them from xp + m0 * S * 32.
 template <int QT, int S, bool F32OUT>
 void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                const float* bias, void* y, int64_t ldy, int64_t t0, int64_t t1) {
+  const int64_t ldb = M * S * QK;
   if (M <= kGemvRows) {
-    gemv_rows4<QT, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+    gemv_rows4<QT, S, F32OUT>(xp, ldb, xsum, M, K, w, N, bias, y, ldy, t0, t1);
     return;
   }
   const int64_t KB = K / QK;
@@ -307,15 +312,16 @@ void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, cons
   if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ4_K || QT == kQ5_K) {
     if (QT != kQ5_K || K > kGemvBufferMaxK) {
       if (M <= 2 * kGemvRows) {
-        gemv_rows8<QT, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
+        gemv_rows8<QT, S, F32OUT>(xp, ldb, xsum, M, K, w, N, bias, y, ldy, t0, t1);
         return;
       }
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t m0 = 0; m0 < M; m0 += 2 * kGemvRows) {
           const int64_t mr = std::min(2 * kGemvRows, M - m0);
           const float* xs = xsum == nullptr ? nullptr : xsum + m0 * KB;
-          if (mr > kGemvRows) gemv_rows8<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
-          else gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
+          const uint16_t* xm = xp + m0 * S * QK;
+          if (mr > kGemvRows) gemv_rows8<QT, S, F32OUT>(xm, ldb, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
+          else gemv_rows4<QT, S, F32OUT>(xm, ldb, xs, mr, K, w, N, bias, rows_at(m0), ldy, t, t + 1);
         }
       return;
     }
@@ -323,7 +329,7 @@ void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, cons
   if (K > kGemvBufferMaxK) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t m0 = 0; m0 < M; m0 += kGemvRows)
-        gemv_rows4<QT, S, F32OUT>(xp + m0 * S * K, xsum == nullptr ? nullptr : xsum + m0 * KB,
+        gemv_rows4<QT, S, F32OUT>(xp + m0 * S * QK, ldb, xsum == nullptr ? nullptr : xsum + m0 * KB,
                                   std::min(kGemvRows, M - m0), K, w, N, bias, rows_at(m0), ldy, t, t + 1);
     return;
   }
@@ -332,15 +338,27 @@ void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, cons
   for (int64_t t = t0; t < t1; ++t) {
     unpack_tile<QT>(w, t, K, buf.data());
     for (int64_t m0 = 0; m0 < M; m0 += kGemvRows)
-      gemv_rows4<QT, S, F32OUT, true>(xp + m0 * S * K, xsum == nullptr ? nullptr : xsum + m0 * KB,
+      gemv_rows4<QT, S, F32OUT, true>(xp + m0 * S * QK, ldb, xsum == nullptr ? nullptr : xsum + m0 * KB,
                                       std::min(kGemvRows, M - m0), K, w, N, bias, rows_at(m0), ldy, t, t + 1,
                                       buf.data());
   }
 }
 
+// x [M][S][K] (S bf16 parts a row) -> x blocks [K / 32][M][S][32]: what the passes read (gemv_tiles).
+inline std::vector<uint16_t> block_x(const uint16_t* x, int64_t M, int64_t S, int64_t K) {
+  std::vector<uint16_t> xb(M * S * K);
+  const int64_t KB = K / QK;
+  for (int64_t kb = 0; kb < KB; ++kb)
+    for (int64_t r = 0; r < M * S; ++r) std::memcpy(&xb[(kb * M * S + r) * QK], x + r * K + kb * QK, QK * 2);
+  return xb;
+}
+
+// xp: x as [M][S][K] bf16 parts.
 template <int S, bool F32OUT>
-void gemv(int qt, const uint16_t* xp, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+void gemv(int qt, const uint16_t* xp_rows, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
           const float* bias, void* y, int64_t ldy) {
+  const std::vector<uint16_t> xblocks = block_x(xp_rows, M, S, K);
+  const uint16_t* xp = xblocks.data();
   at::parallel_for(0, (N + TN - 1) / TN, 1, [&](int64_t t0, int64_t t1) {
     if (qt == kQ4_0) gemv_rows<kQ4_0, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
     else if (qt == kQ4_1) gemv_rows<kQ4_1, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);

@@ -14,7 +14,8 @@
 //
 // M <= 16 rows (decode batches): a GEMV over tiles, parallel over tiles, in passes of up to 4 rows per tile (5..16
 // rows: the tile unpacked once into a cache-resident operand buffer the passes share; the
-// tile's bytes come from memory once, software-prefetched ahead: prefetch_distance below). bf16 x is used as is;
+// tile's bytes come from memory once, software-prefetched ahead: prefetch_distance below; x re-laid once per call
+// in 32-input blocks, gguf_gemv.h block_x). bf16 x is used as is;
 // float32 x is split into three bf16 parts (x = h + m + l up to 2^-24 relative), each multiplied exactly, so float32
 // activations keep float32 accuracy. With AMX (AMX-BF16, granted by the kernel), bf16 x of 5..16 rows instead runs
 // one TDPBF16PS per GGUF block and 16-row tile of x on the block's integer quants, each block's sum scaled in
@@ -256,15 +257,10 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
 #if defined(TOKENFAB_AMX)
   if (!f32 && !out_f32 && M > kGemvRows && M <= kGemvMaxRows && !is_kquant(static_cast<int>(qtype)) &&
       tokenfab_cpu::amx_ready()) {
-    const int64_t KB = K / QK, lda = x2.stride(0);
+    const int64_t lda = x2.stride(0);
     const auto* xb = reinterpret_cast<const c10::BFloat16*>(x2.data_ptr());
-    std::vector<float> xsum(qtype == kQ4_1 ? ((M + 15) / 16 * 16) * KB : 0, 0.f);
-    for (int64_t m = 0; qtype == kQ4_1 && m < M; ++m)
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        float s = 0.f;
-        for (int64_t k = 0; k < QK; ++k) s += static_cast<float>(xb[m * lda + kb * QK + k]);
-        xsum[m * KB + kb] = s;
-      }
+    std::vector<float> xsum;
+    if (qtype == kQ4_1) block_sums(reinterpret_cast<const uint16_t*>(xb), lda, M, K, (M + 15) / 16 * 16, xsum);
     amx_gemm(static_cast<int>(qtype), reinterpret_cast<const uint16_t*>(xb), lda, xsum.data(), M, K, wp, n, bp,
              reinterpret_cast<uint16_t*>(y.data_ptr()), n);
     return y;
@@ -300,20 +296,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, 
   const at::Tensor parts = tokenfab_cpu::bf16_parts(x2);  // [M, 3, K] for float32 x, else [M, K]
   std::vector<float> xsum;
   if (has_min(static_cast<int>(qtype))) {  // float32 sums of x per 32 inputs (the minimum's factor)
-    const int64_t KB = K / QK;
-    xsum.assign(M * KB, 0.f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t kb = 0; kb < KB; ++kb) {
-        float s = 0.f;
-        if (f32) {
-          const float* xr = x2.data_ptr<float>() + m * x2.stride(0) + kb * QK;
-          for (int64_t k = 0; k < QK; ++k) s += xr[k];
-        } else {
-          const auto* xr = reinterpret_cast<const c10::BFloat16*>(x2.data_ptr()) + m * x2.stride(0) + kb * QK;
-          for (int64_t k = 0; k < QK; ++k) s += static_cast<float>(xr[k]);
-        }
-        xsum[m * KB + kb] = s;
-      }
+    if (f32) block_sums(x2.data_ptr<float>(), x2.stride(0), M, K, M, xsum);
+    else block_sums(reinterpret_cast<const uint16_t*>(x2.data_ptr()), x2.stride(0), M, K, M, xsum);
   }
   const float* sp = xsum.empty() ? nullptr : xsum.data();
   const auto* xp = reinterpret_cast<const uint16_t*>(parts.data_ptr());

@@ -6,7 +6,10 @@
 #include <c10/util/Optional.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "gguf_linear.h"
 
@@ -58,6 +61,27 @@ inline __m512i nibble_table(int qt) {
 }
 
 inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// Q4_1's minimum factor: the float32 sum of each 32 inputs of x [M, K] (row stride ldx; bf16 or float32) into
+// sums [M][K / 32] (sums is resized to at least `rows` x K / 32, zeros past M). One vector add of the block's two
+// halves, then a tree reduction (_mm512_reduce_add_ps): the same order for every row, path and batch.
+template <typename T>
+inline void block_sums(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t rows, std::vector<float>& sums) {
+  const int64_t KB = K / QK;
+  sums.assign(std::max(rows, M) * KB, 0.f);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t kb = 0; kb < KB; ++kb) {
+      const T* xr = x + m * ldx + kb * QK;
+      __m512 v;
+      if constexpr (sizeof(T) == 4) {
+        v = _mm512_add_ps(_mm512_loadu_ps(xr), _mm512_loadu_ps(xr + 16));
+      } else {
+        const __m512i h = _mm512_loadu_si512(xr);
+        v = _mm512_add_ps(bf16_to_f32(_mm512_castsi512_si256(h)), bf16_to_f32(_mm512_extracti64x4_epi64(h, 1)));
+      }
+      sums[m * KB + kb] = _mm512_reduce_add_ps(v);
+    }
+}
 
 // Q8_0 pair operand: 32 int8 quants -> their fp32 values in two halves (lane i of half h: row 8h + i / 2, k = i % 2).
 inline void q8_halves(const int8_t* q, __m512& lo, __m512& hi) {
