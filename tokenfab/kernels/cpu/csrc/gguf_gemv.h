@@ -94,7 +94,8 @@ void gemv_k_tiles(const uint16_t* xp, int64_t ldb, const float* xsum, int64_t K,
             const int p = 4 * L + s4;
             for (int m = 0; m < M; ++m)
               for (int s = 0; s < S; ++s)
-                c[ch][m] = _mm512_dpbf16_ps(c[ch][m], (__m512bh)bcast_pair(xk + (m * S + s) * QK + 2 * p), (__m512bh)op);
+                c[ch][m] = _mm512_dpbf16_ps(c[ch][m], (__m512bh)bcast_pair(xk + (m * S + s) * QK + 2 * p),
+                                            (__m512bh)op);
           }
         }
         if constexpr (QT == kQ6_K) {
@@ -108,7 +109,8 @@ void gemv_k_tiles(const uint16_t* xp, int64_t ldb, const float* xsum, int64_t K,
           kq_scale_min(b, j, ds, dm);
           for (int m = 0; m < M; ++m) {
             const __m512 sum = CHAINS == 2 ? _mm512_add_ps(c[0][m], c[1][m])
-                                           : _mm512_add_ps(_mm512_add_ps(c[0][m], c[1][m]), _mm512_add_ps(c[2][m], c[3][m]));
+                                           : _mm512_add_ps(_mm512_add_ps(c[0][m], c[1][m]),
+                                                           _mm512_add_ps(c[2][m], c[3][m]));
             acc[m] = _mm512_fmadd_ps(sum, ds, acc[m]);
             acc[m] = _mm512_fnmadd_ps(dm, _mm512_set1_ps(xsum[m * KB32 + kb * 8 + j]), acc[m]);
           }
