@@ -346,21 +346,24 @@ void gemv_rows(const uint16_t* xp, const float* xsum, int64_t M, int64_t K, cons
   }
 }
 
-// x [M][S][K] (S bf16 parts a row) -> x blocks [K / 32][M][S][32]: what the passes read (gemv_tiles).
-inline std::vector<uint16_t> block_x(const uint16_t* x, int64_t M, int64_t S, int64_t K) {
-  std::vector<uint16_t> xb(M * S * K);
+// x [M][S][K] (S bf16 parts a row) -> x blocks [K / 32][M][S][32]: what the passes read (gemv_tiles). One row of
+// one part is already in that layout and is returned as is; otherwise the blocks go to this thread's buffer, reused
+// from call to call (a decode step makes hundreds of these calls).
+inline const uint16_t* block_x(const uint16_t* x, int64_t M, int64_t S, int64_t K) {
+  if (M * S == 1) return x;
+  thread_local std::vector<uint16_t> xb;
+  xb.resize(M * S * K);
   const int64_t KB = K / QK;
   for (int64_t kb = 0; kb < KB; ++kb)
     for (int64_t r = 0; r < M * S; ++r) std::memcpy(&xb[(kb * M * S + r) * QK], x + r * K + kb * QK, QK * 2);
-  return xb;
+  return xb.data();
 }
 
 // xp: x as [M][S][K] bf16 parts.
 template <int S, bool F32OUT>
 void gemv(int qt, const uint16_t* xp_rows, const float* xsum, int64_t M, int64_t K, const uint8_t* w, int64_t N,
           const float* bias, void* y, int64_t ldy) {
-  const std::vector<uint16_t> xblocks = block_x(xp_rows, M, S, K);
-  const uint16_t* xp = xblocks.data();
+  const uint16_t* xp = block_x(xp_rows, M, S, K);
   at::parallel_for(0, (N + TN - 1) / TN, 1, [&](int64_t t0, int64_t t1) {
     if (qt == kQ4_0) gemv_rows<kQ4_0, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
     else if (qt == kQ4_1) gemv_rows<kQ4_1, S, F32OUT>(xp, xsum, M, K, w, N, bias, y, ldy, t0, t1);
