@@ -59,20 +59,22 @@ def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return 2 * x.shape[-1] * 2.0 ** -24 * (x.abs().double() @ w.abs().double().T) + 1e-30
 
 
+@pytest.mark.parametrize("H", [160, 2080])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_grouped_linear_matches_float64(dtype, path, monkeypatch):
-    """Segments of 1, 2, 3, 5, 16, 17 and 70 tokens: the GEMV, AMX (bf16, more than 4 rows) and brgemm paths (the
-    AVX2 kernel on CPUs without AVX512-BF16: its GEMV and float32 panels)."""
+def test_grouped_linear_matches_float64(dtype, path, H, monkeypatch):
+    """Segments of 1, 2, 3, 5, 8, 12, 16, 17 and 70 tokens (expert 3 twice): the GEMV, AMX (bf16, more than 4 rows)
+    and brgemm paths (the AVX2 kernel on CPUs without AVX512-BF16: its GEMV and float32 panels). H = 2080 (17 scale
+    blocks, the last 32 wide): the GEMV reads x in several L1-sized K chunks."""
     if path == "torch":
         monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "torch")
     elif not any_kernel():
         pytest.skip("no FP8 expert kernel here (C++ kernels not built)")
-    st, W = gate_up_stack(8, 72, 160, seed=11)
+    st, W = gate_up_stack(8, 72, H, seed=11)
     st.prepare()
     assert (st._kernel or st._avx2) == (path == "kernel")
-    experts, counts = [3, 0, 5, 1, 7, 2, 6], [1, 2, 3, 5, 16, 17, 70]
-    x = torch.randn(sum(counts), 160, generator=torch.Generator().manual_seed(1)).to(dtype)
+    experts, counts = [3, 0, 5, 1, 7, 2, 6, 4, 3], [1, 2, 3, 5, 8, 12, 16, 17, 70]
+    x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(1)).to(dtype)
     y = st.grouped_linear(x, experts, counts)
     assert y.dtype == dtype and y.shape == (sum(counts), 144)
     from tokenfab.kernels.cpu import isa

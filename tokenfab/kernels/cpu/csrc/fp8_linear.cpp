@@ -16,7 +16,8 @@
 // Paths, by rows M of x (never a full-size copy of the weight):
 // - GEMV (bf16 x with M <= 4 where the CPU has AMX, else M <= 12; float32 x with M <= 16): over weight rows, parallel
 //   over rows: R weight rows x M rows of x per pass (R = 4 at M = 1, 2 at M = 2, else 1; independent accumulator
-//   chains), passes of up to 8 rows of x over a weight row that stays in L1.
+//   chains), passes of up to 8 rows of x. Where x outgrows L1 (gemv_tiled) the rows go in tiles of 8, two weight
+//   rows per x load, over K chunks whose x stays in L1 (x relaid once per call by chunk_x).
 // - AMX (bf16 x with M > 4, AMX-BF16 granted): per 16 weight rows converted once to bf16 A tiles, one TDPBF16PS per
 //   32 inputs and 16-row tile of x, each 128-input block's float32 tile scaled in registers (amx_tiles below).
 // - brgemm (bf16 x with M > 12 without AMX, float32 x with M > 16): per 32 weight rows, the thread converts them
@@ -109,14 +110,28 @@ inline void store_one(void* y, int64_t idx, float v) {
   }
 }
 
-// Weight rows [n0, n0 + R) for M rows of x given as S bf16 parts each (xp [M][S][K]); y [M, ldy].
+// Weight rows [n0, n0 + R) for M rows of x over scale blocks [kb0, kb1): xp holds those blocks' inputs of the M rows
+// as S bf16 parts each, [M][S][ldx] from input kb0 * 128 (a chunk of chunk_x's layout, or all of K with ldx = K).
+// Each x load feeds R weight rows. Per block, the exact products go to R * M float32 chains and are scaled once into
+// the rows' accumulators: in registers where R * M <= 8, else in memory (L1) beside the chains. The accumulators
+// start at zero where kb0 == 0, else from accp (vector (r, m) at accp + (r * kGemvPass + m) * 16), and are stored
+// back there where kb1 < KB, else summed into y [M, ldy]. Splitting K this way leaves every sum's order unchanged.
 template <int R, int M, int S, bool F32OUT>
-void gemv_rows(const uint16_t* xp, int64_t K, const uint8_t* w, const float* sc, int64_t KB, const float* bias,
-               void* y, int64_t ldy, int64_t n0, const Lut& L) {
-  __m512 acc[R][M];
+void gemv_rows(const uint16_t* xp, int64_t ldx, int64_t K, const uint8_t* w, const float* sc, int64_t KB,
+               const float* bias, void* y, int64_t ldy, int64_t n0, const Lut& L, int64_t kb0, int64_t kb1,
+               float* accp) {
+  static_assert(M <= kGemvPass, "one pass holds at most kGemvPass rows of x");
+  constexpr bool kRegAcc = R * M <= 8;
+  __m512 acc[kRegAcc ? R : 1][kRegAcc ? M : 1];
+  alignas(64) float accm[kRegAcc ? 16 : R * M * 16];
+  auto acc_at = [&](int r, int m) -> float* { return accm + (r * M + m) * 16; };
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) acc[r][m] = _mm512_setzero_ps();
-  for (int64_t kb = 0; kb < KB; ++kb) {
+    for (int m = 0; m < M; ++m) {
+      const __m512 a0 = kb0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(accp + (r * kGemvPass + m) * 16);
+      if constexpr (kRegAcc) acc[r][m] = a0;
+      else _mm512_store_ps(acc_at(r, m), a0);
+    }
+  for (int64_t kb = kb0; kb < kb1; ++kb) {
     const int64_t k0 = kb * BK, kl = std::min(BK, K - k0);
     __m512 c[R][M];
     for (int r = 0; r < R; ++r)
@@ -126,55 +141,114 @@ void gemv_rows(const uint16_t* xp, int64_t K, const uint8_t* w, const float* sc,
       for (int r = 0; r < R; ++r) wv[r] = e4m3x32(w + (n0 + r) * K + k0 + j, L);
       for (int m = 0; m < M; ++m)
         for (int s = 0; s < S; ++s) {
-          const __m512i xv = _mm512_loadu_si512(xp + (m * S + s) * K + k0 + j);
+          const __m512i xv = _mm512_loadu_si512(xp + (m * S + s) * ldx + k0 - kb0 * BK + j);
           for (int r = 0; r < R; ++r) c[r][m] = _mm512_dpbf16_ps(c[r][m], (__m512bh)xv, (__m512bh)wv[r]);
         }
     }
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_set1_ps(sc[((n0 + r) / BK) * KB + kb]);
-      for (int m = 0; m < M; ++m) acc[r][m] = _mm512_fmadd_ps(c[r][m], s, acc[r][m]);
+      for (int m = 0; m < M; ++m) {
+        if constexpr (kRegAcc) acc[r][m] = _mm512_fmadd_ps(c[r][m], s, acc[r][m]);
+        else _mm512_store_ps(acc_at(r, m), _mm512_fmadd_ps(c[r][m], s, _mm512_load_ps(acc_at(r, m))));
+      }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int m = 0; m < M; ++m) {
-      float v = _mm512_reduce_add_ps(acc[r][m]);
+      __m512 a;
+      if constexpr (kRegAcc) a = acc[r][m];
+      else a = _mm512_load_ps(acc_at(r, m));
+      if (kb1 < KB) {
+        _mm512_store_ps(accp + (r * kGemvPass + m) * 16, a);
+        continue;
+      }
+      float v = _mm512_reduce_add_ps(a);
       if (bias != nullptr) v += bias[n0 + r];
       store_one<F32OUT>(y, m * ldy + n0 + r, v);
     }
 }
 
-template <int S, bool F32OUT>
-void gemv_pass(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* w, const float* sc, int64_t KB,
-               const float* bias, void* y, int64_t ldy, int64_t n, const Lut& L) {
-#define TF_ROWS1(MM) gemv_rows<1, MM, S, F32OUT>(xp, K, w, sc, KB, bias, y, ldy, n, L)
+// One pass of M <= 8 rows of x over R weight rows from n (the template's M chosen at run time).
+template <int R, int S, bool F32OUT>
+void gemv_pass(const uint16_t* xp, int64_t ldx, int64_t M, int64_t K, const uint8_t* w, const float* sc, int64_t KB,
+               const float* bias, void* y, int64_t ldy, int64_t n, const Lut& L, int64_t kb0, int64_t kb1,
+               float* accp) {
+#define TF_ROWS(MM) gemv_rows<R, MM, S, F32OUT>(xp, ldx, K, w, sc, KB, bias, y, ldy, n, L, kb0, kb1, accp)
   switch (M) {
-    case 1: TF_ROWS1(1); break;
-    case 2: TF_ROWS1(2); break;
-    case 3: TF_ROWS1(3); break;
-    case 4: TF_ROWS1(4); break;
-    case 5: TF_ROWS1(5); break;
-    case 6: TF_ROWS1(6); break;
-    case 7: TF_ROWS1(7); break;
-    default: TF_ROWS1(8); break;
+    case 1: TF_ROWS(1); break;
+    case 2: TF_ROWS(2); break;
+    case 3: TF_ROWS(3); break;
+    case 4: TF_ROWS(4); break;
+    case 5: TF_ROWS(5); break;
+    case 6: TF_ROWS(6); break;
+    case 7: TF_ROWS(7); break;
+    default: TF_ROWS(8); break;
   }
-#undef TF_ROWS1
+#undef TF_ROWS
 }
 
-// M <= 16 rows of x, weight rows [r0, r1): R rows at a time where M <= 2, else one row in passes of 8 rows of x.
+// Weight rows per tile of the GEMV's passes; the bytes of x from which the GEMV tiles (about L1: 32 KB on Zen 4,
+// 48 KB on Sapphire Rapids) and the bytes of x one K chunk of a tiled pass spans.
+constexpr int64_t kGemvTileRows = 8, kGemvTiledBytes = 32768, kGemvChunkBytes = 16384;
+static_assert(kGemvMaxRows <= 2 * kGemvPass, "gemv keeps at most two passes of accumulators per tile row");
+
+// Whether the GEMV over M rows of x in S parts tiles: its x outgrows L1 (M * S * K * 2 > kGemvTiledBytes, never for
+// M <= 2). Measured (one thread, [2048, 7168] and [7168, 2048], 4-12 rows): tiled, 7,168 inputs took 0.72-0.8x the
+// untiled time; 2,048 inputs (x within L1 up to 8 rows) took 1.0-1.6x, so those stay untiled.
+inline bool gemv_tiled(int64_t M, int64_t S, int64_t K) { return M > 2 && M * S * K * 2 > kGemvTiledBytes; }
+
+// Scale blocks per K chunk of the GEMV: all of K where it does not tile, else as many whole blocks as keep the
+// chunk's rows of x within kGemvChunkBytes (at least one).
+inline int64_t gemv_chunk_blocks(int64_t M, int64_t S, int64_t K, int64_t KB) {
+  return gemv_tiled(M, S, K) ? std::min(KB, std::max<int64_t>(1, kGemvChunkBytes / (M * S * BK * 2))) : KB;
+}
+
+// x [M][S][K] (bf16 parts) -> the GEMV's chunked layout: per chunk of cb scale blocks (the last may be shorter), its
+// inputs of all M rows contiguous, [M][S][kc] with kc the chunk's inputs; chunk q starts at M * S * q * cb * 128.
+void chunk_x(const uint16_t* x, int64_t M, int64_t S, int64_t K, int64_t cb, uint16_t* out) {
+  for (int64_t k0 = 0; k0 < K; k0 += cb * BK) {
+    const int64_t kc = std::min(cb * BK, K - k0);
+    uint16_t* o = out + M * S * k0;
+    for (int64_t i = 0; i < M * S; ++i) std::memcpy(o + i * kc, x + i * K + k0, kc * sizeof(uint16_t));
+  }
+}
+
+// M <= 16 rows of x, weight rows [r0, r1). xp: x in chunk_x's layout for cb = gemv_chunk_blocks(M, S, K, KB)
+// (where the GEMV does not tile, x itself). M <= 2: R rows at a time over all of K. Else tiles of kGemvTileRows
+// weight rows in passes of up to 8 rows of x. Where x outgrows L1 (gemv_tiled), each pass runs over one K chunk at a
+// time, so every row of the tile reads the chunk of x from L1 instead of streaming all of x from L2 once per weight
+// row (8 rows of x over K = 7168 are 114 KB), and takes two weight rows at a time (each x load feeds both).
 template <int S, bool F32OUT>
 void gemv(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* w, const float* sc, int64_t KB,
           const float* bias, void* y, int64_t ldy, int64_t r0, int64_t r1, const Lut& L) {
   int64_t n = r0;
   if (M == 1)
-    for (; n + 4 <= r1; n += 4) gemv_rows<4, 1, S, F32OUT>(xp, K, w, sc, KB, bias, y, ldy, n, L);
+    for (; n + 4 <= r1; n += 4) gemv_rows<4, 1, S, F32OUT>(xp, K, K, w, sc, KB, bias, y, ldy, n, L, 0, KB, nullptr);
   if (M == 2)
-    for (; n + 2 <= r1; n += 2) gemv_rows<2, 2, S, F32OUT>(xp, K, w, sc, KB, bias, y, ldy, n, L);
-  for (; n < r1; ++n)
-    for (int64_t m0 = 0; m0 < M; m0 += kGemvPass) {
-      void* ym = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m0 * ldy)
-                        : static_cast<void*>(static_cast<c10::BFloat16*>(y) + m0 * ldy);
-      gemv_pass<S, F32OUT>(xp + m0 * S * K, std::min(kGemvPass, M - m0), K, w, sc, KB, bias, ym, ldy, n, L);
+    for (; n + 2 <= r1; n += 2) gemv_rows<2, 2, S, F32OUT>(xp, K, K, w, sc, KB, bias, y, ldy, n, L, 0, KB, nullptr);
+  if (n == r1) return;
+  const int64_t passes = (M + kGemvPass - 1) / kGemvPass, cb = gemv_chunk_blocks(M, S, K, KB);
+  const bool pair = gemv_tiled(M, S, K);
+  alignas(64) float accbuf[2 * kGemvTileRows * kGemvPass * 16];  // [pass][tile row][8 vectors]
+  for (int64_t t0 = n; t0 < r1; t0 += kGemvTileRows) {
+    const int64_t t1 = std::min(r1, t0 + kGemvTileRows);
+    for (int64_t kb0 = 0; kb0 < KB; kb0 += cb) {
+      const int64_t kb1 = std::min(KB, kb0 + cb), kc = std::min(K, kb1 * BK) - kb0 * BK;
+      const uint16_t* xq = xp + M * S * kb0 * BK;
+      for (int64_t p = 0; p < passes; ++p) {
+        const int64_t m0 = p * kGemvPass, mp = std::min(kGemvPass, M - m0);
+        void* ym = F32OUT ? static_cast<void*>(static_cast<float*>(y) + m0 * ldy)
+                          : static_cast<void*>(static_cast<c10::BFloat16*>(y) + m0 * ldy);
+        for (int64_t r = t0; r < t1; r += pair ? 2 : 1) {
+          float* accp = accbuf + (p * kGemvTileRows + (r - t0)) * kGemvPass * 16;
+          if (pair && r + 1 < t1)
+            gemv_pass<2, S, F32OUT>(xq + m0 * S * kc, kc, mp, K, w, sc, KB, bias, ym, ldy, r, L, kb0, kb1, accp);
+          else
+            gemv_pass<1, S, F32OUT>(xq + m0 * S * kc, kc, mp, K, w, sc, KB, bias, ym, ldy, r, L, kb0, kb1, accp);
+        }
+      }
     }
+  }
 }
 
 // Rows [32 nb, 32 nb + 32) of the weight (rows past n are zero) -> float32 [K][32], the exact e4m3 values (F32W), or
@@ -358,7 +432,7 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
   const float* bp = tokenfab_cpu::float_bias(bias, N, "fp8_block_linear", bf);
 #if defined(__AVX512BF16__)
   static const Lut lut;
-  const bool f32 = x.scalar_type() == at::kFloat;
+    const bool f32 = x.scalar_type() == at::kFloat;
   const auto* wp = w.data_ptr<uint8_t>();
   const float* sp = scale_inv.data_ptr<float>();
 #if defined(TOKENFAB_AMX)
@@ -378,7 +452,14 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
                         reinterpret_cast<uint16_t*>(y.data_ptr()), N, lut);
     return y;
   }
-  const at::Tensor parts = tokenfab_cpu::bf16_parts(x2);  // [M, 3, K] for float32 x, else [M, K]
+  at::Tensor parts = tokenfab_cpu::bf16_parts(x2);  // [M, 3, K] for float32 x, else [M, K]
+  const int64_t S = f32 ? 3 : 1, cb = gemv_chunk_blocks(M, S, K, KB);
+  if (cb < KB) {  // the GEMV's chunked layout of x
+    auto chunked = at::empty_like(parts);
+    chunk_x(reinterpret_cast<const uint16_t*>(parts.data_ptr()), M, S, K, cb,
+            reinterpret_cast<uint16_t*>(chunked.data_ptr()));
+    parts = chunked;
+  }
   const auto* xp = reinterpret_cast<const uint16_t*>(parts.data_ptr());
   void* yp = y.data_ptr();
   const int64_t grain = M == 1 ? 16 : 4;  // rows per task (the R = 4 passes need whole groups of 4)
@@ -408,7 +489,7 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
   if (N == 0 || A == 0) return y;
 #if defined(__AVX512BF16__)
   static const Lut lut;
-  const bool f32 = x.scalar_type() == at::kFloat;
+    const bool f32 = x.scalar_type() == at::kFloat;
   const auto xc = x.contiguous();
   const auto* wbase = w.data_ptr<uint8_t>();
   const float* sbase = scale.data_ptr<float>();
@@ -436,6 +517,19 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
       xs = at::stack({h, mid, (r - mid.to(at::kFloat)).to(at::kBFloat16)}, 1).contiguous();
     } else {
       xs = xc;
+    }
+    const int64_t S = f32 ? 3 : 1;
+    bool chunked = false;  // each segment's rows in the GEMV's chunked layout, in place of its rows of xs
+    for (const int64_t a : small) chunked |= gemv_chunk_blocks(op[a + 1] - op[a], S, K, KB) < KB;
+    if (chunked) {
+      auto xl = xs.clone();
+      for (const int64_t a : small) {
+        const int64_t M = op[a + 1] - op[a], cb = gemv_chunk_blocks(M, S, K, KB);
+        if (cb < KB)
+          chunk_x(reinterpret_cast<const uint16_t*>(xs.data_ptr()) + op[a] * S * K, M, S, K, cb,
+                  reinterpret_cast<uint16_t*>(xl.data_ptr()) + op[a] * S * K);
+      }
+      xs = xl;
     }
     const auto* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
     constexpr int64_t kRows = 16;  // weight rows per work item (whole groups of 4 for the M = 1 passes)
