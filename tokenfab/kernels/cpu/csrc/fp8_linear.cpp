@@ -14,17 +14,17 @@
 // (x = h + m + l up to 2^-24 relative), each multiplied exactly, so float32 activations keep float32 accuracy.
 //
 // Paths, by rows M of x (never a full-size copy of the weight):
-// - GEMV (bf16 x with M <= 4 where the CPU has AMX, else M <= 12; float32 x with M <= 16): over weight rows, parallel
-//   over rows: R weight rows x M rows of x per pass (R = 4 at M = 1, 2 at M = 2, else 1; independent accumulator
-//   chains), passes of up to 8 rows of x. Where x outgrows L1 (gemv_tiled) the rows go in tiles of 8, two weight
-//   rows per x load, over K chunks whose x stays in L1 (x relaid once per call by chunk_x).
+// - GEMV (bf16 x with M <= 4 where the CPU has AMX, else M <= 8, or 12 for K >= 4096; float32 x with M <= 16): over
+//   weight rows, parallel over rows: R weight rows x M rows of x per pass (R = 4 at M = 1, 2 at M = 2, else 1;
+//   independent accumulator chains), passes of up to 8 rows of x. Where x outgrows L1 (gemv_tiled) the rows go in
+//   tiles of 8, two weight rows per x load, over K chunks whose x stays in L1 (x relaid once per call by chunk_x).
 // - AMX (bf16 x with M > 4, AMX-BF16 granted): per 16 weight rows converted once to bf16 A tiles, one TDPBF16PS per
 //   32 inputs and 16-row tile of x, each 128-input block's float32 tile scaled in registers (amx_tiles below).
-// - brgemm (bf16 x with M > 12 without AMX, float32 x with M > 16): per 32 weight rows, the thread converts them
-//   once into a small thread-local buffer that stays in cache and runs oneDNN's brgemm over 64-row tiles of x.
+// - brgemm (bf16 x past the GEMV's rows without AMX, float32 x with M > 16): per 32 weight rows, the thread converts
+//   them once into a small thread-local buffer that stays in cache and runs oneDNN's brgemm over 64-row tiles of x.
 //   bf16 x: bf16 VNNI pairs [K / 2, 32, 2] of each value times its scale_inv, rounded once to bf16 (the dequantized
-//   bf16 twin's weight), in one brgemm over all of K, as a bf16 GEMM runs. float32 x: the exact e4m3 values as float32 [K, 32], one brgemm
-//   per 128-input block, each block's [64, 32] sums scaled by its scale_inv.
+//   bf16 twin's weight), in one brgemm over all of K, as a bf16 GEMM runs. float32 x: the exact e4m3 values as
+//   float32 [K, 32], one brgemm per 128-input block, each block's [64, 32] sums scaled by its scale_inv.
 #include "fp8_linear.h"
 #include "registrations.h"
 
@@ -48,12 +48,17 @@ namespace {
 
 constexpr int64_t BK = kFp8Block;
 constexpr int64_t kGemvMaxRows = 16, kGemvPass = 8, kTileM = 64;
-// bf16 x without AMX: the GEMV up to this many rows, brgemm beyond. Measured (benchmarks/fp8_linear.py and
-// packed_experts.py, 6-16 rows, 2 threads, both thresholds alternated twice): at 13-16 rows brgemm took 0.7-0.9x the
-// GEMV's time on [7168, 2048] and expert shapes (two GEMV passes of 8 rows convert each weight row twice), within
-// ~10% either way on [2048, 7168]; at 6-8 rows the GEMV took 0.7-0.9x brgemm's.
-constexpr int64_t kGemvMaxRowsBf16 = 12;
-inline int64_t gemv_max_rows(bool f32) { return f32 ? kGemvMaxRows : kGemvMaxRowsBf16; }
+// bf16 x without AMX: the GEMV up to kGemvMaxRowsBf16 rows (kGemvMaxRowsBf16Wide where K >= kGemvWideK), brgemm
+// beyond. Measured (benchmarks/fp8_linear.py and packed_experts.py, 2 threads, thresholds alternated twice): at 13-16
+// rows brgemm took 0.7-0.9x the GEMV's time on [7168, 2048] and expert shapes, within ~10% either way on [2048,
+// 7168]; at 6-8 rows the GEMV took 0.7-0.9x brgemm's. At 9-12 rows (2026-12-07, Zen 4, the GEMV tiled where x
+// outgrows L1): on [7168, 2048] brgemm took 1.02-1.49x bf16's time against the GEMV's 1.73-2.26x (two passes of
+// x convert each weight row twice, and K = 2048 does not tile well); on [2048, 7168] the GEMV 1.12-1.29x against
+// brgemm's 1.36-1.58x.
+constexpr int64_t kGemvMaxRowsBf16 = 8, kGemvMaxRowsBf16Wide = 12, kGemvWideK = 4096;
+inline int64_t gemv_max_rows(bool f32, int64_t K) {
+  return f32 ? kGemvMaxRows : K >= kGemvWideK ? kGemvMaxRowsBf16Wide : kGemvMaxRowsBf16;
+}
 
 // bf16 bits of the e4m3fn magnitude code c (0..127): e = c >> 3, m = c & 7; e == 0: m 2^-9, else (1 + m / 8) 2^(e - 7);
 // c == 127: NaN. Exact (at most 4 significant bits).
@@ -446,7 +451,7 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
     return y;
   }
 #endif
-  if (M > gemv_max_rows(f32)) {
+  if (M > gemv_max_rows(f32, K)) {
     if (f32) gemm<float>(x2.data_ptr<float>(), M, x2.stride(0), K, wp, sp, N, bp, y.data_ptr<float>(), N, lut);
     else gemm<uint16_t>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0), K, wp, sp, N, bp,
                         reinterpret_cast<uint16_t*>(y.data_ptr()), N, lut);
@@ -508,7 +513,7 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
   for (int64_t a = 0; a < A; ++a) {
     const int64_t M = op[a + 1] - op[a];
     if (M == 0) continue;
-    (M > (amx ? 4 : gemv_max_rows(f32)) ? large : small).push_back(a);  // as fp8_block_linear (kAmxMinRows)
+    (M > (amx ? 4 : gemv_max_rows(f32, K)) ? large : small).push_back(a);  // as fp8_block_linear (kAmxMinRows)
   }
   if (!small.empty()) {
     at::Tensor xs;
@@ -590,8 +595,8 @@ void register_fp8_linear(pybind11::module_& m) {
         "FMA: CPUs without AVX512-BF16)", pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"),
         pybind11::arg("experts"), pybind11::arg("offsets"), pybind11::arg("part_rows"));
   m.def("fp8_gemv_max_rows", &gemv_max_rows,
-        "rows of x up to which the FP8 kernels run their GEMV without AMX (float32 x: True, bf16 x: False)",
-        pybind11::arg("f32"));
+        "rows of x up to which the FP8 kernels run their GEMV without AMX (float32 x: True, bf16 x: False) for K "
+        "inputs", pybind11::arg("f32"), pybind11::arg("K"));
   m.def("fp8_experts_linear", &fp8_experts_linear,
         "grouped x W_e^T over routed experts kept as FP8 e4m3 block-scaled bytes (CPU, AVX512-BF16)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("experts"),

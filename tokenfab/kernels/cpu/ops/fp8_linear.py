@@ -56,9 +56,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     Returns:
         [..., n] in x's dtype: per 128-input block the exact products of x and the e4m3 values summed in float32,
         scaled once by the block's scale_inv, + bias, one rounding per output. Float32 x is split into three bf16
-        parts, so it keeps float32 accuracy. Up to :func:`fp8_gemv_max_rows` rows (16 float32, 12 bf16) run a GEMV
-        that streams the FP8 bytes once (decode); on CPUs with AMX, bf16 x of more than 4 rows runs AMX tile
-        products on 16 converted weight rows at a time; else more rows convert 32 weight rows at a time into a
+        parts, so it keeps float32 accuracy. Up to :func:`fp8_gemv_max_rows` rows (16 float32, 8 or 12 bf16 by K)
+        run a GEMV that streams the FP8 bytes once (decode); on CPUs with AMX, bf16 x of more than 4 rows runs AMX
+        tile products on 16 converted weight rows at a time; else more rows convert 32 weight rows at a time into a
         thread-local buffer for oneDNN's brgemm (bf16 x: each weight rounded once to bf16, the bf16 twin's).
         benchmarks/fp8_linear.py measures the GEMV against :func:`vnni_linear`.
 
@@ -69,11 +69,12 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     return build.load().fp8_block_linear(x, weight.view(torch.uint8), scale_inv, bias)
 
 
-def fp8_gemv_max_rows(dtype: torch.dtype) -> int:
+def fp8_gemv_max_rows(dtype: torch.dtype, k: int) -> int:
     """Rows of x up to which :func:`fp8_block_linear` and :func:`fp8_experts_linear` run their GEMV on a CPU without
-    AMX (float32 x: the exact e4m3 values, scaled per block; beyond: brgemm); bf16 x past it multiplies each weight
-    rounded once to bf16, as the dequantized bf16 twin holds it. The kernels' own constant (fp8_linear.cpp)."""
-    return int(build.load().fp8_gemv_max_rows(dtype == torch.float32))
+    AMX for ``k`` inputs (float32 x: 16; bf16 x: 8, or 12 where k >= 4096; the exact e4m3 values, scaled per block;
+    beyond: brgemm); bf16 x past it multiplies each weight rounded once to bf16, as the dequantized bf16 twin holds
+    it. The kernels' own rule (fp8_linear.cpp ``gemv_max_rows``)."""
+    return int(build.load().fp8_gemv_max_rows(dtype == torch.float32, int(k)))
 
 
 def fp8_experts_applies() -> bool:
