@@ -238,10 +238,16 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t n = std::min(bs, L - t0), npair = (n + 1) / 2;
         const uint16_t* kb = kp + bt[t0 / bs] * geo.ks0;
         const uint16_t* vb = vp + bt[t0 / bs] * geo.vs0;
-        if (t0 + bs < t_end) {
-          const int64_t nn = std::min(bs, L - t0 - bs);
-          prefetch_rows(kp + bt[t0 / bs + 1] * geo.ks0 + it.kv0 * geo.ks2, nn, geo.ks1, (it.nkv - 1) * geo.ks2 + D);
-          if (vp != kp) prefetch_rows(vp + bt[t0 / bs + 1] * geo.vs0 + it.kv0 * geo.vs2, nn, geo.vs1, (it.nkv - 1) * geo.vs2 + Dv);
+        // the next block's K/V rows, prefetched: per KV head as each head's turn comes on the 16-row path (a
+        // burst of all heads' rows at once stalled the loads of the current block: 8-9.6 against 10-12.6 GB/s from
+        // a shuffled 490 MB pool on one thread, 14-16 against 17-23 on two, NOTES.md entry 94), else at once
+        const bool pf = t0 + bs < t_end;
+        const int64_t nn = pf ? std::min(bs, L - t0 - bs) : 0;
+        const uint16_t* kn = pf ? kp + bt[t0 / bs + 1] * geo.ks0 : nullptr;
+        const uint16_t* vn = pf ? vp + bt[t0 / bs + 1] * geo.vs0 : nullptr;
+        if (pf && bs != 16) {
+          prefetch_rows(kn + it.kv0 * geo.ks2, nn, geo.ks1, (it.nkv - 1) * geo.ks2 + D);
+          if (vp != kp) prefetch_rows(vn + it.kv0 * geo.vs2, nn, geo.vs1, (it.nkv - 1) * geo.vs2 + Dv);
         }
         if (bs == 16) {  // one vector per head and block: scores, online softmax and bf16 weights in 16 lanes
           const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
@@ -249,6 +255,10 @@ void decode_attention_bf16(const at::Tensor& q, const at::Tensor& k_cache, const
             int64_t ga, gb;
             geo.heads_of(it, kh, ga, gb);
             const uint16_t* kk = kb + (it.kv0 + kh) * geo.ks2;
+            if (pf) {
+              prefetch_rows(kn + (it.kv0 + kh) * geo.ks2, nn, geo.ks1, D);
+              if (vp != kp) prefetch_rows(vn + (it.kv0 + kh) * geo.vs2, nn, geo.vs1, Dv);
+            }
             if (D >= 256) {  // wide rows (MLA's 576): key rows loaded once per 4 heads, one transposing reduction
               for (int64_t g0 = ga; g0 < gb; g0 += 4)
                 scores16_heads_bf16(qr.data() + g0 * D, D, kk, geo.ks1, std::min<int64_t>(4, gb - g0), fscale,
