@@ -253,12 +253,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         const int64_t n = std::min(bs, L - t0);
         const TK* kb = kp + bt[t0 / bs] * geo.ks0;
         const TK* vb = vp + bt[t0 / bs] * geo.vs0;
-        if (t0 + bs < L) {  // the next block is somewhere else in the pool
-          const int64_t nn = std::min(bs, L - t0 - bs);
-          prefetch_rows(kp + bt[t0 / bs + 1] * geo.ks0 + it.kv0 * geo.ks2, nn, geo.ks1, (nkv - 1) * geo.ks2 + D);
-          if (!shared_kv)
-            prefetch_rows(vp + bt[t0 / bs + 1] * geo.vs0 + it.kv0 * geo.vs2, nn, geo.vs1, (nkv - 1) * geo.vs2 + Dv);
-        }
+        // the next block is somewhere else in the pool: its rows are prefetched per KV head, K as that head's
+        // scores start and V as its value products start (as the bf16 kernel, NOTES.md entry 94)
+        const bool pf = t0 + bs < L;
+        const int64_t nn = pf ? std::min(bs, L - t0 - bs) : 0;
+        const TK* kn = pf ? kp + bt[t0 / bs + 1] * geo.ks0 : nullptr;
+        const TK* vn = pf ? vp + bt[t0 / bs + 1] * geo.vs0 : nullptr;
         // key row j of KV head kh, read in the pool itself (widened to float in registers)
         const auto krow = [&](int64_t j, int64_t kh) -> const TK* {
           return kb + j * geo.ks1 + (it.kv0 + kh) * geo.ks2;
@@ -266,6 +266,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
         for (int64_t kh = 0; kh < nkv; ++kh) {  // scores s[g * ls + j], heads grouped by their KV head
           int64_t ga, gb;
           geo.heads_of(it, kh, ga, gb);
+          if (pf) prefetch_rows(kn + (it.kv0 + kh) * geo.ks2, nn, geo.ks1, D);
           int64_t j = 0;
           for (; j + 2 <= n; j += 2) {
             krows[0] = krow(j, kh);
@@ -290,6 +291,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
           // value row 0 of KV head kh, rows vstride apart (MLA: a key row's first Dv values)
           const TK* vrows = shared_kv ? kb + (it.kv0 + kh) * geo.ks2 : vb + (it.kv0 + kh) * geo.vs2;
           const int64_t vstride = shared_kv ? geo.ks1 : geo.vs1;
+          if (pf && !shared_kv) prefetch_rows(vn + (it.kv0 + kh) * geo.vs2, nn, geo.vs1, Dv);
           value_heads(s.data() + ga * ls, ls, vrows, vstride, n, Dv, gb - ga, acc.data() + ga * Dv);
         }
       }
