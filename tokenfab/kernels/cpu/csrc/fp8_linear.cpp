@@ -198,7 +198,7 @@ constexpr int64_t kGemvTileRows = 8, kGemvTiledBytes = 32768, kGemvChunkBytes = 
 static_assert(kGemvMaxRows <= 2 * kGemvPass, "gemv keeps at most two passes of accumulators per tile row");
 
 // Whether the GEMV over M rows of x in S parts tiles: its x outgrows L1 (M * S * K * 2 > kGemvTiledBytes, never for
-// M <= 2). Measured (one thread, [2048, 7168] and [7168, 2048], 4-12 rows): tiled, 7,168 inputs took 0.72-0.8x the
+// M <= 2). Measured (one thread, [2048, 7168] and [7168, 2048], 4-12 rows): tiled, 7,168 inputs took 0.69-0.87x the
 // untiled time; 2,048 inputs (x within L1 up to 8 rows) took 1.0-1.6x, so those stay untiled.
 inline bool gemv_tiled(int64_t M, int64_t S, int64_t K) { return M > 2 && M * S * K * 2 > kGemvTiledBytes; }
 
