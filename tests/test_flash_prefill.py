@@ -99,9 +99,8 @@ def test_kernel_matches_float64_causal_attention(seqs, H, Hk, D, Dv, values):
 def test_applies_only_on_its_path():
     q = torch.zeros(1, 2, 3, 8)
     with_amx = flash_prefill._amx()
-    from tokenfab.kernels.cpu import isa
-    # float32: PyTorch's kernel on the AMX path and at the avx2 level (where it measured faster than the fused path)
-    assert flash_prefill.applies(q, q, q) == (isa.selected_level() in ("amx", "avx2"))
+    # float32: PyTorch's kernel on every path (measured faster than the fused path on each CPU family)
+    assert flash_prefill.applies(q, q, q)
     qb = q.bfloat16()
     assert flash_prefill.applies(qb, qb, qb) == (with_amx or dispatch.flash_prefill_applies(qb, qb, qb))
     assert not flash_prefill.applies(q, q, torch.zeros(1, 2, 3, 9))  # values wider than keys
