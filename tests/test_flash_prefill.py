@@ -99,8 +99,14 @@ def test_kernel_matches_float64_causal_attention(seqs, H, Hk, D, Dv, values):
 def test_applies_only_on_its_path():
     q = torch.zeros(1, 2, 3, 8)
     with_amx = flash_prefill._amx()
-    # float32: PyTorch's kernel on every path (measured faster than the fused path on each CPU family)
-    assert flash_prefill.applies(q, q, q)
+    from tokenfab.kernels.cpu import isa
+    # float32: PyTorch's kernel on the AMX path and at the avx2 level; at the avx512_bf16 level from
+    # FLOAT32_FLASH_MIN_KEYS keys (where each measured faster than the fused path)
+    assert flash_prefill.applies(q, q, q) == (isa.selected_level() in ("amx", "avx2"))
+    long_k = torch.zeros(1, 2, flash_prefill.FLOAT32_FLASH_MIN_KEYS, 8)
+    assert flash_prefill.applies(q, long_k, long_k)
+    short_k = long_k[:, :, 1:]
+    assert flash_prefill.applies(q, short_k, short_k) == (isa.selected_level() in ("amx", "avx2"))
     qb = q.bfloat16()
     assert flash_prefill.applies(qb, qb, qb) == (with_amx or dispatch.flash_prefill_applies(qb, qb, qb))
     assert not flash_prefill.applies(q, q, torch.zeros(1, 2, 3, 9))  # values wider than keys

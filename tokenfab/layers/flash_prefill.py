@@ -43,20 +43,35 @@ def _amx() -> bool:
     return cpu_isa.selected_level() == "amx"
 
 
+@functools.lru_cache(maxsize=1)
+def _avx2() -> bool:
+    return cpu_isa.selected_level() == "avx2"
+
+
+# float32 on AVX512 without AMX: PyTorch's flash kernel from this many keys (shorter: the fused path, measured faster)
+FLOAT32_FLASH_MIN_KEYS = 1024
+
+
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True where a flash kernel is the fastest prefill attention: CPU tensors of one dtype, float32 or bfloat16,
-    values no wider than the keys, and on the AMX path (PyTorch's kernel), float32 on every path (PyTorch's
-    kernel) or, without AMX, bf16 that tokenfab's kernel runs. Measured one thread, SmolLM2's shapes: on a Xeon with
-    AMX PyTorch's flash call took 0.21-0.31x the GEMM + fused-softmax path's time for a 1,024-token prompt
-    (benchmarks/results/2026-12-02-prefill-vs-peers-profile.md); on an AMD EPYC without AMX it took 1.16-1.98x in
-    bf16, and tokenfab's kernel 0.47-0.82x (benchmarks/results/2026-12-05-prefill-attention.md); in float32 it took
-    0.51-0.85x on an AMD EPYC without AVX512 (benchmarks/results/2026-12-06-prefill-attention-avx2-f32.md) and
-    0.64-0.69x from 1,024 tokens on one with AVX512-BF16 (1.11x on a lone 512-token prompt, 0.8 ms;
-    benchmarks/results/2026-12-07-prefill-attention-avx512-f32.md). bf16 at the avx2 level keeps the fused path."""
+    """True where a flash kernel is the fastest prefill attention: CPU tensors of one dtype, float32 or bfloat16
+    (q [B, H, Q, D], k [B, Hk, L, D], v [B, Hk, L, Dv]), values no wider than the keys, and on the AMX path
+    (PyTorch's kernel), float32 at the ``avx2`` level or with at least FLOAT32_FLASH_MIN_KEYS keys at the
+    ``avx512_bf16`` level (PyTorch's kernel), or, without AMX, bf16 that tokenfab's kernel runs. Measured one
+    thread, SmolLM2's shapes: on a Xeon with AMX PyTorch's flash call took 0.21-0.31x the GEMM + fused-softmax
+    path's time for a 1,024-token prompt (benchmarks/results/2026-12-02-prefill-vs-peers-profile.md); on an AMD EPYC
+    without AMX it took 1.16-1.98x in bf16, and tokenfab's kernel 0.47-0.82x
+    (benchmarks/results/2026-12-05-prefill-attention.md); in float32 it took 0.51-0.85x on an AMD EPYC without
+    AVX512 (benchmarks/results/2026-12-06-prefill-attention-avx2-f32.md) and, on one with AVX512-BF16, 0.64-0.69x
+    from 1,024 keys but 1.11x on a lone 512-token prompt
+    (benchmarks/results/2026-12-07-prefill-attention-avx512-f32.md). bf16 at the avx2 level keeps the fused path."""
     if not (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
             and v.dtype == q.dtype and v.shape[-1] <= q.shape[-1]):
         return False
-    return _amx() or q.dtype == torch.float32 or dispatch.flash_prefill_applies(q, k, v)
+    if _amx():
+        return True
+    if q.dtype == torch.float32:
+        return _avx2() or k.shape[-2] >= FLOAT32_FLASH_MIN_KEYS
+    return dispatch.flash_prefill_applies(q, k, v)
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, mask: torch.Tensor | None,
