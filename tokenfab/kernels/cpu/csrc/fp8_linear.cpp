@@ -210,6 +210,7 @@ inline int64_t gemv_chunk_blocks(int64_t M, int64_t S, int64_t K, int64_t KB) {
 
 // x [M][S][K] (bf16 parts) -> the GEMV's chunked layout: per chunk of cb scale blocks (the last may be shorter), its
 // inputs of all M rows contiguous, [M][S][kc] with kc the chunk's inputs; chunk q starts at M * S * q * cb * 128.
+// With cb covering all of K (an untiled GEMV) that is x as it is, copied.
 void chunk_x(const uint16_t* x, int64_t M, int64_t S, int64_t K, int64_t cb, uint16_t* out) {
   for (int64_t k0 = 0; k0 < K; k0 += cb * BK) {
     const int64_t kc = std::min(cb * BK, K - k0);
@@ -524,15 +525,15 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
       xs = xc;
     }
     const int64_t S = f32 ? 3 : 1;
-    bool chunked = false;  // each segment's rows in the GEMV's chunked layout, in place of its rows of xs
+    bool chunked = false;  // the GEMV segments' rows in its chunked layout (the GEMM segments read xc, not these)
     for (const int64_t a : small) chunked |= gemv_chunk_blocks(op[a + 1] - op[a], S, K, KB) < KB;
     if (chunked) {
-      auto xl = xs.clone();
+      auto xl = at::empty_like(xs);
+      const auto* src = reinterpret_cast<const uint16_t*>(xs.data_ptr());
+      auto* dst = reinterpret_cast<uint16_t*>(xl.data_ptr());
       for (const int64_t a : small) {
-        const int64_t M = op[a + 1] - op[a], cb = gemv_chunk_blocks(M, S, K, KB);
-        if (cb < KB)
-          chunk_x(reinterpret_cast<const uint16_t*>(xs.data_ptr()) + op[a] * S * K, M, S, K, cb,
-                  reinterpret_cast<uint16_t*>(xl.data_ptr()) + op[a] * S * K);
+        const int64_t M = op[a + 1] - op[a];
+        chunk_x(src + op[a] * S * K, M, S, K, gemv_chunk_blocks(M, S, K, KB), dst + op[a] * S * K);
       }
       xs = xl;
     }
