@@ -54,6 +54,29 @@ def test_dequantize_is_the_published_formula_per_part():
         st.load_part(0, 0, "weight_packed", torch.zeros(200, 20, dtype=torch.int32), "w.weight_packed")
 
 
+@kernel
+def test_tile_layout_round_trip_and_dequantize():
+    """The tile relayout against its definition (fp8_tiles.h: per 16 rows and 4 inputs, 64 bytes whose word 2j + e
+    holds row j's code at 4q + e in its low byte, at 4q + 2 + e in its high byte), back exactly, and
+    dequantize_rows of a tiled stack equal to the formula across tile, block and part boundaries."""
+    st, W = gate_up_stack(2, 208, 160, seed=21)
+    before = st.packed.clone()
+    t = before.clone()
+    cpu_fp8.fp8_experts_relayout(t, True)
+    w = before[1, 32:48].reshape(16, 40, 2, 2)  # tile 2 of expert 1: [row j, quad q, half h, e]
+    assert torch.equal(t[1, 32:48].reshape(-1), w.permute(1, 0, 3, 2).reshape(-1))  # [q][j][e][h]
+    cpu_fp8.fp8_experts_relayout(t, False)
+    assert torch.equal(t, before)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu_fp8.fp8_experts_relayout(before[:, :40].contiguous(), True)
+    if not (cpu_fp8.fp8_experts_applies() and cpu_fp8.fp8_experts_tiles_preferred()):
+        pytest.skip("this CPU keeps FP8 expert stacks row-major")
+    st.prepare()
+    assert st.cpu_tiles and not torch.equal(st.packed, before)
+    assert torch.equal(st.dequantize_expert(1), W[1])
+    assert torch.equal(st.dequantize_rows(0, 7, 300), W[0, 7:300])  # partial tiles, across the gate / up boundary
+
+
 def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Two float32 sums of the same exact products in different orders differ by at most 2 K 2^-24 sum |x W|."""
     return 2 * x.shape[-1] * 2.0 ** -24 * (x.abs().double() @ w.abs().double().T) + 1e-30
@@ -61,29 +84,33 @@ def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("H", [160, 2080])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("path", ["kernel", "tiles", "torch"])
 def test_grouped_linear_matches_float64(dtype, path, H, monkeypatch):
     """Segments of 1, 2, 3, 5, 8, 12, 16, 17 and 70 tokens (expert 3 twice): the GEMV, AMX (bf16, more than 4 rows)
     and brgemm paths (the AVX2 kernel on CPUs without AVX512-BF16: its GEMV and float32 panels). H = 2080 (17 scale
-    blocks, the last 32 wide): the GEMV reads x in several L1-sized K chunks."""
+    blocks, the last 32 wide): the GEMV reads x in several L1-sized K chunks. "tiles": parts of 80 rows (5 tiles, a
+    partial 128-row scale block) in the CPU tile layout where this CPU takes it (fp8_tiles.h: the tile GEMV up to 16
+    rows, brgemm over converted tiles beyond); "kernel": parts of 72 rows stay row-major."""
     if path == "torch":
         monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "torch")
     elif not any_kernel():
         pytest.skip("no FP8 expert kernel here (C++ kernels not built)")
-    st, W = gate_up_stack(8, 72, H, seed=11)
+    st, W = gate_up_stack(8, 80 if path == "tiles" else 72, H, seed=11)
     st.prepare()
-    assert (st._kernel or st._avx2) == (path == "kernel")
+    assert (st._kernel or st._avx2) == (path != "torch")
+    assert st.cpu_tiles == (path == "tiles" and st._kernel and cpu_fp8.fp8_experts_tiles_preferred())
+    rows = 2 * (80 if path == "tiles" else 72)
     experts, counts = [3, 0, 5, 1, 7, 2, 6, 4, 3], [1, 2, 3, 5, 8, 12, 16, 17, 70]
     x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(1)).to(dtype)
     y = st.grouped_linear(x, experts, counts)
-    assert y.dtype == dtype and y.shape == (sum(counts), 144)
+    assert y.dtype == dtype and y.shape == (sum(counts), rows)
     from tokenfab.kernels.cpu import isa
     b = 0
     for e, n in zip(experts, counts):
         xs = x[b:b + n]
         we = W[e]
-        if (st._kernel and dtype == torch.bfloat16 and n > cpu_fp8.fp8_gemv_max_rows(dtype, H)
-                and isa.selected_level() != "amx"):
+        if (st._kernel and dtype == torch.bfloat16 and n > cpu_fp8.fp8_gemv_max_rows(dtype, H, st.cpu_tiles)
+                and (isa.selected_level() != "amx" or st.cpu_tiles)):
             we = we.bfloat16().float()  # brgemm without AMX: the weight rounded once to bf16 (the bf16 twin's)
         ref = xs.double() @ we.double().T
         tol = fp32_bound(xs, we) + (ref.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0)
@@ -92,11 +119,13 @@ def test_grouped_linear_matches_float64(dtype, path, H, monkeypatch):
 
 
 @kernel
+@pytest.mark.parametrize("I", [200, 208], ids=["rows", "tiles"])
 @pytest.mark.parametrize("m", [1, 3, 8, 32])
-def test_kernel_decodes_every_finite_e4m3_code_exactly(m):
+def test_kernel_decodes_every_finite_e4m3_code_exactly(m, I):
     """x = rows of the identity: y[i, r] = W[r, i] (one exact product, scaled once), bit for bit against the formula
-    for all 254 finite codes (signed zeros, subnormals), float32 and bf16 x, through each path by m."""
-    st, W = gate_up_stack(2, 200, 160, seed=5)
+    for all 254 finite codes (signed zeros, subnormals), float32 and bf16 x, through each path by m; parts of 200
+    rows stay row-major, of 208 (13 tiles) take the tile layout where this CPU prefers it."""
+    st, W = gate_up_stack(2, I, 160, seed=5)
     codes = set(st.packed.unique().tolist())
     assert codes == {c for c in range(256) if c & 0x7F != 0x7F}
     st.prepare()
@@ -109,11 +138,16 @@ def test_kernel_decodes_every_finite_e4m3_code_exactly(m):
 
 
 @kernel
-def test_kernel_nan_codes_give_nan():
-    """The two NaN codes (0x7F, 0xFF) are reachable and give NaN in exactly their rows' outputs."""
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
+def test_kernel_nan_codes_give_nan(layout, monkeypatch):
+    """The two NaN codes (0x7F, 0xFF) are reachable and give NaN in exactly their rows' outputs, in either layout
+    (TOKENFAB_PACKED_EXPERTS=rows keeps the checkpoint's)."""
+    if layout == "rows":
+        monkeypatch.setenv("TOKENFAB_PACKED_EXPERTS", "rows")
     st, _ = gate_up_stack(1, 128, 64, seed=9)
     st.packed[0, 7, 3], st.packed[0, 200, 40] = 0x7F, 0xFF
     st.prepare()
+    assert st.cpu_tiles == (layout == "tiles" and st._kernel and cpu_fp8.fp8_experts_tiles_preferred())
     for n in (1, 6, 20):
         y = st.grouped_linear(torch.randn(n, 64), [0], [n])
         nan_cols = y.isnan().all(0)

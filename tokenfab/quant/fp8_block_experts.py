@@ -14,7 +14,12 @@ multiple of 128 a block never mixes their rows), down rows one part. ``scale`` f
 resident bytes are exactly the checkpoint's (1 per parameter + 4 per block), what ``tokenfab plan`` counts.
 
 Kernel: ``cpu_fp8.fp8_experts_linear`` (kernels/cpu/csrc/fp8_linear.cpp, AVX512-BF16: the e4m3 bytes converted to
-exact bf16 in registers, per 128-input block float32 sums scaled once), which needs in_features a multiple of 32; on
+exact bf16 in registers, per 128-input block float32 sums scaled once), which needs in_features a multiple of 32.
+Where that kernel runs without AMX, :meth:`~Fp8BlockExperts.prepare` re-lays stacks whose parts are whole 16-row
+tiles once, in place, into the CPU tile layout (kernels/cpu/csrc/fp8_tiles.h: per 16 rows and 4 inputs, 64 bytes
+holding two vdpbf16ps operands of the 16 rows), so decode segments of up to 16 tokens convert each weight once for
+all their tokens and sum 16 rows in the lanes (benchmarks/results/2026-12-07-fp8-expert-tiles);
+``TOKENFAB_PACKED_EXPERTS=rows`` keeps the checkpoint layout. On
 CPUs without AVX512-BF16 ``cpu_fp8.fp8_experts_avx2`` (fp8_linear_avx2.cpp: e4m3 through fp16 in registers, float32
 FMAs on float32 x); else the PyTorch reference of :class:`~tokenfab.quant.packed_experts.PackedExperts` (the formula
 above, 1024 rows at a time). Published shapes (hidden 7168, moe_intermediate 2048) have no partial blocks; tokenfab
@@ -27,7 +32,7 @@ import torch
 from tokenfab.errors import WeightLoadError
 from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
 from tokenfab.quant.fp8_block_weight import BLOCK, Fp8BlockWeight
-from tokenfab.quant.packed_experts import PackedExperts, kernel_disabled
+from tokenfab.quant.packed_experts import TILE_ROWS, PackedExperts, kernel_disabled, tiles_disabled
 
 
 class Fp8BlockExperts(PackedExperts):
@@ -90,11 +95,17 @@ class Fp8BlockExperts(PackedExperts):
 
     def dequantize_rows(self, e: int, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of expert ``e`` by the published formula, each part's rows with that part's scales:
-        float32 [end - start, in_features]."""
+        float32 [end - start, in_features] (rows in the CPU tile layout read from a copy of their tiles returned to
+        the checkpoint layout)."""
         r = torch.arange(start, end, device=self.packed.device)
         brow = (r // self.part_rows) * self.block_rows + (r % self.part_rows) // BLOCK
         bcol = torch.arange(self.in_features, device=self.packed.device) // BLOCK
         q, scale = self.packed[e, start:end], self.scale[e]
+        if self.cpu_tiles:  # the whole tiles holding the rows, back to the checkpoint layout (exact)
+            a0, b0 = start // TILE_ROWS * TILE_ROWS, -(-end // TILE_ROWS) * TILE_ROWS
+            t = self.packed[e:e + 1, a0:b0].clone()
+            cpu_fp8.fp8_experts_relayout(t, False)
+            q = t[0, start - a0:end - a0]
         if self.gpu_layout:  # back to the checkpoint's bytes and scale columns (exact)
             from tokenfab.kernels.gpu.moe_relayout import restore_fp8
             q, scale = restore_fp8(q, scale, self.in_features)
@@ -107,7 +118,10 @@ class Fp8BlockExperts(PackedExperts):
         (a CPU without AVX512-BF16) the AVX2 kernel ``cpu_fp8.fp8_experts_avx2`` under the same conditions. On the
         GPU code path (CUDA / ROCm buffers with Triton on, or the interpreter's ``interpret-gpu-path`` in tests)
         re-lay the stack once into the grouped GEMM's layout instead (kernels/gpu/moe_relayout.relayout_fp8: in
-        place where in_features is a multiple of 512) and set :attr:`gpu_layout`."""
+        place where in_features is a multiple of 512) and set :attr:`gpu_layout`. With that C++ kernel on a CPU
+        without AMX (``cpu_fp8.fp8_experts_tiles_preferred``), part_rows a multiple of 16 and not
+        ``TOKENFAB_PACKED_EXPERTS=rows``, re-lay the stack once, in place, into the CPU tile layout
+        (``cpu_fp8.fp8_experts_relayout``) and set :attr:`cpu_tiles`; :meth:`dequantize_rows` reads either layout."""
         from tokenfab.kernels.gpu import support as gpu_support
         from tokenfab.layers.linear import cpu_linear_backend
         cpu = (self.packed.device.type == "cpu" and self.in_features % 32 == 0 and not kernel_disabled()
@@ -116,6 +130,10 @@ class Fp8BlockExperts(PackedExperts):
         self._kernel = cpu and cpu_fp8.fp8_experts_applies()
         self._avx2 = (cpu and not self._kernel and not self.gpu_layout and not gpu_path
                       and cpu_fp8.fp8_block_linear_avx2_applies())
+        if (self._kernel and not self.cpu_tiles and not self.gpu_layout and not gpu_path and not tiles_disabled()
+                and self.part_rows % TILE_ROWS == 0 and cpu_fp8.fp8_experts_tiles_preferred()):
+            cpu_fp8.fp8_experts_relayout(self.packed, True)
+            self.cpu_tiles = True
         if self.gpu_layout or not gpu_path:
             return
         from tokenfab.kernels.gpu.moe_relayout import relayout_fp8
@@ -123,7 +141,8 @@ class Fp8BlockExperts(PackedExperts):
         self.gpu_layout, self._kernel = True, False
 
     def kernel_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        return cpu_fp8.fp8_experts_linear(x, self.packed, self.scale, experts, offsets, self.part_rows)
+        return cpu_fp8.fp8_experts_linear(x, self.packed, self.scale, experts, offsets, self.part_rows,
+                                          self.cpu_tiles)
 
     def avx2_linear(self, x: torch.Tensor, experts: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         return cpu_fp8.fp8_experts_avx2(x, self.packed, self.scale, experts, offsets, self.part_rows)

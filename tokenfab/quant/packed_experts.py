@@ -69,8 +69,9 @@ def kernel_disabled() -> bool:
 
 
 def tiles_disabled() -> bool:
-    """``TOKENFAB_PACKED_EXPERTS=rows`` keeps INT4 / MXFP4 stacks in their checkpoint layout on the CPU kernel path
-    (its row kernels; A/B runs and tests) instead of the tile layout :meth:`PackedExperts.prepare` makes."""
+    """``TOKENFAB_PACKED_EXPERTS=rows`` keeps INT4 / MXFP4 / FP8 stacks in their checkpoint layout on the CPU kernel
+    path (its row kernels; A/B runs and tests) instead of the tile layouts :meth:`PackedExperts.prepare` and
+    :meth:`~tokenfab.quant.fp8_block_experts.Fp8BlockExperts.prepare` make."""
     return _setting() == "rows"
 
 

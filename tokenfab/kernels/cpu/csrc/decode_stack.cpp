@@ -124,11 +124,13 @@ struct Layer {
 
 constexpr int64_t kExpertsFp8Block = 2;  // tokenfab/quant/fp8_block_experts.py's kernel_format
 
-// One grouped linear over a packed expert stack (PackedExperts.kernel_linear).
+// One grouped linear over a packed expert stack (PackedExperts.kernel_linear; fmt: its kernel_id, the format plus
+// kExpertsTiles while the stack is in its CPU tile layout).
 at::Tensor packed_grouped(int64_t fmt, const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, int64_t part,
                           const at::Tensor& experts, const at::Tensor& offsets) {
-  return fmt == kExpertsFp8Block ? fp8_experts_linear(x, q, s, experts, offsets, part)
-                                 : packed_experts_linear(x, fmt, q, s, experts, offsets);
+  if (fmt % kExpertsTiles == kExpertsFp8Block)
+    return fp8_experts_linear(x, q, s, experts, offsets, part, fmt >= kExpertsTiles);
+  return packed_experts_linear(x, fmt, q, s, experts, offsets);
 }
 
 // slot_mapping of one decode token per sequence, as ModelRunner._slots computes it: block_tables[t, pos / bs] * bs +

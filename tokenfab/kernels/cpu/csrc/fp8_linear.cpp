@@ -5,7 +5,8 @@
 // e4m3fn (OCP FP8, "fn": no infinities): sign bit, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal
 // (m * 2^-9), S.1111.111 is NaN. Every e4m3 value is exact in bf16 (8 exponent bits, 7 mantissa bits), so a
 // 128-entry table of bf16 bit patterns (the magnitude codes 0..127) looked up by two `vpermt2w` (64 entries each, bit
-// 6 of the code choosing between them) plus the sign bit moved to bit 15 gives the exact bf16 of 32 weights at once.
+// 6 of the code choosing between them) plus the sign bit moved to bit 15 gives the exact bf16 of 32 weights at once
+// (fp8_e4m3.h).
 //
 // Products x_k q_k of bf16 x and the bf16 e4m3 values are exact in float32; per 128-input block (the scale block)
 // the products are summed in float32 (`vdpbf16ps`) and scaled once by the block's scale_inv:
@@ -25,6 +26,9 @@
 //   bf16 x: bf16 VNNI pairs [K / 2, 32, 2] of each value times its scale_inv, rounded once to bf16 (the dequantized
 //   bf16 twin's weight), in one brgemm over all of K, as a bf16 GEMM runs. float32 x: the exact e4m3 values as
 //   float32 [K, 32], one brgemm per 128-input block, each block's [64, 32] sums scaled by its scale_inv.
+// Routed expert stacks re-laid into the CPU tile layout (fp8_tiles.h, where fp8_experts_tiles_preferred: AVX512-BF16
+// without AMX) take the tile GEMV for segments of up to kTileGemvMaxRows rows (16 weight rows in the 16 lanes, x's
+// pairs broadcast, each weight converted once per call) and brgemm over tiles converted 32 rows at a time beyond.
 #include "fp8_linear.h"
 #include "registrations.h"
 
@@ -43,6 +47,8 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "fp8_e4m3.h"
+#include "fp8_tiles.h"
 
 namespace {
 
@@ -59,52 +65,17 @@ constexpr int64_t kGemvMaxRowsBf16 = 8, kGemvMaxRowsBf16Wide = 12, kGemvWideK = 
 inline int64_t gemv_max_rows(bool f32, int64_t K) {
   return f32 ? kGemvMaxRows : K >= kGemvWideK ? kGemvMaxRowsBf16Wide : kGemvMaxRowsBf16;
 }
-
-// bf16 bits of the e4m3fn magnitude code c (0..127): e = c >> 3, m = c & 7; e == 0: m 2^-9, else (1 + m / 8) 2^(e - 7);
-// c == 127: NaN. Exact (at most 4 significant bits).
-uint16_t e4m3_magnitude_bf16(int c) {
-  if (c == 0x7F) return 0x7FC0;
-  const int e = c >> 3, m = c & 7;
-  const float v = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.f + m / 8.f, e - 7);
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  return static_cast<uint16_t>(bits >> 16);
-}
+// Expert stacks in the tile layout (fp8_tiles.h): segments of up to kTileGemvMaxRows rows of x take the tile GEMV,
+// longer ones brgemm over tiles converted 32 rows at a time. Measured (benchmarks/packed_experts.py, 2 threads,
+// DeepSeek-V3 expert shapes, Zen 4): with the GEMV up to 64 rows, 24 rows per expert took 0.97-0.98x the time of
+// brgemm over tiles, 32 rows 1.01-1.04x, 48-64 rows 1.07-1.17x (benchmarks/results/2026-12-07-fp8-expert-tiles).
+constexpr int64_t kTileGemvMaxRows = 16;
 
 #if defined(__AVX512BF16__)
 
-inline __m512 bf16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-struct Lut {
-  __m512i t[4];  // bf16 of magnitude codes 0..31, 32..63, 64..95, 96..127
-  Lut() {
-    alignas(64) uint16_t v[128];
-    for (int c = 0; c < 128; ++c) v[c] = e4m3_magnitude_bf16(c);
-    for (int i = 0; i < 4; ++i) t[i] = _mm512_load_si512(v + 32 * i);
-  }
-  // The table of each magnitude times s, rounded once to bf16: the dequantized bf16 twin's value of every code in
-  // a block of scale s (negative codes: the sign flipped after rounding, which round-to-nearest-even commutes with).
-  Lut scaled(float s) const {
-    Lut o(*this);
-    const __m512 sv = _mm512_set1_ps(s);
-    for (int i = 0; i < 4; ++i) {
-      const __m512 lo = _mm512_mul_ps(bf16_to_f32(_mm512_castsi512_si256(t[i])), sv);
-      const __m512 hi = _mm512_mul_ps(bf16_to_f32(_mm512_extracti64x4_epi64(t[i], 1)), sv);
-      o.t[i] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    }
-    return o;
-  }
-};
-
-// 32 e4m3 bytes -> their 32 bf16 values (as u16 lanes, in order): the exact values with Lut(), the scaled ones with
-// Lut::scaled (the sign bit flips the looked-up magnitude's).
-inline __m512i e4m3x32(const uint8_t* p, const Lut& L) {
-  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  const __m512i lo = _mm512_permutex2var_epi16(L.t[0], w, L.t[1]);  // index bits 0..5: codes 0..63
-  const __m512i hi = _mm512_permutex2var_epi16(L.t[2], w, L.t[3]);  // codes 64..127
-  const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(w, _mm512_set1_epi16(0x40)), lo, hi);
-  return _mm512_xor_si512(mag, _mm512_and_si512(_mm512_slli_epi16(w, 8), _mm512_set1_epi16(int16_t(0x8000))));
-}
+using tokenfab_fp8::bf16_to_f32;
+using tokenfab_fp8::e4m3x32;
+using tokenfab_fp8::Lut;
 
 template <bool F32OUT>
 inline void store_one(void* y, int64_t idx, float v) {
@@ -295,9 +266,10 @@ void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* bu
   }
 }
 
+// tiled: w in the tile layout of fp8_tiles.h (N a multiple of 16), else row-major [N, K].
 template <typename T>
 void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const float* sc, int64_t N,
-          const float* bias, T* y, int64_t ldy, const Lut& L) {
+          const float* bias, T* y, int64_t ldy, const Lut& L, bool tiled = false) {
   constexpr bool F32 = std::is_same_v<T, float>;
   const int64_t NB = (N + 31) / 32, KB = (K + BK - 1) / BK;
   at::parallel_for(0, NB, 1, [&](int64_t nb0, int64_t nb1) {
@@ -305,7 +277,11 @@ void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const
     std::vector<float> c(F32 ? kTileM * 32 : 0), acc(kTileM * 32);  // c: one block's sums (float32 x only)
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const float* srow = sc + (nb * 32 / BK) * KB;  // the 32 rows lie in one 128-row scale block
-      convert_rows32<F32>(w, nb, N, K, buf.data(), L, srow);
+      if (tiled)
+        tokenfab_fp8_tiles::tiles_to_brgemm<F32>(w + nb * 32 * K, std::min<int64_t>(2, (N - nb * 32) / 16), K,
+                                                 buf.data(), L, srow);
+      else
+        convert_rows32<F32>(w, nb, N, K, buf.data(), L, srow);
       const int64_t nvalid = std::min<int64_t>(32, N - nb * 32);
       for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
         const int64_t mt = std::min(kTileM, M - m0);
@@ -481,11 +457,13 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
 }
 
 at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,
-                              const at::Tensor& experts, const at::Tensor& offsets, int64_t part_rows) {
+                              const at::Tensor& experts, const at::Tensor& offsets, int64_t part_rows, bool tiled) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "fp8_experts_linear: x [N, K] bf16 or float32 expected");
   const int64_t N = x.size(0), K = x.size(1);
   const auto sh = check_fp8_expert_buffers(K, w, scale, part_rows, "fp8_experts_linear");
+  TORCH_CHECK(!tiled || part_rows % tokenfab_fp8_tiles::kTileRows == 0,
+              "fp8_experts_linear: a stack in the tile layout has parts of whole 16-row tiles, not ", part_rows);
   const int64_t E = sh.E, n = sh.n, KB = sh.kb_n, parts = n / part_rows, SB = sh.block_rows;
   const auto seg = tokenfab_cpu::expert_segments(experts, offsets, E, N, "fp8_experts_linear");
   const int64_t A = seg.A;
@@ -507,14 +485,16 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
   };
   std::vector<int64_t> small, large;  // segments for the GEMV (one parallel region) and the GEMM paths
 #if defined(TOKENFAB_AMX)
-  const bool amx = !f32 && tokenfab_cpu::amx_ready();
+  const bool amx = !f32 && !tiled && tokenfab_cpu::amx_ready();
 #else
   const bool amx = false;
 #endif
+  // rows of x up to which segments take the GEMV: as fp8_block_linear (kAmxMinRows with AMX), on tiles kTileGemvMaxRows
+  const int64_t gemv_rows = tiled ? kTileGemvMaxRows : amx ? 4 : gemv_max_rows(f32, K);
   for (int64_t a = 0; a < A; ++a) {
     const int64_t M = op[a + 1] - op[a];
     if (M == 0) continue;
-    (M > (amx ? 4 : gemv_max_rows(f32, K)) ? large : small).push_back(a);  // as fp8_block_linear (kAmxMinRows)
+    (M > gemv_rows ? large : small).push_back(a);
   }
   if (!small.empty()) {
     at::Tensor xs;
@@ -526,7 +506,7 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
     }
     const int64_t S = f32 ? 3 : 1;
     bool chunked = false;  // the GEMV segments' rows in its chunked layout (the GEMM segments read xc, not these)
-    for (const int64_t a : small) chunked |= gemv_chunk_blocks(op[a + 1] - op[a], S, K, KB) < KB;
+    for (const int64_t a : small) chunked |= !tiled && gemv_chunk_blocks(op[a + 1] - op[a], S, K, KB) < KB;
     if (chunked) {
       auto xl = at::empty_like(xs);
       const auto* src = reinterpret_cast<const uint16_t*>(xs.data_ptr());
@@ -538,12 +518,24 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
       xs = xl;
     }
     const auto* xp = reinterpret_cast<const uint16_t*>(xs.data_ptr());
-    constexpr int64_t kRows = 16;  // weight rows per work item (whole groups of 4 for the M = 1 passes)
+    constexpr int64_t kRows = 16;  // weight rows per work item (whole groups of 4 for the M = 1 passes; one tile)
+    static_assert(kRows == tokenfab_fp8_tiles::kTileRows, "a work item is one tile of the tile layout");
     const int64_t chunks = (part_rows + kRows - 1) / kRows, per = parts * chunks;
     at::parallel_for(0, static_cast<int64_t>(small.size()) * per, 1, [&](int64_t b, int64_t e) {
       for (int64_t it = b; it < e; ++it) {
         const int64_t a = small[it / per], p = (it % per) / chunks, c = it % chunks;
         const int64_t t0 = op[a], M = op[a + 1] - t0, r0 = c * kRows, r1 = std::min(part_rows, r0 + kRows);
+        if (tiled) {  // one 16-row tile (kRows == kTileRows): x in natural order, one pass per 16 tokens
+          const uint8_t* tile = wpart(a, p) + r0 * K;
+          const float* sc = spart(a, p) + (r0 / BK) * KB;
+          if (f32)
+            tokenfab_fp8_tiles::tile_gemv<3, true>(tile, K, sc, xp + t0 * 3 * K, M, lut,
+                                                   static_cast<float*>(ypart(t0, p)) + r0, n);
+          else
+            tokenfab_fp8_tiles::tile_gemv<1, false>(tile, K, sc, xp + t0 * K, M, lut,
+                                                    static_cast<uint16_t*>(ypart(t0, p)) + r0, n);
+          continue;
+        }
         if (f32) gemv<3, true>(xp + t0 * 3 * K, M, K, wpart(a, p), spart(a, p), KB, nullptr, ypart(t0, p), n, r0, r1, lut);
         else gemv<1, false>(xp + t0 * K, M, K, wpart(a, p), spart(a, p), KB, nullptr, ypart(t0, p), n, r0, r1, lut);
       }
@@ -569,16 +561,40 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
     for (int64_t p = 0; p < parts; ++p) {
       if (f32)
         gemm<float>(xc.data_ptr<float>() + t0 * K, M, K, K, wpart(a, p), spart(a, p), part_rows, nullptr,
-                    static_cast<float*>(ypart(t0, p)), n, lut);
+                    static_cast<float*>(ypart(t0, p)), n, lut, tiled);
       else
         gemm<uint16_t>(reinterpret_cast<const uint16_t*>(xc.data_ptr()) + t0 * K, M, K, K, wpart(a, p), spart(a, p),
-                       part_rows, nullptr, static_cast<uint16_t*>(ypart(t0, p)), n, lut);
+                       part_rows, nullptr, static_cast<uint16_t*>(ypart(t0, p)), n, lut, tiled);
     }
   }
   return y;
 #else
   TORCH_CHECK(false, "fp8_experts_linear needs AVX512-BF16 (has_bf16_dot is False): use the PyTorch path");
   return y;
+#endif
+}
+
+void fp8_experts_relayout(at::Tensor& w, bool to_tiles) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.device().is_cpu() &&
+              w.size(1) % tokenfab_fp8_tiles::kTileRows == 0 && w.size(2) % 4 == 0,
+              "fp8_experts_relayout: contiguous CPU uint8 [E, n, K] with n a multiple of 16 and K of 4 expected, got ",
+              w.sizes());
+  const int64_t K = w.size(2), tiles = w.size(0) * w.size(1) / tokenfab_fp8_tiles::kTileRows;
+  auto* p = w.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
+    std::vector<uint8_t> tmp;
+    for (int64_t i = b; i < e; ++i)
+      tokenfab_fp8_tiles::relayout_tile(p + i * tokenfab_fp8_tiles::kTileRows * K, K, to_tiles, tmp);
+  });
+}
+
+bool fp8_experts_tiles_preferred() {
+#if defined(TOKENFAB_AMX)
+  return tokenfab_cpu::bf16_dot_allowed() && !tokenfab_cpu::amx_ready();  // AMX machines keep the AMX tile path
+#elif defined(__AVX512BF16__)
+  return tokenfab_cpu::bf16_dot_allowed();
+#else
+  return false;
 #endif
 }
 
@@ -601,5 +617,11 @@ void register_fp8_linear(pybind11::module_& m) {
   m.def("fp8_experts_linear", &fp8_experts_linear,
         "grouped x W_e^T over routed experts kept as FP8 e4m3 block-scaled bytes (CPU, AVX512-BF16)",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("experts"),
-        pybind11::arg("offsets"), pybind11::arg("part_rows"));
+        pybind11::arg("offsets"), pybind11::arg("part_rows"), pybind11::arg("tiled") = false);
+  m.attr("fp8_tiles_gemv_max_rows") = kTileGemvMaxRows;
+  m.def("fp8_experts_relayout", &fp8_experts_relayout,
+        "in place: an FP8 expert stack's 16-row tiles into the CPU tile layout (fp8_tiles.h), or back",
+        pybind11::arg("w"), pybind11::arg("to_tiles"));
+  m.def("fp8_experts_tiles_preferred", &fp8_experts_tiles_preferred,
+        "True where FP8 expert stacks take the tile layout: AVX512-BF16 kernels without AMX");
 }

@@ -69,12 +69,14 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
     return build.load().fp8_block_linear(x, weight.view(torch.uint8), scale_inv, bias)
 
 
-def fp8_gemv_max_rows(dtype: torch.dtype, k: int) -> int:
+def fp8_gemv_max_rows(dtype: torch.dtype, k: int, tiled: bool = False) -> int:
     """Rows of x up to which :func:`fp8_block_linear` and :func:`fp8_experts_linear` run their GEMV on a CPU without
-    AMX for ``k`` inputs (float32 x: 16; bf16 x: 8, or 12 where k >= 4096; the exact e4m3 values, scaled per block;
-    beyond: brgemm); bf16 x past it multiplies each weight rounded once to bf16, as the dequantized bf16 twin holds
-    it. The kernels' own rule (fp8_linear.cpp ``gemv_max_rows``)."""
-    return int(build.load().fp8_gemv_max_rows(dtype == torch.float32, int(k)))
+    AMX for ``k`` inputs (float32 x: 16; bf16 x: 8, or 12 where k >= 4096; an expert stack in the tile layout,
+    ``tiled``: 16; the exact e4m3 values, scaled per block; beyond: brgemm); bf16 x past it multiplies each weight
+    rounded once to bf16, as the dequantized bf16 twin holds it. The kernels' own rule (fp8_linear.cpp
+    ``gemv_max_rows``, ``kTileGemvMaxRows``)."""
+    m = build.load()
+    return int(m.fp8_tiles_gemv_max_rows) if tiled else int(m.fp8_gemv_max_rows(dtype == torch.float32, int(k)))
 
 
 def fp8_experts_applies() -> bool:
@@ -84,7 +86,7 @@ def fp8_experts_applies() -> bool:
 
 
 def fp8_experts_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, experts: torch.Tensor,
-                       offsets: torch.Tensor, part_rows: int) -> torch.Tensor:
+                       offsets: torch.Tensor, part_rows: int, tiled: bool = False) -> torch.Tensor:
     """Grouped y = x W_e^T over a stack of routed experts kept as FP8 block-scaled bytes
     (kernels/cpu/csrc/fp8_linear.cpp).
 
@@ -95,12 +97,33 @@ def fp8_experts_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
             (tokenfab/quant/fp8_block_experts.py).
         experts: int64 [A] local expert ids; offsets: int64 [A + 1], rows [offsets[a], offsets[a + 1]) of x go to
             experts[a].
+        tiled: ``packed`` is in the CPU tile layout (:func:`fp8_experts_relayout`; part_rows a multiple of 16):
+            segments of up to 16 rows of x run the tile GEMV (each weight converted once for all of them), longer
+            ones brgemm over converted tiles.
 
     Returns:
         [N, n] in x's dtype. Raises RuntimeError on shape mismatches or without AVX512-BF16 (check
         :func:`fp8_experts_applies` first).
     """
-    return build.load().fp8_experts_linear(x, packed, scale, experts, offsets, int(part_rows))
+    return build.load().fp8_experts_linear(x, packed, scale, experts, offsets, int(part_rows), bool(tiled))
+
+
+def fp8_experts_tiles_preferred() -> bool:
+    """True where FP8 expert stacks on :func:`fp8_experts_linear` take the CPU tile layout: kernels with AVX512-BF16
+    dot products and no AMX tiles granted (an AMX machine keeps the row-major stack and its AMX tile path)."""
+    m = build.load()
+    return bool(m is not None and hasattr(m, "fp8_experts_tiles_preferred") and m.fp8_experts_tiles_preferred())
+
+
+def fp8_experts_relayout(packed: torch.Tensor, to_tiles: bool) -> None:
+    """In place: every 16 rows of an FP8 expert stack (uint8 [E, n, K], contiguous, on the CPU, n a multiple of 16)
+    into the CPU tile layout (``to_tiles``; per 16 rows and 4 inputs, 64 bytes holding two vdpbf16ps operands of the
+    16 rows: kernels/cpu/csrc/fp8_tiles.h), or back to the checkpoint layout (exact). The scales keep their layout.
+
+    Raises:
+        RuntimeError: another dtype, device or shape.
+    """
+    build.load().fp8_experts_relayout(packed, bool(to_tiles))
 
 
 def fp8_experts_avx2(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, experts: torch.Tensor,
