@@ -119,8 +119,9 @@ class Fp8BlockExperts(PackedExperts):
         GPU code path (CUDA / ROCm buffers with Triton on, or the interpreter's ``interpret-gpu-path`` in tests)
         re-lay the stack once into the grouped GEMM's layout instead (kernels/gpu/moe_relayout.relayout_fp8: in
         place where in_features is a multiple of 512) and set :attr:`gpu_layout`. With that C++ kernel on a CPU
-        without AMX (``cpu_fp8.fp8_experts_tiles_preferred``), part_rows a multiple of 16 and not
-        ``TOKENFAB_PACKED_EXPERTS=rows``, re-lay the stack once, in place, into the CPU tile layout
+        without AMX (``cpu_fp8.fp8_experts_tiles_preferred``), part_rows a multiple of 16, not
+        ``TOKENFAB_PACKED_EXPERTS=rows`` and no Triton kernel taking the buffers (Triton's packed MoE reads the
+        checkpoint layout; tests interpret it on CPU tensors), re-lay the stack once, in place, into the CPU tile layout
         (``cpu_fp8.fp8_experts_relayout``) and set :attr:`cpu_tiles`; :meth:`dequantize_rows` reads either layout."""
         from tokenfab.kernels.gpu import support as gpu_support
         from tokenfab.layers.linear import cpu_linear_backend
@@ -130,8 +131,8 @@ class Fp8BlockExperts(PackedExperts):
         self._kernel = cpu and cpu_fp8.fp8_experts_applies()
         self._avx2 = (cpu and not self._kernel and not self.gpu_layout and not gpu_path
                       and cpu_fp8.fp8_block_linear_avx2_applies())
-        if (self._kernel and not self.cpu_tiles and not self.gpu_layout and not gpu_path and not tiles_disabled()
-                and self.part_rows % TILE_ROWS == 0 and cpu_fp8.fp8_experts_tiles_preferred()):
+        if (self._kernel and not self.cpu_tiles and not self.gpu_layout and not gpu_support.applies(self.packed)
+                and not tiles_disabled() and self.part_rows % TILE_ROWS == 0 and cpu_fp8.fp8_experts_tiles_preferred()):
             cpu_fp8.fp8_experts_relayout(self.packed, True)
             self.cpu_tiles = True
         if self.gpu_layout or not gpu_path:
