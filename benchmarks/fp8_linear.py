@@ -2,19 +2,20 @@
 linear (kernels/cpu/csrc/vnni_linear.cpp) at the same shapes, side by side, and the resident memory of an FP8
 checkpoint against its bf16 twin.
 
-    .venv/bin/python benchmarks/fp8_linear.py [--rows 1,8,64] [--reps 5] [--mb 128] [--no-rss]
+    .venv/bin/python benchmarks/fp8_linear.py [--rows 1,8,64] [--reps 5] [--mb 128] [--no-rss] [--layout rows]
 
 Linears: DeepSeek-V3's MLP shapes 2048 x 7168 (gate / up of a routed expert: 7168 inputs) and 7168 x 2048 (down).
 Every format gets enough distinct weights of each shape (``--mb`` MB of its own bytes) that a pass streams them from
 memory, as a decode step streams its layers; both run the same bf16 input, alternated pass by pass, best pass of
 ``--reps``. GB/s counts the bytes each format reads per call (FP8: 1 byte per weight + 4 bytes per 128 x 128 scale;
-bf16: 2 bytes), GFLOP/s 2 rows N K per call.
+bf16: 2 bytes), GFLOP/s 2 rows N K per call. ``--layout rows`` keeps the FP8 weights row-major where
+``Fp8BlockWeight.prepare`` would re-lay them into the CPU tile layout (A/B runs).
 
 Resident memory: a DeepSeek-V3-shaped checkpoint (4 layers, 2 dense, hidden 1024; random weights) written in the
 published FP8 layout and as its bf16 twin (the same values dequantized); each is loaded by ``LLM(dtype=bfloat16)`` in
 its own process and the growth of that process's RSS across the load is reported beside the packed weight bytes
 (``tokenfab.engine.engine_config.model_weight_bytes``).
-Writes <out>/<date>-fp8-linear.{json,md} (default benchmarks/results).
+Writes <out>/<date>-fp8-linear[-<tag>].{json,md} (default benchmarks/results).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def time_shape(n: int, k: int, rows: int, reps: int, mb: float, clock=time.perf_
             ws = [cpu_vnni.pack_linear_weight(torch.randn(n, k, generator=g).bfloat16()) for _ in range(count)]
             runs[fmt] = ((lambda ws: lambda i: cpu_vnni.vnni_linear(x, ws[i], n))(ws), count)
         else:
-            ws = [Fp8BlockWeight(*(base if i == 0 else (base[0].clone(), base[1].clone()))) for i in range(count)]
+            ws = [Fp8BlockWeight(base[0].clone(), base[1].clone()) for _ in range(count)]  # prepare() re-lays them
             for w in ws:
                 w.prepare()
                 assert w._kernel
@@ -132,6 +133,9 @@ def main() -> int:
                     help="wall: perf_counter; cpu: this thread's CPU time (with --threads 1: robust on a shared, "
                          "oversubscribed machine, where wall time mostly measures the other processes)")
     ap.add_argument("--no-rss", action="store_true", help="skip the resident-memory comparison")
+    ap.add_argument("--layout", choices=["auto", "rows"], default="auto",
+                    help="rows: FP8 weights stay row-major (no CPU tile layout); auto: as prepare() chooses")
+    ap.add_argument("--tag", default="", help="suffix of the result files' name")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"), help="output folder")
     args = ap.parse_args()
     from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
@@ -139,6 +143,9 @@ def main() -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.layout == "rows":
+        from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
+        Fp8BlockWeight.tile_layout = False
     threads = torch.get_num_threads()
     rows_list = [int(r) for r in args.rows.split(",") if r]
     if args.clock == "cpu" and torch.get_num_threads() != 1:
@@ -175,7 +182,8 @@ def main() -> int:
                      f"{rss['fp8']['weight_bytes'] / rss['bf16']['weight_bytes']:.2f}. RSS is read after gc and "
                      "malloc_trim; the growth also holds the engine's own buffers (kernels' scratch, tokenizer, step "
                      "state), the same in both.")
-    write_results(args.out, f"{date}-fp8-linear", {"meta": meta, "results": results, "rss": rss}, lines)
+    name = f"{date}-fp8-linear" + (f"-{args.tag}" if args.tag else "")
+    write_results(args.out, name, {"meta": meta, "results": results, "rss": rss, "layout": args.layout}, lines)
     return 0
 
 

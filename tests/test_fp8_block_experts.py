@@ -62,14 +62,14 @@ def test_tile_layout_round_trip_and_dequantize():
     st, W = gate_up_stack(2, 208, 160, seed=21)
     before = st.packed.clone()
     t = before.clone()
-    cpu_fp8.fp8_experts_relayout(t, True)
+    cpu_fp8.fp8_tiles_relayout(t, True)
     w = before[1, 32:48].reshape(16, 40, 2, 2)  # tile 2 of expert 1: [row j, quad q, half h, e]
     assert torch.equal(t[1, 32:48].reshape(-1), w.permute(1, 0, 3, 2).reshape(-1))  # [q][j][e][h]
-    cpu_fp8.fp8_experts_relayout(t, False)
+    cpu_fp8.fp8_tiles_relayout(t, False)
     assert torch.equal(t, before)
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        cpu_fp8.fp8_experts_relayout(before[:, :40].contiguous(), True)
-    if not (cpu_fp8.fp8_experts_applies() and cpu_fp8.fp8_experts_tiles_preferred()):
+        cpu_fp8.fp8_tiles_relayout(before[:, :40].contiguous(), True)
+    if not (cpu_fp8.fp8_experts_applies() and cpu_fp8.fp8_tiles_preferred()):
         pytest.skip("this CPU keeps FP8 expert stacks row-major")
     st.prepare()
     assert st.cpu_tiles and not torch.equal(st.packed, before)
@@ -98,7 +98,7 @@ def test_grouped_linear_matches_float64(dtype, path, H, monkeypatch):
     st, W = gate_up_stack(8, 80 if path == "tiles" else 72, H, seed=11)
     st.prepare()
     assert (st._kernel or st._avx2) == (path != "torch")
-    assert st.cpu_tiles == (path == "tiles" and st._kernel and cpu_fp8.fp8_experts_tiles_preferred())
+    assert st.cpu_tiles == (path == "tiles" and st._kernel and cpu_fp8.fp8_tiles_preferred())
     rows = 2 * (80 if path == "tiles" else 72)
     experts, counts = [3, 0, 5, 1, 7, 2, 6, 4, 3], [1, 2, 3, 5, 8, 12, 16, 17, 70]
     x = torch.randn(sum(counts), H, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -147,7 +147,7 @@ def test_kernel_nan_codes_give_nan(layout, monkeypatch):
     st, _ = gate_up_stack(1, 128, 64, seed=9)
     st.packed[0, 7, 3], st.packed[0, 200, 40] = 0x7F, 0xFF
     st.prepare()
-    assert st.cpu_tiles == (layout == "tiles" and st._kernel and cpu_fp8.fp8_experts_tiles_preferred())
+    assert st.cpu_tiles == (layout == "tiles" and st._kernel and cpu_fp8.fp8_tiles_preferred())
     for n in (1, 6, 20):
         y = st.grouped_linear(torch.randn(n, 64), [0], [n])
         nan_cols = y.isnan().all(0)

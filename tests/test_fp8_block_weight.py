@@ -77,21 +77,31 @@ def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @kernel
 # (45, 2080): 17 scale blocks, the last 32 wide: from 8 rows of x (3 in float32) the GEMV tiles, over several K
 # chunks, two weight rows at a time and one alone where a thread's share of rows is odd; (20, 4160): bf16 x of 9-12
-# rows takes the GEMV there (K >= 4096), brgemm at the narrower shapes
+# rows takes the GEMV there (K >= 4096), brgemm at the narrower shapes. "tiles": the weight's whole 16-row tiles in
+# the CPU tile layout (fp8_tiles.h): the tile GEMV up to 16 rows of x, brgemm over converted tiles beyond; (45, .)
+# and (20, .) end in 13 and 4 row-major rows (the row GEMV, and brgemm blocks holding a tile and row-major rows)
 @pytest.mark.parametrize("n,k", [(200, 320), (256, 160), (96, 32), (45, 2080), (20, 4160)])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 12, 13, 16, 17, 70])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_reference(n, k, m, dtype):
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
+def test_kernel_matches_reference(n, k, m, dtype, layout):
     q, s = random_fp8(n, k, seed=m + n)
     w = Fp8BlockWeight(q, s)
     W = formula(q, s)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
     bias = torch.randn(n)
-    y = cpu_fp8.fp8_block_linear(x, q, s, bias)
+    tiled = layout == "tiles"
+    if tiled:
+        qt = q.view(torch.uint8).clone()
+        cpu_fp8.fp8_tiles_relayout(qt[:n // 16 * 16], True)
+        y = cpu_fp8.fp8_block_linear(x, qt.view(torch.float8_e4m3fn), s, bias, tiled=True)
+    else:
+        y = cpu_fp8.fp8_block_linear(x, q, s, bias)
     ref = torch.nn.functional.linear(x.float(), W) + bias  # w.reference_linear before its one rounding
     assert torch.equal(w.reference_linear(x, bias), ref.to(dtype))
     from tokenfab.kernels.cpu import isa
-    if dtype == torch.bfloat16 and m > cpu_fp8.fp8_gemv_max_rows(dtype, k) and isa.selected_level() != "amx":
+    if (dtype == torch.bfloat16 and m > cpu_fp8.fp8_gemv_max_rows(dtype, k, tiled)
+            and (isa.selected_level() != "amx" or tiled)):
         # the brgemm path without AMX multiplies the weight rounded once to bf16 (the dequantized bf16 twin's)
         W = W.bfloat16().float()
         ref = torch.nn.functional.linear(x.float(), W) + bias
@@ -103,16 +113,24 @@ def test_kernel_matches_reference(n, k, m, dtype):
 
 
 @kernel
+@pytest.mark.parametrize("layout", ["rows", "tiles"])
 @pytest.mark.parametrize("m", [4, 16, 160])  # GEMV (bf16 and float32), AMX / GEMV, AMX / brgemm
-def test_kernel_decodes_every_e4m3_code_exactly(m):
+def test_kernel_decodes_every_e4m3_code_exactly(m, layout):
     """x = rows of the identity: y[i, n] = W[n, i] exactly (one exact product scaled once), so the kernel's e4m3
-    table and block scaling are checked bit for bit against the formula (subnormals, signed zeros, partial blocks)."""
+    table and block scaling are checked bit for bit against the formula (subnormals, signed zeros, partial blocks);
+    "tiles": the weight's 12 whole 16-row tiles in the CPU tile layout, its last 8 rows row-major."""
     q, s = random_fp8(200, 160, seed=3)
+    tiled = layout == "tiles"
+    if tiled:
+        qt = q.view(torch.uint8).clone()
+        cpu_fp8.fp8_tiles_relayout(qt[:192], True)
+        q = qt.view(torch.float8_e4m3fn)
     eye = torch.eye(160)
-    y = torch.cat([cpu_fp8.fp8_block_linear(eye[i:i + m], q, s) for i in range(0, 160, m)])
-    assert torch.equal(y, formula(q, s).T)
-    yb = torch.cat([cpu_fp8.fp8_block_linear(eye[i:i + m].bfloat16(), q, s) for i in range(0, 160, m)])
-    assert torch.equal(yb, formula(q, s).T.bfloat16())
+    y = torch.cat([cpu_fp8.fp8_block_linear(eye[i:i + m], q, s, tiled=tiled) for i in range(0, 160, m)])
+    want = formula(*random_fp8(200, 160, seed=3))
+    assert torch.equal(y, want.T)
+    yb = torch.cat([cpu_fp8.fp8_block_linear(eye[i:i + m].bfloat16(), q, s, tiled=tiled) for i in range(0, 160, m)])
+    assert torch.equal(yb, want.T.bfloat16())
 
 
 @pytest.mark.parametrize("linear", [
@@ -143,11 +161,24 @@ def test_forced_reference_path(monkeypatch):
     assert torch.equal(w.linear(x, None), torch.nn.functional.linear(x, formula(q, s)))
 
 
-def test_concat_joins_whole_row_blocks_only():
-    a, b, c = Fp8BlockWeight(*random_fp8(128, 160, 1)), Fp8BlockWeight(*random_fp8(72, 160, 2)), \
-        Fp8BlockWeight(*random_fp8(40, 160, 3))
+@pytest.mark.parametrize("prepared", [False, True], ids=["as-loaded", "prepared"])
+def test_concat_joins_whole_row_blocks_only(prepared):
+    """Joined as loaded, and after prepare() (where this CPU takes the tile layout: the joined tiles stay whole, the
+    last weight's 8 rows past its tiles stay at the end), against the parts' formula and through the kernel."""
+    parts = [random_fp8(128, 160, 1), random_fp8(72, 160, 2), random_fp8(40, 160, 3)]
+    want = torch.cat([formula(*parts[0]), formula(*parts[1])])  # before prepare() re-lays the bytes in place
+    a, b, c = (Fp8BlockWeight(*p) for p in parts)
+    if prepared:
+        for w in (a, b, c):
+            w.prepare()
     ab = Fp8BlockWeight.concat([a, b])
-    assert torch.equal(ab.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    assert ab.cpu_tiles == a.cpu_tiles == (prepared and a._kernel and cpu_fp8.fp8_tiles_preferred())
+    assert torch.equal(ab.dequantize(), want)
+    assert torch.equal(ab.dequantize_rows(100, 199), want[100:199])  # across tiles into the row-major rows
+    if prepared and ab._kernel:
+        x = torch.randn(3, 160)
+        ref = torch.nn.functional.linear(x.double(), want.double())
+        assert ((ab.linear(x, None).double() - ref).abs() <= fp32_bound(x, want)).all()
     assert Fp8BlockWeight.concat([b, c]) is None  # b's last block is partial: the scale rows would not line up
 
 

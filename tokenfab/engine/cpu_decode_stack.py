@@ -53,6 +53,7 @@ from tokenfab.quant.packed_weight import PackedWeight
 
 _NO_SLOTS = torch.empty(0, dtype=torch.int64)  # DecodeStack.forward computes the slots itself
 FP8_LIN_QTYPE = 256  # decode_stack.cpp's kFp8LinQtype: a Lin over FP8 block-scaled bytes (fp8_block_linear)
+FP8_LIN_TILED_QTYPE = 257  # kFp8LinTiledQtype: the same with whole 16-row tiles in the CPU tile layout
 GGUF_AVX2_QTYPE = 512  # decode_stack.cpp's kGgufAvx2Qtype: + the ggml type, a GGUF Lin on the AVX2 GEMV
 
 
@@ -245,14 +246,16 @@ def _gguf_spec(q, bias) -> tuple | None:
 
 def _lin_spec(lin: Linear | None) -> tuple | None:
     """(weight, ggml type or -1, out_features, bias) of a Linear for the C++ stack: its VNNI blocks (-1) or its
-    GGUF tiles (:func:`_gguf_spec`); (bytes, FP8_LIN_QTYPE, out_features, bias, scale_inv) for an FP8 block weight;
+    GGUF tiles (:func:`_gguf_spec`); (bytes, FP8_LIN_QTYPE or FP8_LIN_TILED_QTYPE, out_features, bias, scale_inv)
+    for an FP8 block weight;
     None for any other form (oneDNN, plain, another compressed format)."""
     if lin is None:
         return None
     if lin.qweight is not None:
         q = lin.qweight
         if _fp8_kernel(q):
-            return (q.weight.view(torch.uint8), FP8_LIN_QTYPE, q.out_features, lin.bias, q.scale_inv)
+            return (q.weight.view(torch.uint8), FP8_LIN_TILED_QTYPE if q.cpu_tiles else FP8_LIN_QTYPE,
+                    q.out_features, lin.bias, q.scale_inv)
         return _gguf_spec(q, lin.bias)
     p = lin.vnni_packed
     return None if p is None else (p, -1, lin.out_features, lin.bias)

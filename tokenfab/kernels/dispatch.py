@@ -362,14 +362,16 @@ def fp8_block_linear_applies(x: torch.Tensor, cpu_kernel: bool, cpu_avx2: bool =
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bias: torch.Tensor | None,
-                     cpu_kernel: bool, mm_scale: torch.Tensor | None = None, cpu_avx2: bool = False) -> torch.Tensor:
+                     cpu_kernel: bool, mm_scale: torch.Tensor | None = None, cpu_avx2: bool = False,
+                     cpu_tiled: bool = False) -> torch.Tensor:
     """``x [.., K] @ weight^T`` (+ bias) on the e4m3 matrix and its 128 x 128 block scales by the kernel of
     :func:`fp8_block_linear_applies` (call only where it is True); ``mm_scale``: :func:`fp8_block_prepare`'s;
-    ``cpu_avx2``: the AVX2 kernel (float32 arithmetic, one rounding to x's dtype)."""
+    ``cpu_avx2``: the AVX2 kernel (float32 arithmetic, one rounding to x's dtype); ``cpu_tiled``: the weight's whole
+    16-row tiles are in the C++ kernel's CPU tile layout (Fp8BlockWeight.prepare)."""
     if _fp8_cpu(x, cpu_avx2) and not cpu_kernel:
         return cpu_fp8.fp8_block_linear_avx2(x.float(), weight, scale_inv, bias).to(x.dtype)
     if _fp8_cpu(x, cpu_kernel):
-        return cpu_fp8.fp8_block_linear(x, weight, scale_inv, bias)
+        return cpu_fp8.fp8_block_linear(x, weight, scale_inv, bias, cpu_tiled)
     from tokenfab.kernels.gpu import fp8_linear  # CUDA/ROCm (tests: the interpreter)
     return fp8_linear.fp8_block_linear(x, weight, scale_inv, bias, mm_scale=mm_scale)
 

@@ -104,7 +104,7 @@ class Fp8BlockExperts(PackedExperts):
         if self.cpu_tiles:  # the whole tiles holding the rows, back to the checkpoint layout (exact)
             a0, b0 = start // TILE_ROWS * TILE_ROWS, -(-end // TILE_ROWS) * TILE_ROWS
             t = self.packed[e:e + 1, a0:b0].clone()
-            cpu_fp8.fp8_experts_relayout(t, False)
+            cpu_fp8.fp8_tiles_relayout(t, False)
             q = t[0, start - a0:end - a0]
         if self.gpu_layout:  # back to the checkpoint's bytes and scale columns (exact)
             from tokenfab.kernels.gpu.moe_relayout import restore_fp8
@@ -119,10 +119,10 @@ class Fp8BlockExperts(PackedExperts):
         GPU code path (CUDA / ROCm buffers with Triton on, or the interpreter's ``interpret-gpu-path`` in tests)
         re-lay the stack once into the grouped GEMM's layout instead (kernels/gpu/moe_relayout.relayout_fp8: in
         place where in_features is a multiple of 512) and set :attr:`gpu_layout`. With that C++ kernel on a CPU
-        without AMX (``cpu_fp8.fp8_experts_tiles_preferred``), part_rows a multiple of 16, not
+        without AMX (``cpu_fp8.fp8_tiles_preferred``), part_rows a multiple of 16, not
         ``TOKENFAB_PACKED_EXPERTS=rows`` and no Triton kernel taking the buffers (Triton's packed MoE reads the
         checkpoint layout; tests interpret it on CPU tensors), re-lay the stack once, in place, into the CPU tile layout
-        (``cpu_fp8.fp8_experts_relayout``) and set :attr:`cpu_tiles`; :meth:`dequantize_rows` reads either layout."""
+        (``cpu_fp8.fp8_tiles_relayout``) and set :attr:`cpu_tiles`; :meth:`dequantize_rows` reads either layout."""
         from tokenfab.kernels.gpu import support as gpu_support
         from tokenfab.layers.linear import cpu_linear_backend
         cpu = (self.packed.device.type == "cpu" and self.in_features % 32 == 0 and not kernel_disabled()
@@ -132,8 +132,8 @@ class Fp8BlockExperts(PackedExperts):
         self._avx2 = (cpu and not self._kernel and not self.gpu_layout and not gpu_path
                       and cpu_fp8.fp8_block_linear_avx2_applies())
         if (self._kernel and not self.cpu_tiles and not self.gpu_layout and not gpu_support.applies(self.packed)
-                and not tiles_disabled() and self.part_rows % TILE_ROWS == 0 and cpu_fp8.fp8_experts_tiles_preferred()):
-            cpu_fp8.fp8_experts_relayout(self.packed, True)
+                and not tiles_disabled() and self.part_rows % TILE_ROWS == 0 and cpu_fp8.fp8_tiles_preferred()):
+            cpu_fp8.fp8_tiles_relayout(self.packed, True)
             self.cpu_tiles = True
         if self.gpu_layout or not gpu_path:
             return

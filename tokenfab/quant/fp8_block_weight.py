@@ -11,7 +11,11 @@ out or in is not a multiple of 128). The product is one float32 rounding of an e
 Fast path: ``cpu_fp8.fp8_block_linear`` (kernels/cpu/csrc/fp8_linear.cpp) on CPUs whose kernels have AVX512-BF16: a
 decode GEMV converting e4m3 to bf16 in registers (every e4m3 value is exact in bf16); with AMX, bf16 x of more than 4
 rows converts 16 weight rows at a time into AMX tiles; otherwise more than 16 rows convert 32 weight rows at a time
-into a thread-local buffer for oneDNN's brgemm. All sum x q exactly per 128 inputs in float32 and scale each block's
+into a thread-local buffer for oneDNN's brgemm. Without AMX, :meth:`Fp8BlockWeight.prepare` re-lays the weight's
+whole 16-row tiles once, in place, into the CPU tile layout (kernels/cpu/csrc/fp8_tiles.h; the rows past the last
+whole tile stay row-major): up to 16 rows of x then take the tile GEMV, which converts each weight once for all rows
+and sums 16 weight rows in the lanes, more rows brgemm over converted tiles (benchmarks/NOTES.md 97). All sum x q
+exactly per 128 inputs in float32 and scale each block's
 sum once: y = sum_kb s[n, kb] * sum_{k in kb} x_k q_k, the same real number as
 sum_k x_k W[n, k] up to float32 rounding. Needs in_features a multiple of 32. CPUs without AVX512-BF16:
 ``cpu_fp8.fp8_block_linear_avx2`` (kernels/cpu/csrc/fp8_linear_avx2.cpp: e4m3 converted through fp16 in registers,
@@ -32,6 +36,7 @@ from tokenfab.quant.fp8_config import FP8_BLOCK
 from tokenfab.quant.packed_weight import PackedWeight
 
 BLOCK = FP8_BLOCK[0]
+TILE_ROWS = 16  # rows per tile of the CPU tile layout (kernels/cpu/csrc/fp8_tiles.h)
 
 
 def scale_shape(out_features: int, in_features: int) -> tuple[int, int]:
@@ -65,6 +70,7 @@ class Fp8BlockWeight(PackedWeight):
         self.register_buffer("weight", weight.contiguous(), persistent=False)
         self.register_buffer("scale_inv", scale_inv.to(torch.float32).contiguous(), persistent=False)
         self._kernel = False
+        self.cpu_tiles = False  # whole 16-row tiles of ``weight`` in the CPU tile layout (prepare)
         self._avx2 = False  # cpu_fp8.fp8_block_linear_avx2 (CPUs without AVX512-BF16; prepare)
         self._mm_scale: torch.Tensor | None = None  # scale_inv in scaled_mm's layout (GPU, set by prepare)
 
@@ -72,9 +78,23 @@ class Fp8BlockWeight(PackedWeight):
     def nbytes(self) -> int:
         return self.weight.numel() + 4 * self.scale_inv.numel()
 
+    tile_layout = True  # prepare() may re-lay the weight into the CPU tile layout (tests and A/B runs turn it off)
+
+    def checkpoint_rows(self, start: int, end: int) -> torch.Tensor:
+        """Rows [start, end) of the e4m3 matrix in the checkpoint's layout (float8_e4m3fn [end - start, in]): a view,
+        or where they lie in tiles (:attr:`cpu_tiles`) a copy of those tiles returned to the checkpoint layout."""
+        w = self.weight.view(torch.uint8)
+        n16 = self.out_features // TILE_ROWS * TILE_ROWS if self.cpu_tiles else 0
+        if start >= min(end, n16):
+            return self.weight[start:end]
+        a0, b0 = start // TILE_ROWS * TILE_ROWS, min(n16, -(-end // TILE_ROWS) * TILE_ROWS)
+        t = w[a0:b0].clone()
+        cpu_fp8.fp8_tiles_relayout(t, False)
+        return torch.cat([t[start - a0:end - a0], w[b0:end]]).view(torch.float8_e4m3fn)
+
     def dequantize_rows(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of W by the published formula: float32 [end - start, in_features]."""
-        q = self.weight[start:end].to(torch.float32)
+        q = self.checkpoint_rows(start, end).to(torch.float32)
         b0, b1 = start // BLOCK, -(-end // BLOCK)
         s = self.scale_inv[b0:b1].repeat_interleave(BLOCK, 0)[start - b0 * BLOCK:end - b0 * BLOCK]
         return q * s.repeat_interleave(BLOCK, 1)[:, :self.in_features]
@@ -83,7 +103,10 @@ class Fp8BlockWeight(PackedWeight):
         """Use the C++ kernel when it runs here: CPU tensors, in_features a multiple of 32, built kernels with
         AVX512-BF16 and a CPU linear backend other than ``torch`` (``TOKENFAB_CPU_LINEAR``). On a GPU: run the
         block-scaled scaled_mm probe once per device and, where it passed, keep the scales in its layout
-        (:func:`tokenfab.kernels.dispatch.fp8_block_prepare`). A CPU without AVX512-BF16 takes the AVX2 kernel where
+        (:func:`tokenfab.kernels.dispatch.fp8_block_prepare`). With the C++ kernel on a CPU without AMX
+        (``cpu_fp8.fp8_tiles_preferred``) and :attr:`tile_layout`, re-lay the weight's whole 16-row tiles once, in
+        place, into the CPU tile layout and set :attr:`cpu_tiles` (``weight`` is the tensor given to the
+        constructor, so its holder sees the new layout: the loader hands over a copy). A CPU without AVX512-BF16 takes the AVX2 kernel where
         it is built; with neither, a float32 copy within the budget
         (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
         from tokenfab.layers.linear import cpu_linear_backend
@@ -91,6 +114,10 @@ class Fp8BlockWeight(PackedWeight):
         self._kernel = on_cpu and cpu_fp8.fp8_block_linear_applies()
         self._avx2 = (on_cpu and not self._kernel and not dispatch.gpu_path(self.weight)
                       and cpu_fp8.fp8_block_linear_avx2_applies())
+        n16 = self.out_features // TILE_ROWS * TILE_ROWS
+        if self._kernel and self.tile_layout and not self.cpu_tiles and n16 and cpu_fp8.fp8_tiles_preferred():
+            cpu_fp8.fp8_tiles_relayout(self.weight.view(torch.uint8)[:n16], True)
+            self.cpu_tiles = True
         self._mm_scale = dispatch.fp8_block_prepare(self.weight, self.scale_inv)
         if not self._kernel and not self._avx2:
             self.keep_dense_copy()  # no packed kernel on this CPU: a float32 copy within the budget
@@ -104,7 +131,7 @@ class Fp8BlockWeight(PackedWeight):
         matrix's columns; call only where :meth:`_kernel_applies`)."""
         ms = self._mm_scale if self._mm_scale is not None and self._mm_scale.device == x.device else None
         return dispatch.fp8_block_linear(x, self.weight, self.scale_inv, bias, self._kernel, mm_scale=ms,
-                                         cpu_avx2=self._avx2)
+                                         cpu_avx2=self._avx2, cpu_tiled=self.cpu_tiles)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self._kernel_applies(x):
@@ -119,10 +146,11 @@ class Fp8BlockWeight(PackedWeight):
         first = weights[0]
         if not all(type(w) is Fp8BlockWeight and w.in_features == first.in_features for w in weights):
             return None
-        if any(w.out_features % BLOCK for w in weights[:-1]):
+        if any(w.out_features % BLOCK for w in weights[:-1]) or any(w.cpu_tiles != first.cpu_tiles for w in weights):
             return None
+        # tiles stay whole: every weight but the last has whole 128-row blocks, so the joined tiles line up
         out = cls(torch.cat([w.weight for w in weights]), torch.cat([w.scale_inv for w in weights]))
-        out._kernel, out._avx2 = first._kernel, first._avx2
+        out._kernel, out._avx2, out.cpu_tiles = first._kernel, first._avx2, first.cpu_tiles
         return out
 
     def extra_repr(self) -> str:

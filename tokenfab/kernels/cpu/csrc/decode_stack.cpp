@@ -42,12 +42,15 @@ namespace {
 
 // qtype of an FP8 block-scaled Lin (DeepSeek-V3's float8_e4m3fn bytes + float32 scale_inv per 128 x 128 block).
 constexpr int64_t kFp8LinQtype = 256;
+// qtype of an FP8 Lin whose whole 16-row tiles are in the CPU tile layout (fp8_block_linear's tiled).
+constexpr int64_t kFp8LinTiledQtype = 257;
 // qtype of a GGUF Lin on the AVX2 GEMV: this + its ggml type (engine/cpu_decode_stack.py's GGUF_AVX2_QTYPE).
 constexpr int64_t kGgufAvx2Qtype = 512;
 
 // One linear y = x W^T (+ b): VNNI blocks (qtype -1, vnni_linear), packed GGUF tiles (qtype the ggml type id,
 // gguf_linear; kGgufAvx2Qtype + the id: gguf_gemv_avx2, in float32, the result in x's dtype) or FP8 block-scaled
-// bytes (qtype kFp8LinQtype, fp8_block_linear with ``scale``); ``rows`` = output features.
+// bytes (qtype kFp8LinQtype, or kFp8LinTiledQtype for tiles: fp8_block_linear with ``scale``); ``rows`` = output
+// features.
 struct Lin {
   at::Tensor w;
   int64_t qtype = -1;
@@ -58,14 +61,15 @@ struct Lin {
   bool defined() const { return w.defined(); }
   bool vnni() const { return qtype < 0; }
   bool avx2() const { return qtype >= kGgufAvx2Qtype; }
+  bool fp8() const { return qtype == kFp8LinQtype || qtype == kFp8LinTiledQtype; }
   at::Tensor operator()(const at::Tensor& x) const {
-    if (qtype == kFp8LinQtype) return fp8_block_linear(x, w, *scale, bias);
+    if (fp8()) return fp8_block_linear(x, w, *scale, bias, qtype == kFp8LinTiledQtype);
     if (avx2()) return f32(x).to(x.scalar_type());  // GGUFWeight.linear at the avx2 level: .to(x.dtype)
     return qtype < 0 ? vnni_linear(x, w, rows, bias) : gguf_linear(x, w, qtype, rows, bias);
   }
   // float32 outputs straight from the accumulator (the LM head's logits, as CausalLM.compute_logits gives them)
   at::Tensor f32(const at::Tensor& x) const {
-    if (qtype == kFp8LinQtype) return fp8_block_linear(x.to(at::kFloat), w, *scale, bias);
+    if (fp8()) return fp8_block_linear(x.to(at::kFloat), w, *scale, bias, qtype == kFp8LinTiledQtype);
     if (avx2()) return gguf_gemv_avx2(x.to(at::kFloat), w, qtype - kGgufAvx2Qtype, rows, bias);
     return qtype < 0 ? vnni_linear(x, w, rows, bias, true) : gguf_linear(x, w, qtype, rows, bias, true);
   }
@@ -78,7 +82,7 @@ Lin make_lin(const LinSpec& s) {
   Lin l{s[0].cast<at::Tensor>(), s[1].cast<int64_t>(), s[2].cast<int64_t>(),
         s[3].cast<c10::optional<at::Tensor>>(), std::nullopt};
   if (s.size() == 5) l.scale = s[4].cast<c10::optional<at::Tensor>>();
-  TORCH_CHECK(l.qtype != kFp8LinQtype || l.scale.has_value(), "DecodeStack: an FP8 Lin needs its scale_inv");
+  TORCH_CHECK(!l.fp8() || l.scale.has_value(), "DecodeStack: an FP8 Lin needs its scale_inv");
   return l;
 }
 

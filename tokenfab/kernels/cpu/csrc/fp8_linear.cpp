@@ -26,9 +26,10 @@
 //   bf16 x: bf16 VNNI pairs [K / 2, 32, 2] of each value times its scale_inv, rounded once to bf16 (the dequantized
 //   bf16 twin's weight), in one brgemm over all of K, as a bf16 GEMM runs. float32 x: the exact e4m3 values as
 //   float32 [K, 32], one brgemm per 128-input block, each block's [64, 32] sums scaled by its scale_inv.
-// Routed expert stacks re-laid into the CPU tile layout (fp8_tiles.h, where fp8_experts_tiles_preferred: AVX512-BF16
-// without AMX) take the tile GEMV for segments of up to kTileGemvMaxRows rows (16 weight rows in the 16 lanes, x's
-// pairs broadcast, each weight converted once per call) and brgemm over tiles converted 32 rows at a time beyond.
+// Weights and routed expert stacks re-laid into the CPU tile layout (fp8_tiles.h, where fp8_tiles_preferred:
+// AVX512-BF16 without AMX; a weight's rows past its last whole tile stay row-major and take the row GEMV) take the
+// tile GEMV for up to kTileGemvMaxRows rows of x (16 weight rows in the 16 lanes, x's pairs broadcast, each weight
+// converted once per call) and brgemm over tiles converted 32 rows at a time beyond; never AMX.
 #include "fp8_linear.h"
 #include "registrations.h"
 
@@ -233,12 +234,14 @@ void gemv(const uint16_t* xp, int64_t M, int64_t K, const uint8_t* w, const floa
 // (srow: the 32 rows' scales per 128-input block), rounded once to bf16: the dequantized bf16 twin's weight. bf16:
 // per 128-input block one table of every code's scaled value (Lut::scaled), then per 32 inputs 16 rows' 16 pairs
 // each looked up in order and transposed (vnni_transpose.h), so each layout row is one contiguous store.
+// j_begin (0 or 16): the first of the 32 rows converted (a tile-layout weight's last tile fills the columns before).
 template <bool F32W>
-void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* buf, const Lut& L, const float* srow) {
+void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* buf, const Lut& L, const float* srow,
+                    int64_t j_begin = 0) {
   if constexpr (F32W) {
     const __m512i k_idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                              _mm512_set1_epi32(32));
-    for (int64_t j = 0; j < 32; ++j) {
+    for (int64_t j = j_begin; j < 32; ++j) {
       const int64_t row = nb * 32 + j;
       for (int64_t k0 = 0; k0 < K; k0 += 32) {
         const __m512i v = row < N ? e4m3x32(w + row * K + k0, L) : _mm512_setzero_si512();
@@ -251,7 +254,7 @@ void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* bu
     Lut block = L;
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
       if (k0 % BK == 0) block = L.scaled(srow[k0 / BK]);
-      for (int64_t j0 = 0; j0 < 32; j0 += 16) {
+      for (int64_t j0 = j_begin; j0 < 32; j0 += 16) {
         __m512i r[16];
         for (int i = 0; i < 16; ++i) {
           const int64_t row = nb * 32 + j0 + i;
@@ -266,7 +269,7 @@ void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* bu
   }
 }
 
-// tiled: w in the tile layout of fp8_tiles.h (N a multiple of 16), else row-major [N, K].
+// tiled: w's first N / 16 * 16 rows in the tile layout of fp8_tiles.h, the rest row-major; else all row-major.
 template <typename T>
 void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const float* sc, int64_t N,
           const float* bias, T* y, int64_t ldy, const Lut& L, bool tiled = false) {
@@ -277,11 +280,10 @@ void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const
     std::vector<float> c(F32 ? kTileM * 32 : 0), acc(kTileM * 32);  // c: one block's sums (float32 x only)
     for (int64_t nb = nb0; nb < nb1; ++nb) {
       const float* srow = sc + (nb * 32 / BK) * KB;  // the 32 rows lie in one 128-row scale block
-      if (tiled)
-        tokenfab_fp8_tiles::tiles_to_brgemm<F32>(w + nb * 32 * K, std::min<int64_t>(2, (N - nb * 32) / 16), K,
-                                                 buf.data(), L, srow);
-      else
-        convert_rows32<F32>(w, nb, N, K, buf.data(), L, srow);
+      // whole tiles among the 32 rows (0 without tiles), then the rest row-major (rows past N zero)
+      const int64_t ntiles = tiled ? std::clamp<int64_t>((N / 16 * 16 - nb * 32) / 16, 0, 2) : 0;
+      tokenfab_fp8_tiles::tiles_to_brgemm<F32>(w + nb * 32 * K, ntiles, K, buf.data(), L, srow);
+      if (ntiles < 2) convert_rows32<F32>(w, nb, N, K, buf.data(), L, srow, 16 * ntiles);
       const int64_t nvalid = std::min<int64_t>(32, N - nb * 32);
       for (int64_t m0 = 0; m0 < M; m0 += kTileM) {
         const int64_t mt = std::min(kTileM, M - m0);
@@ -395,7 +397,7 @@ void amx_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* w, const
 }  // namespace
 
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_inv,
-                            const c10::optional<at::Tensor>& bias) {
+                            const c10::optional<at::Tensor>& bias, bool tiled) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
               "fp8_block_linear: x must be bfloat16 or float32, got ", x.scalar_type());
   const int64_t K = x.size(-1);
@@ -418,7 +420,7 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
   const auto* wp = w.data_ptr<uint8_t>();
   const float* sp = scale_inv.data_ptr<float>();
 #if defined(TOKENFAB_AMX)
-  if (!f32 && M > kAmxMinRows && tokenfab_cpu::amx_ready()) {
+  if (!f32 && !tiled && M > kAmxMinRows && tokenfab_cpu::amx_ready()) {
     auto xt = at::zeros({(M + 15) / 16 * 16 * K}, x.options());  // x as B tiles (rows past M zero)
     auto* xb = reinterpret_cast<uint16_t*>(xt.data_ptr());
     pack_x_tiles(reinterpret_cast<const uint16_t*>(x2.data_ptr()), x2.stride(0), M, K, xb);
@@ -428,14 +430,51 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
     return y;
   }
 #endif
-  if (M > gemv_max_rows(f32, K)) {
-    if (f32) gemm<float>(x2.data_ptr<float>(), M, x2.stride(0), K, wp, sp, N, bp, y.data_ptr<float>(), N, lut);
+  if (M > (tiled ? kTileGemvMaxRows : gemv_max_rows(f32, K))) {
+    if (f32) gemm<float>(x2.data_ptr<float>(), M, x2.stride(0), K, wp, sp, N, bp, y.data_ptr<float>(), N, lut, tiled);
     else gemm<uint16_t>(reinterpret_cast<const uint16_t*>(x2.data_ptr()), M, x2.stride(0), K, wp, sp, N, bp,
-                        reinterpret_cast<uint16_t*>(y.data_ptr()), N, lut);
+                        reinterpret_cast<uint16_t*>(y.data_ptr()), N, lut, tiled);
     return y;
   }
   at::Tensor parts = tokenfab_cpu::bf16_parts(x2);  // [M, 3, K] for float32 x, else [M, K]
   const int64_t S = f32 ? 3 : 1, cb = gemv_chunk_blocks(M, S, K, KB);
+  if (tiled) {  // whole tiles on the tile GEMV (x in natural order), the rows past them on the row GEMV
+    const int64_t tiles = N / tokenfab_fp8_tiles::kTileRows, n16 = tiles * tokenfab_fp8_tiles::kTileRows;
+    const auto* xn = reinterpret_cast<const uint16_t*>(parts.data_ptr());
+    const int64_t ldx = tokenfab_fp8_tiles::tile_x_stride(S, K);  // rows of x spread over L1's sets
+    at::Tensor strided = parts;
+    if (ldx != S * K) {
+      strided = at::empty({M * ldx}, parts.options());
+      tokenfab_fp8_tiles::stride_x(xn, M, S, K, ldx, reinterpret_cast<uint16_t*>(strided.data_ptr()));
+    }
+    const auto* xs = reinterpret_cast<const uint16_t*>(strided.data_ptr());
+    at::Tensor chunked = parts;
+    if (n16 < N && cb < KB) {
+      chunked = at::empty_like(parts);
+      chunk_x(xn, M, S, K, cb, reinterpret_cast<uint16_t*>(chunked.data_ptr()));
+    }
+    const auto* xc = reinterpret_cast<const uint16_t*>(chunked.data_ptr());
+    void* yp = y.data_ptr();
+    at::parallel_for(0, tiles + (n16 < N ? 1 : 0), 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) {
+        if (i == tiles) {  // the last rows, fewer than 16, row-major
+          if (f32) gemv<3, true>(xc, M, K, wp, sp, KB, bp, yp, N, n16, N, lut);
+          else gemv<1, false>(xc, M, K, wp, sp, KB, bp, yp, N, n16, N, lut);
+          continue;
+        }
+        const uint8_t* tile = wp + i * tokenfab_fp8_tiles::kTileRows * K;
+        const float* sc = sp + (i * tokenfab_fp8_tiles::kTileRows / BK) * KB;
+        const float* bt = bp != nullptr ? bp + i * tokenfab_fp8_tiles::kTileRows : nullptr;
+        if (f32)
+          tokenfab_fp8_tiles::tile_gemv<3, true>(tile, K, sc, xs, ldx, M, lut, static_cast<float*>(yp) + i * 16, N,
+                                                 bt);
+        else
+          tokenfab_fp8_tiles::tile_gemv<1, false>(tile, K, sc, xs, ldx, M, lut, static_cast<uint16_t*>(yp) + i * 16,
+                                                  N, bt);
+      }
+    });
+    return y;
+  }
   if (cb < KB) {  // the GEMV's chunked layout of x
     auto chunked = at::empty_like(parts);
     chunk_x(reinterpret_cast<const uint16_t*>(parts.data_ptr()), M, S, K, cb,
@@ -505,6 +544,13 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
       xs = xc;
     }
     const int64_t S = f32 ? 3 : 1;
+    const int64_t ldx = tiled ? tokenfab_fp8_tiles::tile_x_stride(S, K) : S * K;  // the tile GEMV's row stride
+    if (ldx != S * K) {  // rows of x spread over L1's sets (tile_x_stride)
+      auto xl = at::empty({N * ldx}, xs.options());
+      tokenfab_fp8_tiles::stride_x(reinterpret_cast<const uint16_t*>(xs.data_ptr()), N, S, K, ldx,
+                                   reinterpret_cast<uint16_t*>(xl.data_ptr()));
+      xs = xl;
+    }
     bool chunked = false;  // the GEMV segments' rows in its chunked layout (the GEMM segments read xc, not these)
     for (const int64_t a : small) chunked |= !tiled && gemv_chunk_blocks(op[a + 1] - op[a], S, K, KB) < KB;
     if (chunked) {
@@ -529,10 +575,10 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
           const uint8_t* tile = wpart(a, p) + r0 * K;
           const float* sc = spart(a, p) + (r0 / BK) * KB;
           if (f32)
-            tokenfab_fp8_tiles::tile_gemv<3, true>(tile, K, sc, xp + t0 * 3 * K, M, lut,
+            tokenfab_fp8_tiles::tile_gemv<3, true>(tile, K, sc, xp + t0 * ldx, ldx, M, lut,
                                                    static_cast<float*>(ypart(t0, p)) + r0, n);
           else
-            tokenfab_fp8_tiles::tile_gemv<1, false>(tile, K, sc, xp + t0 * K, M, lut,
+            tokenfab_fp8_tiles::tile_gemv<1, false>(tile, K, sc, xp + t0 * ldx, ldx, M, lut,
                                                     static_cast<uint16_t*>(ypart(t0, p)) + r0, n);
           continue;
         }
@@ -574,12 +620,12 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
 #endif
 }
 
-void fp8_experts_relayout(at::Tensor& w, bool to_tiles) {
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.is_contiguous() && w.device().is_cpu() &&
-              w.size(1) % tokenfab_fp8_tiles::kTileRows == 0 && w.size(2) % 4 == 0,
-              "fp8_experts_relayout: contiguous CPU uint8 [E, n, K] with n a multiple of 16 and K of 4 expected, got ",
-              w.sizes());
-  const int64_t K = w.size(2), tiles = w.size(0) * w.size(1) / tokenfab_fp8_tiles::kTileRows;
+void fp8_tiles_relayout(at::Tensor& w, bool to_tiles) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && (w.dim() == 2 || w.dim() == 3) && w.is_contiguous() &&
+              w.device().is_cpu() && w.size(-2) % tokenfab_fp8_tiles::kTileRows == 0 && w.size(-1) % 4 == 0,
+              "fp8_tiles_relayout: contiguous CPU uint8 [E, n, K] or [n, K] with n a multiple of 16 and K of 4 "
+              "expected, got ", w.sizes());
+  const int64_t K = w.size(-1), tiles = w.numel() / K / tokenfab_fp8_tiles::kTileRows;
   auto* p = w.data_ptr<uint8_t>();
   at::parallel_for(0, tiles, 1, [&](int64_t b, int64_t e) {
     std::vector<uint8_t> tmp;
@@ -588,7 +634,7 @@ void fp8_experts_relayout(at::Tensor& w, bool to_tiles) {
   });
 }
 
-bool fp8_experts_tiles_preferred() {
+bool fp8_tiles_preferred() {
 #if defined(TOKENFAB_AMX)
   return tokenfab_cpu::bf16_dot_allowed() && !tokenfab_cpu::amx_ready();  // AMX machines keep the AMX tile path
 #elif defined(__AVX512BF16__)
@@ -600,8 +646,9 @@ bool fp8_experts_tiles_preferred() {
 
 void register_fp8_linear(pybind11::module_& m) {
   m.def("fp8_block_linear", &fp8_block_linear,
-        "x W^T (+ b) over FP8 e4m3 block-scaled weights as published (CPU, AVX512-BF16)", pybind11::arg("x"),
-        pybind11::arg("w"), pybind11::arg("scale_inv"), pybind11::arg("bias") = pybind11::none());
+        "x W^T (+ b) over FP8 e4m3 block-scaled weights as published, or with whole 16-row tiles in the CPU tile "
+        "layout (tiled; CPU, AVX512-BF16)", pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale_inv"),
+        pybind11::arg("bias") = pybind11::none(), pybind11::arg("tiled") = false);
   m.attr("fp8_block_linear_avx2_built") = fp8_block_linear_avx2_built();
   m.def("fp8_block_linear_avx2", &fp8_block_linear_avx2,
         "x W^T (+ b) over FP8 e4m3 block-scaled weights, float32 x and y (CPU, AVX2 + FMA: CPUs without "
@@ -619,9 +666,9 @@ void register_fp8_linear(pybind11::module_& m) {
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("scale"), pybind11::arg("experts"),
         pybind11::arg("offsets"), pybind11::arg("part_rows"), pybind11::arg("tiled") = false);
   m.attr("fp8_tiles_gemv_max_rows") = kTileGemvMaxRows;
-  m.def("fp8_experts_relayout", &fp8_experts_relayout,
-        "in place: an FP8 expert stack's 16-row tiles into the CPU tile layout (fp8_tiles.h), or back",
+  m.def("fp8_tiles_relayout", &fp8_tiles_relayout,
+        "in place: an FP8 weight's or expert stack's 16-row tiles into the CPU tile layout (fp8_tiles.h), or back",
         pybind11::arg("w"), pybind11::arg("to_tiles"));
-  m.def("fp8_experts_tiles_preferred", &fp8_experts_tiles_preferred,
-        "True where FP8 expert stacks take the tile layout: AVX512-BF16 kernels without AMX");
+  m.def("fp8_tiles_preferred", &fp8_tiles_preferred,
+        "True where FP8 weights and expert stacks take the tile layout: AVX512-BF16 kernels without AMX");
 }

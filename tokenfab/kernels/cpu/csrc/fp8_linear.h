@@ -29,9 +29,11 @@ inline Fp8ExpertShape check_fp8_expert_buffers(int64_t K, const at::Tensor& w, c
 
 // y = x W^T (+ bias) for W [n, K] given as the checkpoint stores it: w uint8 [n, K] (the float8_e4m3fn bytes) and
 // scale_inv float32 [ceil(n / 128), ceil(K / 128)], W[r, c] = e4m3(w[r, c]) * scale_inv[r / 128][c / 128]. x [..., K]
-// bf16 or float32 with K a multiple of 32 -> y [..., n] in x's dtype. Needs AVX512-BF16 (raises otherwise).
+// bf16 or float32 with K a multiple of 32 -> y [..., n] in x's dtype. tiled: w's whole 16-row tiles as
+// fp8_tiles_relayout left them (the rows past the last whole tile row-major): up to 16 rows of x take the tile GEMV,
+// more brgemm over converted tiles. Needs AVX512-BF16 (raises otherwise).
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale_inv,
-                            const c10::optional<at::Tensor>& bias);
+                            const c10::optional<at::Tensor>& bias, bool tiled = false);
 
 // As fp8_block_linear for float32 x on AVX2 + FMA + F16C (fp8_linear_avx2.cpp: CPUs without AVX512-BF16): the e4m3
 // values converted through fp16 in registers, float32 FMAs; y [..., n] float32. Raises for another dtype or shape, or

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "fp8_e4m3.h"
@@ -102,16 +103,33 @@ void tile_pass(const uint8_t* tile, int64_t K, const float* sc, const uint16_t* 
 // Tokens per pass of tile_gemv: each pass converts every weight of the tile once.
 constexpr int64_t kTilePass = 16;
 
-// M tokens (x [M][S][K] bf16 parts) times one tile (its 128-input blocks scaled by sc[kb]): y[m * ldy + j] for the
-// tile's 16 rows, float32 (F32OUT) or bf16 (rounded to nearest even), in passes of up to kTilePass tokens.
+// Elements between consecutive tokens' rows of x for the tile GEMV: S K, plus 32 where that is an even number of
+// 64-byte lines. The pass reads up to 16 tokens' rows in step, one 4-byte broadcast each; at a row stride that is a
+// multiple of 4 KB (K = 2048 in bf16) all of them fall in one L1 set, 8 ways for 16 rows. An odd number of lines puts
+// every row in its own set. Measured (fp8_linear.py, [7168, 2048], 2 threads): 12 / 16 rows took 1637-1958 /
+// 2647-2652 µs at the natural stride, 1321-1375 / 1583-1596 µs at this one (benchmarks/NOTES.md 97).
+inline int64_t tile_x_stride(int64_t S, int64_t K) {
+  const int64_t row = S * K;  // K is a multiple of 32: whole 64-byte lines
+  return (row * 2 / 64) % 2 == 0 ? row + 32 : row;
+}
+
+// x [M][S][K] (natural order) -> out [M][ldx] with ldx = tile_x_stride(S, K) (the padding left as it is).
+inline void stride_x(const uint16_t* x, int64_t M, int64_t S, int64_t K, int64_t ldx, uint16_t* out) {
+  for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * ldx, x + m * S * K, S * K * sizeof(uint16_t));
+}
+
+// M tokens (x: token m's S bf16 parts at x + m * ldx + s * K) times one tile (its 128-input blocks scaled by sc[kb]): y[m * ldy + j] for the
+// tile's 16 rows (+ bias[j] where bias is given), float32 (F32OUT) or bf16 (rounded to nearest even), in passes of
+// up to kTilePass tokens.
 template <int S, bool F32OUT>
-void tile_gemv(const uint8_t* tile, int64_t K, const float* sc, const uint16_t* x, int64_t M, const Lut& L, void* y,
-               int64_t ldy) {
+void tile_gemv(const uint8_t* tile, int64_t K, const float* sc, const uint16_t* x, int64_t ldx, int64_t M,
+               const Lut& L, void* y, int64_t ldy, const float* bias = nullptr) {
+  const __m512 bv = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   alignas(64) float acc[kTilePass * 16];
   for (int64_t m0 = 0; m0 < M; m0 += kTilePass) {
     const int nt = static_cast<int>(std::min<int64_t>(kTilePass, M - m0));
     const uint16_t* xt[kTilePass];
-    for (int i = 0; i < nt; ++i) xt[i] = x + (m0 + i) * S * K;
+    for (int i = 0; i < nt; ++i) xt[i] = x + (m0 + i) * ldx;
     switch (nt) {
 #define TF_PASS(TB) \
   case TB: tile_pass<S, TB>(tile, K, sc, xt, L, acc); break;
@@ -120,7 +138,7 @@ void tile_gemv(const uint8_t* tile, int64_t K, const float* sc, const uint16_t* 
 #undef TF_PASS
     }
     for (int i = 0; i < nt; ++i) {
-      const __m512 v = _mm512_load_ps(acc + 16 * i);
+      const __m512 v = bias != nullptr ? _mm512_add_ps(_mm512_load_ps(acc + 16 * i), bv) : _mm512_load_ps(acc + 16 * i);
       if constexpr (F32OUT) {
         _mm512_storeu_ps(static_cast<float*>(y) + (m0 + i) * ldy, v);
       } else {
@@ -131,19 +149,14 @@ void tile_gemv(const uint8_t* tile, int64_t K, const float* sc, const uint16_t* 
   }
 }
 
-// Prefill: ntiles (1 or 2) consecutive tiles (32 rows; a missing second tile gives zero columns) into a brgemm
-// buffer of 32 columns: bf16 VNNI pairs (uint32 [K / 2][32]) of each value times its block's scale srow[kb] rounded
-// once to bf16 (the dequantized bf16 twin's weight), or, F32W, the exact values as float32 [K][32].
+// Prefill: ntiles (1 or 2) consecutive tiles into columns [0, 16 ntiles) of a brgemm buffer of 32 columns: bf16
+// VNNI pairs (uint32 [K / 2][32]) of each value times its block's scale srow[kb] rounded once to bf16 (the
+// dequantized bf16 twin's weight), or, F32W, the exact values as float32 [K][32]. The caller fills any other columns.
 template <bool F32W>
 void tiles_to_brgemm(const uint8_t* tiles, int64_t ntiles, int64_t K, void* buf, const Lut& L, const float* srow) {
   const int64_t Q = K / 4;
-  for (int64_t h = 0; h < 2; ++h) {
+  for (int64_t h = 0; h < ntiles; ++h) {
     const int64_t c0 = 16 * h;
-    if (h >= ntiles) {
-      for (int64_t r = 0; r < (F32W ? K : K / 2); ++r)
-        _mm512_storeu_si512(static_cast<uint32_t*>(buf) + r * 32 + c0, _mm512_setzero_si512());
-      continue;
-    }
     const uint8_t* tile = tiles + h * kTileRows * K;
     Lut block = L;
     for (int64_t q = 0; q < Q; ++q) {

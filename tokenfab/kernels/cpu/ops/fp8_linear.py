@@ -44,7 +44,7 @@ def fp8_block_linear_avx2(x: torch.Tensor, weight: torch.Tensor, scale_inv: torc
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, tiled: bool = False) -> torch.Tensor:
     """y = x W^T (+ bias) with W [n, K] FP8 block-scaled as published: W[r, c] = float32(weight[r, c]) *
     scale_inv[r // 128, c // 128] (tokenfab.quant.fp8_block_weight).
 
@@ -52,6 +52,9 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         x: [..., K] bf16 or float32, K a multiple of 32.
         weight: float8_e4m3fn [n, K] (contiguous). scale_inv: float32 [ceil(n / 128), ceil(K / 128)].
         bias: [n] (any float dtype) or None.
+        tiled: the weight's whole 16-row tiles are in the CPU tile layout (:func:`fp8_tiles_relayout` of its first
+            n // 16 * 16 rows; the rest row-major): up to 16 rows of x run the tile GEMV (each weight converted once
+            for all of them), more rows brgemm over converted tiles; never AMX.
 
     Returns:
         [..., n] in x's dtype: per 128-input block the exact products of x and the e4m3 values summed in float32,
@@ -66,7 +69,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
         RuntimeError: shapes or dtypes outside the above, or kernels without AVX512-BF16 (check
             :func:`fp8_block_linear_applies` first).
     """
-    return build.load().fp8_block_linear(x, weight.view(torch.uint8), scale_inv, bias)
+    return build.load().fp8_block_linear(x, weight.view(torch.uint8), scale_inv, bias, bool(tiled))
 
 
 def fp8_gemv_max_rows(dtype: torch.dtype, k: int, tiled: bool = False) -> int:
@@ -108,22 +111,24 @@ def fp8_experts_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
     return build.load().fp8_experts_linear(x, packed, scale, experts, offsets, int(part_rows), bool(tiled))
 
 
-def fp8_experts_tiles_preferred() -> bool:
-    """True where FP8 expert stacks on :func:`fp8_experts_linear` take the CPU tile layout: kernels with AVX512-BF16
-    dot products and no AMX tiles granted (an AMX machine keeps the row-major stack and its AMX tile path)."""
+def fp8_tiles_preferred() -> bool:
+    """True where FP8 weights and expert stacks on :func:`fp8_block_linear` / :func:`fp8_experts_linear` take the
+    CPU tile layout: kernels with AVX512-BF16 dot products and no AMX tiles granted (an AMX machine keeps the
+    row-major bytes and its AMX tile path)."""
     m = build.load()
-    return bool(m is not None and hasattr(m, "fp8_experts_tiles_preferred") and m.fp8_experts_tiles_preferred())
+    return bool(m is not None and hasattr(m, "fp8_tiles_preferred") and m.fp8_tiles_preferred())
 
 
-def fp8_experts_relayout(packed: torch.Tensor, to_tiles: bool) -> None:
-    """In place: every 16 rows of an FP8 expert stack (uint8 [E, n, K], contiguous, on the CPU, n a multiple of 16)
-    into the CPU tile layout (``to_tiles``; per 16 rows and 4 inputs, 64 bytes holding two vdpbf16ps operands of the
-    16 rows: kernels/cpu/csrc/fp8_tiles.h), or back to the checkpoint layout (exact). The scales keep their layout.
+def fp8_tiles_relayout(packed: torch.Tensor, to_tiles: bool) -> None:
+    """In place: every 16 rows of FP8 e4m3 bytes (uint8 [E, n, K] or [n, K], contiguous, on the CPU, n a multiple of
+    16) into the CPU tile layout (``to_tiles``; per 16 rows and 4 inputs, 64 bytes holding two vdpbf16ps operands of
+    the 16 rows: kernels/cpu/csrc/fp8_tiles.h), or back to the checkpoint layout (exact). The scales keep their
+    layout.
 
     Raises:
         RuntimeError: another dtype, device or shape.
     """
-    build.load().fp8_experts_relayout(packed, bool(to_tiles))
+    build.load().fp8_tiles_relayout(packed, bool(to_tiles))
 
 
 def fp8_experts_avx2(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, experts: torch.Tensor,
