@@ -121,8 +121,9 @@ class Fp8BlockExperts(PackedExperts):
         place where in_features is a multiple of 512) and set :attr:`gpu_layout`. With that C++ kernel on a CPU
         without AMX (``cpu_fp8.fp8_tiles_preferred``), part_rows a multiple of 16, not
         ``TOKENFAB_PACKED_EXPERTS=rows`` and no Triton kernel taking the buffers (Triton's packed MoE reads the
-        checkpoint layout; tests interpret it on CPU tensors), re-lay the stack once, in place, into the CPU tile layout
-        (``cpu_fp8.fp8_tiles_relayout``) and set :attr:`cpu_tiles`; :meth:`dequantize_rows` reads either layout."""
+        checkpoint layout; tests interpret it on CPU tensors), re-lay the stack once, in place, into the CPU tile
+        layout (``cpu_fp8.fp8_tiles_relayout``) and set :attr:`cpu_tiles`; :meth:`dequantize_rows` reads either
+        layout."""
         from tokenfab.kernels.gpu import support as gpu_support
         from tokenfab.layers.linear import cpu_linear_backend
         cpu = (self.packed.device.type == "cpu" and self.in_features % 32 == 0 and not kernel_disabled()

@@ -15,9 +15,9 @@ into a thread-local buffer for oneDNN's brgemm. Without AMX, :meth:`Fp8BlockWeig
 whole 16-row tiles once, in place, into the CPU tile layout (kernels/cpu/csrc/fp8_tiles.h; the rows past the last
 whole tile stay row-major): up to 16 rows of x then take the tile GEMV, which converts each weight once for all rows
 and sums 16 weight rows in the lanes, more rows brgemm over converted tiles (benchmarks/NOTES.md 97). All sum x q
-exactly per 128 inputs in float32 and scale each block's
-sum once: y = sum_kb s[n, kb] * sum_{k in kb} x_k q_k, the same real number as
-sum_k x_k W[n, k] up to float32 rounding. Needs in_features a multiple of 32. CPUs without AVX512-BF16:
+exactly per 128 inputs in float32 and scale each block's sum once: y = sum_kb s[n, kb] * sum_{k in kb} x_k q_k, the
+same real number as sum_k x_k W[n, k] up to float32 rounding. Needs in_features a multiple of 32. CPUs without
+AVX512-BF16:
 ``cpu_fp8.fp8_block_linear_avx2`` (kernels/cpu/csrc/fp8_linear_avx2.cpp: e4m3 converted through fp16 in registers,
 float32 FMAs; more than 16 rows on 64-row converted panels and PyTorch's float32 GEMM). Reference / fallback (no
 kernels, another device, in_features not a multiple of 32, or ``TOKENFAB_CPU_LINEAR=torch``): a float32 copy within
@@ -106,8 +106,8 @@ class Fp8BlockWeight(PackedWeight):
         (:func:`tokenfab.kernels.dispatch.fp8_block_prepare`). With the C++ kernel on a CPU without AMX
         (``cpu_fp8.fp8_tiles_preferred``) and :attr:`tile_layout`, re-lay the weight's whole 16-row tiles once, in
         place, into the CPU tile layout and set :attr:`cpu_tiles` (``weight`` is the tensor given to the
-        constructor, so its holder sees the new layout: the loader hands over a copy). A CPU without AVX512-BF16 takes the AVX2 kernel where
-        it is built; with neither, a float32 copy within the budget
+        constructor, so its holder sees the new layout: the loader hands over a copy). A CPU without AVX512-BF16
+        takes the AVX2 kernel where it is built; with neither, a float32 copy within the budget
         (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
         from tokenfab.layers.linear import cpu_linear_backend
         on_cpu = self.weight.device.type == "cpu" and self.in_features % 32 == 0 and cpu_linear_backend() != "torch"

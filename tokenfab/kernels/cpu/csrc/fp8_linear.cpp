@@ -66,8 +66,8 @@ constexpr int64_t kGemvMaxRowsBf16 = 8, kGemvMaxRowsBf16Wide = 12, kGemvWideK = 
 inline int64_t gemv_max_rows(bool f32, int64_t K) {
   return f32 ? kGemvMaxRows : K >= kGemvWideK ? kGemvMaxRowsBf16Wide : kGemvMaxRowsBf16;
 }
-// Expert stacks in the tile layout (fp8_tiles.h): segments of up to kTileGemvMaxRows rows of x take the tile GEMV,
-// longer ones brgemm over tiles converted 32 rows at a time. Measured (benchmarks/packed_experts.py, 2 threads,
+// Weights and expert stacks in the tile layout (fp8_tiles.h): up to kTileGemvMaxRows rows of x (an expert's
+// segment) take the tile GEMV, more rows brgemm over tiles converted 32 rows at a time. Measured (benchmarks/packed_experts.py, 2 threads,
 // DeepSeek-V3 expert shapes, Zen 4): with the GEMV up to 64 rows, 24 rows per expert took 0.97-0.98x the time of
 // brgemm over tiles, 32 rows 1.01-1.04x, 48-64 rows 1.07-1.17x (benchmarks/results/2026-12-07-fp8-expert-tiles).
 constexpr int64_t kTileGemvMaxRows = 16;
