@@ -77,6 +77,31 @@ def test_tile_layout_round_trip_and_dequantize():
     assert torch.equal(st.dequantize_rows(0, 7, 300), W[0, 7:300])  # partial tiles, across the gate / up boundary
 
 
+@pytest.mark.skipif(not cpu_fp8.fp8_experts_applies(), reason="no AVX512-BF16 FP8 expert kernel here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_kernel_called_directly_matches_float64(dtype):
+    """The tile kernels through ``fp8_experts_linear(tiled=True)`` on a stack re-laid by hand, whether or not this CPU
+    would take the layout (AMX machines do not, so prepare() would not reach them there): segments of 1, 5, 16 (the
+    tile GEMV) and 17, 40 rows (brgemm over converted tiles) against a float64 product; K = 2048 takes x's padded row
+    stride, parts of 48 rows a partial 128-row scale block."""
+    st, W = gate_up_stack(3, 48, 2048, seed=41)
+    packed = st.packed.clone()
+    cpu_fp8.fp8_tiles_relayout(packed, True)
+    counts, experts = [1, 5, 16, 17, 40], [2, 0, 1, 2, 0]
+    offsets = torch.tensor([0, 1, 6, 22, 39, 79])
+    x = torch.randn(79, 2048, generator=torch.Generator().manual_seed(4)).to(dtype)
+    y = cpu_fp8.fp8_experts_linear(x, packed, st.scale, torch.tensor(experts), offsets, 48, tiled=True)
+    b = 0
+    for e, n in zip(experts, counts):
+        xs, we = x[b:b + n], W[e]
+        if dtype == torch.bfloat16 and n > cpu_fp8.fp8_gemv_max_rows(dtype, 2048, tiled=True):
+            we = we.bfloat16().float()  # brgemm: the weight rounded once to bf16
+        ref = xs.double() @ we.double().T
+        tol = fp32_bound(xs, we) + (ref.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0)
+        assert ((y[b:b + n].double() - ref).abs() <= tol).all(), (e, n)
+        b += n
+
+
 def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Two float32 sums of the same exact products in different orders differ by at most 2 K 2^-24 sum |x W|."""
     return 2 * x.shape[-1] * 2.0 ** -24 * (x.abs().double() @ w.abs().double().T) + 1e-30

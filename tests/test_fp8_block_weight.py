@@ -133,22 +133,36 @@ def test_kernel_decodes_every_e4m3_code_exactly(m, layout):
     assert torch.equal(yb, want.T.bfloat16())
 
 
+def _named(name, fn):
+    """``fn`` with ``__name__`` set (the parametrized linears below tell which kernel they are)."""
+    fn.__name__ = name
+    return fn
+
+
 @pytest.mark.parametrize("linear", [
-    pytest.param(lambda *a: cpu_fp8.fp8_block_linear(*a), id="avx512", marks=kernel),
-    pytest.param(lambda *a: cpu_fp8.fp8_block_linear_avx2(*a), id="avx2", marks=pytest.mark.skipif(
+    pytest.param(_named("avx512", cpu_fp8.fp8_block_linear), id="avx512", marks=kernel),
+    pytest.param(_named("avx2", lambda x, w, s, b: cpu_fp8.fp8_block_linear_avx2(x.float(), w, s, b)), id="avx2",
+                 marks=pytest.mark.skipif(
         cpu_build.load() is None or not getattr(cpu_build.load(), "fp8_block_linear_avx2_built", False),
         reason="the fused CPU kernels are not built here, or without AVX2 / FMA / F16C"))])
 def test_kernel_nan_codes_give_nan(linear):
     """e4m3's NaN codes (0x7F, 0xFF) give NaN in their output columns alone, on the GEMV and the prefill path of the
-    AVX512-BF16 kernel and of the AVX2 one."""
+    AVX512-BF16 kernel (row-major and in the CPU tile layout) and of the AVX2 one."""
     q, s = random_fp8(128, 64, seed=5)
     qb = q.view(torch.uint8).clone()
     qb[7, 3], qb[100, 40] = 0x7F, 0xFF
     x = torch.randn(3, 64)
-    for xm in (x, x.repeat(8, 1)):  # GEMV and GEMM
-        y = linear(xm, qb.view(torch.float8_e4m3fn), s)
-        nan_cols = y.isnan().all(0)
-        assert nan_cols[7] and nan_cols[100] and nan_cols.sum() == 2
+    weights = [(qb, {})]
+    if linear.__name__ == "avx512":
+        qt = qb.clone()
+        cpu_fp8.fp8_tiles_relayout(qt, True)
+        weights.append((qt, {"tiled": True}))
+    for w, kw in weights:
+        for xm in (x, x.repeat(8, 1)):  # GEMV and GEMM (float32 x: the tile GEMV up to 16 rows)
+            for xd in (xm, xm.repeat(3, 1).bfloat16()):
+                y = linear(xd, w.view(torch.float8_e4m3fn), s, None, **kw)
+                nan_cols = y.isnan().all(0)
+                assert nan_cols[7] and nan_cols[100] and nan_cols.sum() == 2, (kw, xd.shape, xd.dtype)
 
 
 def test_forced_reference_path(monkeypatch):

@@ -37,7 +37,8 @@ from tokenfab.quant.packed_experts import TILE_ROWS, PackedExperts, kernel_disab
 
 class Fp8BlockExperts(PackedExperts):
     """E experts' W [out_features, in_features] as e4m3 bytes ``packed`` uint8 [E, out, in] and float32 ``scale``
-    [E, parts * ceil(part_rows / 128), ceil(in / 128)] (``parts`` = out_features / part_rows).
+    [E, parts * ceil(part_rows / 128), ceil(in / 128)] (``parts`` = out_features / part_rows); after :meth:`prepare`
+    ``packed`` may be in the CPU tile layout (:attr:`cpu_tiles`) or the GPU grouped GEMM's (:attr:`gpu_layout`).
 
     Args:
         num_experts, out_features, in_features: the stack's shape.

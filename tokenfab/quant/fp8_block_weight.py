@@ -48,7 +48,8 @@ class Fp8BlockWeight(PackedWeight):
     """W [out_features, in_features] as float8_e4m3fn ``weight`` and float32 ``scale_inv`` per 128 x 128 block.
 
     Args:
-        weight: float8_e4m3fn [out, in] (the checkpoint's ``<name>.weight``).
+        weight: float8_e4m3fn [out, in] (the checkpoint's ``<name>.weight``); after :meth:`prepare` its whole 16-row
+            tiles may be in the CPU tile layout (:attr:`cpu_tiles`; :meth:`checkpoint_rows` reads them back).
         scale_inv: float32 [ceil(out / 128), ceil(in / 128)] (``<name>.weight_scale_inv``).
         name: the checkpoint name, for error messages.
 
@@ -78,7 +79,8 @@ class Fp8BlockWeight(PackedWeight):
     def nbytes(self) -> int:
         return self.weight.numel() + 4 * self.scale_inv.numel()
 
-    tile_layout = True  # prepare() may re-lay the weight into the CPU tile layout (tests and A/B runs turn it off)
+    tile_layout = True  # prepare() may re-lay the weight into the CPU tile layout (benchmarks/fp8_linear.py
+    # --layout rows turns it off for A/B runs)
 
     def checkpoint_rows(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of the e4m3 matrix in the checkpoint's layout (float8_e4m3fn [end - start, in]): a view,
@@ -104,18 +106,20 @@ class Fp8BlockWeight(PackedWeight):
         AVX512-BF16 and a CPU linear backend other than ``torch`` (``TOKENFAB_CPU_LINEAR``). On a GPU: run the
         block-scaled scaled_mm probe once per device and, where it passed, keep the scales in its layout
         (:func:`tokenfab.kernels.dispatch.fp8_block_prepare`). With the C++ kernel on a CPU without AMX
-        (``cpu_fp8.fp8_tiles_preferred``) and :attr:`tile_layout`, re-lay the weight's whole 16-row tiles once, in
+        (``cpu_fp8.fp8_tiles_preferred``), :attr:`tile_layout` and no Triton kernel taking the weight, re-lay the weight's whole 16-row tiles once, in
         place, into the CPU tile layout and set :attr:`cpu_tiles` (``weight`` is the tensor given to the
         constructor, so its holder sees the new layout: the loader hands over a copy). A CPU without AVX512-BF16
         takes the AVX2 kernel where it is built; with neither, a float32 copy within the budget
         (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`)."""
+        from tokenfab.kernels.gpu import support as gpu_support
         from tokenfab.layers.linear import cpu_linear_backend
         on_cpu = self.weight.device.type == "cpu" and self.in_features % 32 == 0 and cpu_linear_backend() != "torch"
         self._kernel = on_cpu and cpu_fp8.fp8_block_linear_applies()
         self._avx2 = (on_cpu and not self._kernel and not dispatch.gpu_path(self.weight)
                       and cpu_fp8.fp8_block_linear_avx2_applies())
         n16 = self.out_features // TILE_ROWS * TILE_ROWS
-        if self._kernel and self.tile_layout and not self.cpu_tiles and n16 and cpu_fp8.fp8_tiles_preferred():
+        if (self._kernel and self.tile_layout and not self.cpu_tiles and n16 and not gpu_support.applies(self.weight)
+                and cpu_fp8.fp8_tiles_preferred()):  # (Triton's FP8 linear, interpreted on CPU tensors: row-major)
             cpu_fp8.fp8_tiles_relayout(self.weight.view(torch.uint8)[:n16], True)
             self.cpu_tiles = True
         self._mm_scale = dispatch.fp8_block_prepare(self.weight, self.scale_inv)

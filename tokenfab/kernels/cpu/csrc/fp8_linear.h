@@ -49,7 +49,7 @@ bool fp8_block_linear_avx2_built();
 // be partial: scale float32 [E, (n / part_rows) * ceil(part_rows / 128), ceil(K / 128)], row r of part p scaled by
 // block row p * ceil(part_rows / 128) + r / 128. x [N, K] bf16 or float32 (K a multiple of 32), experts int64 [A]
 // local ids, offsets int64 [A + 1] from 0 to N. Returns y [N, n] in x's dtype (the kernels of fp8_block_linear per
-// segment and part: GEMV for up to 16 rows, AMX / brgemm above). tiled: w as fp8_experts_relayout left it (the tile
+// segment and part: GEMV for up to 16 rows, AMX / brgemm above). tiled: w as fp8_tiles_relayout left it (the tile
 // layout of fp8_tiles.h, part_rows a multiple of 16): segments of up to 16 rows take the tile GEMV, longer ones
 // brgemm over converted tiles. Needs AVX512-BF16 (raises otherwise).
 at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale,

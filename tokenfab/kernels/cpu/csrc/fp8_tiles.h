@@ -1,8 +1,9 @@
-// The CPU tile layout of FP8 block-scaled routed experts and the kernels that read it; included by fp8_linear.cpp
-// only.
+// The CPU tile layout of FP8 block-scaled weights and routed expert stacks and the kernels that read it; included by
+// fp8_linear.cpp only.
 //
-// At prepare() (tokenfab/quant/fp8_block_experts.py) a stack whose row parts are whole 16-row tiles is re-laid
-// once, in place, 16 rows at a time: per four inputs k = 4q .. 4q + 3 of the tile, 64 bytes whose 16-bit word
+// At prepare() (tokenfab/quant/fp8_block_weight.py: a linear's whole 16-row tiles, the rows past them staying
+// row-major; tokenfab/quant/fp8_block_experts.py: a stack whose row parts are whole 16-row tiles) the bytes are
+// re-laid once, in place, 16 rows at a time: per four inputs k = 4q .. 4q + 3 of the tile, 64 bytes whose 16-bit word
 // 2j + e holds row j's code at k = 4q + e in its low byte and at k = 4q + 2 + e in its high byte. One 64-byte load
 // gives two vdpbf16ps operands, each converted in its words by the e4m3 table (fp8_e4m3.h): the low bytes hold every
 // row's pair (4q, 4q + 1), the high bytes (4q + 2, 4q + 3), dword j being row j's pair. Multiplied by x's pair
@@ -118,7 +119,7 @@ inline void stride_x(const uint16_t* x, int64_t M, int64_t S, int64_t K, int64_t
   for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * ldx, x + m * S * K, S * K * sizeof(uint16_t));
 }
 
-// M tokens (x: token m's S bf16 parts at x + m * ldx + s * K) times one tile (its 128-input blocks scaled by sc[kb]): y[m * ldy + j] for the
+// M tokens (x: token m's S bf16 parts at x + m * ldx + s * K; the callers pass at most kTilePass) times one tile (its 128-input blocks scaled by sc[kb]): y[m * ldy + j] for the
 // tile's 16 rows (+ bias[j] where bias is given), float32 (F32OUT) or bf16 (rounded to nearest even), in passes of
 // up to kTilePass tokens.
 template <int S, bool F32OUT>
@@ -149,7 +150,7 @@ void tile_gemv(const uint8_t* tile, int64_t K, const float* sc, const uint16_t* 
   }
 }
 
-// Prefill: ntiles (1 or 2) consecutive tiles into columns [0, 16 ntiles) of a brgemm buffer of 32 columns: bf16
+// Prefill: ntiles (0, 1 or 2) consecutive tiles into columns [0, 16 ntiles) of a brgemm buffer of 32 columns: bf16
 // VNNI pairs (uint32 [K / 2][32]) of each value times its block's scale srow[kb] rounded once to bf16 (the
 // dequantized bf16 twin's weight), or, F32W, the exact values as float32 [K][32]. The caller fills any other columns.
 template <bool F32W>

@@ -74,8 +74,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
 
 def fp8_gemv_max_rows(dtype: torch.dtype, k: int, tiled: bool = False) -> int:
     """Rows of x up to which :func:`fp8_block_linear` and :func:`fp8_experts_linear` run their GEMV on a CPU without
-    AMX for ``k`` inputs (float32 x: 16; bf16 x: 8, or 12 where k >= 4096; an expert stack in the tile layout,
-    ``tiled``: 16; the exact e4m3 values, scaled per block; beyond: brgemm); bf16 x past it multiplies each weight
+    AMX for ``k`` inputs (float32 x: 16; bf16 x: 8, or 12 where k >= 4096; a weight or expert stack in the tile
+    layout, ``tiled``: 16, with or without AMX; the exact e4m3 values, scaled per block; beyond: brgemm); bf16 x past it multiplies each weight
     rounded once to bf16, as the dequantized bf16 twin holds it. The kernels' own rule (fp8_linear.cpp
     ``gemv_max_rows``, ``kTileGemvMaxRows``)."""
     m = build.load()
@@ -100,7 +100,7 @@ def fp8_experts_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tenso
             (tokenfab/quant/fp8_block_experts.py).
         experts: int64 [A] local expert ids; offsets: int64 [A + 1], rows [offsets[a], offsets[a + 1]) of x go to
             experts[a].
-        tiled: ``packed`` is in the CPU tile layout (:func:`fp8_experts_relayout`; part_rows a multiple of 16):
+        tiled: ``packed`` is in the CPU tile layout (:func:`fp8_tiles_relayout`; part_rows a multiple of 16):
             segments of up to 16 rows of x run the tile GEMV (each weight converted once for all of them), longer
             ones brgemm over converted tiles.
 
