@@ -76,7 +76,7 @@ using tokenfab_gguf::bcast_pair;
 template <int S, int TB>
 inline void tile_pass(const uint8_t* codes, const uint8_t* scales, bool mxfp4, int scale_kind, int64_t es, int64_t ng,
                       const uint16_t* const* xt, int64_t K, __m512i table, __m512* acc) {
-  constexpr int CH = TB == 1 ? 4 : TB == 2 ? 2 : 1;  // independent accumulator chains per token
+  constexpr int CH = TB == 1 ? 4 : TB <= 4 ? 2 : 1;  // independent accumulator chains per token
   for (int64_t g = 0; g < ng; ++g) {
     __m512 c[TB][CH];
     for (int t = 0; t < TB; ++t)
@@ -103,20 +103,25 @@ inline void tile_pass(const uint8_t* codes, const uint8_t* scales, bool mxfp4, i
   }
 }
 
+// Tokens per pass of tile_rows: each pass decodes every code of the tile once; its accumulators and chains stay in
+// registers.
+constexpr int kPassTokens = 8;
+
 // Tokens [t0, t1) (x parts xn [N][S][K], natural order) times one tile: out[(t - t0) * ldo + j] for its 16 rows.
 template <int S>
 void tile_rows(const uint8_t* codes, const uint8_t* scales, bool mxfp4, int scale_kind, int64_t es, int64_t ng,
                const uint16_t* xn, int64_t K, int64_t t0, int64_t t1, __m512i table, float* out, int64_t ldo) {
-  for (int64_t t = t0; t < t1; t += 4) {
-    const int nt = static_cast<int>(std::min<int64_t>(4, t1 - t));
-    const uint16_t* xt[4];
+  for (int64_t t = t0; t < t1; t += kPassTokens) {
+    const int nt = static_cast<int>(std::min<int64_t>(kPassTokens, t1 - t));
+    const uint16_t* xt[kPassTokens];
     for (int i = 0; i < nt; ++i) xt[i] = xn + (t + i) * S * K;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 acc[kPassTokens];
+    for (int i = 0; i < kPassTokens; ++i) acc[i] = _mm512_setzero_ps();
     switch (nt) {
-      case 1: tile_pass<S, 1>(codes, scales, mxfp4, scale_kind, es, ng, xt, K, table, acc); break;
-      case 2: tile_pass<S, 2>(codes, scales, mxfp4, scale_kind, es, ng, xt, K, table, acc); break;
-      case 3: tile_pass<S, 3>(codes, scales, mxfp4, scale_kind, es, ng, xt, K, table, acc); break;
-      default: tile_pass<S, 4>(codes, scales, mxfp4, scale_kind, es, ng, xt, K, table, acc); break;
+#define TF_PASS(TB) \
+  case TB: tile_pass<S, TB>(codes, scales, mxfp4, scale_kind, es, ng, xt, K, table, acc); break;
+      TF_PASS(1) TF_PASS(2) TF_PASS(3) TF_PASS(4) TF_PASS(5) TF_PASS(6) TF_PASS(7) TF_PASS(8)
+#undef TF_PASS
     }
     for (int i = 0; i < nt; ++i) _mm512_storeu_ps(out + (t - t0 + i) * ldo, acc[i]);
   }
