@@ -441,7 +441,8 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
   if (tiled) {  // whole tiles on the tile GEMV (x in natural order), the rows past them on the row GEMV
     const int64_t tiles = N / tokenfab_fp8_tiles::kTileRows, n16 = tiles * tokenfab_fp8_tiles::kTileRows;
     const auto* xn = reinterpret_cast<const uint16_t*>(parts.data_ptr());
-    const int64_t ldx = tokenfab_fp8_tiles::tile_x_stride(S, K);  // rows of x spread over L1's sets
+    // rows of x spread over L1's sets (one row needs no copy: the stride is never used)
+    const int64_t ldx = M > 1 ? tokenfab_fp8_tiles::tile_x_stride(S, K) : S * K;
     at::Tensor strided = parts;
     if (ldx != S * K) {
       strided = at::empty({M * ldx}, parts.options());
