@@ -68,6 +68,13 @@ def test_quantizer_round_trips_within_e4m3_precision():
     assert ((back - w).abs() <= w.abs() * 2 ** -4 + s.max() * 2 ** -9).all()  # 3 mantissa bits, subnormals
 
 
+def tiled_copy(q: torch.Tensor) -> torch.Tensor:
+    """A copy of e4m3 weight q [n, K] with its whole 16-row tiles in the CPU tile layout (the rest row-major)."""
+    qt = q.view(torch.uint8).clone()
+    cpu_fp8.fp8_tiles_relayout(qt[:q.shape[0] // 16 * 16], True)
+    return qt.view(torch.float8_e4m3fn)
+
+
 def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Float32 accumulation in another order: each of the two float32 results is within K * 2^-24 * sum_k |x_k W_nk|
     of the exact sum (the products are exact), so they differ by at most twice that."""
@@ -92,9 +99,7 @@ def test_kernel_matches_reference(n, k, m, dtype, layout):
     bias = torch.randn(n)
     tiled = layout == "tiles"
     if tiled:
-        qt = q.view(torch.uint8).clone()
-        cpu_fp8.fp8_tiles_relayout(qt[:n // 16 * 16], True)
-        y = cpu_fp8.fp8_block_linear(x, qt.view(torch.float8_e4m3fn), s, bias, tiled=True)
+        y = cpu_fp8.fp8_block_linear(x, tiled_copy(q), s, bias, tiled=True)
     else:
         y = cpu_fp8.fp8_block_linear(x, q, s, bias)
     ref = torch.nn.functional.linear(x.float(), W) + bias  # w.reference_linear before its one rounding
@@ -122,9 +127,7 @@ def test_kernel_decodes_every_e4m3_code_exactly(m, layout):
     q, s = random_fp8(200, 160, seed=3)
     tiled = layout == "tiles"
     if tiled:
-        qt = q.view(torch.uint8).clone()
-        cpu_fp8.fp8_tiles_relayout(qt[:192], True)
-        q = qt.view(torch.float8_e4m3fn)
+        q = tiled_copy(q)
     eye = torch.eye(160)
     y = torch.cat([cpu_fp8.fp8_block_linear(eye[i:i + m], q, s, tiled=tiled) for i in range(0, 160, m)])
     want = formula(*random_fp8(200, 160, seed=3))
@@ -154,9 +157,7 @@ def test_kernel_nan_codes_give_nan(linear):
     x = torch.randn(3, 64)
     weights = [(qb, {})]
     if linear.__name__ == "avx512":
-        qt = qb.clone()
-        cpu_fp8.fp8_tiles_relayout(qt, True)
-        weights.append((qt, {"tiled": True}))
+        weights.append((tiled_copy(qb.view(torch.float8_e4m3fn)).view(torch.uint8), {"tiled": True}))
     for w, kw in weights:
         for xm in (x, x.repeat(8, 1)):  # GEMV and GEMM (float32 x: the tile GEMV up to 16 rows)
             for xd in (xm, xm.repeat(3, 1).bfloat16()):

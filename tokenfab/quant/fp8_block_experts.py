@@ -31,8 +31,8 @@ import torch
 
 from tokenfab.errors import WeightLoadError
 from tokenfab.kernels.cpu.ops import fp8_linear as cpu_fp8
-from tokenfab.quant.fp8_block_weight import BLOCK, Fp8BlockWeight
-from tokenfab.quant.packed_experts import TILE_ROWS, PackedExperts, kernel_disabled, tiles_disabled
+from tokenfab.quant.fp8_block_weight import BLOCK, TILE_ROWS, Fp8BlockWeight, untiled_rows
+from tokenfab.quant.packed_experts import PackedExperts, kernel_disabled, tiles_disabled
 
 
 class Fp8BlockExperts(PackedExperts):
@@ -101,12 +101,8 @@ class Fp8BlockExperts(PackedExperts):
         r = torch.arange(start, end, device=self.packed.device)
         brow = (r // self.part_rows) * self.block_rows + (r % self.part_rows) // BLOCK
         bcol = torch.arange(self.in_features, device=self.packed.device) // BLOCK
-        q, scale = self.packed[e, start:end], self.scale[e]
-        if self.cpu_tiles:  # the whole tiles holding the rows, back to the checkpoint layout (exact)
-            a0, b0 = start // TILE_ROWS * TILE_ROWS, -(-end // TILE_ROWS) * TILE_ROWS
-            t = self.packed[e:e + 1, a0:b0].clone()
-            cpu_fp8.fp8_tiles_relayout(t, False)
-            q = t[0, start - a0:end - a0]
+        q = untiled_rows(self.packed[e], start, end, self.out_features if self.cpu_tiles else 0)
+        scale = self.scale[e]
         if self.gpu_layout:  # back to the checkpoint's bytes and scale columns (exact)
             from tokenfab.kernels.gpu.moe_relayout import restore_fp8
             q, scale = restore_fp8(q, scale, self.in_features)

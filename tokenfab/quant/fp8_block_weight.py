@@ -39,6 +39,18 @@ BLOCK = FP8_BLOCK[0]
 TILE_ROWS = 16  # rows per tile of the CPU tile layout (kernels/cpu/csrc/fp8_tiles.h)
 
 
+def untiled_rows(w: torch.Tensor, start: int, end: int, n16: int) -> torch.Tensor:
+    """Rows [start, end) of e4m3 bytes ``w`` uint8 [n, K] whose first ``n16`` rows are in the CPU tile layout
+    (kernels/cpu/csrc/fp8_tiles.h; 0: none), in the checkpoint layout: a view where the rows touch no tile, else a
+    copy with the whole tiles holding them returned to the checkpoint layout (exact)."""
+    if start >= min(end, n16):
+        return w[start:end]
+    a0, b0 = start // TILE_ROWS * TILE_ROWS, min(n16, -(-end // TILE_ROWS) * TILE_ROWS)
+    t = w[a0:b0].clone()
+    cpu_fp8.fp8_tiles_relayout(t, False)
+    return torch.cat([t[start - a0:end - a0], w[b0:end]])
+
+
 def scale_shape(out_features: int, in_features: int) -> tuple[int, int]:
     """Shape of ``weight_scale_inv`` for W [out_features, in_features]: (ceil(out / 128), ceil(in / 128))."""
     return -(-out_features // BLOCK), -(-in_features // BLOCK)
@@ -85,14 +97,8 @@ class Fp8BlockWeight(PackedWeight):
     def checkpoint_rows(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of the e4m3 matrix in the checkpoint's layout (float8_e4m3fn [end - start, in]): a view,
         or where they lie in tiles (:attr:`cpu_tiles`) a copy of those tiles returned to the checkpoint layout."""
-        w = self.weight.view(torch.uint8)
         n16 = self.out_features // TILE_ROWS * TILE_ROWS if self.cpu_tiles else 0
-        if start >= min(end, n16):
-            return self.weight[start:end]
-        a0, b0 = start // TILE_ROWS * TILE_ROWS, min(n16, -(-end // TILE_ROWS) * TILE_ROWS)
-        t = w[a0:b0].clone()
-        cpu_fp8.fp8_tiles_relayout(t, False)
-        return torch.cat([t[start - a0:end - a0], w[b0:end]]).view(torch.float8_e4m3fn)
+        return untiled_rows(self.weight.view(torch.uint8), start, end, n16).view(torch.float8_e4m3fn)
 
     def dequantize_rows(self, start: int, end: int) -> torch.Tensor:
         """Rows [start, end) of W by the published formula: float32 [end - start, in_features]."""

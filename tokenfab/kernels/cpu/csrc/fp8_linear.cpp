@@ -269,6 +269,17 @@ void convert_rows32(const uint8_t* w, int64_t nb, int64_t N, int64_t K, void* bu
   }
 }
 
+// x's M rows of S bf16 parts ([M][S][K]) for the tile GEMV: the rows at tile_x_stride (a copy) where more than one
+// row is read in step, else x itself; ldx receives the row stride.
+at::Tensor tile_x(const at::Tensor& parts, int64_t M, int64_t S, int64_t K, bool many_rows, int64_t& ldx) {
+  ldx = many_rows ? tokenfab_fp8_tiles::tile_x_stride(S, K) : S * K;
+  if (ldx == S * K) return parts;
+  auto out = at::empty({M * ldx}, parts.options());
+  tokenfab_fp8_tiles::stride_x(reinterpret_cast<const uint16_t*>(parts.data_ptr()), M, S, K, ldx,
+                               reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+}
+
 // tiled: w's first N / 16 * 16 rows in the tile layout of fp8_tiles.h, the rest row-major; else all row-major.
 template <typename T>
 void gemm(const T* x, int64_t M, int64_t lda, int64_t K, const uint8_t* w, const float* sc, int64_t N,
@@ -441,13 +452,8 @@ at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& w, const at::
   if (tiled) {  // whole tiles on the tile GEMV (x in natural order), the rows past them on the row GEMV
     const int64_t tiles = N / tokenfab_fp8_tiles::kTileRows, n16 = tiles * tokenfab_fp8_tiles::kTileRows;
     const auto* xn = reinterpret_cast<const uint16_t*>(parts.data_ptr());
-    // rows of x spread over L1's sets (one row needs no copy: the stride is never used)
-    const int64_t ldx = M > 1 ? tokenfab_fp8_tiles::tile_x_stride(S, K) : S * K;
-    at::Tensor strided = parts;
-    if (ldx != S * K) {
-      strided = at::empty({M * ldx}, parts.options());
-      tokenfab_fp8_tiles::stride_x(xn, M, S, K, ldx, reinterpret_cast<uint16_t*>(strided.data_ptr()));
-    }
+    int64_t ldx;
+    const at::Tensor strided = tile_x(parts, M, S, K, M > 1, ldx);
     const auto* xs = reinterpret_cast<const uint16_t*>(strided.data_ptr());
     at::Tensor chunked = parts;
     if (n16 < N && cb < KB) {
@@ -545,13 +551,8 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
       xs = xc;
     }
     const int64_t S = f32 ? 3 : 1;
-    const int64_t ldx = tiled ? tokenfab_fp8_tiles::tile_x_stride(S, K) : S * K;  // the tile GEMV's row stride
-    if (ldx != S * K) {  // rows of x spread over L1's sets (tile_x_stride)
-      auto xl = at::empty({N * ldx}, xs.options());
-      tokenfab_fp8_tiles::stride_x(reinterpret_cast<const uint16_t*>(xs.data_ptr()), N, S, K, ldx,
-                                   reinterpret_cast<uint16_t*>(xl.data_ptr()));
-      xs = xl;
-    }
+    int64_t ldx = S * K;  // the tile GEMV's row stride
+    if (tiled) xs = tile_x(xs, N, S, K, true, ldx);
     bool chunked = false;  // the GEMV segments' rows in its chunked layout (the GEMM segments read xc, not these)
     for (const int64_t a : small) chunked |= !tiled && gemv_chunk_blocks(op[a + 1] - op[a], S, K, KB) < KB;
     if (chunked) {

@@ -119,9 +119,9 @@ inline void stride_x(const uint16_t* x, int64_t M, int64_t S, int64_t K, int64_t
   for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * ldx, x + m * S * K, S * K * sizeof(uint16_t));
 }
 
-// M tokens (x: token m's S bf16 parts at x + m * ldx + s * K; the callers pass at most kTilePass) times one tile (its 128-input blocks scaled by sc[kb]): y[m * ldy + j] for the
-// tile's 16 rows (+ bias[j] where bias is given), float32 (F32OUT) or bf16 (rounded to nearest even), in passes of
-// up to kTilePass tokens.
+// M tokens (x: token m's S bf16 parts at x + m * ldx + s * K) times one tile (its 128-input blocks scaled by sc[kb]):
+// y[m * ldy + j] for the tile's 16 rows (+ bias[j] where bias is given), float32 (F32OUT) or bf16 (rounded to
+// nearest even), in passes of up to kTilePass tokens (the callers pass at most one pass).
 template <int S, bool F32OUT>
 void tile_gemv(const uint8_t* tile, int64_t K, const float* sc, const uint16_t* x, int64_t ldx, int64_t M,
                const Lut& L, void* y, int64_t ldy, const float* bias = nullptr) {
