@@ -20,12 +20,14 @@ CHILD = "TOKENFAB_CPU_PATHS_CHILD"  # set in the child runs, so they do not recu
 # bf16 paths are where CPU families part (float32 runs no AVX512-BF16 or AMX kernel), so of the real model's tests
 # the bf16 demo answers through the server run here; its float32 token-exact test runs once, in the main suite.
 # The packed GGUF kernels' tests run too: their prefill and batched-decode paths differ by level (AMX tiles or not;
-# below amx, the opt-in int8-activation GEMV, which an AMX machine's own suite skips), and the packed experts' (their
-# register path on the tile layout runs to 256 tokens per expert without AMX, to 12 with it). With the kernels off
+# below amx, the opt-in int8-activation GEMV, which an AMX machine's own suite skips), the packed experts' (their
+# register path on the tile layout runs to 256 tokens per expert without AMX, to 12 with it) and the FP8 linears' and
+# experts' (the FP8 tile layout and its GEMV / brgemm are taken only without AMX). With the kernels off
 # the demo's answer is left out (no CPU family's kernel runs there; its bf16 PyTorch path is the other tests').
 FILES = ["tests/test_engine_exact.py", "tests/test_bf16.py", "tests/test_logits_f32.py",
          "tests/test_gguf_linear.py", "tests/test_gguf_kquants.py", "tests/test_gguf_int8_activations.py",
-         "tests/test_packed_experts.py", "tests/test_real_model.py::test_demo_answers_through_the_server"]
+         "tests/test_packed_experts.py", "tests/test_fp8_block_weight.py", "tests/test_fp8_block_experts.py",
+         "tests/test_real_model.py::test_demo_answers_through_the_server"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
