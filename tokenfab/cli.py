@@ -45,6 +45,8 @@ def _flag_hints(parser: argparse.ArgumentParser, argv: list[str], unknown: list[
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``tokenfab`` argument parser: one subcommand per module of ``tokenfab.commands`` (COMMAND_MODULES), each
+    registering its own flags."""
     parser = _Parser(prog="tokenfab", description="tokenfab: LLM inference and serving engine.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
@@ -59,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the ``tokenfab`` command line on ``argv`` (default: ``sys.argv[1:]``) and return the exit status: the
+    subcommand's, 2 for a usage error (argparse's message, no traceback) or a missing subcommand (the help)."""
     parser = build_parser()
     parser.argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)

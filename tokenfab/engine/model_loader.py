@@ -18,6 +18,9 @@ logger = logging.getLogger("tokenfab")
 
 @dataclass
 class LoadedModel:
+    """What :func:`load_model` returns: the model on its device and dtype with weights loaded, its parsed config, the
+    tokenizer (None where the folder has none), the checkpoint tensors deliberately not loaded, and under tensor
+    parallel the launcher's group handle."""
     model: torch.nn.Module
     model_config: ModelConfig
     tokenizer: object | None

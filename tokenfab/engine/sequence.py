@@ -10,6 +10,7 @@ from tokenfab.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence is: waiting to be scheduled (new or preempted), running (holds KV blocks), or finished."""
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"

@@ -53,6 +53,9 @@ class DeepseekV3MoE(nn.Module):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
+    """DeepSeek-V3 / Kimi-K2 (``DeepseekV3ForCausalLM``): MLA attention, dense MLPs in the first layers and routed MoE
+    (sigmoid, group-limited top-k, shared experts) in ``cfg.moe_layers``; YaRN RoPE. Reference: transformers
+    ``modeling_deepseek_v3.py``."""
     def __init__(self, cfg, max_positions: int):
         super().__init__(cfg)
         self.rotary = RotaryEmbedding(cfg.rope, max_positions, cfg.max_position_embeddings)

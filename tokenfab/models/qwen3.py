@@ -8,4 +8,5 @@ from tokenfab.models.llama import LlamaForCausalLM
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: Llama's layers with RMSNorm over each head's q and k before RoPE (``qk_norm``)."""
     qk_norm = True

@@ -29,6 +29,8 @@ class Qwen3MoeBlock(nn.Module):
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+    """Qwen3-MoE (``Qwen3MoeForCausalLM``): Qwen3's attention with a softmax top-k MoE block (no shared expert) in
+    ``cfg.moe_layers`` and Qwen3's dense MLP elsewhere. Reference: transformers ``modeling_qwen3_moe.py``."""
     def make_mlp(self, layer_idx: int) -> nn.Module:
         if layer_idx in self.cfg.moe_layers:
             return Qwen3MoeBlock(self.cfg)

@@ -237,5 +237,6 @@ class ModelCard(_Base):
 
 
 class ModelList(_Base):
+    """``GET /v1/models``: the served model as OpenAI's list object (``object: "list"``, ``data``: model cards)."""
     object: Literal["list"] = "list"
     data: list[ModelCard]

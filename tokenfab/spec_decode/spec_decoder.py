@@ -61,6 +61,9 @@ def row_supports_speculation(seq) -> bool:
 
 
 def build_proposer(cfg: SpeculativeConfig, engine) -> Proposer:
+    """The proposer ``cfg.method`` names: ``ngram`` (prompt lookup), ``dspark`` (block drafter on the target's
+    layer taps), ``mtp`` (the checkpoint's multi-token-prediction layers) or ``draft_model`` (a smaller model of the
+    same vocabulary). ``engine`` is the target's LLMEngine, whose model, KV pool and config the drafters share."""
     if cfg.method == "ngram":
         from tokenfab.spec_decode.ngram_proposer import NgramProposer
         return NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)

@@ -1,4 +1,5 @@
-"""Micro-benchmark of the per-step batch channel: ``python -m tokenfab.parallel.bench_broadcast``.
+"""Micro-benchmark of the tensor-parallel per-step batch channel:
+``PYTHONPATH=. .venv/bin/python benchmarks/experiments/tp_step_broadcast.py``.
 
 For world sizes 2 and 6 (gloo, CPU): the StepChannel broadcast with the payload inline (one collective) and in a
 second broadcast, a pickled-arrays pipe (rank 0's send cost only), and one all-reduce of [T, 64] float32.
@@ -9,12 +10,14 @@ import torch.multiprocessing as mp
 from tokenfab.parallel.worker import StepChannel
 
 def arrays(B, T):
+    """One step's scheduling arrays for B sequences and T tokens, as StepChannel.send_step takes them."""
     num_new = np.ones(B, np.int64); num_new[-1] = T - (B - 1)
     num_computed = np.full(B, 100, np.int64)
     bt = np.arange(B * 64, dtype=np.int64).reshape(B, 64)
     return (B - 1, num_new, num_computed, bt, np.arange(T, dtype=np.int64), np.arange(B, dtype=np.int64))
 
 def main(rank, world, port, iters, conns):
+    """Rank ``rank`` of ``world``: time each channel over ``iters`` steps; rank 0 prints microseconds per step."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     for name, (B, T) in {"decode B=32": (32, 32), "prefill T=1024": (4, 1024)}.items():
@@ -44,6 +47,7 @@ def main(rank, world, port, iters, conns):
     dist.destroy_process_group()
 
 def entry(rank, world, port, iters, conns):
+    """Process entry: rank 0 gets every pipe's send end, worker r the receive end of pipe r - 1."""
     main(rank, world, port, iters, conns if rank == 0 else conns[rank - 1][1])
 
 if __name__ == "__main__":
