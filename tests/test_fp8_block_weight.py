@@ -215,7 +215,10 @@ def test_tiny_fp8_model_matches_dequantized_twin(fp8_pair, monkeypatch, backend)
     from tokenfab import LLM, SamplingParams
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", backend)
     fp8, twin = fp8_pair
-    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 200, 7], [9, 4, 300], list(range(3, 43)))]
+    # the 96-token prompt: its first step's expert segments (8 experts, top-2: about 24 tokens each) and linears
+    # (over 100 rows) take the prefill paths
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 200, 7], [9, 4, 300], list(range(3, 43)),
+                                                  [(7 * i + 3) % 500 for i in range(96)])]
     sp = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10, prompt_logprobs=0)
     outs = {}
     for key, path in (("packed", fp8), ("reference", twin)):

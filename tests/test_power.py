@@ -314,6 +314,13 @@ def test_auto_degrades_and_cost_still_prints(no_hw, capsys):
     assert c["cap_kw"] == 4.8 and c["measured_kw"] is None and c["cap_source"] == "--power-cap-kw"
     assert "1,179" in text and "$0.024" in text and "$0.87" in text and "$4,205" in text
     assert json.loads(json.dumps(result))  # JSON-ready
+    # a later block of the same output (tokenfab demo's next benchmark) gives the same reason in one line; the
+    # result keeps it in full
+    args.power_reason_said = result["power"]["reason"]
+    again = {"total_token_throughput": 5661.0, "output_throughput": 2800.0, "num_devices": 6}
+    text = bench_hook.finish(bench_hook.start(args), again, args, None)
+    assert "Power: not measured (the reason given above)" in text and "pynvml" not in text
+    assert again["power"]["reason"] == result["power"]["reason"] and "$0.024" in text
 
 
 def test_power_none():

@@ -333,8 +333,13 @@ def _run_block(args: argparse.Namespace, *, model: str, served: str, describe_li
                               save_result=True, result_dir=out, result_filename=f"result-temperature-{t:g}.json",
                               percentile_metrics="ttft,tpot,itl,e2el", metric_percentiles="50,90,99",
                               disable_tqdm=args.disable_tqdm, command_line=cfg["demo_command"],
-                              power_cap_kw=args.power_cap_kw, device_hour_price=args.device_hour_price)
-            results.append((t, run_bench_serve(bargs)))
+                              power_cap_kw=args.power_cap_kw, device_hour_price=args.device_hour_price,
+                              power_reason_said=getattr(args, "power_reason_said", None))
+            r = run_bench_serve(bargs)
+            results.append((t, r))
+            power = r.get("power") or {}
+            if not power.get("measured"):  # later result blocks say "the reason given above"
+                args.power_reason_said = power.get("reason")
     finally:
         rc = server.stop()
         print(f"[demo] server stopped ({'cleanly' if rc in (0, 130, -2) else f'exit code {rc}'})", flush=True)

@@ -207,8 +207,11 @@ def _strip(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
 
 
-def render_power_text(power: dict, width: int = 100) -> str:
-    """The power block as plain text (rich table, no colour): backend, caps, and whole-run / steady figures."""
+def render_power_text(power: dict, width: int = 100, said: str | None = None) -> str:
+    """The power block as plain text (rich table, no colour): backend, caps, and whole-run / steady figures.
+
+    ``said``: the reason an earlier block of the same console output gave for not measuring; a block with the same
+    reason then says so in one line instead of repeating it (``tokenfab demo`` runs several benchmarks)."""
     import io
 
     from rich import box
@@ -218,7 +221,9 @@ def render_power_text(power: dict, width: int = 100) -> str:
     buf = io.StringIO()
     con = Console(file=buf, width=width, force_terminal=False, color_system=None, highlight=False)
     if not power.get("measured"):
-        con.print(f"Power: not measured ({power.get('reason') or 'unknown reason'})")
+        reason = power.get("reason") or "unknown reason"
+        con.print("Power: not measured (the reason given above)" if said and reason == said
+                  else f"Power: not measured ({reason})")
         if power.get("note") and power.get("backend"):
             con.print(f"  {power['note']}")
         return buf.getvalue()
@@ -260,7 +265,8 @@ def render_power_text(power: dict, width: int = 100) -> str:
 
 def finish(run: PowerRun | None, result: dict, args: argparse.Namespace,
            steady_window: tuple[float, float] | None) -> str:
-    """Stop sampling, put ``result["power"]`` and ``result["cost"]`` into ``result``, return the printed section.
+    """Stop sampling, put ``result["power"]`` and ``result["cost"]`` into ``result``, return the printed section
+    (``args.power_reason_said``, where set: see :func:`render_power_text`'s ``said``).
 
     ``steady_window`` is (t_start, t_end) in time.time() seconds, or None for whole-run figures only.
     """
@@ -270,7 +276,7 @@ def finish(run: PowerRun | None, result: dict, args: argparse.Namespace,
     result["power"] = power
     cost = _cost_dict(result, args, power)
     result["cost"] = cost
-    text = render_power_text(power)
+    text = render_power_text(power, said=getattr(args, "power_reason_said", None))
     if cost.get("computed"):
         src = cost.get("measured_source")
         if src:

@@ -113,8 +113,8 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, ggml_type: int, n: int,
         of x, Q6_K a scale per 16 inputs), + bias, one rounding per output. The K-quants never take the AMX path. Float32 x is
         split into three bf16 parts, so it keeps float32 accuracy. Up to 16 rows run a GEMV that streams the packed
         bytes once (decode); more rows dequantize 32 weight rows at a time into a thread-local buffer for oneDNN's
-        brgemm (prefill); on CPUs with AMX, bf16 x of more than 4 rows runs one AMX tile product per GGUF block
-        instead. Opt-in (``TOKENFAB_GGUF_INT8_ACT=1``), without AMX, bf16 x of 5..16 rows on Q4_0 / Q4_1 / Q8_0
+        brgemm (prefill); on CPUs with AMX, bf16 x of 5..16 rows on Q4_0 / Q4_1 / Q8_0 with bf16 outputs runs one
+        AMX tile product per GGUF block instead of the GEMV (more rows still take the brgemm). Opt-in (``TOKENFAB_GGUF_INT8_ACT=1``), without AMX, bf16 x of 5..16 rows on Q4_0 / Q4_1 / Q8_0
         runs on int8 activations (:func:`gguf_int8_path`; csrc/gguf_gemv_i8.h): each row quantized per 32 inputs
         to int8 with scale dx = max |x| / 127 (llama.cpp's Q8_0 activations), the integer products exact, so x
         differs from the exact product's by at most dx / 2 per input. benchmarks/gguf_linear.py measures them against :func:`vnni_linear`.
