@@ -62,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the ``tokenfab`` command line on ``argv`` (default: ``sys.argv[1:]``) and return the exit status: the
-    subcommand's, 2 for a usage error (argparse's message, no traceback) or a missing subcommand (the help)."""
+    subcommand's; 2 after printing the help where no subcommand is given, or a user error's one-line message (bad
+    input named, no traceback); 130 on Ctrl-C.
+
+    Raises:
+        SystemExit: 2 on a usage error (argparse's message, with a hint for a mistyped flag).
+    """
     parser = build_parser()
     parser.argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
