@@ -264,6 +264,11 @@ inline __m256 dupf(const float* v) {
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_load_ps(v)), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
 }
 
+// 32-bit lanes shifted so that bit sh lands at bit 4 (sh < 4: shifted left; sh == 4: as they are).
+inline __m256i shift_to4(__m256i v, int sh) {
+  return sh > 4 ? _mm256_srli_epi32(v, sh - 4) : sh < 4 ? _mm256_slli_epi32(v, 4 - sh) : v;
+}
+
 // The float32 quants of pair p (0..15: k = 2p, 2p + 1) of sub-block g for row group i: lanes (j, e); Q5_K with its
 // bit 4, Q6_K with bits 4..5 and minus 32.
 template <int QT>
@@ -271,15 +276,16 @@ inline __m256 kquants(const uint8_t* b, int g, int p, int i) {
   const int L = p / 4, s = p % 4;
   const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kq_lo_off(QT) + 256 * g + 64 * L + 16 * i));
   __m256i q = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu16_epi32(w), 4 * s), _mm256_set1_epi32(15));
+  // the high bits are shifted straight to bit 4 and masked there (one shift and one mask, not two shifts)
   if constexpr (QT == kQ5_K) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kq_hi_off(QT) + 64 * g + 16 * i));
-    const __m256i bit = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu16_epi32(h), p), _mm256_set1_epi32(1));
-    q = _mm256_or_si256(q, _mm256_slli_epi32(bit, 4));
+    const __m256i bit = _mm256_and_si256(shift_to4(_mm256_cvtepu16_epi32(h), p), _mm256_set1_epi32(16));
+    q = _mm256_or_si256(q, bit);
   } else if constexpr (QT == kQ6_K) {
     const int H = p / 8, u = p % 8;
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kq_hi_off(QT) + 128 * g + 64 * H + 16 * i));
-    const __m256i bits = _mm256_and_si256(_mm256_srli_epi32(_mm256_cvtepu16_epi32(h), 2 * u), _mm256_set1_epi32(3));
-    q = _mm256_sub_epi32(_mm256_or_si256(q, _mm256_slli_epi32(bits, 4)), _mm256_set1_epi32(32));
+    const __m256i bits = _mm256_and_si256(shift_to4(_mm256_cvtepu16_epi32(h), 2 * u), _mm256_set1_epi32(48));
+    q = _mm256_sub_epi32(_mm256_or_si256(q, bits), _mm256_set1_epi32(32));
   }
   return _mm256_cvtepi32_ps(q);
 }
