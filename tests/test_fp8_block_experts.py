@@ -83,7 +83,7 @@ def test_tile_kernel_called_directly_matches_float64(dtype):
     """The tile kernels through ``fp8_experts_linear(tiled=True)`` on a stack re-laid by hand, whether or not this CPU
     would take the layout (AMX machines do not, so prepare() would not reach them there): segments of 1, 5, 16 (the
     tile GEMV) and 17, 40 rows (brgemm over converted tiles) against a float64 product; K = 2048 takes x's padded row
-    stride, parts of 48 rows a partial 128-row scale block."""
+    stride, parts of 48 rows a partial 128-row scale block; then one token alone (x read in place)."""
     st, W = gate_up_stack(3, 48, 2048, seed=41)
     packed = st.packed.clone()
     cpu_fp8.fp8_tiles_relayout(packed, True)
@@ -100,6 +100,11 @@ def test_tile_kernel_called_directly_matches_float64(dtype):
         tol = fp32_bound(xs, we) + (ref.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0)
         assert ((y[b:b + n].double() - ref).abs() <= tol).all(), (e, n)
         b += n
+    # one token in all (batch-1 decode): x read in place at its natural stride
+    y1 = cpu_fp8.fp8_experts_linear(x[:1], packed, st.scale, torch.tensor([1]), torch.tensor([0, 1]), 48, tiled=True)
+    ref = x[:1].double() @ W[1].double().T
+    assert ((y1.double() - ref).abs() <= fp32_bound(x[:1], W[1]) + (ref.abs() * 2 ** -8 if dtype == torch.bfloat16
+                                                                    else 0)).all()
 
 
 def fp32_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -552,7 +552,7 @@ at::Tensor fp8_experts_linear(const at::Tensor& x, const at::Tensor& w, const at
     }
     const int64_t S = f32 ? 3 : 1;
     int64_t ldx = S * K;  // the tile GEMV's row stride
-    if (tiled) xs = tile_x(xs, N, S, K, true, ldx);
+    if (tiled) xs = tile_x(xs, N, S, K, N > 1, ldx);  // one token (batch-1 decode): read in place, no copy
     bool chunked = false;  // the GEMV segments' rows in its chunked layout (the GEMM segments read xc, not these)
     for (const int64_t a : small) chunked |= !tiled && gemv_chunk_blocks(op[a + 1] - op[a], S, K, KB) < KB;
     if (chunked) {
