@@ -11,7 +11,8 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
 2. Fused MoE (kernels/gpu/moe.py) at DeepSeek-V3 expert shapes (hidden 7168, intermediate 2048, 8 of 64 local
    experts): error against RoutedExperts' PyTorch loop, time per call and bandwidth over the distinct experts hit.
 3. Packed GGUF Q4_1 / Q8_0 linears (kernels/gpu/gguf_linear.py) at 4096 x 4096 and (Q4_1) DeepSeek-V3's dense
-   7168 x 18432, 1 / 16 / 64 rows: error against GGUFWeight's dequantizing PyTorch path, time (CUDA-graph replays),
+   7168 x 18432, 1 / 16 / 64 rows, and Q4_K / Q6_K (kernels/gpu/gguf_kquant_linear.py) at 7168 x 18432, 1 / 16
+   rows (those last, after step 5): error against GGUFWeight's dequantizing PyTorch path, time (CUDA-graph replays),
    GB/s and bandwidth over the packed bytes, F.linear on the dequantized weight alongside; the same for the FP8
    block-scaled linear (kernels/gpu/fp8_linear.py: the Triton kernel, and the block-scaled scaled_mm path where its
    probe passes) against its dequantized weight, and the fused MoE over INT4 group-32, MXFP4 and FP8 stacks
@@ -60,7 +61,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.decode_floor import copy_bandwidth  # noqa: E402
 from benchmarks.gpu_timing import time_replayed_us as _time_replayed_us, time_us as _time_us  # noqa: E402
 from benchmarks.gpu_kda import check_kda  # noqa: E402
-from benchmarks.gpu_linears import check_fp8, check_gguf  # noqa: E402
+from benchmarks.gpu_linears import check_fp8, check_gguf, check_gguf_kquants  # noqa: E402
 
 _T0 = time.monotonic()
 # seconds into the run past which optional rows (the re-laid FP8 experts) are skipped: gpu_check.sh gives this
@@ -517,7 +518,8 @@ def main() -> int:
         + check_gguf(dev, dtype, args.quick, bw, args.reps) + check_fp8(dev, dtype, args.quick, bw, args.reps)
         + check_packed_moe(dev, dtype, args.quick, bw, args.reps)
         + check_norm_activation(dev, dtype, args.quick, bw, args.reps)
-        + check_decode_glue(dev, dtype, args.quick, bw, args.reps))
+        + check_decode_glue(dev, dtype, args.quick, bw, args.reps)
+        + check_gguf_kquants(dev, dtype, args.quick, bw, args.reps))
     rows += check_kda(dev, args.quick, bw, args.reps, args.kda_fla)
     graph = None if args.only_kda else check_graph_tokens(args.device, args.quick)
     os.makedirs(args.out, exist_ok=True)

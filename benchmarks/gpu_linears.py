@@ -1,5 +1,5 @@
 """The packed linears of benchmarks/gpu_kernels.py (its step 3, first half): GGUF Q4_1 / Q8_0
-(kernels/gpu/gguf_linear.py) and FP8 block-scaled (kernels/gpu/fp8_linear.py: the Triton kernel and, where its probe
+(kernels/gpu/gguf_linear.py) and Q4_K / Q6_K (kernels/gpu/gguf_kquant_linear.py) and FP8 block-scaled (kernels/gpu/fp8_linear.py: the Triton kernel and, where its probe
 passes, the block-scaled scaled_mm path of kernels/gpu/fp8_scaled_mm.py) at a 4096 x 4096 projection and
 DeepSeek-V3's dense 7168 x 18432, 1 / 16 / 64 activation rows: error, device time from CUDA-graph replays, GB/s and
 the fraction of the copy bandwidth over the packed bytes, with ``F.linear`` on the dequantized weight alongside. Run
@@ -67,6 +67,40 @@ def check_gguf(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
                                         err, _time_graph_us(lambda: F.linear(x, twin), dev, reps),
                                         twin.numel() * twin.element_size(), bw))
             del w, twin
+    return rows
+
+
+KQUANT_ROWS = [1, 16]
+
+
+def check_gguf_kquants(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
+    """Q4_K and Q6_K (kernels/gpu/gguf_kquant_linear.py) at DeepSeek-V3's dense 7168 x 18432 (74 / 108 MB packed),
+    1 and 16 rows (quick: 40 x 512, 1 and 3 rows): error against GGUFWeight's dequantizing path, time, bandwidth
+    over the packed bytes (the bf16 twin's F.linear at this shape is the Q4_1 rows'). Random super-blocks with
+    small random fp16 d (and dmin). gpu_kernels.py runs these rows after its others (their tuning is new time in a
+    step with a fixed timeout)."""
+    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
+    from tokenfab.quant import gguf_kquants
+    from tokenfab.quant.gguf_weight import GGUFWeight
+    (n, k), ms = (LINEAR_SHAPES[-1], KQUANT_ROWS) if not quick else ((40, 512), [1, 3])
+    g = torch.Generator(device=dev).manual_seed(1)
+    rows = []
+    for name in ("Q4_K", "Q6_K"):
+        sb = gguf_kquants.SUPER_BYTES[name]
+        raw = torch.randint(0, 256, (n, k // 256, sb), device=dev, dtype=torch.uint8, generator=g)
+        heads = (208, 1) if name == "Q6_K" else (0, 2)  # byte offset and count of the fp16 d (and dmin)
+        f16 = (torch.randn(n, k // 256, heads[1], device=dev, generator=g) * 1e-3).half()
+        raw[..., heads[0]:heads[0] + 2 * heads[1]] = f16.view(torch.uint8)
+        w = GGUFWeight.from_rows(raw.reshape(n, -1), name, k)
+        del raw
+        for M in ms:
+            x = torch.randn(M, k, device=dev, generator=g).to(dtype)
+            want = w.reference_linear(x.float(), None)
+            err = _rel_err(gguf_linear(x, w.tiles, w.block, n), want)
+            rows.append(_linear_row(f"GGUF {name} linear", f"M={M} N={n} K={k}", err,
+                                    _time_graph_us(lambda: gguf_linear(x, w.tiles, w.block, n), dev, reps),
+                                    w.nbytes, bw))
+        del w
     return rows
 
 

@@ -1,11 +1,11 @@
 """Compile the packed linears' and the fused MoE's Triton kernels (kernels/gpu/fp8_linear.py, gguf_linear.py,
-moe_gemm.py) for a GPU that is not here, and print what the compiler made of each autotune config: registers,
+gguf_kquant_linear.py, moe_gemm.py) for a GPU that is not here, and print what the compiler made of each autotune config: registers,
 spilled bytes, shared memory, and for NVIDIA the instructions of the K loop per weight each thread handles (a proxy
 for the ALU ceiling of a decode GEMV: an H100/H200 issues about 3e13 thread-instructions per second, so k
 instructions per weight cap the kernel at about 3e13 / k weights per second). No GPU is needed: Triton's own
 ptxas / cuobjdump (NVIDIA) or its AMD backend (ROCm, no SASS statistics) compile from the source.
 
-    python benchmarks/linear_sass.py [--target sm90|gfx942] [--kernels fp8,gguf,moe]
+    python benchmarks/linear_sass.py [--target sm90|gfx942] [--kernels fp8,gguf,kquant,moe]
 
 The kernels are compiled as the runtime specializes them for aligned tensors (pointers and the sizes / strides that
 are multiples of 16 marked divisible by 16) with bf16 activations. The grouped GEMM is compiled per format (INT4
@@ -30,9 +30,9 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from tokenfab.kernels.gpu import fp8_linear, gguf_linear, moe_gemm  # noqa: E402
+from tokenfab.kernels.gpu import fp8_linear, gguf_kquant_linear, gguf_linear, moe_gemm  # noqa: E402
 
-ALIGNED = {"X", "W", "S", "OUT", "BIAS", "T32", "T16", "N", "K", "s_xm", "s_wn", "s_sn", "NT", "KB"}
+ALIGNED = {"X", "W", "S", "OUT", "BIAS", "T8", "T32", "T16", "N", "K", "s_xm", "s_wn", "s_sn", "NT", "KB", "KS"}
 MOE_ALIGNED = {"A", "W", "S", "C", "TOPW", "SORTED", "N", "K", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_cm"}
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
 
@@ -117,9 +117,34 @@ def main() -> int:
                     _report(f"{name} tiles BLOCK_M={bm}", gguf_linear._gguf_gemm.fn, sig2, {"HAS_BIAS": False,
                             "PARTIAL": True, "TBB": tbb, "KIND": kind, "DOT_F32": False, "MAGIC": 0x4300,
                             "DEQ": bm >= 32, "BLOCK_M": bm, **cfg.kwargs}, cfg, target, per)
+    if "kquant" in want:
+        _kquant(target, base)
     if "moe" in want:
         _moe(target)
     return 0
+
+
+def _kquant(target, base: dict) -> None:
+    """The K-quant kernels (gguf_kquant_linear._kq_gemv / _kq_gemm) per type, with bf16 activations."""
+    kq = gguf_kquant_linear
+    sig = {**base, "T8": "*u8", "T32": "*i32", "T16": "*fp16", "N": "i32", "NT": "i32", "KB": "i32", "STEPS": "i32",
+           "KS": "i32", "SPLIT": "i32", "TBB": "constexpr", "KIND": "constexpr", "BLOCK_T": "constexpr",
+           "BLOCK_KB": "constexpr"}
+    for name, kind in kq.KQ_KIND.items():
+        tbb = {"Q4_K": 2304, "Q5_K": 2816, "Q6_K": 3360}[name]
+        for cfg in kq._kq_gemv.configs:
+            per = cfg.kwargs["BLOCK_T"] * 16 * cfg.kwargs["BLOCK_KB"] * 32 // (32 * cfg.num_warps)
+            _report(f"{name} one row", kq._kq_gemv.fn, {a: sig[a] for a in kq._kq_gemv.fn.arg_names},
+                    {"HAS_BIAS": False, "PARTIAL": True, "TBB": tbb, "KIND": kind, **cfg.kwargs}, cfg, target, per)
+        sig2 = {**sig, "M": "i32", "s_xm": "i32", "MB": "i32", "DOT_F32": "constexpr", "MAGIC": "constexpr",
+                "DEQ": "constexpr", "BLOCK_M": "constexpr"}
+        sig2 = {a: sig2[a] for a in kq._kq_gemm.fn.arg_names}
+        for cfg in kq._kq_gemm.configs:
+            per = cfg.kwargs["BLOCK_T"] * 16 * cfg.kwargs["BLOCK_KB"] * 32 // (32 * cfg.num_warps)
+            for bm in (16, 64):
+                _report(f"{name} tiles BLOCK_M={bm}", kq._kq_gemm.fn, sig2, {"HAS_BIAS": False, "PARTIAL": True,
+                        "TBB": tbb, "KIND": kind, "DOT_F32": False, "MAGIC": 0x4300, "DEQ": bm >= 32,
+                        "BLOCK_M": bm, **cfg.kwargs}, cfg, target, per)
 
 
 def _moe(target) -> None:

@@ -160,3 +160,15 @@ def test_eight_row_passes_within_the_bound(name, k):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
             check_close(w.linear(x, None), x, raw, name, None)
             check_close(w.linear_f32(x, None), x, raw, name, None)
+
+
+@pytest.mark.parametrize("name", KTYPES)
+def test_tile_and_value_functions_stay_on_the_bytes_device(name):
+    """pack_tiles, unpack_tiles and dequantize_rows build their shift tables on the device of the bytes they are
+    given, so a GGUF weight on a GPU (embedding rows, the reference path) never mixes in CPU tensors. The meta
+    device stands in for the GPU here: a CPU tensor mixed into its ops raises, as it would on CUDA."""
+    raw = torch.zeros(20, 2 * gguf_kquants.SUPER_BYTES[name], dtype=torch.uint8, device="meta")
+    tiles = gguf_kquants.pack_tiles(raw, name)
+    assert tiles.device.type == "meta" and tiles.shape == (2, 2, 16 * gguf_kquants.SUPER_BYTES[name])
+    assert gguf_kquants.unpack_tiles(tiles, name, 20).shape == raw.shape
+    assert gguf_kquants.dequantize_rows(raw, name).shape == (20, 512)

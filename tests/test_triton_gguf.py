@@ -1,4 +1,5 @@
-"""The Triton GGUF Q8_0 / Q4_0 / Q4_1 kernel (kernels/gpu/gguf_linear.py) in Triton's interpreter on CPU: it reads
+"""The Triton GGUF Q8_0 / Q4_0 / Q4_1 kernel (kernels/gpu/gguf_linear.py) and the K-quant kernels
+(kernels/gpu/gguf_kquant_linear.py) in Triton's interpreter on CPU: they read
 the same packed tiles as the CPU kernels, and its products are checked against the float64 product of gguf-py's own
 dequantized weights within the float32 accumulation bound that tests/test_gguf_linear.py derives (the interpreter
 has no bfloat16, so float32 activations; on a GPU the same code loads bf16). GGUFWeight.linear takes it wherever
@@ -10,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from test_gguf_kquants import KTYPES, random_kblocks
+from test_gguf_kquants import check_close as kcheck, exact as kexact
 from test_gguf_linear import TYPES, check_close, exact, quantized, random_blocks
 from tokenfab.kernels.gpu import support as triton_support
 from tokenfab.quant import gguf_blocks
@@ -135,14 +138,127 @@ def test_packed_model_through_the_triton_kernel(interpret, monkeypatch, tiny_mod
     assert max_prompt_logprob_gap(outs["reference"], outs["packed"], "Triton GGUF") < 1e-4
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
-def test_kquant_weights_take_the_reference_path_where_triton_applies(interpret, monkeypatch, name):
-    """The Triton kernel reads Q8_0 / Q4_0 / Q4_1 only: a K-quant weight on a Triton device (the interpreter here,
-    CPU kernel off) multiplies through the dequantizing reference path, within the K-quant tests' float32 bound."""
-    from test_gguf_kquants import check_close as kcheck, random_kblocks
+def kquant_factors(raw: np.ndarray, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a, b) [n, K] float64 per weight, value = a q - b (Q4_K / Q5_K: a = d sc, b = dmin m, gguf's own
+    ``get_scale_min``) or a (q - 32) (Q6_K: a = d scale, b = 0), from the file's bytes."""
+    from gguf.quants import Q4_K
+    from tokenfab.quant import gguf_kquants
+    sb = gguf_kquants.SUPER_BYTES[name]
+    n = raw.shape[0]
+    blocks = raw.reshape(-1, sb)
+    f16 = lambda b: b.copy().view(np.float16).astype(np.float64)  # noqa: E731
+    if name == "Q6_K":
+        a = f16(blocks[:, 208:210]) * blocks[:, 192:208].copy().view(np.int8).astype(np.float64)  # [blocks, 16]
+        return torch.from_numpy(np.repeat(a, 16, axis=1).reshape(n, -1)), torch.zeros(n, raw.shape[1] // sb * 256,
+                                                                                         dtype=torch.float64)
+    sc, mn = Q4_K.get_scale_min(blocks[:, 4:16])
+    a = f16(blocks[:, 0:2]) * sc.reshape(-1, 8).astype(np.float64)
+    b = f16(blocks[:, 2:4]) * mn.reshape(-1, 8).astype(np.float64)
+    return (torch.from_numpy(np.repeat(a, 32, axis=1).reshape(n, -1)),
+            torch.from_numpy(np.repeat(b, 32, axis=1).reshape(n, -1)))
+
+
+@pytest.mark.parametrize("name", KTYPES)
+@pytest.mark.parametrize("rows,out_features,K,split,dtype", [
+    (1, 40, 512, None, torch.float32), (1, 100, 768, 4, torch.bfloat16), (1, 20, 512, 3, torch.float32),
+    (3, 33, 768, 2, torch.float32), (5, 40, 512, None, torch.bfloat16), (2, 16, 256, None, torch.float16),
+    (17, 20, 256, None, torch.bfloat16), (70, 48, 512, 3, torch.float32)])
+def test_kquant_kernels_match_exact_product(interpret, name, rows, out_features, K, split, dtype):
+    """Q4_K / Q5_K / Q6_K (gguf_kquant_linear.py) on random bytes (every quant, high-bit and 6-bit scale pattern):
+    one row (the CUDA-core kernel), 2-16 rows (exact quants in the dot, per-half dots for Q6_K), 17+ (weights
+    dequantized to the activation dtype in registers), partial tiles, forced K slices that start inside a
+    super-block, float32 / bf16 / fp16 activations, against gguf-py's values in float64. Float32: the K-quant
+    tests' float32 bound. 16-bit: the dot sums x (128 + q) (terms up to |x| (|a| 192 + |b|)) before the factors
+    are applied, then one 16-bit rounding of the output (the interpreter truncates: 2^-7 for bf16, 2^-10 fp16)."""
+    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
+    raw = random_kblocks(name, out_features, K, seed=rows + K)
+    w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, K)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g) if rows % 2 else None
+    y = gguf_linear(x, w.tiles, w.block, out_features, bias, split=split)
+    assert y.shape == (rows, out_features) and y.dtype == dtype
+    if dtype == torch.float32:
+        kcheck(y, x, raw, name, bias)
+        return
+    ye, bound = kexact(x.float(), raw, name, bias)
+    a, b = kquant_factors(raw, name)
+    wmax = a.abs() * 192 + b.abs()
+    tol = (3 * K + 64) * 2.0 ** -24 * (bound + x.double().abs() @ wmax.T)
+    tol = tol + (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10) * ye.abs()
+    if rows > 16:  # weights rounded once to bf16 in registers
+        tol = tol + 2.0 ** -8 * bound
+    err = (y.double() - ye).abs()
+    assert (err <= tol).all(), err.max()
+    assert err.max() < 0.05 * ye.abs().max()  # outputs are O(S), far above the tolerance: a wrong quant fails
+
+
+@pytest.mark.parametrize("name", KTYPES)
+def test_kquant_weights_run_the_triton_kernels_and_give_float32_logits(interpret, monkeypatch, name):
+    """GGUFWeight.linear / linear_f32 take the Triton K-quant kernels where Triton applies (the interpreter here,
+    the CPU kernels off): linear within the float32 bound, and linear_f32 of bf16 activations float32 outputs
+    from the accumulator (no bf16 rounding of the output: a tolerance without it)."""
+    from tokenfab.kernels.gpu import gguf_linear as triton_gguf_linear
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
     raw = random_kblocks(name, 20, 512)
     w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, 512)
     w.prepare()
+    calls = []
+    real = triton_gguf_linear.kquant_launch
+    monkeypatch.setattr(triton_gguf_linear, "kquant_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(3, 512)
     kcheck(w.linear(x, None), x, raw, name, None)
+    xb = x.to(torch.bfloat16)
+    y = w.linear_f32(xb)
+    assert calls and y.dtype == torch.float32
+    ye, bound = kexact(xb.float(), raw, name, None)
+    a, b = kquant_factors(raw, name)
+    tol = 1.01 * (3 * 512 + 64) * 2.0 ** -24 * (bound + xb.double().abs() @ (a.abs() * 192 + b.abs()).T)
+    assert ((y.double() - ye).abs() <= tol).all()
+
+
+def test_gguf_kernels_compile_for_sm90_and_gfx942(interpret):
+    """Every GGUF kernel form a GPU launches for bf16 activations (one row, 2-16 rows with exact quants, 32+ rows
+    dequantizing; with and without split-K) of Q4_1 and the three K-quants, compiled by Triton's own compiler for
+    NVIDIA sm_90 and AMD gfx942 on this CPU (tokenfab/testing/target_compile.py): the interpreter accepts code the
+    compiler refuses."""
+    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
+    from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets, gpu_variants
+    with LaunchRecorder() as rec:
+        for name in ("Q4_1", *KTYPES):
+            K = 512
+            raw = random_kblocks(name, 40, K) if name in KTYPES else quantized(name, 40, K)
+            w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, K)
+            for rows, split in ((1, 2), (4, None), (40, None)):
+                gguf_linear(torch.randn(rows, K).to(torch.bfloat16), w.tiles, w.block, 40, split=split)
+    # the GPU's forms only: 16-bit launches compile with the tensor cores' dots (DOT_F32 off), not the
+    # interpreter's float32 ones
+    launches = [v for v in gpu_variants(rec.launches) if not v["constexprs"].get("DOT_F32")]
+    assert {"_kq_gemv", "_kq_gemm", "_gguf_gemv", "_gguf_gemm", "_reduce"} <= {v["name"] for v in launches}
+    failures = compile_for_targets(launches)
+    assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']} (constexprs {f['constexprs']})"
+                                   for f in failures)
+
+
+def test_kquant_model_through_the_triton_kernels(interpret, monkeypatch, tiny_model, tokenizer_dir, tmp_path):
+    """A tiny qwen3 GGUF with Q4_K / Q5_K / Q6_K linears, a Q6_K embedding and a Q4_K LM head, every linear in the
+    Triton K-quant kernels (interpreted; the CPU kernels off), the head's logits float32 from the kernel: the same
+    greedy tokens as the folder of gguf-py's dequantized weights, prompt logprobs within 1e-4 of it."""
+    from conftest import max_prompt_logprob_gap
+    from gguf_helpers import generate_packed_and_reference, reference_folder
+    from test_gguf_qwen import PROMPTS, tiny_qwen, write_qwen_gguf
+    from tokenfab import SamplingParams
+    from tokenfab.kernels.gpu import gguf_linear as triton_gguf_linear
+    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
+    ckpt = tiny_qwen(tiny_model, "qwen3")
+    path = str(tmp_path / "tiny.gguf")
+    ref = reference_folder(ckpt, str(tmp_path / "ref"), write_qwen_gguf(ckpt, path, "qwen3", bf16_kind="none"))
+    calls = []
+    real = triton_gguf_linear.kquant_launch
+    monkeypatch.setattr(triton_gguf_linear, "kquant_launch",
+                        lambda x2, y, t, name, *a, **k: calls.append((name, y.dtype)) or real(x2, y, t, name, *a, **k))
+    sp = SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3, prompt_logprobs=0)
+    outs = generate_packed_and_reference(path, ref, tokenizer_dir, [{"prompt_token_ids": PROMPTS[0]}], sp)
+    assert {n for n, _ in calls} == set(KTYPES) and ("Q4_K", torch.float32) in calls
+    assert [o.outputs[0].token_ids for o in outs["packed"]] == [o.outputs[0].token_ids for o in outs["reference"]]
+    assert max_prompt_logprob_gap(outs["reference"], outs["packed"], "Triton K-quant GGUF") < 1e-4

@@ -327,7 +327,7 @@ def sample_plain(logits: torch.Tensor, temps: torch.Tensor, u: torch.Tensor) -> 
     return cpu_sampling.sample_plain(logits, temps, u)
 
 
-GGUF_GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # block types gpu/gguf_linear.py reads (K-quants: the reference)
+GGUF_GPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # block types the Triton GGUF kernels read
 
 
 def gguf_gemv_avx2(x: torch.Tensor, tiles: torch.Tensor, block, n: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -338,15 +338,16 @@ def gguf_gemv_avx2(x: torch.Tensor, tiles: torch.Tensor, block, n: int, bias: to
 
 
 def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block, n: int, bias: torch.Tensor | None,
-                cpu_kernel: bool) -> torch.Tensor | None:
+                cpu_kernel: bool, out_f32: bool = False) -> torch.Tensor | None:
     """y = x W^T (+ bias) for a GGUF weight W [n, K] packed as tiles of ``block`` (tokenfab.quant.gguf_blocks): the
     C++ kernel where the weight chose it at load (``cpu_kernel``, GGUFWeight.prepare) for bf16 / float32 x, the
-    Triton kernel on CUDA/ROCm for GGUF_GPU_TYPES, or None."""
+    Triton kernels on CUDA/ROCm for GGUF_GPU_TYPES, or None. ``out_f32``: float32 outputs from the kernel's
+    accumulator (logits) instead of x's dtype."""
     if cpu_kernel and x.dtype in (torch.bfloat16, torch.float32):
-        return cpu_gguf.gguf_linear(x, tiles, block.ggml_type, n, bias)
+        return cpu_gguf.gguf_linear(x, tiles, block.ggml_type, n, bias, out_f32=out_f32)
     if block.name in GGUF_GPU_TYPES and gpu_support.applies(x):
         from tokenfab.kernels.gpu import gguf_linear as gpu_gguf_linear  # imports triton: only when it applies
-        return gpu_gguf_linear.gguf_linear(x, tiles, block, n, bias)
+        return gpu_gguf_linear.gguf_linear(x, tiles, block, n, bias, out_dtype=torch.float32 if out_f32 else None)
     return None
 
 

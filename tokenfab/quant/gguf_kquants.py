@@ -62,7 +62,7 @@ def fields(raw: torch.Tensor, name: str) -> dict:
         ql = b[..., 0:128].reshape(n, kb, 2, 1, 64)
         lo = torch.cat([ql & 0x0F, ql >> 4], dim=3).reshape(n, kb, 8, 32)
         qh = b[..., 128:192].reshape(n, kb, 2, 1, 32)
-        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 1, 4, 1)
+        shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=raw.device).reshape(1, 1, 1, 4, 1)
         hi = ((qh >> shifts) & 3).reshape(n, kb, 8, 32)
         return {"d": b[..., 208:210], "scales": b[..., 192:208], "lo": lo, "hi": hi}
     qoff = 16 if name == "Q4_K" else 48
@@ -71,7 +71,7 @@ def fields(raw: torch.Tensor, name: str) -> dict:
     hi = None
     if name == "Q5_K":
         qh = b[..., 16:48].reshape(n, kb, 1, 32)
-        hi = (qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)) & 1
+        hi = (qh >> torch.arange(8, dtype=torch.uint8, device=raw.device).reshape(1, 1, 8, 1)) & 1
     return {"d": b[..., 0:2], "dmin": b[..., 2:4], "scales": b[..., 4:16], "lo": lo, "hi": hi}
 
 
@@ -89,7 +89,7 @@ def _join(f: dict, name: str) -> torch.Tensor:
     qs = (l4[:, :, :, 0] | (l4[:, :, :, 1] << 4)).reshape(n, kb, 128)
     parts = [f["d"], f["dmin"], f["scales"]]
     if name == "Q5_K":
-        qh = torch.zeros(n, kb, 32, dtype=torch.uint8)
+        qh = torch.zeros(n, kb, 32, dtype=torch.uint8, device=lo.device)
         for i in range(8):
             qh |= hi[:, :, i] << i
         parts.append(qh)
@@ -168,11 +168,11 @@ def pack_tiles(raw: torch.Tensor, name: str) -> torch.Tensor:
     parts.append(_rows_inner(f["scales"].contiguous(), nt))
     if name == "Q5_K":  # [rows, KB, 8, 32] -> [nt, KB, 8, j, e, u]
         h = f["hi"].reshape(nt, TILE, kb, 8, 16, 2).permute(0, 2, 3, 1, 5, 4).to(torch.int32)
-        word = (h << torch.arange(16, dtype=torch.int32)).sum(-1)
+        word = (h << torch.arange(16, dtype=torch.int32, device=h.device)).sum(-1)
         parts.append(_words(word).reshape(nt, kb, 8 * 64))
     elif name == "Q6_K":  # -> [nt, KB, 8, H, j, e, u]
         h = f["hi"].reshape(nt, TILE, kb, 8, 2, 8, 2).permute(0, 2, 3, 4, 1, 6, 5).to(torch.int32)
-        word = (h << (2 * torch.arange(8, dtype=torch.int32))).sum(-1)
+        word = (h << (2 * torch.arange(8, dtype=torch.int32, device=h.device))).sum(-1)
         parts.append(_words(word).reshape(nt, kb, 8 * 128))
     parts.append(_nibble_tiles(f["lo"], nt))
     return torch.cat(parts, dim=-1).contiguous()
@@ -196,13 +196,14 @@ def unpack_tiles(tiles: torch.Tensor, name: str, n: int, t0: int = 0, t1: int | 
     if name == "Q5_K":
         w = tl[..., off:off + 512].reshape(nt, kb, 8, TILE, 2, 2).to(torch.int32)
         word = w[..., 0] | (w[..., 1] << 8)  # [nt, KB, 8, j, e]
-        bits = (word.unsqueeze(-1) >> torch.arange(16, dtype=torch.int32)) & 1  # [.., j, e, u]
+        bits = (word.unsqueeze(-1) >> torch.arange(16, dtype=torch.int32, device=word.device)) & 1  # [.., j, e, u]
         f["hi"] = bits.permute(0, 3, 1, 2, 5, 4).reshape(nt * TILE, kb, 8, 32).to(torch.uint8)
         off += 512
     elif name == "Q6_K":
         w = tl[..., off:off + 1024].reshape(nt, kb, 8, 2, TILE, 2, 2).to(torch.int32)
         word = w[..., 0] | (w[..., 1] << 8)  # [nt, KB, 8, H, j, e]
-        bits = (word.unsqueeze(-1) >> (2 * torch.arange(8, dtype=torch.int32))) & 3  # [.., H, j, e, u]
+        shifts = 2 * torch.arange(8, dtype=torch.int32, device=word.device)
+        bits = (word.unsqueeze(-1) >> shifts) & 3  # [.., H, j, e, u]
         f["hi"] = bits.permute(0, 4, 1, 2, 3, 6, 5).reshape(nt * TILE, kb, 8, 32).to(torch.uint8)
         off += 1024
     f["lo"] = _nibble_untiles(tl[..., off:], nt, kb)

@@ -8,8 +8,8 @@ kernel (``cpu_gguf.gguf_gemv_avx2``, csrc/gguf_gemv_avx2.cpp; every type here): 
 dequantized into a float32 GEMM; no float32 copy is kept (it served prefill 1.0-1.1x faster at twice the resident
 memory: NOTES 84). Reference / fallback (no kernels, another device, ``TOKENFAB_CPU_LINEAR=torch``): a float32 copy
 within its budget (:meth:`~tokenfab.quant.packed_weight.PackedWeight.keep_dense_copy`), else dequantize 1024 rows at
-a time and ``F.linear`` in float32. On CUDA/ROCm the Triton kernel
-(kernels/gpu/gguf_linear.py) reads the same tiles for Q8_0 / Q4_0 / Q4_1 (K-quants take the reference path there).
+a time and ``F.linear`` in float32. On CUDA/ROCm the Triton kernels
+(kernels/gpu/gguf_linear.py, and kernels/gpu/gguf_kquant_linear.py for the K-quants) read the same tiles.
 """
 from __future__ import annotations
 
@@ -96,13 +96,10 @@ class GGUFWeight(PackedWeight):
 
     def linear_f32(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """As :meth:`linear`, float32 outputs from the kernel's accumulator (the LM head of a GGUF file)."""
-        if self._kernel and x.dtype in (torch.bfloat16, torch.float32):
-            return cpu_gguf.gguf_linear(x, self.tiles, self.block.ggml_type, self.out_features, bias, out_f32=True)
         if self._avx2_rows(x):
             return dispatch.gguf_gemv_avx2(x, self.tiles, self.block, self.out_features, bias)
-        if x.dtype == torch.float32:
-            return self.linear(x, bias)
-        return self.reference_linear(x, bias, out_dtype=torch.float32)
+        y = dispatch.gguf_linear(x, self.tiles, self.block, self.out_features, bias, self._kernel, out_f32=True)
+        return y if y is not None else self.reference_linear(x, bias, out_dtype=torch.float32)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` dequantized: ``cpu_gguf_embedding.gguf_embedding`` where the kernels are built (CPU tiles,

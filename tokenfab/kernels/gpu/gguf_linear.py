@@ -1,4 +1,5 @@
-"""y = x W^T for a GGUF Q8_0 / Q4_0 / Q4_1 weight kept packed, in Triton (CUDA/ROCm).
+"""y = x W^T for a GGUF Q8_0 / Q4_0 / Q4_1 weight kept packed, in Triton (CUDA/ROCm); :func:`gguf_linear` also takes
+the K-quants Q4_K / Q5_K / Q6_K, whose kernels are kernels/gpu/gguf_kquant_linear.py's.
 
 The kernel reads tokenfab's tile layout (:func:`tokenfab.quant.gguf_blocks.pack_tiles`: tiles of 16 output rows,
 each tile-block holding the 16 rows' fp16 scales ``d`` (then Q4_1's minimums ``m``) and their quants for 32 inputs;
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 from tokenfab.kernels.gpu import split_k
+from tokenfab.kernels.gpu.gguf_kquant_linear import KQ_KIND, kquant_launch
 from tokenfab.kernels.gpu.split_k import store_row, store_tile
 from tokenfab.kernels.gpu.support import autotune_configs, interpreting, launch_linear, quick_bench
 from tokenfab.quant import gguf_blocks
@@ -215,29 +217,36 @@ def _block_m(M: int) -> int:
 
 
 def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_features: int,
-                bias: torch.Tensor | None = None, split: int | None = None) -> torch.Tensor:
-    """x [..., in_features] (float32 / bf16 / fp16) times a packed GGUF weight -> [..., out_features] in x's dtype.
+                bias: torch.Tensor | None = None, split: int | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., in_features] (float32 / bf16 / fp16) times a packed GGUF weight -> [..., out_features] in
+    ``out_dtype`` (default x's dtype; float32: the accumulator unrounded, for logits).
 
     Args:
-        tiles: uint8 [ceil(out / 16), in / 32, 16 * block_bytes] (:func:`gguf_blocks.pack_tiles`), on x's device.
-        block: Q8_0, Q4_0 or Q4_1.
-        bias: [out_features] or None (added in float32 before the one rounding to x's dtype).
+        tiles: uint8 [ceil(out / 16), in / block_size, 16 * block_bytes] (:func:`gguf_blocks.pack_tiles`; block_size
+            32, or 256 for K-quants), on x's device.
+        block: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K or Q6_K.
+        bias: [out_features] or None (added in float32 before the one rounding to the output dtype).
         split: slices of K (tests, benchmarks); None: :func:`split_k.choose_split`.
 
     Raises:
-        ValueError: a block type this kernel does not read, or tiles that do not match x's inputs.
+        ValueError: a block type these kernels do not read, or tiles that do not match x's inputs.
     """
-    if block.name not in _KIND:
-        raise ValueError(f"the Triton GGUF kernel reads {', '.join(_KIND)}, not {block.name}")
+    if block.name not in _KIND and block.name not in KQ_KIND:
+        raise ValueError(f"the Triton GGUF kernels read {', '.join([*_KIND, *KQ_KIND])}, not {block.name}")
     nt, kb, tbb = tiles.shape
     K = x.shape[-1]
-    if kb * gguf_blocks.BLOCK != K or tbb != block.tile_block_bytes or nt * TILE < out_features:
+    if kb * block.block_size != K or tbb != block.tile_block_bytes or nt * TILE < out_features:
         raise ValueError(f"GGUF {block.name} tiles {tuple(tiles.shape)} do not hold a [{out_features}, {K}] weight")
     flat = tiles.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    t32, t16 = flat.view(torch.int32), flat.view(torch.float16)
     N = out_features
+    if block.name in KQ_KIND:
+        return launch_linear(x, N, lambda x2, y, _bm: kquant_launch(
+            x2, y, flat.view(tiles.shape), block.name, N, bias, split,
+            dot_f32=x2.dtype == torch.float32 or interpreting()), out_dtype)
+    t32, t16 = flat.view(torch.int32), flat.view(torch.float16)
 
     def launch(x2: torch.Tensor, y: torch.Tensor, _block_m_default: int) -> None:
         M = x2.shape[0]
@@ -269,4 +278,4 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_feat
         if s > 1:
             split_k.reduce_partials(out, y, bias)
 
-    return launch_linear(x, N, launch)
+    return launch_linear(x, N, launch, out_dtype)

@@ -67,14 +67,15 @@ def applies(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and interpreting() and triton_importable()
 
 
-def launch_linear(x: torch.Tensor, out_features: int, launch) -> torch.Tensor:
+def launch_linear(x: torch.Tensor, out_features: int, launch, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The row scaffolding of the Triton linears: x [..., K] flattened to contiguous rows x2 [M, K], an output
-    y [M, out_features] in x's dtype on x's device, ``launch(x2, y, block_m)`` filling y (not called when M == 0;
+    y [M, out_features] in ``out_dtype`` (default x's dtype; float32 for logits) on x's device,
+    ``launch(x2, y, block_m)`` filling y (not called when M == 0;
     ``block_m``: 16 rows up to M = 16, 32 up to 64, else 64), and y returned as [..., out_features]."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     M = x2.shape[0]
-    y = torch.empty(M, out_features, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, out_features, dtype=out_dtype or x.dtype, device=x.device)
     if M:
         launch(x2, y, 16 if M <= 16 else 32 if M <= 64 else 64)
     return y.reshape(*lead, out_features)
