@@ -240,16 +240,19 @@ def test_gguf_kernels_compile_for_sm90_and_gfx942(interpret):
                                    for f in failures)
 
 
-def test_kquant_model_through_the_triton_kernels(interpret, monkeypatch, tiny_model, tokenizer_dir, tmp_path):
-    """A tiny qwen3 GGUF with Q4_K / Q5_K / Q6_K linears, a Q6_K embedding and a Q4_K LM head, every linear in the
-    Triton K-quant kernels (interpreted; the CPU kernels off), the head's logits float32 from the kernel: the same
-    greedy tokens as the folder of gguf-py's dequantized weights, prompt logprobs within 1e-4 of it."""
+def test_kquant_model_through_the_triton_kernels(monkeypatch, tiny_model, tokenizer_dir, tmp_path):
+    """A tiny qwen3 GGUF with Q4_K / Q5_K / Q6_K linears, a Q6_K embedding and a Q4_K LM head on the GPU code path
+    (every choice a GPU makes, the Triton kernels interpreted, no C++ CPU kernels): every linear in the Triton
+    K-quant kernels, the head's logits float32 from the kernel, the embedding dequantized where the tiles are, and
+    no host read of a device value in a decode step (a CUDA graph captures that forward); the same greedy tokens as
+    the folder of gguf-py's dequantized weights, prompt logprobs within 1e-4 of it."""
     from conftest import max_prompt_logprob_gap
-    from gguf_helpers import generate_packed_and_reference, reference_folder
+    from gguf_helpers import reference_folder
     from test_gguf_qwen import PROMPTS, tiny_qwen, write_qwen_gguf
-    from tokenfab import SamplingParams
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.kernels.cpu import build as cpu_build
     from tokenfab.kernels.gpu import gguf_linear as triton_gguf_linear
-    monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
+    from tokenfab.testing.kernel_count import KernelCounter
     ckpt = tiny_qwen(tiny_model, "qwen3")
     path = str(tmp_path / "tiny.gguf")
     ref = reference_folder(ckpt, str(tmp_path / "ref"), write_qwen_gguf(ckpt, path, "qwen3", bf16_kind="none"))
@@ -258,7 +261,36 @@ def test_kquant_model_through_the_triton_kernels(interpret, monkeypatch, tiny_mo
     monkeypatch.setattr(triton_gguf_linear, "kquant_launch",
                         lambda x2, y, t, name, *a, **k: calls.append((name, y.dtype)) or real(x2, y, t, name, *a, **k))
     sp = SamplingParams(temperature=0.0, max_tokens=3, min_tokens=3, prompt_logprobs=0)
-    outs = generate_packed_and_reference(path, ref, tokenizer_dir, [{"prompt_token_ids": PROMPTS[0]}], sp)
+    prompts = [{"prompt_token_ids": PROMPTS[0]}]
+    ref_out = LLM(ref, dtype="float32", tokenizer=tokenizer_dir, max_model_len=64,
+                  progress=False).generate(prompts, sp, use_tqdm=False)
+    for k, v in (("TRITON_INTERPRET", "1"), ("TOKENFAB_TRITON", "interpret-gpu-path"), ("TOKENFAB_CPU_KERNELS", "0"),
+                 ("TOKENFAB_CPU_LINEAR", "torch")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(cpu_build, "load", lambda: None)  # a GPU machine has no C++ CPU kernels loaded
+    llm = LLM(path, dtype="float32", tokenizer=tokenizer_dir, max_model_len=64, progress=False)
+    kc, syncs, scopes = KernelCounter(), [], []
+    model = llm.llm_engine.runner.model
+
+    def on(_mod, args):  # the first decode-only step's forward, as a CUDA graph would capture it
+        if not syncs and not scopes and args[3].prefill is None and args[3].decode is not None:
+            kc.__enter__()
+            scopes.append(kc.scope("step"))
+            scopes[0].__enter__()
+
+    def off(_mod, _args, _out):
+        if scopes and not syncs:
+            scopes[0].__exit__(None, None, None)
+            kc.__exit__(None, None, None)
+            syncs.append(list(kc.syncs))
+    hooks = [model.register_forward_pre_hook(on), model.register_forward_hook(off)]
+    try:
+        out = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert syncs == [[]], syncs
+    assert kc.total("step") > 0  # the step was counted
     assert {n for n, _ in calls} == set(KTYPES) and ("Q4_K", torch.float32) in calls
-    assert [o.outputs[0].token_ids for o in outs["packed"]] == [o.outputs[0].token_ids for o in outs["reference"]]
-    assert max_prompt_logprob_gap(outs["reference"], outs["packed"], "Triton K-quant GGUF") < 1e-4
+    assert out[0].outputs[0].token_ids == ref_out[0].outputs[0].token_ids
+    assert max_prompt_logprob_gap(ref_out, out, "Triton K-quant GGUF") < 1e-4

@@ -104,13 +104,19 @@ class GGUFWeight(PackedWeight):
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``ids`` dequantized: ``cpu_gguf_embedding.gguf_embedding`` where the kernels are built (CPU tiles,
         bf16 / float32), else the tiles holding them unpacked and dequantized in PyTorch: the same values (gguf's
-        float32 ones, one rounding to ``dtype``)."""
+        float32 ones, one rounding to ``dtype``).
+
+        Raises:
+            IndexError: an id outside [0, out_features), off the GPU path (on it, ids are not read on the host)."""
         if (self.tiles.device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
                 and cpu_build.load() is not None and hasattr(cpu_build.load(), "gguf_embedding")):
             return cpu_gguf_embedding.gguf_embedding(self.tiles, self.block.ggml_type, self.out_features, ids.long(),
                                                      dtype)
         flat = ids.reshape(-1).long()
-        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.out_features):
+        # checked on the host off the GPU path; on it (a CUDA graph captures this) no host read: the engine's ids are
+        # validated at admission and the tile gather below asserts on the device for ids past the table
+        if flat.numel() and not dispatch.gpu_path(flat) and (int(flat.min()) < 0
+                                                             or int(flat.max()) >= self.out_features):
             raise IndexError(f"embedding ids must lie in [0, {self.out_features})")
         raw = gguf_blocks.unpack_tiles(self.tiles[flat // TILE], self.block, flat.numel() * TILE)
         raw = raw.reshape(flat.numel(), TILE, -1)[torch.arange(flat.numel(), device=flat.device), flat % TILE]
