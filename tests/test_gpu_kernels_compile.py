@@ -7,8 +7,13 @@ MoE, DeepSeek-V3 with MLA and a shared expert, Kimi Linear with KDA, DeepSeek-V3
 with INT4 / MXFP4 routed experts), prefill and decode of two
 sequences (and of one for FP8's one-row linears), in float32 and bfloat16; Kimi Linear also with speculation (random
 drafts), so its KDA kernels compile in the form that holds verification rows' states (engine/state_commit.py).
+The decode steps run through the graph runner's padded buffers uncaptured (``TOKENFAB_DECODE_GRAPHS=eager``), and
+the first decode step's forward of every model, what a CUDA graph captures, is checked to read no device value on
+the host (a read there fails the capture on a GPU).
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
@@ -16,6 +21,33 @@ from tokenfab.kernels.gpu import support as triton_support
 from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets, gpu_variants
 
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
+
+
+@contextlib.contextmanager
+def decode_step_syncs(llm, out: list):
+    """While active, the host syncs (tokenfab/testing/kernel_count.py) of ``llm``'s first decode-only model forward
+    are appended to ``out`` as one list."""
+    from tokenfab.testing.kernel_count import KernelCounter
+    model = llm.llm_engine.runner.model
+    kc, scopes = KernelCounter(), []
+
+    def on(_mod, args):
+        if not out and not scopes and args[3].prefill is None and args[3].decode is not None:
+            kc.__enter__()
+            scopes.append(kc.scope("step"))
+            scopes[0].__enter__()
+
+    def off(_mod, _args, _out):
+        if scopes and not out:
+            scopes[0].__exit__(None, None, None)
+            kc.__exit__(None, None, None)
+            out.append(list(kc.syncs))
+    hooks = [model.register_forward_pre_hook(on), model.register_forward_hook(off)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
 
 
 def test_gpu_path_kernels_compile_for_sm90_and_gfx942(monkeypatch, tiny_model, tmp_path, tokenizer_dir):
@@ -37,6 +69,8 @@ def test_gpu_path_kernels_compile_for_sm90_and_gfx942(monkeypatch, tiny_model, t
               "bfloat16"), (ds, "bfloat16"), (kl, "bfloat16"), (kl, "bfloat16-ngram"),
               (write_fp8_checkpoint(ds, str(tmp_path / "fp8")), "bfloat16")]
     models += [(write_packed_experts_checkpoint(ds, str(tmp_path / fmt), fmt), "bfloat16") for fmt in ("int4", "mxfp4")]
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")  # decode steps through the graph buffers, uncaptured
+    syncs = {}
     with LaunchRecorder() as rec:
         for path, dtype in models:
             spec = NGRAM if dtype.endswith("-ngram") else None
@@ -45,11 +79,14 @@ def test_gpu_path_kernels_compile_for_sm90_and_gfx942(monkeypatch, tiny_model, t
             if spec is not None:  # drafts at every step
                 llm.llm_engine.spec.proposer = RandomProposer(2, llm.llm_engine.model_config.vocab_size)
             sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
-            llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 7]}, {"prompt_token_ids": [6, 2]}], sp)
+            with decode_step_syncs(llm, syncs.setdefault(f"{path} {dtype}", [])):
+                llm.generate([{"prompt_token_ids": [5, 9, 14, 3, 7]}, {"prompt_token_ids": [6, 2]}], sp)
             if spec is not None:
                 assert llm.llm_engine.get_stats()["spec_decode_num_drafts"] > 0
             if "fp8" in path:  # one row: the FP8 linears' GEMV path
                 llm.generate([{"prompt_token_ids": list(range(3, 40))}], sp)
+    # the first decode step's forward (what a CUDA graph captures) reads no device value on the host
+    assert all(v == [[]] for v in syncs.values()), syncs
     names = {l["name"] for l in rec.launches}
     assert {"_rms_norm_kernel", "_short_conv_kernel", "_kda_recurrent_kernel", "_grouped_gemm"} <= names, names
     held = {l["name"] for l in rec.launches if l["constexprs"].get("HOLD")}
