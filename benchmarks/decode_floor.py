@@ -243,6 +243,8 @@ def make_llm(args):
         kw["num_kv_blocks"] = blocks
     if args.dtype:
         kw["dtype"] = args.dtype
+    if args.tokenizer:
+        kw["tokenizer"] = args.tokenizer
     kw["kv_cache_dtype"] = args.kv_cache_dtype
     try:
         return model_dir, LLM(model_dir, enforce_eager=args.enforce_eager, **kw), None
@@ -262,6 +264,8 @@ def make_llm(args):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint folder (default: the embedded default model)")
+    ap.add_argument("--tokenizer", default=None, help="tokenizer folder (a GGUF file without one: "
+                    "benchmarks/gpu_gguf.py writes it)")
     ap.add_argument("--context", type=int, default=512, help="prompt tokens per sequence (default: 512)")
     ap.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes (default: 1,4,16)")
     ap.add_argument("--steps", type=int, default=30, help="timed decode steps per batch size (default: 30)")

@@ -134,3 +134,25 @@ def test_serve_check_cells_variants_and_rows():
                                          "40.0 / 2.20 | — | 700 | 12.90 |")
     row["graph_steps"] = {"decode": 12.0, "verify": 40.0, "draft": 38.0}  # the server's graph-step counters
     assert "| 40.0 / 2.20 | 12 / 40 / 38 | 700 |" in markdown(meta, [row])[-1]
+
+
+def test_gpu_gguf_files_load_packed_with_their_types(tmp_path):
+    """benchmarks/gpu_gguf.py (the GGUF GPU check's files) at test sizes: tokenfab's GGUF loader keeps every linear
+    and the embedding packed in the case's block types, at the case's shapes, with finite small weights."""
+    import numpy as np
+    from benchmarks import gpu_gguf
+    from tokenfab.loader.gguf_packed import iterate_gguf_weights
+    from tokenfab.quant.gguf_weight import GGUFWeight
+    for case in gpu_gguf.CASES:
+        path = gpu_gguf.write_case(str(tmp_path), case, tiny=True)
+        packed = {n: v for n, v in iterate_gguf_weights(path, progress=False) if isinstance(v, GGUFWeight)}
+        c = dict(gpu_gguf.CASES[case], **gpu_gguf.TINY)
+        assert len(packed) == 7 * c["layers"] + 1
+        emb = packed["model.embed_tokens.weight"]
+        assert emb.block.name == c["types"]["token_embd"] and (emb.out_features, emb.in_features) == (c["vocab"],
+                                                                                                      c["hidden"])
+        down = packed["model.layers.1.mlp.down_proj.weight"]
+        assert down.block.name == c["types"]["ffn_down"] and (down.out_features, down.in_features) == (c["hidden"],
+                                                                                                       c["inter"])
+        w = down.dequantize_rows(0, down.out_features)
+        assert np.isfinite(w.numpy()).all() and 1e-4 < w.abs().mean() < 1.0
