@@ -21,7 +21,8 @@ float32 by their bits, 2^23 + q minus 2^23), times x, per-thread sums reduced on
 (:func:`_kq_gemm`): the quants enter the tensor cores exactly, as 128 + q written into the bits of 128.0 (bf16; fp16
 q << 3 under 128.0's bits; float32 activations: q itself), each row tile's 32-wide partial is scaled by the rows'
 a once (Q6_K: one dot per half, the other half's activations zeroed) and the offset taken off with the activation
-sums: sum_k x_k (a q_k - b) = a sum_k x_k (128 + q_k) - (128 a + b) sum_k x_k. Tiles of 32+ rows dequantize the
+sums (from the tensor cores too, x . ones, already in the accumulator's layout):
+sum_k x_k (a q_k - b) = a sum_k x_k (128 + q_k) - (128 a + b) sum_k x_k. Tiles of 32+ rows dequantize the
 weights in registers (float32 values rounded once to the activation dtype) and let the dot accumulate. Split-K at
 small M, deterministic, as the Q8_0 / Q4 kernels (kernels/gpu/split_k.py). Nothing but registers ever holds
 dequantized weights.
@@ -183,7 +184,6 @@ def _kq_tile(acc, X, T8, T16, T32, x_rows, mmask, tile_base, tmask, sb, kb1, j, 
         else:
             xd = x
             wt = tl.trans(w)
-        xf = x.to(tl.float32)
         if KIND == 5:    # one dot per half: the other half's activations zeroed
             h0 = (k < 16)[None, :]
             x0 = tl.where(h0, xd, 0.0).to(xd.dtype)
@@ -194,17 +194,25 @@ def _kq_tile(acc, X, T8, T16, T32, x_rows, mmask, tile_base, tmask, sb, kb1, j, 
             else:
                 p0 = tl.dot(x0, wt)
                 p1 = tl.dot(x1, wt)
-            xs0 = tl.sum(tl.where(h0, xf, 0.0), axis=1)
-            xs1 = tl.sum(tl.where(h0, 0.0, xf), axis=1)
-            acc += p0 * a[None, :] + p1 * a2[None, :]
-            acc -= xs0[:, None] * ((off + 32.0) * a)[None, :] + xs1[:, None] * ((off + 32.0) * a2)[None, :]
+            ones = tl.full((32, R), 1.0, xd.dtype)  # the halves' activation sums from the tensor cores, in the
+            if DOT_F32:                               # accumulator's layout (no cross-thread reduction)
+                xs0 = tl.dot(x0, ones, input_precision="ieee")
+                xs1 = tl.dot(x1, ones, input_precision="ieee")
+            else:
+                xs0 = tl.dot(x0, ones)
+                xs1 = tl.dot(x1, ones)
+            acc += (p0 - (off + 32.0) * xs0) * a[None, :] + (p1 - (off + 32.0) * xs1) * a2[None, :]
         else:
             if DOT_F32:
                 p = tl.dot(xd, wt, input_precision="ieee")
             else:
                 p = tl.dot(xd, wt)
-            xs = tl.sum(xf, axis=1)
-            acc += p * a[None, :] - xs[:, None] * (off * a + b)[None, :]
+            ones = tl.full((32, R), 1.0, xd.dtype)  # the activation sum from the tensor cores (as p's layout)
+            if DOT_F32:
+                xs = tl.dot(xd, ones, input_precision="ieee")
+            else:
+                xs = tl.dot(xd, ones)
+            acc += p * a[None, :] - xs * (off * a + b)[None, :]
     return acc
 
 
