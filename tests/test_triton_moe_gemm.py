@@ -177,3 +177,24 @@ def test_mxfp4_without_dot_scaled(interpret, monkeypatch):
     monkeypatch.setattr(moe_gemm, "_MX_SCALED", [True])
     _check(fused_moe_packed(x, "mxfp4", p13, s13, p2, s2, wts, ids, silu_and_mul), want, torch.float16)
     assert seen == [True, False, False] and moe_gemm._MX_SCALED == [False]
+
+
+def test_untuned_config_fills_the_sms():
+    """Without tuning, a decode call takes the first of the tuner's configs whose grid gives every SM two programs,
+    else the one with the most (worked by hand for Qwen3-30B-A3B at batch 1, top-8, on 132 SMs: the down
+    projection's N = 2048 in tiles of 64 is 8 x 32 = 256 programs < 264, split in 2 it is 512; gate|up's 1536 in
+    tiles of 64 is 192, of 32 384); batches that already fill the SMs keep the first config; re-laid stacks (N tiles
+    of 64 only) take split-K where the output has the slices, else their first config."""
+    from tokenfab.kernels.gpu import moe_gemm as mg
+    first = mg._prune(mg.CONFIGS, {"split_max": 4}, FMT=mg.DENSE, BLOCK_M=16, RELAID=False)[0]
+    down = mg.untuned_config(mg.DENSE, 16, False, 4, 8, 2048, 132)  # K tiles past 128 give way to split-K there
+    assert (down.kwargs["BLOCK_N"], down.kwargs["SPLIT_K"]) == (64, 2)
+    gate_up = mg.untuned_config(mg.DENSE, 16, False, 1, 8, 1536, 132)
+    assert gate_up.kwargs["BLOCK_N"] == 32 and gate_up.kwargs["SPLIT_K"] == 1
+    assert mg.untuned_config(mg.DENSE, 16, False, 4, 128, 2048, 132) is first  # 128 tiles x 32: full already
+    relaid_down = mg.untuned_config(mg.MXFP4, 16, True, 4, 8, 2048, 132)
+    assert (relaid_down.kwargs["BLOCK_N"], relaid_down.kwargs["SPLIT_K"]) == (64, 2)
+    relaid_up = mg.untuned_config(mg.MXFP4, 16, True, 1, 8, 1536, 132)
+    assert relaid_up is mg.RELAID_DECODE_CONFIGS[0]  # no split there and every config the same width
+    assert mg.untuned_config(mg.MXFP4, 16, True, 4, 1, 2048, 304).kwargs["SPLIT_K"] == 4  # short of any: the most
+    assert mg.untuned_config(mg.DENSE, 64, False, 1, 4, 2048, 132) is mg.PREFILL_CONFIGS[0]  # same widths

@@ -49,8 +49,9 @@ Configs. ``triton.autotune`` picks BLOCK_N, BLOCK_K, SPLIT_K, num_warps and num_
 count bucket, N, K, projection, format, dtypes) from a small list (:data:`CONFIGS`, pruned per call by
 :func:`_prune`): decode tiles (BLOCK_M 16) try narrow N tiles and split-K on the down projection; prefill tiles
 (BLOCK_M 64) try wide tiles without split-K; re-laid 4-bit stacks on decode tiles try 64-row N tiles
-(:data:`RELAID_DECODE_CONFIGS`). In Triton's interpreter one fixed config runs (:data:`INTERPRET_CONFIG`;
-tests set others). The shapes follow the public designs of mixed-input MoE GEMMs (vLLM's fused_moe tile configs,
+(:data:`RELAID_DECODE_CONFIGS`). Without tuning (the default in serving) :func:`untuned_config` takes the first of
+those that fills the SMs. In Triton's interpreter one fixed config runs (:data:`INTERPRET_CONFIG`; tests set
+others). The shapes follow the public designs of mixed-input MoE GEMMs (vLLM's fused_moe tile configs,
 Marlin's 16-byte weight loads per thread, OpenAI's triton_kernels split-K for MXFP4 MoE at small batch).
 """
 from __future__ import annotations
@@ -68,6 +69,7 @@ from tokenfab.kernels.gpu.moe_relaid_decode import group_scales
 from tokenfab.kernels.gpu.moe_relaid_decode import (fp8_block_scales, fp8_relaid16, fp8_relaid32, int4_relaid16,
                                                      int4_relaid32, mxfp4_relaid16, mxfp4_relaid32, relaid_scales,
                                                      split_col)
+from tokenfab.kernels.gpu import split_k
 from tokenfab.kernels.gpu.support import autotune_enabled, interpreting
 
 DENSE, INT4_GROUP, MXFP4, FP8_BLOCK = -1, 0, 1, 2
@@ -113,6 +115,25 @@ def _prune(configs, named_args, **kwargs):
     out = [c for c in configs if any(c is p for p in pool) and c.kwargs["SPLIT_K"] <= split_max
            and (wide_ok or c.kwargs["BLOCK_K"] <= 128)]
     return out or [pool[0]]
+
+
+def untuned_config(fmt: int, block_m: int, relaid: bool, split_max: int, tiles_m: int, N: int,
+                   sms: int) -> triton.Config:
+    """The config a call runs without tuning (``TOKENFAB_TRITON_AUTOTUNE`` off, the default): of the configs the
+    tuner would try for it (:func:`_prune`, in order), the first whose grid gives every SM / CU two programs
+    (``tiles_m`` x ceil(N / BLOCK_N) x SPLIT_K >= 2 ``sms``: the linears' rule, kernels/gpu/split_k.py), else the
+    one giving the most programs (the earliest of those). A decode batch hits few experts, so the first config
+    alone leaves SMs short of loads in flight (Qwen3-30B-A3B at batch 1: 8 experts x 2048 / 64 = 256 programs of
+    the down projection on an H100's 132 SMs, one or two each; 304 CUs on an MI300X); narrower N tiles or split-K
+    give more. Sizes only: CUDA-graph safe."""
+    cands = _prune(CONFIGS, {"split_max": split_max}, FMT=fmt, BLOCK_M=block_m, RELAID=relaid)
+
+    def programs(c):
+        return tiles_m * triton.cdiv(N, c.kwargs["BLOCK_N"]) * c.kwargs["SPLIT_K"]
+    for c in cands:
+        if programs(c) >= 2 * sms:
+            return c
+    return max(cands, key=programs)
 
 
 @triton.jit
@@ -465,8 +486,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
 
         def launch(**kw):
             _grouped_gemm[grid](*args, **kw, **cfg)
-    elif not autotune_enabled():  # the first config the tuner would try for this call (support.autotune_enabled)
-        first = _prune(CONFIGS, {"split_max": slots}, FMT=fmt, BLOCK_M=block_m, RELAID=relaid)[0]
+    elif not autotune_enabled():  # untuned (support.autotune_enabled): a config that fills the SMs
+        first = untuned_config(fmt, block_m, relaid, slots, tiles_m, N, split_k.sm_count(a.device))
         grid = (tiles_m * triton.cdiv(N, first.kwargs["BLOCK_N"]) * first.kwargs["SPLIT_K"],)
 
         def launch(**kw):

@@ -84,7 +84,8 @@ def launch_linear(x: torch.Tensor, out_features: int, launch, out_dtype: torch.d
 def autotune_enabled() -> bool:
     """Whether the Triton kernels tune their tiles on a GPU (``triton.autotune`` at each new shape's first call):
     only with ``TOKENFAB_TRITON_AUTOTUNE=1``, read when a kernel module is imported. By default (and always in
-    Triton's interpreter) each kernel runs its first config for the call, so start-up compiles one config per
+    Triton's interpreter) each kernel runs its first config for the call (the fused MoE's: the first that fills the
+    SMs, ``moe_gemm.untuned_config``), so start-up compiles one config per
     shape instead of benchmarking several (dozens of shapes: minutes on a real model, which the GPU check and a
     server's start-up cannot afford); ``benchmarks/gpu_kernels.py`` turns tuning on for the kernel table.
 
