@@ -48,7 +48,7 @@ NOMINAL_BLOCK_T = 2  # tiles per program the split-K choice assumes (autotuning 
 
 @triton.jit
 def _kq_decode(T8, T16, T32, bb, i, j, mask, KIND: tl.constexpr):
-    """Sub-block ``i`` (0..7, [1 or R, B]) of the super-blocks whose tile-blocks start at byte ``bb`` ([R, B]
+    """Sub-block ``i`` (0..7, [1 or R, B]; the tile kernel: B = 1) of the super-blocks whose tile-blocks start at byte ``bb`` ([R, B]
     int64), rows ``j`` ([R], 0..15 inside the tile): returns (q [R, B, 4, 8] int32, the quants of k = 8 L + c in
     element order once reshaped; a, b, a2 [R, B] float32): value = a q - b (Q4_K / Q5_K; a2 = a) or a_h (q - 32)
     with a_h = a for k < 16 and a2 from k = 16 (Q6_K; b = 0)."""
@@ -96,52 +96,6 @@ def _kq_decode(T8, T16, T32, bb, i, j, mask, KIND: tl.constexpr):
 
 
 @triton.jit
-def _kq_decode_rows(T8, T16, T32, bb, i, j, mask, KIND: tl.constexpr):
-    """:func:`_kq_decode` for one sub-block per row: ``bb``, ``i``, ``mask`` [R] -> q [R, 4, 8], a, b, a2 [R]."""
-    L = tl.arange(0, 4)
-    c = tl.arange(0, 8)                          # c = 2 s + e
-    sh = 16 * (c % 2) + 4 * (c // 2)
-    if KIND == 5:
-        qoff = 1312
-    elif KIND == 4:
-        qoff = 768
-    else:
-        qoff = 256
-    w = tl.load(T32 + ((bb + qoff + 256 * i) // 4 + j)[:, None] + 16 * L[None, :],
-                mask=mask[:, None], other=0)
-    q = (w[:, :, None] >> sh[None, None, :]) & 0xF
-    if KIND == 4:    # Q5_K: bit 4 of k = 8 L + 2 s + e is bit 16 e + 4 L + s of the row's word
-        hw = tl.load(T32 + (bb + 256 + 64 * i) // 4 + j, mask=mask, other=0)
-        hsh = 16 * (c % 2)[None, :] + 4 * L[:, None] + (c // 2)[None, :]
-        q = q | (((hw[:, None, None] >> hsh[None, :, :]) & 1) << 4)
-    if KIND == 5:    # Q6_K: bits 4..5 of k = 16 H + 2 u + e are bits 16 e + 2 u of word 16 H + j
-        hw = tl.load(T32 + ((bb + 288 + 128 * i) // 4 + j)[:, None] + 16 * (L // 2)[None, :],
-                     mask=mask[:, None], other=0)
-        hsh = 16 * (c % 2)[None, :] + 2 * (4 * (L % 2)[:, None] + (c // 2)[None, :])
-        q = q | (((hw[:, :, None] >> hsh[None, :, :]) & 3) << 4)
-        d = tl.load(T16 + bb // 2 + j, mask=mask, other=0.0).to(tl.float32)
-        s0 = tl.load(T8 + bb + 32 + 32 * i + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-        s1 = tl.load(T8 + bb + 48 + 32 * i + j, mask=mask, other=0).to(tl.int8, bitcast=True)
-        a = d * s0.to(tl.float32)
-        a2 = d * s1.to(tl.float32)
-        b = a * 0.0
-    else:
-        d = tl.load(T16 + bb // 2 + j, mask=mask, other=0.0).to(tl.float32)
-        dm = tl.load(T16 + bb // 2 + 16 + j, mask=mask, other=0.0).to(tl.float32)
-        i4 = i % 4
-        A = tl.load(T8 + bb + 64 + 16 * i4 + j, mask=mask, other=0).to(tl.int32)
-        B = tl.load(T8 + bb + 128 + 16 * i4 + j, mask=mask, other=0).to(tl.int32)
-        C = tl.load(T8 + bb + 192 + 16 * i4 + j, mask=mask, other=0).to(tl.int32)
-        low = i < 4
-        sc = tl.where(low, A & 63, (C & 15) | ((A >> 6) << 4))
-        mn = tl.where(low, B & 63, (C >> 4) | ((B >> 6) << 4))
-        a = d * sc.to(tl.float32)
-        b = dm * mn.to(tl.float32)
-        a2 = a
-    return q, a, b, a2
-
-
-@triton.jit
 def _as_float(q):
     """int32 quants 0..63 -> float32, by their bits (2^23 + q minus 2^23: exact, no int-to-float conversion)."""
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
@@ -153,9 +107,12 @@ def _kq_tile(acc, X, T8, T16, T32, x_rows, mmask, tile_base, tmask, sb, kb1, j, 
              R: tl.constexpr):
     """acc [BLOCK_M, R] plus sub-block ``sb``'s partial product for R weight rows; nothing when sb >= kb1."""
     valid = (j * 0 + sb) < kb1                   # as vectors: the interpreter cannot mask with a scalar condition
-    q3, a, b, a2 = _kq_decode_rows(T8, T16, T32, tile_base + (sb // 8) * TBB, j * 0 + sb % 8, j, tmask & valid,
-                                   KIND)
-    q = tl.reshape(q3, (R, 32))
+    q4, a, b, a2 = _kq_decode(T8, T16, T32, (tile_base + (sb // 8) * TBB)[:, None], (j * 0 + sb % 8)[:, None], j,
+                              (tmask & valid)[:, None], KIND)
+    q = tl.reshape(q4, (R, 32))
+    a = tl.reshape(a, (R,))
+    b = tl.reshape(b, (R,))
+    a2 = tl.reshape(a2, (R,))
     kk = sb * 32 + k
     x = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & (kk < kb1 * 32)[None, :], other=0.0)
     if DEQ:          # 32+ rows: the values rounded once to the activation dtype, accumulated by the dot
