@@ -162,12 +162,13 @@ def kquant_factors(raw: np.ndarray, name: str) -> tuple[torch.Tensor, torch.Tens
 @pytest.mark.parametrize("rows,out_features,K,split,dtype", [
     (1, 40, 512, None, torch.float32), (1, 100, 768, 4, torch.bfloat16), (1, 20, 512, 3, torch.float32),
     (3, 33, 768, 2, torch.float32), (5, 40, 512, None, torch.bfloat16), (2, 16, 256, None, torch.float16),
-    (17, 20, 256, None, torch.bfloat16), (70, 48, 512, 3, torch.float32)])
+    (17, 20, 256, None, torch.bfloat16), (70, 48, 512, 3, torch.float32), (1, 37, 2304, 5, torch.float32),
+    (5, 37, 2304, 7, torch.float32)])
 def test_kquant_kernels_match_exact_product(interpret, name, rows, out_features, K, split, dtype):
     """Q4_K / Q5_K / Q6_K (gguf_kquant_linear.py) on random bytes (every quant, high-bit and 6-bit scale pattern):
     one row (the CUDA-core kernel), 2-16 rows (exact quants in the dot, per-half dots for Q6_K), 17+ (weights
     dequantized to the activation dtype in registers), partial tiles, forced K slices that start inside a
-    super-block, float32 / bf16 / fp16 activations, against gguf-py's values in float64. Float32: the K-quant
+    super-block (odd slice lengths: an unrolled step runs past its slice's end), float32 / bf16 / fp16 activations, against gguf-py's values in float64. Float32: the K-quant
     tests' float32 bound. 16-bit: the dot sums x (128 + q) (terms up to |x| (|a| 192 + |b|)) before the factors
     are applied, then one 16-bit rounding of the output (the interpreter truncates: 2^-7 for bf16, 2^-10 fp16)."""
     from tokenfab.kernels.gpu.gguf_linear import gguf_linear
@@ -197,7 +198,8 @@ def test_kquant_kernels_match_exact_product(interpret, name, rows, out_features,
 def test_kquant_weights_run_the_triton_kernels_and_give_float32_logits(interpret, monkeypatch, name):
     """GGUFWeight.linear / linear_f32 take the Triton K-quant kernels where Triton applies (the interpreter here,
     the CPU kernels off): linear within the float32 bound, and linear_f32 of bf16 activations float32 outputs
-    from the accumulator (no bf16 rounding of the output: a tolerance without it)."""
+    from the accumulator with the exact quants at any row count (no bf16 rounding of the output or of the weights:
+    a tolerance without either)."""
     from tokenfab.kernels.gpu import gguf_linear as triton_gguf_linear
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
     raw = random_kblocks(name, 20, 512)
@@ -208,33 +210,45 @@ def test_kquant_weights_run_the_triton_kernels_and_give_float32_logits(interpret
     monkeypatch.setattr(triton_gguf_linear, "kquant_launch", lambda *a, **k: calls.append(1) or real(*a, **k))
     x = torch.randn(3, 512)
     kcheck(w.linear(x, None), x, raw, name, None)
-    xb = x.to(torch.bfloat16)
-    y = w.linear_f32(xb)
-    assert calls and y.dtype == torch.float32
-    ye, bound = kexact(xb.float(), raw, name, None)
     a, b = kquant_factors(raw, name)
-    tol = 1.01 * (3 * 512 + 64) * 2.0 ** -24 * (bound + xb.double().abs() @ (a.abs() * 192 + b.abs()).T)
-    assert ((y.double() - ye).abs() <= tol).all()
+    for rows in (3, 20):  # 20: a 32-row tile, which for a 16-bit output would dequantize the weights to bf16
+        xb = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        y = w.linear_f32(xb)
+        assert calls and y.dtype == torch.float32
+        ye, bound = kexact(xb.float(), raw, name, None)
+        tol = 1.01 * (3 * 512 + 64) * 2.0 ** -24 * (bound + xb.double().abs() @ (a.abs() * 192 + b.abs()).T)
+        assert ((y.double() - ye).abs() <= tol).all()
+        # weights rounded to bf16 (2^-9 of each |w| at worst) moved these outputs by 4e-4 to 9e-4 of S, the exact
+        # quants by under 2e-7: 2^-12 S tells them apart
+        assert ((y.double() - ye).abs() <= 2.0 ** -12 * bound).all()
 
 
 def test_gguf_kernels_compile_for_sm90_and_gfx942(interpret):
-    """Every GGUF kernel form a GPU launches for bf16 activations (one row, 2-16 rows with exact quants, 32+ rows
-    dequantizing; with and without split-K) of Q4_1 and the three K-quants, compiled by Triton's own compiler for
-    NVIDIA sm_90 and AMD gfx942 on this CPU (tokenfab/testing/target_compile.py): the interpreter accepts code the
-    compiler refuses."""
+    """Every GGUF kernel form a GPU launches (bf16 activations: one row, 2-16 rows with exact quants, 32+ rows
+    dequantizing, with and without split-K; fp16 and float32 activations on 2-16 rows) of Q4_1 and the three
+    K-quants, compiled by Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU
+    (tokenfab/testing/target_compile.py): the interpreter accepts code the compiler refuses."""
     from tokenfab.kernels.gpu.gguf_linear import gguf_linear
-    from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets, gpu_variants
+    from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets
+    forms = [(torch.bfloat16, 1, 2), (torch.bfloat16, 4, None), (torch.bfloat16, 40, None), (torch.float16, 4, None),
+             (torch.float32, 4, None)]
     with LaunchRecorder() as rec:
         for name in ("Q4_1", *KTYPES):
             K = 512
             raw = random_kblocks(name, 40, K) if name in KTYPES else quantized(name, 40, K)
             w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, K)
-            for rows, split in ((1, 2), (4, None), (40, None)):
-                gguf_linear(torch.randn(rows, K).to(torch.bfloat16), w.tiles, w.block, 40, split=split)
-    # the GPU's forms only: 16-bit launches compile with the tensor cores' dots (DOT_F32 off), not the
-    # interpreter's float32 ones
-    launches = [v for v in gpu_variants(rec.launches) if not v["constexprs"].get("DOT_F32")]
+            for dtype, rows, split in forms:
+                gguf_linear(torch.randn(rows, K).to(dtype), w.tiles, w.block, 40, split=split)
+    # a GPU runs 16-bit activations through the tensor cores' 16-bit dots: the interpreter, which has no exact bf16
+    # dot, ran those launches with DOT_F32
+    launches = []
+    for launch in rec.launches:
+        if launch["signature"].get("X") in ("*bf16", "*fp16") and launch["constexprs"].get("DOT_F32"):
+            launch = dict(launch, constexprs={**launch["constexprs"], "DOT_F32": False})
+        if launch not in launches:
+            launches.append(launch)
     assert {"_kq_gemv", "_kq_gemm", "_gguf_gemv", "_gguf_gemm", "_reduce"} <= {v["name"] for v in launches}
+    assert {v["signature"]["X"] for v in launches if v["name"] == "_kq_gemm"} == {"*bf16", "*fp16", "*fp32"}
     failures = compile_for_targets(launches)
     assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']} (constexprs {f['constexprs']})"
                                    for f in failures)
@@ -252,7 +266,7 @@ def test_kquant_model_through_the_triton_kernels(monkeypatch, tiny_model, tokeni
     from tokenfab import LLM, SamplingParams
     from tokenfab.kernels.cpu import build as cpu_build
     from tokenfab.kernels.gpu import gguf_linear as triton_gguf_linear
-    from tokenfab.testing.kernel_count import KernelCounter
+    from tokenfab.testing.kernel_count import decode_step_syncs
     ckpt = tiny_qwen(tiny_model, "qwen3")
     path = str(tmp_path / "tiny.gguf")
     ref = reference_folder(ckpt, str(tmp_path / "ref"), write_qwen_gguf(ckpt, path, "qwen3", bf16_kind="none"))
@@ -269,28 +283,10 @@ def test_kquant_model_through_the_triton_kernels(monkeypatch, tiny_model, tokeni
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(cpu_build, "load", lambda: None)  # a GPU machine has no C++ CPU kernels loaded
     llm = LLM(path, dtype="float32", tokenizer=tokenizer_dir, max_model_len=64, progress=False)
-    kc, syncs, scopes = KernelCounter(), [], []
-    model = llm.llm_engine.runner.model
-
-    def on(_mod, args):  # the first decode-only step's forward, as a CUDA graph would capture it
-        if not syncs and not scopes and args[3].prefill is None and args[3].decode is not None:
-            kc.__enter__()
-            scopes.append(kc.scope("step"))
-            scopes[0].__enter__()
-
-    def off(_mod, _args, _out):
-        if scopes and not syncs:
-            scopes[0].__exit__(None, None, None)
-            kc.__exit__(None, None, None)
-            syncs.append(list(kc.syncs))
-    hooks = [model.register_forward_pre_hook(on), model.register_forward_hook(off)]
-    try:
+    syncs = []
+    with decode_step_syncs(llm, syncs):
         out = llm.generate(prompts, sp, use_tqdm=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    assert syncs == [[]], syncs
-    assert kc.total("step") > 0  # the step was counted
+    assert len(syncs) == 1 and syncs[0]["syncs"] == [] and syncs[0]["launches"] > 0, syncs
     assert {n for n, _ in calls} == set(KTYPES) and ("Q4_K", torch.float32) in calls
     assert out[0].outputs[0].token_ids == ref_out[0].outputs[0].token_ids
     assert max_prompt_logprob_gap(ref_out, out, "Triton K-quant GGUF") < 1e-4

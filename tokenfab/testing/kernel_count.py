@@ -25,6 +25,9 @@ Usage::
         with kc.scope("layer0"):
             ...
     kc.counts["layer0"]  # Counter of names
+
+:func:`decode_step_syncs` lists the host syncs of an engine's first decode-only forward (what a CUDA graph
+captures: a sync there fails the capture on a GPU).
 """
 from __future__ import annotations
 
@@ -166,3 +169,31 @@ def _patched(obj, attr, value):
 def breakdown(c: Counter) -> str:
     """'name x n' lines, most frequent first."""
     return "\n".join(f"  {n:>3} x {name}" for name, n in c.most_common())
+
+
+@contextlib.contextmanager
+def decode_step_syncs(llm, out: list):
+    """While active, ``llm``'s first decode-only model forward (what a CUDA graph captures) is counted
+    (:class:`KernelCounter`'s rule) and ``{"syncs": [...], "launches": n}`` appended to ``out``: after a run that
+    decoded, ``out[0]["syncs"] == []`` with ``launches > 0`` means a counted step without a host read. ``llm``: a
+    :class:`tokenfab.LLM` on one process."""
+    model = llm.llm_engine.runner.model
+    kc, scopes = KernelCounter(), []
+
+    def on(_mod, args):
+        if not out and not scopes and args[3].prefill is None and args[3].decode is not None:
+            kc.__enter__()
+            scopes.append(kc.scope("step"))
+            scopes[0].__enter__()
+
+    def off(_mod, _args, _out):
+        if scopes and not out:
+            scopes[0].__exit__(None, None, None)
+            kc.__exit__(None, None, None)
+            out.append({"syncs": list(kc.syncs), "launches": kc.total("step")})
+    hooks = [model.register_forward_pre_hook(on), model.register_forward_hook(off)]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()

@@ -23,7 +23,8 @@ q << 3 under 128.0's bits; float32 activations: q itself), each row tile's 32-wi
 a once (Q6_K: one dot per half, the other half's activations zeroed) and the offset taken off with the activation
 sums (from the tensor cores too, x . ones, already in the accumulator's layout):
 sum_k x_k (a q_k - b) = a sum_k x_k (128 + q_k) - (128 a + b) sum_k x_k. Tiles of 32+ rows dequantize the
-weights in registers (float32 values rounded once to the activation dtype) and let the dot accumulate. Split-K at
+weights in registers (float32 values rounded once to the activation dtype) and let the dot accumulate, except where
+the output is float32 (logits: the exact quants at any row count, no weight rounding). Split-K at
 small M, deterministic, as the Q8_0 / Q4 kernels (kernels/gpu/split_k.py). Nothing but registers ever holds
 dequantized weights.
 
@@ -43,7 +44,6 @@ from tokenfab.kernels.gpu.support import autotune_configs, quick_bench
 KQ_KIND = {"Q4_K": 3, "Q5_K": 4, "Q6_K": 5}
 SUB = 32         # inputs per sub-block: the K loop's step
 PER_SUPER = 8    # sub-blocks per 256-input super-block
-NOMINAL_BLOCK_T = 2  # tiles per program the split-K choice assumes (autotuning may pick another)
 
 
 @triton.jit
@@ -284,7 +284,9 @@ def kquant_launch(x2: torch.Tensor, y: torch.Tensor, tiles: torch.Tensor, name: 
     block_m = _block_m(M)
     s = split
     if s is None:
-        s = split_k.choose_split(triton.cdiv(nt, NOMINAL_BLOCK_T) * triton.cdiv(M, block_m), ks, x2.device,
+        # the split assumes the first config's tiles per program (the one that runs untuned)
+        bt = (_kq_gemv if M == 1 else _kq_gemm).configs[0].kwargs["BLOCK_T"]
+        s = split_k.choose_split(triton.cdiv(nt, bt) * triton.cdiv(M, block_m), ks, x2.device,
                                  min_steps=8, max_split=split_k.max_split_for(tiles.numel(), M, N))
     steps = split_k.steps_per_split(ks, s)
     s = triton.cdiv(ks, steps)  # no empty slice
@@ -301,6 +303,7 @@ def kquant_launch(x2: torch.Tensor, y: torch.Tensor, tiles: torch.Tensor, name: 
         _kq_gemm[grid](x2, t8, t16, t32, out, b, M, N, nt, kbs, x2.stride(0), steps,
                        min(triton.next_power_of_2(M), 128), ks, s, TBB=tbb, KIND=KQ_KIND[name],
                        HAS_BIAS=bias is not None, PARTIAL=s > 1, DOT_F32=dot_f32, MAGIC=_MAGIC.get(x2.dtype, 0),
-                       DEQ=x2.dtype != torch.float32 and block_m >= 32, BLOCK_M=block_m)
+                       DEQ=x2.dtype != torch.float32 and block_m >= 32 and y.dtype != torch.float32,
+                       BLOCK_M=block_m)
     if s > 1:
         split_k.reduce_partials(out, y, bias)

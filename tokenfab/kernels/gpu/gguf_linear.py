@@ -18,7 +18,8 @@ sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k (values of gguf_blocks' mo
 Q4_0 d * (q - 8), Q4_1 d * q + m). For bf16 / fp16 activations a 4-bit quant enters the dot as 128 + q, written
 straight into the bits of 128.0 (no int-to-float conversion), and the block's sum of activations (from the tensor
 cores, x . ones) times 128 d is taken off per block; tiles of 32+ activation rows instead dequantize the weights in
-registers (float32 d q + m rounded once to the activation dtype) and let the dot accumulate. One activation row (decode at batch 1) takes a CUDA-core
+registers (float32 d q + m rounded once to the activation dtype) and let the dot accumulate, except where the output
+is float32 (logits: the exact quants at any row count). One activation row (decode at batch 1) takes a CUDA-core
 variant (``_gguf_gemv``: quants made float32 by their bits, 2^23 + q minus 2^23, times d plus m, times x, per-thread
 float32 sums reduced once after the K loop). Nothing but registers ever holds dequantized weights. Tile and block
 counts, warps and pipeline stages are autotuned per (M bucket, N, K, split, dtypes) on a GPU; the interpreter runs
@@ -44,7 +45,6 @@ _KIND = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
 # the bits of 128.0 whose low mantissa bits take a 4-bit quant q as 128 + q (bf16: 7 mantissa bits, spacing 1 at
 # 128; fp16: 10 bits, 0x5800 + 8q); float32 activations use the integers themselves (0)
 _MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x5800}
-NOMINAL_BLOCK_T = 2  # tiles per program the split-K choice assumes (autotuning may pick another)
 
 
 def _configs() -> list:
@@ -253,7 +253,9 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_feat
         block_m = _block_m(M)
         s = split
         if s is None:
-            s = split_k.choose_split(triton.cdiv(nt, NOMINAL_BLOCK_T) * triton.cdiv(M, block_m), kb, x2.device,
+            # the split assumes the first config's tiles per program (the one that runs untuned)
+            bt = (_gguf_gemv if M == 1 else _gguf_gemm).configs[0].kwargs["BLOCK_T"]
+            s = split_k.choose_split(triton.cdiv(nt, bt) * triton.cdiv(M, block_m), kb, x2.device,
                                      min_steps=8, max_split=split_k.max_split_for(tiles.numel(), M, N))
         steps = split_k.steps_per_split(kb, s)
         s = triton.cdiv(kb, steps)  # no empty slice
@@ -274,7 +276,8 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_feat
                          min(triton.next_power_of_2(M), 128), s, TBB=tbb, KIND=_KIND[block.name],
                          HAS_BIAS=bias is not None, PARTIAL=s > 1,
                          DOT_F32=x2.dtype == torch.float32 or interpreting(), MAGIC=_MAGIC.get(x2.dtype, 0),
-                         DEQ=x2.dtype != torch.float32 and block_m >= 32, BLOCK_M=block_m)
+                         DEQ=x2.dtype != torch.float32 and block_m >= 32 and y.dtype != torch.float32,
+                         BLOCK_M=block_m)
         if s > 1:
             split_k.reduce_partials(out, y, bias)
 
