@@ -150,11 +150,13 @@ def _kquant(target, base: dict) -> None:
 def _moe(target) -> None:
     """The grouped GEMM (moe_gemm._grouped_gemm) per format, layout and row-tile height, with bf16 activations."""
     mg = moe_gemm
-    ints = ["N", "K", "num_pairs", "a_row_div", "s_am", "s_we", "s_wn", "s_wk", "s_se", "s_sn", "s_cs", "s_cm",
+    # s_wk (the weights' K stride) is 1 at every launch, and Triton's launcher specializes an int argument of 1
+    # into a constant (so the loads along K vectorize): compiled that way here
+    ints = ["N", "K", "num_pairs", "a_row_div", "s_am", "s_we", "s_wn", "s_se", "s_sn", "s_cs", "s_cm",
             "PART", "m_bucket", "split_max", "magic"]
     base = {"A": "*bf16", "NSPLIT": "*i32", "SORTED": "*i32", "EXPERT_OF_BLOCK": "*i32", "NUM_POST": "*i32",
             "TOPW": "*fp32", **{a: "i32" for a in ints}}
-    kinds = [("INT4", mg.INT4_GROUP, False, "*i32", "*i16"), ("INT4 re-laid", mg.INT4_GROUP, True, "*i32", "*i16"),
+    kinds = [("bf16", mg.DENSE, False, "*bf16", "*bf16"), ("INT4", mg.INT4_GROUP, False, "*i32", "*i16"), ("INT4 re-laid", mg.INT4_GROUP, True, "*i32", "*i16"),
              ("MXFP4", mg.MXFP4, False, "*u8", "*u8"), ("MXFP4 re-laid", mg.MXFP4, True, "*i32", "*u8"),
              ("FP8", mg.FP8_BLOCK, False, "*u8", "*fp32"), ("FP8 re-laid", mg.FP8_BLOCK, True, "*i32", "*fp32")]
     for name, fmt, relaid, wt, st in kinds:
@@ -165,11 +167,11 @@ def _moe(target) -> None:
                                               RELAID=relaid) if all(c is not d for d in cfgs)]
             for cfg in cfgs:
                 split = cfg.kwargs["SPLIT_K"]
-                sig = {**base, "W": wt, "S": st, "C": "*fp32" if split > 1 else "*bf16",
+                sig = {**base, "W": wt, "S": st, "C": "*fp32" if split > 1 else "*bf16", "s_wk": "constexpr",
                        **{c: "constexpr" for c in ("MUL_WEIGHT", "FMT", "SCALE_BF16", "IEEE", "MX_SCALED", "GLU",
                                                    "BLOCK_M", "RELAID", "RELAID_SWAP", *cfg.kwargs)}}
                 sig = {a: sig[a] for a in mg._grouped_gemm.arg_names}
-                const = {"MUL_WEIGHT": split > 1, "FMT": fmt, "SCALE_BF16": fmt == mg.INT4_GROUP, "IEEE": False,
+                const = {"s_wk": 1, "MUL_WEIGHT": split > 1, "FMT": fmt, "SCALE_BF16": fmt == mg.INT4_GROUP, "IEEE": False,
                          "MX_SCALED": True, "GLU": False, "BLOCK_M": bm, "RELAID": relaid, "RELAID_SWAP": True,
                          **cfg.kwargs}
                 per = cfg.kwargs["BLOCK_N"] * cfg.kwargs["BLOCK_K"] // (32 * cfg.num_warps)
