@@ -200,12 +200,15 @@ def test_gpu_path_engine_token_exact(gpu_path_on_cpu, tiny_model, family):
 
 @pytest.mark.parametrize("variant", [dict(q_lora_rank=None, rope_interleave=False),
                                      dict(n_group=4, topk_group=1, first_k_dense_replace=2, num_hidden_layers=3,
-                                          norm_topk_prob=False, n_shared_experts=2)],
-                         ids=["q-lora-null-half-rope", "grouped-routing-two-shared"])
+                                          norm_topk_prob=False, n_shared_experts=2),
+                                     dict(n_routed_experts=12, num_experts_per_tok=4, n_group=1, topk_group=1)],
+                         ids=["q-lora-null-half-rope", "grouped-routing-two-shared", "ungrouped-12-experts"])
 def test_gpu_path_deepseek_variants_token_exact(gpu_path_on_cpu, tiny_model, variant):
     """DeepSeek-V3 variants on the GPU code path against transformers (tests/test_engine_exact.py's check): MLA's
     decode glue from q_proj (no q LoRA) with half-split RoPE; grouped routing with a bias, no renormalization and
-    two experts' width of shared MLP folded into the routed stacks as two always-chosen slots."""
+    two experts' width of shared MLP folded into the routed stacks as two always-chosen slots; ungrouped routing over
+    an expert count that is not a power of two (as Kimi K3's 896 and Kimi-K2's 384: the selection padded, the shared
+    expert still folded)."""
     from test_engine_exact import check_family, make_prompts
     from tokenfab.kernels.gpu import mla_decode_glue
     from tokenfab.layers import shared_expert_fold

@@ -20,7 +20,8 @@ mla_decode_glue            - (the decode block fuses it)     gpu/mla_decode_glue
 paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
 causal_softmax_ (prefill)  causal_softmax_                   -
 flash_prefill_attention    flash_prefill_attention (bf16)    -
-sigmoid_group_topk         sigmoid_group_topk                gpu/router.py (power-of-two shapes; with the GEMM)
+sigmoid_group_topk         sigmoid_group_topk                gpu/router.py (any ungrouped shape; with the GEMM
+                                                             for power-of-two expert counts)
 softmax_topk               -                                 gpu/router.py (Qwen3-MoE's softmax top-k)
 routed_experts             moe_experts_packed                gpu/moe.py (dense stacks)
 routed_experts_packed      -                                 gpu/packed_moe.py (INT4 / MXFP4 / FP8 stacks)
@@ -252,7 +253,8 @@ def sigmoid_group_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if not router.applies(weight.shape[0], n_group, top_k):
             return None
         if (tickets is not None and x.shape[0] <= router.FUSED_MAX_TOKENS and x.dim() == 2 and x.stride(-1) == 1
-                and weight.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+                and weight.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and router.fused_applies(weight.shape[0], n_group, top_k)):
             return router.router_topk(x, weight, bias, tickets, n_group, topk_group, top_k, norm, scale, extra)
         return router.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group,
                                          topk_group, top_k, norm, scale, extra)

@@ -11,8 +11,11 @@ inside the routed experts' grouped GEMMs (layers/shared_expert_fold.py).
 
 Selection by repeated arg-max over a tile of tokens' rows (``top_k`` and ``topk_group`` rounds, the chosen entry
 masked each round); ties go to the lower index. The ids come out in descending choice score (the reference's topk
-is unsorted: compare them as sets). Needs the expert count and the group size to be powers of two (DeepSeek-V3: 256
-in 8 groups of 32); otherwise the dispatch seam returns None and the layer's PyTorch path runs.
+is unsorted: compare them as sets). Grouped routing needs the expert count and the group size to be powers of two
+(DeepSeek-V3: 256 in 8 groups of 32); ungrouped routing takes any expert count, padded to the next power of two
+with columns that never win (Kimi-K2: 384, Kimi K3: 896), through the selection launch after the GEMM (the fused
+launch keeps power-of-two counts: its token tiles hold every expert's logit in registers). Otherwise the dispatch
+seam returns None and the layer's PyTorch path runs.
 
 Qwen3-MoE's softmax top-k: :func:`softmax_topk`.
 """
@@ -25,14 +28,17 @@ import triton.language as tl
 
 @triton.jit
 def _select_tile(logits, bias_ptr, scale, extra_base, E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                 K: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr):
-    """The selection for a tile of tokens: float32 logits [BT, E] -> (weights [BT, KOUT] float32, ids [BT, KOUT]
-    int64); columns K .. K + EXTRA - 1 are the appended always-chosen experts extra_base + j with weight 1.0, the
-    columns past K + EXTRA padding. Row by row the same arithmetic as the one-token form (ties to the lower id)."""
-    idx = tl.arange(0, E)[None, :]
-    scores = 1.0 / (1.0 + tl.exp(-logits))
-    choice = scores + tl.load(bias_ptr + idx).to(tl.float32)
+                 K: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr, EP: tl.constexpr):
+    """The selection for a tile of tokens: float32 logits [BT, EP] (EP: E padded to a power of two, G == 1 when
+    EP > E; the padding columns never win) -> (weights [BT, KOUT] float32, ids [BT, KOUT] int64); columns
+    K .. K + EXTRA - 1 are the appended always-chosen experts extra_base + j with weight 1.0, the columns past
+    K + EXTRA padding. Row by row the same arithmetic as the one-token form (ties to the lower id)."""
+    idx = tl.arange(0, EP)[None, :]
     neg = float("-inf")
+    scores = 1.0 / (1.0 + tl.exp(-logits))
+    choice = scores + tl.load(bias_ptr + idx, mask=idx < E, other=0.0).to(tl.float32)
+    if EP > E:
+        choice = tl.where(idx < E, choice, neg)
     BT: tl.constexpr = logits.shape[0]
     if G > 1:
         S: tl.constexpr = E // G
@@ -71,10 +77,11 @@ def _select_tile(logits, bias_ptr, scale, extra_base, E: tl.constexpr, G: tl.con
 @triton.jit
 def _group_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scale, extra_base,
                        E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
-                       EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr):
+                       EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr, EP: tl.constexpr):
     t = tl.program_id(0)
-    logits = tl.load(logit_ptr + t * stride_l + tl.arange(0, E)[None, :]).to(tl.float32)
-    ws, ids = _select_tile(logits, bias_ptr, scale, extra_base, E, G, TOPK_GROUP, K, EXTRA, NORM, KOUT)
+    cols = tl.arange(0, EP)[None, :]
+    logits = tl.load(logit_ptr + t * stride_l + cols, mask=cols < E, other=0.0).to(tl.float32)
+    ws, ids = _select_tile(logits, bias_ptr, scale, extra_base, E, G, TOPK_GROUP, K, EXTRA, NORM, KOUT, EP)
     kidx = tl.arange(0, KOUT)[None, :]
     kmask = kidx < K + EXTRA
     tl.store(w_ptr + t * (K + EXTRA) + kidx, ws, mask=kmask)
@@ -84,8 +91,8 @@ def _group_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scale, extr
 @triton.jit(do_not_specialize=["T"])
 def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, T, HID, s_x, s_rw, scale,
                    extra_base, E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
-                   EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr, SPLIT: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                   EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr, EP: tl.constexpr,
+                   SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (i, j): the float32 logits of token tile j for experts tile i // SPLIT over hidden range i % SPLIT,
     stored as a partial; the tile's last program to finish (a ticket per token tile) sums the partials in split
     order and runs the selection for the tile, then resets the ticket for the next launch."""
@@ -120,7 +127,7 @@ def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, 
         for s in range(SPLIT):  # in split order: the same sum whichever program came last
             logits += tl.load(part_ptr + (s * T + t.to(tl.int64))[:, None] * E + cols, mask=tmask[:, None],
                               other=0.0, volatile=True)
-        ws, ids = _select_tile(logits, bias_ptr, scale, extra_base, E, G, TOPK_GROUP, K, EXTRA, NORM, KOUT)
+        ws, ids = _select_tile(logits, bias_ptr, scale, extra_base, E, G, TOPK_GROUP, K, EXTRA, NORM, KOUT, EP)
         kidx = tl.arange(0, KOUT)[None, :]
         omask = tmask[:, None] & (kidx < K + EXTRA)
         tl.store(w_ptr + t[:, None] * (K + EXTRA) + kidx, ws, mask=omask)
@@ -133,16 +140,24 @@ def _pow2(n: int) -> bool:
 
 
 def applies(num_experts: int, n_group: int, top_k: int) -> bool:
-    """Whether the kernel takes this router's shape: power-of-two expert count, group count and top_k, and groups
-    of at least two experts when grouped (a group's score is the sum of its best two)."""
+    """Whether the selection kernel takes this router's shape: a power-of-two top_k; ungrouped, any expert count;
+    grouped, power-of-two expert and group counts with groups of at least two experts (a group's score is the sum
+    of its best two)."""
     g = max(n_group, 1)
-    return (_pow2(num_experts) and _pow2(g) and num_experts % g == 0 and (g == 1 or num_experts // g >= 2)
-            and _pow2(top_k) and top_k <= num_experts)
+    if not (_pow2(top_k) and top_k <= num_experts):
+        return False
+    return g == 1 or (_pow2(num_experts) and _pow2(g) and num_experts % g == 0 and num_experts // g >= 2)
+
+
+def fused_applies(num_experts: int, n_group: int, top_k: int) -> bool:
+    """Whether :func:`router_topk` (GEMM and selection in one launch) takes this shape: :func:`applies` with a
+    power-of-two expert count (its token tiles hold every expert's logit in registers)."""
+    return applies(num_experts, n_group, top_k) and _pow2(num_experts)
 
 
 def _meta(E: int, n_group: int, topk_group: int, top_k: int, norm: bool, extra: int) -> dict:
     return dict(E=E, G=max(n_group, 1), TOPK_GROUP=topk_group if n_group > 1 else 1, K=top_k, EXTRA=extra,
-                NORM=bool(norm), KOUT=triton.next_power_of_2(top_k + extra))
+                NORM=bool(norm), KOUT=triton.next_power_of_2(top_k + extra), EP=triton.next_power_of_2(E))
 
 
 def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int, top_k: int,
@@ -157,7 +172,7 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, n_group: int, t
     if T:
         _group_topk_kernel[(T,)](logits, bias, w, ids, logits.stride(0), float(scale), E,
                                  **_meta(E, n_group, topk_group, top_k, norm, extra),
-                                 num_warps=1 if E <= 64 else 4)
+                                 num_warps=1 if E <= 64 else 4 if E <= 512 else 8)
     return w, ids
 
 
@@ -194,7 +209,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ticke
     E = weight.shape[0]
     if (T > FUSED_MAX_TOKENS or weight.shape != (E, hidden) or weight.dtype != torch.float32 or x.stride(-1) != 1
             or weight.stride(-1) != 1 or tickets.numel() < TICKETS or tickets.dtype != torch.int32
-            or not applies(E, n_group, top_k)):
+            or not fused_applies(E, n_group, top_k)):
         raise ValueError(f"router_topk: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype} do not fit")
     w = torch.empty(T, top_k + extra, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k + extra, dtype=torch.int64, device=x.device)
