@@ -12,6 +12,9 @@ op family                  CPU kernel (C++)                  GPU kernel (Triton)
 ========================== ================================= ====================================================
 rms_norm                   rms_norm (+ residual add)         gpu/norm_activation.py (+ residual add)
 silu_and_mul               silu_and_mul                      gpu/norm_activation.py
+situ_and_mul               -                                 gpu/norm_activation.py (Kimi K3's SiTU-GLU)
+rms_norm_to, sigmoid_mul   -                                 gpu/norm_activation.py (K3's latent norm; gated MLA)
+attn_res_mix               -                                 gpu/attn_res.py (Kimi K3's attention-residual mix)
 rope                       rope                              gpu/norm_activation.py
 qk_rope_cache              - (the decode block fuses it)     gpu/rope_cache.py (q/k norm + RoPE + KV write)
 mla_rope_cache             - (the decode block fuses it)     gpu/rope_cache.py (kv norm + RoPE + latent write)
@@ -101,6 +104,51 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
         return norm_activation.silu_and_mul(gate_up)
     if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and cpu_support.available_for(gate_up):
         return cpu_norms.silu_and_mul(gate_up)
+    return None
+
+
+def attn_res_mix(prefix: torch.Tensor, blocks: list, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
+                 eps: float, cache: dict) -> torch.Tensor | None:
+    """Kimi K3's block attention-residual mix of [*blocks, prefix] (each [T, H]) by the Triton kernel on a GPU
+    (:func:`tokenfab.kernels.gpu.attn_res.attn_res_mix`), or None (the PyTorch reference runs). ``cache``: a dict
+    the caller keeps, holding the float32 norm.weight * proj.weight once computed (its first call runs before any
+    CUDA-graph capture)."""
+    if not _gpu(prefix):
+        return None
+    from tokenfab.kernels.gpu import attn_res
+    if not attn_res.applies(prefix, blocks):
+        return None
+    w = cache.get("w")
+    if w is None or w.device != prefix.device:
+        w = cache["w"] = attn_res.mix_weight(norm_weight, proj_weight)
+    return attn_res.attn_res_mix(prefix, blocks, w, eps)
+
+
+def rms_norm_to(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor | None:
+    """``RMSNorm(x).to(out_dtype)`` for x [N, hidden] of any float dtype with weight [hidden] (the normed row
+    computed as layers/norm.py does for x's dtype, then rounded once) by the Triton kernel on a GPU, or None."""
+    if _gpu(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] == weight.shape[0]:
+        from tokenfab.kernels.gpu import norm_activation
+        return norm_activation.rms_norm(x, weight, eps, out_dtype=out_dtype)
+    return None
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
+    """x * sigmoid(gate) (each rounded as the eager ops round) for 2-D x, gate of one dtype and shape by the Triton
+    kernel on a GPU, or None."""
+    if (_gpu(x) and x.dim() == 2 and x.shape == gate.shape and x.dtype == gate.dtype and x.stride(-1) == 1
+            and gate.stride(-1) == 1):
+        from tokenfab.kernels.gpu import norm_activation
+        return norm_activation.sigmoid_mul(x, gate)
+    return None
+
+
+def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor | None:
+    """Kimi K3's SiTU-GLU for gate_up [N, 2I] ([gate | up], contiguous last dim) by the Triton kernel on a GPU
+    (:func:`tokenfab.kernels.gpu.norm_activation.situ_and_mul`), or None (the PyTorch reference runs)."""
+    if _gpu(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        from tokenfab.kernels.gpu import norm_activation
+        return norm_activation.situ_and_mul(gate_up, beta, linear_beta)
     return None
 
 

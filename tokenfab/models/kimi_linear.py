@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from tokenfab.errors import WeightLoadError
+from tokenfab.kernels import dispatch
 from tokenfab.layers.attention_metadata import AttentionMetadata
 from tokenfab.layers.kda import KimiDeltaAttention
 from tokenfab.layers.linear import Linear
@@ -76,8 +77,13 @@ def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> t
     """SiTU-GLU on [..., 2I] laid out [gate | up] -> [..., I], computed in float32, cast back.
 
     beta * tanh(gate / beta) * sigmoid(gate) * (linear_beta * tanh(up / linear_beta) if linear_beta else up).
-    Source: Moonshot's ``SituAndMul`` (Kimi K3 modeling), as transcribed in sglang / vLLM / ATOM ports.
+    Source: Moonshot's ``SituAndMul`` (Kimi K3 modeling), as transcribed in sglang / vLLM / ATOM ports. On a GPU one
+    Triton launch (``dispatch.situ_and_mul``) instead of about ten.
     """
+    if gate_up.dim() == 2:
+        out = dispatch.situ_and_mul(gate_up, beta, linear_beta)
+        if out is not None:
+            return out
     dtype = gate_up.dtype
     gate, up = gate_up.float().chunk(2, dim=-1)
     a = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
@@ -94,9 +100,20 @@ class SituMLP(nn.Module):
         self.gate_proj, self.up_proj = Linear(hidden, intermediate), Linear(hidden, intermediate)
         self.down_proj = Linear(intermediate, hidden)
         self.beta, self.linear_beta = beta, linear_beta
+        self.gate_up: Linear | None = None
+
+    def fuse(self) -> None:
+        """After loading: one [2I, hidden] gate|up projection (one GEMM instead of two and the concatenation), as
+        GatedMLP."""
+        if self.gate_up is None:
+            self.gate_up = Linear.concat([self.gate_proj, self.up_proj])
+        self.down_proj.fuse()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        if self.gate_up is not None:
+            gu = self.gate_up(x)
+        else:
+            gu = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
         return self.down_proj(situ_glu(gu, self.beta, self.linear_beta))
 
 
@@ -204,8 +221,10 @@ class KimiMoE(nn.Module):
                 if self.tp.rank != 0:
                     y = x.new_zeros(x.shape)
             if self.tp is None or self.tp.rank == 0:
-                if self.routed_expert_norm is not None:
-                    y = self.routed_expert_norm(y)  # on the float32 latent sum (weight cast up by the promotion)
+                if self.routed_expert_norm is not None:  # on the float32 latent sum (weight cast up), then x's dtype
+                    n = self.routed_expert_norm
+                    fused = dispatch.rms_norm_to(y, n.weight, n.eps, x.dtype)
+                    y = fused if fused is not None else n(y)
                 y = self.routed_expert_up_proj(y.to(x.dtype))
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
@@ -213,13 +232,17 @@ class KimiMoE(nn.Module):
 
 
 class _GatedOutProj(Linear):
-    """o_proj of gated MLA: multiplies its input by the gate the attention set just before (then clears it)."""
+    """o_proj of gated MLA: multiplies its input by sigmoid of the gate logits the attention set just before (then
+    clears them): ``x * torch.sigmoid(g)``, one launch on a GPU (``dispatch.sigmoid_mul``)."""
 
     gate: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, self.gate = self.gate, None
-        return super().forward(x if g is None else x * g)
+        if g is not None:
+            fused = dispatch.sigmoid_mul(x, g) if x.shape == g.shape else None
+            x = fused if fused is not None else x * torch.sigmoid(g)
+        return super().forward(x)
 
 
 class GatedMLAttention(MLAttention):
@@ -231,7 +254,7 @@ class GatedMLAttention(MLAttention):
         self.o_proj = _GatedOutProj(self.num_heads * self.v_dim, cfg.hidden_size, cfg.attention_bias)
 
     def forward(self, positions, x, cache, meta):
-        self.o_proj.gate = torch.sigmoid(self.g_proj(x))
+        self.o_proj.gate = self.g_proj(x)  # the logits: o_proj applies the sigmoid with the product
         return super().forward(positions, x, cache, meta)
 
 
@@ -244,8 +267,14 @@ def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: Linear,
 
     Returns:
         [T, H] in prefix's dtype: sum_n p_n V_n, p = softmax_n(sum_d (V_n / rms(V_n))[d] * norm.w[d] * proj.w[d]),
-        V = [blocks..., prefix], everything in float32.
+        V = [blocks..., prefix], everything in float32. On a GPU one Triton launch (``dispatch.attn_res_mix``; the
+        folded weight cached on ``proj``).
     """
+    if not hasattr(proj, "mix_cache"):
+        proj.mix_cache = {}
+    out = dispatch.attn_res_mix(prefix, blocks, norm.weight, proj.weight, norm.eps, proj.mix_cache)
+    if out is not None:
+        return out
     v = torch.stack([*blocks, prefix], dim=1).float()  # [T, N, H]
     k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps)
     w = norm.weight.float() * proj.weight.reshape(-1).float()

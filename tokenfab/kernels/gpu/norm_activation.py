@@ -1,5 +1,6 @@
 """Triton kernels for the elementwise glue between the GEMMs on GPUs: RMSNorm with the residual add fused in
-(vLLM's ``fused_add_rms_norm``, out of place), KDA's gated RMSNorm, SiLU-GLU and RoPE (both layouts). Each replaces a chain of eager PyTorch ops (a norm alone
+(vLLM's ``fused_add_rms_norm``, out of place), KDA's gated RMSNorm, SiLU-GLU, Kimi K3's SiTU-GLU and RoPE (both
+layouts). Each replaces a chain of eager PyTorch ops (a norm alone
 is a mean, an rsqrt and three multiplies; with its residual add, a separate add pass), one read and one write of
 the activations instead of several.
 
@@ -7,7 +8,8 @@ They round as the PyTorch reference paths they replace (layers/norm.py, layers/a
 in x's dtype (RoPE: each product and the sum or difference rounded, cos / sin rounded first):
 RMSNorm: h = x (+ residual, rounded to x's dtype), y = w * round(h * rsqrt(mean(h^2) + eps)) with float32
 statistics; gated RMSNorm: round(w * x * rsqrt(mean(x^2) + eps) * sigmoid(gate)), all float32 (as
-layers/kda.py's GatedRMSNorm); SiLU-GLU: round(round(silu(gate)) * up). Checked against those paths in Triton's interpreter on CPU
+layers/kda.py's GatedRMSNorm); SiLU-GLU: round(round(silu(gate)) * up); SiTU-GLU all float32, rounded once
+(models/kimi_linear.py ``situ_glu``). Checked against those paths in Triton's interpreter on CPU
 (tests/test_triton_norm_activation.py); GPU timings come from ``benchmarks/gpu_check.sh``.
 """
 from __future__ import annotations
@@ -39,17 +41,19 @@ def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, n_cols, eps, stride_x, s
         r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # the sum in x's dtype, as residual + x rounds
         tl.store(h_ptr + row * stride_h + cols, x, mask=mask)
-    tl.store(y_ptr + row * stride_y + cols, rms_row(x, w_ptr, cols, mask, n_cols, eps, x.dtype).to(x.dtype),
-             mask=mask)
+    tl.store(y_ptr + row * stride_y + cols,
+             rms_row(x, w_ptr, cols, mask, n_cols, eps, x.dtype).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm of x [N, hidden] (unit stride along hidden; weight [hidden] of x's dtype). With ``residual``
-    [N, hidden]: returns (norm(x + residual), x + residual), the sum rounded to x's dtype first. Outputs are new
-    [N, hidden] tensors of x's dtype. One program per row (hidden up to 65,536)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [N, hidden] (unit stride along hidden; weight [hidden], x's dtype unless ``out_dtype``). With
+    ``residual`` [N, hidden]: returns (norm(x + residual), x + residual), the sum rounded to x's dtype first.
+    Outputs are new [N, hidden] tensors of x's dtype; ``out_dtype`` (no residual): the normed row w * h computed in
+    float32 and rounded once to it (Kimi K3's latent norm of its float32 expert sum, then cast for the
+    up-projection: ``RMSNorm(y).to(dtype)`` in one pass). One program per row (hidden up to 65,536)."""
     n, hidden = x.shape
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out_dtype is None else torch.empty(n, hidden, dtype=out_dtype, device=x.device)
     h = torch.empty_like(x) if residual is not None else y
     r = residual if residual is not None else x
     block = triton.next_power_of_2(hidden)
@@ -116,6 +120,70 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if n and inter:
         _silu_and_mul_kernel[(n, triton.cdiv(inter, block))](gate_up, y, inter, gate_up.stride(0), y.stride(0),
                                                                BLOCK=block, num_warps=4)
+    return y
+
+
+@triton.jit
+def _sigmoid_mul_kernel(x_ptr, g_ptr, y_ptr, n_cols, stride_x, stride_g, stride_y, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    g = tl.load(g_ptr + row * stride_g + cols, mask=mask, other=0.0)
+    s = (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(g.dtype).to(tl.float32)  # sigmoid rounded, as torch stores it
+    tl.store(y_ptr + row * stride_y + cols, (x.to(tl.float32) * s).to(x.dtype), mask=mask)
+
+
+def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) for x, gate [N, C] (unit stride along C, one dtype) -> new [N, C]: the sigmoid rounded to
+    the dtype, then the product rounded (as ``x * torch.sigmoid(gate)``), in one launch (K3's gated MLA output)."""
+    n, c = x.shape
+    y = torch.empty_like(x)
+    block = 1024
+    if n and c:
+        _sigmoid_mul_kernel[(n, triton.cdiv(c, block))](x, gate, y, c, x.stride(0), gate.stride(0), y.stride(0),
+                                                        BLOCK=block, num_warps=4)
+    return y
+
+
+@triton.jit
+def _tanh(x):
+    """tanh in float32 from exp (no libdevice call, the same on CUDA, ROCm and the interpreter): sign(x) (1 - e) /
+    (1 + e) with e = exp(-2 |x|)."""
+    e = tl.exp(-2.0 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _situ_and_mul_kernel(gu_ptr, y_ptr, n_cols, stride_gu, stride_y, beta, linear_beta, LINEAR: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
+    u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    gf = g.to(tl.float32)
+    a = beta * _tanh(gf / beta) * (1.0 / (1.0 + tl.exp(-gf)))
+    if LINEAR:
+        u = linear_beta * _tanh(u / linear_beta)
+    tl.store(y_ptr + row * stride_y + cols, (a * u).to(g.dtype), mask=mask)
+
+
+def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+    """Kimi K3's SiTU-GLU in one launch: beta tanh(gate / beta) sigmoid(gate) * (linear_beta tanh(up / linear_beta)
+    if linear_beta else up), all in float32, rounded once, for gate_up [N, 2I] laid out [gate | up] (unit stride
+    along the last dim) -> new [N, I] of gate_up's dtype (models/kimi_linear.py ``situ_glu``, Moonshot's
+    ``SituAndMul``)."""
+    n, two_i = gate_up.shape
+    inter = two_i // 2
+    y = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    if n and inter:
+        _situ_and_mul_kernel[(n, triton.cdiv(inter, block))](
+            gate_up, y, inter, gate_up.stride(0), y.stride(0), float(beta),
+            float(linear_beta) if linear_beta is not None else 1.0, LINEAR=linear_beta is not None, BLOCK=block,
+            num_warps=4)
     return y
 
 

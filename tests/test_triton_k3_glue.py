@@ -1,0 +1,176 @@
+"""Kimi K3's decode glue as Triton kernels, in Triton's interpreter on CPU: the attention-residual mix
+(kernels/gpu/attn_res.py), SiTU-GLU, the gated MLA output x * sigmoid(g) and the latent norm of the float32 expert
+sum cast once (kernels/gpu/norm_activation.py), each against its formula or the PyTorch path it replaces
+(models/kimi_linear.py, layers/norm.py) over odd widths, float32 and bf16; and a tiny K3 on the GPU code path
+against the same model on the PyTorch paths, with its per-layer launch count.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenfab.kernels.gpu import support as triton_support
+
+pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
+
+
+def reference_mix(prefix, blocks, norm_w, proj_w, eps):
+    """The float64 form of models/kimi_linear.py's attn_res_mix (an independent evaluation of the same formula)."""
+    v = torch.stack([*blocks, prefix], dim=1).double()
+    k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    p = (k * (norm_w.double() * proj_w.reshape(-1).double())).sum(-1).softmax(-1)
+    return (p.unsqueeze(-1) * v).sum(1)
+
+
+@pytest.mark.parametrize("n_blocks,H,T", [(0, 96, 3), (1, 100, 2), (3, 257, 5), (8, 64, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attn_res_mix_kernel_matches_the_formula(interpret, n_blocks, H, T, dtype):
+    """The kernel's mix against the float64 formula: float32 within a few float32 roundings of the output's scale;
+    bf16 within one bf16 step more (the interpreter truncates to bf16; a GPU rounds to nearest, half that). Blocks of very different scales so the softmax weights are far from
+    uniform (a dropped source or a swapped weight moves the result by O(1))."""
+    from tokenfab.kernels.gpu import attn_res
+    g = torch.Generator().manual_seed(n_blocks * 100 + H)
+    blocks = [(torch.randn(T, H, generator=g) * (1 + 3 * i)).to(dtype) for i in range(n_blocks)]
+    prefix = torch.randn(T, H, generator=g).to(dtype)
+    norm_w, proj_w = torch.rand(H, generator=g) + 0.5, torch.randn(1, H, generator=g) * 0.3
+    got = attn_res.attn_res_mix(prefix, blocks, attn_res.mix_weight(norm_w, proj_w), 1e-6)
+    want = reference_mix(prefix, blocks, norm_w, proj_w, 1e-6)
+    assert got.dtype == dtype and got.shape == (T, H)
+    scale = max(b.abs().max() for b in [prefix, *blocks]).double()
+    tol = 64 * 2.0 ** -24 * scale + (2.0 ** -7 * want.abs() if dtype == torch.bfloat16 else 0)
+    assert ((got.double() - want).abs() <= tol).all(), (got.double() - want).abs().max()
+
+
+def test_attn_res_mix_takes_the_kernel_on_the_gpu_path(interpret, monkeypatch):
+    """models/kimi_linear.attn_res_mix runs the kernel where the GPU path applies (its result equals the kernel's)
+    and its PyTorch form elsewhere; both agree to float32 rounding; past MAX_BLOCKS the reference runs."""
+    from tokenfab.kernels.gpu import attn_res
+    from tokenfab.layers.linear import Linear
+    from tokenfab.layers.norm import RMSNorm
+    from tokenfab.models import kimi_linear
+    H = 48
+    g = torch.Generator().manual_seed(3)
+    proj, norm = Linear(H, 1), RMSNorm(H, eps=1e-6)
+    proj.weight.data = torch.randn(1, H, generator=g)
+    norm.weight.data = torch.rand(H, generator=g) + 0.5
+    blocks = [torch.randn(2, H, generator=g) for _ in range(3)]
+    prefix = torch.randn(2, H, generator=g)
+    calls = []
+    real = attn_res.attn_res_mix
+    monkeypatch.setattr(attn_res, "attn_res_mix", lambda *a, **k: calls.append(1) or real(*a, **k))
+    eager = kimi_linear.attn_res_mix(prefix, blocks, proj, norm)
+    assert not calls
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    fused = kimi_linear.attn_res_mix(prefix, blocks, proj, norm)
+    assert calls and torch.allclose(fused, eager, rtol=1e-5, atol=1e-6)
+    many = [torch.randn(2, H, generator=g) for _ in range(attn_res.MAX_BLOCKS + 1)]
+    n = len(calls)
+    kimi_linear.attn_res_mix(prefix, many, proj, norm)
+    assert len(calls) == n
+
+
+@pytest.mark.parametrize("linear_beta", [None, 2.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_situ_and_mul_kernel_matches_situ_glu(interpret, linear_beta, dtype):
+    """SiTU-GLU in one launch against the float64 formula (beta tanh(g / beta) sigmoid(g) * (lb tanh(u / lb) or
+    u)): float32 within a few roundings, bf16 within one bf16 step of the output (the interpreter truncates); gates
+    wide enough that tanh saturates and sigmoid spans (0, 1)."""
+    from tokenfab.kernels.gpu.norm_activation import situ_and_mul
+    g = torch.Generator().manual_seed(7)
+    gu = (torch.randn(5, 2 * 1100, generator=g) * 4).to(dtype)
+    got = situ_and_mul(gu, 1.5, linear_beta)
+    gate, up = gu.double().chunk(2, dim=-1)
+    up = linear_beta * torch.tanh(up / linear_beta) if linear_beta else up
+    want = 1.5 * torch.tanh(gate / 1.5) * torch.sigmoid(gate) * up
+    assert got.dtype == dtype and got.shape == (5, 1100)
+    tol = 16 * 2.0 ** -24 * want.abs() + 1e-6 + (2.0 ** -7 * want.abs() if dtype == torch.bfloat16 else 0)
+    assert ((got.double() - want).abs() <= tol).all(), (got.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_mul_kernel_matches_the_eager_ops(interpret, dtype):
+    """x * sigmoid(g) in one launch against ``x * torch.sigmoid(g)``: float32 to a few roundings; bf16 within one
+    bf16 step per rounding (the sigmoid's and the product's; the interpreter truncates)."""
+    from tokenfab.kernels.gpu.norm_activation import sigmoid_mul
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 1500, generator=g).to(dtype)
+    gate = (torch.randn(3, 1500, generator=g) * 4).to(dtype)
+    got = sigmoid_mul(x, gate)
+    want = x.double() * torch.sigmoid(gate.double())
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 8 * 2.0 ** -24 * want.abs() + (2 * 2.0 ** -7 * want.abs() if dtype == torch.bfloat16 else 0)
+    assert ((got.double() - want).abs() <= tol + 1e-30).all(), (got.double() - want).abs().max()
+
+
+def test_rms_norm_to_matches_norm_then_cast(interpret):
+    """K3's latent norm: RMSNorm of the float32 expert sum with the bf16 weight, then the cast to bf16, in one
+    launch: within one bf16 step of the float64 formula (the interpreter truncates), and the output bf16."""
+    from tokenfab.kernels.gpu.norm_activation import rms_norm
+    g = torch.Generator().manual_seed(12)
+    y = torch.randn(4, 300, generator=g) * 3
+    w = (torch.rand(300, generator=g) + 0.5).to(torch.bfloat16)
+    got = rms_norm(y, w, 1e-6, out_dtype=torch.bfloat16)
+    yd = y.double()
+    want = w.double() * yd * torch.rsqrt(yd.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert got.dtype == torch.bfloat16 and got.shape == y.shape
+    assert ((got.double() - want).abs() <= 2.0 ** -7 * want.abs() + 1e-6).all()
+
+
+# a tiny K3's decode layers on the GPU code path, counted as tests/test_gpu_kernel_count.py counts: layer 0 KDA +
+# dense SiTU MLP, layer 1 gated MLA + latent MoE, layers 2-3 KDA + latent MoE (test_kimi_k3.py's TEXT). Were 39 /
+# 85 / 80 / 81 before the attention-residual mix, SiTU-GLU, gated output and latent norm kernels (2026-12-07)
+K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 13, 28, 25
+
+
+def test_k3_on_the_gpu_path_matches_the_pytorch_paths(tmp_path, tokenizer_dir, monkeypatch):
+    """A tiny K3 (KDA, gated NoPE MLA, attention residuals, latent MoE with SiTU experts) in float32 on the GPU code
+    path (every Triton kernel interpreted, no C++ kernels) against the same checkpoint on the PyTorch paths: the
+    same greedy tokens, prompt logprobs within 1e-4; and each decode layer within its launch count."""
+    from conftest import max_prompt_logprob_gap
+    from test_gpu_kernel_count import count_decode_layers, report
+    from test_kimi_k3 import TEXT, k3_tensors, write_k3
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.kernels.cpu import build as cpu_build
+    stored, _ = k3_tensors(TEXT)
+    path = write_k3(str(tmp_path / "k3"), tokenizer_dir, tensors=stored)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 200, 7, 9, 11, 40], [9, 4, 300])]
+    sp = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=4, prompt_logprobs=0)
+    ref = LLM(path, dtype="float32", device="cpu", max_model_len=64, progress=False).generate(prompts, sp,
+                                                                                              use_tqdm=False)
+    for k, v in (("TRITON_INTERPRET", "1"), ("TOKENFAB_TRITON", "interpret-gpu-path"), ("TOKENFAB_CPU_KERNELS", "0"),
+                 ("TOKENFAB_CPU_LINEAR", "torch")):
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(cpu_build, "load", lambda: None)
+    out = LLM(path, dtype="float32", device="cpu", max_model_len=64, progress=False).generate(prompts, sp,
+                                                                                              use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert max_prompt_logprob_gap(ref, out, "K3 GPU path") < 1e-4
+    totals, kc = count_decode_layers(path)
+    counts = kc.counts
+    assert all(counts[f"layer{i}"]["triton:_attn_res_mix_kernel"] >= 1 for i in range(4)), report(kc)
+    assert counts["layer1"]["triton:_sigmoid_mul_kernel"] == 1, report(kc)
+    assert (totals["layer0"] <= K3_DENSE_MAX and totals["layer1"] <= K3_MLA_MOE_MAX
+            and max(totals["layer2"], totals["layer3"]) <= K3_KDA_MOE_MAX), f"{totals}\n{report(kc)}"
+
+
+def test_k3_glue_kernels_compile_for_sm90_and_gfx942(interpret):
+    """The four kernels' GPU forms (bf16 and float32 rows; the mix with 0, 3 and 8 blocks at K3's width) compiled by
+    Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU (tokenfab/testing/target_compile.py)."""
+    from tokenfab.kernels.gpu import attn_res
+    from tokenfab.kernels.gpu.norm_activation import rms_norm, sigmoid_mul, situ_and_mul
+    from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets
+    H = 7168
+    with LaunchRecorder() as rec:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(1, H).to(dtype)
+            w = attn_res.mix_weight(torch.ones(H), torch.ones(1, H))
+            for n in (0, 3, 8):
+                attn_res.attn_res_mix(x, [x.clone() for _ in range(n)], w, 1e-6)
+            situ_and_mul(torch.randn(1, 64).to(dtype), 1.5, 2.0)
+            situ_and_mul(torch.randn(1, 64).to(dtype), 1.5, None)
+            sigmoid_mul(x[:, :64], x[:, 64:128].contiguous())
+        rms_norm(torch.randn(1, 3584), torch.ones(3584).to(torch.bfloat16), 1e-6, out_dtype=torch.bfloat16)
+    names = {v["name"] for v in rec.launches}
+    assert {"_attn_res_mix_kernel", "_situ_and_mul_kernel", "_sigmoid_mul_kernel", "_rms_norm_kernel"} <= names
+    failures = compile_for_targets(rec.launches)
+    assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']}" for f in failures)

@@ -1,0 +1,100 @@
+"""Kimi K3's block attention-residual mix in one Triton launch (CUDA/ROCm), replacing the dozen eager ops of
+models/kimi_linear.py ``attn_res_mix`` (stack, cast, square, mean, rsqrt, two multiplies, sum, softmax, matmul, cast)
+that run twice in every K3 decoder layer.
+
+Per token (one program): the sources V = [blocks..., prefix] (up to :data:`MAX_BLOCKS` completed block sums, read
+where they are: no stacked copy), each source's logit sum_d (V_n / rms(V_n))[d] * w[d] with w = norm.weight *
+proj.weight (float32, :func:`mix_weight`), the softmax over the sources, and sum_n p_n V_n, all in float32 with one
+rounding to the prefix's dtype (arXiv:2603.15031, Moonshot's ``_apply_attn_res``). The sources are read twice (the
+logits, then the sum): 2 (N + 1) H elements per token, against the reference's stack, casts and separate passes.
+
+Reference and fallback: ``attn_res_mix`` (tests/test_triton_attn_res.py runs both in Triton's interpreter).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCKS = 8  # completed blocks one launch reads (K3: 93 layers in blocks of 12 make at most 8)
+
+
+@triton.jit
+def _source(n: tl.constexpr, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N: tl.constexpr):
+    """Base pointer of source n: block n for n < N, the prefix for n == N."""
+    if n == N:
+        return p_ptr
+    elif n == 0:
+        return b0
+    elif n == 1:
+        return b1
+    elif n == 2:
+        return b2
+    elif n == 3:
+        return b3
+    elif n == 4:
+        return b4
+    elif n == 5:
+        return b5
+    elif n == 6:
+        return b6
+    else:
+        return b7
+
+
+@triton.jit
+def _attn_res_mix_kernel(p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, w_ptr, y_ptr, H, stride_t, eps,
+                         N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    src = tl.arange(0, NP)
+    logits = tl.full([NP], float("-inf"), tl.float32)
+    for n in tl.static_range(N + 1):
+        x = tl.load(_source(n, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N) + t * stride_t + cols, mask=mask,
+                    other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+        logits = tl.where(src == n, tl.sum(x * r * w, axis=0), logits)
+    e = tl.exp(logits - tl.max(logits, axis=0))
+    p = e / tl.sum(e, axis=0)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for n in tl.static_range(N + 1):
+        x = tl.load(_source(n, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N) + t * stride_t + cols, mask=mask,
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(tl.where(src == n, p, 0.0), axis=0) * x
+    tl.store(y_ptr + t * stride_t + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def mix_weight(norm_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Tensor:
+    """w = norm.weight * proj.weight as float32 [H] (the pseudo-query folded into the norm's weight)."""
+    return (norm_weight.float() * proj_weight.reshape(-1).float()).contiguous()
+
+
+def applies(prefix: torch.Tensor, blocks: list[torch.Tensor]) -> bool:
+    """Whether :func:`attn_res_mix` takes these sources: 2-D [T, H] tensors of one dtype and shape, contiguous, at
+    most MAX_BLOCKS blocks."""
+    return (prefix.dim() == 2 and prefix.is_contiguous() and len(blocks) <= MAX_BLOCKS
+            and all(b.shape == prefix.shape and b.dtype == prefix.dtype and b.is_contiguous() for b in blocks))
+
+
+def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+    """sum_n p_n V_n over V = [blocks..., prefix], p = softmax_n(sum_d (V_n / rms(V_n))[d] w[d]), float32 inside.
+
+    Args:
+        prefix: [T, H] (any float dtype, contiguous); blocks: completed block sums, each like prefix (call where
+            :func:`applies`).
+        w: float32 [H], :func:`mix_weight`; eps: the norm's epsilon.
+
+    Returns:
+        [T, H] in prefix's dtype, rounded once.
+    """
+    T, H = prefix.shape
+    y = torch.empty_like(prefix)
+    if T and H:
+        ptrs = list(blocks) + [prefix] * (MAX_BLOCKS - len(blocks))
+        block = triton.next_power_of_2(H)
+        _attn_res_mix_kernel[(T,)](prefix, *ptrs, w, y, H, prefix.stride(0), float(eps), N=len(blocks),
+                                   NP=triton.next_power_of_2(len(blocks) + 1), BLOCK=block,
+                                   num_warps=max(1, min(8, block // 512)))
+    return y
