@@ -35,5 +35,5 @@ timeout 250 $PY benchmarks/serve_check.py --model "$SHAPES/dsv3" --label dsv3-fp
   --server-args "$DEV --load-format dummy" || echo "serve_check dsv3 FAILED rc=$?" | tee -a "$FAILED"
 echo "## GPU serve check"
 for f in "$OUT"/*-k3-serve-check.md "$OUT"/*-dsv3-fp8-serve-check.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
-[ -s "$FAILED" ] && { echo; echo "Failed steps:"; cat "$FAILED"; }
+[ -s "$FAILED" ] && { echo; echo "Failed steps:"; cat "$FAILED"; exit 1; }
 exit 0

@@ -118,7 +118,7 @@ def summary_lines(results: dict[str, dict], expect: list[str] | None = None, fai
     for label in order:
         r = results.get(label)
         if r is None:
-            lines.append(f"| {label} | — | no result (step failed or timed out: see its log) | | | | | |")
+            lines.append(f"| {label} | — | no result (step failed or timed out: see the check's log) | | | | | |")
             continue
         rows = case_rows(label, r)
         if not rows:

@@ -180,8 +180,8 @@ def _build(build_dir: str):
         if fresh and cxx_path is None:
             return None, f"no C++ compiler: '{cxx}' not found (install g++ or set CXX)"
         if fresh:
-            print("[tokenfab] building the fused CPU kernels (once per machine: about 2 minutes on a quiet "
-                  "2-core machine, longer when the cores are busy) ...", file=sys.stderr, flush=True)
+            print("[tokenfab] building the fused CPU kernels (once per checkout and torch version: about 2 minutes "
+                  "on a quiet 2-core machine, longer when the cores are busy) ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         torch_log = logging.getLogger("torch.utils.cpp_extension")
         level = torch_log.level
