@@ -77,7 +77,7 @@ class LLMEngine:
         from tokenfab.kernels.cpu import build as cpu_build
         host_experts = (getattr(config, "host_experts", None) is not None
                         or getattr(config, "num_device_experts", None) is not None)
-        if cpu_build.wanted(self.device, host_experts):  # build (once per machine) or load the fused CPU kernels
+        if cpu_build.wanted(self.device, host_experts):  # build (once per checkout) or load the fused CPU kernels
             cpu_build.load()  # now, not mid-request; a GPU engine without host experts never does
         self.max_model_len = config.max_model_len
         bs = config.block_size
