@@ -257,8 +257,9 @@ def _kq_gemv(X, T8, T16, T32, OUT, BIAS, N, NT, KB, STEPS, KS, SPLIT, TBB: tl.co
     store_row(OUT, BIAS, y, ps, n, N, nmask, PARTIAL, HAS_BIAS)
 
 
-def _block_m(M: int) -> int:
-    """Activation rows per tile: 16 (the smallest tensor-core tile) up to 16 rows, 32 up to 32, else 64."""
+def block_m_for(M: int) -> int:
+    """Activation rows per tile of the GGUF kernels: 16 (the smallest tensor-core tile) up to 16 rows, 32 up to 32,
+    else 64."""
     return 16 if M <= 16 else 32 if M <= 32 else 64
 
 
@@ -281,15 +282,10 @@ def kquant_launch(x2: torch.Tensor, y: torch.Tensor, tiles: torch.Tensor, name: 
     ks = kbs * PER_SUPER
     t8 = tiles.reshape(-1)
     t16, t32 = t8.view(torch.float16), t8.view(torch.int32)
-    block_m = _block_m(M)
-    s = split
-    if s is None:
-        # the split assumes the first config's tiles per program (the one that runs untuned)
-        bt = (_kq_gemv if M == 1 else _kq_gemm).configs[0].kwargs["BLOCK_T"]
-        s = split_k.choose_split(triton.cdiv(nt, bt) * triton.cdiv(M, block_m), ks, x2.device,
-                                 min_steps=8, max_split=split_k.max_split_for(tiles.numel(), M, N))
-    steps = split_k.steps_per_split(ks, s)
-    s = triton.cdiv(ks, steps)  # no empty slice
+    block_m = block_m_for(M)
+    # the split assumes the first config's tiles per program (the one that runs untuned)
+    bt = (_kq_gemv if M == 1 else _kq_gemm).configs[0].kwargs["BLOCK_T"]
+    s, steps = split_k.plan(split, triton.cdiv(nt, bt) * triton.cdiv(M, block_m), ks, x2.device, tiles.numel(), M, N)
     out = split_k.partial_buffer(s, M, N, x2.device) if s > 1 else y
     b = bias if bias is not None else y
     if M == 1:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from tokenfab.kernels.gpu import split_k
-from tokenfab.kernels.gpu.gguf_kquant_linear import KQ_KIND, kquant_launch
+from tokenfab.kernels.gpu.gguf_kquant_linear import KQ_KIND, block_m_for, kquant_launch
 from tokenfab.kernels.gpu.split_k import store_row, store_tile
 from tokenfab.kernels.gpu.support import autotune_configs, interpreting, launch_linear, quick_bench
 from tokenfab.quant import gguf_blocks
@@ -211,11 +211,6 @@ def _gguf_gemv(X, T32, T16, OUT, BIAS, N, NT, KB, STEPS, SPLIT, TBB: tl.constexp
     store_row(OUT, BIAS, y, ps, n, N, nmask, PARTIAL, HAS_BIAS)
 
 
-def _block_m(M: int) -> int:
-    """Activation rows per tile: 16 (the smallest tensor-core tile) up to 16 rows, 32 up to 32, else 64."""
-    return 16 if M <= 16 else 32 if M <= 32 else 64
-
-
 def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_features: int,
                 bias: torch.Tensor | None = None, split: int | None = None,
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -250,15 +245,11 @@ def gguf_linear(x: torch.Tensor, tiles: torch.Tensor, block: BlockType, out_feat
 
     def launch(x2: torch.Tensor, y: torch.Tensor, _block_m_default: int) -> None:
         M = x2.shape[0]
-        block_m = _block_m(M)
-        s = split
-        if s is None:
-            # the split assumes the first config's tiles per program (the one that runs untuned)
-            bt = (_gguf_gemv if M == 1 else _gguf_gemm).configs[0].kwargs["BLOCK_T"]
-            s = split_k.choose_split(triton.cdiv(nt, bt) * triton.cdiv(M, block_m), kb, x2.device,
-                                     min_steps=8, max_split=split_k.max_split_for(tiles.numel(), M, N))
-        steps = split_k.steps_per_split(kb, s)
-        s = triton.cdiv(kb, steps)  # no empty slice
+        block_m = block_m_for(M)
+        # the split assumes the first config's tiles per program (the one that runs untuned)
+        bt = (_gguf_gemv if M == 1 else _gguf_gemm).configs[0].kwargs["BLOCK_T"]
+        s, steps = split_k.plan(split, triton.cdiv(nt, bt) * triton.cdiv(M, block_m), kb, x2.device, tiles.numel(),
+                                M, N)
         out = split_k.partial_buffer(s, M, N, x2.device) if s > 1 else y
 
         if M == 1:

@@ -64,6 +64,18 @@ def max_split_for(weight_bytes: int, M: int, N: int) -> int:
     return max(1, weight_bytes // (16 * max(M, 1) * N))
 
 
+def plan(split: int | None, programs: int, k_steps: int, device: torch.device, weight_bytes: int, M: int, N: int,
+         min_steps: int = 8) -> tuple[int, int]:
+    """(slices, K-loop iterations per slice) of a call: ``split`` as given (tests, benchmarks) or
+    :func:`choose_split` for ``programs`` output tiles with the partials' traffic bounded by :func:`max_split_for`,
+    then lowered so that no slice is empty."""
+    if split is None:
+        split = choose_split(programs, k_steps, device, min_steps=min_steps,
+                             max_split=max_split_for(weight_bytes, M, N))
+    steps = steps_per_split(k_steps, split)
+    return triton.cdiv(k_steps, steps), steps
+
+
 def steps_per_split(k_steps: int, split: int) -> int:
     """Iterations of the K loop per slice: ceil(k_steps / split) (the last slice may have fewer)."""
     return triton.cdiv(k_steps, split)
