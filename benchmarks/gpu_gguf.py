@@ -55,24 +55,16 @@ def random_blocks(rng: np.random.Generator, name: str, rows: int, cols: int) -> 
 def write_case(out: str, case: str, tiny: bool, seed: int = 0) -> str:
     """Write ``out/<case>.gguf``; returns its path."""
     import gguf
+    from tokenfab.testing.gguf_writer import add_model_header, finish_gguf
     c = dict(CASES[case], **(TINY if tiny else {}))
     rng = np.random.default_rng(seed)
     path = os.path.join(out, f"{case}.gguf")
     w = gguf.GGUFWriter(path, "llama")
-    w.add_block_count(c["layers"])
-    w.add_context_length(8192)
-    w.add_embedding_length(c["hidden"])
-    w.add_feed_forward_length(c["inter"])
-    w.add_head_count(c["heads"])
-    w.add_head_count_kv(c["kv"])
-    w.add_key_length(c["head_dim"])
-    w.add_value_length(c["head_dim"])
-    w.add_rope_dimension_count(c["head_dim"])
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(c["theta"])
-    w.add_vocab_size(c["vocab"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_model_header(w, dict(num_hidden_layers=c["layers"], max_position_embeddings=8192, hidden_size=c["hidden"],
+                             intermediate_size=c["inter"], num_attention_heads=c["heads"],
+                             num_key_value_heads=c["kv"], head_dim=c["head_dim"], rms_norm_eps=1e-5,
+                             rope_parameters={"rope_theta": c["theta"]}, vocab_size=c["vocab"], bos_token_id=1,
+                             eos_token_id=2), rope_dimension_count=True)
     h, hd = c["hidden"], c["head_dim"]
     shapes = {"attn_q": (c["heads"] * hd, h), "attn_k": (c["kv"] * hd, h), "attn_v": (c["kv"] * hd, h),
               "attn_output": (h, c["heads"] * hd), "ffn_gate": (c["inter"], h), "ffn_up": (c["inter"], h),
@@ -90,10 +82,7 @@ def write_case(out: str, case: str, tiny: bool, seed: int = 0) -> str:
         for kind, (rows, cols) in shapes.items():
             add(f"blk.{i}.{kind}.weight", kind, rows, cols)
     w.add_tensor("output_norm.weight", ones)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_gguf(w)
     return path
 
 

@@ -1,4 +1,5 @@
-"""Shared pieces of the GGUF tests: the model header and closing of a ``gguf.GGUFWriter`` file, the folder of
+"""Shared pieces of the GGUF tests: the model header and closing of a ``gguf.GGUFWriter`` file (from
+tokenfab/testing/gguf_writer.py, which the GPU check's GGUF files use too), the folder of
 dequantized reference weights, the packed-versus-reference generation run, and the kernel products against their
 float64 bound (test_gguf_linear.py, test_gguf_kquants.py).
 
@@ -13,27 +14,9 @@ import shutil
 import numpy as np
 import torch
 
+from tokenfab.testing.gguf_writer import add_model_header, finish_gguf  # noqa: F401  (re-exported)
+
 U = 2.0 ** -24  # float32 unit roundoff
-
-
-def add_model_header(w, cfg: dict, rope_dimension_count: bool = False) -> None:
-    """The hyperparameters of Hugging Face config ``cfg`` as llama.cpp's converter writes them (llama adds the rope
-    dimension count)."""
-    w.add_block_count(cfg["num_hidden_layers"])
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
-    if rope_dimension_count:
-        w.add_rope_dimension_count(cfg["head_dim"])
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
 
 
 GGUF_TOP_LEVEL = {"model.embed_tokens.weight": ("token_embd.weight", "token_embd"),
@@ -49,14 +32,6 @@ def gguf_name(name: str, modules: dict[str, str]) -> tuple[str, str | None]:
     layer, rest = name[len("model.layers."):].split(".", 1)
     mod, suffix = rest.rsplit(".", 1)
     return f"blk.{layer}.{modules[mod]}.{suffix}", modules[mod] if suffix == "weight" else None
-
-
-def finish_gguf(w) -> None:
-    """Write the header, key-values and tensors of ``w`` and close the file."""
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def reference_folder(ckpt: str, out: str, ref: dict[str, np.ndarray]) -> str:

@@ -21,6 +21,20 @@ from tokenfab.quant.gguf_weight import GGUFWeight
 pytestmark = pytest.mark.skipif(not triton_support.triton_importable(), reason="triton is not installed")
 
 
+def kernel_product(raw: np.ndarray, name: str, K: int, out_features: int, rows: int, dtype: torch.dtype,
+                   split: int | None):
+    """(x, y, bias): ``rows`` random activations in ``dtype`` (a random bias on odd row counts) times the GGUF rows
+    ``raw`` through the Triton kernel with ``split``; y's shape and dtype checked."""
+    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
+    w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, K)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, K, generator=g).to(dtype)
+    bias = torch.randn(out_features, generator=g) if rows % 2 else None
+    y = gguf_linear(x, w.tiles, w.block, out_features, bias, split=split)
+    assert y.shape == (rows, out_features) and y.dtype == dtype
+    return x, y, bias
+
+
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("rows,out_features,source", [(1, 48, "quantize"), (5, 40, "random"), (23, 33, "quantize"),
                                                        (70, 16, "random")])
@@ -45,16 +59,10 @@ def test_split_k_and_bf16_match_exact_product(interpret, name, rows, out_feature
     """Odd shapes (partial tiles, 3 .. 17 blocks of 32), M = 1 .. 70, forced K slices (split-K with the ordered
     reduction; a split that would leave a slice empty is lowered) and the chosen one, float32 and bf16 activations
     (bf16 output: the bound plus one bf16 rounding), against gguf-py's values in float64."""
-    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
     # gguf-py's quantizer (random_blocks' tiny Q4_1 minimums can make gguf's float32 d q + m round, which the
     # float64 reference's field check refuses; the test above covers random bytes)
     raw = (random_blocks if name != "Q4_1" else quantized)(name, out_features, K, seed=rows + K)
-    w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, K)
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, K, generator=g).to(dtype)
-    bias = torch.randn(out_features, generator=g) if rows % 2 else None
-    y = gguf_linear(x, w.tiles, w.block, out_features, bias, split=split)
-    assert y.shape == (rows, out_features) and y.dtype == dtype
+    x, y, bias = kernel_product(raw, name, K, out_features, rows, dtype, split)
     ye, bound = exact(x.float(), raw, name, bias)
     tol = (3 * K + 64) * 2.0 ** -24 * bound  # tests/test_gguf_linear.py's float32 bound
     if dtype == torch.bfloat16:
@@ -168,17 +176,11 @@ def test_kquant_kernels_match_exact_product(interpret, name, rows, out_features,
     """Q4_K / Q5_K / Q6_K (gguf_kquant_linear.py) on random bytes (every quant, high-bit and 6-bit scale pattern):
     one row (the CUDA-core kernel), 2-16 rows (exact quants in the dot, per-half dots for Q6_K), 17+ (weights
     dequantized to the activation dtype in registers), partial tiles, forced K slices that start inside a
-    super-block (odd slice lengths: an unrolled step runs past its slice's end), float32 / bf16 / fp16 activations, against gguf-py's values in float64. Float32: the K-quant
-    tests' float32 bound. 16-bit: the dot sums x (128 + q) (terms up to |x| (|a| 192 + |b|)) before the factors
+    super-block (odd slice lengths: an unrolled step runs past its slice's end), float32 / bf16 / fp16 activations,
+    against gguf-py's values in float64. Float32: the K-quant tests' float32 bound. 16-bit: the dot sums x (128 + q) (terms up to |x| (|a| 192 + |b|)) before the factors
     are applied, then one 16-bit rounding of the output (the interpreter truncates: 2^-7 for bf16, 2^-10 fp16)."""
-    from tokenfab.kernels.gpu.gguf_linear import gguf_linear
     raw = random_kblocks(name, out_features, K, seed=rows + K)
-    w = GGUFWeight.from_rows(torch.from_numpy(np.ascontiguousarray(raw)), name, K)
-    g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, K, generator=g).to(dtype)
-    bias = torch.randn(out_features, generator=g) if rows % 2 else None
-    y = gguf_linear(x, w.tiles, w.block, out_features, bias, split=split)
-    assert y.shape == (rows, out_features) and y.dtype == dtype
+    x, y, bias = kernel_product(raw, name, K, out_features, rows, dtype, split)
     if dtype == torch.float32:
         kcheck(y, x, raw, name, bias)
         return

@@ -13,7 +13,7 @@ op family                  CPU kernel (C++)                  GPU kernel (Triton)
 rms_norm                   rms_norm (+ residual add)         gpu/norm_activation.py (+ residual add)
 silu_and_mul               silu_and_mul                      gpu/norm_activation.py
 situ_and_mul               -                                 gpu/norm_activation.py (Kimi K3's SiTU-GLU)
-rms_norm_to, sigmoid_mul   -                                 gpu/norm_activation.py (K3's latent norm; gated MLA)
+sigmoid_mul                -                                 gpu/norm_activation.py (K3's gated MLA output)
 attn_res_mix               -                                 gpu/attn_res.py (Kimi K3's attention-residual mix)
 rope                       rope                              gpu/norm_activation.py
 qk_rope_cache              - (the decode block fuses it)     gpu/rope_cache.py (q/k norm + RoPE + KV write)
@@ -75,10 +75,18 @@ def gpu_path(x: torch.Tensor) -> bool:
     return gpu_support.gpu_path(x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
     """RMSNorm of x [..., hidden] (with ``residual``: (norm(x + residual), x + residual), x 2-D) by the CPU kernel
-    or, on a GPU, the Triton kernel; or None (another dtype, a strided last dim, kernels not built or off)."""
+    or, on a GPU, the Triton kernel; or None (another dtype, a strided last dim, kernels not built or off).
+    ``out_dtype`` (GPU only, no residual; weight of any float dtype): ``RMSNorm(x).to(out_dtype)`` in one pass, the
+    normed row computed as layers/norm.py does for x's dtype and rounded once (K3's latent norm)."""
+    if out_dtype is not None:
+        if _gpu(x) and residual is None and x.shape[-1] == weight.shape[0] and x.stride(-1) == 1:
+            from tokenfab.kernels.gpu import norm_activation
+            return norm_activation.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps,
+                                            out_dtype=out_dtype).view(x.shape)
+        return None
     if _gpu(x) and x.dtype == weight.dtype and x.shape[-1] == weight.shape[0] and x.stride(-1) == 1:
         from tokenfab.kernels.gpu import norm_activation
         if residual is None:
@@ -122,15 +130,6 @@ def attn_res_mix(prefix: torch.Tensor, blocks: list, norm_weight: torch.Tensor, 
     if w is None or w.device != prefix.device:
         w = cache["w"] = attn_res.mix_weight(norm_weight, proj_weight)
     return attn_res.attn_res_mix(prefix, blocks, w, eps)
-
-
-def rms_norm_to(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor | None:
-    """``RMSNorm(x).to(out_dtype)`` for x [N, hidden] of any float dtype with weight [hidden] (the normed row
-    computed as layers/norm.py does for x's dtype, then rounded once) by the Triton kernel on a GPU, or None."""
-    if _gpu(x) and x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] == weight.shape[0]:
-        from tokenfab.kernels.gpu import norm_activation
-        return norm_activation.rms_norm(x, weight, eps, out_dtype=out_dtype)
-    return None
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:

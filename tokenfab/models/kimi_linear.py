@@ -80,10 +80,9 @@ def situ_glu(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> t
     Source: Moonshot's ``SituAndMul`` (Kimi K3 modeling), as transcribed in sglang / vLLM / ATOM ports. On a GPU one
     Triton launch (``dispatch.situ_and_mul``) instead of about ten.
     """
-    if gate_up.dim() == 2:
-        out = dispatch.situ_and_mul(gate_up, beta, linear_beta)
-        if out is not None:
-            return out
+    out = dispatch.situ_and_mul(gate_up, beta, linear_beta)
+    if out is not None:
+        return out
     dtype = gate_up.dtype
     gate, up = gate_up.float().chunk(2, dim=-1)
     a = beta * torch.tanh(gate / beta) * torch.sigmoid(gate)
@@ -223,7 +222,7 @@ class KimiMoE(nn.Module):
             if self.tp is None or self.tp.rank == 0:
                 if self.routed_expert_norm is not None:  # on the float32 latent sum (weight cast up), then x's dtype
                     n = self.routed_expert_norm
-                    fused = dispatch.rms_norm_to(y, n.weight, n.eps, x.dtype)
+                    fused = dispatch.rms_norm(y, n.weight, n.eps, out_dtype=x.dtype)
                     y = fused if fused is not None else n(y)
                 y = self.routed_expert_up_proj(y.to(x.dtype))
         if self.shared_experts is not None:
@@ -240,7 +239,7 @@ class _GatedOutProj(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, self.gate = self.gate, None
         if g is not None:
-            fused = dispatch.sigmoid_mul(x, g) if x.shape == g.shape else None
+            fused = dispatch.sigmoid_mul(x, g)
             x = fused if fused is not None else x * torch.sigmoid(g)
         return super().forward(x)
 

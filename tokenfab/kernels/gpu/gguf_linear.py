@@ -38,7 +38,6 @@ from tokenfab.kernels.gpu import split_k
 from tokenfab.kernels.gpu.gguf_kquant_linear import KQ_KIND, block_m_for, kquant_launch
 from tokenfab.kernels.gpu.split_k import store_row, store_tile
 from tokenfab.kernels.gpu.support import autotune_configs, interpreting, launch_linear, quick_bench
-from tokenfab.quant import gguf_blocks
 from tokenfab.quant.gguf_blocks import TILE, BlockType
 
 _KIND = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2}
