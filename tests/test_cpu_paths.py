@@ -41,8 +41,9 @@ def other_paths() -> list[tuple[str, dict[str, str]]]:
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get(CHILD) == "1", reason="inside a child run")
 @pytest.mark.parametrize("label,env", other_paths(), ids=[p[0] for p in other_paths()])
-def test_exactness_and_real_model_on_other_cpu_paths(label, env):
-    child_env = {**os.environ, **env, CHILD: "1"}
+def test_exactness_and_real_model_on_other_cpu_paths(label, env, real_model_cache):
+    from conftest import REAL_MODEL_CACHE_ENV
+    child_env = {**os.environ, **env, CHILD: "1", REAL_MODEL_CACHE_ENV: real_model_cache}  # converted once per run
     for cap in ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY"):  # the child sets its own from its level
         child_env.pop(cap, None)
     files = [f for f in FILES if not (label == "kernels-off" and "::test_demo" in f)]  # no kernel: no CPU family

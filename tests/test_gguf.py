@@ -298,6 +298,8 @@ def test_reader_is_shared_and_a_rewritten_file_read_again(tiny_model, tmp_path):
     write_gguf(tiny_model("llama"), path, with_output=True)
     first = open_gguf(path)
     assert open_gguf(path) is first
+    meta = metadata(first)  # read once per reader, then shared
+    assert metadata(first) is meta and meta == {k: f.contents() for k, f in first.fields.items()}
     n_before = len(first.tensors)
     os.remove(path)  # a new file (new inode) at the same path, with one tensor fewer
     write_gguf(tiny_model("llama"), path, with_output=False)
@@ -308,3 +310,40 @@ def test_reader_is_shared_and_a_rewritten_file_read_again(tiny_model, tmp_path):
         f.write(b"not a gguf file at all" * 10)
     with pytest.raises(WeightLoadError, match="not a readable GGUF file"):
         open_gguf(path)
+
+
+def test_packed_tokenizer_converted_once_then_read_from_the_cache(tiny_gguf, tmp_path, monkeypatch):
+    """load_gguf_tokenizer (the tokenizer of a GGUF file served packed): transformers' GGUF conversion runs on the
+    first load only; later loads read the folder it saved under $TOKENFAB_CACHE and tokenize, decode and template as
+    the conversion does; a rewritten file (another cache key) is converted again."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tokenfab.loader.gguf_packed import load_gguf_tokenizer, tokenizer_cache_folder
+
+    _, src, _ = tiny_gguf
+    path = str(tmp_path / "m.gguf")
+    shutil.copy(src, path)
+    monkeypatch.setenv("TOKENFAB_CACHE", str(tmp_path / "cache"))
+    direct = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    calls = []
+    orig = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: calls.append(k.get("gguf_file")) or orig(*a, **k))
+    first, second = load_gguf_tokenizer(path), load_gguf_tokenizer(path)
+    assert calls == ["m.gguf", None]
+    folder = tokenizer_cache_folder(path)
+    assert folder.startswith(str(tmp_path / "cache")) and os.path.isfile(os.path.join(folder, "tokenizer.json"))
+    text = "the access code for room 4417 is 0815, def f(x): return x <|im_end|>"
+    msgs = [{"role": "user", "content": "hello there"}]
+    want = (direct(text)["input_ids"], direct.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+    for tok in (first, second):
+        ids = tok(text)["input_ids"]
+        assert (ids, tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)) == want
+        assert tok.decode(ids) == direct.decode(ids) and tok.eos_token_id == direct.eos_token_id
+    with open(path, "ab") as f:  # another size: another key, converted again
+        f.write(b"\0" * 32)
+    assert tokenizer_cache_folder(path) != folder
+    load_gguf_tokenizer(path)
+    assert calls == ["m.gguf", None, "m.gguf"]

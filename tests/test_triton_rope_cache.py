@@ -64,8 +64,10 @@ def test_qk_rope_cache_matches_the_layers(interpret, monkeypatch, H, Hk, D, dtyp
             kn.weight.copy_(torch.randn(D, generator=g))
     pool = torch.randn(2, blocks, page, Hk, D, generator=g).to(dtype)
     kc, vc = pool[0].clone(), pool[1].clone()
+    tile = 2 if H == 5 else None  # 5 heads in tiles of 2: three q programs per token, the last one partial
     got = qk_rope_cache(q, k, v, positions, rot.cos, rot.sin, interleave, slots, kc, vc,
-                        None if qn is None else qn.weight.detach(), None if kn is None else kn.weight.detach(), 1e-6)
+                        None if qn is None else qn.weight.detach(), None if kn is None else kn.weight.detach(), 1e-6,
+                        heads_per_tile=tile)
     kr, vr = pool[0].clone(), pool[1].clone()
     with torch.no_grad():
         want = reference(positions, q, k, v, rot, slots, kr, vr, qn, kn, monkeypatch)
@@ -127,7 +129,7 @@ def test_mla_rope_cache_matches_the_layer(interpret, monkeypatch, H, nope, R, C,
     pool = torch.randn(4, 4, C + R, generator=g).to(dtype)
     cache = pool.clone()
     got = mla_rope_cache(q, c_kv, k_rope, norm.weight.detach(), 1e-6, positions, rot.cos, rot.sin, interleave,
-                         slots, cache)
+                         slots, cache, heads_per_tile=2 if H >= 4 else None)  # 4, 5 heads: whole and partial tiles
     monkeypatch.setattr(dispatch, "rms_norm", lambda *a, **kw: None)
     monkeypatch.setattr(dispatch, "rope", lambda *a, **kw: None)
     with torch.no_grad():

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Iterator
 
 import numpy as np
@@ -166,10 +167,49 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
         yield name, torch.from_numpy(zeros)
 
 
+def tokenizer_cache_folder(path: str) -> str:
+    """Where :func:`load_gguf_tokenizer` keeps ``path``'s converted tokenizer:
+    ``<cache>/tokenizers/gguf/<stem>-<key>`` (the key of :func:`tokenfab.loader.gguf_to_hf.cache_key`, which changes
+    with the file)."""
+    from tokenfab.cache_paths import cache_dir
+    from tokenfab.loader.gguf_to_hf import cache_key
+
+    stem = os.path.basename(path)[:-len(".gguf")] if path.lower().endswith(".gguf") else os.path.basename(path)
+    return os.path.join(cache_dir(), "tokenizers", "gguf", f"{stem}-{cache_key(path)}")
+
+
 def load_gguf_tokenizer(path: str):
-    """transformers' tokenizer built from the GGUF file's tokenizer metadata (and chat template)."""
+    """transformers' tokenizer built from the GGUF file's tokenizer metadata (and chat template).
+
+    transformers' GGUF conversion parses the whole file again (~5 s for SmolLM2's 49K-token vocabulary), so the
+    converted tokenizer is saved once (``save_pretrained``, as the dequantized folders keep theirs) into
+    :func:`tokenizer_cache_folder` and later loads read that folder. The folder is written under a temporary name and
+    renamed into place; where the cache cannot be written, the tokenizer is converted each time.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+    """
+    import tempfile
+
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file '{path}' does not exist.")
+    folder = tokenizer_cache_folder(path)
+    if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        return AutoTokenizer.from_pretrained(folder)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    try:
+        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
+        try:
+            tok.save_pretrained(tmp)
+            os.rename(tmp, folder)
+        except OSError:  # another process finished first, or the cache is not writable
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError:
+        pass
+    return tok
 
 
 def save_dequantized(path: str, out_dir: str, dtype: torch.dtype = torch.float32) -> str:

@@ -97,10 +97,15 @@ def open_gguf(path: str):
 
 
 def metadata(reader) -> dict:
-    """All metadata keys of ``reader`` as plain Python values (str, int, float, bool, lists of those)."""
-    out = {}
-    for key, field in reader.fields.items():
-        out[key] = field.contents()
+    """All metadata keys of ``reader`` as plain Python values (str, int, float, bool, lists of those).
+
+    Read once per reader and kept on it (a 49K-token vocabulary takes ~1 s to read field by field, and loading one
+    model asks several times: config, packed-format check, weights). The dict is shared: callers only read it.
+    """
+    out = getattr(reader, "_tokenfab_metadata", None)
+    if out is None:
+        out = {key: field.contents() for key, field in reader.fields.items()}
+        reader._tokenfab_metadata = out
     return out
 
 
