@@ -20,17 +20,18 @@ def make_prompts(seed: int, lengths: list[int], vocab: int = 512) -> list[list[i
     return [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
 
 
-def check_family(path: str, prompts: list[list[int]], **engine_kw):
-    """Run tokenfab on all prompts at once; compare each with the reference alone. Returns max |Δ logprob|."""
+def check_family(path: str, prompts: list[list[int]], n_new: int = N_NEW, **engine_kw):
+    """Run tokenfab on all prompts at once, ``n_new`` greedy tokens each; compare each with the reference alone.
+    Returns (llm, max |Δ logprob|)."""
     kw = dict(dtype="float32", max_model_len=256, max_num_batched_tokens=24, block_size=8, progress=False)
     kw.update(engine_kw)
     llm = LLM(path, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=N_NEW, min_tokens=N_NEW, prompt_logprobs=0, logprobs=0)
+    params = SamplingParams(temperature=0.0, max_tokens=n_new, min_tokens=n_new, prompt_logprobs=0, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     ref = load_reference(path)
     worst = 0.0
     for p, o in zip(prompts, outs):
-        expected = reference_greedy(ref, p, N_NEW)
+        expected = reference_greedy(ref, p, n_new)
         assert o.outputs[0].token_ids == expected, f"prompt len {len(p)}: tokens differ"
         assert o.outputs[0].finish_reason == "length"
         full = p + expected
