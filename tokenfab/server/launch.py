@@ -267,7 +267,8 @@ def run_server(args: argparse.Namespace) -> int:
     policy = RequestPolicy.from_async_llm(async_llm, log_requests, getattr(args, "max_log_len", None))
     app = build_app(async_llm, name, config.model, chat_template=chat_template, api_key=api_key, policy=policy,
                     tool_call_parser=tool_call_parser)
-    async_llm.engine.grammar_compiler.warm_up_in_background()  # the first constrained request skips the import
+    # the first constrained request skips the import; joined before exit (below)
+    warm_up = async_llm.engine.grammar_compiler.warm_up_in_background()
     if policy.defaults:
         print(f"[tokenfab] default sampling settings from generation_config ({config.generation_config}): "
               f"{policy.defaults} (for fields a request leaves unset; --generation-config vllm ignores them)",
@@ -353,6 +354,10 @@ def run_server(args: argparse.Namespace) -> int:
         sock.close()
         app.state.shutting_down = True
         async_llm.shutdown()
+        # A process that exits while the (low-priority) warm-up thread is still inside xgrammar's C++ aborts with
+        # "terminate called without an active exception" (seen when SIGTERM came right after start on a loaded
+        # machine): wait for it.
+        warm_up.join(60)
         print("[tokenfab] server stopped", flush=True)
     app.state.shutting_down = True
     return exit_code[0]
