@@ -22,18 +22,30 @@ def reference_mix(prefix, blocks, norm_w, proj_w, eps):
     return (p.unsqueeze(-1) * v).sum(1)
 
 
-@pytest.mark.parametrize("n_blocks,H,T", [(0, 96, 3), (1, 100, 2), (3, 257, 5), (8, 64, 1)])
+@pytest.mark.parametrize("n_blocks,H,T,with_delta", [(0, 96, 3, False), (1, 100, 2, False), (3, 257, 5, False),
+                                                    (8, 64, 1, False), (1, 100, 2, True), (3, 257, 5, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attn_res_mix_kernel_matches_the_formula(interpret, n_blocks, H, T, dtype):
+def test_attn_res_mix_kernel_matches_the_formula(interpret, n_blocks, H, T, with_delta, dtype):
     """The kernel's mix against the float64 formula: float32 within a few float32 roundings of the output's scale;
-    bf16 within one bf16 step more (the interpreter truncates to bf16; a GPU rounds to nearest, half that). Blocks of very different scales so the softmax weights are far from
-    uniform (a dropped source or a swapped weight moves the result by O(1))."""
+    bf16 within one bf16 step more (the interpreter truncates to bf16; a GPU rounds to nearest, half that). Blocks
+    of very different scales so the softmax weights are far from uniform (a dropped source or a swapped weight moves
+    the result by O(1)). With a delta (the layer's residual add in the same launch): the new prefix equals the eager
+    ``prefix + delta`` to within the interpreter's bf16 truncation, and the mix is of that prefix."""
     from tokenfab.kernels.gpu import attn_res
     g = torch.Generator().manual_seed(n_blocks * 100 + H)
     blocks = [(torch.randn(T, H, generator=g) * (1 + 3 * i)).to(dtype) for i in range(n_blocks)]
     prefix = torch.randn(T, H, generator=g).to(dtype)
     norm_w, proj_w = torch.rand(H, generator=g) + 0.5, torch.randn(1, H, generator=g) * 0.3
-    got = attn_res.attn_res_mix(prefix, blocks, attn_res.mix_weight(norm_w, proj_w), 1e-6)
+    w = attn_res.mix_weight(norm_w, proj_w)
+    if with_delta:
+        delta = (torch.randn(T, H, generator=g) * 2).to(dtype)
+        got, cur = attn_res.attn_res_mix(prefix, blocks, w, 1e-6, delta)
+        eager = prefix + delta
+        assert cur.dtype == dtype and ((cur.double() - eager.double()).abs()
+                                       <= (2.0 ** -7 * eager.double().abs() if dtype == torch.bfloat16 else 0)).all()
+        prefix = cur
+    else:
+        got = attn_res.attn_res_mix(prefix, blocks, w, 1e-6)
     want = reference_mix(prefix, blocks, norm_w, proj_w, 1e-6)
     assert got.dtype == dtype and got.shape == (T, H)
     scale = max(b.abs().max() for b in [prefix, *blocks]).double()
@@ -63,8 +75,15 @@ def test_attn_res_mix_takes_the_kernel_on_the_gpu_path(interpret, monkeypatch):
     monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
     fused = kimi_linear.attn_res_mix(prefix, blocks, proj, norm)
     assert calls and torch.allclose(fused, eager, rtol=1e-5, atol=1e-6)
+    delta = torch.randn(2, H, generator=g)
+    with torch.no_grad():
+        (y, cur), n = kimi_linear.attn_res_mix(prefix, blocks, proj, norm, delta=delta), len(calls)
+        monkeypatch.setenv("TOKENFAB_TRITON", "interpret")  # CPU tensors: the PyTorch form
+        y_eager, cur_eager = kimi_linear.attn_res_mix(prefix, blocks, proj, norm, delta=delta)
+    scale = max(float(b.abs().max()) for b in [cur_eager, *blocks])  # float32 roundings of sums of that size
+    assert len(calls) == n and torch.equal(cur, cur_eager) and float((y - y_eager).abs().max()) <= 1e-5 * scale
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
     many = [torch.randn(2, H, generator=g) for _ in range(attn_res.MAX_BLOCKS + 1)]
-    n = len(calls)
     kimi_linear.attn_res_mix(prefix, many, proj, norm)
     assert len(calls) == n
 
@@ -118,8 +137,9 @@ def test_rms_norm_to_matches_norm_then_cast(interpret):
 
 # a tiny K3's decode layers on the GPU code path, counted as tests/test_gpu_kernel_count.py counts: layer 0 KDA +
 # dense SiTU MLP, layer 1 gated MLA + latent MoE, layers 2-3 KDA + latent MoE (test_kimi_k3.py's TEXT). Were 39 /
-# 85 / 80 / 81 before the attention-residual mix, SiTU-GLU, gated output and latent norm kernels (2026-12-07)
-K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 13, 28, 25
+# 85 / 80 / 81 before the attention-residual mix, SiTU-GLU, gated output and latent norm kernels (2026-12-07), then
+# 13 / 28 / 24 / 25 until the residual add moved into the second mix's launch where a layer does not close a block
+K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 13, 27, 24
 
 
 def test_k3_on_the_gpu_path_matches_the_pytorch_paths(tmp_path, tokenizer_dir, monkeypatch):
@@ -166,6 +186,7 @@ def test_k3_glue_kernels_compile_for_sm90_and_gfx942(interpret):
             w = attn_res.mix_weight(torch.ones(H), torch.ones(1, H))
             for n in (0, 3, 8):
                 attn_res.attn_res_mix(x, [x.clone() for _ in range(n)], w, 1e-6)
+            attn_res.attn_res_mix(x, [x.clone()], w, 1e-6, x.clone())  # with the residual add
             situ_and_mul(torch.randn(1, 64).to(dtype), 1.5, 2.0)
             situ_and_mul(torch.randn(1, 64).to(dtype), 1.5, None)
             sigmoid_mul(x[:, :64], x[:, 64:128].contiguous())

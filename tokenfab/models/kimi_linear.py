@@ -257,28 +257,34 @@ class GatedMLAttention(MLAttention):
         return super().forward(positions, x, cache, meta)
 
 
-def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: Linear, norm: RMSNorm) -> torch.Tensor:
+def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: Linear, norm: RMSNorm,
+                 delta: torch.Tensor | None = None):
     """Block attention-residual mix (Moonshot ``_apply_attn_res``).
 
     Args:
         prefix: [T, H] the current partial block sum; blocks: completed block sums, each [T, H].
         proj: Linear(H, 1) (the pseudo-query, weight [1, H]); norm: RMSNorm(H) (eps and weight used).
+        delta: optional [T, H]: the partial sum is then ``prefix + delta`` (the layer's residual add, in prefix's
+            dtype), added in the same launch on a GPU.
 
     Returns:
         [T, H] in prefix's dtype: sum_n p_n V_n, p = softmax_n(sum_d (V_n / rms(V_n))[d] * norm.w[d] * proj.w[d]),
         V = [blocks..., prefix], everything in float32. On a GPU one Triton launch (``dispatch.attn_res_mix``; the
-        folded weight cached on ``proj``).
+        folded weight cached on ``proj``). With ``delta``: (that mix, ``prefix + delta``).
     """
     if not hasattr(proj, "mix_cache"):
         proj.mix_cache = {}
-    out = dispatch.attn_res_mix(prefix, blocks, norm.weight, proj.weight, norm.eps, proj.mix_cache)
+    out = dispatch.attn_res_mix(prefix, blocks, norm.weight, proj.weight, norm.eps, proj.mix_cache, delta)
     if out is not None:
         return out
+    if delta is not None:
+        prefix = prefix + delta
     v = torch.stack([*blocks, prefix], dim=1).float()  # [T, N, H]
     k = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm.eps)
     w = norm.weight.float() * proj.weight.reshape(-1).float()
     p = (k * w).sum(-1).softmax(-1)  # [T, N]
-    return torch.matmul(p.unsqueeze(1), v).squeeze(1).to(prefix.dtype)
+    y = torch.matmul(p.unsqueeze(1), v).squeeze(1).to(prefix.dtype)
+    return y if delta is None else (y, prefix)
 
 
 class AttnResDecoderLayer(nn.Module):
@@ -305,8 +311,11 @@ class AttnResDecoderLayer(nn.Module):
         a = self.self_attn(positions, self.input_layernorm(h), cache, meta)
         if self.tp is not None:
             a = self.tp.all_reduce(a)
-        cur = a if cur is None else cur + a
-        h = attn_res_mix(cur, blocks, self.mlp_res_proj, self.mlp_res_norm)
+        if cur is None:
+            cur = a
+            h = attn_res_mix(cur, blocks, self.mlp_res_proj, self.mlp_res_norm)
+        else:  # cur + a in the mix's launch on a GPU
+            h, cur = attn_res_mix(cur, blocks, self.mlp_res_proj, self.mlp_res_norm, delta=a)
         m = self.mlp(self.post_attention_layernorm(h))
         return cur + (m if self.tp is None else self.tp.all_reduce(m)), blocks
 

@@ -8,6 +8,7 @@ proj.weight (float32, :func:`mix_weight`), the softmax over the sources, and sum
 rounding to the prefix's dtype (arXiv:2603.15031, Moonshot's ``_apply_attn_res``). The sources are read twice (the
 logits, then the sum): 2 (N + 1) H elements per token, against the reference's stack, casts and separate passes.
 
+With ``delta`` the launch also does the layer's residual add before the mix (``cur + a``), one launch fewer.
 Reference and fallback: ``attn_res_mix`` (tests/test_triton_attn_res.py runs both in Triton's interpreter).
 """
 from __future__ import annotations
@@ -43,25 +44,39 @@ def _source(n: tl.constexpr, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N: tl.conste
 
 
 @triton.jit
-def _attn_res_mix_kernel(p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, w_ptr, y_ptr, H, stride_t, eps,
-                         N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
+def _attn_res_mix_kernel(p_ptr, d_ptr, c_ptr, b0, b1, b2, b3, b4, b5, b6, b7, w_ptr, y_ptr, H, stride_t, eps,
+                         N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     src = tl.arange(0, NP)
     logits = tl.full([NP], float("-inf"), tl.float32)
+    if HAS_DELTA:  # the prefix is prefix + delta, rounded to its dtype as the eager add, written to c_ptr
+        xp = tl.load(p_ptr + t * stride_t + cols, mask=mask, other=0.0)
+        xd = tl.load(d_ptr + t * stride_t + cols, mask=mask, other=0.0)
+        xs = (xp.to(tl.float32) + xd.to(tl.float32)).to(xp.dtype)
+        tl.store(c_ptr + t * stride_t + cols, xs, mask=mask)
+        xp = xs.to(tl.float32)
+    else:
+        xp = tl.load(p_ptr + t * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
     for n in tl.static_range(N + 1):
-        x = tl.load(_source(n, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N) + t * stride_t + cols, mask=mask,
-                    other=0.0).to(tl.float32)
+        if n == N:
+            x = xp
+        else:
+            x = tl.load(_source(n, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N) + t * stride_t + cols, mask=mask,
+                        other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
         logits = tl.where(src == n, tl.sum(x * r * w, axis=0), logits)
     e = tl.exp(logits - tl.max(logits, axis=0))
     p = e / tl.sum(e, axis=0)
     acc = tl.zeros([BLOCK], tl.float32)
     for n in tl.static_range(N + 1):
-        x = tl.load(_source(n, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N) + t * stride_t + cols, mask=mask,
-                    other=0.0).to(tl.float32)
+        if n == N:
+            x = xp
+        else:
+            x = tl.load(_source(n, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N) + t * stride_t + cols, mask=mask,
+                        other=0.0).to(tl.float32)
         acc += tl.sum(tl.where(src == n, p, 0.0), axis=0) * x
     tl.store(y_ptr + t * stride_t + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -71,30 +86,36 @@ def mix_weight(norm_weight: torch.Tensor, proj_weight: torch.Tensor) -> torch.Te
     return (norm_weight.float() * proj_weight.reshape(-1).float()).contiguous()
 
 
-def applies(prefix: torch.Tensor, blocks: list[torch.Tensor]) -> bool:
+def applies(prefix: torch.Tensor, blocks: list[torch.Tensor], delta: torch.Tensor | None = None) -> bool:
     """Whether :func:`attn_res_mix` takes these sources: 2-D [T, H] tensors of one dtype and shape, contiguous, at
-    most MAX_BLOCKS blocks."""
+    most MAX_BLOCKS blocks (and ``delta``, when given, like the prefix)."""
     return (prefix.dim() == 2 and prefix.is_contiguous() and len(blocks) <= MAX_BLOCKS
-            and all(b.shape == prefix.shape and b.dtype == prefix.dtype and b.is_contiguous() for b in blocks))
+            and all(b.shape == prefix.shape and b.dtype == prefix.dtype and b.is_contiguous()
+                    for b in [*blocks, *([] if delta is None else [delta])]))
 
 
-def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], w: torch.Tensor, eps: float) -> torch.Tensor:
+def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], w: torch.Tensor, eps: float,
+                 delta: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """sum_n p_n V_n over V = [blocks..., prefix], p = softmax_n(sum_d (V_n / rms(V_n))[d] w[d]), float32 inside.
 
     Args:
         prefix: [T, H] (any float dtype, contiguous); blocks: completed block sums, each like prefix (call where
             :func:`applies`).
         w: float32 [H], :func:`mix_weight`; eps: the norm's epsilon.
+        delta: optional [T, H] like prefix: the prefix is then ``prefix + delta`` (the layer's residual add, in the
+            prefix's dtype as the eager add rounds it), computed in the same launch.
 
     Returns:
-        [T, H] in prefix's dtype, rounded once.
+        [T, H] in prefix's dtype, rounded once; with ``delta``: (that mix, the new prefix ``prefix + delta``).
     """
     T, H = prefix.shape
     y = torch.empty_like(prefix)
+    cur = None if delta is None else torch.empty_like(prefix)
     if T and H:
         ptrs = list(blocks) + [prefix] * (MAX_BLOCKS - len(blocks))
         block = triton.next_power_of_2(H)
-        _attn_res_mix_kernel[(T,)](prefix, *ptrs, w, y, H, prefix.stride(0), float(eps), N=len(blocks),
+        _attn_res_mix_kernel[(T,)](prefix, prefix if delta is None else delta, prefix if cur is None else cur,
+                                   *ptrs, w, y, H, prefix.stride(0), float(eps), N=len(blocks),
                                    NP=triton.next_power_of_2(len(blocks) + 1), BLOCK=block,
-                                   num_warps=max(1, min(8, block // 512)))
-    return y
+                                   HAS_DELTA=delta is not None, num_warps=max(1, min(8, block // 512)))
+    return y if delta is None else (y, cur)
