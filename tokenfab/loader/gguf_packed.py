@@ -172,9 +172,9 @@ def tokenizer_cache_folder(path: str) -> str:
     ``<cache>/tokenizers/gguf/<stem>-<key>`` (the key of :func:`tokenfab.loader.gguf_to_hf.cache_key`, which changes
     with the file)."""
     from tokenfab.cache_paths import cache_dir
-    from tokenfab.loader.gguf_to_hf import cache_key
+    from tokenfab.loader.gguf_to_hf import cache_key, is_gguf_path
 
-    stem = os.path.basename(path)[:-len(".gguf")] if path.lower().endswith(".gguf") else os.path.basename(path)
+    stem = os.path.basename(path)[:-len(".gguf")] if is_gguf_path(path) else os.path.basename(path)
     return os.path.join(cache_dir(), "tokenizers", "gguf", f"{stem}-{cache_key(path)}")
 
 
