@@ -139,7 +139,34 @@ def test_rms_norm_to_matches_norm_then_cast(interpret):
 # dense SiTU MLP, layer 1 gated MLA + latent MoE, layers 2-3 KDA + latent MoE (test_kimi_k3.py's TEXT). Were 39 /
 # 85 / 80 / 81 before the attention-residual mix, SiTU-GLU, gated output and latent norm kernels (2026-12-07), then
 # 13 / 28 / 24 / 25 until the residual add moved into the second mix's launch where a layer does not close a block
-K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 13, 27, 24
+# and the shared experts' sum into their down projection's GEMM (2026-12-07)
+K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 13, 26, 23
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_forward_add_accumulates_in_the_gemm_on_the_gpu_path(monkeypatch, dtype):
+    """Linear.forward_add_ (the shared experts' down projection added to the routed sum): on the GPU code path one
+    in-place GEMM into the residual (the same storage returned), equal to residual + x W^T in float64 to one rounding
+    of the output (float32: a few float32 roundings); elsewhere, or with a bias, the two eager ops and a new
+    tensor."""
+    from tokenfab.layers.linear import Linear
+    g = torch.Generator().manual_seed(5)
+    lin = Linear(40, 24)
+    lin.weight.data = torch.randn(24, 40, generator=g).to(dtype)
+    x, res = torch.randn(3, 40, generator=g).to(dtype), (torch.randn(3, 24, generator=g) * 4).to(dtype)
+    want = res.double() + x.double() @ lin.weight.detach().double().t()
+    tol = (2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20) * (want.abs() + 8)
+    with torch.no_grad():
+        eager = lin.forward_add_(x, res.clone())  # CPU tensors, no GPU path: residual + self(x)
+        monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        r = res.clone()
+        got = lin.forward_add_(x, r)
+        assert got.data_ptr() == r.data_ptr() and got.dtype == dtype
+        assert ((got.double() - want).abs() <= tol).all() and ((eager.double() - want).abs() <= tol).all()
+        lin.bias = torch.nn.Parameter(torch.zeros(24, dtype=dtype))
+        r = res.clone()
+        assert lin.forward_add_(x, r).data_ptr() != r.data_ptr()  # a bias: the eager ops
 
 
 def test_k3_on_the_gpu_path_matches_the_pytorch_paths(tmp_path, tokenizer_dir, monkeypatch):

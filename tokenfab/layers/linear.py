@@ -212,6 +212,18 @@ class Linear(nn.Module):
             return packed_linear(x, self._packed, self.bias, self.out_features).float()
         return matmul_f32(x, self.weight, self.bias)
 
+    def forward_add_(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` for x [T, in], residual [T, out] (a tensor the caller owns and no one else reads:
+        it may be written in place and returned). On the GPU code path with a plain weight and no bias, one GEMM that
+        accumulates into ``residual`` (``residual.addmm_(x, W^T)``: cuBLAS / hipBLAS with beta = 1, one launch
+        instead of the GEMM and the add; the sum is rounded once); elsewhere the two ops."""
+        from tokenfab.kernels import dispatch
+        if (self.qweight is None and self._packed is None and self.bias is None and x.dim() == 2
+                and residual.shape == (x.shape[0], self.out_features) and residual.dtype == x.dtype == self.weight.dtype
+                and residual.is_contiguous() and dispatch.gpu_path(x)):
+            return residual.addmm_(x, self.weight.t())
+        return residual + self(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight.linear(x, self.bias)

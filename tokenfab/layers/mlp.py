@@ -24,7 +24,11 @@ class GatedMLP(nn.Module):
             self.gate_up = Linear.concat([self.gate_proj, self.up_proj])
         self.down_proj.fuse()  # now rather than after this module: a parent's fuse() may read it (DeepseekV3MoE)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; with ``residual`` (a [T, H] tensor the caller owns): ``residual`` + the MLP, the add
+        in the down projection's GEMM where it can (Linear.forward_add_)."""
         if self.gate_up is not None:
-            return self.down_proj(silu_and_mul(self.gate_up(x)))
-        return self.down_proj(torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            h = silu_and_mul(self.gate_up(x))
+        else:
+            h = torch.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(h) if residual is None else self.down_proj.forward_add_(h, residual)

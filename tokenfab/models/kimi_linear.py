@@ -108,12 +108,15 @@ class SituMLP(nn.Module):
             self.gate_up = Linear.concat([self.gate_proj, self.up_proj])
         self.down_proj.fuse()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; with ``residual`` (a [T, H] tensor the caller owns): ``residual`` + the MLP, the add
+        in the down projection's GEMM where it can (Linear.forward_add_)."""
         if self.gate_up is not None:
             gu = self.gate_up(x)
         else:
             gu = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
-        return self.down_proj(situ_glu(gu, self.beta, self.linear_beta))
+        h = situ_glu(gu, self.beta, self.linear_beta)
+        return self.down_proj(h) if residual is None else self.down_proj.forward_add_(h, residual)
 
 
 class SituRoutedExperts(RoutedExperts):
@@ -225,8 +228,8 @@ class KimiMoE(nn.Module):
                     fused = dispatch.rms_norm(y, n.weight, n.eps, out_dtype=x.dtype)
                     y = fused if fused is not None else n(y)
                 y = self.routed_expert_up_proj(y.to(x.dtype))
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+        if self.shared_experts is not None:  # y is this forward's own tensor: added to in the shared down GEMM
+            y = self.shared_experts(x, residual=y)
         return y
 
 
