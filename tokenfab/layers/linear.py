@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenfab.kernels import dispatch
 from tokenfab.kernels.cpu import isa as cpu_isa
 from tokenfab.kernels.cpu.ops import vnni_linear as cpu_vnni
 from tokenfab.quant.packed_weight import PackedWeight
@@ -217,7 +218,6 @@ class Linear(nn.Module):
         it may be written in place and returned). On the GPU code path with a plain weight and no bias, one GEMM that
         accumulates into ``residual`` (``residual.addmm_(x, W^T)``: cuBLAS / hipBLAS with beta = 1, one launch
         instead of the GEMM and the add; the sum is rounded once); elsewhere the two ops."""
-        from tokenfab.kernels import dispatch
         if (self.qweight is None and self._packed is None and self.bias is None and x.dim() == 2
                 and residual.shape == (x.shape[0], self.out_features) and residual.dtype == x.dtype == self.weight.dtype
                 and residual.is_contiguous() and dispatch.gpu_path(x)):

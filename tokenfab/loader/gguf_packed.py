@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Iterator
 
 import numpy as np
@@ -189,9 +188,9 @@ def load_gguf_tokenizer(path: str):
     Raises:
         FileNotFoundError: no file at ``path``.
     """
-    import tempfile
-
     from transformers import AutoTokenizer
+
+    from tokenfab.cache_paths import write_folder
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file '{path}' does not exist.")
@@ -200,14 +199,8 @@ def load_gguf_tokenizer(path: str):
         return AutoTokenizer.from_pretrained(folder)
     tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
     try:
-        os.makedirs(os.path.dirname(folder), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(folder))
-        try:
-            tok.save_pretrained(tmp)
-            os.rename(tmp, folder)
-        except OSError:  # another process finished first, or the cache is not writable
-            shutil.rmtree(tmp, ignore_errors=True)
-    except OSError:
+        write_folder(folder, tok.save_pretrained, "tokenizer_config.json")
+    except OSError:  # the cache is not writable: converted again next time
         pass
     return tok
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 
 CONVERTER_VERSION = 1
 _HEAD_TAIL_BYTES = 1 << 20
@@ -135,19 +133,8 @@ def ensure_converted(path: str, quiet: bool = False, dtype: str = "bfloat16") ->
     if not quiet:
         print(f"[tokenfab] dequantizing {os.path.basename(path)} to {dtype} into {final} (first use only) ...",
               flush=True)
-    os.makedirs(os.path.dirname(final), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(final))
-    try:
-        write_checkpoint(path, tmp, dtype)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished first: keep its folder
-            if not os.path.isfile(os.path.join(final, "config.json")):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    from tokenfab.cache_paths import write_folder
+    write_folder(final, lambda tmp: write_checkpoint(path, tmp, dtype), "config.json")
     return final
 
 

@@ -21,11 +21,9 @@ MAX_BLOCKS = 8  # completed blocks one launch reads (K3: 93 layers in blocks of 
 
 
 @triton.jit
-def _source(n: tl.constexpr, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N: tl.constexpr):
-    """Base pointer of source n: block n for n < N, the prefix for n == N."""
-    if n == N:
-        return p_ptr
-    elif n == 0:
+def _block(n: tl.constexpr, b0, b1, b2, b3, b4, b5, b6, b7):
+    """Base pointer of completed block n (n < 8)."""
+    if n == 0:
         return b0
     elif n == 1:
         return b1
@@ -44,6 +42,17 @@ def _source(n: tl.constexpr, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N: tl.conste
 
 
 @triton.jit
+def _source_row(n: tl.constexpr, xp, b0, b1, b2, b3, b4, b5, b6, b7, N: tl.constexpr, off, mask):
+    """Source n's row as float32: completed block n (loaded at ``off``) for n < N, the prefix row ``xp`` (already
+    loaded) for n == N."""
+    if n == N:
+        x = xp
+    else:
+        x = tl.load(_block(n, b0, b1, b2, b3, b4, b5, b6, b7) + off, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
 def _attn_res_mix_kernel(p_ptr, d_ptr, c_ptr, b0, b1, b2, b3, b4, b5, b6, b7, w_ptr, y_ptr, H, stride_t, eps,
                          N: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -52,31 +61,21 @@ def _attn_res_mix_kernel(p_ptr, d_ptr, c_ptr, b0, b1, b2, b3, b4, b5, b6, b7, w_
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
     src = tl.arange(0, NP)
     logits = tl.full([NP], float("-inf"), tl.float32)
+    off = t * stride_t + cols
+    xp = tl.load(p_ptr + off, mask=mask, other=0.0)
     if HAS_DELTA:  # the prefix is prefix + delta, rounded to its dtype as the eager add, written to c_ptr
-        xp = tl.load(p_ptr + t * stride_t + cols, mask=mask, other=0.0)
-        xd = tl.load(d_ptr + t * stride_t + cols, mask=mask, other=0.0)
-        xs = (xp.to(tl.float32) + xd.to(tl.float32)).to(xp.dtype)
-        tl.store(c_ptr + t * stride_t + cols, xs, mask=mask)
-        xp = xs.to(tl.float32)
-    else:
-        xp = tl.load(p_ptr + t * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+        xp = (xp.to(tl.float32) + tl.load(d_ptr + off, mask=mask, other=0.0).to(tl.float32)).to(xp.dtype)
+        tl.store(c_ptr + off, xp, mask=mask)
+    xp = xp.to(tl.float32)
     for n in tl.static_range(N + 1):
-        if n == N:
-            x = xp
-        else:
-            x = tl.load(_source(n, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N) + t * stride_t + cols, mask=mask,
-                        other=0.0).to(tl.float32)
+        x = _source_row(n, xp, b0, b1, b2, b3, b4, b5, b6, b7, N, off, mask)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
         logits = tl.where(src == n, tl.sum(x * r * w, axis=0), logits)
     e = tl.exp(logits - tl.max(logits, axis=0))
     p = e / tl.sum(e, axis=0)
     acc = tl.zeros([BLOCK], tl.float32)
     for n in tl.static_range(N + 1):
-        if n == N:
-            x = xp
-        else:
-            x = tl.load(_source(n, p_ptr, b0, b1, b2, b3, b4, b5, b6, b7, N) + t * stride_t + cols, mask=mask,
-                        other=0.0).to(tl.float32)
+        x = _source_row(n, xp, b0, b1, b2, b3, b4, b5, b6, b7, N, off, mask)
         acc += tl.sum(tl.where(src == n, p, 0.0), axis=0) * x
     tl.store(y_ptr + t * stride_t + cols, acc.to(y_ptr.dtype.element_ty), mask=mask)
 

@@ -45,6 +45,28 @@ def _rotate(a1, a2, c, s, dt: tl.constexpr):
 
 
 @triton.jit
+def _load_halves(base, offs, mask, half, INTERLEAVE: tl.constexpr):
+    """The two RoPE halves at ``base + offs`` (any broadcastable shapes): pairs (2i, 2i + 1) when ``INTERLEAVE``,
+    else (i, half + i); masked entries 0."""
+    if INTERLEAVE:
+        x1 = tl.load(base + 2 * offs, mask=mask, other=0.0)
+        x2 = tl.load(base + 2 * offs + 1, mask=mask, other=0.0)
+    else:
+        x1 = tl.load(base + offs, mask=mask, other=0.0)
+        x2 = tl.load(base + half + offs, mask=mask, other=0.0)
+    return x1, x2
+
+
+@triton.jit
+def _cos_sin(cos_ptr, sin_ptr, p, s_c, offs, mask, dt: tl.constexpr):
+    """Row ``p`` of the float32 cos / sin tables at ``offs``, rounded to ``dt`` (as layers/rotary.py casts them),
+    returned in float32."""
+    c = tl.load(cos_ptr + p * s_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + p * s_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+    return c, s
+
+
+@triton.jit
 def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr,
                           qo_ptr, kc_ptr, vc_ptr, H, Hk, QB, half, D, eps, page,
                           s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_c, s_kcb, s_kco, s_kch, s_vcb, s_vco, s_vch,
@@ -69,28 +91,18 @@ def _qk_rope_cache_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, slot_ptr, cos_ptr, sin_p
     rmask = head < n_heads
     cmask = offs < half
     mask = rmask[:, None] & cmask[None, :]
-    if INTERLEAVE:
-        x1 = tl.load(base[:, None] + 2 * offs[None, :], mask=mask, other=0.0)
-        x2 = tl.load(base[:, None] + 2 * offs[None, :] + 1, mask=mask, other=0.0)
-    else:
-        x1 = tl.load(base[:, None] + offs[None, :], mask=mask, other=0.0)
-        x2 = tl.load(base[:, None] + half + offs[None, :], mask=mask, other=0.0)
+    x1, x2 = _load_halves(base[:, None], offs[None, :], mask, half, INTERLEAVE)
     dt = x1.dtype
     a1 = x1.to(tl.float32)
     a2 = x2.to(tl.float32)
     if HAS_NORM:  # per-head RMSNorm: the sum of squares over the whole head, both halves
         rstd = 1.0 / tl.sqrt((tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / D + eps)
-        if INTERLEAVE:
-            w1 = tl.load(w_ptr + 2 * offs, mask=cmask, other=0.0).to(tl.float32)
-            w2 = tl.load(w_ptr + 2 * offs + 1, mask=cmask, other=0.0).to(tl.float32)
-        else:
-            w1 = tl.load(w_ptr + offs, mask=cmask, other=0.0).to(tl.float32)
-            w2 = tl.load(w_ptr + half + offs, mask=cmask, other=0.0).to(tl.float32)
+        w1, w2 = _load_halves(w_ptr, offs, cmask, half, INTERLEAVE)
+        w1 = w1.to(tl.float32)
+        w2 = w2.to(tl.float32)
         a1 = (w1[None, :] * (a1 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         a2 = (w2[None, :] * (a2 * rstd[:, None]).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    p = tl.load(pos_ptr + t)
-    c = tl.load(cos_ptr + p * s_c + offs, mask=cmask, other=0.0).to(dt).to(tl.float32)
-    s = tl.load(sin_ptr + p * s_c + offs, mask=cmask, other=0.0).to(dt).to(tl.float32)
+    c, s = _cos_sin(cos_ptr, sin_ptr, tl.load(pos_ptr + t), s_c, offs, cmask, dt)
     r1, r2 = _rotate(a1, a2, c[None, :], s[None, :], dt)
     if is_q:
         out = qo_ptr + (t * H + head[:, None]) * D + offs[None, :]
@@ -184,31 +196,18 @@ def _mla_rope_cache_kernel(q_ptr, ckv_ptr, kr_ptr, pos_ptr, slot_ptr, cos_ptr, s
         nmask = rmask[:, None] & (n < NOPE)
         tl.store(dst + n, tl.load(src + n, mask=nmask, other=0.0), mask=nmask)
         mask = rmask[:, None] & cmask[None, :]
-        if INTERLEAVE:
-            x1 = tl.load(src + NOPE + 2 * offs[None, :], mask=mask, other=0.0)
-            x2 = tl.load(src + NOPE + 2 * offs[None, :] + 1, mask=mask, other=0.0)
-        else:
-            x1 = tl.load(src + NOPE + offs[None, :], mask=mask, other=0.0)
-            x2 = tl.load(src + NOPE + half + offs[None, :], mask=mask, other=0.0)
+        x1, x2 = _load_halves(src + NOPE, offs[None, :], mask, half, INTERLEAVE)
         dt = x1.dtype
-        c = tl.load(cos_ptr + p * s_c + offs, mask=cmask, other=0.0).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + p * s_c + offs, mask=cmask, other=0.0).to(dt).to(tl.float32)
+        c, s = _cos_sin(cos_ptr, sin_ptr, p, s_c, offs, cmask, dt)
         r1, r2 = _rotate(x1.to(tl.float32), x2.to(tl.float32), c[None, :], s[None, :], dt)
         tl.store(dst + NOPE + offs[None, :], r1, mask=mask)
         tl.store(dst + NOPE + half + offs[None, :], r2, mask=mask)
     else:
         slot = tl.load(slot_ptr + t)
         if slot >= 0:  # negative slots: not written
-            rbase = kr_ptr + t * s_kt
-            if INTERLEAVE:
-                x1 = tl.load(rbase + 2 * offs, mask=cmask, other=0.0)
-                x2 = tl.load(rbase + 2 * offs + 1, mask=cmask, other=0.0)
-            else:
-                x1 = tl.load(rbase + offs, mask=cmask, other=0.0)
-                x2 = tl.load(rbase + half + offs, mask=cmask, other=0.0)
+            x1, x2 = _load_halves(kr_ptr + t * s_kt, offs, cmask, half, INTERLEAVE)
             dt = x1.dtype
-            c = tl.load(cos_ptr + p * s_c + offs, mask=cmask, other=0.0).to(dt).to(tl.float32)
-            s = tl.load(sin_ptr + p * s_c + offs, mask=cmask, other=0.0).to(dt).to(tl.float32)
+            c, s = _cos_sin(cos_ptr, sin_ptr, p, s_c, offs, cmask, dt)
             r1, r2 = _rotate(x1.to(tl.float32), x2.to(tl.float32), c, s, dt)
             dst = c_ptr + (slot // page) * s_cb + (slot % page) * s_co + C
             tl.store(dst + offs, r1.to(c_ptr.dtype.element_ty), mask=cmask)
