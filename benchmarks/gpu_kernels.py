@@ -134,7 +134,6 @@ def check_attention(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]
 
 def check_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
     from tokenfab.kernels.gpu.moe import fused_moe
-    from tokenfab.layers.activation import silu_and_mul
     from tokenfab.layers.moe import RoutedExperts
     E, k, hidden, inter = (64, 8, 7168, 2048) if not quick else (8, 2, 32, 16)
     g = torch.Generator(device=dev).manual_seed(0)
@@ -150,14 +149,14 @@ def check_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict]:
         x = torch.randn(T, hidden, device=dev, dtype=dtype, generator=g)
         ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(T)])
         w = torch.rand(T, k, device=dev, generator=g)
-        got = fused_moe(x, ref.w13, ref.w2, w, ids, silu_and_mul)
+        got = fused_moe(x, ref.w13, ref.w2, w, ids, None)  # None: SiLU-GLU in the GEMM's epilogue, as served
         os.environ["TOKENFAB_TRITON"], saved = "0", os.environ.get("TOKENFAB_TRITON")
         try:
             want = ref(x, w, ids)
         finally:
             os.environ.pop("TOKENFAB_TRITON") if saved is None else os.environ.__setitem__("TOKENFAB_TRITON", saved)
         err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-        us = _time_us(lambda: fused_moe(x, ref.w13, ref.w2, w, ids, silu_and_mul), dev, reps)
+        us = _time_us(lambda: fused_moe(x, ref.w13, ref.w2, w, ids, None), dev, reps)
         hit = int(ids.unique().numel())
         nbytes = hit * 3 * hidden * inter * x.element_size()
         rows.append({"kernel": "fused MoE", "shape": f"T={T} E={E} k={k} hidden={hidden} I={inter} experts_hit={hit}",
@@ -402,7 +401,9 @@ def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict
     from tokenfab.kernels.gpu.moe import fused_moe
     from tokenfab.kernels.gpu.moe_relayout import relayout_fp8, relayout_int4, relayout_mxfp4
     from tokenfab.kernels.gpu.packed_moe import fused_moe_packed
-    from tokenfab.layers.activation import silu_and_mul
+    # the activation as the engine runs it, in the gate|up GEMM's epilogue: SiLU-GLU (None), K3's SiTU-GLU
+    # (benchmarks/configs/kimi-k3-shape.json's betas)
+    acts = {"DeepSeek-V3": None, "K3 latent": ("situ", 1.5, 2.0)}
     shapes = [("DeepSeek-V3", 64, 8, 7168, 2048, ("int4_group", "mxfp4", "fp8_block")),
               ("K3 latent", 128, 16, 3584, 3072, ("mxfp4",))]
     tokens = [1, 16, 64]
@@ -432,13 +433,13 @@ def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict
                 x = torch.randn(T, hidden, device=dev, dtype=dtype, generator=g)
                 ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:k] for _ in range(T)])
                 wts = torch.rand(T, k, device=dev, generator=g)
-                want = fused_moe(x, w13, w2, wts, ids, silu_and_mul)
+                want = fused_moe(x, w13, w2, wts, ids, acts[name])
                 hit = int(ids.unique().numel())
                 shape = f"{name}: T={T} E={E} k={k} hidden={hidden} I={inter} experts_hit={hit}"
                 nbytes = hit * per_expert
                 for label, stacks, relaid in layouts:
                     def run():
-                        return fused_moe_packed(x, fmt, *stacks, wts, ids, silu_and_mul, relaid=relaid)
+                        return fused_moe_packed(x, fmt, *stacks, wts, ids, acts[name], relaid=relaid)
                     got = run()
                     err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
                     us = _time_us(run, dev, reps)
@@ -448,7 +449,7 @@ def check_packed_moe(dev, dtype, quick: bool, bw: float, reps: int) -> list[dict
                     print(json.dumps(rows[-1]), flush=True)
                 if T not in timed_bf16:  # the bf16 kernel's time does not depend on which format was dequantized
                     timed_bf16.add(T)
-                    us = _time_us(lambda: fused_moe(x, w13, w2, wts, ids, silu_and_mul), dev, reps)
+                    us = _time_us(lambda: fused_moe(x, w13, w2, wts, ids, acts[name]), dev, reps)
                     nbytes = hit * 3 * hidden * inter * w13.element_size()
                     rows.append({"kernel": f"fused MoE {str(dtype).replace('torch.', '')} (dequantized weights)",
                                  "shape": f"{shape} ({nbytes / us * 1e-3:,.0f} GB/s)", "max_err": 0.0, "us": us,

@@ -139,8 +139,9 @@ def test_rms_norm_to_matches_norm_then_cast(interpret):
 # dense SiTU MLP, layer 1 gated MLA + latent MoE, layers 2-3 KDA + latent MoE (test_kimi_k3.py's TEXT). Were 39 /
 # 85 / 80 / 81 before the attention-residual mix, SiTU-GLU, gated output and latent norm kernels (2026-12-07), then
 # 13 / 28 / 24 / 25 until the residual add moved into the second mix's launch where a layer does not close a block
-# and the shared experts' sum into their down projection's GEMM (2026-12-07)
-K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 13, 26, 23
+# and the shared experts' sum into their down projection's GEMM, then 13 / 26 / 23 / 23 until the routed experts'
+# SiTU-GLU moved into their gate|up GEMM's epilogue (2026-12-07)
+K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 13, 25, 22
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

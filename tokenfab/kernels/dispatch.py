@@ -333,19 +333,20 @@ def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Te
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, start: int, act,
                    w13: torch.Tensor | None = None, w2: torch.Tensor | None = None,
                    packed13: list[torch.Tensor] | None = None,
-                   packed2: list[torch.Tensor] | None = None, plus: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The routed SiLU-GLU experts' weighted sum for x [T, hidden], weights / ids [T, k] (experts from ``start``):
-    the C++ dispatch over per-expert packed weights ``packed13`` / ``packed2`` on CPU (pass None to keep the Python
-    loop), the Triton grouped GEMMs over the stacks ``w13`` [E, 2I, hidden] / ``w2`` [E, hidden, I] on CUDA/ROCm
-    (``act``: the activation between them; None: SiLU-GLU in the gate|up GEMM's epilogue), or
-    None. ``plus`` [T, hidden] (the shared experts' output) is added to
-    the result: inside the Triton k-sum, after the C++ kernel's."""
+                   packed2: list[torch.Tensor] | None = None, plus: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """The routed experts' weighted sum for x [T, hidden], weights / ids [T, k] (experts from ``start``):
+    the C++ dispatch over per-expert packed SiLU-GLU weights ``packed13`` / ``packed2`` on CPU (pass None to keep
+    the Python loop), the Triton grouped GEMMs over the stacks ``w13`` [E, 2I, hidden] / ``w2`` [E, hidden, I] on
+    CUDA/ROCm (``act``: the activation between them as kernels/gpu/moe.py ``fused_moe`` takes it; None: SiLU-GLU
+    in the gate|up GEMM's epilogue; ``out_dtype``: the result's, default x's), or None. ``plus`` [T, hidden] (the
+    shared experts' output) is added to the result: inside the Triton k-sum, after the C++ kernel's."""
     if packed13 is not None and cpu_support.available_for(x):
         out = cpu_moe.moe_experts_packed(x, weights, ids, packed13, packed2, start)
         return out if plus is None else out + plus
     if w13 is not None and gpu_support.applies(x):  # grouped GEMMs in Triton, CUDA-graph safe
         from tokenfab.kernels.gpu import moe  # imports triton: only when it applies
-        return moe.fused_moe(x, w13, w2, weights, ids, act, start, plus)
+        return moe.fused_moe(x, w13, w2, weights, ids, act, start, plus, out_dtype)
     return None
 
 

@@ -178,6 +178,11 @@ class RoutedExperts(nn.Module):
         another activation override it; layers/host_experts.py computes host experts with it)."""
         return silu_and_mul(gate_up)
 
+    def kernel_act(self):
+        """The activation as the GPU grouped GEMMs take it (kernels/gpu/moe.py ``fused_moe``'s ``act``): None,
+        SiLU-GLU in the gate|up GEMM's epilogue (subclasses with another activation return theirs)."""
+        return None
+
     def _grouped_ok(self, xs: torch.Tensor) -> bool:
         """torch._grouped_mm needs 16-byte-aligned row strides (e.g. float32 with intermediate 34 is refused)."""
         e = xs.element_size()
@@ -202,7 +207,8 @@ class RoutedExperts(nn.Module):
                 if self.route_counter is not None:
                     self.route_counter.record(ids)
                 out = (self.packed_forward(x, weights, ids, plus) if self.q13 is not None else
-                       dispatch.routed_experts(x, weights, ids, self.start, None, self.w13, self.w2, plus=plus))
+                       dispatch.routed_experts(x, weights, ids, self.start, self.kernel_act(), self.w13, self.w2,
+                                               plus=plus))
                 if out is not None:
                     return out
                 return self.forward_unfused(x, weights, ids) + plus
@@ -213,7 +219,7 @@ class RoutedExperts(nn.Module):
             return self.host.forward(self, x, weights, ids)
         if self.q13 is not None:
             return self.packed_forward(x, weights, ids)
-        out = dispatch.routed_experts(x, weights, ids, self.start, None, self.w13, self.w2,
+        out = dispatch.routed_experts(x, weights, ids, self.start, self.kernel_act(), self.w13, self.w2,
                                       self._p13 if self.fused_dispatch else None, self._p2)
         if out is not None:  # CPU: the same math in C++; CUDA/ROCm: grouped GEMMs in Triton, graph-safe
             return out
@@ -264,7 +270,7 @@ class RoutedExperts(nn.Module):
         (PackedExperts.cpu_tiles) always take their grouped linears."""
         out = None if self.q13.cpu_tiles or self.q2.cpu_tiles else dispatch.routed_experts_packed(
             x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed, self.q2.scale,
-            self.act, self.start, torch.float32 if self.accumulate_fp32 else None, plus,
+            self.kernel_act(), self.start, torch.float32 if self.accumulate_fp32 else None, plus,
             (self.q13.gpu_layout, self.q2.gpu_layout))  # CPU tile layout: the stacks' own C++ kernel
         if out is not None:
             return out

@@ -137,6 +137,10 @@ class SituRoutedExperts(RoutedExperts):
         """SiTU-GLU on gate_up [N, 2I] -> [N, I] (the host-expert split computes these experts with it)."""
         return situ_glu(gate_up, self.beta, self.linear_beta)
 
+    def kernel_act(self):
+        """SiTU-GLU for the GPU grouped GEMMs: computed in the gate|up GEMM's epilogue (kernels/gpu/moe.py)."""
+        return ("situ", self.beta, self.linear_beta)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum_k weights * expert_ids(x) (float32 when
         ``accumulate_fp32``, else x's dtype)."""
@@ -146,6 +150,10 @@ class SituRoutedExperts(RoutedExperts):
             return self.host.forward(self, x, weights, ids)
         if self.q13 is not None:  # packed experts (MXFP4): the same pairs and sums, grouped linears
             return self.packed_forward(x, weights, ids)
+        out = dispatch.routed_experts(x, weights, ids, self.start, self.kernel_act(), self.w13, self.w2,
+                                      out_dtype=torch.float32 if self.accumulate_fp32 else None)
+        if out is not None:  # CUDA/ROCm: the grouped GEMMs with SiTU-GLU in the first one's epilogue
+            return out
         T, k = ids.shape
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)

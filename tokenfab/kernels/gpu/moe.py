@@ -12,8 +12,8 @@ slot) are then summed in float32, in a fixed order.
 The alignment is one launch (:func:`align_pairs_fused`, :func:`align_pairs` its tensor-op reference; no
 ``.item()``, no data-dependent shapes): the grid covers the worst case and tiles past the real end return at once,
 so the launch is CUDA-graph safe. The k-sum and the cast are one more (:func:`moe_sum`): a decode MoE layer's
-routed experts are 4 launches (align, gate|up GEMM with the SiLU-GLU epilogue, down GEMM, sum; 5 with a separate
-activation: packed stacks, other activations).
+routed experts are 4 launches (align, gate|up GEMM with the gated activation in its epilogue, down GEMM, sum: SiLU-GLU
+or K3's SiTU-GLU, plain or packed stacks; 5 with an activation of another kind, run as its own launch).
 Reference and fallback: ``layers/moe.py::RoutedExperts`` (tests/test_triton_kernels.py runs both in Triton's
 interpreter).
 """
@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenfab.kernels.gpu import norm_activation
-from tokenfab.kernels.gpu.moe_gemm import DENSE, block_m_for, grouped_gemm, split_slots
+from tokenfab.kernels.gpu.moe_gemm import (DENSE, GLU_SILU, GLU_SITU, GLU_SITU_LINEAR, block_m_for, grouped_gemm,
+                                           split_slots)
 
 
 def align_pairs(ids: torch.Tensor, start: int, num_local: int, block_m: int
@@ -163,21 +163,41 @@ def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: i
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-              act, start: int = 0, plus: torch.Tensor | None = None) -> torch.Tensor:
+              act, start: int = 0, plus: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """sum over a token's k routed experts (those in [start, start + E_local)) of weight * expert(x).
 
     Args:
         x: [T, hidden]; w13: [E_local, 2I, hidden] ([gate | up] rows); w2: [E_local, hidden, I];
         weights: [T, k] routing weights (float32 or x's dtype, read as float32); ids: [T, k] int64 global expert ids.
-        act: the gated activation, [P, 2I] -> [P, I], or None for SiLU-GLU computed in the gate|up GEMM's
-            epilogue (``layers/activation.py::silu_and_mul``'s math and roundings, one launch fewer).
+        act: the gated activation: None (SiLU-GLU) or ("situ", beta, linear_beta or None) (Kimi K3's SiTU-GLU),
+            computed in the gate|up GEMM's epilogue with the separate kernels' math and roundings (one launch
+            fewer; :func:`epilogue_code`); or any callable [P, 2I] -> [P, I], run as its own launch.
         start: first global expert id held in w13/w2.
         plus: [T, hidden] or None, added in the k-sum (:func:`moe_sum`; the shared experts' output).
+        out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
 
     Returns:
-        [T, hidden] in x's dtype (pairs routed to other ranks contribute zero; the k-sum is in float32).
+        [T, hidden] in ``out_dtype`` (pairs routed to other ranks contribute zero; the k-sum is in float32).
     """
-    return routed_sum(x, weights, ids, DENSE, w13, None, w2, None, act, start, plus=plus)
+    return routed_sum(x, weights, ids, DENSE, w13, None, w2, None, act, start, out_dtype, plus)
+
+
+def epilogue_code(act) -> tuple[int, float, float]:
+    """(moe_gemm GLU_* code, beta, linear_beta) for the activation spec ``act`` of :func:`fused_moe`: None ->
+    SiLU-GLU; ("situ", beta, linear_beta or None) -> SiTU-GLU; a callable -> (0, ...): its own launch.
+
+    Raises:
+        ValueError: a tuple naming another activation."""
+    if act is None:
+        return GLU_SILU, 1.0, 1.0
+    if isinstance(act, tuple):
+        if act[0] != "situ" or len(act) != 3:
+            raise ValueError(f"fused MoE: unknown epilogue activation {act!r} (known: None for SiLU-GLU, "
+                             "('situ', beta, linear_beta))")
+        _, beta, lbeta = act
+        return (GLU_SITU, float(beta), 1.0) if lbeta is None else (GLU_SITU_LINEAR, float(beta), float(lbeta))
+    return 0, 1.0, 1.0
 
 
 def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: int, w13: torch.Tensor,
@@ -185,8 +205,8 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
                out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None,
                relaid: tuple[bool, bool] = (False, False)) -> torch.Tensor:
     """The fused-MoE flow of :func:`fused_moe` (``fmt`` DENSE, no scales) and ``packed_moe.fused_moe_packed``
-    (``fmt`` 0 / 1 / 2 with scales s13 / s2): pairs aligned by expert, the gate|up GEMM, ``act`` (None: SiLU-GLU,
-    in the GEMM's epilogue for DENSE stacks), the down GEMM times
+    (``fmt`` 0 / 1 / 2 with scales s13 / s2): pairs aligned by expert, the gate|up GEMM, ``act`` (as
+    :func:`fused_moe` takes it: SiLU-GLU or SiTU-GLU in the GEMM's epilogue, else its own launch), the down GEMM times
     the routing weights, the k-sum in float32 (plus ``plus`` [T, hidden] when given), cast to ``out_dtype``
     (default x's); ``relaid``: (gate|up, down) stacks in the GPU layout (moe_gemm.grouped_gemm)."""
     T, hidden = x.shape
@@ -201,13 +221,15 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
     pairs = (sorted_pairs, expert_of_block, num_post, weights.reshape(-1).contiguous(), M)  # read as float32
     x = x.contiguous()
     nsplit = torch.empty(1, dtype=torch.int32, device=x.device)
-    if act is None and fmt == DENSE:  # SiLU-GLU in the gate|up GEMM's epilogue: h [M, I] straight out
+    glu, beta, lbeta = epilogue_code(act)
+    if glu:  # the activation in the gate|up GEMM's epilogue: h [M, I] straight out
         h = torch.empty(M, inter, dtype=x.dtype, device=x.device)
-        grouped_gemm(x, w13, s13, fmt, h, nsplit, pairs, inter, hidden, k, False, inter, block_m, glu=True)
+        grouped_gemm(x, w13, s13, fmt, h, nsplit, pairs, inter, hidden, k, False, inter, block_m, relaid[0], glu,
+                     beta, lbeta)
     else:
         h13 = torch.empty(M, two_i, dtype=x.dtype, device=x.device)  # gate|up: no split (N = 2I: the programs)
         grouped_gemm(x, w13, s13, fmt, h13, nsplit, pairs, two_i, hidden, k, False, inter, block_m, relaid[0])
-        h = norm_activation.silu_and_mul(h13) if act is None else act(h13)
+        h = act(h13)
     # rows of pairs routed elsewhere hold garbage in h; the second GEMM never reads them
     slots = split_slots(M, block_m, down=True)
     out_pairs = torch.empty(slots, M, hidden, dtype=torch.float32, device=x.device)  # idem: moe_sum skips those

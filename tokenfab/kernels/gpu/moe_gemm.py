@@ -70,6 +70,7 @@ from tokenfab.kernels.gpu.moe_relaid_decode import (fp8_block_scales, fp8_relaid
                                                      int4_relaid32, mxfp4_relaid16, mxfp4_relaid32, relaid_scales,
                                                      split_col)
 from tokenfab.kernels.gpu import split_k
+from tokenfab.kernels.gpu.norm_activation import tanh
 from tokenfab.kernels.gpu.support import autotune_enabled, interpreting
 
 DENSE, INT4_GROUP, MXFP4, FP8_BLOCK = -1, 0, 1, 2
@@ -254,6 +255,26 @@ def _fp8_tile(W, S, e, n, nmask, kq, K, s_we, s_wn, s_se, s_sn, PART, SUB: tl.co
     return val, sc
 
 
+GLU_NONE, GLU_SILU, GLU_SITU, GLU_SITU_LINEAR = 0, 1, 2, 3  # the gate|up GEMM's epilogue activations
+
+
+@triton.jit
+def _glu(g, u, GLU: tl.constexpr, beta, lbeta, DT: tl.constexpr):
+    """The gated activation of gate / up accumulators (float32, one shape), each first rounded to DT as the GEMM's
+    stored output is: GLU_SILU round(silu(g)) * u (layers/activation.py ``silu_and_mul``), GLU_SITU[_LINEAR]
+    beta tanh(g / beta) sigmoid(g) * u (u -> lbeta tanh(u / lbeta) with _LINEAR), in float32 (the separate
+    kernels' math, kernels/gpu/norm_activation.py); returned in float32 (the store rounds once)."""
+    g = g.to(DT).to(tl.float32)
+    u = u.to(DT).to(tl.float32)
+    if GLU == 1:
+        out = (g / (1.0 + tl.exp(-g))).to(DT).to(tl.float32) * u
+    else:
+        if GLU == 3:
+            u = lbeta * tanh(u / lbeta)
+        out = beta * tanh(g / beta) * (1.0 / (1.0 + tl.exp(-g))) * u
+    return out
+
+
 # sizes that change with the batch are not specialized on (value 1, divisibility by 16): one compile per config
 @triton.jit(do_not_specialize=["num_pairs", "a_row_div", "s_cs", "m_bucket", "split_max", "magic"])
 def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
@@ -261,18 +282,22 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                   split_max, MUL_WEIGHT: tl.constexpr, FMT: tl.constexpr, SCALE_BF16: tl.constexpr,
                   IEEE: tl.constexpr, MX_SCALED: tl.constexpr, GLU: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, RELAID: tl.constexpr = False,
-                  RELAID_SWAP: tl.constexpr = True, magic=0):
+                  RELAID_SWAP: tl.constexpr = True, magic=0, beta=1.0, lbeta=1.0):
     """C[s, pair, n] = sum over this split's k of A[pair // a_row_div, k] W_e[n, k] (times TOPW[pair] when
     MUL_WEIGHT) for the [BLOCK_M, BLOCK_N] tile of one row tile; FMT: DENSE (-1) or packed_moe.py's 0 / 1 / 2.
-    GLU (DENSE, no split): W_e holds [gate | up] rows (2N), the program multiplies gate rows n and up rows N + n
-    and stores round(round(silu(round(gate))) * round(up)) in C's dtype, as the separate SiLU-GLU kernel would
-    (kernels/gpu/norm_activation.py) from the rounded gate|up output."""
+    GLU (no split; GLU_* codes): W_e holds [gate | up] rows (2N); the program's BLOCK_N weight rows interleave
+    gate row j and up row N + j for BLOCK_N / 2 outputs j (every format reads rows by index, so the weights keep
+    their layout), and its epilogue pairs the two columns (a reshape and split of the accumulator) and stores the
+    gated activation of the rounded gate and up in C's dtype, as the separate kernels round it
+    (kernels/gpu/norm_activation.py): SiLU round(round(silu(gate)) * up), SiTU beta tanh(gate / beta)
+    sigmoid(gate) * (lbeta tanh(up / lbeta) with GLU_SITU_LINEAR, else up) rounded once."""
     pid = tl.program_id(0)
     if pid == 0:
         tl.store(NSPLIT, SPLIT_K)
     sk = pid % SPLIT_K
     t = pid // SPLIT_K
-    num_n = tl.cdiv(N, BLOCK_N)
+    OUT_N: tl.constexpr = BLOCK_N // 2 if GLU else BLOCK_N  # outputs per program
+    num_n = tl.cdiv(N, OUT_N)
     bn = t % num_n
     bm = t // num_n
     if bm * BLOCK_M >= tl.load(NUM_POST):
@@ -283,8 +308,13 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
     pair = tl.load(SORTED + bm * BLOCK_M + tl.arange(0, BLOCK_M))
     pmask = pair < num_pairs
     a_rows = A + (pair // a_row_div).to(tl.int64)[:, None] * s_am
-    n = bn * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = n < N
+    if GLU:  # weight rows gate j, up N + j, ... for this program's outputs j
+        c = tl.arange(0, BLOCK_N)
+        n = bn * OUT_N + c // 2 + (c % 2) * N
+        nmask = bn * OUT_N + c // 2 < N
+    else:
+        n = bn * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < N
     k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = sk * k_per
     k_hi = tl.minimum(K, k_lo + k_per)
@@ -306,8 +336,6 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if GLU:  # dense stacks only (never SWAP)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         if SWAP and FMT != 2:  # the K tile's group scales of each row at once: [BLOCK_N, BLOCK_K / 32] float32
             scs = relaid_scales(S, e, n, nmask, k0, s_se, s_sn, BLOCK_K // 32, FMT, SCALE_BF16)
@@ -333,14 +361,6 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                     acc = tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, tl.trans(w.to(a.dtype)), acc)
-                if GLU:  # the matching up rows
-                    wu = tl.load(W + e * s_we + (N + n[:, None]).to(tl.int64) * s_wn + kk[None, :] * s_wk,
-                                 mask=nmask[:, None] & (kk < K)[None, :], other=0.0)
-                    if IEEE:
-                        acc_up = tl.dot(a.to(tl.float32), tl.trans(wu.to(tl.float32)), acc_up,
-                                        input_precision="ieee")
-                    else:
-                        acc_up = tl.dot(a, tl.trans(wu.to(a.dtype)), acc_up)
             else:
                 if FMT == 2 and RELAID:  # the tile inside one 128-block: one scale per row
                     if SWAP:
@@ -373,16 +393,20 @@ def _grouped_gemm(A, W, S, C, NSPLIT, SORTED, EXPERT_OF_BLOCK, NUM_POST, TOPW,
                     else:  # the codes are exact in bf16 / fp16
                         part = tl.dot(a, tl.trans(w.to(a.dtype)))
                     acc += part * sc[None, :]
+    if GLU:  # pair each output's gate and up columns; the tile narrows to its OUT_N outputs
+        if SWAP:
+            g, u = tl.split(tl.permute(tl.reshape(acc, (OUT_N, 2, BLOCK_M)), (0, 2, 1)))
+        else:
+            g, u = tl.split(tl.reshape(acc, (BLOCK_M, OUT_N, 2)))
+        acc = _glu(g, u, GLU, beta, lbeta, C.dtype.element_ty)
+        n = bn * OUT_N + tl.arange(0, OUT_N)
+        nmask = n < N
     if SWAP:
         if MUL_WEIGHT:
             acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0).to(tl.float32)[None, :]
         tl.store(C + sk * s_cs + pair.to(tl.int64)[None, :] * s_cm + n[:, None], acc.to(C.dtype.element_ty),
                  mask=pmask[None, :] & nmask[:, None])
     else:
-        if GLU:
-            g = acc.to(C.dtype.element_ty).to(tl.float32)
-            silu = (g / (1.0 + tl.exp(-g))).to(C.dtype.element_ty).to(tl.float32)
-            acc = silu * acc_up.to(C.dtype.element_ty).to(tl.float32)
         if MUL_WEIGHT:
             acc = acc * tl.load(TOPW + pair, mask=pmask, other=0.0).to(tl.float32)[:, None]
         tl.store(C + sk * s_cs + pair.to(tl.int64)[:, None] * s_cm + n[None, :], acc.to(C.dtype.element_ty),
@@ -432,7 +456,8 @@ def split_slots(num_pairs: int, block_m: int, down: bool) -> int:
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, fmt: int, out: torch.Tensor,
                  nsplit: torch.Tensor, pairs: tuple, N: int, K: int, a_row_div: int, mul_weight: bool, part: int,
-                 block_m: int, relaid: bool = False, glu: bool = False) -> None:
+                 block_m: int, relaid: bool = False, glu: int = GLU_NONE, beta: float = 1.0,
+                 lbeta: float = 1.0) -> None:
     """One launch over all row tiles: out[s, pair, :N] = partial s of a[pair // a_row_div] @ W_e^T over the K
     inputs (times the pair's routing weight when ``mul_weight``).
 
@@ -448,14 +473,15 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
         relaid: ``w`` / ``scale`` are the GPU layout of kernels/gpu/moe_relayout.py (K padded to Kp, a multiple
             of 512; INT4 / MXFP4: int32 [E, N, Kp / 8] and [E, N, Kp / 32]; FP8: int32 [E, N, Kp / 4] and float32
             [E, R, Kp / 128]) instead of the checkpoint's.
-        glu: DENSE stacks of [gate | up] rows (2N of them), ``out`` [pairs, N] (no split) of a's dtype receives
-            SiLU-GLU of the pair's gate|up row (the activation in the epilogue, one launch fewer).
+        glu: a GLU_* code: stacks of [gate | up] rows (2N of them, any format), ``out`` [pairs, N] (no split) of
+            a's dtype receives the gated activation of the pair's gate|up row (the activation in the epilogue, one
+            launch fewer): SiLU-GLU, or SiTU-GLU with ``beta`` (and ``lbeta`` for GLU_SITU_LINEAR).
 
     Raises:
-        ValueError: ``glu`` with a packed format or a split output.
+        ValueError: ``glu`` with a split output.
     """
-    if glu and (fmt != DENSE or out.dim() == 3):
-        raise ValueError("grouped_gemm: the SiLU-GLU epilogue takes dense stacks and an unsplit output")
+    if glu and out.dim() == 3:
+        raise ValueError("grouped_gemm: the gated-activation epilogue takes an unsplit output")
     sorted_pairs, expert_of_block, num_post, topw, M = pairs
     tiles_m = min(sorted_pairs.numel() // block_m, M)  # every used row tile holds a pair
     if tiles_m == 0:
@@ -471,30 +497,31 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, f
     m_bucket = min(triton.next_power_of_2(max(M, 1)), 4096)
     args = (a, w, s, out, nsplit, sorted_pairs, expert_of_block, num_post, topw, N, K, M, a_row_div, a.stride(0),
             w.stride(0), w.stride(1), s_wk, s_se, s_sn, s_cs, s_cm, part, m_bucket, slots)
+    per_n = 2 if glu else 1  # with the epilogue each program's BLOCK_N weight rows give BLOCK_N / 2 outputs
     # Triton's interpreter handles bf16 tiles wrongly (numpy has no bf16): there bf16 runs take the float32 path on
     # the same values (bf16 activations and codes are exact in float32); fp16 runs the 16-bit path as on a GPU
     ieee = a.dtype == torch.float32 or (interpreting() and a.dtype == torch.bfloat16)
     relaid = relaid and fmt in (INT4_GROUP, MXFP4, FP8_BLOCK)
     meta = dict(MUL_WEIGHT=mul_weight, FMT=fmt, SCALE_BF16=bf16, IEEE=ieee, MX_SCALED=_MX_SCALED[0], GLU=glu,
                 BLOCK_M=block_m, RELAID=relaid, RELAID_SWAP=_RELAID_SWAP[0],
-                magic=0x43004300 if a.dtype == torch.bfloat16 else 0x64006400)
+                magic=0x43004300 if a.dtype == torch.bfloat16 else 0x64006400, beta=float(beta), lbeta=float(lbeta))
     if interpreting():  # one config; splits past the output's slices and checkpoint-layout FP8 K tiles past 128 capped
         cfg = dict(INTERPRET_CONFIG, SPLIT_K=min(INTERPRET_CONFIG["SPLIT_K"], slots))
         if fmt == FP8_BLOCK and not relaid:
             cfg["BLOCK_K"] = min(cfg["BLOCK_K"], 128)
-        grid = (tiles_m * triton.cdiv(N, cfg["BLOCK_N"]) * cfg["SPLIT_K"],)
+        grid = (tiles_m * triton.cdiv(N * per_n, cfg["BLOCK_N"]) * cfg["SPLIT_K"],)
 
         def launch(**kw):
             _grouped_gemm[grid](*args, **kw, **cfg)
     elif not autotune_enabled():  # untuned (support.autotune_enabled): a config that fills the SMs
-        first = untuned_config(fmt, block_m, relaid, slots, tiles_m, N, split_k.sm_count(a.device))
-        grid = (tiles_m * triton.cdiv(N, first.kwargs["BLOCK_N"]) * first.kwargs["SPLIT_K"],)
+        first = untuned_config(fmt, block_m, relaid, slots, tiles_m, N * per_n, split_k.sm_count(a.device))
+        grid = (tiles_m * triton.cdiv(N * per_n, first.kwargs["BLOCK_N"]) * first.kwargs["SPLIT_K"],)
 
         def launch(**kw):
             _grouped_gemm[grid](*args, **kw, **first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)
     else:
         def launch(**kw):
-            _TUNED[lambda c: (tiles_m * triton.cdiv(N, c["BLOCK_N"]) * c["SPLIT_K"],)](*args, **kw)
+            _TUNED[lambda c: (tiles_m * triton.cdiv(N * per_n, c["BLOCK_N"]) * c["SPLIT_K"],)](*args, **kw)
     # the one choice a failed first compile turns off for good: re-laid stacks' swapped 16-bit path, else (a Triton
     # without tl.dot_scaled(bf16, e2m1 with scales)) MXFP4's dot_scaled for our own E2M1 decode
     key, flag = ("RELAID_SWAP", _RELAID_SWAP) if relaid else ("MX_SCALED", _MX_SCALED)

@@ -147,7 +147,7 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _tanh(x):
+def tanh(x):
     """tanh in float32 from exp (no libdevice call, the same on CUDA, ROCm and the interpreter): sign(x) (1 - e) /
     (1 + e) with e = exp(-2 |x|)."""
     e = tl.exp(-2.0 * tl.abs(x))
@@ -164,9 +164,9 @@ def _situ_and_mul_kernel(gu_ptr, y_ptr, n_cols, stride_gu, stride_y, beta, linea
     g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
     u = tl.load(gu_ptr + row * stride_gu + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     gf = g.to(tl.float32)
-    a = beta * _tanh(gf / beta) * (1.0 / (1.0 + tl.exp(-gf)))
+    a = beta * tanh(gf / beta) * (1.0 / (1.0 + tl.exp(-gf)))
     if LINEAR:
-        u = linear_beta * _tanh(u / linear_beta)
+        u = linear_beta * tanh(u / linear_beta)
     tl.store(y_ptr + row * stride_y + cols, (a * u).to(g.dtype), mask=mask)
 
 

@@ -52,7 +52,9 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
         p2, s2: down rows, packed [E_local, hidden, ...] and scales [E_local, hidden, I / 32] (FP8: [E_local,
             ceil(hidden / 128), ceil(I / 128)]).
         weights: [T, k] routing weights (float32 or x's dtype, read as float32); ids: [T, k] int64 global expert ids.
-        act: the experts' gated activation, [P, 2I] -> [P, I] (SiLU-GLU; K3's SiTU).
+        act: the experts' gated activation as kernels/gpu/moe.py ``fused_moe`` takes it (None: SiLU-GLU,
+            ("situ", beta, linear_beta): K3's SiTU-GLU, both in the gate|up GEMM's epilogue; a callable
+            [P, 2I] -> [P, I]: its own launch).
         out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
         plus: [T, hidden] or None, added in the float32 k-sum (the shared experts' output).
         relaid: whether the stacks (one flag for both, or (gate|up, down)) are in the GPU layout of
