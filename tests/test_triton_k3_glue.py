@@ -53,6 +53,37 @@ def test_attn_res_mix_kernel_matches_the_formula(interpret, n_blocks, H, T, with
     assert ((got.double() - want).abs() <= tol).all(), (got.double() - want).abs().max()
 
 
+@pytest.mark.parametrize("n_blocks,H,T,with_delta", [(0, 96, 3, False), (3, 257, 5, False), (3, 257, 5, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attn_res_mix_kernel_with_the_next_norm(interpret, n_blocks, H, T, with_delta, dtype):
+    """The mix through the layer's next RMSNorm in the same launch (``norm=(weight, eps)``) against the float64
+    formula of the mix, rounded to the dtype as the eager ``.to(prefix.dtype)``, then layers/norm.py's RMSNorm (w *
+    round(h * rsqrt(mean(h^2) + eps))) in float64: float32 within a few float32 roundings; bf16 within three bf16
+    steps of each output (the mix's and the norm's roundings; the interpreter truncates). A norm weight far from
+    uniform, so the weight missing or applied to the wrong columns fails by O(1); the new prefix with a delta is
+    the eager sum as without the norm."""
+    from tokenfab.kernels.gpu import attn_res
+    g = torch.Generator().manual_seed(n_blocks * 10 + H)
+    blocks = [(torch.randn(T, H, generator=g) * (1 + 3 * i)).to(dtype) for i in range(n_blocks)]
+    prefix = torch.randn(T, H, generator=g).to(dtype)
+    norm_w, proj_w = torch.rand(H, generator=g) + 0.5, torch.randn(1, H, generator=g) * 0.3
+    out_w = (torch.rand(H, generator=g) * 3 - 1).to(dtype)
+    w = attn_res.mix_weight(norm_w, proj_w)
+    if with_delta:
+        delta = (torch.randn(T, H, generator=g) * 2).to(dtype)
+        got, cur = attn_res.attn_res_mix(prefix, blocks, w, 1e-6, delta, norm=(out_w, 1e-5))
+        eager = (prefix + delta).double()
+        assert ((cur.double() - eager).abs() <= (2.0 ** -7 * eager.abs() if dtype == torch.bfloat16 else 0)).all()
+        prefix = cur
+    else:
+        got = attn_res.attn_res_mix(prefix, blocks, w, 1e-6, norm=(out_w, 1e-5))
+    mix = reference_mix(prefix, blocks, norm_w, proj_w, 1e-6).to(dtype).double()
+    normed = (mix * torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype).double() * out_w.double()
+    assert got.dtype == dtype and got.shape == (T, H)
+    tol = (2.0 ** -20 if dtype == torch.float32 else 3 * 2.0 ** -7) * normed.abs() + 1e-6
+    assert ((got.double() - normed).abs() <= tol).all(), (got.double() - normed).abs().max()
+
+
 def test_attn_res_mix_takes_the_kernel_on_the_gpu_path(interpret, monkeypatch):
     """models/kimi_linear.attn_res_mix runs the kernel where the GPU path applies (its result equals the kernel's)
     and its PyTorch form elsewhere; both agree to float32 rounding; past MAX_BLOCKS the reference runs."""
@@ -82,6 +113,15 @@ def test_attn_res_mix_takes_the_kernel_on_the_gpu_path(interpret, monkeypatch):
         y_eager, cur_eager = kimi_linear.attn_res_mix(prefix, blocks, proj, norm, delta=delta)
     scale = max(float(b.abs().max()) for b in [cur_eager, *blocks])  # float32 roundings of sums of that size
     assert len(calls) == n and torch.equal(cur, cur_eager) and float((y - y_eager).abs().max()) <= 1e-5 * scale
+    out_norm = RMSNorm(H, eps=1e-5)  # the layer's next norm, in the same launch on the GPU path
+    out_norm.weight.data = torch.rand(H, generator=g) * 3 - 1
+    with torch.no_grad():
+        normed_eager = kimi_linear.attn_res_mix(prefix, blocks, proj, norm, out_norm=out_norm)
+        assert len(calls) == n and torch.allclose(normed_eager, out_norm(eager), rtol=0, atol=0)
+        monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+        normed = kimi_linear.attn_res_mix(prefix, blocks, proj, norm, out_norm=out_norm)
+    assert len(calls) == n + 1 and torch.allclose(normed, normed_eager, rtol=1e-5, atol=1e-5)
+    n += 1
     monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
     many = [torch.randn(2, H, generator=g) for _ in range(attn_res.MAX_BLOCKS + 1)]
     kimi_linear.attn_res_mix(prefix, many, proj, norm)
@@ -140,8 +180,9 @@ def test_rms_norm_to_matches_norm_then_cast(interpret):
 # 85 / 80 / 81 before the attention-residual mix, SiTU-GLU, gated output and latent norm kernels (2026-12-07), then
 # 13 / 28 / 24 / 25 until the residual add moved into the second mix's launch where a layer does not close a block
 # and the shared experts' sum into their down projection's GEMM, then 13 / 26 / 23 / 23 until the routed experts'
-# SiTU-GLU moved into their gate|up GEMM's epilogue (2026-12-07)
-K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 13, 25, 22
+# SiTU-GLU moved into their gate|up GEMM's epilogue, then 13 / 25 / 22 / 22 until each mix took the norm after it
+# and the MLP's last GEMM the residual add (2026-12-07)
+K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 11, 22, 19
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -168,6 +209,36 @@ def test_linear_forward_add_accumulates_in_the_gemm_on_the_gpu_path(monkeypatch,
         lin.bias = torch.nn.Parameter(torch.zeros(24, dtype=dtype))
         r = res.clone()
         assert lin.forward_add_(x, r).data_ptr() != r.data_ptr()  # a bias: the eager ops
+
+
+def test_latent_moe_adds_the_residual_in_its_gemms_on_the_gpu_path(monkeypatch):
+    """K3's MoE block with ``residual`` (the layer's partial sum): ``residual`` + the block. Off the GPU path exactly
+    the eager sum in a new tensor (the reference's order); on the GPU code path, in float32 to float32 rounding of
+    it, the sum made in the latent up-projection's and the shared experts' down GEMMs, in the residual's own storage
+    (the returned tensor is it)."""
+    from test_kimi_k3 import TEXT
+    from tokenfab.config import parse_config
+    from tokenfab.models.kimi_linear import KimiMoE
+    cfg = parse_config({"architectures": ["KimiK3ForConditionalGeneration"], "text_config": TEXT})
+    torch.manual_seed(0)
+    moe = KimiMoE(cfg)
+    assert moe.latent and moe.shared_experts is not None
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape) * 0.2)
+        moe.experts.w13.copy_(torch.randn(moe.experts.w13.shape) * 0.2)
+        moe.experts.w2.copy_(torch.randn(moe.experts.w2.shape) * 0.2)
+        x, r = torch.randn(3, cfg.hidden_size), torch.randn(3, cfg.hidden_size) * 4
+        want = r + moe(x)
+        res = r.clone()
+        eager = moe(x, residual=res)
+        assert eager.data_ptr() != res.data_ptr() and torch.equal(eager, want)  # the reference's order
+        moe.shared_experts.fuse()
+        monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        res = r.clone()
+        got = moe(x, residual=res)
+    assert got.data_ptr() == res.data_ptr() and torch.allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_k3_on_the_gpu_path_matches_the_pytorch_paths(tmp_path, tokenizer_dir, monkeypatch):
@@ -202,7 +273,8 @@ def test_k3_on_the_gpu_path_matches_the_pytorch_paths(tmp_path, tokenizer_dir, m
 
 
 def test_k3_glue_kernels_compile_for_sm90_and_gfx942(interpret):
-    """The four kernels' GPU forms (bf16 and float32 rows; the mix with 0, 3 and 8 blocks at K3's width) compiled by
+    """The four kernels' GPU forms (bf16 and float32 rows; the mix with 0, 3 and 8 blocks at K3's width, with the
+    residual add and the next norm) compiled by
     Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU (tokenfab/testing/target_compile.py)."""
     from tokenfab.kernels.gpu import attn_res
     from tokenfab.kernels.gpu.norm_activation import rms_norm, sigmoid_mul, situ_and_mul
@@ -215,6 +287,9 @@ def test_k3_glue_kernels_compile_for_sm90_and_gfx942(interpret):
             for n in (0, 3, 8):
                 attn_res.attn_res_mix(x, [x.clone() for _ in range(n)], w, 1e-6)
             attn_res.attn_res_mix(x, [x.clone()], w, 1e-6, x.clone())  # with the residual add
+            nw = (torch.ones(H).to(dtype), 1e-6)  # through the layer's next norm, with and without the add
+            attn_res.attn_res_mix(x, [x.clone()], w, 1e-6, x.clone(), norm=nw)
+            attn_res.attn_res_mix(x, [x.clone() for _ in range(3)], w, 1e-6, norm=nw)
             situ_and_mul(torch.randn(1, 64).to(dtype), 1.5, 2.0)
             situ_and_mul(torch.randn(1, 64).to(dtype), 1.5, None)
             sigmoid_mul(x[:, :64], x[:, 64:128].contiguous())

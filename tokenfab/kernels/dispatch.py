@@ -116,20 +116,22 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 
 
 def attn_res_mix(prefix: torch.Tensor, blocks: list, norm_weight: torch.Tensor, proj_weight: torch.Tensor,
-                 eps: float, cache: dict, delta: torch.Tensor | None = None):
+                 eps: float, cache: dict, delta: torch.Tensor | None = None,
+                 out_norm: tuple[torch.Tensor, float] | None = None):
     """Kimi K3's block attention-residual mix of [*blocks, prefix] (each [T, H]) by the Triton kernel on a GPU
     (:func:`tokenfab.kernels.gpu.attn_res.attn_res_mix`), or None (the PyTorch reference runs). ``cache``: a dict
     the caller keeps, holding the float32 norm.weight * proj.weight once computed (its first call runs before any
-    CUDA-graph capture). With ``delta`` the prefix is ``prefix + delta`` and (mix, that sum) is returned."""
+    CUDA-graph capture). With ``delta`` the prefix is ``prefix + delta`` and (mix, that sum) is returned; with
+    ``out_norm`` (weight [H] of the prefix's dtype, eps) the mix comes out through that RMSNorm."""
     if not _gpu(prefix):
         return None
     from tokenfab.kernels.gpu import attn_res
-    if not attn_res.applies(prefix, blocks, delta):
+    if not attn_res.applies(prefix, blocks, delta, None if out_norm is None else out_norm[0]):
         return None
     w = cache.get("w")
     if w is None or w.device != prefix.device:
         w = cache["w"] = attn_res.mix_weight(norm_weight, proj_weight)
-    return attn_res.attn_res_mix(prefix, blocks, w, eps, delta)
+    return attn_res.attn_res_mix(prefix, blocks, w, eps, delta, out_norm)
 
 
 def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:

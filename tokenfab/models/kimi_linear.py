@@ -215,11 +215,15 @@ class KimiMoE(nn.Module):
         if self.folded is None and not self.latent:
             self.folded = fold_shared_experts(self.experts, self.shared_experts, self.gate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, H] -> the MoE's output [T, H]; with ``residual`` (a [T, H] tensor the caller owns, no tensor
+        parallel): ``residual`` + that output, on the GPU code path the adds made in the latent up-projection's
+        and the shared experts' down GEMMs (Linear.forward_add_), elsewhere after the block, in the reference's
+        order (residual + (routed + shared))."""
         if self.folded is not None:
             out = self.folded(x, self.gate, self.experts)
             if out is not None:
-                return out
+                return out if residual is None else residual + out
         w, ids = self.gate(x)
         z = self.routed_expert_down_proj(x) if self.latent else x
         y = self.experts(z, w, ids)
@@ -235,10 +239,13 @@ class KimiMoE(nn.Module):
                     n = self.routed_expert_norm
                     fused = dispatch.rms_norm(y, n.weight, n.eps, out_dtype=x.dtype)
                     y = fused if fused is not None else n(y)
-                y = self.routed_expert_up_proj(y.to(x.dtype))
+                if residual is not None and self.tp is None and dispatch.gpu_path(x):  # residual + up(y) in its GEMM
+                    y, residual = self.routed_expert_up_proj.forward_add_(y.to(x.dtype), residual), None
+                else:
+                    y = self.routed_expert_up_proj(y.to(x.dtype))
         if self.shared_experts is not None:  # y is this forward's own tensor: added to in the shared down GEMM
             y = self.shared_experts(x, residual=y)
-        return y
+        return y if residual is None else residual + y
 
 
 class _GatedOutProj(Linear):
@@ -269,7 +276,7 @@ class GatedMLAttention(MLAttention):
 
 
 def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: Linear, norm: RMSNorm,
-                 delta: torch.Tensor | None = None):
+                 delta: torch.Tensor | None = None, out_norm: RMSNorm | None = None):
     """Block attention-residual mix (Moonshot ``_apply_attn_res``).
 
     Args:
@@ -277,15 +284,18 @@ def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: Linear,
         proj: Linear(H, 1) (the pseudo-query, weight [1, H]); norm: RMSNorm(H) (eps and weight used).
         delta: optional [T, H]: the partial sum is then ``prefix + delta`` (the layer's residual add, in prefix's
             dtype), added in the same launch on a GPU.
+        out_norm: optional RMSNorm(H) applied to the mix (the layer's next norm), in the same launch on a GPU.
 
     Returns:
         [T, H] in prefix's dtype: sum_n p_n V_n, p = softmax_n(sum_d (V_n / rms(V_n))[d] * norm.w[d] * proj.w[d]),
-        V = [blocks..., prefix], everything in float32. On a GPU one Triton launch (``dispatch.attn_res_mix``; the
-        folded weight cached on ``proj``). With ``delta``: (that mix, ``prefix + delta``).
+        V = [blocks..., prefix], everything in float32 (then ``out_norm`` of it when given). On a GPU one Triton
+        launch (``dispatch.attn_res_mix``; the folded weight cached on ``proj``). With ``delta``: (that,
+        ``prefix + delta``).
     """
     if not hasattr(proj, "mix_cache"):
         proj.mix_cache = {}
-    out = dispatch.attn_res_mix(prefix, blocks, norm.weight, proj.weight, norm.eps, proj.mix_cache, delta)
+    out = dispatch.attn_res_mix(prefix, blocks, norm.weight, proj.weight, norm.eps, proj.mix_cache, delta,
+                                None if out_norm is None else (out_norm.weight, out_norm.eps))
     if out is not None:
         return out
     if delta is not None:
@@ -295,6 +305,8 @@ def attn_res_mix(prefix: torch.Tensor, blocks: list[torch.Tensor], proj: Linear,
     w = norm.weight.float() * proj.weight.reshape(-1).float()
     p = (k * w).sum(-1).softmax(-1)  # [T, N]
     y = torch.matmul(p.unsqueeze(1), v).squeeze(1).to(prefix.dtype)
+    if out_norm is not None:
+        y = out_norm(y)
     return y if delta is None else (y, prefix)
 
 
@@ -314,21 +326,24 @@ class AttnResDecoderLayer(nn.Module):
 
     def forward(self, positions, prefix: torch.Tensor, blocks: list[torch.Tensor], cache,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        h = attn_res_mix(prefix, blocks, self.self_attention_res_proj, self.self_attention_res_norm) if blocks \
-            else prefix
+        # each mix comes out through the norm that follows it (one launch on a GPU)
+        x = attn_res_mix(prefix, blocks, self.self_attention_res_proj, self.self_attention_res_norm,
+                         out_norm=self.input_layernorm) if blocks else self.input_layernorm(prefix)
         cur: torch.Tensor | None = prefix
         if self.layer_idx % self.block_size == 0:
             blocks, cur = [*blocks, prefix], None
-        a = self.self_attn(positions, self.input_layernorm(h), cache, meta)
+        a = self.self_attn(positions, x, cache, meta)
         if self.tp is not None:
             a = self.tp.all_reduce(a)
         if cur is None:
             cur = a
-            h = attn_res_mix(cur, blocks, self.mlp_res_proj, self.mlp_res_norm)
+            x = attn_res_mix(cur, blocks, self.mlp_res_proj, self.mlp_res_norm, out_norm=self.post_attention_layernorm)
         else:  # cur + a in the mix's launch on a GPU
-            h, cur = attn_res_mix(cur, blocks, self.mlp_res_proj, self.mlp_res_norm, delta=a)
-        m = self.mlp(self.post_attention_layernorm(h))
-        return cur + (m if self.tp is None else self.tp.all_reduce(m)), blocks
+            x, cur = attn_res_mix(cur, blocks, self.mlp_res_proj, self.mlp_res_norm, delta=a,
+                                  out_norm=self.post_attention_layernorm)
+        if self.tp is None:  # cur is this layer's own tensor: the MLP adds into it in its last GEMM where it can
+            return self.mlp(x, residual=cur), blocks
+        return cur + self.tp.all_reduce(self.mlp(x)), blocks
 
 
 class KimiLinearForCausalLM(CausalLM):
@@ -514,5 +529,5 @@ class KimiK3ForConditionalGeneration(KimiLinearForCausalLM):
         prefix, blocks = self.model.embed_tokens(input_ids), []
         for layer, cache in zip(self.model.layers, kv_caches):
             prefix, blocks = layer(positions, prefix, blocks, cache, meta)
-        h = attn_res_mix(prefix, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm)
-        return self.model.norm(h)
+        return attn_res_mix(prefix, blocks, self.model.output_attn_res_proj, self.model.output_attn_res_norm,
+                            out_norm=self.model.norm)  # the output mix through the final norm: one launch on a GPU
