@@ -181,8 +181,9 @@ def test_rms_norm_to_matches_norm_then_cast(interpret):
 # 13 / 28 / 24 / 25 until the residual add moved into the second mix's launch where a layer does not close a block
 # and the shared experts' sum into their down projection's GEMM, then 13 / 26 / 23 / 23 until the routed experts'
 # SiTU-GLU moved into their gate|up GEMM's epilogue, then 13 / 25 / 22 / 22 until each mix took the norm after it
-# and the MLP's last GEMM the residual add (2026-12-07)
-K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 11, 22, 19
+# and the MLP's last GEMM the residual add, then 11 / 22 / 19 / 19 until g_proj joined the MLA a-projection's GEMM and
+# the latent down-projection the shared experts' gate|up GEMM (2026-12-07)
+K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 11, 20, 18
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -213,9 +214,10 @@ def test_linear_forward_add_accumulates_in_the_gemm_on_the_gpu_path(monkeypatch,
 
 def test_latent_moe_adds_the_residual_in_its_gemms_on_the_gpu_path(monkeypatch):
     """K3's MoE block with ``residual`` (the layer's partial sum): ``residual`` + the block. Off the GPU path exactly
-    the eager sum in a new tensor (the reference's order); on the GPU code path, in float32 to float32 rounding of
-    it, the sum made in the latent up-projection's and the shared experts' down GEMMs, in the residual's own storage
-    (the returned tensor is it)."""
+    the eager sum in a new tensor (the reference's order); on the GPU code path after the load-time fusions (the
+    latent down-projection and the shared experts' gate|up in one GEMM), in float32 to float32 rounding of it, the
+    sum made in the latent up-projection's and the shared experts' down GEMMs, in the residual's own storage (the
+    returned tensor is it)."""
     from test_kimi_k3 import TEXT
     from tokenfab.config import parse_config
     from tokenfab.models.kimi_linear import KimiMoE
@@ -233,9 +235,13 @@ def test_latent_moe_adds_the_residual_in_its_gemms_on_the_gpu_path(monkeypatch):
         res = r.clone()
         eager = moe(x, residual=res)
         assert eager.data_ptr() != res.data_ptr() and torch.equal(eager, want)  # the reference's order
-        moe.shared_experts.fuse()
         monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
+        for m in moe.modules():  # as CausalLM.post_load: the latent down and shared gate|up rows join one GEMM
+            if hasattr(m, "fuse"):
+                m.fuse()
+        sh_inter = moe.shared_experts.down_proj.in_features
+        assert moe.x_proj is not None and moe.x_proj.out_features == moe.latent + 2 * sh_inter
         res = r.clone()
         got = moe(x, residual=res)
     assert got.data_ptr() == res.data_ptr() and torch.allclose(got, want, rtol=1e-5, atol=1e-4)

@@ -108,13 +108,35 @@ class MLAttention(nn.Module):
 
     def _fuse_a_projections(self) -> None:
         """q_a_proj [q_lora, hidden] and kv_a_proj_with_mqa [kv_lora + rope, hidden] read the same x: one GEMM over
-        their concatenated rows (``qkv_a_proj``, as vLLM's fused_qkv_a_proj) instead of two. Each output column is
-        the same dot product as before."""
+        their concatenated rows (``qkv_a_proj``, as vLLM's fused_qkv_a_proj) instead of two, with the rows of
+        :meth:`_a_extra` (a subclass's own projection of x) appended when it gives one. Each output column is the
+        same dot product as before."""
         if self.q_lora_rank is None or getattr(self, "qkv_a_proj", None) is not None:
             return
-        fused = Linear.concat([self.q_a_proj, self.kv_a_proj_with_mqa])
+        parts, extra = [self.q_a_proj, self.kv_a_proj_with_mqa], self._a_extra()
+        fused = None if extra is None else Linear.concat([*parts, extra])
+        if fused is None:
+            fused, extra = Linear.concat(parts), None
         if fused is not None:
             self.qkv_a_proj = fused
+            self._a_split = [self.q_lora_rank, self.kv_lora, self.rope_dim] + ([] if extra is None
+                                                                               else [extra.out_features])
+
+    def _a_extra(self) -> Linear | None:
+        """A projection of x to join the fused a-projection's GEMM (its output slice goes to :meth:`_take_a_extra`);
+        None here."""
+        return None
+
+    def _take_a_extra(self, out: torch.Tensor) -> None:
+        """Receives the :meth:`_a_extra` columns [T, out] (a strided view) of each fused a-projection."""
+
+    def _fused_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q_a, c_kv, k_rope) from the fused a-projection's one GEMM (views of its output); the extra columns, when
+        joined, handed to :meth:`_take_a_extra`."""
+        parts = self.qkv_a_proj(x).split(self._a_split, dim=-1)
+        if len(parts) > 3:
+            self._take_a_extra(parts[3])
+        return parts[0], parts[1], parts[2]
 
     def _absorb_prefill(self, group: AttentionGroup) -> bool:
         """Prefill in absorbed form? ``prefill_form`` "expanded", "absorbed" or "auto" (default): absorbed when it
@@ -252,7 +274,7 @@ class MLAttention(nn.Module):
         fused_a = getattr(self, "qkv_a_proj", None)
         q_full = None
         if fused_a is not None:
-            q_a, c_kv, k_rope = fused_a(x).split([self.q_lora_rank, self.kv_lora, self.rope_dim], dim=-1)
+            q_a, c_kv, k_rope = self._fused_a(x)
         else:
             if self.q_lora_rank is None:
                 q_a, q_full = None, self.q_proj(x)
@@ -291,7 +313,7 @@ class MLAttention(nn.Module):
             return out
         fused_a = getattr(self, "qkv_a_proj", None)
         if fused_a is not None:  # after fuse(): [q_a | c_kv | k_rope] from one GEMM
-            q_a, c_kv, k_rope = fused_a(x).split([self.q_lora_rank, self.kv_lora, self.rope_dim], dim=-1)
+            q_a, c_kv, k_rope = self._fused_a(x)
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))

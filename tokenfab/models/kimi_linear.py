@@ -115,6 +115,11 @@ class SituMLP(nn.Module):
             gu = self.gate_up(x)
         else:
             gu = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)
+        return self.from_gate_up(gu, residual)
+
+    def from_gate_up(self, gu: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP after its gate|up projection: gu [T, 2I] ([gate | up], unit stride along the last dim; rows may
+        be strided, e.g. a slice of a wider GEMM's output) -> [T, H], ``residual`` as in :meth:`forward`."""
         h = situ_glu(gu, self.beta, self.linear_beta)
         return self.down_proj(h) if residual is None else self.down_proj.forward_add_(h, residual)
 
@@ -208,12 +213,20 @@ class KimiMoE(nn.Module):
             self.experts = RoutedExperts(cfg.num_experts, inner, cfg.moe_intermediate_size, rng)
         self.shared_experts = make_mlp(cfg, shared) if cfg.n_shared_experts else None
         self.folded = None  # GPU path, SiLU experts without the latent MoE: shared experts stacked behind routed
+        self.x_proj: Linear | None = None  # GPU path, latent MoE: [latent down | shared gate | up] rows, one GEMM
 
     def fuse(self) -> None:
-        """After loading, on the GPU code path (SiLU experts, no latent MoE): the shared experts become
-        always-chosen routed experts (layers/shared_expert_fold.py), three launches and the add fewer per step."""
+        """After loading, on the GPU code path. SiLU experts, no latent MoE: the shared experts become always-chosen
+        routed experts (layers/shared_expert_fold.py), three launches and the add fewer per step. Latent MoE with
+        SiTU shared experts (one process, device experts): the latent down-projection and the shared experts'
+        gate and up projections, which all read x, become one GEMM (``x_proj``; each output column the same dot
+        product), one launch fewer. Runs before the shared experts' own fuse (modules in pre-order)."""
         if self.folded is None and not self.latent:
             self.folded = fold_shared_experts(self.experts, self.shared_experts, self.gate)
+        sh = self.shared_experts
+        if (self.latent and self.x_proj is None and self.tp is None and isinstance(sh, SituMLP)
+                and sh.gate_up is None and self.experts.host is None and dispatch.gpu_path(self.gate.weight)):
+            self.x_proj = Linear.concat([self.routed_expert_down_proj, sh.gate_proj, sh.up_proj])
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> the MoE's output [T, H]; with ``residual`` (a [T, H] tensor the caller owns, no tensor
@@ -225,7 +238,11 @@ class KimiMoE(nn.Module):
             if out is not None:
                 return out if residual is None else residual + out
         w, ids = self.gate(x)
-        z = self.routed_expert_down_proj(x) if self.latent else x
+        gu = None
+        if self.x_proj is not None:  # the latent input and the shared experts' gate|up from one GEMM (views)
+            z, gu = self.x_proj(x).split([self.latent, self.x_proj.out_features - self.latent], dim=-1)
+        else:
+            z = self.routed_expert_down_proj(x) if self.latent else x
         y = self.experts(z, w, ids)
         if self.latent:
             if self.tp is not None:
@@ -244,7 +261,7 @@ class KimiMoE(nn.Module):
                 else:
                     y = self.routed_expert_up_proj(y.to(x.dtype))
         if self.shared_experts is not None:  # y is this forward's own tensor: added to in the shared down GEMM
-            y = self.shared_experts(x, residual=y)
+            y = self.shared_experts(x, residual=y) if gu is None else self.shared_experts.from_gate_up(gu, residual=y)
         return y if residual is None else residual + y
 
 
@@ -263,15 +280,24 @@ class _GatedOutProj(Linear):
 
 
 class GatedMLAttention(MLAttention):
-    """K3 gated NoPE MLA: o_proj(attention(x) * sigmoid(g_proj x)); g_proj [H * v_head_dim, hidden]."""
+    """K3 gated NoPE MLA: o_proj(attention(x) * sigmoid(g_proj x)); g_proj [H * v_head_dim, hidden]. On the GPU
+    code path g_proj's rows join the fused a-projection's GEMM (one launch fewer per layer)."""
 
     def __init__(self, cfg, rotary, head_range=None):
         super().__init__(cfg, rotary, head_range)
         self.g_proj = Linear(cfg.hidden_size, self.num_heads * self.v_dim)
         self.o_proj = _GatedOutProj(self.num_heads * self.v_dim, cfg.hidden_size, cfg.attention_bias)
 
+    def _a_extra(self) -> Linear | None:
+        """g_proj on the GPU code path (the layer's norms tell where it runs); elsewhere it keeps its own GEMM."""
+        return self.g_proj if dispatch.gpu_path(self.kv_a_layernorm.weight) else None
+
+    def _take_a_extra(self, out: torch.Tensor) -> None:
+        self.o_proj.gate = out  # the logits: o_proj applies the sigmoid with the product
+
     def forward(self, positions, x, cache, meta):
-        self.o_proj.gate = self.g_proj(x)  # the logits: o_proj applies the sigmoid with the product
+        if len(getattr(self, "_a_split", ())) < 4:  # g_proj not joined to the a-projection: its own GEMM
+            self.o_proj.gate = self.g_proj(x)
         return super().forward(positions, x, cache, meta)
 
 

@@ -219,7 +219,8 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
     align = align_pairs_fused if M <= ALIGN_FUSED_MAX_PAIRS else align_pairs
     sorted_pairs, expert_of_block, num_post = align(ids, start, num_local, block_m)
     pairs = (sorted_pairs, expert_of_block, num_post, weights.reshape(-1).contiguous(), M)  # read as float32
-    x = x.contiguous()
+    if x.stride(-1) != 1:  # rows may be strided (a slice of a wider GEMM's output): the GEMM reads them in place
+        x = x.contiguous()
     nsplit = torch.empty(1, dtype=torch.int32, device=x.device)
     glu, beta, lbeta = epilogue_code(act)
     if glu:  # the activation in the gate|up GEMM's epilogue: h [M, I] straight out
