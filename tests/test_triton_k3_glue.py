@@ -250,7 +250,8 @@ def test_latent_moe_adds_the_residual_in_its_gemms_on_the_gpu_path(monkeypatch):
 def test_k3_on_the_gpu_path_matches_the_pytorch_paths(tmp_path, tokenizer_dir, monkeypatch):
     """A tiny K3 (KDA, gated NoPE MLA, attention residuals, latent MoE with SiTU experts) in float32 on the GPU code
     path (every Triton kernel interpreted, no C++ kernels) against the same checkpoint on the PyTorch paths: the
-    same greedy tokens, prompt logprobs within 1e-4; and each decode layer within its launch count in bfloat16."""
+    same greedy tokens, prompt logprobs within 1e-4; and each decode layer within its launch count in bfloat16, with
+    no host read in the decode step."""
     from conftest import max_prompt_logprob_gap
     from test_gpu_kernel_count import count_decode_layers, report
     from test_kimi_k3 import TEXT, k3_tensors, write_k3
@@ -272,6 +273,7 @@ def test_k3_on_the_gpu_path_matches_the_pytorch_paths(tmp_path, tokenizer_dir, m
     assert max_prompt_logprob_gap(ref, out, "K3 GPU path") < 1e-4
     totals, kc = count_decode_layers(path, "bfloat16")  # the serving dtype: the latent norm's float32 sum is cast
     counts = kc.counts
+    assert not kc.syncs, f"host syncs in the decode step: {kc.syncs}\n{report(kc)}"  # what a CUDA graph captures
     assert all(counts[f"layer{i}"]["triton:_attn_res_mix_kernel"] >= 1 for i in range(4)), report(kc)
     assert counts["layer1"]["triton:_sigmoid_mul_kernel"] == 1, report(kc)
     assert (totals["layer0"] <= K3_DENSE_MAX and totals["layer1"] <= K3_MLA_MOE_MAX
