@@ -42,11 +42,12 @@ def test_selection_matches_the_router(monkeypatch, E, n_group, topk_group, top_k
 
 
 def test_shapes_outside_the_kernel_stay_on_the_reference_path():
-    """Kimi K3's 896 and Kimi-K2's 384 experts (ungrouped) take the selection launch, padded to a power of two, but
-    not the fused one; grouped routing still needs power-of-two counts."""
+    """Kimi K3's 896 and Kimi-K2's 384 experts (ungrouped) take the selection launch and the fused one, padded to a
+    power of two; grouped routing still needs power-of-two counts."""
     from tokenfab.kernels.gpu import router
     assert not router.applies(384, 1, 6)  # top_k not a power of two
     assert not router.applies(96, 8, 8)   # grouped, expert count not a power of two
     assert not router.applies(8, 8, 2)    # groups of one expert (no best two)
     assert router.applies(896, 1, 16) and router.applies(384, 1, 8) and router.applies(24, 1, 4)
-    assert not router.fused_applies(896, 1, 16) and router.fused_applies(256, 8, 8)
+    assert router.fused_applies(896, 1, 16) and router.fused_applies(256, 8, 8)
+    assert not router.fused_applies(96, 8, 8) and not router.fused_applies(384, 1, 6)

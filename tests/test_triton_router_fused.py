@@ -34,6 +34,8 @@ def same_choice(w, ids, w_ref, ids_ref, k):
     (256, 8, 4, 8, 96, 3),      # DeepSeek-V3's grouping, one token tile
     (64, 1, 1, 4, 1100, 37),    # hidden 1100: 3 hidden ranges (partials summed), T 37: two token tiles, one partial
     (8, 4, 3, 2, 40, 1),        # 8 experts: a 16-wide expert tile half masked
+    (896, 1, 1, 16, 64, 5),     # Kimi K3's 896 experts top-16: padded to 1,024 columns, 4 tokens a selection pass
+    (384, 1, 1, 8, 72, 20),     # Kimi-K2's 384: a 32-token tile selected 8 tokens a pass, the last pass partial
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("extra", [0, 2])
@@ -100,3 +102,18 @@ def test_router_topk_rejects_misfits(interpret):
     with pytest.raises(ValueError):
         router.router_topk(torch.randn(2, 24), r.weight.double(), r.e_score_correction_bias, tickets, 4, 2, 4, True,
                            1.0)
+
+
+def test_router_compiles_for_sm90_and_gfx942(interpret):
+    """The one-launch router's GPU form for Kimi K3's 896 experts top-16 (padded selection passes of 4 tokens; bf16
+    activations) compiled by Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU
+    (tokenfab/testing/target_compile.py). DeepSeek-V3's grouped form compiles in tests/test_gpu_kernels_compile.py."""
+    from tokenfab.kernels.gpu import router
+    from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets
+    r, g = make_router(896, 512, 1, 1, 16, True, 3)
+    with LaunchRecorder() as rec:
+        router.router_topk(torch.randn(1, 512, generator=g).to(torch.bfloat16), r.weight, r.e_score_correction_bias,
+                           torch.zeros(router.TICKETS, dtype=torch.int32), 1, 1, 16, True, 2.5)
+    assert [(l["constexprs"]["E"], l["constexprs"]["SEL_T"]) for l in rec.launches] == [(896, 4)]
+    failures = compile_for_targets(rec.launches)
+    assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']}" for f in failures)

@@ -13,9 +13,9 @@ Selection by repeated arg-max over a tile of tokens' rows (``top_k`` and ``topk_
 masked each round); ties go to the lower index. The ids come out in descending choice score (the reference's topk
 is unsorted: compare them as sets). Grouped routing needs the expert count and the group size to be powers of two
 (DeepSeek-V3: 256 in 8 groups of 32); ungrouped routing takes any expert count, padded to the next power of two
-with columns that never win (Kimi-K2: 384, Kimi K3: 896), through the selection launch after the GEMM (the fused
-launch keeps power-of-two counts: its token tiles hold every expert's logit in registers). Otherwise the dispatch
-seam returns None and the layer's PyTorch path runs.
+with columns that never win (Kimi-K2: 384, Kimi K3: 896), in the fused launch as in the selection launch after a
+separate GEMM (the fused launch's selection holds SELECT_ELEMENTS logits at a time: a few tokens' padded rows).
+Otherwise the dispatch seam returns None and the layer's PyTorch path runs.
 
 Qwen3-MoE's softmax top-k: :func:`softmax_topk`.
 """
@@ -92,10 +92,12 @@ def _group_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scale, extr
 def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, T, HID, s_x, s_rw, scale,
                    extra_base, E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
                    EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr, EP: tl.constexpr,
-                   SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                   SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SEL_T: tl.constexpr):
     """Program (i, j): the float32 logits of token tile j for experts tile i // SPLIT over hidden range i % SPLIT,
     stored as a partial; the tile's last program to finish (a ticket per token tile) sums the partials in split
-    order and runs the selection for the tile, then resets the ticket for the next launch."""
+    order and runs the selection for the tile, SEL_T tokens at a time (their rows of EP logits in registers), then
+    resets the ticket for the next launch."""
     pid = tl.program_id(0)
     tb = tl.program_id(1)
     eb = pid // SPLIT
@@ -122,16 +124,19 @@ def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, 
     ticket = tl.atomic_add(count_ptr + tb, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) - 1:  # (the barrier / release / acquire / barrier of Inductor's grid barrier)
         tl.debug_barrier()  # the acquired ticket seen by every thread before they read the other partials
-        cols = tl.arange(0, E)[None, :]
-        logits = tl.zeros([BLOCK_T, E], tl.float32)
-        for s in range(SPLIT):  # in split order: the same sum whichever program came last
-            logits += tl.load(part_ptr + (s * T + t.to(tl.int64))[:, None] * E + cols, mask=tmask[:, None],
-                              other=0.0, volatile=True)
-        ws, ids = _select_tile(logits, bias_ptr, scale, extra_base, E, G, TOPK_GROUP, K, EXTRA, NORM, KOUT, EP)
+        cols = tl.arange(0, EP)[None, :]
         kidx = tl.arange(0, KOUT)[None, :]
-        omask = tmask[:, None] & (kidx < K + EXTRA)
-        tl.store(w_ptr + t[:, None] * (K + EXTRA) + kidx, ws, mask=omask)
-        tl.store(id_ptr + t[:, None] * (K + EXTRA) + kidx, ids, mask=omask)
+        for r0 in range(0, BLOCK_T, SEL_T):  # a loop, not unrolled: each pass is the whole selection
+            ts = tb * BLOCK_T + r0 + tl.arange(0, SEL_T)
+            smask = ts < T
+            logits = tl.zeros([SEL_T, EP], tl.float32)
+            for s in range(SPLIT):  # in split order: the same sum whichever program came last
+                logits += tl.load(part_ptr + (s * T + ts.to(tl.int64))[:, None] * E + cols,
+                                  mask=smask[:, None] & (cols < E), other=0.0, volatile=True)
+            ws, ids = _select_tile(logits, bias_ptr, scale, extra_base, E, G, TOPK_GROUP, K, EXTRA, NORM, KOUT, EP)
+            omask = smask[:, None] & (kidx < K + EXTRA)
+            tl.store(w_ptr + ts[:, None] * (K + EXTRA) + kidx, ws, mask=omask)
+            tl.store(id_ptr + ts[:, None] * (K + EXTRA) + kidx, ids, mask=omask)
         tl.atomic_xchg(count_ptr + tb, 0)
 
 
@@ -150,9 +155,12 @@ def applies(num_experts: int, n_group: int, top_k: int) -> bool:
 
 
 def fused_applies(num_experts: int, n_group: int, top_k: int) -> bool:
-    """Whether :func:`router_topk` (GEMM and selection in one launch) takes this shape: :func:`applies` with a
-    power-of-two expert count (its token tiles hold every expert's logit in registers)."""
-    return applies(num_experts, n_group, top_k) and _pow2(num_experts)
+    """Whether :func:`router_topk` (GEMM and selection in one launch) takes this shape: what :func:`applies` takes
+    (any expert count ungrouped, padded to a power of two in the selection: Kimi K3's 896)."""
+    return applies(num_experts, n_group, top_k)
+
+
+SELECT_ELEMENTS = 4096  # logits the fused launch's selection holds in registers at once (SEL_T tokens x EP)
 
 
 def _meta(E: int, n_group: int, topk_group: int, top_k: int, norm: bool, extra: int) -> dict:
@@ -218,11 +226,13 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ticke
         block_k = 128
         split = max(1, min(triton.cdiv(hidden, 512), 256 // triton.cdiv(E, block_e)))
         block_t = max(16, min(32, triton.next_power_of_2(T)))
+        meta = _meta(E, n_group, topk_group, top_k, norm, extra)
+        sel_t = max(1, min(block_t, SELECT_ELEMENTS // meta["EP"]))  # K3's 1,024 padded experts: 4 tokens a pass
         part = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(E, block_e) * split, triton.cdiv(T, block_t))
         _router_kernel[grid](x, weight, bias, part, tickets, w, ids, T, hidden, x.stride(0), weight.stride(0),
-                             float(scale), E, **_meta(E, n_group, topk_group, top_k, norm, extra), SPLIT=split,
-                             BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, num_warps=4)
+                             float(scale), E, **meta, SPLIT=split, BLOCK_T=block_t, BLOCK_E=block_e,
+                             BLOCK_K=block_k, SEL_T=sel_t, num_warps=4)
     return w, ids
 
 
