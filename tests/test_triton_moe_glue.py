@@ -79,6 +79,7 @@ def test_softmax_topk_matches_the_router(interpret, monkeypatch, dtype, E, top_k
     logits = torch.nn.functional.linear(x, router.weight)
     w, ids = softmax_topk(logits, top_k, norm)
     monkeypatch.setattr(dispatch, "softmax_topk", lambda *a, **kw: None)
+    monkeypatch.setattr(dispatch, "softmax_router", lambda *a, **kw: None)
     w_ref, ids_ref = router(x)
     assert ids.dtype == torch.int64 and w.dtype == dtype and w.shape == (7, top_k)
     # sorted descending, as torch.topk; experts whose bf16 logits tie exactly may come in either order
@@ -88,6 +89,57 @@ def test_softmax_topk_matches_the_router(interpret, monkeypatch, dtype, E, top_k
         assert torch.equal(ids, ids_ref)
     tol = 1e-6 if dtype == torch.float32 else 2.0 ** -7
     assert ((w.float() - w_ref.float()).abs() <= tol * w_ref.float().abs() + 1e-7).all()
+
+
+@pytest.mark.parametrize("dtype,E,top_k,norm,T,hidden", [
+    (torch.float32, 128, 8, True, 1, 64),      # Qwen3-30B-A3B's 128 experts top-8, one token
+    (torch.float32, 60, 4, True, 37, 1100),    # 60 experts (padded to 64), two token tiles, three hidden ranges
+    (torch.float32, 12, 3, False, 5, 40),
+    (torch.float16, 128, 8, True, 20, 96),     # k / 1024 data: float32 logits exact, then rounded to fp16 both ways
+    (torch.float16, 60, 4, False, 3, 64),
+    (torch.bfloat16, 128, 8, True, 4, 96),     # small integers: logits exact in bf16 (the interpreter truncates bf16)
+])
+def test_softmax_router_in_one_launch_matches_the_router(interpret, monkeypatch, dtype, E, top_k, norm, T, hidden):
+    """Qwen3-MoE's router with its GEMM in the selection's launch (kernels/gpu/router.py ``router_softmax_topk``)
+    against SoftmaxTopKRouter's PyTorch path (the seams off): the chosen experts' probabilities equal (float32: the
+    same ids in the same order; 16-bit: experts whose rounded logits tie may swap), weights within float32 rounding
+    (16-bit: one step of the dtype), tickets left zero; on the GPU code path the router module takes it."""
+    from tokenfab.kernels.gpu import router as gpu_router
+    from tokenfab.layers.moe import SoftmaxTopKRouter
+    g = torch.Generator().manual_seed(E + T)
+    router = SoftmaxTopKRouter(hidden, E, top_k, norm).to(dtype)
+    if dtype == torch.float32:
+        wt, x = torch.randn(E, hidden, generator=g) / hidden ** 0.5, torch.randn(T, hidden + 2, generator=g)
+    elif dtype == torch.float16:  # multiples of 1/1024: every product and sum exact in float32; logits of up to
+        # 16 significant bits, which the reference's fp16 GEMM output rounds to 11 (the kernel must round them too)
+        wt = torch.randint(-64, 65, (E, hidden), generator=g) / 1024
+        x = torch.randint(-8, 9, (T, hidden + 2), generator=g).float()
+    else:  # small integers: every logit (|.| < 256) exact in bf16, no rounding to compare (Triton's interpreter
+        # truncates to bf16 where a GPU rounds to nearest)
+        wt, x = torch.randint(-2, 3, (E, hidden), generator=g), torch.randint(-1, 2, (T, hidden + 2), generator=g)
+    with torch.no_grad():
+        router.weight.copy_(wt.to(dtype))
+    x = x.to(dtype)[:, :hidden]  # a strided view, as a norm's output may be
+    tickets = torch.zeros(gpu_router.TICKETS, dtype=torch.int32)
+    w, ids = gpu_router.router_softmax_topk(x, router.weight, tickets, top_k, norm)
+    assert tickets.eq(0).all() and w.dtype == dtype and ids.shape == (T, top_k)
+    with monkeypatch.context() as mp:
+        mp.setattr(dispatch, "softmax_topk", lambda *a, **kw: None)
+        mp.setattr(dispatch, "softmax_router", lambda *a, **kw: None)
+        w_ref, ids_ref = router(x)
+    logits = torch.nn.functional.linear(x.double(), router.weight.double()).to(dtype).double()  # exact, rounded
+    probs = torch.softmax(logits, -1)
+    torch.testing.assert_close(probs.gather(1, ids), probs.gather(1, ids_ref), rtol=1e-6, atol=1e-9)
+    if dtype == torch.float32:
+        assert torch.equal(ids, ids_ref)
+    tol = {torch.float32: 1e-5, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}[dtype]
+    assert ((w.float() - w_ref.float()).abs() <= tol * w_ref.float().abs() + 1e-7).all()
+    calls = []
+    orig = gpu_router.router_softmax_topk
+    monkeypatch.setattr(gpu_router, "router_softmax_topk", lambda *a, **kw: calls.append(1) or orig(*a, **kw))
+    monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
+    w2, ids2 = router(x)
+    assert calls == [1] and torch.equal(ids2, ids) and torch.equal(w2, w)
 
 
 def test_softmax_topk_rejects_bad_k(interpret):

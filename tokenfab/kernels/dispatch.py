@@ -322,6 +322,19 @@ def router_tickets(x: torch.Tensor) -> torch.Tensor | None:
     return torch.zeros(router.TICKETS, dtype=torch.int32, device=x.device)
 
 
+def softmax_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool,
+                   tickets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Qwen3-MoE's whole router for x [T, hidden] with its weight [E, hidden] in one launch on the GPU path
+    (:func:`tokenfab.kernels.gpu.router.router_softmax_topk`: GEMM, softmax, top-k, renormalization, cast) up to
+    FUSED_MAX_TOKENS tokens with the router's ``tickets``; None elsewhere (then the GEMM and :func:`softmax_topk`)."""
+    if (tickets is not None and _gpu(x) and x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and 1 <= top_k <= weight.shape[0]):
+        from tokenfab.kernels.gpu import router
+        if x.shape[0] <= router.FUSED_MAX_TOKENS:
+            return router.router_softmax_topk(x, weight, tickets, top_k, norm)
+    return None
+
+
 def softmax_topk(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Qwen3-MoE routing after the router GEMM: softmax of logits [T, E] in float32, top-k, renormalized when
     ``norm`` -> (weights [T, top_k] in logits' dtype, ids [T, top_k] int64), by the Triton kernel on the GPU path

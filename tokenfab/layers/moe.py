@@ -78,8 +78,16 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
 
+    _tickets: torch.Tensor | None = None  # GPU path: the fused router launch's per-tile counters (kept zero)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
+        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64). On the GPU path decode batches
+        take one launch (GEMM and selection, dispatch.softmax_router), larger ones the GEMM and one launch."""
+        if self._tickets is None or self._tickets.device != x.device:
+            self._tickets = dispatch.router_tickets(x)  # created on the first (prefill / warm-up) call
+        out = dispatch.softmax_router(x, self.weight, self.top_k, self.norm_topk_prob, self._tickets)
+        if out is not None:
+            return out
         logits = torch.nn.functional.linear(x, self.weight)
         out = dispatch.softmax_topk(logits, self.top_k, self.norm_topk_prob)
         if out is not None:  # GPU path: softmax, top-k, renormalization and cast in one kernel

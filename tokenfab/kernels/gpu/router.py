@@ -17,7 +17,9 @@ with columns that never win (Kimi-K2: 384, Kimi K3: 896), in the fused launch as
 separate GEMM (the fused launch's selection holds SELECT_ELEMENTS logits at a time: a few tokens' padded rows).
 Otherwise the dispatch seam returns None and the layer's PyTorch path runs.
 
-Qwen3-MoE's softmax top-k: :func:`softmax_topk`.
+Qwen3-MoE's softmax top-k: :func:`softmax_topk` after the GEMM, or :func:`router_softmax_topk` with the GEMM in the
+same launch (decode batches; the same work split, the logits rounded to the activations' dtype first as the
+reference's GEMM output is).
 """
 from __future__ import annotations
 
@@ -75,6 +77,33 @@ def _select_tile(logits, bias_ptr, scale, extra_base, E: tl.constexpr, G: tl.con
 
 
 @triton.jit
+def _softmax_select_tile(logits, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr,
+                         EP: tl.constexpr):
+    """Qwen3-MoE's selection for a tile of tokens: float32 logits [BT, EP] (columns past E padding) -> (weights
+    [BT, KOUT] float32: the softmax probabilities of the ``K`` most probable experts, renormalized when NORM;
+    ids [BT, KOUT] int64), by repeated arg-max (ties to the lower index), as :func:`_softmax_topk_kernel` per row."""
+    idx = tl.arange(0, EP)[None, :]
+    valid = idx < E
+    logits = tl.where(valid, logits, float("-inf"))
+    ex = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+    probs = ex / tl.sum(ex, axis=1)[:, None]
+    choice = tl.where(valid, probs, -1.0)  # probabilities are >= 0: padding never wins
+    BT: tl.constexpr = logits.shape[0]
+    kidx = tl.arange(0, KOUT)[None, :]
+    ids = tl.zeros((BT, KOUT), dtype=tl.int64)
+    ws = tl.zeros((BT, KOUT), dtype=tl.float32)
+    for j in tl.static_range(K):
+        e = tl.argmax(choice, axis=1)[:, None]
+        hit = idx == e
+        ids = tl.where(kidx == j, e.to(tl.int64), ids)
+        ws = tl.where(kidx == j, tl.sum(tl.where(hit, probs, 0.0), axis=1)[:, None], ws)
+        choice = tl.where(hit, -2.0, choice)
+    if NORM:
+        ws = ws / tl.sum(ws, axis=1)[:, None]  # padding slots hold 0
+    return ws, ids
+
+
+@triton.jit
 def _group_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scale, extra_base,
                        E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
                        EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr, EP: tl.constexpr):
@@ -93,11 +122,12 @@ def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, 
                    extra_base, E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
                    EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr, EP: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SEL_T: tl.constexpr):
+                   SEL_T: tl.constexpr, SOFTMAX: tl.constexpr = False):
     """Program (i, j): the float32 logits of token tile j for experts tile i // SPLIT over hidden range i % SPLIT,
     stored as a partial; the tile's last program to finish (a ticket per token tile) sums the partials in split
     order and runs the selection for the tile, SEL_T tokens at a time (their rows of EP logits in registers), then
-    resets the ticket for the next launch."""
+    resets the ticket for the next launch. SOFTMAX: Qwen3-MoE's selection instead, on the logits rounded to x's
+    dtype first (the router GEMM's output dtype in the reference), weights stored in w_ptr's dtype."""
     pid = tl.program_id(0)
     tb = tl.program_id(1)
     eb = pid // SPLIT
@@ -133,9 +163,14 @@ def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, 
             for s in range(SPLIT):  # in split order: the same sum whichever program came last
                 logits += tl.load(part_ptr + (s * T + ts.to(tl.int64))[:, None] * E + cols,
                                   mask=smask[:, None] & (cols < E), other=0.0, volatile=True)
-            ws, ids = _select_tile(logits, bias_ptr, scale, extra_base, E, G, TOPK_GROUP, K, EXTRA, NORM, KOUT, EP)
+            if SOFTMAX:
+                logits = logits.to(x_ptr.dtype.element_ty).to(tl.float32)
+                ws, ids = _softmax_select_tile(logits, E, K, NORM, KOUT, EP)
+            else:
+                ws, ids = _select_tile(logits, bias_ptr, scale, extra_base, E, G, TOPK_GROUP, K, EXTRA, NORM, KOUT,
+                                       EP)
             omask = smask[:, None] & (kidx < K + EXTRA)
-            tl.store(w_ptr + ts[:, None] * (K + EXTRA) + kidx, ws, mask=omask)
+            tl.store(w_ptr + ts[:, None] * (K + EXTRA) + kidx, ws.to(w_ptr.dtype.element_ty), mask=omask)
             tl.store(id_ptr + ts[:, None] * (K + EXTRA) + kidx, ids, mask=omask)
         tl.atomic_xchg(count_ptr + tb, 0)
 
@@ -221,18 +256,58 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ticke
         raise ValueError(f"router_topk: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype} do not fit")
     w = torch.empty(T, top_k + extra, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k + extra, dtype=torch.int64, device=x.device)
+    _launch_fused(x, weight, bias, tickets, w, ids, scale, _meta(E, n_group, topk_group, top_k, norm, extra), False)
+    return w, ids
+
+
+def _launch_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tickets: torch.Tensor, w: torch.Tensor,
+                  ids: torch.Tensor, scale: float, meta: dict, softmax: bool) -> None:
+    """One launch of ``_router_kernel`` for x [T, hidden] and weight [E, hidden] into w / ids [T, k] (the work split
+    of :func:`router_topk`'s docstring)."""
+    T, hidden = x.shape
+    E = weight.shape[0]
     if T:
         block_e = 16  # tl.dot's smallest tile side
         block_k = 128
         split = max(1, min(triton.cdiv(hidden, 512), 256 // triton.cdiv(E, block_e)))
         block_t = max(16, min(32, triton.next_power_of_2(T)))
-        meta = _meta(E, n_group, topk_group, top_k, norm, extra)
         sel_t = max(1, min(block_t, SELECT_ELEMENTS // meta["EP"]))  # K3's 1,024 padded experts: 4 tokens a pass
         part = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(E, block_e) * split, triton.cdiv(T, block_t))
         _router_kernel[grid](x, weight, bias, part, tickets, w, ids, T, hidden, x.stride(0), weight.stride(0),
                              float(scale), E, **meta, SPLIT=split, BLOCK_T=block_t, BLOCK_E=block_e,
-                             BLOCK_K=block_k, SEL_T=sel_t, num_warps=4)
+                             BLOCK_K=block_k, SEL_T=sel_t, SOFTMAX=softmax, num_warps=4)
+
+
+def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, tickets: torch.Tensor, top_k: int,
+                        norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's whole router in one launch (layers/moe.py ``SoftmaxTopKRouter``): the logits x W^T (float32
+    products and sums, rounded to x's dtype as the reference's GEMM output is), softmax in float32, the ``top_k``
+    most probable experts (descending, ties to the lower index), renormalized when ``norm``; the work split and
+    tickets of :func:`router_topk`.
+
+    Args:
+        x: [T, hidden] float32 / bf16 / fp16 (unit last stride), T <= FUSED_MAX_TOKENS.
+        weight: [E, hidden] (any float dtype, unit last stride; read as float32).
+        tickets: [TICKETS] int32 zeros owned by the caller, left zero (as :func:`router_topk`).
+
+    Returns:
+        (weights [T, top_k] in x's dtype, rounded once from float32; ids [T, top_k] int64).
+
+    Raises:
+        ValueError: more than FUSED_MAX_TOKENS tokens, top_k outside [1, E], shapes the kernel does not take.
+    """
+    T, hidden = x.shape
+    E = weight.shape[0]
+    if (T > FUSED_MAX_TOKENS or weight.shape != (E, hidden) or x.stride(-1) != 1 or weight.stride(-1) != 1
+            or tickets.numel() < TICKETS or tickets.dtype != torch.int32 or not 1 <= top_k <= E):
+        raise ValueError(f"router_softmax_topk: x {tuple(x.shape)}, weight {tuple(weight.shape)}, top_k {top_k} "
+                         "do not fit")
+    w = torch.empty(T, top_k, dtype=x.dtype, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    meta = dict(E=E, G=1, TOPK_GROUP=1, K=top_k, EXTRA=0, NORM=bool(norm), KOUT=triton.next_power_of_2(top_k),
+                EP=triton.next_power_of_2(E))
+    _launch_fused(x, weight, weight, tickets, w, ids, 1.0, meta, True)
     return w, ids
 
 
