@@ -197,8 +197,8 @@ def _children(pid: int) -> list[int]:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc to find the worker process")
 def test_dead_tensor_parallel_worker_fails_health_and_exits(tiny_model):
-    """SIGKILL on rank 1's worker of an idle 2-rank server: /health answers 503 naming the rank, and the server
-    exits with status 1 instead of serving on (or hanging) without a rank."""
+    """SIGKILL on rank 1's worker of an idle 2-rank server: /health answers 503 naming the rank (every 503 until the
+    process is gone), and the server exits with status 1 instead of serving on (or hanging) without a rank."""
     proc, port = _serve(tiny_model("llama"), ["--max-model-len", "64", "--tensor-parallel-size", "2"],
                         dict(os.environ, TOKENFAB_TP_TIMEOUT="60"))
     try:
@@ -222,5 +222,6 @@ def test_dead_tensor_parallel_worker_fails_health_and_exits(tiny_model):
             proc.kill()
     assert proc.returncode == 1, out[-3000:]
     bad = [t for s, t in health if s == 503]
-    assert any("the engine cannot serve" in t and "rank 1" in t for t in bad), health[:3]
+    # every 503 names the dead rank, up to the exit (the reason comes before "not running" while it exits)
+    assert bad and all("the engine cannot serve" in t and "rank 1" in t for t in bad), health[:3]
     assert "the engine cannot serve" in out and "rank 1" in out, out[-2000:]

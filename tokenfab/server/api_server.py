@@ -149,11 +149,12 @@ def build_app(async_llm: AsyncLLM, served_model_name: str, model_path: str | Non
     # ------------------------------------------------------------------------------------------- plain
     @app.get("/health")
     async def health():
-        if app.state.shutting_down or not async_llm.is_running:
-            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+        # the reason first: a server exiting because a rank died keeps naming it until it is gone (launch.py)
         reason = async_llm.health_error()
         if reason:
             return JSONResponse(error_body(503, f"the engine cannot serve: {reason}"), status_code=503)
+        if app.state.shutting_down or not async_llm.is_running:
+            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
         return Response(status_code=200)
 
     @app.get("/version")
