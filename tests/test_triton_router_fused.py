@@ -105,15 +105,22 @@ def test_router_topk_rejects_misfits(interpret):
 
 
 def test_router_compiles_for_sm90_and_gfx942(interpret):
-    """The one-launch router's GPU form for Kimi K3's 896 experts top-16 (padded selection passes of 4 tokens; bf16
-    activations) compiled by Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU
-    (tokenfab/testing/target_compile.py). DeepSeek-V3's grouped form compiles in tests/test_gpu_kernels_compile.py."""
+    """The routers' GPU forms compiled by Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU
+    (tokenfab/testing/target_compile.py), bf16 activations: the one-launch router for Kimi K3's 896 experts top-16
+    (padded selection passes of 4 tokens) and for Qwen3-MoE's softmax top-8 of 128, and the softmax selection after a
+    separate GEMM (prefills past 256 tokens). DeepSeek-V3's grouped form compiles in tests/test_gpu_kernels_compile.py
+    with the engine's launches."""
     from tokenfab.kernels.gpu import router
     from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets
     r, g = make_router(896, 512, 1, 1, 16, True, 3)
+    x = torch.randn(1, 512, generator=g).to(torch.bfloat16)
     with LaunchRecorder() as rec:
-        router.router_topk(torch.randn(1, 512, generator=g).to(torch.bfloat16), r.weight, r.e_score_correction_bias,
-                           torch.zeros(router.TICKETS, dtype=torch.int32), 1, 1, 16, True, 2.5)
-    assert [(l["constexprs"]["E"], l["constexprs"]["SEL_T"]) for l in rec.launches] == [(896, 4)]
+        router.router_topk(x, r.weight, r.e_score_correction_bias, torch.zeros(router.TICKETS, dtype=torch.int32),
+                           1, 1, 16, True, 2.5)
+        qw = torch.randn(128, 512, generator=g).to(torch.bfloat16)
+        router.router_softmax_topk(x, qw, torch.zeros(router.TICKETS, dtype=torch.int32), 8, True)
+        router.softmax_topk(torch.nn.functional.linear(x, qw), 8, True)
+    assert [(l["name"], l["constexprs"]["E"] if "E" in l["constexprs"] else None) for l in rec.launches] == [
+        ("_router_kernel", 896), ("_router_kernel", 128), ("_softmax_topk_kernel", None)]
     failures = compile_for_targets(rec.launches)
     assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']}" for f in failures)

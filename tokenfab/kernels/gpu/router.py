@@ -29,6 +29,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _take_top(choice, vals, K: tl.constexpr, KOUT: tl.constexpr):
+    """K rounds of arg-max over ``choice`` [BT, EP] (ties to the lower index, each pick masked with -inf for the next
+    round) -> (``vals`` at the picks [BT, KOUT] float32, their columns [BT, KOUT] int64; slots past K zero)."""
+    BT: tl.constexpr = choice.shape[0]
+    EP: tl.constexpr = choice.shape[1]
+    idx = tl.arange(0, EP)[None, :]
+    kidx = tl.arange(0, KOUT)[None, :]
+    ids = tl.zeros((BT, KOUT), dtype=tl.int64)
+    ws = tl.zeros((BT, KOUT), dtype=tl.float32)
+    for j in tl.static_range(K):
+        e = tl.argmax(choice, axis=1)[:, None]
+        hit = idx == e
+        ids = tl.where(kidx == j, e.to(tl.int64), ids)
+        ws = tl.where(kidx == j, tl.sum(tl.where(hit, vals, 0.0), axis=1)[:, None], ws)
+        choice = tl.where(hit, float("-inf"), choice)
+    return ws, ids
+
+
+@triton.jit
 def _select_tile(logits, bias_ptr, scale, extra_base, E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
                  K: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr, EP: tl.constexpr):
     """The selection for a tile of tokens: float32 logits [BT, EP] (EP: E padded to a power of two, G == 1 when
@@ -57,15 +76,8 @@ def _select_tile(logits, bias_ptr, scale, extra_base, E: tl.constexpr, G: tl.con
             keep = keep | hit
             gscore = tl.where(hit, neg, gscore)
         choice = tl.reshape(tl.where(keep[:, :, None], grouped, neg), (BT, E))
+    ws, ids = _take_top(choice, scores, K, KOUT)
     kidx = tl.arange(0, KOUT)[None, :]
-    ids = tl.zeros((BT, KOUT), dtype=tl.int64)
-    ws = tl.zeros((BT, KOUT), dtype=tl.float32)
-    for j in tl.static_range(K):
-        e = tl.argmax(choice, axis=1)[:, None]
-        hit = idx == e
-        ids = tl.where(kidx == j, e.to(tl.int64), ids)
-        ws = tl.where(kidx == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], ws)
-        choice = tl.where(hit, neg, choice)
     if NORM:
         ws = ws / (tl.sum(ws, axis=1)[:, None] + 1e-20)
     ws = ws * scale
@@ -77,27 +89,17 @@ def _select_tile(logits, bias_ptr, scale, extra_base, E: tl.constexpr, G: tl.con
 
 
 @triton.jit
-def _softmax_select_tile(logits, E: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr,
+def _softmax_select_tile(logits, E, K: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr,
                          EP: tl.constexpr):
     """Qwen3-MoE's selection for a tile of tokens: float32 logits [BT, EP] (columns past E padding) -> (weights
     [BT, KOUT] float32: the softmax probabilities of the ``K`` most probable experts, renormalized when NORM;
-    ids [BT, KOUT] int64), by repeated arg-max (ties to the lower index), as :func:`_softmax_topk_kernel` per row."""
-    idx = tl.arange(0, EP)[None, :]
-    valid = idx < E
+    ids [BT, KOUT] int64), by repeated arg-max (ties to the lower index); :func:`_softmax_topk_kernel` runs it on
+    one token's row."""
+    valid = tl.arange(0, EP)[None, :] < E
     logits = tl.where(valid, logits, float("-inf"))
     ex = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     probs = ex / tl.sum(ex, axis=1)[:, None]
-    choice = tl.where(valid, probs, -1.0)  # probabilities are >= 0: padding never wins
-    BT: tl.constexpr = logits.shape[0]
-    kidx = tl.arange(0, KOUT)[None, :]
-    ids = tl.zeros((BT, KOUT), dtype=tl.int64)
-    ws = tl.zeros((BT, KOUT), dtype=tl.float32)
-    for j in tl.static_range(K):
-        e = tl.argmax(choice, axis=1)[:, None]
-        hit = idx == e
-        ids = tl.where(kidx == j, e.to(tl.int64), ids)
-        ws = tl.where(kidx == j, tl.sum(tl.where(hit, probs, 0.0), axis=1)[:, None], ws)
-        choice = tl.where(hit, -2.0, choice)
+    ws, ids = _take_top(tl.where(valid, probs, -1.0), probs, K, KOUT)  # probabilities >= 0: padding never wins
     if NORM:
         ws = ws / tl.sum(ws, axis=1)[:, None]  # padding slots hold 0
     return ws, ids
@@ -315,23 +317,10 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, tickets: torch.Te
 def _softmax_topk_kernel(logit_ptr, w_ptr, id_ptr, E, stride_l, K: tl.constexpr, NORM: tl.constexpr,
                          BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
-    idx = tl.arange(0, BLOCK_E)
-    emask = idx < E
-    raw = tl.load(logit_ptr + t * stride_l + idx, mask=emask, other=0.0)
-    logits = tl.where(emask, raw.to(tl.float32), float("-inf"))
-    ex = tl.exp(logits - tl.max(logits, axis=0))
-    probs = ex / tl.sum(ex, axis=0)
-    choice = tl.where(emask, probs, -1.0)  # probabilities are >= 0: padding never wins
-    kidx = tl.arange(0, BLOCK_K)
-    ids = tl.zeros((BLOCK_K,), dtype=tl.int64)
-    ws = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for j in tl.static_range(K):
-        e = tl.argmax(choice, axis=0)
-        ids = tl.where(kidx == j, e.to(tl.int64), ids)
-        ws = tl.where(kidx == j, tl.sum(tl.where(idx == e, probs, 0.0), axis=0), ws)
-        choice = tl.where(idx == e, -2.0, choice)
-    if NORM:
-        ws = ws / tl.sum(ws, axis=0)  # padding slots hold 0
+    idx = tl.arange(0, BLOCK_E)[None, :]
+    logits = tl.load(logit_ptr + t * stride_l + idx, mask=idx < E, other=0.0).to(tl.float32)  # [1, BLOCK_E]
+    ws, ids = _softmax_select_tile(logits, E, K, NORM, BLOCK_K, BLOCK_E)
+    kidx = tl.arange(0, BLOCK_K)[None, :]
     kmask = kidx < K
     tl.store(w_ptr + t * K + kidx, ws.to(w_ptr.dtype.element_ty), mask=kmask)
     tl.store(id_ptr + t * K + kidx, ids, mask=kmask)
