@@ -37,11 +37,14 @@ def no_cpu_kernels(monkeypatch):
 
 
 def gpu_path(monkeypatch) -> list[tuple[int, ...]]:
-    """Switch the seam to the GPU path; returns the list the KDA kernel's calls append their qkv shape to."""
+    """Switch the seam to the GPU path; returns the list the KDA kernels' calls append their group's shape to:
+    (B, Q, 3HD) for the recurrence after the conv kernel, (B, 1, "fused") for a decode group in one launch."""
     from tokenfab.kernels.gpu import kda
     calls = []
-    orig = kda.kda_recurrent
+    orig, orig_fused = kda.kda_recurrent, kda.kda_decode_fused
     monkeypatch.setattr(kda, "kda_recurrent", lambda *a, **k: calls.append(tuple(a[0].shape)) or orig(*a, **k))
+    monkeypatch.setattr(kda, "kda_decode_fused",
+                        lambda *a, **k: calls.append((a[6].shape[0], 1, "fused")) or orig_fused(*a, **k))
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("TOKENFAB_TRITON", "interpret-gpu-path")
     monkeypatch.setenv("TOKENFAB_CPU_LINEAR", "torch")
@@ -76,7 +79,7 @@ def test_models_on_gpu_path_match_cpu_path(monkeypatch, no_cpu_kernels, hybrid_p
     calls = gpu_path(monkeypatch)
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
     llm, got = generate(hybrid_paths[model], prompts, 3)
-    assert (4, 1) in {s[:2] for s in calls} and any(s[1] > 1 for s in calls), calls  # padded decode, prefill
+    assert (4, 1, "fused") in calls and any(s[1] > 1 for s in calls), calls  # padded decode, prefill
     assert_same(ref, got, model)
     spare = llm.llm_engine.runner.decode_graphs.state_slot
     assert spare == 4

@@ -76,6 +76,9 @@ class KDAStateCache:
                  dtype: torch.dtype, device):
         self.conv = torch.zeros(num_slots, conv_dim, max(kernel - 1, 0), dtype=dtype, device=device)
         self.recurrent = torch.zeros(num_slots, num_heads, head_dim, head_dim, dtype=torch.float32, device=device)
+        # the fused decode launch's counters, one per batch row and head, left zero by every launch
+        # (kernels/gpu/kda.py ``kda_decode_fused``)
+        self.tickets = torch.zeros(num_slots * num_heads, dtype=torch.int32, device=device)
         self.deferred: list[DeferredStates] = []  # this step's held verification rows (engine/state_commit.py)
 
     @property

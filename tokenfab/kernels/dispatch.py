@@ -482,6 +482,26 @@ def kda_short_conv(x: torch.Tensor, token_index: torch.Tensor, query_pos: torch.
     return short_conv.short_conv(x, token_index, query_pos, rows, state, weight, hold=hold)
 
 
+def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
+                     lower_bound: float | None, b_raw: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tensor,
+                     rows: torch.Tensor, cache, conv_weight: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
+    """A KDA decode group (``token_index`` / ``query_pos`` [B, 1]) in one launch on the GPU path: short conv, its
+    state update and the gated delta rule (:func:`tokenfab.kernels.gpu.kda.kda_decode_fused`) with ``cache``'s
+    (a KDAStateCache) conv / recurrent states and tickets; True when it ran, False where it does not apply (then
+    :func:`kda_short_conv` and :func:`kda_recurrent` run the group)."""
+    B = token_index.shape[0]
+    if (token_index.dim() != 2 or token_index.shape[1] != 1 or not kda_recurrent_applies(x, cache.recurrent)
+            or not kda_short_conv_applies(x, cache.conv, conv_weight, query_pos)
+            or cache.tickets.numel() < B * cache.recurrent.shape[1] or not out.is_contiguous()):
+        return False
+    from tokenfab.kernels.gpu import kda
+    unit = lambda t: t if t.stride(-1) == 1 else t.contiguous()
+    kda.kda_decode_fused(x, unit(g_raw), dt_bias.contiguous(), a_log.contiguous(), lower_bound, unit(b_raw),
+                         token_index, query_pos[:, 0], rows, cache.recurrent, cache.conv, conv_weight, cache.tickets,
+                         out, scale)
+    return True
+
+
 def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
                   lower_bound: float | None, b_raw: torch.Tensor, token_index: torch.Tensor,
                   num_tokens: torch.Tensor, first_pos: torch.Tensor, rows: torch.Tensor, state: torch.Tensor,

@@ -343,7 +343,8 @@ class KimiDeltaAttention(nn.Module):
         """KDA for one padded group (``idx`` [B, Q] token rows, ``query_pos`` [B, Q] positions, -1 at padding;
         ``rows`` [B] state slots): stores its tokens' outputs in ``core`` [T + 1, H, D] (activation dtype) at their
         token rows and its states in ``cache``; ``qkv`` [T, 3HD] the projections (rows may be strided). On the GPU
-        path two launches do a decode group or a short prefill: the short conv with its state update
+        path a decode group (one token a row, no held rows) is one launch (dispatch.kda_decode_fused); two launches
+        do verification rows or a short prefill: the short conv with its state update
         (kernels/gpu/short_conv.py) and the fused recurrence (kernels/gpu/kda.py); long bfloat16 prefills run fla's
         chunked kernels (kernels/gpu/kda_chunk.py) after the same conv kernel (no float32 [B, 3HD, K - 1 + Q] window
         is built); elsewhere the PyTorch forms here (the reference). ``hold`` [B] bool: rows (speculative
@@ -352,6 +353,10 @@ class KimiDeltaAttention(nn.Module):
         (``deferred.prepared``)."""
         B, Q = idx.shape
         H, D, K = self.num_heads, self.head_dim, self.kernel
+        if (Q == 1 and hold is None and dispatch.kda_decode_fused(
+                qkv, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx, query_pos, rows,
+                cache, self.conv_weight(), core, D ** -0.5)):
+            return  # a decode group on the GPU path: conv, its state and the recurrence in one launch
         kernel = dispatch.kda_recurrent_applies(qkv, cache.recurrent)
         chunk = kernel and Q >= KDA_CHUNK and dispatch.kda_chunk_applies(qkv, Q)
         conv = None

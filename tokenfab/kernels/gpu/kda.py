@@ -24,8 +24,15 @@ value block BV is chosen on the host from the sizes (about a thousand programs, 
 several times over, with at most 32 state elements per thread); ``triton.autotune`` is not used because its
 benchmark runs would advance the in-place state (restoring it would copy the whole state pool).
 
+A decode group (one token a row, no held rows) runs the short conv in the same launch (:func:`kda_decode_fused`,
+``FUSE_CONV``): each program convolves its head's q and k channels and its value block's v channels from the
+projection row and the conv-state slot, writes its v channels' new conv state, and the last of a head's
+value-block programs (an atomic ticket per row and head, reset by it) writes the q / k channels' state once every
+program of the head has read the old one: one launch instead of two, and no conv output round trip.
+
 Checked against layers/kda.py's recurrence and chunked form in Triton's interpreter on CPU
-(tests/test_triton_kda.py); GPU timings come from ``benchmarks/gpu_kernels.py``.
+(tests/test_triton_kda.py; the fused decode against the two launches: tests/test_triton_kda_decode_fused.py); GPU
+timings come from ``benchmarks/gpu_kernels.py``.
 """
 from __future__ import annotations
 
@@ -37,10 +44,37 @@ TARGET_PROGRAMS = 1024  # programs a launch should have before a wider value blo
 
 
 @triton.jit
+def _conv_taps(x_row, s_base, w_ptr, chan, mask, carried, K: tl.constexpr):
+    """The short conv's window of channels ``chan`` for one token (``x_row``: its projection row; ``s_base``: its
+    conv-state slot [C, K - 1]; nothing read where not ``carried``): (silu(sum_j w[c, j] full[c, j]) in float32,
+    the inputs full[c, 1 .. K - 1] that become the new state). full = [state (K - 1) | x]."""
+    xv = tl.load(x_row + chan, mask=mask, other=0.0)
+    acc = xv.to(tl.float32) * tl.load(w_ptr + chan * K + (K - 1), mask=mask, other=0.0)
+    for j in tl.static_range(K - 1):
+        sj = tl.load(s_base + chan * (K - 1) + j, mask=mask & carried, other=0.0)
+        acc += sj.to(tl.float32) * tl.load(w_ptr + chan * K + j, mask=mask, other=0.0)
+    return acc / (1.0 + tl.exp(-acc)), xv
+
+
+@triton.jit
+def _conv_shift(s_base, chan, mask, carried, xv, K: tl.constexpr):
+    """Writes the new conv state of channels ``chan``: entries 1 .. K - 2 of the old state moved down one, then the
+    token's input ``xv`` (the caller has every program's reads of the old state behind it)."""
+    for j in tl.static_range(K - 1):
+        if j < K - 2:
+            nxt = tl.load(s_base + chan * (K - 1) + j + 1, mask=mask & carried, other=0.0)
+        else:
+            nxt = xv
+        tl.debug_barrier()  # this program's threads have read entry j + 1 before any rewrites entry j
+        tl.store(s_base + chan * (K - 1) + j, nxt.to(s_base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, idx_ptr, ntok_ptr, pos0_ptr,
                           rows_ptr, state_ptr, out_ptr, hold_ptr, Q, stride_pos0, stride_qkv_b, stride_qkv_t, stride_g,
                           stride_b, stride_o, scale, lower_bound, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
-                          BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HOLD: tl.constexpr):
+                          BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HOLD: tl.constexpr,
+                          cstate_ptr, cw_ptr, tickets_ptr, FUSE_CONV: tl.constexpr, CK: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -50,8 +84,11 @@ def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, i
     mv = offs_v < D
     m2 = mk[:, None] & mv[None, :]
     row = tl.load(rows_ptr + b).to(tl.int64)
-    n = tl.load(ntok_ptr + b)
     pos0 = tl.load(pos0_ptr + b * stride_pos0)  # position 0: a fresh sequence, zero state
+    if FUSE_CONV:  # one token a row (decode): valid unless the row is padding (position -1)
+        n = (pos0 >= 0).to(tl.int32)
+    else:
+        n = tl.load(ntok_ptr + b)
     carried = (offs_k[:, None] * 0 + pos0) != 0
     s_ptrs = state_ptr + (row * H + h) * (D * D) + offs_k[:, None] * D + offs_v[None, :]
     S = tl.load(s_ptrs, mask=m2 & carried, other=0.0)  # nothing read for a fresh sequence
@@ -59,10 +96,34 @@ def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, i
     dtb = tl.load(dt_bias_ptr + h * D + offs_k, mask=mk, other=0.0)
     for t in range(0, n):
         tok = tl.load(idx_ptr + b * Q + t).to(tl.int64)
-        base = qkv_ptr + b * stride_qkv_b + t * stride_qkv_t + h * D
-        q = tl.load(base + offs_k, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(base + H * D + offs_k, mask=mk, other=0.0).to(tl.float32)
-        v = tl.load(base + 2 * H * D + offs_v, mask=mv, other=0.0).to(tl.float32)
+        if FUSE_CONV:  # q, k (all D channels of head h) and this block's v through the short conv here
+            x_row = qkv_ptr + tok * stride_qkv_t
+            c_base = cstate_ptr + row * (3 * H * D) * (CK - 1)
+            ck = (offs_k * 0 + pos0) > 0
+            cv = (offs_v * 0 + pos0) > 0
+            q, xq = _conv_taps(x_row, c_base, cw_ptr, h * D + offs_k, mk, ck, CK)
+            k, xk = _conv_taps(x_row, c_base, cw_ptr, H * D + h * D + offs_k, mk, ck, CK)
+            v, xv = _conv_taps(x_row, c_base, cw_ptr, 2 * H * D + h * D + offs_v, mv, cv, CK)
+            DT: tl.constexpr = out_ptr.dtype.element_ty  # the conv output's rounding, as the conv kernel stores it
+            q = q.to(DT).to(tl.float32)
+            k = k.to(DT).to(tl.float32)
+            v = v.to(DT).to(tl.float32)
+            if CK > 1:
+                # this block's v channels are this program's alone; q / k channels are every value block's: the
+                # last of them to finish (a ticket per row and head) writes those, once all have read them
+                _conv_shift(c_base, 2 * H * D + h * D + offs_v, mv, cv, xv, CK)
+                tl.debug_barrier()
+                ticket = tl.atomic_add(tickets_ptr + b * H + h, 1, sem="acq_rel")
+                if ticket == tl.num_programs(2) - 1:
+                    tl.debug_barrier()
+                    _conv_shift(c_base, h * D + offs_k, mk, ck, xq, CK)
+                    _conv_shift(c_base, H * D + h * D + offs_k, mk, ck, xk, CK)
+                    tl.atomic_xchg(tickets_ptr + b * H + h, 0)
+        else:
+            base = qkv_ptr + b * stride_qkv_b + t * stride_qkv_t + h * D
+            q = tl.load(base + offs_k, mask=mk, other=0.0).to(tl.float32)
+            k = tl.load(base + H * D + offs_k, mask=mk, other=0.0).to(tl.float32)
+            v = tl.load(base + 2 * H * D + offs_v, mask=mv, other=0.0).to(tl.float32)
         q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
         k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
         gp = tl.load(graw_ptr + tok * stride_g + h * D + offs_k, mask=mk, other=0.0).to(tl.float32) + dtb
@@ -150,5 +211,61 @@ def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor,
         rows if hold is None else hold, Q,
         first_pos.stride(0), qkv.stride(0), qkv.stride(1), g_raw.stride(0), b_raw.stride(0), out.stride(0),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), H=H, D=D, BK=triton.next_power_of_2(D),
-        BV=bv, USE_LOWER_BOUND=lower_bound is not None, HOLD=hold is not None, num_warps=warps)
+        BV=bv, USE_LOWER_BOUND=lower_bound is not None, HOLD=hold is not None, cstate_ptr=state, cw_ptr=dt_bias,
+        tickets_ptr=rows, FUSE_CONV=False, CK=1, num_warps=warps)  # (the conv pointers unused without FUSE_CONV)
+    return out
+
+
+def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
+                     lower_bound: float | None, b_raw: torch.Tensor, token_index: torch.Tensor,
+                     first_pos: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, conv_state: torch.Tensor,
+                     conv_weight: torch.Tensor, tickets: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode group (one token a row) of a KDA layer in one launch: the short conv + SiLU of each token's q, k, v
+    channels (kernels/gpu/short_conv.py's formulas: its conv state read and shifted in place, outputs rounded to the
+    activation dtype as that kernel stores them) and the gated delta rule of :func:`kda_recurrent`.
+
+    Each program (row, head, value block) convolves its head's q and k channels and its block's v channels; it
+    writes its v channels' new conv state itself, and the last of a head's value-block programs to finish (an
+    atomic ticket per row and head in ``tickets``, reset by that program) writes the q and k channels' state, after
+    every program of the head has read the old one.
+
+    Args:
+        x: [T, 3 * H * D] the q | k | v projections (activation dtype; unit stride along the channels, rows may be
+            strided).
+        g_raw, dt_bias, a_log, lower_bound, b_raw, rows, state, out, scale: as :func:`kda_recurrent`.
+        token_index: [B, 1] int64 row of each row's token in x / g_raw / b_raw / out.
+        first_pos: [B] the token's position (any stride; 0: a fresh sequence, zero states; -1: a padding row, nothing
+            read or written but a zero output).
+        conv_state: [slots, 3 * H * D, K - 1] (activation dtype), contiguous; conv_weight: [3 * H * D, K] float32,
+            contiguous.
+        tickets: int32 zeros, at least B * H of them, owned by the caller (left zero after every launch), not shared
+            with a launch that may run concurrently.
+
+    Returns:
+        ``out``.
+
+    Raises:
+        ValueError: shapes or layouts the kernel does not take.
+    """
+    B = token_index.shape[0]
+    H, D = state.shape[1], state.shape[2]
+    C, K = conv_weight.shape
+    if (token_index.shape != (B, 1) or x.shape[-1] != 3 * H * D or C != 3 * H * D or x.stride(-1) != 1
+            or tuple(conv_state.shape[1:]) != (C, K - 1) or not conv_state.is_contiguous()
+            or conv_weight.dtype != torch.float32 or not conv_weight.is_contiguous() or tickets.numel() < B * H
+            or tickets.dtype != torch.int32 or state.dtype != torch.float32 or not state.is_contiguous()
+            or g_raw.stride(-1) != 1 or b_raw.stride(-1) != 1 or not out.is_contiguous()):
+        raise ValueError(f"kda_decode_fused: x {tuple(x.shape)}, conv state {tuple(conv_state.shape)}, taps "
+                         f"{tuple(conv_weight.shape)} {conv_weight.dtype}, state {tuple(state.shape)}, tickets "
+                         f"{tickets.numel()} for {B} rows x {H} heads do not fit")
+    if B == 0 or H == 0:
+        return out
+    bv, warps = value_block(B, H, D)
+    grid = (B, H, triton.cdiv(D, bv))
+    _kda_recurrent_kernel[grid](
+        x, g_raw, dt_bias, a_log, b_raw, token_index.contiguous(), first_pos, first_pos, rows, state, out, rows, 1,
+        first_pos.stride(0), 0, x.stride(0), g_raw.stride(0), b_raw.stride(0), out.stride(0), float(scale),
+        0.0 if lower_bound is None else float(lower_bound), H=H, D=D, BK=triton.next_power_of_2(D), BV=bv,
+        USE_LOWER_BOUND=lower_bound is not None, HOLD=False, cstate_ptr=conv_state, cw_ptr=conv_weight,
+        tickets_ptr=tickets, FUSE_CONV=True, CK=K, num_warps=warps)
     return out
