@@ -234,8 +234,8 @@ def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor
             strided).
         g_raw, dt_bias, a_log, lower_bound, b_raw, rows, state, out, scale: as :func:`kda_recurrent`.
         token_index: [B, 1] int64 row of each row's token in x / g_raw / b_raw / out.
-        first_pos: [B] the token's position (any stride; 0: a fresh sequence, zero states; -1: a padding row, nothing
-            read or written but a zero output).
+        first_pos: [B] the token's position (any stride; 0: a fresh sequence, zero states; -1: a padding row: no
+            conv, its states left as they are, a zero output).
         conv_state: [slots, 3 * H * D, K - 1] (activation dtype), contiguous; conv_weight: [3 * H * D, K] float32,
             contiguous.
         tickets: int32 zeros, at least B * H of them, owned by the caller (left zero after every launch), not shared
