@@ -133,6 +133,24 @@ def test_kimi_mla_moe_decode_layer_kernel_count(gpu_path_on_cpu, tmp_path, token
         assert totals[name] <= MLA_MOE_MAX, f"{totals}\n{report(kc)}"
 
 
+# DeepSeek-V3 with its routed experts kept packed (MXFP4, as published checkpoints keep INT4 / FP8 ones): the bf16
+# shared experts cannot join the packed stacks and run beside them (gate|up GEMM, SiLU-GLU, down GEMM, their sum in
+# the k-sum), the routed SiLU-GLU in the packed gate|up GEMM's epilogue: 17 (was 18 with that activation a launch)
+MLA_PACKED_MOE_MAX = 17
+
+
+def test_packed_experts_moe_layer_kernel_count(gpu_path_on_cpu, tiny_model, tmp_path):
+    """DeepSeek-V3 with MXFP4-packed routed experts: the packed grouped GEMMs run the routed experts' activation in
+    their epilogue (the one SiLU-GLU launch left is the shared experts'), within MLA_PACKED_MOE_MAX."""
+    from tokenfab.testing.packed_experts_checkpoint import write_packed_experts_checkpoint
+    path = write_packed_experts_checkpoint(tiny_model("deepseek_v3", num_hidden_layers=2), str(tmp_path / "mx"),
+                                           "mxfp4")
+    totals, kc = count_decode_layers(path, "bfloat16")
+    c = kc.counts["layer1"]
+    assert c["triton:_grouped_gemm"] == 2 and c["triton:_silu_and_mul_kernel"] == 1, report(kc)
+    assert totals["layer1"] <= MLA_PACKED_MOE_MAX and not kc.syncs, f"{totals}\n{report(kc)}"
+
+
 def test_counting_rule():
     """Views and no-ops are free, bare allocations too; copies, fills and casts count, also when an aliasing op
     (reshape, to, contiguous) had to make one, with or without inference mode; in-place ops always count."""
