@@ -183,8 +183,9 @@ def test_rms_norm_to_matches_norm_then_cast(interpret):
 # SiTU-GLU moved into their gate|up GEMM's epilogue, then 13 / 25 / 22 / 22 until each mix took the norm after it
 # and the MLP's last GEMM the residual add, then 11 / 22 / 19 / 19 until g_proj joined the MLA a-projection's GEMM and
 # the latent down-projection the shared experts' gate|up GEMM, then 11 / 20 / 18 / 18 until KDA's decode groups ran
-# the short conv inside the recurrence's launch (2026-12-07)
-K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 10, 20, 17
+# the short conv inside the recurrence's launch, then 10 / 20 / 17 / 17 until the latent norm joined the k-sum's
+# launch (2026-12-07)
+K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 10, 19, 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -282,8 +283,8 @@ def test_k3_on_the_gpu_path_matches_the_pytorch_paths(tmp_path, tokenizer_dir, m
 
 
 def test_k3_glue_kernels_compile_for_sm90_and_gfx942(interpret):
-    """The four kernels' GPU forms (bf16 and float32 rows; the mix with 0, 3 and 8 blocks at K3's width, with the
-    residual add and the next norm) compiled by
+    """The K3 glue kernels' GPU forms (bf16 and float32 rows; the mix with 0, 3 and 8 blocks at K3's width, with the
+    residual add and the next norm; the k-sum with the latent norm) compiled by
     Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU (tokenfab/testing/target_compile.py)."""
     from tokenfab.kernels.gpu import attn_res
     from tokenfab.kernels.gpu.norm_activation import rms_norm, sigmoid_mul, situ_and_mul
@@ -303,7 +304,11 @@ def test_k3_glue_kernels_compile_for_sm90_and_gfx942(interpret):
             situ_and_mul(torch.randn(1, 64).to(dtype), 1.5, None)
             sigmoid_mul(x[:, :64], x[:, 64:128].contiguous())
         rms_norm(torch.randn(1, 3584), torch.ones(3584).to(torch.bfloat16), 1e-6, out_dtype=torch.bfloat16)
+        from tokenfab.kernels.gpu.moe import SUM_NORM_MAX_TOKENS, moe_sum  # the latent norm in the k-sum's launch
+        moe_sum(torch.randn(2, 16, 3584), torch.randint(0, 8, (1, 16)), 0, 8, torch.bfloat16,
+                norm=(torch.ones(3584).to(torch.bfloat16), 1e-6, torch.zeros(SUM_NORM_MAX_TOKENS, dtype=torch.int32)))
     names = {v["name"] for v in rec.launches}
-    assert {"_attn_res_mix_kernel", "_situ_and_mul_kernel", "_sigmoid_mul_kernel", "_rms_norm_kernel"} <= names
+    assert {"_attn_res_mix_kernel", "_situ_and_mul_kernel", "_sigmoid_mul_kernel", "_rms_norm_kernel",
+            "_moe_sum_kernel"} <= names
     failures = compile_for_targets(rec.launches)
     assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']}" for f in failures)

@@ -66,6 +66,34 @@ def test_moe_sum_adds_plus_after_the_slots(interpret, dtype):
     assert not torch.allclose(moe_sum(pairs, ids, 0, 6, torch.float32), want)  # plus did change the sum
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [40, 2500])  # one column block; three (1,024 wide, the last partial)
+def test_moe_sum_with_the_norm_after_it(interpret, out_dtype, hidden):
+    """Kimi K3's latent norm in the k-sum's launch: the RMSNorm of the float32 sum (split-K partials of 2, one
+    token's pairs on other ranks' experts skipped) against the float64 formula w * y / sqrt(mean(y^2) + eps) on the
+    same sum, float32 to a few float32 roundings, bf16 within one bf16 step (the interpreter truncates); the tickets
+    left zero; a second launch gives the same bits; more tokens than the limit are refused."""
+    from tokenfab.kernels.gpu.moe import SUM_NORM_MAX_TOKENS, moe_sum
+    g = torch.Generator().manual_seed(hidden)
+    T, k, S = 3, 4, 2
+    ids = torch.randint(0, 6, (T, k), generator=g)
+    ids[1, 2] = 9  # another rank's expert: its rows hold garbage, skipped
+    pairs = torch.randn(S, T * k, hidden, generator=g)
+    pairs[:, 1 * k + 2] = 1e6
+    w = (torch.rand(hidden, generator=g) * 2 - 0.5).to(torch.bfloat16)
+    tickets = torch.zeros(SUM_NORM_MAX_TOKENS, dtype=torch.int32)
+    got = moe_sum(pairs, ids, 0, 6, out_dtype, norm=(w, 1e-6, tickets))
+    here = (ids < 6).view(1, T, k, 1).double()
+    y = (pairs.double().view(S, T, k, hidden) * here).sum((0, 2))
+    want = w.double() * y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert got.dtype == out_dtype and tickets.eq(0).all()
+    tol = 2.0 ** -20 if out_dtype == torch.float32 else 2.0 ** -7
+    assert ((got.double() - want).abs() <= tol * want.abs() + 1e-6).all(), (got.double() - want).abs().max()
+    assert torch.equal(moe_sum(pairs, ids, 0, 6, out_dtype, norm=(w, 1e-6, tickets)), got)
+    with pytest.raises(ValueError, match="up to 256 tokens"):
+        moe_sum(pairs.repeat(1, 100, 1), ids.repeat(100, 1), 0, 6, out_dtype, norm=(w, 1e-6, tickets))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("E,top_k,norm", [(8, 2, True), (60, 4, True), (12, 3, False), (5, 5, True), (128, 8, True)])
 def test_softmax_topk_matches_the_router(interpret, monkeypatch, dtype, E, top_k, norm):

@@ -349,35 +349,48 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, st
                    w13: torch.Tensor | None = None, w2: torch.Tensor | None = None,
                    packed13: list[torch.Tensor] | None = None,
                    packed2: list[torch.Tensor] | None = None, plus: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+                   out_dtype: torch.dtype | None = None, norm: tuple | None = None) -> torch.Tensor | None:
     """The routed experts' weighted sum for x [T, hidden], weights / ids [T, k] (experts from ``start``):
     the C++ dispatch over per-expert packed SiLU-GLU weights ``packed13`` / ``packed2`` on CPU (pass None to keep
     the Python loop), the Triton grouped GEMMs over the stacks ``w13`` [E, 2I, hidden] / ``w2`` [E, hidden, I] on
     CUDA/ROCm (``act``: the activation between them as kernels/gpu/moe.py ``fused_moe`` takes it; None: SiLU-GLU
-    in the gate|up GEMM's epilogue; ``out_dtype``: the result's, default x's), or None. ``plus`` [T, hidden] (the
-    shared experts' output) is added to the result: inside the Triton k-sum, after the C++ kernel's."""
-    if packed13 is not None and cpu_support.available_for(x):
+    in the gate|up GEMM's epilogue; ``out_dtype``: the result's, default x's; ``norm`` (weight, eps, tickets): the
+    result is the RMSNorm of the float32 sum, GPU only), or None. ``plus`` [T, hidden] (the shared experts' output)
+    is added to the result: inside the Triton k-sum, after the C++ kernel's."""
+    if packed13 is not None and norm is None and cpu_support.available_for(x):
         out = cpu_moe.moe_experts_packed(x, weights, ids, packed13, packed2, start)
         return out if plus is None else out + plus
     if w13 is not None and gpu_support.applies(x):  # grouped GEMMs in Triton, CUDA-graph safe
         from tokenfab.kernels.gpu import moe  # imports triton: only when it applies
-        return moe.fused_moe(x, w13, w2, weights, ids, act, start, plus, out_dtype)
+        return moe.fused_moe(x, w13, w2, weights, ids, act, start, plus, out_dtype, norm)
     return None
+
+
+def moe_sum_tickets(x: torch.Tensor) -> torch.Tensor | None:
+    """On the GPU path, the zeroed int32 per-token counters an expert layer keeps for the k-sum with the norm after
+    it (``norm`` of :func:`routed_experts`, kernels/gpu/moe.py ``moe_sum``: SUM_NORM_MAX_TOKENS of them) on x's
+    device; None elsewhere."""
+    if not _gpu(x):
+        return None
+    from tokenfab.kernels.gpu import moe
+    return torch.zeros(moe.SUM_NORM_MAX_TOKENS, dtype=torch.int32, device=x.device)
 
 
 def routed_experts_packed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: str, p13: torch.Tensor,
                           s13: torch.Tensor, p2: torch.Tensor, s2: torch.Tensor, act, start: int,
                           out_dtype: torch.dtype | None, plus: torch.Tensor | None = None,
-                          relaid: tuple[bool, bool] = (False, False)) -> torch.Tensor | None:
+                          relaid: tuple[bool, bool] = (False, False), norm: tuple | None = None
+                          ) -> torch.Tensor | None:
     """The routed experts' weighted sum over stacks kept packed (``fmt`` one of PACKED_MOE_FORMATS; arguments as
     :func:`tokenfab.kernels.gpu.packed_moe.fused_moe_packed`, ``plus`` added in its k-sum; ``relaid``: whether the
-    gate|up / down stacks are in the GPU layout, PackedExperts.gpu_layout): one Triton launch per
+    gate|up / down stacks are in the GPU layout, PackedExperts.gpu_layout; ``norm``: as :func:`routed_experts`): one
+    Triton launch per
     projection on CUDA/ROCm with the weights decoded in registers, or None (on CPU the stacks' grouped linears pick
     their kernels themselves)."""
     if gpu_support.applies(x) and fmt in PACKED_MOE_FORMATS:
         from tokenfab.kernels.gpu import packed_moe  # imports triton: only when it applies
         return packed_moe.fused_moe_packed(x, fmt, p13, s13, p2, s2, weights, ids, act, start, out_dtype, plus,
-                                           relaid)
+                                           relaid, norm)
     return None
 
 

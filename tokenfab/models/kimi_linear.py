@@ -146,6 +146,35 @@ class SituRoutedExperts(RoutedExperts):
         """SiTU-GLU for the GPU grouped GEMMs: computed in the gate|up GEMM's epilogue (kernels/gpu/moe.py)."""
         return ("situ", self.beta, self.linear_beta)
 
+    _sum_tickets: torch.Tensor | None = None  # GPU path: the k-sum-with-norm launch's per-token counters (zero)
+
+    def forward_normed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, norm: RMSNorm,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+        """``norm`` of the float32 expert sum (K3's latent norm), rounded once to ``out_dtype``: x [T, hidden];
+        weights, ids [T, k] -> [T, hidden]. On the GPU path (device experts, decode batches up to the k-sum's
+        token limit) the norm is made in the k-sum's launch (kernels/gpu/moe.py ``moe_sum``); elsewhere
+        :meth:`forward` then the norm (one launch on a GPU, ``dispatch.rms_norm``)."""
+        if self._sum_tickets is None or self._sum_tickets.device != x.device:
+            self._sum_tickets = dispatch.moe_sum_tickets(x)  # created on the first (prefill / warm-up) call
+        t = self._sum_tickets
+        if self.host is None and t is not None and x.shape[0] <= t.numel() and self.accumulate_fp32:
+            spec = (norm.weight, norm.eps, t)
+            if self.q13 is not None:
+                out = None if self.q13.cpu_tiles or self.q2.cpu_tiles else dispatch.routed_experts_packed(
+                    x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed,
+                    self.q2.scale, self.kernel_act(), self.start, out_dtype, None,
+                    (self.q13.gpu_layout, self.q2.gpu_layout), spec)
+            else:
+                out = dispatch.routed_experts(x, weights, ids, self.start, self.kernel_act(), self.w13, self.w2,
+                                              out_dtype=out_dtype, norm=spec)
+            if out is not None:
+                if self.route_counter is not None:
+                    self.route_counter.record(ids)
+                return out
+        y = self(x, weights, ids)
+        fused = dispatch.rms_norm(y, norm.weight, norm.eps, out_dtype=out_dtype)
+        return fused if fused is not None else norm(y).to(out_dtype)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum_k weights * expert_ids(x) (float32 when
         ``accumulate_fp32``, else x's dtype)."""
@@ -243,7 +272,12 @@ class KimiMoE(nn.Module):
             z, gu = self.x_proj(x).split([self.latent, self.x_proj.out_features - self.latent], dim=-1)
         else:
             z = self.routed_expert_down_proj(x) if self.latent else x
-        y = self.experts(z, w, ids)
+        normed = (self.latent and self.tp is None and self.routed_expert_norm is not None
+                  and isinstance(self.experts, SituRoutedExperts))
+        if normed:  # the latent norm of the float32 routed sum (in the k-sum's launch on a GPU), in x's dtype
+            y = self.experts.forward_normed(z, w, ids, self.routed_expert_norm, x.dtype)
+        else:
+            y = self.experts(z, w, ids)
         if self.latent:
             if self.tp is not None:
                 # tensor parallel: the latent norm needs the full routed sum, so it is all-reduced here; the
@@ -252,7 +286,7 @@ class KimiMoE(nn.Module):
                 if self.tp.rank != 0:
                     y = x.new_zeros(x.shape)
             if self.tp is None or self.tp.rank == 0:
-                if self.routed_expert_norm is not None:  # on the float32 latent sum (weight cast up), then x's dtype
+                if self.routed_expert_norm is not None and not normed:  # on the float32 latent sum, then x's dtype
                     n = self.routed_expert_norm
                     fused = dispatch.rms_norm(y, n.weight, n.eps, out_dtype=x.dtype)
                     y = fused if fused is not None else n(y)

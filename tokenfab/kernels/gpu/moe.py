@@ -122,7 +122,8 @@ def align_pairs_fused(ids: torch.Tensor, start: int, num_local: int, block_m: in
 
 @triton.jit
 def _moe_sum_kernel(pairs_ptr, ids_ptr, nsplit_ptr, out_ptr, plus_ptr, hidden, start, num_local, s_ps, s_pm, s_ot,
-                    s_pt, K: tl.constexpr, BLOCK: tl.constexpr, HAS_PLUS: tl.constexpr):
+                    s_pt, y32_ptr, ss_ptr, tick_ptr, nw_ptr, eps, K: tl.constexpr, BLOCK: tl.constexpr,
+                    HAS_PLUS: tl.constexpr, HAS_NORM: tl.constexpr):
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     cmask = cols < hidden
@@ -135,18 +136,49 @@ def _moe_sum_kernel(pairs_ptr, ids_ptr, nsplit_ptr, out_ptr, plus_ptr, hidden, s
             acc += tl.load(pairs_ptr + s * s_ps + (t * K + j) * s_pm + cols, mask=here, other=0.0).to(tl.float32)
     if HAS_PLUS:  # e.g. the shared experts' output, added after the routed slots
         acc += tl.load(plus_ptr + t * s_pt + cols, mask=cmask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * s_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    if HAS_NORM:  # RMSNorm of the float32 row: each block's sum of squares, the token's last block normalizes
+        nb = tl.num_programs(1)
+        cb = tl.program_id(1)
+        tl.store(y32_ptr + t * hidden + cols, acc, mask=cmask)
+        tl.store(ss_ptr + t * nb + cb, tl.sum(acc * acc, axis=0))
+        tl.debug_barrier()  # this block's row and partial stored before its ticket (released at GPU scope)
+        ticket = tl.atomic_add(tick_ptr + t, 1, sem="acq_rel")
+        if ticket == nb - 1:
+            tl.debug_barrier()
+            total = tl.zeros([], dtype=tl.float32)
+            for i in range(0, nb):  # in block order: the same sum whichever block came last
+                total += tl.load(ss_ptr + t * nb + i, volatile=True)
+            rstd = 1.0 / tl.sqrt(total / hidden + eps)
+            for c0 in range(0, hidden, BLOCK):
+                cc = c0 + tl.arange(0, BLOCK)
+                m = cc < hidden
+                y = tl.load(y32_ptr + t * hidden + cc, mask=m, other=0.0, volatile=True)
+                w = tl.load(nw_ptr + cc, mask=m, other=0.0).to(tl.float32)
+                tl.store(out_ptr + t * s_ot + cc, (w * (y * rstd)).to(out_ptr.dtype.element_ty), mask=m)
+            tl.atomic_xchg(tick_ptr + t, 0)
+    else:
+        tl.store(out_ptr + t * s_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+
+
+SUM_NORM_MAX_TOKENS = 256  # tokens up to which the k-sum takes the norm after it (decode batches; tickets a token)
 
 
 def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: int,
             out_dtype: torch.dtype, nsplit: torch.Tensor | None = None,
-            plus: torch.Tensor | None = None) -> torch.Tensor:
+            plus: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
     """The k slots of each token summed in float32 in slot order (each slot's split-K partials in split order):
     out_pairs [T * k, hidden] or [S, T * k, hidden] float32 partials of which the first ``nsplit`` ([1] int32 on
     the device; default: all S) count (rows of pairs whose expert is outside [start, start + num_local) are
     skipped, whatever they hold), ids [T, k] int64 (contiguous) -> new [T, hidden] of ``out_dtype``; ``plus``
     [T, hidden] (any float dtype, unit stride along hidden; e.g. the shared experts' output) is added in float32
-    after the slots, before the one rounding. One launch (the sums and the cast)."""
+    after the slots, before the one rounding. One launch (the sums and the cast).
+
+    ``norm``: (weight [hidden], eps, tickets) -> the RMSNorm of the float32 sum instead, w * (y / rms(y)) in
+    float32 rounded once to ``out_dtype`` (Kimi K3's latent norm, as ``dispatch.rms_norm(y, w, eps, out_dtype=)``
+    computes it; its sum of squares in column-block order). Each column-block program stores its float32 row block
+    and sum of squares; the last of a token's blocks to finish (an atomic ticket per token in ``tickets``, int32
+    zeros owned by the caller, at least T of them, reset by that program) normalizes the row. T <=
+    SUM_NORM_MAX_TOKENS there (a ValueError otherwise)."""
     parts = out_pairs if out_pairs.dim() == 3 else out_pairs.unsqueeze(0)
     T, k = ids.shape
     hidden = parts.shape[2]
@@ -154,17 +186,28 @@ def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: i
         nsplit = torch.full((1,), parts.shape[0], dtype=torch.int32, device=parts.device)
     out = torch.empty(T, hidden, dtype=out_dtype, device=parts.device)
     block = min(1024, triton.next_power_of_2(max(hidden, 16)))
+    nb = triton.cdiv(hidden, block)
+    if norm is not None:
+        weight, eps, tickets = norm
+        if T > SUM_NORM_MAX_TOKENS or tickets.numel() < T or tickets.dtype != torch.int32 or weight.shape != (hidden,):
+            raise ValueError(f"moe_sum: the norm takes up to {SUM_NORM_MAX_TOKENS} tokens with int32 tickets for "
+                             f"each and a [{hidden}] weight (got {T} tokens, {tickets.numel()} tickets, weight "
+                             f"{tuple(weight.shape)})")
+        y32 = torch.empty(T, hidden, dtype=torch.float32, device=parts.device)
+        ss = torch.empty(T, nb, dtype=torch.float32, device=parts.device)
+    else:
+        weight, eps, tickets, y32, ss = out, 0.0, nsplit, out, out  # unused without the norm
     if T:
-        _moe_sum_kernel[(T, triton.cdiv(hidden, block))](parts, ids, nsplit, out, out if plus is None else plus,
-                                                           hidden, start, num_local, parts.stride(0), parts.stride(1),
-                                                           out.stride(0), 0 if plus is None else plus.stride(0), K=k,
-                                                           BLOCK=block, HAS_PLUS=plus is not None)
+        _moe_sum_kernel[(T, nb)](parts, ids, nsplit, out, out if plus is None else plus, hidden, start, num_local,
+                                 parts.stride(0), parts.stride(1), out.stride(0),
+                                 0 if plus is None else plus.stride(0), y32, ss, tickets, weight, float(eps), K=k,
+                                 BLOCK=block, HAS_PLUS=plus is not None, HAS_NORM=norm is not None)
     return out
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               act, start: int = 0, plus: torch.Tensor | None = None,
-              out_dtype: torch.dtype | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, norm: tuple | None = None) -> torch.Tensor:
     """sum over a token's k routed experts (those in [start, start + E_local)) of weight * expert(x).
 
     Args:
@@ -176,11 +219,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         start: first global expert id held in w13/w2.
         plus: [T, hidden] or None, added in the k-sum (:func:`moe_sum`; the shared experts' output).
         out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
+        norm: optional (weight, eps, tickets): the result is the RMSNorm of the float32 sum (:func:`moe_sum`).
 
     Returns:
         [T, hidden] in ``out_dtype`` (pairs routed to other ranks contribute zero; the k-sum is in float32).
     """
-    return routed_sum(x, weights, ids, DENSE, w13, None, w2, None, act, start, out_dtype, plus)
+    return routed_sum(x, weights, ids, DENSE, w13, None, w2, None, act, start, out_dtype, plus, norm=norm)
 
 
 def epilogue_code(act) -> tuple[int, float, float]:
@@ -203,12 +247,13 @@ def epilogue_code(act) -> tuple[int, float, float]:
 def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: int, w13: torch.Tensor,
                s13: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None, act, start: int = 0,
                out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None,
-               relaid: tuple[bool, bool] = (False, False)) -> torch.Tensor:
+               relaid: tuple[bool, bool] = (False, False), norm: tuple | None = None) -> torch.Tensor:
     """The fused-MoE flow of :func:`fused_moe` (``fmt`` DENSE, no scales) and ``packed_moe.fused_moe_packed``
     (``fmt`` 0 / 1 / 2 with scales s13 / s2): pairs aligned by expert, the gate|up GEMM, ``act`` (as
     :func:`fused_moe` takes it: SiLU-GLU or SiTU-GLU in the GEMM's epilogue, else its own launch), the down GEMM times
     the routing weights, the k-sum in float32 (plus ``plus`` [T, hidden] when given), cast to ``out_dtype``
-    (default x's); ``relaid``: (gate|up, down) stacks in the GPU layout (moe_gemm.grouped_gemm)."""
+    (default x's), or its RMSNorm with ``norm`` (:func:`moe_sum`); ``relaid``: (gate|up, down) stacks in the GPU
+    layout (moe_gemm.grouped_gemm)."""
     T, hidden = x.shape
     k = ids.shape[1]
     num_local, two_i = w13.shape[0], w13.shape[1]
@@ -235,4 +280,4 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
     slots = split_slots(M, block_m, down=True)
     out_pairs = torch.empty(slots, M, hidden, dtype=torch.float32, device=x.device)  # idem: moe_sum skips those
     grouped_gemm(h, w2, s2, fmt, out_pairs, nsplit, pairs, hidden, inter, 1, True, hidden, block_m, relaid[1])
-    return moe_sum(out_pairs, ids, start, num_local, out_dtype or x.dtype, nsplit, plus)
+    return moe_sum(out_pairs, ids, start, num_local, out_dtype or x.dtype, nsplit, plus, norm)

@@ -40,7 +40,7 @@ _FORMATS = {"int4_group": INT4_GROUP, "mxfp4": MXFP4, "fp8_block": FP8_BLOCK}
 def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Tensor, p2: torch.Tensor,
                      s2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act, start: int = 0,
                      out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None,
-                     relaid: bool | tuple[bool, bool] = False) -> torch.Tensor:
+                     relaid: bool | tuple[bool, bool] = False, norm: tuple | None = None) -> torch.Tensor:
     """sum over a token's k routed experts (those in [start, start + E_local)) of weight * expert(x), the experts'
     weights read packed.
 
@@ -57,6 +57,7 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
             [P, 2I] -> [P, I]: its own launch).
         out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
         plus: [T, hidden] or None, added in the float32 k-sum (the shared experts' output).
+        norm: optional (weight, eps, tickets): the result is the RMSNorm of the float32 sum (moe.py ``moe_sum``).
         relaid: whether the stacks (one flag for both, or (gate|up, down)) are in the GPU layout of
             kernels/gpu/moe_relayout.py: int32 words with K padded to padded_k (INT4 / MXFP4: p13 [E_local, 2I,
             padded_k(hidden) / 8], s13 [E_local, 2I, padded_k(hidden) / 32]; FP8: p13 [E_local, 2I,
@@ -90,4 +91,4 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
             or p2.shape[2] * per2 != k2 or tuple(s2.shape) != want2):
         raise ValueError(f"fused_moe_packed: {fmt} stacks {tuple(p13.shape)}/{tuple(s13.shape)} and "
                          f"{tuple(p2.shape)}/{tuple(s2.shape)} do not match hidden {hidden}")
-    return routed_sum(x, weights, ids, _FORMATS[fmt], p13, s13, p2, s2, act, start, out_dtype, plus, (r13, r2))
+    return routed_sum(x, weights, ids, _FORMATS[fmt], p13, s13, p2, s2, act, start, out_dtype, plus, (r13, r2), norm)
