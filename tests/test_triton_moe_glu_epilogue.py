@@ -69,8 +69,8 @@ def _stacks(fmt, relaid, E, I, H, g):
     return (p13, s13, p2, s2), w13, w2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("dtype,act", [(torch.float32, "silu"), (torch.float32, "situ"), (torch.float32, "situ-linear"),
+                                       (torch.float16, "silu"), (torch.float16, "situ-linear")])
 @pytest.mark.parametrize("fmt,relaid", [("dense", False), ("int4_group", False), ("int4_group", True),
                                         ("mxfp4", False), ("mxfp4", True), ("fp8_block", False),
                                         ("fp8_block", True)])
