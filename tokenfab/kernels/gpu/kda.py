@@ -44,29 +44,30 @@ TARGET_PROGRAMS = 1024  # programs a launch should have before a wider value blo
 
 
 @triton.jit
-def _conv_taps(x_row, s_base, w_ptr, chan, mask, carried, K: tl.constexpr):
-    """The short conv's window of channels ``chan`` for one token (``x_row``: its projection row; ``s_base``: its
-    conv-state slot [C, K - 1]; nothing read where not ``carried``): (silu(sum_j w[c, j] full[c, j]) in float32,
-    the inputs full[c, 1 .. K - 1] that become the new state). full = [state (K - 1) | x]."""
+def _conv_taps(x_row, s_base, w_ptr, chan, mask, carried, K: tl.constexpr, KP: tl.constexpr):
+    """The short conv of channels ``chan`` for one token (``x_row``: its projection row; ``s_base``: its conv-state
+    slot [C, K - 1], read as one [len, KP] tile, nothing read where not ``carried``): (silu(sum_j w[c, j] full[c, j])
+    in float32, the token's inputs x[c]). full = [state (K - 1) | x]."""
+    j = tl.arange(0, KP)[None, :]
+    jm = mask[:, None] & (j < K - 1)
+    st = tl.load(s_base + chan[:, None] * (K - 1) + j, mask=jm & carried[:, None], other=0.0)
+    ws = tl.load(w_ptr + chan[:, None] * K + j, mask=jm, other=0.0)
     xv = tl.load(x_row + chan, mask=mask, other=0.0)
-    acc = xv.to(tl.float32) * tl.load(w_ptr + chan * K + (K - 1), mask=mask, other=0.0)
-    for j in tl.static_range(K - 1):
-        sj = tl.load(s_base + chan * (K - 1) + j, mask=mask & carried, other=0.0)
-        acc += sj.to(tl.float32) * tl.load(w_ptr + chan * K + j, mask=mask, other=0.0)
+    acc = tl.sum(st.to(tl.float32) * ws, axis=1) + xv.to(tl.float32) * tl.load(w_ptr + chan * K + (K - 1), mask=mask,
+                                                                                other=0.0)
     return acc / (1.0 + tl.exp(-acc)), xv
 
 
 @triton.jit
-def _conv_shift(s_base, chan, mask, carried, xv, K: tl.constexpr):
-    """Writes the new conv state of channels ``chan``: entries 1 .. K - 2 of the old state moved down one, then the
-    token's input ``xv`` (the caller has every program's reads of the old state behind it)."""
-    for j in tl.static_range(K - 1):
-        if j < K - 2:
-            nxt = tl.load(s_base + chan * (K - 1) + j + 1, mask=mask & carried, other=0.0)
-        else:
-            nxt = xv
-        tl.debug_barrier()  # this program's threads have read entry j + 1 before any rewrites entry j
-        tl.store(s_base + chan * (K - 1) + j, nxt.to(s_base.dtype.element_ty), mask=mask)
+def _conv_shift(s_base, chan, mask, carried, xv, K: tl.constexpr, KP: tl.constexpr):
+    """Writes the new conv state of channels ``chan`` as one [len, KP] tile: old entries 1 .. K - 2 moved down one,
+    then the token's input ``xv`` (the caller has every program's reads of the old state behind it)."""
+    j = tl.arange(0, KP)[None, :]
+    jm = mask[:, None] & (j < K - 1)
+    nxt = tl.load(s_base + chan[:, None] * (K - 1) + j + 1, mask=jm & (j < K - 2) & carried[:, None], other=0.0)
+    nxt = tl.where(j == K - 2, xv[:, None].to(nxt.dtype), nxt)
+    tl.debug_barrier()  # this program's threads have read the old entries before any is rewritten
+    tl.store(s_base + chan[:, None] * (K - 1) + j, nxt, mask=jm)
 
 
 @triton.jit
@@ -74,7 +75,8 @@ def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, i
                           rows_ptr, state_ptr, out_ptr, hold_ptr, Q, stride_pos0, stride_qkv_b, stride_qkv_t, stride_g,
                           stride_b, stride_o, scale, lower_bound, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HOLD: tl.constexpr,
-                          cstate_ptr, cw_ptr, tickets_ptr, FUSE_CONV: tl.constexpr, CK: tl.constexpr):
+                          cstate_ptr, cw_ptr, tickets_ptr, FUSE_CONV: tl.constexpr, CK: tl.constexpr,
+                          CKP: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -101,9 +103,9 @@ def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, i
             c_base = cstate_ptr + row * (3 * H * D) * (CK - 1)
             ck = (offs_k * 0 + pos0) > 0
             cv = (offs_v * 0 + pos0) > 0
-            q, xq = _conv_taps(x_row, c_base, cw_ptr, h * D + offs_k, mk, ck, CK)
-            k, xk = _conv_taps(x_row, c_base, cw_ptr, H * D + h * D + offs_k, mk, ck, CK)
-            v, xv = _conv_taps(x_row, c_base, cw_ptr, 2 * H * D + h * D + offs_v, mv, cv, CK)
+            q, xq = _conv_taps(x_row, c_base, cw_ptr, h * D + offs_k, mk, ck, CK, CKP)
+            k, xk = _conv_taps(x_row, c_base, cw_ptr, H * D + h * D + offs_k, mk, ck, CK, CKP)
+            v, xv = _conv_taps(x_row, c_base, cw_ptr, 2 * H * D + h * D + offs_v, mv, cv, CK, CKP)
             DT: tl.constexpr = out_ptr.dtype.element_ty  # the conv output's rounding, as the conv kernel stores it
             q = q.to(DT).to(tl.float32)
             k = k.to(DT).to(tl.float32)
@@ -111,13 +113,13 @@ def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, i
             if CK > 1:
                 # this block's v channels are this program's alone; q / k channels are every value block's: the
                 # last of them to finish (a ticket per row and head) writes those, once all have read them
-                _conv_shift(c_base, 2 * H * D + h * D + offs_v, mv, cv, xv, CK)
+                _conv_shift(c_base, 2 * H * D + h * D + offs_v, mv, cv, xv, CK, CKP)
                 tl.debug_barrier()
                 ticket = tl.atomic_add(tickets_ptr + b * H + h, 1, sem="acq_rel")
                 if ticket == tl.num_programs(2) - 1:
                     tl.debug_barrier()
-                    _conv_shift(c_base, h * D + offs_k, mk, ck, xq, CK)
-                    _conv_shift(c_base, H * D + h * D + offs_k, mk, ck, xk, CK)
+                    _conv_shift(c_base, h * D + offs_k, mk, ck, xq, CK, CKP)
+                    _conv_shift(c_base, H * D + h * D + offs_k, mk, ck, xk, CK, CKP)
                     tl.atomic_xchg(tickets_ptr + b * H + h, 0)
         else:
             base = qkv_ptr + b * stride_qkv_b + t * stride_qkv_t + h * D
@@ -212,7 +214,7 @@ def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor,
         first_pos.stride(0), qkv.stride(0), qkv.stride(1), g_raw.stride(0), b_raw.stride(0), out.stride(0),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), H=H, D=D, BK=triton.next_power_of_2(D),
         BV=bv, USE_LOWER_BOUND=lower_bound is not None, HOLD=hold is not None, cstate_ptr=state, cw_ptr=dt_bias,
-        tickets_ptr=rows, FUSE_CONV=False, CK=1, num_warps=warps)  # (the conv pointers unused without FUSE_CONV)
+        tickets_ptr=rows, FUSE_CONV=False, CK=1, CKP=1, num_warps=warps)  # (conv pointers unused: no FUSE_CONV)
     return out
 
 
@@ -267,5 +269,5 @@ def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor
         first_pos.stride(0), 0, x.stride(0), g_raw.stride(0), b_raw.stride(0), out.stride(0), float(scale),
         0.0 if lower_bound is None else float(lower_bound), H=H, D=D, BK=triton.next_power_of_2(D), BV=bv,
         USE_LOWER_BOUND=lower_bound is not None, HOLD=False, cstate_ptr=conv_state, cw_ptr=conv_weight,
-        tickets_ptr=tickets, FUSE_CONV=True, CK=K, num_warps=warps)
+        tickets_ptr=tickets, FUSE_CONV=True, CK=K, CKP=triton.next_power_of_2(max(K - 1, 1)), num_warps=warps)
     return out
