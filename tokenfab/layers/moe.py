@@ -267,6 +267,18 @@ class RoutedExperts(nn.Module):
         out.index_add_(0, token_of, (h * w_sorted[:, None]).to(out.dtype))
         return out
 
+    def packed_kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      out_dtype: torch.dtype | None, plus: torch.Tensor | None = None,
+                      norm: tuple | None = None) -> torch.Tensor | None:
+        """The packed stacks' routed sum by the GPU kernels (``dispatch.routed_experts_packed``: ``out_dtype``,
+        ``plus``, ``norm`` as there), or None where they do not run (CPU; stacks in the CPU tile layout, which
+        their own C++ kernel takes)."""
+        if self.q13.cpu_tiles or self.q2.cpu_tiles:
+            return None
+        return dispatch.routed_experts_packed(
+            x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed, self.q2.scale,
+            self.kernel_act(), self.start, out_dtype, plus, (self.q13.gpu_layout, self.q2.gpu_layout), norm)
+
     def packed_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                        plus: torch.Tensor | None = None) -> torch.Tensor:
         """The routed sum over packed experts (``q13`` / ``q2``): pairs sorted by expert (stable), one grouped
@@ -276,10 +288,7 @@ class RoutedExperts(nn.Module):
         Triton launch per projection with the weights decoded in registers (kernels/gpu/packed_moe.py), ``plus``
         [T, hidden] added in its k-sum (elsewhere after the sum); stacks in the CPU tile layout
         (PackedExperts.cpu_tiles) always take their grouped linears."""
-        out = None if self.q13.cpu_tiles or self.q2.cpu_tiles else dispatch.routed_experts_packed(
-            x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed, self.q2.scale,
-            self.kernel_act(), self.start, torch.float32 if self.accumulate_fp32 else None, plus,
-            (self.q13.gpu_layout, self.q2.gpu_layout))  # CPU tile layout: the stacks' own C++ kernel
+        out = self.packed_kernel(x, weights, ids, torch.float32 if self.accumulate_fp32 else None, plus)
         if out is not None:
             return out
         if plus is not None:

@@ -160,10 +160,7 @@ class SituRoutedExperts(RoutedExperts):
         if self.host is None and t is not None and x.shape[0] <= t.numel() and self.accumulate_fp32:
             spec = (norm.weight, norm.eps, t)
             if self.q13 is not None:
-                out = None if self.q13.cpu_tiles or self.q2.cpu_tiles else dispatch.routed_experts_packed(
-                    x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed,
-                    self.q2.scale, self.kernel_act(), self.start, out_dtype, None,
-                    (self.q13.gpu_layout, self.q2.gpu_layout), spec)
+                out = self.packed_kernel(x, weights, ids, out_dtype, norm=spec)
             else:
                 out = dispatch.routed_experts(x, weights, ids, self.start, self.kernel_act(), self.w13, self.w2,
                                               out_dtype=out_dtype, norm=spec)
