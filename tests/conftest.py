@@ -16,7 +16,8 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 # Triton kernels run here only in Triton's interpreter (tests/test_triton_kernels.py), which must be chosen before
 # triton is first imported; it changes nothing else (kernels/gpu/support.py keeps CPU serving off Triton).
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# The interpreter's per-launch lookups memoized (tokenfab/testing/triton_interpreter.py): same kernels, faster runs.
+# The interpreter's per-launch lookups memoized and its dropped overflow check not computed
+# (tokenfab/testing/triton_interpreter.py): same kernels, faster runs.
 from tokenfab.testing import triton_interpreter  # noqa: E402
 
 triton_interpreter.speed_up()

@@ -1,6 +1,7 @@
-"""The two memoizations tests/conftest.py installs into Triton's interpreter (tokenfab/testing/triton_interpreter.py)
-change no result: the builtin names it patches are those the interpreter's own walk finds, its numpy dtypes are the
-interpreter's own, and kernels give bit-identical outputs with the interpreter's original functions put back."""
+"""The two memoizations and the dropped overflow check tests/conftest.py installs into Triton's interpreter
+(tokenfab/testing/triton_interpreter.py) change no result: the builtin names it patches are those the interpreter's
+own walk finds, its numpy dtypes are the interpreter's own, and kernels give bit-identical outputs with the
+interpreter's original functions and options put back."""
 from __future__ import annotations
 
 import inspect
@@ -33,6 +34,9 @@ def test_memoized_lookups_equal_the_interpreters_own(interpret):
     for pkg in (tl, tl.core, tl.math, tl.tensor):
         listed = set(triton_interpreter.BUILTIN_NAMES[id(pkg)])
         assert {n for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m)} <= listed and listed
+    # the overflow check is off only while debug is (device_assert drops it then)
+    opts = ti.interpreter_builder.options
+    assert not opts.sanitize_overflow and not opts.debug and triton_interpreter.ORIGINALS["options"].sanitize_overflow
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -54,7 +58,8 @@ def test_kernels_bit_identical_with_the_interpreters_original_functions(interpre
 
     fast = run()
     for name, fn in triton_interpreter.ORIGINALS.items():
-        monkeypatch.setattr(ti, name, fn)
+        monkeypatch.setattr(ti.interpreter_builder if name == "options" else ti, name, fn)
+    assert ti.interpreter_builder.options.sanitize_overflow  # the interpreter's own: the check computed again
     slow = run()
     for a, b in zip(fast, slow):
         assert a.dtype == dtype and torch.equal(a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),

@@ -1,4 +1,5 @@
-"""Two memoizations for Triton's interpreter, which runs every GPU kernel of the test suite on CPU tensors.
+"""Two memoizations and one dead computation removed from Triton's interpreter, which runs every GPU kernel of the
+test suite on CPU tensors.
 
 The interpreter re-patches ``triton.language`` for every kernel launch and for every call of a ``@triton.jit``
 helper inside a kernel (``triton/runtime/interpreter.py``: ``_patch_lang`` -> ``_patch_builtin``), and each patch
@@ -11,12 +12,21 @@ lookups once:
   enclosing launch is a wrapper, not a builtin, and is skipped as the original skips it);
 - ``_get_np_dtype``: memoized per Triton type (its value depends only on the type's equality).
 
-What each kernel computes is unchanged; the interpreter-heavy tests run about a quarter faster (measured on one
-engine test, 20.5 s -> 14.9 s). Applied only where the interpreter's functions have the signatures these wrappers
-were written against (Triton 3.x); elsewhere nothing is changed.
+And every integer add / sub / mul of 32 bits or fewer in a kernel also computed its overflow check
+(``triton/language/semantic.py``: ``binary_op_sanitize_overflow_impl``, the operands cast to int64, the op again, two
+compares and an and: six more interpreted ops), then handed it to ``device_assert``, which drops it unless the
+options' ``debug`` is set, and the interpreter's builder never sets it. ``sanitize_overflow`` is turned off in the
+interpreter's options while ``debug`` is off, so that check is not computed only to be dropped (with ``debug`` on,
+nothing is changed).
+
+What each kernel computes is unchanged. The memoizations made the interpreter-heavy tests about a quarter faster
+(measured on one engine test, 20.5 s -> 14.9 s); dropping the check made the KDA engines' tests
+(tests/test_kda_gpu_path.py, one process) 112 s -> 70 s. Applied only where the interpreter's functions have the
+signatures these wrappers were written against (Triton 3.x); elsewhere nothing is changed.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 
@@ -26,7 +36,8 @@ BUILTIN_NAMES: dict[int, list[str]] = {}  # id(package) -> the names of its buil
 
 
 def speed_up() -> bool:
-    """Install the two memoizations into Triton's interpreter module, once per process.
+    """Install the two memoizations into Triton's interpreter module and drop its unused overflow check, once per
+    process.
 
     Must run after ``TRITON_INTERPRET=1`` is set and before any kernel runs (tests/conftest.py). Returns True when
     installed (or already installed), False where triton is not importable, the interpreter is off, or its
@@ -82,5 +93,10 @@ def speed_up() -> bool:
     ORIGINALS.update(_patch_builtin=patch_builtin, _get_np_dtype=np_dtype)
     ti._patch_builtin = fast_patch_builtin
     ti._get_np_dtype = fast_np_dtype
+    builder = getattr(ti, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", False) and not options.debug:
+        ORIGINALS["options"] = options
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
     _APPLIED = True
     return True
