@@ -16,7 +16,8 @@ def check_kda(dev, quick: bool, bw: float, reps: int, fla: bool) -> list[dict]:
     (kernels/gpu/kda.py, from the raw gate / beta / conv outputs) and, with ``fla``, by fla-core's chunk_kda
     (kernels/gpu/kda_chunk.py; CUDA with fla-core only) against the chunked form, error relative to the largest
     reference output or state entry; decode steps at batch 1 / 16 / 64 against one recurrence step, time and
-    bandwidth over the float32 state read and written (B x H x D x D x 4 bytes each way)."""
+    bandwidth over the float32 state read and written (B x H x D x D x 4 bytes each way), and a decode-only step's
+    whole core (conv, recurrence, gated norm) in one launch against three (:func:`_decode_core_rows`)."""
     from tokenfab.kernels.gpu import kda_chunk
     from tokenfab.kernels.gpu.kda import kda_recurrent
     from tokenfab.layers.kda import kda_chunked, kda_log_decay, kda_recurrent_step, l2norm
@@ -78,5 +79,47 @@ def check_kda(dev, quick: bool, bw: float, reps: int, fla: bool) -> list[dict]:
         nbytes = 2 * B * H * D * D * 4
         rows.append({"kernel": "KDA decode step, fused recurrent", "shape": f"B={B} H={H} D={D} state float32",
                      "max_err": err, "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+        rows += _decode_core_rows(dev, rn, B, H, D, lb, dt_bias, a_log, qkv.view(B, -1), g_raw, b_raw, pool, bw, reps)
+    return rows
+
+
+def _decode_core_rows(dev, rn, B, H, D, lb, dt_bias, a_log, x, g_raw, b_raw, pool, bw, reps) -> list[dict]:
+    """A decode-only step's KDA core at batch B: the short conv (width 4, carried sequences), the recurrence and the
+    gated output norm in one launch (``kda_decode_fused`` with its norm, as the layer runs it) against the three
+    launches it replaces (short_conv, kda_recurrent, gated_rms_norm), from the same states; error of the normed
+    output relative to the three launches' largest, times of both, bandwidth over the float32 state."""
+    from tokenfab.kernels.gpu.kda import kda_decode_fused, kda_recurrent
+    from tokenfab.kernels.gpu.norm_activation import gated_rms_norm
+    from tokenfab.kernels.gpu.short_conv import short_conv
+    C = 3 * H * D
+    conv, cw = rn(B + 1, C, 3), (rn(C, 4) * 0.5).contiguous()
+    gate, nw = rn(B, H * D), torch.ones(D, device=dev)
+    idx, pos, slots = (torch.arange(B, device=dev).view(B, 1), torch.full((B,), 5, device=dev),
+                       torch.arange(B, device=dev))
+    tickets = torch.zeros(B * H, dtype=torch.int32, device=dev)
+    out, y = torch.empty(B + 1, H, D, device=dev), torch.empty(B + 1, H * D, device=dev)
+
+    def one(st, cs):
+        kda_decode_fused(x, g_raw, dt_bias, a_log, lb, b_raw, idx, pos, slots, st, cs, cw, tickets, out, D ** -0.5,
+                         (gate, nw, 1e-5, y))
+        return y[:B]
+
+    def three(st, cs):
+        yc, n = short_conv(x, idx, pos.view(B, 1), slots, cs, cw)
+        kda_recurrent(yc, g_raw, dt_bias, a_log, lb, b_raw, idx, n, pos, slots, st, out, D ** -0.5)
+        return gated_rms_norm(out[:B], gate, nw, 1e-5)
+
+    want = three(pool.clone(), conv.clone())
+    got = one(pool.clone(), conv.clone())
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    nbytes = 2 * B * H * D * D * 4
+    rows = []
+    for name, fn in (("KDA decode core, conv + recurrence + norm in one launch", one),
+                     ("KDA decode core, three launches", three)):
+        st, cs = pool.clone(), conv.clone()
+        us = _time_us(lambda: fn(st, cs), dev, reps)
+        rows.append({"kernel": name, "shape": f"B={B} H={H} D={D} state float32", "max_err": err, "us": us,
+                     "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
         print(json.dumps(rows[-1]), flush=True)
     return rows

@@ -27,7 +27,8 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
 6. KDA (kernels/gpu/kda.py, kernels/gpu/kda_chunk.py) at K3's shape in float32: a 6,144-token prefill by the fused
    recurrent kernel and, with --kda-fla, by fla-core's chunk_kda (where installed) against layers/kda.py's chunked
    form, and decode steps at batch 1 / 16 / 64 against its recurrence, time and bandwidth over the float32 state
-   read and written.
+   read and written; at the same batches a decode-only step's whole KDA core (short conv, recurrence, gated output
+   norm) in one launch as the layer runs it, timed beside the three launches it replaces.
 7. Greedy tokens of the embedded default model (``--quick``: a tiny random DeepSeek-V3) in float32 with decode CUDA graphs and with ``enforce_eager``:
    identical token ids expected.
 

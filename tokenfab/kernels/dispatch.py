@@ -497,11 +497,13 @@ def kda_short_conv(x: torch.Tensor, token_index: torch.Tensor, query_pos: torch.
 
 def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
                      lower_bound: float | None, b_raw: torch.Tensor, token_index: torch.Tensor, query_pos: torch.Tensor,
-                     rows: torch.Tensor, cache, conv_weight: torch.Tensor, out: torch.Tensor, scale: float) -> bool:
+                     rows: torch.Tensor, cache, conv_weight: torch.Tensor, out: torch.Tensor, scale: float,
+                     norm: tuple | None = None) -> bool:
     """A KDA decode group (``token_index`` / ``query_pos`` [B, 1]) in one launch on the GPU path: short conv, its
     state update and the gated delta rule (:func:`tokenfab.kernels.gpu.kda.kda_decode_fused`) with ``cache``'s
-    (a KDAStateCache) conv / recurrent states and tickets; True when it ran, False where it does not apply (then
-    :func:`kda_short_conv` and :func:`kda_recurrent` run the group)."""
+    (a KDAStateCache) conv / recurrent states and tickets, and with ``norm`` (gate, weight, eps, y) the gated
+    output norm into y; True when it ran, False where it does not apply (then :func:`kda_short_conv` and
+    :func:`kda_recurrent` run the group)."""
     B = token_index.shape[0]
     if (token_index.dim() != 2 or token_index.shape[1] != 1 or not kda_recurrent_applies(x, cache.recurrent)
             or not kda_short_conv_applies(x, cache.conv, conv_weight, query_pos)
@@ -509,9 +511,11 @@ def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor
         return False
     from tokenfab.kernels.gpu import kda
     unit = lambda t: t if t.stride(-1) == 1 else t.contiguous()
+    if norm is not None:
+        norm = (unit(norm[0]), norm[1].contiguous(), norm[2], norm[3])
     kda.kda_decode_fused(x, unit(g_raw), dt_bias.contiguous(), a_log.contiguous(), lower_bound, unit(b_raw),
                          token_index, query_pos[:, 0], rows, cache.recurrent, cache.conv, conv_weight, cache.tickets,
-                         out, scale)
+                         out, scale, norm)
     return True
 
 

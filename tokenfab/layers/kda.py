@@ -258,6 +258,10 @@ class KimiDeltaAttention(nn.Module):
         else:
             groups, d = ((meta.decode, True), (meta.prefill, False)), (meta.decode.num_seqs if meta.decode else 0)
         part = lambda a, first: None if a is None else (a[:d] if first else a[d:])
+        dec = meta.decode
+        normed = None  # a decode-only step: the fused decode launch applies the output norm too (into normed)
+        if meta.state_group is None and meta.prefill is None and dec is not None and dec.q_len == 1 and d == T:
+            normed = x.new_empty(T + 1, H * D)
         for group, first in groups:
             if group is None:
                 continue
@@ -271,7 +275,10 @@ class KimiDeltaAttention(nn.Module):
                 deferred = DeferredStates(self, group.token_index, group.query_pos, rows, hold, qkv, gates,
                                           part(meta.state_rows_host, first), hold_h, part(meta.num_new_host, first))
                 cache.deferred.append(deferred)
-            self._run_group(group.token_index, group.query_pos, rows, qkv, gates, cache, core, hold, deferred)
+            norm = None if normed is None else (gate, self.o_norm.weight, self.o_norm.eps, normed)
+            if self._run_group(group.token_index, group.query_pos, rows, qkv, gates, cache, core, hold, deferred,
+                               norm):
+                return self.o_proj(normed[:T])
         core = core[:T]
         out = dispatch.gated_rms_norm(core, gate, self.o_norm.weight, self.o_norm.eps)
         if out is None:
@@ -339,7 +346,7 @@ class KimiDeltaAttention(nn.Module):
 
     def _run_group(self, idx: torch.Tensor, query_pos: torch.Tensor, rows: torch.Tensor, qkv: torch.Tensor,
                    gates: "_Gates", cache, core: torch.Tensor, hold: torch.Tensor | None = None,
-                   deferred=None) -> None:
+                   deferred=None, norm: tuple | None = None) -> bool:
         """KDA for one padded group (``idx`` [B, Q] token rows, ``query_pos`` [B, Q] positions, -1 at padding;
         ``rows`` [B] state slots): stores its tokens' outputs in ``core`` [T + 1, H, D] (activation dtype) at their
         token rows and its states in ``cache``; ``qkv`` [T, 3HD] the projections (rows may be strided). On the GPU
@@ -350,13 +357,15 @@ class KimiDeltaAttention(nn.Module):
         is built); elsewhere the PyTorch forms here (the reference). ``hold`` [B] bool: rows (speculative
         verification) whose states are not written, committed later (engine/state_commit.py); the PyTorch forms
         write their old states back and leave the commit their conv window and recurrence inputs
-        (``deferred.prepared``)."""
+        (``deferred.prepared``). ``norm`` (gate, weight, eps, y): the fused decode launch also stores the group's
+        gated output norm in y (kernels/gpu/kda.py ``kda_decode_fused``); returns True when it did (then ``core``
+        holds the un-normed outputs, y the layer's o_proj input), else False (the caller norms ``core``)."""
         B, Q = idx.shape
         H, D, K = self.num_heads, self.head_dim, self.kernel
         if (Q == 1 and hold is None and dispatch.kda_decode_fused(
                 qkv, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx, query_pos, rows,
-                cache, self.conv_weight(), core, D ** -0.5)):
-            return  # a decode group on the GPU path: conv, its state and the recurrence in one launch
+                cache, self.conv_weight(), core, D ** -0.5, norm)):
+            return norm is not None  # a decode group on the GPU path: conv, states, recurrence (and norm): one launch
         kernel = dispatch.kda_recurrent_applies(qkv, cache.recurrent)
         chunk = kernel and Q >= KDA_CHUNK and dispatch.kda_chunk_applies(qkv, Q)
         conv = None
@@ -366,7 +375,7 @@ class KimiDeltaAttention(nn.Module):
             y, n = conv
             dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx,
                                    n, query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5, hold)
-            return
+            return False
         valid = query_pos >= 0  # [B, Q]
         fresh = query_pos[:, 0] == 0
         held = None if hold is None else hold.view(B, 1, 1)
@@ -376,7 +385,7 @@ class KimiDeltaAttention(nn.Module):
             o, S = dispatch.kda_chunk(q, k, v, g, beta, S0)
             cache.write_recurrent(rows, S if held is None else torch.where(held.unsqueeze(-1), S0, S))
             core[idx.reshape(-1)] = o.to(core.dtype).reshape(B * Q, H, D)
-            return
+            return False
         if kernel:
             conv_state, S = cache.read_conv(rows, fresh), None
         else:
@@ -400,7 +409,7 @@ class KimiDeltaAttention(nn.Module):
             cache.write_conv(rows, new_conv)
             dispatch.kda_recurrent(y, gates.g_raw, self.dt_bias, self.A_log, self.lower_bound, gates.b_raw, idx, n,
                                    query_pos[:, 0], rows, cache.recurrent, core, D ** -0.5, hold)
-            return
+            return False
         q, k, v, g, beta = self._prep(y, valid, idx, gates)
         if deferred is not None:
             deferred.prepared = (full, k, v, g, beta)
@@ -421,6 +430,7 @@ class KimiDeltaAttention(nn.Module):
             S = torch.where(held.unsqueeze(-1), S0, S)
         cache.write(rows, new_conv, S)
         core[idx.reshape(-1)] = o.to(core.dtype).reshape(B * Q, H, D)
+        return False
 
 
 class _Gates:

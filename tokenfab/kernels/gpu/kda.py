@@ -28,7 +28,9 @@ A decode group (one token a row, no held rows) runs the short conv in the same l
 ``FUSE_CONV``): each program convolves its head's q and k channels and its value block's v channels from the
 projection row and the conv-state slot, writes its v channels' new conv state, and the last of a head's
 value-block programs (an atomic ticket per row and head, reset by it) writes the q / k channels' state once every
-program of the head has read the old one: one launch instead of two, and no conv output round trip.
+program of the head has read the old one: one launch instead of two, and no conv output round trip. In a
+decode-only step that program also applies the layer's gated output norm to the head's outputs (``NORM``), so
+the step's KDA core is one launch instead of three.
 
 Checked against layers/kda.py's recurrence and chunked form in Triton's interpreter on CPU
 (tests/test_triton_kda.py; the fused decode against the two launches: tests/test_triton_kda_decode_fused.py); GPU
@@ -71,12 +73,26 @@ def _conv_shift(s_base, chan, mask, carried, xv, K: tl.constexpr, KP: tl.constex
 
 
 @triton.jit
+def _gated_norm_head(o_row, g_row, w_ptr, y_row, offs, mask, D, eps):
+    """KDA's output norm of one token's head (kernels/gpu/norm_activation.py ``gated_rms_norm``, the same float32
+    formula): its D outputs re-read from ``o_row`` as stored (volatile: other programs wrote them),
+    (w * o / sqrt(mean(o^2) + eps)) * sigmoid(gate) stored at ``y_row``."""
+    xf = tl.load(o_row + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_row + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (w * (xf * rstd)) * (1.0 / (1.0 + tl.exp(-g)))
+    tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, idx_ptr, ntok_ptr, pos0_ptr,
                           rows_ptr, state_ptr, out_ptr, hold_ptr, Q, stride_pos0, stride_qkv_b, stride_qkv_t, stride_g,
                           stride_b, stride_o, scale, lower_bound, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
                           BV: tl.constexpr, USE_LOWER_BOUND: tl.constexpr, HOLD: tl.constexpr,
                           cstate_ptr, cw_ptr, tickets_ptr, FUSE_CONV: tl.constexpr, CK: tl.constexpr,
-                          CKP: tl.constexpr):
+                          CKP: tl.constexpr, gate_ptr, nw_ptr, y_ptr, stride_gate, stride_y, norm_eps,
+                          NORM: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     vb = tl.program_id(2)
@@ -110,17 +126,8 @@ def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, i
             q = q.to(DT).to(tl.float32)
             k = k.to(DT).to(tl.float32)
             v = v.to(DT).to(tl.float32)
-            if CK > 1:
-                # this block's v channels are this program's alone; q / k channels are every value block's: the
-                # last of them to finish (a ticket per row and head) writes those, once all have read them
+            if CK > 1:  # this block's v channels are this program's alone (the q / k channels: below)
                 _conv_shift(c_base, 2 * H * D + h * D + offs_v, mv, cv, xv, CK, CKP)
-                tl.debug_barrier()
-                ticket = tl.atomic_add(tickets_ptr + b * H + h, 1, sem="acq_rel")
-                if ticket == tl.num_programs(2) - 1:
-                    tl.debug_barrier()
-                    _conv_shift(c_base, h * D + offs_k, mk, ck, xq, CK, CKP)
-                    _conv_shift(c_base, H * D + h * D + offs_k, mk, ck, xk, CK, CKP)
-                    tl.atomic_xchg(tickets_ptr + b * H + h, 0)
         else:
             base = qkv_ptr + b * stride_qkv_b + t * stride_qkv_t + h * D
             q = tl.load(base + offs_k, mask=mk, other=0.0).to(tl.float32)
@@ -141,11 +148,30 @@ def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, i
         S = S + k[:, None] * delta[None, :]
         o = tl.sum(S * q[:, None], axis=0)
         tl.store(out_ptr + tok * stride_o + h * D + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
+        if FUSE_CONV:
+            if CK > 1 or NORM:
+                # the q / k conv channels are every value block's, and the output norm needs the whole head: the
+                # last of the head's programs to finish (a ticket per row and head, released at GPU scope after
+                # its reads of the old conv state and its output stores) writes those channels' state and norms
+                tl.debug_barrier()
+                ticket = tl.atomic_add(tickets_ptr + b * H + h, 1, sem="acq_rel")
+                if ticket == tl.num_programs(2) - 1:
+                    tl.debug_barrier()
+                    if CK > 1:
+                        _conv_shift(c_base, h * D + offs_k, mk, ck, xq, CK, CKP)
+                        _conv_shift(c_base, H * D + h * D + offs_k, mk, ck, xk, CK, CKP)
+                    if NORM:
+                        _gated_norm_head(out_ptr + tok * stride_o + h * D, gate_ptr + tok * stride_gate + h * D,
+                                         nw_ptr, y_ptr + tok * stride_y + h * D, offs_k, mk, D, norm_eps)
+                    tl.atomic_xchg(tickets_ptr + b * H + h, 0)
     for t in range(n, Q):  # tokens past the valid ones: zero outputs (the decode-graph buffers' verification
         # rows name real rows of the padded batch there, which later layers read; elsewhere they name one padding row)
         tok = tl.load(idx_ptr + b * Q + t).to(tl.int64)
         tl.store(out_ptr + tok * stride_o + h * D + offs_v, tl.zeros([BV], tl.float32).to(out_ptr.dtype.element_ty),
                  mask=mv)
+        if NORM:  # the norm of a zero row is zero
+            tl.store(y_ptr + tok * stride_y + h * D + offs_v, tl.zeros([BV], tl.float32).to(y_ptr.dtype.element_ty),
+                     mask=mv)
     if HOLD:  # a held row (speculative verification) keeps its state until the commit reruns its kept tokens
         write = (offs_k[:, None] * 0 + tl.load(hold_ptr + b).to(tl.int32)) == 0
         tl.store(s_ptrs, S, mask=m2 & write)
@@ -214,14 +240,16 @@ def kda_recurrent(qkv: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor,
         first_pos.stride(0), qkv.stride(0), qkv.stride(1), g_raw.stride(0), b_raw.stride(0), out.stride(0),
         float(scale), 0.0 if lower_bound is None else float(lower_bound), H=H, D=D, BK=triton.next_power_of_2(D),
         BV=bv, USE_LOWER_BOUND=lower_bound is not None, HOLD=hold is not None, cstate_ptr=state, cw_ptr=dt_bias,
-        tickets_ptr=rows, FUSE_CONV=False, CK=1, CKP=1, num_warps=warps)  # (conv pointers unused: no FUSE_CONV)
+        tickets_ptr=rows, FUSE_CONV=False, CK=1, CKP=1, gate_ptr=out, nw_ptr=dt_bias, y_ptr=out, stride_gate=0,
+        stride_y=0, norm_eps=0.0, NORM=False, num_warps=warps)  # (conv and norm pointers unused: no FUSE_CONV)
     return out
 
 
 def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor, a_log: torch.Tensor,
                      lower_bound: float | None, b_raw: torch.Tensor, token_index: torch.Tensor,
                      first_pos: torch.Tensor, rows: torch.Tensor, state: torch.Tensor, conv_state: torch.Tensor,
-                     conv_weight: torch.Tensor, tickets: torch.Tensor, out: torch.Tensor, scale: float) -> torch.Tensor:
+                     conv_weight: torch.Tensor, tickets: torch.Tensor, out: torch.Tensor, scale: float,
+                     norm: tuple | None = None) -> torch.Tensor:
     """A decode group (one token a row) of a KDA layer in one launch: the short conv + SiLU of each token's q, k, v
     channels (kernels/gpu/short_conv.py's formulas: its conv state read and shifted in place, outputs rounded to the
     activation dtype as that kernel stores them) and the gated delta rule of :func:`kda_recurrent`.
@@ -229,7 +257,9 @@ def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor
     Each program (row, head, value block) convolves its head's q and k channels and its block's v channels; it
     writes its v channels' new conv state itself, and the last of a head's value-block programs to finish (an
     atomic ticket per row and head in ``tickets``, reset by that program) writes the q and k channels' state, after
-    every program of the head has read the old one.
+    every program of the head has read the old one. With ``norm``, that program also applies the layer's output
+    norm to the head's outputs (re-read as stored, so the same values and formula as
+    kernels/gpu/norm_activation.py's ``gated_rms_norm`` launch it replaces).
 
     Args:
         x: [T, 3 * H * D] the q | k | v projections (activation dtype; unit stride along the channels, rows may be
@@ -242,6 +272,9 @@ def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor
             contiguous.
         tickets: int32 zeros, at least B * H of them, owned by the caller (left zero after every launch), not shared
             with a launch that may run concurrently.
+        norm: optional (gate, weight, eps, y): gate [>= T, H * D] (unit stride along the last dim), weight [D], eps
+            float, y [>= T, H * D] contiguous (activation dtype): each token's (w * o / sqrt(mean(o^2) + eps)) *
+            sigmoid(gate) per head stored at its token_index row of y (zeros for padding rows), o as stored in out.
 
     Returns:
         ``out``.
@@ -256,7 +289,9 @@ def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor
             or tuple(conv_state.shape[1:]) != (C, K - 1) or not conv_state.is_contiguous()
             or conv_weight.dtype != torch.float32 or not conv_weight.is_contiguous() or tickets.numel() < B * H
             or tickets.dtype != torch.int32 or state.dtype != torch.float32 or not state.is_contiguous()
-            or g_raw.stride(-1) != 1 or b_raw.stride(-1) != 1 or not out.is_contiguous()):
+            or g_raw.stride(-1) != 1 or b_raw.stride(-1) != 1 or not out.is_contiguous()
+            or (norm is not None and (norm[0].stride(-1) != 1 or not norm[3].is_contiguous()
+                                      or norm[3].shape[-1] != H * D or norm[1].numel() != D))):
         raise ValueError(f"kda_decode_fused: x {tuple(x.shape)}, conv state {tuple(conv_state.shape)}, taps "
                          f"{tuple(conv_weight.shape)} {conv_weight.dtype}, state {tuple(state.shape)}, tickets "
                          f"{tickets.numel()} for {B} rows x {H} heads do not fit")
@@ -269,5 +304,9 @@ def kda_decode_fused(x: torch.Tensor, g_raw: torch.Tensor, dt_bias: torch.Tensor
         first_pos.stride(0), 0, x.stride(0), g_raw.stride(0), b_raw.stride(0), out.stride(0), float(scale),
         0.0 if lower_bound is None else float(lower_bound), H=H, D=D, BK=triton.next_power_of_2(D), BV=bv,
         USE_LOWER_BOUND=lower_bound is not None, HOLD=False, cstate_ptr=conv_state, cw_ptr=conv_weight,
-        tickets_ptr=tickets, FUSE_CONV=True, CK=K, CKP=triton.next_power_of_2(max(K - 1, 1)), num_warps=warps)
+        tickets_ptr=tickets, FUSE_CONV=True, CK=K, CKP=triton.next_power_of_2(max(K - 1, 1)),
+        gate_ptr=out if norm is None else norm[0], nw_ptr=dt_bias if norm is None else norm[1],
+        y_ptr=out if norm is None else norm[3], stride_gate=0 if norm is None else norm[0].stride(0),
+        stride_y=0 if norm is None else norm[3].stride(0), norm_eps=0.0 if norm is None else float(norm[2]),
+        NORM=norm is not None, num_warps=warps)
     return out
