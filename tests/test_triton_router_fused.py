@@ -107,20 +107,57 @@ def test_router_topk_rejects_misfits(interpret):
 def test_router_compiles_for_sm90_and_gfx942(interpret):
     """The routers' GPU forms compiled by Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU
     (tokenfab/testing/target_compile.py), bf16 activations: the one-launch router for Kimi K3's 896 experts top-16
-    (padded selection passes of 4 tokens) and for Qwen3-MoE's softmax top-8 of 128, and the softmax selection after a
-    separate GEMM (prefills past 256 tokens). DeepSeek-V3's grouped form compiles in tests/test_gpu_kernels_compile.py
-    with the engine's launches."""
+    (padded selection passes of 4 tokens; the pairs aligned in the launch) and for Qwen3-MoE's softmax top-8 of 128,
+    and the softmax selection after a separate GEMM (prefills past 256 tokens). DeepSeek-V3's grouped form compiles
+    in tests/test_gpu_kernels_compile.py with the engine's launches."""
     from tokenfab.kernels.gpu import router
+    from tokenfab.kernels.gpu.moe import alignment_for
     from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets
     r, g = make_router(896, 512, 1, 1, 16, True, 3)
     x = torch.randn(1, 512, generator=g).to(torch.bfloat16)
     with LaunchRecorder() as rec:
         router.router_topk(x, r.weight, r.e_score_correction_bias, torch.zeros(router.TICKETS, dtype=torch.int32),
-                           1, 1, 16, True, 2.5)
+                           1, 1, 16, True, 2.5, 0, alignment_for(1, 16, 0, 896, x.device))
         qw = torch.randn(128, 512, generator=g).to(torch.bfloat16)
         router.router_softmax_topk(x, qw, torch.zeros(router.TICKETS, dtype=torch.int32), 8, True)
         router.softmax_topk(torch.nn.functional.linear(x, qw), 8, True)
-    assert [(l["name"], l["constexprs"]["E"] if "E" in l["constexprs"] else None) for l in rec.launches] == [
-        ("_router_kernel", 896), ("_router_kernel", 128), ("_softmax_topk_kernel", None)]
+    assert [(l["name"], l["constexprs"]["E"] if "E" in l["constexprs"] else None,
+             l["constexprs"].get("ALIGN")) for l in rec.launches] == [
+        ("_router_kernel", 896, True), ("_router_kernel", 128, False), ("_softmax_topk_kernel", None, None)]
     failures = compile_for_targets(rec.launches)
     assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']}" for f in failures)
+
+
+@pytest.mark.parametrize("softmax,E,top_k,extra,T,start,num_local", [
+    (False, 64, 4, 2, 37, 0, 66),     # two token tiles (the alignment's ticket), the shared slots folded (66 rows)
+    (False, 896, 16, 0, 5, 0, 896),   # Kimi K3's 896 experts top-16
+    (False, 64, 4, 0, 20, 16, 24),    # expert parallel: this rank's experts [16, 40); other pairs left out
+    (True, 12, 4, 0, 40, 3, 6),       # Qwen3-MoE's softmax router, two tiles, expert parallel
+])
+def test_router_aligns_the_pairs_in_its_launch(interpret, softmax, E, top_k, extra, T, start, num_local):
+    """With an Alignment, the router's launch also aligns the (token, slot) pairs by expert (the last token tile's
+    selecting program, after every tile's ids are stored): the same three tensors as kernels/gpu/moe.py's
+    align_pairs on the ids it returned, bit for bit, with the tile height routed_sum takes; the tickets (the
+    alignment's too) left zero, and the same ids and weights as without the alignment."""
+    from tokenfab.kernels.gpu import router
+    from tokenfab.kernels.gpu.moe import align_pairs, alignment_for
+    from tokenfab.kernels.gpu.moe_gemm import block_m_for
+    r, g = make_router(E, 48, 1, 1, top_k, True, E + T)
+    x = torch.randn(T, 48, generator=g).to(torch.bfloat16)
+    tickets = torch.zeros(router.TICKETS, dtype=torch.int32)
+    align = alignment_for(T, top_k + extra, start, num_local, x.device)
+    assert align.block_m == block_m_for(T * (top_k + extra), num_local) and not align.filled
+
+    def route(a):
+        if softmax:
+            return router.router_softmax_topk(x, r.weight, tickets, top_k, True, a)
+        return router.router_topk(x, r.weight, r.e_score_correction_bias, tickets, 1, 1, top_k, True, 2.5, extra, a)
+    w, ids = route(align)
+    assert align.filled and tickets.eq(0).all()
+    want = align_pairs(ids, start, num_local, align.block_m)
+    for got, ref in zip((align.sorted_pairs, align.expert_of_block, align.num_post), want):
+        assert got.dtype == torch.int32 and torch.equal(got, ref)
+    w0, ids0 = route(None)
+    assert torch.equal(ids0, ids) and torch.equal(w0, w)
+    with pytest.raises(ValueError):  # filled buffers are not filled twice
+        route(align)

@@ -290,13 +290,14 @@ def causal_softmax_(scores: torch.Tensor, query_pos: torch.Tensor, q_len: int, s
 
 def sigmoid_group_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n_group: int, topk_group: int,
                        top_k: int, norm: bool, scale: float, extra: int = 0,
-                       tickets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                       tickets: torch.Tensor | None = None, align=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """DeepSeek-V3 / Kimi-K2 routing of x [T, hidden] with the router weight [E, hidden] float32 -> (weights
     [T, top_k (+ extra)] float32, ids [T, top_k (+ extra)] int64), or None. GPU path: with ``tickets``
     (:data:`tokenfab.kernels.gpu.router.TICKETS` int32 zeros owned by the router) and up to FUSED_MAX_TOKENS tokens,
     GEMM and selection in one launch (:func:`~tokenfab.kernels.gpu.router.router_topk`), else the float32 GEMM then
     the selection kernel; ``extra`` always-chosen slots (ids E.., weight 1.0; shared experts folded into the routed
-    stacks) appended. CPU: the GEMM then the C++ selection (``extra`` must be 0)."""
+    stacks) appended; ``align`` (:func:`moe_alignment`'s buffers) filled by the one launch when it runs (left
+    unfilled otherwise). CPU: the GEMM then the C++ selection (``extra`` must be 0)."""
     if _gpu(x):
         from tokenfab.kernels.gpu import router
         if not router.applies(weight.shape[0], n_group, top_k):
@@ -304,7 +305,8 @@ def sigmoid_group_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if (tickets is not None and x.shape[0] <= router.FUSED_MAX_TOKENS and x.dim() == 2 and x.stride(-1) == 1
                 and weight.stride(-1) == 1 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
                 and router.fused_applies(weight.shape[0], n_group, top_k)):
-            return router.router_topk(x, weight, bias, tickets, n_group, topk_group, top_k, norm, scale, extra)
+            return router.router_topk(x, weight, bias, tickets, n_group, topk_group, top_k, norm, scale, extra,
+                                      align)
         return router.sigmoid_group_topk(torch.nn.functional.linear(x.float(), weight), bias, n_group,
                                          topk_group, top_k, norm, scale, extra)
     if cpu_support.available_for(x) and not extra:
@@ -323,15 +325,16 @@ def router_tickets(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def softmax_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool,
-                   tickets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                   tickets: torch.Tensor | None, align=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Qwen3-MoE's whole router for x [T, hidden] with its weight [E, hidden] in one launch on the GPU path
     (:func:`tokenfab.kernels.gpu.router.router_softmax_topk`: GEMM, softmax, top-k, renormalization, cast) up to
-    FUSED_MAX_TOKENS tokens with the router's ``tickets``; None elsewhere (then the GEMM and :func:`softmax_topk`)."""
+    FUSED_MAX_TOKENS tokens with the router's ``tickets``, ``align`` filled as in :func:`sigmoid_group_topk`; None
+    elsewhere (then the GEMM and :func:`softmax_topk`)."""
     if (tickets is not None and _gpu(x) and x.dim() == 2 and x.stride(-1) == 1 and weight.stride(-1) == 1
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and 1 <= top_k <= weight.shape[0]):
         from tokenfab.kernels.gpu import router
         if x.shape[0] <= router.FUSED_MAX_TOKENS:
-            return router.router_softmax_topk(x, weight, tickets, top_k, norm)
+            return router.router_softmax_topk(x, weight, tickets, top_k, norm, align)
     return None
 
 
@@ -349,21 +352,36 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, st
                    w13: torch.Tensor | None = None, w2: torch.Tensor | None = None,
                    packed13: list[torch.Tensor] | None = None,
                    packed2: list[torch.Tensor] | None = None, plus: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None, norm: tuple | None = None) -> torch.Tensor | None:
+                   out_dtype: torch.dtype | None = None, norm: tuple | None = None,
+                   aligned=None) -> torch.Tensor | None:
     """The routed experts' weighted sum for x [T, hidden], weights / ids [T, k] (experts from ``start``):
     the C++ dispatch over per-expert packed SiLU-GLU weights ``packed13`` / ``packed2`` on CPU (pass None to keep
     the Python loop), the Triton grouped GEMMs over the stacks ``w13`` [E, 2I, hidden] / ``w2`` [E, hidden, I] on
     CUDA/ROCm (``act``: the activation between them as kernels/gpu/moe.py ``fused_moe`` takes it; None: SiLU-GLU
     in the gate|up GEMM's epilogue; ``out_dtype``: the result's, default x's; ``norm`` (weight, eps, tickets): the
-    result is the RMSNorm of the float32 sum, GPU only), or None. ``plus`` [T, hidden] (the shared experts' output)
-    is added to the result: inside the Triton k-sum, after the C++ kernel's."""
+    result is the RMSNorm of the float32 sum, GPU only; ``aligned``: the pairs aligned by the router's launch,
+    :func:`moe_alignment`), or None. ``plus`` [T, hidden] (the shared experts' output) is added to the result:
+    inside the Triton k-sum, after the C++ kernel's."""
     if packed13 is not None and norm is None and cpu_support.available_for(x):
         out = cpu_moe.moe_experts_packed(x, weights, ids, packed13, packed2, start)
         return out if plus is None else out + plus
     if w13 is not None and gpu_support.applies(x):  # grouped GEMMs in Triton, CUDA-graph safe
         from tokenfab.kernels.gpu import moe  # imports triton: only when it applies
-        return moe.fused_moe(x, w13, w2, weights, ids, act, start, plus, out_dtype, norm)
+        return moe.fused_moe(x, w13, w2, weights, ids, act, start, plus, out_dtype, norm, aligned)
     return None
+
+
+def moe_alignment(x: torch.Tensor, k: int, start: int, num_local: int):
+    """On the GPU path, unfilled buffers (kernels/gpu/moe.py ``Alignment``) for the router's launch to align a call
+    of x's T tokens with ``k`` slots each over local experts [start, start + num_local) by expert, which the
+    experts' GEMMs then take (``aligned=`` of :func:`routed_experts` / :func:`routed_experts_packed`); None elsewhere
+    or above the one-program alignment's pair limit."""
+    if not gpu_support.applies(x) or x.dim() != 2:
+        return None
+    from tokenfab.kernels.gpu import moe, router
+    if x.shape[0] > router.FUSED_MAX_TOKENS:  # the router's GEMM and selection are not one launch there
+        return None
+    return moe.alignment_for(x.shape[0], k, start, num_local, x.device)
 
 
 def moe_sum_tickets(x: torch.Tensor) -> torch.Tensor | None:
@@ -379,18 +397,18 @@ def moe_sum_tickets(x: torch.Tensor) -> torch.Tensor | None:
 def routed_experts_packed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: str, p13: torch.Tensor,
                           s13: torch.Tensor, p2: torch.Tensor, s2: torch.Tensor, act, start: int,
                           out_dtype: torch.dtype | None, plus: torch.Tensor | None = None,
-                          relaid: tuple[bool, bool] = (False, False), norm: tuple | None = None
+                          relaid: tuple[bool, bool] = (False, False), norm: tuple | None = None, aligned=None
                           ) -> torch.Tensor | None:
     """The routed experts' weighted sum over stacks kept packed (``fmt`` one of PACKED_MOE_FORMATS; arguments as
     :func:`tokenfab.kernels.gpu.packed_moe.fused_moe_packed`, ``plus`` added in its k-sum; ``relaid``: whether the
-    gate|up / down stacks are in the GPU layout, PackedExperts.gpu_layout; ``norm``: as :func:`routed_experts`): one
-    Triton launch per
+    gate|up / down stacks are in the GPU layout, PackedExperts.gpu_layout; ``norm``, ``aligned``: as
+    :func:`routed_experts`): one Triton launch per
     projection on CUDA/ROCm with the weights decoded in registers, or None (on CPU the stacks' grouped linears pick
     their kernels themselves)."""
     if gpu_support.applies(x) and fmt in PACKED_MOE_FORMATS:
         from tokenfab.kernels.gpu import packed_moe  # imports triton: only when it applies
         return packed_moe.fused_moe_packed(x, fmt, p13, s13, p2, s2, weights, ids, act, start, out_dtype, plus,
-                                           relaid, norm)
+                                           relaid, norm, aligned)
     return None
 
 

@@ -37,15 +37,16 @@ class SigmoidGroupRouter(nn.Module):
 
     _tickets: torch.Tensor | None = None  # GPU path: the fused router launch's per-tile counters (kept zero)
 
-    def forward(self, x: torch.Tensor, extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, extra: int = 0, align=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k + extra] float32, expert ids [T, k + extra] int64); the ``extra`` slots
         after the k routed ones are experts num_experts + j with weight 1.0 (shared experts run as routed ones,
-        layers/shared_expert_fold.py)."""
+        layers/shared_expert_fold.py). ``align``: the experts' alignment buffers (RoutedExperts.alignment), filled
+        by the GPU path's one launch when it runs."""
         if self._tickets is None or self._tickets.device != x.device:
             self._tickets = dispatch.router_tickets(x)  # created on the first (prefill / warm-up) call
         out = dispatch.sigmoid_group_topk(x, self.weight, self.e_score_correction_bias, self.n_group,
                                           self.topk_group, self.top_k, self.norm_topk_prob, self.scaling, extra,
-                                          self._tickets)
+                                          self._tickets, align)
         if out is not None:  # CPU: the same selection in one pass per token after the router GEMM
             return out
         scores = torch.nn.functional.linear(x.float(), self.weight).sigmoid()
@@ -80,12 +81,13 @@ class SoftmaxTopKRouter(nn.Module):
 
     _tickets: torch.Tensor | None = None  # GPU path: the fused router launch's per-tile counters (kept zero)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, align=None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64). On the GPU path decode batches
-        take one launch (GEMM and selection, dispatch.softmax_router), larger ones the GEMM and one launch."""
+        take one launch (GEMM and selection, dispatch.softmax_router; with ``align``, the experts' alignment
+        buffers, the pairs aligned by expert in it too), larger ones the GEMM and one launch."""
         if self._tickets is None or self._tickets.device != x.device:
             self._tickets = dispatch.router_tickets(x)  # created on the first (prefill / warm-up) call
-        out = dispatch.softmax_router(x, self.weight, self.top_k, self.norm_topk_prob, self._tickets)
+        out = dispatch.softmax_router(x, self.weight, self.top_k, self.norm_topk_prob, self._tickets, align)
         if out is not None:
             return out
         logits = torch.nn.functional.linear(x, self.weight)
@@ -205,18 +207,28 @@ class RoutedExperts(nn.Module):
         lo = int((flat_ids < self.start).sum()) if self.start else 0
         return ids.shape[1], order, counts, lo
 
+    def alignment(self, x: torch.Tensor, k: int):
+        """On the GPU path with device experts: unfilled buffers for the router's launch to align this call's pairs
+        (x's T tokens, ``k`` slots each, over this rank's stack rows) by expert, for ``aligned=`` of
+        :meth:`forward` (dispatch.moe_alignment); None elsewhere (the experts align their pairs themselves)."""
+        if self.host is not None or not dispatch.gpu_path(x):
+            return None
+        stack = self.w13 if self.q13 is None else self.q13.packed  # the rows the kernels' alignment counts
+        return None if stack is None else dispatch.moe_alignment(x, k, self.start, stack.shape[0])
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                plus: torch.Tensor | None = None) -> torch.Tensor:
+                plus: torch.Tensor | None = None, aligned=None) -> torch.Tensor:
         """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum over this rank's experts of weight * expert(x),
         plus ``plus`` [T, hidden] when given (the shared experts' output: on the GPU path added inside the Triton
-        k-sum, one launch fewer; elsewhere after the sum, as ``out + plus``)."""
+        k-sum, one launch fewer; elsewhere after the sum, as ``out + plus``). ``aligned``: :meth:`alignment`'s
+        buffers as the router filled them (the GPU kernels then skip their alignment launch)."""
         if plus is not None:
             if self.host is None and dispatch.gpu_path(x):  # the Triton k-sum adds it (float32, one rounding)
                 if self.route_counter is not None:
                     self.route_counter.record(ids)
-                out = (self.packed_forward(x, weights, ids, plus) if self.q13 is not None else
+                out = (self.packed_forward(x, weights, ids, plus, aligned) if self.q13 is not None else
                        dispatch.routed_experts(x, weights, ids, self.start, self.kernel_act(), self.w13, self.w2,
-                                               plus=plus))
+                                               plus=plus, aligned=aligned))
                 if out is not None:
                     return out
                 return self.forward_unfused(x, weights, ids) + plus
@@ -226,9 +238,9 @@ class RoutedExperts(nn.Module):
         if self.host is not None:  # part of the experts in host memory: the split runs both sides, same sum order
             return self.host.forward(self, x, weights, ids)
         if self.q13 is not None:
-            return self.packed_forward(x, weights, ids)
+            return self.packed_forward(x, weights, ids, aligned=aligned)
         out = dispatch.routed_experts(x, weights, ids, self.start, self.kernel_act(), self.w13, self.w2,
-                                      self._p13 if self.fused_dispatch else None, self._p2)
+                                      self._p13 if self.fused_dispatch else None, self._p2, aligned=aligned)
         if out is not None:  # CPU: the same math in C++; CUDA/ROCm: grouped GEMMs in Triton, graph-safe
             return out
         return self.forward_unfused(x, weights, ids)
@@ -269,18 +281,19 @@ class RoutedExperts(nn.Module):
 
     def packed_kernel(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       out_dtype: torch.dtype | None, plus: torch.Tensor | None = None,
-                      norm: tuple | None = None) -> torch.Tensor | None:
+                      norm: tuple | None = None, aligned=None) -> torch.Tensor | None:
         """The packed stacks' routed sum by the GPU kernels (``dispatch.routed_experts_packed``: ``out_dtype``,
-        ``plus``, ``norm`` as there), or None where they do not run (CPU; stacks in the CPU tile layout, which
-        their own C++ kernel takes)."""
+        ``plus``, ``norm``, ``aligned`` as there), or None where they do not run (CPU; stacks in the CPU tile
+        layout, which their own C++ kernel takes)."""
         if self.q13.cpu_tiles or self.q2.cpu_tiles:
             return None
         return dispatch.routed_experts_packed(
             x, weights, ids, self.q13.format_name, self.q13.packed, self.q13.scale, self.q2.packed, self.q2.scale,
-            self.kernel_act(), self.start, out_dtype, plus, (self.q13.gpu_layout, self.q2.gpu_layout), norm)
+            self.kernel_act(), self.start, out_dtype, plus, (self.q13.gpu_layout, self.q2.gpu_layout), norm,
+            aligned)
 
     def packed_forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                       plus: torch.Tensor | None = None) -> torch.Tensor:
+                       plus: torch.Tensor | None = None, aligned=None) -> torch.Tensor:
         """The routed sum over packed experts (``q13`` / ``q2``): pairs sorted by expert (stable), one grouped
         linear per projection over all active experts, :meth:`act` in between, each row times its float32 routing
         weight rounded to the output dtype and summed with index_add (float32 output when ``accumulate_fp32``,
@@ -288,7 +301,8 @@ class RoutedExperts(nn.Module):
         Triton launch per projection with the weights decoded in registers (kernels/gpu/packed_moe.py), ``plus``
         [T, hidden] added in its k-sum (elsewhere after the sum); stacks in the CPU tile layout
         (PackedExperts.cpu_tiles) always take their grouped linears."""
-        out = self.packed_kernel(x, weights, ids, torch.float32 if self.accumulate_fp32 else None, plus)
+        out = self.packed_kernel(x, weights, ids, torch.float32 if self.accumulate_fp32 else None, plus,
+                                 aligned=aligned)
         if out is not None:
             return out
         if plus is not None:

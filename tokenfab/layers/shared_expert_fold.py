@@ -39,10 +39,12 @@ class FoldedSharedExperts:
         caller then runs its unfolded path). ``experts``' route counter, if any, sees the routed ids only."""
         if experts.host is not None or not dispatch.gpu_path(x):
             return None
-        w, ids = gate(x, self.slots)
+        aligned = dispatch.moe_alignment(x, gate.top_k + self.slots, 0, self.w13.shape[0])  # by the router's launch
+        w, ids = gate(x, self.slots, aligned)
         if experts.route_counter is not None:
             experts.route_counter.record(ids[:, : gate.top_k])
-        return dispatch.routed_experts(x, w, ids, 0, None, self.w13, self.w2)  # None: SiLU-GLU in the GEMM
+        return dispatch.routed_experts(x, w, ids, 0, None, self.w13, self.w2,  # None: SiLU-GLU in the GEMM
+                                       aligned=aligned)
 
 
 def _plain_weight(lin: nn.Module) -> torch.Tensor | None:

@@ -46,10 +46,11 @@ class DeepseekV3MoE(nn.Module):
             out = self.folded(x, self.gate, self.experts)
             if out is not None:
                 return out
-        w, ids = self.gate(x)
+        aligned = self.experts.alignment(x, self.gate.top_k)  # GPU path: the pairs aligned in the router's launch
+        w, ids = self.gate(x, align=aligned)
         if self.shared_experts is None:
-            return self.experts(x, w, ids)
-        return self.experts(x, w, ids, plus=self.shared_experts(x))  # GPU path: added in the routed k-sum
+            return self.experts(x, w, ids, aligned=aligned)
+        return self.experts(x, w, ids, plus=self.shared_experts(x), aligned=aligned)  # GPU: added in the k-sum
 
 
 class DeepseekV3ForCausalLM(CausalLM):

@@ -149,40 +149,41 @@ class SituRoutedExperts(RoutedExperts):
     _sum_tickets: torch.Tensor | None = None  # GPU path: the k-sum-with-norm launch's per-token counters (zero)
 
     def forward_normed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, norm: RMSNorm,
-                       out_dtype: torch.dtype) -> torch.Tensor:
+                       out_dtype: torch.dtype, aligned=None) -> torch.Tensor:
         """``norm`` of the float32 expert sum (K3's latent norm), rounded once to ``out_dtype``: x [T, hidden];
         weights, ids [T, k] -> [T, hidden]. On the GPU path (device experts, decode batches up to the k-sum's
         token limit) the norm is made in the k-sum's launch (kernels/gpu/moe.py ``moe_sum``); elsewhere
-        :meth:`forward` then the norm (one launch on a GPU, ``dispatch.rms_norm``)."""
+        :meth:`forward` then the norm (one launch on a GPU, ``dispatch.rms_norm``). ``aligned``: as
+        RoutedExperts.forward."""
         if self._sum_tickets is None or self._sum_tickets.device != x.device:
             self._sum_tickets = dispatch.moe_sum_tickets(x)  # created on the first (prefill / warm-up) call
         t = self._sum_tickets
         if self.host is None and t is not None and x.shape[0] <= t.numel() and self.accumulate_fp32:
             spec = (norm.weight, norm.eps, t)
             if self.q13 is not None:
-                out = self.packed_kernel(x, weights, ids, out_dtype, norm=spec)
+                out = self.packed_kernel(x, weights, ids, out_dtype, norm=spec, aligned=aligned)
             else:
                 out = dispatch.routed_experts(x, weights, ids, self.start, self.kernel_act(), self.w13, self.w2,
-                                              out_dtype=out_dtype, norm=spec)
+                                              out_dtype=out_dtype, norm=spec, aligned=aligned)
             if out is not None:
                 if self.route_counter is not None:
                     self.route_counter.record(ids)
                 return out
-        y = self(x, weights, ids)
+        y = self(x, weights, ids, aligned=aligned)
         fused = dispatch.rms_norm(y, norm.weight, norm.eps, out_dtype=out_dtype)
         return fused if fused is not None else norm(y).to(out_dtype)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, aligned=None) -> torch.Tensor:
         """x [T, hidden]; weights, ids [T, k] -> [T, hidden] = sum_k weights * expert_ids(x) (float32 when
-        ``accumulate_fp32``, else x's dtype)."""
+        ``accumulate_fp32``, else x's dtype); ``aligned`` as RoutedExperts.forward."""
         if self.route_counter is not None:
             self.route_counter.record(ids)
         if self.host is not None:  # host-offloaded experts (layers/host_experts.py): same pairs, same sum order
             return self.host.forward(self, x, weights, ids)
         if self.q13 is not None:  # packed experts (MXFP4): the same pairs and sums, grouped linears
-            return self.packed_forward(x, weights, ids)
+            return self.packed_forward(x, weights, ids, aligned=aligned)
         out = dispatch.routed_experts(x, weights, ids, self.start, self.kernel_act(), self.w13, self.w2,
-                                      out_dtype=torch.float32 if self.accumulate_fp32 else None)
+                                      out_dtype=torch.float32 if self.accumulate_fp32 else None, aligned=aligned)
         if out is not None:  # CUDA/ROCm: the grouped GEMMs with SiTU-GLU in the first one's epilogue
             return out
         T, k = ids.shape
@@ -263,7 +264,8 @@ class KimiMoE(nn.Module):
             out = self.folded(x, self.gate, self.experts)
             if out is not None:
                 return out if residual is None else residual + out
-        w, ids = self.gate(x)
+        aligned = self.experts.alignment(x, self.gate.top_k)  # GPU path: the pairs aligned in the router's launch
+        w, ids = self.gate(x, align=aligned)
         gu = None
         if self.x_proj is not None:  # the latent input and the shared experts' gate|up from one GEMM (views)
             z, gu = self.x_proj(x).split([self.latent, self.x_proj.out_features - self.latent], dim=-1)
@@ -272,9 +274,9 @@ class KimiMoE(nn.Module):
         normed = (self.latent and self.tp is None and self.routed_expert_norm is not None
                   and isinstance(self.experts, SituRoutedExperts))
         if normed:  # the latent norm of the float32 routed sum (in the k-sum's launch on a GPU), in x's dtype
-            y = self.experts.forward_normed(z, w, ids, self.routed_expert_norm, x.dtype)
+            y = self.experts.forward_normed(z, w, ids, self.routed_expert_norm, x.dtype, aligned)
         else:
-            y = self.experts(z, w, ids)
+            y = self.experts(z, w, ids, aligned=aligned)
         if self.latent:
             if self.tp is not None:
                 # tensor parallel: the latent norm needs the full routed sum, so it is all-reduced here; the

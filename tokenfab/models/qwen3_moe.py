@@ -24,8 +24,9 @@ class Qwen3MoeBlock(nn.Module):
                                      None if tp is None else tp.r("experts"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, ids = self.gate(x)
-        return self.experts(x, w, ids)
+        aligned = self.experts.alignment(x, self.gate.top_k)  # GPU path: the pairs aligned in the router's launch
+        w, ids = self.gate(x, align=aligned)
+        return self.experts(x, w, ids, aligned=aligned)
 
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):

@@ -11,13 +11,17 @@ slot) are then summed in float32, in a fixed order.
 
 The alignment is one launch (:func:`align_pairs_fused`, :func:`align_pairs` its tensor-op reference; no
 ``.item()``, no data-dependent shapes): the grid covers the worst case and tiles past the real end return at once,
-so the launch is CUDA-graph safe. The k-sum and the cast are one more (:func:`moe_sum`): a decode MoE layer's
-routed experts are 4 launches (align, gate|up GEMM with the gated activation in its epilogue, down GEMM, sum: SiLU-GLU
-or K3's SiTU-GLU, plain or packed stacks; 5 with an activation of another kind, run as its own launch).
+so the launch is CUDA-graph safe. In decode batches the router's own launch makes it instead (its last program,
+into an :class:`Alignment` the experts pass in: kernels/gpu/router.py). The k-sum and the cast are one more
+(:func:`moe_sum`): a decode MoE layer's routed experts are 3 launches after the router (gate|up GEMM with the gated
+activation in its epilogue, down GEMM, sum: SiLU-GLU or K3's SiTU-GLU, plain or packed stacks; 4 with an activation
+of another kind, run as its own launch, or with the alignment a launch of its own).
 Reference and fallback: ``layers/moe.py::RoutedExperts`` (tests/test_triton_kernels.py runs both in Triton's
 interpreter).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -64,15 +68,17 @@ def align_pairs(ids: torch.Tensor, start: int, num_local: int, block_m: int
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P, num_tiles,
-                  TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One program: counts per local expert, padded segment starts, then every pair placed at its expert's
-    segment start plus its rank among that expert's earlier pairs (stable), chunk by chunk; padding rows hold M."""
+def _align_into(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P, num_tiles, TILE: tl.constexpr,
+                CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, VOLATILE: tl.constexpr):
+    """The alignment in one program: counts per local expert, padded segment starts, then every pair placed at its
+    expert's segment start plus its rank among that expert's earlier pairs (stable), chunk by chunk; padding rows
+    hold M. ``VOLATILE``: the ids were stored by other programs of the same launch (the router's), read past the
+    caches."""
     eidx = tl.arange(0, BLOCK_E)
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for c0 in range(0, M, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + offs, mask=offs < M, other=-1) - start
+        e = tl.load(ids_ptr + offs, mask=offs < M, other=-1, volatile=VOLATILE) - start
         e = tl.where((offs < M) & (e >= 0) & (e < num_local), e, -1).to(tl.int32)
         counts += tl.sum((e[:, None] == eidx[None, :]).to(tl.int32), axis=0)
     padded = (counts + TILE - 1) // TILE * TILE
@@ -84,7 +90,7 @@ def _align_kernel(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, 
     running = seg_end - padded
     for c0 in range(0, M, CHUNK):
         offs = c0 + tl.arange(0, CHUNK)
-        e = tl.load(ids_ptr + offs, mask=offs < M, other=-1) - start
+        e = tl.load(ids_ptr + offs, mask=offs < M, other=-1, volatile=VOLATILE) - start
         e = tl.where((offs < M) & (e >= 0) & (e < num_local), e, -1).to(tl.int32)
         onehot = (e[:, None] == eidx[None, :]).to(tl.int32)
         rank = tl.cumsum(onehot, axis=0) - 1 + running[None, :]
@@ -98,6 +104,14 @@ def _align_kernel(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, 
     tl.store(npost_ptr, tl.sum(padded, axis=0))
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P, num_tiles,
+                  TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One program: :func:`_align_into`."""
+    _align_into(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P, num_tiles, TILE, CHUNK, BLOCK_E,
+                False)
+
+
 # align_pairs_fused is one program walking the pairs in chunks: one launch for decode batches, but serial over a
 # long prefill's pairs, where align_pairs' ~20 parallel tensor ops should be faster (neither measured on a GPU yet)
 ALIGN_FUSED_MAX_PAIRS = 4096
@@ -108,16 +122,53 @@ def align_pairs_fused(ids: torch.Tensor, start: int, num_local: int, block_m: in
     """:func:`align_pairs` in one Triton launch (one program; the same outputs, bit for bit): ids [T, k] int64
     (contiguous) -> (sorted_pairs [P] int32, expert_of_block [P / block_m] int32, num_post [1] int32)."""
     flat = ids.reshape(-1)
-    M, dev = flat.numel(), flat.device
-    P = triton.cdiv(M + num_local * (block_m - 1), block_m) * block_m
-    sorted_pairs = torch.empty(P, dtype=torch.int32, device=dev)
-    expert_of_block = torch.empty(P // block_m, dtype=torch.int32, device=dev)
-    num_post = torch.empty(1, dtype=torch.int32, device=dev)
-    block_e = triton.next_power_of_2(max(num_local, 1))
-    chunk = max(16, min(128, 8192 // block_e))
-    _align_kernel[(1,)](flat, sorted_pairs, expert_of_block, num_post, M, start, num_local, P, P // block_m,
-                        TILE=block_m, CHUNK=chunk, BLOCK_E=block_e, num_warps=4)
-    return sorted_pairs, expert_of_block, num_post
+    a = Alignment.empty(flat.numel(), start, num_local, block_m, flat.device)
+    _align_kernel[(1,)](flat, a.sorted_pairs, a.expert_of_block, a.num_post, a.num_pairs, start, num_local,
+                        a.sorted_pairs.numel(), a.expert_of_block.numel(), **a.meta(), num_warps=4)
+    return a.sorted_pairs, a.expert_of_block, a.num_post
+
+
+@dataclass
+class Alignment:
+    """The (token, slot) pairs of one MoE layer call aligned by expert (:func:`align_pairs`' three outputs) for
+    ``num_pairs`` pairs over experts [start, start + num_local) in tiles of ``block_m``, made ahead of the experts'
+    GEMMs by another launch (the router's: kernels/gpu/router.py ``router_topk(align=)``), which sets ``filled``
+    when it was launched; :func:`routed_sum` takes them when they match its call and aligns itself otherwise."""
+    num_pairs: int
+    start: int
+    num_local: int
+    block_m: int
+    sorted_pairs: torch.Tensor  # [P] int32
+    expert_of_block: torch.Tensor  # [P / block_m] int32
+    num_post: torch.Tensor  # [1] int32
+    filled: bool = False
+
+    @classmethod
+    def empty(cls, num_pairs: int, start: int, num_local: int, block_m: int, device) -> "Alignment":
+        """Unfilled outputs for ``num_pairs`` pairs (P = the worst case, as :func:`align_pairs`)."""
+        P = triton.cdiv(num_pairs + num_local * (block_m - 1), block_m) * block_m
+        return cls(num_pairs, start, num_local, block_m, torch.empty(P, dtype=torch.int32, device=device),
+                   torch.empty(P // block_m, dtype=torch.int32, device=device),
+                   torch.empty(1, dtype=torch.int32, device=device))
+
+    def meta(self) -> dict:
+        """The alignment program's constexprs (TILE, CHUNK, BLOCK_E)."""
+        block_e = triton.next_power_of_2(max(self.num_local, 1))
+        return dict(TILE=self.block_m, CHUNK=max(16, min(128, 8192 // block_e)), BLOCK_E=block_e)
+
+    def matches(self, num_pairs: int, start: int, num_local: int, block_m: int) -> bool:
+        return self.filled and (self.num_pairs, self.start, self.num_local, self.block_m) == (
+            num_pairs, start, num_local, block_m)
+
+
+def alignment_for(num_tokens: int, k: int, start: int, num_local: int, device) -> Alignment | None:
+    """Unfilled :class:`Alignment` buffers for a call of ``num_tokens`` tokens with ``k`` slots each over local
+    experts [start, start + num_local), with the tile height :func:`routed_sum` will take; None above
+    ALIGN_FUSED_MAX_PAIRS pairs (where the alignment is not one program)."""
+    M = num_tokens * k
+    if M > ALIGN_FUSED_MAX_PAIRS or num_local <= 0:
+        return None
+    return Alignment.empty(M, start, num_local, block_m_for(M, num_local), device)
 
 
 @triton.jit
@@ -207,7 +258,8 @@ def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: i
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
               act, start: int = 0, plus: torch.Tensor | None = None,
-              out_dtype: torch.dtype | None = None, norm: tuple | None = None) -> torch.Tensor:
+              out_dtype: torch.dtype | None = None, norm: tuple | None = None,
+              aligned: Alignment | None = None) -> torch.Tensor:
     """sum over a token's k routed experts (those in [start, start + E_local)) of weight * expert(x).
 
     Args:
@@ -220,11 +272,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         plus: [T, hidden] or None, added in the k-sum (:func:`moe_sum`; the shared experts' output).
         out_dtype: the result's dtype (default x's; K3's latent MoE keeps float32).
         norm: optional (weight, eps, tickets): the result is the RMSNorm of the float32 sum (:func:`moe_sum`).
+        aligned: optional pairs aligned ahead by the router's launch (:func:`routed_sum`).
 
     Returns:
         [T, hidden] in ``out_dtype`` (pairs routed to other ranks contribute zero; the k-sum is in float32).
     """
-    return routed_sum(x, weights, ids, DENSE, w13, None, w2, None, act, start, out_dtype, plus, norm=norm)
+    return routed_sum(x, weights, ids, DENSE, w13, None, w2, None, act, start, out_dtype, plus, norm=norm,
+                      aligned=aligned)
 
 
 def epilogue_code(act) -> tuple[int, float, float]:
@@ -247,13 +301,15 @@ def epilogue_code(act) -> tuple[int, float, float]:
 def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: int, w13: torch.Tensor,
                s13: torch.Tensor | None, w2: torch.Tensor, s2: torch.Tensor | None, act, start: int = 0,
                out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None,
-               relaid: tuple[bool, bool] = (False, False), norm: tuple | None = None) -> torch.Tensor:
+               relaid: tuple[bool, bool] = (False, False), norm: tuple | None = None,
+               aligned: Alignment | None = None) -> torch.Tensor:
     """The fused-MoE flow of :func:`fused_moe` (``fmt`` DENSE, no scales) and ``packed_moe.fused_moe_packed``
     (``fmt`` 0 / 1 / 2 with scales s13 / s2): pairs aligned by expert, the gate|up GEMM, ``act`` (as
     :func:`fused_moe` takes it: SiLU-GLU or SiTU-GLU in the GEMM's epilogue, else its own launch), the down GEMM times
     the routing weights, the k-sum in float32 (plus ``plus`` [T, hidden] when given), cast to ``out_dtype``
     (default x's), or its RMSNorm with ``norm`` (:func:`moe_sum`); ``relaid``: (gate|up, down) stacks in the GPU
-    layout (moe_gemm.grouped_gemm)."""
+    layout (moe_gemm.grouped_gemm); ``aligned``: the pairs already aligned by another launch (:class:`Alignment`),
+    taken when filled for this call's pairs, experts and tile height (else aligned here)."""
     T, hidden = x.shape
     k = ids.shape[1]
     num_local, two_i = w13.shape[0], w13.shape[1]
@@ -261,8 +317,11 @@ def routed_sum(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: i
     M = T * k
     block_m = block_m_for(M, num_local)
     ids = ids.contiguous()
-    align = align_pairs_fused if M <= ALIGN_FUSED_MAX_PAIRS else align_pairs
-    sorted_pairs, expert_of_block, num_post = align(ids, start, num_local, block_m)
+    if aligned is not None and aligned.matches(M, start, num_local, block_m):  # made by the router's launch
+        sorted_pairs, expert_of_block, num_post = aligned.sorted_pairs, aligned.expert_of_block, aligned.num_post
+    else:
+        align = align_pairs_fused if M <= ALIGN_FUSED_MAX_PAIRS else align_pairs
+        sorted_pairs, expert_of_block, num_post = align(ids, start, num_local, block_m)
     pairs = (sorted_pairs, expert_of_block, num_post, weights.reshape(-1).contiguous(), M)  # read as float32
     if x.stride(-1) != 1:  # rows may be strided (a slice of a wider GEMM's output): the GEMM reads them in place
         x = x.contiguous()

@@ -40,7 +40,8 @@ _FORMATS = {"int4_group": INT4_GROUP, "mxfp4": MXFP4, "fp8_block": FP8_BLOCK}
 def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Tensor, p2: torch.Tensor,
                      s2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, act, start: int = 0,
                      out_dtype: torch.dtype | None = None, plus: torch.Tensor | None = None,
-                     relaid: bool | tuple[bool, bool] = False, norm: tuple | None = None) -> torch.Tensor:
+                     relaid: bool | tuple[bool, bool] = False, norm: tuple | None = None,
+                     aligned=None) -> torch.Tensor:
     """sum over a token's k routed experts (those in [start, start + E_local)) of weight * expert(x), the experts'
     weights read packed.
 
@@ -63,6 +64,7 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
             padded_k(hidden) / 8], s13 [E_local, 2I, padded_k(hidden) / 32]; FP8: p13 [E_local, 2I,
             padded_k(hidden) / 4], s13 [E_local, 2 ceil(I / 128), padded_k(hidden) / 128]; p2 and s2 likewise over
             padded_k(I)).
+        aligned: optional pairs aligned ahead by the router's launch (moe.py ``Alignment``, ``routed_sum``).
 
     Returns:
         [T, hidden] (pairs routed to other ranks contribute zero; the k-sum is in float32).
@@ -91,4 +93,5 @@ def fused_moe_packed(x: torch.Tensor, fmt: str, p13: torch.Tensor, s13: torch.Te
             or p2.shape[2] * per2 != k2 or tuple(s2.shape) != want2):
         raise ValueError(f"fused_moe_packed: {fmt} stacks {tuple(p13.shape)}/{tuple(s13.shape)} and "
                          f"{tuple(p2.shape)}/{tuple(s2.shape)} do not match hidden {hidden}")
-    return routed_sum(x, weights, ids, _FORMATS[fmt], p13, s13, p2, s2, act, start, out_dtype, plus, (r13, r2), norm)
+    return routed_sum(x, weights, ids, _FORMATS[fmt], p13, s13, p2, s2, act, start, out_dtype, plus, (r13, r2), norm,
+                      aligned)

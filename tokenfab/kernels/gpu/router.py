@@ -20,12 +20,18 @@ Otherwise the dispatch seam returns None and the layer's PyTorch path runs.
 Qwen3-MoE's softmax top-k: :func:`softmax_topk` after the GEMM, or :func:`router_softmax_topk` with the GEMM in the
 same launch (decode batches; the same work split, the logits rounded to the activations' dtype first as the
 reference's GEMM output is).
+
+Both one-launch forms can also align the (token, slot) pairs by expert for the experts' grouped GEMMs (``align``: a
+kernels/gpu/moe.py ``Alignment``): the last token tile's selecting program (a second ticket) runs the alignment
+program of kernels/gpu/moe.py over every token's ids, so a decode MoE layer has no alignment launch.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from tokenfab.kernels.gpu.moe import Alignment, _align_into
 
 
 @triton.jit
@@ -121,15 +127,20 @@ def _group_topk_kernel(logit_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scale, extr
 
 @triton.jit(do_not_specialize=["T"])
 def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, T, HID, s_x, s_rw, scale,
-                   extra_base, E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
+                   extra_base, sorted_ptr, eob_ptr, npost_ptr, a_start, a_num_local, a_P, a_tiles,
+                   E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr,
                    EXTRA: tl.constexpr, NORM: tl.constexpr, KOUT: tl.constexpr, EP: tl.constexpr,
                    SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SEL_T: tl.constexpr, SOFTMAX: tl.constexpr = False):
+                   SEL_T: tl.constexpr, SOFTMAX: tl.constexpr, ALIGN: tl.constexpr, TILE: tl.constexpr,
+                   CHUNK: tl.constexpr, A_BLOCK_E: tl.constexpr, A_SLOT: tl.constexpr):
     """Program (i, j): the float32 logits of token tile j for experts tile i // SPLIT over hidden range i % SPLIT,
     stored as a partial; the tile's last program to finish (a ticket per token tile) sums the partials in split
     order and runs the selection for the tile, SEL_T tokens at a time (their rows of EP logits in registers), then
     resets the ticket for the next launch. SOFTMAX: Qwen3-MoE's selection instead, on the logits rounded to x's
-    dtype first (the router GEMM's output dtype in the reference), weights stored in w_ptr's dtype."""
+    dtype first (the router GEMM's output dtype in the reference), weights stored in w_ptr's dtype. ALIGN: the
+    last token tile's selecting program (a second ticket, ``count_ptr[A_SLOT]``) then aligns every token's pairs by
+    expert for the experts' GEMMs (kernels/gpu/moe.py ``_align_into``, over experts [a_start, a_start +
+    a_num_local))."""
     pid = tl.program_id(0)
     tb = tl.program_id(1)
     eb = pid // SPLIT
@@ -175,6 +186,14 @@ def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, 
             tl.store(w_ptr + ts[:, None] * (K + EXTRA) + kidx, ws.to(w_ptr.dtype.element_ty), mask=omask)
             tl.store(id_ptr + ts[:, None] * (K + EXTRA) + kidx, ids, mask=omask)
         tl.atomic_xchg(count_ptr + tb, 0)
+        if ALIGN:  # every tile's ids stored (each selector released them with its ticket): the last one aligns
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + A_SLOT, 1, sem="acq_rel")
+            if done == tl.num_programs(1) - 1:
+                tl.debug_barrier()
+                _align_into(id_ptr, sorted_ptr, eob_ptr, npost_ptr, T * (K + EXTRA), a_start, a_num_local, a_P,
+                            a_tiles, TILE, CHUNK, A_BLOCK_E, True)
+                tl.atomic_xchg(count_ptr + A_SLOT, 0)
 
 
 def _pow2(n: int) -> bool:
@@ -222,12 +241,12 @@ def sigmoid_group_topk(logits: torch.Tensor, bias: torch.Tensor, n_group: int, t
 
 
 FUSED_MAX_TOKENS = 256  # tokens up to which :func:`router_topk` runs the GEMM inside the launch (decode batches)
-TICKETS = triton.cdiv(FUSED_MAX_TOKENS, 32)  # token tiles of the fused launch: one ticket each
+TICKETS = triton.cdiv(FUSED_MAX_TOKENS, 32) + 1  # one per token tile of the fused launch, one for the alignment
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tickets: torch.Tensor, n_group: int,
-                topk_group: int, top_k: int, norm: bool, scale: float,
-                extra: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                topk_group: int, top_k: int, norm: bool, scale: float, extra: int = 0,
+                align: Alignment | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole router in one launch: float32 logits x W^T (x cast in registers, IEEE float32 products), the
     sigmoid, group-limited top-k selection, renormalization and scaling (layers/moe.py ``SigmoidGroupRouter``).
 
@@ -243,6 +262,9 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ticke
         tickets: [TICKETS] int32 zeros owned by the caller (left zero after every launch), not shared with a
             launch that may run concurrently.
         extra: always-chosen slots appended (as :func:`sigmoid_group_topk`).
+        align: optional unfilled kernels/gpu/moe.py ``Alignment`` for T * (top_k + extra) pairs: the last token
+            tile's selecting program also aligns the pairs by expert into it (the alignment launch of the experts'
+            GEMMs, one launch fewer), and ``align.filled`` is set.
 
     Returns:
         (weights [T, top_k + extra] float32, ids [T, top_k + extra] int64), as :func:`sigmoid_group_topk`.
@@ -258,16 +280,33 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ticke
         raise ValueError(f"router_topk: x {tuple(x.shape)}, weight {tuple(weight.shape)} {weight.dtype} do not fit")
     w = torch.empty(T, top_k + extra, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k + extra, dtype=torch.int64, device=x.device)
-    _launch_fused(x, weight, bias, tickets, w, ids, scale, _meta(E, n_group, topk_group, top_k, norm, extra), False)
+    _launch_fused(x, weight, bias, tickets, w, ids, scale, _meta(E, n_group, topk_group, top_k, norm, extra), False,
+                  align)
     return w, ids
 
 
+def _align_args(align: Alignment | None, num_pairs: int) -> tuple[list, dict]:
+    """The router launch's alignment arguments (pointers and sizes, constexprs) for ``align``, or placeholders."""
+    if align is None:
+        return [None, None, None, 0, 0, 0, 0], dict(ALIGN=False, TILE=16, CHUNK=16, A_BLOCK_E=16, A_SLOT=0)
+    if align.filled or align.num_pairs != num_pairs:
+        raise ValueError(f"router: the alignment buffers are for {align.num_pairs} pairs (filled: {align.filled}), "
+                         f"the launch has {num_pairs}")
+    return ([align.sorted_pairs, align.expert_of_block, align.num_post, align.start, align.num_local,
+             align.sorted_pairs.numel(), align.expert_of_block.numel()],
+            dict(ALIGN=True, TILE=align.block_m, CHUNK=align.meta()["CHUNK"], A_BLOCK_E=align.meta()["BLOCK_E"],
+                 A_SLOT=TICKETS - 1))
+
+
 def _launch_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tickets: torch.Tensor, w: torch.Tensor,
-                  ids: torch.Tensor, scale: float, meta: dict, softmax: bool) -> None:
+                  ids: torch.Tensor, scale: float, meta: dict, softmax: bool, align: Alignment | None = None) -> None:
     """One launch of ``_router_kernel`` for x [T, hidden] and weight [E, hidden] into w / ids [T, k] (the work split
-    of :func:`router_topk`'s docstring)."""
+    of :func:`router_topk`'s docstring), aligning the pairs into ``align`` when given."""
     T, hidden = x.shape
     E = weight.shape[0]
+    a_args, a_meta = _align_args(align, T * ids.shape[1])
+    if a_args[0] is None:
+        a_args[:3] = [ids, ids, ids]  # unused without ALIGN
     if T:
         block_e = 16  # tl.dot's smallest tile side
         block_k = 128
@@ -277,12 +316,14 @@ def _launch_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, tic
         part = torch.empty(split, T, E, dtype=torch.float32, device=x.device)
         grid = (triton.cdiv(E, block_e) * split, triton.cdiv(T, block_t))
         _router_kernel[grid](x, weight, bias, part, tickets, w, ids, T, hidden, x.stride(0), weight.stride(0),
-                             float(scale), E, **meta, SPLIT=split, BLOCK_T=block_t, BLOCK_E=block_e,
-                             BLOCK_K=block_k, SEL_T=sel_t, SOFTMAX=softmax, num_warps=4)
+                             float(scale), E, *a_args, **meta, SPLIT=split, BLOCK_T=block_t, BLOCK_E=block_e,
+                             BLOCK_K=block_k, SEL_T=sel_t, SOFTMAX=softmax, num_warps=4, **a_meta)
+        if align is not None:
+            align.filled = True
 
 
 def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, tickets: torch.Tensor, top_k: int,
-                        norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        norm: bool, align: Alignment | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-MoE's whole router in one launch (layers/moe.py ``SoftmaxTopKRouter``): the logits x W^T (float32
     products and sums, rounded to x's dtype as the reference's GEMM output is), softmax in float32, the ``top_k``
     most probable experts (descending, ties to the lower index), renormalized when ``norm``; the work split and
@@ -292,6 +333,7 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, tickets: torch.Te
         x: [T, hidden] float32 / bf16 / fp16 (unit last stride), T <= FUSED_MAX_TOKENS.
         weight: [E, hidden] (any float dtype, unit last stride; read as float32).
         tickets: [TICKETS] int32 zeros owned by the caller, left zero (as :func:`router_topk`).
+        align: optional alignment buffers filled in the same launch (as :func:`router_topk`).
 
     Returns:
         (weights [T, top_k] in x's dtype, rounded once from float32; ids [T, top_k] int64).
@@ -309,7 +351,7 @@ def router_softmax_topk(x: torch.Tensor, weight: torch.Tensor, tickets: torch.Te
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     meta = dict(E=E, G=1, TOPK_GROUP=1, K=top_k, EXTRA=0, NORM=bool(norm), KOUT=triton.next_power_of_2(top_k),
                 EP=triton.next_power_of_2(E))
-    _launch_fused(x, weight, weight, tickets, w, ids, 1.0, meta, True)
+    _launch_fused(x, weight, weight, tickets, w, ids, 1.0, meta, True, align)
     return w, ids
 
 
