@@ -185,8 +185,9 @@ def test_rms_norm_to_matches_norm_then_cast(interpret):
 # the latent down-projection the shared experts' gate|up GEMM, then 11 / 20 / 18 / 18 until KDA's decode groups ran
 # the short conv inside the recurrence's launch, then 10 / 20 / 17 / 17 until the latent norm joined the k-sum's
 # launch (2026-12-07), then 10 / 19 / 16 / 16 until KDA's gated output norm joined the fused decode launch, then
-# 9 / 19 / 15 / 15 until the MoE alignment joined the router's launch
-K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 9, 18, 14
+# 9 / 19 / 15 / 15 until the MoE alignment joined the router's launch, then 9 / 18 / 14 / 14 until MLA's output gate
+# joined the value heads' GEMM (a Triton launch instead of cuBLAS's batched GEMM)
+K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 9, 17, 14
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -278,18 +279,20 @@ def test_k3_on_the_gpu_path_matches_the_pytorch_paths(tmp_path, tokenizer_dir, m
     counts = kc.counts
     assert not kc.syncs, f"host syncs in the decode step: {kc.syncs}\n{report(kc)}"  # what a CUDA graph captures
     assert all(counts[f"layer{i}"]["triton:_attn_res_mix_kernel"] >= 1 for i in range(4)), report(kc)
-    assert counts["layer1"]["triton:_sigmoid_mul_kernel"] == 1, report(kc)
+    # gated MLA's value heads with the output gate in one launch: no batched GEMM, no gate launch of its own
+    assert counts["layer1"]["triton:_mla_value_gate_kernel"] == 1 and counts["layer1"]["aten:bmm"] == 0, report(kc)
+    assert counts["layer1"]["triton:_sigmoid_mul_kernel"] == 0, report(kc)
     assert (totals["layer0"] <= K3_DENSE_MAX and totals["layer1"] <= K3_MLA_MOE_MAX
             and max(totals["layer2"], totals["layer3"]) <= K3_KDA_MOE_MAX), f"{totals}\n{report(kc)}"
 
 
 def test_k3_glue_kernels_compile_for_sm90_and_gfx942(interpret):
     """The K3 glue kernels' GPU forms (bf16 and float32 rows; the mix with 0, 3 and 8 blocks at K3's width, with the
-    residual add and the next norm; the k-sum with the latent norm) compiled by
+    residual add and the next norm; the k-sum with the latent norm; the gated value heads) compiled by
     Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU (tokenfab/testing/target_compile.py)."""
     from tokenfab.kernels.gpu import attn_res
     from tokenfab.kernels.gpu.norm_activation import rms_norm, sigmoid_mul, situ_and_mul
-    from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets
+    from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets, gpu_variants
     H = 7168
     with LaunchRecorder() as rec:
         for dtype in (torch.bfloat16, torch.float32):
@@ -308,8 +311,13 @@ def test_k3_glue_kernels_compile_for_sm90_and_gfx942(interpret):
         from tokenfab.kernels.gpu.moe import SUM_NORM_MAX_TOKENS, moe_sum  # the latent norm in the k-sum's launch
         moe_sum(torch.randn(2, 16, 3584), torch.randint(0, 8, (1, 16)), 0, 8, torch.bfloat16,
                 norm=(torch.ones(3584).to(torch.bfloat16), 1e-6, torch.zeros(SUM_NORM_MAX_TOKENS, dtype=torch.int32)))
+        from tokenfab.kernels.gpu.mla_decode_glue import mla_value_gate  # gated MLA's value heads with the gate
+        b = torch.bfloat16
+        mla_value_gate(torch.randn(2, 4, 512).to(b), torch.randn(4, 512, 128).to(b), torch.randn(2, 512).to(b))
     names = {v["name"] for v in rec.launches}
     assert {"_attn_res_mix_kernel", "_situ_and_mul_kernel", "_sigmoid_mul_kernel", "_rms_norm_kernel",
-            "_moe_sum_kernel"} <= names
-    failures = compile_for_targets(rec.launches)
+            "_moe_sum_kernel", "_mla_value_gate_kernel"} <= names
+    launches = gpu_variants(rec.launches)  # the value heads' bf16 tensor-core form too (IEEE float32 interpreted)
+    assert any(l["name"] == "_mla_value_gate_kernel" and not l["constexprs"]["IEEE"] for l in launches)
+    failures = compile_for_targets(launches)
     assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']}" for f in failures)

@@ -107,3 +107,24 @@ def test_rejects_misfits(interpret):
         mla_norms_cache(None, torch.randn(2, 8), torch.randn(2, 4), None, torch.ones(8), 1e-6, 1e-6,
                         torch.zeros(2, dtype=torch.long), None, None, False, torch.zeros(2, dtype=torch.long),
                         torch.zeros(3, 2, 13))  # row width 13 != 8 + 4
+
+
+@pytest.mark.parametrize("T,H,C,V", [(3, 5, 40, 24), (20, 2, 64, 128), (1, 3, 130, 70)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_value_gate_matches_bmm_then_the_gate(interpret, T, H, C, V, dtype):
+    """Gated MLA's value heads in one launch (``mla_value_gate``: o_lat W_UV in the GEMM, x * sigmoid(g) in its
+    epilogue) against ``torch.bmm`` then ``x * torch.sigmoid(g)`` as the layer runs them: partial latent, value and
+    token tiles (C 40 / 130, v 24 / 70 / 128, T 20 over 16-token tiles), the gate a strided slice of a wider
+    projection as the a-projection's output gives it."""
+    from tokenfab.kernels.gpu.mla_decode_glue import mla_value_gate
+    g = torch.Generator().manual_seed(T * H + C)
+    o_lat = torch.randn(T, H, C, generator=g).to(dtype)
+    w_uv_t = (torch.randn(H, C, V, generator=g) / C ** 0.5).to(dtype)
+    gate = (torch.randn(T, H * V + 7, generator=g) * 2).to(dtype)[:, 3:3 + H * V]
+    got = mla_value_gate(o_lat, w_uv_t, gate)
+    o = torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [T, H, V]
+    want = (o.reshape(T, H * V) * torch.sigmoid(gate)).view(T, H, V)
+    close(got, want, dtype)
+    assert got.is_contiguous() and want.abs().max() > 0.1
+    with pytest.raises(ValueError):
+        mla_value_gate(o_lat, w_uv_t, gate[:, :-1])  # a gate of the wrong width

@@ -144,6 +144,19 @@ def sigmoid_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+def mla_value_gate(o_lat: torch.Tensor, w_uv_t: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
+    """Gated MLA's value heads o_lat W_UV times sigmoid(gate) in one launch on the GPU path
+    (:func:`tokenfab.kernels.gpu.mla_decode_glue.mla_value_gate`: o_lat [T, H, C], w_uv_t [H, C, v], gate
+    [T, H * v] of one dtype -> new [T, H, v]), or None (then the batched GEMM and :func:`sigmoid_mul`)."""
+    if not (_gpu(o_lat) and o_lat.dim() == 3 and w_uv_t.dim() == 3 and gate.dim() == 2
+            and o_lat.dtype == w_uv_t.dtype == gate.dtype and o_lat.stride(-1) == 1 and w_uv_t.stride(-1) == 1
+            and gate.stride(-1) == 1 and w_uv_t.shape[:2] == o_lat.shape[1:]
+            and gate.shape == (o_lat.shape[0], o_lat.shape[1] * w_uv_t.shape[2])):
+        return None
+    from tokenfab.kernels.gpu import mla_decode_glue
+    return mla_decode_glue.mla_value_gate(o_lat, w_uv_t, gate)
+
+
 def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor | None:
     """Kimi K3's SiTU-GLU for gate_up [N, 2I] ([gate | up], contiguous last dim) by the Triton kernel on a GPU
     (:func:`tokenfab.kernels.gpu.norm_activation.situ_and_mul`), or None (the PyTorch reference runs)."""

@@ -293,9 +293,15 @@ class MLAttention(nn.Module):
         q = (q_full if q_n is None else self.q_b_proj(q_n)).view(T, self.num_heads, self.qk_dim)
         q_lat = glue.mla_latent_query(q, w_uk, positions, *tables, getattr(rot, "interleave", False))
         o_lat = self.latent_decode(q_lat, cache, dec)  # [T, H, C]
-        o = x.new_empty(T, self.num_heads, self.v_dim)  # W_UV per head, written token-major: o_proj reads it as is
-        torch.bmm(o_lat.transpose(0, 1), w_uv_t, out=o.transpose(0, 1))
+        o = self._decode_values(o_lat, w_uv_t)
         return self.o_proj(o.view(T, self.num_heads * self.v_dim))
+
+    def _decode_values(self, o_lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
+        """:meth:`_gpu_decode`'s value heads: o_lat [T, H, C] -> o_lat W_UV [T, H, v] token-major (o_proj reads
+        its [T, H * v] view), one batched GEMM writing that layout (a subclass may fuse its output gate here)."""
+        o = o_lat.new_empty(o_lat.shape[0], self.num_heads, self.v_dim)
+        torch.bmm(o_lat.transpose(0, 1), w_uv_t, out=o.transpose(0, 1))
+        return o
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

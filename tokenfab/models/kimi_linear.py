@@ -328,6 +328,16 @@ class GatedMLAttention(MLAttention):
     def _take_a_extra(self, out: torch.Tensor) -> None:
         self.o_proj.gate = out  # the logits: o_proj applies the sigmoid with the product
 
+    def _decode_values(self, o_lat: torch.Tensor, w_uv_t: torch.Tensor) -> torch.Tensor:
+        """GPU decode: the value heads with the output gate in one launch (dispatch.mla_value_gate; o_proj's gate
+        then taken), else the plain value heads, o_proj applying the gate."""
+        g = self.o_proj.gate
+        fused = None if g is None else dispatch.mla_value_gate(o_lat, w_uv_t, g)
+        if fused is None:
+            return super()._decode_values(o_lat, w_uv_t)
+        self.o_proj.gate = None
+        return fused
+
     def forward(self, positions, x, cache, meta):
         if len(getattr(self, "_a_split", ())) < 4:  # g_proj not joined to the a-projection: its own GEMM
             self.o_proj.gate = self.g_proj(x)

@@ -13,6 +13,8 @@ latent write, the W_UK batched GEMM and a copy of the rotated q_rope into the la
   ``tl.dot`` (one rounding of the float32 accumulator, as ``torch.bmm``), and one extra program column per (h,
   t-tile) rotates q_rope into the last R columns (DeepSeek-V2, arXiv:2405.04434, 2.1.3: the key up-projection
   folded into the query).
+* :func:`mla_value_gate` (gated MLA, Kimi K3): the value heads o_lat W_UV with the output gate x * sigmoid(g) in
+  the GEMM's epilogue, one launch instead of the batched GEMM and the gate's.
 
 Tiles: W_UK[h] is read once per 16..64-token tile, C split in 64-wide tiles, so DeepSeek-V3's 128 heads x 512
 latent give 128 x 9 programs at decode batches (enough for 132 SMs / 304 CUs) each streaming a 128 x 64 weight tile.
@@ -212,3 +214,65 @@ def mla_latent_query(q: torch.Tensor, w_uk: torch.Tensor, positions: torch.Tenso
             BLOCK_C=block_c, BLOCK_D=min(64, max(16, triton.next_power_of_2(max(nope, 1)))),
             BLOCK_R=triton.next_power_of_2(max(1, R // 2)), num_warps=4)
     return out.transpose(0, 1)
+
+
+@triton.jit
+def _mla_value_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, T, C, V, s_ot, s_oh, s_wh, s_wc, s_gt, s_yt, s_yh,
+                           IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr):
+    h = tl.program_id(0)
+    v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    vmask = v < V
+    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        cmask = c < C
+        a = tl.load(o_ptr + t.to(tl.int64)[:, None] * s_ot + h * s_oh + c[None, :],
+                    mask=tmask[:, None] & cmask[None, :], other=0.0)
+        w = tl.load(w_ptr + h * s_wh + c[:, None] * s_wc + v[None, :], mask=cmask[:, None] & vmask[None, :],
+                    other=0.0)
+        if IEEE:
+            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w.to(a.dtype), acc)
+    DT: tl.constexpr = y_ptr.dtype.element_ty
+    m = tmask[:, None] & vmask[None, :]
+    g = tl.load(g_ptr + t.to(tl.int64)[:, None] * s_gt + h * V + v[None, :], mask=m, other=0.0)
+    s = (1.0 / (1.0 + tl.exp(-g.to(tl.float32)))).to(g.dtype).to(tl.float32)  # sigmoid rounded, as torch stores it
+    y = acc.to(DT).to(tl.float32) * s  # the product of the rounded o_lat W_UV (as torch.bmm stores it)
+    tl.store(y_ptr + t.to(tl.int64)[:, None] * s_yt + h * s_yh + v[None, :], y.to(DT), mask=m)
+
+
+def mla_value_gate(o_lat: torch.Tensor, w_uv_t: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated MLA's value heads in one launch (Kimi K3, models/kimi_linear.py ``GatedMLAttention``): per head
+    o = o_lat W_UV (float32 sums rounded once to the activation dtype, as ``torch.bmm``), times sigmoid(gate)
+    (rounded to the dtype, then the product rounded: ``x * torch.sigmoid(g)``), instead of the batched GEMM and the
+    gate's own launch. Programs (head, 64 value columns, 16..64 tokens) each stream their head's W_UV tile once.
+
+    Args:
+        o_lat: [T, H, C] the attention's latent outputs (unit last stride).
+        w_uv_t: [H, C, v] of o_lat's dtype (unit last stride; layers/mla.py's ``_w_uv_t``).
+        gate: [T, H * v] the gate logits (g_proj x) of o_lat's dtype (unit last stride; rows may be strided).
+
+    Returns:
+        New [T, H, v] of o_lat's dtype, token-major (o_proj reads its [T, H * v] view).
+
+    Raises:
+        ValueError: shapes, dtypes or strides the kernel does not take.
+    """
+    T, H, C = o_lat.shape
+    V = w_uv_t.shape[2]
+    if (w_uv_t.shape != (H, C, V) or w_uv_t.dtype != o_lat.dtype or gate.dtype != o_lat.dtype
+            or gate.shape != (T, H * V) or o_lat.stride(-1) != 1 or w_uv_t.stride(-1) != 1 or gate.stride(-1) != 1):
+        raise ValueError(f"mla_value_gate: o_lat {tuple(o_lat.shape)}, w_uv_t {tuple(w_uv_t.shape)}, gate "
+                         f"{tuple(gate.shape)} do not fit")
+    y = torch.empty(T, H, V, dtype=o_lat.dtype, device=o_lat.device)
+    if T and H and V:
+        block_t = 16 if T <= 16 else (32 if T <= 32 else 64)
+        ieee = o_lat.dtype == torch.float32 or (interpreting() and o_lat.dtype == torch.bfloat16)
+        grid = (H, triton.cdiv(V, 64), triton.cdiv(T, block_t))
+        _mla_value_gate_kernel[grid](o_lat, w_uv_t, gate, y, T, C, V, o_lat.stride(0), o_lat.stride(1),
+                                     w_uv_t.stride(0), w_uv_t.stride(1), gate.stride(0), y.stride(0), y.stride(1),
+                                     IEEE=ieee, BLOCK_T=block_t, BLOCK_V=64, BLOCK_C=64, num_warps=4)
+    return y
