@@ -23,7 +23,8 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
    against the layers' PyTorch math, time, bandwidth over the bytes read and written.
 5. The fused decode glue of a Qwen3-MoE layer (q/k norm + RoPE + KV-cache write, softmax top-k router, MoE
    k-sum) at Qwen3-30B-A3B's shapes and MLA's kv norm + RoPE + latent write at DeepSeek-V3's, 16 and 2,048
-   tokens: error against the layers' PyTorch math, time, bandwidth.
+   tokens, and at 16 tokens gated MLA's value heads with K3's output gate in one launch beside cuBLAS's batched GEMM
+   + the gate's launch: error against the layers' PyTorch math, time, bandwidth.
 6. KDA (kernels/gpu/kda.py, kernels/gpu/kda_chunk.py) at K3's shape in float32: a 6,144-token prefill by the fused
    recurrent kernel and, with --kda-fla, by fla-core's chunk_kda (where installed) against layers/kda.py's chunked
    form, and decode steps at batch 1 / 16 / 64 against its recurrence, time and bandwidth over the float32 state
@@ -293,6 +294,8 @@ def check_decode_glue(dev, dtype, quick: bool, bw: float, reps: int) -> list[dic
         rows.append({"kernel": "MLA kv norm + RoPE + latent write", "shape": f"M={M} H={mh} C={mc} R={mr}",
                      "max_err": err, "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
         print(json.dumps(rows[-1]), flush=True)
+        if M <= 256:  # decode batches: gated MLA's value heads (K3: 96 heads, latent 512, v 128)
+            rows += _value_gate_rows(dev, dtype, quick, M, g, reps, bw)
 
         logits = torch.randn(M, E, device=dev, generator=g).to(dtype)
         w, ids = softmax_topk(logits, k, True)
@@ -314,6 +317,36 @@ def check_decode_glue(dev, dtype, quick: bool, bw: float, reps: int) -> list[dic
         us = _time_us(lambda: moe_sum(pairs, ids, 0, E, dtype), dev, reps)
         nbytes = pairs.numel() * 4 + got.numel() * got.element_size()
         rows.append({"kernel": "MoE k-sum", "shape": f"T={M} k={k} hidden={hidden}", "max_err": err, "us": us,
+                     "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _value_gate_rows(dev, dtype, quick: bool, M: int, g, reps: int, bw: float) -> list[dict]:
+    """Gated MLA's value heads at Kimi K3's shape (96 heads, latent 512, v 128; quick: 3 / 32 / 24) for M tokens:
+    o_lat W_UV with the output gate in one Triton launch (kernels/gpu/mla_decode_glue.py ``mla_value_gate``, as K3's
+    decode runs it) against cuBLAS's batched GEMM then the gate's launch (``torch.bmm`` + ``sigmoid_mul``, the form it
+    replaced); error of the one launch relative to the two's largest output, time of both, bandwidth over W_UV's
+    bytes plus the activations'."""
+    from tokenfab.kernels.gpu.mla_decode_glue import mla_value_gate
+    from tokenfab.kernels.gpu.norm_activation import sigmoid_mul
+    H, C, V = (96, 512, 128) if not quick else (3, 32, 24)
+    o_lat = torch.randn(M, H, C, device=dev, generator=g).to(dtype)
+    w = (torch.randn(H, C, V, device=dev, generator=g) / C ** 0.5).to(dtype)
+    gate = torch.randn(M, H * V, device=dev, generator=g).to(dtype)
+
+    def two():
+        o = torch.empty(M, H, V, device=dev, dtype=dtype)
+        torch.bmm(o_lat.transpose(0, 1), w, out=o.transpose(0, 1))
+        return sigmoid_mul(o.view(M, H * V), gate)
+    want = two().float()
+    err = ((mla_value_gate(o_lat, w, gate).float().view(M, -1) - want).abs().max() / want.abs().max()).item()
+    nbytes = (w.numel() + o_lat.numel() + 2 * gate.numel()) * w.element_size()
+    rows = []
+    for name, fn in (("gated MLA value heads + gate, one launch", lambda: mla_value_gate(o_lat, w, gate)),
+                     ("gated MLA value heads, bmm + gate launch", two)):
+        us = _time_us(fn, dev, reps)
+        rows.append({"kernel": name, "shape": f"T={M} H={H} C={C} v={V}", "max_err": err, "us": us,
                      "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
         print(json.dumps(rows[-1]), flush=True)
     return rows
