@@ -165,6 +165,27 @@ def test_concat_is_the_sources_side_by_side(bias):
     assert Linear.concat(lins) is None  # sources already consumed
 
 
+def test_concat_inputs_sums_the_sources(monkeypatch):
+    """Linear.concat_inputs (K3's latent up-projection | shared experts' down): [x1 | x2] through the joined weight
+    equals x1 W1^T + x2 W2^T (float64: exact to rounding); sources freed; biased, packed or mismatched sources
+    refused with nothing changed."""
+    from tokenfab.layers import linear as linear_mod
+    monkeypatch.setattr(linear_mod, "can_pack", lambda w: False)  # plain weights, as on the GPU path
+    torch.manual_seed(2)
+    a, b = Linear(7, 5, dtype=torch.float64), Linear(11, 5, dtype=torch.float64)
+    with torch.no_grad():
+        a.weight.copy_(torch.randn_like(a.weight))
+        b.weight.copy_(torch.randn_like(b.weight))
+    x1, x2 = torch.randn(3, 7, dtype=torch.float64), torch.randn(3, 11, dtype=torch.float64)
+    want = a(x1) + b(x2)
+    fused = Linear.concat_inputs([a, b])
+    assert fused.in_features == 18 and fused.out_features == 5 and a.weight is None and b.weight is None
+    torch.testing.assert_close(fused(torch.cat([x1, x2], -1)), want, rtol=1e-12, atol=1e-12)
+    c, d = Linear(4, 2, bias=True), Linear(4, 2)
+    assert Linear.concat_inputs([c, d]) is None and c.weight is not None and d.weight is not None
+    assert Linear.concat_inputs([Linear(4, 2), Linear(4, 3)]) is None  # output widths differ
+
+
 def test_concat_refuses_mixed_biases():
     a, b = Linear(4, 2, bias=True), Linear(4, 2, bias=False)
     assert Linear.concat([a, b]) is None and a.weight is not None and b.weight is not None

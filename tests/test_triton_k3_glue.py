@@ -144,6 +144,9 @@ def test_situ_and_mul_kernel_matches_situ_glu(interpret, linear_beta, dtype):
     assert got.dtype == dtype and got.shape == (5, 1100)
     tol = 16 * 2.0 ** -24 * want.abs() + 1e-6 + (2.0 ** -7 * want.abs() if dtype == torch.bfloat16 else 0)
     assert ((got.double() - want).abs() <= tol).all(), (got.double() - want).abs().max()
+    wide = torch.full((5, 1100 + 30), float("nan")).to(dtype)  # into a slice of a wider buffer (K3's joined input)
+    into = situ_and_mul(gu, 1.5, linear_beta, out=wide[:, 30:])
+    assert into.data_ptr() == wide[:, 30:].data_ptr() and torch.equal(into, got) and wide[:, :30].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -186,8 +189,9 @@ def test_rms_norm_to_matches_norm_then_cast(interpret):
 # the short conv inside the recurrence's launch, then 10 / 20 / 17 / 17 until the latent norm joined the k-sum's
 # launch (2026-12-07), then 10 / 19 / 16 / 16 until KDA's gated output norm joined the fused decode launch, then
 # 9 / 19 / 15 / 15 until the MoE alignment joined the router's launch, then 9 / 18 / 14 / 14 until MLA's output gate
-# joined the value heads' GEMM (a Triton launch instead of cuBLAS's batched GEMM)
-K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 9, 17, 14
+# joined the value heads' GEMM (a Triton launch instead of cuBLAS's batched GEMM), then 9 / 17 / 14 / 14 until the
+# latent up-projection and the shared experts' down projection became one GEMM over their joined inputs
+K3_DENSE_MAX, K3_MLA_MOE_MAX, K3_KDA_MOE_MAX = 9, 16, 13
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -282,6 +286,8 @@ def test_k3_on_the_gpu_path_matches_the_pytorch_paths(tmp_path, tokenizer_dir, m
     # gated MLA's value heads with the output gate in one launch: no batched GEMM, no gate launch of its own
     assert counts["layer1"]["triton:_mla_value_gate_kernel"] == 1 and counts["layer1"]["aten:bmm"] == 0, report(kc)
     assert counts["layer1"]["triton:_sigmoid_mul_kernel"] == 0, report(kc)
+    # the MoE block's routed and shared outputs from one GEMM adding into the residual (KimiMoE.out_proj)
+    assert all(counts[f"layer{i}"]["aten:addmm_"] == 1 for i in (1, 2, 3)), report(kc)
     assert (totals["layer0"] <= K3_DENSE_MAX and totals["layer1"] <= K3_MLA_MOE_MAX
             and max(totals["layer2"], totals["layer3"]) <= K3_KDA_MOE_MAX), f"{totals}\n{report(kc)}"
 

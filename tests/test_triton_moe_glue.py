@@ -90,6 +90,10 @@ def test_moe_sum_with_the_norm_after_it(interpret, out_dtype, hidden):
     tol = 2.0 ** -20 if out_dtype == torch.float32 else 2.0 ** -7
     assert ((got.double() - want).abs() <= tol * want.abs() + 1e-6).all(), (got.double() - want).abs().max()
     assert torch.equal(moe_sum(pairs, ids, 0, 6, out_dtype, norm=(w, 1e-6, tickets)), got)
+    wide = torch.full((T, hidden + 9), float("nan")).to(out_dtype)  # into a slice of a wider buffer (K3's joined
+    into = moe_sum(pairs, ids, 0, 6, out_dtype, norm=(w, 1e-6, tickets, wide[:, 4:4 + hidden]))  # up | down input)
+    assert into.data_ptr() == wide[:, 4:].data_ptr() and torch.equal(into, got)
+    assert wide[:, :4].isnan().all() and wide[:, 4 + hidden:].isnan().all()  # nothing written beside it
     with pytest.raises(ValueError, match="up to 256 tokens"):
         moe_sum(pairs.repeat(1, 100, 1), ids.repeat(100, 1), 0, 6, out_dtype, norm=(w, 1e-6, tickets))
 

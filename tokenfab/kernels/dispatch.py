@@ -157,12 +157,15 @@ def mla_value_gate(o_lat: torch.Tensor, w_uv_t: torch.Tensor, gate: torch.Tensor
     return mla_decode_glue.mla_value_gate(o_lat, w_uv_t, gate)
 
 
-def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor | None:
+def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor | None:
     """Kimi K3's SiTU-GLU for gate_up [N, 2I] ([gate | up], contiguous last dim) by the Triton kernel on a GPU
-    (:func:`tokenfab.kernels.gpu.norm_activation.situ_and_mul`), or None (the PyTorch reference runs)."""
-    if _gpu(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+    (:func:`tokenfab.kernels.gpu.norm_activation.situ_and_mul`; into ``out`` [N, I] when given), or None (the
+    PyTorch reference runs)."""
+    if (_gpu(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1
+            and (out is None or (out.stride(-1) == 1 and out.dtype == gate_up.dtype))):
         from tokenfab.kernels.gpu import norm_activation
-        return norm_activation.situ_and_mul(gate_up, beta, linear_beta)
+        return norm_activation.situ_and_mul(gate_up, beta, linear_beta, out)
     return None
 
 

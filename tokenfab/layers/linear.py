@@ -183,6 +183,22 @@ class Linear(nn.Module):
             l.weight = l.qweight = l.bias = None
         return fused
 
+    @classmethod
+    def concat_inputs(cls, linears: Sequence[Linear]) -> Linear | None:
+        """One Linear over the concatenated *input* columns of ``linears``, whose outputs are summed (x1 W1^T + x2
+        W2^T as [x1 | x2] [W1 | W2]^T): one GEMM over the joined K, its float32 sums rounded once. Plain bias-free
+        weights of one dtype and output width only (the GPU path's unpacked weights); the sources' weights are
+        freed. Returns None, changing nothing, where they are not."""
+        first = linears[0]
+        if any(l.qweight is not None or l._packed is not None or l.weight is None or l.bias is not None
+               or l.out_features != first.out_features or l.weight.dtype != first.weight.dtype for l in linears):
+            return None
+        fused = cls(sum(l.in_features for l in linears), first.out_features, False, dtype=first.weight.dtype)
+        fused.weight = nn.Parameter(torch.cat([l.weight for l in linears], dim=1), requires_grad=False)
+        for l in linears:
+            l.weight = None
+        return fused
+
     def fuse(self) -> None:
         """Pack the weight for the configured CPU backend when possible (called once after loading); a compressed
         weight chooses its kernels (:meth:`PackedWeight.prepare`)."""

@@ -149,17 +149,18 @@ class SituRoutedExperts(RoutedExperts):
     _sum_tickets: torch.Tensor | None = None  # GPU path: the k-sum-with-norm launch's per-token counters (zero)
 
     def forward_normed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, norm: RMSNorm,
-                       out_dtype: torch.dtype, aligned=None) -> torch.Tensor:
+                       out_dtype: torch.dtype, aligned=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """``norm`` of the float32 expert sum (K3's latent norm), rounded once to ``out_dtype``: x [T, hidden];
         weights, ids [T, k] -> [T, hidden]. On the GPU path (device experts, decode batches up to the k-sum's
         token limit) the norm is made in the k-sum's launch (kernels/gpu/moe.py ``moe_sum``); elsewhere
         :meth:`forward` then the norm (one launch on a GPU, ``dispatch.rms_norm``). ``aligned``: as
-        RoutedExperts.forward."""
+        RoutedExperts.forward; ``out``: a [T, hidden] view of ``out_dtype`` (unit column stride) the k-sum's launch
+        writes the result into when it runs (the result is then ``out``; elsewhere a new tensor)."""
         if self._sum_tickets is None or self._sum_tickets.device != x.device:
             self._sum_tickets = dispatch.moe_sum_tickets(x)  # created on the first (prefill / warm-up) call
         t = self._sum_tickets
         if self.host is None and t is not None and x.shape[0] <= t.numel() and self.accumulate_fp32:
-            spec = (norm.weight, norm.eps, t)
+            spec = (norm.weight, norm.eps, t) if out is None else (norm.weight, norm.eps, t, out)
             if self.q13 is not None:
                 out = self.packed_kernel(x, weights, ids, out_dtype, norm=spec, aligned=aligned)
             else:
@@ -241,19 +242,26 @@ class KimiMoE(nn.Module):
         self.shared_experts = make_mlp(cfg, shared) if cfg.n_shared_experts else None
         self.folded = None  # GPU path, SiLU experts without the latent MoE: shared experts stacked behind routed
         self.x_proj: Linear | None = None  # GPU path, latent MoE: [latent down | shared gate | up] rows, one GEMM
+        self.out_proj: Linear | None = None  # GPU path, latent MoE: [latent up | shared down] columns, one GEMM
 
     def fuse(self) -> None:
         """After loading, on the GPU code path. SiLU experts, no latent MoE: the shared experts become always-chosen
         routed experts (layers/shared_expert_fold.py), three launches and the add fewer per step. Latent MoE with
         SiTU shared experts (one process, device experts): the latent down-projection and the shared experts'
         gate and up projections, which all read x, become one GEMM (``x_proj``; each output column the same dot
-        product), one launch fewer. Runs before the shared experts' own fuse (modules in pre-order)."""
+        product), one launch fewer; with the latent norm, the latent up-projection and the shared experts' down
+        projection, whose outputs are summed, become one GEMM over their joined inputs (``out_proj``: [normed
+        latent | shared SiTU-GLU] written side by side), one launch fewer. Runs before the shared experts' own fuse
+        (modules in pre-order)."""
         if self.folded is None and not self.latent:
             self.folded = fold_shared_experts(self.experts, self.shared_experts, self.gate)
         sh = self.shared_experts
         if (self.latent and self.x_proj is None and self.tp is None and isinstance(sh, SituMLP)
                 and sh.gate_up is None and self.experts.host is None and dispatch.gpu_path(self.gate.weight)):
             self.x_proj = Linear.concat([self.routed_expert_down_proj, sh.gate_proj, sh.up_proj])
+            if (self.x_proj is not None and self.routed_expert_norm is not None
+                    and isinstance(self.experts, SituRoutedExperts) and self.experts.accumulate_fp32):
+                self.out_proj = Linear.concat_inputs([self.routed_expert_up_proj, sh.down_proj])
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, H] -> the MoE's output [T, H]; with ``residual`` (a [T, H] tensor the caller owns, no tensor
@@ -266,6 +274,8 @@ class KimiMoE(nn.Module):
                 return out if residual is None else residual + out
         aligned = self.experts.alignment(x, self.gate.top_k)  # GPU path: the pairs aligned in the router's launch
         w, ids = self.gate(x, align=aligned)
+        if self.out_proj is not None:
+            return self._joined_forward(x, w, ids, aligned, residual)
         gu = None
         if self.x_proj is not None:  # the latent input and the shared experts' gate|up from one GEMM (views)
             z, gu = self.x_proj(x).split([self.latent, self.x_proj.out_features - self.latent], dim=-1)
@@ -296,6 +306,25 @@ class KimiMoE(nn.Module):
         if self.shared_experts is not None:  # y is this forward's own tensor: added to in the shared down GEMM
             y = self.shared_experts(x, residual=y) if gu is None else self.shared_experts.from_gate_up(gu, residual=y)
         return y if residual is None else residual + y
+
+
+    def _joined_forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, aligned,
+                        residual: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward` with ``x_proj`` and ``out_proj`` (GPU path, one process): x_proj's GEMM gives the latent
+        input and the shared gate|up; the normed latent sum (in the k-sum's launch) and the shared SiTU-GLU are
+        written side by side into one [T, latent + I_shared] buffer, which out_proj's GEMM multiplies by [W_up |
+        W_shared_down] (adding into ``residual`` when given, cuBLAS's beta = 1): routed and shared outputs summed
+        in the GEMM's float32 accumulator and rounded once (the reference rounds each, then adds)."""
+        sh = self.shared_experts
+        z, gu = self.x_proj(x).split([self.latent, self.x_proj.out_features - self.latent], dim=-1)
+        joined = x.new_empty(x.shape[0], self.out_proj.in_features)
+        y, h = joined[:, :self.latent], joined[:, self.latent:]
+        got = self.experts.forward_normed(z, w, ids, self.routed_expert_norm, x.dtype, aligned, out=y)
+        if got.data_ptr() != y.data_ptr():
+            y.copy_(got)
+        if dispatch.situ_and_mul(gu, sh.beta, sh.linear_beta, out=h) is None:
+            h.copy_(situ_glu(gu, sh.beta, sh.linear_beta))
+        return self.out_proj(joined) if residual is None else self.out_proj.forward_add_(joined, residual)
 
 
 class _GatedOutProj(Linear):

@@ -224,9 +224,10 @@ def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: i
     [T, hidden] (any float dtype, unit stride along hidden; e.g. the shared experts' output) is added in float32
     after the slots, before the one rounding. One launch (the sums and the cast).
 
-    ``norm``: (weight [hidden], eps, tickets) -> the RMSNorm of the float32 sum instead, w * (y / rms(y)) in
+    ``norm``: (weight [hidden], eps, tickets[, out]) -> the RMSNorm of the float32 sum instead, w * (y / rms(y)) in
     float32 rounded once to ``out_dtype`` (Kimi K3's latent norm, as ``dispatch.rms_norm(y, w, eps, out_dtype=)``
-    computes it; its sum of squares in column-block order). Each column-block program stores its float32 row block
+    computes it; its sum of squares in column-block order), written into ``out`` when given ([T, hidden] of
+    ``out_dtype``, unit stride along hidden, rows may be strided: a slice of a wider buffer) and returned. Each column-block program stores its float32 row block
     and sum of squares; the last of a token's blocks to finish (an atomic ticket per token in ``tickets``, int32
     zeros owned by the caller, at least T of them, reset by that program) normalizes the row. T <=
     SUM_NORM_MAX_TOKENS there (a ValueError otherwise)."""
@@ -235,11 +236,15 @@ def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: i
     hidden = parts.shape[2]
     if nsplit is None:
         nsplit = torch.full((1,), parts.shape[0], dtype=torch.int32, device=parts.device)
-    out = torch.empty(T, hidden, dtype=out_dtype, device=parts.device)
+    into = norm[3] if norm is not None and len(norm) > 3 else None
+    if into is not None and (into.shape != (T, hidden) or into.dtype != out_dtype or into.stride(-1) != 1):
+        raise ValueError(f"moe_sum: the norm's output {tuple(into.shape)} {into.dtype} is not [{T}, {hidden}] "
+                         f"{out_dtype} with unit stride along hidden")
+    out = torch.empty(T, hidden, dtype=out_dtype, device=parts.device) if into is None else into
     block = min(1024, triton.next_power_of_2(max(hidden, 16)))
     nb = triton.cdiv(hidden, block)
     if norm is not None:
-        weight, eps, tickets = norm
+        weight, eps, tickets = norm[:3]
         if T > SUM_NORM_MAX_TOKENS or tickets.numel() < T or tickets.dtype != torch.int32 or weight.shape != (hidden,):
             raise ValueError(f"moe_sum: the norm takes up to {SUM_NORM_MAX_TOKENS} tokens with int32 tickets for "
                              f"each and a [{hidden}] weight (got {T} tokens, {tickets.numel()} tickets, weight "

@@ -170,14 +170,19 @@ def _situ_and_mul_kernel(gu_ptr, y_ptr, n_cols, stride_gu, stride_y, beta, linea
     tl.store(y_ptr + row * stride_y + cols, (a * u).to(g.dtype), mask=mask)
 
 
-def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float | None) -> torch.Tensor:
+def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Kimi K3's SiTU-GLU in one launch: beta tanh(gate / beta) sigmoid(gate) * (linear_beta tanh(up / linear_beta)
     if linear_beta else up), all in float32, rounded once, for gate_up [N, 2I] laid out [gate | up] (unit stride
     along the last dim) -> new [N, I] of gate_up's dtype (models/kimi_linear.py ``situ_glu``, Moonshot's
-    ``SituAndMul``)."""
+    ``SituAndMul``), or written into ``out`` ([N, I] of that dtype, unit stride along I, rows may be strided: a
+    slice of a wider buffer) and returned."""
     n, two_i = gate_up.shape
     inter = two_i // 2
-    y = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if out is not None and (out.shape != (n, inter) or out.dtype != gate_up.dtype or out.stride(-1) != 1):
+        raise ValueError(f"situ_and_mul: out {tuple(out.shape)} {out.dtype} is not [{n}, {inter}] "
+                         f"{gate_up.dtype} with unit stride along its columns")
+    y = torch.empty(n, inter, dtype=gate_up.dtype, device=gate_up.device) if out is None else out
     block = 1024
     if n and inter:
         _situ_and_mul_kernel[(n, triton.cdiv(inter, block))](
