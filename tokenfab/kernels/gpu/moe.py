@@ -68,8 +68,8 @@ def align_pairs(ids: torch.Tensor, start: int, num_local: int, block_m: int
 
 
 @triton.jit
-def _align_into(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P, num_tiles, TILE: tl.constexpr,
-                CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, VOLATILE: tl.constexpr):
+def align_into(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P, num_tiles,
+               TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, VOLATILE: tl.constexpr):
     """The alignment in one program: counts per local expert, padded segment starts, then every pair placed at its
     expert's segment start plus its rank among that expert's earlier pairs (stable), chunk by chunk; padding rows
     hold M. ``VOLATILE``: the ids were stored by other programs of the same launch (the router's), read past the
@@ -107,9 +107,9 @@ def _align_into(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P,
 @triton.jit
 def _align_kernel(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P, num_tiles,
                   TILE: tl.constexpr, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One program: :func:`_align_into`."""
-    _align_into(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P, num_tiles, TILE, CHUNK, BLOCK_E,
-                False)
+    """One program: :func:`align_into`."""
+    align_into(ids_ptr, sorted_ptr, eob_ptr, npost_ptr, M, start, num_local, P, num_tiles, TILE, CHUNK, BLOCK_E,
+               False)
 
 
 # align_pairs_fused is one program walking the pairs in chunks: one launch for decode batches, but serial over a
@@ -157,6 +157,8 @@ class Alignment:
         return dict(TILE=self.block_m, CHUNK=max(16, min(128, 8192 // block_e)), BLOCK_E=block_e)
 
     def matches(self, num_pairs: int, start: int, num_local: int, block_m: int) -> bool:
+        """Whether these buffers were filled for a call of ``num_pairs`` pairs over experts [start, start +
+        num_local) in tiles of ``block_m`` (what :func:`routed_sum` would align itself)."""
         return self.filled and (self.num_pairs, self.start, self.num_local, self.block_m) == (
             num_pairs, start, num_local, block_m)
 
@@ -227,10 +229,10 @@ def moe_sum(out_pairs: torch.Tensor, ids: torch.Tensor, start: int, num_local: i
     ``norm``: (weight [hidden], eps, tickets[, out]) -> the RMSNorm of the float32 sum instead, w * (y / rms(y)) in
     float32 rounded once to ``out_dtype`` (Kimi K3's latent norm, as ``dispatch.rms_norm(y, w, eps, out_dtype=)``
     computes it; its sum of squares in column-block order), written into ``out`` when given ([T, hidden] of
-    ``out_dtype``, unit stride along hidden, rows may be strided: a slice of a wider buffer) and returned. Each column-block program stores its float32 row block
-    and sum of squares; the last of a token's blocks to finish (an atomic ticket per token in ``tickets``, int32
-    zeros owned by the caller, at least T of them, reset by that program) normalizes the row. T <=
-    SUM_NORM_MAX_TOKENS there (a ValueError otherwise)."""
+    ``out_dtype``, unit stride along hidden, rows may be strided: a slice of a wider buffer) and returned. Each
+    column-block program stores its float32 row block and sum of squares; the last of a token's blocks to finish
+    (an atomic ticket per token in ``tickets``, int32 zeros owned by the caller, at least T of them, reset by that
+    program) normalizes the row. T <= SUM_NORM_MAX_TOKENS there (a ValueError otherwise)."""
     parts = out_pairs if out_pairs.dim() == 3 else out_pairs.unsqueeze(0)
     T, k = ids.shape
     hidden = parts.shape[2]

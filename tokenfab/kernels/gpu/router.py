@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenfab.kernels.gpu.moe import Alignment, _align_into
+from tokenfab.kernels.gpu.moe import Alignment, align_into
 
 
 @triton.jit
@@ -139,7 +139,7 @@ def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, 
     resets the ticket for the next launch. SOFTMAX: Qwen3-MoE's selection instead, on the logits rounded to x's
     dtype first (the router GEMM's output dtype in the reference), weights stored in w_ptr's dtype. ALIGN: the
     last token tile's selecting program (a second ticket, ``count_ptr[A_SLOT]``) then aligns every token's pairs by
-    expert for the experts' GEMMs (kernels/gpu/moe.py ``_align_into``, over experts [a_start, a_start +
+    expert for the experts' GEMMs (kernels/gpu/moe.py ``align_into``, over experts [a_start, a_start +
     a_num_local))."""
     pid = tl.program_id(0)
     tb = tl.program_id(1)
@@ -191,8 +191,8 @@ def _router_kernel(x_ptr, rw_ptr, bias_ptr, part_ptr, count_ptr, w_ptr, id_ptr, 
             done = tl.atomic_add(count_ptr + A_SLOT, 1, sem="acq_rel")
             if done == tl.num_programs(1) - 1:
                 tl.debug_barrier()
-                _align_into(id_ptr, sorted_ptr, eob_ptr, npost_ptr, T * (K + EXTRA), a_start, a_num_local, a_P,
-                            a_tiles, TILE, CHUNK, A_BLOCK_E, True)
+                align_into(id_ptr, sorted_ptr, eob_ptr, npost_ptr, T * (K + EXTRA), a_start, a_num_local, a_P,
+                           a_tiles, TILE, CHUNK, A_BLOCK_E, True)
                 tl.atomic_xchg(count_ptr + A_SLOT, 0)
 
 
