@@ -136,6 +136,15 @@ def mla_norms_cache(q_a: torch.Tensor | None, c_kv: torch.Tensor, k_rope: torch.
 
 
 @triton.jit
+def _dot_acc(a, w, acc, IEEE: tl.constexpr):
+    """acc + a @ w: IEEE float32 products (float32 inputs, and bf16 in the interpreter, which has no bf16 tiles),
+    else the tensor cores in a's dtype with float32 sums."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, w.to(a.dtype), acc)
+
+
+@triton.jit
 def _mla_latent_query_kernel(q_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, T, NOPE, C, half,
                              s_qt, s_qh, s_wh, s_wd, s_oh, s_ot, s_c,
                              ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, IEEE: tl.constexpr,
@@ -157,10 +166,7 @@ def _mla_latent_query_kernel(q_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, T
             a = tl.load(q_rows + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
             w = tl.load(w_ptr + h * s_wh + d[:, None] * s_wd + c[None, :], mask=dmask[:, None] & cmask[None, :],
                         other=0.0)
-            if IEEE:
-                acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, w.to(a.dtype), acc)
+            acc = _dot_acc(a, w, acc, IEEE)
         tl.store(o_rows + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
     else:  # the last program column: q_rope rotated into columns C .. C + R
         offs = tl.arange(0, BLOCK_R)[None, :]
@@ -232,10 +238,7 @@ def _mla_value_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, T, C, V, s_ot, s_oh, s_wh
                     mask=tmask[:, None] & cmask[None, :], other=0.0)
         w = tl.load(w_ptr + h * s_wh + c[:, None] * s_wc + v[None, :], mask=cmask[:, None] & vmask[None, :],
                     other=0.0)
-        if IEEE:
-            acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w.to(a.dtype), acc)
+        acc = _dot_acc(a, w, acc, IEEE)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     m = tmask[:, None] & vmask[None, :]
     g = tl.load(g_ptr + t.to(tl.int64)[:, None] * s_gt + h * V + v[None, :], mask=m, other=0.0)
