@@ -260,7 +260,8 @@ class KimiDeltaAttention(nn.Module):
         part = lambda a, first: None if a is None else (a[:d] if first else a[d:])
         dec = meta.decode
         normed = None  # a decode-only step: the fused decode launch applies the output norm too (into normed)
-        if meta.state_group is None and meta.prefill is None and dec is not None and dec.q_len == 1 and d == T:
+        if (meta.state_group is None and meta.prefill is None and dec is not None and dec.q_len == 1 and d == T
+                and dispatch.gpu_path(x)):
             normed = x.new_empty(T + 1, H * D)
         for group, first in groups:
             if group is None:
