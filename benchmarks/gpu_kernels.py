@@ -24,7 +24,8 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
 5. The fused decode glue of a Qwen3-MoE layer (q/k norm + RoPE + KV-cache write, softmax top-k router, MoE
    k-sum) at Qwen3-30B-A3B's shapes and MLA's kv norm + RoPE + latent write at DeepSeek-V3's, 16 and 2,048
    tokens, and at 16 tokens gated MLA's value heads with K3's output gate in one launch beside cuBLAS's batched GEMM
-   + the gate's launch: error against the layers' PyTorch math, time, bandwidth.
+   + the gate's launch, and K3's MoE output as one GEMM over [latent | shared] beside the two it replaced: error
+   against the layers' PyTorch math, time, bandwidth.
 6. KDA (kernels/gpu/kda.py, kernels/gpu/kda_chunk.py) at K3's shape in float32: a 6,144-token prefill by the fused
    recurrent kernel and, with --kda-fla, by fla-core's chunk_kda (where installed) against layers/kda.py's chunked
    form, and decode steps at batch 1 / 16 / 64 against its recurrence, time and bandwidth over the float32 state
@@ -294,8 +295,9 @@ def check_decode_glue(dev, dtype, quick: bool, bw: float, reps: int) -> list[dic
         rows.append({"kernel": "MLA kv norm + RoPE + latent write", "shape": f"M={M} H={mh} C={mc} R={mr}",
                      "max_err": err, "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
         print(json.dumps(rows[-1]), flush=True)
-        if M <= 256:  # decode batches: gated MLA's value heads (K3: 96 heads, latent 512, v 128)
+        if M <= 256:  # decode batches: gated MLA's value heads (K3: 96 heads, latent 512, v 128), K3's MoE output
             rows += _value_gate_rows(dev, dtype, quick, M, g, reps, bw)
+            rows += _joined_out_rows(dev, dtype, quick, M, g, reps, bw)
 
         logits = torch.randn(M, E, device=dev, generator=g).to(dtype)
         w, ids = softmax_topk(logits, k, True)
@@ -348,6 +350,32 @@ def _value_gate_rows(dev, dtype, quick: bool, M: int, g, reps: int, bw: float) -
         us = _time_us(fn, dev, reps)
         rows.append({"kernel": name, "shape": f"T={M} H={H} C={C} v={V}", "max_err": err, "us": us,
                      "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _joined_out_rows(dev, dtype, quick: bool, M: int, g, reps: int, bw: float) -> list[dict]:
+    """Kimi K3's latent MoE output at its shape (latent 3584, two shared experts of 3072, hidden 7168; quick: 24 /
+    40 / 32) for M tokens: one GEMM over [normed latent | shared SiTU-GLU] with [W_up | W_shared_down] adding into
+    the residual (models/kimi_linear.py ``KimiMoE.out_proj``) against the two beta = 1 GEMMs it replaced; error
+    relative to the two's largest output, time of both, bandwidth over the weights' bytes."""
+    L, I, H = (3584, 6144, 7168) if not quick else (24, 40, 32)
+    z = torch.randn(M, L + I, device=dev, generator=g).to(dtype)
+    w = (torch.randn(H, L + I, device=dev, generator=g) / (L + I) ** 0.5).to(dtype)
+    w_up, w_down = w[:, :L].contiguous(), w[:, L:].contiguous()
+    res = torch.randn(M, H, device=dev, generator=g).to(dtype)
+    one = lambda r: r.addmm_(z, w.t())  # noqa: E731
+    two = lambda r: r.addmm_(z[:, :L], w_up.t()).addmm_(z[:, L:], w_down.t())  # noqa: E731
+    want = two(res.clone()).float()
+    err = ((one(res.clone()).float() - want).abs().max() / want.abs().max()).item()
+    nbytes = w.numel() * w.element_size()
+    rows = []
+    for name, fn in (("K3 MoE output, one GEMM over [latent | shared]", one),
+                     ("K3 MoE output, two beta = 1 GEMMs", two)):
+        r = res.clone()
+        us = _time_us(lambda: fn(r), dev, reps)
+        rows.append({"kernel": name, "shape": f"T={M} K={L}+{I} N={H}", "max_err": err, "us": us, "bytes": nbytes,
+                     "bw_fraction": nbytes / (us * 1e-6) / bw})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
