@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenfab.kernels.gpu.norm_activation import gated_norm_row
+
 TARGET_PROGRAMS = 1024  # programs a launch should have before a wider value block is taken
 
 
@@ -70,19 +72,6 @@ def _conv_shift(s_base, chan, mask, carried, xv, K: tl.constexpr, KP: tl.constex
     nxt = tl.where(j == K - 2, xv[:, None].to(nxt.dtype), nxt)
     tl.debug_barrier()  # this program's threads have read the old entries before any is rewritten
     tl.store(s_base + chan[:, None] * (K - 1) + j, nxt, mask=jm)
-
-
-@triton.jit
-def _gated_norm_head(o_row, g_row, w_ptr, y_row, offs, mask, D, eps):
-    """KDA's output norm of one token's head (kernels/gpu/norm_activation.py ``gated_rms_norm``, the same float32
-    formula): its D outputs re-read from ``o_row`` as stored (volatile: other programs wrote them),
-    (w * o / sqrt(mean(o^2) + eps)) * sigmoid(gate) stored at ``y_row``."""
-    xf = tl.load(o_row + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_row + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (w * (xf * rstd)) * (1.0 / (1.0 + tl.exp(-g)))
-    tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -161,8 +150,9 @@ def _kda_recurrent_kernel(qkv_ptr, graw_ptr, dt_bias_ptr, a_log_ptr, braw_ptr, i
                         _conv_shift(c_base, h * D + offs_k, mk, ck, xq, CK, CKP)
                         _conv_shift(c_base, H * D + h * D + offs_k, mk, ck, xk, CK, CKP)
                     if NORM:
-                        _gated_norm_head(out_ptr + tok * stride_o + h * D, gate_ptr + tok * stride_gate + h * D,
-                                         nw_ptr, y_ptr + tok * stride_y + h * D, offs_k, mk, D, norm_eps)
+                        # the head's outputs as stored (by every value-block program): the norm launch's formula
+                        gated_norm_row(out_ptr + tok * stride_o + h * D, gate_ptr + tok * stride_gate + h * D,
+                                       nw_ptr, y_ptr + tok * stride_y + h * D, offs_k, mk, D, norm_eps, True)
                     tl.atomic_xchg(tickets_ptr + b * H + h, 0)
     for t in range(n, Q):  # tokens past the valid ones: zero outputs (the decode-graph buffers' verification
         # rows name real rows of the padded batch there, which later layers read; elsewhere they name one padding row)

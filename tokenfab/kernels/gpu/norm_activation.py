@@ -64,19 +64,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
+def gated_norm_row(x_row, g_row, w_ptr, y_row, offs, mask, D, eps, VOLATILE: tl.constexpr):
+    """KDA's gated output norm of one token's head: (w * x / sqrt(mean(x^2) + eps)) * sigmoid(gate) in float32 over
+    the D entries ``offs`` of ``x_row``, rounded once into ``y_row``'s dtype. ``VOLATILE``: x was stored by other
+    programs of the same launch (kernels/gpu/kda.py's fused decode), read past the caches."""
+    xf = tl.load(x_row + offs, mask=mask, other=0.0, volatile=VOLATILE).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_row + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (w * (xf * rstd)) * (1.0 / (1.0 + tl.exp(-g)))
+    tl.store(y_row + offs, y.to(y_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _gated_rms_norm_kernel(x_ptr, g_ptr, w_ptr, y_ptr, D, eps, stride_xt, stride_xh, stride_gt, stride_yt,
                            BLOCK: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
-    mask = cols < D
-    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + cols, mask=mask, other=0.0)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + t * stride_gt + h * D + cols, mask=mask, other=0.0).to(tl.float32)
-    y = (w * (xf * rstd)) * (1.0 / (1.0 + tl.exp(-g)))
-    tl.store(y_ptr + t * stride_yt + h * D + cols, y.to(x.dtype), mask=mask)
+    gated_norm_row(x_ptr + t * stride_xt + h * stride_xh, g_ptr + t * stride_gt + h * D, w_ptr,
+                   y_ptr + t * stride_yt + h * D, cols, cols < D, D, eps, False)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
