@@ -101,6 +101,15 @@ class SoftmaxTopKRouter(nn.Module):
         return w.to(logits.dtype), ids
 
 
+def route(gate: nn.Module, experts: "RoutedExperts", x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """An MoE block's routing of x [T, hidden] by ``gate`` (a router module) for ``experts``: (weights [T, k], ids
+    [T, k], aligned), where on the GPU path the router's launch also aligns the pairs by expert into ``aligned``
+    (RoutedExperts.alignment; None elsewhere), to pass as ``aligned=`` to the experts."""
+    aligned = experts.alignment(x, gate.top_k)
+    w, ids = gate(x, align=aligned)
+    return w, ids, aligned
+
+
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 _DEFERRED = threading.local()
 

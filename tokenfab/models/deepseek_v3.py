@@ -12,7 +12,7 @@ from torch import nn
 
 from tokenfab.layers.mla import MLAttention
 from tokenfab.layers.mlp import GatedMLP
-from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
+from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter, route
 from tokenfab.layers.rotary import RotaryEmbedding
 from tokenfab.layers.shared_expert_fold import fold_shared_experts
 from tokenfab.models.base import CausalLM, layer_index
@@ -46,8 +46,7 @@ class DeepseekV3MoE(nn.Module):
             out = self.folded(x, self.gate, self.experts)
             if out is not None:
                 return out
-        aligned = self.experts.alignment(x, self.gate.top_k)  # GPU path: the pairs aligned in the router's launch
-        w, ids = self.gate(x, align=aligned)
+        w, ids, aligned = route(self.gate, self.experts, x)
         if self.shared_experts is None:
             return self.experts(x, w, ids, aligned=aligned)
         return self.experts(x, w, ids, plus=self.shared_experts(x), aligned=aligned)  # GPU: added in the k-sum

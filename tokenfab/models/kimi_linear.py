@@ -50,7 +50,7 @@ from tokenfab.layers.kda import KimiDeltaAttention
 from tokenfab.layers.linear import Linear
 from tokenfab.layers.mla import MLAttention
 from tokenfab.layers.mlp import GatedMLP
-from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter
+from tokenfab.layers.moe import RoutedExperts, SigmoidGroupRouter, route
 from tokenfab.layers.mxfp4 import dequantize_mxfp4
 from tokenfab.layers.norm import RMSNorm
 from tokenfab.layers.shared_expert_fold import fold_shared_experts
@@ -272,8 +272,7 @@ class KimiMoE(nn.Module):
             out = self.folded(x, self.gate, self.experts)
             if out is not None:
                 return out if residual is None else residual + out
-        aligned = self.experts.alignment(x, self.gate.top_k)  # GPU path: the pairs aligned in the router's launch
-        w, ids = self.gate(x, align=aligned)
+        w, ids, aligned = route(self.gate, self.experts, x)
         if self.out_proj is not None:
             return self._joined_forward(x, w, ids, aligned, residual)
         gu = None
@@ -306,7 +305,6 @@ class KimiMoE(nn.Module):
         if self.shared_experts is not None:  # y is this forward's own tensor: added to in the shared down GEMM
             y = self.shared_experts(x, residual=y) if gu is None else self.shared_experts.from_gate_up(gu, residual=y)
         return y if residual is None else residual + y
-
 
     def _joined_forward(self, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, aligned,
                         residual: torch.Tensor | None) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenfab.layers.moe import RoutedExperts, SoftmaxTopKRouter
+from tokenfab.layers.moe import RoutedExperts, SoftmaxTopKRouter, route
 from tokenfab.models.qwen3 import Qwen3ForCausalLM
 from tokenfab.parallel.distributed import current_tp
 
@@ -24,8 +24,7 @@ class Qwen3MoeBlock(nn.Module):
                                      None if tp is None else tp.r("experts"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        aligned = self.experts.alignment(x, self.gate.top_k)  # GPU path: the pairs aligned in the router's launch
-        w, ids = self.gate(x, align=aligned)
+        w, ids, aligned = route(self.gate, self.experts, x)
         return self.experts(x, w, ids, aligned=aligned)
 
 
