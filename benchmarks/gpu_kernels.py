@@ -357,7 +357,7 @@ def _value_gate_rows(dev, dtype, quick: bool, M: int, g, reps: int, bw: float) -
 def _joined_out_rows(dev, dtype, quick: bool, M: int, g, reps: int, bw: float) -> list[dict]:
     """Kimi K3's latent MoE output at its shape (latent 3584, two shared experts of 3072, hidden 7168; quick: 24 /
     40 / 32) for M tokens: one GEMM over [normed latent | shared SiTU-GLU] with [W_up | W_shared_down] adding into
-    the residual (models/kimi_linear.py ``KimiMoE.out_proj``) against the two beta = 1 GEMMs it replaced; error
+    the residual (models/kimi_moe.py ``KimiMoE.out_proj``) against the two beta = 1 GEMMs it replaced; error
     relative to the two's largest output, time of both, bandwidth over the weights' bytes."""
     L, I, H = (3584, 6144, 7168) if not quick else (24, 40, 32)
     z = torch.randn(M, L + I, device=dev, generator=g).to(dtype)

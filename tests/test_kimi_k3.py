@@ -298,7 +298,7 @@ def test_mxfp4_dequant_matches_naive():
 
 
 def test_situ_matches_naive():
-    from tokenfab.models.kimi_linear import situ_glu
+    from tokenfab.models.kimi_moe import situ_glu
     x = torch.randn(5, 2 * 7, dtype=torch.float64) * 4
     for beta, lb in ((1.5, 2.0), (4.0, 25.0), (1.0, None)):
         got = situ_glu(x, beta, lb).double()  # computed in float32 inside (as the reference implementations do)

@@ -60,7 +60,7 @@ def test_latent_routed_sum_is_float32():
     """bf16 experts, the weighted sum over 16 chosen experts accumulated in float32 (Moonshot), not rounded to
     bf16 after every add: equals a float64 sum of the same bf16 expert outputs within float32 rounding, while a
     bf16 running sum misses by far more."""
-    from tokenfab.models.kimi_linear import SituRoutedExperts, situ_glu
+    from tokenfab.models.kimi_moe import SituRoutedExperts, situ_glu
     g = torch.Generator().manual_seed(0)
     E, k, hid, inter, T = 32, 16, 64, 48, 7
     ex = SituRoutedExperts(E, hid, inter, 1.5, 2.0, accumulate_fp32=True).to(torch.bfloat16)

@@ -228,7 +228,7 @@ def test_latent_moe_adds_the_residual_in_its_gemms_on_the_gpu_path(monkeypatch):
     returned tensor is it)."""
     from test_kimi_k3 import TEXT
     from tokenfab.config import parse_config
-    from tokenfab.models.kimi_linear import KimiMoE
+    from tokenfab.models.kimi_moe import KimiMoE
     cfg = parse_config({"architectures": ["KimiK3ForConditionalGeneration"], "text_config": TEXT})
     torch.manual_seed(0)
     moe = KimiMoE(cfg)

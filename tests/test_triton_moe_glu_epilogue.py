@@ -5,7 +5,7 @@ and without the linear branch's tanh).
 
 Each program's weight rows interleave gate row j and up row I + j, and the epilogue pairs the two columns, so the
 checks are (a) against the routed-expert sum in float64 from the dequantized weights and the activation's formula
-(models/kimi_linear.py ``situ_glu``: beta tanh(g / beta) sigmoid(g) * u), which a gate paired with the wrong up row,
+(models/kimi_moe.py ``situ_glu``: beta tanh(g / beta) sigmoid(g) * u), which a gate paired with the wrong up row,
 a misplaced output column or a dropped partial tile fails by far more than the tolerance; and (b) against the same
 GEMM with the activation as its own launch (the callable), which rounds the same way. Shapes: intermediate 96
 (BLOCK_N 128 weight rows give 64 outputs a program, the second tile partial), hidden 64 or 160 (FP8: partial
@@ -47,7 +47,7 @@ def _reference(name, x, w13, w2, wts, ids):
 
 def _separate(name):
     from tokenfab.layers.activation import silu_and_mul
-    from tokenfab.models.kimi_linear import situ_glu
+    from tokenfab.models.kimi_moe import situ_glu
     if name == "silu":
         return silu_and_mul
     _, beta, lbeta = ACTS[name]
@@ -127,7 +127,7 @@ def test_dense_situ_experts_take_the_grouped_gemms_on_the_gpu_path(monkeypatch):
     """K3's SiTU experts with plain stacks (a bf16 checkpoint): on the GPU code path one fused MoE (SiTU in the
     epilogue; float32 sum for the latent MoE), equal to their per-expert PyTorch loop to float32 rounding."""
     from tokenfab.kernels.gpu import moe as gpu_moe
-    from tokenfab.models.kimi_linear import SituRoutedExperts
+    from tokenfab.models.kimi_moe import SituRoutedExperts
     g = torch.Generator().manual_seed(3)
     ex = SituRoutedExperts(7, 48, 40, 1.5, 2.0, accumulate_fp32=True)
     ex.w13.data = torch.randn(7, 80, 48, generator=g) / 4

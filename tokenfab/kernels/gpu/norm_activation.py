@@ -9,7 +9,7 @@ in x's dtype (RoPE: each product and the sum or difference rounded, cos / sin ro
 RMSNorm: h = x (+ residual, rounded to x's dtype), y = w * round(h * rsqrt(mean(h^2) + eps)) with float32
 statistics; gated RMSNorm: round(w * x * rsqrt(mean(x^2) + eps) * sigmoid(gate)), all float32 (as
 layers/kda.py's GatedRMSNorm); SiLU-GLU: round(round(silu(gate)) * up); SiTU-GLU all float32, rounded once
-(models/kimi_linear.py ``situ_glu``). Checked against those paths in Triton's interpreter on CPU
+(models/kimi_moe.py ``situ_glu``). Checked against those paths in Triton's interpreter on CPU
 (tests/test_triton_norm_activation.py); GPU timings come from ``benchmarks/gpu_check.sh``.
 """
 from __future__ import annotations
@@ -181,7 +181,7 @@ def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Kimi K3's SiTU-GLU in one launch: beta tanh(gate / beta) sigmoid(gate) * (linear_beta tanh(up / linear_beta)
     if linear_beta else up), all in float32, rounded once, for gate_up [N, 2I] laid out [gate | up] (unit stride
-    along the last dim) -> new [N, I] of gate_up's dtype (models/kimi_linear.py ``situ_glu``, Moonshot's
+    along the last dim) -> new [N, I] of gate_up's dtype (models/kimi_moe.py ``situ_glu``, Moonshot's
     ``SituAndMul``), or written into ``out`` ([N, I] of that dtype, unit stride along I, rows may be strided: a
     slice of a wider buffer) and returned."""
     n, two_i = gate_up.shape
