@@ -15,8 +15,8 @@ as transcribed in public ports, e.g. sglang/vLLM ``kimi_k3`` models: ``SituAndMu
   float32 (beta = ``activation_situ_beta``, lb = ``activation_situ_linear_beta``); used by the dense MLP, the shared
   experts and the routed experts (the KDA short conv keeps SiLU);
 * latent MoE (the MoE side, with SiTU-GLU, lives in models/kimi_moe.py): router on x (sigmoid + noaux_tc bias
-  for choice, top-k, renormalise, routed_scaling_factor); routed experts on z = routed_expert_down_proj(x); y = routed_expert_up_proj(RMSNorm(sum_k w_k E_k(z))) (norm when
-  ``latent_moe_use_norm``); plus shared_experts(x);
+  for choice, top-k, renormalise, routed_scaling_factor); routed experts on z = routed_expert_down_proj(x);
+  y = routed_expert_up_proj(RMSNorm(sum_k w_k E_k(z))) (norm when ``latent_moe_use_norm``); plus shared_experts(x);
 * block attention residuals (``attn_res_block_size`` = S), arXiv:2603.15031 "Attention Residuals", block variant, as
   in Moonshot's ``_apply_attn_res``: sources V = [completed block sums..., current partial sum];
   mix(V) = sum_n softmax_n(<RMSNorm_noweight(V_n) * norm.weight, proj.weight>) V_n (float32). Layer i:
