@@ -25,8 +25,10 @@ bytes each kernel must read at the HBM copy bandwidth measured in the same run.
 5. The fused decode glue of a Qwen3-MoE layer (q/k norm + RoPE + KV-cache write, softmax top-k router, MoE
    k-sum) at Qwen3-30B-A3B's shapes and MLA's kv norm + RoPE + latent write at DeepSeek-V3's, 16 and 2,048
    tokens, and at 16 tokens gated MLA's value heads with K3's output gate in one launch beside cuBLAS's batched GEMM
-   + the gate's launch, and K3's MoE output as one GEMM over [latent | shared] beside the two it replaced: error
-   against the layers' PyTorch math, time, bandwidth.
+   + the gate's launch, K3's MoE output as one GEMM over [latent | shared] beside the two it replaced, and MLA's
+   queries (q_a norm, q_b GEMM, absorbed queries) with the latent write in one launch beside the three it replaced
+   at DeepSeek-V3's shape, 1 and 16 tokens, 128 heads and a tensor-parallel-8 rank's 16: error against the layers'
+   PyTorch math, time, bandwidth.
 6. KDA (kernels/gpu/kda.py, kernels/gpu/kda_chunk.py) at K3's shape in float32: a 6,144-token prefill by the fused
    recurrent kernel and, with --kda-fla, by fla-core's chunk_kda (where installed) against layers/kda.py's chunked
    form, and decode steps at batch 1 / 16 / 64 against its recurrence, time and bandwidth over the float32 state

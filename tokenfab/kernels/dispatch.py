@@ -19,7 +19,8 @@ rope                       rope                              gpu/norm_activation
 qk_rope_cache              - (the decode block fuses it)     gpu/rope_cache.py (q/k norm + RoPE + KV write)
 mla_rope_cache             - (the decode block fuses it)     gpu/rope_cache.py (kv norm + RoPE + latent write)
 mla_decode_glue            - (the decode block fuses it)     gpu/mla_decode_glue.py (norms + latent write;
-                                                             absorbed queries)
+                                                             absorbed queries), gpu/mla_query_chain.py (those
+                                                             and the q_b GEMM in one launch)
 paged_decode_attention     paged_decode_attention            gpu/decode_attention.py
 causal_softmax_ (prefill)  causal_softmax_                   -
 flash_prefill_attention    flash_prefill_attention (bf16)    -
@@ -230,6 +231,15 @@ def mla_decode_glue_applies(x: torch.Tensor, cache: torch.Tensor) -> bool:
     [T, hidden] and a latent pool of x's dtype with a unit last stride."""
     return (_gpu(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and cache.dtype == x.dtype
             and cache.dim() == 3 and cache.stride(-1) == 1)
+
+
+def mla_chain_tickets(x: torch.Tensor, heads: int) -> torch.Tensor | None:
+    """On the GPU path, the zeroed int32 tickets an MLA layer of ``heads`` heads keeps for its chained decode
+    launch (kernels/gpu/mla_query_chain.py ``tickets_for``) on x's device; None elsewhere."""
+    if not _gpu(x):
+        return None
+    from tokenfab.kernels.gpu import mla_query_chain
+    return mla_query_chain.tickets_for(heads, x.device)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -59,6 +59,7 @@ class MLAttention(nn.Module):
         self.prefill_form = "auto"  # or "expanded" / "absorbed" (see _absorb_prefill)
         self.decode_block = True  # decode-only CPU batches: the whole block in one kernel call (_decode_block_weights)
         self._block_weights: list[torch.Tensor] | None = None
+        self._chain_tickets: torch.Tensor | None = None  # GPU path: the chained decode launch's (first call)
 
     def fuse(self) -> None:
         """After loading: W_UK [H, nope, C] and W_UV^T [H, C, v] from kv_b_proj.weight [H*(nope+v), C] for the
@@ -254,10 +255,13 @@ class MLAttention(nn.Module):
 
     def _gpu_decode(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor | None:
-        """A decode-only batch on the GPU code path (:mod:`tokenfab.kernels.gpu.mla_decode_glue`): the a-projection
-        GEMM(s), q_a_layernorm with the latent row write (one launch), the q_b GEMM, the absorbed queries
-        [q_nope W_UK | RoPE(q_rope)] written head-major (one launch), decode attention over the latent pool, W_UV
-        into a token-major buffer and the o GEMM: the same math and roundings as :meth:`forward`'s general path.
+        """A decode-only batch on the GPU code path: the a-projection GEMM(s); with a query LoRA and a plain q_b
+        weight (:meth:`_chain_weight`) one launch for q_a_layernorm, the q_b GEMM, the absorbed queries
+        [q_nope W_UK | RoPE(q_rope)] written head-major and the latent row write
+        (:mod:`tokenfab.kernels.gpu.mla_query_chain`), else (:mod:`tokenfab.kernels.gpu.mla_decode_glue`) the norms
+        with the latent write, the q_b GEMM (or q_proj's) and the absorbed queries as three; then decode attention
+        over the latent pool, W_UV into a token-major buffer and the o GEMM: the same math and roundings as
+        :meth:`forward`'s general path.
         x [T, hidden] -> [T, hidden], or None where it does not apply (a prefill group, rows not the flat batch in
         order, CPU tensors, a rotary other than a float32 table or NoPE, dtypes the kernels do not take)."""
         dec, T = meta.decode, x.shape[0]
@@ -286,12 +290,39 @@ class MLAttention(nn.Module):
         q_norm = None if q_a is None else self.q_a_layernorm
         tables = (None, None) if nope_layer else (cos, rot.sin)
         from tokenfab.kernels.gpu import mla_decode_glue as glue
+        w_qb = self._chain_weight(q_a, x)
+        if w_qb is not None:  # the norms, the q_b GEMM, the absorbed queries and the latent write in one launch
+            from tokenfab.kernels.gpu import mla_query_chain as chain
+            q_lat = chain.mla_queries_cache(q_a, c_kv, k_rope, q_norm.weight, self.kv_a_layernorm.weight,
+                                            q_norm.eps, self.kv_a_layernorm.eps, w_qb, w_uk, positions, *tables,
+                                            getattr(rot, "interleave", False), meta.slot_mapping, cache,
+                                            tickets=self._chain_tickets)
+            return self._attend_decode(q_lat, cache, dec, w_uv_t, T)
         q_n = glue.mla_norms_cache(q_a, c_kv, k_rope, None if q_norm is None else q_norm.weight,
                                    self.kv_a_layernorm.weight, 0.0 if q_norm is None else q_norm.eps,
                                    self.kv_a_layernorm.eps, positions, *tables, getattr(rot, "interleave", False),
                                    meta.slot_mapping, cache)
         q = (q_full if q_n is None else self.q_b_proj(q_n)).view(T, self.num_heads, self.qk_dim)
         q_lat = glue.mla_latent_query(q, w_uk, positions, *tables, getattr(rot, "interleave", False))
+        return self._attend_decode(q_lat, cache, dec, w_uv_t, T)
+
+    def _chain_weight(self, q_a: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+        """q_b_proj's plain weight [H * (nope + R), q_lora] when :meth:`_gpu_decode` may chain the q_b GEMM into
+        one launch with the norms, absorbed queries and latent write (kernels/gpu/mla_query_chain.py): a query
+        LoRA whose q_b weight is unpacked, bias-free and of x's dtype, up to CHAIN_MAX_TOKENS tokens; else None (a
+        compressed q_b keeps its GEMM)."""
+        from tokenfab.kernels.gpu.mla_query_chain import CHAIN_MAX_TOKENS
+        lin = getattr(self, "q_b_proj", None)
+        if (q_a is None or lin is None or lin.qweight is not None or lin._packed is not None or lin.bias is not None
+                or x.shape[0] > CHAIN_MAX_TOKENS):
+            return None
+        w = lin.weight
+        return w if w is not None and w.dtype == x.dtype and w.stride(-1) == 1 else None
+
+    def _attend_decode(self, q_lat: torch.Tensor, cache: torch.Tensor, dec: AttentionGroup, w_uv_t: torch.Tensor,
+                       T: int) -> torch.Tensor:
+        """:meth:`_gpu_decode` from the latent queries [T, H, C + R] on: attention over the latent pool, the value
+        heads and the o GEMM -> [T, hidden]."""
         o_lat = self.latent_decode(q_lat, cache, dec)  # [T, H, C]
         o = self._decode_values(o_lat, w_uv_t)
         return self.o_proj(o.view(T, self.num_heads * self.v_dim))
@@ -314,6 +345,8 @@ class MLAttention(nn.Module):
             return cpu_decode_blocks.mla_decode(x, positions, meta.slot_mapping, cache, dec.block_tables,
                                                 dec.context_lens, w, dims, self.rotary.cos, self.rotary.sin,
                                                 self.rotary.interleave, eps_q, eps_kv, self.scale)
+        if self._chain_tickets is None:  # on the first (prefill / warm-up) call, before any graph capture
+            self._chain_tickets = dispatch.mla_chain_tickets(x, self.num_heads)
         out = self._gpu_decode(positions, x, cache, meta)
         if out is not None:
             return out

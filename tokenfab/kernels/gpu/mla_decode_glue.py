@@ -36,6 +36,21 @@ from tokenfab.kernels.gpu.support import interpreting
 
 
 @triton.jit
+def rotate_pair(x1, x2, p, cos_ptr, sin_ptr, offs, mask, s_c):
+    """RoPE of the halves (x1, x2) (one dtype) at position(s) ``p`` with float32 tables [P, half] (row stride s_c):
+    (x1 cos - x2 sin, x2 cos + x1 sin) as layers/rotary.py rounds it in that dtype: cos / sin rounded to the dtype,
+    each product and the sum or difference rounded."""
+    dt = x1.dtype
+    a1 = x1.to(tl.float32)
+    a2 = x2.to(tl.float32)
+    c = tl.load(cos_ptr + p * s_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+    s = tl.load(sin_ptr + p * s_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+    r1 = ((a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)).to(dt)
+    r2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
+    return r1, r2
+
+
+@triton.jit
 def _rope_pair(base, p, cos_ptr, sin_ptr, offs, mask, half, s_c, INTERLEAVE: tl.constexpr, ROTATE: tl.constexpr):
     """Rows ``base`` [.., 2 * half] at position(s) p rotated: (first half, second half) in the input dtype; unrotated
     (halves of the row as stored) when not ROTATE (NoPE)."""
@@ -46,14 +61,7 @@ def _rope_pair(base, p, cos_ptr, sin_ptr, offs, mask, half, s_c, INTERLEAVE: tl.
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + half + offs, mask=mask, other=0.0)
     if ROTATE:
-        dt = x1.dtype
-        a1 = x1.to(tl.float32)
-        a2 = x2.to(tl.float32)
-        c = tl.load(cos_ptr + p * s_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + p * s_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
-        r1 = ((a1 * c).to(dt).to(tl.float32) - (a2 * s).to(dt).to(tl.float32)).to(dt)
-        r2 = ((a2 * c).to(dt).to(tl.float32) + (a1 * s).to(dt).to(tl.float32)).to(dt)
-        return r1, r2
+        return rotate_pair(x1, x2, p, cos_ptr, sin_ptr, offs, mask, s_c)
     return x1, x2
 
 
@@ -136,7 +144,7 @@ def mla_norms_cache(q_a: torch.Tensor | None, c_kv: torch.Tensor, k_rope: torch.
 
 
 @triton.jit
-def _dot_acc(a, w, acc, IEEE: tl.constexpr):
+def dot_acc(a, w, acc, IEEE: tl.constexpr):
     """acc + a @ w: IEEE float32 products (float32 inputs, and bf16 in the interpreter, which has no bf16 tiles),
     else the tensor cores in a's dtype with float32 sums."""
     if IEEE:
@@ -166,7 +174,7 @@ def _mla_latent_query_kernel(q_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, T
             a = tl.load(q_rows + d[None, :], mask=tmask[:, None] & dmask[None, :], other=0.0)
             w = tl.load(w_ptr + h * s_wh + d[:, None] * s_wd + c[None, :], mask=dmask[:, None] & cmask[None, :],
                         other=0.0)
-            acc = _dot_acc(a, w, acc, IEEE)
+            acc = dot_acc(a, w, acc, IEEE)
         tl.store(o_rows + c[None, :], acc.to(out_ptr.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
     else:  # the last program column: q_rope rotated into columns C .. C + R
         offs = tl.arange(0, BLOCK_R)[None, :]
@@ -238,7 +246,7 @@ def _mla_value_gate_kernel(o_ptr, w_ptr, g_ptr, y_ptr, T, C, V, s_ot, s_oh, s_wh
                     mask=tmask[:, None] & cmask[None, :], other=0.0)
         w = tl.load(w_ptr + h * s_wh + c[:, None] * s_wc + v[None, :], mask=cmask[:, None] & vmask[None, :],
                     other=0.0)
-        acc = _dot_acc(a, w, acc, IEEE)
+        acc = dot_acc(a, w, acc, IEEE)
     DT: tl.constexpr = y_ptr.dtype.element_ty
     m = tmask[:, None] & vmask[None, :]
     g = tl.load(g_ptr + t.to(tl.int64)[:, None] * s_gt + h * V + v[None, :], mask=m, other=0.0)
