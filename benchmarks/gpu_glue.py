@@ -144,7 +144,8 @@ def check_decode_glue(dev, dtype, quick: bool, bw: float, reps: int) -> list[dic
             rows += _joined_out_rows(dev, dtype, quick, M, g, reps, bw)
             for heads in ((128, 16) if not quick else (3,)):  # one GPU's heads, and a rank's under tensor parallel 8
                 for tokens in (1, M):
-                    rows += _query_chain_rows(dev, dtype, quick, tokens, heads, g, reps, bw)
+                    for fp8 in (False, True):  # q_b in bf16, and FP8 block-scaled as DeepSeek-V3 ships it
+                        rows += _query_chain_rows(dev, dtype, quick, tokens, heads, g, reps, bw, fp8)
 
         logits = torch.randn(M, E, device=dev, generator=g).to(dtype)
         w, ids = softmax_topk(logits, k, True)
@@ -201,20 +202,28 @@ def _value_gate_rows(dev, dtype, quick: bool, M: int, g, reps: int, bw: float) -
     return rows
 
 
-def _query_chain_rows(dev, dtype, quick: bool, M: int, H: int, g, reps: int, bw: float) -> list[dict]:
-    """MLA's decode queries at DeepSeek-V3's shape (q_lora 1536, nope 128, rope 64, latent 512; quick: 24 / 16 / 8 /
-    40) for M tokens and H heads: q_a norm, the q_b GEMM, the absorbed queries and the latent write in one launch
+def _query_chain_rows(dev, dtype, quick: bool, M: int, H: int, g, reps: int, bw: float,
+                      fp8: bool = False) -> list[dict]:
+    """MLA's decode queries at DeepSeek-V3's shape (q_lora 1536, nope 128, rope 64, latent 512; quick: 128 / 16 / 8
+    / 40) for M tokens and H heads: q_a norm, the q_b GEMM, the absorbed queries and the latent write in one launch
     (kernels/gpu/mla_query_chain.py, as the MLA decode runs it) against the three launches it replaced (the norms
-    with the latent write, cuBLAS's q_b GEMM, the absorbed queries: kernels/gpu/mla_decode_glue.py); error relative
-    to the three's largest query, time of both, bandwidth over W_qb's and W_UK's bytes plus the activations'."""
+    with the latent write, the q_b GEMM: cuBLAS's, or with ``fp8`` the FP8 block-scaled linear on e4m3 codes, the
+    absorbed queries: kernels/gpu/mla_decode_glue.py); error relative to the three's largest query, time of both,
+    bandwidth over W_qb's (packed) and W_UK's bytes plus the activations'."""
+    from tokenfab.kernels import dispatch
+    from tokenfab.kernels.gpu import fp8_linear
     from tokenfab.kernels.gpu.mla_decode_glue import mla_latent_query, mla_norms_cache
     from tokenfab.kernels.gpu.mla_query_chain import mla_queries_cache
-    QL, nope, R, C = (1536, 128, 64, 512) if not quick else (24, 16, 8, 40)
+    QL, nope, R, C = (1536, 128, 64, 512) if not quick else (128, 16, 8, 40)
     a_out = torch.randn(M, QL + C + R, device=dev, generator=g).to(dtype)
     q_a, c_kv, k_rope = a_out.split([QL, C, R], dim=-1)
     qw, kw = (torch.rand(QL, device=dev, generator=g) + 0.5).to(dtype), (torch.rand(C, device=dev, generator=g)
                                                                           + 0.5).to(dtype)
     w_qb = (torch.randn(H * (nope + R), QL, device=dev, generator=g) / QL ** 0.5).to(dtype)
+    scale = None
+    if fp8:  # e4m3 codes of about unit size, the 1 / sqrt(QL) in the block scales
+        w_qb = (w_qb.float() * QL ** 0.5).to(torch.float8_e4m3fn)
+        scale = torch.full((-(-w_qb.shape[0] // 128), -(-QL // 128)), QL ** -0.5, device=dev)
     w_uk = (torch.randn(H, nope, C, device=dev, generator=g) / nope ** 0.5).to(dtype)
     ang = torch.outer(torch.arange(4096, device=dev).float(),
                       1.0 / (1e4 ** (torch.arange(0, R, 2, device=dev).float() / R)))
@@ -223,18 +232,29 @@ def _query_chain_rows(dev, dtype, quick: bool, M: int, H: int, g, reps: int, bw:
     slots = torch.randperm(M * 4, device=dev, generator=g)[:M]
     cache = torch.zeros(M * 4 // 16 + 1, 16, C + R, device=dev, dtype=dtype)
 
-    def three():
-        q_n = mla_norms_cache(q_a, c_kv, k_rope, qw, kw, 1e-6, 1e-6, pos, cos, sin, True, slots, cache)
-        return mla_latent_query(torch.nn.functional.linear(q_n, w_qb).view(M, H, nope + R), w_uk, pos, cos, sin, True)
+    tickets = torch.zeros(H * 4, dtype=torch.int32, device=dev)
+
+    def three(exact: bool = False):  # exact: FP8 through the Triton kernel (activations kept, as the chain keeps
+        q_n = mla_norms_cache(q_a, c_kv, k_rope, qw, kw, 1e-6, 1e-6, pos, cos, sin, True, slots, cache)  # them)
+        if scale is None:
+            q = torch.nn.functional.linear(q_n, w_qb)
+        elif exact:
+            q = fp8_linear.fp8_block_linear(q_n, w_qb, scale, split=1)
+        else:  # what the layer's FP8 linear runs (block-scaled scaled_mm where its probe passed)
+            q = dispatch.fp8_block_linear(q_n, w_qb, scale, None, False)
+        return mla_latent_query(q.view(M, H, nope + R), w_uk, pos, cos, sin, True)
 
     def one():
-        return mla_queries_cache(q_a, c_kv, k_rope, qw, kw, 1e-6, 1e-6, w_qb, w_uk, pos, cos, sin, True, slots, cache)
-    want = three().float()
+        return mla_queries_cache(q_a, c_kv, k_rope, qw, kw, 1e-6, 1e-6, w_qb, w_uk, pos, cos, sin, True, slots, cache,
+                                 tickets=tickets, qb_scale=scale)
+    want = three(exact=True).float()
     err = ((one().float() - want).abs().max() / want.abs().max()).item()
-    nbytes = (w_qb.numel() + w_uk.numel() + a_out.numel() + M * H * (C + R) + M * (C + R)) * w_qb.element_size()
+    nbytes = (w_qb.numel() * w_qb.element_size() + (w_uk.numel() + a_out.numel() + M * H * (C + R) + M * (C + R))
+              * w_uk.element_size())
     rows = []
-    for name, fn in (("MLA queries + latent write, one launch", one),
-                     ("MLA queries + latent write, three launches", three)):
+    q_b = "FP8 q_b" if fp8 else "q_b"
+    for name, fn in ((f"MLA queries ({q_b}) + latent write, one launch", one),
+                     (f"MLA queries ({q_b}) + latent write, three launches", three)):
         us = _time_us(fn, dev, reps)
         rows.append({"kernel": name, "shape": f"T={M} H={H} q_lora={QL} nope={nope} C={C} R={R}", "max_err": err,
                      "us": us, "bytes": nbytes, "bw_fraction": nbytes / (us * 1e-6) / bw})

@@ -164,6 +164,32 @@ def test_packed_experts_moe_layer_kernel_count(gpu_path_on_cpu, tiny_model, tmp_
     assert totals["layer1"] <= MLA_PACKED_MOE_MAX and not kc.syncs, f"{totals}\n{report(kc)}"
 
 
+def test_fp8_mla_layers_kernel_count_and_twin(gpu_path_on_cpu, tiny_model, tmp_path):
+    """DeepSeek-V3 as its FP8 checkpoints ship (block-scaled e4m3 linears and routed experts), at widths in whole
+    128-row blocks as the real model's (q_lora 128, intermediates 256 / 128: q_a|kv_a and gate|up join): the MLA
+    queries' launch decodes the FP8 q_b itself, so the dense and MoE layers hold MLA_DENSE_MAX and the issue's MoE
+    target 14 (were 12 / 16 with the q_b GEMM and its neighbours three launches); float32 greedy tokens on this path
+    equal its dequantized twin's, prompt logprobs within 1e-4."""
+    from conftest import max_prompt_logprob_gap
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.testing.fp8_checkpoint import write_fp8_checkpoint
+    src = tiny_model("deepseek_v3", num_hidden_layers=2, q_lora_rank=128, moe_intermediate_size=128,
+                     intermediate_size=256)
+    fp8, twin = str(tmp_path / "fp8"), str(tmp_path / "twin")
+    write_fp8_checkpoint(src, fp8, twin)
+    totals, kc = count_decode_layers(fp8, "bfloat16")
+    assert all(c["triton:_mla_queries_cache_kernel"] == 1 for c in kc.counts.values()), report(kc)
+    assert totals["layer0"] <= MLA_DENSE_MAX and totals["layer1"] <= MOE_MAX and not kc.syncs, \
+        f"{totals}\n{report(kc)}"
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 200, 7], [9, 4, 300], list(range(3, 30)))]
+    sp = SamplingParams(temperature=0.0, max_tokens=GPU_PATH_NEW, min_tokens=GPU_PATH_NEW, prompt_logprobs=0)
+    outs = [LLM(path, dtype="float32", max_model_len=64, block_size=8, progress=False).generate(prompts, sp,
+                                                                                                use_tqdm=False)
+            for path in (twin, fp8)]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+    assert max_prompt_logprob_gap(outs[0], outs[1], "FP8 on the GPU path") < 1e-4
+
+
 def test_counting_rule():
     """Views and no-ops are free, bare allocations too; copies, fills and casts count, also when an aliasing op
     (reshape, to, contiguous) had to make one, with or without inference mode; in-place ops always count."""

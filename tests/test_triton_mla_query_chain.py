@@ -84,6 +84,33 @@ def test_chain_matches_norm_gemm_bmm_rope_and_write(interpret, monkeypatch, T, H
     assert want_q.abs().max() > 0.1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [1, 2])
+def test_fp8_q_b_matches_its_dequantized_weight(interpret, dtype, split):
+    """q_b_proj as DeepSeek-V3's FP8 checkpoints ship it (e4m3 codes, a float32 scale per 128 x 128 block): the
+    chain against the reference on the dequantized weight (code x its block's scale, in float32), over 144 rows
+    (two row blocks, a head across the boundary) and 192 inputs (a partial second block), interleaved RoPE."""
+    from tokenfab.kernels.gpu.mla_query_chain import mla_queries_cache
+    g = torch.Generator().manual_seed(8)
+    T, H, QL, nope, C, R = 5, 3, 192, 32, 72, 16
+    rows = H * (nope + R)
+    codes = (torch.randn(rows, QL, generator=g) * 3).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 2, generator=g) / 40 + 0.01
+    deq = codes.float() * scale.repeat_interleave(128, 0)[:rows].repeat_interleave(128, 1)[:, :QL]
+    q_a, c_kv, k_rope = (torch.randn(T, n, generator=g).to(dtype) for n in (QL, C, R))
+    qw, kw = (torch.rand(QL, generator=g) + 0.5).to(dtype), (torch.rand(C, generator=g) + 0.5).to(dtype)
+    w_uk = (torch.randn(H, nope, C, generator=g) / nope ** 0.5).to(dtype)
+    positions, slots = torch.arange(T) * 5, torch.arange(T) + 2
+    rot = rotary(R, True)
+    cache = torch.zeros(4, 4, C + R, dtype=dtype)
+    want_q, want_cache = reference(q_a, c_kv, k_rope, qw, kw, deq, w_uk, positions, rot, "interleave", slots, cache)
+    got = mla_queries_cache(q_a, c_kv, k_rope, qw, kw, 1e-6, 1e-5, codes, w_uk, positions, rot.cos, rot.sin, True,
+                            slots, cache, tickets=torch.zeros(16, dtype=torch.int32), d_split=split, qb_scale=scale)
+    close(got, want_q, dtype)
+    close(cache, want_cache, dtype)
+    assert want_q.abs().max() > 0.1
+
+
 def test_chain_against_the_three_launches(interpret):
     """float32 against kernels/gpu/mla_decode_glue.py's launches with torch's q_b GEMM between them: the latent
     rows written bit for bit (the same math, per row), the queries within float32 rounding (the q_b sums run in
@@ -172,8 +199,8 @@ def test_rejects_misfits(interpret):
 
 
 def test_split_form_compiles_for_sm90_and_gfx942(interpret):
-    """The split form (bf16, q_nope over 4 programs: the scratch, the ticket and its atomics) and the one-program
-    form, interleaved RoPE, compiled by Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU in the
+    """The split form (bf16, q_nope over 4 programs: the scratch, the ticket and its atomics), the one-program form
+    and an FP8 q_b (both e4m3 decodes), interleaved RoPE, compiled by Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU in the
     16-bit dots a GPU runs (tokenfab/testing/target_compile.py); the tiny models' decode (the engine test) launches
     only the one-program form."""
     from tokenfab.kernels.gpu.mla_query_chain import mla_queries_cache
@@ -185,9 +212,17 @@ def test_split_form_compiles_for_sm90_and_gfx942(interpret):
             torch.ones(C, dtype=bf), 1e-6, 1e-6, torch.randn(H * (nope + R), QL).to(bf),
             torch.randn(H, nope, C).to(bf), torch.arange(T), rot.cos, rot.sin, True, torch.arange(T),
             torch.zeros(2, 2, C + R, dtype=bf)]
+    fp8 = list(args)
+    fp8[7] = args[7].float().to(torch.float8_e4m3fn)
     with LaunchRecorder() as rec:
         for split in (1, 4):
             mla_queries_cache(*args, tickets=torch.zeros(8, dtype=torch.int32), d_split=split)
-    assert sorted(l["constexprs"]["D_SPLIT"] for l in rec.launches) == [1, 4]
-    failures = compile_for_targets(gpu_variants(rec.launches))
+        mla_queries_cache(*fp8, tickets=torch.zeros(8, dtype=torch.int32), d_split=2,
+                          qb_scale=torch.ones(3, 1))  # FP8 q_b: 288 rows, 3 row blocks
+    assert sorted(l["constexprs"]["D_SPLIT"] for l in rec.launches) == [1, 2, 4]
+    launches = gpu_variants(rec.launches)
+    # FP8 codes converted by the hardware (sm_90, ROCm) as well as by the integer decode the interpreter ran
+    launches += [dict(l, constexprs={**l["constexprs"], "NATIVE_FP8": True}) for l in launches
+                 if l["constexprs"]["FP8"]]
+    failures = compile_for_targets(launches)
     assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']}" for f in failures)

@@ -290,13 +290,13 @@ class MLAttention(nn.Module):
         q_norm = None if q_a is None else self.q_a_layernorm
         tables = (None, None) if nope_layer else (cos, rot.sin)
         from tokenfab.kernels.gpu import mla_decode_glue as glue
-        w_qb = self._chain_weight(q_a, x)
-        if w_qb is not None:  # the norms, the q_b GEMM, the absorbed queries and the latent write in one launch
+        qb = self._chain_weight(q_a, x)
+        if qb is not None:  # the norms, the q_b GEMM, the absorbed queries and the latent write in one launch
             from tokenfab.kernels.gpu import mla_query_chain as chain
             q_lat = chain.mla_queries_cache(q_a, c_kv, k_rope, q_norm.weight, self.kv_a_layernorm.weight,
-                                            q_norm.eps, self.kv_a_layernorm.eps, w_qb, w_uk, positions, *tables,
+                                            q_norm.eps, self.kv_a_layernorm.eps, qb[0], w_uk, positions, *tables,
                                             getattr(rot, "interleave", False), meta.slot_mapping, cache,
-                                            tickets=self._chain_tickets)
+                                            tickets=self._chain_tickets, qb_scale=qb[1])
             return self._attend_decode(q_lat, cache, dec, w_uv_t, T)
         q_n = glue.mla_norms_cache(q_a, c_kv, k_rope, None if q_norm is None else q_norm.weight,
                                    self.kv_a_layernorm.weight, 0.0 if q_norm is None else q_norm.eps,
@@ -306,18 +306,26 @@ class MLAttention(nn.Module):
         q_lat = glue.mla_latent_query(q, w_uk, positions, *tables, getattr(rot, "interleave", False))
         return self._attend_decode(q_lat, cache, dec, w_uv_t, T)
 
-    def _chain_weight(self, q_a: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-        """q_b_proj's plain weight [H * (nope + R), q_lora] when :meth:`_gpu_decode` may chain the q_b GEMM into
-        one launch with the norms, absorbed queries and latent write (kernels/gpu/mla_query_chain.py): a query
-        LoRA whose q_b weight is unpacked, bias-free and of x's dtype, up to CHAIN_MAX_TOKENS tokens; else None (a
-        compressed q_b keeps its GEMM)."""
+    def _chain_weight(self, q_a: torch.Tensor | None, x: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(weight, FP8 block scales or None) of q_b_proj when :meth:`_gpu_decode` may chain the q_b GEMM into one
+        launch with the norms, absorbed queries and latent write (kernels/gpu/mla_query_chain.py): a query LoRA whose
+        q_b weight is plain (unpacked, of x's dtype) or FP8 block-scaled as DeepSeek-V3 ships it (its e4m3 codes
+        decoded in the launch; the activations stay exact, as kernels/gpu/fp8_linear.py's Triton kernel keeps
+        them), bias-free, up to CHAIN_MAX_TOKENS tokens; else None (other compressed forms keep their GEMM)."""
         from tokenfab.kernels.gpu.mla_query_chain import CHAIN_MAX_TOKENS
+        from tokenfab.quant.fp8_block_weight import Fp8BlockWeight
         lin = getattr(self, "q_b_proj", None)
-        if (q_a is None or lin is None or lin.qweight is not None or lin._packed is not None or lin.bias is not None
+        if (q_a is None or lin is None or lin._packed is not None or lin.bias is not None
                 or x.shape[0] > CHAIN_MAX_TOKENS):
             return None
+        q = lin.qweight
+        if q is not None:
+            if type(q) is not Fp8BlockWeight or q.cpu_tiles or q.weight.device != x.device:
+                return None
+            return q.weight, q.scale_inv
         w = lin.weight
-        return w if w is not None and w.dtype == x.dtype and w.stride(-1) == 1 else None
+        return (w, None) if w is not None and w.dtype == x.dtype and w.stride(-1) == 1 else None
 
     def _attend_decode(self, q_lat: torch.Tensor, cache: torch.Tensor, dec: AttentionGroup, w_uv_t: torch.Tensor,
                        T: int) -> torch.Tensor:

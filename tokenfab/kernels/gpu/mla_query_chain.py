@@ -18,6 +18,11 @@ one, for decode batches:
   the last R columns (DeepSeek-V3's interleaved pairs read as two row sets of W_qb, written as halves);
 * programs (H, 0, t-tile): the token tile's latent rows normed, the rope keys rotated, both written at their slots.
 
+W_qb may be FP8 block-scaled as DeepSeek-V3's checkpoints ship it: its e4m3 codes are decoded exactly in the
+activations' dtype (by the hardware where Triton has it, else with integer operations) and each 64-input tile's
+partial product is scaled per row by its 128 x 128 block's scale, as kernels/gpu/fp8_linear.py's Triton kernel does
+(the activations stay exact; the block-scaled scaled_mm path would quantize them).
+
 Bytes: W_qb and W_UK are read once per token tile (decode batches up to 64 tokens: once), plus q_a's rows once
 per program. The chain keeps the roundings of
 the three-launch path (layers/mla.py's reference math: norm w * round(x * rsqrt(mean(x^2) + eps)) rounded; the q_b
@@ -32,6 +37,8 @@ import triton
 import triton.language as tl
 
 from tokenfab.kernels.gpu import split_k
+from tokenfab.kernels.gpu.fp8_linear import _e4m3_to_f32 as e4m3_to_f32
+from tokenfab.kernels.gpu.fp8_linear import _native_fp8
 from tokenfab.kernels.gpu.mla_decode_glue import LATENT_BLOCK_C, _rope_pair, dot_acc, rotate_pair
 from tokenfab.kernels.gpu.support import interpreting
 
@@ -47,16 +54,27 @@ def _normed_tile(qa_ptr, qw_ptr, t, tmask, k0, QL, rstd, s_qa, BLOCK_K: tl.const
 
 
 @triton.jit
-def _rows_dot(qa_ptr, qw_ptr, wq_ptr, t, tmask, rows, rmask, QL, rstd, s_qa, s_wq, IEEE: tl.constexpr,
-              BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """RMSNorm(q_a)[t] W_qb[rows]^T over all q_lora inputs: [BLOCK_T, BLOCK_N] float32."""
+def _rows_dot(qa_ptr, qw_ptr, wq_ptr, sq_ptr, t, tmask, rows, rmask, QL, rstd, s_qa, s_wq, s_sq, IEEE: tl.constexpr,
+              FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """RMSNorm(q_a)[t] W_qb[rows]^T over all q_lora inputs: [BLOCK_T, BLOCK_N] float32. FP8: W_qb's e4m3 codes
+    (uint8) decoded exactly into the activations' dtype and each K tile's partial product times its rows' block
+    scales (BLOCK_K divides 128: one scale per row and tile), as kernels/gpu/fp8_linear.py's Triton kernel."""
     acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     for k0 in range(0, QL, BLOCK_K):
         a = _normed_tile(qa_ptr, qw_ptr, t, tmask, k0, QL, rstd, s_qa, BLOCK_K)
         k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(wq_ptr + rows.to(tl.int64)[None, :] * s_wq + k[:, None],
-                    mask=rmask[None, :] & (k < QL)[:, None], other=0.0)
-        acc = dot_acc(a, w, acc, IEEE)
+                    mask=rmask[None, :] & (k < QL)[:, None], other=0)
+        if FP8:
+            if NATIVE_FP8:
+                w = w.to(tl.float8e4nv, bitcast=True)
+            else:
+                w = e4m3_to_f32(w.to(tl.int32))
+            sc = tl.load(sq_ptr + (rows // 128) * s_sq + k0 // 128, mask=rmask, other=0.0)
+            acc += dot_acc(a, w, tl.zeros([BLOCK_T, BLOCK_N], tl.float32), IEEE) * sc[None, :]
+        else:
+            acc = dot_acc(a, w, acc, IEEE)
     return acc
 
 
@@ -74,13 +92,13 @@ def _latent_tiles(qn, wuk_ptr, o_rows, h, d, dmask, tmask, C, s_wuh, s_wud, IEEE
 
 
 @triton.jit
-def _mla_queries_cache_kernel(qa_ptr, qw_ptr, wq_ptr, wuk_ptr, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr, cos_ptr,
-                              sin_ptr, out_ptr, c_ptr, qn_ptr, tick_ptr, T, H, QL, NOPE, C, half, eps_q, eps_kv,
-                              page, s_qa, s_wq, s_wuh, s_wud, s_oh, s_ot, s_ct, s_kt, s_c, s_cb, s_co,
-                              D_SPLIT: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr,
-                              IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                              BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
-                              BLOCK_L: tl.constexpr):
+def _mla_queries_cache_kernel(qa_ptr, qw_ptr, wq_ptr, sq_ptr, wuk_ptr, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr,
+                              cos_ptr, sin_ptr, out_ptr, c_ptr, qn_ptr, tick_ptr, T, H, QL, NOPE, C, half, eps_q,
+                              eps_kv, page, s_qa, s_wq, s_sq, s_wuh, s_wud, s_oh, s_ot, s_ct, s_kt, s_c, s_cb, s_co,
+                              D_SPLIT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                              ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, IEEE: tl.constexpr,
+                              BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+                              BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr):
     h = tl.program_id(0)
     j = tl.program_id(1)
     tt = tl.program_id(2)
@@ -122,15 +140,15 @@ def _mla_queries_cache_kernel(qa_ptr, qw_ptr, wq_ptr, wuk_ptr, ckv_ptr, kr_ptr, 
         if D_SPLIT == 1:  # the whole q_nope in this program
             d = tl.arange(0, BLOCK_D)
             dmask = d < NOPE
-            qn = _rows_dot(qa_ptr, qw_ptr, wq_ptr, t, tmask, head + d, dmask, QL, rstd, s_qa, s_wq, IEEE, BLOCK_T,
-                           BLOCK_D, BLOCK_K).to(DT)
+            qn = _rows_dot(qa_ptr, qw_ptr, wq_ptr, sq_ptr, t, tmask, head + d, dmask, QL, rstd, s_qa, s_wq, s_sq,
+                           IEEE, FP8, NATIVE_FP8, BLOCK_T, BLOCK_D, BLOCK_K).to(DT)
             _latent_tiles(qn, wuk_ptr, o_rows, h, d, dmask, tmask, C, s_wuh, s_wud, IEEE, BLOCK_T, BLOCK_C)
         else:  # this program's share of q_nope's columns to the scratch rows; the head's last program takes W_UK
             BD: tl.constexpr = BLOCK_D // D_SPLIT
             db = j * BD + tl.arange(0, BD)
             dbm = db < NOPE
-            part = _rows_dot(qa_ptr, qw_ptr, wq_ptr, t, tmask, head + db, dbm, QL, rstd, s_qa, s_wq, IEEE, BLOCK_T,
-                             BD, BLOCK_K).to(DT)
+            part = _rows_dot(qa_ptr, qw_ptr, wq_ptr, sq_ptr, t, tmask, head + db, dbm, QL, rstd, s_qa, s_wq, s_sq,
+                             IEEE, FP8, NATIVE_FP8, BLOCK_T, BD, BLOCK_K).to(DT)
             qn_rows = qn_ptr + (h * T + t.to(tl.int64))[:, None] * NOPE
             tl.store(qn_rows + db[None, :], part, mask=tmask[:, None] & dbm[None, :])
             tl.debug_barrier()  # every thread's columns stored before the ticket (released at GPU scope)
@@ -151,10 +169,10 @@ def _mla_queries_cache_kernel(qa_ptr, qw_ptr, wq_ptr, wuk_ptr, ckv_ptr, kr_ptr, 
         else:
             rows1 = head + NOPE + r
             rows2 = rows1 + half
-        x1 = _rows_dot(qa_ptr, qw_ptr, wq_ptr, t, tmask, rows1, rmask, QL, rstd, s_qa, s_wq, IEEE, BLOCK_T,
-                       BLOCK_R, BLOCK_K).to(DT)
-        x2 = _rows_dot(qa_ptr, qw_ptr, wq_ptr, t, tmask, rows2, rmask, QL, rstd, s_qa, s_wq, IEEE, BLOCK_T,
-                       BLOCK_R, BLOCK_K).to(DT)
+        x1 = _rows_dot(qa_ptr, qw_ptr, wq_ptr, sq_ptr, t, tmask, rows1, rmask, QL, rstd, s_qa, s_wq, s_sq, IEEE,
+                       FP8, NATIVE_FP8, BLOCK_T, BLOCK_R, BLOCK_K).to(DT)
+        x2 = _rows_dot(qa_ptr, qw_ptr, wq_ptr, sq_ptr, t, tmask, rows2, rmask, QL, rstd, s_qa, s_wq, s_sq, IEEE,
+                       FP8, NATIVE_FP8, BLOCK_T, BLOCK_R, BLOCK_K).to(DT)
         m = tmask[:, None] & rmask[None, :]
         if ROTATE:
             p = tl.load(pos_ptr + t, mask=tmask, other=0)[:, None]
@@ -193,7 +211,7 @@ def mla_queries_cache(q_a: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tenso
                       kv_norm: torch.Tensor, eps_q: float, eps_kv: float, w_qb: torch.Tensor, w_uk: torch.Tensor,
                       positions: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, interleave: bool,
                       slot_mapping: torch.Tensor, cache: torch.Tensor, tickets: torch.Tensor | None = None,
-                      d_split: int | None = None) -> torch.Tensor:
+                      d_split: int | None = None, qb_scale: torch.Tensor | None = None) -> torch.Tensor:
     """An MLA decode step's queries and latent write in one launch: q_a_layernorm, the q_b GEMM, the absorbed
     queries [q_nope W_UK | RoPE(q_rope)] of every head, and the latent rows [RMSNorm(c_kv) | RoPE(k_rope)] written to
     the pool (the module docstring gives the work split and roundings).
@@ -202,8 +220,9 @@ def mla_queries_cache(q_a: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tenso
         q_a: [T, QL], c_kv: [T, C], k_rope: [T, R] (unit last strides; views of the fused a-projection's output
             are fine), R even, T <= CHAIN_MAX_TOKENS; one dtype with every weight.
         q_norm: [QL], kv_norm: [C]; eps_q, eps_kv: their epsilons.
-        w_qb: [H * (nope + R), QL] q_b_proj's weight (unit last stride); w_uk: [H, nope, C] (layers/mla.py's
-            ``_w_uk``, unit last stride).
+        w_qb: [H * (nope + R), QL] q_b_proj's weight (unit last stride): of q_a's dtype, or with ``qb_scale`` its
+            float8_e4m3fn codes (DeepSeek-V3's FP8 checkpoints; quant/fp8_block_weight.py); w_uk: [H, nope, C]
+            (layers/mla.py's ``_w_uk``, unit last stride).
         positions: [T] int64; cos, sin: float32 [P, R / 2] tables, or None for a NoPE layer (the rope parts copied
             as they are); interleave: DeepSeek-V3's pair layout (pairs (2i, 2i + 1) rotated, written as halves).
         slot_mapping: [T] int64 flat pool slots; negative: not written.
@@ -212,6 +231,8 @@ def mla_queries_cache(q_a: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tenso
             let programs share a head's q_nope columns; None: one program per head and token tile.
         d_split: programs sharing a head's q_nope columns (a power of two up to nope / 16; needs ``tickets``;
             tests), None: :func:`d_split_for` (1 without tickets).
+        qb_scale: float32 [ceil(rows / 128), ceil(QL / 128)] block scales of an FP8 ``w_qb`` (W = code x scale of its
+            128 x 128 block), or None.
 
     Returns:
         [T, H, C + R] of q_a's dtype: the transposed view of a new head-major [H, T, C + R] buffer (as the decode
@@ -233,7 +254,10 @@ def mla_queries_cache(q_a: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tenso
         d_split = 1 if tickets is None else d_split_for(H, t_tiles, nope, q_a.device)
     if (R % 2 or c_kv.shape[0] != T or k_rope.shape != (T, R) or w_uk.shape != (H, nope, C)
             or w_qb.shape != (H * (nope + R), QL) or q_norm.shape != (QL,) or kv_norm.shape != (C,)
-            or any(t.dtype != dt for t in (c_kv, k_rope, q_norm, kv_norm, w_qb, w_uk))
+            or any(t.dtype != dt for t in (c_kv, k_rope, q_norm, kv_norm, w_uk))
+            or w_qb.dtype != (dt if qb_scale is None else torch.float8_e4m3fn)
+            or (qb_scale is not None and (qb_scale.dtype != torch.float32
+                                          or qb_scale.shape != (-(-w_qb.shape[0] // 128), -(-QL // 128))))
             or any(t.stride(-1) != 1 for t in (q_a, c_kv, k_rope, w_qb, w_uk, cache))
             or cache.shape[-1] != C + R or (rotate and (cos.shape[-1] * 2 != R or sin is None))
             or T > CHAIN_MAX_TOKENS or d_split < 1 or d_split & (d_split - 1) or block_d // d_split < 16
@@ -252,11 +276,14 @@ def mla_queries_cache(q_a: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tenso
     ieee = dt == torch.float32 or (interpreting() and dt == torch.bfloat16)
     grid = (H + 1, d_split + (1 if R else 0), t_tiles)
     _mla_queries_cache_kernel[grid](
-        q_a, q_norm, w_qb, w_uk, c_kv, k_rope, kv_norm, positions, slot_mapping, cos if rotate else q_a,
+        q_a, q_norm, w_qb if qb_scale is None else w_qb.view(torch.uint8), q_a if qb_scale is None else qb_scale,
+        w_uk, c_kv, k_rope, kv_norm, positions, slot_mapping, cos if rotate else q_a,
         sin if rotate else q_a, out, cache, qn, tickets if d_split > 1 else slot_mapping, T, H, QL, nope, C, R // 2,
-        float(eps_q), float(eps_kv), cache.shape[1], q_a.stride(0), w_qb.stride(0), w_uk.stride(0), w_uk.stride(1),
+        float(eps_q), float(eps_kv), cache.shape[1], q_a.stride(0), w_qb.stride(0),
+        0 if qb_scale is None else qb_scale.stride(0), w_uk.stride(0), w_uk.stride(1),
         out.stride(0), out.stride(1), c_kv.stride(0), k_rope.stride(0), cos.stride(0) if rotate else 0,
-        cache.stride(0), cache.stride(1), D_SPLIT=d_split, ROTATE=rotate, INTERLEAVE=interleave, IEEE=ieee,
+        cache.stride(0), cache.stride(1), D_SPLIT=d_split, FP8=qb_scale is not None,
+        NATIVE_FP8=qb_scale is not None and _native_fp8(q_a.device), ROTATE=rotate, INTERLEAVE=interleave, IEEE=ieee,
         BLOCK_T=block_t, BLOCK_K=64, BLOCK_D=block_d, BLOCK_C=LATENT_BLOCK_C,
         BLOCK_R=max(16, triton.next_power_of_2(max(1, R // 2))), BLOCK_L=triton.next_power_of_2(C), num_warps=4)
     return out.transpose(0, 1)
