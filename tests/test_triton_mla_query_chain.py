@@ -224,5 +224,8 @@ def test_split_form_compiles_for_sm90_and_gfx942(interpret):
     # FP8 codes converted by the hardware (sm_90, ROCm) as well as by the integer decode the interpreter ran
     launches += [dict(l, constexprs={**l["constexprs"], "NATIVE_FP8": True}) for l in launches
                  if l["constexprs"]["FP8"]]
+    # and the widest tuning config (kernels/gpu/mla_query_chain.py _configs: 128-input tiles, 8 warps)
+    launches += [dict(l, constexprs={**l["constexprs"], "BLOCK_K": 128}, options={**l["options"], "num_warps": 8})
+                 for l in launches if not l["constexprs"]["IEEE"]]
     failures = compile_for_targets(launches)
     assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']}" for f in failures)

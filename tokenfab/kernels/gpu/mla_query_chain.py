@@ -40,7 +40,7 @@ from tokenfab.kernels.gpu import split_k
 from tokenfab.kernels.gpu.fp8_linear import _e4m3_to_f32 as e4m3_to_f32
 from tokenfab.kernels.gpu.fp8_linear import _native_fp8
 from tokenfab.kernels.gpu.mla_decode_glue import LATENT_BLOCK_C, _rope_pair, dot_acc, rotate_pair
-from tokenfab.kernels.gpu.support import interpreting
+from tokenfab.kernels.gpu.support import autotune_configs, interpreting, quick_bench
 
 
 @triton.jit
@@ -91,10 +91,18 @@ def _latent_tiles(qn, wuk_ptr, o_rows, h, d, dmask, tmask, C, s_wuh, s_wud, IEEE
         tl.store(o_rows + c[None, :], acc.to(o_rows.dtype.element_ty), mask=tmask[:, None] & cmask[None, :])
 
 
+def _configs() -> list:
+    """BLOCK_K (64 or 128: a divisor of FP8's 128-input blocks), warps, stages: the first is what runs untuned (and
+    in the interpreter); a GPU with ``TOKENFAB_TRITON_AUTOTUNE=1`` times them all per shape (kernels/gpu/support.py)."""
+    space = [(64, 4, 3), (128, 4, 3), (64, 8, 4), (128, 8, 3)]
+    return autotune_configs([triton.Config({"BLOCK_K": bk}, num_warps=w, num_stages=st) for bk, w, st in space])
+
+
+@triton.autotune(configs=_configs(), key=["H", "QL", "NOPE", "C", "t_bucket"], do_bench=quick_bench)
 @triton.jit
 def _mla_queries_cache_kernel(qa_ptr, qw_ptr, wq_ptr, sq_ptr, wuk_ptr, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr,
                               cos_ptr, sin_ptr, out_ptr, c_ptr, qn_ptr, tick_ptr, T, H, QL, NOPE, C, half, eps_q,
-                              eps_kv, page, s_qa, s_wq, s_sq, s_wuh, s_wud, s_oh, s_ot, s_ct, s_kt, s_c, s_cb, s_co,
+                              eps_kv, page, t_bucket, s_qa, s_wq, s_sq, s_wuh, s_wud, s_oh, s_ot, s_ct, s_kt, s_c, s_cb, s_co,
                               D_SPLIT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
                               ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, IEEE: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -279,11 +287,11 @@ def mla_queries_cache(q_a: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tenso
         q_a, q_norm, w_qb if qb_scale is None else w_qb.view(torch.uint8), q_a if qb_scale is None else qb_scale,
         w_uk, c_kv, k_rope, kv_norm, positions, slot_mapping, cos if rotate else q_a,
         sin if rotate else q_a, out, cache, qn, tickets if d_split > 1 else slot_mapping, T, H, QL, nope, C, R // 2,
-        float(eps_q), float(eps_kv), cache.shape[1], q_a.stride(0), w_qb.stride(0),
+        float(eps_q), float(eps_kv), cache.shape[1], block_t, q_a.stride(0), w_qb.stride(0),
         0 if qb_scale is None else qb_scale.stride(0), w_uk.stride(0), w_uk.stride(1),
         out.stride(0), out.stride(1), c_kv.stride(0), k_rope.stride(0), cos.stride(0) if rotate else 0,
         cache.stride(0), cache.stride(1), D_SPLIT=d_split, FP8=qb_scale is not None,
         NATIVE_FP8=qb_scale is not None and _native_fp8(q_a.device), ROTATE=rotate, INTERLEAVE=interleave, IEEE=ieee,
-        BLOCK_T=block_t, BLOCK_K=64, BLOCK_D=block_d, BLOCK_C=LATENT_BLOCK_C,
-        BLOCK_R=max(16, triton.next_power_of_2(max(1, R // 2))), BLOCK_L=triton.next_power_of_2(C), num_warps=4)
+        BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_C=LATENT_BLOCK_C,
+        BLOCK_R=max(16, triton.next_power_of_2(max(1, R // 2))), BLOCK_L=triton.next_power_of_2(C))
     return out.transpose(0, 1)
