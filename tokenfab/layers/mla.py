@@ -255,8 +255,8 @@ class MLAttention(nn.Module):
 
     def _gpu_decode(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                     meta: AttentionMetadata) -> torch.Tensor | None:
-        """A decode-only batch on the GPU code path: the a-projection GEMM(s); with a query LoRA and a plain q_b
-        weight (:meth:`_chain_weight`) one launch for q_a_layernorm, the q_b GEMM, the absorbed queries
+        """A decode-only batch on the GPU code path: the a-projection GEMM(s); with a query LoRA and a plain or FP8
+        q_b weight (:meth:`_chain_weight`) one launch for q_a_layernorm, the q_b GEMM, the absorbed queries
         [q_nope W_UK | RoPE(q_rope)] written head-major and the latent row write
         (:mod:`tokenfab.kernels.gpu.mla_query_chain`), else (:mod:`tokenfab.kernels.gpu.mla_decode_glue`) the norms
         with the latent write, the q_b GEMM (or q_proj's) and the absorbed queries as three; then decode attention

@@ -39,7 +39,7 @@ NOMINAL_BLOCK_N = 32  # the tile width the split-K choice assumes (autotuning ma
 
 
 @triton.jit
-def _e4m3_to_f32(b):
+def e4m3_to_f32(b):
     """uint8 E4M3FN codes (as int32) -> float32 values, exactly."""
     s = (b >> 7) & 1
     e = (b >> 3) & 0xF
@@ -86,7 +86,7 @@ def _fp8_gemm(X, W, S, OUT, BIAS, M, N, K, s_xm, s_wn, s_sn, STEPS, MB, SPLIT,
         if NATIVE_FP8:
             w = b.to(tl.float8e4nv, bitcast=True)
         else:
-            w = _e4m3_to_f32(b.to(tl.int32))
+            w = e4m3_to_f32(b.to(tl.int32))
         if DOT_F32:  # float32 activations, or the interpreter (whose bf16 dot is not exact): IEEE float32
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:        # bf16 / fp16 tensor cores, float32 accumulation
@@ -125,14 +125,14 @@ def _fp8_gemv(X, W, S, OUT, BIAS, N, K, s_wn, s_sn, STEPS, SPLIT,
         if NATIVE_FP8:
             w = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
-            w = _e4m3_to_f32(b.to(tl.int32))
+            w = e4m3_to_f32(b.to(tl.int32))
         xs = tl.load(X + kk, mask=kmask, other=0.0).to(tl.float32) * tl.load(s_row + kb)
         acc += w * xs[None, :]
     y = tl.sum(acc, axis=1)
     store_row(OUT, BIAS, y, ps, n, N, nmask, PARTIAL, HAS_BIAS)
 
 
-def _native_fp8(device: torch.device) -> bool:
+def native_fp8(device: torch.device) -> bool:
     """Whether Triton converts float8e4nv on ``device`` itself: NVIDIA compute capability 8.9+ (in hardware) and
     ROCm (Triton's AMD backend: in hardware on CDNA4, emulated before). Elsewhere, and in the interpreter, the
     integer decoding (exact for every code, NaN included)."""
@@ -173,7 +173,7 @@ def triton_fp8_linear(x2: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tenso
     if M == 1:
         _fp8_gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), split)](
             x2, w8, s, out, bias if bias is not None else y, N, K, w8.stride(0), s.stride(0), steps, split,
-            HAS_BIAS=bias is not None, PARTIAL=split > 1, NATIVE_FP8=_native_fp8(x2.device))
+            HAS_BIAS=bias is not None, PARTIAL=split > 1, NATIVE_FP8=native_fp8(x2.device))
         if split > 1:
             split_k.reduce_partials(out, y, bias)
         return
@@ -183,7 +183,7 @@ def triton_fp8_linear(x2: torch.Tensor, w8: torch.Tensor, scale_inv: torch.Tenso
 
     _fp8_gemm[grid](x2, w8, s, out, bias if bias is not None else y, M, N, K, x2.stride(0), w8.stride(0),
                     s.stride(0), steps, _m_bucket(M), split, HAS_BIAS=bias is not None, PARTIAL=split > 1,
-                    NATIVE_FP8=_native_fp8(x2.device),
+                    NATIVE_FP8=native_fp8(x2.device),
                     DOT_F32=x2.dtype == torch.float32 or interpreting(), BLOCK_M=block_m)
     if split > 1:
         split_k.reduce_partials(out, y, bias)

@@ -51,7 +51,7 @@ def rotate_pair(x1, x2, p, cos_ptr, sin_ptr, offs, mask, s_c):
 
 
 @triton.jit
-def _rope_pair(base, p, cos_ptr, sin_ptr, offs, mask, half, s_c, INTERLEAVE: tl.constexpr, ROTATE: tl.constexpr):
+def rope_pair(base, p, cos_ptr, sin_ptr, offs, mask, half, s_c, INTERLEAVE: tl.constexpr, ROTATE: tl.constexpr):
     """Rows ``base`` [.., 2 * half] at position(s) p rotated: (first half, second half) in the input dtype; unrotated
     (halves of the row as stored) when not ROTATE (NoPE)."""
     if INTERLEAVE and ROTATE:
@@ -88,7 +88,7 @@ def _mla_norms_cache_kernel(qa_ptr, ckv_ptr, kr_ptr, qw_ptr, kw_ptr, pos_ptr, sl
             tl.store(dst + cc, y.to(c_ptr.dtype.element_ty), mask=cm)
             offs = tl.arange(0, BLOCK_R)
             rm = offs < half
-            r1, r2 = _rope_pair(kr_ptr + t * s_kt, tl.load(pos_ptr + t), cos_ptr, sin_ptr, offs, rm, half, s_c,
+            r1, r2 = rope_pair(kr_ptr + t * s_kt, tl.load(pos_ptr + t), cos_ptr, sin_ptr, offs, rm, half, s_c,
                                 INTERLEAVE, ROTATE)
             tl.store(dst + C + offs, r1.to(c_ptr.dtype.element_ty), mask=rm)
             tl.store(dst + C + half + offs, r2.to(c_ptr.dtype.element_ty), mask=rm)
@@ -180,7 +180,7 @@ def _mla_latent_query_kernel(q_ptr, w_ptr, pos_ptr, cos_ptr, sin_ptr, out_ptr, T
         offs = tl.arange(0, BLOCK_R)[None, :]
         m = tmask[:, None] & (offs < half)
         p = tl.load(pos_ptr + t, mask=tmask, other=0)[:, None]
-        r1, r2 = _rope_pair(q_rows + NOPE, p, cos_ptr, sin_ptr, offs, m, half, s_c, INTERLEAVE, ROTATE)
+        r1, r2 = rope_pair(q_rows + NOPE, p, cos_ptr, sin_ptr, offs, m, half, s_c, INTERLEAVE, ROTATE)
         tl.store(o_rows + C + offs, r1.to(out_ptr.dtype.element_ty), mask=m)
         tl.store(o_rows + C + half + offs, r2.to(out_ptr.dtype.element_ty), mask=m)
 

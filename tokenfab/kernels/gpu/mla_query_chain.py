@@ -19,15 +19,16 @@ one, for decode batches:
 * programs (H, 0, t-tile): the token tile's latent rows normed, the rope keys rotated, both written at their slots.
 
 W_qb may be FP8 block-scaled as DeepSeek-V3's checkpoints ship it: its e4m3 codes are decoded exactly in the
-activations' dtype (by the hardware where Triton has it, else with integer operations) and each 64-input tile's
-partial product is scaled per row by its 128 x 128 block's scale, as kernels/gpu/fp8_linear.py's Triton kernel does
-(the activations stay exact; the block-scaled scaled_mm path would quantize them).
+activations' dtype (by the hardware where Triton has it, else with integer operations) and each K tile's partial
+product (64 or 128 inputs, inside one block) is scaled per row by its 128 x 128 block's scale, as
+kernels/gpu/fp8_linear.py's Triton kernel does (the activations stay exact; the block-scaled scaled_mm path would
+quantize them). K tiles, warps and stages are autotuned on a GPU (:func:`_configs`).
 
 Bytes: W_qb and W_UK are read once per token tile (decode batches up to 64 tokens: once), plus q_a's rows once
-per program. The chain keeps the roundings of
-the three-launch path (layers/mla.py's reference math: norm w * round(x * rsqrt(mean(x^2) + eps)) rounded; the q_b
-output rounded; q_nope W_UK and the RoPE as mla_decode_glue.py rounds them); only the float32 summation order of
-the norm's statistics and of the q_b dot products differs from cuBLAS's. Checked in Triton's interpreter against
+per program. The chain keeps the roundings of the three-launch path (layers/mla.py's reference math: norm
+w * round(x * rsqrt(mean(x^2) + eps)) rounded; the q_b output rounded; q_nope W_UK and the RoPE as
+mla_decode_glue.py rounds them); only the float32 summation order of the norm's statistics and of the q_b dot
+products differs from cuBLAS's. Checked in Triton's interpreter against
 the reference paths (tests/test_triton_mla_query_chain.py). CUDA-graph safe: no host reads, grids from sizes only.
 """
 from __future__ import annotations
@@ -37,9 +38,8 @@ import triton
 import triton.language as tl
 
 from tokenfab.kernels.gpu import split_k
-from tokenfab.kernels.gpu.fp8_linear import _e4m3_to_f32 as e4m3_to_f32
-from tokenfab.kernels.gpu.fp8_linear import _native_fp8
-from tokenfab.kernels.gpu.mla_decode_glue import LATENT_BLOCK_C, _rope_pair, dot_acc, rotate_pair
+from tokenfab.kernels.gpu.fp8_linear import e4m3_to_f32, native_fp8
+from tokenfab.kernels.gpu.mla_decode_glue import LATENT_BLOCK_C, dot_acc, rope_pair, rotate_pair
 from tokenfab.kernels.gpu.support import autotune_configs, interpreting, quick_bench
 
 
@@ -129,7 +129,7 @@ def _mla_queries_cache_kernel(qa_ptr, qw_ptr, wq_ptr, sq_ptr, wuk_ptr, ckv_ptr, 
             offs = tl.arange(0, BLOCK_R)[None, :]
             rm = ok[:, None] & (offs < half)
             p = tl.load(pos_ptr + t, mask=tmask, other=0)[:, None]
-            r1, r2 = _rope_pair(kr_ptr + t.to(tl.int64)[:, None] * s_kt, p, cos_ptr, sin_ptr, offs, rm, half, s_c,
+            r1, r2 = rope_pair(kr_ptr + t.to(tl.int64)[:, None] * s_kt, p, cos_ptr, sin_ptr, offs, rm, half, s_c,
                                 INTERLEAVE, ROTATE)
             tl.store(dst[:, None] + C + offs, r1.to(c_ptr.dtype.element_ty), mask=rm)
             tl.store(dst[:, None] + C + half + offs, r2.to(c_ptr.dtype.element_ty), mask=rm)
@@ -291,7 +291,7 @@ def mla_queries_cache(q_a: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tenso
         0 if qb_scale is None else qb_scale.stride(0), w_uk.stride(0), w_uk.stride(1),
         out.stride(0), out.stride(1), c_kv.stride(0), k_rope.stride(0), cos.stride(0) if rotate else 0,
         cache.stride(0), cache.stride(1), D_SPLIT=d_split, FP8=qb_scale is not None,
-        NATIVE_FP8=qb_scale is not None and _native_fp8(q_a.device), ROTATE=rotate, INTERLEAVE=interleave, IEEE=ieee,
+        NATIVE_FP8=qb_scale is not None and native_fp8(q_a.device), ROTATE=rotate, INTERLEAVE=interleave, IEEE=ieee,
         BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_C=LATENT_BLOCK_C,
         BLOCK_R=max(16, triton.next_power_of_2(max(1, R // 2))), BLOCK_L=triton.next_power_of_2(C))
     return out.transpose(0, 1)
