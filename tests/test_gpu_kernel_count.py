@@ -164,28 +164,39 @@ def test_packed_experts_moe_layer_kernel_count(gpu_path_on_cpu, tiny_model, tmp_
     assert totals["layer1"] <= MLA_PACKED_MOE_MAX and not kc.syncs, f"{totals}\n{report(kc)}"
 
 
-def test_fp8_mla_layers_kernel_count_and_twin(gpu_path_on_cpu, tiny_model, tmp_path):
-    """DeepSeek-V3 as its FP8 checkpoints ship (block-scaled e4m3 linears and routed experts), at widths in whole
-    128-row blocks as the real model's (q_lora 128, intermediates 256 / 128: q_a|kv_a and gate|up join): the MLA
-    queries' launch decodes the FP8 q_b itself, so the dense and MoE layers hold MLA_DENSE_MAX and the issue's MoE
-    target 14 (were 12 / 16 with the q_b GEMM and its neighbours three launches); float32 greedy tokens on this path
-    equal its dequantized twin's, prompt logprobs within 1e-4."""
+@pytest.mark.parametrize("aligned,shared", [(True, 1), (False, 1), (True, 2)],
+                         ids=["block-aligned", "partial-blocks", "two-shared-aligned"])
+def test_fp8_layers_kernel_count_and_twin(gpu_path_on_cpu, tiny_model, tmp_path, aligned, shared):
+    """DeepSeek-V3 as its FP8 checkpoints ship (block-scaled e4m3 linears and routed experts). At widths in whole
+    128-row blocks as the real model's (q_lora 128, intermediates 256 / 128: q_a|kv_a and gate|up join) the dense
+    and MoE layers hold MLA_DENSE_MAX and MLA_MOE_MAX: the MLA queries' launch decodes the FP8 q_b itself and the
+    FP8 shared expert is folded into the FP8 routed stacks as an always-chosen slot (were 12 / 16, then 10 / 14).
+    Both there and at the tiny model's partial blocks (the fold with blocks that end mid-chunk), and with two shared
+    experts' width folded as two slots, float32 greedy tokens on this path equal its dequantized twin's (plain
+    weights, plain fold), prompt logprobs within 1e-4."""
     from conftest import max_prompt_logprob_gap
     from tokenfab import LLM, SamplingParams
     from tokenfab.testing.fp8_checkpoint import write_fp8_checkpoint
-    src = tiny_model("deepseek_v3", num_hidden_layers=2, q_lora_rank=128, moe_intermediate_size=128,
-                     intermediate_size=256)
+    widths = dict(q_lora_rank=128, moe_intermediate_size=128, intermediate_size=256) if aligned else {}
+    src = tiny_model("deepseek_v3", num_hidden_layers=2, n_shared_experts=shared, **widths)
     fp8, twin = str(tmp_path / "fp8"), str(tmp_path / "twin")
     write_fp8_checkpoint(src, fp8, twin)
-    totals, kc = count_decode_layers(fp8, "bfloat16")
-    assert all(c["triton:_mla_queries_cache_kernel"] == 1 for c in kc.counts.values()), report(kc)
-    assert totals["layer0"] <= MLA_DENSE_MAX and totals["layer1"] <= MOE_MAX and not kc.syncs, \
-        f"{totals}\n{report(kc)}"
+    if aligned and shared == 1:
+        totals, kc = count_decode_layers(fp8, "bfloat16")
+        assert all(c["triton:_mla_queries_cache_kernel"] == 1 for c in kc.counts.values()), report(kc)
+        assert kc.counts["layer1"]["triton:_silu_and_mul_kernel"] == 0, report(kc)  # no shared MLP of its own
+        assert totals["layer0"] <= MLA_DENSE_MAX and totals["layer1"] <= MLA_MOE_MAX and not kc.syncs, \
+            f"{totals}\n{report(kc)}"
     prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 200, 7], [9, 4, 300], list(range(3, 30)))]
     sp = SamplingParams(temperature=0.0, max_tokens=GPU_PATH_NEW, min_tokens=GPU_PATH_NEW, prompt_logprobs=0)
-    outs = [LLM(path, dtype="float32", max_model_len=64, block_size=8, progress=False).generate(prompts, sp,
-                                                                                                use_tqdm=False)
-            for path in (twin, fp8)]
+    outs = []
+    for path in (twin, fp8):
+        llm = LLM(path, dtype="float32", max_model_len=64, block_size=8, progress=False)
+        moe = llm.llm_engine.runner.model.model.layers[1].mlp
+        assert moe.folded is not None and moe.folded.slots == shared  # folded, plain and FP8 alike
+        if path == fp8:
+            assert moe.experts.q13.num_experts == moe.experts.num_experts + shared
+        outs.append(llm.generate(prompts, sp, use_tqdm=False))
     assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
     assert max_prompt_logprob_gap(outs[0], outs[1], "FP8 on the GPU path") < 1e-4
 
