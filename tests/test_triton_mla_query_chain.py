@@ -44,6 +44,7 @@ def reference(q_a, c_kv, k_rope, qw, kw, w_qb, w_uk, positions, rot, mode, slots
     (19, 3, 72, 24, 96, 8, 2),     # two token tiles (the second partial), q_lora past one K tile, q_nope split 2
     (3, 1, 32, 64, 200, 10, 4),    # q_nope over 4 programs of 16 columns, 4 latent tiles
     (2, 2, 16, 16, 64, 0, 1),      # no rope slice
+    (40, 2, 24, 32, 40, 6, 2),     # one 64-token tile: the latent rows written 16 at a time, the last block partial
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["half", "interleave", "nope"])
@@ -61,7 +62,7 @@ def test_chain_matches_norm_gemm_bmm_rope_and_write(interpret, monkeypatch, T, H
     w_qb = (torch.randn(H * (nope + R), QL, generator=g) / QL ** 0.5).to(dtype)
     w_uk = (torch.randn(H, nope, C, generator=g) / nope ** 0.5).to(dtype)
     positions = torch.arange(T) * 37 % 256
-    blocks, page = 8, 4
+    blocks, page = 16, 4
     slots = torch.randperm(blocks * page, generator=g)[:T]
     slots[T // 2] = -1  # a row that owns no slot: written nowhere
     cache = torch.full((blocks, page, C + R), 9.0, dtype=dtype)

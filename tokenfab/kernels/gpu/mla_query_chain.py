@@ -79,6 +79,32 @@ def _rows_dot(qa_ptr, qw_ptr, wq_ptr, sq_ptr, t, tmask, rows, rmask, QL, rstd, s
 
 
 @triton.jit
+def _latent_rows(t, T, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, c_ptr, C, half, eps_kv, page, s_ct,
+                 s_kt, s_c, s_cb, s_co, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr,
+                 BLOCK_L: tl.constexpr):
+    """Latent rows t [rows] to their pool slots: [RMSNorm(c_kv) | RoPE(k_rope)] (rows past T or with a negative slot
+    written nowhere), rounded as rms_row and mla_decode_glue.py's RoPE round them."""
+    slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
+    ok = slot >= 0
+    dst = c_ptr + (slot // page) * s_cb + (slot % page) * s_co
+    cc = tl.arange(0, BLOCK_L)
+    cm = ok[:, None] & (cc < C)[None, :]
+    x = tl.load(ckv_ptr + t.to(tl.int64)[:, None] * s_ct + cc[None, :], mask=cm, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / C + eps_kv)
+    w = tl.load(kw_ptr + cc, mask=cc < C, other=0.0).to(tl.float32)
+    y = (w[None, :] * (xf * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
+    tl.store(dst[:, None] + cc[None, :], y.to(c_ptr.dtype.element_ty), mask=cm)
+    offs = tl.arange(0, BLOCK_R)[None, :]
+    rm = ok[:, None] & (offs < half)
+    p = tl.load(pos_ptr + t, mask=t < T, other=0)[:, None]
+    r1, r2 = rope_pair(kr_ptr + t.to(tl.int64)[:, None] * s_kt, p, cos_ptr, sin_ptr, offs, rm, half, s_c, INTERLEAVE,
+                       ROTATE)
+    tl.store(dst[:, None] + C + offs, r1.to(c_ptr.dtype.element_ty), mask=rm)
+    tl.store(dst[:, None] + C + half + offs, r2.to(c_ptr.dtype.element_ty), mask=rm)
+
+
+@triton.jit
 def _latent_tiles(qn, wuk_ptr, o_rows, h, d, dmask, tmask, C, s_wuh, s_wud, IEEE: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_C: tl.constexpr):
     """q_nope [BLOCK_T, BLOCK_D] (rounded) times W_UK[h] for every latent tile, each rounded once into its row."""
@@ -102,7 +128,8 @@ def _configs() -> list:
 @triton.jit
 def _mla_queries_cache_kernel(qa_ptr, qw_ptr, wq_ptr, sq_ptr, wuk_ptr, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr,
                               cos_ptr, sin_ptr, out_ptr, c_ptr, qn_ptr, tick_ptr, T, H, QL, NOPE, C, half, eps_q,
-                              eps_kv, page, t_bucket, s_qa, s_wq, s_sq, s_wuh, s_wud, s_oh, s_ot, s_ct, s_kt, s_c, s_cb, s_co,
+                              eps_kv, page, t_bucket, s_qa, s_wq, s_sq, s_wuh, s_wud, s_oh, s_ot, s_ct, s_kt, s_c,
+                              s_cb, s_co,
                               D_SPLIT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr,
                               ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, IEEE: tl.constexpr,
                               BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -115,24 +142,10 @@ def _mla_queries_cache_kernel(qa_ptr, qw_ptr, wq_ptr, sq_ptr, wuk_ptr, ckv_ptr, 
     DT: tl.constexpr = out_ptr.dtype.element_ty
     if h == H:  # the token tile's latent rows [RMSNorm(c_kv) | RoPE(k_rope)] to their pool slots
         if j == 0:
-            slot = tl.load(slot_ptr + t, mask=tmask, other=-1)
-            ok = slot >= 0  # negative slots: rows that own no KV slot, written nowhere
-            dst = c_ptr + (slot // page) * s_cb + (slot % page) * s_co
-            cc = tl.arange(0, BLOCK_L)
-            cm = ok[:, None] & (cc < C)[None, :]
-            x = tl.load(ckv_ptr + t.to(tl.int64)[:, None] * s_ct + cc[None, :], mask=cm, other=0.0)
-            xf = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / C + eps_kv)
-            w = tl.load(kw_ptr + cc, mask=cc < C, other=0.0).to(tl.float32)
-            y = (w[None, :] * (xf * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
-            tl.store(dst[:, None] + cc[None, :], y.to(c_ptr.dtype.element_ty), mask=cm)
-            offs = tl.arange(0, BLOCK_R)[None, :]
-            rm = ok[:, None] & (offs < half)
-            p = tl.load(pos_ptr + t, mask=tmask, other=0)[:, None]
-            r1, r2 = rope_pair(kr_ptr + t.to(tl.int64)[:, None] * s_kt, p, cos_ptr, sin_ptr, offs, rm, half, s_c,
-                                INTERLEAVE, ROTATE)
-            tl.store(dst[:, None] + C + offs, r1.to(c_ptr.dtype.element_ty), mask=rm)
-            tl.store(dst[:, None] + C + half + offs, r2.to(c_ptr.dtype.element_ty), mask=rm)
+            for r0 in tl.static_range(0, BLOCK_T, 16):  # 16 rows at a time: a [16, C] float32 block in registers
+                _latent_rows(tt * BLOCK_T + r0 + tl.arange(0, 16), T, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr,
+                             cos_ptr, sin_ptr, c_ptr, C, half, eps_kv, page, s_ct, s_kt, s_c, s_cb, s_co, ROTATE,
+                             INTERLEAVE, BLOCK_R, BLOCK_L)
         return
     # q_a_layernorm's statistics for the token tile (float32, as rms_row)
     ss = tl.zeros([BLOCK_T], tl.float32)
