@@ -201,9 +201,11 @@ def test_rejects_misfits(interpret):
 
 def test_split_form_compiles_for_sm90_and_gfx942(interpret):
     """The split form (bf16, q_nope over 4 programs: the scratch, the ticket and its atomics), the one-program form
-    and an FP8 q_b (both e4m3 decodes), interleaved RoPE, compiled by Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU in the
+    and an FP8 q_b (both e4m3 decodes), interleaved RoPE, and mla_decode_glue.py's launches for models without a query
+    LoRA, compiled by Triton's own compiler for NVIDIA sm_90 and AMD gfx942 on this CPU in the
     16-bit dots a GPU runs (tokenfab/testing/target_compile.py); the tiny models' decode (the engine test) launches
     only the one-program form."""
+    from tokenfab.kernels.gpu.mla_decode_glue import mla_latent_query, mla_norms_cache
     from tokenfab.kernels.gpu.mla_query_chain import mla_queries_cache
     from tokenfab.testing.target_compile import LaunchRecorder, compile_for_targets, gpu_variants
     bf = torch.bfloat16
@@ -220,13 +222,22 @@ def test_split_form_compiles_for_sm90_and_gfx942(interpret):
             mla_queries_cache(*args, tickets=torch.zeros(8, dtype=torch.int32), d_split=split)
         mla_queries_cache(*fp8, tickets=torch.zeros(8, dtype=torch.int32), d_split=2,
                           qb_scale=torch.ones(3, 1))  # FP8 q_b: 288 rows, 3 row blocks
-    assert sorted(l["constexprs"]["D_SPLIT"] for l in rec.launches) == [1, 2, 4]
+        # the three-launch glue it replaced, which the tiny models' decode (all with a query LoRA) no longer runs:
+        # models without one still do (the latent rows a program each, through the same latent_rows helper)
+        q_n = mla_norms_cache(args[0], args[1], args[2], args[3], args[4], 1e-6, 1e-6, args[9], rot.cos, rot.sin, True,
+                              args[13], args[14])
+        mla_latent_query((q_n @ args[7].t()).view(T, H, nope + R), args[8], args[9], rot.cos, rot.sin, True)
+        mla_norms_cache(None, args[1], args[2], None, args[4], 0.0, 1e-6, args[9], rot.cos, rot.sin, True, args[13],
+                        args[14])
+    assert sorted(l["constexprs"]["D_SPLIT"] for l in rec.launches if "D_SPLIT" in l["constexprs"]) == [1, 2, 4]
+    assert {l["name"] for l in rec.launches} == {"_mla_queries_cache_kernel", "_mla_norms_cache_kernel",
+                                                 "_mla_latent_query_kernel"}
     launches = gpu_variants(rec.launches)
     # FP8 codes converted by the hardware (sm_90, ROCm) as well as by the integer decode the interpreter ran
     launches += [dict(l, constexprs={**l["constexprs"], "NATIVE_FP8": True}) for l in launches
-                 if l["constexprs"]["FP8"]]
+                 if l["constexprs"].get("FP8")]
     # and the widest tuning config (kernels/gpu/mla_query_chain.py _configs: 128-input tiles, 8 warps)
     launches += [dict(l, constexprs={**l["constexprs"], "BLOCK_K": 128}, options={**l["options"], "num_warps": 8})
-                 for l in launches if not l["constexprs"]["IEEE"]]
+                 for l in launches if "D_SPLIT" in l["constexprs"] and not l["constexprs"]["IEEE"]]
     failures = compile_for_targets(launches)
     assert not failures, "\n".join(f"{f['kernel']} on {f['target']}: {f['error']}" for f in failures)

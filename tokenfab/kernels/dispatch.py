@@ -233,13 +233,24 @@ def mla_decode_glue_applies(x: torch.Tensor, cache: torch.Tensor) -> bool:
             and cache.dim() == 3 and cache.stride(-1) == 1)
 
 
-def mla_chain_tickets(x: torch.Tensor, heads: int) -> torch.Tensor | None:
-    """On the GPU path, the zeroed int32 tickets an MLA layer of ``heads`` heads keeps for its chained decode
-    launch (kernels/gpu/mla_query_chain.py ``tickets_for``) on x's device; None elsewhere."""
+def gpu_tickets(x: torch.Tensor, launch: str, heads: int = 1) -> torch.Tensor | None:
+    """On the GPU path, the zeroed int32 counters a layer keeps for a launch whose programs order their work by
+    atomic tickets (each launch leaves them zero; made on the layer's first, prefill or warm-up, call, before any
+    graph capture), on x's device; None elsewhere. ``launch``: "router" (the fused GEMM + selection,
+    kernels/gpu/router.py ``TICKETS``), "moe_sum" (the k-sum with the norm after it, kernels/gpu/moe.py: one a token
+    up to SUM_NORM_MAX_TOKENS) or "mla_chain" (an MLA layer of ``heads`` heads, kernels/gpu/mla_query_chain.py).
+
+    Raises:
+        ValueError: another ``launch``.
+    """
+    if launch not in ("router", "moe_sum", "mla_chain"):
+        raise ValueError(f"gpu_tickets: unknown launch {launch!r} (router, moe_sum or mla_chain)")
     if not _gpu(x):
         return None
-    from tokenfab.kernels.gpu import mla_query_chain
-    return mla_query_chain.tickets_for(heads, x.device)
+    from tokenfab.kernels.gpu import mla_query_chain, moe, router
+    n = {"router": router.TICKETS, "moe_sum": moe.SUM_NORM_MAX_TOKENS,
+         "mla_chain": mla_query_chain.tickets_needed(heads)}[launch]
+    return torch.zeros(n, dtype=torch.int32, device=x.device)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -341,15 +352,6 @@ def sigmoid_group_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return None
 
 
-def router_tickets(x: torch.Tensor) -> torch.Tensor | None:
-    """On the GPU path, the zeroed int32 counters a router keeps for its fused GEMM + selection launch
-    (:func:`tokenfab.kernels.gpu.router.router_topk`) on x's device; None elsewhere."""
-    if not _gpu(x):
-        return None
-    from tokenfab.kernels.gpu import router
-    return torch.zeros(router.TICKETS, dtype=torch.int32, device=x.device)
-
-
 def softmax_router(x: torch.Tensor, weight: torch.Tensor, top_k: int, norm: bool,
                    tickets: torch.Tensor | None, align=None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Qwen3-MoE's whole router for x [T, hidden] with its weight [E, hidden] in one launch on the GPU path
@@ -408,16 +410,6 @@ def moe_alignment(x: torch.Tensor, k: int, start: int, num_local: int):
     if x.shape[0] > router.FUSED_MAX_TOKENS:  # the router's GEMM and selection are not one launch there
         return None
     return moe.alignment_for(x.shape[0], k, start, num_local, x.device)
-
-
-def moe_sum_tickets(x: torch.Tensor) -> torch.Tensor | None:
-    """On the GPU path, the zeroed int32 per-token counters an expert layer keeps for the k-sum with the norm after
-    it (``norm`` of :func:`routed_experts`, kernels/gpu/moe.py ``moe_sum``: SUM_NORM_MAX_TOKENS of them) on x's
-    device; None elsewhere."""
-    if not _gpu(x):
-        return None
-    from tokenfab.kernels.gpu import moe
-    return torch.zeros(moe.SUM_NORM_MAX_TOKENS, dtype=torch.int32, device=x.device)
 
 
 def routed_experts_packed(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, fmt: str, p13: torch.Tensor,

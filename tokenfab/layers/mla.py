@@ -354,7 +354,7 @@ class MLAttention(nn.Module):
                                                 dec.context_lens, w, dims, self.rotary.cos, self.rotary.sin,
                                                 self.rotary.interleave, eps_q, eps_kv, self.scale)
         if self._chain_tickets is None:  # on the first (prefill / warm-up) call, before any graph capture
-            self._chain_tickets = dispatch.mla_chain_tickets(x, self.num_heads)
+            self._chain_tickets = dispatch.gpu_tickets(x, "mla_chain", self.num_heads)
         out = self._gpu_decode(positions, x, cache, meta)
         if out is not None:
             return out

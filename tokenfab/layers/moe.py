@@ -43,7 +43,7 @@ class SigmoidGroupRouter(nn.Module):
         layers/shared_expert_fold.py). ``align``: the experts' alignment buffers (RoutedExperts.alignment), filled
         by the GPU path's one launch when it runs."""
         if self._tickets is None or self._tickets.device != x.device:
-            self._tickets = dispatch.router_tickets(x)  # created on the first (prefill / warm-up) call
+            self._tickets = dispatch.gpu_tickets(x, "router")  # created on the first (prefill / warm-up) call
         out = dispatch.sigmoid_group_topk(x, self.weight, self.e_score_correction_bias, self.n_group,
                                           self.topk_group, self.top_k, self.norm_topk_prob, self.scaling, extra,
                                           self._tickets, align)
@@ -86,7 +86,7 @@ class SoftmaxTopKRouter(nn.Module):
         take one launch (GEMM and selection, dispatch.softmax_router; with ``align``, the experts' alignment
         buffers, the pairs aligned by expert in it too), larger ones the GEMM and one launch."""
         if self._tickets is None or self._tickets.device != x.device:
-            self._tickets = dispatch.router_tickets(x)  # created on the first (prefill / warm-up) call
+            self._tickets = dispatch.gpu_tickets(x, "router")  # created on the first (prefill / warm-up) call
         out = dispatch.softmax_router(x, self.weight, self.top_k, self.norm_topk_prob, self._tickets, align)
         if out is not None:
             return out

@@ -110,7 +110,7 @@ class SituRoutedExperts(RoutedExperts):
         RoutedExperts.forward; ``out``: a [T, hidden] view of ``out_dtype`` (unit column stride) the k-sum's launch
         writes the result into when it runs (the result is then ``out``; elsewhere a new tensor)."""
         if self._sum_tickets is None or self._sum_tickets.device != x.device:
-            self._sum_tickets = dispatch.moe_sum_tickets(x)  # created on the first (prefill / warm-up) call
+            self._sum_tickets = dispatch.gpu_tickets(x, "moe_sum")  # created on the first (prefill / warm-up) call
         t = self._sum_tickets
         if self.host is None and t is not None and x.shape[0] <= t.numel() and self.accumulate_fp32:
             spec = (norm.weight, norm.eps, t) if out is None else (norm.weight, norm.eps, t, out)

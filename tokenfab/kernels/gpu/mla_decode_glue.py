@@ -66,6 +66,34 @@ def rope_pair(base, p, cos_ptr, sin_ptr, offs, mask, half, s_c, INTERLEAVE: tl.c
 
 
 @triton.jit
+def latent_rows(t, valid, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, c_ptr, C, half, eps_kv, page,
+                s_ct, s_kt, s_c, s_cb, s_co, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_L: tl.constexpr):
+    """Latent rows of tokens t [rows] (where ``valid``) to their pool slots: [RMSNorm(c_kv) | RoPE(k_rope)], rounded
+    as rms_row and :func:`rope_pair` round them; rows with a negative slot are written nowhere (the rows that own no
+    KV slot). Shared by :func:`mla_norms_cache` (a row a program) and kernels/gpu/mla_query_chain.py (16 at a
+    time)."""
+    slot = tl.load(slot_ptr + t, mask=valid, other=-1)
+    ok = slot >= 0
+    dst = c_ptr + (slot // page) * s_cb + (slot % page) * s_co
+    cc = tl.arange(0, BLOCK_L)
+    cm = ok[:, None] & (cc < C)[None, :]
+    x = tl.load(ckv_ptr + t.to(tl.int64)[:, None] * s_ct + cc[None, :], mask=cm, other=0.0)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / C + eps_kv)
+    w = tl.load(kw_ptr + cc, mask=cc < C, other=0.0).to(tl.float32)
+    y = (w[None, :] * (xf * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
+    tl.store(dst[:, None] + cc[None, :], y.to(c_ptr.dtype.element_ty), mask=cm)
+    offs = tl.arange(0, BLOCK_R)[None, :]
+    rm = ok[:, None] & (offs < half)
+    p = tl.load(pos_ptr + t, mask=valid, other=0)[:, None]
+    r1, r2 = rope_pair(kr_ptr + t.to(tl.int64)[:, None] * s_kt, p, cos_ptr, sin_ptr, offs, rm, half, s_c, INTERLEAVE,
+                       ROTATE)
+    tl.store(dst[:, None] + C + offs, r1.to(c_ptr.dtype.element_ty), mask=rm)
+    tl.store(dst[:, None] + C + half + offs, r2.to(c_ptr.dtype.element_ty), mask=rm)
+
+
+@triton.jit
 def _mla_norms_cache_kernel(qa_ptr, ckv_ptr, kr_ptr, qw_ptr, kw_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, qo_ptr,
                             c_ptr, QL, C, half, eps_q, eps_kv, page, s_qa, s_ct, s_kt, s_c, s_cb, s_co,
                             HAS_Q: tl.constexpr, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr,
@@ -77,21 +105,10 @@ def _mla_norms_cache_kernel(qa_ptr, ckv_ptr, kr_ptr, qw_ptr, kw_ptr, pos_ptr, sl
             m = cols < QL
             x = tl.load(qa_ptr + t * s_qa + cols, mask=m, other=0.0)
             tl.store(qo_ptr + t * QL + cols, rms_row(x, qw_ptr, cols, m, QL, eps_q, x.dtype).to(x.dtype), mask=m)
-    else:
-        slot = tl.load(slot_ptr + t)
-        if slot >= 0:  # negative slots: rows that own no KV slot, written nowhere
-            dst = c_ptr + (slot // page) * s_cb + (slot % page) * s_co
-            cc = tl.arange(0, BLOCK_C)
-            cm = cc < C
-            x = tl.load(ckv_ptr + t * s_ct + cc, mask=cm, other=0.0)
-            y = rms_row(x, kw_ptr, cc, cm, C, eps_kv, x.dtype).to(x.dtype)
-            tl.store(dst + cc, y.to(c_ptr.dtype.element_ty), mask=cm)
-            offs = tl.arange(0, BLOCK_R)
-            rm = offs < half
-            r1, r2 = rope_pair(kr_ptr + t * s_kt, tl.load(pos_ptr + t), cos_ptr, sin_ptr, offs, rm, half, s_c,
-                                INTERLEAVE, ROTATE)
-            tl.store(dst + C + offs, r1.to(c_ptr.dtype.element_ty), mask=rm)
-            tl.store(dst + C + half + offs, r2.to(c_ptr.dtype.element_ty), mask=rm)
+    else:  # the token's latent row, as a one-row block
+        latent_rows(t + tl.arange(0, 1), tl.arange(0, 1) == 0, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr, cos_ptr,
+                    sin_ptr, c_ptr, C, half, eps_kv, page, s_ct, s_kt, s_c, s_cb, s_co, ROTATE, INTERLEAVE, BLOCK_R,
+                    BLOCK_C)
 
 
 def mla_norms_cache(q_a: torch.Tensor | None, c_kv: torch.Tensor, k_rope: torch.Tensor, q_norm: torch.Tensor | None,

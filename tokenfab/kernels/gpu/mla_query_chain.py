@@ -39,7 +39,7 @@ import triton.language as tl
 
 from tokenfab.kernels.gpu import split_k
 from tokenfab.kernels.gpu.fp8_linear import e4m3_to_f32, native_fp8
-from tokenfab.kernels.gpu.mla_decode_glue import LATENT_BLOCK_C, dot_acc, rope_pair, rotate_pair
+from tokenfab.kernels.gpu.mla_decode_glue import LATENT_BLOCK_C, dot_acc, latent_rows, rotate_pair
 from tokenfab.kernels.gpu.support import autotune_configs, interpreting, quick_bench
 
 
@@ -76,32 +76,6 @@ def _rows_dot(qa_ptr, qw_ptr, wq_ptr, sq_ptr, t, tmask, rows, rmask, QL, rstd, s
         else:
             acc = dot_acc(a, w, acc, IEEE)
     return acc
-
-
-@triton.jit
-def _latent_rows(t, T, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr, cos_ptr, sin_ptr, c_ptr, C, half, eps_kv, page, s_ct,
-                 s_kt, s_c, s_cb, s_co, ROTATE: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_R: tl.constexpr,
-                 BLOCK_L: tl.constexpr):
-    """Latent rows t [rows] to their pool slots: [RMSNorm(c_kv) | RoPE(k_rope)] (rows past T or with a negative slot
-    written nowhere), rounded as rms_row and mla_decode_glue.py's RoPE round them."""
-    slot = tl.load(slot_ptr + t, mask=t < T, other=-1)
-    ok = slot >= 0
-    dst = c_ptr + (slot // page) * s_cb + (slot % page) * s_co
-    cc = tl.arange(0, BLOCK_L)
-    cm = ok[:, None] & (cc < C)[None, :]
-    x = tl.load(ckv_ptr + t.to(tl.int64)[:, None] * s_ct + cc[None, :], mask=cm, other=0.0)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / C + eps_kv)
-    w = tl.load(kw_ptr + cc, mask=cc < C, other=0.0).to(tl.float32)
-    y = (w[None, :] * (xf * rstd[:, None]).to(x.dtype).to(tl.float32)).to(x.dtype)
-    tl.store(dst[:, None] + cc[None, :], y.to(c_ptr.dtype.element_ty), mask=cm)
-    offs = tl.arange(0, BLOCK_R)[None, :]
-    rm = ok[:, None] & (offs < half)
-    p = tl.load(pos_ptr + t, mask=t < T, other=0)[:, None]
-    r1, r2 = rope_pair(kr_ptr + t.to(tl.int64)[:, None] * s_kt, p, cos_ptr, sin_ptr, offs, rm, half, s_c, INTERLEAVE,
-                       ROTATE)
-    tl.store(dst[:, None] + C + offs, r1.to(c_ptr.dtype.element_ty), mask=rm)
-    tl.store(dst[:, None] + C + half + offs, r2.to(c_ptr.dtype.element_ty), mask=rm)
 
 
 @triton.jit
@@ -143,9 +117,10 @@ def _mla_queries_cache_kernel(qa_ptr, qw_ptr, wq_ptr, sq_ptr, wuk_ptr, ckv_ptr, 
     if h == H:  # the token tile's latent rows [RMSNorm(c_kv) | RoPE(k_rope)] to their pool slots
         if j == 0:
             for r0 in tl.static_range(0, BLOCK_T, 16):  # 16 rows at a time: a [16, C] float32 block in registers
-                _latent_rows(tt * BLOCK_T + r0 + tl.arange(0, 16), T, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr,
-                             cos_ptr, sin_ptr, c_ptr, C, half, eps_kv, page, s_ct, s_kt, s_c, s_cb, s_co, ROTATE,
-                             INTERLEAVE, BLOCK_R, BLOCK_L)
+                rows = tt * BLOCK_T + r0 + tl.arange(0, 16)
+                latent_rows(rows, rows < T, ckv_ptr, kr_ptr, kw_ptr, pos_ptr, slot_ptr,
+                            cos_ptr, sin_ptr, c_ptr, C, half, eps_kv, page, s_ct, s_kt, s_c, s_cb, s_co, ROTATE,
+                            INTERLEAVE, BLOCK_R, BLOCK_L)
         return
     # q_a_layernorm's statistics for the token tile (float32, as rms_row)
     ss = tl.zeros([BLOCK_T], tl.float32)
@@ -222,10 +197,10 @@ def d_split_for(heads: int, token_tiles: int, nope: int, device: torch.device) -
     return split
 
 
-def tickets_for(heads: int, device: torch.device) -> torch.Tensor:
-    """The zeroed int32 tickets :func:`mla_queries_cache` takes for ``heads`` heads (one per head and 64-token tile
-    up to CHAIN_MAX_TOKENS), made once per layer (the launch leaves them zero)."""
-    return torch.zeros(heads * triton.cdiv(CHAIN_MAX_TOKENS, 64), dtype=torch.int32, device=device)
+def tickets_needed(heads: int) -> int:
+    """How many int32 tickets :func:`mla_queries_cache` takes for ``heads`` heads: one per head and 64-token tile up
+    to CHAIN_MAX_TOKENS (a layer keeps them zeroed: tokenfab.kernels.dispatch.gpu_tickets)."""
+    return heads * triton.cdiv(CHAIN_MAX_TOKENS, 64)
 
 
 def mla_queries_cache(q_a: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor, q_norm: torch.Tensor,
