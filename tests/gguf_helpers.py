@@ -108,3 +108,33 @@ def check_kernel_product(raw: np.ndarray, name: str, k: int, rows: int, dtype: t
     check_close(y32, x, raw, name, bias, bf16_weight=prefill_bf16)
     check_close(w.reference_linear(x, bias), x, raw, name, bias)  # and the PyTorch path under the same bound
     return x, y, bias
+
+
+def add_hf_tokenizer(w, hf_dir: str, cfg: dict) -> None:
+    """The Hugging Face tokenizer at ``hf_dir`` (a byte-level BPE ``tokenizer.json``) and its chat template
+    written into the ``gguf.GGUFWriter`` ``w`` as llama.cpp's converter writes a gpt2-style vocabulary
+    (``tokenizer.ggml.tokens`` / ``token_type`` / ``merges``, bos / eos / pad ids from ``cfg``)."""
+    import json
+
+    tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
+    vocab = tok["model"]["vocab"]
+    for t in tok["added_tokens"]:
+        vocab[t["content"]] = t["id"]
+    tokens = [None] * cfg["vocab_size"]
+    for s, i in vocab.items():
+        tokens[i] = s
+    special = {t["id"] for t in tok["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_add_bos_token(False)
+    tcfg = json.load(open(os.path.join(hf_dir, "tokenizer_config.json")))
+    template = tcfg.get("chat_template")
+    if template is None and os.path.isfile(os.path.join(hf_dir, "chat_template.jinja")):
+        template = open(os.path.join(hf_dir, "chat_template.jinja")).read()
+    w.add_chat_template(template)

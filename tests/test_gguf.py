@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import load_reference, reference_greedy
+from gguf_helpers import add_hf_tokenizer
 
 gguf = pytest.importorskip("gguf")
 
@@ -67,28 +68,7 @@ def write_gguf(hf_dir: str, path: str, arch: str = "llama", with_output: bool = 
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg["rms_norm_eps"])
     w.add_uint32(f"{arch}.rope.dimension_count", cfg["head_dim"])
     w.add_uint32(f"{arch}.vocab_size", cfg["vocab_size"])
-    tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
-    vocab = tok["model"]["vocab"]
-    for t in tok["added_tokens"]:
-        vocab[t["content"]] = t["id"]
-    tokens = [None] * cfg["vocab_size"]
-    for s, i in vocab.items():
-        tokens[i] = s
-    special = {t["id"] for t in tok["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    w.add_bos_token_id(cfg["bos_token_id"])
-    w.add_eos_token_id(cfg["eos_token_id"])
-    w.add_pad_token_id(cfg["pad_token_id"])
-    w.add_add_bos_token(False)
-    tcfg = json.load(open(os.path.join(hf_dir, "tokenizer_config.json")))
-    template = tcfg.get("chat_template")
-    if template is None and os.path.isfile(os.path.join(hf_dir, "chat_template.jinja")):
-        template = open(os.path.join(hf_dir, "chat_template.jinja")).read()
-    w.add_chat_template(template)
+    add_hf_tokenizer(w, hf_dir, cfg)
 
     def add(name: str, arr: np.ndarray, qtype: str) -> None:
         arr = np.ascontiguousarray(arr, dtype=np.float32)

@@ -133,21 +133,34 @@ def test_bf16_decode_stack_runs_kquant_gguf(tiny_model, tokenizer_dir, tmp_path)
     assert fused == plain
 
 
-def test_deepseek2_gguf_is_refused_by_name(tmp_path):
-    """deepseek2 (DeepSeek-V3 / Kimi-K2 MLA + MoE) GGUF files are not read: one line naming the architecture and
-    the supported ones, from the packed loader and the dequantizing reader alike."""
+def test_moe_gguf_not_served_packed_and_incomplete_metadata_named(tmp_path):
+    """deepseek2 / qwen3moe GGUF files (tokenfab/loader/gguf_moe.py) are read through the dequantized folder, not
+    the packed loader: its reason says so in one line and its iterator refuses them rather than skip the experts; a
+    file missing a key the config needs names that key."""
+    from tokenfab.errors import WeightLoadError
+    from tokenfab.loader.gguf_packed import packed_unsupported_reason
+    from tokenfab.loader.gguf_to_hf import ensure_converted
+
     path = str(tmp_path / "ds.gguf")
     w = gguf.GGUFWriter(path, "deepseek2")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     finish_gguf(w)
-    from tokenfab.errors import UnsupportedError, WeightLoadError
-    from tokenfab.loader.gguf_packed import packed_unsupported_reason
-    from tokenfab.loader.gguf_to_hf import ensure_converted
     reason = packed_unsupported_reason(path)
-    assert "architecture 'deepseek2'" in reason and "supported: llama, qwen2, qwen3" in reason
-    assert "\n" not in reason
-    with pytest.raises(WeightLoadError, match="architecture 'deepseek2'"):
-        list(iterate_gguf_weights(path, progress=False))
-    with pytest.raises(UnsupportedError, match="architecture 'deepseek2'.*supported: llama, qwen2, qwen3"):
+    assert "deepseek2.embedding_length" in reason and "missing" in reason and "\n" not in reason
+    with pytest.raises(WeightLoadError, match="'deepseek2.embedding_length' is missing"):
         ensure_converted(path, quiet=True)
+    full = str(tmp_path / "moe.gguf")
+    w = gguf.GGUFWriter(full, "qwen3moe")
+    add_model_header(w, dict(num_hidden_layers=1, max_position_embeddings=64, hidden_size=32, intermediate_size=64,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
+                             rope_parameters={"rope_theta": 1e6}, vocab_size=4, bos_token_id=0, eos_token_id=1))
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    w.add_expert_feed_forward_length(16)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    finish_gguf(w)
+    reason = packed_unsupported_reason(full)
+    assert reason.startswith("architecture qwen3_moe: its experts") and "\n" not in reason
+    with pytest.raises(WeightLoadError, match="architecture qwen3_moe: its experts"):
+        list(iterate_gguf_weights(full, progress=False))

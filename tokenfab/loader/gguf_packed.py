@@ -80,9 +80,18 @@ def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
     return unpermute_qk(rows, n_head)
 
 
+def _unpacked_architecture(cfg: dict) -> str | None:
+    """Why a config's architecture is not served packed (the MoE architectures of tokenfab.loader.gguf_moe), or
+    None for the dense ones this loader reads."""
+    if cfg["model_type"] in ("llama", "qwen3"):
+        return None
+    return (f"architecture {cfg['model_type']}: its experts and MLA tensors have no packed GGUF kernels yet "
+            "(served from the dequantized copy)")
+
+
 def packed_unsupported_reason(path: str) -> str | None:
-    """Why the GGUF file at ``path`` cannot be served packed (an architecture other than llama, rope scaling, or a
-    linear in a block type without a packed kernel), or None when it can. Reads metadata and tensor headers only
+    """Why the GGUF file at ``path`` cannot be served packed (an architecture other than llama / qwen2 / qwen3, rope
+    scaling, or a linear in a block type without a packed kernel), or None when it can. Reads metadata and tensor headers only
     (the file is memory-mapped; no tensor data is touched).
 
     Raises:
@@ -93,9 +102,11 @@ def packed_unsupported_reason(path: str) -> str | None:
     from tokenfab.quant import gguf_blocks
 
     try:
-        gguf_config(path)
+        cfg = gguf_config(path)
     except WeightLoadError as e:
         return str(e)
+    if _unpacked_architecture(cfg):
+        return _unpacked_architecture(cfg)
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     for t in open_gguf(path).tensors:
         m = _BLK.match(t.name)
@@ -123,6 +134,8 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
 
     r = open_gguf(path)
     cfg = gguf_config(path)
+    if _unpacked_architecture(cfg):
+        raise WeightLoadError(f"{path}: {_unpacked_architecture(cfg)}")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     permuted = permutes_qk(r)  # llama only; qwen2 / qwen3 rows are in Hugging Face order
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
@@ -191,13 +204,14 @@ def load_gguf_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     from tokenfab.cache_paths import write_folder
+    from tokenfab.loader.gguf_reader import gguf_tokenizer
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file '{path}' does not exist.")
     folder = tokenizer_cache_folder(path)
     if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
         return AutoTokenizer.from_pretrained(folder)
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    tok = gguf_tokenizer(path)
     try:
         write_folder(folder, tok.save_pretrained, "tokenizer_config.json")
     except OSError:  # the cache is not writable: converted again next time

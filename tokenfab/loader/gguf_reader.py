@@ -14,10 +14,12 @@ block-quantized (Q4_1, Q8_0, ...). This module turns them into what a Hugging Fa
 
 Architectures: ``llama`` (Llama, SmolLM, Mistral-style dense models), ``qwen2`` (Llama blocks with q/k/v biases:
 read as a Llama config with ``attention_bias`` and a zero o_proj bias, the same function) and ``qwen3`` (per-head
-q/k RMSNorm, ``attn_q_norm`` / ``attn_k_norm``: ``Qwen3ForCausalLM``). llama.cpp permutes q/k rows for ``llama``
-only: its Qwen2 / Qwen3 converters keep Hugging Face's row order (ggml rotates them NEOX-style), as transformers'
-GGUF loader assumes (its q/k reverse permutation is registered for "llama" alone). Others (deepseek2 among them)
-raise :class:`tokenfab.errors.UnsupportedError` naming the architecture. ``gguf`` is imported lazily.
+q/k RMSNorm, ``attn_q_norm`` / ``attn_k_norm``: ``Qwen3ForCausalLM``); the MoE architectures ``qwen3moe`` and
+``deepseek2`` (DeepSeek-V3, Kimi-K2) through :mod:`tokenfab.loader.gguf_moe`. llama.cpp permutes q/k rows for
+``llama`` only: its Qwen2 / Qwen3 / DeepSeek converters keep Hugging Face's row order (ggml rotates them NEOX-style,
+or, for DeepSeek's interleaved pairs, normally), as transformers' GGUF loader assumes (its q/k reverse permutation
+is registered for "llama" alone). Others raise :class:`tokenfab.errors.UnsupportedError` naming the architecture.
+``gguf`` is imported lazily.
 """
 from __future__ import annotations
 
@@ -29,8 +31,10 @@ from typing import Iterator
 import numpy as np
 
 from tokenfab.errors import UnsupportedError, WeightLoadError
+from tokenfab.loader import gguf_moe
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + gguf_moe.MOE_ARCHITECTURES
 PERMUTED_QK_ARCHITECTURES = ("llama",)  # llama.cpp's converter reorders q/k rows for these only
 
 # llama.cpp tensor name (after "blk.N.") -> Hugging Face name (after "model.layers.N.").
@@ -119,16 +123,18 @@ def architecture(meta: dict) -> str:
 
 
 def hf_config(meta: dict, tensor_names: set[str]) -> dict:
-    """A transformers-5 ``config.json`` dict for ``LlamaForCausalLM`` (llama, qwen2: ``attention_bias`` true) or
-    ``Qwen3ForCausalLM`` (qwen3) from GGUF metadata.
+    """A transformers-5 ``config.json`` dict from GGUF metadata: ``LlamaForCausalLM`` (llama, qwen2:
+    ``attention_bias`` true), ``Qwen3ForCausalLM`` (qwen3), ``Qwen3MoeForCausalLM`` (qwen3moe) or
+    ``DeepseekV3ForCausalLM`` (deepseek2; :func:`tokenfab.loader.gguf_moe.moe_config`).
 
     ``tensor_names``: the GGUF tensor names (``output.weight`` absent means tied input/output embeddings).
     RoPE: ``{arch}.rope.freq_base`` (default 10000) and, when present, ``{arch}.rope.scaling.type`` ``linear``
-    with ``.factor``; llama3-style ``rope_freqs`` tensors and other scalings raise UnsupportedError (GGUF keeps
-    only their precomputed frequencies, not the parameters transformers needs).
+    with ``.factor`` or ``yarn`` (:func:`tokenfab.loader.gguf_moe.yarn_parameters`); llama3-style ``rope_freqs``
+    tensors and other scalings raise UnsupportedError (GGUF keeps only their precomputed frequencies, not the
+    parameters transformers needs).
 
     Raises:
-        UnsupportedError: architecture or RoPE scaling not handled.
+        UnsupportedError: architecture, RoPE scaling or routing not handled.
         WeightLoadError: a required metadata key is missing.
     """
     arch = architecture(meta)
@@ -144,9 +150,9 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
     kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
-    if rope_dim != head_dim:
+    if arch in DENSE_ARCHITECTURES + ("qwen3moe",) and rope_dim != head_dim:
         raise UnsupportedError(f"GGUF {arch}.rope.dimension_count {rope_dim} != head dim {head_dim}: partial "
-                               "rotary embeddings are not supported for Llama GGUF files.")
+                               "rotary embeddings are not supported for this architecture.")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     if vocab <= 0:
@@ -156,9 +162,11 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
     if scaling == "linear":
         rope = {"rope_type": "linear", "rope_theta": rope["rope_theta"],
                 "factor": float(need("rope.scaling.factor"))}
+    elif scaling == "yarn":
+        rope = gguf_moe.yarn_parameters(arch, meta, rope["rope_theta"], need)
     elif scaling not in ("none", None):
         raise UnsupportedError(f"GGUF {arch}.rope.scaling.type '{scaling}' is not supported (supported: none, "
-                               "linear).")
+                               "linear, yarn).")
     if "rope_freqs.weight" in tensor_names:
         raise UnsupportedError("GGUF file holds 'rope_freqs.weight' (llama3-style RoPE scaling), which is not "
                                "supported; use a model without it or its Hugging Face checkpoint.")
@@ -175,11 +183,28 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
         "attention_bias": arch == "qwen2", "mlp_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
         "use_cache": True, "dtype": "bfloat16",
     }
+    if arch in gguf_moe.MOE_ARCHITECTURES:
+        cfg.update(gguf_moe.moe_config(arch, meta, tensor_names, need))
     for key in ("bos", "eos", "padding"):
         tid = meta.get(f"tokenizer.ggml.{key}_token_id")
         if tid is not None:
             cfg["pad_token_id" if key == "padding" else f"{key}_token_id"] = int(tid)
     return cfg
+
+
+def gguf_tokenizer(path: str):
+    """transformers' tokenizer converted from the file's ``tokenizer.*`` metadata (vocabulary, merges, special
+    tokens, chat template) by transformers' own GGUF tokenizer conversion. ``AutoTokenizer`` first reads the model
+    config transformers derives from the file and refuses architectures it has none for (deepseek2), so those are
+    converted through the generic fast tokenizer class, the same conversion without the config.
+
+    Raises FileNotFoundError / WeightLoadError as :func:`open_gguf`."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    arch = metadata(open_gguf(path)).get("general.architecture")
+    cls = AutoTokenizer if arch in DENSE_ARCHITECTURES + ("qwen3moe",) else PreTrainedTokenizerFast
+    folder, name = os.path.split(os.path.abspath(path))
+    return cls.from_pretrained(folder, gguf_file=name)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -196,13 +221,17 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def hf_name(gguf_name: str) -> str:
-    """The Hugging Face Llama name of a GGUF tensor name; raises WeightLoadError for names it does not know."""
+    """The Hugging Face name of a GGUF tensor that maps to one Hugging Face tensor (every one but the expert stacks
+    and DeepSeek's ``attn_k_b`` / ``attn_v_b``: :func:`tokenfab.loader.gguf_moe.moe_tensors`); raises
+    WeightLoadError for names it does not know."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _BLOCK.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    raise WeightLoadError(f"GGUF tensor '{gguf_name}' has no Hugging Face Llama counterpart (unknown name).")
+    if m and m.group(2) in gguf_moe.LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{gguf_moe.LAYER_NAMES[m.group(2)]}"
+    raise WeightLoadError(f"GGUF tensor '{gguf_name}' has no Hugging Face counterpart (unknown name).")
 
 
 def dequantize(tensor) -> np.ndarray:
@@ -237,10 +266,14 @@ def zero_o_biases(cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
 
 def iter_hf_tensors(reader, cfg: dict) -> Iterator[tuple[str, np.ndarray]]:
     """Yield ``(hf_name, float32 array)`` for every tensor of ``reader``, q/k rows un-permuted (llama), then
-    qwen2's zero o_proj biases (:func:`zero_o_biases`).
+    qwen2's zero o_proj biases (:func:`zero_o_biases`); MoE architectures through
+    :func:`tokenfab.loader.gguf_moe.moe_tensors` (experts split, MLA's kv_b joined).
 
     ``cfg``: the dict from :func:`hf_config` (head counts). Arrays are fresh (not views of the memory map).
     """
+    if reader.fields["general.architecture"].contents() in gguf_moe.MOE_ARCHITECTURES:
+        yield from gguf_moe.moe_tensors(reader, cfg, dequantize, hf_name)
+        return
     permuted = permutes_qk(reader)
     for t in reader.tensors:
         name = hf_name(t.name)

@@ -5,11 +5,13 @@ default_model.resolve_model); otherwise, and for the default model's bf16 twin (
 serves), it is dequantized once into ``<cache>/models/gguf/<file stem>-<key>/`` (``<cache>`` is
 ``$TOKENFAB_CACHE`` or ``~/.cache/tokenfab``):
 
-* ``model.safetensors``: every tensor dequantized to float32 by :mod:`tokenfab.loader.gguf_reader` (llama.cpp's
-  reference dequantizer, q/k rows un-permuted), then rounded to bfloat16 (round to nearest even, ``Tensor.to``);
+* ``model.safetensors`` (or shards of about 4 GiB with ``model.safetensors.index.json``, written as the tensors are
+  dequantized, so a large MoE file never sits in memory whole): every tensor dequantized to float32 by
+  :mod:`tokenfab.loader.gguf_reader` (llama.cpp's reference dequantizer, q/k rows un-permuted, MoE experts and
+  MLA tensors in Hugging Face's layout), then rounded to bfloat16 (round to nearest even, ``Tensor.to``);
 * ``config.json`` / ``generation_config.json``: from the GGUF metadata (bos / eos / pad token ids);
 * ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``: transformers' own GGUF tokenizer
-  conversion (``AutoTokenizer.from_pretrained(folder, gguf_file=...)``) saved with ``save_pretrained``;
+  conversion (:func:`tokenfab.loader.gguf_reader.gguf_tokenizer`) saved with ``save_pretrained``;
 * ``gguf_source.json``: the source file, its size and the cache key.
 
 The folder is written under a temporary name and renamed into place, so a crash never leaves half a checkpoint;
@@ -25,6 +27,7 @@ import os
 
 CONVERTER_VERSION = 1
 _HEAD_TAIL_BYTES = 1 << 20
+SHARD_BYTES = 4 << 30  # dequantized folder shards: at most about 4 GiB each (write_shards)
 
 
 def is_gguf_path(model: str | None) -> bool:
@@ -80,6 +83,46 @@ def gguf_config(path: str) -> dict:
     return hf_config(metadata(reader), {t.name for t in reader.tensors})
 
 
+def write_shards(tensors, out_dir: str, shard_bytes: int | None = None) -> list[str]:
+    """Save ``(name, tensor)`` pairs into ``out_dir`` as safetensors files of at most about ``shard_bytes`` each
+    (default :data:`SHARD_BYTES`; a tensor larger than that gets a file of its own), so a large MoE file's experts never sit in memory at once:
+    one file is ``model.safetensors``; several are ``model-00001-of-0000N.safetensors`` ... with
+    ``model.safetensors.index.json`` (Hugging Face's sharded layout). Returns the file names written."""
+    shard_bytes = shard_bytes or SHARD_BYTES
+    shards: list[dict] = []
+    current: dict = {}
+    size = 0
+    for name, t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > shard_bytes:
+            shards.append(_save_part(current, out_dir, len(shards)))
+            current, size = {}, 0
+        current[name], size = t.contiguous(), size + nbytes
+    if current or not shards:
+        shards.append(_save_part(current, out_dir, len(shards)))
+    if len(shards) == 1:
+        os.replace(os.path.join(out_dir, shards[0]["file"]), os.path.join(out_dir, "model.safetensors"))
+        return ["model.safetensors"]
+    n, weight_map, total = len(shards), {}, 0
+    for i, part in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(os.path.join(out_dir, part["file"]), os.path.join(out_dir, final))
+        weight_map.update({name: final for name in part["names"]})
+        total += part["bytes"]
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    return sorted(set(weight_map.values()))
+
+
+def _save_part(tensors: dict, out_dir: str, i: int) -> dict:
+    """Write one shard under a temporary name; its file, tensor names and bytes."""
+    from safetensors.torch import save_file
+
+    file = f"part-{i:05d}.safetensors"
+    save_file(tensors, os.path.join(out_dir, file), metadata={"format": "pt"})
+    return {"file": file, "names": list(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
+
+
 def write_checkpoint(path: str, out_dir: str, dtype: str = "bfloat16") -> None:
     """Write the Hugging Face folder of GGUF file ``path`` into the existing empty folder ``out_dir``, its tensors
     stored in ``dtype`` ("bfloat16", or "float32": gguf's dequantized values unrounded).
@@ -88,28 +131,24 @@ def write_checkpoint(path: str, out_dir: str, dtype: str = "bfloat16") -> None:
     cannot convert.
     """
     import torch
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
 
-    from tokenfab.loader.gguf_reader import hf_config, iter_hf_tensors, metadata, open_gguf
+    from tokenfab.loader.gguf_reader import gguf_tokenizer, hf_config, iter_hf_tensors, metadata, open_gguf
 
     reader = open_gguf(path)
     meta = metadata(reader)
     cfg = hf_config(meta, {t.name for t in reader.tensors})
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"dtype must be 'bfloat16' or 'float32', got {dtype!r}")
-    tensors = {name: torch.from_numpy(arr).to(getattr(torch, dtype)) for name, arr in iter_hf_tensors(reader, cfg)}
+    write_shards(((name, torch.from_numpy(arr).to(getattr(torch, dtype)))
+                  for name, arr in iter_hf_tensors(reader, cfg)), out_dir)
     del reader
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
     if "tokenizer.ggml.model" in meta:
-        folder, name = os.path.split(os.path.abspath(path))
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        tok.save_pretrained(out_dir)
+        gguf_tokenizer(path).save_pretrained(out_dir)
     with open(os.path.join(out_dir, "gguf_source.json"), "w") as f:
         json.dump({"source": os.path.abspath(path), "size": os.path.getsize(path), "key": cache_key(path),
                    "converter_version": CONVERTER_VERSION, "general.name": meta.get("general.name"),

@@ -1,0 +1,238 @@
+"""GGUF files of llama.cpp's MoE architectures ``qwen3moe`` and ``deepseek2`` (tokenfab/loader/gguf_moe.py).
+
+Tiny Qwen3-MoE and DeepSeek-V3 checkpoints are written here as llama.cpp's converter (convert_hf_to_gguf.py,
+``Qwen3MoeModel`` / ``DeepseekV2Model``) lays them out, the names taken from gguf-py's own tensor map
+(``gguf.get_tensor_name_map``, not tokenfab's table): experts stacked per layer [E, out, in], DeepSeek's
+``kv_b_proj`` split into ``attn_k_b`` (key rows per head, transposed) and ``attn_v_b`` (or kept whole, as files
+converted before that split hold it), the correction bias as ``exp_probs_b.bias``, MLA written as one KV head, and
+the converter's metadata (MLA widths, expert counts, routing, YaRN with 0.1 * mscale_all_dim as the log multiplier).
+Checked: every tensor stored F32 comes back bit for bit under its Hugging Face name; the config matches the
+checkpoint's; Qwen3-MoE tensors equal transformers' own GGUF loader's; served by tokenfab from the file (its cached
+dequantized folder), greedy tokens equal transformers' on the same weights in float32.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from conftest import load_reference, reference_greedy  # noqa: E402
+from gguf_helpers import add_hf_tokenizer, finish_gguf  # noqa: E402
+
+ARCH = {"qwen3_moe": "qwen3moe", "deepseek_v3": "deepseek2"}
+DS_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+           "beta_fast": 4.0, "beta_slow": 1.0, "original_max_position_embeddings": 64}  # beta_fast off its default
+
+
+def _header(w, arch: str, cfg: dict, kv_b: str) -> None:
+    """The metadata convert_hf_to_gguf.py writes for these architectures (TextModel's base keys plus the model's)."""
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_expert_count(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg["n_routed_experts"])
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_vocab_size(cfg["vocab_size"])
+    if arch == "qwen3moe":
+        w.add_head_count_kv(cfg["num_key_value_heads"])
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
+        return
+    w.add_head_count_kv(1)  # MLA as multi-query attention
+    w.add_expert_group_count(cfg["n_group"])
+    w.add_expert_group_used_count(cfg["topk_group"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+    if cfg.get("q_lora_rank"):
+        w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(cfg["kv_lora_rank"])
+    rope, nope, v = cfg["qk_rope_head_dim"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+    if kv_b == "split":
+        w.add_key_length(cfg["kv_lora_rank"] + rope)
+        w.add_value_length(cfg["kv_lora_rank"])
+        w.add_key_length_mla(nope + rope)
+        w.add_value_length_mla(v)
+    else:  # files converted before attn_k_b / attn_v_b
+        w.add_key_length(nope + rope)
+        w.add_value_length(v)
+    w.add_expert_shared_count(cfg["n_shared_experts"])
+    w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+    if cfg["norm_topk_prob"]:
+        w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(rope)
+    rp = cfg["rope_parameters"]
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rp["factor"])
+    w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rp["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rp["beta_slow"])
+    w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
+
+
+def write_moe_gguf(hf_dir: str, path: str, kv_b: str = "split", q8: tuple[str, ...] = (),
+                   drop: tuple[str, ...] = ()) -> dict:
+    """Write the tiny Qwen3-MoE / DeepSeek-V3 checkpoint at ``hf_dir`` as llama.cpp's converter would (F32
+    tensors; GGUF names whose suffix is in ``q8`` stored Q8_0; ``drop``: GGUF names left out). Returns its config."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+    from safetensors.torch import load_file
+
+    cfg = json.load(open(os.path.join(hf_dir, "config.json")))
+    arch = ARCH[cfg["model_type"]]
+    sd = {k: v.float().numpy() for k, v in load_file(os.path.join(hf_dir, "model.safetensors")).items()}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE if arch == "qwen3moe" else gguf.MODEL_ARCH.DEEPSEEK2,
+                                     cfg["num_hidden_layers"])
+    w = gguf.GGUFWriter(path, arch)
+    _header(w, arch, cfg, kv_b)
+    add_hf_tokenizer(w, hf_dir, cfg)
+    out: dict[str, np.ndarray] = {}
+    for layer in range(cfg["num_hidden_layers"]):  # experts stacked per layer, as the converter merges them
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            keys = [k for k in sd if k.startswith(f"model.layers.{layer}.mlp.experts.") and k.endswith(proj + ".weight")]
+            if keys:
+                stack = np.stack([sd.pop(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
+                                  for e in range(len(keys))])
+                out[names.get_name(f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))] = stack
+    for name, a in sd.items():
+        if name.endswith("kv_b_proj.weight") and kv_b == "split":
+            heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
+            per_head = a.reshape(heads, nope + v, a.shape[-1])
+            gname = names.get_name(name.replace("kv_b_proj", "k_b_proj"), try_suffixes=(".weight",))
+            out[gname] = np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1))
+            out[gname.replace("attn_k_b", "attn_v_b")] = np.ascontiguousarray(per_head[:, nope:])
+            continue
+        hf = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        out[names.get_name(hf, try_suffixes=(".weight", ".bias"))] = a
+    for gname, a in out.items():
+        if gname in drop:
+            continue
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if gname.rsplit(".", 2)[-2] in q8:
+            raw = quantize(a, Q.Q8_0)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q.Q8_0)
+        else:
+            w.add_tensor(gname, a)
+    finish_gguf(w)
+    return cfg
+
+
+def _deepseek(tiny_model, **kw) -> str:
+    return tiny_model("deepseek_v3", rope_parameters=DS_ROPE, **kw)
+
+
+@pytest.mark.parametrize("kv_b", ["split", "joined"])
+def test_deepseek2_f32_tensors_and_config_come_back_exactly(tiny_model, tmp_path, kv_b):
+    from safetensors.torch import load_file
+
+    from tokenfab.loader.gguf_to_hf import gguf_config, hf_state_dict
+
+    hf_dir = _deepseek(tiny_model)
+    path = str(tmp_path / "ds.gguf")
+    cfg = write_moe_gguf(hf_dir, path, kv_b=kv_b)
+    orig = load_file(os.path.join(hf_dir, "model.safetensors"))
+    ours = hf_state_dict(path)
+    assert set(ours) == set(orig)
+    for k, v in orig.items():
+        assert torch.equal(ours[k], v.float()), k
+    got = gguf_config(path)
+    for k in ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "n_routed_experts", "n_shared_experts",
+              "num_experts_per_tok", "n_group", "topk_group", "first_k_dense_replace", "norm_topk_prob",
+              "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "vocab_size",
+              "max_position_embeddings", "model_type", "architectures", "tie_word_embeddings"):
+        assert got[k] == cfg[k], k
+    assert got["routed_scaling_factor"] == pytest.approx(cfg["routed_scaling_factor"], rel=1e-6)  # float32
+    for k, v in DS_ROPE.items():
+        assert got["rope_parameters"][k] == (pytest.approx(v, rel=1e-6) if isinstance(v, float) else v), k
+
+
+def test_qwen3moe_tensors_equal_transformers_gguf_loader(tiny_model, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tokenfab.loader.gguf_to_hf import gguf_config, hf_state_dict
+
+    hf_dir = tiny_model("qwen3_moe")
+    path = str(tmp_path / "q.gguf")
+    cfg = write_moe_gguf(hf_dir, path, q8=("ffn_gate_exps", "attn_q", "ffn_down_exps"))
+    # transformers' GGUF config mapping has no expert_feed_forward_length: its config is the checkpoint's
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="q.gguf", dtype=torch.float32,
+                                               config=AutoConfig.from_pretrained(hf_dir)).state_dict()
+    ours = hf_state_dict(path)
+    assert set(ours) == set(load_file(os.path.join(hf_dir, "model.safetensors")))
+    for e in range(cfg["num_local_experts"]):  # transformers 5 keeps experts fused: gate_up_proj [E, 2I, H], down_proj
+        for layer in range(cfg["num_hidden_layers"]):
+            pre = f"model.layers.{layer}.mlp.experts"
+            gate_up = torch.cat([ours[f"{pre}.{e}.gate_proj.weight"], ours[f"{pre}.{e}.up_proj.weight"]])
+            assert torch.equal(gate_up, ref[f"{pre}.gate_up_proj"][e]), (layer, e)
+            assert torch.equal(ours[f"{pre}.{e}.down_proj.weight"], ref[f"{pre}.down_proj"][e]), (layer, e)
+    for k, v in ours.items():
+        if ".experts." not in k:
+            assert torch.equal(v, ref[k]), k
+    got = gguf_config(path)
+    assert got["num_experts"] == cfg["num_local_experts"]
+    for k in ("num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "head_dim",
+              "num_key_value_heads", "model_type", "architectures"):
+        assert got[k] == cfg[k], k
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_served_from_the_file_matches_transformers_greedy(tiny_model, tmp_path, monkeypatch, family):
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.loader.gguf_packed import packed_unsupported_reason
+
+    import tokenfab.loader.gguf_to_hf as g2h
+
+    monkeypatch.setenv("TOKENFAB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(g2h, "SHARD_BYTES", 100_000)  # the dequantized folder in shards (~0.7 MB in all)
+    hf_dir = _deepseek(tiny_model) if family == "deepseek_v3" else tiny_model("qwen3_moe")
+    path = str(tmp_path / f"{family}.gguf")
+    write_moe_gguf(hf_dir, path, q8=("ffn_up_exps", "ffn_down_shexp", "attn_kv_a_mqa", "attn_output"))
+    assert "no packed GGUF kernels" in packed_unsupported_reason(path)  # served from the dequantized folder
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False)
+    folder = llm.engine_config.model
+    index = json.load(open(os.path.join(folder, "model.safetensors.index.json")))
+    assert len(set(index["weight_map"].values())) >= 3 and not os.path.exists(os.path.join(folder, "model.safetensors"))
+    ref = load_reference(folder)  # the same (bf16-rounded, dequantized) weights in transformers, float32
+    prompts = [[5, 17, 99, 3, 250], [300, 301, 7]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == reference_greedy(ref, p, 10)
+
+
+def test_kv_b_half_missing_refused_and_missing_bias_zero(tiny_model, tmp_path):
+    from tokenfab.errors import WeightLoadError
+    from tokenfab.loader.gguf_to_hf import hf_state_dict
+
+    hf_dir = _deepseek(tiny_model)
+    half = str(tmp_path / "half.gguf")
+    write_moe_gguf(hf_dir, half, drop=("blk.1.attn_v_b.weight",))
+    with pytest.raises(WeightLoadError, match="layer 1 holds attn_k_b.weight without its other half"):
+        hf_state_dict(half)
+    nobias = str(tmp_path / "nobias.gguf")  # no correction bias: zeros, as llama.cpp adds none
+    write_moe_gguf(hf_dir, nobias, drop=("blk.1.exp_probs_b.bias",))
+    assert torch.equal(hf_state_dict(nobias)["model.layers.1.mlp.gate.e_score_correction_bias"], torch.zeros(8))
+
+
+def test_softmax_gated_deepseek2_is_refused(tiny_model, tmp_path, monkeypatch):
+    from tokenfab.errors import UnsupportedError
+    from tokenfab.loader import gguf_moe
+    from tokenfab.loader.gguf_to_hf import gguf_config
+
+    path = str(tmp_path / "v2.gguf")
+    monkeypatch.setattr(gguf.GGUFWriter, "add_expert_gating_func",
+                        lambda self, v: self.add_uint32(f"{self.arch}.expert_gating_func", 1))
+    write_moe_gguf(_deepseek(tiny_model), path)
+    with pytest.raises(UnsupportedError, match=r"expert_gating_func 1 \(softmax, DeepSeek-V2\)"):
+        gguf_config(path)
+    assert gguf_moe.GATING_SIGMOID == int(gguf.ExpertGatingFuncType.SIGMOID)
