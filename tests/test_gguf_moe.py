@@ -236,3 +236,35 @@ def test_softmax_gated_deepseek2_is_refused(tiny_model, tmp_path, monkeypatch):
     with pytest.raises(UnsupportedError, match=r"expert_gating_func 1 \(softmax, DeepSeek-V2\)"):
         gguf_config(path)
     assert gguf_moe.GATING_SIGMOID == int(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _meta(arch: str, **keys) -> dict:
+    base = {"general.architecture": arch, "block_count": 2, "embedding_length": 64, "attention.head_count": 4,
+            "feed_forward_length": 96, "context_length": 256, "vocab_size": 512, "expert_count": 8,
+            "expert_used_count": 2, "expert_feed_forward_length": 32}
+    base.update(keys)
+    return {k if k.startswith("general.") else f"{arch}.{k}": v for k, v in base.items()}
+
+
+def test_config_edges_from_metadata_alone():
+    """hf_config on hand-written metadata: a dense qwen3 file with YaRN (llama.cpp's beta defaults 32 / 1, no
+    mscale: transformers' own YaRN attention factor applies), deepseek2 without a query LoRA, and the refusals."""
+    from tokenfab.errors import UnsupportedError, WeightLoadError
+    from tokenfab.loader.gguf_reader import hf_config
+
+    yarn = {"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 32768}
+    cfg = hf_config(_meta("qwen3", **yarn), {"output.weight"})
+    assert cfg["rope_parameters"] == {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 32768, "beta_fast": 32.0, "beta_slow": 1.0}
+    ds = _meta("deepseek2", **{"attention.head_count_kv": 1, "expert_gating_func": 2, "attention.kv_lora_rank": 32,
+                               "rope.dimension_count": 16, "attention.key_length": 48, "attention.value_length": 32,
+                               "attention.key_length_mla": 40, "attention.value_length_mla": 24})
+    cfg = hf_config(ds, set())
+    assert (cfg["q_lora_rank"], cfg["qk_nope_head_dim"], cfg["v_head_dim"], cfg["num_key_value_heads"],
+            cfg["n_group"], cfg["topk_group"], cfg["routed_scaling_factor"], cfg["norm_topk_prob"]) == \
+        (None, 24, 24, 4, 1, 1, 1.0, False)
+    assert cfg["tie_word_embeddings"] is True
+    with pytest.raises(WeightLoadError, match="'deepseek2.rope.scaling.original_context_length' is missing"):
+        hf_config(dict(ds, **{"deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor": 40.0}), set())
+    with pytest.raises(UnsupportedError, match=r"qwen3moe file with dense MLP layers \[1\]"):
+        hf_config(_meta("qwen3moe"), {"blk.1.ffn_gate.weight"})

@@ -130,10 +130,27 @@ def join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
     return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
 
 
+def expert_matrix(tensor, e: int) -> np.ndarray:
+    """Expert ``e`` of a stacked ``gguf.ReaderTensor`` [E, out, in] as a fresh float32 [out, in] array, dequantized
+    alone (``gguf.quants.dequantize`` on that expert's rows of the memory map), so a layer's stack is never held
+    in float32 at once (DeepSeek-V3's gate stack alone is 256 x 2048 x 7168: 15 GB).
+
+    Raises UnsupportedError for a block type the installed gguf package cannot dequantize."""
+    from gguf.quants import dequantize as gguf_dequantize
+
+    out, inputs = int(tensor.shape[1]), int(tensor.shape[0])
+    try:
+        arr = gguf_dequantize(tensor.data[e], tensor.tensor_type)
+    except NotImplementedError:
+        raise UnsupportedError(f"GGUF tensor '{tensor.name}': quantization type {tensor.tensor_type.name} cannot "
+                               "be dequantized by the installed gguf package.") from None
+    return np.array(arr, dtype=np.float32).reshape(out, inputs)
+
+
 def moe_tensors(reader, cfg: dict, dequantize: Callable, hf_name: Callable[[str], str]
                 ) -> Iterator[tuple[str, np.ndarray]]:
     """``(hf_name, float32 array)`` for every tensor of a ``qwen3moe`` / ``deepseek2`` reader: expert stacks split
-    per expert, ``attn_k_b`` + ``attn_v_b`` joined into ``kv_b_proj`` (:func:`join_kv_b`), the rest renamed by
+    per expert (:func:`expert_matrix`), ``attn_k_b`` + ``attn_v_b`` joined into ``kv_b_proj`` (:func:`join_kv_b`), the rest renamed by
     ``hf_name``; then a zero routing correction bias for deepseek2 MoE layers whose file has none (llama.cpp adds
     the bias only when present, so zeros compute the same routing). ``dequantize(t)``: one tensor as a float32
     array in Hugging Face (row-major) shape. Arrays are fresh (not views of the memory map).
@@ -146,10 +163,8 @@ def moe_tensors(reader, cfg: dict, dequantize: Callable, hf_name: Callable[[str]
     for t in reader.tensors:
         layer, _, rest = t.name[len("blk."):].partition(".") if t.name.startswith("blk.") else ("", "", "")
         if rest in EXPERT_STACKS:
-            stack = dequantize(t)
-            for e in range(stack.shape[0]):
-                yield (f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_STACKS[rest]}.weight",
-                       np.array(stack[e], dtype=np.float32, copy=True))
+            for e in range(int(t.shape[-1])):  # GGUF lists ne0 first: the expert count is last
+                yield f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_STACKS[rest]}.weight", expert_matrix(t, e)
             continue
         if rest in KV_B_HALVES:
             pair = halves.setdefault(layer, {})
