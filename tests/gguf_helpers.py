@@ -110,10 +110,11 @@ def check_kernel_product(raw: np.ndarray, name: str, k: int, rows: int, dtype: t
     return x, y, bias
 
 
-def add_hf_tokenizer(w, hf_dir: str, cfg: dict) -> None:
+def add_hf_tokenizer(w, hf_dir: str, cfg: dict, pre: str = "default") -> None:
     """The Hugging Face tokenizer at ``hf_dir`` (a byte-level BPE ``tokenizer.json``) and its chat template
     written into the ``gguf.GGUFWriter`` ``w`` as llama.cpp's converter writes a gpt2-style vocabulary
-    (``tokenizer.ggml.tokens`` / ``token_type`` / ``merges``, bos / eos / pad ids from ``cfg``)."""
+    (``tokenizer.ggml.tokens`` / ``token_type`` / ``merges``, bos / eos / pad ids from ``cfg``; ``pre``: the
+    ``tokenizer.ggml.pre`` name)."""
     import json
 
     tok = json.load(open(os.path.join(hf_dir, "tokenizer.json")))
@@ -125,7 +126,7 @@ def add_hf_tokenizer(w, hf_dir: str, cfg: dict) -> None:
         tokens[i] = s
     special = {t["id"] for t in tok["added_tokens"]}
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([3 if i in special else 1 for i in range(len(tokens))])
     w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])

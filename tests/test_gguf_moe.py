@@ -79,9 +79,10 @@ def _header(w, arch: str, cfg: dict, kv_b: str) -> None:
 
 
 def write_moe_gguf(hf_dir: str, path: str, kv_b: str = "split", q8: tuple[str, ...] = (),
-                   drop: tuple[str, ...] = ()) -> dict:
+                   drop: tuple[str, ...] = (), pre: str = "default") -> dict:
     """Write the tiny Qwen3-MoE / DeepSeek-V3 checkpoint at ``hf_dir`` as llama.cpp's converter would (F32
-    tensors; GGUF names whose suffix is in ``q8`` stored Q8_0; ``drop``: GGUF names left out). Returns its config."""
+    tensors; GGUF names whose suffix is in ``q8`` stored Q8_0; ``drop``: GGUF names left out; ``pre``: the
+    vocabulary's ``tokenizer.ggml.pre``). Returns its config."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quantize
     from safetensors.torch import load_file
@@ -93,7 +94,7 @@ def write_moe_gguf(hf_dir: str, path: str, kv_b: str = "split", q8: tuple[str, .
                                      cfg["num_hidden_layers"])
     w = gguf.GGUFWriter(path, arch)
     _header(w, arch, cfg, kv_b)
-    add_hf_tokenizer(w, hf_dir, cfg)
+    add_hf_tokenizer(w, hf_dir, cfg, pre)
     out: dict[str, np.ndarray] = {}
     for layer in range(cfg["num_hidden_layers"]):  # experts stacked per layer, as the converter merges them
         for proj in ("gate_proj", "up_proj", "down_proj"):
@@ -268,3 +269,40 @@ def test_config_edges_from_metadata_alone():
         hf_config(dict(ds, **{"deepseek2.rope.scaling.type": "yarn", "deepseek2.rope.scaling.factor": 40.0}), set())
     with pytest.raises(UnsupportedError, match=r"qwen3moe file with dense MLP layers \[1\]"):
         hf_config(_meta("qwen3moe"), {"blk.1.ffn_gate.weight"})
+
+
+def test_deepseek_v3_pre_tokenizer_set_and_unknown_ones_said(tiny_model, tmp_path, monkeypatch, capsys):
+    """transformers' GGUF conversion splits a ``deepseek-v3`` vocabulary by GPT-2's rule; tokenfab sets DeepSeek-V3's
+    split (digits in threes, CJK runs apart: offsets worked out by hand from its three expressions). A name neither
+    knows (``kimi-k2``) is said in one line, at conversion and again when the cached folder is used."""
+    import tokenfab.loader.gguf_reader as reader
+    from tokenfab.loader.gguf_to_hf import ensure_converted
+
+    monkeypatch.setenv("TOKENFAB_CACHE", str(tmp_path / "cache"))
+    hf_dir = _deepseek(tiny_model)
+    path = str(tmp_path / "ds3.gguf")
+    write_moe_gguf(hf_dir, path, pre="deepseek-v3")
+    tok = reader.gguf_tokenizer(path)
+    pieces = tok.backend_tokenizer.pre_tokenizer.pre_tokenize_str("ab 12345 中文,x")
+    assert [span for _, span in pieces] == [(0, 2), (2, 3), (3, 6), (6, 8), (8, 9), (9, 11), (11, 13)]
+    assert "pre-tokenizer" not in capsys.readouterr().err
+    kimi = str(tmp_path / "k2.gguf")
+    write_moe_gguf(hf_dir, kimi, pre="kimi-k2")
+    folder = ensure_converted(kimi)
+    err = capsys.readouterr().err
+    assert "k2.gguf: the GGUF vocabulary's pre-tokenizer 'kimi-k2'" in err and err.count("kimi-k2") == 1
+    assert "kimi-k2" in json.load(open(os.path.join(folder, "gguf_source.json")))["tokenizer_warning"]
+    monkeypatch.setattr(reader, "_WARNED", set())  # a new process
+    assert ensure_converted(kimi) == folder and "'kimi-k2'" in capsys.readouterr().err
+
+
+def test_smollm_rule_accepted_only_without_digit_tokens():
+    """``smollm`` puts each digit apart before GPT-2's rule: the same tokens as GPT-2's rule alone exactly when no
+    token holds a digit beside another character (SmolLM2's vocabulary), else a warning."""
+    from tokenfab.loader.gguf_pretokenizer import pre_tokenizer_warning
+
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "smollm", "tokenizer.ggml.tokens": ["a", "Ġb", "7"]}
+    assert pre_tokenizer_warning(meta) is None
+    assert "'smollm'" in pre_tokenizer_warning(dict(meta, **{"tokenizer.ggml.tokens": ["a", "Ġ7"]}))
+    assert pre_tokenizer_warning(dict(meta, **{"tokenizer.ggml.pre": "qwen2"})) is None  # transformers' own split
+    assert pre_tokenizer_warning(dict(meta, **{"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "x"})) is None

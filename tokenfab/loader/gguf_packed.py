@@ -210,6 +210,9 @@ def load_gguf_tokenizer(path: str):
         raise FileNotFoundError(f"GGUF file '{path}' does not exist.")
     folder = tokenizer_cache_folder(path)
     if os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
+        from tokenfab.loader.gguf_pretokenizer import pre_tokenizer_warning
+        from tokenfab.loader.gguf_reader import metadata, open_gguf, warn_pre_tokenizer
+        warn_pre_tokenizer(path, pre_tokenizer_warning(metadata(open_gguf(path))))  # the reader the load shares
         return AutoTokenizer.from_pretrained(folder)
     tok = gguf_tokenizer(path)
     try:

@@ -194,17 +194,37 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
 
 def gguf_tokenizer(path: str):
     """transformers' tokenizer converted from the file's ``tokenizer.*`` metadata (vocabulary, merges, special
-    tokens, chat template) by transformers' own GGUF tokenizer conversion. ``AutoTokenizer`` first reads the model
-    config transformers derives from the file and refuses architectures it has none for (deepseek2), so those are
-    converted through the generic fast tokenizer class, the same conversion without the config.
+    tokens, chat template) by transformers' own GGUF tokenizer conversion, its text split set where transformers
+    lacks the vocabulary's (:func:`tokenfab.loader.gguf_pretokenizer.fix_pre_tokenizer`; a pre-tokenizer neither
+    knows is said once, :func:`warn_pre_tokenizer`). ``AutoTokenizer`` first reads the model config transformers
+    derives from the file and refuses architectures it has none for (deepseek2), so those are converted through the
+    generic fast tokenizer class, the same conversion without the config.
 
     Raises FileNotFoundError / WeightLoadError as :func:`open_gguf`."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    arch = metadata(open_gguf(path)).get("general.architecture")
+    from tokenfab.loader.gguf_pretokenizer import fix_pre_tokenizer
+
+    meta = metadata(open_gguf(path))
+    arch = meta.get("general.architecture")
     cls = AutoTokenizer if arch in DENSE_ARCHITECTURES + ("qwen3moe",) else PreTrainedTokenizerFast
     folder, name = os.path.split(os.path.abspath(path))
-    return cls.from_pretrained(folder, gguf_file=name)
+    tok = cls.from_pretrained(folder, gguf_file=name)
+    warn_pre_tokenizer(path, fix_pre_tokenizer(tok, meta))
+    return tok
+
+
+_WARNED: set[str] = set()
+
+
+def warn_pre_tokenizer(path: str, warning: str | None) -> None:
+    """Print ``warning`` (from :func:`tokenfab.loader.gguf_pretokenizer.fix_pre_tokenizer`) about the GGUF file
+    at ``path`` to stderr, once per file and process; None prints nothing."""
+    import sys
+
+    if warning and path not in _WARNED:
+        _WARNED.add(path)
+        print(f"[tokenfab] {os.path.basename(path)}: {warning}", file=sys.stderr, flush=True)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

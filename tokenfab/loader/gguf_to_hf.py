@@ -132,6 +132,7 @@ def write_checkpoint(path: str, out_dir: str, dtype: str = "bfloat16") -> None:
     """
     import torch
 
+    from tokenfab.loader.gguf_pretokenizer import pre_tokenizer_warning
     from tokenfab.loader.gguf_reader import gguf_tokenizer, hf_config, iter_hf_tensors, metadata, open_gguf
 
     reader = open_gguf(path)
@@ -147,12 +148,15 @@ def write_checkpoint(path: str, out_dir: str, dtype: str = "bfloat16") -> None:
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2)
+    warning = None
     if "tokenizer.ggml.model" in meta:
         gguf_tokenizer(path).save_pretrained(out_dir)
+        warning = pre_tokenizer_warning(meta)
     with open(os.path.join(out_dir, "gguf_source.json"), "w") as f:
         json.dump({"source": os.path.abspath(path), "size": os.path.getsize(path), "key": cache_key(path),
                    "converter_version": CONVERTER_VERSION, "general.name": meta.get("general.name"),
-                   "general.file_type": meta.get("general.file_type"), "stored_dtype": dtype}, f, indent=2)
+                   "general.file_type": meta.get("general.file_type"), "stored_dtype": dtype,
+                   "tokenizer_warning": warning}, f, indent=2)
 
 
 def ensure_converted(path: str, quiet: bool = False, dtype: str = "bfloat16") -> str:
@@ -168,6 +172,11 @@ def ensure_converted(path: str, quiet: bool = False, dtype: str = "bfloat16") ->
         raise FileNotFoundError(f"GGUF file '{path}' does not exist.")
     final = cached_folder(path, dtype)
     if os.path.isfile(os.path.join(final, "config.json")):
+        if not quiet:  # the folder's tokenizer splits text by a rule other than its vocabulary's: said each run
+            from tokenfab.loader.gguf_reader import warn_pre_tokenizer
+            source = os.path.join(final, "gguf_source.json")
+            warn_pre_tokenizer(path, json.load(open(source)).get("tokenizer_warning") if os.path.isfile(source)
+                               else None)
         return final
     if not quiet:
         print(f"[tokenfab] dequantizing {os.path.basename(path)} to {dtype} into {final} (first use only) ...",
