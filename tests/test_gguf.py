@@ -232,7 +232,8 @@ def test_bad_gguf_inputs_raise_clear_errors(tiny_model, tmp_path, monkeypatch):
     write_gguf(tiny_model("llama"), other, arch="gpt2")
     with pytest.raises(UnsupportedError, match="architecture 'gpt2'"):
         ensure_converted(other, quiet=True)
-    assert os.listdir(tmp_path / "cache" / "models" / "gguf") == []  # failed conversions leave no temp folder
+    gdir = tmp_path / "cache" / "models" / "gguf"  # refused before any folder is made; none left behind
+    assert not gdir.exists() or os.listdir(gdir) == []
     assert resolve_model_path("/some/folder") == "/some/folder"  # folders pass through untouched
 
 

@@ -198,7 +198,7 @@ def test_served_from_the_file_matches_transformers_greedy(tiny_model, tmp_path, 
     hf_dir = _deepseek(tiny_model) if family == "deepseek_v3" else tiny_model("qwen3_moe")
     path = str(tmp_path / f"{family}.gguf")
     write_moe_gguf(hf_dir, path, q8=("ffn_up_exps", "ffn_down_shexp", "attn_kv_a_mqa", "attn_output"))
-    assert "no packed GGUF kernels" in packed_unsupported_reason(path)  # served from the dequantized folder
+    assert "routed experts are not served packed" in packed_unsupported_reason(path)  # the dequantized folder
     llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False)
     folder = llm.engine_config.model
     index = json.load(open(os.path.join(folder, "model.safetensors.index.json")))
@@ -211,22 +211,29 @@ def test_served_from_the_file_matches_transformers_greedy(tiny_model, tmp_path, 
         assert list(o.outputs[0].token_ids) == reference_greedy(ref, p, 10)
 
 
-def test_kv_b_half_missing_refused_and_missing_bias_zero(tiny_model, tmp_path):
+def test_kv_b_half_missing_refused_and_missing_bias_zero(tiny_model, tmp_path, monkeypatch):
     from tokenfab.errors import WeightLoadError
-    from tokenfab.loader.gguf_to_hf import hf_state_dict
+    from tokenfab.loader.gguf_to_hf import ensure_converted, hf_state_dict
 
     hf_dir = _deepseek(tiny_model)
     half = str(tmp_path / "half.gguf")
     write_moe_gguf(hf_dir, half, drop=("blk.1.attn_v_b.weight",))
     with pytest.raises(WeightLoadError, match="layer 1 holds attn_k_b.weight without its other half"):
         hf_state_dict(half)
+    monkeypatch.setenv("TOKENFAB_CACHE", str(tmp_path / "cache"))  # failing mid-conversion: no folder left
+    with pytest.raises(WeightLoadError, match="without its other half"):
+        ensure_converted(half, quiet=True)
+    assert os.listdir(tmp_path / "cache" / "models" / "gguf") == []
     nobias = str(tmp_path / "nobias.gguf")  # no correction bias: zeros, as llama.cpp adds none
     write_moe_gguf(hf_dir, nobias, drop=("blk.1.exp_probs_b.bias",))
     assert torch.equal(hf_state_dict(nobias)["model.layers.1.mlp.gate.e_score_correction_bias"], torch.zeros(8))
 
 
-def test_softmax_gated_deepseek2_is_refused(tiny_model, tmp_path, monkeypatch):
-    from tokenfab.errors import UnsupportedError
+def test_softmax_gated_deepseek2_is_refused(tiny_model, tmp_path, monkeypatch, capsys):
+    """Refused in one line by name, and by the entry points' model resolution before any line says it falls back to
+    a dequantized copy (an unreadable file likewise)."""
+    from tokenfab.default_model import resolve_model
+    from tokenfab.errors import UnsupportedError, WeightLoadError
     from tokenfab.loader import gguf_moe
     from tokenfab.loader.gguf_to_hf import gguf_config
 
@@ -236,6 +243,13 @@ def test_softmax_gated_deepseek2_is_refused(tiny_model, tmp_path, monkeypatch):
     write_moe_gguf(_deepseek(tiny_model), path)
     with pytest.raises(UnsupportedError, match=r"expert_gating_func 1 \(softmax, DeepSeek-V2\)"):
         gguf_config(path)
+    monkeypatch.setenv("TOKENFAB_CACHE", str(tmp_path / "cache"))
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not gguf" * 8)
+    for bad, err in ((path, UnsupportedError), (str(junk), WeightLoadError)):
+        with pytest.raises(err):
+            resolve_model(bad)
+        assert capsys.readouterr().out == ""
     assert gguf_moe.GATING_SIGMOID == int(gguf.ExpertGatingFuncType.SIGMOID)
 
 

@@ -179,6 +179,8 @@ def resolve_model(model: str | None, quiet: bool = False) -> str:
         return default_model_path(quiet=quiet)
     from tokenfab.loader.gguf_packed import is_gguf, packed_unsupported_reason
     if is_gguf(model) and os.path.isfile(model):
+        from tokenfab.loader.gguf_to_hf import gguf_config
+        gguf_config(model)  # an unreadable or refused file raises here, before anything says it falls back
         reason = packed_unsupported_reason(model)
         if reason is None:
             return os.path.abspath(model)  # served packed (tokenfab.loader.gguf_packed, tokenfab.quant)

@@ -85,8 +85,8 @@ def _unpacked_architecture(cfg: dict) -> str | None:
     None for the dense ones this loader reads."""
     if cfg["model_type"] in ("llama", "qwen3"):
         return None
-    return (f"architecture {cfg['model_type']}: its experts and MLA tensors have no packed GGUF kernels yet "
-            "(served from the dequantized copy)")
+    arch = {"qwen3_moe": "qwen3moe", "deepseek_v3": "deepseek2"}.get(cfg["model_type"], cfg["model_type"])
+    return f"GGUF architecture {arch}: routed experts are not served packed yet"
 
 
 def packed_unsupported_reason(path: str) -> str | None:

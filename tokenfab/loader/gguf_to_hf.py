@@ -178,6 +178,7 @@ def ensure_converted(path: str, quiet: bool = False, dtype: str = "bfloat16") ->
             warn_pre_tokenizer(path, json.load(open(source)).get("tokenizer_warning") if os.path.isfile(source)
                                else None)
         return final
+    gguf_config(path)  # an unreadable or refused file raises here, before the message below
     if not quiet:
         print(f"[tokenfab] dequantizing {os.path.basename(path)} to {dtype} into {final} (first use only) ...",
               flush=True)
