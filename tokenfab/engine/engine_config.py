@@ -27,9 +27,10 @@ SUPPORTED_QUANTIZATION = {
     "fp8": "FP8 block-scaled weights (DeepSeek-V3 / Kimi-K2 as published, weight_block_size [128, 128]), kept packed "
            "(routed experts included; MLA kv_b_proj dequantized to the engine dtype at load, and the routed experts "
            "too when host experts are requested)",
-    "gguf": "a .gguf file: llama / qwen2 / qwen3 with F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K tensors "
-            "kept packed (loader/gguf_packed.py); qwen3moe and deepseek2 (DeepSeek-V3, Kimi-K2) files and those "
-            "holding other tensor types dequantized once to a cached bf16 folder (loader/gguf_to_hf.py)",
+    "gguf": "a .gguf file: llama / qwen2 / qwen3 / qwen3moe with F16 / BF16 / Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / "
+            "Q6_K tensors kept packed, routed experts included (loader/gguf_packed.py); deepseek2 (DeepSeek-V3, "
+            "Kimi-K2) files and those holding other tensor types dequantized once to a cached bf16 folder "
+            "(loader/gguf_to_hf.py)",
 }
 # generation_config.json keys that become default SamplingParams fields (vLLM's list; max_new_tokens -> max_tokens).
 GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",

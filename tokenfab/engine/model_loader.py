@@ -9,7 +9,7 @@ import torch
 
 from tokenfab.config import ModelConfig, load_config
 from tokenfab.errors import WeightLoadError
-from tokenfab.loader.gguf_packed import is_gguf, iterate_gguf_weights, load_gguf_tokenizer
+from tokenfab.loader.gguf_packed import is_gguf, iterate_gguf_weights, load_gguf_tokenizer, packed_expert_stacks
 from tokenfab.loader.safetensors_loader import iterate_weights
 from tokenfab.models.registry import get_model_class
 
@@ -107,7 +107,8 @@ def load_model(config, progress: bool = True, tp=None, device: torch.device | No
         # filled where they will run; with host experts on the host first, then split below as loaded weights are
         fill_dummy_weights(model, torch.device("cpu") if host_split else device, seed=seed)
         skipped = []
-    elif gguf_file:  # quantized linears stay packed (tokenfab.quant.gguf_weight)
+    elif gguf_file:  # quantized linears and expert stacks stay packed (tokenfab.quant.gguf_weight, gguf_experts)
+        model.gguf_expert_stacks = packed_expert_stacks(config.model)
         skipped = model.load_weights(iterate_gguf_weights(config.model, progress=progress))
     elif tp is None:
         try:

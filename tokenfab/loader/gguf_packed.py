@@ -1,5 +1,5 @@
-"""Read a llama / qwen2 / qwen3 GGUF file (llama.cpp's format, parsed with the ``gguf`` package) with its quantized
-linears kept packed: ``LLM(model="path/file.gguf")``.
+"""Read a llama / qwen2 / qwen3 / qwen3moe GGUF file (llama.cpp's format, parsed with the ``gguf`` package) with its
+quantized linears and routed experts kept packed: ``LLM(model="path/file.gguf")``.
 
 * Config: the ``llama.*`` metadata becomes a config.json-shaped dict (:func:`gguf_config`); the tokenizer and chat
   template come from the file (transformers' GGUF tokenizer loader) unless a tokenizer folder is given.
@@ -7,7 +7,9 @@ linears kept packed: ``LLM(model="path/file.gguf")``.
 * Values: the linears (q, k, v, o, gate, up, down), the token embedding and an untied output in a packed block
   type (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) become :class:`~tokenfab.quant.gguf_weight.GGUFWeight` objects (their bytes, regrouped,
   never a float copy; the embedding is looked up row by row from them and a tied LM head multiplies them,
-  ``CausalLM.load_weights``); every other tensor (norms, an embedding in another type) is read as float32
+  ``CausalLM.load_weights``); qwen3moe's expert stacks ``ffn_{gate,up,down}_exps`` [E, out, in] in a packed
+  block type become one GGUFWeight per expert, which the model's :class:`~tokenfab.quant.gguf_experts.GGUFExperts`
+  stacks copy (gate and up of a layer in one type); every other tensor (norms, an embedding in another type) is read as float32
   (quantized ones dequantized), the model casting it to its dtype. A linear in another quantized type is refused
   by name.
 * llama.cpp's converter permutes q and k rows per head for its rotary layout (``LlamaModel.permute`` in
@@ -32,6 +34,8 @@ _BLOCK_NAMES = {  # llama.cpp's per-layer names -> transformers' LlamaDecoderLay
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
 }
+_BLOCK_NAMES["ffn_gate_inp"] = "mlp.gate"  # qwen3moe's router (its expert stacks: _EXPERT_STACKS)
+_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PACKED_TOP = {"token_embd.weight", "output.weight"}  # kept packed when in a packed block type (PackedEmbedding)
 _LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
@@ -81,12 +85,50 @@ def unpermute_rows(rows: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _unpacked_architecture(cfg: dict) -> str | None:
-    """Why a config's architecture is not served packed (the MoE architectures of tokenfab.loader.gguf_moe), or
-    None for the dense ones this loader reads."""
-    if cfg["model_type"] in ("llama", "qwen3"):
+    """Why a config's architecture is not served packed (deepseek2, tokenfab.loader.gguf_moe), or None for the
+    ones this loader reads (llama / qwen2 / qwen3, and qwen3moe with its experts in tokenfab.quant.gguf_experts)."""
+    if cfg["model_type"] in ("llama", "qwen3", "qwen3_moe"):
         return None
-    arch = {"qwen3_moe": "qwen3moe", "deepseek_v3": "deepseek2"}.get(cfg["model_type"], cfg["model_type"])
-    return f"GGUF architecture {arch}: routed experts are not served packed yet"
+    arch = {"deepseek_v3": "deepseek2"}.get(cfg["model_type"], cfg["model_type"])
+    return f"GGUF architecture {arch}: its MLA and expert tensors are not served packed yet"
+
+
+def _expert_stack_reason(tensors, cfg: dict) -> str | None:
+    """Why a qwen3moe file's expert stacks cannot stay packed (a layer mixing quantized and plain stacks, gate and
+    up in two block types, gate rows not filling whole 16-row tiles), or None."""
+    import gguf
+
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    types: dict[str, dict[str, object]] = {}
+    for t in tensors:
+        m = _BLK.match(t.name)
+        if m and m.group(2) in _EXPERT_STACKS:
+            types.setdefault(m.group(1), {})[m.group(2)] = t.tensor_type
+    for layer, kinds in sorted(types.items()):
+        quantized = {k for k, q in kinds.items() if q not in plain}
+        if quantized and len(quantized) < len(kinds):
+            return f"layer {layer} holds quantized and unquantized expert stacks"
+        if quantized and kinds.get("ffn_gate_exps") != kinds.get("ffn_up_exps"):
+            return (f"layer {layer}'s ffn_gate_exps and ffn_up_exps are {kinds['ffn_gate_exps'].name} and "
+                    f"{kinds['ffn_up_exps'].name} (packed experts need one block type for gate and up)")
+        if quantized and cfg["moe_intermediate_size"] % 16:
+            return f"expert intermediate size {cfg['moe_intermediate_size']} is not a multiple of 16"
+    return None
+
+
+def packed_expert_stacks(path: str) -> frozenset:
+    """The RoutedExperts module names (``model.layers.N.mlp.experts``) whose stacks the GGUF file at ``path``
+    stores quantized: kept packed (:class:`~tokenfab.quant.gguf_experts.GGUFExperts`) when the file is served
+    packed."""
+    import gguf
+
+    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    out = set()
+    for t in open_gguf(path).tensors:
+        m = _BLK.match(t.name)
+        if m and m.group(2) == "ffn_gate_exps" and t.tensor_type not in plain:
+            out.add(f"model.layers.{m.group(1)}.mlp.experts")
+    return frozenset(out)
 
 
 def packed_unsupported_reason(path: str) -> str | None:
@@ -108,17 +150,20 @@ def packed_unsupported_reason(path: str) -> str | None:
     if _unpacked_architecture(cfg):
         return _unpacked_architecture(cfg)
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
-    for t in open_gguf(path).tensors:
+    tensors = open_gguf(path).tensors
+    for t in tensors:
         m = _BLK.match(t.name)
-        if (m and m.group(2) in _LINEARS and t.name.endswith(".weight") and t.tensor_type not in plain
-                and t.tensor_type.name not in gguf_blocks.BLOCK_TYPES):
+        if (m and (m.group(2) in _LINEARS or m.group(2) in _EXPERT_STACKS) and t.name.endswith(".weight")
+                and t.tensor_type not in plain and t.tensor_type.name not in gguf_blocks.BLOCK_TYPES):
             return f"tensor {t.name} is {t.tensor_type.name} (packed kernels: {', '.join(gguf_blocks.BLOCK_TYPES)})"
-    return None
+    return _expert_stack_reason(tensors, cfg)
 
 
 def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str, torch.Tensor | object]]:
-    """Yield (Hugging Face name, value) for every tensor tokenfab loads from a llama GGUF file: a
-    :class:`~tokenfab.quant.gguf_weight.GGUFWeight` for packed linears, else a float32 tensor.
+    """Yield (Hugging Face name, value) for every tensor tokenfab loads from a llama / qwen2 / qwen3 / qwen3moe GGUF
+    file: a :class:`~tokenfab.quant.gguf_weight.GGUFWeight` for packed linears and for each expert of a quantized
+    expert stack (``model.layers.N.mlp.experts.{e}.{proj}.weight``; :func:`packed_expert_stacks` names the stacks
+    the model keeps packed), else a float32 tensor.
 
     Raises:
         WeightLoadError: a linear in a quantized type tokenfab does not execute packed, or a non-linear tensor in a
@@ -134,16 +179,20 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
 
     r = open_gguf(path)
     cfg = gguf_config(path)
-    if _unpacked_architecture(cfg):
-        raise WeightLoadError(f"{path}: {_unpacked_architecture(cfg)}")
+    reason = _unpacked_architecture(cfg) or _expert_stack_reason(r.tensors, cfg)
+    if reason:
+        raise WeightLoadError(f"{path}: {reason}")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     permuted = permutes_qk(r)  # llama only; qwen2 / qwen3 rows are in Hugging Face order
     plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     for t in tqdm(r.tensors, desc="Loading GGUF", unit="tensor", disable=not progress, leave=False):
+        kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
+        if kind in _EXPERT_STACKS:  # [E, out, in]: one weight per expert (GGUFWeight rows, or float32 values)
+            yield from _expert_weights(t, kind, [int(s) for s in reversed(t.shape)], t.tensor_type not in plain)
+            continue
         name = hf_name(t.name)
         if name is None:
             continue
-        kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
         n_head = heads if kind == "attn_q" else kv_heads if kind == "attn_k" else None
         if not permuted or not t.name.endswith(".weight"):
             n_head = None
@@ -177,6 +226,27 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
         yield name, values
     for name, zeros in zero_o_biases(cfg):
         yield name, torch.from_numpy(zeros)
+
+
+def _expert_weights(t, kind: str, shape: list[int], quantized: bool) -> Iterator[tuple[str, torch.Tensor | object]]:
+    """A stacked expert tensor ``t`` [E, out, in] as (``model.layers.N.mlp.experts.{e}.{proj}.weight``, value) per
+    expert: a :class:`~tokenfab.quant.gguf_weight.GGUFWeight` over the expert's rows of the file when quantized,
+    else its float32 values."""
+    from tokenfab.loader.gguf_moe import expert_matrix
+    from tokenfab.quant import gguf_blocks
+    from tokenfab.quant.gguf_weight import GGUFWeight
+
+    if quantized and t.tensor_type.name not in gguf_blocks.BLOCK_TYPES:
+        raise WeightLoadError(f"tensor {t.name} is {t.tensor_type.name}; tokenfab executes "
+                              f"{', '.join(gguf_blocks.BLOCK_TYPES)} packed (other types not yet).")
+    layer = t.name.split(".")[1]
+    for e in range(shape[0]):
+        name = f"model.layers.{layer}.mlp.experts.{e}.{_EXPERT_STACKS[kind]}.weight"
+        if quantized:
+            rows = torch.from_numpy(np.array(t.data[e])).reshape(shape[1], -1)
+            yield name, GGUFWeight.from_rows(rows, t.tensor_type.name, shape[2])
+        else:
+            yield name, torch.from_numpy(expert_matrix(t, e))
 
 
 def tokenizer_cache_folder(path: str) -> str:

@@ -111,6 +111,7 @@ class CausalLM(nn.Module):
         return parse_compressed_tensors(qc)
 
     unpacked_experts = False  # set before load_weights when host experts are requested (engine/model_loader.py)
+    gguf_expert_stacks: frozenset = frozenset()  # RoutedExperts module names a GGUF file stores quantized (its loader)
     dequantizes_experts_at_load = False  # a model whose loader can dequantize its packed experts instead
 
     def use_packed_experts(self) -> None:
@@ -141,6 +142,10 @@ class CausalLM(nn.Module):
         scheme = self.expert_quantization()
         if scheme is not None:
             self._pack_experts(scheme)
+        elif getattr(self, "gguf_expert_stacks", ()) and not self.unpacked_experts:  # a GGUF file's quantized
+            for name, mod in self.named_modules():                                   # expert stacks (MTP: none)
+                if isinstance(mod, RoutedExperts) and name in self.gguf_expert_stacks and mod.q13 is None:
+                    mod.use_packed("gguf")
         elif getattr(self.cfg, "fp8_block_size", None) is not None and not self.unpacked_experts:
             for name, mod in self.named_modules():  # FP8 block-scaled (DeepSeek-V3 / Kimi-K2): routed experts FP8
                 if (isinstance(mod, RoutedExperts) and mod.q13 is None and mod.w13 is not None

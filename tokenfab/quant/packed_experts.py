@@ -10,8 +10,9 @@ dequantizes one expert's rows at a time (``_REFERENCE_ROWS``) to float32 and mul
 float copy of a stack is made on any path. Formats:
 :mod:`tokenfab.quant.int4_group` (compressed-tensors pack-quantized) and :mod:`tokenfab.quant.mxfp4_experts`
 (compressed-tensors mxfp4-pack-quantized) on packed_experts.cpp, and :mod:`tokenfab.quant.fp8_block_experts`
-(DeepSeek-V3 / Kimi-K2 FP8 block-scaled, on fp8_linear.cpp's grouped kernel); another adds a subclass and an entry
-in :data:`FORMATS`.
+(DeepSeek-V3 / Kimi-K2 FP8 block-scaled, on fp8_linear.cpp's grouped kernel), :mod:`tokenfab.quant.gguf_experts`
+(a GGUF file's expert stacks in their block types, on the GGUF linear kernels); another adds a subclass and an
+entry in :data:`FORMATS`.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from tokenfab.kernels.cpu.ops import packed_experts as cpu_packed_experts
 _REFERENCE_ROWS = 1024  # rows of one expert dequantized at a time by the PyTorch path
 FORMATS = {"int4_group": "tokenfab.quant.int4_group:Int4GroupExperts",
            "mxfp4": "tokenfab.quant.mxfp4_experts:Mxfp4Experts",
-           "fp8_block": "tokenfab.quant.fp8_block_experts:Fp8BlockExperts"}
+           "fp8_block": "tokenfab.quant.fp8_block_experts:Fp8BlockExperts",
+           "gguf": "tokenfab.quant.gguf_experts:GGUFExperts"}
 
 
 def expert_format(name: str) -> type[PackedExperts]:
@@ -93,6 +95,7 @@ class PackedExperts(nn.Module):
     cpu_tiles = False  # True once prepare() re-laid whole 16-row tiles for the CPU kernel (:meth:`prepare`)
     tile_layout = False  # formats whose CPU kernel reads the tile layout (INT4, MXFP4)
     checkpoint_parts = ("weight_packed", "weight_scale")  # tensors each expert Linear must provide (the loader)
+    graph_safe = True  # False: the GPU path reads routing counts on the host (no CUDA-graph capture; GGUF experts)
 
     def __init__(self, num_experts: int, out_features: int, in_features: int):
         super().__init__()
