@@ -223,7 +223,7 @@ def test_served_from_the_file_matches_transformers_greedy(tiny_model, tmp_path, 
     write_moe_gguf(hf_dir, path, q8=("ffn_up_exps", "ffn_down_shexp", "attn_kv_a_mqa", "attn_output"))
     assert packed_unsupported_reason(path) == {  # served from the dequantized folder
         "deepseek_v3": "GGUF architecture deepseek2: its MLA and expert tensors are not served packed yet",
-        "qwen3_moe": "layer 0 holds quantized and unquantized expert stacks"}[family]
+        "qwen3_moe": "2 of 2 layers hold quantized and unquantized expert stacks, first layer 0"}[family]
     llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, progress=False)
     folder = llm.engine_config.model
     index = json.load(open(os.path.join(folder, "model.safetensors.index.json")))
@@ -392,8 +392,9 @@ def test_qwen3moe_stacks_packed_only_in_one_type_for_gate_and_up(tiny_model, tmp
     path = str(tmp_path / "mixed.gguf")
     write_moe_gguf(tiny_model("qwen3_moe", **PACKED_SIZES), path,
                    types={"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q8_0", "ffn_down_exps": "Q8_0"})
-    assert packed_unsupported_reason(path) == ("layer 0's ffn_gate_exps and ffn_up_exps are Q4_K and Q8_0 (packed "
-                                               "experts need one block type for gate and up)")
+    assert packed_unsupported_reason(path) == ("2 of 2 layers hold ffn_gate_exps and ffn_up_exps in two block types, "
+                                               "first layer 0: Q4_K / Q8_0; packed experts need one type for gate "
+                                               "and up")
     assert packed_expert_stacks(path) == {"model.layers.0.mlp.experts", "model.layers.1.mlp.experts"}
 
 

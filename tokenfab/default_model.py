@@ -185,6 +185,6 @@ def resolve_model(model: str | None, quiet: bool = False) -> str:
         if reason is None:
             return os.path.abspath(model)  # served packed (tokenfab.loader.gguf_packed, tokenfab.quant)
         if not quiet:
-            print(f"[tokenfab] {model}: not served packed ({reason}); using its dequantized bf16 copy", flush=True)
+            print(f"[tokenfab] {model}: not served packed: {reason}; using its dequantized bf16 copy", flush=True)
     from tokenfab.loader.gguf_to_hf import resolve_model_path
     return resolve_model_path(model, quiet=quiet)

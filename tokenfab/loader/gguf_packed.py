@@ -104,15 +104,22 @@ def _expert_stack_reason(tensors, cfg: dict) -> str | None:
         m = _BLK.match(t.name)
         if m and m.group(2) in _EXPERT_STACKS:
             types.setdefault(m.group(1), {})[m.group(2)] = t.tensor_type
-    for layer, kinds in sorted(types.items()):
+    mixed, two_types = [], []
+    for layer, kinds in sorted(types.items(), key=lambda kv: int(kv[0])):
         quantized = {k for k, q in kinds.items() if q not in plain}
         if quantized and len(quantized) < len(kinds):
-            return f"layer {layer} holds quantized and unquantized expert stacks"
-        if quantized and kinds.get("ffn_gate_exps") != kinds.get("ffn_up_exps"):
-            return (f"layer {layer}'s ffn_gate_exps and ffn_up_exps are {kinds['ffn_gate_exps'].name} and "
-                    f"{kinds['ffn_up_exps'].name} (packed experts need one block type for gate and up)")
-        if quantized and cfg["moe_intermediate_size"] % 16:
+            mixed.append(layer)
+        elif quantized and kinds.get("ffn_gate_exps") != kinds.get("ffn_up_exps"):
+            two_types.append((layer, f"{kinds['ffn_gate_exps'].name} / {kinds['ffn_up_exps'].name}"))
+        elif quantized and cfg["moe_intermediate_size"] % 16:
             return f"expert intermediate size {cfg['moe_intermediate_size']} is not a multiple of 16"
+    if mixed:
+        return (f"{len(mixed)} of {len(types)} layers hold quantized and unquantized expert stacks, first layer "
+                f"{mixed[0]}")
+    if two_types:
+        layer, pair = two_types[0]
+        return (f"{len(two_types)} of {len(types)} layers hold ffn_gate_exps and ffn_up_exps in two block types, "
+                f"first layer {layer}: {pair}; packed experts need one type for gate and up")
     return None
 
 
