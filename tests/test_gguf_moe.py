@@ -417,3 +417,21 @@ def test_gguf_expert_stacks_keep_cuda_decode_off_graphs(monkeypatch):
     assert cgr.decode_graph_mode(torch.device("cuda"), models["gguf"], enforce_eager=False) is None
     monkeypatch.setenv("TOKENFAB_DECODE_GRAPHS", "eager")
     assert cgr.decode_graph_mode(torch.device("cuda"), models["gguf"], enforce_eager=False) == "eager"
+
+
+def test_qwen3moe_with_f32_experts_served_by_the_packed_loader(tiny_model, tokenizer_dir, tmp_path):
+    """Unquantized expert stacks go through the packed loader into the dense stacks (one float32 expert at a time):
+    greedy tokens equal transformers' on the original checkpoint (every tensor F32: the same weights)."""
+    from tokenfab import LLM, SamplingParams
+    from tokenfab.loader.gguf_packed import packed_expert_stacks, packed_unsupported_reason
+
+    hf_dir = tiny_model("qwen3_moe")
+    path = str(tmp_path / "f32.gguf")
+    write_moe_gguf(hf_dir, path)
+    assert packed_unsupported_reason(path) is None and packed_expert_stacks(path) == frozenset()
+    llm = LLM(path, dtype="float32", tokenizer=tokenizer_dir, progress=False)
+    assert llm.engine_config.model == os.path.abspath(path)
+    prompt = [5, 17, 99, 3, 250]
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                       use_tqdm=False)
+    assert list(out[0].outputs[0].token_ids) == reference_greedy(load_reference(hf_dir), prompt, 8)
