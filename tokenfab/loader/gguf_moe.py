@@ -50,8 +50,7 @@ LAYER_NAMES = {
     "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
     "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
 }
-EXPERT_STACKS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
-                 "ffn_down_exps.weight": "down_proj"}
+EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}  # .weight
 KV_B_HALVES = ("attn_k_b.weight", "attn_v_b.weight")
 
 
@@ -149,11 +148,11 @@ def expert_matrix(tensor, e: int) -> np.ndarray:
 
 def moe_tensors(reader, cfg: dict, dequantize: Callable, hf_name: Callable[[str], str]
                 ) -> Iterator[tuple[str, np.ndarray]]:
-    """``(hf_name, float32 array)`` for every tensor of a ``qwen3moe`` / ``deepseek2`` reader: expert stacks split
-    per expert (:func:`expert_matrix`), ``attn_k_b`` + ``attn_v_b`` joined into ``kv_b_proj`` (:func:`join_kv_b`), the rest renamed by
-    ``hf_name``; then a zero routing correction bias for deepseek2 MoE layers whose file has none (llama.cpp adds
-    the bias only when present, so zeros compute the same routing). ``dequantize(t)``: one tensor as a float32
-    array in Hugging Face (row-major) shape. Arrays are fresh (not views of the memory map).
+    """``(hf_name, float32 array)`` for every tensor of a ``qwen3moe`` / ``deepseek2`` reader: expert stacks split per
+    expert (:func:`expert_matrix`), ``attn_k_b`` + ``attn_v_b`` joined into ``kv_b_proj`` (:func:`join_kv_b`), the
+    rest renamed by ``hf_name``; then a zero routing correction bias for deepseek2 MoE layers whose file has none
+    (llama.cpp adds the bias only when present, so zeros compute the same routing). ``dequantize(t)``: one tensor
+    as a float32 array in Hugging Face (row-major) shape. Arrays are fresh (not views of the memory map).
 
     Raises:
         WeightLoadError: an ``attn_k_b`` without its ``attn_v_b`` (or the reverse), or an unknown tensor name.
@@ -162,9 +161,10 @@ def moe_tensors(reader, cfg: dict, dequantize: Callable, hf_name: Callable[[str]
     with_bias = set()
     for t in reader.tensors:
         layer, _, rest = t.name[len("blk."):].partition(".") if t.name.startswith("blk.") else ("", "", "")
-        if rest in EXPERT_STACKS:
+        if rest.removesuffix(".weight") in EXPERT_STACKS:
+            proj = EXPERT_STACKS[rest.removesuffix(".weight")]
             for e in range(int(t.shape[-1])):  # GGUF lists ne0 first: the expert count is last
-                yield f"model.layers.{layer}.mlp.experts.{e}.{EXPERT_STACKS[rest]}.weight", expert_matrix(t, e)
+                yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", expert_matrix(t, e)
             continue
         if rest in KV_B_HALVES:
             pair = halves.setdefault(layer, {})

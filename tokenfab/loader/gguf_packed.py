@@ -9,9 +9,9 @@ quantized linears and routed experts kept packed: ``LLM(model="path/file.gguf")`
   never a float copy; the embedding is looked up row by row from them and a tied LM head multiplies them,
   ``CausalLM.load_weights``); qwen3moe's expert stacks ``ffn_{gate,up,down}_exps`` [E, out, in] in a packed
   block type become one GGUFWeight per expert, which the model's :class:`~tokenfab.quant.gguf_experts.GGUFExperts`
-  stacks copy (gate and up of a layer in one type); every other tensor (norms, an embedding in another type) is read as float32
-  (quantized ones dequantized), the model casting it to its dtype. A linear in another quantized type is refused
-  by name.
+  stacks copy (gate and up of a layer in one type); every other tensor (norms, an embedding in another type) is
+  read as float32 (quantized ones dequantized), the model casting it to its dtype. A linear in another quantized
+  type is refused by name.
 * llama.cpp's converter permutes q and k rows per head for its rotary layout (``LlamaModel.permute`` in
   convert_hf_to_gguf.py; llama only, not qwen2 / qwen3); the permutation is over output rows and GGUF blocks run
   along the input dimension, so it is undone on the packed rows (:func:`unpermute_rows`).
@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from tokenfab.errors import WeightLoadError
+from tokenfab.loader.gguf_moe import EXPERT_STACKS as _EXPERT_STACKS
 from tokenfab.loader.gguf_reader import open_gguf
 
 _BLOCK_NAMES = {  # llama.cpp's per-layer names -> transformers' LlamaDecoderLayer names
@@ -33,9 +34,9 @@ _BLOCK_NAMES = {  # llama.cpp's per-layer names -> transformers' LlamaDecoderLay
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",  # qwen3moe's router (its expert stacks: gguf_moe.EXPERT_STACKS)
 }
-_BLOCK_NAMES["ffn_gate_inp"] = "mlp.gate"  # qwen3moe's router (its expert stacks: _EXPERT_STACKS)
-_EXPERT_STACKS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_PLAIN_TYPES = ("F32", "F16", "BF16")  # tensor types read as values (every other type is block-quantized)
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _PACKED_TOP = {"token_embd.weight", "output.weight"}  # kept packed when in a packed block type (PackedEmbedding)
 _LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
@@ -96,9 +97,6 @@ def _unpacked_architecture(cfg: dict) -> str | None:
 def _expert_stack_reason(tensors, cfg: dict) -> str | None:
     """Why a qwen3moe file's expert stacks cannot stay packed (a layer mixing quantized and plain stacks, gate and
     up in two block types, gate rows not filling whole 16-row tiles), or None."""
-    import gguf
-
-    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     types: dict[str, dict[str, object]] = {}
     for t in tensors:
         m = _BLK.match(t.name)
@@ -106,7 +104,7 @@ def _expert_stack_reason(tensors, cfg: dict) -> str | None:
             types.setdefault(m.group(1), {})[m.group(2)] = t.tensor_type
     mixed, two_types = [], []
     for layer, kinds in sorted(types.items(), key=lambda kv: int(kv[0])):
-        quantized = {k for k, q in kinds.items() if q not in plain}
+        quantized = {k for k, q in kinds.items() if q.name not in _PLAIN_TYPES}
         if quantized and len(quantized) < len(kinds):
             mixed.append(layer)
         elif quantized and kinds.get("ffn_gate_exps") != kinds.get("ffn_up_exps"):
@@ -127,41 +125,35 @@ def packed_expert_stacks(path: str) -> frozenset:
     """The RoutedExperts module names (``model.layers.N.mlp.experts``) whose stacks the GGUF file at ``path``
     stores quantized: kept packed (:class:`~tokenfab.quant.gguf_experts.GGUFExperts`) when the file is served
     packed."""
-    import gguf
-
-    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     out = set()
     for t in open_gguf(path).tensors:
         m = _BLK.match(t.name)
-        if m and m.group(2) == "ffn_gate_exps" and t.tensor_type not in plain:
+        if m and m.group(2) == "ffn_gate_exps" and t.tensor_type.name not in _PLAIN_TYPES:
             out.add(f"model.layers.{m.group(1)}.mlp.experts")
     return frozenset(out)
 
 
 def packed_unsupported_reason(path: str) -> str | None:
-    """Why the GGUF file at ``path`` cannot be served packed (an architecture other than llama / qwen2 / qwen3, rope
-    scaling, or a linear in a block type without a packed kernel), or None when it can. Reads metadata and tensor headers only
-    (the file is memory-mapped; no tensor data is touched).
+    """Why the GGUF file at ``path`` cannot be served packed (deepseek2, rope scaling, a linear or expert stack in a
+    block type without a packed kernel, expert stacks :func:`_expert_stack_reason` refuses), or None when it can.
+    Reads metadata and tensor headers only (the file is memory-mapped; no tensor data is touched).
 
     Raises:
         FileNotFoundError: no file at ``path``.
     """
-    import gguf
-
     from tokenfab.quant import gguf_blocks
 
     try:
         cfg = gguf_config(path)
     except WeightLoadError as e:
         return str(e)
-    if _unpacked_architecture(cfg):
-        return _unpacked_architecture(cfg)
-    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    if reason := _unpacked_architecture(cfg):
+        return reason
     tensors = open_gguf(path).tensors
     for t in tensors:
         m = _BLK.match(t.name)
         if (m and (m.group(2) in _LINEARS or m.group(2) in _EXPERT_STACKS) and t.name.endswith(".weight")
-                and t.tensor_type not in plain and t.tensor_type.name not in gguf_blocks.BLOCK_TYPES):
+                and t.tensor_type.name not in _PLAIN_TYPES and t.tensor_type.name not in gguf_blocks.BLOCK_TYPES):
             return f"tensor {t.name} is {t.tensor_type.name} (packed kernels: {', '.join(gguf_blocks.BLOCK_TYPES)})"
     return _expert_stack_reason(tensors, cfg)
 
@@ -191,7 +183,7 @@ def iterate_gguf_weights(path: str, progress: bool = True) -> Iterator[tuple[str
         raise WeightLoadError(f"{path}: {reason}")
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     permuted = permutes_qk(r)  # llama only; qwen2 / qwen3 rows are in Hugging Face order
-    plain = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    plain = {getattr(gguf.GGMLQuantizationType, name) for name in _PLAIN_TYPES}
     for t in tqdm(r.tensors, desc="Loading GGUF", unit="tensor", disable=not progress, leave=False):
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
         if kind in _EXPERT_STACKS:  # [E, out, in]: one weight per expert (GGUFWeight rows, or float32 values)

@@ -85,9 +85,9 @@ def gguf_config(path: str) -> dict:
 
 def write_shards(tensors, out_dir: str, shard_bytes: int | None = None) -> list[str]:
     """Save ``(name, tensor)`` pairs into ``out_dir`` as safetensors files of at most about ``shard_bytes`` each
-    (default :data:`SHARD_BYTES`; a tensor larger than that gets a file of its own), so a large MoE file's experts never sit in memory at once:
-    one file is ``model.safetensors``; several are ``model-00001-of-0000N.safetensors`` ... with
-    ``model.safetensors.index.json`` (Hugging Face's sharded layout). Returns the file names written."""
+    (default :data:`SHARD_BYTES`; a tensor larger than that gets a file of its own), so a large MoE file's experts
+    never sit in memory at once: one file is ``model.safetensors``; several are ``model-00001-of-0000N.safetensors``
+    ... with ``model.safetensors.index.json`` (Hugging Face's sharded layout). Returns the file names written."""
     shard_bytes = shard_bytes or SHARD_BYTES
     shards: list[dict] = []
     current: dict = {}
